@@ -1,0 +1,184 @@
+//! The reader's side of the control connection: handshake, then a writer task with a bounded
+//! queue of notices and pings, and a reader task that watches for answers and silence.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::timeout;
+
+use super::frame::{self, read_frame, write_frame};
+use super::messages::{Descriptor, Message};
+use super::ControlTimeouts;
+use crate::error::{Error, Result};
+
+/// Notices queued towards one peer at most; beyond this they are dropped with a warning
+/// (the peer will expire the request on its own abort timeout).
+const NOTICE_QUEUE: usize = 1024;
+
+/// A live control connection to one peer.
+pub(crate) struct ControlClient {
+    tx: mpsc::Sender<Message>,
+    closed: Arc<AtomicBool>,
+    tasks: [JoinHandle<()>; 2],
+    peer: SocketAddr,
+}
+
+impl Drop for ControlClient {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+fn handshake_err(peer: SocketAddr, reason: impl Into<String>) -> Error {
+    Error::Handshake {
+        peer: peer.to_string(),
+        reason: reason.into(),
+    }
+}
+
+impl ControlClient {
+    /// Connects, sends our descriptor, and returns the peer's validated, compatible descriptor.
+    pub(crate) async fn connect(
+        peer: SocketAddr,
+        ours: &Descriptor,
+        timeouts: ControlTimeouts,
+    ) -> Result<(ControlClient, Descriptor)> {
+        let mut stream = timeout(timeouts.connect, TcpStream::connect(peer))
+            .await
+            .map_err(|_| Error::Timeout {
+                what: format!("connecting to {peer}"),
+                after: timeouts.connect,
+            })?
+            .map_err(|e| handshake_err(peer, format!("connect: {e}")))?;
+        let _ = stream.set_nodelay(true);
+        let hello = frame::encode(&Message::Hello {
+            descriptor: Box::new(ours.clone()),
+        })?;
+        let exchange = async {
+            write_frame(&mut stream, &hello).await?;
+            read_frame(&mut stream).await
+        };
+        let reply = timeout(timeouts.handshake, exchange)
+            .await
+            .map_err(|_| Error::Timeout {
+                what: format!("waiting for the handshake reply of {peer}"),
+                after: timeouts.handshake,
+            })?
+            .map_err(|e| handshake_err(peer, e.to_string()))?
+            .ok_or_else(|| handshake_err(peer, "the peer closed the connection"))?;
+        let theirs = match frame::decode::<Message>(reply.0, &reply.1) {
+            Ok(Message::Descriptor(d)) => *d,
+            Ok(Message::Error { message }) => {
+                return Err(handshake_err(peer, format!("refused: {message}")))
+            }
+            Ok(other) => return Err(handshake_err(peer, format!("unexpected reply {other:?}"))),
+            Err(e) => return Err(handshake_err(peer, e.to_string())),
+        };
+        theirs
+            .validate()
+            .map_err(|e| handshake_err(peer, e.to_string()))?;
+        let diffs = ours.differences(&theirs);
+        if !diffs.is_empty() {
+            return Err(Error::Incompatible {
+                peer: peer.to_string(),
+                differences: format!("(ours vs theirs) {}", diffs.join("; ")),
+            });
+        }
+
+        let (mut rd, mut wr) = stream.into_split();
+        let closed = Arc::new(AtomicBool::new(false));
+        let (tx, mut rx) = mpsc::channel::<Message>(NOTICE_QUEUE);
+        let writer_closed = closed.clone();
+        let keepalive = timeouts.keepalive;
+        let writer = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(keepalive);
+            tick.tick().await;
+            let mut nonce = 0u64;
+            loop {
+                let msg = tokio::select! {
+                    m = rx.recv() => match m { Some(m) => m, None => break },
+                    _ = tick.tick() => { nonce += 1; Message::Ping { nonce } }
+                };
+                let ok = match frame::encode(&msg) {
+                    Ok(f) => matches!(
+                        timeout(keepalive * 3, write_frame(&mut wr, &f)).await,
+                        Ok(Ok(()))
+                    ),
+                    Err(_) => false,
+                };
+                if !ok {
+                    tracing::warn!(%peer, "control connection lost while writing");
+                    break;
+                }
+            }
+            writer_closed.store(true, Ordering::Release);
+        });
+        let reader_closed = closed.clone();
+        let reader = tokio::spawn(async move {
+            loop {
+                match timeout(keepalive * 3, read_frame(&mut rd)).await {
+                    Ok(Ok(Some((v, body)))) => match frame::decode::<Message>(v, &body) {
+                        Ok(Message::Pong { .. }) => {}
+                        Ok(Message::Error { message }) => {
+                            tracing::warn!(%peer, %message, "peer closed the control connection");
+                            break;
+                        }
+                        other => {
+                            tracing::warn!(%peer, ?other, "unexpected control message");
+                            break;
+                        }
+                    },
+                    Ok(Ok(None)) => {
+                        tracing::info!(%peer, "peer closed the control connection");
+                        break;
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(%peer, error = %e, "control connection failed");
+                        break;
+                    }
+                    Err(_) => {
+                        tracing::warn!(%peer, "control connection silent for {:?}", keepalive * 3);
+                        break;
+                    }
+                }
+            }
+            reader_closed.store(true, Ordering::Release);
+        });
+        Ok((
+            ControlClient {
+                tx,
+                closed,
+                tasks: [writer, reader],
+                peer,
+            },
+            theirs,
+        ))
+    }
+
+    /// Whether the connection has died.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Queues a notice without waiting. Returns false (and logs) when the peer is gone or its
+    /// queue is full; the peer then expires the request on its abort timeout.
+    pub(crate) fn notify(&self, msg: Message) -> bool {
+        match self.tx.try_send(msg) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Full(m)) => {
+                tracing::warn!(peer = %self.peer, ?m, "control queue full; notice dropped");
+                false
+            }
+            Err(mpsc::error::TrySendError::Closed(m)) => {
+                tracing::warn!(peer = %self.peer, ?m, "control connection closed; notice dropped");
+                false
+            }
+        }
+    }
+}

@@ -1,0 +1,154 @@
+//! Control-plane messages and the engine descriptor exchanged in the handshake.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::ids::RequestId;
+use crate::layout::KvLayout;
+use crate::memory::RegionInfo;
+
+/// Most regions a descriptor may list.
+pub const MAX_REGIONS: usize = 4096;
+
+/// A transport an engine offers, with where to reach it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum TransportInfo {
+    /// The TCP data server.
+    Tcp {
+        /// Address of the data server.
+        addr: String,
+        /// Streams a reader should open (the server accepts more).
+        streams: u16,
+    },
+}
+
+/// What one engine tells a peer about itself: identity, KV layout, exported memory, transports.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Descriptor {
+    /// Control protocol version of the sender.
+    pub protocol_version: u16,
+    /// Engine id (unique per worker process; defaults to host, pid and rank).
+    pub engine_id: String,
+    /// Changes every time an engine starts, so a peer can tell a restart from a reconnect.
+    pub generation: u64,
+    /// Tensor-parallel rank of this worker.
+    pub tp_rank: u32,
+    /// Tensor-parallel size of this worker's group.
+    pub tp_size: u32,
+    /// The KV cache.
+    pub layout: KvLayout,
+    /// Exported memory; every read must lie inside one of these.
+    pub regions: Vec<RegionInfo>,
+    /// Transports offered.
+    pub transports: Vec<TransportInfo>,
+}
+
+impl Descriptor {
+    /// Checks a descriptor received from a peer before any use.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Protocol(format!("invalid peer descriptor: {m}")));
+        if self.engine_id.is_empty() || self.engine_id.len() > 256 {
+            return bad("engine_id must be 1 to 256 bytes".into());
+        }
+        if self.tp_size == 0 || self.tp_rank >= self.tp_size {
+            return bad(format!(
+                "tp_rank {} of tp_size {}",
+                self.tp_rank, self.tp_size
+            ));
+        }
+        if self.regions.len() > MAX_REGIONS {
+            return bad(format!(
+                "{} regions (limit {MAX_REGIONS})",
+                self.regions.len()
+            ));
+        }
+        let mut ids = HashSet::new();
+        if let Some(r) = self.regions.iter().find(|r| !ids.insert(r.id)) {
+            return bad(format!("{} listed twice", r.id));
+        }
+        if self.transports.is_empty() || self.transports.len() > 8 {
+            return bad(format!(
+                "{} transports (1 to 8 allowed)",
+                self.transports.len()
+            ));
+        }
+        for t in &self.transports {
+            match t {
+                TransportInfo::Tcp { addr, streams } => {
+                    if addr.parse::<SocketAddr>().is_err() {
+                        return bad(format!("tcp address {addr:?} is not ip:port"));
+                    }
+                    if *streams == 0 || *streams > 64 {
+                        return bad(format!("tcp streams {streams} (1 to 64 allowed)"));
+                    }
+                }
+            }
+        }
+        self.layout
+            .validate(&self.regions)
+            .map_err(|e| Error::Protocol(format!("invalid peer descriptor: {e}")))
+    }
+
+    /// Every difference that stops `theirs` from exchanging blocks with `self`.
+    pub fn differences(&self, theirs: &Descriptor) -> Vec<String> {
+        let mut d = self.layout.differences(&theirs.layout);
+        if self.tp_size != theirs.tp_size {
+            d.push(format!(
+                "tp_size {} vs {} (heterogeneous TP is not supported yet)",
+                self.tp_size, theirs.tp_size
+            ));
+        }
+        d
+    }
+
+    /// The TCP data server, if offered.
+    pub fn tcp(&self) -> Option<(SocketAddr, u16)> {
+        self.transports.iter().find_map(|t| match t {
+            TransportInfo::Tcp { addr, streams } => addr.parse().ok().map(|a| (a, *streams)),
+        })
+    }
+}
+
+/// A control-plane message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum Message {
+    /// Reader to server, first message: who I am. Answered by `Descriptor` or `Error`.
+    Hello {
+        /// The reader's own descriptor (checked for compatibility by the server).
+        descriptor: Box<Descriptor>,
+    },
+    /// Server to reader: who I am.
+    Descriptor(Box<Descriptor>),
+    /// Reader to server: the request's blocks are all read; the server may free them.
+    Done {
+        /// The request.
+        request_id: RequestId,
+    },
+    /// Reader to server: the reader gave up on the request; the server may free its blocks.
+    Abort {
+        /// The request.
+        request_id: RequestId,
+        /// Why, for the server's logs and its failed list.
+        reason: String,
+    },
+    /// Keep-alive probe.
+    Ping {
+        /// Echoed in the answer.
+        nonce: u64,
+    },
+    /// Keep-alive answer.
+    Pong {
+        /// The probe's nonce.
+        nonce: u64,
+    },
+    /// The sender refuses the previous message; the connection closes after it.
+    Error {
+        /// What is wrong and what to do.
+        message: String,
+    },
+}

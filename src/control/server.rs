@@ -1,0 +1,176 @@
+//! The handshake service: answers `Hello` with this engine's descriptor, then takes the
+//! reader's done/abort notices for as long as the connection lives.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::timeout;
+
+use super::frame::{self, read_frame, write_frame};
+use super::messages::{Descriptor, Message};
+use super::ControlTimeouts;
+use crate::completion::SendNotice;
+use crate::error::{Error, Result};
+use crate::ids::RequestId;
+
+/// What the handshake service needs from the engine.
+pub(crate) trait ControlHandler: Send + Sync + 'static {
+    /// This engine's descriptor; `None` until a KV layout is set.
+    fn descriptor(&self) -> Option<Arc<Descriptor>>;
+    /// A reader's notice about a send.
+    fn notice(&self, peer: SocketAddr, id: RequestId, notice: SendNotice);
+    /// A handshake ended: accepted or refused.
+    fn handshake(&self, accepted: bool);
+}
+
+/// Accepts control connections until the task is dropped.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    handler: Arc<dyn ControlHandler>,
+    timeouts: ControlTimeouts,
+) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                let _ = stream.set_nodelay(true);
+                let handler = handler.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = connection(stream, peer, handler.clone(), timeouts).await {
+                        tracing::warn!(%peer, error = %e, "control connection closed with an error");
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting a control connection failed");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+async fn refuse(stream: &mut TcpStream, message: String) -> Error {
+    if let Ok(frame) = frame::encode(&Message::Error {
+        message: message.clone(),
+    }) {
+        let _ = timeout(
+            std::time::Duration::from_secs(1),
+            write_frame(stream, &frame),
+        )
+        .await;
+    }
+    Error::Protocol(message)
+}
+
+async fn connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    handler: Arc<dyn ControlHandler>,
+    timeouts: ControlTimeouts,
+) -> Result<()> {
+    let mut accepted = false;
+    let r = session(stream, peer, &handler, timeouts, &mut accepted).await;
+    if !accepted && r.is_err() {
+        handler.handshake(false);
+    }
+    r
+}
+
+async fn session(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    handler: &Arc<dyn ControlHandler>,
+    timeouts: ControlTimeouts,
+    accepted: &mut bool,
+) -> Result<()> {
+    // Handshake: the first frame must be a Hello, within the handshake deadline.
+    let first = match timeout(timeouts.handshake, read_frame(&mut stream)).await {
+        Err(_) => {
+            return Err(refuse(
+                &mut stream,
+                format!("no Hello within {:?}", timeouts.handshake),
+            )
+            .await)
+        }
+        Ok(Ok(None)) => return Ok(()),
+        Ok(Ok(Some(f))) => f,
+        Ok(Err(e)) => return Err(refuse(&mut stream, e.to_string()).await),
+    };
+    let theirs = match frame::decode::<Message>(first.0, &first.1) {
+        Ok(Message::Hello { descriptor }) => descriptor,
+        Ok(other) => {
+            return Err(refuse(&mut stream, format!("expected Hello first, got {other:?}")).await)
+        }
+        Err(e) => return Err(refuse(&mut stream, e.to_string()).await),
+    };
+    if let Err(e) = theirs.validate() {
+        return Err(refuse(&mut stream, e.to_string()).await);
+    }
+    let Some(ours) = handler.descriptor() else {
+        return Err(refuse(
+            &mut stream,
+            "this engine has no KV layout registered yet; retry once it has".into(),
+        )
+        .await);
+    };
+    let diffs = ours.differences(&theirs);
+    if !diffs.is_empty() {
+        return Err(refuse(
+            &mut stream,
+            format!(
+                "incompatible with engine {} (its value vs yours): {}",
+                ours.engine_id,
+                diffs.join("; ")
+            ),
+        )
+        .await);
+    }
+    let reply = frame::encode(&Message::Descriptor(Box::new((*ours).clone())))?;
+    handler.handshake(true);
+    *accepted = true;
+    timeout(timeouts.handshake, write_frame(&mut stream, &reply))
+        .await
+        .map_err(|_| Error::Timeout {
+            what: "sending the descriptor".into(),
+            after: timeouts.handshake,
+        })??;
+    tracing::info!(%peer, engine = %theirs.engine_id, rank = theirs.tp_rank, "handshake accepted");
+
+    // Notices and keep-alives until the reader goes away or falls silent.
+    let idle = timeouts.keepalive * 3;
+    loop {
+        let frame = match timeout(idle, read_frame(&mut stream)).await {
+            Err(_) => {
+                return Err(Error::Timeout {
+                    what: format!("waiting for a frame from {peer}"),
+                    after: idle,
+                })
+            }
+            Ok(Ok(None)) => return Ok(()),
+            Ok(Ok(Some(f))) => f,
+            Ok(Err(e)) => return Err(refuse(&mut stream, e.to_string()).await),
+        };
+        match frame::decode::<Message>(frame.0, &frame.1) {
+            Ok(Message::Done { request_id }) if request_id.validate().is_ok() => {
+                handler.notice(peer, request_id, SendNotice::Done)
+            }
+            Ok(Message::Abort { request_id, reason }) if request_id.validate().is_ok() => {
+                let reason: String = reason.chars().take(1024).collect();
+                handler.notice(peer, request_id, SendNotice::Aborted(reason))
+            }
+            Ok(Message::Ping { nonce }) => {
+                let pong = frame::encode(&Message::Pong { nonce })?;
+                timeout(timeouts.handshake, write_frame(&mut stream, &pong))
+                    .await
+                    .map_err(|_| Error::Timeout {
+                        what: "answering a ping".into(),
+                        after: timeouts.handshake,
+                    })??;
+            }
+            Ok(other) => {
+                return Err(refuse(&mut stream, format!("unexpected message {other:?}")).await)
+            }
+            Err(e) => return Err(refuse(&mut stream, e.to_string()).await),
+        }
+    }
+}

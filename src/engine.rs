@@ -1,0 +1,539 @@
+//! The `Engine`: one per worker process. It owns the registered memory, the handshake service,
+//! the data server, the session cache and the completion tracker, and runs them on its own
+//! small tokio runtime, so callers use plain blocking-free methods from any thread.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use crate::completion::{CompletionTracker, Finished, SendNotice};
+use crate::control::messages::{Descriptor, TransportInfo};
+use crate::control::{self, frame::PROTOCOL_VERSION, ControlHandler, ControlTimeouts};
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, RegionId, RequestId};
+use crate::layout::KvLayout;
+use crate::memory::{Region, RegionInfo};
+use crate::plan;
+use crate::session::{self, Peers, ReadJob};
+use crate::transport::tcp::{self, RegionLookup};
+
+/// How an engine is set up. `EngineConfig::default()` listens on loopback with ephemeral ports.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Handshake (control) listen address, `ip:port`; port 0 picks a free one.
+    pub listen: String,
+    /// Host or IP that peers should use to reach this engine, when `listen` is a wildcard
+    /// address such as `0.0.0.0`.
+    pub advertise_host: Option<String>,
+    /// Engine id; defaults to `<hostname>-<pid>-rank<tp_rank>`.
+    pub engine_id: Option<String>,
+    /// Tensor-parallel rank of this worker.
+    pub tp_rank: u32,
+    /// Tensor-parallel size.
+    pub tp_size: u32,
+    /// TCP streams opened to each peer for data.
+    pub tcp_streams: u16,
+    /// Bytes per pipelined TCP read request (also the largest planned segment).
+    pub batch_bytes: u64,
+    /// Deadline of a TCP connect.
+    pub connect_timeout: Duration,
+    /// Deadline of a handshake exchange.
+    pub handshake_timeout: Duration,
+    /// Deadline of a whole `read_blocks` request, from the call to the last byte.
+    pub request_timeout: Duration,
+    /// How long a send is held for its reader before it expires (prefill side).
+    pub abort_timeout: Duration,
+    /// Longest silence tolerated on a data stream with a request outstanding.
+    pub io_timeout: Duration,
+    /// Keep-alive interval of control connections (dead after three silent intervals).
+    pub keepalive: Duration,
+    /// Worker threads of the engine's runtime.
+    pub runtime_threads: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            listen: "127.0.0.1:0".into(),
+            advertise_host: None,
+            engine_id: None,
+            tp_rank: 0,
+            tp_size: 1,
+            tcp_streams: 4,
+            batch_bytes: 4 << 20,
+            connect_timeout: Duration::from_secs(5),
+            handshake_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(60),
+            abort_timeout: Duration::from_secs(480),
+            io_timeout: Duration::from_secs(30),
+            keepalive: Duration::from_secs(5),
+            runtime_threads: 2,
+        }
+    }
+}
+
+/// Counters of what an engine has served and refused, for tests, logs and benchmarks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Handshakes answered with our descriptor.
+    pub handshakes_accepted: u64,
+    /// Handshakes refused (bad frame, wrong version, incompatible peer, no layout, silence).
+    pub handshakes_refused: u64,
+    /// TCP data requests served.
+    pub data_requests_served: u64,
+    /// TCP data requests refused (range outside exported memory, unknown region).
+    pub data_requests_refused: u64,
+    /// Bytes served over TCP.
+    pub bytes_served: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    handshakes_accepted: AtomicU64,
+    handshakes_refused: AtomicU64,
+    data_requests_served: AtomicU64,
+    data_requests_refused: AtomicU64,
+    bytes_served: AtomicU64,
+}
+
+/// State shared by the engine's API, servers and tasks.
+pub(crate) struct Shared {
+    pub(crate) config: EngineConfig,
+    engine_id: String,
+    generation: u64,
+    data_addr: SocketAddr,
+    regions: RwLock<HashMap<RegionId, Arc<Region>>>,
+    next_region: AtomicU32,
+    layout: RwLock<Option<KvLayout>>,
+    descriptor: RwLock<Option<Arc<Descriptor>>>,
+    tracker: Mutex<CompletionTracker>,
+    finished: Condvar,
+    pub(crate) peers: Peers,
+    counters: Counters,
+}
+
+impl Shared {
+    pub(crate) fn control_timeouts(&self) -> ControlTimeouts {
+        ControlTimeouts {
+            connect: self.config.connect_timeout,
+            handshake: self.config.handshake_timeout,
+            keepalive: self.config.keepalive,
+        }
+    }
+
+    pub(crate) fn descriptor(&self) -> Option<Arc<Descriptor>> {
+        self.descriptor.read().clone()
+    }
+
+    pub(crate) fn layout(&self) -> Option<KvLayout> {
+        self.layout.read().clone()
+    }
+
+    pub(crate) fn region(&self, id: RegionId) -> Option<Arc<Region>> {
+        self.regions.read().get(&id).cloned()
+    }
+
+    /// Runs `f` on the tracker and wakes waiters.
+    pub(crate) fn with_tracker<R>(&self, f: impl FnOnce(&mut CompletionTracker) -> R) -> R {
+        let r = f(&mut self.tracker.lock());
+        self.finished.notify_all();
+        r
+    }
+
+    fn region_infos(&self) -> Vec<RegionInfo> {
+        let mut v: Vec<RegionInfo> = self
+            .regions
+            .read()
+            .values()
+            .map(|r| RegionInfo {
+                id: r.id(),
+                len: r.len(),
+            })
+            .collect();
+        v.sort_by_key(|r| r.id);
+        v
+    }
+
+    fn rebuild_descriptor(&self) {
+        let layout = self.layout.read().clone();
+        *self.descriptor.write() = layout.map(|layout| {
+            Arc::new(Descriptor {
+                protocol_version: PROTOCOL_VERSION,
+                engine_id: self.engine_id.clone(),
+                generation: self.generation,
+                tp_rank: self.config.tp_rank,
+                tp_size: self.config.tp_size,
+                layout,
+                regions: self.region_infos(),
+                transports: vec![TransportInfo::Tcp {
+                    addr: self.data_addr.to_string(),
+                    streams: self.config.tcp_streams,
+                }],
+            })
+        });
+    }
+}
+
+impl ControlHandler for Shared {
+    fn descriptor(&self) -> Option<Arc<Descriptor>> {
+        Shared::descriptor(self)
+    }
+
+    fn notice(&self, peer: SocketAddr, id: RequestId, notice: SendNotice) {
+        tracing::debug!(%peer, %id, ?notice, "send notice");
+        let keep = self.config.abort_timeout;
+        self.with_tracker(|t| t.handle_notice(id, notice, Instant::now(), keep));
+    }
+
+    fn handshake(&self, accepted: bool) {
+        let c = if accepted {
+            &self.counters.handshakes_accepted
+        } else {
+            &self.counters.handshakes_refused
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl RegionLookup for Shared {
+    fn region(&self, id: RegionId) -> Option<Arc<Region>> {
+        Shared::region(self, id)
+    }
+
+    fn served(&self, bytes: Option<u64>) {
+        let c = &self.counters;
+        match bytes {
+            Some(b) => {
+                c.data_requests_served.fetch_add(1, Ordering::Relaxed);
+                c.bytes_served.fetch_add(b, Ordering::Relaxed);
+            }
+            None => {
+                c.data_requests_refused.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// A kvlink engine: see the crate docs for the life of a transfer.
+pub struct Engine {
+    shared: Arc<Shared>,
+    control_addr: SocketAddr,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+fn default_engine_id(rank: u32) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "host".into());
+    format!("{host}-{}-rank{rank}", std::process::id())
+}
+
+fn generation_nonce() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+impl Engine {
+    /// Starts an engine: binds the handshake service and the data server and starts its
+    /// runtime. Register memory and set a layout before peers can read from it.
+    pub fn start(config: EngineConfig) -> Result<Engine> {
+        if config.tp_size == 0 || config.tp_rank >= config.tp_size {
+            return Err(Error::invalid(format!(
+                "tp_rank {} must be below tp_size {}",
+                config.tp_rank, config.tp_size
+            )));
+        }
+        if config.tcp_streams == 0 || config.tcp_streams > 64 {
+            return Err(Error::invalid("tcp_streams must be 1 to 64"));
+        }
+        if config.batch_bytes == 0 || config.batch_bytes > tcp::wire::MAX_REQUEST_BYTES {
+            return Err(Error::invalid(format!(
+                "batch_bytes must be 1 to {}",
+                tcp::wire::MAX_REQUEST_BYTES
+            )));
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(config.runtime_threads.max(1))
+            .thread_name("kvlink")
+            .enable_all()
+            .build()
+            .map_err(|e| Error::io("starting the engine runtime", &e))?;
+        let listen: SocketAddr = config
+            .listen
+            .parse()
+            .map_err(|e| Error::invalid(format!("listen address {:?}: {e}", config.listen)))?;
+        let (control, data) = runtime.block_on(async {
+            let control = tokio::net::TcpListener::bind(listen)
+                .await
+                .map_err(|e| Error::io(format!("binding the handshake service to {listen}"), &e))?;
+            let data = tokio::net::TcpListener::bind(SocketAddr::new(listen.ip(), 0))
+                .await
+                .map_err(|e| {
+                    Error::io(format!("binding the data server on {}", listen.ip()), &e)
+                })?;
+            Ok::<_, Error>((control, data))
+        })?;
+        let advertise_ip: IpAddr = match &config.advertise_host {
+            Some(h) => h
+                .parse()
+                .map_err(|e| Error::invalid(format!("advertise_host {h:?}: {e}")))?,
+            None if listen.ip().is_unspecified() => {
+                tracing::warn!(
+                    "listening on a wildcard address without advertise_host; advertising 127.0.0.1"
+                );
+                IpAddr::V4(Ipv4Addr::LOCALHOST)
+            }
+            None => listen.ip(),
+        };
+        let local_control = control
+            .local_addr()
+            .map_err(|e| Error::io("control address", &e))?;
+        let local_data = data
+            .local_addr()
+            .map_err(|e| Error::io("data address", &e))?;
+        let control_addr = SocketAddr::new(advertise_ip, local_control.port());
+        let data_addr = SocketAddr::new(advertise_ip, local_data.port());
+        let engine_id = config
+            .engine_id
+            .clone()
+            .unwrap_or_else(|| default_engine_id(config.tp_rank));
+        let shared = Arc::new(Shared {
+            engine_id: engine_id.clone(),
+            generation: generation_nonce(),
+            data_addr,
+            regions: RwLock::new(HashMap::new()),
+            next_region: AtomicU32::new(1),
+            layout: RwLock::new(None),
+            descriptor: RwLock::new(None),
+            tracker: Mutex::new(CompletionTracker::new()),
+            finished: Condvar::new(),
+            peers: Peers::default(),
+            counters: Counters::default(),
+            config,
+        });
+        let timeouts = shared.control_timeouts();
+        let io_timeout = shared.config.io_timeout;
+        runtime.spawn(control::serve(control, shared.clone(), timeouts));
+        runtime.spawn(tcp::serve(data, shared.clone(), io_timeout));
+        tracing::info!(
+            engine = %engine_id,
+            control = %control_addr,
+            data = %data_addr,
+            "kvlink engine started; transports: tcp (rdma: not in this build yet); memory: host"
+        );
+        Ok(Engine {
+            shared,
+            control_addr,
+            runtime: Some(runtime),
+        })
+    }
+
+    /// The address peers use for the handshake: put it in a request's transfer parameters.
+    pub fn handshake_address(&self) -> SocketAddr {
+        self.control_addr
+    }
+
+    /// This engine's id.
+    pub fn engine_id(&self) -> &str {
+        &self.shared.engine_id
+    }
+
+    /// The descriptor peers receive, once a layout is set.
+    pub fn descriptor(&self) -> Option<Descriptor> {
+        self.shared.descriptor().map(|d| (*d).clone())
+    }
+
+    fn next_region_id(&self) -> RegionId {
+        RegionId(self.shared.next_region.fetch_add(1, Ordering::Relaxed))
+    }
+
+    fn add_region(&self, region: Region) -> Arc<Region> {
+        let region = Arc::new(region);
+        self.shared
+            .regions
+            .write()
+            .insert(region.id(), region.clone());
+        self.shared.rebuild_descriptor();
+        tracing::info!(region = %region.id(), len = region.len(), kind = ?region.kind(), "memory registered");
+        region
+    }
+
+    /// Allocates and registers `len` bytes of zeroed host memory (huge pages on request, with a
+    /// logged fallback to regular pages).
+    pub fn allocate_host(&self, len: u64, huge_pages: bool) -> Result<Arc<Region>> {
+        let region = Region::allocate(self.next_region_id(), len, huge_pages)?;
+        Ok(self.add_region(region))
+    }
+
+    /// Registers caller-owned host memory.
+    ///
+    /// # Safety
+    /// `ptr` must point to `len` bytes valid for reads and writes until [`deregister`] is called
+    /// for the returned region and every request that used it has finished.
+    ///
+    /// [`deregister`]: Engine::deregister
+    #[allow(unsafe_code)]
+    pub unsafe fn register_host(&self, ptr: *mut u8, len: u64) -> Result<Arc<Region>> {
+        // SAFETY: forwarded from this function's contract.
+        let region = unsafe { Region::external(self.next_region_id(), ptr, len)? };
+        Ok(self.add_region(region))
+    }
+
+    /// Stops exporting a region. Refused while the KV layout uses it.
+    pub fn deregister(&self, id: RegionId) -> Result<()> {
+        if let Some(l) = self.shared.layout.read().as_ref() {
+            if l.tensors.iter().any(|t| t.region == id) {
+                return Err(Error::invalid(format!(
+                    "{id} is used by the KV layout; set another layout first"
+                )));
+            }
+        }
+        self.shared
+            .regions
+            .write()
+            .remove(&id)
+            .ok_or(Error::UnknownRegion(id))?;
+        self.shared.rebuild_descriptor();
+        Ok(())
+    }
+
+    /// Sets the KV layout (validated against registered regions) and publishes the descriptor.
+    pub fn set_layout(&self, layout: KvLayout) -> Result<()> {
+        layout.validate(&self.shared.region_infos())?;
+        tracing::info!(
+            tensors = layout.tensors.len(),
+            blocks = layout.num_blocks(),
+            bytes_per_block = layout.bytes_per_block(),
+            "KV layout set"
+        );
+        *self.shared.layout.write() = Some(layout);
+        self.shared.rebuild_descriptor();
+        Ok(())
+    }
+
+    /// Starts reading `remote_blocks` of the engine at `peer` (its handshake address) into
+    /// `local_blocks`, pairwise, for every tensor of the layout. Returns at once; the outcome
+    /// arrives through [`get_finished`](Engine::get_finished).
+    ///
+    /// Errors returned here are immediate refusals (bad ids, no layout); everything after the
+    /// call (handshake, transfer, deadline) ends as a finished or failed entry.
+    pub fn read_blocks(
+        &self,
+        peer: &str,
+        id: impl Into<RequestId>,
+        local_blocks: &[BlockId],
+        remote_blocks: &[BlockId],
+    ) -> Result<()> {
+        let id = id.into();
+        id.validate().map_err(Error::InvalidArgument)?;
+        let layout = self
+            .shared
+            .layout()
+            .ok_or_else(|| Error::invalid("set a KV layout before reading blocks"))?;
+        plan::check_local_blocks(&layout, local_blocks, remote_blocks)?;
+        if let Some(conn) = self.shared.peers_ready(peer) {
+            plan::check_blocks(
+                &layout,
+                &conn.descriptor.layout,
+                local_blocks,
+                remote_blocks,
+            )?;
+        }
+        let now = Instant::now();
+        self.shared
+            .with_tracker(|t| t.start_recv(id.clone(), now))?;
+        let job = ReadJob {
+            peer: peer.to_string(),
+            id,
+            local: local_blocks.to_vec(),
+            remote: remote_blocks.to_vec(),
+            started: now,
+            deadline: tokio::time::Instant::from_std(now + self.shared.config.request_timeout),
+        };
+        let rt = self.runtime.as_ref().ok_or(Error::Shutdown)?;
+        rt.spawn(session::run_read(self.shared.clone(), job));
+        Ok(())
+    }
+
+    /// Holds a request's blocks for a reader (prefill side): the request finishes sending when
+    /// the reader confirms, fails when it aborts, and expires after the abort timeout.
+    pub fn hold_blocks(&self, id: impl Into<RequestId>) -> Result<()> {
+        self.hold_blocks_for(id, self.shared.config.abort_timeout)
+    }
+
+    /// [`hold_blocks`](Engine::hold_blocks) with a specific abort timeout.
+    pub fn hold_blocks_for(&self, id: impl Into<RequestId>, abort_timeout: Duration) -> Result<()> {
+        let id = id.into();
+        id.validate().map_err(Error::InvalidArgument)?;
+        self.shared
+            .with_tracker(|t| t.hold_send(id, Instant::now(), abort_timeout))
+    }
+
+    /// Everything that finished since the last call, each request once.
+    pub fn get_finished(&self) -> Finished {
+        let mut t = self.shared.tracker.lock();
+        t.poll(Instant::now());
+        t.take_finished()
+    }
+
+    /// Like [`get_finished`](Engine::get_finished), but waits up to `timeout` for something to
+    /// finish (no spinning: it sleeps until a completion or a hold's deadline).
+    pub fn wait_finished(&self, timeout: Duration) -> Finished {
+        let deadline = Instant::now() + timeout;
+        let mut t = self.shared.tracker.lock();
+        loop {
+            let now = Instant::now();
+            t.poll(now);
+            if t.has_finished() || now >= deadline {
+                return t.take_finished();
+            }
+            let wake = t.next_deadline().map_or(deadline, |d| d.min(deadline));
+            self.shared.finished.wait_until(&mut t, wake);
+        }
+    }
+
+    /// Counters of what this engine served and refused.
+    pub fn stats(&self) -> EngineStats {
+        let c = &self.shared.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        EngineStats {
+            handshakes_accepted: get(&c.handshakes_accepted),
+            handshakes_refused: get(&c.handshakes_refused),
+            data_requests_served: get(&c.data_requests_served),
+            data_requests_refused: get(&c.data_requests_refused),
+            bytes_served: get(&c.bytes_served),
+        }
+    }
+
+    /// Requests being received and sends being held.
+    pub fn in_flight(&self) -> (usize, usize) {
+        let t = self.shared.tracker.lock();
+        (t.receiving(), t.holding())
+    }
+}
+
+impl Shared {
+    pub(crate) fn peers_ready(&self, peer: &str) -> Option<Arc<session::PeerConn>> {
+        self.peers.ready_conn(peer)
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_timeout(Duration::from_secs(1));
+        }
+    }
+}

@@ -1,0 +1,135 @@
+//! The crate's error type.
+
+use std::time::Duration;
+
+use crate::ids::RegionId;
+
+/// Result alias for kvlink operations.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What went wrong, with enough context to act on it.
+///
+/// Errors are `Clone` so that one failed handshake can fail every request that waited on it
+/// with the same reason.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An argument given by the caller is unusable; the message says which and why.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// A region id that this engine has not registered (or has already deregistered).
+    #[error("{0} is not registered with this engine")]
+    UnknownRegion(RegionId),
+
+    /// A byte range outside the registered memory it names. For a local range this is a caller
+    /// bug; from a peer it is refused and logged.
+    #[error("range [{offset}, {offset}+{len}) is outside {region} (length {region_len})")]
+    OutOfRange {
+        /// Region the range was checked against.
+        region: RegionId,
+        /// Start of the range, relative to the region.
+        offset: u64,
+        /// Length of the range.
+        len: u64,
+        /// Length of the region.
+        region_len: u64,
+    },
+
+    /// Registering or allocating memory failed (the OS refused a mapping, say).
+    #[error("memory: {0}")]
+    Memory(String),
+
+    /// The peer's KV layout or parameters do not match ours; the message lists each difference.
+    /// Both engines must serve the same model with the same block size, dtype and TP size.
+    #[error("peer {peer} is incompatible: {differences}")]
+    Incompatible {
+        /// The peer's handshake address.
+        peer: String,
+        /// Every field that differs, "ours vs theirs".
+        differences: String,
+    },
+
+    /// The peer speaks another protocol version; upgrade one side.
+    #[error("peer {peer} speaks protocol version {theirs}, this engine speaks {ours}")]
+    VersionMismatch {
+        /// The peer's handshake address.
+        peer: String,
+        /// Our protocol version.
+        ours: u16,
+        /// The peer's protocol version.
+        theirs: u16,
+    },
+
+    /// A wait ran past its deadline.
+    #[error("timed out after {after:?} while {what}")]
+    Timeout {
+        /// What was being waited for.
+        what: String,
+        /// How long it waited.
+        after: Duration,
+    },
+
+    /// The handshake with a peer failed; the message says at which step.
+    #[error("handshake with {peer} failed: {reason}")]
+    Handshake {
+        /// The peer's handshake address.
+        peer: String,
+        /// Why.
+        reason: String,
+    },
+
+    /// The peer refused a request (for example a read outside its exported memory); its message
+    /// is included.
+    #[error("peer {peer} refused: {message}")]
+    Refused {
+        /// The peer's address.
+        peer: String,
+        /// The peer's explanation.
+        message: String,
+    },
+
+    /// A message from a peer broke the protocol (bad frame, wrong type, wrong length). The
+    /// connection it arrived on is dropped.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+
+    /// A socket operation failed.
+    #[error("I/O error while {context}: {message}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The OS error kind.
+        kind: std::io::ErrorKind,
+        /// The OS error text.
+        message: String,
+    },
+
+    /// The connection to a peer was lost (peer process exited, network failure).
+    #[error("connection to {peer} lost: {reason}")]
+    ConnectionLost {
+        /// The peer's address.
+        peer: String,
+        /// What was observed.
+        reason: String,
+    },
+
+    /// The engine is shutting down; no new work is accepted.
+    #[error("engine is shut down")]
+    Shutdown,
+}
+
+impl Error {
+    /// Wraps an I/O error with what was being done.
+    pub fn io(context: impl Into<String>, err: &std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            kind: err.kind(),
+            message: err.to_string(),
+        }
+    }
+
+    pub(crate) fn invalid(msg: impl Into<String>) -> Self {
+        Error::InvalidArgument(msg.into())
+    }
+}

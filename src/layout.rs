@@ -1,0 +1,352 @@
+//! KV-cache layout: where each block of each tensor lives, by arithmetic.
+//!
+//! A worker's KV cache is a list of tensors (per layer K and V, or one MLA latent tensor per
+//! layer, plus any per-block extras such as fp8 scales). Block `b` of tensor `t` occupies
+//! `[offset_t + b * block_stride_t, +block_bytes_t)` of region `region_t`. There are no
+//! per-block tables.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, RegionId};
+use crate::memory::RegionInfo;
+
+/// Most tensors one layout may hold (bounds a peer's descriptor).
+pub const MAX_TENSORS: usize = 16_384;
+
+/// One tensor of the KV cache, as a run of equally spaced blocks in one region.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorLayout {
+    /// Free-form label for logs and errors, e.g. `"layer3.k"`.
+    pub name: String,
+    /// Region that holds the tensor.
+    pub region: RegionId,
+    /// Byte offset of block 0 within the region.
+    pub offset: u64,
+    /// Distance in bytes from one block to the next (at least `block_bytes`).
+    pub block_stride: u64,
+    /// Bytes of one block of this tensor.
+    pub block_bytes: u64,
+    /// Number of blocks.
+    pub num_blocks: u32,
+}
+
+impl TensorLayout {
+    /// Byte offset of block `b` within the tensor's region (no bounds check).
+    #[inline]
+    pub fn block_offset(&self, b: BlockId) -> u64 {
+        self.offset + u64::from(b) * self.block_stride
+    }
+
+    /// One past the last byte the tensor covers.
+    fn end(&self) -> Option<u64> {
+        if self.num_blocks == 0 {
+            return Some(self.offset);
+        }
+        u64::from(self.num_blocks - 1)
+            .checked_mul(self.block_stride)?
+            .checked_add(self.offset)?
+            .checked_add(self.block_bytes)
+    }
+}
+
+/// A worker's whole KV cache.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvLayout {
+    /// Tokens stored per block (16 in vLLM's default).
+    pub tokens_per_block: u32,
+    /// Element type tag (`"bf16"`, `"fp8_e4m3"`, ...); peers must agree.
+    pub dtype: String,
+    /// The tensors, in the order both sides agree on (layer-major, K before V).
+    pub tensors: Vec<TensorLayout>,
+}
+
+impl KvLayout {
+    /// Number of blocks every tensor can address (the smallest `num_blocks`).
+    pub fn num_blocks(&self) -> u32 {
+        self.tensors.iter().map(|t| t.num_blocks).min().unwrap_or(0)
+    }
+
+    /// Bytes moved per block id over all tensors.
+    pub fn bytes_per_block(&self) -> u64 {
+        self.tensors.iter().map(|t| t.block_bytes).sum()
+    }
+
+    /// Checks the layout is well formed and lies inside `regions`. Used for our own layout at
+    /// registration and for every peer's layout received in a handshake.
+    pub fn validate(&self, regions: &[RegionInfo]) -> Result<()> {
+        if self.tensors.is_empty() {
+            return Err(Error::invalid("layout has no tensors"));
+        }
+        if self.tensors.len() > MAX_TENSORS {
+            return Err(Error::invalid(format!(
+                "layout has {} tensors, the limit is {MAX_TENSORS}",
+                self.tensors.len()
+            )));
+        }
+        if self.tokens_per_block == 0 {
+            return Err(Error::invalid("tokens_per_block is 0"));
+        }
+        if self.dtype.is_empty() || self.dtype.len() > 32 {
+            return Err(Error::invalid("dtype tag must be 1 to 32 bytes"));
+        }
+        let lens: HashMap<RegionId, u64> = regions.iter().map(|r| (r.id, r.len)).collect();
+        for (i, t) in self.tensors.iter().enumerate() {
+            let what = || format!("tensor {i} ({:?})", t.name);
+            if t.name.len() > 128 {
+                return Err(Error::invalid(format!(
+                    "{}: name longer than 128 bytes",
+                    what()
+                )));
+            }
+            if t.block_bytes == 0 {
+                return Err(Error::invalid(format!("{}: block_bytes is 0", what())));
+            }
+            if t.block_stride < t.block_bytes {
+                return Err(Error::invalid(format!(
+                    "{}: block_stride {} is smaller than block_bytes {} (blocks would overlap)",
+                    what(),
+                    t.block_stride,
+                    t.block_bytes
+                )));
+            }
+            let Some(&region_len) = lens.get(&t.region) else {
+                return Err(Error::invalid(format!(
+                    "{}: {} is not registered",
+                    what(),
+                    t.region
+                )));
+            };
+            match t.end() {
+                Some(end) if end <= region_len => {}
+                _ => return Err(Error::invalid(format!(
+                    "{}: {} blocks of stride {} from offset {} run past the end of {} ({} bytes)",
+                    what(),
+                    t.num_blocks,
+                    t.block_stride,
+                    t.offset,
+                    t.region,
+                    region_len
+                ))),
+            }
+        }
+        Ok(())
+    }
+
+    /// Lists every difference that makes `theirs` unusable with `self` for block transfers;
+    /// empty when compatible. Offsets, strides and block counts may differ; what a block *is*
+    /// may not.
+    pub fn differences(&self, theirs: &KvLayout) -> Vec<String> {
+        let mut diffs = Vec::new();
+        if self.tokens_per_block != theirs.tokens_per_block {
+            diffs.push(format!(
+                "tokens_per_block {} vs {}",
+                self.tokens_per_block, theirs.tokens_per_block
+            ));
+        }
+        if self.dtype != theirs.dtype {
+            diffs.push(format!("dtype {:?} vs {:?}", self.dtype, theirs.dtype));
+        }
+        if self.tensors.len() != theirs.tensors.len() {
+            diffs.push(format!(
+                "tensor count {} vs {}",
+                self.tensors.len(),
+                theirs.tensors.len()
+            ));
+        }
+        let mut mismatched = 0;
+        let mut first = String::new();
+        for (i, (a, b)) in self.tensors.iter().zip(&theirs.tensors).enumerate() {
+            if a.block_bytes != b.block_bytes {
+                if mismatched == 0 {
+                    let _ = write!(
+                        first,
+                        "tensor {i} ({:?}) bytes per block {} vs {}",
+                        a.name, a.block_bytes, b.block_bytes
+                    );
+                }
+                mismatched += 1;
+            }
+        }
+        if mismatched > 0 {
+            if mismatched > 1 {
+                let _ = write!(first, " (and {} more tensors)", mismatched - 1);
+            }
+            diffs.push(first);
+        }
+        diffs
+    }
+}
+
+/// Shapes of common models, for benchmarks, tests and examples.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelShape {
+    /// Preset name.
+    pub name: &'static str,
+    /// Transformer layers.
+    pub layers: u32,
+    /// Tensors per layer (2 for separate K and V, 1 for an MLA latent).
+    pub tensors_per_layer: u32,
+    /// Bytes per token per tensor (for K: kv_heads * head_dim * element size).
+    pub bytes_per_token: u64,
+    /// Tokens per block.
+    pub tokens_per_block: u32,
+    /// dtype tag.
+    pub dtype: &'static str,
+}
+
+impl ModelShape {
+    /// Llama-3-8B at TP 1: 32 layers, K and V separate, 8 KV heads x 128 dims, bf16.
+    pub const LLAMA3_8B: ModelShape = ModelShape {
+        name: "llama-3-8b",
+        layers: 32,
+        tensors_per_layer: 2,
+        bytes_per_token: 8 * 128 * 2,
+        tokens_per_block: 16,
+        dtype: "bf16",
+    };
+    /// Llama-3-70B at TP 8: 80 layers, one of 8 KV heads per rank x 128 dims, bf16.
+    pub const LLAMA3_70B_TP8: ModelShape = ModelShape {
+        name: "llama-3-70b-tp8",
+        layers: 80,
+        tensors_per_layer: 2,
+        bytes_per_token: 128 * 2,
+        tokens_per_block: 16,
+        dtype: "bf16",
+    };
+    /// DeepSeek-V3 MLA: 61 layers, one latent tensor of 576 bytes per token (fp8).
+    pub const DEEPSEEK_V3_MLA: ModelShape = ModelShape {
+        name: "deepseek-v3-mla",
+        layers: 61,
+        tensors_per_layer: 1,
+        bytes_per_token: 576,
+        tokens_per_block: 16,
+        dtype: "fp8_e4m3",
+    };
+    /// Qwen2.5-7B (GQA): 28 layers, 4 KV heads x 128 dims, bf16.
+    pub const QWEN25_7B: ModelShape = ModelShape {
+        name: "qwen2.5-7b",
+        layers: 28,
+        tensors_per_layer: 2,
+        bytes_per_token: 4 * 128 * 2,
+        tokens_per_block: 16,
+        dtype: "bf16",
+    };
+
+    /// All presets.
+    pub const PRESETS: [ModelShape; 4] = [
+        Self::LLAMA3_8B,
+        Self::LLAMA3_70B_TP8,
+        Self::DEEPSEEK_V3_MLA,
+        Self::QWEN25_7B,
+    ];
+
+    /// Looks a preset up by name.
+    pub fn preset(name: &str) -> Option<ModelShape> {
+        Self::PRESETS.iter().find(|p| p.name == name).cloned()
+    }
+
+    /// Bytes of one block of one tensor.
+    pub fn block_bytes(&self) -> u64 {
+        self.bytes_per_token * u64::from(self.tokens_per_block)
+    }
+
+    /// Bytes a region needs to hold `num_blocks` blocks of every tensor.
+    pub fn region_bytes(&self, num_blocks: u32) -> u64 {
+        self.block_bytes() * u64::from(num_blocks) * u64::from(self.layers * self.tensors_per_layer)
+    }
+
+    /// The layout of a cache with `num_blocks` blocks per tensor, all in `region`, one tensor
+    /// after the other (vLLM's per-layer K and V tensors, ATOM's `kv[2, L, NB, ...]`).
+    pub fn layout(&self, region: RegionId, num_blocks: u32) -> KvLayout {
+        let block_bytes = self.block_bytes();
+        let tensor_bytes = block_bytes * u64::from(num_blocks);
+        let names: &[&str] = if self.tensors_per_layer == 2 {
+            &["k", "v"]
+        } else {
+            &["kv"]
+        };
+        let mut tensors = Vec::new();
+        for layer in 0..self.layers {
+            for name in names {
+                let i = tensors.len() as u64;
+                tensors.push(TensorLayout {
+                    name: format!("layer{layer}.{name}"),
+                    region,
+                    offset: i * tensor_bytes,
+                    block_stride: block_bytes,
+                    block_bytes,
+                    num_blocks,
+                });
+            }
+        }
+        KvLayout {
+            tokens_per_block: self.tokens_per_block,
+            dtype: self.dtype.to_string(),
+            tensors,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn region(len: u64) -> Vec<RegionInfo> {
+        vec![RegionInfo {
+            id: RegionId(0),
+            len,
+        }]
+    }
+
+    #[test]
+    fn presets_validate_and_size() {
+        let s = ModelShape::LLAMA3_8B;
+        assert_eq!(s.block_bytes(), 32 * 1024);
+        let l = s.layout(RegionId(0), 100);
+        assert_eq!(l.tensors.len(), 64);
+        l.validate(&region(s.region_bytes(100))).unwrap();
+        assert!(l.validate(&region(s.region_bytes(100) - 1)).is_err());
+        let m = ModelShape::DEEPSEEK_V3_MLA;
+        assert_eq!(m.block_bytes(), 9216);
+        assert_eq!(m.layout(RegionId(0), 10).tensors.len(), 61);
+    }
+
+    #[test]
+    fn bad_layouts_are_refused_with_reasons() {
+        let mut l = ModelShape::LLAMA3_8B.layout(RegionId(0), 4);
+        l.tensors[3].block_stride = 10;
+        let e = l.validate(&region(1 << 30)).unwrap_err().to_string();
+        assert!(e.contains("overlap"), "{e}");
+        let mut l = ModelShape::LLAMA3_8B.layout(RegionId(9), 4);
+        l.tensors.truncate(1);
+        let e = l.validate(&region(1 << 30)).unwrap_err().to_string();
+        assert!(e.contains("not registered"), "{e}");
+        let mut l = ModelShape::LLAMA3_8B.layout(RegionId(0), 4);
+        l.tensors[0].offset = u64::MAX - 5;
+        assert!(l.validate(&region(u64::MAX)).is_err());
+    }
+
+    #[test]
+    fn differences_name_each_mismatch() {
+        let a = ModelShape::LLAMA3_8B.layout(RegionId(0), 4);
+        let mut b = ModelShape::LLAMA3_8B.layout(RegionId(1), 8);
+        assert!(a.differences(&b).is_empty());
+        b.tokens_per_block = 32;
+        b.dtype = "fp16".into();
+        b.tensors[5].block_bytes = 7;
+        b.tensors[6].block_bytes = 7;
+        let d = a.differences(&b).join("; ");
+        assert!(d.contains("tokens_per_block 16 vs 32"), "{d}");
+        assert!(d.contains("dtype"), "{d}");
+        assert!(d.contains("tensor 5") && d.contains("1 more"), "{d}");
+        let c = ModelShape::DEEPSEEK_V3_MLA.layout(RegionId(0), 4);
+        assert!(a
+            .differences(&c)
+            .iter()
+            .any(|s| s.contains("tensor count 64 vs 61")));
+    }
+}

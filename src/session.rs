@@ -1,0 +1,255 @@
+//! Sessions: one cached connection per remote engine (single-flight connect), and the transfer
+//! task that turns a request into a plan, hands it to the transport and reports the outcome.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use tokio::sync::watch;
+
+use crate::completion::TransferReport;
+use crate::control::messages::{Descriptor, Message};
+use crate::control::ControlClient;
+use crate::engine::Shared;
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, RequestId};
+use crate::memory::RegionSpan;
+use crate::plan::{plan, PlanOptions};
+use crate::transport::tcp::TcpTransport;
+use crate::transport::{ReadOp, RequestCtl, Transport};
+
+/// A live session with one remote engine.
+pub(crate) struct PeerConn {
+    pub(crate) descriptor: Descriptor,
+    pub(crate) control: ControlClient,
+    pub(crate) transport: Box<dyn Transport>,
+    pub(crate) generation: u64,
+}
+
+impl PeerConn {
+    fn is_broken(&self) -> bool {
+        self.control.is_closed() || self.transport.is_broken()
+    }
+}
+
+type Outcome = Option<Result<Arc<PeerConn>>>;
+
+enum Slot {
+    Connecting(watch::Receiver<Outcome>),
+    Ready(Arc<PeerConn>),
+}
+
+/// The cache of sessions, keyed by the peer's handshake address as the caller gave it.
+#[derive(Default)]
+pub(crate) struct Peers {
+    map: Mutex<HashMap<String, Slot>>,
+    generation: AtomicU64,
+}
+
+impl Peers {
+    /// The cached session if it is ready and healthy.
+    pub(crate) fn ready_conn(&self, peer: &str) -> Option<Arc<PeerConn>> {
+        match self.map.lock().get(peer) {
+            Some(Slot::Ready(c)) if !c.is_broken() => Some(c.clone()),
+            _ => None,
+        }
+    }
+
+    /// The session to `peer`, connecting once however many callers ask at the same time. A
+    /// failed connect fails every waiting caller with its reason; the next call tries again.
+    async fn get(&self, shared: &Arc<Shared>, peer: &str) -> Result<Arc<PeerConn>> {
+        let mut rx = {
+            let mut map = self.map.lock();
+            match map.get(peer) {
+                Some(Slot::Ready(c)) if !c.is_broken() => return Ok(c.clone()),
+                Some(Slot::Connecting(rx)) => rx.clone(),
+                other => {
+                    let generation = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
+                    if let Some(Slot::Ready(old)) = other {
+                        tracing::warn!(
+                            peer,
+                            old_generation = old.generation,
+                            generation,
+                            "session broken; rebuilding it"
+                        );
+                    }
+                    let (tx, rx) = watch::channel(None);
+                    map.insert(peer.to_string(), Slot::Connecting(rx.clone()));
+                    let shared = shared.clone();
+                    let peer = peer.to_string();
+                    tokio::spawn(async move {
+                        let result = connect(&shared, &peer, generation).await.map(Arc::new);
+                        {
+                            let mut map = shared.peers.map.lock();
+                            match &result {
+                                Ok(c) => {
+                                    map.insert(peer.clone(), Slot::Ready(c.clone()));
+                                }
+                                Err(e) => {
+                                    tracing::warn!(%peer, error = %e, "connecting to peer failed");
+                                    map.remove(&peer);
+                                }
+                            }
+                        }
+                        let _ = tx.send(Some(result));
+                    });
+                    rx
+                }
+            }
+        };
+        loop {
+            if let Some(r) = rx.borrow_and_update().clone() {
+                return r;
+            }
+            rx.changed().await.map_err(|_| Error::Shutdown)?;
+        }
+    }
+}
+
+async fn connect(shared: &Arc<Shared>, peer: &str, generation: u64) -> Result<PeerConn> {
+    let cfg = &shared.config;
+    let addr: SocketAddr = match peer.parse() {
+        Ok(a) => a,
+        Err(_) => tokio::net::lookup_host(peer)
+            .await
+            .map_err(|e| Error::invalid(format!("peer address {peer:?}: {e}")))?
+            .next()
+            .ok_or_else(|| Error::invalid(format!("peer address {peer:?} resolves to nothing")))?,
+    };
+    let ours = shared.descriptor().ok_or_else(|| {
+        Error::invalid("set a KV layout on this engine before reading from peers")
+    })?;
+    let (control, theirs) = ControlClient::connect(addr, &ours, shared.control_timeouts()).await?;
+    let (data_addr, _) = theirs.tcp().ok_or_else(|| Error::Handshake {
+        peer: peer.to_string(),
+        reason: "the peer offers no transport this engine can use (tcp)".into(),
+    })?;
+    let transport = TcpTransport::connect(
+        data_addr,
+        usize::from(cfg.tcp_streams),
+        cfg.connect_timeout,
+        cfg.io_timeout,
+        cfg.batch_bytes,
+    )
+    .await?;
+    tracing::info!(
+        peer,
+        engine = %theirs.engine_id,
+        peer_generation = theirs.generation,
+        generation,
+        transport = transport.name(),
+        streams = cfg.tcp_streams,
+        "session ready (tcp: the only transport built in this version)"
+    );
+    Ok(PeerConn {
+        descriptor: theirs,
+        control,
+        transport: Box::new(transport),
+        generation,
+    })
+}
+
+/// Everything a transfer task needs, validated by `Engine::read_blocks`.
+pub(crate) struct ReadJob {
+    pub(crate) peer: String,
+    pub(crate) id: RequestId,
+    pub(crate) local: Vec<BlockId>,
+    pub(crate) remote: Vec<BlockId>,
+    pub(crate) started: Instant,
+    pub(crate) deadline: tokio::time::Instant,
+}
+
+/// Runs one receive to its end and reports it: done, failed with a reason, or expired.
+pub(crate) async fn run_read(shared: Arc<Shared>, job: ReadJob) {
+    let ctl = Arc::new(RequestCtl::default());
+    let timeout = job
+        .deadline
+        .saturating_duration_since(tokio::time::Instant::now());
+    let work = read_once(&shared, &job, ctl.clone());
+    let outcome = tokio::time::timeout_at(job.deadline, work).await;
+    let conn = shared.peers.ready_conn(&job.peer);
+    let result = match outcome {
+        Ok(r) => r,
+        Err(_) => {
+            ctl.cancel();
+            let reason = format!(
+                "not complete within the request timeout of {timeout:?} (peer {} slow or unreachable)",
+                job.peer
+            );
+            tracing::warn!(id = %job.id, %reason, "read expired");
+            if let Some(c) = &conn {
+                c.control.notify(Message::Abort {
+                    request_id: job.id.clone(),
+                    reason: reason.clone(),
+                });
+            }
+            shared.with_tracker(|t| t.recv_failed(&job.id, true, reason));
+            return;
+        }
+    };
+    match result {
+        Ok((report, conn)) => {
+            conn.control.notify(Message::Done {
+                request_id: job.id.clone(),
+            });
+            shared.with_tracker(|t| t.recv_done(report));
+        }
+        Err(e) => {
+            ctl.cancel();
+            let reason = e.to_string();
+            tracing::warn!(id = %job.id, %reason, "read failed");
+            if let Some(c) = &conn {
+                c.control.notify(Message::Abort {
+                    request_id: job.id.clone(),
+                    reason: reason.clone(),
+                });
+            }
+            shared.with_tracker(|t| t.recv_failed(&job.id, false, reason));
+        }
+    }
+}
+
+async fn read_once(
+    shared: &Arc<Shared>,
+    job: &ReadJob,
+    ctl: Arc<RequestCtl>,
+) -> Result<(TransferReport, Arc<PeerConn>)> {
+    let conn = shared.peers.get(shared, &job.peer).await?;
+    let local_layout = shared
+        .layout()
+        .ok_or_else(|| Error::invalid("this engine's KV layout was removed"))?;
+    let opts = PlanOptions {
+        max_segment_bytes: shared.config.batch_bytes,
+    };
+    let plan = plan(
+        &local_layout,
+        &conn.descriptor.layout,
+        &job.local,
+        &job.remote,
+        opts,
+    )?;
+    let mut ops = Vec::with_capacity(plan.segments.len());
+    for s in &plan.segments {
+        let region = shared
+            .region(s.local_region)
+            .ok_or(Error::UnknownRegion(s.local_region))?;
+        ops.push(ReadOp {
+            local: RegionSpan::new(region, s.local_offset, s.len)?,
+            remote_region: s.remote_region,
+            remote_offset: s.remote_offset,
+        });
+    }
+    conn.transport.read(ops, ctl).await?;
+    let report = TransferReport {
+        id: job.id.clone(),
+        bytes: plan.bytes,
+        segments: plan.segments.len(),
+        blocks: plan.blocks,
+        transport: conn.transport.name(),
+        elapsed: job.started.elapsed(),
+    };
+    Ok((report, conn))
+}

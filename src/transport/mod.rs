@@ -1,0 +1,65 @@
+//! Data transports behind one trait. A transport takes the planner's segments, already resolved
+//! to local registered spans, and reads the peer's bytes into them.
+
+pub mod tcp;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::error::Result;
+use crate::ids::RegionId;
+use crate::memory::RegionSpan;
+
+/// One read: the peer's `[remote_offset, +local.len())` of `remote_region` into `local`.
+#[derive(Debug, Clone)]
+pub(crate) struct ReadOp {
+    pub local: RegionSpan,
+    pub remote_region: RegionId,
+    pub remote_offset: u64,
+}
+
+/// Per-request control shared with the transport: cancellation that is safe against in-flight
+/// writes into local memory.
+#[derive(Debug, Default)]
+pub(crate) struct RequestCtl {
+    cancelled: AtomicBool,
+    /// Held by a transport while it writes into the request's local memory.
+    write_guard: parking_lot::Mutex<()>,
+}
+
+impl RequestCtl {
+    /// Stops further writes into the request's memory. When this returns, no transport is
+    /// writing into it and none will.
+    pub(crate) fn cancel(&self) {
+        self.cancelled.store(true, Ordering::Release);
+        drop(self.write_guard.lock());
+    }
+
+    pub(crate) fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Acquire)
+    }
+
+    /// Runs `write` (a copy into the request's memory) unless cancelled; `discard` otherwise.
+    pub(crate) fn guarded<R>(&self, write: impl FnOnce() -> R, discard: impl FnOnce() -> R) -> R {
+        let _g = self.write_guard.lock();
+        if self.is_cancelled() {
+            discard()
+        } else {
+            write()
+        }
+    }
+}
+
+/// A boxed transfer future.
+pub(crate) type ReadFuture<'a> = Pin<Box<dyn Future<Output = Result<()>> + Send + 'a>>;
+
+/// A connected data path to one peer.
+pub(crate) trait Transport: Send + Sync {
+    /// Short name for logs and reports.
+    fn name(&self) -> &'static str;
+    /// Reads every op; resolves when all bytes are in place or on the first error.
+    fn read(&self, ops: Vec<ReadOp>, ctl: std::sync::Arc<RequestCtl>) -> ReadFuture<'_>;
+    /// Whether the path has failed and must be rebuilt.
+    fn is_broken(&self) -> bool;
+}

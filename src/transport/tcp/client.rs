@@ -1,0 +1,354 @@
+//! The reader's side of the TCP transport: several streams to one peer, each with a writer task
+//! that pipelines requests and a reader task that lands responses in registered memory.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::timeout;
+
+use super::wire::{self, Entry};
+use crate::error::{Error, Result};
+use crate::memory::{with_io_slices_mut, RegionSpan};
+use crate::transport::{ReadFuture, ReadOp, RequestCtl, Transport};
+
+/// Requests in flight per stream (bounds memory and queueing towards a slow peer).
+const PIPELINE: usize = 16;
+/// Most I/O slices per `readv`.
+const MAX_IOV: usize = 512;
+
+type Done = mpsc::Sender<Result<()>>;
+
+struct Batch {
+    ops: Vec<ReadOp>,
+    bytes: u64,
+    ctl: Arc<RequestCtl>,
+    done: Done,
+}
+
+impl Batch {
+    fn finish(self, r: Result<()>) {
+        let _ = self.done.try_send(r);
+    }
+}
+
+/// Why a stream died, shared by its tasks and the transport.
+#[derive(Default)]
+struct Health {
+    broken: AtomicBool,
+    reason: Mutex<Option<Error>>,
+}
+
+impl Health {
+    fn fail(&self, e: Error) {
+        let mut r = self.reason.lock();
+        if r.is_none() {
+            *r = Some(e);
+        }
+        self.broken.store(true, Ordering::Release);
+    }
+}
+
+struct Stream {
+    tx: mpsc::Sender<Batch>,
+    tasks: [JoinHandle<()>; 2],
+}
+
+/// TCP data path to one peer.
+pub(crate) struct TcpTransport {
+    peer: SocketAddr,
+    streams: Vec<Stream>,
+    next: AtomicUsize,
+    health: Arc<Health>,
+    batch_bytes: u64,
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        for s in &self.streams {
+            for t in &s.tasks {
+                t.abort();
+            }
+        }
+    }
+}
+
+impl TcpTransport {
+    /// Opens `streams` connections to the peer's data server.
+    pub(crate) async fn connect(
+        peer: SocketAddr,
+        streams: usize,
+        connect_timeout: Duration,
+        io_timeout: Duration,
+        batch_bytes: u64,
+    ) -> Result<TcpTransport> {
+        let health = Arc::new(Health::default());
+        let mut out = Vec::with_capacity(streams);
+        for _ in 0..streams.max(1) {
+            let s = timeout(connect_timeout, TcpStream::connect(peer))
+                .await
+                .map_err(|_| Error::Timeout {
+                    what: format!("connecting to the data server {peer}"),
+                    after: connect_timeout,
+                })?
+                .map_err(|e| Error::io(format!("connecting to the data server {peer}"), &e))?;
+            let _ = s.set_nodelay(true);
+            let (rd, wr) = s.into_split();
+            let (tx, rx) = mpsc::channel::<Batch>(PIPELINE);
+            let (ptx, prx) = mpsc::channel::<Batch>(PIPELINE);
+            let w = tokio::spawn(writer(wr, rx, ptx, health.clone(), peer, io_timeout));
+            let r = tokio::spawn(reader(rd, prx, health.clone(), peer, io_timeout));
+            out.push(Stream { tx, tasks: [w, r] });
+        }
+        Ok(TcpTransport {
+            peer,
+            streams: out,
+            next: AtomicUsize::new(0),
+            health,
+            batch_bytes: batch_bytes.max(1),
+        })
+    }
+
+    fn lost(&self) -> Error {
+        let reason = self
+            .health
+            .reason
+            .lock()
+            .as_ref()
+            .map(|e| e.to_string())
+            .unwrap_or_else(|| "data stream closed".into());
+        Error::ConnectionLost {
+            peer: self.peer.to_string(),
+            reason,
+        }
+    }
+
+    async fn run(&self, ops: Vec<ReadOp>, ctl: Arc<RequestCtl>) -> Result<()> {
+        if self.is_broken() {
+            return Err(self.lost());
+        }
+        // Cut the ops into batches of about batch_bytes, spread round-robin over the streams.
+        let mut batches: Vec<Vec<ReadOp>> = Vec::new();
+        let mut cur: Vec<ReadOp> = Vec::new();
+        let mut cur_bytes = 0u64;
+        for op in ops {
+            cur_bytes += op.local.len();
+            cur.push(op);
+            if cur_bytes >= self.batch_bytes || cur.len() == wire::MAX_ENTRIES as usize {
+                batches.push(std::mem::take(&mut cur));
+                cur_bytes = 0;
+            }
+        }
+        if !cur.is_empty() {
+            batches.push(cur);
+        }
+        let n = batches.len();
+        let (done_tx, mut done_rx) = mpsc::channel::<Result<()>>(n.max(1));
+        let start = self.next.fetch_add(n, Ordering::Relaxed);
+        for (i, ops) in batches.into_iter().enumerate() {
+            let bytes = ops.iter().map(|o| o.local.len()).sum();
+            let batch = Batch {
+                ops,
+                bytes,
+                ctl: ctl.clone(),
+                done: done_tx.clone(),
+            };
+            let stream = &self.streams[(start + i) % self.streams.len()];
+            if stream.tx.send(batch).await.is_err() {
+                return Err(self.lost());
+            }
+        }
+        drop(done_tx);
+        for _ in 0..n {
+            match done_rx.recv().await {
+                Some(Ok(())) => {}
+                Some(Err(e)) => return Err(e),
+                None => return Err(self.lost()),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Transport for TcpTransport {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn read(&self, ops: Vec<ReadOp>, ctl: Arc<RequestCtl>) -> ReadFuture<'_> {
+        Box::pin(self.run(ops, ctl))
+    }
+
+    fn is_broken(&self) -> bool {
+        self.health.broken.load(Ordering::Acquire)
+    }
+}
+
+async fn writer(
+    mut wr: OwnedWriteHalf,
+    mut rx: mpsc::Receiver<Batch>,
+    pending: mpsc::Sender<Batch>,
+    health: Arc<Health>,
+    peer: SocketAddr,
+    io_timeout: Duration,
+) {
+    let mut buf = Vec::new();
+    let mut tag = 0u64;
+    while let Some(batch) = rx.recv().await {
+        if batch.ctl.is_cancelled() {
+            batch.finish(Err(Error::invalid("request cancelled")));
+            continue;
+        }
+        tag += 1;
+        wire::encode_request(
+            tag,
+            batch.ops.iter().map(|o| Entry {
+                region: o.remote_region,
+                offset: o.remote_offset,
+                len: o.local.len(),
+            }),
+            &mut buf,
+        );
+        // The reader must know the batch before its response can arrive.
+        if pending.send(batch).await.is_err() {
+            break;
+        }
+        match timeout(io_timeout, wr.write_all(&buf)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                health.fail(Error::io(format!("sending a read request to {peer}"), &e));
+                break;
+            }
+            Err(_) => {
+                health.fail(Error::Timeout {
+                    what: format!("sending a read request to {peer} (it stopped reading)"),
+                    after: io_timeout,
+                });
+                break;
+            }
+        }
+    }
+    health.broken.store(true, Ordering::Release);
+}
+
+async fn reader(
+    mut rd: OwnedReadHalf,
+    mut pending: mpsc::Receiver<Batch>,
+    health: Arc<Health>,
+    peer: SocketAddr,
+    io_timeout: Duration,
+) {
+    let mut scratch = vec![0u8; 64 << 10];
+    let mut expect_tag = 0u64;
+    while let Some(batch) = pending.recv().await {
+        expect_tag += 1;
+        match receive(&mut rd, &batch, expect_tag, &mut scratch, peer, io_timeout).await {
+            Ok(outcome) => batch.finish(outcome),
+            Err(e) => {
+                health.fail(e.clone());
+                batch.finish(Err(e));
+                break;
+            }
+        }
+    }
+    // Fail whatever is still queued on this stream with the stream's reason.
+    pending.close();
+    while let Ok(b) = pending.try_recv() {
+        let reason = health
+            .reason
+            .lock()
+            .clone()
+            .unwrap_or(Error::ConnectionLost {
+                peer: peer.to_string(),
+                reason: "data stream closed".into(),
+            });
+        b.finish(Err(reason));
+    }
+    health.broken.store(true, Ordering::Release);
+}
+
+/// Reads one response. The outer error breaks the stream; the inner one fails only the batch.
+async fn receive(
+    rd: &mut OwnedReadHalf,
+    batch: &Batch,
+    expect_tag: u64,
+    scratch: &mut [u8],
+    peer: SocketAddr,
+    io_timeout: Duration,
+) -> Result<Result<()>> {
+    let lost = |what: &str, e: &std::io::Error| Error::ConnectionLost {
+        peer: peer.to_string(),
+        reason: format!("{what}: {e}"),
+    };
+    let mut head = [0u8; wire::RESPONSE_HEADER];
+    timeout(io_timeout, rd.read_exact(&mut head))
+        .await
+        .map_err(|_| Error::Timeout {
+            what: format!("waiting for a data response from {peer}"),
+            after: io_timeout,
+        })?
+        .map_err(|e| lost("reading a response header", &e))?;
+    let (tag, status, len) = wire::decode_response_header(&head)?;
+    if tag != expect_tag {
+        return Err(Error::Protocol(format!(
+            "response tag {tag}, expected {expect_tag}"
+        )));
+    }
+    if status == wire::STATUS_REFUSED {
+        let mut reason = vec![0u8; len as usize];
+        timeout(io_timeout, rd.read_exact(&mut reason))
+            .await
+            .map_err(|_| Error::Timeout {
+                what: format!("reading a refusal from {peer}"),
+                after: io_timeout,
+            })?
+            .map_err(|e| lost("reading a refusal", &e))?;
+        return Ok(Err(Error::Refused {
+            peer: peer.to_string(),
+            message: String::from_utf8_lossy(&reason).into_owned(),
+        }));
+    }
+    if len != batch.bytes {
+        return Err(Error::Protocol(format!(
+            "response of {len} bytes to a request of {}",
+            batch.bytes
+        )));
+    }
+    let spans: Vec<RegionSpan> = batch.ops.iter().map(|o| o.local.clone()).collect();
+    let mut got = 0u64;
+    while got < len {
+        timeout(io_timeout, rd.readable())
+            .await
+            .map_err(|_| Error::Timeout {
+                what: format!("receiving data from {peer} (stalled)"),
+                after: io_timeout,
+            })?
+            .map_err(|e| lost("waiting for data", &e))?;
+        let res = batch.ctl.guarded(
+            || with_io_slices_mut(&spans, got, MAX_IOV, |s| rd.try_read_vectored(s)),
+            || {
+                let want = ((len - got) as usize).min(scratch.len());
+                rd.try_read(&mut scratch[..want])
+            },
+        );
+        match res {
+            Ok(0) => {
+                return Err(Error::ConnectionLost {
+                    peer: peer.to_string(),
+                    reason: "the peer closed the data stream mid-response".into(),
+                })
+            }
+            Ok(n) => got += n as u64,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(lost("receiving data", &e)),
+        }
+    }
+    Ok(Ok(()))
+}

@@ -1,0 +1,13 @@
+//! TCP transport: a one-sided read emulated by a data server on the peer.
+//!
+//! The reader opens several streams to the peer's data server and pipelines read requests on
+//! each. The server checks every requested range against its exported regions and answers with
+//! the bytes written straight from registered memory (`writev`); the reader reads them straight
+//! into its registered memory (`readv`). No user-space copies on either side.
+
+mod client;
+mod server;
+pub mod wire;
+
+pub(crate) use client::TcpTransport;
+pub(crate) use server::{serve, RegionLookup};

@@ -1,0 +1,159 @@
+//! The TCP data server: serves reads of exported registered ranges, and nothing else.
+
+use std::io::IoSlice;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::timeout;
+
+use super::wire::{self, Entry};
+use crate::error::{Error, Result};
+use crate::ids::RegionId;
+use crate::memory::{Region, RegionSpan};
+
+/// Most I/O slices handed to one `writev` (Linux's IOV_MAX is 1024).
+const MAX_IOV: usize = 1024;
+
+/// Where the data server finds exported regions.
+pub(crate) trait RegionLookup: Send + Sync + 'static {
+    /// The exported region with this id, if any.
+    fn region(&self, id: RegionId) -> Option<Arc<Region>>;
+    /// A request was served (`Some(bytes)`) or refused (`None`).
+    fn served(&self, bytes: Option<u64>);
+}
+
+/// Accepts data connections until the task is dropped.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    regions: Arc<dyn RegionLookup>,
+    io_timeout: Duration,
+) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                let _ = stream.set_nodelay(true);
+                let regions = regions.clone();
+                tokio::spawn(async move {
+                    match connection(stream, peer, regions, io_timeout).await {
+                        Ok(()) => tracing::debug!(%peer, "data connection closed"),
+                        Err(e) => tracing::warn!(%peer, error = %e, "data connection dropped"),
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting a data connection failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+fn timed_out(what: &str, after: Duration) -> Error {
+    Error::Timeout {
+        what: what.into(),
+        after,
+    }
+}
+
+/// Resolves every entry to an exported span, or says which one is refused and why.
+fn resolve(
+    regions: &dyn RegionLookup,
+    entries: impl Iterator<Item = Entry>,
+) -> Result<(Vec<RegionSpan>, u64)> {
+    let mut spans = Vec::new();
+    let mut total = 0u64;
+    for (i, e) in entries.enumerate() {
+        let region = regions
+            .region(e.region)
+            .ok_or_else(|| Error::invalid(format!("entry {i}: {} is not exported", e.region)))?;
+        let span = RegionSpan::new(region, e.offset, e.len)
+            .map_err(|err| Error::invalid(format!("entry {i}: {err}")))?;
+        total += e.len;
+        if total > wire::MAX_REQUEST_BYTES {
+            return Err(Error::invalid(format!(
+                "request asks for more than {} bytes",
+                wire::MAX_REQUEST_BYTES
+            )));
+        }
+        spans.push(span);
+    }
+    Ok((spans, total))
+}
+
+async fn connection(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    regions: Arc<dyn RegionLookup>,
+    io_timeout: Duration,
+) -> Result<()> {
+    let mut header = [0u8; wire::REQUEST_HEADER];
+    let mut body = Vec::new();
+    loop {
+        // Idle between requests: wait without a deadline for the first byte (the reader keeps
+        // the stream open for later requests); the rest of a request must follow promptly.
+        let n = stream
+            .read(&mut header)
+            .await
+            .map_err(|e| Error::io("reading a data request", &e))?;
+        if n == 0 {
+            return Ok(());
+        }
+        timeout(io_timeout, stream.read_exact(&mut header[n..]))
+            .await
+            .map_err(|_| timed_out("reading a data request header", io_timeout))?
+            .map_err(|e| Error::io("reading a data request header", &e))?;
+        let (tag, count) = wire::decode_request_header(&header)?;
+        body.resize(count as usize * wire::ENTRY, 0);
+        timeout(io_timeout, stream.read_exact(&mut body))
+            .await
+            .map_err(|_| timed_out("reading data request entries", io_timeout))?
+            .map_err(|e| Error::io("reading data request entries", &e))?;
+
+        match resolve(&*regions, wire::decode_entries(&body)) {
+            Ok((spans, total)) => {
+                let head = wire::encode_response_header(tag, wire::STATUS_OK, total);
+                let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(spans.len() + 1);
+                slices.push(IoSlice::new(&head));
+                slices.extend(spans.iter().map(RegionSpan::io_slice));
+                write_all_vectored(&mut stream, &mut slices, io_timeout).await?;
+                regions.served(Some(total));
+            }
+            Err(e) => {
+                regions.served(None);
+                let reason = e.to_string();
+                tracing::warn!(%peer, tag, %reason, "refused a data request");
+                let head =
+                    wire::encode_response_header(tag, wire::STATUS_REFUSED, reason.len() as u64);
+                let mut slices = [IoSlice::new(&head), IoSlice::new(reason.as_bytes())];
+                write_all_vectored(&mut stream, &mut slices, io_timeout).await?;
+            }
+        }
+    }
+}
+
+async fn write_all_vectored(
+    stream: &mut TcpStream,
+    mut slices: &mut [IoSlice<'_>],
+    io_timeout: Duration,
+) -> Result<()> {
+    while !slices.is_empty() {
+        let upto = slices.len().min(MAX_IOV);
+        let n = timeout(io_timeout, stream.write_vectored(&slices[..upto]))
+            .await
+            .map_err(|_| {
+                timed_out(
+                    "writing a data response (the reader stopped reading)",
+                    io_timeout,
+                )
+            })?
+            .map_err(|e| Error::io("writing a data response", &e))?;
+        if n == 0 {
+            return Err(Error::Protocol("data stream closed while writing".into()));
+        }
+        IoSlice::advance_slices(&mut slices, n);
+    }
+    Ok(())
+}

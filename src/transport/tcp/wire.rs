@@ -1,0 +1,146 @@
+//! Data-stream framing of the TCP transport (little-endian, fixed layout; see docs/protocol.md).
+//!
+//! Request: `magic u32 = "KVRQ"`, `tag u64`, `count u32`, then `count` entries of
+//! `region u32, offset u64, len u64`.
+//! Response: `magic u32 = "KVRS"`, `tag u64`, `status u8` (0 ok, 1 refused), `len u64`, then
+//! `len` bytes: the data for status 0 (entries in order), a UTF-8 reason for status 1.
+
+use crate::error::{Error, Result};
+use crate::ids::RegionId;
+
+/// Request magic.
+pub const REQUEST_MAGIC: u32 = u32::from_le_bytes(*b"KVRQ");
+/// Response magic.
+pub const RESPONSE_MAGIC: u32 = u32::from_le_bytes(*b"KVRS");
+/// Request header bytes.
+pub const REQUEST_HEADER: usize = 16;
+/// Bytes per request entry.
+pub const ENTRY: usize = 20;
+/// Response header bytes.
+pub const RESPONSE_HEADER: usize = 21;
+/// Most entries in one request.
+pub const MAX_ENTRIES: u32 = 4096;
+/// Most bytes one request may ask for.
+pub const MAX_REQUEST_BYTES: u64 = 256 << 20;
+/// Longest refusal reason.
+pub const MAX_REASON: u64 = 64 << 10;
+/// Response status: data follows.
+pub const STATUS_OK: u8 = 0;
+/// Response status: refused, a reason follows.
+pub const STATUS_REFUSED: u8 = 1;
+
+/// One requested range of the server's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entry {
+    /// Region id (the server's).
+    pub region: RegionId,
+    /// Offset within the region.
+    pub offset: u64,
+    /// Length.
+    pub len: u64,
+}
+
+/// Encodes a request.
+pub fn encode_request(tag: u64, entries: impl ExactSizeIterator<Item = Entry>, out: &mut Vec<u8>) {
+    out.clear();
+    out.reserve(REQUEST_HEADER + entries.len() * ENTRY);
+    out.extend_from_slice(&REQUEST_MAGIC.to_le_bytes());
+    out.extend_from_slice(&tag.to_le_bytes());
+    out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
+    for e in entries {
+        out.extend_from_slice(&e.region.0.to_le_bytes());
+        out.extend_from_slice(&e.offset.to_le_bytes());
+        out.extend_from_slice(&e.len.to_le_bytes());
+    }
+}
+
+/// Parses a request header: `(tag, count)`. Refuses a bad magic or too many entries.
+pub fn decode_request_header(h: &[u8; REQUEST_HEADER]) -> Result<(u64, u32)> {
+    let magic = u32::from_le_bytes(h[0..4].try_into().expect("4 bytes"));
+    if magic != REQUEST_MAGIC {
+        return Err(Error::Protocol(format!("bad request magic {magic:#x}")));
+    }
+    let tag = u64::from_le_bytes(h[4..12].try_into().expect("8 bytes"));
+    let count = u32::from_le_bytes(h[12..16].try_into().expect("4 bytes"));
+    if count == 0 || count > MAX_ENTRIES {
+        return Err(Error::Protocol(format!(
+            "request with {count} entries (1 to {MAX_ENTRIES} allowed)"
+        )));
+    }
+    Ok((tag, count))
+}
+
+/// Parses request entries (`body.len()` must be a multiple of [`ENTRY`]).
+pub fn decode_entries(body: &[u8]) -> impl Iterator<Item = Entry> + '_ {
+    body.chunks_exact(ENTRY).map(|c| Entry {
+        region: RegionId(u32::from_le_bytes(c[0..4].try_into().expect("4"))),
+        offset: u64::from_le_bytes(c[4..12].try_into().expect("8")),
+        len: u64::from_le_bytes(c[12..20].try_into().expect("8")),
+    })
+}
+
+/// Encodes a response header.
+pub fn encode_response_header(tag: u64, status: u8, len: u64) -> [u8; RESPONSE_HEADER] {
+    let mut h = [0u8; RESPONSE_HEADER];
+    h[0..4].copy_from_slice(&RESPONSE_MAGIC.to_le_bytes());
+    h[4..12].copy_from_slice(&tag.to_le_bytes());
+    h[12] = status;
+    h[13..21].copy_from_slice(&len.to_le_bytes());
+    h
+}
+
+/// Parses a response header: `(tag, status, len)`.
+pub fn decode_response_header(h: &[u8; RESPONSE_HEADER]) -> Result<(u64, u8, u64)> {
+    let magic = u32::from_le_bytes(h[0..4].try_into().expect("4 bytes"));
+    if magic != RESPONSE_MAGIC {
+        return Err(Error::Protocol(format!("bad response magic {magic:#x}")));
+    }
+    let tag = u64::from_le_bytes(h[4..12].try_into().expect("8 bytes"));
+    let len = u64::from_le_bytes(h[13..21].try_into().expect("8 bytes"));
+    match h[12] {
+        STATUS_OK if len <= MAX_REQUEST_BYTES => Ok((tag, STATUS_OK, len)),
+        STATUS_REFUSED if len <= MAX_REASON => Ok((tag, STATUS_REFUSED, len)),
+        s => Err(Error::Protocol(format!(
+            "bad response status {s} with length {len}"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_roundtrip_and_refusals() {
+        let entries = [
+            Entry {
+                region: RegionId(3),
+                offset: 10,
+                len: 20,
+            },
+            Entry {
+                region: RegionId(4),
+                offset: u64::MAX,
+                len: 1,
+            },
+        ];
+        let mut buf = Vec::new();
+        encode_request(9, entries.iter().copied(), &mut buf);
+        let h: [u8; REQUEST_HEADER] = buf[..REQUEST_HEADER].try_into().unwrap();
+        assert_eq!(decode_request_header(&h).unwrap(), (9, 2));
+        let got: Vec<Entry> = decode_entries(&buf[REQUEST_HEADER..]).collect();
+        assert_eq!(got, entries);
+        let mut bad = h;
+        bad[0] ^= 1;
+        assert!(decode_request_header(&bad).is_err());
+        let mut many = h;
+        many[12..16].copy_from_slice(&(MAX_ENTRIES + 1).to_le_bytes());
+        assert!(decode_request_header(&many).is_err());
+        let r = encode_response_header(5, STATUS_OK, 100);
+        assert_eq!(decode_response_header(&r).unwrap(), (5, 0, 100));
+        let r = encode_response_header(5, STATUS_REFUSED, MAX_REASON + 1);
+        assert!(decode_response_header(&r).is_err());
+        let r = encode_response_header(5, 7, 0);
+        assert!(decode_response_header(&r).is_err());
+    }
+}

@@ -1,0 +1,170 @@
+//! Helpers shared by the integration tests: engines with patterned KV caches, random block
+//! lists, and byte-for-byte verification.
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvlink::{Engine, EngineConfig, Finished, KvLayout, ModelShape, Region};
+
+/// Turns on logs when KVLINK_LOG is set (e.g. `KVLINK_LOG=debug`).
+pub fn init_logs() {
+    if let Ok(level) = std::env::var("KVLINK_LOG") {
+        let level = level.parse().unwrap_or(tracing::Level::INFO);
+        let _ = tracing_subscriber::fmt()
+            .with_max_level(level)
+            .with_test_writer()
+            .try_init();
+    }
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// The pattern's bytes at `[offset, offset+len)` of a region filled with `seed`.
+pub fn pattern(seed: u64, offset: u64, len: usize) -> Vec<u8> {
+    let first = offset / 8;
+    let skip = (offset % 8) as usize;
+    let words = (skip + len).div_ceil(8);
+    let mut out = Vec::with_capacity(words * 8);
+    for w in 0..words as u64 {
+        out.extend_from_slice(
+            &splitmix(seed ^ (first + w).wrapping_mul(0xD6E8_FEB8_6659_FD93)).to_le_bytes(),
+        );
+    }
+    out.drain(..skip);
+    out.truncate(len);
+    out
+}
+
+/// Fills a whole region with the pattern of `seed`.
+pub fn fill(region: &Region, seed: u64) {
+    let chunk = 4 << 20;
+    let mut off = 0u64;
+    while off < region.len() {
+        let n = chunk.min((region.len() - off) as usize);
+        region.write_at(off, &pattern(seed, off, n)).unwrap();
+        off += n as u64;
+    }
+}
+
+/// One engine with one region holding a whole KV cache of `shape`.
+pub struct Side {
+    pub engine: Engine,
+    pub region: Arc<Region>,
+    pub layout: KvLayout,
+}
+
+/// Starts an engine with `num_blocks` blocks of `shape`, filled with `seed` when given.
+pub fn side(shape: &ModelShape, num_blocks: u32, seed: Option<u64>, config: EngineConfig) -> Side {
+    init_logs();
+    let engine = Engine::start(config).unwrap();
+    let region = engine
+        .allocate_host(shape.region_bytes(num_blocks), false)
+        .unwrap();
+    if let Some(seed) = seed {
+        fill(&region, seed);
+    }
+    let layout = shape.layout(region.id(), num_blocks);
+    engine.set_layout(layout.clone()).unwrap();
+    Side {
+        engine,
+        region,
+        layout,
+    }
+}
+
+/// Checks every byte of every tensor of every pair: our block `l` equals the prefill's block
+/// `r`, the prefill's memory being the pattern of `seed` laid out as `remote`.
+pub fn verify(decode: &Side, remote: &KvLayout, seed: u64, local: &[u32], remote_ids: &[u32]) {
+    let mut got = Vec::new();
+    for (t, (lt, rt)) in decode
+        .layout
+        .tensors
+        .iter()
+        .zip(&remote.tensors)
+        .enumerate()
+    {
+        got.resize(lt.block_bytes as usize, 0);
+        for (&l, &r) in local.iter().zip(remote_ids) {
+            decode.region.read_at(lt.block_offset(l), &mut got).unwrap();
+            let want = pattern(seed, rt.block_offset(r), rt.block_bytes as usize);
+            assert!(
+                got == want,
+                "tensor {t} ({}): local block {l} differs from remote block {r}",
+                lt.name
+            );
+        }
+    }
+}
+
+/// A small deterministic generator.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = splitmix(self.0);
+        self.0
+    }
+
+    pub fn below(&mut self, n: u32) -> u32 {
+        (self.next() % u64::from(n)) as u32
+    }
+
+    /// A random permutation of `0..n`.
+    pub fn shuffled(&mut self, n: u32) -> Vec<u32> {
+        let mut v: Vec<u32> = (0..n).collect();
+        for i in (1..v.len()).rev() {
+            let j = (self.next() % (i as u64 + 1)) as usize;
+            v.swap(i, j);
+        }
+        v
+    }
+}
+
+/// `requests` disjoint lists of `per` random, non-contiguous local blocks, and for each a list
+/// of `per` random remote blocks (repeats allowed across requests).
+pub fn random_requests(
+    rng: &mut Rng,
+    local_blocks: u32,
+    remote_blocks: u32,
+    requests: usize,
+    per: usize,
+) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let local = rng.shuffled(local_blocks);
+    assert!(requests * per <= local.len());
+    (0..requests)
+        .map(|i| {
+            let l = local[i * per..(i + 1) * per].to_vec();
+            let r = rng.shuffled(remote_blocks)[..per].to_vec();
+            (l, r)
+        })
+        .collect()
+}
+
+/// Collects finished entries until `done(&acc)` or `limit` passes.
+pub fn collect(engine: &Engine, limit: Duration, done: impl Fn(&Finished) -> bool) -> Finished {
+    let end = Instant::now() + limit;
+    let mut acc = Finished::default();
+    while !done(&acc) && Instant::now() < end {
+        acc.extend(engine.wait_finished(end.saturating_duration_since(Instant::now())));
+    }
+    acc
+}
+
+/// An engine configuration with short deadlines for fault tests.
+pub fn quick_config() -> EngineConfig {
+    EngineConfig {
+        connect_timeout: Duration::from_secs(2),
+        handshake_timeout: Duration::from_millis(500),
+        request_timeout: Duration::from_secs(20),
+        io_timeout: Duration::from_secs(5),
+        keepalive: Duration::from_secs(1),
+        ..EngineConfig::default()
+    }
+}

@@ -1,0 +1,213 @@
+//! Two engines in one process over TCP loopback: realistic layouts, random non-contiguous
+//! blocks, many concurrent requests, every byte checked; argument refusals; prefill holds.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kvlink::{EngineConfig, Error, ModelShape, RequestId, Side as Dir};
+
+fn run_transfer(
+    shape: ModelShape,
+    prefill_blocks: u32,
+    decode_blocks: u32,
+    requests: usize,
+    per: usize,
+) {
+    let seed = 0xC0FFEE ^ u64::from(shape.layers);
+    let prefill = side(&shape, prefill_blocks, Some(seed), EngineConfig::default());
+    let decode = side(&shape, decode_blocks, None, EngineConfig::default());
+    let peer = prefill.engine.handshake_address().to_string();
+    let mut rng = Rng(42);
+    let reqs = random_requests(&mut rng, decode_blocks, prefill_blocks, requests, per);
+    for i in 0..requests {
+        prefill.engine.hold_blocks(format!("req-{i}")).unwrap();
+    }
+    // All requests start before the first handshake completes: one handshake serves them all.
+    for (i, (l, r)) in reqs.iter().enumerate() {
+        decode
+            .engine
+            .read_blocks(&peer, format!("req-{i}"), l, r)
+            .unwrap();
+    }
+    let got = collect(&decode.engine, Duration::from_secs(60), |f| {
+        f.receiving.len() + f.failed.len() == requests
+    });
+    assert!(got.failed.is_empty(), "failed: {:?}", got.failed);
+    assert_eq!(got.receiving.len(), requests);
+    for (i, (l, r)) in reqs.iter().enumerate() {
+        verify(&decode, &prefill.layout, seed, l, r);
+        assert!(got.receiving.contains(&RequestId::from(format!("req-{i}"))));
+    }
+    let bytes: u64 = got.reports.iter().map(|r| r.bytes).sum();
+    assert_eq!(bytes, (requests * per) as u64 * shape.region_bytes(1));
+    assert!(got
+        .reports
+        .iter()
+        .all(|r| r.transport == "tcp" && r.segments > 0));
+    // The prefill side hears about every read.
+    let sent = collect(&prefill.engine, Duration::from_secs(10), |f| {
+        f.sending.len() == requests
+    });
+    assert_eq!(sent.sending.len(), requests, "prefill saw {:?}", sent);
+    let stats = prefill.engine.stats();
+    assert_eq!(
+        stats.handshakes_accepted, 1,
+        "single-flight handshake: {stats:?}"
+    );
+    assert_eq!(stats.bytes_served, bytes);
+    assert_eq!(decode.engine.in_flight(), (0, 0));
+}
+
+#[test]
+fn llama3_8b_random_blocks_concurrent() {
+    run_transfer(ModelShape::LLAMA3_8B, 96, 160, 8, 16);
+}
+
+#[test]
+fn deepseek_mla_random_blocks_concurrent() {
+    run_transfer(ModelShape::DEEPSEEK_V3_MLA, 300, 256, 12, 20);
+}
+
+#[test]
+fn immediate_refusals_name_the_problem() {
+    let shape = ModelShape::LLAMA3_8B;
+    let prefill = side(&shape, 8, Some(1), EngineConfig::default());
+    let decode = side(&shape, 8, None, EngineConfig::default());
+    let peer = prefill.engine.handshake_address().to_string();
+    let e = decode
+        .engine
+        .read_blocks(&peer, "a", &[1, 2], &[1])
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("pair"),
+        "{e}"
+    );
+    let e = decode
+        .engine
+        .read_blocks(&peer, "a", &[8], &[1])
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("local block id 8 is out of range"),
+        "{e}"
+    );
+    let e = decode
+        .engine
+        .read_blocks(&peer, "a", &[1, 1], &[1, 2])
+        .unwrap_err();
+    assert!(e.to_string().contains("twice"), "{e}");
+    let e = decode
+        .engine
+        .read_blocks(&peer, "", &[1], &[1])
+        .unwrap_err();
+    assert!(e.to_string().contains("empty"), "{e}");
+    let long = "x".repeat(300);
+    assert!(decode
+        .engine
+        .read_blocks(&peer, long.as_str(), &[1], &[1])
+        .is_err());
+    let bare = kvlink::Engine::start(EngineConfig::default()).unwrap();
+    let e = bare.read_blocks(&peer, "a", &[1], &[1]).unwrap_err();
+    assert!(e.to_string().contains("set a KV layout"), "{e}");
+
+    // Remote ids are checked after the handshake: the request fails with the reason, and the
+    // prefill side, holding that request, hears the abort.
+    prefill.engine.hold_blocks("far").unwrap();
+    decode.engine.read_blocks(&peer, "far", &[1], &[9]).unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(10), |f| {
+        !f.failed.is_empty()
+    });
+    assert!(
+        f.failed[0]
+            .reason
+            .contains("remote block id 9 is out of range"),
+        "{:?}",
+        f
+    );
+    let p = collect(&prefill.engine, Duration::from_secs(10), |f| {
+        !f.failed.is_empty()
+    });
+    assert_eq!(p.failed[0].side, Dir::Send);
+    assert!(
+        p.failed[0].reason.contains("aborted") && !p.failed[0].expired,
+        "{:?}",
+        p
+    );
+    // Once the session is cached, remote ids are checked at the call.
+    let e = decode
+        .engine
+        .read_blocks(&peer, "far2", &[1], &[9])
+        .unwrap_err();
+    assert!(e.to_string().contains("remote block id 9"), "{e}");
+    // A duplicate id while the first is in flight is refused.
+    decode.engine.read_blocks(&peer, "dup", &[1], &[1]).unwrap();
+    let _ = decode.engine.read_blocks(&peer, "dup", &[2], &[2]);
+    let f = collect(&decode.engine, Duration::from_secs(10), |f| {
+        !f.receiving.is_empty()
+    });
+    assert_eq!(f.receiving, vec![RequestId::from("dup")]);
+}
+
+#[test]
+fn held_blocks_expire_when_never_read() {
+    let prefill = side(
+        &ModelShape::DEEPSEEK_V3_MLA,
+        4,
+        Some(3),
+        EngineConfig::default(),
+    );
+    prefill
+        .engine
+        .hold_blocks_for("never-read", Duration::from_millis(200))
+        .unwrap();
+    assert!(prefill
+        .engine
+        .hold_blocks_for("never-read", Duration::from_millis(200))
+        .is_err());
+    assert!(prefill.engine.get_finished().is_empty());
+    let f = collect(&prefill.engine, Duration::from_secs(10), |f| {
+        !f.failed.is_empty()
+    });
+    assert_eq!(f.failed.len(), 1);
+    let fr = &f.failed[0];
+    assert!(
+        fr.expired && fr.side == Dir::Send && fr.id.as_str() == "never-read",
+        "{fr:?}"
+    );
+    assert!(fr.reason.contains("abort timeout"), "{fr:?}");
+    assert!(prefill.engine.get_finished().is_empty());
+}
+
+#[test]
+fn incompatible_peer_fails_every_waiter_after_one_handshake() {
+    let prefill = side(&ModelShape::LLAMA3_8B, 8, Some(5), EngineConfig::default());
+    let mut other = ModelShape::LLAMA3_8B;
+    other.tokens_per_block = 32;
+    let decode = side(&other, 8, None, EngineConfig::default());
+    let peer = prefill.engine.handshake_address().to_string();
+    for i in 0..6u32 {
+        decode
+            .engine
+            .read_blocks(&peer, format!("m{i}"), &[i], &[i])
+            .unwrap();
+    }
+    let f = collect(&decode.engine, Duration::from_secs(10), |f| {
+        f.failed.len() == 6
+    });
+    assert_eq!(f.failed.len(), 6, "{f:?}");
+    for fr in &f.failed {
+        assert!(
+            fr.reason
+                .contains("(its value vs yours): tokens_per_block 16 vs 32"),
+            "{fr:?}"
+        );
+        assert!(!fr.expired);
+    }
+    let s = prefill.engine.stats();
+    assert_eq!(
+        (s.handshakes_accepted, s.handshakes_refused),
+        (0, 1),
+        "{s:?}"
+    );
+}

@@ -1,0 +1,267 @@
+//! Faults and hostile input: a peer that never answers, nobody listening, malformed and
+//! oversized control frames, wrong protocol versions, incompatible descriptors, and read
+//! requests outside exported memory. Each gets a clear error, nothing panics, and the engine
+//! keeps serving well-behaved peers.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvlink::control::frame::{self, PROTOCOL_VERSION};
+use kvlink::control::messages::Message;
+use kvlink::transport::tcp::wire;
+use kvlink::{ModelShape, RegionId};
+
+#[test]
+fn silent_handshake_peer_fails_at_the_deadline() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    // Accepts and then says nothing.
+    let holder = std::thread::spawn(move || {
+        let (s, _) = listener.accept().unwrap();
+        std::thread::sleep(Duration::from_secs(3));
+        drop(s);
+    });
+    let decode = side(&ModelShape::LLAMA3_8B, 4, None, quick_config());
+    let t0 = Instant::now();
+    decode
+        .engine
+        .read_blocks(&addr, "silent", &[0], &[0])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(15), |f| {
+        !f.failed.is_empty()
+    });
+    assert_eq!(f.failed.len(), 1, "{f:?}");
+    assert!(
+        f.failed[0].reason.contains("timed out"),
+        "{:?}",
+        f.failed[0]
+    );
+    assert!(
+        f.failed[0].reason.contains("handshake reply"),
+        "{:?}",
+        f.failed[0]
+    );
+    // Ends at the handshake deadline (0.5 s), far inside the request deadline (20 s).
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        t0.elapsed()
+    );
+    holder.join().unwrap();
+}
+
+#[test]
+fn nobody_listening_fails_with_the_os_reason() {
+    let addr = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let decode = side(&ModelShape::LLAMA3_8B, 4, None, quick_config());
+    decode
+        .engine
+        .read_blocks(&addr, "nobody", &[0], &[0])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(15), |f| {
+        !f.failed.is_empty()
+    });
+    assert!(f.failed[0].reason.contains("refused"), "{:?}", f.failed[0]);
+    // Unresolvable names fail too, without hanging.
+    decode
+        .engine
+        .read_blocks("no-such-host.invalid:1", "dns", &[0], &[0])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(15), |f| {
+        !f.failed.is_empty()
+    });
+    assert_eq!(f.failed.len(), 1, "{f:?}");
+}
+
+/// Sends raw bytes to a control port and returns the refusal message it answers with.
+fn control_exchange(addr: &str, bytes: &[u8]) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(bytes).unwrap();
+    let mut head = [0u8; 4];
+    s.read_exact(&mut head).unwrap();
+    let len = u32::from_be_bytes(head) as usize;
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).unwrap();
+    let version = u16::from_be_bytes([body[0], body[1]]);
+    match frame::decode::<Message>(version, &body[2..]).unwrap() {
+        Message::Error { message } => message,
+        other => panic!("expected an Error frame, got {other:?}"),
+    }
+}
+
+fn raw_frame(version: u16, body: &[u8]) -> Vec<u8> {
+    let mut v = ((body.len() + 2) as u32).to_be_bytes().to_vec();
+    v.extend_from_slice(&version.to_be_bytes());
+    v.extend_from_slice(body);
+    v
+}
+
+#[test]
+fn hostile_control_frames_are_refused_and_serving_goes_on() {
+    let shape = ModelShape::LLAMA3_8B;
+    let prefill = side(&shape, 16, Some(11), quick_config());
+    let addr = prefill.engine.handshake_address().to_string();
+
+    let m = control_exchange(&addr, &[0x7f, 0xff, 0xff, 0xff]);
+    assert!(m.contains("exceeds"), "{m}");
+    let hello = frame::encode(&Message::Ping { nonce: 1 }).unwrap();
+    let m = control_exchange(&addr, &raw_frame(PROTOCOL_VERSION + 7, &hello[6..]));
+    assert!(m.contains("protocol version 8 is not supported"), "{m}");
+    let m = control_exchange(&addr, &raw_frame(PROTOCOL_VERSION, &[0xc1, 0x00, 0xff]));
+    assert!(m.contains("malformed"), "{m}");
+    let m = control_exchange(&addr, &raw_frame(PROTOCOL_VERSION, &[0x92, 0x01]));
+    assert!(m.contains("malformed"), "{m}");
+    let m = control_exchange(&addr, &hello);
+    assert!(m.contains("expected Hello"), "{m}");
+    let m = control_exchange(&addr, &raw_frame(PROTOCOL_VERSION, &[]));
+    assert!(m.contains("malformed"), "{m}");
+
+    // A Hello whose descriptor is invalid, and one that is incompatible.
+    let mut bad = prefill.engine.descriptor().unwrap();
+    bad.tp_rank = 5;
+    let m = control_exchange(
+        &addr,
+        &frame::encode(&Message::Hello {
+            descriptor: Box::new(bad),
+        })
+        .unwrap(),
+    );
+    assert!(m.contains("tp_rank 5 of tp_size 1"), "{m}");
+    let mut bad = prefill.engine.descriptor().unwrap();
+    bad.layout.tensors[3].offset = u64::MAX - 10;
+    let m = control_exchange(
+        &addr,
+        &frame::encode(&Message::Hello {
+            descriptor: Box::new(bad),
+        })
+        .unwrap(),
+    );
+    assert!(m.contains("run past the end"), "{m}");
+    let mut other = prefill.engine.descriptor().unwrap();
+    other.layout.dtype = "fp8_e4m3".into();
+    other.layout.tensors.pop();
+    let m = control_exchange(
+        &addr,
+        &frame::encode(&Message::Hello {
+            descriptor: Box::new(other),
+        })
+        .unwrap(),
+    );
+    assert!(
+        m.contains("dtype") && m.contains("tensor count 64 vs 63"),
+        "{m}"
+    );
+
+    // A connection that sends half a header and stalls is dropped at the handshake deadline.
+    let mut stall = TcpStream::connect(&addr).unwrap();
+    stall.write_all(&[0, 0]).unwrap();
+    stall
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut buf = [0u8; 256];
+    let _ = stall.read(&mut buf); // Error frame or close, both fine; it must not hang.
+
+    assert_eq!(prefill.engine.stats().handshakes_refused, 10);
+    // Well-behaved peers are still served.
+    let decode = side(&shape, 16, None, quick_config());
+    decode
+        .engine
+        .read_blocks(&addr, "ok", &[3, 7], &[12, 1])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(20), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    verify(&decode, &prefill.layout, 11, &[3, 7], &[12, 1]);
+}
+
+fn data_request(s: &mut TcpStream, tag: u64, entries: &[wire::Entry]) -> (u8, Vec<u8>) {
+    let mut buf = Vec::new();
+    wire::encode_request(tag, entries.iter().copied(), &mut buf);
+    s.write_all(&buf).unwrap();
+    let mut head = [0u8; wire::RESPONSE_HEADER];
+    s.read_exact(&mut head).unwrap();
+    let (t, status, len) = wire::decode_response_header(&head).unwrap();
+    assert_eq!(t, tag);
+    let mut body = vec![0u8; len as usize];
+    s.read_exact(&mut body).unwrap();
+    (status, body)
+}
+
+#[test]
+fn reads_outside_exported_memory_are_refused() {
+    let shape = ModelShape::DEEPSEEK_V3_MLA;
+    let prefill = side(&shape, 8, Some(21), quick_config());
+    let (data, _) = prefill.engine.descriptor().unwrap().tcp().unwrap();
+    let region = prefill.region.id();
+    let len = prefill.region.len();
+    let mut s = TcpStream::connect(data).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let e = |region, offset, len| wire::Entry {
+        region,
+        offset,
+        len,
+    };
+
+    let (st, body) = data_request(&mut s, 1, &[e(RegionId(999), 0, 8)]);
+    assert_eq!(st, wire::STATUS_REFUSED);
+    assert!(String::from_utf8_lossy(&body).contains("region#999 is not exported"));
+    let (st, body) = data_request(&mut s, 2, &[e(region, 0, 8), e(region, len - 4, 8)]);
+    assert_eq!(st, wire::STATUS_REFUSED);
+    assert!(
+        String::from_utf8_lossy(&body).contains("entry 1: range"),
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    let (st, _) = data_request(&mut s, 3, &[e(region, u64::MAX, 2)]);
+    assert_eq!(st, wire::STATUS_REFUSED);
+    let (st, _) = data_request(&mut s, 4, &[e(region, 0, wire::MAX_REQUEST_BYTES + 1)]);
+    assert_eq!(st, wire::STATUS_REFUSED);
+    // The same stream still serves a valid request, with the right bytes.
+    let (st, body) = data_request(&mut s, 5, &[e(region, 100, 50), e(region, len - 10, 10)]);
+    assert_eq!(st, wire::STATUS_OK);
+    assert_eq!(&body[..50], &pattern(21, 100, 50)[..]);
+    assert_eq!(&body[50..], &pattern(21, len - 10, 10)[..]);
+
+    // Garbage and oversized entry counts drop that connection only.
+    let mut g = TcpStream::connect(data).unwrap();
+    g.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    g.write_all(&[0xAB; 16]).unwrap();
+    let mut one = [0u8; 1];
+    assert_eq!(
+        g.read(&mut one).unwrap_or(0),
+        0,
+        "connection closed after a bad magic"
+    );
+    let mut g = TcpStream::connect(data).unwrap();
+    g.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut hdr = Vec::new();
+    wire::encode_request(1, std::iter::empty(), &mut hdr);
+    hdr[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
+    g.write_all(&hdr).unwrap();
+    assert_eq!(
+        g.read(&mut one).unwrap_or(0),
+        0,
+        "connection closed after a huge count"
+    );
+
+    let stats = prefill.engine.stats();
+    assert_eq!(stats.data_requests_refused, 4, "{stats:?}");
+    assert_eq!(stats.data_requests_served, 1, "{stats:?}");
+    // Other peers are unaffected.
+    let decode = side(&shape, 8, None, quick_config());
+    let peer = prefill.engine.handshake_address().to_string();
+    decode
+        .engine
+        .read_blocks(&peer, "fine", &[0, 5], &[7, 2])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(20), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    verify(&decode, &prefill.layout, 21, &[0, 5], &[7, 2]);
+}

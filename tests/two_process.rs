@@ -1,0 +1,244 @@
+//! Two processes: this test binary re-runs itself as a prefill worker (`prefill_child`), the
+//! parent is the decode worker. Covers realistic layouts with every byte checked, the done
+//! notices reaching the other process, and the prefill process killed mid-transfer.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvlink::ModelShape;
+
+const CHILD_ENV: &str = "KVLINK_TEST_CHILD";
+
+/// The prefill worker, when run as a child; a no-op in a normal test run.
+#[test]
+fn prefill_child() {
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    // spec: "<preset> <num_blocks> <seed> <held requests>"
+    let p: Vec<&str> = spec.split_whitespace().collect();
+    let shape = ModelShape::preset(p[0]).unwrap();
+    let blocks: u32 = p[1].parse().unwrap();
+    let seed: u64 = p[2].parse().unwrap();
+    let held: usize = p[3].parse().unwrap();
+    let prefill = side(&shape, blocks, Some(seed), quick_config());
+    for i in 0..held {
+        prefill.engine.hold_blocks(format!("req-{i}")).unwrap();
+    }
+    // Exit when the parent goes away (stdin closes).
+    std::thread::spawn(|| {
+        let mut s = String::new();
+        while std::io::stdin()
+            .read_line(&mut s)
+            .map(|n| n > 0)
+            .unwrap_or(false)
+        {}
+        std::process::exit(0);
+    });
+    println!("KVLINK_ADDR {}", prefill.engine.handshake_address());
+    loop {
+        let f = prefill.engine.wait_finished(Duration::from_secs(1));
+        for id in f.sending {
+            println!("KVLINK_SENT {id}");
+        }
+        for fr in f.failed {
+            println!("KVLINK_FAILED {} {}", fr.id, fr.reason);
+        }
+    }
+}
+
+struct ChildPrefill {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    addr: String,
+}
+
+impl ChildPrefill {
+    fn spawn(preset: &str, blocks: u32, seed: u64, held: usize) -> ChildPrefill {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "prefill_child",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD_ENV, format!("{preset} {blocks} {seed} {held}"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                // libtest may print "test prefill_child ... " before the first line.
+                if let Some(at) = line.find("KVLINK_") {
+                    if tx.send(line[at..].to_string()).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let first = lines
+            .recv_timeout(Duration::from_secs(60))
+            .expect("child prefill started");
+        let addr = first
+            .strip_prefix("KVLINK_ADDR ")
+            .expect("address line")
+            .to_string();
+        ChildPrefill { child, lines, addr }
+    }
+
+    /// Lines with `prefix` seen within `limit`, until `want` of them.
+    fn wait_lines(&self, prefix: &str, want: usize, limit: Duration) -> Vec<String> {
+        let end = Instant::now() + limit;
+        let mut got = Vec::new();
+        while got.len() < want {
+            let left = end.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.starts_with(prefix) => got.push(l),
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        got
+    }
+}
+
+impl Drop for ChildPrefill {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn two_process_transfer(
+    shape: ModelShape,
+    prefill_blocks: u32,
+    decode_blocks: u32,
+    requests: usize,
+    per: usize,
+) {
+    let seed = 77 + u64::from(shape.layers);
+    let child = ChildPrefill::spawn(shape.name, prefill_blocks, seed, requests);
+    let decode = side(&shape, decode_blocks, None, quick_config());
+    let remote_layout = shape.layout(kvlink::RegionId(1), prefill_blocks);
+    let mut rng = Rng(7);
+    let reqs = random_requests(&mut rng, decode_blocks, prefill_blocks, requests, per);
+    for (i, (l, r)) in reqs.iter().enumerate() {
+        decode
+            .engine
+            .read_blocks(&child.addr, format!("req-{i}"), l, r)
+            .unwrap();
+    }
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| {
+        f.receiving.len() + f.failed.len() == requests
+    });
+    assert!(f.failed.is_empty(), "{:?}", f.failed);
+    assert_eq!(f.receiving.len(), requests);
+    for (l, r) in &reqs {
+        verify(&decode, &remote_layout, seed, l, r);
+    }
+    let sent = child.wait_lines("KVLINK_SENT ", requests, Duration::from_secs(30));
+    assert_eq!(
+        sent.len(),
+        requests,
+        "the prefill process confirmed {sent:?}"
+    );
+}
+
+#[test]
+fn two_process_llama3_8b() {
+    two_process_transfer(ModelShape::LLAMA3_8B, 128, 128, 8, 16);
+}
+
+#[test]
+fn two_process_deepseek_mla() {
+    two_process_transfer(ModelShape::DEEPSEEK_V3_MLA, 256, 256, 16, 16);
+}
+
+#[test]
+fn prefill_killed_mid_transfer_fails_requests_then_a_new_peer_works() {
+    let shape = ModelShape::LLAMA3_8B;
+    let blocks = 256;
+    let mut child = ChildPrefill::spawn(shape.name, blocks, 5, 0);
+    let decode = side(&shape, blocks, None, quick_config());
+    // Many large requests (all 256 blocks each, 512 MiB per request); local blocks overlap
+    // across requests, which is fine here since bytes are not checked.
+    let all: Vec<u32> = (0..blocks).collect();
+    let n = 24;
+    let t0 = Instant::now();
+    for i in 0..n {
+        decode
+            .engine
+            .read_blocks(&child.addr, format!("big-{i}"), &all, &all)
+            .unwrap();
+    }
+    // Kill the prefill process as soon as the first request lands.
+    let first = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    child.child.kill().unwrap();
+    child.child.wait().unwrap();
+    let mut f = first;
+    let rest = collect(&decode.engine, Duration::from_secs(30), |acc| {
+        acc.receiving.len() + acc.failed.len() + f.receiving.len() + f.failed.len() == n
+    });
+    f.extend(rest);
+    assert_eq!(
+        f.receiving.len() + f.failed.len(),
+        n,
+        "every request ended: {f:?}"
+    );
+    assert!(
+        !f.failed.is_empty(),
+        "killing the peer failed none of {n} requests"
+    );
+    for fr in &f.failed {
+        assert!(
+            !fr.expired,
+            "failed by the connection loss, not the deadline: {fr:?}"
+        );
+        let r = fr.reason.to_lowercase();
+        assert!(
+            r.contains("lost")
+                || r.contains("closed")
+                || r.contains("reset")
+                || r.contains("refused"),
+            "{fr:?}"
+        );
+    }
+    // Within the request deadline (20 s), with room to spare.
+    assert!(
+        t0.elapsed() < Duration::from_secs(40),
+        "took {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(decode.engine.in_flight(), (0, 0));
+
+    // A fresh prefill process: the session is rebuilt and reads work again.
+    let child2 = ChildPrefill::spawn(shape.name, blocks, 9, 1);
+    let (l, r) = (vec![5u32, 9, 200], vec![17u32, 3, 250]);
+    decode
+        .engine
+        .read_blocks(&child2.addr, "req-0", &l, &r)
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(30), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    verify(
+        &decode,
+        &shape.layout(kvlink::RegionId(1), blocks),
+        9,
+        &l,
+        &r,
+    );
+    assert_eq!(
+        child2
+            .wait_lines("KVLINK_SENT ", 1, Duration::from_secs(30))
+            .len(),
+        1
+    );
+}
