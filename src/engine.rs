@@ -467,6 +467,23 @@ impl Engine {
         Ok(())
     }
 
+    /// Connects to `peer` (or reuses the cached session), and returns its descriptor: its KV
+    /// layout, block count and TP rank. Blocks up to `timeout`; concurrent first contacts with
+    /// `read_blocks` share the same handshake. Call it from outside async contexts.
+    pub fn connect(&self, peer: &str, timeout: Duration) -> Result<Descriptor> {
+        let rt = self.runtime.as_ref().ok_or(Error::Shutdown)?;
+        let shared = self.shared.clone();
+        let conn = rt.block_on(async move {
+            tokio::time::timeout(timeout, shared.peers.get(&shared, peer))
+                .await
+                .map_err(|_| Error::Timeout {
+                    what: format!("connecting to {peer}"),
+                    after: timeout,
+                })?
+        })?;
+        Ok(conn.descriptor.clone())
+    }
+
     /// Holds a request's blocks for a reader (prefill side): the request finishes sending when
     /// the reader confirms, fails when it aborts, and expires after the abort timeout.
     pub fn hold_blocks(&self, id: impl Into<RequestId>) -> Result<()> {

@@ -122,7 +122,8 @@ impl KvLayout {
             };
             match t.end() {
                 Some(end) if end <= region_len => {}
-                _ => return Err(Error::invalid(format!(
+                _ => {
+                    return Err(Error::invalid(format!(
                     "{}: {} blocks of stride {} from offset {} run past the end of {} ({} bytes)",
                     what(),
                     t.num_blocks,
@@ -130,7 +131,8 @@ impl KvLayout {
                     t.offset,
                     t.region,
                     region_len
-                ))),
+                )))
+                }
             }
         }
         Ok(())

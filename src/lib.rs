@@ -32,6 +32,7 @@ mod memory;
 mod plan;
 mod session;
 pub mod transport;
+pub mod verify;
 
 pub use completion::{
     CompletionTracker, FailedRequest, Finished, SendNotice, Side, TpAggregator, TransferReport,

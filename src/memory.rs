@@ -110,6 +110,8 @@ impl Region {
                 .map_anon()
                 .map_err(|e| Error::Memory(format!("mmap of {size} bytes failed: {e}")))?
         };
+        // Fault every page in now rather than during the first transfer into it.
+        let _ = map.advise(memmap2::Advice::PopulateWrite);
         let mut map = map;
         let ptr = NonNull::new(map.as_mut_ptr()).expect("mmap never returns null");
         Ok(Region {

@@ -60,7 +60,7 @@ impl Peers {
 
     /// The session to `peer`, connecting once however many callers ask at the same time. A
     /// failed connect fails every waiting caller with its reason; the next call tries again.
-    async fn get(&self, shared: &Arc<Shared>, peer: &str) -> Result<Arc<PeerConn>> {
+    pub(crate) async fn get(&self, shared: &Arc<Shared>, peer: &str) -> Result<Arc<PeerConn>> {
         let mut rx = {
             let mut map = self.map.lock();
             match map.get(peer) {

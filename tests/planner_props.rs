@@ -74,7 +74,11 @@ fn memory(side: &Side, seed: u8) -> HashMap<RegionId, Vec<u8>> {
         .collect()
 }
 
-fn case() -> impl Strategy<Value = (Vec<u64>, u32, u32, u8, u8, u64, u64, Vec<(u32, u32)>, u64)> {
+/// (block bytes per tensor, local blocks, remote blocks, local mode, remote mode, local pad,
+/// remote pad, block pairs, segment cap)
+type Case = (Vec<u64>, u32, u32, u8, u8, u64, u64, Vec<(u32, u32)>, u64);
+
+fn case() -> impl Strategy<Value = Case> {
     (
         prop::collection::vec(1u64..48, 1..6),
         2u32..24,

@@ -19,39 +19,8 @@ pub fn init_logs() {
     }
 }
 
-fn splitmix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
-
-/// The pattern's bytes at `[offset, offset+len)` of a region filled with `seed`.
-pub fn pattern(seed: u64, offset: u64, len: usize) -> Vec<u8> {
-    let first = offset / 8;
-    let skip = (offset % 8) as usize;
-    let words = (skip + len).div_ceil(8);
-    let mut out = Vec::with_capacity(words * 8);
-    for w in 0..words as u64 {
-        out.extend_from_slice(
-            &splitmix(seed ^ (first + w).wrapping_mul(0xD6E8_FEB8_6659_FD93)).to_le_bytes(),
-        );
-    }
-    out.drain(..skip);
-    out.truncate(len);
-    out
-}
-
-/// Fills a whole region with the pattern of `seed`.
-pub fn fill(region: &Region, seed: u64) {
-    let chunk = 4 << 20;
-    let mut off = 0u64;
-    while off < region.len() {
-        let n = chunk.min((region.len() - off) as usize);
-        region.write_at(off, &pattern(seed, off, n)).unwrap();
-        off += n as u64;
-    }
-}
+#[allow(unused_imports)]
+pub use kvlink::verify::pattern;
 
 /// One engine with one region holding a whole KV cache of `shape`.
 pub struct Side {
@@ -68,7 +37,7 @@ pub fn side(shape: &ModelShape, num_blocks: u32, seed: Option<u64>, config: Engi
         .allocate_host(shape.region_bytes(num_blocks), false)
         .unwrap();
     if let Some(seed) = seed {
-        fill(&region, seed);
+        kvlink::verify::fill(&region, seed).unwrap();
     }
     let layout = shape.layout(region.id(), num_blocks);
     engine.set_layout(layout.clone()).unwrap();
@@ -82,25 +51,19 @@ pub fn side(shape: &ModelShape, num_blocks: u32, seed: Option<u64>, config: Engi
 /// Checks every byte of every tensor of every pair: our block `l` equals the prefill's block
 /// `r`, the prefill's memory being the pattern of `seed` laid out as `remote`.
 pub fn verify(decode: &Side, remote: &KvLayout, seed: u64, local: &[u32], remote_ids: &[u32]) {
-    let mut got = Vec::new();
-    for (t, (lt, rt)) in decode
-        .layout
-        .tensors
-        .iter()
-        .zip(&remote.tensors)
-        .enumerate()
-    {
-        got.resize(lt.block_bytes as usize, 0);
-        for (&l, &r) in local.iter().zip(remote_ids) {
-            decode.region.read_at(lt.block_offset(l), &mut got).unwrap();
-            let want = pattern(seed, rt.block_offset(r), rt.block_bytes as usize);
-            assert!(
-                got == want,
-                "tensor {t} ({}): local block {l} differs from remote block {r}",
-                lt.name
-            );
-        }
-    }
+    let checked = kvlink::verify::check_blocks(
+        &decode.region,
+        &decode.layout,
+        remote,
+        seed,
+        local,
+        remote_ids,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        checked,
+        decode.layout.bytes_per_block() * local.len() as u64
+    );
 }
 
 /// A small deterministic generator.
@@ -108,8 +71,12 @@ pub struct Rng(pub u64);
 
 impl Rng {
     pub fn next(&mut self) -> u64 {
-        self.0 = splitmix(self.0);
-        self.0
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let x = self.0;
+        (x ^ (x >> 33)).wrapping_mul(0xff51afd7ed558ccd) ^ (x >> 29)
     }
 
     pub fn below(&mut self, n: u32) -> u32 {

@@ -1,1 +1,581 @@
-fn main() {}
+//! kvlink-bench: moves KV-cache blocks between two kvlink engines and reports what the link
+//! delivers for a model's layout.
+//!
+//! ```text
+//! kvlink-bench                      # loopback: prefill and decode engines in this process
+//! kvlink-bench loopback [options]
+//! kvlink-bench serve --listen 0.0.0.0:7400 --advertise 10.0.0.5 [options]   # prefill side
+//! kvlink-bench read --peer 10.0.0.5:7400 [options]                          # decode side
+//! ```
+
+use std::collections::HashMap;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use kvlink::{
+    BlockId, Engine, EngineConfig, KvLayout, ModelShape, Region, RequestId, TransferReport,
+};
+
+const USAGE: &str = "\
+usage: kvlink-bench [loopback|serve|read] [options]
+
+modes:
+  loopback            prefill and decode engines in this process (default)
+  serve               run a prefill engine and wait for readers (use with `read` elsewhere)
+  read                read from a `serve` engine given by --peer
+
+options:
+  --transport T       tcp (rdma arrives with the RDMA transport)        [tcp]
+  --preset NAME       llama-3-8b, llama-3-70b-tp8, deepseek-v3-mla, qwen2.5-7b [llama-3-8b]
+  --tokens N          tokens per request                                [4096]
+  --pattern P         block ids: random, contiguous or fragmented       [random]
+  --requests N        measured requests                                 [16]
+  --warmup N          requests before measuring                         [2]
+  --concurrency N     requests in flight                                [2]
+  --streams N         TCP streams per peer                              [4]
+  --batch-bytes N     bytes per pipelined TCP request (K/M suffixes)    [4M]
+  --blocks N          blocks per tensor in each cache        [2 x tokens/block x concurrency]
+  --verify            check every byte at the destination (slows the run)
+  --json              print one JSON object instead of text
+  --seed N            fill pattern of the prefill cache                 [1]
+  --listen ADDR       serve: handshake listen address                   [0.0.0.0:7400]
+  --advertise HOST    serve: address readers should use                 [127.0.0.1]
+  --peer ADDR         read: the serve engine's handshake address
+";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Loopback,
+    Serve,
+    Read,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pattern {
+    Random,
+    Contiguous,
+    Fragmented,
+}
+
+#[derive(Debug, Clone)]
+struct Args {
+    mode: Mode,
+    shape: ModelShape,
+    tokens: u32,
+    pattern: Pattern,
+    requests: usize,
+    warmup: usize,
+    concurrency: usize,
+    streams: u16,
+    batch_bytes: u64,
+    blocks: Option<u32>,
+    verify: bool,
+    json: bool,
+    seed: u64,
+    listen: String,
+    advertise: String,
+    peer: Option<String>,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let (num, mult) = match s.trim().to_ascii_uppercase() {
+        t if t.ends_with("KIB") || t.ends_with('K') => (
+            t.trim_end_matches("KIB").trim_end_matches('K').to_string(),
+            1 << 10,
+        ),
+        t if t.ends_with("MIB") || t.ends_with('M') => (
+            t.trim_end_matches("MIB").trim_end_matches('M').to_string(),
+            1 << 20,
+        ),
+        t if t.ends_with("GIB") || t.ends_with('G') => (
+            t.trim_end_matches("GIB").trim_end_matches('G').to_string(),
+            1 << 30,
+        ),
+        t => (t, 1),
+    };
+    num.parse::<u64>()
+        .map(|n| n * mult)
+        .map_err(|e| format!("size {s:?}: {e}"))
+}
+
+fn parse_args() -> Result<Args, String> {
+    use lexopt::prelude::*;
+    let mut a = Args {
+        mode: Mode::Loopback,
+        shape: ModelShape::LLAMA3_8B,
+        tokens: 4096,
+        pattern: Pattern::Random,
+        requests: 16,
+        warmup: 2,
+        concurrency: 2,
+        streams: 4,
+        batch_bytes: 4 << 20,
+        blocks: None,
+        verify: false,
+        json: false,
+        seed: 1,
+        listen: "0.0.0.0:7400".into(),
+        advertise: "127.0.0.1".into(),
+        peer: None,
+    };
+    let mut p = lexopt::Parser::from_env();
+    let err = |e: lexopt::Error| e.to_string();
+    let val = |p: &mut lexopt::Parser| -> Result<String, String> {
+        p.value()
+            .map_err(err)?
+            .string()
+            .map_err(|_| "an option value is not valid UTF-8".to_string())
+    };
+    while let Some(arg) = p.next().map_err(err)? {
+        match arg {
+            Value(v) => {
+                a.mode = match v.to_string_lossy().as_ref() {
+                    "loopback" => Mode::Loopback,
+                    "serve" => Mode::Serve,
+                    "read" => Mode::Read,
+                    other => return Err(format!("unknown mode {other:?}")),
+                }
+            }
+            Long("transport") => match val(&mut p)?.as_str() {
+                "tcp" => {}
+                "rdma" => {
+                    return Err(
+                        "the rdma transport is not in this build yet; use --transport tcp".into(),
+                    )
+                }
+                t => return Err(format!("unknown transport {t:?} (tcp)")),
+            },
+            Long("preset") => {
+                let name = val(&mut p)?;
+                a.shape = ModelShape::preset(&name).ok_or_else(|| {
+                    let names: Vec<&str> = ModelShape::PRESETS.iter().map(|p| p.name).collect();
+                    format!("unknown preset {name:?}; known: {}", names.join(", "))
+                })?;
+            }
+            Long("tokens") => {
+                a.tokens = val(&mut p)?.parse().map_err(|e| format!("--tokens: {e}"))?
+            }
+            Long("pattern") => {
+                a.pattern = match val(&mut p)?.as_str() {
+                    "random" => Pattern::Random,
+                    "contiguous" => Pattern::Contiguous,
+                    "fragmented" => Pattern::Fragmented,
+                    p => {
+                        return Err(format!(
+                            "unknown pattern {p:?} (random, contiguous, fragmented)"
+                        ))
+                    }
+                }
+            }
+            Long("requests") => {
+                a.requests = val(&mut p)?
+                    .parse()
+                    .map_err(|e| format!("--requests: {e}"))?
+            }
+            Long("warmup") => {
+                a.warmup = val(&mut p)?.parse().map_err(|e| format!("--warmup: {e}"))?
+            }
+            Long("concurrency") => {
+                a.concurrency = val(&mut p)?
+                    .parse()
+                    .map_err(|e| format!("--concurrency: {e}"))?
+            }
+            Long("streams") => {
+                a.streams = val(&mut p)?
+                    .parse()
+                    .map_err(|e| format!("--streams: {e}"))?
+            }
+            Long("batch-bytes") => a.batch_bytes = parse_size(&val(&mut p)?)?,
+            Long("blocks") => {
+                a.blocks = Some(val(&mut p)?.parse().map_err(|e| format!("--blocks: {e}"))?)
+            }
+            Long("verify") => a.verify = true,
+            Long("json") => a.json = true,
+            Long("seed") => a.seed = val(&mut p)?.parse().map_err(|e| format!("--seed: {e}"))?,
+            Long("listen") => a.listen = val(&mut p)?,
+            Long("advertise") => a.advertise = val(&mut p)?,
+            Long("peer") => a.peer = Some(val(&mut p)?),
+            Short('h') | Long("help") => {
+                print!("{USAGE}");
+                std::process::exit(0);
+            }
+            _ => return Err(arg.unexpected().to_string()),
+        }
+    }
+    if a.tokens == 0 || a.concurrency == 0 || a.requests == 0 {
+        return Err("--tokens, --concurrency and --requests must be at least 1".into());
+    }
+    if a.mode == Mode::Read && a.peer.is_none() {
+        return Err(
+            "read needs --peer HOST:PORT (the address `kvlink-bench serve` printed)".into(),
+        );
+    }
+    Ok(a)
+}
+
+impl Args {
+    fn blocks_per_request(&self) -> u32 {
+        self.tokens.div_ceil(self.shape.tokens_per_block)
+    }
+
+    fn cache_blocks(&self) -> u32 {
+        self.blocks
+            .unwrap_or(self.blocks_per_request() * 2 * self.concurrency as u32)
+    }
+
+    fn config(&self, listen: &str, advertise: Option<String>) -> EngineConfig {
+        EngineConfig {
+            listen: listen.to_string(),
+            advertise_host: advertise,
+            tcp_streams: self.streams,
+            batch_bytes: self.batch_bytes,
+            request_timeout: Duration::from_secs(120),
+            ..EngineConfig::default()
+        }
+    }
+}
+
+struct Cache {
+    region: std::sync::Arc<Region>,
+    layout: KvLayout,
+}
+
+fn make_cache(
+    engine: &Engine,
+    shape: &ModelShape,
+    blocks: u32,
+    seed: u64,
+) -> Result<Cache, String> {
+    let region = engine
+        .allocate_host(shape.region_bytes(blocks), false)
+        .map_err(|e| e.to_string())?;
+    // Fill (this also faults every page in, so the run measures transfers, not page faults).
+    kvlink::verify::fill(&region, seed).map_err(|e| e.to_string())?;
+    let layout = shape.layout(region.id(), blocks);
+    engine
+        .set_layout(layout.clone())
+        .map_err(|e| e.to_string())?;
+    Ok(Cache { region, layout })
+}
+
+/// A tiny deterministic generator for block ids.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let x = self.0;
+        (x ^ (x >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd) ^ (x >> 29)
+    }
+
+    fn below(&mut self, n: u32) -> u32 {
+        (self.next() % u64::from(n.max(1))) as u32
+    }
+
+    /// `k` distinct values of `0..n`, in random order.
+    fn sample(&mut self, n: u32, k: u32) -> Vec<u32> {
+        let mut v: Vec<u32> = (0..n).collect();
+        for i in 0..k as usize {
+            let j = i + (self.next() % (n as u64 - i as u64)) as usize;
+            v.swap(i, j);
+        }
+        v.truncate(k as usize);
+        v
+    }
+}
+
+/// Block ids for one request: `per` local ids inside `[base, base + span)`, `per` remote ids
+/// inside `[0, remote_blocks)`.
+fn pick(
+    rng: &mut Rng,
+    pattern: Pattern,
+    per: u32,
+    base: u32,
+    span: u32,
+    remote_blocks: u32,
+) -> (Vec<BlockId>, Vec<BlockId>) {
+    match pattern {
+        Pattern::Contiguous => {
+            let l0 = base + rng.below(span - per + 1);
+            let r0 = rng.below(remote_blocks - per + 1);
+            ((l0..l0 + per).collect(), (r0..r0 + per).collect())
+        }
+        Pattern::Random => {
+            let l = rng
+                .sample(span, per)
+                .into_iter()
+                .map(|b| b + base)
+                .collect();
+            (l, rng.sample(remote_blocks, per))
+        }
+        Pattern::Fragmented => {
+            // Runs of 4 consecutive blocks at random places on both sides.
+            let runs = per.div_ceil(4);
+            let expand = |starts: Vec<u32>, off: u32| -> Vec<u32> {
+                starts
+                    .into_iter()
+                    .flat_map(|s| (0..4).map(move |i| off + s * 4 + i))
+                    .take(per as usize)
+                    .collect()
+            };
+            let l = expand(rng.sample(span / 4, runs), base);
+            let r = expand(rng.sample(remote_blocks / 4, runs), 0);
+            (l, r)
+        }
+    }
+}
+
+#[derive(Default)]
+struct Outcome {
+    reports: Vec<TransferReport>,
+    wall: Duration,
+    verified: u64,
+}
+
+/// The decode side of a run: its engine and cache, and the peer it reads from.
+struct Reader<'a> {
+    engine: &'a Engine,
+    local: &'a Cache,
+    remote_layout: &'a KvLayout,
+    peer: &'a str,
+}
+
+/// Runs `count` requests with `concurrency` in flight against the reader's peer.
+fn drive(
+    args: &Args,
+    rd: &Reader<'_>,
+    count: usize,
+    tag: &str,
+    rng: &mut Rng,
+) -> Result<Outcome, String> {
+    let Reader {
+        engine,
+        local,
+        remote_layout,
+        peer,
+    } = *rd;
+    let per = args.blocks_per_request();
+    let span = local.layout.num_blocks() / args.concurrency as u32;
+    let remote_blocks = remote_layout.num_blocks();
+    if span < per || remote_blocks < per {
+        return Err(format!(
+            "caches too small: {per} blocks per request, {span} local blocks per slot, {remote_blocks} remote blocks (raise --blocks)"
+        ));
+    }
+    let mut out = Outcome::default();
+    let mut free_slots: Vec<u32> = (0..args.concurrency as u32).rev().collect();
+    let mut in_flight: HashMap<RequestId, (u32, Vec<BlockId>, Vec<BlockId>)> = HashMap::new();
+    let mut submitted = 0;
+    let t0 = Instant::now();
+    while out.reports.len() < count {
+        while submitted < count {
+            let Some(slot) = free_slots.pop() else { break };
+            let (l, r) = pick(rng, args.pattern, per, slot * span, span, remote_blocks);
+            let id = RequestId::from(format!("{tag}-{submitted}"));
+            engine
+                .read_blocks(peer, id.clone(), &l, &r)
+                .map_err(|e| e.to_string())?;
+            in_flight.insert(id, (slot, l, r));
+            submitted += 1;
+        }
+        let f = engine.wait_finished(Duration::from_secs(5));
+        if let Some(fr) = f.failed.first() {
+            return Err(format!("request {} failed: {}", fr.id, fr.reason));
+        }
+        for rep in f.reports {
+            let (slot, l, r) = in_flight
+                .remove(&rep.id)
+                .ok_or("unknown request finished")?;
+            if args.verify {
+                out.verified += kvlink::verify::check_blocks(
+                    &local.region,
+                    &local.layout,
+                    remote_layout,
+                    args.seed,
+                    &l,
+                    &r,
+                )
+                .map_err(|e| format!("verification failed for {}: {e}", rep.id))?;
+            }
+            free_slots.push(slot);
+            out.reports.push(rep);
+        }
+    }
+    out.wall = t0.elapsed();
+    Ok(out)
+}
+
+fn fmt_bytes(b: f64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b;
+    let mut i = 0;
+    while v >= 1024.0 && i < U.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    format!("{v:.1} {}", U[i])
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx]
+}
+
+fn report(args: &Args, mode: &str, o: &Outcome) {
+    let bytes: u64 = o.reports.iter().map(|r| r.bytes).sum();
+    let segments: usize = o.reports.iter().map(|r| r.segments).sum();
+    let n = o.reports.len().max(1);
+    let per_bytes = bytes / n as u64;
+    let secs = o.wall.as_secs_f64().max(1e-9);
+    let gbps = bytes as f64 / secs / 1e9;
+    let mut lat: Vec<Duration> = o.reports.iter().map(|r| r.elapsed).collect();
+    lat.sort();
+    let (p50, p99, max) = (
+        percentile(&lat, 0.5),
+        percentile(&lat, 0.99),
+        lat.last().copied().unwrap_or_default(),
+    );
+    let pieces = u64::from(args.blocks_per_request())
+        * (args.shape.layers * args.shape.tensors_per_layer) as u64;
+    let pattern = format!("{:?}", args.pattern).to_lowercase();
+    let transport = o.reports.first().map(|r| r.transport).unwrap_or("tcp");
+    if args.json {
+        println!(
+            "{{\"mode\":\"{mode}\",\"transport\":\"{transport}\",\"preset\":\"{}\",\"tokens\":{},\"pattern\":\"{pattern}\",\"requests\":{},\"concurrency\":{},\"streams\":{},\"batch_bytes\":{},\"bytes\":{bytes},\"seconds\":{secs:.6},\"gb_per_s\":{gbps:.4},\"bytes_per_request\":{per_bytes},\"segments_per_request\":{},\"pieces_per_request\":{pieces},\"segments_per_s\":{:.1},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"verified_bytes\":{}}}",
+            args.shape.name, args.tokens, o.reports.len(), args.concurrency, args.streams, args.batch_bytes,
+            segments / n, segments as f64 / secs,
+            p50.as_secs_f64() * 1e3, p99.as_secs_f64() * 1e3, max.as_secs_f64() * 1e3, o.verified
+        );
+        return;
+    }
+    println!(
+        "kvlink-bench {mode}: {transport}, {} ({} tensors, {} per block per tensor), {} tokens/request ({} blocks, {}), pattern {pattern}",
+        args.shape.name,
+        args.shape.layers * args.shape.tensors_per_layer,
+        fmt_bytes(args.shape.block_bytes() as f64),
+        args.tokens,
+        args.blocks_per_request(),
+        fmt_bytes(per_bytes as f64),
+    );
+    println!(
+        "  bandwidth  {gbps:.2} GB/s   ({} requests, {} in {secs:.2} s, concurrency {}, {} streams, {} batches)",
+        o.reports.len(), fmt_bytes(bytes as f64), args.concurrency, args.streams, fmt_bytes(args.batch_bytes as f64)
+    );
+    println!(
+        "  segments   {} per request from {pieces} block pieces ({:.2} M segments/s)",
+        segments / n,
+        segments as f64 / secs / 1e6
+    );
+    println!(
+        "  latency    p50 {:.1} ms   p99 {:.1} ms   max {:.1} ms",
+        p50.as_secs_f64() * 1e3,
+        p99.as_secs_f64() * 1e3,
+        max.as_secs_f64() * 1e3
+    );
+    if args.verify {
+        println!(
+            "  verified   {} at the destination, every byte",
+            fmt_bytes(o.verified as f64)
+        );
+    }
+}
+
+fn run(args: Args) -> Result<(), String> {
+    let blocks = args.cache_blocks();
+    let mut rng = Rng(0x5EED ^ args.seed);
+    match args.mode {
+        Mode::Loopback => {
+            let prefill =
+                Engine::start(args.config("127.0.0.1:0", None)).map_err(|e| e.to_string())?;
+            let decode =
+                Engine::start(args.config("127.0.0.1:0", None)).map_err(|e| e.to_string())?;
+            let remote = make_cache(&prefill, &args.shape, blocks, args.seed)?;
+            let local = make_cache(&decode, &args.shape, blocks, !args.seed)?;
+            let peer = prefill.handshake_address().to_string();
+            let rd = Reader {
+                engine: &decode,
+                local: &local,
+                remote_layout: &remote.layout,
+                peer: &peer,
+            };
+            drive(&args, &rd, args.warmup, "warmup", &mut rng)?;
+            let o = drive(&args, &rd, args.requests, "req", &mut rng)?;
+            report(&args, "loopback", &o);
+        }
+        Mode::Serve => {
+            let engine = Engine::start(args.config(&args.listen, Some(args.advertise.clone())))
+                .map_err(|e| e.to_string())?;
+            let _cache = make_cache(&engine, &args.shape, blocks, args.seed)?;
+            eprintln!(
+                "kvlink-bench serve: {} with {blocks} blocks per tensor, seed {}; readers use --peer {}",
+                args.shape.name,
+                args.seed,
+                engine.handshake_address()
+            );
+            let mut last = engine.stats();
+            loop {
+                std::thread::sleep(Duration::from_secs(5));
+                let s = engine.stats();
+                if s != last {
+                    eprintln!(
+                        "served {} requests, {} ({} refused)",
+                        s.data_requests_served,
+                        fmt_bytes(s.bytes_served as f64),
+                        s.data_requests_refused
+                    );
+                    last = s;
+                }
+            }
+        }
+        Mode::Read => {
+            let peer = args.peer.clone().expect("checked in parse_args");
+            let engine = Engine::start(args.config("0.0.0.0:0", Some(args.advertise.clone())))
+                .map_err(|e| e.to_string())?;
+            let local = make_cache(&engine, &args.shape, blocks, !args.seed)?;
+            let theirs = engine
+                .connect(&peer, Duration::from_secs(10))
+                .map_err(|e| e.to_string())?;
+            let rd = Reader {
+                engine: &engine,
+                local: &local,
+                remote_layout: &theirs.layout,
+                peer: &peer,
+            };
+            drive(&args, &rd, args.warmup, "warmup", &mut rng)?;
+            let o = drive(&args, &rd, args.requests, "req", &mut rng)?;
+            report(&args, "read", &o);
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let level = std::env::var("KVLINK_LOG")
+        .ok()
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(tracing::Level::WARN);
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .init();
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("kvlink-bench: {e}\n\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvlink-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

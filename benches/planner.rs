@@ -1,0 +1,56 @@
+//! Planner throughput: block-to-segment mappings per second for 4,096-token requests.
+//!
+//! Throughput is reported in elements, one element being one (block, tensor) piece mapped to a
+//! segment, so criterion's "elem/s" reads directly as mappings per second.
+
+use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
+use kvlink::{plan, ModelShape, PlanOptions, RegionId};
+
+fn shuffled(n: u32, seed: u64) -> Vec<u32> {
+    let mut v: Vec<u32> = (0..n).collect();
+    let mut x = seed;
+    for i in (1..v.len()).rev() {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        v.swap(i, ((x >> 33) % (i as u64 + 1)) as usize);
+    }
+    v
+}
+
+fn bench_planner(c: &mut Criterion) {
+    let mut g = c.benchmark_group("plan_4096_tokens");
+    for shape in [ModelShape::DEEPSEEK_V3_MLA, ModelShape::LLAMA3_8B] {
+        let blocks = 4096 / shape.tokens_per_block;
+        let local = shape.layout(RegionId(1), 4 * blocks);
+        let remote = shape.layout(RegionId(2), 4 * blocks);
+        let pieces = u64::from(blocks) * local.tensors.len() as u64;
+        g.throughput(Throughput::Elements(pieces));
+        for (pattern, l, r) in [
+            ("random", shuffled(4 * blocks, 1), shuffled(4 * blocks, 2)),
+            (
+                "contiguous",
+                (0..4 * blocks).collect(),
+                (0..4 * blocks).collect(),
+            ),
+        ] {
+            let (l, r) = (&l[..blocks as usize], &r[..blocks as usize]);
+            g.bench_function(format!("{}/{pattern}", shape.name), |b| {
+                b.iter(|| {
+                    plan(
+                        &local,
+                        &remote,
+                        black_box(l),
+                        black_box(r),
+                        PlanOptions::default(),
+                    )
+                    .unwrap()
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench_planner);
+criterion_main!(benches);
