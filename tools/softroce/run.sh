@@ -1,0 +1,330 @@
+#!/usr/bin/env bash
+# SoftRoCE VM harness: run a command next to a real `rxe0` verbs device.
+#
+# The host kernel has no InfiniBand support, so the SoftRoCE driver (rdma_rxe) cannot load
+# here. This script boots a stock Debian kernel in a small emulated VM with virtme-ng (`vng`),
+# which shares the host's root file system (read-only) with the guest: binaries built on the
+# host under target/ run unchanged inside the VM. Inside, it loads rdma_rxe, creates rxe0 on a
+# dummy network device (10.200.0.1, which exists only inside the VM) and runs the command.
+#
+# Usage: tools/softroce/run.sh [--] CMD [ARGS...]
+#
+# CMD runs in the repository root with KVLINK_SOFTROCE=1, KVLINK_RDMA_DEVICE=rxe0 and the
+# SOFTROCE_* variables below exported; the script exits with CMD's exit status, or with 125
+# when the VM or the rxe0 setup failed (124 when the time limit was hit).
+#
+# Must run as root (it installs Debian packages and puts the guest kernel's modules under
+# /lib/modules). Everything else is cached under <repo>/.vm (git-ignored); a second run only
+# boots the VM. Build test binaries on the host first: do not compile inside the emulated VM.
+#
+# Environment (all optional):
+#   SOFTROCE_MEMORY     guest memory (default 2G)
+#   SOFTROCE_CPUS       guest CPUs (default 2)
+#   SOFTROCE_TIMEOUT    time limit for the whole VM run in seconds (default 1200)
+#   SOFTROCE_VM_DIR     cache directory (default <repo>/.vm)
+#   SOFTROCE_VNG_VERSION  virtme-ng version installed from PyPI (default 1.42)
+#   SOFTROCE_PASS_ENV   extra host variable names to pass into the VM (space separated);
+#                       KVLINK_* and RUST_* variables are always passed
+#   SOFTROCE_RWDIRS     host directories the guest may write to (space separated); everything
+#                       else except /tmp (a throw-away overlay) is read-only in the guest
+set -euo pipefail
+
+SCRIPT_PATH=$(readlink -f "${BASH_SOURCE[0]}")
+SCRIPT_DIR=$(dirname "$SCRIPT_PATH")
+REPO=$(cd "$SCRIPT_DIR/../.." && pwd)
+
+VM_DIR=${SOFTROCE_VM_DIR:-$REPO/.vm}
+VM_MEMORY=${SOFTROCE_MEMORY:-2G}
+VM_CPUS=${SOFTROCE_CPUS:-2}
+VM_TIMEOUT=${SOFTROCE_TIMEOUT:-1200}
+VNG_VERSION=${SOFTROCE_VNG_VERSION:-1.42}
+
+# The guest side of the RoCE setup. GID index 1 is the IPv4-mapped RoCE v2 GID of RXE_ADDR.
+RXE_DEVICE=rxe0
+RXE_NETDEV=dummy0
+RXE_ADDR=10.200.0.1
+RXE_GID_INDEX=1
+
+# Exit status when the harness itself (not the command) failed.
+EXIT_HARNESS=125
+
+APT_PACKAGES=(
+    qemu-system-x86 busybox-static kmod iproute2 file
+    rdma-core ibverbs-providers libibverbs1 ibverbs-utils perftest
+    python3 python3-venv
+)
+
+log() { echo "softroce: $*" >&2; }
+die() { log "error: $*"; exit "$EXIT_HARNESS"; }
+
+usage() {
+    sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$SCRIPT_PATH"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Host side: installation (idempotent, quick when everything is already there)
+# ---------------------------------------------------------------------------------------------
+
+APT_UPDATED=0
+apt_update_once() {
+    if [[ $APT_UPDATED == 0 ]]; then
+        log "apt-get update"
+        apt-get update -q >/dev/null || die "apt-get update failed"
+        APT_UPDATED=1
+    fi
+}
+
+is_installed() {
+    [[ $(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null) == installed ]]
+}
+
+ensure_packages() {
+    local pkg missing=()
+    for pkg in "${APT_PACKAGES[@]}"; do
+        is_installed "$pkg" || missing+=("$pkg")
+    done
+    [[ ${#missing[@]} == 0 ]] && return
+    apt_update_once
+    log "installing ${missing[*]}"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" \
+        >"$VM_DIR/apt-install.log" 2>&1 \
+        || { tail -n 20 "$VM_DIR/apt-install.log" >&2; die "apt-get install failed (log: $VM_DIR/apt-install.log)"; }
+}
+
+# virtme-ng from PyPI, in a venv under the cache directory.
+ensure_vng() {
+    local venv=$VM_DIR/venv python=python3
+    [[ -x /usr/bin/python3 ]] && python=/usr/bin/python3   # Debian's, which has venv support
+    if ! [[ -x $venv/bin/vng ]] || [[ $("$venv/bin/vng" --version 2>/dev/null) != "virtme-ng $VNG_VERSION" ]]; then
+        log "installing virtme-ng $VNG_VERSION into $venv"
+        "$python" -m venv --clear "$venv" || die "cannot create a python venv at $venv"
+        "$venv/bin/pip" install -q --disable-pip-version-check "virtme-ng==$VNG_VERSION" \
+            || die "pip install virtme-ng==$VNG_VERSION failed"
+    fi
+    # vng calls virtme-run by name.
+    PATH=$venv/bin:$PATH
+}
+
+# The Debian kernel that linux-image-amd64 points to. Its image is kept in $VM_DIR/kernel and
+# its modules go to /lib/modules/<version> on the host, where the guest (which sees the host's
+# root file system) finds them. Sets KERNEL_VERSION and KERNEL_IMAGE.
+ensure_kernel() {
+    local kdir=$VM_DIR/kernel ver="" pkg deb unpack
+    mkdir -p "$kdir"
+    [[ -f $kdir/version ]] && ver=$(<"$kdir/version")
+    if [[ -n $ver && -f $kdir/vmlinuz-$ver && -f /lib/modules/$ver/modules.dep ]]; then
+        KERNEL_VERSION=$ver
+        KERNEL_IMAGE=$kdir/vmlinuz-$ver
+        return
+    fi
+
+    if [[ -z $ver ]]; then
+        apt_update_once
+        pkg=$(apt-cache depends linux-image-amd64 \
+            | awk '$1 ~ /Depends:$/ && $2 ~ /^linux-image-[0-9]/ { print $2; exit }')
+        [[ -n $pkg ]] || die "cannot find the kernel package that linux-image-amd64 depends on"
+        ver=${pkg#linux-image-}
+    fi
+    pkg=linux-image-$ver
+
+    deb=$(find "$kdir" -maxdepth 1 -name "${pkg}_*.deb" | head -n 1)
+    if [[ -z $deb ]]; then
+        apt_update_once
+        log "downloading $pkg"
+        (cd "$kdir" && apt-get download -q "$pkg" 2>&1 | grep -v 'unsandboxed' >&2) || true
+        deb=$(find "$kdir" -maxdepth 1 -name "${pkg}_*.deb" | head -n 1)
+        [[ -n $deb ]] || die "apt-get download $pkg failed"
+    fi
+
+    # Unpack without installing (a real install would run boot-loader hooks).
+    log "unpacking $(basename "$deb")"
+    unpack=$(mktemp -d "$kdir/unpack.XXXXXX")
+    dpkg-deb -x "$deb" "$unpack" || die "dpkg-deb -x $deb failed"
+    cp "$unpack/boot/vmlinuz-$ver" "$kdir/vmlinuz-$ver" || die "no vmlinuz-$ver in $deb"
+    local mods=$unpack/lib/modules/$ver
+    [[ -d $mods ]] || mods=$unpack/usr/lib/modules/$ver
+    [[ -d $mods ]] || die "no modules for $ver in $deb"
+    mkdir -p /lib/modules
+    rm -rf "/lib/modules/$ver"
+    mv "$mods" "/lib/modules/$ver"
+    # The unpacked tree must go: vng looks for lib/modules next to the kernel image.
+    rm -rf "$unpack"
+    depmod "$ver" || die "depmod $ver failed"
+    modinfo -k "$ver" rdma_rxe >/dev/null 2>&1 || die "kernel $ver has no rdma_rxe module"
+    echo "$ver" >"$kdir/version"
+
+    KERNEL_VERSION=$ver
+    KERNEL_IMAGE=$kdir/vmlinuz-$ver
+}
+
+# ---------------------------------------------------------------------------------------------
+# Host side: boot the VM
+# ---------------------------------------------------------------------------------------------
+
+# Writes the files the guest reads from RUN_DIR: env.sh (variables to export) and cmd.sh (the
+# command as a bash array, so that any quoting survives).
+write_guest_files() {
+    local name
+    {
+        # Variables passed through from the host.
+        while read -r name; do
+            printf 'export %s=%q\n' "$name" "${!name}"
+        done < <(compgen -e | grep -E '^(KVLINK_|RUST_)' || true)
+        for name in HOME ${SOFTROCE_PASS_ENV:-}; do
+            if [[ -v $name ]]; then printf 'export %s=%q\n' "$name" "${!name}"; fi
+        done
+        # The guest's PATH: the usual system directories first, then the host's.
+        printf 'export PATH=%q\n' "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:$PATH"
+        # What the tests need to find the device (these win over host values).
+        printf 'export KVLINK_SOFTROCE=1\n'
+        printf 'export KVLINK_RDMA_DEVICE=%s\n' "$RXE_DEVICE"
+        printf 'export SOFTROCE_ADDR=%s\n' "$RXE_ADDR"
+        printf 'export SOFTROCE_GID_INDEX=%s\n' "$RXE_GID_INDEX"
+        printf 'export SOFTROCE_DIR=%q\n' "$SCRIPT_DIR"
+    } >"$RUN_DIR/env.sh"
+    local -a GUEST_CMD=("$@")
+    declare -p GUEST_CMD >"$RUN_DIR/cmd.sh"
+}
+
+# Forwarded to the VM on Ctrl-C / SIGTERM (timeout runs it in its own process group).
+VM_PID=""
+forward_signal() {
+    log "interrupted, stopping the VM"
+    [[ -n $VM_PID ]] && kill -TERM "$VM_PID" 2>/dev/null
+}
+
+# Boots the VM and runs this script's guest side in it. Sets VNG_STATUS to the exit status of
+# `timeout vng ...`.
+boot_vm() {
+    local vng_args=(
+        --run "$KERNEL_IMAGE"
+        --disable-kvm            # KVM guests hang at boot on these machines
+        --force-9p               # no virtiofsd here; skips vng's wait for it
+        --memory "$VM_MEMORY" --cpus "$VM_CPUS"
+        --name softroce
+        --cwd "$REPO"
+        --rwdir "$RUN_DIR"       # where the guest writes its status file
+    )
+    local dir
+    for dir in ${SOFTROCE_RWDIRS:-}; do
+        vng_args+=(--rwdir "$(readlink -f "$dir")")
+    done
+    # Kept short: vng passes it on the kernel command line.
+    vng_args+=(--exec "bash $SCRIPT_PATH --in-vm $RUN_DIR")
+
+    # qemu opens /proc/self/fd/1 and /proc/self/fd/2 by name several times; when they are
+    # regular files (CI logs) the opens truncate and overwrite each other. Give it a pipe.
+    local out cat_pid
+    exec {out}> >(cat)
+    cat_pid=$!
+
+    # timeout runs vng (and qemu) in a process group of its own and kills all of it at the
+    # limit. vng gets no stdin: CI has none, and the guest command should not need one.
+    timeout --kill-after=30 "$VM_TIMEOUT" vng "${vng_args[@]}" </dev/null >&"$out" 2>&1 &
+    VM_PID=$!
+    exec {out}>&-
+    trap forward_signal INT TERM HUP
+
+    VNG_STATUS=0
+    while true; do
+        wait "$VM_PID" && VNG_STATUS=0 || VNG_STATUS=$?
+        # wait returns early (status > 128) when a trapped signal arrives; wait again.
+        kill -0 "$VM_PID" 2>/dev/null || break
+    done
+    trap - INT TERM HUP
+    wait "$cat_pid" || true
+}
+
+host_main() {
+    [[ $(id -u) == 0 ]] || die "must run as root (installs packages, writes /lib/modules)"
+    [[ $# -gt 0 ]] || { usage >&2; exit 2; }
+
+    local start=$SECONDS
+    mkdir -p "$VM_DIR"
+    ensure_packages
+    ensure_vng
+    ensure_kernel
+
+    mkdir -p "$VM_DIR/run"
+    RUN_DIR=$(mktemp -d "$VM_DIR/run/XXXXXX")
+    trap 'rm -rf "$RUN_DIR"' EXIT
+    write_guest_files "$@"
+
+    log "booting kernel $KERNEL_VERSION (memory $VM_MEMORY, $VM_CPUS CPUs, limit ${VM_TIMEOUT}s)"
+    local boot_start=$SECONDS
+    boot_vm
+    local took=$((SECONDS - boot_start))
+
+    local status=""
+    [[ -f $RUN_DIR/status ]] && status=$(<"$RUN_DIR/status")
+    if [[ $VNG_STATUS == 124 || $VNG_STATUS == 137 ]]; then
+        log "error: the VM hit the time limit of ${VM_TIMEOUT}s (SOFTROCE_TIMEOUT) and was killed"
+        exit 124
+    fi
+    case $status in
+        '')
+            die "the VM did not run the command (vng exited with $VNG_STATUS after ${took}s); see the output above" ;;
+        setup-failed)
+            die "rxe0 setup failed inside the VM; see the output above" ;;
+        *[!0-9]*)
+            die "unexpected status '$status' from the VM" ;;
+    esac
+    log "command exited with $status (VM run ${took}s, total $((SECONDS - start))s)"
+    exit "$status"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Guest side (run inside the VM by host_main through `vng --exec`)
+# ---------------------------------------------------------------------------------------------
+
+setup_rxe() {
+    modprobe rdma_rxe || { log "modprobe rdma_rxe failed"; return 1; }
+    ip link add "$RXE_NETDEV" type dummy
+    ip addr add "$RXE_ADDR/24" dev "$RXE_NETDEV"
+    ip link set "$RXE_NETDEV" up
+    rdma link add "$RXE_DEVICE" type rxe netdev "$RXE_NETDEV" || { log "rdma link add failed"; return 1; }
+
+    # The IPv4-mapped GID shows up shortly after the link is created.
+    local gid_file=/sys/class/infiniband/$RXE_DEVICE/ports/1/gids/$RXE_GID_INDEX gid="" i
+    for ((i = 0; i < 100; i++)); do
+        gid=$(cat "$gid_file" 2>/dev/null || true)
+        [[ -n $gid && $gid != 0000:0000:0000:0000:0000:0000:0000:0000 ]] && break
+        gid=""
+        sleep 0.1
+    done
+    [[ -n $gid ]] || { log "$RXE_DEVICE has no GID at index $RXE_GID_INDEX"; return 1; }
+    # Fails when the user-space rxe provider (ibverbs-providers) is missing.
+    ibv_devinfo -d "$RXE_DEVICE" >/dev/null || { log "ibv_devinfo cannot open $RXE_DEVICE"; return 1; }
+
+    local uptime
+    read -r uptime _ </proc/uptime
+    log "$RXE_DEVICE up (gid $gid, index $RXE_GID_INDEX, $RXE_ADDR on $RXE_NETDEV; guest up ${uptime}s)"
+}
+
+guest_main() {
+    local run_dir=$1
+    [[ -d $run_dir ]] || die "guest: no run directory $run_dir"
+    # shellcheck source=/dev/null
+    source "$run_dir/env.sh"
+    if ! setup_rxe; then
+        echo setup-failed >"$run_dir/status"
+        exit "$EXIT_HARNESS"
+    fi
+    # shellcheck source=/dev/null
+    source "$run_dir/cmd.sh"   # defines GUEST_CMD
+    cd "$REPO"
+    log "running: ${GUEST_CMD[*]}"
+    local rc=0
+    "${GUEST_CMD[@]}" || rc=$?
+    echo "$rc" >"$run_dir/status"
+    exit "$rc"
+}
+
+# ---------------------------------------------------------------------------------------------
+
+case ${1:-} in
+    --in-vm) guest_main "$2" ;;
+    -h | --help) usage ;;
+    --) shift; host_main "$@" ;;
+    *) host_main "$@" ;;
+esac
