@@ -19,7 +19,21 @@ use crate::layout::KvLayout;
 use crate::memory::{Region, RegionInfo};
 use crate::plan;
 use crate::session::{self, Peers, ReadJob};
+use crate::transport::rdma::{self, RdmaDevice, RdmaFault, RdmaSettings, ServerQps};
 use crate::transport::tcp::{self, RegionLookup};
+
+/// Which transport an engine may use for reading from peers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransportChoice {
+    /// RDMA when both engines have it, TCP otherwise (logged per peer, with the reason).
+    #[default]
+    Auto,
+    /// TCP only; RDMA is not even probed.
+    Tcp,
+    /// RDMA only: the engine fails to start without a usable device, and a read from a peer
+    /// without RDMA fails with `Error::RdmaUnavailable`.
+    Rdma,
+}
 
 /// How an engine is set up. `EngineConfig::default()` listens on loopback with ephemeral ports.
 #[derive(Debug, Clone)]
@@ -53,6 +67,13 @@ pub struct EngineConfig {
     pub keepalive: Duration,
     /// Worker threads of the engine's runtime.
     pub runtime_threads: usize,
+    /// Transports to use.
+    pub transport: TransportChoice,
+    /// RDMA device, GID and queue-pair settings.
+    pub rdma: RdmaSettings,
+    /// Fault injection for tests of the RDMA error paths; leave at its default.
+    #[doc(hidden)]
+    pub rdma_fault: RdmaFault,
 }
 
 impl Default for EngineConfig {
@@ -72,6 +93,9 @@ impl Default for EngineConfig {
             io_timeout: Duration::from_secs(30),
             keepalive: Duration::from_secs(5),
             runtime_threads: 2,
+            transport: TransportChoice::Auto,
+            rdma: RdmaSettings::default(),
+            rdma_fault: RdmaFault::default(),
         }
     }
 }
@@ -114,6 +138,9 @@ pub(crate) struct Shared {
     finished: Condvar,
     pub(crate) peers: Peers,
     counters: Counters,
+    pub(crate) rdma: Option<Arc<RdmaDevice>>,
+    pub(crate) rdma_unavailable: Option<String>,
+    pub(crate) rdma_fault_budget: Arc<std::sync::atomic::AtomicU32>,
 }
 
 impl Shared {
@@ -158,6 +185,23 @@ impl Shared {
         v
     }
 
+    fn transport_infos(&self) -> Vec<TransportInfo> {
+        let mut v = vec![TransportInfo::Tcp {
+            addr: self.data_addr.to_string(),
+            streams: self.config.tcp_streams,
+        }];
+        if let Some(dev) = &self.rdma {
+            v.push(TransportInfo::Rdma {
+                device: dev.name().to_string(),
+                gid: dev.gid().octets(),
+                lid: dev.lid,
+                mtu: dev.mtu_bytes(),
+                regions: dev.region_infos(),
+            });
+        }
+        v
+    }
+
     fn rebuild_descriptor(&self) {
         let layout = self.layout.read().clone();
         *self.descriptor.write() = layout.map(|layout| {
@@ -169,10 +213,7 @@ impl Shared {
                 tp_size: self.config.tp_size,
                 layout,
                 regions: self.region_infos(),
-                transports: vec![TransportInfo::Tcp {
-                    addr: self.data_addr.to_string(),
-                    streams: self.config.tcp_streams,
-                }],
+                transports: self.transport_infos(),
             })
         });
     }
@@ -196,6 +237,22 @@ impl ControlHandler for Shared {
             &self.counters.handshakes_refused
         };
         c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn rdma_accept(
+        &self,
+        peer: SocketAddr,
+        qps: &[rdma::QpEndpoint],
+    ) -> std::result::Result<(Vec<rdma::QpEndpoint>, Box<dyn std::any::Any + Send>), String> {
+        let dev = self.rdma.as_ref().ok_or_else(|| {
+            format!(
+                "this engine has no RDMA device ({})",
+                self.rdma_unavailable.as_deref().unwrap_or("disabled")
+            )
+        })?;
+        let (guard, ours) = ServerQps::accept(dev, qps)?;
+        tracing::debug!(%peer, qps = ours.len(), "queue pairs created for a reader");
+        Ok((ours, Box::new(guard)))
     }
 }
 
@@ -264,6 +321,19 @@ impl Engine {
                 tcp::wire::MAX_REQUEST_BYTES
             )));
         }
+        let (rdma, rdma_unavailable) = match config.transport {
+            TransportChoice::Tcp => (
+                None,
+                Some("disabled by configuration (transport: tcp)".to_string()),
+            ),
+            choice => match rdma::probe(&config.rdma) {
+                Ok(dev) => (Some(dev), None),
+                Err(why) if choice == TransportChoice::Rdma => {
+                    return Err(Error::RdmaUnavailable(why))
+                }
+                Err(why) => (None, Some(why)),
+            },
+        };
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.runtime_threads.max(1))
             .thread_name("kvlink")
@@ -321,18 +391,28 @@ impl Engine {
             finished: Condvar::new(),
             peers: Peers::default(),
             counters: Counters::default(),
+            rdma,
+            rdma_unavailable,
+            rdma_fault_budget: Arc::new(std::sync::atomic::AtomicU32::new(
+                config.rdma_fault.requests,
+            )),
             config,
         });
         let timeouts = shared.control_timeouts();
         let io_timeout = shared.config.io_timeout;
         runtime.spawn(control::serve(control, shared.clone(), timeouts));
         runtime.spawn(tcp::serve(data, shared.clone(), io_timeout));
-        tracing::info!(
-            engine = %engine_id,
-            control = %control_addr,
-            data = %data_addr,
-            "kvlink engine started; transports: tcp (rdma: not in this build yet); memory: host"
-        );
+        match (&shared.rdma, &shared.rdma_unavailable) {
+            (Some(dev), _) => tracing::info!(
+                engine = %engine_id, control = %control_addr, data = %data_addr,
+                "kvlink engine started; transports: rdma ({}, gid {}), tcp; memory: host", dev.name(), dev.gid()
+            ),
+            (None, why) => tracing::info!(
+                engine = %engine_id, control = %control_addr, data = %data_addr,
+                "kvlink engine started; transports: tcp (rdma unavailable: {}); memory: host",
+                why.as_deref().unwrap_or("unknown")
+            ),
+        }
         Ok(Engine {
             shared,
             control_addr,
@@ -343,6 +423,14 @@ impl Engine {
     /// The address peers use for the handshake: put it in a request's transfer parameters.
     pub fn handshake_address(&self) -> SocketAddr {
         self.control_addr
+    }
+
+    /// The RDMA device in use (`Ok(name)`), or why RDMA is not used (`Err(reason)`).
+    pub fn rdma_status(&self) -> std::result::Result<String, String> {
+        match (&self.shared.rdma, &self.shared.rdma_unavailable) {
+            (Some(d), _) => Ok(d.name().to_string()),
+            (None, why) => Err(why.clone().unwrap_or_else(|| "unknown".into())),
+        }
     }
 
     /// This engine's id.
@@ -359,7 +447,10 @@ impl Engine {
         RegionId(self.shared.next_region.fetch_add(1, Ordering::Relaxed))
     }
 
-    fn add_region(&self, region: Region) -> Arc<Region> {
+    fn add_region(&self, region: Region) -> Result<Arc<Region>> {
+        if let Some(dev) = &self.shared.rdma {
+            dev.register(&region).map_err(Error::Memory)?;
+        }
         let region = Arc::new(region);
         self.shared
             .regions
@@ -367,14 +458,14 @@ impl Engine {
             .insert(region.id(), region.clone());
         self.shared.rebuild_descriptor();
         tracing::info!(region = %region.id(), len = region.len(), kind = ?region.kind(), "memory registered");
-        region
+        Ok(region)
     }
 
     /// Allocates and registers `len` bytes of zeroed host memory (huge pages on request, with a
     /// logged fallback to regular pages).
     pub fn allocate_host(&self, len: u64, huge_pages: bool) -> Result<Arc<Region>> {
         let region = Region::allocate(self.next_region_id(), len, huge_pages)?;
-        Ok(self.add_region(region))
+        self.add_region(region)
     }
 
     /// Registers caller-owned host memory.
@@ -388,7 +479,7 @@ impl Engine {
     pub unsafe fn register_host(&self, ptr: *mut u8, len: u64) -> Result<Arc<Region>> {
         // SAFETY: forwarded from this function's contract.
         let region = unsafe { Region::external(self.next_region_id(), ptr, len)? };
-        Ok(self.add_region(region))
+        self.add_region(region)
     }
 
     /// Stops exporting a region. Refused while the KV layout uses it.
@@ -405,6 +496,9 @@ impl Engine {
             .write()
             .remove(&id)
             .ok_or(Error::UnknownRegion(id))?;
+        if let Some(dev) = &self.shared.rdma {
+            dev.deregister(id);
+        }
         self.shared.rebuild_descriptor();
         Ok(())
     }

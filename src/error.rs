@@ -114,6 +114,16 @@ pub enum Error {
         reason: String,
     },
 
+    /// An RDMA operation failed; the message names the verbs error (for example a remote access
+    /// error or an exceeded retry count) and the peer. The connection is rebuilt on next use.
+    #[error("RDMA: {0}")]
+    Rdma(String),
+
+    /// RDMA was required (`TransportChoice::Rdma`) but cannot be used; the message says why
+    /// (no verbs library, no device, no active port, peer without RDMA).
+    #[error("RDMA unavailable: {0}")]
+    RdmaUnavailable(String),
+
     /// The engine is shutting down; no new work is accepted.
     #[error("engine is shut down")]
     Shutdown,

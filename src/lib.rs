@@ -38,7 +38,7 @@ pub use completion::{
     CompletionTracker, FailedRequest, Finished, SendNotice, Side, TpAggregator, TransferReport,
 };
 pub use control::messages::{Descriptor, TransportInfo};
-pub use engine::{Engine, EngineConfig, EngineStats};
+pub use engine::{Engine, EngineConfig, EngineStats, TransportChoice};
 pub use error::{Error, Result};
 pub use ids::{BlockId, RegionId, RequestId, MAX_REQUEST_ID_LEN};
 pub use layout::{KvLayout, ModelShape, TensorLayout, MAX_TENSORS};

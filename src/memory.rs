@@ -244,6 +244,11 @@ impl RegionSpan {
         self.len
     }
 
+    /// The span's region and start offset.
+    pub(crate) fn position(&self) -> (RegionId, u64) {
+        (self.region.id(), self.offset)
+    }
+
     /// The span's bytes as an I/O slice for a vectored write to a socket.
     pub(crate) fn io_slice(&self) -> IoSlice<'_> {
         // SAFETY: the range was checked at construction and the Arc keeps the region alive for

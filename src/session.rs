@@ -13,11 +13,12 @@ use tokio::sync::watch;
 use crate::completion::TransferReport;
 use crate::control::messages::{Descriptor, Message};
 use crate::control::ControlClient;
-use crate::engine::Shared;
+use crate::engine::{Shared, TransportChoice};
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, RequestId};
 use crate::memory::RegionSpan;
 use crate::plan::{plan, PlanOptions};
+use crate::transport::rdma::RdmaConnection;
 use crate::transport::tcp::TcpTransport;
 use crate::transport::{ReadOp, RequestCtl, Transport};
 
@@ -40,7 +41,13 @@ type Outcome = Option<Result<Arc<PeerConn>>>;
 enum Slot {
     Connecting(watch::Receiver<Outcome>),
     Ready(Arc<PeerConn>),
+    /// A recent failure, returned to callers until the instant passes (so a burst of requests
+    /// to a bad peer costs one handshake, and a dead peer is not hammered).
+    Failed(Error, std::time::Instant),
 }
+
+/// How long a failed connect is remembered.
+const FAILURE_MEMORY: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// The cache of sessions, keyed by the peer's handshake address as the caller gave it.
 #[derive(Default)]
@@ -66,6 +73,9 @@ impl Peers {
             match map.get(peer) {
                 Some(Slot::Ready(c)) if !c.is_broken() => return Ok(c.clone()),
                 Some(Slot::Connecting(rx)) => rx.clone(),
+                Some(Slot::Failed(e, until)) if std::time::Instant::now() < *until => {
+                    return Err(e.clone())
+                }
                 other => {
                     let generation = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
                     if let Some(Slot::Ready(old)) = other {
@@ -90,7 +100,8 @@ impl Peers {
                                 }
                                 Err(e) => {
                                     tracing::warn!(%peer, error = %e, "connecting to peer failed");
-                                    map.remove(&peer);
+                                    let until = std::time::Instant::now() + FAILURE_MEMORY;
+                                    map.insert(peer.clone(), Slot::Failed(e.clone(), until));
                                 }
                             }
                         }
@@ -122,32 +133,88 @@ async fn connect(shared: &Arc<Shared>, peer: &str, generation: u64) -> Result<Pe
     let ours = shared.descriptor().ok_or_else(|| {
         Error::invalid("set a KV layout on this engine before reading from peers")
     })?;
-    let (control, theirs) = ControlClient::connect(addr, &ours, shared.control_timeouts()).await?;
-    let (data_addr, _) = theirs.tcp().ok_or_else(|| Error::Handshake {
-        peer: peer.to_string(),
-        reason: "the peer offers no transport this engine can use (tcp)".into(),
-    })?;
-    let transport = TcpTransport::connect(
-        data_addr,
-        usize::from(cfg.tcp_streams),
-        cfg.connect_timeout,
-        cfg.io_timeout,
-        cfg.batch_bytes,
-    )
-    .await?;
+    let (mut hs, theirs) = ControlClient::handshake(addr, &ours, shared.control_timeouts()).await?;
+    let transport: Box<dyn Transport> = match (&shared.rdma, theirs.rdma(), cfg.transport) {
+        (Some(dev), Some((their_dev, regions)), choice) if choice != TransportChoice::Tcp => {
+            let (prepared, qps) =
+                RdmaConnection::prepare(dev, cfg.rdma.qps).map_err(Error::Rdma)?;
+            let reply = hs
+                .request(&Message::RdmaConnect { generation, qps })
+                .await?;
+            let conn = match reply {
+                Message::RdmaAccept { generation: g, qps } if g == generation => prepared
+                    .connect(
+                        peer,
+                        &qps,
+                        regions.to_vec(),
+                        cfg.rdma_fault,
+                        shared.rdma_fault_budget.clone(),
+                    )
+                    .map_err(Error::Rdma)?,
+                Message::RdmaAccept { generation: g, .. } => {
+                    return Err(Error::Handshake {
+                        peer: peer.to_string(),
+                        reason: format!(
+                            "stale RDMA answer for generation {g}, expected {generation}"
+                        ),
+                    })
+                }
+                other => {
+                    return Err(Error::Handshake {
+                        peer: peer.to_string(),
+                        reason: format!("unexpected answer to RdmaConnect: {other:?}"),
+                    })
+                }
+            };
+            tracing::info!(
+                peer,
+                local = dev.name(),
+                remote = their_dev,
+                qps = cfg.rdma.qps,
+                "transport rdma: both engines have RDMA"
+            );
+            Box::new(conn)
+        }
+        (ours_dev, their_rdma, choice) => {
+            let why = match (ours_dev, their_rdma) {
+                _ if choice == TransportChoice::Tcp => "tcp forced by configuration".to_string(),
+                (None, _) => format!(
+                    "this engine has no RDMA ({})",
+                    shared.rdma_unavailable.as_deref().unwrap_or("unknown")
+                ),
+                _ => "the peer offers no RDMA".to_string(),
+            };
+            if choice == TransportChoice::Rdma {
+                return Err(Error::RdmaUnavailable(format!("to {peer}: {why}")));
+            }
+            let (data_addr, _) = theirs.tcp().ok_or_else(|| Error::Handshake {
+                peer: peer.to_string(),
+                reason: "the peer offers no transport this engine can use".into(),
+            })?;
+            let t = TcpTransport::connect(
+                data_addr,
+                usize::from(cfg.tcp_streams),
+                cfg.connect_timeout,
+                cfg.io_timeout,
+                cfg.batch_bytes,
+            )
+            .await?;
+            tracing::info!(peer, streams = cfg.tcp_streams, reason = %why, "transport tcp");
+            Box::new(t)
+        }
+    };
     tracing::info!(
         peer,
         engine = %theirs.engine_id,
         peer_generation = theirs.generation,
         generation,
         transport = transport.name(),
-        streams = cfg.tcp_streams,
-        "session ready (tcp: the only transport built in this version)"
+        "session ready"
     );
     Ok(PeerConn {
         descriptor: theirs,
-        control,
-        transport: Box::new(transport),
+        control: hs.start(),
+        transport,
         generation,
     })
 }
@@ -162,33 +229,35 @@ pub(crate) struct ReadJob {
     pub(crate) deadline: tokio::time::Instant,
 }
 
+/// Extra time after the request deadline for a transport to stop touching the request's
+/// memory (RDMA flushes its queue pairs) before the task gives up waiting for it.
+const BACKSTOP: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Runs one receive to its end and reports it: done, failed with a reason, or expired.
 pub(crate) async fn run_read(shared: Arc<Shared>, job: ReadJob) {
     let ctl = Arc::new(RequestCtl::default());
     let timeout = job
         .deadline
         .saturating_duration_since(tokio::time::Instant::now());
-    let work = read_once(&shared, &job, ctl.clone());
-    let outcome = tokio::time::timeout_at(job.deadline, work).await;
+    let outcome = tokio::time::timeout_at(
+        job.deadline + BACKSTOP,
+        read_once(&shared, &job, ctl.clone()),
+    )
+    .await;
     let conn = shared.peers.ready_conn(&job.peer);
-    let result = match outcome {
-        Ok(r) => r,
-        Err(_) => {
-            ctl.cancel();
-            let reason = format!(
-                "not complete within the request timeout of {timeout:?} (peer {} slow or unreachable)",
-                job.peer
-            );
-            tracing::warn!(id = %job.id, %reason, "read expired");
-            if let Some(c) = &conn {
-                c.control.notify(Message::Abort {
-                    request_id: job.id.clone(),
-                    reason: reason.clone(),
-                });
-            }
-            shared.with_tracker(|t| t.recv_failed(&job.id, true, reason));
-            return;
+    let (expired, result) = match outcome {
+        Ok(Ok(done)) => (false, Ok(done)),
+        Ok(Err(e)) => {
+            let late = tokio::time::Instant::now() >= job.deadline;
+            (late && matches!(e, Error::Timeout { .. }), Err(e))
         }
+        Err(_) => (
+            true,
+            Err(Error::Timeout {
+                what: "the transport to stop after the request deadline".into(),
+                after: BACKSTOP,
+            }),
+        ),
     };
     match result {
         Ok((report, conn)) => {
@@ -199,15 +268,22 @@ pub(crate) async fn run_read(shared: Arc<Shared>, job: ReadJob) {
         }
         Err(e) => {
             ctl.cancel();
-            let reason = e.to_string();
-            tracing::warn!(id = %job.id, %reason, "read failed");
+            let reason = if expired {
+                format!(
+                    "not complete within the request timeout of {timeout:?} (peer {}): {e}",
+                    job.peer
+                )
+            } else {
+                e.to_string()
+            };
+            tracing::warn!(id = %job.id, %reason, expired, "read failed");
             if let Some(c) = &conn {
                 c.control.notify(Message::Abort {
                     request_id: job.id.clone(),
                     reason: reason.clone(),
                 });
             }
-            shared.with_tracker(|t| t.recv_failed(&job.id, false, reason));
+            shared.with_tracker(|t| t.recv_failed(&job.id, expired, reason));
         }
     }
 }
@@ -217,7 +293,12 @@ async fn read_once(
     job: &ReadJob,
     ctl: Arc<RequestCtl>,
 ) -> Result<(TransferReport, Arc<PeerConn>)> {
-    let conn = shared.peers.get(shared, &job.peer).await?;
+    let conn = tokio::time::timeout_at(job.deadline, shared.peers.get(shared, &job.peer))
+        .await
+        .map_err(|_| Error::Timeout {
+            what: format!("connecting to {}", job.peer),
+            after: std::time::Duration::ZERO,
+        })??;
     let local_layout = shared
         .layout()
         .ok_or_else(|| Error::invalid("this engine's KV layout was removed"))?;
@@ -242,7 +323,7 @@ async fn read_once(
             remote_offset: s.remote_offset,
         });
     }
-    conn.transport.read(ops, ctl).await?;
+    conn.transport.read(ops, ctl, job.deadline).await?;
     let report = TransferReport {
         id: job.id.clone(),
         bytes: plan.bytes,

@@ -4,117 +4,15 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::*;
 use kvlink::ModelShape;
 
-const CHILD_ENV: &str = "KVLINK_TEST_CHILD";
-
 /// The prefill worker, when run as a child; a no-op in a normal test run.
 #[test]
 fn prefill_child() {
-    let Ok(spec) = std::env::var(CHILD_ENV) else {
-        return;
-    };
-    // spec: "<preset> <num_blocks> <seed> <held requests>"
-    let p: Vec<&str> = spec.split_whitespace().collect();
-    let shape = ModelShape::preset(p[0]).unwrap();
-    let blocks: u32 = p[1].parse().unwrap();
-    let seed: u64 = p[2].parse().unwrap();
-    let held: usize = p[3].parse().unwrap();
-    let prefill = side(&shape, blocks, Some(seed), quick_config());
-    for i in 0..held {
-        prefill.engine.hold_blocks(format!("req-{i}")).unwrap();
-    }
-    // Exit when the parent goes away (stdin closes).
-    std::thread::spawn(|| {
-        let mut s = String::new();
-        while std::io::stdin()
-            .read_line(&mut s)
-            .map(|n| n > 0)
-            .unwrap_or(false)
-        {}
-        std::process::exit(0);
-    });
-    println!("KVLINK_ADDR {}", prefill.engine.handshake_address());
-    loop {
-        let f = prefill.engine.wait_finished(Duration::from_secs(1));
-        for id in f.sending {
-            println!("KVLINK_SENT {id}");
-        }
-        for fr in f.failed {
-            println!("KVLINK_FAILED {} {}", fr.id, fr.reason);
-        }
-    }
-}
-
-struct ChildPrefill {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    addr: String,
-}
-
-impl ChildPrefill {
-    fn spawn(preset: &str, blocks: u32, seed: u64, held: usize) -> ChildPrefill {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "prefill_child",
-                "--exact",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD_ENV, format!("{preset} {blocks} {seed} {held}"))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let out = child.stdout.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                // libtest may print "test prefill_child ... " before the first line.
-                if let Some(at) = line.find("KVLINK_") {
-                    if tx.send(line[at..].to_string()).is_err() {
-                        break;
-                    }
-                }
-            }
-        });
-        let first = lines
-            .recv_timeout(Duration::from_secs(60))
-            .expect("child prefill started");
-        let addr = first
-            .strip_prefix("KVLINK_ADDR ")
-            .expect("address line")
-            .to_string();
-        ChildPrefill { child, lines, addr }
-    }
-
-    /// Lines with `prefix` seen within `limit`, until `want` of them.
-    fn wait_lines(&self, prefix: &str, want: usize, limit: Duration) -> Vec<String> {
-        let end = Instant::now() + limit;
-        let mut got = Vec::new();
-        while got.len() < want {
-            let left = end.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) if l.starts_with(prefix) => got.push(l),
-                Ok(_) => {}
-                Err(_) => break,
-            }
-        }
-        got
-    }
-}
-
-impl Drop for ChildPrefill {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    prefill_child_main();
 }
 
 fn two_process_transfer(
@@ -125,7 +23,7 @@ fn two_process_transfer(
     per: usize,
 ) {
     let seed = 77 + u64::from(shape.layers);
-    let child = ChildPrefill::spawn(shape.name, prefill_blocks, seed, requests);
+    let child = ChildPrefill::spawn(shape.name, prefill_blocks, seed, requests, "tcp");
     let decode = side(&shape, decode_blocks, None, quick_config());
     let remote_layout = shape.layout(kvlink::RegionId(1), prefill_blocks);
     let mut rng = Rng(7);
@@ -166,7 +64,7 @@ fn two_process_deepseek_mla() {
 fn prefill_killed_mid_transfer_fails_requests_then_a_new_peer_works() {
     let shape = ModelShape::LLAMA3_8B;
     let blocks = 256;
-    let mut child = ChildPrefill::spawn(shape.name, blocks, 5, 0);
+    let mut child = ChildPrefill::spawn(shape.name, blocks, 5, 0, "tcp");
     let decode = side(&shape, blocks, None, quick_config());
     // Many large requests (all 256 blocks each, 512 MiB per request); local blocks overlap
     // across requests, which is fine here since bytes are not checked.
@@ -220,7 +118,7 @@ fn prefill_killed_mid_transfer_fails_requests_then_a_new_peer_works() {
     assert_eq!(decode.engine.in_flight(), (0, 0));
 
     // A fresh prefill process: the session is rebuilt and reads work again.
-    let child2 = ChildPrefill::spawn(shape.name, blocks, 9, 1);
+    let child2 = ChildPrefill::spawn(shape.name, blocks, 9, 1, "tcp");
     let (l, r) = (vec![5u32, 9, 200], vec![17u32, 3, 250]);
     decode
         .engine

@@ -42,55 +42,49 @@ fn handshake_err(peer: SocketAddr, reason: impl Into<String>) -> Error {
     }
 }
 
-impl ControlClient {
-    /// Connects, sends our descriptor, and returns the peer's validated, compatible descriptor.
-    pub(crate) async fn connect(
-        peer: SocketAddr,
-        ours: &Descriptor,
-        timeouts: ControlTimeouts,
-    ) -> Result<(ControlClient, Descriptor)> {
-        let mut stream = timeout(timeouts.connect, TcpStream::connect(peer))
-            .await
-            .map_err(|_| Error::Timeout {
-                what: format!("connecting to {peer}"),
-                after: timeouts.connect,
-            })?
-            .map_err(|e| handshake_err(peer, format!("connect: {e}")))?;
-        let _ = stream.set_nodelay(true);
-        let hello = frame::encode(&Message::Hello {
-            descriptor: Box::new(ours.clone()),
-        })?;
+/// A control connection after the descriptor exchange, before its background tasks start:
+/// further request/response exchanges (RDMA queue pairs) happen here.
+pub(crate) struct Handshake {
+    stream: TcpStream,
+    peer: SocketAddr,
+    timeouts: ControlTimeouts,
+}
+
+impl Handshake {
+    /// Sends `msg` and waits for the answer, within the handshake deadline. A refusal (`Error`)
+    /// becomes `Error::Handshake` with the peer's message.
+    pub(crate) async fn request(&mut self, msg: &Message) -> Result<Message> {
+        let frame = frame::encode(msg)?;
+        let peer = self.peer;
+        let stream = &mut self.stream;
         let exchange = async {
-            write_frame(&mut stream, &hello).await?;
-            read_frame(&mut stream).await
+            write_frame(stream, &frame).await?;
+            read_frame(stream).await
         };
-        let reply = timeout(timeouts.handshake, exchange)
+        let reply = timeout(self.timeouts.handshake, exchange)
             .await
             .map_err(|_| Error::Timeout {
-                what: format!("waiting for the handshake reply of {peer}"),
-                after: timeouts.handshake,
+                what: format!("waiting for an answer from {peer}"),
+                after: self.timeouts.handshake,
             })?
             .map_err(|e| handshake_err(peer, e.to_string()))?
             .ok_or_else(|| handshake_err(peer, "the peer closed the connection"))?;
-        let theirs = match frame::decode::<Message>(reply.0, &reply.1) {
-            Ok(Message::Descriptor(d)) => *d,
+        match frame::decode::<Message>(reply.0, &reply.1) {
             Ok(Message::Error { message }) => {
-                return Err(handshake_err(peer, format!("refused: {message}")))
+                Err(handshake_err(peer, format!("refused: {message}")))
             }
-            Ok(other) => return Err(handshake_err(peer, format!("unexpected reply {other:?}"))),
-            Err(e) => return Err(handshake_err(peer, e.to_string())),
-        };
-        theirs
-            .validate()
-            .map_err(|e| handshake_err(peer, e.to_string()))?;
-        let diffs = ours.differences(&theirs);
-        if !diffs.is_empty() {
-            return Err(Error::Incompatible {
-                peer: peer.to_string(),
-                differences: format!("(ours vs theirs) {}", diffs.join("; ")),
-            });
+            Ok(m) => Ok(m),
+            Err(e) => Err(handshake_err(peer, e.to_string())),
         }
+    }
 
+    /// Starts the keep-alive and notice tasks.
+    pub(crate) fn start(self) -> ControlClient {
+        let Handshake {
+            stream,
+            peer,
+            timeouts,
+        } = self;
         let (mut rd, mut wr) = stream.into_split();
         let closed = Arc::new(AtomicBool::new(false));
         let (tx, mut rx) = mpsc::channel::<Message>(NOTICE_QUEUE);
@@ -150,15 +144,62 @@ impl ControlClient {
             }
             reader_closed.store(true, Ordering::Release);
         });
-        Ok((
-            ControlClient {
-                tx,
-                closed,
-                tasks: [writer, reader],
-                peer,
-            },
-            theirs,
-        ))
+        ControlClient {
+            tx,
+            closed,
+            tasks: [writer, reader],
+            peer,
+        }
+    }
+}
+
+impl ControlClient {
+    /// Connects, sends our descriptor, and returns the peer's validated, compatible descriptor.
+    pub(crate) async fn handshake(
+        peer: SocketAddr,
+        ours: &Descriptor,
+        timeouts: ControlTimeouts,
+    ) -> Result<(Handshake, Descriptor)> {
+        let stream = timeout(timeouts.connect, TcpStream::connect(peer))
+            .await
+            .map_err(|_| Error::Timeout {
+                what: format!("connecting to {peer}"),
+                after: timeouts.connect,
+            })?
+            .map_err(|e| handshake_err(peer, format!("connect: {e}")))?;
+        let _ = stream.set_nodelay(true);
+        let mut hs = Handshake {
+            stream,
+            peer,
+            timeouts,
+        };
+        let theirs = match hs
+            .request(&Message::Hello {
+                descriptor: Box::new(ours.clone()),
+            })
+            .await
+        {
+            Ok(Message::Descriptor(d)) => *d,
+            Ok(other) => return Err(handshake_err(peer, format!("unexpected reply {other:?}"))),
+            Err(Error::Timeout { after, .. }) => {
+                return Err(Error::Timeout {
+                    what: format!("waiting for the handshake reply of {peer}"),
+                    after,
+                })
+            }
+            Err(e) => return Err(e),
+        };
+        theirs
+            .validate()
+            .map_err(|e| handshake_err(peer, e.to_string()))?;
+        let diffs = ours.differences(&theirs);
+        if !diffs.is_empty() {
+            return Err(Error::Incompatible {
+                peer: peer.to_string(),
+                differences: format!("(ours vs theirs) {}", diffs.join("; ")),
+            });
+        }
+        Ok((hs, theirs))
     }
 
     /// Whether the connection has died.

@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::layout::KvLayout;
 use crate::memory::RegionInfo;
+use crate::transport::rdma::{QpEndpoint, RdmaRegionInfo};
 
 /// Most regions a descriptor may list.
 pub const MAX_REGIONS: usize = 4096;
@@ -23,6 +24,19 @@ pub enum TransportInfo {
         addr: String,
         /// Streams a reader should open (the server accepts more).
         streams: u16,
+    },
+    /// RDMA verbs (RDMA READ over reliable connections).
+    Rdma {
+        /// Device name, for logs.
+        device: String,
+        /// Port GID.
+        gid: [u8; 16],
+        /// Port LID (0 on RoCE).
+        lid: u16,
+        /// Active MTU in bytes.
+        mtu: u32,
+        /// Keys and addresses of the exported regions.
+        regions: Vec<RdmaRegionInfo>,
     },
 }
 
@@ -86,6 +100,30 @@ impl Descriptor {
                         return bad(format!("tcp streams {streams} (1 to 64 allowed)"));
                     }
                 }
+                TransportInfo::Rdma {
+                    device, regions, ..
+                } => {
+                    if device.len() > 64 {
+                        return bad("rdma device name longer than 64 bytes".into());
+                    }
+                    for r in regions {
+                        let Some(info) = self.regions.iter().find(|x| x.id == r.id) else {
+                            return bad(format!("rdma keys for unknown {}", r.id));
+                        };
+                        let chunks = if r.chunk_bytes == 0 {
+                            u64::MAX
+                        } else {
+                            info.len.div_ceil(r.chunk_bytes)
+                        };
+                        if chunks != r.rkeys.len() as u64 || r.addr.checked_add(info.len).is_none()
+                        {
+                            return bad(format!(
+                                "rdma registration of {} does not cover its {} bytes",
+                                r.id, info.len
+                            ));
+                        }
+                    }
+                }
             }
         }
         self.layout
@@ -109,6 +147,17 @@ impl Descriptor {
     pub fn tcp(&self) -> Option<(SocketAddr, u16)> {
         self.transports.iter().find_map(|t| match t {
             TransportInfo::Tcp { addr, streams } => addr.parse().ok().map(|a| (a, *streams)),
+            _ => None,
+        })
+    }
+
+    /// The RDMA transport's registration keys, if offered.
+    pub fn rdma(&self) -> Option<(&str, &[RdmaRegionInfo])> {
+        self.transports.iter().find_map(|t| match t {
+            TransportInfo::Rdma {
+                device, regions, ..
+            } => Some((device.as_str(), regions.as_slice())),
+            _ => None,
         })
     }
 }
@@ -135,6 +184,21 @@ pub enum Message {
         request_id: RequestId,
         /// Why, for the server's logs and its failed list.
         reason: String,
+    },
+    /// Reader to server, after the handshake: connect these queue pairs to yours. Answered by
+    /// `RdmaAccept` or `Error`. The generation tells answers to old exchanges apart.
+    RdmaConnect {
+        /// The reader's session generation.
+        generation: u64,
+        /// The reader's queue pairs.
+        qps: Vec<QpEndpoint>,
+    },
+    /// Server to reader: my queue pairs, connected to yours and ready.
+    RdmaAccept {
+        /// The generation of the `RdmaConnect` answered.
+        generation: u64,
+        /// The server's queue pairs, one per reader queue pair.
+        qps: Vec<QpEndpoint>,
     },
     /// Keep-alive probe.
     Ping {

@@ -13,6 +13,7 @@ use super::ControlTimeouts;
 use crate::completion::SendNotice;
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
+use crate::transport::rdma::QpEndpoint;
 
 /// What the handshake service needs from the engine.
 pub(crate) trait ControlHandler: Send + Sync + 'static {
@@ -22,6 +23,13 @@ pub(crate) trait ControlHandler: Send + Sync + 'static {
     fn notice(&self, peer: SocketAddr, id: RequestId, notice: SendNotice);
     /// A handshake ended: accepted or refused.
     fn handshake(&self, accepted: bool);
+    /// A reader asks for queue pairs connected to its own. Returns ours and a guard that keeps
+    /// them alive for as long as the control connection lives.
+    fn rdma_accept(
+        &self,
+        peer: SocketAddr,
+        qps: &[QpEndpoint],
+    ) -> std::result::Result<(Vec<QpEndpoint>, Box<dyn std::any::Any + Send>), String>;
 }
 
 /// Accepts control connections until the task is dropped.
@@ -62,18 +70,24 @@ async fn refuse(stream: &mut TcpStream, message: String) -> Error {
     Error::Protocol(message)
 }
 
+/// Refuses a handshake: counted before the answer is written, so a peer that reads the refusal
+/// always finds it counted.
+async fn refuse_handshake(
+    stream: &mut TcpStream,
+    handler: &dyn ControlHandler,
+    message: String,
+) -> Error {
+    handler.handshake(false);
+    refuse(stream, message).await
+}
+
 async fn connection(
     stream: TcpStream,
     peer: SocketAddr,
     handler: Arc<dyn ControlHandler>,
     timeouts: ControlTimeouts,
 ) -> Result<()> {
-    let mut accepted = false;
-    let r = session(stream, peer, &handler, timeouts, &mut accepted).await;
-    if !accepted && r.is_err() {
-        handler.handshake(false);
-    }
-    r
+    session(stream, peer, &handler, timeouts).await
 }
 
 async fn session(
@@ -81,42 +95,49 @@ async fn session(
     peer: SocketAddr,
     handler: &Arc<dyn ControlHandler>,
     timeouts: ControlTimeouts,
-    accepted: &mut bool,
 ) -> Result<()> {
     // Handshake: the first frame must be a Hello, within the handshake deadline.
     let first = match timeout(timeouts.handshake, read_frame(&mut stream)).await {
         Err(_) => {
-            return Err(refuse(
+            return Err(refuse_handshake(
                 &mut stream,
+                &**handler,
                 format!("no Hello within {:?}", timeouts.handshake),
             )
             .await)
         }
         Ok(Ok(None)) => return Ok(()),
         Ok(Ok(Some(f))) => f,
-        Ok(Err(e)) => return Err(refuse(&mut stream, e.to_string()).await),
+        Ok(Err(e)) => return Err(refuse_handshake(&mut stream, &**handler, e.to_string()).await),
     };
     let theirs = match frame::decode::<Message>(first.0, &first.1) {
         Ok(Message::Hello { descriptor }) => descriptor,
         Ok(other) => {
-            return Err(refuse(&mut stream, format!("expected Hello first, got {other:?}")).await)
+            return Err(refuse_handshake(
+                &mut stream,
+                &**handler,
+                format!("expected Hello first, got {other:?}"),
+            )
+            .await)
         }
-        Err(e) => return Err(refuse(&mut stream, e.to_string()).await),
+        Err(e) => return Err(refuse_handshake(&mut stream, &**handler, e.to_string()).await),
     };
     if let Err(e) = theirs.validate() {
-        return Err(refuse(&mut stream, e.to_string()).await);
+        return Err(refuse_handshake(&mut stream, &**handler, e.to_string()).await);
     }
     let Some(ours) = handler.descriptor() else {
-        return Err(refuse(
+        return Err(refuse_handshake(
             &mut stream,
+            &**handler,
             "this engine has no KV layout registered yet; retry once it has".into(),
         )
         .await);
     };
     let diffs = ours.differences(&theirs);
     if !diffs.is_empty() {
-        return Err(refuse(
+        return Err(refuse_handshake(
             &mut stream,
+            &**handler,
             format!(
                 "incompatible with engine {} (its value vs yours): {}",
                 ours.engine_id,
@@ -127,7 +148,6 @@ async fn session(
     }
     let reply = frame::encode(&Message::Descriptor(Box::new((*ours).clone())))?;
     handler.handshake(true);
-    *accepted = true;
     timeout(timeouts.handshake, write_frame(&mut stream, &reply))
         .await
         .map_err(|_| Error::Timeout {
@@ -136,8 +156,9 @@ async fn session(
         })??;
     tracing::info!(%peer, engine = %theirs.engine_id, rank = theirs.tp_rank, "handshake accepted");
 
-    // Notices and keep-alives until the reader goes away or falls silent.
+    // Notices, keep-alives and queue-pair exchanges until the reader goes away or falls silent.
     let idle = timeouts.keepalive * 3;
+    let mut _rdma_qps: Option<Box<dyn std::any::Any + Send>> = None;
     loop {
         let frame = match timeout(idle, read_frame(&mut stream)).await {
             Err(_) => {
@@ -158,6 +179,25 @@ async fn session(
                 let reason: String = reason.chars().take(1024).collect();
                 handler.notice(peer, request_id, SendNotice::Aborted(reason))
             }
+            Ok(Message::RdmaConnect { generation, qps }) => match handler.rdma_accept(peer, &qps) {
+                Ok((ours, guard)) => {
+                    _rdma_qps = Some(guard);
+                    let reply = frame::encode(&Message::RdmaAccept {
+                        generation,
+                        qps: ours,
+                    })?;
+                    timeout(timeouts.handshake, write_frame(&mut stream, &reply))
+                        .await
+                        .map_err(|_| Error::Timeout {
+                            what: "answering an RDMA connect".into(),
+                            after: timeouts.handshake,
+                        })??;
+                    tracing::info!(%peer, generation, "RDMA queue pairs connected");
+                }
+                Err(e) => {
+                    return Err(refuse(&mut stream, format!("RDMA connect refused: {e}")).await)
+                }
+            },
             Ok(Message::Ping { nonce }) => {
                 let pong = frame::encode(&Message::Pong { nonce })?;
                 timeout(timeouts.handshake, write_frame(&mut stream, &pong))

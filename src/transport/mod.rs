@@ -1,6 +1,8 @@
 //! Data transports behind one trait. A transport takes the planner's segments, already resolved
 //! to local registered spans, and reads the peer's bytes into them.
 
+#[allow(unsafe_code)]
+pub mod rdma;
 pub mod tcp;
 
 use std::future::Future;
@@ -58,8 +60,15 @@ pub(crate) type ReadFuture<'a> = Pin<Box<dyn Future<Output = Result<()>> + Send 
 pub(crate) trait Transport: Send + Sync {
     /// Short name for logs and reports.
     fn name(&self) -> &'static str;
-    /// Reads every op; resolves when all bytes are in place or on the first error.
-    fn read(&self, ops: Vec<ReadOp>, ctl: std::sync::Arc<RequestCtl>) -> ReadFuture<'_>;
+    /// Reads every op; resolves when all bytes are in place, on the first error, or with
+    /// `Error::Timeout` at `deadline`. It resolves only once nothing writes into the ops' local
+    /// memory any more.
+    fn read(
+        &self,
+        ops: Vec<ReadOp>,
+        ctl: std::sync::Arc<RequestCtl>,
+        deadline: tokio::time::Instant,
+    ) -> ReadFuture<'_>;
     /// Whether the path has failed and must be rebuilt.
     fn is_broken(&self) -> bool;
 }

@@ -3,6 +3,9 @@
 
 #![allow(dead_code)]
 
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -133,5 +136,127 @@ pub fn quick_config() -> EngineConfig {
         io_timeout: Duration::from_secs(5),
         keepalive: Duration::from_secs(1),
         ..EngineConfig::default()
+    }
+}
+
+const CHILD_ENV: &str = "KVLINK_TEST_CHILD";
+
+/// Body of each test binary's `prefill_child` test: when this process was spawned by
+/// [`ChildPrefill::spawn`], it serves as a prefill worker until its parent goes away; otherwise
+/// it returns at once.
+pub fn prefill_child_main() {
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    // spec: "<preset> <num_blocks> <seed> <held requests> <tcp|rdma>"
+    let p: Vec<&str> = spec.split_whitespace().collect();
+    let shape = ModelShape::preset(p[0]).unwrap();
+    let blocks: u32 = p[1].parse().unwrap();
+    let seed: u64 = p[2].parse().unwrap();
+    let held: usize = p[3].parse().unwrap();
+    let mut config = quick_config();
+    if p[4] == "rdma" {
+        config.transport = kvlink::TransportChoice::Rdma;
+        config.rdma.device = std::env::var("KVLINK_RDMA_DEVICE").ok();
+    }
+    let prefill = side(&shape, blocks, Some(seed), config);
+    for i in 0..held {
+        prefill.engine.hold_blocks(format!("req-{i}")).unwrap();
+    }
+    // Exit when the parent goes away (stdin closes).
+    std::thread::spawn(|| {
+        let mut s = String::new();
+        while std::io::stdin()
+            .read_line(&mut s)
+            .map(|n| n > 0)
+            .unwrap_or(false)
+        {}
+        std::process::exit(0);
+    });
+    println!("KVLINK_ADDR {}", prefill.engine.handshake_address());
+    loop {
+        let f = prefill.engine.wait_finished(Duration::from_secs(1));
+        for id in f.sending {
+            println!("KVLINK_SENT {id}");
+        }
+        for fr in f.failed {
+            println!("KVLINK_FAILED {} {}", fr.id, fr.reason);
+        }
+    }
+}
+
+/// A prefill worker in a child process (this test binary, re-run as `prefill_child`).
+pub struct ChildPrefill {
+    pub child: Child,
+    lines: mpsc::Receiver<String>,
+    pub addr: String,
+}
+
+impl ChildPrefill {
+    /// Starts the child and waits for its handshake address.
+    pub fn spawn(
+        preset: &str,
+        blocks: u32,
+        seed: u64,
+        held: usize,
+        transport: &str,
+    ) -> ChildPrefill {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "prefill_child",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(
+                CHILD_ENV,
+                format!("{preset} {blocks} {seed} {held} {transport}"),
+            )
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                // libtest may print "test prefill_child ... " before the first line.
+                if let Some(at) = line.find("KVLINK_") {
+                    if tx.send(line[at..].to_string()).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let first = lines
+            .recv_timeout(Duration::from_secs(60))
+            .expect("child prefill started");
+        let addr = first
+            .strip_prefix("KVLINK_ADDR ")
+            .expect("address line")
+            .to_string();
+        ChildPrefill { child, lines, addr }
+    }
+
+    /// Lines with `prefix` seen within `limit`, until `want` of them.
+    pub fn wait_lines(&self, prefix: &str, want: usize, limit: Duration) -> Vec<String> {
+        let end = Instant::now() + limit;
+        let mut got = Vec::new();
+        while got.len() < want {
+            let left = end.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.starts_with(prefix) => got.push(l),
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        got
+    }
+}
+
+impl Drop for ChildPrefill {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }

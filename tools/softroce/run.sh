@@ -25,6 +25,7 @@
 #   SOFTROCE_VNG_VERSION  virtme-ng version installed from PyPI (default 1.42)
 #   SOFTROCE_PASS_ENV   extra host variable names to pass into the VM (space separated);
 #                       KVLINK_* and RUST_* variables are always passed
+#   SOFTROCE_VERBOSE    set to 1 to show the guest kernel's boot log (vng --verbose)
 #   SOFTROCE_RWDIRS     host directories the guest may write to (space separated); everything
 #                       else except /tmp (a throw-away overlay) is read-only in the guest
 set -euo pipefail
@@ -105,11 +106,12 @@ ensure_vng() {
     PATH=$venv/bin:$PATH
 }
 
-# The Debian kernel that linux-image-amd64 points to. Its image is kept in $VM_DIR/kernel and
-# its modules go to /lib/modules/<version> on the host, where the guest (which sees the host's
-# root file system) finds them. Sets KERNEL_VERSION and KERNEL_IMAGE.
+# The Debian kernel that linux-image-amd64 points to (pinned in $VM_DIR/kernel/version on first
+# use; delete $VM_DIR/kernel to move to a newer one). Its image is kept in $VM_DIR/kernel and its
+# modules go to /lib/modules/<version> on the host, where the guest (which sees the host's root
+# file system) finds them. Sets KERNEL_VERSION and KERNEL_IMAGE.
 ensure_kernel() {
-    local kdir=$VM_DIR/kernel ver="" pkg deb unpack
+    local kdir=$VM_DIR/kernel ver="" pkg deb unpack mods
     mkdir -p "$kdir"
     [[ -f $kdir/version ]] && ver=$(<"$kdir/version")
     if [[ -n $ver && -f $kdir/vmlinuz-$ver && -f /lib/modules/$ver/modules.dep ]]; then
@@ -131,7 +133,8 @@ ensure_kernel() {
     if [[ -z $deb ]]; then
         apt_update_once
         log "downloading $pkg"
-        (cd "$kdir" && apt-get download -q "$pkg" 2>&1 | grep -v 'unsandboxed' >&2) || true
+        # apt warns that it downloads as root ("unsandboxed"): expected here.
+        (cd "$kdir" && apt-get download -q "$pkg" 2>&1 | grep -v unsandboxed >&2) || true
         deb=$(find "$kdir" -maxdepth 1 -name "${pkg}_*.deb" | head -n 1)
         [[ -n $deb ]] || die "apt-get download $pkg failed"
     fi
@@ -141,15 +144,19 @@ ensure_kernel() {
     unpack=$(mktemp -d "$kdir/unpack.XXXXXX")
     dpkg-deb -x "$deb" "$unpack" || die "dpkg-deb -x $deb failed"
     cp "$unpack/boot/vmlinuz-$ver" "$kdir/vmlinuz-$ver" || die "no vmlinuz-$ver in $deb"
-    local mods=$unpack/lib/modules/$ver
-    [[ -d $mods ]] || mods=$unpack/usr/lib/modules/$ver
-    [[ -d $mods ]] || die "no modules for $ver in $deb"
-    mkdir -p /lib/modules
-    rm -rf "/lib/modules/$ver"
-    mv "$mods" "/lib/modules/$ver"
-    # The unpacked tree must go: vng looks for lib/modules next to the kernel image.
+    if ! [[ -f /lib/modules/$ver/modules.dep ]]; then
+        mods=$unpack/lib/modules/$ver
+        [[ -d $mods ]] || mods=$unpack/usr/lib/modules/$ver
+        [[ -d $mods ]] || die "no modules for $ver in $deb"
+        log "installing modules into /lib/modules/$ver"
+        mkdir -p /lib/modules
+        rm -rf "/lib/modules/$ver"   # left over from an interrupted run
+        mv "$mods" "/lib/modules/$ver"
+        depmod "$ver" || die "depmod $ver failed"
+    fi
+    # The unpacked tree must go: vng looks for lib/modules near the kernel image and would
+    # use that instead of /lib/modules.
     rm -rf "$unpack"
-    depmod "$ver" || die "depmod $ver failed"
     modinfo -k "$ver" rdma_rxe >/dev/null 2>&1 || die "kernel $ver has no rdma_rxe module"
     echo "$ver" >"$kdir/version"
 
@@ -188,8 +195,10 @@ write_guest_files() {
 
 # Forwarded to the VM on Ctrl-C / SIGTERM (timeout runs it in its own process group).
 VM_PID=""
+INTERRUPTED=0
 forward_signal() {
     log "interrupted, stopping the VM"
+    INTERRUPTED=1
     [[ -n $VM_PID ]] && kill -TERM "$VM_PID" 2>/dev/null
 }
 
@@ -205,6 +214,7 @@ boot_vm() {
         --cwd "$REPO"
         --rwdir "$RUN_DIR"       # where the guest writes its status file
     )
+    [[ ${SOFTROCE_VERBOSE:-0} == 1 ]] && vng_args+=(--verbose)
     local dir
     for dir in ${SOFTROCE_RWDIRS:-}; do
         vng_args+=(--rwdir "$(readlink -f "$dir")")
@@ -255,6 +265,10 @@ host_main() {
     boot_vm
     local took=$((SECONDS - boot_start))
 
+    if [[ $INTERRUPTED == 1 ]]; then
+        log "error: stopped by a signal after ${took}s"
+        exit 130
+    fi
     local status=""
     [[ -f $RUN_DIR/status ]] && status=$(<"$RUN_DIR/status")
     if [[ $VNG_STATUS == 124 || $VNG_STATUS == 137 ]]; then
@@ -263,7 +277,7 @@ host_main() {
     fi
     case $status in
         '')
-            die "the VM did not run the command (vng exited with $VNG_STATUS after ${took}s); see the output above" ;;
+            die "the VM did not run the command (vng exited with $VNG_STATUS after ${took}s); see the output above, rerun with SOFTROCE_VERBOSE=1 for the kernel log" ;;
         setup-failed)
             die "rxe0 setup failed inside the VM; see the output above" ;;
         *[!0-9]*)
@@ -313,7 +327,7 @@ guest_main() {
     # shellcheck source=/dev/null
     source "$run_dir/cmd.sh"   # defines GUEST_CMD
     cd "$REPO"
-    log "running: ${GUEST_CMD[*]}"
+    log "running: ${GUEST_CMD[*]@Q}"
     local rc=0
     "${GUEST_CMD[@]}" || rc=$?
     echo "$rc" >"$run_dir/status"

@@ -182,8 +182,25 @@ impl Transport for TcpTransport {
         "tcp"
     }
 
-    fn read(&self, ops: Vec<ReadOp>, ctl: Arc<RequestCtl>) -> ReadFuture<'_> {
-        Box::pin(self.run(ops, ctl))
+    fn read(
+        &self,
+        ops: Vec<ReadOp>,
+        ctl: Arc<RequestCtl>,
+        deadline: tokio::time::Instant,
+    ) -> ReadFuture<'_> {
+        Box::pin(async move {
+            match tokio::time::timeout_at(deadline, self.run(ops, ctl.clone())).await {
+                Ok(r) => r,
+                Err(_) => {
+                    // Stop writes into the request's memory before reporting.
+                    ctl.cancel();
+                    Err(Error::Timeout {
+                        what: format!("reading from {} (request deadline)", self.peer),
+                        after: Duration::ZERO,
+                    })
+                }
+            }
+        })
     }
 
     fn is_broken(&self) -> bool {

@@ -1,0 +1,450 @@
+//! Device selection, protection domain, memory registration and the completion poller.
+
+use std::collections::HashMap;
+use std::net::Ipv6Addr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use parking_lot::{Mutex, RwLock};
+use sideway::ibverbs::address::{Gid, GidType};
+use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, CompletionQueue};
+use sideway::ibverbs::device::{DeviceInfo, DeviceList};
+use sideway::ibverbs::device_context::{DeviceContext, LinkLayer, Mtu, PortState};
+use sideway::ibverbs::memory_region::MemoryRegion;
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+use sideway::ibverbs::AccessFlags;
+
+use super::conn::ConnShared;
+use super::RdmaRegionInfo;
+use crate::ids::RegionId;
+use crate::memory::Region;
+
+/// RDMA settings of an engine.
+#[derive(Debug, Clone)]
+pub struct RdmaSettings {
+    /// Device name (e.g. `mlx5_0`, `rxe0`); the first device with an active port when `None`.
+    pub device: Option<String>,
+    /// GID index; when `None`, a RoCE v2 GID is preferred, IPv4-mapped first.
+    pub gid_index: Option<u32>,
+    /// Queue pairs per peer.
+    pub qps: u16,
+    /// Largest memory registration; larger regions are registered in chunks of this size.
+    pub max_mr_bytes: u64,
+    /// Largest RDMA READ work request.
+    pub max_wr_bytes: u64,
+}
+
+impl Default for RdmaSettings {
+    fn default() -> Self {
+        RdmaSettings {
+            device: None,
+            gid_index: None,
+            qps: 4,
+            max_mr_bytes: (2 << 30) - (64 << 10),
+            max_wr_bytes: 1 << 20,
+        }
+    }
+}
+
+/// Memory registrations of one region, in equal chunks (the last may be shorter).
+pub(crate) struct RegionMrs {
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) chunk: u64,
+    pub(crate) mrs: Vec<Arc<MemoryRegion>>,
+}
+
+impl RegionMrs {
+    /// Local key covering `offset`, and how many bytes from there stay inside its chunk.
+    pub(crate) fn lkey(&self, offset: u64) -> (u32, u64) {
+        let i = (offset / self.chunk) as usize;
+        let end = ((i as u64 + 1) * self.chunk).min(self.len);
+        (self.mrs[i].lkey(), end - offset)
+    }
+}
+
+/// An opened RDMA device with its protection domain and completion poller.
+pub struct RdmaDevice {
+    name: String,
+    pub(crate) ctx: Arc<DeviceContext>,
+    pub(crate) pd: Arc<ProtectionDomain>,
+    pub(crate) port: u8,
+    pub(crate) gid: Gid,
+    pub(crate) gid_index: u32,
+    pub(crate) mtu: Mtu,
+    pub(crate) lid: u16,
+    pub(crate) max_qp_wr: u32,
+    pub(crate) max_sge: u32,
+    pub(crate) max_rd_atom: u8,
+    pub(crate) settings: RdmaSettings,
+    pub(crate) channel: Arc<CompletionChannel>,
+    mrs: RwLock<HashMap<RegionId, Arc<RegionMrs>>>,
+    conns: Mutex<HashMap<u64, Weak<ConnShared>>>,
+    next_cq_id: AtomicU64,
+    stop: Arc<AtomicBool>,
+    poller: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for RdmaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaDevice")
+            .field("name", &self.name)
+            .field("port", &self.port)
+            .field("gid", &Ipv6Addr::from(self.gid))
+            .field("gid_index", &self.gid_index)
+            .field("mtu", &mtu_bytes(self.mtu))
+            .finish()
+    }
+}
+
+pub(crate) fn mtu_bytes(m: Mtu) -> u32 {
+    match m {
+        Mtu::Mtu256 => 256,
+        Mtu::Mtu512 => 512,
+        Mtu::Mtu1024 => 1024,
+        Mtu::Mtu2048 => 2048,
+        Mtu::Mtu4096 => 4096,
+    }
+}
+
+pub(crate) fn mtu_from_bytes(b: u32) -> Option<Mtu> {
+    Some(match b {
+        256 => Mtu::Mtu256,
+        512 => Mtu::Mtu512,
+        1024 => Mtu::Mtu1024,
+        2048 => Mtu::Mtu2048,
+        4096 => Mtu::Mtu4096,
+        _ => return None,
+    })
+}
+
+/// Opens the RDMA device the settings name (or the first usable one), or says why none can be
+/// used: no verbs library, no device, no active port, no usable GID. Never panics: probing runs
+/// under `catch_unwind` because the verbs bindings panic on values they do not know.
+pub fn probe(settings: &RdmaSettings) -> Result<Arc<RdmaDevice>, String> {
+    match std::panic::catch_unwind(|| open(settings)) {
+        Ok(r) => r,
+        Err(p) => {
+            let what = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            Err(format!("probing RDMA devices failed: {what}"))
+        }
+    }
+}
+
+fn open(settings: &RdmaSettings) -> Result<Arc<RdmaDevice>, String> {
+    let list = DeviceList::new().map_err(|e| {
+        format!("no RDMA verbs library or kernel support ({e}; install libibverbs1 and a provider such as ibverbs-providers)")
+    })?;
+    if list.is_empty() {
+        return Err("no RDMA device found (ibv_get_device_list returned none)".into());
+    }
+    let mut reasons = Vec::new();
+    for dev in list.iter() {
+        let name = dev.name();
+        if let Some(want) = &settings.device {
+            if &name != want {
+                continue;
+            }
+        }
+        match open_device(&dev, &name, settings) {
+            Ok(d) => return Ok(d),
+            Err(e) => reasons.push(format!("{name}: {e}")),
+        }
+    }
+    if reasons.is_empty() {
+        let names: Vec<String> = list.iter().map(|d| d.name()).collect();
+        return Err(format!(
+            "RDMA device {:?} not found (present: {})",
+            settings.device.as_deref().unwrap_or(""),
+            names.join(", ")
+        ));
+    }
+    Err(reasons.join("; "))
+}
+
+fn open_device(
+    dev: &sideway::ibverbs::device::Device<'_>,
+    name: &str,
+    settings: &RdmaSettings,
+) -> Result<Arc<RdmaDevice>, String> {
+    let ctx = dev.open().map_err(|e| format!("open: {e}"))?;
+    let attr = ctx
+        .query_device()
+        .map_err(|e| format!("query device: {e}"))?;
+    let mut chosen = None;
+    for port in 1..=attr.phys_port_cnt() {
+        let pa = ctx
+            .query_port(port)
+            .map_err(|e| format!("query port {port}: {e}"))?;
+        if pa.port_state() == PortState::Active {
+            chosen = Some((port, pa));
+            break;
+        }
+    }
+    let (port, pa) = chosen.ok_or("no active port")?;
+    let gids = ctx
+        .query_gid_table()
+        .map_err(|e| format!("query GID table: {e}"))?;
+    let gids: Vec<_> = gids
+        .into_iter()
+        .filter(|g| g.port_num() == u32::from(port) && !g.gid().is_zero())
+        .collect();
+    let entry = match settings.gid_index {
+        Some(i) => gids
+            .iter()
+            .find(|g| g.gid_index() == i)
+            .ok_or_else(|| format!("GID index {i} not present on port {port}"))?,
+        None => gids
+            .iter()
+            .max_by_key(|g| {
+                let v2 = g.gid_type() == GidType::RoceV2;
+                let v4 = Ipv6Addr::from(g.gid()).to_ipv4_mapped().is_some();
+                (v2, v4, std::cmp::Reverse(g.gid_index()))
+            })
+            .ok_or("no GID on the active port (is the netdev up with an address?)")?,
+    };
+    let pd = ctx.alloc_pd().map_err(|e| format!("alloc PD: {e}"))?;
+    let channel = ctx
+        .create_comp_channel()
+        .map_err(|e| format!("create completion channel: {e}"))?;
+    channel
+        .set_nonblocking(true)
+        .map_err(|e| format!("completion channel: {e}"))?;
+    let lid = if pa.link_layer() == LinkLayer::InfiniBand {
+        pa.lid()
+    } else {
+        0
+    };
+    let dev = Arc::new(RdmaDevice {
+        name: name.to_string(),
+        port,
+        gid: entry.gid(),
+        gid_index: entry.gid_index(),
+        mtu: pa.active_mtu(),
+        lid,
+        max_qp_wr: attr.max_qp_wr().clamp(16, 4096) as u32,
+        max_sge: attr.max_sge_rd().clamp(1, 16) as u32,
+        max_rd_atom: attr
+            .max_qp_rd_atom()
+            .clamp(1, 16)
+            .min(attr.max_qp_init_rd_atom().max(1)) as u8,
+        settings: settings.clone(),
+        ctx,
+        pd,
+        channel,
+        mrs: RwLock::new(HashMap::new()),
+        conns: Mutex::new(HashMap::new()),
+        next_cq_id: AtomicU64::new(1),
+        stop: Arc::new(AtomicBool::new(false)),
+        poller: Mutex::new(None),
+    });
+    let weak = Arc::downgrade(&dev);
+    let stop = dev.stop.clone();
+    let handle = std::thread::Builder::new()
+        .name(format!("kvlink-cq-{name}"))
+        .spawn(move || poll_loop(weak, stop))
+        .map_err(|e| format!("starting the completion poller: {e}"))?;
+    *dev.poller.lock() = Some(handle);
+    tracing::info!(device = name, port, gid = %Ipv6Addr::from(dev.gid), gid_index = dev.gid_index,
+        mtu = mtu_bytes(dev.mtu), "RDMA device opened");
+    Ok(dev)
+}
+
+impl Drop for RdmaDevice {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(h) = self.poller.lock().take() {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+impl RdmaDevice {
+    /// The device's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The active MTU in bytes.
+    pub fn mtu_bytes(&self) -> u32 {
+        mtu_bytes(self.mtu)
+    }
+
+    /// The GID in use, as an IPv6 address (IPv4-mapped for RoCE v2 over IPv4).
+    pub fn gid(&self) -> Ipv6Addr {
+        Ipv6Addr::from(self.gid)
+    }
+
+    /// Registers a region with the device, in chunks of at most `max_mr_bytes`.
+    pub(crate) fn register(&self, region: &Region) -> Result<(), String> {
+        let chunk = self.settings.max_mr_bytes.max(4096);
+        let mut mrs = Vec::new();
+        let mut off = 0u64;
+        let flags = AccessFlags::LocalWrite | AccessFlags::RemoteRead;
+        while off < region.len() {
+            let n = chunk.min(region.len() - off);
+            // SAFETY: [ptr+off, ptr+off+n) lies inside the registered region (off < len,
+            // n <= len - off); the region outlives the registration because RegionMrs is removed
+            // in `deregister` before the engine drops its Arc<Region>, and in-flight transfers
+            // hold both the region and the MR.
+            let mr = unsafe {
+                self.pd
+                    .reg_mr(region.as_ptr() as usize + off as usize, n as usize, flags)
+            }
+            .map_err(|e| {
+                format!(
+                    "registering {} bytes of {} with {}: {e}",
+                    n,
+                    region.id(),
+                    self.name
+                )
+            })?;
+            mrs.push(mr);
+            off += n;
+        }
+        self.mrs.write().insert(
+            region.id(),
+            Arc::new(RegionMrs {
+                addr: region.as_ptr() as u64,
+                len: region.len(),
+                chunk,
+                mrs,
+            }),
+        );
+        Ok(())
+    }
+
+    /// Drops a region's registrations (in-flight work keeps its own references).
+    pub(crate) fn deregister(&self, id: RegionId) {
+        self.mrs.write().remove(&id);
+    }
+
+    pub(crate) fn region_mrs(&self, id: RegionId) -> Option<Arc<RegionMrs>> {
+        self.mrs.read().get(&id).cloned()
+    }
+
+    /// What peers need to read our regions.
+    pub(crate) fn region_infos(&self) -> Vec<RdmaRegionInfo> {
+        let mut v: Vec<RdmaRegionInfo> = self
+            .mrs
+            .read()
+            .iter()
+            .map(|(&id, m)| RdmaRegionInfo {
+                id,
+                addr: m.addr,
+                chunk_bytes: m.chunk,
+                rkeys: m.mrs.iter().map(|mr| mr.rkey()).collect(),
+            })
+            .collect();
+        v.sort_by_key(|r| r.id);
+        v
+    }
+
+    /// Makes a completion queue on the device's channel, for one connection; returns its id.
+    pub(crate) fn create_cq(&self, cqe: u32) -> Result<(u64, Arc<BasicCompletionQueue>), String> {
+        let id = self.next_cq_id.fetch_add(1, Ordering::Relaxed);
+        let mut b = self.ctx.create_cq_builder();
+        b.setup_cqe(cqe)
+            .setup_comp_channel(&self.channel, 0)
+            .setup_cq_context(id as usize as *mut std::ffi::c_void);
+        let cq = b
+            .build()
+            .map_err(|e| format!("create CQ of {cqe} entries: {e}"))?;
+        Ok((id, cq))
+    }
+
+    /// Routes a completion queue's events to a connection.
+    pub(crate) fn attach(&self, cq_id: u64, conn: &Arc<ConnShared>) {
+        self.conns.lock().insert(cq_id, Arc::downgrade(conn));
+        conn.arm();
+    }
+
+    pub(crate) fn detach(&self, cq_id: u64) {
+        self.conns.lock().remove(&cq_id);
+    }
+
+    /// A completion queue that never receives completions (for passive queue pairs).
+    pub(crate) fn passive_cq(&self) -> Result<Arc<BasicCompletionQueue>, String> {
+        let b = self.ctx.create_cq_builder();
+        let mut b = b;
+        b.setup_cqe(16);
+        b.build().map_err(|e| format!("create CQ: {e}"))
+    }
+}
+
+/// The poller: waits on the completion channel (no spinning while idle), then drains the
+/// connection whose queue fired. A 100 ms wake-up also lets connections time out stuck work.
+fn poll_loop(dev: Weak<RdmaDevice>, stop: Arc<AtomicBool>) {
+    let fd = match dev.upgrade() {
+        Some(d) => std::os::fd::AsRawFd::as_raw_fd(&*d.channel),
+        None => return,
+    };
+    while !stop.load(Ordering::Acquire) {
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: pfd is a valid pollfd for the duration of the call; fd belongs to the
+        // completion channel, which lives as long as the device (checked by the upgrade below
+        // before any use of the channel).
+        let n = unsafe { libc::poll(&mut pfd, 1, 100) };
+        let Some(d) = dev.upgrade() else { return };
+        if n > 0 {
+            d.handle_events();
+        }
+        let conns: Vec<Arc<ConnShared>> =
+            d.conns.lock().values().filter_map(Weak::upgrade).collect();
+        for c in conns {
+            c.tick();
+        }
+        drop(d);
+        if n < 0 {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl RdmaDevice {
+    fn handle_events(&self) {
+        loop {
+            let mut cq: *mut rdma_mummy_sys::ibv_cq = std::ptr::null_mut();
+            let mut ctx: *mut std::ffi::c_void = std::ptr::null_mut();
+            // SAFETY: the channel is valid while `self` lives; out-pointers are valid locals.
+            let rc = unsafe {
+                rdma_mummy_sys::ibv_get_cq_event(
+                    self.channel.comp_channel().as_ptr(),
+                    &mut cq,
+                    &mut ctx,
+                )
+            };
+            if rc != 0 {
+                return; // EAGAIN: no more events
+            }
+            let id = ctx as usize as u64;
+            // Take a strong reference before acknowledging: a CQ is destroyed only after all of
+            // its events are acknowledged, so `cq` is valid until the ack below.
+            let conn = self.conns.lock().get(&id).and_then(Weak::upgrade);
+            // SAFETY: `cq` came from ibv_get_cq_event and is not destroyed before this ack.
+            unsafe { rdma_mummy_sys::ibv_ack_cq_events(cq, 1) };
+            if let Some(c) = conn {
+                c.drain();
+            }
+        }
+    }
+}
+
+/// Arms a completion queue for one event notification.
+pub(crate) fn arm(cq: &BasicCompletionQueue) {
+    // SAFETY: the CQ is alive (borrowed) and was created on a completion channel.
+    unsafe {
+        rdma_mummy_sys::ibv_req_notify_cq(cq.cq().as_ptr(), 0);
+    }
+}

@@ -1,0 +1,333 @@
+//! RDMA transport tests. They need a verbs device: outside the SoftRoCE VM they print
+//! "skipped: no RDMA device (...)" and pass; inside it (`KVLINK_SOFTROCE=1`, set by
+//! tools/softroce/run.sh) a missing device is a failure. Sizes are small because the VM's RDMA
+//! is emulated (tens of MB/s).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvlink::transport::rdma::{probe, RdmaFault, RdmaSettings};
+use kvlink::{Engine, EngineConfig, Error, ModelShape, TransportChoice};
+
+/// True when an RDMA device is usable; otherwise says why the test is skipped (or fails inside
+/// the VM, where the device must exist).
+fn rdma_available(test: &str) -> bool {
+    let settings = RdmaSettings {
+        device: std::env::var("KVLINK_RDMA_DEVICE").ok(),
+        ..RdmaSettings::default()
+    };
+    match probe(&settings) {
+        Ok(_) => true,
+        Err(why) => {
+            if std::env::var_os("KVLINK_SOFTROCE").is_some() {
+                panic!("{test}: inside the SoftRoCE VM but RDMA is unavailable: {why}");
+            }
+            // Written to the process's stderr directly: libtest does not capture it, so the skip
+            // shows in every run's output.
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "{test}: skipped: no RDMA device ({why})");
+            false
+        }
+    }
+}
+
+fn rdma_config() -> EngineConfig {
+    let mut c = quick_config();
+    c.transport = TransportChoice::Rdma;
+    c.rdma.device = std::env::var("KVLINK_RDMA_DEVICE").ok();
+    c.rdma.qps = 2;
+    c
+}
+
+#[test]
+fn prefill_child() {
+    prefill_child_main();
+}
+
+#[test]
+fn rdma_unavailable_is_reported_not_fatal() {
+    // A device that does not exist: auto falls back to TCP and says why; rdma-only refuses to
+    // start with the reason. Runs everywhere (host and VM).
+    let mut c = quick_config();
+    c.rdma.device = Some("no-such-device".into());
+    let e = Engine::start(c.clone()).unwrap();
+    let why = e.rdma_status().unwrap_err();
+    assert!(!why.is_empty(), "a reason is given");
+    c.transport = TransportChoice::Rdma;
+    match Engine::start(c) {
+        Err(Error::RdmaUnavailable(r)) => assert!(!r.is_empty()),
+        Err(other) => panic!("wrong error: {other}"),
+        Ok(_) => panic!("an rdma-only engine started without a device"),
+    }
+}
+
+fn transfer(shape: ModelShape, blocks: u32, requests: usize, per: usize) {
+    let seed = 0xABCD ^ u64::from(shape.layers);
+    let prefill = side(&shape, blocks, Some(seed), rdma_config());
+    let decode = side(&shape, blocks, None, rdma_config());
+    assert_eq!(
+        decode.engine.rdma_status().ok(),
+        prefill.engine.rdma_status().ok()
+    );
+    let peer = prefill.engine.handshake_address().to_string();
+    let mut rng = Rng(3);
+    let reqs = random_requests(&mut rng, blocks, blocks, requests, per);
+    for (i, (l, r)) in reqs.iter().enumerate() {
+        prefill.engine.hold_blocks(format!("req-{i}")).unwrap();
+        decode
+            .engine
+            .read_blocks(&peer, format!("req-{i}"), l, r)
+            .unwrap();
+    }
+    let f = collect(&decode.engine, Duration::from_secs(120), |f| {
+        f.receiving.len() + f.failed.len() == requests
+    });
+    assert!(f.failed.is_empty(), "{:?}", f.failed);
+    assert_eq!(f.receiving.len(), requests);
+    assert!(
+        f.reports.iter().all(|r| r.transport == "rdma"),
+        "{:?}",
+        f.reports
+    );
+    for (l, r) in &reqs {
+        verify(&decode, &prefill.layout, seed, l, r);
+    }
+    let sent = collect(&prefill.engine, Duration::from_secs(10), |f| {
+        f.sending.len() == requests
+    });
+    assert_eq!(sent.sending.len(), requests);
+    // The data went over RDMA: the TCP data server served nothing.
+    assert_eq!(prefill.engine.stats().data_requests_served, 0);
+}
+
+#[test]
+fn rdma_llama3_8b_random_blocks_concurrent() {
+    if rdma_available("rdma_llama3_8b_random_blocks_concurrent") {
+        transfer(ModelShape::LLAMA3_8B, 32, 6, 2);
+    }
+}
+
+#[test]
+fn rdma_deepseek_mla_random_blocks_concurrent() {
+    if rdma_available("rdma_deepseek_mla_random_blocks_concurrent") {
+        transfer(ModelShape::DEEPSEEK_V3_MLA, 96, 8, 8);
+    }
+}
+
+#[test]
+fn rdma_regions_split_into_chunks_still_transfer() {
+    if !rdma_available("rdma_regions_split_into_chunks_still_transfer") {
+        return;
+    }
+    // 1 MiB registrations and 64 KiB work requests: segments cross chunk boundaries on both
+    // sides and are split there.
+    let shape = ModelShape::DEEPSEEK_V3_MLA;
+    let mut c = rdma_config();
+    c.rdma.max_mr_bytes = 1 << 20;
+    c.rdma.max_wr_bytes = 64 << 10;
+    let prefill = side(&shape, 64, Some(5), c.clone());
+    let decode = side(&shape, 64, None, c);
+    let peer = prefill.engine.handshake_address().to_string();
+    let l: Vec<u32> = (10..40).collect();
+    let r: Vec<u32> = (20..50).collect();
+    decode.engine.read_blocks(&peer, "chunks", &l, &r).unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(120), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    verify(&decode, &prefill.layout, 5, &l, &r);
+}
+
+#[test]
+fn rdma_transport_negotiation() {
+    if !rdma_available("rdma_transport_negotiation") {
+        return;
+    }
+    let shape = ModelShape::DEEPSEEK_V3_MLA;
+    let mut auto = rdma_config();
+    auto.transport = TransportChoice::Auto;
+    let prefill = side(&shape, 8, Some(8), auto.clone());
+    let peer = prefill.engine.handshake_address().to_string();
+    // Both have RDMA: auto picks it.
+    let decode = side(&shape, 8, None, auto);
+    decode.engine.read_blocks(&peer, "a", &[1], &[2]).unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert_eq!(f.reports[0].transport, "rdma");
+    // The reader forces TCP.
+    let mut tcp = quick_config();
+    tcp.transport = TransportChoice::Tcp;
+    let decode = side(&shape, 8, None, tcp);
+    decode.engine.read_blocks(&peer, "b", &[1], &[2]).unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert_eq!(f.reports[0].transport, "tcp");
+    verify(&decode, &prefill.layout, 8, &[1], &[2]);
+    // A TCP-only server and an RDMA-only reader: a clear failure.
+    let mut tcp = quick_config();
+    tcp.transport = TransportChoice::Tcp;
+    let tcp_prefill = side(&shape, 8, Some(8), tcp);
+    let decode = side(&shape, 8, None, rdma_config());
+    let tcp_peer = tcp_prefill.engine.handshake_address().to_string();
+    decode
+        .engine
+        .read_blocks(&tcp_peer, "c", &[1], &[2])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert!(f.failed[0].reason.contains("offers no RDMA"), "{f:?}");
+}
+
+fn faulty_read(fault: RdmaFault, expect: &str) {
+    let shape = ModelShape::DEEPSEEK_V3_MLA;
+    let prefill = side(&shape, 16, Some(13), rdma_config());
+    let mut c = rdma_config();
+    c.rdma_fault = fault;
+    let decode = side(&shape, 16, None, c);
+    let peer = prefill.engine.handshake_address().to_string();
+    let t0 = Instant::now();
+    decode
+        .engine
+        .read_blocks(&peer, "bad", &[1, 2], &[3, 9])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert_eq!(f.failed.len(), 1, "{f:?}");
+    let fr = &f.failed[0];
+    assert!(
+        !fr.expired,
+        "failed by the verbs error, not the deadline: {fr:?}"
+    );
+    assert!(fr.reason.contains(expect), "{fr:?}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "no hang: {:?}",
+        t0.elapsed()
+    );
+    // The connection is rebuilt with a new generation and works again.
+    decode
+        .engine
+        .read_blocks(&peer, "good", &[4, 5], &[6, 7])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    assert_eq!(f.reports[0].transport, "rdma");
+    verify(&decode, &prefill.layout, 13, &[4, 5], &[6, 7]);
+}
+
+#[test]
+fn rdma_wrong_remote_key_fails_with_the_verbs_error() {
+    if rdma_available("rdma_wrong_remote_key_fails_with_the_verbs_error") {
+        let fault = RdmaFault {
+            rkey_xor: 0x00ab_cd00,
+            addr_add: 0,
+            requests: 1,
+        };
+        faulty_read(fault, "IBV_WC_REM_ACCESS_ERR");
+    }
+}
+
+#[test]
+fn rdma_out_of_range_remote_address_fails_with_the_verbs_error() {
+    if rdma_available("rdma_out_of_range_remote_address_fails_with_the_verbs_error") {
+        let fault = RdmaFault {
+            rkey_xor: 0,
+            addr_add: 1 << 40,
+            requests: 1,
+        };
+        faulty_read(fault, "IBV_WC_REM_ACCESS_ERR");
+    }
+}
+
+#[test]
+fn rdma_two_process_llama3_8b() {
+    if !rdma_available("rdma_two_process_llama3_8b") {
+        return;
+    }
+    let shape = ModelShape::LLAMA3_8B;
+    let (blocks, requests, per) = (32u32, 4usize, 2usize);
+    let child = ChildPrefill::spawn(shape.name, blocks, 31, requests, "rdma");
+    let decode = side(&shape, blocks, None, rdma_config());
+    let remote = shape.layout(kvlink::RegionId(1), blocks);
+    let mut rng = Rng(11);
+    let reqs = random_requests(&mut rng, blocks, blocks, requests, per);
+    for (i, (l, r)) in reqs.iter().enumerate() {
+        decode
+            .engine
+            .read_blocks(&child.addr, format!("req-{i}"), l, r)
+            .unwrap();
+    }
+    let f = collect(&decode.engine, Duration::from_secs(120), |f| {
+        f.receiving.len() + f.failed.len() == requests
+    });
+    assert!(f.failed.is_empty(), "{:?}", f.failed);
+    assert!(f.reports.iter().all(|r| r.transport == "rdma"));
+    for (l, r) in &reqs {
+        verify(&decode, &remote, 31, l, r);
+    }
+    assert_eq!(
+        child
+            .wait_lines("KVLINK_SENT ", requests, Duration::from_secs(30))
+            .len(),
+        requests
+    );
+}
+
+#[test]
+fn rdma_peer_killed_mid_transfer_then_a_new_peer_works() {
+    if !rdma_available("rdma_peer_killed_mid_transfer_then_a_new_peer_works") {
+        return;
+    }
+    let shape = ModelShape::LLAMA3_8B;
+    let blocks = 16u32;
+    let mut child = ChildPrefill::spawn(shape.name, blocks, 5, 0, "rdma");
+    let decode = side(&shape, blocks, None, rdma_config());
+    let all: Vec<u32> = (0..blocks).collect();
+    let n = 6;
+    let t0 = Instant::now();
+    for i in 0..n {
+        decode
+            .engine
+            .read_blocks(&child.addr, format!("big-{i}"), &all, &all)
+            .unwrap();
+    }
+    let mut f = collect(&decode.engine, Duration::from_secs(120), |f| !f.is_empty());
+    child.child.kill().unwrap();
+    child.child.wait().unwrap();
+    let rest = collect(&decode.engine, Duration::from_secs(60), |acc| {
+        acc.receiving.len() + acc.failed.len() + f.receiving.len() + f.failed.len() == n
+    });
+    f.extend(rest);
+    assert_eq!(
+        f.receiving.len() + f.failed.len(),
+        n,
+        "every request ended: {f:?}"
+    );
+    assert!(
+        !f.failed.is_empty(),
+        "killing the peer failed none of the requests"
+    );
+    for fr in &f.failed {
+        assert!(
+            fr.reason.contains("RDMA") || fr.reason.contains("lost"),
+            "{fr:?}"
+        );
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(150),
+        "took {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(decode.engine.in_flight(), (0, 0));
+    let child2 = ChildPrefill::spawn(shape.name, blocks, 9, 1, "rdma");
+    decode
+        .engine
+        .read_blocks(&child2.addr, "req-0", &[3, 4], &[7, 1])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    assert_eq!(f.reports[0].transport, "rdma");
+    verify(
+        &decode,
+        &shape.layout(kvlink::RegionId(1), blocks),
+        9,
+        &[3, 4],
+        &[7, 1],
+    );
+}
