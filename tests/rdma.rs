@@ -279,7 +279,9 @@ fn rdma_peer_killed_mid_transfer_then_a_new_peer_works() {
     let mut child = ChildPrefill::spawn(shape.name, blocks, 5, 0, "rdma");
     let decode = side(&shape, blocks, None, rdma_config());
     let all: Vec<u32> = (0..blocks).collect();
-    let n = 6;
+    // Enough work (40 x 32 MiB) that most of it is still in flight when the first request
+    // lands and the peer is killed, however fast the emulated device runs.
+    let n = 40;
     let t0 = Instant::now();
     for i in 0..n {
         decode

@@ -1,21 +1,52 @@
 #!/usr/bin/env bash
-# The project's test command (README, CI): format and lint checks, then every test.
-# Runs on a fresh machine with a Rust toolchain; installs anything else it needs.
+# The project's test command (README, CI): format and lint checks, every test on the host, then
+# the RDMA tests for real inside a SoftRoCE VM (tools/softroce/run.sh). Installs what it needs.
+#   KVLINK_SKIP_VM=1 tools/test.sh    # host only (the RDMA tests then report themselves skipped)
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
-
-if ! command -v cargo >/dev/null; then
-  echo "test: cargo not found; install Rust (https://rustup.rs) and retry" >&2
-  exit 1
-fi
+tools/deps.sh
 
 echo "test: cargo fmt --check"
 cargo fmt --all -- --check
 echo "test: cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
-echo "test: cargo test"
-cargo test --workspace 2>&1 | tee /tmp/kvlink-test.log
-# One summary line over all test binaries.
-awk '/^test result:/ {p += $4; f += $6; i += $8} END {printf "tests: %d passed, %d failed, %d skipped\n", p, f, i}' /tmp/kvlink-test.log
+echo "test: cargo test (host)"
+log=$(mktemp)
+cargo test --workspace 2>&1 | tee "$log"
+host_passed=$(awk '/^test result:/ {p += $4} END {print p + 0}' "$log")
+host_failed=$(awk '/^test result:/ {f += $6} END {print f + 0}' "$log")
+skipped=$(grep -c ': skipped: no RDMA device' "$log" || true)
+
+vm_passed=0; vm_failed=0
+if [ "${KVLINK_SKIP_VM:-0}" = 1 ]; then
+  echo "test: SoftRoCE VM skipped (KVLINK_SKIP_VM=1): the RDMA tests above did not run for real"
+else
+  echo "test: RDMA tests inside the SoftRoCE VM"
+  bin=$(cargo test --test rdma --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    d = json.loads(line)
+    if d.get("reason") == "compiler-artifact" and d.get("executable") and d["target"]["name"] == "rdma":
+        print(d["executable"])')
+  vmlog=$(mktemp)
+  set +e
+  tools/softroce/run.sh -- "$bin" --test-threads=1 2>&1 | tee "$vmlog"
+  vm_rc=${PIPESTATUS[0]}
+  set -e
+  vm_passed=$(awk '/^test result:/ {p += $4} END {print p + 0}' "$vmlog")
+  vm_failed=$(awk '/^test result:/ {f += $6} END {print f + 0}' "$vmlog")
+  if [ "$vm_rc" -ne 0 ] && [ "$vm_failed" -eq 0 ]; then
+    echo "test: the SoftRoCE VM run failed (exit $vm_rc) before reporting results" >&2
+    vm_failed=1
+  fi
+  if grep -q ': skipped: no RDMA device' "$vmlog"; then
+    echo "test: an RDMA test skipped inside the VM" >&2
+    vm_failed=$((vm_failed + 1))
+  fi
+fi
+
+echo "test summary: host $host_passed passed, $host_failed failed ($skipped RDMA tests skipped on the host: no RDMA device); SoftRoCE VM: $vm_passed RDMA tests passed, $vm_failed failed"
+echo "tests: $((host_passed + vm_passed)) passed, $((host_failed + vm_failed)) failed"
+[ "$host_failed" -eq 0 ] && [ "$vm_failed" -eq 0 ]

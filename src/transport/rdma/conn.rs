@@ -202,6 +202,9 @@ impl ConnShared {
             return;
         };
         let ok = status == WorkCompletionStatus::Success as u32;
+        if !ok {
+            tracing::warn!(peer = %self.peer, qp = idx, seq, status = %status_name(status), "RDMA work completion error");
+        }
         let mut newly_broken = None;
         {
             let mut st = slot.state.lock();
@@ -640,7 +643,13 @@ impl RdmaConnection {
         let nq = self.shared.qps.len();
         let start = self.next.fetch_add(chains.len(), Ordering::Relaxed);
         let mut timed_out = false;
-        for (i, chain) in chains.iter().enumerate() {
+        // Index of the first chain that will not be posted, and why.
+        let mut stop: Option<(usize, String)> = None;
+        'chains: for (i, chain) in chains.iter().enumerate() {
+            if let Some(why) = pending.failure.lock().clone() {
+                stop = Some((i, why));
+                break;
+            }
             let qi = (start + i) % nq;
             loop {
                 let slot = &self.shared.qps[qi];
@@ -652,27 +661,23 @@ impl RdmaConnection {
                     Ok(PostOutcome::NoCredits) => {
                         if tokio::time::timeout_at(deadline, notified).await.is_err() {
                             timed_out = true;
+                            let why =
+                                "request deadline passed while waiting for send-queue credits";
+                            stop = Some((i, why.to_string()));
+                            break 'chains;
                         }
                     }
                     Err(why) => {
-                        // This chain and every later one will never be posted.
-                        for _ in i..chains.len() {
-                            pending.finish(Some(&why));
-                        }
-                        break;
+                        stop = Some((i, why));
+                        break 'chains;
                     }
-                }
-                if timed_out {
-                    for _ in i..chains.len() {
-                        pending.finish(Some(
-                            "request deadline passed while waiting for send-queue credits",
-                        ));
-                    }
-                    break;
                 }
             }
-            if timed_out || pending.failure.lock().is_some() {
-                break;
+        }
+        // Chains never posted end here, with the reason they were not.
+        if let Some((first_unposted, why)) = stop {
+            for _ in first_unposted..chains.len() {
+                pending.finish(Some(&why));
             }
         }
         // Wait for every posted chain to complete, fail or flush.

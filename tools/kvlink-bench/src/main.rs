@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use kvlink::{
     BlockId, Engine, EngineConfig, KvLayout, ModelShape, Region, RequestId, TransferReport,
+    TransportChoice,
 };
 
 const USAGE: &str = "\
@@ -25,14 +26,19 @@ modes:
   read                read from a `serve` engine given by --peer
 
 options:
-  --transport T       tcp (rdma arrives with the RDMA transport)        [tcp]
+  --transport T       auto (RDMA when both engines have it), tcp or rdma [auto]
   --preset NAME       llama-3-8b, llama-3-70b-tp8, deepseek-v3-mla, qwen2.5-7b [llama-3-8b]
+  --block-bytes N     custom layout instead of a preset: blocks of N bytes (K/M suffixes),
+                      one token per block, so --tokens counts blocks
+  --tensors N         custom layout: tensors per block                   [1]
   --tokens N          tokens per request                                [4096]
   --pattern P         block ids: random, contiguous or fragmented       [random]
   --requests N        measured requests                                 [16]
   --warmup N          requests before measuring                         [2]
   --concurrency N     requests in flight                                [2]
   --streams N         TCP streams per peer                              [4]
+  --qps N             RDMA queue pairs per peer                         [4]
+  --rdma-device NAME  RDMA device (first active one by default)
   --batch-bytes N     bytes per pipelined TCP request (K/M suffixes)    [4M]
   --blocks N          blocks per tensor in each cache        [2 x tokens/block x concurrency]
   --verify            check every byte at the destination (slows the run)
@@ -75,6 +81,9 @@ struct Args {
     listen: String,
     advertise: String,
     peer: Option<String>,
+    transport: TransportChoice,
+    qps: u16,
+    rdma_device: Option<String>,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -117,7 +126,12 @@ fn parse_args() -> Result<Args, String> {
         listen: "0.0.0.0:7400".into(),
         advertise: "127.0.0.1".into(),
         peer: None,
+        transport: TransportChoice::Auto,
+        qps: 4,
+        rdma_device: None,
     };
+    let mut block_bytes: Option<u64> = None;
+    let mut tensors: u32 = 1;
     let mut p = lexopt::Parser::from_env();
     let err = |e: lexopt::Error| e.to_string();
     let val = |p: &mut lexopt::Parser| -> Result<String, String> {
@@ -136,15 +150,22 @@ fn parse_args() -> Result<Args, String> {
                     other => return Err(format!("unknown mode {other:?}")),
                 }
             }
-            Long("transport") => match val(&mut p)?.as_str() {
-                "tcp" => {}
-                "rdma" => {
-                    return Err(
-                        "the rdma transport is not in this build yet; use --transport tcp".into(),
-                    )
+            Long("transport") => {
+                a.transport = match val(&mut p)?.as_str() {
+                    "auto" => TransportChoice::Auto,
+                    "tcp" => TransportChoice::Tcp,
+                    "rdma" => TransportChoice::Rdma,
+                    t => return Err(format!("unknown transport {t:?} (auto, tcp, rdma)")),
                 }
-                t => return Err(format!("unknown transport {t:?} (tcp)")),
-            },
+            }
+            Long("block-bytes") => block_bytes = Some(parse_size(&val(&mut p)?)?),
+            Long("tensors") => {
+                tensors = val(&mut p)?
+                    .parse()
+                    .map_err(|e| format!("--tensors: {e}"))?
+            }
+            Long("qps") => a.qps = val(&mut p)?.parse().map_err(|e| format!("--qps: {e}"))?,
+            Long("rdma-device") => a.rdma_device = Some(val(&mut p)?),
             Long("preset") => {
                 let name = val(&mut p)?;
                 a.shape = ModelShape::preset(&name).ok_or_else(|| {
@@ -202,6 +223,19 @@ fn parse_args() -> Result<Args, String> {
             _ => return Err(arg.unexpected().to_string()),
         }
     }
+    if let Some(b) = block_bytes {
+        if b == 0 || tensors == 0 {
+            return Err("--block-bytes and --tensors must be at least 1".into());
+        }
+        a.shape = ModelShape {
+            name: "custom",
+            layers: tensors,
+            tensors_per_layer: 1,
+            bytes_per_token: b,
+            tokens_per_block: 1,
+            dtype: "u8",
+        };
+    }
     if a.tokens == 0 || a.concurrency == 0 || a.requests == 0 {
         return Err("--tokens, --concurrency and --requests must be at least 1".into());
     }
@@ -230,6 +264,12 @@ impl Args {
             tcp_streams: self.streams,
             batch_bytes: self.batch_bytes,
             request_timeout: Duration::from_secs(120),
+            transport: self.transport,
+            rdma: kvlink::transport::rdma::RdmaSettings {
+                device: self.rdma_device.clone(),
+                qps: self.qps,
+                ..Default::default()
+            },
             ..EngineConfig::default()
         }
     }
@@ -447,8 +487,8 @@ fn report(args: &Args, mode: &str, o: &Outcome) {
     let transport = o.reports.first().map(|r| r.transport).unwrap_or("tcp");
     if args.json {
         println!(
-            "{{\"mode\":\"{mode}\",\"transport\":\"{transport}\",\"preset\":\"{}\",\"tokens\":{},\"pattern\":\"{pattern}\",\"requests\":{},\"concurrency\":{},\"streams\":{},\"batch_bytes\":{},\"bytes\":{bytes},\"seconds\":{secs:.6},\"gb_per_s\":{gbps:.4},\"bytes_per_request\":{per_bytes},\"segments_per_request\":{},\"pieces_per_request\":{pieces},\"segments_per_s\":{:.1},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"verified_bytes\":{}}}",
-            args.shape.name, args.tokens, o.reports.len(), args.concurrency, args.streams, args.batch_bytes,
+            "{{\"mode\":\"{mode}\",\"transport\":\"{transport}\",\"preset\":\"{}\",\"tokens\":{},\"pattern\":\"{pattern}\",\"requests\":{},\"concurrency\":{},\"streams\":{},\"qps\":{},\"batch_bytes\":{},\"bytes\":{bytes},\"seconds\":{secs:.6},\"gb_per_s\":{gbps:.4},\"bytes_per_request\":{per_bytes},\"segments_per_request\":{},\"pieces_per_request\":{pieces},\"segments_per_s\":{:.1},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"verified_bytes\":{}}}",
+            args.shape.name, args.tokens, o.reports.len(), args.concurrency, args.streams, args.qps, args.batch_bytes,
             segments / n, segments as f64 / secs,
             p50.as_secs_f64() * 1e3, p99.as_secs_f64() * 1e3, max.as_secs_f64() * 1e3, o.verified
         );
@@ -463,9 +503,20 @@ fn report(args: &Args, mode: &str, o: &Outcome) {
         args.blocks_per_request(),
         fmt_bytes(per_bytes as f64),
     );
+    let path = if transport == "rdma" {
+        format!("{} queue pairs", args.qps)
+    } else {
+        format!(
+            "{} streams, {} batches",
+            args.streams,
+            fmt_bytes(args.batch_bytes as f64)
+        )
+    };
     println!(
-        "  bandwidth  {gbps:.2} GB/s   ({} requests, {} in {secs:.2} s, concurrency {}, {} streams, {} batches)",
-        o.reports.len(), fmt_bytes(bytes as f64), args.concurrency, args.streams, fmt_bytes(args.batch_bytes as f64)
+        "  bandwidth  {gbps:.2} GB/s   ({} requests, {} in {secs:.2} s, concurrency {}, {path})",
+        o.reports.len(),
+        fmt_bytes(bytes as f64),
+        args.concurrency
     );
     println!(
         "  segments   {} per request from {pieces} block pieces ({:.2} M segments/s)",
