@@ -16,7 +16,7 @@ use crate::control::{self, frame::PROTOCOL_VERSION, ControlHandler, ControlTimeo
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, RegionId, RequestId};
 use crate::layout::KvLayout;
-use crate::memory::{Region, RegionInfo};
+use crate::memory::{ExternalMemory, Region, RegionInfo};
 use crate::plan;
 use crate::session::{self, Peers, ReadJob};
 use crate::transport::rdma::{self, RdmaDevice, RdmaFault, RdmaSettings, ServerQps};
@@ -65,6 +65,8 @@ pub struct EngineConfig {
     pub io_timeout: Duration,
     /// Keep-alive interval of control connections (dead after three silent intervals).
     pub keepalive: Duration,
+    /// How long the data server keeps an idle data stream open (readers reconnect after).
+    pub idle_timeout: Duration,
     /// Worker threads of the engine's runtime.
     pub runtime_threads: usize,
     /// Transports to use.
@@ -92,6 +94,7 @@ impl Default for EngineConfig {
             abort_timeout: Duration::from_secs(480),
             io_timeout: Duration::from_secs(30),
             keepalive: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(600),
             runtime_threads: 2,
             transport: TransportChoice::Auto,
             rdma: RdmaSettings::default(),
@@ -130,15 +133,17 @@ pub(crate) struct Shared {
     engine_id: String,
     generation: u64,
     data_addr: SocketAddr,
+    // Drop order matters: sessions (which hold RDMA connections), then the RDMA device (which
+    // holds the memory registrations), then the regions themselves.
+    pub(crate) peers: Peers,
+    pub(crate) rdma: Option<Arc<RdmaDevice>>,
     regions: RwLock<HashMap<RegionId, Arc<Region>>>,
     next_region: AtomicU32,
     layout: RwLock<Option<KvLayout>>,
     descriptor: RwLock<Option<Arc<Descriptor>>>,
     tracker: Mutex<CompletionTracker>,
     finished: Condvar,
-    pub(crate) peers: Peers,
     counters: Counters,
-    pub(crate) rdma: Option<Arc<RdmaDevice>>,
     pub(crate) rdma_unavailable: Option<String>,
     pub(crate) rdma_fault_budget: Arc<std::sync::atomic::AtomicU32>,
 }
@@ -312,6 +317,34 @@ impl Engine {
                 config.tp_rank, config.tp_size
             )));
         }
+        let durations = [
+            ("connect_timeout", config.connect_timeout),
+            ("handshake_timeout", config.handshake_timeout),
+            ("request_timeout", config.request_timeout),
+            ("abort_timeout", config.abort_timeout),
+            ("io_timeout", config.io_timeout),
+            ("keepalive", config.keepalive),
+            ("idle_timeout", config.idle_timeout),
+        ];
+        for (name, d) in durations {
+            if d.is_zero() || d > Duration::from_secs(7 * 24 * 3600) {
+                return Err(Error::invalid(format!(
+                    "{name} must be between 0 and 7 days, got {d:?}"
+                )));
+            }
+        }
+        let r = &config.rdma;
+        if r.qps == 0 || r.qps > 64 {
+            return Err(Error::invalid("rdma.qps must be 1 to 64"));
+        }
+        if !(4096..=1 << 30).contains(&r.max_wr_bytes) || r.max_mr_bytes < 4096 {
+            return Err(Error::invalid(
+                "rdma.max_wr_bytes must be 4 KiB to 1 GiB and rdma.max_mr_bytes at least 4 KiB",
+            ));
+        }
+        if r.gid_index.is_some_and(|g| g > 255) {
+            return Err(Error::invalid("rdma.gid_index must be below 256"));
+        }
         if config.tcp_streams == 0 || config.tcp_streams > 64 {
             return Err(Error::invalid("tcp_streams must be 1 to 64"));
         }
@@ -400,8 +433,9 @@ impl Engine {
         });
         let timeouts = shared.control_timeouts();
         let io_timeout = shared.config.io_timeout;
+        let idle_timeout = shared.config.idle_timeout;
         runtime.spawn(control::serve(control, shared.clone(), timeouts));
-        runtime.spawn(tcp::serve(data, shared.clone(), io_timeout));
+        runtime.spawn(tcp::serve(data, shared.clone(), io_timeout, idle_timeout));
         match (&shared.rdma, &shared.rdma_unavailable) {
             (Some(dev), _) => tracing::info!(
                 engine = %engine_id, control = %control_addr, data = %data_addr,
@@ -468,21 +502,15 @@ impl Engine {
         self.add_region(region)
     }
 
-    /// Registers caller-owned host memory.
-    ///
-    /// # Safety
-    /// `ptr` must point to `len` bytes valid for reads and writes until [`deregister`] is called
-    /// for the returned region and every request that used it has finished.
-    ///
-    /// [`deregister`]: Engine::deregister
-    #[allow(unsafe_code)]
-    pub unsafe fn register_host(&self, ptr: *mut u8, len: u64) -> Result<Arc<Region>> {
-        // SAFETY: forwarded from this function's contract.
-        let region = unsafe { Region::external(self.next_region_id(), ptr, len)? };
-        self.add_region(region)
+    /// Registers caller-owned host memory (see [`ExternalMemory::new`] for the contract).
+    pub fn register_host(&self, mem: ExternalMemory) -> Result<Arc<Region>> {
+        self.add_region(Region::external(self.next_region_id(), mem))
     }
 
-    /// Stops exporting a region. Refused while the KV layout uses it.
+    /// Stops exporting a region and waits until no transfer uses it any more, so its memory may
+    /// be freed when this returns `Ok`. Refused while the KV layout uses the region. Waits at
+    /// most the request timeout plus 10 s (every request ends by then); if transfers still hold
+    /// the region, returns an error and the memory must not be freed.
     pub fn deregister(&self, id: RegionId) -> Result<()> {
         if let Some(l) = self.shared.layout.read().as_ref() {
             if l.tensors.iter().any(|t| t.region == id) {
@@ -491,16 +519,34 @@ impl Engine {
                 )));
             }
         }
-        self.shared
+        let region = self
+            .shared
             .regions
             .write()
             .remove(&id)
             .ok_or(Error::UnknownRegion(id))?;
-        if let Some(dev) = &self.shared.rdma {
+        let mrs = self.shared.rdma.as_ref().and_then(|dev| {
+            let m = dev.region_mrs(id);
             dev.deregister(id);
-        }
+            m
+        });
         self.shared.rebuild_descriptor();
-        Ok(())
+        // Transfers hold the region (and its registrations) while they use them.
+        let limit = Instant::now() + self.shared.config.request_timeout + Duration::from_secs(10);
+        loop {
+            let users = Arc::strong_count(&region) - 1
+                + mrs.as_ref().map_or(0, |m| Arc::strong_count(m) - 1);
+            if users == 0 {
+                return Ok(());
+            }
+            if Instant::now() >= limit {
+                tracing::error!(region = %id, users, "deregistered region still in use");
+                return Err(Error::Memory(format!(
+                    "{id} is no longer exported but {users} transfers still use it; do not free its memory"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// Sets the KV layout (validated against registered regions) and publishes the descriptor.

@@ -42,5 +42,5 @@ pub use engine::{Engine, EngineConfig, EngineStats, TransportChoice};
 pub use error::{Error, Result};
 pub use ids::{BlockId, RegionId, RequestId, MAX_REQUEST_ID_LEN};
 pub use layout::{KvLayout, ModelShape, TensorLayout, MAX_TENSORS};
-pub use memory::{MemoryKind, Region, RegionInfo};
+pub use memory::{ExternalMemory, MemoryKind, Region, RegionInfo};
 pub use plan::{check_blocks, check_local_blocks, plan, Plan, PlanOptions, Segment};

@@ -8,7 +8,8 @@
 //! Memory is either allocated here (anonymous `mmap`, huge pages on request) or registered by
 //! the caller from a pointer it owns (a KV cache allocated by the inference engine).
 
-use std::io::{IoSlice, IoSliceMut};
+use std::io;
+use std::os::fd::RawFd;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -36,6 +37,38 @@ pub enum MemoryKind {
     HostMapped,
     /// Host memory allocated by kvlink with explicit huge pages (`MAP_HUGETLB`).
     HostHugePages,
+}
+
+/// Host memory owned by the caller (an inference engine's KV cache), vouched for by the caller
+/// through [`ExternalMemory::new`]'s safety contract. Registered with `Engine::register_host`.
+#[derive(Debug)]
+pub struct ExternalMemory {
+    ptr: NonNull<u8>,
+    len: u64,
+}
+
+// SAFETY: ExternalMemory is a (pointer, length) pair the caller vouched for; it is only turned
+// into a Region, which has the same sharing rules (see Region's Send/Sync).
+unsafe impl Send for ExternalMemory {}
+
+impl ExternalMemory {
+    /// Describes caller-owned memory.
+    ///
+    /// # Safety
+    /// `ptr` must point to `len` bytes valid for reads and writes from this call until the
+    /// region registered from it is deregistered (`Engine::deregister` returns only once no
+    /// transfer uses it) or the engine is dropped. kvlink and its peers read and write those
+    /// bytes concurrently with the caller, as a DMA engine would.
+    pub unsafe fn new(ptr: *mut u8, len: u64) -> Result<ExternalMemory> {
+        let ptr = NonNull::new(ptr).ok_or_else(|| Error::invalid("null pointer registered"))?;
+        if len == 0 {
+            return Err(Error::invalid("cannot register an empty region"));
+        }
+        if (ptr.as_ptr() as u64).checked_add(len).is_none() {
+            return Err(Error::invalid("region wraps around the address space"));
+        }
+        Ok(ExternalMemory { ptr, len })
+    }
 }
 
 /// A registered memory region.
@@ -123,28 +156,15 @@ impl Region {
         })
     }
 
-    /// Registers caller-owned memory.
-    ///
-    /// # Safety
-    /// `ptr` must point to `len` bytes that are valid for reads and writes, and stay so until
-    /// the region is deregistered and every transfer using it has ended (the engine drops its
-    /// last reference then).
-    #[allow(unsafe_code)]
-    pub(crate) unsafe fn external(id: RegionId, ptr: *mut u8, len: u64) -> Result<Region> {
-        let ptr = NonNull::new(ptr).ok_or_else(|| Error::invalid("null pointer registered"))?;
-        if len == 0 {
-            return Err(Error::invalid("cannot register an empty region"));
-        }
-        if (ptr.as_ptr() as u64).checked_add(len).is_none() {
-            return Err(Error::invalid("region wraps around the address space"));
-        }
-        Ok(Region {
+    /// Registers caller-owned memory (validity vouched for by [`ExternalMemory::new`]).
+    pub(crate) fn external(id: RegionId, mem: ExternalMemory) -> Region {
+        Region {
             id,
-            ptr,
-            len,
+            ptr: mem.ptr,
+            len: mem.len,
             kind: MemoryKind::HostExternal,
             _backing: Backing::External,
-        })
+        }
     }
 
     /// The region's id.
@@ -248,40 +268,28 @@ impl RegionSpan {
     pub(crate) fn position(&self) -> (RegionId, u64) {
         (self.region.id(), self.offset)
     }
-
-    /// The span's bytes as an I/O slice for a vectored write to a socket.
-    pub(crate) fn io_slice(&self) -> IoSlice<'_> {
-        // SAFETY: the range was checked at construction and the Arc keeps the region alive for
-        // the borrow's lifetime. The bytes may be written concurrently by the engine that owns
-        // the KV cache (as with any DMA engine reading it); the slice is only handed to the
-        // kernel's writev and never read by Rust code.
-        #[allow(unsafe_code)]
-        let bytes = unsafe {
-            std::slice::from_raw_parts(
-                self.region.ptr.as_ptr().add(self.offset as usize),
-                self.len as usize,
-            )
-        };
-        IoSlice::new(bytes)
-    }
 }
 
-/// Builds mutable I/O slices over `spans`, skipping the first `skip` bytes of their
-/// concatenation, at most `max_slices` of them, and passes them to `f` (a vectored socket read).
-///
-/// The slices live only for the call. Callers uphold the transfer contract: while a request
-/// reads into local spans, no other kvlink transfer writes the same bytes (the planner refuses
-/// duplicate destination blocks within a request, and the engine's scheduler owns the blocks it
-/// hands to a request until the request ends).
-pub(crate) fn with_io_slices_mut<R>(
-    spans: &[RegionSpan],
-    mut skip: u64,
-    max_slices: usize,
-    f: impl FnOnce(&mut [IoSliceMut<'_>]) -> R,
-) -> R {
-    let mut slices: Vec<IoSliceMut<'_>> = Vec::with_capacity(max_slices.min(spans.len()));
+/// Most I/O vectors handed to one `readv`/`writev` (Linux's IOV_MAX).
+const IOV_MAX: usize = 1024;
+
+/// Raw I/O vectors over `head` then `spans`, skipping the first `skip` bytes of their
+/// concatenation. Only raw pointers are formed: no Rust reference to region bytes exists, since
+/// those bytes may be written or read concurrently by the KV cache's owner, by the kernel or by
+/// a NIC.
+fn iovecs(head: &[u8], spans: &[RegionSpan], mut skip: u64) -> Vec<libc::iovec> {
+    let mut v = Vec::with_capacity(IOV_MAX.min(spans.len() + 1));
+    if skip < head.len() as u64 {
+        v.push(libc::iovec {
+            iov_base: head.as_ptr().wrapping_add(skip as usize) as *mut libc::c_void,
+            iov_len: head.len() - skip as usize,
+        });
+        skip = 0;
+    } else {
+        skip -= head.len() as u64;
+    }
     for span in spans {
-        if slices.len() == max_slices {
+        if v.len() == IOV_MAX {
             break;
         }
         if skip >= span.len {
@@ -289,23 +297,54 @@ pub(crate) fn with_io_slices_mut<R>(
             continue;
         }
         let start = span.offset + skip;
-        let len = span.len - skip;
+        v.push(libc::iovec {
+            iov_base: span.region.ptr.as_ptr().wrapping_add(start as usize) as *mut libc::c_void,
+            iov_len: (span.len - skip) as usize,
+        });
         skip = 0;
-        // SAFETY: [start, start+len) lies inside the span, which was bounds-checked against the
-        // region at construction; the Arc in `spans` keeps the region alive for the slices'
-        // lifetime (they do not outlive this call). Exclusivity of these bytes for the duration
-        // of the call is the transfer contract stated above; the kernel's readv is the only
-        // writer through them.
-        #[allow(unsafe_code)]
-        let bytes = unsafe {
-            std::slice::from_raw_parts_mut(
-                span.region.ptr.as_ptr().add(start as usize),
-                len as usize,
-            )
-        };
-        slices.push(IoSliceMut::new(bytes));
     }
-    f(&mut slices)
+    v
+}
+
+/// One `writev(2)` of `head` then the spans' bytes on `fd`, after the first `skip` bytes.
+/// Returns the bytes written (0 when nothing is left).
+pub(crate) fn writev(fd: RawFd, head: &[u8], spans: &[RegionSpan], skip: u64) -> io::Result<usize> {
+    let iov = iovecs(head, spans, skip);
+    if iov.is_empty() {
+        return Ok(0);
+    }
+    // SAFETY: every iovec addresses readable bytes: `head` is borrowed for the call, and each
+    // span lies inside its region (checked when the span was made) whose Arc `spans` holds for
+    // the call. writev only reads them; iov.len() <= IOV_MAX.
+    let n = unsafe { libc::writev(fd, iov.as_ptr(), iov.len() as libc::c_int) };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+/// One `readv(2)` from `fd` into the spans, after the first `skip` bytes of their
+/// concatenation. Returns the bytes read (0 at end of stream).
+///
+/// Callers uphold the transfer contract: while a request reads into its local spans, nothing
+/// else kvlink does writes those bytes (the planner refuses duplicate destination blocks within
+/// a request; the scheduler owns a request's blocks until the request ends; cancellation waits
+/// out a read in progress, see `RequestCtl`).
+pub(crate) fn readv(fd: RawFd, spans: &[RegionSpan], skip: u64) -> io::Result<usize> {
+    let iov = iovecs(&[], spans, skip);
+    if iov.is_empty() {
+        return Ok(0);
+    }
+    // SAFETY: every iovec addresses writable bytes inside a registered region (bounds-checked
+    // span, region kept alive by the Arc in `spans` for the call); no Rust reference to them
+    // exists, so the kernel writing them is not an aliasing violation. iov.len() <= IOV_MAX.
+    let n = unsafe { libc::readv(fd, iov.as_ptr(), iov.len() as libc::c_int) };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
 }
 
 /// What a peer is told about one exported region.
@@ -350,22 +389,30 @@ mod tests {
     }
 
     #[test]
-    fn io_slices_skip_and_cap() {
-        let r = Arc::new(Region::allocate(RegionId(3), 64, false).unwrap());
-        let spans = vec![
-            RegionSpan::new(r.clone(), 0, 8).unwrap(),
-            RegionSpan::new(r.clone(), 16, 8).unwrap(),
-            RegionSpan::new(r.clone(), 32, 8).unwrap(),
+    fn readv_and_writev_move_span_bytes_through_a_socket() {
+        use std::os::fd::AsRawFd;
+        let src = Arc::new(Region::allocate(RegionId(3), 64, false).unwrap());
+        let dst = Arc::new(Region::allocate(RegionId(4), 64, false).unwrap());
+        src.write_at(0, &(0u8..64).collect::<Vec<_>>()).unwrap();
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let out = vec![
+            RegionSpan::new(src.clone(), 8, 8).unwrap(),
+            RegionSpan::new(src.clone(), 40, 8).unwrap(),
         ];
-        with_io_slices_mut(&spans, 10, 8, |s| {
-            assert_eq!(s.len(), 2);
-            assert_eq!(s[0].len(), 6);
-            s[0][0] = 0xAB;
-        });
-        let mut b = [0u8; 1];
-        r.read_at(18, &mut b).unwrap();
-        assert_eq!(b[0], 0xAB);
-        with_io_slices_mut(&spans, 0, 1, |s| assert_eq!(s.len(), 1));
-        assert!(RegionSpan::new(r, 60, 8).is_err());
+        // Skip the 2-byte head and 3 bytes of the first span.
+        assert_eq!(writev(a.as_raw_fd(), b"hh", &out, 5).unwrap(), 13);
+        let into = vec![
+            RegionSpan::new(dst.clone(), 0, 5).unwrap(),
+            RegionSpan::new(dst.clone(), 32, 8).unwrap(),
+        ];
+        assert_eq!(readv(b.as_raw_fd(), &into, 0).unwrap(), 13);
+        let mut got = [0u8; 5];
+        dst.read_at(0, &mut got).unwrap();
+        assert_eq!(got, [11, 12, 13, 14, 15]);
+        let mut got = [0u8; 8];
+        dst.read_at(32, &mut got).unwrap();
+        assert_eq!(got, [40, 41, 42, 43, 44, 45, 46, 47]);
+        assert_eq!(writev(a.as_raw_fd(), b"", &out, 16).unwrap(), 0);
+        assert!(RegionSpan::new(src, 60, 8).is_err());
     }
 }

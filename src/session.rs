@@ -91,7 +91,20 @@ impl Peers {
                     let shared = shared.clone();
                     let peer = peer.to_string();
                     tokio::spawn(async move {
-                        let result = connect(&shared, &peer, generation).await.map(Arc::new);
+                        let cfg = &shared.config;
+                        // The whole connect (name lookup, handshake, queue pairs or streams) is
+                        // bounded, so a slot never stays "connecting" for ever.
+                        let limit = cfg.connect_timeout * 2 + cfg.handshake_timeout * 3;
+                        let result =
+                            match tokio::time::timeout(limit, connect(&shared, &peer, generation))
+                                .await
+                            {
+                                Ok(r) => r.map(Arc::new),
+                                Err(_) => Err(Error::Timeout {
+                                    what: format!("connecting to {peer} (all steps)"),
+                                    after: limit,
+                                }),
+                            };
                         {
                             let mut map = shared.peers.map.lock();
                             match &result {
@@ -115,7 +128,18 @@ impl Peers {
             if let Some(r) = rx.borrow_and_update().clone() {
                 return r;
             }
-            rx.changed().await.map_err(|_| Error::Shutdown)?;
+            if rx.changed().await.is_err() {
+                // The connect task ended without an answer (runtime shutting down, or a panic):
+                // free the slot so the next call starts afresh.
+                let mut map = self.map.lock();
+                if matches!(map.get(peer), Some(Slot::Connecting(_))) {
+                    map.remove(peer);
+                }
+                return Err(Error::ConnectionLost {
+                    peer: peer.to_string(),
+                    reason: "the connection attempt was abandoned".into(),
+                });
+            }
         }
     }
 }
@@ -234,7 +258,28 @@ pub(crate) struct ReadJob {
 const BACKSTOP: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Runs one receive to its end and reports it: done, failed with a reason, or expired.
+/// Reports a receive as failed if its task ends without reporting (a panic, or the runtime
+/// shutting down), so no request stays "reading" for ever.
+struct ReportGuard {
+    shared: Arc<Shared>,
+    id: Option<RequestId>,
+}
+
+impl Drop for ReportGuard {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            self.shared.with_tracker(|t| {
+                t.recv_failed(&id, false, "the transfer task ended without a result (engine shutting down or internal error)".into())
+            });
+        }
+    }
+}
+
 pub(crate) async fn run_read(shared: Arc<Shared>, job: ReadJob) {
+    let mut guard = ReportGuard {
+        shared: shared.clone(),
+        id: Some(job.id.clone()),
+    };
     let ctl = Arc::new(RequestCtl::default());
     let timeout = job
         .deadline
@@ -259,6 +304,7 @@ pub(crate) async fn run_read(shared: Arc<Shared>, job: ReadJob) {
             }),
         ),
     };
+    guard.id = None;
     match result {
         Ok((report, conn)) => {
             conn.control.notify(Message::Done {

@@ -140,13 +140,23 @@ fn immediate_refusals_name_the_problem() {
         .read_blocks(&peer, "far2", &[1], &[9])
         .unwrap_err();
     assert!(e.to_string().contains("remote block id 9"), "{e}");
-    // A duplicate id while the first is in flight is refused.
-    decode.engine.read_blocks(&peer, "dup", &[1], &[1]).unwrap();
-    let _ = decode.engine.read_blocks(&peer, "dup", &[2], &[2]);
-    let f = collect(&decode.engine, Duration::from_secs(10), |f| {
-        !f.receiving.is_empty()
+    // A duplicate id while the first is in flight is refused (a silent peer keeps it there).
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_addr = silent.local_addr().unwrap().to_string();
+    decode
+        .engine
+        .read_blocks(&silent_addr, "dup", &[1], &[1])
+        .unwrap();
+    let e = decode
+        .engine
+        .read_blocks(&silent_addr, "dup", &[2], &[2])
+        .unwrap_err();
+    assert!(e.to_string().contains("already being received"), "{e}");
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| {
+        !f.failed.is_empty()
     });
-    assert_eq!(f.receiving, vec![RequestId::from("dup")]);
+    assert_eq!(f.failed[0].id.as_str(), "dup");
+    drop(silent);
 }
 
 #[test]
@@ -210,4 +220,50 @@ fn incompatible_peer_fails_every_waiter_after_one_handshake() {
         (0, 1),
         "{s:?}"
     );
+}
+
+#[test]
+fn caller_owned_memory_is_served_and_deregistration_waits_for_it() {
+    let shape = ModelShape::DEEPSEEK_V3_MLA;
+    let blocks = 8;
+    // The prefill cache is a plain Vec owned by the test (as an engine's KV cache would be).
+    let mut cache = vec![0u8; shape.region_bytes(blocks) as usize];
+    kvlink::verify::pattern_into(17, 0, &mut cache);
+    let prefill = kvlink::Engine::start(EngineConfig::default()).unwrap();
+    // SAFETY: `cache` outlives the engine (dropped after it at the end of this function) and
+    // is not touched by the test while registered.
+    let mem =
+        unsafe { kvlink::ExternalMemory::new(cache.as_mut_ptr(), cache.len() as u64) }.unwrap();
+    let region = prefill.register_host(mem).unwrap();
+    assert_eq!(region.kind(), kvlink::MemoryKind::HostExternal);
+    let layout = shape.layout(region.id(), blocks);
+    prefill.set_layout(layout.clone()).unwrap();
+    let decode = side(&shape, blocks, None, EngineConfig::default());
+    let peer = prefill.handshake_address().to_string();
+    decode
+        .engine
+        .read_blocks(&peer, "ext", &[0, 7, 3], &[5, 1, 6])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(20), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    verify(&decode, &layout, 17, &[0, 7, 3], &[5, 1, 6]);
+    // The layout's region cannot go; an extra region can, once unused.
+    let e = prefill.deregister(region.id()).unwrap_err();
+    assert!(e.to_string().contains("used by the KV layout"), "{e}");
+    let extra = prefill.allocate_host(4096, false).unwrap();
+    let id = extra.id();
+    drop(extra);
+    prefill.deregister(id).unwrap();
+    assert!(matches!(
+        prefill.deregister(id),
+        Err(Error::UnknownRegion(_))
+    ));
+    assert!(!prefill
+        .descriptor()
+        .unwrap()
+        .regions
+        .iter()
+        .any(|r| r.id == id));
+    drop(prefill);
+    drop(cache);
 }

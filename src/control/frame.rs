@@ -71,10 +71,19 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<(u16, 
             "control frame of {len} bytes exceeds the {MAX_FRAME_BYTES}-byte limit"
         )));
     }
-    let mut buf = vec![0u8; len as usize];
-    r.read_exact(&mut buf)
+    // Grow with the bytes that actually arrive, so a peer announcing a large frame and sending
+    // nothing costs no memory.
+    let mut buf = Vec::with_capacity((len as usize).min(64 << 10));
+    let got = (&mut *r)
+        .take(u64::from(len))
+        .read_to_end(&mut buf)
         .await
         .map_err(|e| Error::io("reading a control frame body", &e))?;
+    if got != len as usize {
+        return Err(Error::Protocol(
+            "control stream ended inside a frame".into(),
+        ));
+    }
     let version = u16::from_be_bytes([buf[0], buf[1]]);
     buf.drain(..2);
     Ok(Some((version, buf)))

@@ -32,18 +32,27 @@ pub(crate) trait ControlHandler: Send + Sync + 'static {
     ) -> std::result::Result<(Vec<QpEndpoint>, Box<dyn std::any::Any + Send>), String>;
 }
 
+/// Most control connections served at once; more are closed at accept.
+const MAX_CONNECTIONS: usize = 4096;
+
 /// Accepts control connections until the task is dropped.
 pub(crate) async fn serve(
     listener: TcpListener,
     handler: Arc<dyn ControlHandler>,
     timeouts: ControlTimeouts,
 ) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
+                let Ok(permit) = slots.clone().try_acquire_owned() else {
+                    tracing::warn!(%peer, "refusing a control connection: {MAX_CONNECTIONS} already open");
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
                 let handler = handler.clone();
                 tokio::spawn(async move {
+                    let _permit = permit;
                     if let Err(e) = connection(stream, peer, handler.clone(), timeouts).await {
                         tracing::warn!(%peer, error = %e, "control connection closed with an error");
                     }

@@ -56,11 +56,14 @@ pub struct RdmaFault {
     pub requests: u32,
 }
 
-/// Outstanding chains of one request.
+/// Outstanding chains of one request. Every posted chain holds it, so the request's local
+/// regions and their registrations (`_keep`) live until the last chain is retired, even if the
+/// request's future is dropped.
 struct Pending {
     remaining: AtomicUsize,
     failure: Mutex<Option<String>>,
     notify: tokio::sync::Notify,
+    _keep: (Vec<ReadOp>, Vec<Arc<super::device::RegionMrs>>),
 }
 
 impl Pending {
@@ -154,10 +157,13 @@ impl ConnShared {
             if !st.in_error_state {
                 let mut attr = QueuePairAttribute::new();
                 attr.setup_state(QueuePairState::Error);
-                if let Err(e) = st.qp.modify(&attr) {
-                    tracing::warn!(error = %e, "moving a queue pair to the error state failed");
+                match st.qp.modify(&attr) {
+                    Ok(()) => st.in_error_state = true,
+                    Err(e) => tracing::error!(
+                        error = %e,
+                        "moving a queue pair to the error state failed; its reads are retired only by completions"
+                    ),
                 }
-                st.in_error_state = true;
             }
             if st.error.is_none() {
                 st.error = Some((reason.to_string(), Instant::now()));
@@ -244,7 +250,9 @@ impl ConnShared {
             let Some((why, at)) = st.error.clone() else {
                 continue;
             };
-            if at.elapsed() < FLUSH_GRACE {
+            // Only a queue pair known to be in the error state has stopped writing; its
+            // remaining chains are retired once the flush grace has passed.
+            if !st.in_error_state || at.elapsed() < FLUSH_GRACE {
                 continue;
             }
             while let Some(p) = st.fifo.pop_front() {
@@ -482,6 +490,8 @@ struct Wr {
 enum PostOutcome {
     Posted,
     NoCredits,
+    /// Accounted as posted (it may be partly posted) but failed: the connection is flushing.
+    Failed(String),
 }
 
 impl RdmaConnection {
@@ -612,8 +622,9 @@ impl RdmaConnection {
             // spans' regions and the MRs until all of its work requests complete or flush.
             unsafe { h.setup_sge_list(&wr.sges) };
         }
-        post.post()
-            .map_err(|e| format!("posting RDMA READs to {} failed: {e}", self.shared.peer))?;
+        let posted = post.post();
+        // Account the chain even when posting failed: the verbs call may have posted a prefix
+        // of it, and those reads may still write; the flush (below) retires them.
         st.next_seq += u64::from(n);
         st.credits -= n;
         st.fifo.push_back(Posted {
@@ -621,7 +632,15 @@ impl RdmaConnection {
             wrs: n,
             pending: pending.clone(),
         });
-        Ok(PostOutcome::Posted)
+        match posted {
+            Ok(()) => Ok(PostOutcome::Posted),
+            Err(e) => {
+                let why = format!("posting RDMA READs to {} failed: {e}", self.shared.peer);
+                drop(guard);
+                self.shared.mark_broken(&why);
+                Ok(PostOutcome::Failed(why))
+            }
+        }
     }
 
     async fn run(&self, ops: Vec<ReadOp>, deadline: tokio::time::Instant) -> Result<()> {
@@ -630,16 +649,17 @@ impl RdmaConnection {
         }
         // `ops` (holding the local regions) and `_mrs` (their registrations) stay alive until
         // every work request has completed or flushed.
-        let (wrs, _mrs) = self.build(&ops)?;
+        let (wrs, mrs) = self.build(&ops)?;
         let chains: Vec<&[Wr]> = wrs.chunks(DOORBELL).collect();
+        if chains.is_empty() {
+            return Ok(());
+        }
         let pending = Arc::new(Pending {
             remaining: AtomicUsize::new(chains.len()),
             failure: Mutex::new(None),
             notify: tokio::sync::Notify::new(),
+            _keep: (ops, mrs),
         });
-        if chains.is_empty() {
-            return Ok(());
-        }
         let nq = self.shared.qps.len();
         let start = self.next.fetch_add(chains.len(), Ordering::Relaxed);
         let mut timed_out = false;
@@ -658,6 +678,11 @@ impl RdmaConnection {
                 notified.as_mut().enable();
                 match self.post_chain(qi, chain, &pending) {
                     Ok(PostOutcome::Posted) => break,
+                    Ok(PostOutcome::Failed(why)) => {
+                        // This chain is accounted (its completions or the flush retire it).
+                        stop = Some((i + 1, why));
+                        break 'chains;
+                    }
                     Ok(PostOutcome::NoCredits) => {
                         if tokio::time::timeout_at(deadline, notified).await.is_err() {
                             timed_out = true;
@@ -680,7 +705,11 @@ impl RdmaConnection {
                 pending.finish(Some(&why));
             }
         }
-        // Wait for every posted chain to complete, fail or flush.
+        // Wait for every posted chain to complete, fail or flush. At the deadline the
+        // connection is flushed (queue pairs to the error state) so the NIC stops writing into
+        // this request's memory; flushed chains then retire by completion or, a grace period
+        // after a confirmed flush, by the poller's tick.
+        let mut flushed = false;
         loop {
             let notified = pending.notify.notified();
             tokio::pin!(notified);
@@ -688,23 +717,28 @@ impl RdmaConnection {
             if pending.remaining.load(Ordering::Acquire) == 0 {
                 break;
             }
-            if !timed_out
-                && tokio::time::timeout_at(deadline, notified.as_mut())
+            if !timed_out {
+                if tokio::time::timeout_at(deadline, notified.as_mut())
                     .await
                     .is_ok()
-            {
-                continue;
-            }
-            if !timed_out {
+                {
+                    continue;
+                }
                 timed_out = true;
-                // Stop the NIC from writing into the request's memory: flush everything.
+            }
+            if !flushed {
+                flushed = true;
                 self.shared
                     .mark_broken("a request deadline passed with RDMA READs outstanding");
                 continue;
             }
-            // After the flush, chains end by completion or by the poller's grace timeout.
-            let _ = tokio::time::timeout(FLUSH_GRACE * 3, notified).await;
-            if pending.remaining.load(Ordering::Acquire) != 0 {
+            if tokio::time::timeout(FLUSH_GRACE * 3, notified)
+                .await
+                .is_err()
+                && pending.remaining.load(Ordering::Acquire) != 0
+            {
+                // The queue pairs could not be flushed; report the request, but its memory
+                // (held by `pending`) stays alive until the last chain retires.
                 tracing::error!(peer = %self.shared.peer, "RDMA reads still outstanding after the flush grace");
                 break;
             }

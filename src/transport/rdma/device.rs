@@ -290,10 +290,11 @@ impl RdmaDevice {
         let flags = AccessFlags::LocalWrite | AccessFlags::RemoteRead;
         while off < region.len() {
             let n = chunk.min(region.len() - off);
-            // SAFETY: [ptr+off, ptr+off+n) lies inside the registered region (off < len,
-            // n <= len - off); the region outlives the registration because RegionMrs is removed
-            // in `deregister` before the engine drops its Arc<Region>, and in-flight transfers
-            // hold both the region and the MR.
+            // SAFETY: [ptr+off, ptr+off+n) lies inside the region (off < len, n <= len - off).
+            // The memory outlives the registration: `Engine::deregister` drops the registration
+            // and waits until no transfer holds it (or the region) before the caller may free
+            // it; in-flight transfers hold both; on engine drop the registrations (RDMA device)
+            // drop before the regions.
             let mr = unsafe {
                 self.pd
                     .reg_mr(region.as_ptr() as usize + off as usize, n as usize, flags)
@@ -397,13 +398,23 @@ fn poll_loop(dev: Weak<RdmaDevice>, stop: Arc<AtomicBool>) {
         // before any use of the channel).
         let n = unsafe { libc::poll(&mut pfd, 1, 100) };
         let Some(d) = dev.upgrade() else { return };
-        if n > 0 {
-            d.handle_events();
-        }
-        let conns: Vec<Arc<ConnShared>> =
-            d.conns.lock().values().filter_map(Weak::upgrade).collect();
-        for c in conns {
-            c.tick();
+        // A panic here (the verbs bindings assert when destroying objects) must not stop the
+        // poller: every connection on the device depends on it.
+        let round = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            if n > 0 {
+                d.handle_events();
+            }
+            let conns: Vec<Arc<ConnShared>> =
+                d.conns.lock().values().filter_map(Weak::upgrade).collect();
+            for c in conns {
+                c.tick();
+            }
+        }));
+        if round.is_err() {
+            tracing::error!(
+                device = d.name(),
+                "the completion poller caught a panic; continuing"
+            );
         }
         drop(d);
         if n < 0 {

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use std::os::fd::AsRawFd;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
@@ -16,13 +18,11 @@ use tokio::time::timeout;
 
 use super::wire::{self, Entry};
 use crate::error::{Error, Result};
-use crate::memory::{with_io_slices_mut, RegionSpan};
+use crate::memory::{self, RegionSpan};
 use crate::transport::{ReadFuture, ReadOp, RequestCtl, Transport};
 
 /// Requests in flight per stream (bounds memory and queueing towards a slow peer).
 const PIPELINE: usize = 16;
-/// Most I/O slices per `readv`.
-const MAX_IOV: usize = 512;
 
 type Done = mpsc::Sender<Result<()>>;
 
@@ -139,12 +139,14 @@ impl TcpTransport {
         let mut cur: Vec<ReadOp> = Vec::new();
         let mut cur_bytes = 0u64;
         for op in ops {
-            cur_bytes += op.local.len();
-            cur.push(op);
-            if cur_bytes >= self.batch_bytes || cur.len() == wire::MAX_ENTRIES as usize {
+            let n = op.local.len();
+            let full = cur_bytes + n > self.batch_bytes || cur.len() == wire::MAX_ENTRIES as usize;
+            if full && !cur.is_empty() {
                 batches.push(std::mem::take(&mut cur));
                 cur_bytes = 0;
             }
+            cur_bytes += n;
+            cur.push(op);
         }
         if !cur.is_empty() {
             batches.push(cur);
@@ -264,7 +266,49 @@ async fn reader(
 ) {
     let mut scratch = vec![0u8; 64 << 10];
     let mut expect_tag = 0u64;
-    while let Some(batch) = pending.recv().await {
+    loop {
+        // Between batches, also watch the socket: a server that closes an idle stream (or
+        // dies) marks this transport broken now, so the next request rebuilds the session
+        // instead of failing on a dead stream.
+        // `biased`: a queued batch always wins. The writer queues a batch before sending its
+        // request, so response bytes imply a queued (or just-queued) batch.
+        let batch = tokio::select! {
+            biased;
+            b = pending.recv() => match b { Some(b) => b, None => break },
+            r = rd.readable() => {
+                if let Err(e) = r {
+                    health.fail(Error::ConnectionLost { peer: peer.to_string(), reason: format!("idle data stream failed: {e}") });
+                    break;
+                }
+                // Look without waiting and without consuming (the bytes may be a response).
+                let mut probe = [0u8; 1];
+                let mut buf = tokio::io::ReadBuf::new(&mut probe);
+                let peeked = std::future::poll_fn(|cx| {
+                    std::task::Poll::Ready(rd.as_ref().poll_peek(cx, &mut buf))
+                })
+                .await;
+                match peeked {
+                    // Stale readiness: nothing there; wait again.
+                    std::task::Poll::Pending => continue,
+                    std::task::Poll::Ready(Ok(0)) => {
+                        health.fail(Error::ConnectionLost { peer: peer.to_string(), reason: "the peer closed an idle data stream".into() });
+                        break;
+                    }
+                    std::task::Poll::Ready(Ok(_)) => match timeout(io_timeout, pending.recv()).await {
+                        Ok(Some(b)) => b,
+                        Ok(None) => break,
+                        Err(_) => {
+                            health.fail(Error::Protocol(format!("{peer} sent data with no request outstanding")));
+                            break;
+                        }
+                    },
+                    std::task::Poll::Ready(Err(e)) => {
+                        health.fail(Error::ConnectionLost { peer: peer.to_string(), reason: format!("idle data stream failed: {e}") });
+                        break;
+                    }
+                }
+            }
+        };
         expect_tag += 1;
         match receive(&mut rd, &batch, expect_tag, &mut scratch, peer, io_timeout).await {
             Ok(outcome) => batch.finish(outcome),
@@ -348,8 +392,13 @@ async fn receive(
                 after: io_timeout,
             })?
             .map_err(|e| lost("waiting for data", &e))?;
+        let stream: &tokio::net::TcpStream = rd.as_ref();
         let res = batch.ctl.guarded(
-            || with_io_slices_mut(&spans, got, MAX_IOV, |s| rd.try_read_vectored(s)),
+            || {
+                stream.try_io(Interest::READABLE, || {
+                    memory::readv(stream.as_raw_fd(), &spans, got)
+                })
+            },
             || {
                 let want = ((len - got) as usize).min(scratch.len());
                 rd.try_read(&mut scratch[..want])

@@ -1,21 +1,18 @@
 //! The TCP data server: serves reads of exported registered ranges, and nothing else.
 
-use std::io::IoSlice;
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, Interest};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::timeout;
 
 use super::wire::{self, Entry};
 use crate::error::{Error, Result};
 use crate::ids::RegionId;
-use crate::memory::{Region, RegionSpan};
-
-/// Most I/O slices handed to one `writev` (Linux's IOV_MAX is 1024).
-const MAX_IOV: usize = 1024;
+use crate::memory::{self, Region, RegionSpan};
 
 /// Where the data server finds exported regions.
 pub(crate) trait RegionLookup: Send + Sync + 'static {
@@ -30,14 +27,21 @@ pub(crate) async fn serve(
     listener: TcpListener,
     regions: Arc<dyn RegionLookup>,
     io_timeout: Duration,
+    idle_timeout: Duration,
 ) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
+                let Ok(permit) = slots.clone().try_acquire_owned() else {
+                    tracing::warn!(%peer, "refusing a data connection: {MAX_CONNECTIONS} already open");
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
                 let regions = regions.clone();
                 tokio::spawn(async move {
-                    match connection(stream, peer, regions, io_timeout).await {
+                    let _permit = permit;
+                    match connection(stream, peer, regions, io_timeout, idle_timeout).await {
                         Ok(()) => tracing::debug!(%peer, "data connection closed"),
                         Err(e) => tracing::warn!(%peer, error = %e, "data connection dropped"),
                     }
@@ -50,6 +54,9 @@ pub(crate) async fn serve(
         }
     }
 }
+
+/// Most data connections served at once; more are closed at accept.
+const MAX_CONNECTIONS: usize = 4096;
 
 fn timed_out(what: &str, after: Duration) -> Error {
     Error::Timeout {
@@ -88,16 +95,18 @@ async fn connection(
     peer: SocketAddr,
     regions: Arc<dyn RegionLookup>,
     io_timeout: Duration,
+    idle_timeout: Duration,
 ) -> Result<()> {
     let mut header = [0u8; wire::REQUEST_HEADER];
     let mut body = Vec::new();
     loop {
-        // Idle between requests: wait without a deadline for the first byte (the reader keeps
-        // the stream open for later requests); the rest of a request must follow promptly.
-        let n = stream
-            .read(&mut header)
-            .await
-            .map_err(|e| Error::io("reading a data request", &e))?;
+        // Idle between requests: readers keep streams open for later requests, so the first
+        // byte may take long (bounded by `idle_timeout`; the reader reconnects after it); the
+        // rest of a request must follow promptly.
+        let n = match timeout(idle_timeout, stream.read(&mut header)).await {
+            Err(_) => return Ok(()),
+            Ok(r) => r.map_err(|e| Error::io("reading a data request", &e))?,
+        };
         if n == 0 {
             return Ok(());
         }
@@ -115,33 +124,35 @@ async fn connection(
         match resolve(&*regions, wire::decode_entries(&body)) {
             Ok((spans, total)) => {
                 let head = wire::encode_response_header(tag, wire::STATUS_OK, total);
-                let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(spans.len() + 1);
-                slices.push(IoSlice::new(&head));
-                slices.extend(spans.iter().map(RegionSpan::io_slice));
-                write_all_vectored(&mut stream, &mut slices, io_timeout).await?;
+                write_all(&stream, &head, &spans, io_timeout).await?;
                 regions.served(Some(total));
             }
             Err(e) => {
                 regions.served(None);
                 let reason = e.to_string();
                 tracing::warn!(%peer, tag, %reason, "refused a data request");
-                let head =
-                    wire::encode_response_header(tag, wire::STATUS_REFUSED, reason.len() as u64);
-                let mut slices = [IoSlice::new(&head), IoSlice::new(reason.as_bytes())];
-                write_all_vectored(&mut stream, &mut slices, io_timeout).await?;
+                let mut msg =
+                    wire::encode_response_header(tag, wire::STATUS_REFUSED, reason.len() as u64)
+                        .to_vec();
+                msg.extend_from_slice(reason.as_bytes());
+                write_all(&stream, &msg, &[], io_timeout).await?;
             }
         }
     }
 }
 
-async fn write_all_vectored(
-    stream: &mut TcpStream,
-    mut slices: &mut [IoSlice<'_>],
+/// Writes `head` then the spans' bytes straight from registered memory (`writev`, no copy).
+async fn write_all(
+    stream: &TcpStream,
+    head: &[u8],
+    spans: &[RegionSpan],
     io_timeout: Duration,
 ) -> Result<()> {
-    while !slices.is_empty() {
-        let upto = slices.len().min(MAX_IOV);
-        let n = timeout(io_timeout, stream.write_vectored(&slices[..upto]))
+    let fd = stream.as_raw_fd();
+    let total = head.len() as u64 + spans.iter().map(RegionSpan::len).sum::<u64>();
+    let mut done = 0u64;
+    while done < total {
+        timeout(io_timeout, stream.writable())
             .await
             .map_err(|_| {
                 timed_out(
@@ -150,10 +161,12 @@ async fn write_all_vectored(
                 )
             })?
             .map_err(|e| Error::io("writing a data response", &e))?;
-        if n == 0 {
-            return Err(Error::Protocol("data stream closed while writing".into()));
+        match stream.try_io(Interest::WRITABLE, || memory::writev(fd, head, spans, done)) {
+            Ok(0) => return Err(Error::Protocol("data stream closed while writing".into())),
+            Ok(n) => done += n as u64,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(Error::io("writing a data response", &e)),
         }
-        IoSlice::advance_slices(&mut slices, n);
     }
     Ok(())
 }
