@@ -369,12 +369,13 @@ async fn read_once(
             remote_offset: s.remote_offset,
         });
     }
-    conn.transport.read(ops, ctl, job.deadline).await?;
+    let work_requests = conn.transport.read(ops, ctl, job.deadline).await?;
     let report = TransferReport {
         id: job.id.clone(),
         bytes: plan.bytes,
         segments: plan.segments.len(),
         blocks: plan.blocks,
+        work_requests,
         transport: conn.transport.name(),
         elapsed: job.started.elapsed(),
     };

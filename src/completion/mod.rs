@@ -49,6 +49,8 @@ pub struct TransferReport {
     pub segments: usize,
     /// Block pairs requested.
     pub blocks: usize,
+    /// Work requests posted (RDMA) or read requests sent (TCP).
+    pub work_requests: u64,
     /// Transport that moved them (`"tcp"`).
     pub transport: &'static str,
     /// From `read_blocks` to completion.

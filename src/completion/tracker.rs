@@ -215,6 +215,7 @@ mod tests {
             bytes: 1,
             segments: 1,
             blocks: 1,
+            work_requests: 1,
             transport: "tcp",
             elapsed: Duration::ZERO,
         }

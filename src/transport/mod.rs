@@ -53,8 +53,9 @@ impl RequestCtl {
     }
 }
 
-/// A boxed transfer future.
-pub(crate) type ReadFuture<'a> = Pin<Box<dyn Future<Output = Result<()>> + Send + 'a>>;
+/// A boxed transfer future; it yields the number of work requests (RDMA work requests, or TCP
+/// read requests) the transfer took.
+pub(crate) type ReadFuture<'a> = Pin<Box<dyn Future<Output = Result<u64>> + Send + 'a>>;
 
 /// A connected data path to one peer.
 pub(crate) trait Transport: Send + Sync {

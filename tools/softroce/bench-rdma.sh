@@ -23,12 +23,17 @@ row() {
 # 64 KiB messages: one tensor of 64 KiB blocks, random block ids (no two adjacent reads merge).
 ref=$("$repo/tools/softroce/ib_read_bw.sh" 65536 2000 | sed -n 's/.*gbps=//p')
 kv=$(kvlink --block-bytes 64K --tokens 256 --requests 8 --warmup 1 --concurrency 2)
-row "64 KiB reads" "$ref" "$kv"
+row "64 KiB reads (4 QPs)" "$ref" "$kv"
+# ib_read_bw uses one queue pair: the same for kvlink, for a like-for-like ratio.
+kv=$(kvlink --block-bytes 64K --tokens 256 --requests 8 --warmup 1 --concurrency 2 --qps 1)
+row "64 KiB reads (1 QP)" "$ref" "$kv"
 
 # 1 MiB messages.
 ref=$("$repo/tools/softroce/ib_read_bw.sh" 1048576 200 | sed -n 's/.*gbps=//p')
 kv=$(kvlink --block-bytes 1M --tokens 32 --requests 6 --warmup 1 --concurrency 2)
-row "1 MiB reads" "$ref" "$kv"
+row "1 MiB reads (4 QPs)" "$ref" "$kv"
+kv=$(kvlink --block-bytes 1M --tokens 32 --requests 6 --warmup 1 --concurrency 2 --qps 1)
+row "1 MiB reads (1 QP)" "$ref" "$kv"
 
 # The Llama-3-8B-like layout (64 tensors of 32 KiB per block), 1,024-token requests, random ids;
 # compared with ib_read_bw at the layout's 32 KiB piece size.

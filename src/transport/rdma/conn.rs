@@ -643,16 +643,17 @@ impl RdmaConnection {
         }
     }
 
-    async fn run(&self, ops: Vec<ReadOp>, deadline: tokio::time::Instant) -> Result<()> {
+    async fn run(&self, ops: Vec<ReadOp>, deadline: tokio::time::Instant) -> Result<u64> {
         if self.is_broken() {
             return Err(self.lost());
         }
         // `ops` (holding the local regions) and `_mrs` (their registrations) stay alive until
         // every work request has completed or flushed.
         let (wrs, mrs) = self.build(&ops)?;
+        let work_requests = wrs.len() as u64;
         let chains: Vec<&[Wr]> = wrs.chunks(DOORBELL).collect();
         if chains.is_empty() {
-            return Ok(());
+            return Ok(0);
         }
         let pending = Arc::new(Pending {
             remaining: AtomicUsize::new(chains.len()),
@@ -752,7 +753,7 @@ impl RdmaConnection {
         if let Some(why) = pending.failure.lock().take() {
             return Err(Error::Rdma(why));
         }
-        Ok(())
+        Ok(work_requests)
     }
 
     fn lost(&self) -> Error {

@@ -130,7 +130,7 @@ impl TcpTransport {
         }
     }
 
-    async fn run(&self, ops: Vec<ReadOp>, ctl: Arc<RequestCtl>) -> Result<()> {
+    async fn run(&self, ops: Vec<ReadOp>, ctl: Arc<RequestCtl>) -> Result<u64> {
         if self.is_broken() {
             return Err(self.lost());
         }
@@ -175,7 +175,7 @@ impl TcpTransport {
                 None => return Err(self.lost()),
             }
         }
-        Ok(())
+        Ok(n as u64)
     }
 }
 

@@ -8,7 +8,10 @@
 //! kvlink-bench read --peer 10.0.0.5:7400 [options]                          # decode side
 //! ```
 
+mod chart;
+
 use std::collections::HashMap;
+use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -18,12 +21,14 @@ use kvlink::{
 };
 
 const USAGE: &str = "\
-usage: kvlink-bench [loopback|serve|read] [options]
+usage: kvlink-bench [loopback|serve|read|sweep] [options]
 
 modes:
   loopback            prefill and decode engines in this process (default)
   serve               run a prefill engine and wait for readers (use with `read` elsewhere)
   read                read from a `serve` engine given by --peer
+  sweep               loopback runs over the values of one parameter; writes a table,
+                      <out>.csv and a chart <out>.png (bandwidth against the parameter)
 
 options:
   --transport T       auto (RDMA when both engines have it), tcp or rdma [auto]
@@ -31,6 +36,7 @@ options:
   --block-bytes N     custom layout instead of a preset: blocks of N bytes (K/M suffixes),
                       one token per block, so --tokens counts blocks
   --tensors N         custom layout: tensors per block                   [1]
+  --block-tokens N    tokens per block of a preset                      [16]
   --tokens N          tokens per request                                [4096]
   --pattern P         block ids: random, contiguous or fragmented       [random]
   --requests N        measured requests                                 [16]
@@ -47,6 +53,9 @@ options:
   --listen ADDR       serve: handshake listen address                   [0.0.0.0:7400]
   --advertise HOST    serve: address readers should use                 [127.0.0.1]
   --peer ADDR         read: the serve engine's handshake address
+  --param P           sweep: message-bytes, tokens, concurrency, qps or streams
+  --values LIST       sweep: comma-separated values (K/M suffixes for sizes)
+  --out PREFIX        sweep: output files <PREFIX>.csv and <PREFIX>.png    [kvlink-sweep]
 ";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,6 +63,7 @@ enum Mode {
     Loopback,
     Serve,
     Read,
+    Sweep,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,6 +94,9 @@ struct Args {
     transport: TransportChoice,
     qps: u16,
     rdma_device: Option<String>,
+    param: Option<String>,
+    values: Vec<u64>,
+    out: String,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -129,7 +142,11 @@ fn parse_args() -> Result<Args, String> {
         transport: TransportChoice::Auto,
         qps: 4,
         rdma_device: None,
+        param: None,
+        values: Vec::new(),
+        out: "kvlink-sweep".into(),
     };
+    let mut block_tokens: Option<u32> = None;
     let mut block_bytes: Option<u64> = None;
     let mut tensors: u32 = 1;
     let mut p = lexopt::Parser::from_env();
@@ -147,6 +164,7 @@ fn parse_args() -> Result<Args, String> {
                     "loopback" => Mode::Loopback,
                     "serve" => Mode::Serve,
                     "read" => Mode::Read,
+                    "sweep" => Mode::Sweep,
                     other => return Err(format!("unknown mode {other:?}")),
                 }
             }
@@ -166,6 +184,21 @@ fn parse_args() -> Result<Args, String> {
             }
             Long("qps") => a.qps = val(&mut p)?.parse().map_err(|e| format!("--qps: {e}"))?,
             Long("rdma-device") => a.rdma_device = Some(val(&mut p)?),
+            Long("block-tokens") => {
+                block_tokens = Some(
+                    val(&mut p)?
+                        .parse()
+                        .map_err(|e| format!("--block-tokens: {e}"))?,
+                )
+            }
+            Long("param") => a.param = Some(val(&mut p)?),
+            Long("values") => {
+                a.values = val(&mut p)?
+                    .split(',')
+                    .map(|v| parse_size(v.trim()))
+                    .collect::<Result<_, _>>()?
+            }
+            Long("out") => a.out = val(&mut p)?,
             Long("preset") => {
                 let name = val(&mut p)?;
                 a.shape = ModelShape::preset(&name).ok_or_else(|| {
@@ -235,6 +268,25 @@ fn parse_args() -> Result<Args, String> {
             tokens_per_block: 1,
             dtype: "u8",
         };
+    }
+    if let Some(t) = block_tokens {
+        if t == 0 || block_bytes.is_some() {
+            return Err(
+                "--block-tokens must be at least 1 and applies to presets, not --block-bytes"
+                    .into(),
+            );
+        }
+        a.shape.tokens_per_block = t;
+    }
+    if a.mode == Mode::Sweep {
+        match a.param.as_deref() {
+            Some("message-bytes" | "tokens" | "concurrency" | "qps" | "streams") => {}
+            Some(p) => return Err(format!("unknown sweep parameter {p:?}")),
+            None => return Err("sweep needs --param and --values".into()),
+        }
+        if a.values.is_empty() || a.values.contains(&0) {
+            return Err("sweep needs --values with positive numbers".into());
+        }
     }
     if a.tokens == 0 || a.concurrency == 0 || a.requests == 0 {
         return Err("--tokens, --concurrency and --requests must be at least 1".into());
@@ -372,7 +424,21 @@ fn pick(
 struct Outcome {
     reports: Vec<TransferReport>,
     wall: Duration,
+    cpu: f64,
     verified: u64,
+}
+
+/// CPU time (user + system) of this process so far, in seconds, from /proc/self/stat.
+fn cpu_seconds() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+        + f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    ticks / 100.0 // USER_HZ is 100 on Linux
 }
 
 /// The decode side of a run: its engine and cache, and the peer it reads from.
@@ -410,7 +476,21 @@ fn drive(
     let mut in_flight: HashMap<RequestId, (u32, Vec<BlockId>, Vec<BlockId>)> = HashMap::new();
     let mut submitted = 0;
     let t0 = Instant::now();
+    let cpu0 = cpu_seconds();
+    let progress = !args.json && std::io::stderr().is_terminal() && count > 1;
+    let mut shown = Instant::now();
     while out.reports.len() < count {
+        if progress && shown.elapsed() > Duration::from_millis(250) {
+            shown = Instant::now();
+            let bytes: u64 = out.reports.iter().map(|r| r.bytes).sum();
+            let done = out.reports.len();
+            let bar = "#".repeat(done * 30 / count) + &"-".repeat(30 - done * 30 / count);
+            let _ = write!(
+                std::io::stderr(),
+                "\r{tag} [{bar}] {done}/{count} requests, {:.2} GB/s ",
+                bytes as f64 / t0.elapsed().as_secs_f64() / 1e9
+            );
+        }
         while submitted < count {
             let Some(slot) = free_slots.pop() else { break };
             let (l, r) = pick(rng, args.pattern, per, slot * span, span, remote_blocks);
@@ -445,6 +525,10 @@ fn drive(
         }
     }
     out.wall = t0.elapsed();
+    out.cpu = cpu_seconds() - cpu0;
+    if progress {
+        let _ = write!(std::io::stderr(), "\r{}\r", " ".repeat(70));
+    }
     Ok(out)
 }
 
@@ -470,6 +554,7 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 fn report(args: &Args, mode: &str, o: &Outcome) {
     let bytes: u64 = o.reports.iter().map(|r| r.bytes).sum();
     let segments: usize = o.reports.iter().map(|r| r.segments).sum();
+    let wrs: u64 = o.reports.iter().map(|r| r.work_requests).sum();
     let n = o.reports.len().max(1);
     let per_bytes = bytes / n as u64;
     let secs = o.wall.as_secs_f64().max(1e-9);
@@ -487,9 +572,9 @@ fn report(args: &Args, mode: &str, o: &Outcome) {
     let transport = o.reports.first().map(|r| r.transport).unwrap_or("tcp");
     if args.json {
         println!(
-            "{{\"mode\":\"{mode}\",\"transport\":\"{transport}\",\"preset\":\"{}\",\"tokens\":{},\"pattern\":\"{pattern}\",\"requests\":{},\"concurrency\":{},\"streams\":{},\"qps\":{},\"batch_bytes\":{},\"bytes\":{bytes},\"seconds\":{secs:.6},\"gb_per_s\":{gbps:.4},\"bytes_per_request\":{per_bytes},\"segments_per_request\":{},\"pieces_per_request\":{pieces},\"segments_per_s\":{:.1},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"verified_bytes\":{}}}",
+            "{{\"mode\":\"{mode}\",\"transport\":\"{transport}\",\"preset\":\"{}\",\"tokens\":{},\"pattern\":\"{pattern}\",\"requests\":{},\"concurrency\":{},\"streams\":{},\"qps\":{},\"batch_bytes\":{},\"bytes\":{bytes},\"seconds\":{secs:.6},\"gb_per_s\":{gbps:.4},\"bytes_per_request\":{per_bytes},\"segments_per_request\":{},\"pieces_per_request\":{pieces},\"segments_per_s\":{:.1},\"work_requests_per_s\":{:.1},\"cpu_seconds\":{:.3},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"verified_bytes\":{}}}",
             args.shape.name, args.tokens, o.reports.len(), args.concurrency, args.streams, args.qps, args.batch_bytes,
-            segments / n, segments as f64 / secs,
+            segments / n, segments as f64 / secs, wrs as f64 / secs, o.cpu,
             p50.as_secs_f64() * 1e3, p99.as_secs_f64() * 1e3, max.as_secs_f64() * 1e3, o.verified
         );
         return;
@@ -524,6 +609,16 @@ fn report(args: &Args, mode: &str, o: &Outcome) {
         segments as f64 / secs / 1e6
     );
     println!(
+        "  requests   {} work requests per transfer request ({:.0} work requests/s)",
+        wrs / n as u64,
+        wrs as f64 / secs
+    );
+    println!(
+        "  cpu        {:.2} s ({:.2} cores busy on average, both engines)",
+        o.cpu,
+        o.cpu / secs
+    );
+    println!(
         "  latency    p50 {:.1} ms   p99 {:.1} ms   max {:.1} ms",
         p50.as_secs_f64() * 1e3,
         p99.as_secs_f64() * 1e3,
@@ -537,28 +632,114 @@ fn report(args: &Args, mode: &str, o: &Outcome) {
     }
 }
 
+/// Two engines in this process: warm-up, then the measured requests.
+fn loopback(args: &Args, rng: &mut Rng) -> Result<Outcome, String> {
+    let blocks = args.cache_blocks();
+    let prefill = Engine::start(args.config("127.0.0.1:0", None)).map_err(|e| e.to_string())?;
+    let decode = Engine::start(args.config("127.0.0.1:0", None)).map_err(|e| e.to_string())?;
+    let remote = make_cache(&prefill, &args.shape, blocks, args.seed)?;
+    let local = make_cache(&decode, &args.shape, blocks, !args.seed)?;
+    let peer = prefill.handshake_address().to_string();
+    let rd = Reader {
+        engine: &decode,
+        local: &local,
+        remote_layout: &remote.layout,
+        peer: &peer,
+    };
+    drive(args, &rd, args.warmup, "warmup", rng)?;
+    drive(args, &rd, args.requests, "req", rng)
+}
+
+/// Loopback runs over the values of one parameter: a table on stdout, `<out>.csv` and a chart
+/// `<out>.png` of bandwidth against the parameter.
+fn sweep(args: &Args) -> Result<(), String> {
+    let param = args.param.clone().expect("checked in parse_args");
+    let mut rows = Vec::new();
+    println!("| {param} | transport | GB/s | segments/request | p50 ms | p99 ms |");
+    println!("|---|---|---|---|---|---|");
+    for &v in &args.values {
+        let mut a = args.clone();
+        a.json = true; // no progress bars inside a sweep
+        match param.as_str() {
+            "message-bytes" => {
+                a.shape = ModelShape {
+                    name: "custom",
+                    layers: 1,
+                    tensors_per_layer: 1,
+                    bytes_per_token: v,
+                    tokens_per_block: 1,
+                    dtype: "u8",
+                };
+                // About 64 MiB per request, whatever the message size.
+                a.tokens = ((64u64 << 20) / v).clamp(1, 4096) as u32;
+            }
+            "tokens" => a.tokens = v as u32,
+            "concurrency" => a.concurrency = v as usize,
+            "qps" => a.qps = v as u16,
+            "streams" => a.streams = v as u16,
+            _ => unreachable!("checked in parse_args"),
+        }
+        let o = loopback(&a, &mut Rng(0x5EED ^ a.seed))?;
+        let bytes: u64 = o.reports.iter().map(|r| r.bytes).sum();
+        let gbps = bytes as f64 / o.wall.as_secs_f64().max(1e-9) / 1e9;
+        let n = o.reports.len().max(1);
+        let mut lat: Vec<Duration> = o.reports.iter().map(|r| r.elapsed).collect();
+        lat.sort();
+        let transport = o.reports.first().map(|r| r.transport).unwrap_or("-");
+        let label = if param == "message-bytes" {
+            fmt_bytes(v as f64).replace(".0 ", "")
+        } else {
+            v.to_string()
+        };
+        let segs = o.reports.iter().map(|r| r.segments).sum::<usize>() / n;
+        let (p50, p99) = (
+            percentile(&lat, 0.5).as_secs_f64() * 1e3,
+            percentile(&lat, 0.99).as_secs_f64() * 1e3,
+        );
+        println!("| {label} | {transport} | {gbps:.3} | {segs} | {p50:.1} | {p99:.1} |");
+        rows.push((label, v, transport, gbps, segs, p50, p99));
+    }
+    let mut csv = format!("{param},transport,gb_per_s,segments_per_request,p50_ms,p99_ms\n");
+    for (_, v, t, g, s, p50, p99) in &rows {
+        csv.push_str(&format!("{v},{t},{g:.4},{s},{p50:.3},{p99:.3}\n"));
+    }
+    let csv_path = format!("{}.csv", args.out);
+    std::fs::write(&csv_path, csv).map_err(|e| format!("writing {csv_path}: {e}"))?;
+    let transport = rows.first().map(|r| r.2).unwrap_or("tcp");
+    let png = chart::line_chart(
+        &format!(
+            "KVLINK {} BANDWIDTH ({})",
+            transport.to_uppercase(),
+            if param == "message-bytes" {
+                "RANDOM READS".to_string()
+            } else {
+                args.shape.name.to_uppercase()
+            }
+        ),
+        &param.to_uppercase(),
+        "GB/S",
+        &rows.iter().map(|r| r.0.clone()).collect::<Vec<_>>(),
+        &[chart::Series {
+            name: "KVLINK".into(),
+            color: [31, 119, 180],
+            values: rows.iter().map(|r| r.3).collect(),
+        }],
+    );
+    let png_path = format!("{}.png", args.out);
+    std::fs::write(&png_path, png).map_err(|e| format!("writing {png_path}: {e}"))?;
+    eprintln!("kvlink-bench sweep: wrote {csv_path} and {png_path}");
+    Ok(())
+}
+
 fn run(args: Args) -> Result<(), String> {
     let blocks = args.cache_blocks();
     let mut rng = Rng(0x5EED ^ args.seed);
     match args.mode {
         Mode::Loopback => {
-            let prefill =
-                Engine::start(args.config("127.0.0.1:0", None)).map_err(|e| e.to_string())?;
-            let decode =
-                Engine::start(args.config("127.0.0.1:0", None)).map_err(|e| e.to_string())?;
-            let remote = make_cache(&prefill, &args.shape, blocks, args.seed)?;
-            let local = make_cache(&decode, &args.shape, blocks, !args.seed)?;
-            let peer = prefill.handshake_address().to_string();
-            let rd = Reader {
-                engine: &decode,
-                local: &local,
-                remote_layout: &remote.layout,
-                peer: &peer,
-            };
-            drive(&args, &rd, args.warmup, "warmup", &mut rng)?;
-            let o = drive(&args, &rd, args.requests, "req", &mut rng)?;
+            let o = loopback(&args, &mut rng)?;
             report(&args, "loopback", &o);
         }
+        Mode::Sweep => sweep(&args)?,
         Mode::Serve => {
             let engine = Engine::start(args.config(&args.listen, Some(args.advertise.clone())))
                 .map_err(|e| e.to_string())?;
