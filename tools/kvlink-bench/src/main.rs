@@ -614,9 +614,14 @@ fn report(args: &Args, mode: &str, o: &Outcome) {
         wrs as f64 / secs
     );
     println!(
-        "  cpu        {:.2} s ({:.2} cores busy on average, both engines)",
+        "  cpu        {:.2} s ({:.2} cores busy on average, {})",
         o.cpu,
-        o.cpu / secs
+        o.cpu / secs,
+        if mode == "loopback" {
+            "both engines"
+        } else {
+            "this engine"
+        }
     );
     println!(
         "  latency    p50 {:.1} ms   p99 {:.1} ms   max {:.1} ms",
