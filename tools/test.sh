@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The project's test command (README, CI): format and lint checks, every test on the host, then
-# the RDMA tests for real inside a SoftRoCE VM (tools/softroce/run.sh). Installs what it needs.
+# The project's test command (README, CI): format and lint checks, every Rust test on the host,
+# the Python bindings' tests (wheel built with maturin into .venv), then the RDMA tests for real
+# inside a SoftRoCE VM (tools/softroce/run.sh). Installs what it needs.
 #   KVLINK_SKIP_VM=1 tools/test.sh    # host only (the RDMA tests then report themselves skipped)
 set -euo pipefail
 
@@ -18,6 +19,27 @@ cargo test --workspace 2>&1 | tee "$log"
 host_passed=$(awk '/^test result:/ {p += $4} END {print p + 0}' "$log")
 host_failed=$(awk '/^test result:/ {f += $6} END {print f + 0}' "$log")
 skipped=$(grep -c ': skipped: no RDMA device' "$log" || true)
+
+echo "test: Python bindings (maturin wheel into .venv, pytest)"
+[ -x .venv/bin/python ] || python3 -m venv .venv || {
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null && python3 -m venv .venv; }
+.venv/bin/pip install -q --disable-pip-version-check "maturin>=1.5,<2" numpy pytest
+export CARGO_TARGET_DIR="$repo/target/python"
+cargo fmt --manifest-path ffi/python/Cargo.toml -- --check
+cargo clippy --manifest-path ffi/python/Cargo.toml --quiet -- -D warnings
+rm -rf target/wheels
+(cd ffi/python && ../../.venv/bin/maturin build --release --quiet -o "$repo/target/wheels")
+unset CARGO_TARGET_DIR
+.venv/bin/pip install -q --disable-pip-version-check --force-reinstall target/wheels/kvlink-*.whl
+pylog=$(mktemp)
+set +e
+(cd tests/python && ../../.venv/bin/python -m pytest -q) 2>&1 | tee "$pylog"
+py_rc=${PIPESTATUS[0]}
+set -e
+# pytest's closing line, e.g. "3 passed, 1 failed in 2.0s" (awk: no failure when absent).
+py_passed=$(awk '/ passed/ {for (i = 1; i < NF; i++) if ($(i + 1) ~ /^passed/) p = $i} END {print p + 0}' "$pylog")
+py_failed=$(awk '/ (failed|error)/ {for (i = 1; i < NF; i++) if ($(i + 1) ~ /^(failed|errors?)/) f += $i} END {print f + 0}' "$pylog")
+if [ "$py_rc" -ne 0 ] && [ "$py_failed" -eq 0 ]; then py_failed=1; fi
 
 vm_passed=0; vm_failed=0
 if [ "${KVLINK_SKIP_VM:-0}" = 1 ]; then
@@ -47,6 +69,6 @@ for line in sys.stdin:
   fi
 fi
 
-echo "test summary: host $host_passed passed, $host_failed failed ($skipped RDMA tests skipped on the host: no RDMA device); SoftRoCE VM: $vm_passed RDMA tests passed, $vm_failed failed"
-echo "tests: $((host_passed + vm_passed)) passed, $((host_failed + vm_failed)) failed"
-[ "$host_failed" -eq 0 ] && [ "$vm_failed" -eq 0 ]
+echo "test summary: host $host_passed passed, $host_failed failed ($skipped RDMA tests skipped on the host: no RDMA device); python $py_passed passed, $py_failed failed; SoftRoCE VM: $vm_passed RDMA tests passed, $vm_failed failed"
+echo "tests: $((host_passed + py_passed + vm_passed)) passed, $((host_failed + py_failed + vm_failed)) failed"
+[ "$host_failed" -eq 0 ] && [ "$py_failed" -eq 0 ] && [ "$vm_failed" -eq 0 ]

@@ -1,0 +1,341 @@
+/*
+ * Transfers KV-cache blocks between two kvlink engines through the C ABI, verifies every byte,
+ * and exercises the error paths (status codes and kvlink_last_error). Built and run by
+ * tests/c_program.rs; prints "c transfer ok" and exits 0 on success.
+ */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime under -std=c11 */
+
+#include "kvlink.h"
+
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define TENSORS 4
+#define BLOCKS 64
+#define BLOCK_BYTES 4096
+#define TENSOR_BYTES ((uint64_t)BLOCKS * BLOCK_BYTES)
+#define REGION_BYTES (TENSORS * TENSOR_BYTES)
+#define NREAD 8
+#define REQ "c-req-1"
+#define DEADLINE_S 30.0
+
+static void fail(int line, const char *fmt, ...) {
+    va_list ap;
+    fprintf(stderr, "transfer.c:%d: ", line);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "\n");
+    exit(1);
+}
+
+/* A call that must succeed. */
+#define CHECK(call)                                                                         \
+    do {                                                                                    \
+        int rc_ = (call);                                                                   \
+        if (rc_ != KVLINK_OK) {                                                             \
+            fail(__LINE__, "%s returned %d: %s", #call, rc_, kvlink_last_error());          \
+        }                                                                                   \
+    } while (0)
+
+/* A call that must fail with `code` and a last error containing `needle`. */
+#define CHECK_FAILS(call, code, needle)                                                     \
+    do {                                                                                    \
+        int rc_ = (call);                                                                   \
+        const char *msg_ = kvlink_last_error();                                             \
+        if (rc_ != (code)) {                                                                \
+            fail(__LINE__, "%s returned %d, expected %d (%s)", #call, rc_, (code), msg_);   \
+        }                                                                                   \
+        if (strstr(msg_, (needle)) == NULL) {                                               \
+            fail(__LINE__, "%s: last error \"%s\" does not mention \"%s\"", #call, msg_,    \
+                 (needle));                                                                 \
+        }                                                                                   \
+    } while (0)
+
+#define EXPECT(cond)                                                                        \
+    do {                                                                                    \
+        if (!(cond)) {                                                                      \
+            fail(__LINE__, "expected %s (last error: %s)", #cond, kvlink_last_error());     \
+        }                                                                                   \
+    } while (0)
+
+static uint8_t pattern(unsigned tensor, unsigned block, unsigned byte) {
+    return (uint8_t)(tensor * 131u + block * 31u + byte * 7u + (byte >> 8) + 1u);
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static int contains(const kvlink_finished *f, int kind, const char *id) {
+    size_t n = kvlink_finished_count(f, kind);
+    for (size_t i = 0; i < n; i++) {
+        const char *got = kvlink_finished_id(f, kind, i);
+        EXPECT(got != NULL);
+        if (strcmp(got, id) == 0) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Fails the program if `f` reports `id` as failed. */
+static void refuse_failure(const kvlink_finished *f, const char *id, const char *who) {
+    size_t n = kvlink_finished_count(f, KVLINK_FAILED);
+    for (size_t i = 0; i < n; i++) {
+        if (strcmp(kvlink_finished_id(f, KVLINK_FAILED, i), id) == 0) {
+            fail(__LINE__, "%s: request %s failed (expired %d): %s", who, id,
+                 kvlink_finished_expired(f, i), kvlink_finished_reason(f, i));
+        }
+    }
+}
+
+/* Waits until `engine` reports `id` with `kind`; returns that finished set (caller frees). */
+static kvlink_finished *wait_for(kvlink_engine *engine, int kind, const char *id,
+                                 const char *who) {
+    double deadline = now_s() + DEADLINE_S;
+    while (now_s() < deadline) {
+        kvlink_finished *f = NULL;
+        CHECK(kvlink_engine_wait_finished(engine, 200, &f));
+        EXPECT(f != NULL);
+        refuse_failure(f, id, who);
+        if (contains(f, kind, id)) {
+            return f;
+        }
+        kvlink_finished_free(f);
+    }
+    fail(__LINE__, "%s: %s did not finish within %.0f s", who, id, DEADLINE_S);
+    return NULL;
+}
+
+static kvlink_engine *start_engine(const char *name) {
+    kvlink_config cfg;
+    CHECK(kvlink_config_default(&cfg));
+    EXPECT(cfg.tp_size == 1 && cfg.tcp_streams > 0 && cfg.listen != NULL);
+    EXPECT(strcmp(cfg.listen, "127.0.0.1:0") == 0);
+    cfg.engine_id = name;
+    /* TCP keeps the test independent of whatever RDMA devices the machine has. */
+    cfg.transport = KVLINK_TRANSPORT_TCP;
+    cfg.request_timeout_ms = 20000;
+    kvlink_engine *engine = NULL;
+    CHECK(kvlink_engine_start(&cfg, &engine));
+    EXPECT(engine != NULL);
+    EXPECT(kvlink_last_error()[0] == '\0');
+    return engine;
+}
+
+static void set_layout(kvlink_engine *engine, uint32_t region) {
+    kvlink_tensor tensors[TENSORS];
+    for (unsigned t = 0; t < TENSORS; t++) {
+        tensors[t].region = region;
+        tensors[t].num_blocks = BLOCKS;
+        tensors[t].offset = t * TENSOR_BYTES;
+        tensors[t].block_stride = BLOCK_BYTES;
+        tensors[t].block_bytes = BLOCK_BYTES;
+    }
+    CHECK(kvlink_engine_set_layout(engine, 16, "bf16", tensors, TENSORS));
+}
+
+static void check_argument_errors(kvlink_engine *decode) {
+    kvlink_config cfg;
+    kvlink_engine *none = NULL;
+    CHECK(kvlink_config_default(&cfg));
+    CHECK_FAILS(kvlink_engine_start(&cfg, NULL), KVLINK_E_INVALID, "out is NULL");
+    cfg.transport = 7;
+    CHECK_FAILS(kvlink_engine_start(&cfg, &none), KVLINK_E_INVALID, "transport");
+    EXPECT(none == NULL);
+    CHECK_FAILS(kvlink_config_default(NULL), KVLINK_E_INVALID, "NULL");
+
+    char small[4];
+    CHECK_FAILS(kvlink_engine_handshake_address(decode, small, sizeof small), KVLINK_E_INVALID,
+                "too small");
+    EXPECT(small[0] == '\0');
+    CHECK_FAILS(kvlink_engine_handshake_address(NULL, small, sizeof small), KVLINK_E_INVALID,
+                "engine is NULL");
+
+    uint32_t region = 0;
+    uint8_t *ptr = NULL;
+    CHECK_FAILS(kvlink_engine_allocate_host(decode, 0, false, &region, &ptr), KVLINK_E_INVALID,
+                "empty");
+    CHECK_FAILS(kvlink_engine_allocate_host(decode, 4096, false, NULL, &ptr), KVLINK_E_INVALID,
+                "region_id is NULL");
+
+    kvlink_tensor bad = {.region = 999, .num_blocks = 1, .offset = 0, .block_stride = 64,
+                         .block_bytes = 64};
+    CHECK_FAILS(kvlink_engine_set_layout(decode, 16, "bf16", &bad, 1), KVLINK_E_INVALID,
+                "not registered");
+    CHECK_FAILS(kvlink_engine_set_layout(decode, 16, "bf16", NULL, 1), KVLINK_E_INVALID,
+                "tensors is NULL");
+    CHECK_FAILS(kvlink_engine_set_layout(decode, 16, "\xff\xfe", &bad, 1), KVLINK_E_INVALID,
+                "UTF-8");
+
+    kvlink_finished *f = NULL;
+    CHECK_FAILS(kvlink_engine_wait_finished(decode, KVLINK_TIMEOUT_MAX_MS + 1, &f),
+                KVLINK_E_INVALID, "7 days");
+    EXPECT(f == NULL);
+}
+
+static void check_registered_memory(kvlink_engine *decode, uint32_t layout_region) {
+    /* Caller-owned memory: registered, deregistered, then freed by the caller. */
+    size_t len = 1 << 16;
+    void *mem = malloc(len);
+    EXPECT(mem != NULL);
+    uint32_t region = 0;
+    CHECK(kvlink_engine_register_host(decode, mem, len, &region));
+    EXPECT(region != 0 && region != layout_region);
+    CHECK(kvlink_engine_deregister(decode, region));
+    free(mem);
+    CHECK_FAILS(kvlink_engine_deregister(decode, region), KVLINK_E_INVALID, "not registered");
+    CHECK_FAILS(kvlink_engine_deregister(decode, layout_region), KVLINK_E_INVALID,
+                "used by the KV layout");
+    CHECK_FAILS(kvlink_engine_register_host(decode, NULL, 64, &region), KVLINK_E_INVALID,
+                "null pointer");
+}
+
+static void check_aggregator(const kvlink_finished *rank0) {
+    kvlink_aggregator *agg = NULL;
+    CHECK_FAILS(kvlink_aggregator_new(0, 1000, &agg), KVLINK_E_INVALID, "world_size");
+    CHECK(kvlink_aggregator_new(2, 60000, &agg));
+
+    /* Rank 1's report, as a scheduler would rebuild it from another process. */
+    kvlink_finished *rank1 = NULL;
+    CHECK(kvlink_finished_new(&rank1));
+    CHECK(kvlink_finished_add(rank1, KVLINK_RECEIVING, REQ));
+    CHECK(kvlink_finished_add(rank1, KVLINK_RECEIVING, "c-req-2"));
+    CHECK_FAILS(kvlink_finished_add(rank1, KVLINK_FAILED, "x"), KVLINK_E_INVALID,
+                "kvlink_finished_add_failed");
+    kvlink_finished *rank0_extra = NULL;
+    CHECK(kvlink_finished_new(&rank0_extra));
+    CHECK(kvlink_finished_add_failed(rank0_extra, KVLINK_SIDE_RECV, "c-req-2", false, "boom"));
+
+    kvlink_finished *out = NULL;
+    CHECK(kvlink_aggregator_report(agg, 0, rank0));
+    CHECK(kvlink_aggregator_take(agg, &out));
+    EXPECT(kvlink_finished_count(out, KVLINK_RECEIVING) == 0); /* rank 1 has not reported */
+    kvlink_finished_free(out);
+
+    CHECK_FAILS(kvlink_aggregator_report(agg, 2, rank1), KVLINK_E_INVALID, "world size");
+    CHECK(kvlink_aggregator_report(agg, 1, rank1));
+    CHECK(kvlink_aggregator_report(agg, 0, rank0_extra));
+    CHECK(kvlink_aggregator_take(agg, &out));
+    EXPECT(kvlink_finished_count(out, KVLINK_RECEIVING) == 1);
+    EXPECT(strcmp(kvlink_finished_id(out, KVLINK_RECEIVING, 0), REQ) == 0);
+    EXPECT(kvlink_finished_count(out, KVLINK_FAILED) == 1);
+    EXPECT(strcmp(kvlink_finished_id(out, KVLINK_FAILED, 0), "c-req-2") == 0);
+    EXPECT(strstr(kvlink_finished_reason(out, 0), "rank 0: boom") != NULL);
+    EXPECT(kvlink_finished_side(out, 0) == KVLINK_SIDE_RECV);
+    EXPECT(kvlink_finished_expired(out, 0) == 0);
+
+    /* Accessor misuse: failure values plus a last error. */
+    EXPECT(kvlink_finished_id(out, 5, 0) == NULL);
+    EXPECT(strstr(kvlink_last_error(), "kind is 5") != NULL);
+    EXPECT(kvlink_finished_id(out, KVLINK_RECEIVING, 1) == NULL);
+    EXPECT(strstr(kvlink_last_error(), "out of range") != NULL);
+    EXPECT(kvlink_finished_reason(out, 3) == NULL);
+    EXPECT(kvlink_finished_expired(out, 3) == KVLINK_E_INVALID);
+    EXPECT(kvlink_finished_side(NULL, 0) == KVLINK_E_INVALID);
+    EXPECT(kvlink_finished_count(NULL, KVLINK_SENDING) == 0);
+    EXPECT(strstr(kvlink_last_error(), "finished is NULL") != NULL);
+
+    kvlink_finished_free(out);
+    kvlink_finished_free(rank1);
+    kvlink_finished_free(rank0_extra);
+    kvlink_aggregator_free(agg);
+}
+
+int main(void) {
+    EXPECT(kvlink_version() != NULL && kvlink_version()[0] != '\0');
+    kvlink_engine *prefill = start_engine("c-prefill");
+    kvlink_engine *decode = start_engine("c-decode");
+    check_argument_errors(decode);
+
+    char peer[KVLINK_ADDRESS_MAX];
+    CHECK(kvlink_engine_handshake_address(prefill, peer, sizeof peer));
+    EXPECT(strncmp(peer, "127.0.0.1:", 10) == 0);
+
+    uint32_t p_region = 0, d_region = 0;
+    uint8_t *p_mem = NULL, *d_mem = NULL;
+    CHECK(kvlink_engine_allocate_host(prefill, REGION_BYTES, false, &p_region, &p_mem));
+    CHECK(kvlink_engine_allocate_host(decode, REGION_BYTES, true, &d_region, &d_mem));
+    EXPECT(p_mem != NULL && d_mem != NULL);
+    for (unsigned t = 0; t < TENSORS; t++) {
+        for (unsigned b = 0; b < BLOCKS; b++) {
+            uint8_t *block = p_mem + t * TENSOR_BYTES + (uint64_t)b * BLOCK_BYTES;
+            for (unsigned i = 0; i < BLOCK_BYTES; i++) {
+                block[i] = pattern(t, b, i);
+            }
+        }
+    }
+    set_layout(prefill, p_region);
+
+    /* Before the decode side has a layout, reads are refused. */
+    uint32_t one = 0;
+    CHECK_FAILS(kvlink_engine_read_blocks(decode, peer, "c-early", &one, &one, 1),
+                KVLINK_E_INVALID, "layout");
+    set_layout(decode, d_region);
+
+    uint32_t peer_blocks = 0;
+    CHECK(kvlink_engine_connect(decode, peer, 10000, &peer_blocks));
+    EXPECT(peer_blocks == BLOCKS);
+
+    CHECK(kvlink_engine_hold_blocks(prefill, REQ, 30000));
+    CHECK_FAILS(kvlink_engine_hold_blocks(prefill, "", 0), KVLINK_E_INVALID, "empty");
+
+    const uint32_t remote[NREAD] = {3, 60, 17, 5, 42, 8, 0, 63};
+    const uint32_t local[NREAD] = {10, 1, 50, 33, 2, 61, 20, 7};
+
+    /* The error path: a local block id past the end of the cache is refused at once. */
+    const uint32_t bad_local[NREAD] = {10, 1, 50, 33, 2, 61, 20, BLOCKS};
+    CHECK_FAILS(kvlink_engine_read_blocks(decode, peer, "c-req-bad", bad_local, remote, NREAD),
+                KVLINK_E_INVALID, "out of range");
+    CHECK_FAILS(kvlink_engine_read_blocks(decode, peer, REQ, local, NULL, NREAD),
+                KVLINK_E_INVALID, "remote is NULL");
+
+    CHECK(kvlink_engine_read_blocks(decode, peer, REQ, local, remote, NREAD));
+    EXPECT(kvlink_last_error()[0] == '\0');
+
+    kvlink_finished *received = wait_for(decode, KVLINK_RECEIVING, REQ, "decode");
+    EXPECT(kvlink_finished_count(received, KVLINK_RECEIVING) >= 1);
+
+    /* Every byte of the blocks read, and nothing else, changed on the decode side. */
+    for (unsigned t = 0; t < TENSORS; t++) {
+        for (unsigned b = 0; b < BLOCKS; b++) {
+            const uint8_t *block = d_mem + t * TENSOR_BYTES + (uint64_t)b * BLOCK_BYTES;
+            int source = -1;
+            for (unsigned k = 0; k < NREAD; k++) {
+                if (local[k] == b) {
+                    source = (int)remote[k];
+                }
+            }
+            for (unsigned i = 0; i < BLOCK_BYTES; i++) {
+                uint8_t want = source < 0 ? 0 : pattern(t, (unsigned)source, i);
+                if (block[i] != want) {
+                    fail(__LINE__, "tensor %u block %u byte %u is %u, expected %u (source %d)", t,
+                         b, i, block[i], want, source);
+                }
+            }
+        }
+    }
+
+    kvlink_finished *sent = wait_for(prefill, KVLINK_SENDING, REQ, "prefill");
+    kvlink_finished_free(sent);
+
+    check_registered_memory(decode, d_region);
+    check_aggregator(received);
+    kvlink_finished_free(received);
+
+    kvlink_engine_free(decode);
+    kvlink_engine_free(prefill);
+    kvlink_engine_free(NULL);
+    kvlink_finished_free(NULL);
+    kvlink_aggregator_free(NULL);
+
+    printf("c transfer ok\n");
+    return 0;
+}

@@ -1,0 +1,101 @@
+"""kvlink: moves LLM KV-cache blocks between inference engines (RDMA READ, TCP fallback).
+
+Request ids are ``str`` end to end: the ids returned by ``get_finished`` and ``TpAggregator.take``
+are the ones passed to ``read_blocks`` / ``hold_blocks``.
+"""
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+__version__: str
+
+class KvlinkError(Exception):
+    """Base class of kvlink errors."""
+
+class InvalidArgument(KvlinkError):
+    """An argument is unusable (sizes, block ids out of range, unknown region, bad address)."""
+
+class KvlinkTimeout(KvlinkError):
+    """A wait ran past its deadline (connect, handshake, request)."""
+
+class IncompatiblePeer(KvlinkError):
+    """The peer's layout, dtype, block size or TP size differs; the message lists each field."""
+
+class PeerError(KvlinkError):
+    """The peer refused, broke the protocol or could not be reached."""
+
+class RdmaUnavailable(KvlinkError):
+    """RDMA was required but cannot be used; the message says why."""
+
+class Finished:
+    """What finished since the last call, each request exactly once."""
+
+    sending: List[str]
+    """Sends confirmed by the reader: the prefill blocks may be freed."""
+    receiving: List[str]
+    """Receives complete: every byte is in place, the request may be scheduled."""
+    failed: List[Tuple[str, str, bool, str]]
+    """``(request_id, side, expired, reason)``; side is ``"send"`` or ``"recv"``. Blocks may be reused."""
+    def is_empty(self) -> bool: ...
+
+class Engine:
+    """One kvlink engine per worker process (one per tensor-parallel rank)."""
+
+    def __init__(
+        self,
+        listen: str = "127.0.0.1:0",
+        *,
+        transport: str = "auto",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        request_timeout: float = 60.0,
+        abort_timeout: float = 480.0,
+        handshake_timeout: float = 5.0,
+        tcp_streams: int = 4,
+        rdma_device: Optional[str] = None,
+        engine_id: Optional[str] = None,
+    ) -> None: ...
+    @property
+    def handshake_address(self) -> str:
+        """Address peers use for the handshake; put it into the request's transfer parameters."""
+    @property
+    def engine_id(self) -> str: ...
+    @property
+    def rdma_device(self) -> Optional[str]: ...
+    @property
+    def rdma_unavailable_reason(self) -> Optional[str]: ...
+    def register_memory(self, ptr: int, size: int) -> int:
+        """Registers host memory by address; it must stay valid until deregister() returns."""
+    def register_array(self, array: Any) -> int:
+        """Registers a numpy array or CPU torch tensor (contiguous, writable); keeps it alive."""
+    def deregister(self, region: int) -> None:
+        """Stops exporting a region once no transfer uses it (GIL released while waiting)."""
+    def set_layout(
+        self, tensors: Sequence[Tuple[int, int, int, int, int]], tokens_per_block: int, dtype: str
+    ) -> None:
+        """Tensors as ``(region, offset, block_stride, block_bytes, num_blocks)``, in agreed order."""
+    def register_kv_caches(self, arrays: List[Any], tokens_per_block: int, dtype: str) -> None:
+        """Registers per-tensor caches (first axis = blocks) and sets the layout in that order."""
+    def read_blocks(
+        self, peer: str, request_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
+    ) -> None:
+        """Starts reading ``remote_blocks`` of ``peer`` into ``local_blocks``; returns at once."""
+    def hold_blocks(self, request_id: str, abort_timeout: Optional[float] = None) -> None:
+        """Prefill side: hold a request's blocks until read, aborted or the abort timeout."""
+    def get_finished(self) -> Finished:
+        """Everything finished since the last call. Never blocks."""
+    def wait_finished(self, timeout: float) -> Finished:
+        """Like get_finished(), waiting up to ``timeout`` seconds (GIL released)."""
+    def connect(self, peer: str, timeout: float = 10.0) -> Dict[str, Any]:
+        """Handshake with ``peer`` (or reuse the session); returns its descriptor summary."""
+    def in_flight(self) -> Tuple[int, int]:
+        """``(receiving, holding)``."""
+    def stats(self) -> Dict[str, int]: ...
+
+class TpAggregator:
+    """Releases a request once every TP rank reported it; a failure on any rank fails it."""
+
+    def __init__(self, world_size: int, rank_timeout: float = 60.0) -> None: ...
+    def add(self, rank: int, finished: Finished) -> None: ...
+    def take(self) -> Finished: ...
+    @property
+    def pending(self) -> int: ...

@@ -1,0 +1,187 @@
+"""Python tests of the kvlink bindings: two processes moving a realistic layout, concurrency,
+TP aggregation, a dead peer, and clear exceptions for bad arguments."""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import kvlink
+from kv_layout import BLOCK_BYTES, make_caches
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAYERS = 32
+
+
+def collect(engine, want, limit=60.0):
+    """Accumulates finished entries until ``want(receiving, failed)`` or the limit."""
+    end = time.monotonic() + limit
+    receiving, sending, failed = [], [], []
+    while time.monotonic() < end and not want(receiving, sending, failed):
+        f = engine.wait_finished(min(1.0, max(0.01, end - time.monotonic())))
+        receiving += f.receiving
+        sending += f.sending
+        failed += f.failed
+    return receiving, sending, failed
+
+
+class PrefillProcess:
+    """A prefill worker in another Python process."""
+
+    def __init__(self, blocks, seed, held):
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "prefill_worker.py"), str(LAYERS), str(blocks),
+             str(BLOCK_BYTES), str(seed), str(held)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=HERE)
+        line = self.proc.stdout.readline()
+        assert line.startswith("ADDR "), line
+        self.addr = line.split()[1]
+
+    def lines(self, prefix, count, limit=30.0):
+        got, end = [], time.monotonic() + limit
+        while len(got) < count and time.monotonic() < end:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith(prefix):
+                got.append(line.strip())
+        return got
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+
+
+def test_two_processes_random_blocks_every_byte():
+    blocks, requests, per = 64, 16, 4
+    prefill = PrefillProcess(blocks, seed=7, held=requests)
+    try:
+        decode = kvlink.Engine(request_timeout=30.0)
+        local = make_caches(LAYERS, blocks, BLOCK_BYTES, 0)
+        decode.register_kv_caches(local, 16, "bf16")
+        rng = np.random.default_rng(1)
+        slots = rng.permutation(blocks)
+        plan = []
+        for i in range(requests):
+            l = slots[i * per:(i + 1) * per]
+            r = rng.choice(blocks, size=per, replace=False)
+            plan.append((f"req-{i}", l, r))
+            decode.read_blocks(prefill.addr, f"req-{i}", l.tolist(), r)
+        receiving, _, failed = collect(decode, lambda r, s, f: len(r) + len(f) == requests)
+        assert failed == []
+        assert sorted(receiving) == sorted(p[0] for p in plan)
+        remote = make_caches(LAYERS, blocks, BLOCK_BYTES, 7)
+        for _, l, r in plan:
+            for t in range(2 * LAYERS):
+                assert np.array_equal(local[t][l], remote[t][r])
+        assert len(prefill.lines("SENT ", requests)) == requests
+    finally:
+        prefill.close()
+
+
+def test_aggregation_over_four_ranks():
+    ranks, blocks = 4, 8
+    prefills, decodes, caches = [], [], []
+    for rank in range(ranks):
+        p = kvlink.Engine(tp_rank=rank, tp_size=ranks)
+        pc = make_caches(2, blocks, 1024, 100 + rank)
+        p.register_kv_caches(pc, 16, "fp8")
+        d = kvlink.Engine(tp_rank=rank, tp_size=ranks)
+        dc = make_caches(2, blocks, 1024, 0)
+        d.register_kv_caches(dc, 16, "fp8")
+        prefills.append(p)
+        decodes.append(d)
+        caches.append((pc, dc))
+    agg = kvlink.TpAggregator(ranks)
+    for rank, (p, d) in enumerate(zip(prefills, decodes)):
+        d.read_blocks(p.handshake_address, "agg-1", [1, 2], [6, 5])
+        if rank < ranks - 1:
+            agg.add(rank, d.wait_finished(10.0))
+            assert agg.take().receiving == [], "released before every rank reported"
+    last = decodes[-1]
+    agg.add(ranks - 1, last.wait_finished(10.0))
+    assert agg.take().receiving == ["agg-1"]
+    for pc, dc in caches:
+        assert all(np.array_equal(dc[t][[1, 2]], pc[t][[6, 5]]) for t in range(4))
+    # A failure on one rank fails the request for the scheduler.
+    agg.add(0, decodes[0].get_finished())
+    bad = kvlink.TpAggregator(2)
+    ok = decodes[0]
+    ok.read_blocks(prefills[0].handshake_address, "agg-2", [3], [3])
+    bad.add(0, ok.wait_finished(10.0))
+    decodes[1].read_blocks("127.0.0.1:1", "agg-2", [3], [3])
+    bad.add(1, decodes[1].wait_finished(20.0))
+    out = bad.take()
+    assert out.receiving == [] and out.failed[0][0] == "agg-2" and "rank 1" in out.failed[0][3]
+
+
+def test_dead_peer_fails_within_the_deadline():
+    blocks = 32
+    prefill = PrefillProcess(blocks, seed=3, held=0)
+    decode = kvlink.Engine(request_timeout=5.0, handshake_timeout=1.0)
+    decode.register_kv_caches(make_caches(LAYERS, blocks, BLOCK_BYTES, 0), 16, "bf16")
+    decode.connect(prefill.addr)
+    prefill.kill()
+    t0 = time.monotonic()
+    decode.read_blocks(prefill.addr, "to-the-dead", list(range(8)), list(range(8)))
+    _, _, failed = collect(decode, lambda r, s, f: len(f) > 0, limit=30.0)
+    assert failed and failed[0][0] == "to-the-dead" and failed[0][1] == "recv"
+    assert time.monotonic() - t0 < 15.0
+    assert decode.in_flight() == (0, 0)
+
+
+def test_bad_arguments_raise_clear_exceptions():
+    e = kvlink.Engine()
+    with pytest.raises(kvlink.InvalidArgument, match="set a KV layout"):
+        e.read_blocks("127.0.0.1:1", "a", [0], [0])
+    caches = make_caches(2, 4, 256, 0)
+    e.register_kv_caches(caches, 16, "bf16")
+    with pytest.raises(kvlink.InvalidArgument, match="out of range"):
+        e.read_blocks("127.0.0.1:1", "a", [4], [0])
+    with pytest.raises(kvlink.InvalidArgument, match="pair one to one"):
+        e.read_blocks("127.0.0.1:1", "a", [0, 1], [0])
+    with pytest.raises(kvlink.InvalidArgument, match="twice"):
+        e.read_blocks("127.0.0.1:1", "a", [1, 1], [0, 1])
+    with pytest.raises(kvlink.InvalidArgument):
+        e.read_blocks("127.0.0.1:1", "a", [-1], [0])
+    with pytest.raises(TypeError, match="request ids are str"):
+        e.read_blocks("127.0.0.1:1", 5, [0], [0])
+    small = e.register_array(np.zeros(1000, dtype=np.uint8))
+    with pytest.raises(kvlink.InvalidArgument, match="run past the end"):
+        e.set_layout([(small, 0, 256, 256, 4)], 16, "bf16")
+    with pytest.raises(kvlink.InvalidArgument, match="not C-contiguous"):
+        e.register_array(np.zeros((4, 8), dtype=np.uint8)[:, ::2])
+    with pytest.raises(kvlink.InvalidArgument, match="read-only"):
+        ro = np.zeros(16, dtype=np.uint8)
+        ro.flags.writeable = False
+        e.register_array(ro)
+
+    class GpuArray:
+        __cuda_array_interface__ = {"data": (1, False), "shape": (4,), "typestr": "|u1"}
+
+    with pytest.raises(kvlink.InvalidArgument, match="GPU"):
+        e.register_array(GpuArray())
+    with pytest.raises(kvlink.InvalidArgument, match="not registered"):
+        e.set_layout([(999, 0, 256, 256, 4)], 16, "bf16")
+    with pytest.raises(kvlink.InvalidArgument, match="transport"):
+        kvlink.Engine(transport="carrier-pigeon")
+    with pytest.raises(kvlink.InvalidArgument, match="positive"):
+        e.wait_finished(-1)
+    # An unknown peer: accepted at the call, failed with the reason.
+    e.read_blocks("no-such-host.invalid:1", "unknown-peer", [0], [0])
+    _, _, failed = collect(e, lambda r, s, f: len(f) > 0, limit=30.0)
+    assert failed[0][0] == "unknown-peer"
+    # Memory registered by address, then deregistered.
+    buf = np.zeros(4096, dtype=np.uint8)
+    region = e.register_memory(buf.ctypes.data, buf.nbytes)
+    e.deregister(region)
+    with pytest.raises(kvlink.InvalidArgument, match="not registered"):
+        e.deregister(region)
