@@ -185,3 +185,29 @@ def test_bad_arguments_raise_clear_exceptions():
     e.deregister(region)
     with pytest.raises(kvlink.InvalidArgument, match="not registered"):
         e.deregister(region)
+
+
+def test_type_stubs_match_the_module():
+    """The checked-in stubs name exactly the public classes and members the module has."""
+    import ast
+
+    stub = os.path.join(HERE, "..", "..", "ffi", "python", "kvlink.pyi")
+    tree = ast.parse(open(stub).read())
+    declared = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            names = set()
+            for n in node.body:
+                if isinstance(n, ast.FunctionDef):
+                    names.add(n.name)
+                elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+                    names.add(n.target.id)
+            declared[node.name] = {m for m in names if not m.startswith("_")}
+    public = {n for n in dir(kvlink) if not n.startswith("_") and isinstance(getattr(kvlink, n), type)}
+    assert set(declared) == public, set(declared) ^ public
+    for name, members in declared.items():
+        cls = getattr(kvlink, name)
+        if issubclass(cls, Exception):
+            continue
+        have = {m for m in dir(cls) if not m.startswith("_")}
+        assert members == have, (name, members ^ have)
