@@ -25,6 +25,7 @@ mod completion;
 pub mod control;
 mod engine;
 mod error;
+pub mod events;
 mod ids;
 mod layout;
 #[allow(unsafe_code)]

@@ -18,14 +18,15 @@ command -v iperf3 >/dev/null || need+=(iperf3)
 command -v ucx_perftest >/dev/null || need+=(ucx-utils)
 if [ ${#need[@]} -gt 0 ]; then
   echo "compare: installing ${need[*]}" >&2
-  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
+  $sudo apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 tools/deps.sh
 cargo build --release -q -p kvlink-bench
 bench=target/release/kvlink-bench
 
 gbps() { python3 -c 'import json,sys; print("%.4f" % json.load(sys.stdin)["gb_per_s"])'; }
-ratio() { python3 -c "print('%.2f' % ($1 / $2))"; }
+ratio() { python3 -c "import sys; a, b = sys.argv[1:]; print('%.2f' % (float(a) / float(b)) if a and b and float(b) > 0 else 'n/a')" "$1" "$2"; }
 median() { sort -n | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
 echo "== 1. TCP vs iperf3 (single stream), Llama-3-8B layout, 4096 tokens, random ids, $rounds rounds"

@@ -6,7 +6,7 @@ set -euo pipefail
 
 missing=()
 command -v cmake >/dev/null || missing+=(cmake)
-if ! ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1; then
+if ! compgen -G '/usr/lib/llvm-*/lib/libclang.so*' >/dev/null && ! compgen -G '/usr/lib/*-linux-gnu/libclang*.so*' >/dev/null; then
   missing+=(libclang-dev)
 fi
 command -v cc >/dev/null || missing+=(gcc)

@@ -15,14 +15,29 @@ echo "test: cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 echo "test: cargo test (host)"
 log=$(mktemp)
-cargo test --workspace 2>&1 | tee "$log"
+set +e
+cargo test --workspace --no-fail-fast 2>&1 | tee "$log"
+host_rc=${PIPESTATUS[0]}
+set -e
 host_passed=$(awk '/^test result:/ {p += $4} END {print p + 0}' "$log")
 host_failed=$(awk '/^test result:/ {f += $6} END {print f + 0}' "$log")
+if [ "$host_rc" -ne 0 ] && [ "$host_failed" -eq 0 ]; then
+  echo "test: cargo test failed (exit $host_rc) before reporting failures (build error?)" >&2
+  host_failed=1
+fi
 skipped=$(grep -c ': skipped: no RDMA device' "$log" || true)
 
 echo "test: Python bindings (maturin wheel into .venv, pytest)"
-[ -x .venv/bin/python ] || python3 -m venv .venv || {
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null && python3 -m venv .venv; }
+if [ ! -x .venv/bin/pip ]; then
+  rm -rf .venv
+  if ! python3 -m venv .venv; then
+    rm -rf .venv
+    sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
+    $sudo apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq python3-venv >/dev/null
+    python3 -m venv .venv
+  fi
+fi
 .venv/bin/pip install -q --disable-pip-version-check "maturin>=1.5,<2" numpy pytest
 export CARGO_TARGET_DIR="$repo/target/python"
 cargo fmt --manifest-path ffi/python/Cargo.toml -- --check
@@ -36,9 +51,10 @@ set +e
 (cd tests/python && ../../.venv/bin/python -m pytest -q) 2>&1 | tee "$pylog"
 py_rc=${PIPESTATUS[0]}
 set -e
-# pytest's closing line, e.g. "3 passed, 1 failed in 2.0s" (awk: no failure when absent).
-py_passed=$(awk '/ passed/ {for (i = 1; i < NF; i++) if ($(i + 1) ~ /^passed/) p = $i} END {print p + 0}' "$pylog")
-py_failed=$(awk '/ (failed|error)/ {for (i = 1; i < NF; i++) if ($(i + 1) ~ /^(failed|errors?)/) f += $i} END {print f + 0}' "$pylog")
+# pytest's closing line only, e.g. "3 passed, 1 failed in 2.0s" or "=== 1 failed, 3 passed in 2.0s ===".
+py_summary=$(grep -E '(passed|failed|error).* in [0-9.]+s' "$pylog" | tail -n 1 || true)
+py_passed=$(echo "$py_summary" | awk '{for (i = 1; i < NF; i++) if ($(i + 1) ~ /^passed/) p = $i} END {print p + 0}')
+py_failed=$(echo "$py_summary" | awk '{for (i = 1; i < NF; i++) if ($(i + 1) ~ /^(failed|errors?)/) f += $i} END {print f + 0}')
 if [ "$py_rc" -ne 0 ] && [ "$py_failed" -eq 0 ]; then py_failed=1; fi
 
 vm_passed=0; vm_failed=0

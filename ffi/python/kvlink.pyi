@@ -64,7 +64,7 @@ class Engine:
     @property
     def rdma_unavailable_reason(self) -> Optional[str]: ...
     def register_memory(self, ptr: int, size: int) -> int:
-        """Registers host memory by address; it must stay valid until deregister() returns."""
+        """Registers host memory by address; it must stay valid until deregister() has returned."""
     def register_array(self, array: Any) -> int:
         """Registers a numpy array or CPU torch tensor (contiguous, writable); keeps it alive."""
     def deregister(self, region: int) -> None:
@@ -73,8 +73,9 @@ class Engine:
         self, tensors: Sequence[Tuple[int, int, int, int, int]], tokens_per_block: int, dtype: str
     ) -> None:
         """Tensors as ``(region, offset, block_stride, block_bytes, num_blocks)``, in agreed order."""
-    def register_kv_caches(self, arrays: List[Any], tokens_per_block: int, dtype: str) -> None:
-        """Registers per-tensor caches (first axis = blocks) and sets the layout in that order."""
+    def register_kv_caches(self, arrays: List[Any], tokens_per_block: int, dtype: str) -> List[int]:
+        """Registers per-tensor caches (first axis = blocks) and sets the layout in that order;
+        returns the region ids. On error, the regions it registered are deregistered again."""
     def read_blocks(
         self, peer: str, request_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
     ) -> None:
@@ -95,7 +96,10 @@ class TpAggregator:
     """Releases a request once every TP rank reported it; a failure on any rank fails it."""
 
     def __init__(self, world_size: int, rank_timeout: float = 60.0) -> None: ...
-    def add(self, rank: int, finished: Finished) -> None: ...
+    def add(self, rank: int, finished: Any) -> None:
+        """One rank's report: a Finished, or any object with ``sending``, ``receiving`` and
+        ``failed`` attributes of the same shapes (Finished is not picklable; ranks in other
+        processes send the three lists)."""
     def take(self) -> Finished: ...
     @property
     def pending(self) -> int: ...

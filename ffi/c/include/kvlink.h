@@ -313,8 +313,9 @@ int kvlink_engine_handshake_address(const struct kvlink_engine *engine, char *bu
  * `huge_pages`, on 2 MiB huge pages when the system has them reserved, else regular pages).
  *
  * Stores the region id in `*region_id` and the memory's address in `*ptr`. The memory is owned
- * by the engine: the caller may read and write it until `kvlink_engine_free`, and must not
- * free it. Returns `KVLINK_OK`, `KVLINK_E_INVALID` (NULL argument, `len` of 0) or
+ * by the engine: the caller may read and write it until `kvlink_engine_deregister` of its
+ * region or `kvlink_engine_free`, whichever comes first (both release it), and must not free
+ * it. Returns `KVLINK_OK`, `KVLINK_E_INVALID` (NULL argument, `len` of 0) or
  * `KVLINK_E_MEMORY`.
  *
  * # Safety

@@ -68,16 +68,18 @@ fn to_py(e: Error) -> PyErr {
         | Error::Refused { .. }
         | Error::Protocol(_)
         | Error::ConnectionLost { .. }
-        | Error::Io { .. }
         | Error::Rdma(_) => PeerError::new_err(msg),
         _ => KvlinkError::new_err(msg),
     }
 }
 
+/// Longest duration accepted (as in the C ABI): 7 days.
+const MAX_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
+
 fn seconds(name: &str, v: f64) -> PyResult<Duration> {
-    if !(v.is_finite() && v > 0.0) {
+    if !(v.is_finite() && v > 0.0 && v <= MAX_SECONDS) {
         return Err(InvalidArgument::new_err(format!(
-            "{name} must be a positive number of seconds, got {v}"
+            "{name} must be a positive number of seconds, at most 7 days, got {v}"
         )));
     }
     Ok(Duration::from_secs_f64(v))
@@ -340,13 +342,19 @@ impl Engine {
     }
 
     /// Registers host memory given as a raw address and size; returns the region id. The memory
-    /// must stay valid until `deregister(region)` returns or the engine is closed.
-    fn register_memory(&self, ptr: usize, size: u64) -> PyResult<u32> {
+    /// must stay valid until `deregister(region)` has returned.
+    fn register_memory(&self, py: Python<'_>, ptr: usize, size: u64) -> PyResult<u32> {
         // SAFETY: the caller (the inference engine) owns `ptr..ptr+size` and promises, as
         // documented, that it stays valid until deregistered; kvlink accesses it like a DMA
         // engine would.
         let mem = unsafe { ExternalMemory::new(ptr as *mut u8, size) }.map_err(to_py)?;
-        Ok(self.inner.register_host(mem).map_err(to_py)?.id().0)
+        let inner = self.inner.clone();
+        // Registration may pin memory with an RDMA NIC (slow for large caches): release the GIL.
+        Ok(py
+            .allow_threads(move || inner.register_host(mem))
+            .map_err(to_py)?
+            .id()
+            .0)
     }
 
     /// Registers the memory of an array (numpy, or a CPU torch tensor; contiguous, writable);
@@ -356,7 +364,14 @@ impl Engine {
         // SAFETY: the array's buffer is valid while the array lives; `keep` holds a reference
         // to the array until the region is deregistered (or the engine dropped).
         let mem = unsafe { ExternalMemory::new(ptr as *mut u8, nbytes) }.map_err(to_py)?;
-        let id = self.inner.register_host(mem).map_err(to_py)?.id().0;
+        let inner = self.inner.clone();
+        // Registration may pin memory with an RDMA NIC (slow for large caches): release the GIL.
+        let id = array
+            .py()
+            .allow_threads(move || inner.register_host(mem))
+            .map_err(to_py)?
+            .id()
+            .0;
         self.keep
             .lock()
             .expect("keep list")
@@ -370,10 +385,17 @@ impl Engine {
         let inner = self.inner.clone();
         py.allow_threads(move || inner.deregister(RegionId(region)))
             .map_err(to_py)?;
-        self.keep
-            .lock()
-            .expect("keep list")
-            .retain(|(id, _)| *id != region);
+        // Take the array out under the lock and release it after: dropping it may run Python
+        // code that calls back into this engine.
+        let released: Vec<(u32, PyObject)> = {
+            let mut keep = self.keep.lock().expect("keep list");
+            let (gone, stay) = std::mem::take(&mut *keep)
+                .into_iter()
+                .partition(|(id, _)| *id == region);
+            *keep = stay;
+            gone
+        };
+        drop(released);
         Ok(())
     }
 
@@ -411,31 +433,25 @@ impl Engine {
     }
 
     /// Registers each array (numpy or CPU torch; first axis = blocks, C-contiguous) and sets the
-    /// layout to one tensor per array, in order: the usual per-layer K/V caches.
+    /// layout to one tensor per array, in order: the usual per-layer K/V caches. Returns the
+    /// region ids (for `deregister`); on any error the regions this call registered are
+    /// deregistered again.
     #[pyo3(signature = (arrays, tokens_per_block, dtype))]
     fn register_kv_caches(
         &self,
+        py: Python<'_>,
         arrays: &Bound<'_, PyList>,
         tokens_per_block: u32,
         dtype: String,
-    ) -> PyResult<()> {
-        let mut tensors = Vec::new();
-        for a in arrays.iter() {
-            let shape: Vec<u64> = a.getattr("shape")?.extract()?;
-            let blocks = *shape
-                .first()
-                .ok_or_else(|| InvalidArgument::new_err("a KV cache array has no dimensions"))?;
-            let (_, nbytes) = host_buffer(&a)?;
-            if blocks == 0 || nbytes % blocks != 0 || blocks > u64::from(u32::MAX) {
-                return Err(InvalidArgument::new_err(format!(
-                    "a KV cache array of {nbytes} bytes cannot be split into {blocks} blocks"
-                )));
+    ) -> PyResult<Vec<u32>> {
+        let mut regions = Vec::new();
+        let result = self.register_all(arrays, tokens_per_block, dtype, &mut regions);
+        if result.is_err() {
+            for r in regions.drain(..) {
+                let _ = self.deregister(py, r);
             }
-            let region = self.register_array(&a)?;
-            let block_bytes = nbytes / blocks;
-            tensors.push((region, 0, block_bytes, block_bytes, blocks as u32));
         }
-        self.set_layout(tensors, tokens_per_block, dtype)
+        result.map(|()| regions)
     }
 
     /// Starts reading `remote_blocks` of the engine at `peer` (its handshake address) into
@@ -529,6 +545,35 @@ impl Engine {
         d.set_item("data_requests_refused", s.data_requests_refused)?;
         d.set_item("bytes_served", s.bytes_served)?;
         Ok(d.unbind())
+    }
+}
+
+impl Engine {
+    fn register_all(
+        &self,
+        arrays: &Bound<'_, PyList>,
+        tokens_per_block: u32,
+        dtype: String,
+        regions: &mut Vec<u32>,
+    ) -> PyResult<()> {
+        let mut tensors = Vec::new();
+        for a in arrays.iter() {
+            let shape: Vec<u64> = a.getattr("shape")?.extract()?;
+            let blocks = *shape
+                .first()
+                .ok_or_else(|| InvalidArgument::new_err("a KV cache array has no dimensions"))?;
+            let (_, nbytes) = host_buffer(&a)?;
+            if blocks == 0 || nbytes % blocks != 0 || blocks > u64::from(u32::MAX) {
+                return Err(InvalidArgument::new_err(format!(
+                    "a KV cache array of {nbytes} bytes cannot be split into {blocks} blocks"
+                )));
+            }
+            let region = self.register_array(&a)?;
+            regions.push(region);
+            let block_bytes = nbytes / blocks;
+            tensors.push((region, 0, block_bytes, block_bytes, blocks as u32));
+        }
+        self.set_layout(tensors, tokens_per_block, dtype)
     }
 }
 

@@ -46,7 +46,7 @@ options:
   --qps N             RDMA queue pairs per peer                         [4]
   --rdma-device NAME  RDMA device (first active one by default)
   --batch-bytes N     bytes per pipelined TCP request (K/M suffixes)    [4M]
-  --blocks N          blocks per tensor in each cache        [2 x tokens/block x concurrency]
+  --blocks N          blocks per tensor in each cache        [2 x blocks/request x concurrency]
   --verify            check every byte at the destination (slows the run)
   --json              print one JSON object instead of text
   --seed N            fill pattern of the prefill cache                 [1]
@@ -466,7 +466,10 @@ fn drive(
     let per = args.blocks_per_request();
     let span = local.layout.num_blocks() / args.concurrency as u32;
     let remote_blocks = remote_layout.num_blocks();
-    if span < per || remote_blocks < per {
+    let runs = per.div_ceil(4);
+    let fragmented_short =
+        args.pattern == Pattern::Fragmented && (span / 4 < runs || remote_blocks / 4 < runs);
+    if span < per || remote_blocks < per || fragmented_short {
         return Err(format!(
             "caches too small: {per} blocks per request, {span} local blocks per slot, {remote_blocks} remote blocks (raise --blocks)"
         ));

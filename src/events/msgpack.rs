@@ -1,0 +1,279 @@
+//! A small msgpack reader for hostile input: every length is checked against the bytes that
+//! remain before anything is allocated, nesting is capped, and any malformed input is an error,
+//! never a panic. (Generic decoders preallocate from the length prefix a peer sends.)
+
+use std::fmt;
+
+/// Deepest nesting accepted.
+pub const MAX_DEPTH: usize = 32;
+
+/// A decoded msgpack value.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Value {
+    /// nil
+    Nil,
+    /// true / false
+    Bool(bool),
+    /// A non-negative integer.
+    UInt(u64),
+    /// A negative integer.
+    Int(i64),
+    /// A float (32-bit floats are widened).
+    Float(f64),
+    /// A UTF-8 string (invalid UTF-8 is replaced, never rejected).
+    Str(String),
+    /// Binary data.
+    Bin(Vec<u8>),
+    /// An array.
+    Array(Vec<Value>),
+    /// A map, in wire order.
+    Map(Vec<(Value, Value)>),
+    /// An extension value (type, data).
+    Ext(i8, Vec<u8>),
+}
+
+impl Value {
+    /// The string, if this is one.
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Value::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The value as an unsigned integer, if it is a non-negative integer.
+    pub fn as_u64(&self) -> Option<u64> {
+        match self {
+            Value::UInt(v) => Some(*v),
+            _ => None,
+        }
+    }
+
+    /// The value as a signed integer, if it fits.
+    pub fn as_i64(&self) -> Option<i64> {
+        match self {
+            Value::UInt(v) => i64::try_from(*v).ok(),
+            Value::Int(v) => Some(*v),
+            _ => None,
+        }
+    }
+
+    /// The value as a float (integers convert).
+    pub fn as_f64(&self) -> Option<f64> {
+        match self {
+            Value::Float(v) => Some(*v),
+            Value::UInt(v) => Some(*v as f64),
+            Value::Int(v) => Some(*v as f64),
+            _ => None,
+        }
+    }
+
+    /// True for nil.
+    pub fn is_nil(&self) -> bool {
+        matches!(self, Value::Nil)
+    }
+}
+
+/// Why bytes are not one msgpack value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodeError(pub String);
+
+impl fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "malformed msgpack: {}", self.0)
+    }
+}
+
+impl std::error::Error for DecodeError {}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+fn err<T>(msg: impl Into<String>) -> Result<T, DecodeError> {
+    Err(DecodeError(msg.into()))
+}
+
+impl<'a> Reader<'a> {
+    fn remaining(&self) -> usize {
+        self.buf.len() - self.pos
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        if n > self.remaining() {
+            return err(format!("{n} bytes announced, {} left", self.remaining()));
+        }
+        let s = &self.buf[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+
+    fn be(&mut self, n: usize) -> Result<u64, DecodeError> {
+        Ok(self
+            .take(n)?
+            .iter()
+            .fold(0u64, |acc, &b| (acc << 8) | u64::from(b)))
+    }
+
+    /// A collection of `len` items, each at least `min_item` bytes: refused before allocating
+    /// when the bytes cannot hold it.
+    fn check_len(&self, len: usize, min_item: usize) -> Result<(), DecodeError> {
+        if len.saturating_mul(min_item) > self.remaining() {
+            return err(format!(
+                "{len} items announced, {} bytes left",
+                self.remaining()
+            ));
+        }
+        Ok(())
+    }
+
+    fn array(&mut self, len: usize, depth: usize) -> Result<Value, DecodeError> {
+        self.check_len(len, 1)?;
+        let mut v = Vec::with_capacity(len);
+        for _ in 0..len {
+            v.push(self.value(depth + 1)?);
+        }
+        Ok(Value::Array(v))
+    }
+
+    fn map(&mut self, len: usize, depth: usize) -> Result<Value, DecodeError> {
+        self.check_len(len, 2)?;
+        let mut v = Vec::with_capacity(len);
+        for _ in 0..len {
+            let k = self.value(depth + 1)?;
+            let val = self.value(depth + 1)?;
+            v.push((k, val));
+        }
+        Ok(Value::Map(v))
+    }
+
+    fn str(&mut self, len: usize) -> Result<Value, DecodeError> {
+        Ok(Value::Str(
+            String::from_utf8_lossy(self.take(len)?).into_owned(),
+        ))
+    }
+
+    fn value(&mut self, depth: usize) -> Result<Value, DecodeError> {
+        if depth > MAX_DEPTH {
+            return err(format!("nested deeper than {MAX_DEPTH}"));
+        }
+        let b = self.take(1)?[0];
+        Ok(match b {
+            0x00..=0x7f => Value::UInt(u64::from(b)),
+            0x80..=0x8f => return self.map(usize::from(b & 0x0f), depth),
+            0x90..=0x9f => return self.array(usize::from(b & 0x0f), depth),
+            0xa0..=0xbf => return self.str(usize::from(b & 0x1f)),
+            0xc0 => Value::Nil,
+            0xc2 => Value::Bool(false),
+            0xc3 => Value::Bool(true),
+            0xc4..=0xc6 => {
+                let n = self.be(1 << (b - 0xc4))? as usize;
+                Value::Bin(self.take(n)?.to_vec())
+            }
+            0xc7..=0xc9 => {
+                let n = self.be(1 << (b - 0xc7))? as usize;
+                let t = self.take(1)?[0] as i8;
+                Value::Ext(t, self.take(n)?.to_vec())
+            }
+            0xca => Value::Float(f64::from(f32::from_bits(self.be(4)? as u32))),
+            0xcb => Value::Float(f64::from_bits(self.be(8)?)),
+            0xcc..=0xcf => Value::UInt(self.be(1 << (b - 0xcc))?),
+            0xd0 => int(self.be(1)? as u8 as i8 as i64),
+            0xd1 => int(self.be(2)? as u16 as i16 as i64),
+            0xd2 => int(self.be(4)? as u32 as i32 as i64),
+            0xd3 => int(self.be(8)? as i64),
+            0xd4..=0xd8 => {
+                let t = self.take(1)?[0] as i8;
+                Value::Ext(t, self.take(1 << (b - 0xd4))?.to_vec())
+            }
+            0xd9..=0xdb => {
+                let n = self.be(1 << (b - 0xd9))? as usize;
+                return self.str(n);
+            }
+            0xdc | 0xdd => {
+                let n = self.be(if b == 0xdc { 2 } else { 4 })? as usize;
+                return self.array(n, depth);
+            }
+            0xde | 0xdf => {
+                let n = self.be(if b == 0xde { 2 } else { 4 })? as usize;
+                return self.map(n, depth);
+            }
+            0xe0..=0xff => Value::Int(i64::from(b as i8)),
+            0xc1 => return err("reserved byte 0xc1"),
+        })
+    }
+}
+
+fn int(v: i64) -> Value {
+    if v >= 0 {
+        Value::UInt(v as u64)
+    } else {
+        Value::Int(v)
+    }
+}
+
+/// Decodes exactly one value from `buf` (trailing bytes are an error).
+pub fn decode(buf: &[u8]) -> Result<Value, DecodeError> {
+    let mut r = Reader { buf, pos: 0 };
+    let v = r.value(0)?;
+    if r.remaining() != 0 {
+        return err(format!("{} trailing bytes", r.remaining()));
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn scalars_and_containers() {
+        assert_eq!(
+            decode(&[0x93, 0x01, 0xc0, 0xa1, b'x']).unwrap(),
+            Value::Array(vec![Value::UInt(1), Value::Nil, Value::Str("x".into())])
+        );
+        let big = [0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xfe];
+        assert_eq!(decode(&big).unwrap(), Value::UInt(u64::MAX - 1));
+        assert_eq!(
+            decode(&[0xd3, 0x80, 0, 0, 0, 0, 0, 0, 0]).unwrap(),
+            Value::Int(i64::MIN)
+        );
+        assert_eq!(decode(&[0xff]).unwrap(), Value::Int(-1));
+        assert_eq!(decode(&[0xc4, 2, 9, 8]).unwrap(), Value::Bin(vec![9, 8]));
+        assert_eq!(
+            decode(&[0x81, 0xa1, b'k', 0x05]).unwrap(),
+            Value::Map(vec![(Value::Str("k".into()), Value::UInt(5))])
+        );
+    }
+
+    #[test]
+    fn hostile_lengths_are_refused_without_allocating() {
+        // Arrays, maps, strings and bins announcing 4 G items/bytes with 0 behind them.
+        for b in [0xdd, 0xdf, 0xdb, 0xc6] {
+            assert!(decode(&[b, 0xff, 0xff, 0xff, 0xff]).is_err());
+        }
+        let deep = vec![0x91; 1000];
+        assert!(decode(&deep).unwrap_err().0.contains("deeper"));
+        assert!(decode(&[0xc1]).is_err());
+        assert!(decode(&[0x01, 0x02]).unwrap_err().0.contains("trailing"));
+        assert!(decode(&[]).is_err());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+        #[test]
+        fn random_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+            let _ = decode(&bytes);
+        }
+
+        #[test]
+        fn rmp_serde_values_decode(v in prop::collection::vec((any::<u64>(), any::<i64>(), ".{0,8}"), 0..8)) {
+            let bytes = rmp_serde::to_vec(&v).unwrap();
+            let d = decode(&bytes).unwrap();
+            let Value::Array(items) = d else { panic!("array") };
+            prop_assert_eq!(items.len(), v.len());
+        }
+    }
+}
