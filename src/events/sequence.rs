@@ -1,0 +1,401 @@
+//! Sequencing of KV-event streams, without I/O: the publisher's replay ring and the
+//! subscriber's state machine for gaps, replay, duplicates, restarts and late joins.
+//!
+//! The subscriber side takes inputs (`handle_live`, `handle_replayed`, `handle_replay_end`,
+//! `poll` with the current time) and returns [`Action`]s for the I/O driver to carry out:
+//! deliver a batch, ask the publisher's replay socket for a range, or tell the consumer to
+//! resynchronise (clear what it derived from this stream) and why.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::{Duration, Instant};
+
+/// The publisher's ring of recent batches, answering replay requests.
+#[derive(Debug)]
+pub struct ReplayRing<P> {
+    cap: usize,
+    items: VecDeque<(u64, P)>,
+}
+
+impl<P: Clone> ReplayRing<P> {
+    /// A ring keeping the last `cap` batches (at least 1; vLLM keeps 10,000).
+    pub fn new(cap: usize) -> Self {
+        ReplayRing {
+            cap: cap.max(1),
+            items: VecDeque::new(),
+        }
+    }
+
+    /// Records a published batch (sequence numbers increase by one).
+    pub fn push(&mut self, seq: u64, payload: P) {
+        if self.items.len() == self.cap {
+            self.items.pop_front();
+        }
+        self.items.push_back((seq, payload));
+    }
+
+    /// Batches with `seq >= start`, oldest first: what a replay request for `start` gets. When
+    /// `start` is older than the ring, the answer simply starts later (the requester detects
+    /// the loss).
+    pub fn replay_from(&self, start: u64) -> impl Iterator<Item = &(u64, P)> + '_ {
+        let skip = match self.items.front() {
+            Some((first, _)) if start > *first => (start - first) as usize,
+            _ => 0,
+        };
+        self.items.iter().skip(skip)
+    }
+
+    /// Oldest and newest sequence held.
+    pub fn bounds(&self) -> Option<(u64, u64)> {
+        Some((self.items.front()?.0, self.items.back()?.0))
+    }
+}
+
+/// Why a consumer must resynchronise.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resync {
+    /// The sequence went down: the publisher restarted (its old state is gone).
+    PublisherRestart {
+        /// Last sequence seen before.
+        last: u64,
+        /// The sequence that arrived.
+        now: u64,
+    },
+    /// Replay could not supply everything asked for (the ring no longer held it, or the replay
+    /// did not answer in time): batches `[from, resumed)` are lost.
+    HistoryLost {
+        /// First sequence asked for.
+        from: u64,
+        /// First sequence delivered after the loss.
+        resumed: u64,
+    },
+}
+
+/// What the I/O driver must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action<P> {
+    /// Hand this batch to the consumer (in sequence order, each once).
+    Deliver(u64, P),
+    /// Send a replay request for batches from this sequence.
+    RequestReplay(u64),
+    /// Tell the consumer to drop what it derived from this stream, and why.
+    Resync(Resync),
+}
+
+#[derive(Debug)]
+struct Replay<P> {
+    from: u64,
+    deadline: Instant,
+    buffered: BTreeMap<u64, P>,
+}
+
+/// One subscriber's view of one publisher stream.
+#[derive(Debug)]
+pub struct StreamState<P> {
+    last: Option<u64>,
+    replay: Option<Replay<P>>,
+    replay_timeout: Duration,
+    max_buffered: usize,
+    duplicates: u64,
+}
+
+impl<P> StreamState<P> {
+    /// A new stream: replays must finish within `replay_timeout`; at most `max_buffered` live
+    /// batches are held while one runs (beyond that the oldest are dropped and reported lost).
+    pub fn new(replay_timeout: Duration, max_buffered: usize) -> Self {
+        StreamState {
+            last: None,
+            replay: None,
+            replay_timeout,
+            max_buffered: max_buffered.max(1),
+            duplicates: 0,
+        }
+    }
+
+    /// Last sequence delivered.
+    pub fn last(&self) -> Option<u64> {
+        self.last
+    }
+
+    /// Duplicate batches dropped so far.
+    pub fn duplicates(&self) -> u64 {
+        self.duplicates
+    }
+
+    /// Whether a replay is under way.
+    pub fn replaying(&self) -> bool {
+        self.replay.is_some()
+    }
+
+    fn start_replay(&mut self, from: u64, now: Instant, out: &mut Vec<Action<P>>) {
+        self.replay = Some(Replay {
+            from,
+            deadline: now + self.replay_timeout,
+            buffered: BTreeMap::new(),
+        });
+        out.push(Action::RequestReplay(from));
+    }
+
+    fn deliver(&mut self, seq: u64, payload: P, out: &mut Vec<Action<P>>) {
+        self.last = Some(seq);
+        out.push(Action::Deliver(seq, payload));
+    }
+
+    /// A batch from the live (PUB/SUB) stream.
+    pub fn handle_live(&mut self, seq: u64, payload: P, now: Instant) -> Vec<Action<P>> {
+        let mut out = Vec::new();
+        if let Some(r) = &mut self.replay {
+            if r.buffered.len() >= self.max_buffered {
+                // Bounded: the oldest buffered batch is dropped; the gap shows up as lost
+                // history when the replay ends.
+                r.buffered.pop_first();
+            }
+            r.buffered.insert(seq, payload);
+            return out;
+        }
+        match self.last {
+            // Late join: bootstrap with everything the ring still holds.
+            None if seq > 0 => {
+                self.start_replay(0, now, &mut out);
+                if let Some(r) = &mut self.replay {
+                    r.buffered.insert(seq, payload);
+                }
+            }
+            None => self.deliver(seq, payload, &mut out),
+            Some(last) if seq == last + 1 => self.deliver(seq, payload, &mut out),
+            Some(last) if seq <= last => {
+                // Live batches never repeat: the sequence went down, the publisher restarted.
+                out.push(Action::Resync(Resync::PublisherRestart { last, now: seq }));
+                self.last = None;
+                if seq == 0 {
+                    self.deliver(seq, payload, &mut out);
+                } else {
+                    self.start_replay(0, now, &mut out);
+                    if let Some(r) = &mut self.replay {
+                        r.buffered.insert(seq, payload);
+                    }
+                }
+            }
+            Some(last) => {
+                // A gap (PUB drops silently at its high-water mark): replay it.
+                self.start_replay(last + 1, now, &mut out);
+                if let Some(r) = &mut self.replay {
+                    r.buffered.insert(seq, payload);
+                }
+            }
+        }
+        out
+    }
+
+    /// A batch answered by the replay socket.
+    pub fn handle_replayed(&mut self, seq: u64, payload: P) -> Vec<Action<P>> {
+        let mut out = Vec::new();
+        let Some(from) = self.replay.as_ref().map(|r| r.from) else {
+            return out; // a late answer to a finished replay
+        };
+        let expected = self.last.map_or(from, |l| l + 1).max(from);
+        if seq < expected {
+            self.duplicates += 1;
+            return out;
+        }
+        if seq > expected {
+            out.push(Action::Resync(Resync::HistoryLost {
+                from: expected,
+                resumed: seq,
+            }));
+        }
+        self.deliver(seq, payload, &mut out);
+        out
+    }
+
+    /// The replay's end marker: buffered live batches follow, in order, duplicates dropped.
+    pub fn handle_replay_end(&mut self) -> Vec<Action<P>> {
+        let mut out = Vec::new();
+        let Some(r) = self.replay.take() else {
+            return out;
+        };
+        for (seq, payload) in r.buffered {
+            let expected = self.last.map_or(r.from, |l| l + 1);
+            if seq < expected {
+                self.duplicates += 1;
+                continue;
+            }
+            if seq > expected {
+                out.push(Action::Resync(Resync::HistoryLost {
+                    from: expected,
+                    resumed: seq,
+                }));
+            }
+            self.deliver(seq, payload, &mut out);
+        }
+        out
+    }
+
+    /// Ends a replay that did not finish by its deadline, as if its end marker had arrived
+    /// (publishers that drop malformed requests never answer).
+    pub fn poll(&mut self, now: Instant) -> Vec<Action<P>> {
+        match &self.replay {
+            Some(r) if now >= r.deadline => self.handle_replay_end(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// When `poll` next has work.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.replay.as_ref().map(|r| r.deadline)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn delivered(a: &[Action<&'static str>]) -> Vec<u64> {
+        a.iter()
+            .filter_map(|x| match x {
+                Action::Deliver(s, _) => Some(*s),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn ring_replays_from_a_sequence_and_forgets_the_oldest() {
+        let mut r = ReplayRing::new(3);
+        for s in 0..5u64 {
+            r.push(s, s * 10);
+        }
+        assert_eq!(r.bounds(), Some((2, 4)));
+        assert_eq!(
+            r.replay_from(3).map(|x| x.0).collect::<Vec<_>>(),
+            vec![3, 4]
+        );
+        assert_eq!(
+            r.replay_from(0).map(|x| x.0).collect::<Vec<_>>(),
+            vec![2, 3, 4]
+        );
+        assert_eq!(r.replay_from(9).count(), 0);
+    }
+
+    #[test]
+    fn in_order_stream_is_delivered_as_is() {
+        let t = Instant::now();
+        let mut s = StreamState::new(Duration::from_secs(1), 100);
+        for q in 0..5 {
+            assert_eq!(s.handle_live(q, "x", t), vec![Action::Deliver(q, "x")]);
+        }
+    }
+
+    #[test]
+    fn a_gap_is_filled_by_replay_with_live_buffered_and_duplicates_dropped() {
+        let t = Instant::now();
+        let mut s = StreamState::new(Duration::from_secs(1), 100);
+        s.handle_live(0, "a", t);
+        s.handle_live(1, "b", t);
+        // 2 and 3 were dropped by PUB; 4 arrives.
+        assert_eq!(s.handle_live(4, "e", t), vec![Action::RequestReplay(2)]);
+        assert!(
+            s.handle_live(5, "f", t).is_empty(),
+            "buffered during replay"
+        );
+        let mut got = s.handle_replayed(1, "b"); // overlap: duplicate
+        got.extend(s.handle_replayed(2, "c"));
+        got.extend(s.handle_replayed(3, "d"));
+        got.extend(s.handle_replayed(4, "e"));
+        got.extend(s.handle_replay_end());
+        assert_eq!(delivered(&got), vec![2, 3, 4, 5]);
+        assert_eq!(s.duplicates(), 2, "replayed 1 and buffered 4");
+        assert!(!s.replaying());
+        assert_eq!(s.handle_live(6, "g", t), vec![Action::Deliver(6, "g")]);
+    }
+
+    #[test]
+    fn history_past_the_ring_is_reported_lost() {
+        let t = Instant::now();
+        let mut s = StreamState::new(Duration::from_secs(1), 100);
+        s.handle_live(0, "a", t);
+        assert_eq!(s.handle_live(50, "z", t), vec![Action::RequestReplay(1)]);
+        let got = s.handle_replayed(40, "y");
+        assert_eq!(
+            got[0],
+            Action::Resync(Resync::HistoryLost {
+                from: 1,
+                resumed: 40
+            })
+        );
+        let mut got = s.handle_replay_end();
+        assert_eq!(
+            got.remove(0),
+            Action::Resync(Resync::HistoryLost {
+                from: 41,
+                resumed: 50
+            })
+        );
+        assert_eq!(delivered(&got), vec![50]);
+    }
+
+    #[test]
+    fn restart_and_late_join_and_silent_replay() {
+        let t = Instant::now();
+        let mut s = StreamState::new(Duration::from_secs(2), 100);
+        // Late join at seq 7: bootstrap from 0.
+        assert_eq!(s.handle_live(7, "h", t), vec![Action::RequestReplay(0)]);
+        let mut got = Vec::new();
+        for q in 5..=7 {
+            got.extend(s.handle_replayed(q, "r"));
+        }
+        got.extend(s.handle_replay_end());
+        assert_eq!(
+            got[0],
+            Action::Resync(Resync::HistoryLost {
+                from: 0,
+                resumed: 5
+            })
+        );
+        assert_eq!(delivered(&got), vec![5, 6, 7]);
+        // Publisher restart: the sequence goes back to 0.
+        let got = s.handle_live(0, "new", t);
+        assert_eq!(
+            got[0],
+            Action::Resync(Resync::PublisherRestart { last: 7, now: 0 })
+        );
+        assert_eq!(delivered(&got), vec![0]);
+        // A gap whose replay never answers ends at the deadline.
+        s.handle_live(1, "b", t);
+        assert_eq!(s.handle_live(3, "d", t), vec![Action::RequestReplay(2)]);
+        assert!(s.poll(t + Duration::from_secs(1)).is_empty());
+        assert_eq!(s.next_deadline(), Some(t + Duration::from_secs(2)));
+        let got = s.poll(t + Duration::from_secs(2));
+        assert_eq!(
+            got[0],
+            Action::Resync(Resync::HistoryLost {
+                from: 2,
+                resumed: 3
+            })
+        );
+        assert_eq!(delivered(&got), vec![3]);
+        assert!(
+            s.handle_replayed(2, "late").is_empty(),
+            "late replay answers are ignored"
+        );
+    }
+
+    #[test]
+    fn buffering_during_replay_is_bounded() {
+        let t = Instant::now();
+        let mut s = StreamState::new(Duration::from_secs(1), 3);
+        s.handle_live(0, "a", t);
+        s.handle_live(2, "c", t);
+        for q in 3..10 {
+            s.handle_live(q, "x", t);
+        }
+        let got = s.handle_replay_end();
+        assert_eq!(delivered(&got), vec![7, 8, 9]);
+        assert!(matches!(
+            got[0],
+            Action::Resync(Resync::HistoryLost {
+                from: 1,
+                resumed: 7
+            })
+        ));
+    }
+}
