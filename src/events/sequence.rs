@@ -192,10 +192,17 @@ impl<P> StreamState<P> {
         let Some(from) = self.replay.as_ref().map(|r| r.from) else {
             return out; // a late answer to a finished replay
         };
+        self.accept_after(from, seq, payload, &mut out);
+        out
+    }
+
+    /// Delivers a replayed or buffered batch in sequence: a duplicate (at or before what was
+    /// delivered) is dropped, a jump past the next expected sequence is reported as lost history.
+    fn accept_after(&mut self, from: u64, seq: u64, payload: P, out: &mut Vec<Action<P>>) {
         let expected = self.last.map_or(from, |l| l + 1).max(from);
         if seq < expected {
             self.duplicates += 1;
-            return out;
+            return;
         }
         if seq > expected {
             out.push(Action::Resync(Resync::HistoryLost {
@@ -203,8 +210,7 @@ impl<P> StreamState<P> {
                 resumed: seq,
             }));
         }
-        self.deliver(seq, payload, &mut out);
-        out
+        self.deliver(seq, payload, out);
     }
 
     /// The replay's end marker: buffered live batches follow, in order, duplicates dropped.
@@ -214,18 +220,7 @@ impl<P> StreamState<P> {
             return out;
         };
         for (seq, payload) in r.buffered {
-            let expected = self.last.map_or(r.from, |l| l + 1);
-            if seq < expected {
-                self.duplicates += 1;
-                continue;
-            }
-            if seq > expected {
-                out.push(Action::Resync(Resync::HistoryLost {
-                    from: expected,
-                    resumed: seq,
-                }));
-            }
-            self.deliver(seq, payload, &mut out);
+            self.accept_after(r.from, seq, payload, &mut out);
         }
         out
     }
