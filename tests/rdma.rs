@@ -282,20 +282,7 @@ fn rdma_peer_killed_mid_transfer_then_a_new_peer_works() {
     // Enough work (40 x 32 MiB) that most of it is still in flight when the first request
     // lands and the peer is killed, however fast the emulated device runs.
     let n = 40;
-    let t0 = Instant::now();
-    for i in 0..n {
-        decode
-            .engine
-            .read_blocks(&child.addr, format!("big-{i}"), &all, &all)
-            .unwrap();
-    }
-    let mut f = collect(&decode.engine, Duration::from_secs(120), |f| !f.is_empty());
-    child.child.kill().unwrap();
-    child.child.wait().unwrap();
-    let rest = collect(&decode.engine, Duration::from_secs(60), |acc| {
-        acc.receiving.len() + acc.failed.len() + f.receiving.len() + f.failed.len() == n
-    });
-    f.extend(rest);
+    let (f, took) = kill_peer_mid_transfer(&decode, &mut child, &all, n, Duration::from_secs(120));
     assert_eq!(
         f.receiving.len() + f.failed.len(),
         n,
@@ -311,11 +298,7 @@ fn rdma_peer_killed_mid_transfer_then_a_new_peer_works() {
             "{fr:?}"
         );
     }
-    assert!(
-        t0.elapsed() < Duration::from_secs(150),
-        "took {:?}",
-        t0.elapsed()
-    );
+    assert!(took < Duration::from_secs(150), "took {took:?}");
     assert_eq!(decode.engine.in_flight(), (0, 0));
     let child2 = ChildPrefill::spawn(shape.name, blocks, 9, 1, "rdma");
     decode

@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use kvlink::ModelShape;
@@ -70,22 +70,8 @@ fn prefill_killed_mid_transfer_fails_requests_then_a_new_peer_works() {
     // across requests, which is fine here since bytes are not checked.
     let all: Vec<u32> = (0..blocks).collect();
     let n = 24;
-    let t0 = Instant::now();
-    for i in 0..n {
-        decode
-            .engine
-            .read_blocks(&child.addr, format!("big-{i}"), &all, &all)
-            .unwrap();
-    }
     // Kill the prefill process as soon as the first request lands.
-    let first = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
-    child.child.kill().unwrap();
-    child.child.wait().unwrap();
-    let mut f = first;
-    let rest = collect(&decode.engine, Duration::from_secs(30), |acc| {
-        acc.receiving.len() + acc.failed.len() + f.receiving.len() + f.failed.len() == n
-    });
-    f.extend(rest);
+    let (f, took) = kill_peer_mid_transfer(&decode, &mut child, &all, n, Duration::from_secs(60));
     assert_eq!(
         f.receiving.len() + f.failed.len(),
         n,
@@ -110,11 +96,7 @@ fn prefill_killed_mid_transfer_fails_requests_then_a_new_peer_works() {
         );
     }
     // Within the request deadline (20 s), with room to spare.
-    assert!(
-        t0.elapsed() < Duration::from_secs(40),
-        "took {:?}",
-        t0.elapsed()
-    );
+    assert!(took < Duration::from_secs(40), "took {took:?}");
     assert_eq!(decode.engine.in_flight(), (0, 0));
 
     // A fresh prefill process: the session is rebuilt and reads work again.

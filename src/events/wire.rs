@@ -387,6 +387,22 @@ fn put_key(out: &mut Vec<u8>, k: &str) {
     let _ = w::write_str(out, k);
 }
 
+/// A map field written only when set (current encoding: defaults are omitted).
+fn put_field_uint(out: &mut Vec<u8>, k: &str, v: Option<u64>) {
+    if let Some(v) = v {
+        put_key(out, k);
+        let _ = w::write_uint(out, v);
+    }
+}
+
+/// A string map field written only when set.
+fn put_field_str(out: &mut Vec<u8>, k: &str, v: &Option<String>) {
+    if let Some(v) = v {
+        put_key(out, k);
+        let _ = w::write_str(out, v);
+    }
+}
+
 /// Encodes one event.
 pub fn encode_event(e: &KvEvent, enc: Encoding, out: &mut Vec<u8>) {
     match (e, enc) {
@@ -426,22 +442,14 @@ pub fn encode_event(e: &KvEvent, enc: Encoding, out: &mut Vec<u8>) {
             put_opt_str(out, &s.medium);
             put_key(out, "lora_name");
             put_opt_str(out, &s.lora_name);
-            if let Some(g) = s.group_idx {
-                put_key(out, "group_idx");
-                let _ = w::write_uint(out, u64::from(g));
-            }
-            if let Some(k) = &s.kv_cache_spec_kind {
-                put_key(out, "kv_cache_spec_kind");
-                let _ = w::write_str(out, k);
-            }
-            if let Some(sw) = s.kv_cache_spec_sliding_window {
-                put_key(out, "kv_cache_spec_sliding_window");
-                let _ = w::write_uint(out, u64::from(sw));
-            }
-            if let Some(t) = s.token_offset {
-                put_key(out, "token_offset");
-                let _ = w::write_uint(out, t);
-            }
+            put_field_uint(out, "group_idx", s.group_idx.map(u64::from));
+            put_field_str(out, "kv_cache_spec_kind", &s.kv_cache_spec_kind);
+            put_field_uint(
+                out,
+                "kv_cache_spec_sliding_window",
+                s.kv_cache_spec_sliding_window.map(u64::from),
+            );
+            put_field_uint(out, "token_offset", s.token_offset);
         }
         (KvEvent::BlockStored(s), Encoding::Legacy) => {
             let n = if s.token_offset.is_some() { 13 } else { 12 };
@@ -481,10 +489,7 @@ pub fn encode_event(e: &KvEvent, enc: Encoding, out: &mut Vec<u8>) {
             put_hashes(out, &r.block_hashes);
             put_key(out, "medium");
             put_opt_str(out, &r.medium);
-            if let Some(g) = r.group_idx {
-                put_key(out, "group_idx");
-                let _ = w::write_uint(out, u64::from(g));
-            }
+            put_field_uint(out, "group_idx", r.group_idx.map(u64::from));
         }
         (KvEvent::BlockRemoved(r), Encoding::Legacy) => {
             let _ = w::write_array_len(out, 4);
@@ -497,10 +502,7 @@ pub fn encode_event(e: &KvEvent, enc: Encoding, out: &mut Vec<u8>) {
             let _ = w::write_map_len(out, 1 + u32::from(medium.is_some()));
             put_key(out, "type");
             let _ = w::write_str(out, "AllBlocksCleared");
-            if let Some(m) = medium {
-                put_key(out, "medium");
-                let _ = w::write_str(out, m);
-            }
+            put_field_str(out, "medium", medium);
         }
         (KvEvent::AllBlocksCleared { medium }, Encoding::Legacy) => {
             let _ = w::write_array_len(out, 1 + u32::from(medium.is_some()));
@@ -530,9 +532,8 @@ pub fn encode_event(e: &KvEvent, enc: Encoding, out: &mut Vec<u8>) {
             put_opt_str(out, &t.to_medium);
             if enc == Encoding::Legacy {
                 put_opt_uint(out, t.group_idx.map(u64::from));
-            } else if let Some(g) = t.group_idx {
-                put_key(out, "group_idx");
-                let _ = w::write_uint(out, u64::from(g));
+            } else {
+                put_field_uint(out, "group_idx", t.group_idx.map(u64::from));
             }
         }
     }

@@ -260,3 +260,30 @@ impl Drop for ChildPrefill {
         let _ = self.child.wait();
     }
 }
+
+/// Issues `n` reads of `blocks` from the child, kills the child as soon as the first request
+/// ends, and collects until all `n` have ended (or `limit` passes). Returns everything that
+/// finished and how long it took from the first read.
+pub fn kill_peer_mid_transfer(
+    decode: &Side,
+    child: &mut ChildPrefill,
+    blocks: &[u32],
+    n: usize,
+    limit: Duration,
+) -> (Finished, Duration) {
+    let t0 = Instant::now();
+    for i in 0..n {
+        decode
+            .engine
+            .read_blocks(&child.addr, format!("big-{i}"), blocks, blocks)
+            .unwrap();
+    }
+    let mut f = collect(&decode.engine, limit, |f| !f.is_empty());
+    child.child.kill().unwrap();
+    child.child.wait().unwrap();
+    let rest = collect(&decode.engine, limit, |acc| {
+        acc.receiving.len() + acc.failed.len() + f.receiving.len() + f.failed.len() == n
+    });
+    f.extend(rest);
+    (f, t0.elapsed())
+}
