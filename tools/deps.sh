@@ -18,6 +18,6 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 if ! command -v cargo >/dev/null; then
-  echo "deps: cargo not found; install Rust 1.81 or newer (https://rustup.rs)" >&2
+  echo "deps: cargo not found; install Rust 1.89 or newer (https://rustup.rs)" >&2
   exit 1
 fi

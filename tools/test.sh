@@ -38,7 +38,10 @@ if [ ! -x .venv/bin/pip ]; then
     python3 -m venv .venv
   fi
 fi
-.venv/bin/pip install -q --disable-pip-version-check "maturin>=1.5,<2" numpy pytest
+.venv/bin/pip install -q --disable-pip-version-check "maturin>=1.5,<2" numpy pytest pyzmq msgpack msgspec
+# The KV-event interop tests drive this tool against Python peers.
+cargo build -p kvlink-events --quiet
+export KVLINK_EVENTS_BIN="$repo/target/debug/kvlink-events"
 export CARGO_TARGET_DIR="$repo/target/python"
 cargo fmt --manifest-path ffi/python/Cargo.toml -- --check
 cargo clippy --manifest-path ffi/python/Cargo.toml --quiet -- -D warnings

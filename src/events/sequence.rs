@@ -9,39 +9,65 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
-/// The publisher's ring of recent batches, answering replay requests.
+/// The publisher's ring of recent batches, answering replay requests. It keeps at most `cap`
+/// batches and, when payload sizes are given, at most `max_bytes` of them (the newest batch is
+/// always kept).
 #[derive(Debug)]
 pub struct ReplayRing<P> {
     cap: usize,
-    items: VecDeque<(u64, P)>,
+    max_bytes: usize,
+    bytes: usize,
+    items: VecDeque<(u64, P, usize)>,
 }
 
 impl<P: Clone> ReplayRing<P> {
     /// A ring keeping the last `cap` batches (at least 1; vLLM keeps 10,000).
     pub fn new(cap: usize) -> Self {
+        Self::with_max_bytes(cap, usize::MAX)
+    }
+
+    /// A ring keeping the last `cap` batches and at most `max_bytes` of payload.
+    pub fn with_max_bytes(cap: usize, max_bytes: usize) -> Self {
         ReplayRing {
             cap: cap.max(1),
+            max_bytes,
+            bytes: 0,
             items: VecDeque::new(),
         }
     }
 
     /// Records a published batch (sequence numbers increase by one).
     pub fn push(&mut self, seq: u64, payload: P) {
-        if self.items.len() == self.cap {
-            self.items.pop_front();
+        self.push_sized(seq, payload, 0);
+    }
+
+    /// Records a published batch of `size` bytes.
+    pub fn push_sized(&mut self, seq: u64, payload: P, size: usize) {
+        while !self.items.is_empty()
+            && (self.items.len() == self.cap || self.bytes.saturating_add(size) > self.max_bytes)
+        {
+            if let Some((_, _, n)) = self.items.pop_front() {
+                self.bytes -= n;
+            }
         }
-        self.items.push_back((seq, payload));
+        self.bytes += size;
+        self.items.push_back((seq, payload, size));
+    }
+
+    /// Batches held and their payload bytes.
+    pub fn len_bytes(&self) -> (usize, usize) {
+        (self.items.len(), self.bytes)
     }
 
     /// Batches with `seq >= start`, oldest first: what a replay request for `start` gets. When
     /// `start` is older than the ring, the answer simply starts later (the requester detects
     /// the loss).
-    pub fn replay_from(&self, start: u64) -> impl Iterator<Item = &(u64, P)> + '_ {
+    pub fn replay_from(&self, start: u64) -> impl Iterator<Item = (u64, &P)> + '_ {
         let skip = match self.items.front() {
-            Some((first, _)) if start > *first => (start - first) as usize,
+            Some((first, _, _)) if start > *first => (start - first) as usize,
             _ => 0,
         };
-        self.items.iter().skip(skip)
+        self.items.iter().skip(skip).map(|(s, p, _)| (*s, p))
     }
 
     /// Oldest and newest sequence held.
@@ -138,6 +164,16 @@ impl<P> StreamState<P> {
     fn deliver(&mut self, seq: u64, payload: P, out: &mut Vec<Action<P>>) {
         self.last = Some(seq);
         out.push(Action::Deliver(seq, payload));
+    }
+
+    /// Starts a replay from `from` before (or while) following the live stream: live batches are
+    /// buffered until it ends. Used to start at a chosen sequence.
+    pub fn begin_replay(&mut self, from: u64, now: Instant) -> Vec<Action<P>> {
+        let mut out = Vec::new();
+        if self.replay.is_none() {
+            self.start_replay(from, now, &mut out);
+        }
+        out
     }
 
     /// A batch from the live (PUB/SUB) stream.
@@ -269,6 +305,18 @@ mod tests {
             vec![2, 3, 4]
         );
         assert_eq!(r.replay_from(9).count(), 0);
+
+        let mut r = ReplayRing::with_max_bytes(10, 100);
+        for s in 0..5u64 {
+            r.push_sized(s, s, 40);
+        }
+        assert_eq!(r.bounds(), Some((3, 4)), "at most 100 bytes");
+        r.push_sized(5, 5, 500);
+        assert_eq!(
+            (r.bounds(), r.len_bytes()),
+            (Some((5, 5)), (1, 500)),
+            "newest kept"
+        );
     }
 
     #[test]

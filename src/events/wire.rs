@@ -452,8 +452,17 @@ pub fn encode_event(e: &KvEvent, enc: Encoding, out: &mut Vec<u8>) {
             put_field_uint(out, "token_offset", s.token_offset);
         }
         (KvEvent::BlockStored(s), Encoding::Legacy) => {
-            let n = if s.token_offset.is_some() { 13 } else { 12 };
-            let _ = w::write_array_len(out, n);
+            // Like msgspec's array_like structs with omit_defaults (vLLM): the seven required
+            // fields always, the optional ones up to the last that is set.
+            let optional = [
+                false, // extra_keys: never set by kvlink
+                s.group_idx.is_some(),
+                s.kv_cache_spec_kind.is_some(),
+                s.kv_cache_spec_sliding_window.is_some(),
+                s.token_offset.is_some(),
+            ];
+            let tail = optional.iter().rposition(|x| *x).map_or(0, |i| i + 1);
+            let _ = w::write_array_len(out, 8 + tail as u32);
             let _ = w::write_str(out, "BlockStored");
             put_hashes(out, &s.block_hashes);
             match &s.parent_block_hash {
@@ -473,12 +482,20 @@ pub fn encode_event(e: &KvEvent, enc: Encoding, out: &mut Vec<u8>) {
             }
             put_opt_str(out, &s.medium);
             put_opt_str(out, &s.lora_name);
-            nil(out); // extra_keys
-            put_opt_uint(out, s.group_idx.map(u64::from));
-            put_opt_str(out, &s.kv_cache_spec_kind);
-            put_opt_uint(out, s.kv_cache_spec_sliding_window.map(u64::from));
-            if let Some(t) = s.token_offset {
-                let _ = w::write_uint(out, t);
+            if tail >= 1 {
+                nil(out); // extra_keys
+            }
+            if tail >= 2 {
+                put_opt_uint(out, s.group_idx.map(u64::from));
+            }
+            if tail >= 3 {
+                put_opt_str(out, &s.kv_cache_spec_kind);
+            }
+            if tail >= 4 {
+                put_opt_uint(out, s.kv_cache_spec_sliding_window.map(u64::from));
+            }
+            if tail >= 5 {
+                put_opt_uint(out, s.token_offset);
             }
         }
         (KvEvent::BlockRemoved(r), Encoding::Current) => {
@@ -492,11 +509,13 @@ pub fn encode_event(e: &KvEvent, enc: Encoding, out: &mut Vec<u8>) {
             put_field_uint(out, "group_idx", r.group_idx.map(u64::from));
         }
         (KvEvent::BlockRemoved(r), Encoding::Legacy) => {
-            let _ = w::write_array_len(out, 4);
+            let _ = w::write_array_len(out, 3 + u32::from(r.group_idx.is_some()));
             let _ = w::write_str(out, "BlockRemoved");
             put_hashes(out, &r.block_hashes);
             put_opt_str(out, &r.medium);
-            put_opt_uint(out, r.group_idx.map(u64::from));
+            if let Some(g) = r.group_idx {
+                let _ = w::write_uint(out, u64::from(g));
+            }
         }
         (KvEvent::AllBlocksCleared { medium }, Encoding::Current) => {
             let _ = w::write_map_len(out, 1 + u32::from(medium.is_some()));
@@ -516,7 +535,7 @@ pub fn encode_event(e: &KvEvent, enc: Encoding, out: &mut Vec<u8>) {
                 let _ = w::write_map_len(out, 4 + u32::from(t.group_idx.is_some()));
                 put_key(out, "type");
             } else {
-                let _ = w::write_array_len(out, 5);
+                let _ = w::write_array_len(out, 4 + u32::from(t.group_idx.is_some()));
             }
             let _ = w::write_str(out, "BlockTransferred");
             let field = |out: &mut Vec<u8>, k: &str| {
@@ -531,7 +550,9 @@ pub fn encode_event(e: &KvEvent, enc: Encoding, out: &mut Vec<u8>) {
             field(out, "to_medium");
             put_opt_str(out, &t.to_medium);
             if enc == Encoding::Legacy {
-                put_opt_uint(out, t.group_idx.map(u64::from));
+                if let Some(g) = t.group_idx {
+                    let _ = w::write_uint(out, u64::from(g));
+                }
             } else {
                 put_field_uint(out, "group_idx", t.group_idx.map(u64::from));
             }

@@ -1,0 +1,281 @@
+//! The merger: several ranks' KV-event streams re-published as one stream, so that a router
+//! subscribes to one endpoint for a whole deployment.
+//!
+//! Each input is read by a [`Subscriber`] (in order, each batch once, gaps filled by replay,
+//! duplicates dropped). Its batches are re-published in arrival order under one global
+//! sequence by a [`Publisher`] with its own replay ring. Payloads pass through unchanged (their
+//! `dp_rank` slot still says which rank they came from); a batch with skipped events is
+//! re-encoded without them.
+//!
+//! When an input resynchronises (its publisher restarted, or history was lost), the rank's
+//! blocks known downstream can no longer be trusted: the merger publishes an
+//! `AllBlocksCleared` batch carrying that rank's `dp_rank` (the configured one, else the last
+//! one seen), then continues with the rank's new batches. An input that is down is retried
+//! with backoff; the others keep flowing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+use tokio::runtime::Runtime;
+use tokio::task::JoinHandle;
+
+use super::publisher::{block_on_aside, Publisher, PublisherConfig, PublisherStats};
+use super::subscriber::{SubItem, Subscriber, SubscriberConfig};
+use super::wire::{encode_batch, EventBatch, KvEvent};
+use super::EventsError;
+
+/// One input stream.
+#[derive(Debug, Clone)]
+pub struct MergerInput {
+    /// The rank's live endpoint.
+    pub endpoint: String,
+    /// The rank's replay endpoint, if any.
+    pub replay_endpoint: Option<String>,
+    /// The rank's `dp_rank` for the clears published on its resyncs (default: the last one its
+    /// batches carried).
+    pub dp_rank: Option<i64>,
+}
+
+/// Merger settings.
+#[derive(Debug, Clone)]
+pub struct MergerConfig {
+    /// The ranks' streams.
+    pub inputs: Vec<MergerInput>,
+    /// The merged stream's publisher.
+    pub output: PublisherConfig,
+    /// Topic prefix subscribed to on every input.
+    pub topic: String,
+    /// Replay timeout on the inputs.
+    pub replay_timeout: Duration,
+    /// Time a batch may wait for room in the output queue before it is dropped (and counted).
+    pub publish_timeout: Duration,
+}
+
+impl MergerConfig {
+    /// Settings with defaults for the rest.
+    pub fn new(inputs: Vec<MergerInput>, output: PublisherConfig) -> Self {
+        MergerConfig {
+            inputs,
+            output,
+            topic: String::new(),
+            replay_timeout: Duration::from_secs(2),
+            publish_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// One input's state.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct InputStats {
+    /// The input's endpoint.
+    pub endpoint: String,
+    /// Whether it is connected now.
+    pub connected: bool,
+    /// Last sequence received from it (its own numbering).
+    pub last_seq: Option<u64>,
+    /// Batches forwarded.
+    pub batches: u64,
+    /// Resynchronisations (restart or lost history), each followed by a clear downstream.
+    pub resyncs: u64,
+    /// Unreadable batches skipped.
+    pub malformed: u64,
+    /// Batches lost because the output queue stayed full.
+    pub dropped: u64,
+}
+
+/// A running merger. Dropping it stops it.
+pub struct Merger {
+    publisher: Arc<Publisher>,
+    inputs: Arc<Vec<Mutex<InputStats>>>,
+    tasks: Vec<JoinHandle<()>>,
+    runtime: Option<Runtime>,
+}
+
+impl std::fmt::Debug for Merger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Merger")
+            .field("publisher", &self.publisher)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Merger {
+    /// Starts the output publisher and the inputs on the merger's own thread.
+    pub fn start(cfg: MergerConfig) -> Result<Merger, EventsError> {
+        if cfg.inputs.is_empty() {
+            return Err(EventsError::Config(
+                "a merger needs at least one input".into(),
+            ));
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("kvlink-merger")
+            .enable_all()
+            .build()
+            .map_err(|source| EventsError::Io {
+                context: "starting the merger threads".into(),
+                source,
+            })?;
+        let publisher = Arc::new(block_on_aside(
+            &runtime,
+            Publisher::start_in(cfg.output.clone()),
+        )?);
+        let inputs: Arc<Vec<Mutex<InputStats>>> = Arc::new(
+            cfg.inputs
+                .iter()
+                .map(|i| {
+                    Mutex::new(InputStats {
+                        endpoint: i.endpoint.clone(),
+                        ..Default::default()
+                    })
+                })
+                .collect(),
+        );
+        let tasks = cfg
+            .inputs
+            .iter()
+            .enumerate()
+            .map(|(i, input)| {
+                runtime.spawn(run_input(
+                    i,
+                    input.clone(),
+                    cfg.clone(),
+                    publisher.clone(),
+                    inputs.clone(),
+                ))
+            })
+            .collect();
+        Ok(Merger {
+            publisher,
+            inputs,
+            tasks,
+            runtime: Some(runtime),
+        })
+    }
+
+    /// The merged stream's live endpoint.
+    pub fn endpoint(&self) -> &str {
+        self.publisher.endpoint()
+    }
+
+    /// The merged stream's replay endpoint, when configured.
+    pub fn replay_endpoint(&self) -> Option<&str> {
+        self.publisher.replay_endpoint()
+    }
+
+    /// The output's counters and each input's state.
+    pub fn stats(&self) -> (PublisherStats, Vec<InputStats>) {
+        (
+            self.publisher.stats(),
+            self.inputs.iter().map(|i| i.lock().clone()).collect(),
+        )
+    }
+}
+
+impl Drop for Merger {
+    fn drop(&mut self) {
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+fn clear_batch(dp_rank: Option<i64>) -> EventBatch {
+    EventBatch {
+        ts: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64()),
+        events: vec![KvEvent::AllBlocksCleared { medium: None }],
+        dp_rank,
+    }
+}
+
+async fn run_input(
+    index: usize,
+    input: MergerInput,
+    cfg: MergerConfig,
+    out: Arc<Publisher>,
+    stats: Arc<Vec<Mutex<InputStats>>>,
+) {
+    let st = &stats[index];
+    let mut dp_rank = input.dp_rank;
+    let mut backoff = Duration::from_millis(100);
+    let encode = |b: &EventBatch| {
+        let mut v = Vec::new();
+        encode_batch(b, cfg.output.encoding, &mut v);
+        Bytes::from(v)
+    };
+    loop {
+        let sc = SubscriberConfig {
+            replay_endpoint: input.replay_endpoint.clone(),
+            topic: cfg.topic.clone(),
+            replay_timeout: cfg.replay_timeout,
+            ..SubscriberConfig::new(input.endpoint.clone())
+        };
+        let mut sub = match Subscriber::connect(sc).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(input = %input.endpoint, "merger input unavailable, retrying in {backoff:?}: {e}");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(100);
+        st.lock().connected = true;
+        tracing::info!(input = %input.endpoint, "merger input connected");
+        loop {
+            let item = match sub.next(Duration::from_secs(1)).await {
+                Ok(Some(item)) => item,
+                Ok(None) => continue,
+                Err(e) => {
+                    tracing::warn!(input = %input.endpoint, "merger input failed: {e}");
+                    break;
+                }
+            };
+            let payload = match item {
+                SubItem::Batch {
+                    seq,
+                    batch,
+                    skipped,
+                    raw,
+                } => {
+                    if input.dp_rank.is_none() && batch.dp_rank.is_some() {
+                        dp_rank = batch.dp_rank;
+                    }
+                    let mut s = st.lock();
+                    s.last_seq = seq.or(s.last_seq);
+                    s.batches += 1;
+                    if skipped.is_empty() {
+                        raw
+                    } else {
+                        encode(&batch)
+                    }
+                }
+                SubItem::Resync(r) => {
+                    st.lock().resyncs += 1;
+                    tracing::warn!(input = %input.endpoint, ?dp_rank, "rank resynchronised ({r:?}); publishing AllBlocksCleared for it");
+                    encode(&clear_batch(dp_rank))
+                }
+                SubItem::Malformed { seq, reason } => {
+                    let mut s = st.lock();
+                    s.last_seq = seq.or(s.last_seq);
+                    s.malformed += 1;
+                    tracing::warn!(input = %input.endpoint, ?seq, "unreadable batch skipped: {reason}");
+                    continue;
+                }
+            };
+            let deadline = tokio::time::Instant::now() + cfg.publish_timeout;
+            if let Err(e) = out.publish_encoded_async(payload, deadline).await {
+                st.lock().dropped += 1;
+                tracing::warn!(input = %input.endpoint, "merged batch dropped: {e}");
+            }
+        }
+        st.lock().connected = false;
+    }
+}

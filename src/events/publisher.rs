@@ -1,0 +1,685 @@
+//! The KV-event publisher: vLLM's ZeroMQ stream, readable by the routers that already read
+//! vLLM and SGLang (Dynamo, llm-d, smg).
+//!
+//! - Live: a PUB socket sends each batch as `[topic, seq (8 bytes, big-endian), payload]`, `seq`
+//!   counting from 0 at start.
+//! - Replay (optional): a ROUTER socket answers `["", start_seq]` with every batch of the ring
+//!   with `seq >= start_seq`, oldest first, then an end marker (formats in [`ReplayFormat`]).
+//!   The ring keeps the last `buffer_steps` batches and at most `replay_max_bytes` of them.
+//! - Queue: [`Publisher::publish`] never blocks the engine. It hands the batch to a bounded
+//!   queue (`max_queue` batches) drained by the publisher's own thread, which encodes, numbers,
+//!   records and sends. When the queue is full the batch is refused with
+//!   [`EventsError::QueueFull`] and counted in `dropped`: it never gets a sequence number, so
+//!   subscribers see a consistent stream and the caller knows. [`Publisher::publish_timeout`]
+//!   waits for room instead, up to a deadline.
+//! - Subscribers that fall behind: the PUB socket drops batches for a subscriber whose send
+//!   queue is full (as ZeroMQ does at its high-water mark); the sequence shows the gap and the
+//!   subscriber fills it by replay.
+//!
+//! Endpoints follow vLLM's rules ([`super::endpoint`]). Bound TCP endpoints are served through
+//! the frame guard ([`super::guard`]) so that no network peer reaches the `zeromq` crate's
+//! unbounded frame buffering.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use parking_lot::{Condvar, Mutex};
+use tokio::runtime::Runtime;
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use super::endpoint::{self, Attach};
+use super::guard::{self, Limits, PrivateDir};
+use super::sequence::ReplayRing;
+use super::wire::{encode_batch, Encoding, EventBatch};
+use super::EventsError;
+
+/// The sequence value that marks the end of a replay answer.
+pub const REPLAY_END: u64 = u64::MAX;
+
+/// How replay answers are framed (as seen by a DEALER, after the ROUTER's identity frame).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReplayFormat {
+    /// vLLM >= 0.26, SGLang 0.5.23: `["", topic, seq, payload]`, end `["", "", 0xFF*8, ""]`.
+    #[default]
+    Current,
+    /// vLLM <= 0.25: `["", seq, payload]`, end `["", 0xFF*8, ""]`.
+    Legacy,
+}
+
+/// Publisher settings; the defaults are vLLM's.
+#[derive(Debug, Clone)]
+pub struct PublisherConfig {
+    /// Live endpoint (`tcp://*:5557`): bound when it has `*` or `::` or is ipc, else connected.
+    pub endpoint: String,
+    /// Replay endpoint (off by default), always bound.
+    pub replay_endpoint: Option<String>,
+    /// Topic frame (prefix-matched by subscribers).
+    pub topic: String,
+    /// Data-parallel rank: added to tcp ports, appended as `_dp{r}` to ipc paths.
+    pub dp_rank: u32,
+    /// Event encoding of payloads built from [`EventBatch`]es.
+    pub encoding: Encoding,
+    /// Framing of replay answers.
+    pub replay_format: ReplayFormat,
+    /// Batches kept for replay.
+    pub buffer_steps: usize,
+    /// Payload bytes kept for replay (the newest batch is always kept).
+    pub replay_max_bytes: usize,
+    /// Batches waiting to be sent before `publish` refuses more.
+    pub max_queue: usize,
+    /// Time allowed to send one whole replay answer to a requester.
+    pub replay_send_timeout: Duration,
+    /// Largest frame a network peer may send to the bound sockets (subscriptions and replay
+    /// requests are tiny).
+    pub max_inbound_frame: u64,
+    /// Most network connections to the bound sockets at once.
+    pub max_connections: usize,
+}
+
+impl Default for PublisherConfig {
+    fn default() -> Self {
+        PublisherConfig {
+            endpoint: "tcp://*:5557".into(),
+            replay_endpoint: None,
+            topic: String::new(),
+            dp_rank: 0,
+            encoding: Encoding::Current,
+            replay_format: ReplayFormat::Current,
+            buffer_steps: 10_000,
+            replay_max_bytes: 256 << 20,
+            max_queue: 100_000,
+            replay_send_timeout: Duration::from_secs(5),
+            max_inbound_frame: 64 << 10,
+            max_connections: 1024,
+        }
+    }
+}
+
+/// Publisher counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PublisherStats {
+    /// Batches numbered, recorded for replay and handed to the PUB socket.
+    pub published: u64,
+    /// Batches refused because the queue was full (they got no sequence number).
+    pub dropped: u64,
+    /// Batches waiting in the queue now.
+    pub queued: u64,
+    /// The sequence number the next batch gets.
+    pub next_seq: u64,
+    /// Replay requests answered.
+    pub replay_requests: u64,
+    /// Batches sent in replay answers.
+    pub replayed_batches: u64,
+    /// Malformed replay requests ignored.
+    pub bad_replay_requests: u64,
+    /// Replay answers cut short (the requester did not take them in time).
+    pub replay_timeouts: u64,
+}
+
+enum Item {
+    Batch(EventBatch),
+    Encoded(Bytes),
+}
+
+#[derive(Default)]
+struct Counters {
+    published: AtomicU64,
+    dropped: AtomicU64,
+    replay_requests: AtomicU64,
+    replayed_batches: AtomicU64,
+    bad_replay_requests: AtomicU64,
+    replay_timeouts: AtomicU64,
+}
+
+struct Shared {
+    queue: Mutex<VecDeque<Item>>,
+    /// Signalled when the queue has room (threads blocked in `publish_timeout`).
+    room: Condvar,
+    /// Signalled when the queue has room (async waiters).
+    room_async: Notify,
+    /// Signalled when the queue has items or the publisher closes.
+    work: Notify,
+    cap: usize,
+    closed: AtomicBool,
+    ring: Mutex<ReplayRing<Bytes>>,
+    counters: Counters,
+}
+
+impl Shared {
+    fn try_push(&self, item: Item) -> Result<(), (Item, EventsError)> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err((item, EventsError::Closed));
+        }
+        let mut q = self.queue.lock();
+        if q.len() >= self.cap {
+            return Err((item, EventsError::QueueFull { cap: self.cap }));
+        }
+        q.push_back(item);
+        drop(q);
+        self.work.notify_one();
+        Ok(())
+    }
+}
+
+/// A running publisher. Dropping it stops it (see [`Publisher::close`] to drain first).
+pub struct Publisher {
+    shared: Arc<Shared>,
+    endpoint: String,
+    replay_endpoint: Option<String>,
+    tasks: Vec<JoinHandle<()>>,
+    publish_task: Option<JoinHandle<()>>,
+    runtime: Option<Runtime>,
+    _dir: PrivateDir,
+}
+
+impl std::fmt::Debug for Publisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Publisher")
+            .field("endpoint", &self.endpoint)
+            .field("replay_endpoint", &self.replay_endpoint)
+            .finish_non_exhaustive()
+    }
+}
+
+fn zmq_err(context: String) -> impl FnOnce(zeromq::ZmqError) -> EventsError {
+    move |source| EventsError::Zmq { context, source }
+}
+
+/// Binds or connects `socket` following vLLM's rules; returns the endpoint peers use (the real
+/// port when 0 was asked) and the guard task serving it, if any.
+async fn attach<S: Socket>(
+    socket: &mut S,
+    endpoint: &str,
+    dp_rank: u32,
+    force_bind: bool,
+    dir: &PrivateDir,
+    name: &str,
+    limits: Limits,
+) -> Result<(String, Option<JoinHandle<()>>), EventsError> {
+    let r = endpoint::resolve(endpoint, dp_rank)?;
+    if r.attach == Attach::Connect && !force_bind {
+        socket
+            .connect(&r.endpoint)
+            .await
+            .map_err(zmq_err(format!("connecting to {}", r.endpoint)))?;
+        return Ok((r.endpoint, None));
+    }
+    if r.endpoint.starts_with("ipc://") {
+        let _ = std::fs::remove_file(&r.endpoint["ipc://".len()..]);
+        socket
+            .bind(&r.endpoint)
+            .await
+            .map_err(zmq_err(format!("binding {}", r.endpoint)))?;
+        return Ok((r.endpoint, None));
+    }
+    let addr = endpoint::tcp_listen_addr(&r.endpoint)?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| EventsError::Io {
+            context: format!("binding {} ({addr})", r.endpoint),
+            source,
+        })?;
+    let local = listener.local_addr().map_err(|source| EventsError::Io {
+        context: "reading the bound address".into(),
+        source,
+    })?;
+    let path = dir.path(name);
+    socket
+        .bind(&guard::ipc_endpoint(&path))
+        .await
+        .map_err(zmq_err(format!(
+            "binding the local socket {}",
+            path.display()
+        )))?;
+    Ok((
+        format!("tcp://{local}"),
+        Some(guard::front(listener, path, limits)),
+    ))
+}
+
+impl Publisher {
+    /// Starts a publisher on its own thread: binds or connects the PUB socket, binds the
+    /// replay socket when configured. Errors name the endpoint and the cause. It may be called
+    /// from synchronous or asynchronous code.
+    pub fn start(cfg: PublisherConfig) -> Result<Publisher, EventsError> {
+        if cfg.max_queue == 0 || cfg.buffer_steps == 0 {
+            return Err(EventsError::Config(
+                "max_queue and buffer_steps must be at least 1".into(),
+            ));
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kvlink-events")
+            .enable_all()
+            .build()
+            .map_err(|source| EventsError::Io {
+                context: "starting the publisher thread".into(),
+                source,
+            })?;
+        let mut p = block_on_aside(&runtime, Self::start_in(cfg))?;
+        p.runtime = Some(runtime);
+        Ok(p)
+    }
+
+    /// Starts a publisher on the current tokio runtime.
+    pub(crate) async fn start_in(cfg: PublisherConfig) -> Result<Publisher, EventsError> {
+        let dir = PrivateDir::new().map_err(|source| EventsError::Io {
+            context: "creating a private directory for the ZeroMQ sockets".into(),
+            source,
+        })?;
+        let limits = Limits {
+            max_frame: cfg.max_inbound_frame,
+            max_message: cfg.max_inbound_frame.saturating_mul(4),
+            max_frames: 8,
+            handshake: Duration::from_secs(10),
+            max_connections: cfg.max_connections.max(1),
+        };
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(VecDeque::new()),
+            room: Condvar::new(),
+            room_async: Notify::new(),
+            work: Notify::new(),
+            cap: cfg.max_queue,
+            closed: AtomicBool::new(false),
+            ring: Mutex::new(ReplayRing::with_max_bytes(
+                cfg.buffer_steps,
+                cfg.replay_max_bytes,
+            )),
+            counters: Counters::default(),
+        });
+        let mut tasks = Vec::new();
+        let mut pub_socket = PubSocket::new();
+        let (endpoint, front) = attach(
+            &mut pub_socket,
+            &cfg.endpoint,
+            cfg.dp_rank,
+            false,
+            &dir,
+            "pub",
+            limits,
+        )
+        .await?;
+        tasks.extend(front);
+        let topic = Bytes::from(cfg.topic.clone().into_bytes());
+        let mut replay_endpoint = None;
+        if let Some(ep) = &cfg.replay_endpoint {
+            let mut router = RouterSocket::new();
+            let (resolved, front) =
+                attach(&mut router, ep, cfg.dp_rank, true, &dir, "replay", limits).await?;
+            tasks.extend(front);
+            replay_endpoint = Some(resolved);
+            tasks.push(tokio::spawn(serve_replay(
+                shared.clone(),
+                router,
+                topic.clone(),
+                cfg.replay_format,
+                cfg.replay_send_timeout,
+            )));
+        }
+        let publish_task = tokio::spawn(publish_loop(
+            shared.clone(),
+            pub_socket,
+            topic,
+            cfg.encoding,
+        ));
+        tracing::info!(
+            %endpoint,
+            replay = replay_endpoint.as_deref().unwrap_or("off"),
+            "KV-event publisher started"
+        );
+        Ok(Publisher {
+            shared,
+            endpoint,
+            replay_endpoint,
+            tasks,
+            publish_task: Some(publish_task),
+            runtime: None,
+            _dir: dir,
+        })
+    }
+
+    /// The live endpoint subscribers use (with the real port when port 0 was configured).
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// The replay endpoint, when configured.
+    pub fn replay_endpoint(&self) -> Option<&str> {
+        self.replay_endpoint.as_deref()
+    }
+
+    /// Queues a batch; never blocks. Fails with [`EventsError::QueueFull`] (the batch is
+    /// dropped and counted) or [`EventsError::Closed`].
+    pub fn publish(&self, batch: EventBatch) -> Result<(), EventsError> {
+        self.push(Item::Batch(batch), None)
+    }
+
+    /// Queues a batch, waiting up to `timeout` for room in the queue.
+    pub fn publish_timeout(&self, batch: EventBatch, timeout: Duration) -> Result<(), EventsError> {
+        self.push(Item::Batch(batch), Some(Instant::now() + timeout))
+    }
+
+    /// Queues an already-encoded batch payload (published as is).
+    pub fn publish_encoded(&self, payload: Bytes) -> Result<(), EventsError> {
+        self.push(Item::Encoded(payload), None)
+    }
+
+    /// Queues an already-encoded payload from async code, waiting up to `deadline` for room.
+    pub(crate) async fn publish_encoded_async(
+        &self,
+        payload: Bytes,
+        deadline: tokio::time::Instant,
+    ) -> Result<(), EventsError> {
+        let mut item = Item::Encoded(payload);
+        loop {
+            let room = self.shared.room_async.notified();
+            match self.shared.try_push(item) {
+                Ok(()) => return Ok(()),
+                Err((back, EventsError::QueueFull { cap })) => {
+                    if tokio::time::timeout_at(deadline, room).await.is_err() {
+                        self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+                        return Err(EventsError::QueueFull { cap });
+                    }
+                    item = back;
+                }
+                Err((_, e)) => return Err(e),
+            }
+        }
+    }
+
+    fn push(&self, item: Item, deadline: Option<Instant>) -> Result<(), EventsError> {
+        let mut item = item;
+        loop {
+            match self.shared.try_push(item) {
+                Ok(()) => return Ok(()),
+                Err((back, EventsError::QueueFull { cap })) => {
+                    let mut q = self.shared.queue.lock();
+                    let now = Instant::now();
+                    match deadline {
+                        Some(d) if now < d && q.len() >= self.shared.cap => {
+                            self.shared.room.wait_until(&mut q, d);
+                        }
+                        Some(d) if now < d => {}
+                        _ => {
+                            drop(q);
+                            self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+                            tracing::debug!("KV-event publish queue full ({cap}); batch dropped");
+                            return Err(EventsError::QueueFull { cap });
+                        }
+                    }
+                    item = back;
+                }
+                Err((_, e)) => return Err(e),
+            }
+        }
+    }
+
+    /// Current counters.
+    pub fn stats(&self) -> PublisherStats {
+        let c = &self.shared.counters;
+        let published = c.published.load(Ordering::Relaxed);
+        PublisherStats {
+            published,
+            dropped: c.dropped.load(Ordering::Relaxed),
+            queued: self.shared.queue.lock().len() as u64,
+            next_seq: published,
+            replay_requests: c.replay_requests.load(Ordering::Relaxed),
+            replayed_batches: c.replayed_batches.load(Ordering::Relaxed),
+            bad_replay_requests: c.bad_replay_requests.load(Ordering::Relaxed),
+            replay_timeouts: c.replay_timeouts.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Stops taking batches, sends what is queued (up to `timeout`), then stops. Replay keeps
+    /// answering until the publisher is dropped.
+    pub fn close(&mut self, timeout: Duration) -> PublisherStats {
+        self.shared.closed.store(true, Ordering::Release);
+        self.shared.work.notify_one();
+        if let (Some(task), Some(rt)) = (self.publish_task.take(), &self.runtime) {
+            let _ = block_on_aside(rt, async move { tokio::time::timeout(timeout, task).await });
+        }
+        self.stats()
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        self.shared.closed.store(true, Ordering::Release);
+        self.shared.room.notify_all();
+        for t in self.tasks.drain(..).chain(self.publish_task.take()) {
+            t.abort();
+        }
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// Runs `f` to completion on `rt` from a helper thread, so that callers may themselves be
+/// inside an async runtime (where blocking on another one directly would panic).
+pub(crate) fn block_on_aside<F>(rt: &Runtime, f: F) -> F::Output
+where
+    F: std::future::Future + Send,
+    F::Output: Send,
+{
+    std::thread::scope(|s| {
+        s.spawn(|| rt.block_on(f))
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    })
+}
+
+async fn publish_loop(shared: Arc<Shared>, mut socket: PubSocket, topic: Bytes, enc: Encoding) {
+    let mut local = VecDeque::new();
+    let mut seq = 0u64;
+    let mut size_hint = 4096;
+    loop {
+        {
+            let mut q = shared.queue.lock();
+            std::mem::swap(&mut *q, &mut local);
+        }
+        if local.is_empty() {
+            if shared.closed.load(Ordering::Acquire) {
+                break;
+            }
+            shared.work.notified().await;
+            continue;
+        }
+        shared.room.notify_all();
+        shared.room_async.notify_waiters();
+        for item in local.drain(..) {
+            let payload = match item {
+                Item::Encoded(p) => p,
+                Item::Batch(b) => {
+                    let mut v = Vec::with_capacity(size_hint);
+                    encode_batch(&b, enc, &mut v);
+                    size_hint = v.len();
+                    Bytes::from(v)
+                }
+            };
+            shared
+                .ring
+                .lock()
+                .push_sized(seq, payload.clone(), payload.len());
+            let frames = vec![
+                topic.clone(),
+                Bytes::copy_from_slice(&seq.to_be_bytes()),
+                payload,
+            ];
+            let msg = ZmqMessage::try_from(frames).expect("three frames");
+            if let Err(e) = socket.send(msg).await {
+                tracing::warn!(seq, "KV-event PUB send failed: {e}");
+            }
+            seq += 1;
+            shared.counters.published.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    // Closing: let the PUB socket hand off what it holds before it is dropped.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(socket);
+}
+
+/// Parses a replay request (after the ROUTER's identity frame): `["", start]`; a bare
+/// `[start]` is accepted too.
+fn replay_start(frames: &[Bytes]) -> Option<u64> {
+    let seq = match frames {
+        [empty, seq] if empty.is_empty() => seq,
+        [seq] => seq,
+        _ => return None,
+    };
+    Some(u64::from_be_bytes(seq.as_ref().try_into().ok()?))
+}
+
+async fn serve_replay(
+    shared: Arc<Shared>,
+    mut router: RouterSocket,
+    topic: Bytes,
+    format: ReplayFormat,
+    send_timeout: Duration,
+) {
+    let end_seq = Bytes::copy_from_slice(&REPLAY_END.to_be_bytes());
+    loop {
+        let msg = match router.recv().await {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::debug!("KV-event replay socket: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let mut frames = msg.into_vec();
+        if frames.is_empty() {
+            continue;
+        }
+        let id = frames.remove(0);
+        let Some(start) = replay_start(&frames) else {
+            shared
+                .counters
+                .bad_replay_requests
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(
+                frames = frames.len(),
+                "malformed KV-event replay request ignored"
+            );
+            continue;
+        };
+        shared
+            .counters
+            .replay_requests
+            .fetch_add(1, Ordering::Relaxed);
+        let batches: Vec<(u64, Bytes)> = shared
+            .ring
+            .lock()
+            .replay_from(start)
+            .map(|(s, p)| (s, p.clone()))
+            .collect();
+        let deadline = tokio::time::Instant::now() + send_timeout;
+        let frame = |seq: Bytes, payload: Bytes| {
+            let mut f = vec![id.clone(), Bytes::new()];
+            if format == ReplayFormat::Current {
+                f.push(if payload.is_empty() {
+                    Bytes::new()
+                } else {
+                    topic.clone()
+                });
+            }
+            f.push(seq);
+            f.push(payload);
+            ZmqMessage::try_from(f).expect("frames")
+        };
+        let mut sent_all = true;
+        for (seq, payload) in batches {
+            let m = frame(Bytes::copy_from_slice(&seq.to_be_bytes()), payload);
+            match tokio::time::timeout_at(deadline, router.send(m)).await {
+                Ok(Ok(())) => {
+                    shared
+                        .counters
+                        .replayed_batches
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(Err(e)) => {
+                    tracing::debug!("KV-event replay answer failed: {e}");
+                    sent_all = false;
+                    break;
+                }
+                Err(_) => {
+                    shared
+                        .counters
+                        .replay_timeouts
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        "KV-event replay answer not taken within {send_timeout:?}; cut short"
+                    );
+                    sent_all = false;
+                    break;
+                }
+            }
+        }
+        if sent_all {
+            let end = frame(end_seq.clone(), Bytes::new());
+            let _ = tokio::time::timeout_at(deadline, router.send(end)).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replay_requests_are_parsed_strictly() {
+        let b = |v: &[u8]| Bytes::copy_from_slice(v);
+        assert_eq!(replay_start(&[b(b""), b(&7u64.to_be_bytes())]), Some(7));
+        assert_eq!(replay_start(&[b(&9u64.to_be_bytes())]), Some(9));
+        assert_eq!(replay_start(&[b(b"x"), b(&7u64.to_be_bytes())]), None);
+        assert_eq!(replay_start(&[b(b""), b(&[1, 2, 3])]), None);
+        assert_eq!(replay_start(&[]), None);
+    }
+
+    #[test]
+    fn a_full_queue_refuses_and_counts() {
+        let p = Publisher::start(PublisherConfig {
+            endpoint: "tcp://*:0".into(),
+            max_queue: 1,
+            ..Default::default()
+        })
+        .unwrap();
+        let b = EventBatch {
+            ts: 0.0,
+            events: vec![],
+            dp_rank: None,
+        };
+        let mut refused = 0;
+        {
+            // Holding the ring stalls the publisher thread once it has taken the first batch.
+            let _hold = p.shared.ring.lock();
+            p.publish(b.clone()).unwrap();
+            let t = Instant::now();
+            while !p.shared.queue.lock().is_empty() {
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "publisher thread never ran"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            for _ in 0..50 {
+                if p.publish(b.clone()).is_err() {
+                    refused += 1;
+                }
+            }
+            assert_eq!(refused, 49, "one fits, the rest are refused");
+            let t = Instant::now();
+            assert!(matches!(
+                p.publish_timeout(b.clone(), Duration::from_millis(50)),
+                Err(EventsError::QueueFull { cap: 1 })
+            ));
+            assert!(t.elapsed() >= Duration::from_millis(50));
+        }
+        assert_eq!(p.stats().dropped, refused + 1);
+    }
+}

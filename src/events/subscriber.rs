@@ -1,0 +1,395 @@
+//! The KV-event subscriber: reads vLLM, SGLang, ATOM and kvlink streams without their failure
+//! modes. It drives [`StreamState`] with a SUB socket (live) and a DEALER socket (replay):
+//! - batches come out strictly in sequence order, each once;
+//! - a gap (PUB drops silently at its high-water mark) is filled by replay from the last
+//!   sequence + 1, live batches being buffered meanwhile; without a replay endpoint, or when
+//!   the replay does not answer within `replay_timeout`, the gap is reported as lost history;
+//! - a late join (first sequence above 0) bootstraps with a replay from 0;
+//! - a sequence going down (publisher restart) and history the replay no longer holds are
+//!   reported as [`SubItem::Resync`]: the consumer must drop what it derived from the stream;
+//! - an unreadable batch is reported ([`SubItem::Malformed`]) in its place in the sequence, and
+//!   unreadable events inside a readable batch are skipped one by one, with reasons;
+//! - messages with a wrong frame layout are counted and dropped.
+//!
+//! Each replay uses a fresh DEALER connection, so a late answer to an abandoned replay can
+//! never be taken for part of the next one.
+//!
+//! Trust: framing is handled by the `zeromq` crate, which does not bound frame sizes; connect
+//! only to publishers of your own deployment (see docs/architecture.md).
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::time::Instant;
+use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+use super::publisher::REPLAY_END;
+use super::sequence::{Action, Resync, StreamState};
+use super::wire::{decode_batch, EventBatch};
+use super::EventsError;
+
+/// Subscriber settings.
+#[derive(Debug, Clone)]
+pub struct SubscriberConfig {
+    /// The publisher's live endpoint (`tcp://host:5557`); the subscriber connects to it.
+    pub endpoint: String,
+    /// The publisher's replay endpoint, if it has one.
+    pub replay_endpoint: Option<String>,
+    /// Topic prefix to subscribe to (empty: everything).
+    pub topic: String,
+    /// Time allowed for a whole replay answer.
+    pub replay_timeout: Duration,
+    /// Live batches buffered while a replay runs (beyond that the oldest are dropped and
+    /// reported lost).
+    pub max_buffered: usize,
+    /// Time allowed for the first connection to the publisher.
+    pub connect_timeout: Duration,
+    /// Replay from this sequence before following the live stream (needs a replay endpoint).
+    pub start_from: Option<u64>,
+    /// Fault injection for tests: live batches whose sequence this accepts are discarded on
+    /// arrival, as if PUB had dropped them.
+    #[doc(hidden)]
+    pub drop_live: Option<fn(u64) -> bool>,
+}
+
+impl SubscriberConfig {
+    /// Settings for `endpoint` with defaults: no replay, every topic, 2 s replay timeout,
+    /// 10,000 buffered batches, 10 s to connect.
+    pub fn new(endpoint: impl Into<String>) -> Self {
+        SubscriberConfig {
+            endpoint: endpoint.into(),
+            replay_endpoint: None,
+            topic: String::new(),
+            replay_timeout: Duration::from_secs(2),
+            max_buffered: 10_000,
+            connect_timeout: Duration::from_secs(10),
+            start_from: None,
+            drop_live: None,
+        }
+    }
+}
+
+/// What the subscriber hands out, in stream order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SubItem {
+    /// A batch. `seq` is `None` only for old publishers that send no sequence frame.
+    Batch {
+        /// Sequence number.
+        seq: Option<u64>,
+        /// The decoded batch (without the skipped events).
+        batch: EventBatch,
+        /// Why events of this batch were skipped.
+        skipped: Vec<String>,
+        /// The payload as received.
+        raw: Bytes,
+    },
+    /// A batch whose payload could not be read at all; it still takes its place in sequence.
+    Malformed {
+        /// Sequence number.
+        seq: Option<u64>,
+        /// Why it is unreadable.
+        reason: String,
+    },
+    /// Drop what was derived from this stream, and why.
+    Resync(Resync),
+}
+
+/// Subscriber counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SubscriberStats {
+    /// Live messages received.
+    pub received: u64,
+    /// Batches handed out (including malformed ones).
+    pub delivered: u64,
+    /// Batches dropped as duplicates.
+    pub duplicates: u64,
+    /// Replay requests sent.
+    pub replays: u64,
+    /// Replays that failed (could not connect, or no end marker in time).
+    pub replay_failures: u64,
+    /// Resynchronisation signals handed out.
+    pub resyncs: u64,
+    /// Batches whose payload was unreadable.
+    pub malformed_batches: u64,
+    /// Events skipped inside readable batches.
+    pub skipped_events: u64,
+    /// Messages dropped for their frame layout.
+    pub bad_messages: u64,
+}
+
+/// A connected subscriber.
+pub struct Subscriber {
+    cfg: SubscriberConfig,
+    sub: SubSocket,
+    dealer: Option<DealerSocket>,
+    state: StreamState<Bytes>,
+    out: VecDeque<SubItem>,
+    stats: SubscriberStats,
+}
+
+impl std::fmt::Debug for Subscriber {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Subscriber")
+            .field("endpoint", &self.cfg.endpoint)
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A live message's `(seq, payload)`: `[topic, seq, payload]`, or the sequence-less
+/// `[topic, payload]` and `[payload]` of old publishers.
+fn parse_live(frames: Vec<Bytes>) -> Result<(Option<u64>, Bytes), String> {
+    let n = frames.len();
+    let mut it = frames.into_iter();
+    match n {
+        3 => {
+            let _topic = it.next();
+            let seq = it.next().unwrap_or_default();
+            let seq = <[u8; 8]>::try_from(seq.as_ref())
+                .map_err(|_| format!("sequence frame of {} bytes, expected 8", seq.len()))?;
+            Ok((Some(u64::from_be_bytes(seq)), it.next().unwrap_or_default()))
+        }
+        1 | 2 => Ok((None, it.last().unwrap_or_default())),
+        n => Err(format!("{n} frames, expected 3")),
+    }
+}
+
+/// A replay answer's `(seq, payload)`, after the DEALER's empty delimiter:
+/// `[topic, seq, payload]` (current) or `[seq, payload]` (legacy).
+fn parse_replayed(frames: Vec<Bytes>) -> Result<(u64, Bytes), String> {
+    let mut frames = frames;
+    if frames.first().is_some_and(|f| f.is_empty()) && frames.len() >= 3 {
+        frames.remove(0);
+    }
+    let (seq, payload) = match frames.len() {
+        3 => (frames[1].clone(), frames[2].clone()),
+        2 => (frames[0].clone(), frames[1].clone()),
+        n => return Err(format!("replay answer of {n} frames")),
+    };
+    let seq = <[u8; 8]>::try_from(seq.as_ref())
+        .map_err(|_| format!("replay sequence frame of {} bytes", seq.len()))?;
+    Ok((u64::from_be_bytes(seq), payload))
+}
+
+async fn recv_dealer(d: &mut Option<DealerSocket>) -> zeromq::ZmqResult<ZmqMessage> {
+    match d {
+        Some(d) => d.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+impl Subscriber {
+    /// Connects to the publisher (waiting up to `connect_timeout` for it) and subscribes.
+    pub async fn connect(cfg: SubscriberConfig) -> Result<Subscriber, EventsError> {
+        if cfg.start_from.is_some() && cfg.replay_endpoint.is_none() {
+            return Err(EventsError::Config(
+                "starting from a sequence needs the publisher's replay endpoint".into(),
+            ));
+        }
+        let mut opts = SocketOptions::default();
+        opts.connect_timeout(cfg.connect_timeout);
+        let mut sub = SubSocket::with_options(opts);
+        sub.connect(&cfg.endpoint)
+            .await
+            .map_err(|source| EventsError::Zmq {
+                context: format!("connecting to the KV-event publisher at {}", cfg.endpoint),
+                source,
+            })?;
+        sub.subscribe(&cfg.topic)
+            .await
+            .map_err(|source| EventsError::Zmq {
+                context: format!("subscribing at {}", cfg.endpoint),
+                source,
+            })?;
+        let mut s = Subscriber {
+            state: StreamState::new(cfg.replay_timeout, cfg.max_buffered),
+            cfg,
+            sub,
+            dealer: None,
+            out: VecDeque::new(),
+            stats: SubscriberStats::default(),
+        };
+        if let Some(from) = s.cfg.start_from {
+            let actions = s.state.begin_replay(from, std::time::Instant::now());
+            s.apply(actions).await;
+        }
+        Ok(s)
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> SubscriberStats {
+        SubscriberStats {
+            duplicates: self.state.duplicates(),
+            ..self.stats
+        }
+    }
+
+    /// Last sequence handed out.
+    pub fn last_seq(&self) -> Option<u64> {
+        self.state.last()
+    }
+
+    /// The next item, waiting up to `timeout`; `None` when nothing arrived in time.
+    pub async fn next(&mut self, timeout: Duration) -> Result<Option<SubItem>, EventsError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(item) = self.out.pop_front() {
+                return Ok(Some(item));
+            }
+            let replay_deadline = self.state.next_deadline().map(Instant::from_std);
+            tokio::select! {
+                m = self.sub.recv() => match m {
+                    Ok(m) => {
+                        self.stats.received += 1;
+                        match parse_live(m.into_vec()) {
+                            Ok((Some(seq), _)) if self.cfg.drop_live.is_some_and(|f| f(seq)) => {}
+                            Ok((Some(seq), payload)) => {
+                                let a = self.state.handle_live(seq, payload, std::time::Instant::now());
+                                self.apply(a).await;
+                            }
+                            Ok((None, payload)) => self.deliver(None, payload),
+                            Err(why) => self.bad(&why),
+                        }
+                    }
+                    Err(e) => {
+                        tracing::debug!(endpoint = %self.cfg.endpoint, "KV-event SUB receive: {e}");
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                },
+                m = recv_dealer(&mut self.dealer) => match m.map(|m| parse_replayed(m.into_vec())) {
+                    Ok(Ok((REPLAY_END, _))) => {
+                        self.dealer = None;
+                        let a = self.state.handle_replay_end();
+                        self.apply(a).await;
+                    }
+                    Ok(Ok((seq, payload))) => {
+                        let a = self.state.handle_replayed(seq, payload);
+                        self.apply(a).await;
+                    }
+                    Ok(Err(why)) => self.bad(&why),
+                    Err(e) => {
+                        tracing::debug!("KV-event replay receive: {e}");
+                        self.dealer = None;
+                    }
+                },
+                _ = tokio::time::sleep_until(replay_deadline.unwrap_or(deadline)), if replay_deadline.is_some() => {
+                    if self.state.replaying() {
+                        self.stats.replay_failures += 1;
+                        tracing::warn!(
+                            endpoint = ?self.cfg.replay_endpoint,
+                            "KV-event replay did not finish within {:?}", self.cfg.replay_timeout
+                        );
+                    }
+                    self.dealer = None;
+                    let a = self.state.poll(std::time::Instant::now());
+                    self.apply(a).await;
+                }
+                _ = tokio::time::sleep_until(deadline) => return Ok(None),
+            }
+        }
+    }
+
+    fn bad(&mut self, why: &str) {
+        self.stats.bad_messages += 1;
+        tracing::debug!(endpoint = %self.cfg.endpoint, "KV-event message dropped: {why}");
+    }
+
+    fn deliver(&mut self, seq: Option<u64>, raw: Bytes) {
+        self.stats.delivered += 1;
+        match decode_batch(&raw) {
+            Ok(d) => {
+                self.stats.skipped_events += d.skipped.len() as u64;
+                self.out.push_back(SubItem::Batch {
+                    seq,
+                    batch: d.batch,
+                    skipped: d.skipped,
+                    raw,
+                });
+            }
+            Err(e) => {
+                self.stats.malformed_batches += 1;
+                self.out.push_back(SubItem::Malformed { seq, reason: e.0 });
+            }
+        }
+    }
+
+    async fn apply(&mut self, actions: Vec<Action<Bytes>>) {
+        let mut pending = VecDeque::from(actions);
+        while let Some(a) = pending.pop_front() {
+            match a {
+                Action::Deliver(seq, payload) => self.deliver(Some(seq), payload),
+                Action::Resync(r) => {
+                    self.stats.resyncs += 1;
+                    tracing::info!(endpoint = %self.cfg.endpoint, "KV-event stream resync: {r:?}");
+                    self.out.push_back(SubItem::Resync(r));
+                }
+                Action::RequestReplay(from) => {
+                    self.stats.replays += 1;
+                    if let Err(why) = self.request_replay(from).await {
+                        self.stats.replay_failures += 1;
+                        tracing::warn!(endpoint = %self.cfg.endpoint, "KV-event replay from {from}: {why}");
+                        self.dealer = None;
+                        pending.extend(self.state.handle_replay_end());
+                    }
+                }
+            }
+        }
+    }
+
+    async fn request_replay(&mut self, from: u64) -> Result<(), String> {
+        let Some(ep) = self.cfg.replay_endpoint.clone() else {
+            return Err("the publisher has no replay endpoint configured here".into());
+        };
+        let mut opts = SocketOptions::default();
+        opts.connect_timeout(self.cfg.replay_timeout);
+        let mut dealer = DealerSocket::with_options(opts);
+        dealer
+            .connect(&ep)
+            .await
+            .map_err(|e| format!("connecting to {ep}: {e}"))?;
+        let req = ZmqMessage::try_from(vec![
+            Bytes::new(),
+            Bytes::copy_from_slice(&from.to_be_bytes()),
+        ])
+        .expect("two frames");
+        tokio::time::timeout(self.cfg.replay_timeout, dealer.send(req))
+            .await
+            .map_err(|_| format!("sending the request to {ep} timed out"))?
+            .map_err(|e| format!("sending the request to {ep}: {e}"))?;
+        self.dealer = Some(dealer);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn b(v: &[u8]) -> Bytes {
+        Bytes::copy_from_slice(v)
+    }
+
+    #[test]
+    fn frame_layouts() {
+        let seq = 5u64.to_be_bytes();
+        assert_eq!(
+            parse_live(vec![b(b"t"), b(&seq), b(b"p")]).unwrap(),
+            (Some(5), b(b"p"))
+        );
+        assert_eq!(parse_live(vec![b(b"t"), b(b"p")]).unwrap(), (None, b(b"p")));
+        assert!(parse_live(vec![b(b"t"), b(&[1, 2]), b(b"p")]).is_err());
+        assert!(parse_live(vec![b(b""); 4]).is_err());
+        assert!(parse_live(vec![]).is_err());
+        assert_eq!(
+            parse_replayed(vec![b(b""), b(b"t"), b(&seq), b(b"p")]).unwrap(),
+            (5, b(b"p"))
+        );
+        assert_eq!(
+            parse_replayed(vec![b(b""), b(&seq), b(b"p")]).unwrap(),
+            (5, b(b"p"))
+        );
+        assert!(parse_replayed(vec![b(b""), b(b"p")]).is_err());
+        assert!(parse_replayed(vec![b(b""), b(b"t"), b(b"short"), b(b"p")]).is_err());
+    }
+}
