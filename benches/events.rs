@@ -1,8 +1,12 @@
-//! KV-event encode/decode throughput, in block entries (one hash of a BlockStored) per second.
+//! KV-event throughput, in block entries (one hash of a BlockStored) per second: encoding,
+//! decoding, and end to end from `Publisher::publish` to `Subscriber::next` over tcp loopback.
+
+use std::time::{Duration, Instant};
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
 use kvlink::events::{
-    decode_batch, encode_batch, Encoding, EventBatch, KvEvent, PageHash, PageSplitter,
+    decode_batch, encode_batch, Encoding, EventBatch, KvEvent, PageHash, PageSplitter, Publisher,
+    PublisherConfig, SubItem, Subscriber, SubscriberConfig,
 };
 
 /// One scheduler step: 64 requests storing 4,096 tokens each, split into 16-token pages.
@@ -49,5 +53,72 @@ fn bench(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench);
+/// One scheduler step of fixed-size pages: 256 BlockStored events of one 16-token page each
+/// (what kvlink's page splitter emits, and what `kvlink-events publish --synthetic` and
+/// tools/bench_events_python.py send by default).
+fn page_batch() -> EventBatch {
+    let s = PageSplitter::new(16, PageHash::VllmU64);
+    let tokens: Vec<u32> = (0..256 * 16).map(|t| (t * 7919) % 150_000).collect();
+    EventBatch {
+        ts: 1.0,
+        events: s
+            .split(None, &tokens, 0, Some("GPU"))
+            .events
+            .into_iter()
+            .map(KvEvent::BlockStored)
+            .collect(),
+        dp_rank: Some(0),
+    }
+}
+
+fn end_to_end(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let b = page_batch();
+    let mut g = c.benchmark_group("events_e2e");
+    g.throughput(Throughput::Elements(b.events.len() as u64));
+    g.sample_size(10);
+    for enc in [Encoding::Current, Encoding::Legacy] {
+        let p = Publisher::start(PublisherConfig {
+            endpoint: "tcp://*:0".into(),
+            encoding: enc,
+            ..Default::default()
+        })
+        .unwrap();
+        let ep = p.endpoint().replace("0.0.0.0", "127.0.0.1");
+        let mut sub = rt
+            .block_on(Subscriber::connect(SubscriberConfig::new(ep)))
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        g.bench_function(format!("publish_to_receive_{enc:?}"), |bn| {
+            bn.iter_custom(|iters| {
+                let t = Instant::now();
+                let mut got = 0;
+                rt.block_on(async {
+                    for _ in 0..iters {
+                        p.publish_timeout(b.clone(), Duration::from_secs(10))
+                            .unwrap();
+                    }
+                    while got < iters {
+                        match sub.next(Duration::from_secs(10)).await.unwrap() {
+                            Some(SubItem::Batch { batch, .. }) => {
+                                black_box(batch);
+                                got += 1;
+                            }
+                            Some(_) => {}
+                            None => panic!("end-to-end bench: a batch never arrived"),
+                        }
+                    }
+                });
+                t.elapsed()
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench, end_to_end);
 criterion_main!(benches);

@@ -295,7 +295,8 @@ pub(crate) fn front(listener: TcpListener, backend: PathBuf, limits: Limits) -> 
                 let _slot = slot;
                 match UnixStream::connect(&backend).await {
                     Ok(unix) => relay(tcp, unix, limits, &addr.to_string()).await,
-                    Err(e) => tracing::warn!("relay to the local ZeroMQ socket failed: {e}"),
+                    // The socket is gone while the publisher shuts down.
+                    Err(e) => tracing::debug!("relay to the local ZeroMQ socket failed: {e}"),
                 }
             });
         }

@@ -86,6 +86,7 @@ impl fmt::Display for DecodeError {
 
 impl std::error::Error for DecodeError {}
 
+#[derive(Debug)]
 struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
@@ -100,6 +101,7 @@ impl<'a> Reader<'a> {
         self.buf.len() - self.pos
     }
 
+    #[inline]
     fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
         if n > self.remaining() {
             return err(format!("{n} bytes announced, {} left", self.remaining()));
@@ -109,11 +111,16 @@ impl<'a> Reader<'a> {
         Ok(s)
     }
 
+    /// A big-endian unsigned integer of `n` (1, 2, 4 or 8) bytes.
+    #[inline]
     fn be(&mut self, n: usize) -> Result<u64, DecodeError> {
-        Ok(self
-            .take(n)?
-            .iter()
-            .fold(0u64, |acc, &b| (acc << 8) | u64::from(b)))
+        let b = self.take(n)?;
+        Ok(match n {
+            1 => u64::from(b[0]),
+            2 => u64::from(u16::from_be_bytes([b[0], b[1]])),
+            4 => u64::from(u32::from_be_bytes([b[0], b[1], b[2], b[3]])),
+            _ => b.iter().fold(0u64, |acc, &x| (acc << 8) | u64::from(x)),
+        })
     }
 
     /// A collection of `len` items, each at least `min_item` bytes: refused before allocating
@@ -202,6 +209,148 @@ impl<'a> Reader<'a> {
             0xe0..=0xff => Value::Int(i64::from(b as i8)),
             0xc1 => return err("reserved byte 0xc1"),
         })
+    }
+}
+
+/// One msgpack item as a pull parser sees it: scalars whole, containers as their length (the
+/// caller then reads that many items, or pairs for a map).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Token<'a> {
+    Nil,
+    Bool(bool),
+    UInt(u64),
+    Int(i64),
+    Float(f64),
+    Str(&'a [u8]),
+    Bin(&'a [u8]),
+    Ext,
+    Array(usize),
+    Map(usize),
+}
+
+/// A pull parser over one buffer, with the same hostile-input checks as [`decode`]: lengths
+/// are checked against the bytes left before anything is sized from them.
+#[derive(Debug)]
+pub(crate) struct Cursor<'a>(Reader<'a>);
+
+impl<'a> Cursor<'a> {
+    pub(crate) fn new(buf: &'a [u8]) -> Self {
+        Cursor(Reader { buf, pos: 0 })
+    }
+
+    pub(crate) fn pos(&self) -> usize {
+        self.0.pos
+    }
+
+    /// Moves back to a position returned by [`Cursor::pos`].
+    pub(crate) fn rewind(&mut self, pos: usize) {
+        self.0.pos = pos.min(self.0.buf.len());
+    }
+
+    pub(crate) fn remaining(&self) -> usize {
+        self.0.remaining()
+    }
+
+    /// The next item (a container's header only).
+    #[inline]
+    pub(crate) fn token(&mut self) -> Result<Token<'a>, DecodeError> {
+        let r = &mut self.0;
+        let b = r.take(1)?[0];
+        Ok(match b {
+            0x00..=0x7f => Token::UInt(u64::from(b)),
+            0x80..=0x8f => self.container(usize::from(b & 0x0f), true)?,
+            0x90..=0x9f => self.container(usize::from(b & 0x0f), false)?,
+            0xa0..=0xbf => Token::Str(r.take(usize::from(b & 0x1f))?),
+            0xc0 => Token::Nil,
+            0xc2 => Token::Bool(false),
+            0xc3 => Token::Bool(true),
+            0xc4..=0xc6 => {
+                let n = r.be(1 << (b - 0xc4))? as usize;
+                Token::Bin(r.take(n)?)
+            }
+            0xc7..=0xc9 => {
+                let n = r.be(1 << (b - 0xc7))? as usize;
+                r.take(n + 1)?;
+                Token::Ext
+            }
+            0xca => Token::Float(f64::from(f32::from_bits(r.be(4)? as u32))),
+            0xcb => Token::Float(f64::from_bits(r.be(8)?)),
+            0xcc..=0xcf => Token::UInt(r.be(1 << (b - 0xcc))?),
+            0xd0 => int_token(r.be(1)? as u8 as i8 as i64),
+            0xd1 => int_token(r.be(2)? as u16 as i16 as i64),
+            0xd2 => int_token(r.be(4)? as u32 as i32 as i64),
+            0xd3 => int_token(r.be(8)? as i64),
+            0xd4..=0xd8 => {
+                r.take(1 + (1 << (b - 0xd4)))?;
+                Token::Ext
+            }
+            0xd9..=0xdb => {
+                let n = r.be(1 << (b - 0xd9))? as usize;
+                Token::Str(r.take(n)?)
+            }
+            0xdc | 0xdd => {
+                let n = r.be(if b == 0xdc { 2 } else { 4 })? as usize;
+                self.container(n, false)?
+            }
+            0xde | 0xdf => {
+                let n = r.be(if b == 0xde { 2 } else { 4 })? as usize;
+                self.container(n, true)?
+            }
+            0xe0..=0xff => Token::Int(i64::from(b as i8)),
+            0xc1 => return err("reserved byte 0xc1"),
+        })
+    }
+
+    fn container(&self, len: usize, map: bool) -> Result<Token<'a>, DecodeError> {
+        if map {
+            self.0.check_len(len, 2)?;
+            Ok(Token::Map(len))
+        } else {
+            self.0.check_len(len, 1)?;
+            Ok(Token::Array(len))
+        }
+    }
+
+    /// The next item if it is an unsigned integer of at most 32 bits (the common token id);
+    /// `None` (nothing consumed) otherwise.
+    #[inline]
+    pub(crate) fn small_uint(&mut self) -> Option<u32> {
+        let r = &mut self.0;
+        let rest = &r.buf[r.pos..];
+        let (v, n) = match *rest.first()? {
+            b @ 0x00..=0x7f => (u32::from(b), 1),
+            0xcc => (u32::from(*rest.get(1)?), 2),
+            0xcd => (
+                u32::from(u16::from_be_bytes(rest.get(1..3)?.try_into().ok()?)),
+                3,
+            ),
+            0xce => (u32::from_be_bytes(rest.get(1..5)?.try_into().ok()?), 5),
+            _ => return None,
+        };
+        r.pos += n;
+        Some(v)
+    }
+
+    /// Skips one whole item, however deeply nested (iteratively: no recursion to exhaust).
+    pub(crate) fn skip(&mut self) -> Result<(), DecodeError> {
+        let mut pending: usize = 1;
+        while pending > 0 {
+            pending -= 1;
+            match self.token()? {
+                Token::Array(n) => pending += n,
+                Token::Map(n) => pending += 2 * n,
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+fn int_token(v: i64) -> Token<'static> {
+    if v >= 0 {
+        Token::UInt(v as u64)
+    } else {
+        Token::Int(v)
     }
 }
 

@@ -5,7 +5,8 @@
 //!   counting from 0 at start.
 //! - Replay (optional): a ROUTER socket answers `["", start_seq]` with every batch of the ring
 //!   with `seq >= start_seq`, oldest first, then an end marker (formats in [`ReplayFormat`]).
-//!   The ring keeps the last `buffer_steps` batches and at most `replay_max_bytes` of them.
+//!   The ring keeps the last `buffer_steps` batches and at most `replay_max_bytes` of them
+//!   (only when a replay endpoint is configured).
 //! - Queue: [`Publisher::publish`] never blocks the engine. It hands the batch to a bounded
 //!   queue (`max_queue` batches) drained by the publisher's own thread, which encodes, numbers,
 //!   records and sends. When the queue is full the batch is refused with
@@ -172,7 +173,9 @@ pub struct Publisher {
     endpoint: String,
     replay_endpoint: Option<String>,
     tasks: Vec<JoinHandle<()>>,
-    publish_task: Option<JoinHandle<()>>,
+    publish_task: Option<JoinHandle<PubSocket>>,
+    /// The PUB socket after `close`, kept open (its queues still draining) until drop.
+    closed_socket: Option<PubSocket>,
     runtime: Option<Runtime>,
     _dir: PrivateDir,
 }
@@ -326,6 +329,7 @@ impl Publisher {
             pub_socket,
             topic,
             cfg.encoding,
+            replay_endpoint.is_some(),
         ));
         tracing::info!(
             %endpoint,
@@ -338,6 +342,7 @@ impl Publisher {
             replay_endpoint,
             tasks,
             publish_task: Some(publish_task),
+            closed_socket: None,
             runtime: None,
             _dir: dir,
         })
@@ -435,13 +440,18 @@ impl Publisher {
         }
     }
 
-    /// Stops taking batches, sends what is queued (up to `timeout`), then stops. Replay keeps
-    /// answering until the publisher is dropped.
+    /// Stops taking batches and hands what is queued to the PUB socket (waiting up to
+    /// `timeout`). The sockets stay open, so subscribers can still drain and replay, until
+    /// the publisher is dropped.
     pub fn close(&mut self, timeout: Duration) -> PublisherStats {
         self.shared.closed.store(true, Ordering::Release);
         self.shared.work.notify_one();
         if let (Some(task), Some(rt)) = (self.publish_task.take(), &self.runtime) {
-            let _ = block_on_aside(rt, async move { tokio::time::timeout(timeout, task).await });
+            if let Ok(Ok(socket)) =
+                block_on_aside(rt, async move { tokio::time::timeout(timeout, task).await })
+            {
+                self.closed_socket = Some(socket);
+            }
         }
         self.stats()
     }
@@ -451,7 +461,10 @@ impl Drop for Publisher {
     fn drop(&mut self) {
         self.shared.closed.store(true, Ordering::Release);
         self.shared.room.notify_all();
-        for t in self.tasks.drain(..).chain(self.publish_task.take()) {
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+        if let Some(t) = self.publish_task.take() {
             t.abort();
         }
         if let Some(rt) = self.runtime.take() {
@@ -474,7 +487,13 @@ where
     })
 }
 
-async fn publish_loop(shared: Arc<Shared>, mut socket: PubSocket, topic: Bytes, enc: Encoding) {
+async fn publish_loop(
+    shared: Arc<Shared>,
+    mut socket: PubSocket,
+    topic: Bytes,
+    enc: Encoding,
+    keep_for_replay: bool,
+) -> PubSocket {
     let mut local = VecDeque::new();
     let mut seq = 0u64;
     let mut size_hint = 4096;
@@ -502,10 +521,12 @@ async fn publish_loop(shared: Arc<Shared>, mut socket: PubSocket, topic: Bytes, 
                     Bytes::from(v)
                 }
             };
-            shared
-                .ring
-                .lock()
-                .push_sized(seq, payload.clone(), payload.len());
+            if keep_for_replay {
+                shared
+                    .ring
+                    .lock()
+                    .push_sized(seq, payload.clone(), payload.len());
+            }
             let frames = vec![
                 topic.clone(),
                 Bytes::copy_from_slice(&seq.to_be_bytes()),
@@ -519,9 +540,7 @@ async fn publish_loop(shared: Arc<Shared>, mut socket: PubSocket, topic: Bytes, 
             shared.counters.published.fetch_add(1, Ordering::Relaxed);
         }
     }
-    // Closing: let the PUB socket hand off what it holds before it is dropped.
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    drop(socket);
+    socket
 }
 
 /// Parses a replay request (after the ROUTER's identity frame): `["", start]`; a bare
@@ -645,6 +664,7 @@ mod tests {
     fn a_full_queue_refuses_and_counts() {
         let p = Publisher::start(PublisherConfig {
             endpoint: "tcp://*:0".into(),
+            replay_endpoint: Some("tcp://*:0".into()),
             max_queue: 1,
             ..Default::default()
         })

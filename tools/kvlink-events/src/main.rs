@@ -269,24 +269,29 @@ fn tail(o: Opts) -> Result<(), String> {
                 );
             }
             let Some(item) = item else { continue };
-            let line = match &item {
-                SubItem::Batch { seq, batch, skipped, .. } => {
+            match &item {
+                SubItem::Batch { batch, .. } => {
                     let now = Instant::now();
                     first.get_or_insert(now);
                     last_at = now;
                     batches += 1;
                     events += batch.events.len() as u64;
                     n_entries += entries(batch);
-                    json::batch_line(*seq, batch, skipped)
                 }
-                SubItem::Malformed { seq, reason } => {
+                SubItem::Malformed { .. } => {
                     batches += 1;
                     last_at = Instant::now();
-                    serde_json::json!({"malformed": seq, "reason": reason})
                 }
-                SubItem::Resync(r) => json::resync_line(r),
-            };
+                SubItem::Resync(_) => {}
+            }
             if !o.quiet {
+                let line = match &item {
+                    SubItem::Batch { seq, batch, skipped, .. } => json::batch_line(*seq, batch, skipped),
+                    SubItem::Malformed { seq, reason } => {
+                        serde_json::json!({"malformed": seq, "reason": reason})
+                    }
+                    SubItem::Resync(r) => json::resync_line(r),
+                };
                 serde_json::to_writer(&mut out, &line).map_err(|e| e.to_string())?;
                 out.write_all(b"\n").and_then(|_| out.flush()).map_err(|e| e.to_string())?;
             }
