@@ -40,6 +40,12 @@ pub(crate) struct Limits {
     pub handshake: Duration,
     /// Most relayed connections at once (beyond that, new ones are closed at once).
     pub max_connections: usize,
+    /// Most messages (not commands) a peer may send over one connection: subscriptions and
+    /// replay requests are few, and the `zeromq` crate keeps every subscription.
+    pub max_messages: u64,
+    /// A peer that takes nothing relayed toward it for this long is cut off, so that a dead or
+    /// stalled peer does not pin the socket's queue for it.
+    pub stall: Duration,
 }
 
 #[derive(Debug)]
@@ -65,6 +71,7 @@ pub(crate) struct Check {
     state: State,
     frames: u32,
     message: u64,
+    messages: u64,
 }
 
 impl Check {
@@ -74,6 +81,7 @@ impl Check {
             state: State::Greeting(0),
             frames: 0,
             message: 0,
+            messages: 0,
         }
     }
 
@@ -155,6 +163,13 @@ impl Check {
                         if !*more {
                             self.frames = 0;
                             self.message = 0;
+                            self.messages += 1;
+                            if self.messages > self.limits.max_messages {
+                                return Err(format!(
+                                    "more than {} messages on one connection",
+                                    self.limits.max_messages
+                                ));
+                            }
                         }
                     }
                     self.state = if len == 0 {
@@ -182,16 +197,28 @@ impl Check {
 pub(crate) struct PrivateDir(PathBuf);
 
 impl PrivateDir {
+    /// Creates a fresh directory with an unpredictable name (never reusing an existing path).
     pub(crate) fn new() -> io::Result<PrivateDir> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "kvlink-zmq-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::DirBuilder::new().mode_private().create(&dir)?;
-        Ok(PrivateDir(dir))
+        let mut last = None;
+        for _ in 0..16 {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            let salt = std::collections::hash_map::RandomState::new();
+            let mut h = std::hash::BuildHasher::build_hasher(&salt);
+            std::hash::Hasher::write_u64(&mut h, nanos ^ NEXT.fetch_add(1, Ordering::Relaxed));
+            let dir = std::env::temp_dir().join(format!(
+                "kvlink-zmq-{}-{:016x}",
+                std::process::id(),
+                std::hash::Hasher::finish(&h)
+            ));
+            match std::fs::DirBuilder::new().mode_private().create(&dir) {
+                Ok(()) => return Ok(PrivateDir(dir)),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| io::Error::other("no private directory")))
     }
 
     pub(crate) fn path(&self, name: &str) -> PathBuf {
@@ -260,14 +287,20 @@ where
             if n == 0 {
                 return Ok::<(), io::Error>(());
             }
-            uw.write_all(&buf[..n]).await?;
+            tokio::time::timeout(limits.stall, uw.write_all(&buf[..n]))
+                .await
+                .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "peer stalled"))??;
         }
     };
     tokio::select! {
         r = inbound => if let Err(why) = r {
             tracing::warn!(peer, "ZeroMQ connection closed: {why}");
         },
-        _ = outbound => {}
+        r = outbound => if let Err(e) = r {
+            if e.kind() == io::ErrorKind::TimedOut {
+                tracing::warn!(peer, "ZeroMQ peer took nothing for {:?}; connection closed", limits.stall);
+            }
+        },
     }
 }
 
@@ -314,6 +347,8 @@ mod tests {
             max_frames: 3,
             handshake: Duration::from_secs(1),
             max_connections: 4,
+            max_messages: 2,
+            stall: Duration::from_secs(1),
         }
     }
 
@@ -373,5 +408,14 @@ mod tests {
             .contains("bytes"));
 
         assert!(Check::new(limits()).feed(b"GET / HTTP/1.1").is_err());
+
+        let mut chatty = greeting();
+        for _ in 0..3 {
+            chatty.extend([0x00, 1, 1]);
+        }
+        assert!(Check::new(limits())
+            .feed(&chatty)
+            .unwrap_err()
+            .contains("messages"));
     }
 }

@@ -10,8 +10,10 @@
 //! When an input resynchronises (its publisher restarted, or history was lost), the rank's
 //! blocks known downstream can no longer be trusted: the merger publishes an
 //! `AllBlocksCleared` batch carrying that rank's `dp_rank` (the configured one, else the last
-//! one seen), then continues with the rank's new batches. An input that is down is retried
-//! with backoff; the others keep flowing.
+//! one seen), then continues with the rank's new batches. No clear is sent for a rank nothing
+//! was forwarded from yet, or whose `dp_rank` is unknown (a clear without one would read as
+//! every rank's). An input that cannot be reached at start is retried with backoff while the
+//! others flow; once connected, its SUB socket reconnects by itself.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -71,7 +73,7 @@ impl MergerConfig {
 pub struct InputStats {
     /// The input's endpoint.
     pub endpoint: String,
-    /// Whether it is connected now.
+    /// Whether its first connection succeeded (the SUB socket reconnects by itself after).
     pub connected: bool,
     /// Last sequence received from it (its own numbering).
     pub last_seq: Option<u64>,
@@ -258,7 +260,17 @@ async fn run_input(
                     }
                 }
                 SubItem::Resync(r) => {
-                    st.lock().resyncs += 1;
+                    let forwarded = {
+                        let mut s = st.lock();
+                        s.resyncs += 1;
+                        s.batches > 0
+                    };
+                    // A clear only makes sense for a rank whose blocks were forwarded, and
+                    // only with its dp_rank (a clear without one reads as every rank's).
+                    if !forwarded || dp_rank.is_none() {
+                        tracing::warn!(input = %input.endpoint, "rank resynchronised ({r:?}); nothing of it forwarded under a known dp_rank, so no clear");
+                        continue;
+                    }
                     tracing::warn!(input = %input.endpoint, ?dp_rank, "rank resynchronised ({r:?}); publishing AllBlocksCleared for it");
                     encode(&clear_batch(dp_rank))
                 }

@@ -281,6 +281,8 @@ impl Publisher {
             max_frames: 8,
             handshake: Duration::from_secs(10),
             max_connections: cfg.max_connections.max(1),
+            max_messages: 1024,
+            stall: Duration::from_secs(30),
         };
         let shared = Arc::new(Shared {
             queue: Mutex::new(VecDeque::new()),

@@ -118,6 +118,8 @@ struct Replay<P> {
 #[derive(Debug)]
 pub struct StreamState<P> {
     last: Option<u64>,
+    /// Highest sequence seen on the live stream (replays may run ahead of it).
+    live_high: Option<u64>,
     replay: Option<Replay<P>>,
     replay_timeout: Duration,
     max_buffered: usize,
@@ -130,6 +132,7 @@ impl<P> StreamState<P> {
     pub fn new(replay_timeout: Duration, max_buffered: usize) -> Self {
         StreamState {
             last: None,
+            live_high: None,
             replay: None,
             replay_timeout,
             max_buffered: max_buffered.max(1),
@@ -176,9 +179,28 @@ impl<P> StreamState<P> {
         out
     }
 
-    /// A batch from the live (PUB/SUB) stream.
+    /// A batch from the live (PUB/SUB) stream. The I/O driver must not pass `u64::MAX` (the
+    /// replay end marker), which no publisher can reach.
     pub fn handle_live(&mut self, seq: u64, payload: P, now: Instant) -> Vec<Action<P>> {
         let mut out = Vec::new();
+        let live_high = self.live_high.replace(seq);
+        // Live batches never repeat: a sequence at or below the highest live one means the
+        // publisher restarted, even in the middle of a replay.
+        if let Some(high) = live_high.filter(|h| seq <= *h) {
+            let last = self.last.unwrap_or(high).max(high);
+            out.push(Action::Resync(Resync::PublisherRestart { last, now: seq }));
+            self.last = None;
+            self.replay = None;
+            if seq == 0 {
+                self.deliver(seq, payload, &mut out);
+            } else {
+                self.start_replay(0, now, &mut out);
+                if let Some(r) = &mut self.replay {
+                    r.buffered.insert(seq, payload);
+                }
+            }
+            return out;
+        }
         if let Some(r) = &mut self.replay {
             if r.buffered.len() >= self.max_buffered {
                 // Bounded: the oldest buffered batch is dropped; the gap shows up as lost
@@ -199,17 +221,9 @@ impl<P> StreamState<P> {
             None => self.deliver(seq, payload, &mut out),
             Some(last) if seq == last + 1 => self.deliver(seq, payload, &mut out),
             Some(last) if seq <= last => {
-                // Live batches never repeat: the sequence went down, the publisher restarted.
-                out.push(Action::Resync(Resync::PublisherRestart { last, now: seq }));
-                self.last = None;
-                if seq == 0 {
-                    self.deliver(seq, payload, &mut out);
-                } else {
-                    self.start_replay(0, now, &mut out);
-                    if let Some(r) = &mut self.replay {
-                        r.buffered.insert(seq, payload);
-                    }
-                }
+                // Above every earlier live batch but already delivered: a replay ran ahead of
+                // the live stream (which was backlogged). Not a restart.
+                self.duplicates += 1;
             }
             Some(last) => {
                 // A gap (PUB drops silently at its high-water mark): replay it.
@@ -419,6 +433,36 @@ mod tests {
         assert!(
             s.handle_replayed(2, "late").is_empty(),
             "late replay answers are ignored"
+        );
+    }
+
+    #[test]
+    fn a_replay_ahead_of_a_backlogged_live_stream_is_not_a_restart() {
+        let t = Instant::now();
+        let mut s = StreamState::new(Duration::from_secs(1), 100);
+        s.handle_live(0, "a", t);
+        assert_eq!(s.handle_live(3, "d", t), vec![Action::RequestReplay(1)]);
+        let mut got = Vec::new();
+        for q in 1..=6 {
+            got.extend(s.handle_replayed(q, "r"));
+        }
+        got.extend(s.handle_replay_end());
+        assert_eq!(delivered(&got), vec![1, 2, 3, 4, 5, 6]);
+        // The backlogged live stream catches up: 4..=6 are duplicates, 7 is next.
+        for q in 4..=6 {
+            assert!(s.handle_live(q, "x", t).is_empty());
+        }
+        assert_eq!(s.handle_live(7, "h", t), vec![Action::Deliver(7, "h")]);
+        assert_eq!(s.duplicates(), 4, "buffered 3, then live 4..=6");
+        // A restart during a replay is still seen: live goes below its own highest.
+        assert_eq!(s.handle_live(9, "j", t), vec![Action::RequestReplay(8)]);
+        let got = s.handle_live(2, "new", t);
+        assert_eq!(
+            got,
+            vec![
+                Action::Resync(Resync::PublisherRestart { last: 9, now: 2 }),
+                Action::RequestReplay(0)
+            ]
         );
     }
 

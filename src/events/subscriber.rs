@@ -148,7 +148,11 @@ fn parse_live(frames: Vec<Bytes>) -> Result<(Option<u64>, Bytes), String> {
             let seq = it.next().unwrap_or_default();
             let seq = <[u8; 8]>::try_from(seq.as_ref())
                 .map_err(|_| format!("sequence frame of {} bytes, expected 8", seq.len()))?;
-            Ok((Some(u64::from_be_bytes(seq)), it.next().unwrap_or_default()))
+            let seq = u64::from_be_bytes(seq);
+            if seq == REPLAY_END {
+                return Err("live sequence 0xFF*8 is reserved for replay end markers".into());
+            }
+            Ok((Some(seq), it.next().unwrap_or_default()))
         }
         1 | 2 => Ok((None, it.last().unwrap_or_default())),
         n => Err(format!("{n} frames, expected 3")),

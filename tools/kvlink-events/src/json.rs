@@ -95,8 +95,8 @@ fn parse_hash(v: &Value) -> Result<BlockHash, String> {
         return Ok(BlockHash::I64(i));
     }
     if let Some(hex) = v.get("bytes").and_then(Value::as_str) {
-        if hex.len() % 2 != 0 {
-            return Err(format!("odd-length hex hash {hex:?}"));
+        if hex.len() % 2 != 0 || !hex.is_ascii() {
+            return Err(format!("bad hex hash {hex:?}"));
         }
         return (0..hex.len())
             .step_by(2)
@@ -245,6 +245,10 @@ mod tests {
         let again = parse_batch(&back.to_string()).unwrap();
         assert_eq!(again, b);
         assert!(parse_batch(r#"{"events": [{"type": "Nope"}]}"#).is_err());
+        assert!(parse_batch(
+            r#"{"events": [{"type": "BlockRemoved", "block_hashes": [{"bytes": "a\u00e90"}]}]}"#
+        )
+        .is_err());
         assert!(
             parse_batch(r#"{"events": [{"type": "BlockStored", "token_ids": [-1]}]}"#).is_err()
         );

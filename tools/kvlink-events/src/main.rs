@@ -113,6 +113,15 @@ fn num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T, String> {
         .map_err(|_| format!("{name}: {v:?} is not a valid number"))
 }
 
+fn seconds(name: &str, v: &str) -> Result<f64, String> {
+    let s: f64 = num(name, v)?;
+    if (0.0..1e9).contains(&s) {
+        Ok(s)
+    } else {
+        Err(format!("{name}: {v:?} is not a number of seconds"))
+    }
+}
+
 fn input_spec(s: &str) -> Result<MergerInput, String> {
     let (eps, dp) = match s.rsplit_once('@') {
         Some((e, d)) => (e, Some(num::<i64>("--input dp rank", d)?)),
@@ -161,7 +170,7 @@ impl Opts {
                 "--topic" => o.topic = val()?,
                 "--from" => o.from = Some(num(flag, &val()?)?),
                 "--count" => o.count = Some(num(flag, &val()?)?),
-                "--idle-exit" => o.idle_exit = Some(num(flag, &val()?)?),
+                "--idle-exit" => o.idle_exit = Some(seconds(flag, &val()?)?),
                 "--replay-timeout-ms" => o.replay_timeout_ms = num(flag, &val()?)?,
                 "--quiet" => o.quiet = true,
                 "--dp-rank" => o.dp_rank = num(flag, &val()?)?,
@@ -187,7 +196,7 @@ impl Opts {
                 "--block-size" => o.block_size = num(flag, &val()?)?,
                 "--start-delay-ms" => o.start_delay_ms = num(flag, &val()?)?,
                 "--input" => o.inputs.push(input_spec(&val()?)?),
-                "--duration-s" => o.duration_s = Some(num(flag, &val()?)?),
+                "--duration-s" => o.duration_s = Some(seconds(flag, &val()?)?),
                 f => return Err(format!("unknown option {f:?}")),
             }
         }
