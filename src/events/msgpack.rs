@@ -134,82 +134,6 @@ impl<'a> Reader<'a> {
         }
         Ok(())
     }
-
-    fn array(&mut self, len: usize, depth: usize) -> Result<Value, DecodeError> {
-        self.check_len(len, 1)?;
-        let mut v = Vec::with_capacity(len);
-        for _ in 0..len {
-            v.push(self.value(depth + 1)?);
-        }
-        Ok(Value::Array(v))
-    }
-
-    fn map(&mut self, len: usize, depth: usize) -> Result<Value, DecodeError> {
-        self.check_len(len, 2)?;
-        let mut v = Vec::with_capacity(len);
-        for _ in 0..len {
-            let k = self.value(depth + 1)?;
-            let val = self.value(depth + 1)?;
-            v.push((k, val));
-        }
-        Ok(Value::Map(v))
-    }
-
-    fn str(&mut self, len: usize) -> Result<Value, DecodeError> {
-        Ok(Value::Str(
-            String::from_utf8_lossy(self.take(len)?).into_owned(),
-        ))
-    }
-
-    fn value(&mut self, depth: usize) -> Result<Value, DecodeError> {
-        if depth > MAX_DEPTH {
-            return err(format!("nested deeper than {MAX_DEPTH}"));
-        }
-        let b = self.take(1)?[0];
-        Ok(match b {
-            0x00..=0x7f => Value::UInt(u64::from(b)),
-            0x80..=0x8f => return self.map(usize::from(b & 0x0f), depth),
-            0x90..=0x9f => return self.array(usize::from(b & 0x0f), depth),
-            0xa0..=0xbf => return self.str(usize::from(b & 0x1f)),
-            0xc0 => Value::Nil,
-            0xc2 => Value::Bool(false),
-            0xc3 => Value::Bool(true),
-            0xc4..=0xc6 => {
-                let n = self.be(1 << (b - 0xc4))? as usize;
-                Value::Bin(self.take(n)?.to_vec())
-            }
-            0xc7..=0xc9 => {
-                let n = self.be(1 << (b - 0xc7))? as usize;
-                let t = self.take(1)?[0] as i8;
-                Value::Ext(t, self.take(n)?.to_vec())
-            }
-            0xca => Value::Float(f64::from(f32::from_bits(self.be(4)? as u32))),
-            0xcb => Value::Float(f64::from_bits(self.be(8)?)),
-            0xcc..=0xcf => Value::UInt(self.be(1 << (b - 0xcc))?),
-            0xd0 => int(self.be(1)? as u8 as i8 as i64),
-            0xd1 => int(self.be(2)? as u16 as i16 as i64),
-            0xd2 => int(self.be(4)? as u32 as i32 as i64),
-            0xd3 => int(self.be(8)? as i64),
-            0xd4..=0xd8 => {
-                let t = self.take(1)?[0] as i8;
-                Value::Ext(t, self.take(1 << (b - 0xd4))?.to_vec())
-            }
-            0xd9..=0xdb => {
-                let n = self.be(1 << (b - 0xd9))? as usize;
-                return self.str(n);
-            }
-            0xdc | 0xdd => {
-                let n = self.be(if b == 0xdc { 2 } else { 4 })? as usize;
-                return self.array(n, depth);
-            }
-            0xde | 0xdf => {
-                let n = self.be(if b == 0xde { 2 } else { 4 })? as usize;
-                return self.map(n, depth);
-            }
-            0xe0..=0xff => Value::Int(i64::from(b as i8)),
-            0xc1 => return err("reserved byte 0xc1"),
-        })
-    }
 }
 
 /// One msgpack item as a pull parser sees it: scalars whole, containers as their length (the
@@ -223,7 +147,7 @@ pub(crate) enum Token<'a> {
     Float(f64),
     Str(&'a [u8]),
     Bin(&'a [u8]),
-    Ext,
+    Ext(i8, &'a [u8]),
     Array(usize),
     Map(usize),
 }
@@ -270,8 +194,8 @@ impl<'a> Cursor<'a> {
             }
             0xc7..=0xc9 => {
                 let n = r.be(1 << (b - 0xc7))? as usize;
-                r.take(n + 1)?;
-                Token::Ext
+                let t = r.take(1)?[0] as i8;
+                Token::Ext(t, r.take(n)?)
             }
             0xca => Token::Float(f64::from(f32::from_bits(r.be(4)? as u32))),
             0xcb => Token::Float(f64::from_bits(r.be(8)?)),
@@ -281,8 +205,8 @@ impl<'a> Cursor<'a> {
             0xd2 => int_token(r.be(4)? as u32 as i32 as i64),
             0xd3 => int_token(r.be(8)? as i64),
             0xd4..=0xd8 => {
-                r.take(1 + (1 << (b - 0xd4)))?;
-                Token::Ext
+                let t = r.take(1)?[0] as i8;
+                Token::Ext(t, r.take(1 << (b - 0xd4))?)
             }
             0xd9..=0xdb => {
                 let n = r.be(1 << (b - 0xd9))? as usize;
@@ -331,6 +255,39 @@ impl<'a> Cursor<'a> {
         Some(v)
     }
 
+    /// One whole item as a tree (nesting capped at [`MAX_DEPTH`]).
+    fn value(&mut self, depth: usize) -> Result<Value, DecodeError> {
+        if depth > MAX_DEPTH {
+            return err(format!("nested deeper than {MAX_DEPTH}"));
+        }
+        Ok(match self.token()? {
+            Token::Nil => Value::Nil,
+            Token::Bool(b) => Value::Bool(b),
+            Token::UInt(v) => Value::UInt(v),
+            Token::Int(v) => Value::Int(v),
+            Token::Float(v) => Value::Float(v),
+            Token::Str(s) => Value::Str(String::from_utf8_lossy(s).into_owned()),
+            Token::Bin(b) => Value::Bin(b.to_vec()),
+            Token::Ext(t, d) => Value::Ext(t, d.to_vec()),
+            // Lengths were checked against the bytes left by `token`.
+            Token::Array(n) => {
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    v.push(self.value(depth + 1)?);
+                }
+                Value::Array(v)
+            }
+            Token::Map(n) => {
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let k = self.value(depth + 1)?;
+                    v.push((k, self.value(depth + 1)?));
+                }
+                Value::Map(v)
+            }
+        })
+    }
+
     /// Skips one whole item, however deeply nested (iteratively: no recursion to exhaust).
     pub(crate) fn skip(&mut self) -> Result<(), DecodeError> {
         let mut pending: usize = 1;
@@ -354,20 +311,12 @@ fn int_token(v: i64) -> Token<'static> {
     }
 }
 
-fn int(v: i64) -> Value {
-    if v >= 0 {
-        Value::UInt(v as u64)
-    } else {
-        Value::Int(v)
-    }
-}
-
 /// Decodes exactly one value from `buf` (trailing bytes are an error).
 pub fn decode(buf: &[u8]) -> Result<Value, DecodeError> {
-    let mut r = Reader { buf, pos: 0 };
-    let v = r.value(0)?;
-    if r.remaining() != 0 {
-        return err(format!("{} trailing bytes", r.remaining()));
+    let mut c = Cursor::new(buf);
+    let v = c.value(0)?;
+    if c.remaining() != 0 {
+        return err(format!("{} trailing bytes", c.remaining()));
     }
     Ok(v)
 }
