@@ -74,6 +74,19 @@ fn batch(i: u64) -> EventBatch {
     }
 }
 
+/// Publishes batches `range` and waits (up to `LIMIT`) until the publisher has sent them all.
+fn publish_all(p: &Publisher, range: std::ops::Range<u64>) {
+    let want = range.end;
+    for i in range {
+        p.publish(batch(i)).unwrap();
+    }
+    let end = Instant::now() + LIMIT;
+    while p.stats().published < want {
+        assert!(Instant::now() < end, "publisher stalled: {:?}", p.stats());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// Collects items until `done` says so, or fails after `LIMIT`.
 async fn take_until(sub: &mut Subscriber, done: impl Fn(&[SubItem]) -> bool) -> Vec<SubItem> {
     let end = Instant::now() + LIMIT;
@@ -159,12 +172,7 @@ fn every_batch_arrives_in_order_in_both_encodings() {
 fn replay_from_any_sequence_then_live() {
     let rt = rt();
     let p = publisher(|_| {});
-    for i in 0..50 {
-        p.publish(batch(i)).unwrap();
-    }
-    while p.stats().published < 50 {
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    publish_all(&p, 0..50);
     let mut sub = rt
         .block_on(Subscriber::connect(SubscriberConfig {
             start_from: Some(20),
@@ -258,12 +266,7 @@ fn without_replay_a_gap_is_reported_lost() {
 fn replay_past_the_ring_is_reported() {
     let rt = rt();
     let p = publisher(|c| c.buffer_steps = 5);
-    for i in 0..20 {
-        p.publish(batch(i)).unwrap();
-    }
-    while p.stats().published < 20 {
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    publish_all(&p, 0..20);
     let mut sub = rt
         .block_on(Subscriber::connect(SubscriberConfig {
             start_from: Some(0),
