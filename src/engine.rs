@@ -14,13 +14,15 @@ use crate::completion::{CompletionTracker, Finished, SendNotice};
 use crate::control::messages::{Descriptor, TransportInfo};
 use crate::control::{self, frame::PROTOCOL_VERSION, ControlHandler, ControlTimeouts};
 use crate::error::{Error, Result};
+use crate::gpu::{GpuApi, GpuReport, PointerKind, Runtimes};
 use crate::ids::{BlockId, RegionId, RequestId};
 use crate::layout::KvLayout;
+use crate::memory::DeviceMemory;
 use crate::memory::{ExternalMemory, Region, RegionInfo};
 use crate::plan;
 use crate::session::{self, Peers, ReadJob};
 use crate::transport::rdma::{self, RdmaDevice, RdmaFault, RdmaSettings, ServerQps};
-use crate::transport::tcp::{self, RegionLookup};
+use crate::transport::tcp::{self, RegionLookup, StagingPool};
 
 /// Which transport an engine may use for reading from peers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -73,6 +75,15 @@ pub struct EngineConfig {
     pub transport: TransportChoice,
     /// RDMA device, GID and queue-pair settings.
     pub rdma: RdmaSettings,
+    /// Whether to look for GPU runtimes (CUDA, HIP) at start. Without them only host memory can
+    /// be registered; `false` skips loading the libraries.
+    pub gpu: bool,
+    /// Bytes per staging buffer: GPU memory sent or received over TCP moves through pinned host
+    /// buffers of this size, one chunk copied while the previous one is on the wire.
+    pub staging_chunk_bytes: u64,
+    /// Most staging buffers the engine allocates (shared by all its TCP streams); they are
+    /// allocated on first use and kept.
+    pub staging_buffers: usize,
     /// Fault injection for tests of the RDMA error paths; leave at its default.
     #[doc(hidden)]
     pub rdma_fault: RdmaFault,
@@ -98,6 +109,9 @@ impl Default for EngineConfig {
             runtime_threads: 2,
             transport: TransportChoice::Auto,
             rdma: RdmaSettings::default(),
+            gpu: true,
+            staging_chunk_bytes: 2 << 20,
+            staging_buffers: 32,
             rdma_fault: RdmaFault::default(),
         }
     }
@@ -116,6 +130,10 @@ pub struct EngineStats {
     pub data_requests_refused: u64,
     /// Bytes served over TCP.
     pub bytes_served: u64,
+    /// GPU bytes copied into staging buffers to be sent over TCP.
+    pub bytes_staged_out: u64,
+    /// Bytes received over TCP and copied from staging buffers into GPU memory.
+    pub bytes_staged_in: u64,
 }
 
 #[derive(Default)]
@@ -146,6 +164,8 @@ pub(crate) struct Shared {
     counters: Counters,
     pub(crate) rdma_unavailable: Option<String>,
     pub(crate) rdma_fault_budget: Arc<std::sync::atomic::AtomicU32>,
+    gpus: Runtimes,
+    pub(crate) staging: Arc<StagingPool>,
 }
 
 impl Shared {
@@ -266,6 +286,10 @@ impl RegionLookup for Shared {
         Shared::region(self, id)
     }
 
+    fn staging(&self) -> &Arc<StagingPool> {
+        &self.staging
+    }
+
     fn served(&self, bytes: Option<u64>) {
         let c = &self.counters;
         match bytes {
@@ -277,6 +301,63 @@ impl RegionLookup for Shared {
                 c.data_requests_refused.fetch_add(1, Ordering::Relaxed);
             }
         }
+    }
+}
+
+/// What an engine found at start: its transports and the memory kinds it can register, each
+/// with the reason when missing. `Display` prints one line per item.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Capabilities {
+    /// The RDMA device in use, or why RDMA is not used.
+    pub rdma: std::result::Result<String, String>,
+    /// The TCP data server (always available).
+    pub tcp: String,
+    /// The GPU runtimes found (device memory), or why each is missing.
+    pub gpu: GpuReport,
+}
+
+impl Capabilities {
+    /// One line: transports and memory kinds, with reasons for what is missing.
+    pub fn summary(&self) -> String {
+        let mut transports = Vec::new();
+        if let Ok(dev) = &self.rdma {
+            transports.push(format!("rdma ({dev})"));
+        }
+        transports.push("tcp".to_string());
+        let mut memory = vec!["host".to_string()];
+        let mut missing = Vec::new();
+        if let Err(why) = &self.rdma {
+            missing.push(format!("rdma: {why}"));
+        }
+        for (name, r) in [("cuda", &self.gpu.cuda), ("hip", &self.gpu.hip)] {
+            match r {
+                Ok(desc) => memory.push(format!("{name} ({desc})")),
+                Err(why) => missing.push(format!("{name}: {why}")),
+            }
+        }
+        let mut line = format!(
+            "transports: {}; memory: {}",
+            transports.join(", "),
+            memory.join(", ")
+        );
+        if !missing.is_empty() {
+            line.push_str(&format!("; unavailable: {}", missing.join("; ")));
+        }
+        line
+    }
+}
+
+impl std::fmt::Display for Capabilities {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let line = |r: &std::result::Result<String, String>| match r {
+            Ok(s) => format!("yes: {s}"),
+            Err(why) => format!("no: {why}"),
+        };
+        writeln!(f, "transport rdma: {}", line(&self.rdma))?;
+        writeln!(f, "transport tcp:  yes: {}", self.tcp)?;
+        writeln!(f, "memory host:    yes")?;
+        writeln!(f, "memory cuda:    {}", line(&self.gpu.cuda))?;
+        write!(f, "memory hip:     {}", line(&self.gpu.hip))
     }
 }
 
@@ -348,6 +429,14 @@ impl Engine {
         if config.tcp_streams == 0 || config.tcp_streams > 64 {
             return Err(Error::invalid("tcp_streams must be 1 to 64"));
         }
+        if !(4096..=256 << 20).contains(&config.staging_chunk_bytes)
+            || config.staging_buffers == 0
+            || config.staging_buffers > 4096
+        {
+            return Err(Error::invalid(
+                "staging_chunk_bytes must be 4 KiB to 256 MiB and staging_buffers 1 to 4096",
+            ));
+        }
         if config.batch_bytes == 0 || config.batch_bytes > tcp::wire::MAX_REQUEST_BYTES {
             return Err(Error::invalid(format!(
                 "batch_bytes must be 1 to {}",
@@ -367,6 +456,7 @@ impl Engine {
                 Err(why) => (None, Some(why)),
             },
         };
+        let gpus = Runtimes::probe(config.gpu);
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.runtime_threads.max(1))
             .thread_name("kvlink")
@@ -429,6 +519,8 @@ impl Engine {
             rdma_fault_budget: Arc::new(std::sync::atomic::AtomicU32::new(
                 config.rdma_fault.requests,
             )),
+            gpus,
+            staging: StagingPool::new(config.staging_chunk_bytes as usize, config.staging_buffers),
             config,
         });
         let timeouts = shared.control_timeouts();
@@ -436,22 +528,17 @@ impl Engine {
         let idle_timeout = shared.config.idle_timeout;
         runtime.spawn(control::serve(control, shared.clone(), timeouts));
         runtime.spawn(tcp::serve(data, shared.clone(), io_timeout, idle_timeout));
-        match (&shared.rdma, &shared.rdma_unavailable) {
-            (Some(dev), _) => tracing::info!(
-                engine = %engine_id, control = %control_addr, data = %data_addr,
-                "kvlink engine started; transports: rdma ({}, gid {}), tcp; memory: host", dev.name(), dev.gid()
-            ),
-            (None, why) => tracing::info!(
-                engine = %engine_id, control = %control_addr, data = %data_addr,
-                "kvlink engine started; transports: tcp (rdma unavailable: {}); memory: host",
-                why.as_deref().unwrap_or("unknown")
-            ),
-        }
-        Ok(Engine {
+        let engine = Engine {
             shared,
             control_addr,
             runtime: Some(runtime),
-        })
+        };
+        let caps = engine.capabilities();
+        tracing::info!(
+            engine = %engine_id, control = %control_addr, data = %data_addr,
+            "kvlink engine started; {}", caps.summary()
+        );
+        Ok(engine)
     }
 
     /// The address peers use for the handshake: put it in a request's transfer parameters.
@@ -465,6 +552,30 @@ impl Engine {
             (Some(d), _) => Ok(d.name().to_string()),
             (None, why) => Err(why.clone().unwrap_or_else(|| "unknown".into())),
         }
+    }
+
+    /// The transports and memory kinds this engine found, and why any is missing (also logged
+    /// when the engine starts).
+    pub fn capabilities(&self) -> Capabilities {
+        let sh = &self.shared;
+        Capabilities {
+            rdma: self.rdma_status(),
+            tcp: format!(
+                "data server {}, {} streams per peer",
+                sh.data_addr, sh.config.tcp_streams
+            ),
+            gpu: sh.gpus.report(),
+        }
+    }
+
+    /// What the loaded GPU runtimes say about `ptr`: host memory, pinned host memory, or the
+    /// memory of which GPU. Without a GPU runtime every address is [`PointerKind::Host`].
+    pub fn classify_pointer(&self, ptr: u64) -> Result<PointerKind> {
+        self.shared
+            .gpus
+            .classify(ptr)
+            .map(|(k, _)| k)
+            .map_err(Error::Gpu)
     }
 
     /// This engine's id.
@@ -503,8 +614,83 @@ impl Engine {
     }
 
     /// Registers caller-owned host memory (see [`ExternalMemory::new`] for the contract).
+    /// Refused, with the device named, when a loaded GPU runtime says it is device memory.
     pub fn register_host(&self, mem: ExternalMemory) -> Result<Arc<Region>> {
+        match self.classify_pointer(mem.ptr.as_ptr() as u64)? {
+            PointerKind::Host | PointerKind::PinnedHost { .. } => {}
+            PointerKind::Device { api, ordinal } => {
+                return Err(Error::invalid(format!(
+                    "{:p} is {api} memory of GPU {ordinal}, not host memory: register it with register_device",
+                    mem.ptr
+                )))
+            }
+            PointerKind::Managed { api } => {
+                return Err(Error::invalid(format!(
+                    "{:p} is {api} managed memory, which migrates between host and GPU; kvlink needs memory with a fixed home",
+                    mem.ptr
+                )))
+            }
+        }
         self.add_region(Region::external(self.next_region_id(), mem))
+    }
+
+    /// Registers caller-owned GPU memory (see [`DeviceMemory::new`] for the contract). The
+    /// loaded runtimes say which GPU it is on; RDMA registers it with dma-buf or a peer-memory
+    /// driver, TCP stages it through pinned host buffers. Fails with [`Error::Gpu`] naming what
+    /// is missing when no runtime knows the pointer.
+    pub fn register_device(&self, mem: DeviceMemory) -> Result<Arc<Region>> {
+        let (kind, rt) = self.shared.gpus.classify(mem.ptr).map_err(Error::Gpu)?;
+        match (kind, rt) {
+            (PointerKind::Device { ordinal, .. }, Some(rt)) => {
+                self.add_region(Region::device(self.next_region_id(), mem, rt, ordinal))
+            }
+            (PointerKind::Host, _) if self.shared.gpus.loaded().next().is_none() => {
+                Err(Error::Gpu(format!(
+                    "cannot register device memory at {:#x}: no GPU runtime is loaded ({})",
+                    mem.ptr,
+                    self.shared.gpus.why_none()
+                )))
+            }
+            (kind, _) => Err(Error::invalid(format!(
+                "{:#x} is not GPU device memory (the GPU runtimes say {kind:?}); use register_host for host memory",
+                mem.ptr
+            ))),
+        }
+    }
+
+    /// Allocates and registers `len` bytes of device memory on GPU `ordinal` with `api`'s
+    /// runtime (for benchmarks and tests; engines register their own KV caches). Freed when the
+    /// region is deregistered and no transfer holds it.
+    pub fn allocate_device(&self, api: GpuApi, ordinal: i32, len: u64) -> Result<Arc<Region>> {
+        if api == GpuApi::Emulated {
+            return Err(Error::invalid(
+                "emulated device memory is registered, not allocated",
+            ));
+        }
+        let rt = self
+            .shared
+            .gpus
+            .get(api)
+            .map_err(|why| Error::Gpu(format!("cannot allocate {api} memory: {why}")))?;
+        self.add_region(Region::allocate_device(
+            self.next_region_id(),
+            len,
+            rt,
+            ordinal,
+        )?)
+    }
+
+    /// Registers host memory as emulated device memory: every transfer into or out of it takes
+    /// the device paths (TCP staging, device RDMA registration) with `memcpy` as the "GPU" copy.
+    /// For tests of those paths on machines without a GPU.
+    #[doc(hidden)]
+    pub fn register_emulated_device(&self, mem: ExternalMemory) -> Result<Arc<Region>> {
+        let dm = DeviceMemory {
+            ptr: mem.ptr.as_ptr() as u64,
+            len: mem.len,
+        };
+        let rt = self.shared.gpus.get(GpuApi::Emulated).map_err(Error::Gpu)?;
+        self.add_region(Region::device(self.next_region_id(), dm, rt, 0))
     }
 
     /// Stops exporting a region and waits until no transfer uses it any more, so its memory may
@@ -671,6 +857,8 @@ impl Engine {
             data_requests_served: get(&c.data_requests_served),
             data_requests_refused: get(&c.data_requests_refused),
             bytes_served: get(&c.bytes_served),
+            bytes_staged_out: self.shared.staging.staged_out(),
+            bytes_staged_in: self.shared.staging.staged_in(),
         }
     }
 

@@ -124,6 +124,11 @@ pub enum Error {
     #[error("RDMA unavailable: {0}")]
     RdmaUnavailable(String),
 
+    /// A GPU runtime is missing or one of its calls failed; the message names the runtime, the
+    /// call and, for a missing piece, what to install or load (driver, ROCm, kernel module).
+    #[error("GPU: {0}")]
+    Gpu(String),
+
     /// The engine is shutting down; no new work is accepted.
     #[error("engine is shut down")]
     Shutdown,

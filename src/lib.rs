@@ -26,6 +26,7 @@ pub mod control;
 mod engine;
 mod error;
 pub mod events;
+pub mod gpu;
 mod ids;
 mod layout;
 #[allow(unsafe_code)]
@@ -39,9 +40,10 @@ pub use completion::{
     CompletionTracker, FailedRequest, Finished, SendNotice, Side, TpAggregator, TransferReport,
 };
 pub use control::messages::{Descriptor, TransportInfo};
-pub use engine::{Engine, EngineConfig, EngineStats, TransportChoice};
+pub use engine::{Capabilities, Engine, EngineConfig, EngineStats, TransportChoice};
 pub use error::{Error, Result};
+pub use gpu::{GpuApi, GpuReport, PointerKind};
 pub use ids::{BlockId, RegionId, RequestId, MAX_REQUEST_ID_LEN};
 pub use layout::{KvLayout, ModelShape, TensorLayout, MAX_TENSORS};
-pub use memory::{ExternalMemory, MemoryKind, Region, RegionInfo};
+pub use memory::{DeviceMemory, ExternalMemory, MemoryKind, Region, RegionInfo};
 pub use plan::{check_blocks, check_local_blocks, plan, Plan, PlanOptions, Segment};

@@ -17,14 +17,37 @@ use memmap2::{MmapMut, MmapOptions};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::gpu::{DeviceRuntime, GpuApi};
 use crate::ids::RegionId;
 
 /// What backs a region, and keeps it alive while registered.
 enum Backing {
     /// Anonymous mapping owned by the region; unmapped on drop.
     Mapped(#[allow(dead_code)] MmapMut),
-    /// Caller-owned memory; the caller promised it stays valid while registered.
+    /// Caller-owned host memory; the caller promised it stays valid while registered.
     External,
+    /// GPU memory, reached only through its runtime's copies (never dereferenced on the CPU).
+    Device {
+        rt: Arc<dyn DeviceRuntime>,
+        ordinal: i32,
+        /// Allocated by kvlink (freed on drop) rather than registered from the caller.
+        owned: bool,
+    },
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        if let Backing::Device {
+            rt,
+            ordinal,
+            owned: true,
+        } = &self._backing
+        {
+            // SAFETY: the allocation came from this runtime's alloc (Region::allocate_device)
+            // and the region is being dropped: no span, transfer or registration holds it.
+            unsafe { rt.free(*ordinal, self.ptr.as_ptr() as u64) };
+        }
+    }
 }
 
 /// Where a region's pages came from, reported to users and in logs.
@@ -37,14 +60,22 @@ pub enum MemoryKind {
     HostMapped,
     /// Host memory allocated by kvlink with explicit huge pages (`MAP_HUGETLB`).
     HostHugePages,
+    /// GPU memory. Read and written by RDMA directly (dma-buf or peer-memory registration) and
+    /// by TCP through pinned host staging buffers.
+    Device {
+        /// The GPU runtime that owns it.
+        api: GpuApi,
+        /// The GPU's ordinal in that runtime.
+        ordinal: i32,
+    },
 }
 
 /// Host memory owned by the caller (an inference engine's KV cache), vouched for by the caller
 /// through [`ExternalMemory::new`]'s safety contract. Registered with `Engine::register_host`.
 #[derive(Debug)]
 pub struct ExternalMemory {
-    ptr: NonNull<u8>,
-    len: u64,
+    pub(crate) ptr: NonNull<u8>,
+    pub(crate) len: u64,
 }
 
 // SAFETY: ExternalMemory is a (pointer, length) pair the caller vouched for; it is only turned
@@ -68,6 +99,37 @@ impl ExternalMemory {
             return Err(Error::invalid("region wraps around the address space"));
         }
         Ok(ExternalMemory { ptr, len })
+    }
+}
+
+/// GPU memory owned by the caller (a KV cache allocated by the inference engine with CUDA or
+/// HIP), vouched for through [`DeviceMemory::new`]'s safety contract. Registered with
+/// `Engine::register_device`, which asks the loaded GPU runtimes which device it is on.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceMemory {
+    pub(crate) ptr: u64,
+    pub(crate) len: u64,
+}
+
+impl DeviceMemory {
+    /// Describes caller-owned device memory.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` must be one live device allocation (or part of one) of the CUDA or HIP
+    /// runtime in this process, and stay allocated until the region registered from it is
+    /// deregistered (`Engine::deregister` returned) or the engine is dropped. kvlink and its
+    /// peers read and write it concurrently with the caller, as a DMA engine would.
+    pub unsafe fn new(ptr: u64, len: u64) -> Result<DeviceMemory> {
+        if ptr == 0 {
+            return Err(Error::invalid("null device pointer registered"));
+        }
+        if len == 0 {
+            return Err(Error::invalid("cannot register an empty region"));
+        }
+        if ptr.checked_add(len).is_none() {
+            return Err(Error::invalid("region wraps around the address space"));
+        }
+        Ok(DeviceMemory { ptr, len })
     }
 }
 
@@ -167,6 +229,74 @@ impl Region {
         }
     }
 
+    /// Registers caller-owned device memory of GPU `ordinal`, reached through `rt` (validity
+    /// vouched for by [`DeviceMemory::new`]).
+    pub(crate) fn device(
+        id: RegionId,
+        mem: DeviceMemory,
+        rt: Arc<dyn DeviceRuntime>,
+        ordinal: i32,
+    ) -> Region {
+        Region {
+            id,
+            ptr: NonNull::new(mem.ptr as *mut u8).expect("checked non-null by DeviceMemory::new"),
+            len: mem.len,
+            kind: MemoryKind::Device {
+                api: rt.api(),
+                ordinal,
+            },
+            _backing: Backing::Device {
+                rt,
+                ordinal,
+                owned: false,
+            },
+        }
+    }
+
+    /// Allocates `len` bytes of device memory on GPU `ordinal` with `rt`; freed on drop.
+    pub(crate) fn allocate_device(
+        id: RegionId,
+        len: u64,
+        rt: Arc<dyn DeviceRuntime>,
+        ordinal: i32,
+    ) -> Result<Region> {
+        if len == 0 {
+            return Err(Error::invalid("cannot allocate an empty region"));
+        }
+        let size = usize::try_from(len)
+            .map_err(|_| Error::invalid(format!("region length {len} does not fit in memory")))?;
+        let ptr = rt.alloc(ordinal, size).map_err(Error::Gpu)?;
+        let ptr = NonNull::new(ptr as *mut u8)
+            .ok_or_else(|| Error::Gpu("device allocation returned null".into()))?;
+        Ok(Region {
+            id,
+            ptr,
+            len,
+            kind: MemoryKind::Device {
+                api: rt.api(),
+                ordinal,
+            },
+            _backing: Backing::Device {
+                rt,
+                ordinal,
+                owned: true,
+            },
+        })
+    }
+
+    /// The GPU runtime and device of a device region; `None` for host memory.
+    pub(crate) fn device_runtime(&self) -> Option<(&Arc<dyn DeviceRuntime>, i32)> {
+        match &self._backing {
+            Backing::Device { rt, ordinal, .. } => Some((rt, *ordinal)),
+            _ => None,
+        }
+    }
+
+    /// Whether the region is GPU memory (not addressable by the CPU).
+    pub fn is_device(&self) -> bool {
+        matches!(self._backing, Backing::Device { .. })
+    }
+
     /// The region's id.
     pub fn id(&self) -> RegionId {
         self.id
@@ -206,9 +336,24 @@ impl Region {
         }
     }
 
-    /// Copies `data` into the region at `offset`.
+    /// Copies `data` into the region at `offset` (for device memory, a synchronous copy by its
+    /// GPU runtime).
     pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<()> {
         self.check_range(offset, data.len() as u64)?;
+        if let Some((rt, ordinal)) = self.device_runtime() {
+            // SAFETY: the range is inside the device allocation (checked above, and the
+            // registrant's DeviceMemory contract or our own allocation); `data` is a live
+            // host buffer for the call.
+            return unsafe {
+                rt.copy_from_host(
+                    ordinal,
+                    self.ptr.as_ptr() as u64 + offset,
+                    data.as_ptr(),
+                    data.len(),
+                )
+            }
+            .map_err(Error::Gpu);
+        }
         // SAFETY: the range is inside the region (checked above), the region memory is valid
         // for writes (allocation or registrant's contract), and `data` is a distinct Rust
         // allocation or another region's bytes accessed by raw copy, so `copy` (memmove) is
@@ -224,9 +369,23 @@ impl Region {
         Ok(())
     }
 
-    /// Copies bytes from the region at `offset` into `out`.
+    /// Copies bytes from the region at `offset` into `out` (for device memory, a synchronous
+    /// copy by its GPU runtime).
     pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<()> {
         self.check_range(offset, out.len() as u64)?;
+        if let Some((rt, ordinal)) = self.device_runtime() {
+            // SAFETY: range checked above and inside the device allocation; `out` is an
+            // exclusive host buffer for the call.
+            return unsafe {
+                rt.copy_to_host(
+                    ordinal,
+                    out.as_mut_ptr(),
+                    self.ptr.as_ptr() as u64 + offset,
+                    out.len(),
+                )
+            }
+            .map_err(Error::Gpu);
+        }
         // SAFETY: range checked above; the region is valid for reads; `out` is an exclusive
         // Rust buffer, and `copy` tolerates overlap.
         #[allow(unsafe_code)]
@@ -264,6 +423,34 @@ impl RegionSpan {
         self.len
     }
 
+    /// Whether the span is GPU memory (moved by staging copies, never by `readv`/`writev`).
+    pub(crate) fn is_device(&self) -> bool {
+        self.region.is_device()
+    }
+
+    /// The span's region.
+    pub(crate) fn region(&self) -> &Arc<Region> {
+        &self.region
+    }
+
+    /// The span's start offset in its region.
+    pub(crate) fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// `[skip, skip + len)` of this span, as a span of its own.
+    pub(crate) fn sub(&self, skip: u64, len: u64) -> Result<RegionSpan> {
+        match skip.checked_add(len) {
+            Some(end) if end <= self.len => {
+                RegionSpan::new(self.region.clone(), self.offset + skip, len)
+            }
+            _ => Err(Error::invalid(format!(
+                "sub-span [{skip}, +{len}) of a {}-byte span",
+                self.len
+            ))),
+        }
+    }
+
     /// The span's region and start offset.
     pub(crate) fn position(&self) -> (RegionId, u64) {
         (self.region.id(), self.offset)
@@ -292,6 +479,8 @@ fn iovecs(head: &[u8], spans: &[RegionSpan], mut skip: u64) -> Vec<libc::iovec> 
         if v.len() == IOV_MAX {
             break;
         }
+        // Device memory is never handed to the kernel: callers stage it (see readv/writev).
+        assert!(!span.is_device(), "device span given to vectored I/O");
         if skip >= span.len {
             skip -= span.len;
             continue;
@@ -344,6 +533,51 @@ pub(crate) fn readv(fd: RawFd, spans: &[RegionSpan], skip: u64) -> io::Result<us
         Err(io::Error::last_os_error())
     } else {
         Ok(n as usize)
+    }
+}
+
+/// A host buffer that device memory is staged through for TCP, pinned by the GPU runtime when
+/// it allows (pageable memory works too, only slower).
+pub(crate) struct StagingBuf {
+    map: MmapMut,
+    pinned: Option<Arc<dyn DeviceRuntime>>,
+}
+
+impl StagingBuf {
+    /// Maps `len` bytes and pins them with `rt`.
+    pub(crate) fn new(len: usize, rt: &Arc<dyn DeviceRuntime>) -> Result<StagingBuf> {
+        let mut map = MmapOptions::new()
+            .len(len)
+            .populate()
+            .map_anon()
+            .map_err(|e| Error::Memory(format!("mapping a {len}-byte staging buffer: {e}")))?;
+        // SAFETY: the mapping is live and stays mapped until this buffer drops, where it is
+        // unpinned first.
+        let pinned = match unsafe { rt.pin(map.as_mut_ptr(), len) } {
+            Ok(()) => Some(rt.clone()),
+            Err(e) => {
+                tracing::warn!("staging buffer not pinned ({e}); device copies will be slower");
+                None
+            }
+        };
+        Ok(StagingBuf { map, pinned })
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.map
+    }
+}
+
+impl Drop for StagingBuf {
+    fn drop(&mut self) {
+        if let Some(rt) = &self.pinned {
+            // SAFETY: pinned by `rt` in new(), still mapped (the map drops after this).
+            unsafe { rt.unpin(self.map.as_mut_ptr()) };
+        }
     }
 }
 

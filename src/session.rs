@@ -221,6 +221,7 @@ async fn connect(shared: &Arc<Shared>, peer: &str, generation: u64) -> Result<Pe
                 cfg.connect_timeout,
                 cfg.io_timeout,
                 cfg.batch_bytes,
+                shared.staging.clone(),
             )
             .await?;
             tracing::info!(peer, streams = cfg.tcp_streams, reason = %why, "transport tcp");

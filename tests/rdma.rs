@@ -316,3 +316,26 @@ fn rdma_peer_killed_mid_transfer_then_a_new_peer_works() {
         &[7, 1],
     );
 }
+
+#[test]
+fn rdma_device_regions_take_the_device_registration_path() {
+    if !rdma_available("rdma_device_regions_take_the_device_registration_path") {
+        return;
+    }
+    // Emulated device memory on both sides: registration goes through the device branch
+    // (dma-buf refused by the emulated runtime, then plain registration, which succeeds because
+    // the memory is really host memory) and the NIC reads it directly: nothing is staged.
+    let shape = ModelShape::DEEPSEEK_V3_MLA;
+    let prefill = side_in(Mem::Emulated, &shape, 48, Some(21), rdma_config());
+    let decode = side_in(Mem::Emulated, &shape, 48, None, rdma_config());
+    assert!(prefill.region.is_device() && decode.region.is_device());
+    let peer = prefill.engine.handshake_address().to_string();
+    let (l, r): (Vec<u32>, Vec<u32>) = ((0..24).collect(), (24..48).rev().collect());
+    decode.engine.read_blocks(&peer, "dev", &l, &r).unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(120), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    assert_eq!(f.reports[0].transport, "rdma");
+    verify(&decode, &prefill.layout, 21, &l, &r);
+    assert_eq!(decode.engine.stats().bytes_staged_in, 0);
+    assert_eq!(prefill.engine.stats().bytes_staged_out, 0);
+}

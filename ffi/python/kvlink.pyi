@@ -63,10 +63,14 @@ class Engine:
     def rdma_device(self) -> Optional[str]: ...
     @property
     def rdma_unavailable_reason(self) -> Optional[str]: ...
-    def register_memory(self, ptr: int, size: int) -> int:
-        """Registers host memory by address; it must stay valid until deregister() has returned."""
+    def register_memory(self, ptr: int, size: int, *, device: Optional[bool] = None) -> int:
+        """Registers memory by address; it must stay valid until deregister() has returned.
+        ``device=None`` asks the loaded GPU runtimes whether it is GPU memory."""
     def register_array(self, array: Any) -> int:
-        """Registers a numpy array or CPU torch tensor (contiguous, writable); keeps it alive."""
+        """Registers a numpy or CuPy array or a CPU/cuda torch tensor (contiguous, writable);
+        keeps it alive. GPU memory goes by RDMA directly, by TCP through pinned staging."""
+    def capabilities(self) -> Dict[str, Tuple[bool, str]]:
+        """``{"rdma"|"tcp"|"cuda"|"hip": (available, detail or why not)}``."""
     def deregister(self, region: int) -> None:
         """Stops exporting a region once no transfer uses it (GIL released while waiting)."""
     def set_layout(

@@ -30,15 +30,52 @@ pub struct Side {
     pub engine: Engine,
     pub region: Arc<Region>,
     pub layout: KvLayout,
+    /// Host memory behind an emulated device region; dropped after the engine.
+    _emulated: Option<Box<[u8]>>,
+}
+
+/// Where a test KV cache lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mem {
+    /// Host memory allocated by the engine.
+    Host,
+    /// Host memory registered as emulated device memory (the staging paths, no GPU needed).
+    Emulated,
+    /// CUDA device memory on GPU 0 (only where CUDA is loaded).
+    Cuda,
 }
 
 /// Starts an engine with `num_blocks` blocks of `shape`, filled with `seed` when given.
 pub fn side(shape: &ModelShape, num_blocks: u32, seed: Option<u64>, config: EngineConfig) -> Side {
+    side_in(Mem::Host, shape, num_blocks, seed, config)
+}
+
+/// [`side`] with the KV cache in `mem`.
+pub fn side_in(
+    mem: Mem,
+    shape: &ModelShape,
+    num_blocks: u32,
+    seed: Option<u64>,
+    config: EngineConfig,
+) -> Side {
     init_logs();
     let engine = Engine::start(config).unwrap();
-    let region = engine
-        .allocate_host(shape.region_bytes(num_blocks), false)
-        .unwrap();
+    let bytes = shape.region_bytes(num_blocks);
+    let mut emulated = None;
+    let region = match mem {
+        Mem::Host => engine.allocate_host(bytes, false).unwrap(),
+        Mem::Emulated => {
+            let mut buf = vec![0u8; bytes as usize].into_boxed_slice();
+            // SAFETY: the buffer lives in the returned Side, which drops it after the engine.
+            let m = unsafe { kvlink::ExternalMemory::new(buf.as_mut_ptr(), bytes) }.unwrap();
+            let r = engine.register_emulated_device(m).unwrap();
+            emulated = Some(buf);
+            r
+        }
+        Mem::Cuda => engine
+            .allocate_device(kvlink::GpuApi::Cuda, 0, bytes)
+            .unwrap(),
+    };
     if let Some(seed) = seed {
         kvlink::verify::fill(&region, seed).unwrap();
     }
@@ -48,6 +85,7 @@ pub fn side(shape: &ModelShape, num_blocks: u32, seed: Option<u64>, config: Engi
         engine,
         region,
         layout,
+        _emulated: emulated,
     }
 }
 

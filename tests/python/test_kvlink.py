@@ -167,7 +167,9 @@ def test_bad_arguments_raise_clear_exceptions():
     class GpuArray:
         __cuda_array_interface__ = {"data": (1, False), "shape": (4,), "typestr": "|u1"}
 
-    with pytest.raises(kvlink.InvalidArgument, match="GPU"):
+    # Without a GPU runtime: an error naming what is missing; with one, address 1 is refused
+    # as not being GPU memory.
+    with pytest.raises(kvlink.KvlinkError, match="GPU"):
         e.register_array(GpuArray())
     with pytest.raises(kvlink.InvalidArgument, match="not registered"):
         e.set_layout([(999, 0, 256, 256, 4)], 16, "bf16")
@@ -185,6 +187,53 @@ def test_bad_arguments_raise_clear_exceptions():
     e.deregister(region)
     with pytest.raises(kvlink.InvalidArgument, match="not registered"):
         e.deregister(region)
+
+
+def test_gpu_capabilities_and_absence_paths():
+    e = kvlink.Engine(transport="tcp")
+    caps = e.capabilities()
+    assert set(caps) == {"rdma", "tcp", "cuda", "hip"}
+    assert caps["tcp"][0] is True
+    assert caps["rdma"] == (False, "disabled by configuration (transport: tcp)")
+    for name in ("cuda", "hip"):
+        available, detail = caps[name]
+        assert detail, name
+        print(f"{name}: {'found' if available else 'unavailable'}: {detail}")
+    no_gpu = not caps["cuda"][0] and not caps["hip"][0]
+    buf = np.zeros(8192, dtype=np.uint8)
+    # Said to be device memory: refused with the reason, nothing registered.
+    with pytest.raises(kvlink.KvlinkError, match="no GPU runtime is loaded" if no_gpu else "not GPU"):
+        e.register_memory(buf.ctypes.data, buf.nbytes, device=True)
+
+    class Device:
+        type = "cuda"
+
+    class CudaTensor:
+        device = Device()
+        nbytes = 8192
+
+        def data_ptr(self):
+            return buf.ctypes.data
+
+        def is_contiguous(self):
+            return True
+
+    with pytest.raises(kvlink.KvlinkError, match="GPU"):
+        e.register_array(CudaTensor())
+
+    class XlaDevice:
+        type = "xla"
+
+    class XlaTensor(CudaTensor):
+        device = XlaDevice()
+
+    with pytest.raises(kvlink.InvalidArgument, match="xla"):
+        e.register_array(XlaTensor())
+    # Asking the runtimes (device=None): host memory is registered as host memory.
+    region = e.register_memory(buf.ctypes.data, buf.nbytes)
+    e.deregister(region)
+    stats = e.stats()
+    assert stats["bytes_staged_out"] == 0 and stats["bytes_staged_in"] == 0
 
 
 def test_type_stubs_match_the_module():

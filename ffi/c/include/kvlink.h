@@ -80,6 +80,12 @@
 #define KVLINK_E_INTERNAL -9
 
 /**
+ * A GPU runtime (CUDA, HIP) is missing or one of its calls failed; the last error names the
+ * runtime, the call and what to install or load.
+ */
+#define KVLINK_E_GPU -10
+
+/**
  * `kvlink_config.transport`: RDMA when both engines have it, TCP otherwise.
  */
 #define KVLINK_TRANSPORT_AUTO 0
@@ -309,6 +315,18 @@ void kvlink_engine_free(struct kvlink_engine *engine);
 int kvlink_engine_handshake_address(const struct kvlink_engine *engine, char *buf, size_t len);
 
 /**
+ * Writes a report of the transports and memory kinds this engine found into `buf` (`len`
+ * bytes, NUL-terminated), one line per item: `transport rdma: yes: <device>` or
+ * `memory cuda:    no: <why>`. Returns `KVLINK_OK` or `KVLINK_E_INVALID` (NULL argument,
+ * buffer too small: 1024 bytes always suffice in practice, the last error says how many are
+ * needed).
+ *
+ * # Safety
+ * `engine` is NULL or a live engine; `buf` is NULL or points to `len` writable bytes.
+ */
+int kvlink_engine_capabilities(const struct kvlink_engine *engine, char *buf, size_t len);
+
+/**
  * Allocates `len` bytes of zeroed host memory and registers it as a new region (with
  * `huge_pages`, on 2 MiB huge pages when the system has them reserved, else regular pages).
  *
@@ -344,6 +362,27 @@ int kvlink_engine_register_host(struct kvlink_engine *engine,
                                 void *ptr,
                                 uint64_t len,
                                 uint32_t *region_id);
+
+/**
+ * Registers `len` bytes of caller-owned GPU memory at device address `ptr` (a KV cache
+ * allocated with CUDA or HIP) as a new region, and stores its id in `*region_id`. The loaded
+ * GPU runtime says which device it is on; RDMA registers it with dma-buf or a peer-memory
+ * driver, TCP stages it through pinned host buffers.
+ *
+ * The same lifetime rules as `kvlink_engine_register_host` apply. Returns `KVLINK_OK`,
+ * `KVLINK_E_INVALID` (NULL argument, `len` of 0, `ptr` not device memory), `KVLINK_E_GPU` (no
+ * GPU runtime loaded: the last error says why each is missing) or `KVLINK_E_MEMORY` /
+ * `KVLINK_E_RDMA` (registration failed).
+ *
+ * # Safety
+ * `engine` is NULL or a live engine; `region_id` is NULL or writable; `[ptr, ptr + len)` is a
+ * live device allocation of this process's CUDA or HIP runtime that stays allocated as
+ * described above.
+ */
+int kvlink_engine_register_device(struct kvlink_engine *engine,
+                                  uint64_t ptr,
+                                  uint64_t len,
+                                  uint32_t *region_id);
 
 /**
  * Stops exporting a region and waits until no transfer uses it any more (at most the request

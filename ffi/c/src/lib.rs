@@ -23,8 +23,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use kvlink::{
-    Engine, EngineConfig, Error, ExternalMemory, FailedRequest, Finished, KvLayout, RegionId,
-    RequestId, Side, TensorLayout, TpAggregator, TransportChoice, MAX_TENSORS,
+    DeviceMemory, Engine, EngineConfig, Error, ExternalMemory, FailedRequest, Finished, KvLayout,
+    RegionId, RequestId, Side, TensorLayout, TpAggregator, TransportChoice, MAX_TENSORS,
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -54,6 +54,9 @@ pub const KVLINK_E_MEMORY: c_int = -7;
 pub const KVLINK_E_SHUTDOWN: c_int = -8;
 /// A bug in kvlink (a caught panic, an unexpected state); the last error has the details.
 pub const KVLINK_E_INTERNAL: c_int = -9;
+/// A GPU runtime (CUDA, HIP) is missing or one of its calls failed; the last error names the
+/// runtime, the call and what to install or load.
+pub const KVLINK_E_GPU: c_int = -10;
 
 /// `kvlink_config.transport`: RDMA when both engines have it, TCP otherwise.
 pub const KVLINK_TRANSPORT_AUTO: u32 = 0;
@@ -139,6 +142,7 @@ fn status_of(e: &Error) -> c_int {
         | Error::ConnectionLost { .. } => KVLINK_E_CONNECTION,
         Error::Rdma(_) | Error::RdmaUnavailable(_) => KVLINK_E_RDMA,
         Error::Memory(_) => KVLINK_E_MEMORY,
+        Error::Gpu(_) => KVLINK_E_GPU,
         Error::Shutdown => KVLINK_E_SHUTDOWN,
         _ => KVLINK_E_INTERNAL,
     }
@@ -554,28 +558,60 @@ pub unsafe extern "C" fn kvlink_engine_handshake_address(
     guard(|| {
         // SAFETY: the caller promised a live engine or NULL.
         let e = unsafe { ref_arg(engine, "engine") }?;
-        if buf.is_null() {
-            return Err(invalid("buf is NULL"));
-        }
         let addr = e.engine.handshake_address().to_string();
-        let needed = addr.len() + 1;
-        if len < needed {
-            if len > 0 {
-                // SAFETY: buf points to at least one writable byte.
-                unsafe { buf.write(0) };
-            }
-            return Err(invalid(format!(
-                "buffer of {len} bytes is too small for the handshake address {addr:?} \
-                 ({needed} bytes with its NUL)"
-            )));
+        // SAFETY: the caller promised `len` writable bytes at `buf` (or NULL).
+        unsafe { copy_str_out(buf, len, &addr, "the handshake address") }
+    })
+}
+
+/// Copies `s` and a NUL into `buf` (`len` bytes), or refuses (writing an empty string when
+/// there is room for one) when it does not fit.
+///
+/// # Safety
+/// `buf` is NULL or points to `len` writable bytes that do not overlap `s`.
+unsafe fn copy_str_out(buf: *mut c_char, len: usize, s: &str, what: &str) -> FfiResult {
+    if buf.is_null() {
+        return Err(invalid("buf is NULL"));
+    }
+    let needed = s.len() + 1;
+    if len < needed {
+        if len > 0 {
+            // SAFETY: buf points to at least one writable byte.
+            unsafe { buf.write(0) };
         }
-        // SAFETY: buf has room for `needed` bytes (checked above) and cannot overlap `addr`,
-        // which this function just allocated.
-        unsafe {
-            std::ptr::copy_nonoverlapping(addr.as_ptr(), buf.cast::<u8>(), addr.len());
-            buf.add(addr.len()).write(0);
-        }
-        Ok(())
+        return Err(invalid(format!(
+            "buffer of {len} bytes is too small for {what} ({needed} bytes with its NUL)"
+        )));
+    }
+    // SAFETY: buf has room for `needed` bytes (checked above) and does not overlap `s` (the
+    // caller's promise).
+    unsafe {
+        std::ptr::copy_nonoverlapping(s.as_ptr(), buf.cast::<u8>(), s.len());
+        buf.add(s.len()).write(0);
+    }
+    Ok(())
+}
+
+/// Writes a report of the transports and memory kinds this engine found into `buf` (`len`
+/// bytes, NUL-terminated), one line per item: `transport rdma: yes: <device>` or
+/// `memory cuda:    no: <why>`. Returns `KVLINK_OK` or `KVLINK_E_INVALID` (NULL argument,
+/// buffer too small: 1024 bytes always suffice in practice, the last error says how many are
+/// needed).
+///
+/// # Safety
+/// `engine` is NULL or a live engine; `buf` is NULL or points to `len` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_engine_capabilities(
+    engine: *const kvlink_engine,
+    buf: *mut c_char,
+    len: usize,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live engine or NULL.
+        let e = unsafe { ref_arg(engine, "engine") }?;
+        let report = e.engine.capabilities().to_string();
+        // SAFETY: the caller promised `len` writable bytes at `buf` (or NULL); `report` is ours.
+        unsafe { copy_str_out(buf, len, &report, "the capabilities report") }
     })
 }
 
@@ -640,6 +676,40 @@ pub unsafe extern "C" fn kvlink_engine_register_host(
         // NULL and empty ranges are refused by new itself.
         let mem = unsafe { ExternalMemory::new(ptr.cast::<u8>(), len) }?;
         let region = e.engine.register_host(mem)?;
+        // SAFETY: checked above; the caller promised writable memory.
+        unsafe { write_out(region_id, region.id().0) };
+        Ok(())
+    })
+}
+
+/// Registers `len` bytes of caller-owned GPU memory at device address `ptr` (a KV cache
+/// allocated with CUDA or HIP) as a new region, and stores its id in `*region_id`. The loaded
+/// GPU runtime says which device it is on; RDMA registers it with dma-buf or a peer-memory
+/// driver, TCP stages it through pinned host buffers.
+///
+/// The same lifetime rules as `kvlink_engine_register_host` apply. Returns `KVLINK_OK`,
+/// `KVLINK_E_INVALID` (NULL argument, `len` of 0, `ptr` not device memory), `KVLINK_E_GPU` (no
+/// GPU runtime loaded: the last error says why each is missing) or `KVLINK_E_MEMORY` /
+/// `KVLINK_E_RDMA` (registration failed).
+///
+/// # Safety
+/// `engine` is NULL or a live engine; `region_id` is NULL or writable; `[ptr, ptr + len)` is a
+/// live device allocation of this process's CUDA or HIP runtime that stays allocated as
+/// described above.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_engine_register_device(
+    engine: *mut kvlink_engine,
+    ptr: u64,
+    len: u64,
+    region_id: *mut u32,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live engine or NULL.
+        let e = unsafe { ref_arg(engine, "engine") }?;
+        check_out(region_id, "region_id")?;
+        // SAFETY: the caller promised a live device allocation: DeviceMemory::new's contract.
+        let mem = unsafe { DeviceMemory::new(ptr, len) }?;
+        let region = e.engine.register_device(mem)?;
         // SAFETY: checked above; the caller promised writable memory.
         unsafe { write_out(region_id, region.id().0) };
         Ok(())
@@ -1323,6 +1393,7 @@ mod tests {
             (Error::Protocol("p".into()), KVLINK_E_CONNECTION),
             (Error::RdmaUnavailable("r".into()), KVLINK_E_RDMA),
             (Error::Memory("m".into()), KVLINK_E_MEMORY),
+            (Error::Gpu("g".into()), KVLINK_E_GPU),
             (Error::Shutdown, KVLINK_E_SHUTDOWN),
         ];
         for (e, code) in cases {
@@ -1368,6 +1439,35 @@ mod tests {
         // SAFETY: NUL-terminated by the call above.
         let addr = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_str().unwrap();
         assert!(addr.starts_with("127.0.0.1:"), "{addr}");
+        // The capabilities report, and the error when the buffer is too small.
+        let mut caps = [0 as c_char; 4096];
+        // SAFETY: live engine, buffer of the given length.
+        let rc = unsafe { kvlink_engine_capabilities(engine, caps.as_mut_ptr(), caps.len()) };
+        assert_eq!(rc, KVLINK_OK, "{}", last_error());
+        // SAFETY: NUL-terminated by the call above.
+        let text = unsafe { CStr::from_ptr(caps.as_ptr()) }.to_str().unwrap();
+        assert!(
+            text.contains("memory cuda:") && text.contains("transport tcp:"),
+            "{text}"
+        );
+        // SAFETY: live engine, buffer of the given length.
+        let rc = unsafe { kvlink_engine_capabilities(engine, caps.as_mut_ptr(), 8) };
+        assert_eq!(rc, KVLINK_E_INVALID);
+        assert!(last_error().contains("too small"), "{}", last_error());
+        // Device memory that no runtime knows: KVLINK_E_GPU (no runtime) or KVLINK_E_INVALID (a
+        // runtime says it is host memory); never a crash.
+        let mut host = vec![0u8; 4096];
+        let mut region = 0u32;
+        // SAFETY: live engine; the address is refused before any access.
+        let rc = unsafe {
+            kvlink_engine_register_device(engine, host.as_mut_ptr() as u64, 4096, &mut region)
+        };
+        assert!(rc == KVLINK_E_GPU || rc == KVLINK_E_INVALID, "{rc}");
+        assert!(
+            last_error().contains("GPU") || last_error().contains("device"),
+            "{}",
+            last_error()
+        );
         let mut f = std::ptr::null_mut();
         // SAFETY: live engine, valid out-pointer.
         let rc = unsafe { kvlink_engine_wait_finished(engine, 0, &mut f) };

@@ -8,8 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvlink_core::{
-    Engine as RsEngine, EngineConfig, Error, ExternalMemory, Finished as RsFinished, KvLayout,
-    RegionId, RequestId, Side, TensorLayout, TpAggregator as RsAggregator, TransportChoice,
+    DeviceMemory, Engine as RsEngine, EngineConfig, Error, ExternalMemory, Finished as RsFinished,
+    KvLayout, PointerKind, RegionId, RequestId, Side, TensorLayout, TpAggregator as RsAggregator,
+    TransportChoice,
 };
 use pyo3::exceptions::{PyException, PyTypeError};
 use pyo3::prelude::*;
@@ -205,18 +206,20 @@ fn finished_from_py(obj: &Bound<'_, PyAny>) -> PyResult<RsFinished> {
     Ok(f)
 }
 
-/// Where an array-like object's bytes are: `(pointer, nbytes)`, host memory only.
-fn host_buffer(obj: &Bound<'_, PyAny>) -> PyResult<(usize, u64)> {
-    if obj.hasattr("__cuda_array_interface__")? {
-        return Err(InvalidArgument::new_err(
-            "this object lives in GPU memory; GPU KV caches are not supported yet (host memory only)",
-        ));
-    }
-    if let Ok(ai) = obj.getattr("__array_interface__") {
+/// Where an array-like object's bytes are: `(pointer, nbytes, on_gpu)`. Host arrays expose
+/// `__array_interface__` (numpy) or are CPU torch tensors; GPU arrays expose
+/// `__cuda_array_interface__` (CuPy, Numba; HIP builds use the same name) or are torch tensors
+/// on a `cuda` device (ROCm builds of torch use the same name).
+fn array_buffer(obj: &Bound<'_, PyAny>) -> PyResult<(usize, u64, bool)> {
+    for (attr, on_gpu) in [
+        ("__cuda_array_interface__", true),
+        ("__array_interface__", false),
+    ] {
+        let Ok(ai) = obj.getattr(attr) else { continue };
         let ai = ai.downcast_into::<PyDict>()?;
         let (ptr, readonly): (usize, bool) = ai
             .get_item("data")?
-            .ok_or_else(|| InvalidArgument::new_err("__array_interface__ has no 'data'"))?
+            .ok_or_else(|| InvalidArgument::new_err(format!("{attr} has no 'data'")))?
             .extract()?;
         if readonly {
             return Err(InvalidArgument::new_err(
@@ -230,18 +233,26 @@ fn host_buffer(obj: &Bound<'_, PyAny>) -> PyResult<(usize, u64)> {
                 ));
             }
         }
-        let nbytes: u64 = obj.getattr("nbytes")?.extract()?;
-        return Ok((ptr, nbytes));
+        let nbytes: u64 = match obj.getattr("nbytes") {
+            Ok(n) => n.extract()?,
+            Err(_) => interface_nbytes(&ai, attr)?,
+        };
+        return Ok((ptr, nbytes, on_gpu));
     }
     if obj.hasattr("data_ptr")? && obj.hasattr("nbytes")? {
-        // torch.Tensor: CPU and contiguous only.
+        // torch.Tensor: contiguous, on the CPU or a GPU.
+        let mut on_gpu = false;
         if let Ok(dev) = obj.getattr("device") {
             let kind: String = dev.getattr("type")?.extract()?;
-            if kind != "cpu" {
-                return Err(InvalidArgument::new_err(format!(
-                    "the tensor is on {kind}; GPU KV caches are not supported yet (host memory only)"
-                )));
-            }
+            on_gpu = match kind.as_str() {
+                "cpu" => false,
+                "cuda" => true,
+                other => {
+                    return Err(InvalidArgument::new_err(format!(
+                        "the tensor is on {other}; kvlink registers CPU and cuda (CUDA or ROCm) tensors"
+                    )))
+                }
+            };
         }
         if obj.hasattr("is_contiguous")? && !obj.call_method0("is_contiguous")?.extract::<bool>()? {
             return Err(InvalidArgument::new_err(
@@ -250,11 +261,34 @@ fn host_buffer(obj: &Bound<'_, PyAny>) -> PyResult<(usize, u64)> {
         }
         let ptr: usize = obj.call_method0("data_ptr")?.extract()?;
         let nbytes: u64 = obj.getattr("nbytes")?.extract()?;
-        return Ok((ptr, nbytes));
+        return Ok((ptr, nbytes, on_gpu));
     }
     Err(InvalidArgument::new_err(
-        "expected an array exposing __array_interface__ (numpy) or data_ptr()/nbytes (torch)",
+        "expected an array exposing __array_interface__ (numpy), __cuda_array_interface__ \
+         (CuPy) or data_ptr()/nbytes (torch)",
     ))
+}
+
+/// Bytes of a contiguous array from its interface's `shape` and `typestr` (`"<f2"`: 2 bytes).
+fn interface_nbytes(ai: &Bound<'_, PyDict>, attr: &str) -> PyResult<u64> {
+    let shape: Vec<u64> = ai
+        .get_item("shape")?
+        .ok_or_else(|| InvalidArgument::new_err(format!("{attr} has no 'shape'")))?
+        .extract()?;
+    let typestr: String = ai
+        .get_item("typestr")?
+        .ok_or_else(|| InvalidArgument::new_err(format!("{attr} has no 'typestr'")))?
+        .extract()?;
+    let item: u64 = typestr
+        .get(2..)
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| {
+            InvalidArgument::new_err(format!("{attr} typestr {typestr:?} unreadable"))
+        })?;
+    shape
+        .iter()
+        .try_fold(item, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| InvalidArgument::new_err(format!("{attr} describes more than 2^64 bytes")))
 }
 
 /// One kvlink engine per worker process (one per tensor-parallel rank).
@@ -341,37 +375,50 @@ impl Engine {
         self.inner.rdma_status().err()
     }
 
-    /// Registers host memory given as a raw address and size; returns the region id. The memory
-    /// must stay valid until `deregister(region)` has returned.
-    fn register_memory(&self, py: Python<'_>, ptr: usize, size: u64) -> PyResult<u32> {
-        // SAFETY: the caller (the inference engine) owns `ptr..ptr+size` and promises, as
-        // documented, that it stays valid until deregistered; kvlink accesses it like a DMA
-        // engine would.
-        let mem = unsafe { ExternalMemory::new(ptr as *mut u8, size) }.map_err(to_py)?;
-        let inner = self.inner.clone();
-        // Registration may pin memory with an RDMA NIC (slow for large caches): release the GIL.
-        Ok(py
-            .allow_threads(move || inner.register_host(mem))
-            .map_err(to_py)?
-            .id()
-            .0)
+    /// Registers memory given as a raw address and size; returns the region id. The memory
+    /// must stay valid until `deregister(region)` has returned. `device=None` asks the loaded
+    /// GPU runtimes whether it is GPU memory; `True` or `False` says so.
+    #[pyo3(signature = (ptr, size, *, device = None))]
+    fn register_memory(
+        &self,
+        py: Python<'_>,
+        ptr: usize,
+        size: u64,
+        device: Option<bool>,
+    ) -> PyResult<u32> {
+        let on_gpu = match device {
+            Some(d) => d,
+            None => matches!(
+                self.inner.classify_pointer(ptr as u64).map_err(to_py)?,
+                PointerKind::Device { .. }
+            ),
+        };
+        self.register_raw(py, ptr, size, on_gpu)
     }
 
-    /// Registers the memory of an array (numpy, or a CPU torch tensor; contiguous, writable);
-    /// keeps the array alive while registered. Returns the region id.
+    /// The transports and memory kinds this engine found: `{name: (available, detail)}` for
+    /// `rdma`, `tcp`, `cuda` and `hip`, the detail saying why when unavailable.
+    fn capabilities(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        let c = self.inner.capabilities();
+        let d = PyDict::new(py);
+        let item = |r: &Result<String, String>| match r {
+            Ok(s) => (true, s.clone()),
+            Err(s) => (false, s.clone()),
+        };
+        d.set_item("rdma", item(&c.rdma))?;
+        d.set_item("tcp", (true, c.tcp.clone()))?;
+        d.set_item("cuda", item(&c.gpu.cuda))?;
+        d.set_item("hip", item(&c.gpu.hip))?;
+        Ok(d.unbind())
+    }
+
+    /// Registers the memory of an array (numpy, CuPy, or a torch tensor on the CPU or a GPU;
+    /// contiguous, writable); keeps the array alive while registered. Returns the region id.
     fn register_array(&self, array: &Bound<'_, PyAny>) -> PyResult<u32> {
-        let (ptr, nbytes) = host_buffer(array)?;
-        // SAFETY: the array's buffer is valid while the array lives; `keep` holds a reference
-        // to the array until the region is deregistered (or the engine dropped).
-        let mem = unsafe { ExternalMemory::new(ptr as *mut u8, nbytes) }.map_err(to_py)?;
-        let inner = self.inner.clone();
-        // Registration may pin memory with an RDMA NIC (slow for large caches): release the GIL.
-        let id = array
-            .py()
-            .allow_threads(move || inner.register_host(mem))
-            .map_err(to_py)?
-            .id()
-            .0;
+        let (ptr, nbytes, on_gpu) = array_buffer(array)?;
+        // The array's buffer is valid while the array lives; `keep` holds a reference to the
+        // array until the region is deregistered (or the engine dropped).
+        let id = self.register_raw(array.py(), ptr, nbytes, on_gpu)?;
         self.keep
             .lock()
             .expect("keep list")
@@ -544,11 +591,30 @@ impl Engine {
         d.set_item("data_requests_served", s.data_requests_served)?;
         d.set_item("data_requests_refused", s.data_requests_refused)?;
         d.set_item("bytes_served", s.bytes_served)?;
+        d.set_item("bytes_staged_out", s.bytes_staged_out)?;
+        d.set_item("bytes_staged_in", s.bytes_staged_in)?;
         Ok(d.unbind())
     }
 }
 
 impl Engine {
+    /// Registers `size` bytes at `ptr` as host or GPU memory.
+    fn register_raw(&self, py: Python<'_>, ptr: usize, size: u64, on_gpu: bool) -> PyResult<u32> {
+        let inner = self.inner.clone();
+        // Registration may pin memory with an RDMA NIC (slow for large caches): release the GIL.
+        let region = if on_gpu {
+            // SAFETY: the caller (the inference engine, or register_array holding the array)
+            // owns this device allocation and keeps it alive until deregistered, as documented.
+            let mem = unsafe { DeviceMemory::new(ptr as u64, size) }.map_err(to_py)?;
+            py.allow_threads(move || inner.register_device(mem))
+        } else {
+            // SAFETY: as above, for host memory; kvlink accesses it like a DMA engine would.
+            let mem = unsafe { ExternalMemory::new(ptr as *mut u8, size) }.map_err(to_py)?;
+            py.allow_threads(move || inner.register_host(mem))
+        };
+        Ok(region.map_err(to_py)?.id().0)
+    }
+
     fn register_all(
         &self,
         arrays: &Bound<'_, PyList>,
@@ -562,7 +628,7 @@ impl Engine {
             let blocks = *shape
                 .first()
                 .ok_or_else(|| InvalidArgument::new_err("a KV cache array has no dimensions"))?;
-            let (_, nbytes) = host_buffer(&a)?;
+            let (_, nbytes, _) = array_buffer(&a)?;
             if blocks == 0 || nbytes % blocks != 0 || blocks > u64::from(u32::MAX) {
                 return Err(InvalidArgument::new_err(format!(
                     "a KV cache array of {nbytes} bytes cannot be split into {blocks} blocks"

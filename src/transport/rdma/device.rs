@@ -12,6 +12,9 @@ use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, Comp
 use sideway::ibverbs::device::{DeviceInfo, DeviceList};
 use sideway::ibverbs::device_context::{DeviceContext, LinkLayer, Mtu, PortState};
 use sideway::ibverbs::memory_region::MemoryRegion;
+use std::os::fd::AsRawFd;
+
+use crate::gpu::{DeviceRuntime, GpuApi};
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::AccessFlags;
 
@@ -282,34 +285,49 @@ impl RdmaDevice {
         Ipv6Addr::from(self.gid)
     }
 
-    /// Registers a region with the device, in chunks of at most `max_mr_bytes`.
+    /// Registers a region with the device, in chunks of at most `max_mr_bytes`. Device memory
+    /// is registered through dma-buf when the GPU runtime can export it, else with plain
+    /// `ibv_reg_mr` (which works when a peer-memory driver such as nvidia-peermem is loaded),
+    /// else the error names both attempts.
     pub(crate) fn register(&self, region: &Region) -> Result<(), String> {
         let chunk = self.settings.max_mr_bytes.max(4096);
         let mut mrs = Vec::new();
         let mut off = 0u64;
         let flags = AccessFlags::LocalWrite | AccessFlags::RemoteRead;
+        let device = region.device_runtime();
+        if let Some((rt, _)) = device {
+            rt.prepare_for_rdma(region.as_ptr() as u64);
+        }
+        let mut method = "host memory";
         while off < region.len() {
             let n = chunk.min(region.len() - off);
-            // SAFETY: [ptr+off, ptr+off+n) lies inside the region (off < len, n <= len - off).
-            // The memory outlives the registration: `Engine::deregister` drops the registration
-            // and waits until no transfer holds it (or the region) before the caller may free
-            // it; in-flight transfers hold both; on engine drop the registrations (RDMA device)
-            // drop before the regions.
-            let mr = unsafe {
-                self.pd
-                    .reg_mr(region.as_ptr() as usize + off as usize, n as usize, flags)
-            }
-            .map_err(|e| {
-                format!(
-                    "registering {} bytes of {} with {}: {e}",
-                    n,
-                    region.id(),
-                    self.name
-                )
-            })?;
+            let addr = region.as_ptr() as u64 + off;
+            let mr = match device {
+                None => {
+                    // SAFETY: [addr, addr+n) lies inside the region (off < len, n <= len - off).
+                    // The memory outlives the registration: `Engine::deregister` drops the
+                    // registration and waits until no transfer holds it (or the region) before
+                    // the caller may free it; in-flight transfers hold both; on engine drop the
+                    // registrations (RDMA device) drop before the regions.
+                    unsafe { self.pd.reg_mr(addr as usize, n as usize, flags) }.map_err(|e| {
+                        format!(
+                            "registering {} bytes of {} with {}: {e}",
+                            n,
+                            region.id(),
+                            self.name
+                        )
+                    })?
+                }
+                Some((rt, ordinal)) => {
+                    let (mr, how) = self.register_device_chunk(&**rt, ordinal, addr, n, flags)?;
+                    method = how;
+                    mr
+                }
+            };
             mrs.push(mr);
             off += n;
         }
+        tracing::info!(region = %region.id(), device = %self.name, "RDMA registration: {method}");
         self.mrs.write().insert(
             region.id(),
             Arc::new(RegionMrs {
@@ -320,6 +338,53 @@ impl RdmaDevice {
             }),
         );
         Ok(())
+    }
+
+    /// Registers `[addr, addr + n)` of GPU memory: dma-buf first, then plain registration.
+    fn register_device_chunk(
+        &self,
+        rt: &dyn DeviceRuntime,
+        ordinal: i32,
+        addr: u64,
+        n: u64,
+        flags: AccessFlags,
+    ) -> Result<(Arc<MemoryRegion>, &'static str), String> {
+        let dmabuf_err = match rt.dmabuf(ordinal, addr, n) {
+            Ok((fd, offset)) => {
+                // SAFETY: `fd` is a dma-buf exporting the page-aligned range around
+                // [addr, addr+n), `offset` is addr's position in it, and the device memory
+                // outlives the registration (same argument as for host memory in `register`).
+                // The MR takes its own reference on the dma-buf, so `fd` may close after.
+                match unsafe {
+                    self.pd
+                        .reg_dmabuf_mr(offset, n as usize, addr, fd.as_raw_fd(), flags)
+                } {
+                    Ok(mr) => return Ok((mr, "GPU memory through dma-buf")),
+                    Err(e) => format!(
+                        "ibv_reg_dmabuf_mr failed: {e} (needs rdma-core 34 or newer and a NIC driver with dma-buf support)"
+                    ),
+                }
+            }
+            Err(e) => e,
+        };
+        // SAFETY: as for host memory in `register`: the range lies inside the registered
+        // device region, which outlives the registration. With a peer-memory driver the kernel
+        // pins the GPU pages; without one the call fails and nothing is registered.
+        match unsafe { self.pd.reg_mr(addr as usize, n as usize, flags) } {
+            Ok(mr) => {
+                tracing::info!(
+                    "dma-buf unavailable ({dmabuf_err}); GPU memory registered through a peer-memory driver"
+                );
+                Ok((mr, "GPU memory through a peer-memory driver"))
+            }
+            Err(e) => Err(format!(
+                "cannot register {} memory of GPU {ordinal} with {}: dma-buf: {dmabuf_err}; \
+                 plain ibv_reg_mr: {e} ({})",
+                rt.api(),
+                self.name,
+                peer_memory_hint(rt.api())
+            )),
+        }
     }
 
     /// Drops a region's registrations (in-flight work keeps its own references).
@@ -457,5 +522,24 @@ pub(crate) fn arm(cq: &BasicCompletionQueue) {
     // SAFETY: the CQ is alive (borrowed) and was created on a completion channel.
     unsafe {
         rdma_mummy_sys::ibv_req_notify_cq(cq.cq().as_ptr(), 0);
+    }
+}
+
+/// What to load for plain registration of GPU memory, from what this host has.
+fn peer_memory_hint(api: GpuApi) -> String {
+    let loaded = |m: &str| std::path::Path::new(&format!("/sys/module/{m}")).exists();
+    match api {
+        GpuApi::Cuda if loaded("nvidia_peermem") => {
+            "nvidia_peermem is loaded but refused the range".into()
+        }
+        GpuApi::Cuda => "load the nvidia-peermem kernel module (modprobe nvidia-peermem), or use \
+                         dma-buf: NVIDIA open kernel modules, Linux 5.12+"
+            .into(),
+        GpuApi::Hip if loaded("amdgpu") => {
+            "amdgpu is loaded; peer memory needs ROCm's peer-direct support in the NIC driver"
+                .into()
+        }
+        GpuApi::Hip => "the amdgpu kernel driver is not loaded".into(),
+        _ => "no peer-memory driver applies".into(),
     }
 }

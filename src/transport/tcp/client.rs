@@ -16,6 +16,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::timeout;
 
+use super::staging::{group, Group, Inbound, StagingPool};
 use super::wire::{self, Entry};
 use crate::error::{Error, Result};
 use crate::memory::{self, RegionSpan};
@@ -88,6 +89,7 @@ impl TcpTransport {
         connect_timeout: Duration,
         io_timeout: Duration,
         batch_bytes: u64,
+        staging: Arc<StagingPool>,
     ) -> Result<TcpTransport> {
         let health = Arc::new(Health::default());
         let mut out = Vec::with_capacity(streams);
@@ -104,7 +106,14 @@ impl TcpTransport {
             let (tx, rx) = mpsc::channel::<Batch>(PIPELINE);
             let (ptx, prx) = mpsc::channel::<Batch>(PIPELINE);
             let w = tokio::spawn(writer(wr, rx, ptx, health.clone(), peer, io_timeout));
-            let r = tokio::spawn(reader(rd, prx, health.clone(), peer, io_timeout));
+            let r = tokio::spawn(reader(
+                rd,
+                prx,
+                health.clone(),
+                peer,
+                io_timeout,
+                staging.clone(),
+            ));
             out.push(Stream { tx, tasks: [w, r] });
         }
         Ok(TcpTransport {
@@ -263,6 +272,7 @@ async fn reader(
     health: Arc<Health>,
     peer: SocketAddr,
     io_timeout: Duration,
+    staging: Arc<StagingPool>,
 ) {
     let mut scratch = vec![0u8; 64 << 10];
     let mut expect_tag = 0u64;
@@ -310,7 +320,17 @@ async fn reader(
             }
         };
         expect_tag += 1;
-        match receive(&mut rd, &batch, expect_tag, &mut scratch, peer, io_timeout).await {
+        let got = receive(
+            &mut rd,
+            &batch,
+            expect_tag,
+            &mut scratch,
+            &staging,
+            peer,
+            io_timeout,
+        )
+        .await;
+        match got {
             Ok(outcome) => batch.finish(outcome),
             Err(e) => {
                 health.fail(e.clone());
@@ -341,13 +361,11 @@ async fn receive(
     batch: &Batch,
     expect_tag: u64,
     scratch: &mut [u8],
+    staging: &Arc<StagingPool>,
     peer: SocketAddr,
     io_timeout: Duration,
 ) -> Result<Result<()>> {
-    let lost = |what: &str, e: &std::io::Error| Error::ConnectionLost {
-        peer: peer.to_string(),
-        reason: format!("{what}: {e}"),
-    };
+    let lost = |what: &str, e: &std::io::Error| lost(peer, what, e);
     let mut head = [0u8; wire::RESPONSE_HEADER];
     timeout(io_timeout, rd.read_exact(&mut head))
         .await
@@ -382,7 +400,32 @@ async fn receive(
             batch.bytes
         )));
     }
+    if batch.ops.iter().any(|o| o.local.is_device()) {
+        return receive_staged(rd, batch, scratch, staging, peer, io_timeout).await;
+    }
     let spans: Vec<RegionSpan> = batch.ops.iter().map(|o| o.local.clone()).collect();
+    read_into(rd, &spans, len, &batch.ctl, scratch, peer, io_timeout).await?;
+    Ok(Ok(()))
+}
+
+fn lost(peer: SocketAddr, what: &str, e: &std::io::Error) -> Error {
+    Error::ConnectionLost {
+        peer: peer.to_string(),
+        reason: format!("{what}: {e}"),
+    }
+}
+
+/// Reads `len` bytes straight into host spans (`readv`), or into `scratch` once the request is
+/// cancelled.
+async fn read_into(
+    rd: &mut OwnedReadHalf,
+    spans: &[RegionSpan],
+    len: u64,
+    ctl: &RequestCtl,
+    scratch: &mut [u8],
+    peer: SocketAddr,
+    io_timeout: Duration,
+) -> Result<()> {
     let mut got = 0u64;
     while got < len {
         timeout(io_timeout, rd.readable())
@@ -391,12 +434,12 @@ async fn receive(
                 what: format!("receiving data from {peer} (stalled)"),
                 after: io_timeout,
             })?
-            .map_err(|e| lost("waiting for data", &e))?;
+            .map_err(|e| lost(peer, "waiting for data", &e))?;
         let stream: &tokio::net::TcpStream = rd.as_ref();
-        let res = batch.ctl.guarded(
+        let res = ctl.guarded(
             || {
                 stream.try_io(Interest::READABLE, || {
-                    memory::readv(stream.as_raw_fd(), &spans, got)
+                    memory::readv(stream.as_raw_fd(), spans, got)
                 })
             },
             || {
@@ -413,8 +456,78 @@ async fn receive(
             }
             Ok(n) => got += n as u64,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(lost("receiving data", &e)),
+            Err(e) => return Err(lost(peer, "receiving data", &e)),
         }
     }
-    Ok(Ok(()))
+    Ok(())
+}
+
+/// Cancels a request if dropped armed: a reader task aborted mid-response must not leave device
+/// copies landing in the request's memory after the request has failed.
+struct CancelOnDrop(Option<Arc<RequestCtl>>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(ctl) = self.0.take() {
+            ctl.cancel();
+        }
+    }
+}
+
+/// Receives a response with device spans among its destinations: host spans are read straight
+/// into place, device spans through staging buffers whose copies to the GPU overlap receiving
+/// the next chunk. Returns only once every copy has finished.
+async fn receive_staged(
+    rd: &mut OwnedReadHalf,
+    batch: &Batch,
+    scratch: &mut [u8],
+    staging: &Arc<StagingPool>,
+    peer: SocketAddr,
+    io_timeout: Duration,
+) -> Result<Result<()>> {
+    let mut inbound = Inbound::new(staging.clone(), io_timeout);
+    let mut armed = CancelOnDrop(Some(batch.ctl.clone()));
+    let received =
+        receive_pieces(rd, batch, scratch, staging, &mut inbound, peer, io_timeout).await;
+    let drained = inbound.drain().await;
+    armed.0 = None;
+    received?;
+    drained?;
+    Ok(match inbound.failed.take() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    })
+}
+
+async fn receive_pieces(
+    rd: &mut OwnedReadHalf,
+    batch: &Batch,
+    scratch: &mut [u8],
+    staging: &Arc<StagingPool>,
+    inbound: &mut Inbound,
+    peer: SocketAddr,
+    io_timeout: Duration,
+) -> Result<()> {
+    let spans: Vec<RegionSpan> = batch.ops.iter().map(|o| o.local.clone()).collect();
+    for g in group(&spans, staging.chunk() as u64)? {
+        match g {
+            Group::Host(host) => {
+                let n = host.iter().map(RegionSpan::len).sum();
+                read_into(rd, &host, n, &batch.ctl, scratch, peer, io_timeout).await?;
+            }
+            Group::Device(pieces) => {
+                let mut slot = inbound.slot().await?;
+                let buf = Inbound::buffer(&mut slot, &pieces)?;
+                timeout(io_timeout, rd.read_exact(buf))
+                    .await
+                    .map_err(|_| Error::Timeout {
+                        what: format!("receiving data from {peer} (stalled)"),
+                        after: io_timeout,
+                    })?
+                    .map_err(|e| lost(peer, "receiving data", &e))?;
+                inbound.land(slot, pieces, batch.ctl.clone()).await?;
+            }
+        }
+    }
+    Ok(())
 }

@@ -3,11 +3,14 @@
 //! The reader opens several streams to the peer's data server and pipelines read requests on
 //! each. The server checks every requested range against its exported regions and answers with
 //! the bytes written straight from registered memory (`writev`); the reader reads them straight
-//! into its registered memory (`readv`). No user-space copies on either side.
+//! into its registered memory (`readv`). No user-space copies on either side for host memory;
+//! GPU memory is staged through pinned host buffers, chunked and pipelined (see `staging`).
 
 mod client;
 mod server;
+mod staging;
 pub mod wire;
 
 pub(crate) use client::TcpTransport;
 pub(crate) use server::{serve, RegionLookup};
+pub(crate) use staging::StagingPool;

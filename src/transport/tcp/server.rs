@@ -9,6 +9,7 @@ use tokio::io::{AsyncReadExt, Interest};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::timeout;
 
+use super::staging::{group, Group, Outbound, StagingPool};
 use super::wire::{self, Entry};
 use crate::error::{Error, Result};
 use crate::ids::RegionId;
@@ -20,6 +21,8 @@ pub(crate) trait RegionLookup: Send + Sync + 'static {
     fn region(&self, id: RegionId) -> Option<Arc<Region>>;
     /// A request was served (`Some(bytes)`) or refused (`None`).
     fn served(&self, bytes: Option<u64>);
+    /// The staging buffers for device memory.
+    fn staging(&self) -> &Arc<StagingPool>;
 }
 
 /// Accepts data connections until the task is dropped.
@@ -124,7 +127,11 @@ async fn connection(
         match resolve(&*regions, wire::decode_entries(&body)) {
             Ok((spans, total)) => {
                 let head = wire::encode_response_header(tag, wire::STATUS_OK, total);
-                write_all(&stream, &head, &spans, io_timeout).await?;
+                if spans.iter().any(RegionSpan::is_device) {
+                    write_staged(&stream, &head, &spans, regions.staging(), io_timeout).await?;
+                } else {
+                    write_all(&stream, &head, &spans, io_timeout).await?;
+                }
                 regions.served(Some(total));
             }
             Err(e) => {
@@ -167,6 +174,54 @@ async fn write_all(
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) => return Err(Error::io("writing a data response", &e)),
         }
+    }
+    Ok(())
+}
+
+/// Writes `head` then the spans' bytes: host spans straight from registered memory, device spans
+/// through staging buffers, chunk by chunk, the next chunk's copy overlapping this one's send.
+async fn write_staged(
+    stream: &TcpStream,
+    head: &[u8],
+    spans: &[RegionSpan],
+    pool: &Arc<StagingPool>,
+    io_timeout: Duration,
+) -> Result<()> {
+    write_all(stream, head, &[], io_timeout).await?;
+    let mut out = Outbound::new(pool.clone(), io_timeout);
+    for g in group(spans, pool.chunk() as u64)? {
+        match g {
+            Group::Host(host) => {
+                flush(stream, &mut out, io_timeout).await?;
+                write_all(stream, &[], &host, io_timeout).await?;
+            }
+            Group::Device(mut pieces) => loop {
+                if out.is_full() {
+                    send_next(stream, &mut out, io_timeout).await?;
+                }
+                match out.start(pieces).await? {
+                    Ok(()) => break,
+                    Err(back) => {
+                        pieces = back;
+                        send_next(stream, &mut out, io_timeout).await?;
+                    }
+                }
+            },
+        }
+    }
+    flush(stream, &mut out, io_timeout).await
+}
+
+async fn send_next(stream: &TcpStream, out: &mut Outbound, io_timeout: Duration) -> Result<()> {
+    if let Some(filled) = out.next().await? {
+        write_all(stream, filled.bytes(), &[], io_timeout).await?;
+    }
+    Ok(())
+}
+
+async fn flush(stream: &TcpStream, out: &mut Outbound, io_timeout: Duration) -> Result<()> {
+    while !out.is_empty() {
+        send_next(stream, out, io_timeout).await?;
     }
     Ok(())
 }

@@ -16,7 +16,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use kvlink::{
-    BlockId, Engine, EngineConfig, KvLayout, ModelShape, Region, RequestId, TransferReport,
+    BlockId, Engine, EngineConfig, GpuApi, KvLayout, ModelShape, Region, RequestId, TransferReport,
     TransportChoice,
 };
 
@@ -47,6 +47,9 @@ options:
   --rdma-device NAME  RDMA device (first active one by default)
   --batch-bytes N     bytes per pipelined TCP request (K/M suffixes)    [4M]
   --blocks N          blocks per tensor in each cache        [2 x blocks/request x concurrency]
+  --memory M          where both KV caches live: host, cuda, hip, or emulated (host memory
+                      taking the GPU staging paths; for testing without a GPU)   [host]
+  --gpu N             GPU ordinal for --memory cuda or hip                [0]
   --verify            check every byte at the destination (slows the run)
   --json              print one JSON object instead of text
   --seed N            fill pattern of the prefill cache                 [1]
@@ -64,6 +67,14 @@ enum Mode {
     Serve,
     Read,
     Sweep,
+}
+
+/// Where the benchmark's KV caches live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Memory {
+    Host,
+    Gpu(GpuApi),
+    Emulated,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,6 +108,8 @@ struct Args {
     param: Option<String>,
     values: Vec<u64>,
     out: String,
+    memory: Memory,
+    gpu: i32,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -145,6 +158,8 @@ fn parse_args() -> Result<Args, String> {
         param: None,
         values: Vec::new(),
         out: "kvlink-sweep".into(),
+        memory: Memory::Host,
+        gpu: 0,
     };
     let mut block_tokens: Option<u32> = None;
     let mut block_bytes: Option<u64> = None;
@@ -176,6 +191,16 @@ fn parse_args() -> Result<Args, String> {
                     t => return Err(format!("unknown transport {t:?} (auto, tcp, rdma)")),
                 }
             }
+            Long("memory") => {
+                a.memory = match val(&mut p)?.as_str() {
+                    "host" => Memory::Host,
+                    "cuda" => Memory::Gpu(GpuApi::Cuda),
+                    "hip" => Memory::Gpu(GpuApi::Hip),
+                    "emulated" => Memory::Emulated,
+                    m => return Err(format!("unknown memory {m:?} (host, cuda, hip, emulated)")),
+                }
+            }
+            Long("gpu") => a.gpu = val(&mut p)?.parse().map_err(|e| format!("--gpu: {e}"))?,
             Long("block-bytes") => block_bytes = Some(parse_size(&val(&mut p)?)?),
             Long("tensors") => {
                 tensors = val(&mut p)?
@@ -330,24 +355,58 @@ impl Args {
 struct Cache {
     region: std::sync::Arc<Region>,
     layout: KvLayout,
+    /// Host memory behind an emulated device region (declared last: dropped after the region).
+    _emulated: Option<Box<[u8]>>,
 }
 
-fn make_cache(
-    engine: &Engine,
-    shape: &ModelShape,
-    blocks: u32,
-    seed: u64,
-) -> Result<Cache, String> {
-    let region = engine
-        .allocate_host(shape.region_bytes(blocks), false)
-        .map_err(|e| e.to_string())?;
+fn make_cache(engine: &Engine, args: &Args, blocks: u32, seed: u64) -> Result<Cache, String> {
+    let shape = &args.shape;
+    let bytes = shape.region_bytes(blocks);
+    let mut emulated = None;
+    let region = match args.memory {
+        Memory::Host => engine.allocate_host(bytes, false),
+        Memory::Gpu(api) => engine.allocate_device(api, args.gpu, bytes),
+        Memory::Emulated => {
+            let mut buf = vec![0u8; bytes as usize].into_boxed_slice();
+            // SAFETY: the buffer is kept in the returned Cache, which callers drop after the
+            // engine (declared after it), so it outlives the registration.
+            let mem = unsafe { kvlink::ExternalMemory::new(buf.as_mut_ptr(), bytes) }
+                .map_err(|e| e.to_string())?;
+            let r = engine.register_emulated_device(mem);
+            emulated = Some(buf);
+            r
+        }
+    }
+    .map_err(|e| e.to_string())?;
     // Fill (this also faults every page in, so the run measures transfers, not page faults).
     kvlink::verify::fill(&region, seed).map_err(|e| e.to_string())?;
     let layout = shape.layout(region.id(), blocks);
     engine
         .set_layout(layout.clone())
         .map_err(|e| e.to_string())?;
-    Ok(Cache { region, layout })
+    Ok(Cache {
+        region,
+        layout,
+        _emulated: emulated,
+    })
+}
+
+/// The reference for staged runs, measured in the same run: one plain copy of the whole
+/// prefill cache out of its memory into an ordinary host buffer, in 64 MiB pieces (for GPU
+/// memory, the runtime's device-to-host copy).
+fn copy_out_reference(region: &Region) -> Result<f64, String> {
+    let mut buf = vec![0u8; (64 << 20).min(region.len() as usize)];
+    buf.fill(1); // fault the pages in before timing
+    let t0 = Instant::now();
+    let mut off = 0;
+    while off < region.len() {
+        let n = (buf.len() as u64).min(region.len() - off) as usize;
+        region
+            .read_at(off, &mut buf[..n])
+            .map_err(|e| e.to_string())?;
+        off += n as u64;
+    }
+    Ok(region.len() as f64 / t0.elapsed().as_secs_f64() / 1e9)
 }
 
 /// A tiny deterministic generator for block ids.
@@ -426,6 +485,10 @@ struct Outcome {
     wall: Duration,
     cpu: f64,
     verified: u64,
+    /// GB/s of a plain copy out of the caches' memory (staged runs only).
+    reference_gbps: Option<f64>,
+    /// Bytes staged out (prefill) and in (decode) during the run.
+    staged: (u64, u64),
 }
 
 /// CPU time (user + system) of this process so far, in seconds, from /proc/self/stat.
@@ -575,10 +638,12 @@ fn report(args: &Args, mode: &str, o: &Outcome) {
     let transport = o.reports.first().map(|r| r.transport).unwrap_or("tcp");
     if args.json {
         println!(
-            "{{\"mode\":\"{mode}\",\"transport\":\"{transport}\",\"preset\":\"{}\",\"tokens\":{},\"pattern\":\"{pattern}\",\"requests\":{},\"concurrency\":{},\"streams\":{},\"qps\":{},\"batch_bytes\":{},\"bytes\":{bytes},\"seconds\":{secs:.6},\"gb_per_s\":{gbps:.4},\"bytes_per_request\":{per_bytes},\"segments_per_request\":{},\"pieces_per_request\":{pieces},\"segments_per_s\":{:.1},\"work_requests_per_s\":{:.1},\"cpu_seconds\":{:.3},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"verified_bytes\":{}}}",
+            "{{\"mode\":\"{mode}\",\"transport\":\"{transport}\",\"preset\":\"{}\",\"tokens\":{},\"pattern\":\"{pattern}\",\"requests\":{},\"concurrency\":{},\"streams\":{},\"qps\":{},\"batch_bytes\":{},\"bytes\":{bytes},\"seconds\":{secs:.6},\"gb_per_s\":{gbps:.4},\"bytes_per_request\":{per_bytes},\"segments_per_request\":{},\"pieces_per_request\":{pieces},\"segments_per_s\":{:.1},\"work_requests_per_s\":{:.1},\"cpu_seconds\":{:.3},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"verified_bytes\":{},\"memory\":\"{}\",\"reference_gb_per_s\":{},\"bytes_staged_out\":{},\"bytes_staged_in\":{}}}",
             args.shape.name, args.tokens, o.reports.len(), args.concurrency, args.streams, args.qps, args.batch_bytes,
             segments / n, segments as f64 / secs, wrs as f64 / secs, o.cpu,
-            p50.as_secs_f64() * 1e3, p99.as_secs_f64() * 1e3, max.as_secs_f64() * 1e3, o.verified
+            p50.as_secs_f64() * 1e3, p99.as_secs_f64() * 1e3, max.as_secs_f64() * 1e3, o.verified,
+            memory_name(args.memory), o.reference_gbps.map_or("null".to_string(), |r| format!("{r:.4}")),
+            o.staged.0, o.staged.1
         );
         return;
     }
@@ -632,6 +697,27 @@ fn report(args: &Args, mode: &str, o: &Outcome) {
         p99.as_secs_f64() * 1e3,
         max.as_secs_f64() * 1e3
     );
+    if args.memory != Memory::Host {
+        let (out, inn) = o.staged;
+        println!(
+            "  staging    {} out, {} in, through host buffers ({transport} moves {} memory {})",
+            fmt_bytes(out as f64),
+            fmt_bytes(inn as f64),
+            memory_name(args.memory),
+            if transport == "rdma" {
+                "directly"
+            } else {
+                "through them"
+            }
+        );
+    }
+    if let Some(r) = o.reference_gbps {
+        println!(
+            "  reference  {r:.2} GB/s plain copy of the prefill cache out of {} memory into a host buffer; this run: {:.2}x of it",
+            memory_name(args.memory),
+            gbps / r
+        );
+    }
     if args.verify {
         println!(
             "  verified   {} at the destination, every byte",
@@ -640,22 +726,52 @@ fn report(args: &Args, mode: &str, o: &Outcome) {
     }
 }
 
+fn memory_name(m: Memory) -> String {
+    match m {
+        Memory::Host => "host".into(),
+        Memory::Gpu(api) => api.to_string(),
+        Memory::Emulated => "emulated device".into(),
+    }
+}
+
 /// Two engines in this process: warm-up, then the measured requests.
 fn loopback(args: &Args, rng: &mut Rng) -> Result<Outcome, String> {
     let blocks = args.cache_blocks();
     let prefill = Engine::start(args.config("127.0.0.1:0", None)).map_err(|e| e.to_string())?;
     let decode = Engine::start(args.config("127.0.0.1:0", None)).map_err(|e| e.to_string())?;
-    let remote = make_cache(&prefill, &args.shape, blocks, args.seed)?;
-    let local = make_cache(&decode, &args.shape, blocks, !args.seed)?;
+    eprintln!("kvlink-bench: {}", prefill.capabilities().summary());
+    let remote = make_cache(&prefill, args, blocks, args.seed)?;
+    let local = make_cache(&decode, args, blocks, !args.seed)?;
     let peer = prefill.handshake_address().to_string();
-    let rd = Reader {
-        engine: &decode,
-        local: &local,
-        remote_layout: &remote.layout,
-        peer: &peer,
+    let reference = match args.memory {
+        Memory::Host => None,
+        _ => Some(copy_out_reference(&remote.region)?),
     };
-    drive(args, &rd, args.warmup, "warmup", rng)?;
-    drive(args, &rd, args.requests, "req", rng)
+    let out = {
+        let rd = Reader {
+            engine: &decode,
+            local: &local,
+            remote_layout: &remote.layout,
+            peer: &peer,
+        };
+        drive(args, &rd, args.warmup, "warmup", rng).and_then(|_| {
+            let staged0 = (
+                prefill.stats().bytes_staged_out,
+                decode.stats().bytes_staged_in,
+            );
+            let mut o = drive(args, &rd, args.requests, "req", rng)?;
+            o.reference_gbps = reference;
+            o.staged = (
+                prefill.stats().bytes_staged_out - staged0.0,
+                decode.stats().bytes_staged_in - staged0.1,
+            );
+            Ok(o)
+        })
+    };
+    // The engines go before the caches: emulated device memory must outlive its registration.
+    drop(decode);
+    drop(prefill);
+    out
 }
 
 /// Loopback runs over the values of one parameter: a table on stdout, `<out>.csv` and a chart
@@ -751,7 +867,7 @@ fn run(args: Args) -> Result<(), String> {
         Mode::Serve => {
             let engine = Engine::start(args.config(&args.listen, Some(args.advertise.clone())))
                 .map_err(|e| e.to_string())?;
-            let _cache = make_cache(&engine, &args.shape, blocks, args.seed)?;
+            let _cache = make_cache(&engine, &args, blocks, args.seed)?;
             eprintln!(
                 "kvlink-bench serve: {} with {blocks} blocks per tensor, seed {}; readers use --peer {}",
                 args.shape.name,
@@ -777,7 +893,7 @@ fn run(args: Args) -> Result<(), String> {
             let peer = args.peer.clone().expect("checked in parse_args");
             let engine = Engine::start(args.config("0.0.0.0:0", Some(args.advertise.clone())))
                 .map_err(|e| e.to_string())?;
-            let local = make_cache(&engine, &args.shape, blocks, !args.seed)?;
+            let local = make_cache(&engine, &args, blocks, !args.seed)?;
             let theirs = engine
                 .connect(&peer, Duration::from_secs(10))
                 .map_err(|e| e.to_string())?;

@@ -1,0 +1,361 @@
+//! CUDA through the driver API, loaded at run time by `cudarc` (`dynamic-loading`).
+//!
+//! `cudarc` panics when the library or a symbol is missing, so [`Cuda::load`] checks that
+//! `libcuda` is present and exports every symbol used here before the first call; optional
+//! symbols (dma-buf export, CUDA 11.7+) are checked again where used.
+//!
+//! Copies run on the calling thread after making the device's primary context current, the
+//! context PyTorch and vLLM allocate from, so device pointers from those engines are valid here.
+
+use std::collections::HashMap;
+use std::ffi::{c_int, c_void, CStr};
+use std::os::fd::{FromRawFd, OwnedFd};
+
+use cudarc::driver::sys;
+use parking_lot::Mutex;
+
+use super::{page_size, DeviceRuntime, GpuApi, PointerKind};
+
+/// Driver symbols kvlink calls; all exist since CUDA 11.0.
+const REQUIRED: &[&str] = &[
+    "cuInit",
+    "cuDriverGetVersion",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDevicePrimaryCtxRetain",
+    "cuCtxSetCurrent",
+    "cuPointerGetAttribute",
+    "cuPointerSetAttribute",
+    "cuMemcpyDtoH_v2",
+    "cuMemcpyHtoD_v2",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuGetErrorString",
+];
+
+/// dma-buf export of device memory (CUDA 11.7+, and a driver built with dma-buf support).
+const DMABUF_SYMBOL: &str = "cuMemGetHandleForAddressRange";
+
+/// A primary context handle. The driver's contexts are process-wide objects usable from any
+/// thread once made current there.
+#[derive(Clone, Copy)]
+struct Ctx(sys::CUcontext);
+// SAFETY: CUcontext is an opaque driver handle; the driver allows making one context current on
+// any number of threads, and kvlink never dereferences it.
+unsafe impl Send for Ctx {}
+
+/// The loaded CUDA driver.
+pub(crate) struct Cuda {
+    version: i32,
+    devices: i32,
+    dmabuf: bool,
+    contexts: Mutex<HashMap<i32, Ctx>>,
+}
+
+impl std::fmt::Debug for Cuda {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe())
+    }
+}
+
+/// The driver's name and text for a result code.
+fn error_text(r: sys::CUresult) -> String {
+    let mut p: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: cuGetErrorString writes a pointer to a static string (or leaves it null for an
+    // unknown code); it was checked to exist at load.
+    let ok = unsafe { sys::cuGetErrorString(r, &mut p) } == sys::CUresult::CUDA_SUCCESS;
+    if ok && !p.is_null() {
+        // SAFETY: the driver returns a NUL-terminated static string.
+        let s = unsafe { CStr::from_ptr(p) };
+        format!("{r:?}: {}", s.to_string_lossy())
+    } else {
+        format!("{r:?}")
+    }
+}
+
+fn check(r: sys::CUresult, what: &str) -> Result<(), String> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(format!("{what} failed: {}", error_text(r)))
+    }
+}
+
+fn has_symbol(name: &str) -> bool {
+    // SAFETY: culib() is only called after is_culib_present() returned true (so it does not
+    // panic); looking a symbol up runs no code.
+    unsafe { sys::culib().get::<*const c_void>(name.as_bytes()).is_ok() }
+}
+
+impl Cuda {
+    /// Loads `libcuda`, checks its symbols and initialises the driver.
+    pub(crate) fn load() -> Result<Cuda, String> {
+        // SAFETY: trying to open the library runs its initialisers, as any CUDA program does.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(
+                "libcuda.so.1 not found (no NVIDIA driver installed, or it is not on the \
+                        library path: set LD_LIBRARY_PATH)"
+                    .into(),
+            );
+        }
+        if let Some(missing) = REQUIRED.iter().find(|s| !has_symbol(s)) {
+            return Err(format!(
+                "libcuda does not export {missing}: the NVIDIA driver is too old (CUDA 11 or newer needed)"
+            ));
+        }
+        // SAFETY: all symbols are present (checked above); cuInit has no pointer arguments.
+        check(unsafe { sys::cuInit(0) }, "cuInit")?;
+        let mut version: c_int = 0;
+        let mut devices: c_int = 0;
+        // SAFETY: out-pointers to live locals.
+        check(
+            unsafe { sys::cuDriverGetVersion(&mut version) },
+            "cuDriverGetVersion",
+        )?;
+        // SAFETY: out-pointer to a live local.
+        check(
+            unsafe { sys::cuDeviceGetCount(&mut devices) },
+            "cuDeviceGetCount",
+        )?;
+        if devices == 0 {
+            return Err(format!(
+                "CUDA driver {} found but no CUDA device is visible (CUDA_VISIBLE_DEVICES?)",
+                fmt_version(version)
+            ));
+        }
+        Ok(Cuda {
+            version,
+            devices,
+            dmabuf: has_symbol(DMABUF_SYMBOL),
+            contexts: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Makes GPU `ordinal`'s primary context current on this thread (retained once, kept for
+    /// the life of the process, as the CUDA runtime does).
+    fn bind(&self, ordinal: i32) -> Result<(), String> {
+        if ordinal < 0 || ordinal >= self.devices {
+            return Err(format!(
+                "CUDA device {ordinal} does not exist ({} visible)",
+                self.devices
+            ));
+        }
+        let ctx = {
+            let mut map = self.contexts.lock();
+            match map.get(&ordinal) {
+                Some(c) => *c,
+                None => {
+                    let mut dev: sys::CUdevice = 0;
+                    // SAFETY: out-pointer to a live local; ordinal checked above.
+                    check(
+                        unsafe { sys::cuDeviceGet(&mut dev, ordinal) },
+                        "cuDeviceGet",
+                    )?;
+                    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+                    // SAFETY: out-pointer to a live local; dev is a valid device handle.
+                    check(
+                        unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) },
+                        "cuDevicePrimaryCtxRetain",
+                    )?;
+                    map.insert(ordinal, Ctx(ctx));
+                    Ctx(ctx)
+                }
+            }
+        };
+        // SAFETY: ctx is a retained primary context, never released while the process runs.
+        check(unsafe { sys::cuCtxSetCurrent(ctx.0) }, "cuCtxSetCurrent")
+    }
+}
+
+fn fmt_version(v: i32) -> String {
+    format!("{}.{}", v / 1000, (v % 1000) / 10)
+}
+
+impl DeviceRuntime for Cuda {
+    fn api(&self) -> GpuApi {
+        GpuApi::Cuda
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "CUDA driver {}, {} device(s), dma-buf export {}",
+            fmt_version(self.version),
+            self.devices,
+            if self.dmabuf {
+                "available"
+            } else {
+                "missing (driver older than CUDA 11.7)"
+            }
+        )
+    }
+
+    fn classify(&self, ptr: u64) -> Result<PointerKind, String> {
+        let mut mem_type: u32 = 0;
+        // SAFETY: CU_POINTER_ATTRIBUTE_MEMORY_TYPE is a 4-byte enum; mem_type is a live u32.
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                &mut mem_type as *mut u32 as *mut c_void,
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                ptr,
+            )
+        };
+        match r {
+            sys::CUresult::CUDA_SUCCESS => {}
+            // Not an address CUDA knows: plain host memory.
+            sys::CUresult::CUDA_ERROR_INVALID_VALUE => return Ok(PointerKind::Host),
+            other => {
+                return Err(format!(
+                    "cuPointerGetAttribute failed: {}",
+                    error_text(other)
+                ))
+            }
+        }
+        let mut managed: u32 = 0;
+        // SAFETY: CU_POINTER_ATTRIBUTE_IS_MANAGED is a 4-byte boolean; managed is a live u32.
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                &mut managed as *mut u32 as *mut c_void,
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED,
+                ptr,
+            )
+        };
+        if r == sys::CUresult::CUDA_SUCCESS && managed != 0 {
+            return Ok(PointerKind::Managed { api: GpuApi::Cuda });
+        }
+        if mem_type == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32 {
+            return Ok(PointerKind::PinnedHost { api: GpuApi::Cuda });
+        }
+        if mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            return Err(format!("CUDA memory type {mem_type} is not supported"));
+        }
+        let mut ordinal: c_int = -1;
+        // SAFETY: CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL is a 4-byte int; ordinal is a live c_int.
+        check(
+            unsafe {
+                sys::cuPointerGetAttribute(
+                    &mut ordinal as *mut c_int as *mut c_void,
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                    ptr,
+                )
+            },
+            "cuPointerGetAttribute(DEVICE_ORDINAL)",
+        )?;
+        Ok(PointerKind::Device {
+            api: GpuApi::Cuda,
+            ordinal,
+        })
+    }
+
+    unsafe fn copy_to_host(
+        &self,
+        ordinal: i32,
+        dst: *mut u8,
+        src: u64,
+        len: usize,
+    ) -> Result<(), String> {
+        self.bind(ordinal)?;
+        // SAFETY: the caller guarantees both ranges (trait contract); cuMemcpyDtoH is
+        // synchronous with respect to the host.
+        check(
+            unsafe { sys::cuMemcpyDtoH_v2(dst as *mut c_void, src, len) },
+            "cuMemcpyDtoH",
+        )
+    }
+
+    unsafe fn copy_from_host(
+        &self,
+        ordinal: i32,
+        dst: u64,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), String> {
+        self.bind(ordinal)?;
+        // SAFETY: the caller guarantees both ranges; cuMemcpyHtoD returns once the source may
+        // be reused, and, for pageable or pinned sources alike, the copy is ordered before any
+        // later work on the context's null stream, the stream the device-to-host copies use.
+        check(
+            unsafe { sys::cuMemcpyHtoD_v2(dst, src as *const c_void, len) },
+            "cuMemcpyHtoD",
+        )
+    }
+
+    unsafe fn pin(&self, ptr: *mut u8, len: usize) -> Result<(), String> {
+        self.bind(0)?;
+        // SAFETY: the caller guarantees the mapping lives until unpin; flags 0 (portable not
+        // needed: every copy binds a primary context of the same process).
+        check(
+            unsafe { sys::cuMemHostRegister_v2(ptr as *mut c_void, len, 0) },
+            "cuMemHostRegister",
+        )
+    }
+
+    unsafe fn unpin(&self, ptr: *mut u8) {
+        // SAFETY: ptr was registered by pin (caller's contract).
+        let _ = unsafe { sys::cuMemHostUnregister(ptr as *mut c_void) };
+    }
+
+    fn dmabuf(&self, ordinal: i32, ptr: u64, len: u64) -> Result<(OwnedFd, u64), String> {
+        if !self.dmabuf {
+            return Err(format!(
+                "the CUDA driver {} cannot export dma-buf ({DMABUF_SYMBOL} needs CUDA 11.7 or newer)",
+                fmt_version(self.version)
+            ));
+        }
+        self.bind(ordinal)?;
+        let page = page_size();
+        let base = ptr & !(page - 1);
+        let end = (ptr + len).div_ceil(page) * page;
+        let mut fd: c_int = -1;
+        // SAFETY: the symbol exists (checked at load); the handle out-pointer is a live c_int,
+        // the size the API writes for CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD.
+        let r = unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                &mut fd as *mut c_int as *mut c_void,
+                base,
+                (end - base) as usize,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        };
+        check(r, "cuMemGetHandleForAddressRange(DMA_BUF_FD)").map_err(|e| {
+            format!("{e} (needs the NVIDIA open kernel modules, or a GPU and driver with dma-buf support, on Linux 5.12 or newer)")
+        })?;
+        if fd < 0 {
+            return Err("cuMemGetHandleForAddressRange returned no file descriptor".into());
+        }
+        // SAFETY: the driver handed us a new file descriptor that nothing else owns.
+        Ok((unsafe { OwnedFd::from_raw_fd(fd) }, ptr - base))
+    }
+
+    fn prepare_for_rdma(&self, ptr: u64) {
+        let one: u32 = 1;
+        // SAFETY: SYNC_MEMOPS takes a 4-byte boolean, read from a live local.
+        let r = unsafe {
+            sys::cuPointerSetAttribute(
+                &one as *const u32 as *const c_void,
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
+                ptr,
+            )
+        };
+        if let Err(e) = check(r, "cuPointerSetAttribute(SYNC_MEMOPS)") {
+            tracing::warn!("{e}: RDMA reads may see device copies still in flight");
+        }
+    }
+
+    fn alloc(&self, ordinal: i32, len: usize) -> Result<u64, String> {
+        self.bind(ordinal)?;
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: out-pointer to a live local.
+        check(unsafe { sys::cuMemAlloc_v2(&mut p, len) }, "cuMemAlloc")?;
+        Ok(p)
+    }
+
+    unsafe fn free(&self, ordinal: i32, ptr: u64) {
+        if self.bind(ordinal).is_ok() {
+            // SAFETY: ptr came from alloc and is unused (caller's contract).
+            let _ = unsafe { sys::cuMemFree_v2(ptr) };
+        }
+    }
+}

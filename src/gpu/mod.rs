@@ -1,0 +1,300 @@
+//! GPU runtimes, loaded at run time: CUDA through `cudarc`'s dynamically loaded driver API, HIP
+//! through a small `libloading` shim over `libamdhip64`. Nothing here is needed to build kvlink,
+//! and a process without either library runs exactly as before: each runtime is probed once per
+//! process and, when missing, says why in [`GpuReport`] and in every error that needed it.
+//!
+//! What kvlink asks of a runtime is small: which memory a pointer is (pointer attributes), plain
+//! copies between device memory and host buffers (for staging over TCP), pinning host buffers,
+//! allocation (for benchmarks and tests) and a dma-buf file descriptor for a device range (for
+//! RDMA registration without a peer-memory driver).
+//!
+//! Raw FFI stays in [`cuda`] and [`hip`] (and the small [`emulated`] runtime used by tests); the
+//! rest of kvlink sees only [`DeviceRuntime`].
+
+#[allow(unsafe_code)]
+mod cuda;
+#[allow(unsafe_code)]
+mod emulated;
+#[allow(unsafe_code)]
+mod hip;
+
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, OnceLock};
+
+use serde::{Deserialize, Serialize};
+
+pub(crate) use emulated::Emulated;
+
+/// The GPU API that owns a device memory region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum GpuApi {
+    /// NVIDIA CUDA (driver API, `libcuda.so.1`).
+    Cuda,
+    /// AMD HIP (`libamdhip64.so`).
+    Hip,
+    /// Host memory presented to kvlink as device memory, so that the staging code paths can be
+    /// tested on machines without a GPU. Never chosen for real memory.
+    Emulated,
+}
+
+impl std::fmt::Display for GpuApi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            GpuApi::Cuda => "cuda",
+            GpuApi::Hip => "hip",
+            GpuApi::Emulated => "emulated",
+        })
+    }
+}
+
+/// What the loaded GPU runtimes say about an address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PointerKind {
+    /// Unknown to every loaded runtime: ordinary host memory (or no runtime to ask).
+    Host,
+    /// Host memory allocated or registered (pinned) by a GPU runtime.
+    PinnedHost {
+        /// The runtime that pinned it.
+        api: GpuApi,
+    },
+    /// Memory of one GPU.
+    Device {
+        /// The runtime that allocated it.
+        api: GpuApi,
+        /// The GPU's ordinal in that runtime.
+        ordinal: i32,
+    },
+    /// Managed (unified) memory that migrates between host and device. kvlink does not register
+    /// it: RDMA and staging both need a fixed home.
+    Managed {
+        /// The runtime that allocated it.
+        api: GpuApi,
+    },
+}
+
+/// The calls kvlink makes into a GPU runtime. Implemented by the CUDA and HIP loaders and by the
+/// emulated runtime of the tests. The unsafe methods take raw addresses; their contracts are
+/// written beside each.
+#[allow(unsafe_code)]
+pub(crate) trait DeviceRuntime: Send + Sync + std::fmt::Debug + 'static {
+    /// Which API this is.
+    fn api(&self) -> GpuApi;
+
+    /// One line for logs and reports: version and device count.
+    fn describe(&self) -> String;
+
+    /// Classifies an address. `Err` only when the runtime itself fails; an address it does not
+    /// know is `Ok(PointerKind::Host)`.
+    fn classify(&self, ptr: u64) -> Result<PointerKind, String>;
+
+    /// Copies `len` bytes from device address `src` (on GPU `ordinal`) to host memory `dst`,
+    /// returning when the bytes are in place.
+    ///
+    /// # Safety
+    /// `dst` is valid for writes of `len` bytes and not accessed by anything else during the
+    /// call; `[src, src + len)` lies inside a live device allocation of this runtime.
+    unsafe fn copy_to_host(
+        &self,
+        ordinal: i32,
+        dst: *mut u8,
+        src: u64,
+        len: usize,
+    ) -> Result<(), String>;
+
+    /// Copies `len` bytes from host memory `src` to device address `dst` (on GPU `ordinal`),
+    /// returning when the copy is complete.
+    ///
+    /// # Safety
+    /// `src` is valid for reads of `len` bytes; `[dst, dst + len)` lies inside a live device
+    /// allocation of this runtime.
+    unsafe fn copy_from_host(
+        &self,
+        ordinal: i32,
+        dst: u64,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), String>;
+
+    /// Pins host memory so device copies run at full speed. Best effort for callers: staging
+    /// still works with pageable memory, only slower.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` is a live host mapping that stays mapped until [`unpin`] is called.
+    ///
+    /// [`unpin`]: DeviceRuntime::unpin
+    unsafe fn pin(&self, ptr: *mut u8, len: usize) -> Result<(), String>;
+
+    /// Undoes [`pin`](DeviceRuntime::pin).
+    ///
+    /// # Safety
+    /// `ptr` was pinned by this runtime and is still mapped.
+    unsafe fn unpin(&self, ptr: *mut u8);
+
+    /// A dma-buf file descriptor exporting the page-aligned range around `[ptr, ptr + len)`,
+    /// and the offset of `ptr` inside it, for `ibv_reg_dmabuf_mr`.
+    fn dmabuf(&self, ordinal: i32, ptr: u64, len: u64) -> Result<(OwnedFd, u64), String>;
+
+    /// Prepares a device range for access by a NIC (CUDA: synchronous memory operations, so an
+    /// RDMA read never sees a copy still in flight). Best effort.
+    fn prepare_for_rdma(&self, _ptr: u64) {}
+
+    /// Allocates `len` bytes of device memory on GPU `ordinal`.
+    fn alloc(&self, ordinal: i32, len: usize) -> Result<u64, String>;
+
+    /// Frees memory from [`alloc`](DeviceRuntime::alloc).
+    ///
+    /// # Safety
+    /// `ptr` came from `alloc` on this runtime and nothing uses it any more.
+    unsafe fn free(&self, ordinal: i32, ptr: u64);
+}
+
+/// Which GPU runtimes this process found, or why each is missing. Reported by
+/// `Engine::capabilities` and logged when an engine starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuReport {
+    /// `Ok(description)` (driver version, devices) or `Err(why it is unavailable)`.
+    pub cuda: Result<String, String>,
+    /// `Ok(description)` (runtime version, devices) or `Err(why it is unavailable)`.
+    pub hip: Result<String, String>,
+}
+
+type Probe = Result<Arc<dyn DeviceRuntime>, String>;
+
+/// The CUDA runtime, probed once per process.
+pub(crate) fn cuda() -> Probe {
+    static CUDA: OnceLock<Probe> = OnceLock::new();
+    CUDA.get_or_init(|| {
+        let r = cuda::Cuda::load().map(|c| Arc::new(c) as Arc<dyn DeviceRuntime>);
+        match &r {
+            Ok(c) => tracing::debug!("CUDA found: {}", c.describe()),
+            Err(why) => tracing::debug!("CUDA unavailable: {why}"),
+        }
+        r
+    })
+    .clone()
+}
+
+/// The HIP runtime, probed once per process.
+pub(crate) fn hip() -> Probe {
+    static HIP: OnceLock<Probe> = OnceLock::new();
+    HIP.get_or_init(|| {
+        let r = hip::Hip::load().map(|h| Arc::new(h) as Arc<dyn DeviceRuntime>);
+        match &r {
+            Ok(h) => tracing::debug!("HIP found: {}", h.describe()),
+            Err(why) => tracing::debug!("HIP unavailable: {why}"),
+        }
+        r
+    })
+    .clone()
+}
+
+/// The GPU runtimes an engine uses: both probed, or none when disabled by configuration.
+#[derive(Debug, Clone)]
+pub(crate) struct Runtimes {
+    cuda: Probe,
+    hip: Probe,
+}
+
+impl Runtimes {
+    /// Probes CUDA and HIP (once per process), or records that GPUs are disabled.
+    pub(crate) fn probe(enabled: bool) -> Runtimes {
+        if !enabled {
+            let off = || Err("disabled by configuration (gpu: false)".to_string());
+            return Runtimes {
+                cuda: off(),
+                hip: off(),
+            };
+        }
+        Runtimes {
+            cuda: cuda(),
+            hip: hip(),
+        }
+    }
+
+    pub(crate) fn report(&self) -> GpuReport {
+        let desc = |p: &Probe| p.as_ref().map(|r| r.describe()).map_err(Clone::clone);
+        GpuReport {
+            cuda: desc(&self.cuda),
+            hip: desc(&self.hip),
+        }
+    }
+
+    /// The loaded runtimes, CUDA first.
+    pub(crate) fn loaded(&self) -> impl Iterator<Item = &Arc<dyn DeviceRuntime>> {
+        [&self.cuda, &self.hip]
+            .into_iter()
+            .filter_map(|p| p.as_ref().ok())
+    }
+
+    /// The runtime of `api`, or why it is unavailable.
+    pub(crate) fn get(&self, api: GpuApi) -> Result<Arc<dyn DeviceRuntime>, String> {
+        match api {
+            GpuApi::Cuda => self.cuda.clone(),
+            GpuApi::Hip => self.hip.clone(),
+            GpuApi::Emulated => Ok(Arc::new(Emulated)),
+        }
+    }
+
+    /// Why no runtime could say what `ptr` is, for errors.
+    pub(crate) fn why_none(&self) -> String {
+        let e = |p: &Probe| match p {
+            Ok(r) => format!("{} loaded", r.api()),
+            Err(why) => why.clone(),
+        };
+        format!("CUDA: {}; HIP: {}", e(&self.cuda), e(&self.hip))
+    }
+
+    /// Asks each loaded runtime about `ptr`; the first that knows it answers.
+    pub(crate) fn classify(
+        &self,
+        ptr: u64,
+    ) -> Result<(PointerKind, Option<Arc<dyn DeviceRuntime>>), String> {
+        for rt in self.loaded() {
+            match rt.classify(ptr)? {
+                PointerKind::Host => continue,
+                kind => return Ok((kind, Some(rt.clone()))),
+            }
+        }
+        Ok((PointerKind::Host, None))
+    }
+}
+
+/// The host page size, for aligning dma-buf ranges.
+pub(crate) fn page_size() -> u64 {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    #[allow(unsafe_code)]
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as u64
+    } else {
+        4096
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn absent_runtimes_say_why_and_classify_as_host() {
+        // On machines without a GPU both probes fail with a reason; with one, they describe it.
+        let rt = Runtimes::probe(true);
+        let report = rt.report();
+        for (name, r) in [("cuda", &report.cuda), ("hip", &report.hip)] {
+            match r {
+                Ok(desc) => assert!(!desc.is_empty(), "{name} loaded without a description"),
+                Err(why) => assert!(!why.is_empty(), "{name} missing without a reason"),
+            }
+        }
+        let host = [0u8; 64];
+        let (kind, _) = rt.classify(host.as_ptr() as u64).unwrap();
+        assert_eq!(kind, PointerKind::Host);
+
+        let off = Runtimes::probe(false);
+        assert!(off.report().cuda.unwrap_err().contains("disabled"));
+        assert_eq!(off.loaded().count(), 0);
+        assert!(off.why_none().contains("disabled"));
+    }
+}
