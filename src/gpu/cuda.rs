@@ -35,6 +35,9 @@ const REQUIRED: &[&str] = &[
     "cuGetErrorString",
 ];
 
+/// `cuMemHostRegister` flag: pinned for all contexts.
+const CU_MEMHOSTREGISTER_PORTABLE: std::ffi::c_uint = 0x01;
+
 /// dma-buf export of device memory (CUDA 11.7+, and a driver built with dma-buf support).
 const DMABUF_SYMBOL: &str = "cuMemGetHandleForAddressRange";
 
@@ -283,10 +286,12 @@ impl DeviceRuntime for Cuda {
 
     unsafe fn pin(&self, ptr: *mut u8, len: usize) -> Result<(), String> {
         self.bind(0)?;
-        // SAFETY: the caller guarantees the mapping lives until unpin; flags 0 (portable not
-        // needed: every copy binds a primary context of the same process).
+        // SAFETY: the caller guarantees the mapping lives until unpin. PORTABLE: the buffer
+        // counts as pinned in every context, whichever GPU the staged region is on.
         check(
-            unsafe { sys::cuMemHostRegister_v2(ptr as *mut c_void, len, 0) },
+            unsafe {
+                sys::cuMemHostRegister_v2(ptr as *mut c_void, len, CU_MEMHOSTREGISTER_PORTABLE)
+            },
             "cuMemHostRegister",
         )
     }

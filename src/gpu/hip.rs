@@ -18,6 +18,7 @@ const HIP_ERROR_INVALID_VALUE: HipError = 1;
 const MEMCPY_HOST_TO_DEVICE: c_int = 1;
 const MEMCPY_DEVICE_TO_HOST: c_int = 2;
 const MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD: c_int = 1;
+const HOST_REGISTER_PORTABLE: c_uint = 1;
 
 /// `hipPointerAttribute_t` (ROCm 5 and 6), with spare room in case a later release grows it.
 #[repr(C)]
@@ -303,8 +304,10 @@ impl DeviceRuntime for Hip {
     }
 
     unsafe fn pin(&self, ptr: *mut u8, len: usize) -> Result<(), String> {
-        // SAFETY: mapping lifetime guaranteed by the caller; flags 0 = hipHostRegisterDefault.
-        let e = unsafe { (self.fns.host_register)(ptr as *mut c_void, len, 0) };
+        // SAFETY: mapping lifetime guaranteed by the caller; hipHostRegisterPortable: pinned
+        // for every device, whichever GPU the staged region is on.
+        let e =
+            unsafe { (self.fns.host_register)(ptr as *mut c_void, len, HOST_REGISTER_PORTABLE) };
         self.check(e, "hipHostRegister")
     }
 
