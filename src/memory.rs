@@ -540,12 +540,13 @@ pub(crate) fn readv(fd: RawFd, spans: &[RegionSpan], skip: u64) -> io::Result<us
 /// it allows (pageable memory works too, only slower).
 pub(crate) struct StagingBuf {
     map: MmapMut,
-    pinned: Option<Arc<dyn DeviceRuntime>>,
+    pinned: Option<(Arc<dyn DeviceRuntime>, i32)>,
 }
 
 impl StagingBuf {
-    /// Maps `len` bytes and pins them with `rt`.
-    pub(crate) fn new(len: usize, rt: &Arc<dyn DeviceRuntime>) -> Result<StagingBuf> {
+    /// Maps `len` bytes and pins them with `rt` (from GPU `ordinal`'s context). Blocking: call
+    /// it off the async runtime.
+    pub(crate) fn new(len: usize, rt: &Arc<dyn DeviceRuntime>, ordinal: i32) -> Result<StagingBuf> {
         let mut map = MmapOptions::new()
             .len(len)
             .populate()
@@ -553,8 +554,8 @@ impl StagingBuf {
             .map_err(|e| Error::Memory(format!("mapping a {len}-byte staging buffer: {e}")))?;
         // SAFETY: the mapping is live and stays mapped until this buffer drops, where it is
         // unpinned first.
-        let pinned = match unsafe { rt.pin(map.as_mut_ptr(), len) } {
-            Ok(()) => Some(rt.clone()),
+        let pinned = match unsafe { rt.pin(ordinal, map.as_mut_ptr(), len) } {
+            Ok(()) => Some((rt.clone(), ordinal)),
             Err(e) => {
                 tracing::warn!("staging buffer not pinned ({e}); device copies will be slower");
                 None
@@ -574,9 +575,9 @@ impl StagingBuf {
 
 impl Drop for StagingBuf {
     fn drop(&mut self) {
-        if let Some(rt) = &self.pinned {
+        if let Some((rt, ordinal)) = &self.pinned {
             // SAFETY: pinned by `rt` in new(), still mapped (the map drops after this).
-            unsafe { rt.unpin(self.map.as_mut_ptr()) };
+            unsafe { rt.unpin(*ordinal, self.map.as_mut_ptr()) };
         }
     }
 }

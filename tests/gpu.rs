@@ -317,3 +317,51 @@ fn peer_killed_mid_staged_transfer_fails_requests_then_a_new_peer_works() {
     );
     assert!(decode.engine.stats().bytes_staged_in > 0);
 }
+
+#[test]
+fn engines_reading_device_memory_from_each_other_do_not_stall() {
+    // Two engines each serve and read device memory at once, with one shared serving buffer
+    // each and many requests in flight both ways: serving pipelines hold the pool while they
+    // write, so readers must never depend on it (they have their own buffers), or the two
+    // engines could wait on each other until io_timeout.
+    let config = EngineConfig {
+        staging_buffers: 1,
+        ..staging_config()
+    };
+    let (sa, sb) = (11, 22);
+    let a = side_in(Mem::Emulated, &SHAPE, 96, Some(sa), config.clone());
+    let b = side_in(Mem::Emulated, &SHAPE, 96, Some(sb), config);
+    let (pa, pb) = (
+        a.engine.handshake_address().to_string(),
+        b.engine.handshake_address().to_string(),
+    );
+    // A reads into its blocks 0..48 from B's 48..96, B into its 0..48 from A's 48..96.
+    let mut rng = Rng(5);
+    let mut reqs = Vec::new();
+    for i in 0..8 {
+        let l: Vec<u32> = (i * 6..i * 6 + 6).collect();
+        let r: Vec<u32> = rng
+            .shuffled(48)
+            .into_iter()
+            .take(6)
+            .map(|x| x + 48)
+            .collect();
+        reqs.push((l, r));
+    }
+    // A stall would end in io_timeout (5 s) tearing streams down: failed requests below.
+    for (i, (l, r)) in reqs.iter().enumerate() {
+        a.engine.read_blocks(&pb, format!("a{i}"), l, r).unwrap();
+        b.engine.read_blocks(&pa, format!("b{i}"), l, r).unwrap();
+    }
+    for (reader, n) in [(&a, "a"), (&b, "b")] {
+        let f = collect(&reader.engine, Duration::from_secs(30), |f| {
+            f.receiving.len() + f.failed.len() == reqs.len()
+        });
+        assert!(f.failed.is_empty(), "{n}: {:?}", f.failed);
+        assert_eq!(f.receiving.len(), reqs.len(), "{n}");
+    }
+    for (l, r) in &reqs {
+        verify(&a, &b.layout, sb, l, r);
+        verify(&b, &a.layout, sa, l, r);
+    }
+}

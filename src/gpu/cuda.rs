@@ -4,8 +4,12 @@
 //! `libcuda` is present and exports every symbol used here before the first call; optional
 //! symbols (dma-buf export, CUDA 11.7+) are checked again where used.
 //!
-//! Copies run on the calling thread after making the device's primary context current, the
-//! context PyTorch and vLLM allocate from, so device pointers from those engines are valid here.
+//! Every call runs in the device's primary context (the context PyTorch and vLLM allocate from),
+//! made current for the call only: the calling thread's own current context is restored after,
+//! since callers may be an inference engine's threads. Copies go on kvlink's own non-blocking
+//! streams (one per copy in flight, reused) and wait for that stream, so they never serialise
+//! with the engine's work on the legacy default stream, and a host-to-device copy from pageable
+//! memory has landed when the call returns.
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void, CStr};
@@ -24,10 +28,15 @@ const REQUIRED: &[&str] = &[
     "cuDeviceGet",
     "cuDevicePrimaryCtxRetain",
     "cuCtxSetCurrent",
+    "cuCtxGetCurrent",
+    "cuDeviceGetAttribute",
     "cuPointerGetAttribute",
     "cuPointerSetAttribute",
-    "cuMemcpyDtoH_v2",
-    "cuMemcpyHtoD_v2",
+    "cuMemGetAddressRange_v2",
+    "cuStreamCreate",
+    "cuStreamSynchronize",
+    "cuMemcpyDtoHAsync_v2",
+    "cuMemcpyHtoDAsync_v2",
     "cuMemHostRegister_v2",
     "cuMemHostUnregister",
     "cuMemAlloc_v2",
@@ -40,6 +49,15 @@ const CU_MEMHOSTREGISTER_PORTABLE: std::ffi::c_uint = 0x01;
 
 /// dma-buf export of device memory (CUDA 11.7+, and a driver built with dma-buf support).
 const DMABUF_SYMBOL: &str = "cuMemGetHandleForAddressRange";
+
+/// `cuStreamCreate` flag: no implicit synchronisation with the legacy default stream.
+const CU_STREAM_NON_BLOCKING: std::ffi::c_uint = 0x01;
+
+/// A stream handle, used by one copy at a time (taken from and returned to `Cuda::streams`).
+struct Stream(sys::CUstream);
+// SAFETY: CUstream is an opaque driver handle usable from any thread in its context; kvlink
+// hands each stream to one copy at a time.
+unsafe impl Send for Stream {}
 
 /// A primary context handle. The driver's contexts are process-wide objects usable from any
 /// thread once made current there.
@@ -55,6 +73,8 @@ pub(crate) struct Cuda {
     devices: i32,
     dmabuf: bool,
     contexts: Mutex<HashMap<i32, Ctx>>,
+    /// Idle copy streams per device.
+    streams: Mutex<HashMap<i32, Vec<Stream>>>,
 }
 
 impl std::fmt::Debug for Cuda {
@@ -133,42 +153,95 @@ impl Cuda {
             devices,
             dmabuf: has_symbol(DMABUF_SYMBOL),
             contexts: Mutex::new(HashMap::new()),
+            streams: Mutex::new(HashMap::new()),
         })
     }
 
-    /// Makes GPU `ordinal`'s primary context current on this thread (retained once, kept for
-    /// the life of the process, as the CUDA runtime does).
-    fn bind(&self, ordinal: i32) -> Result<(), String> {
+    /// GPU `ordinal`'s primary context (retained once, kept for the life of the process, as
+    /// the CUDA runtime does).
+    fn context(&self, ordinal: i32) -> Result<Ctx, String> {
         if ordinal < 0 || ordinal >= self.devices {
             return Err(format!(
                 "CUDA device {ordinal} does not exist ({} visible)",
                 self.devices
             ));
         }
-        let ctx = {
-            let mut map = self.contexts.lock();
-            match map.get(&ordinal) {
-                Some(c) => *c,
-                None => {
-                    let mut dev: sys::CUdevice = 0;
-                    // SAFETY: out-pointer to a live local; ordinal checked above.
-                    check(
-                        unsafe { sys::cuDeviceGet(&mut dev, ordinal) },
-                        "cuDeviceGet",
-                    )?;
-                    let mut ctx: sys::CUcontext = std::ptr::null_mut();
-                    // SAFETY: out-pointer to a live local; dev is a valid device handle.
-                    check(
-                        unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) },
-                        "cuDevicePrimaryCtxRetain",
-                    )?;
-                    map.insert(ordinal, Ctx(ctx));
-                    Ctx(ctx)
-                }
-            }
-        };
+        let mut map = self.contexts.lock();
+        if let Some(c) = map.get(&ordinal) {
+            return Ok(*c);
+        }
+        let mut dev: sys::CUdevice = 0;
+        // SAFETY: out-pointer to a live local; ordinal checked above.
+        check(
+            unsafe { sys::cuDeviceGet(&mut dev, ordinal) },
+            "cuDeviceGet",
+        )?;
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: out-pointer to a live local; dev is a valid device handle.
+        check(
+            unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) },
+            "cuDevicePrimaryCtxRetain",
+        )?;
+        map.insert(ordinal, Ctx(ctx));
+        Ok(Ctx(ctx))
+    }
+
+    /// Runs `f` with GPU `ordinal`'s primary context current on this thread, then restores the
+    /// thread's previous current context.
+    fn in_context<T>(
+        &self,
+        ordinal: i32,
+        f: impl FnOnce() -> Result<T, String>,
+    ) -> Result<T, String> {
+        let ctx = self.context(ordinal)?;
+        let mut prev: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: out-pointer to a live local.
+        check(
+            unsafe { sys::cuCtxGetCurrent(&mut prev) },
+            "cuCtxGetCurrent",
+        )?;
         // SAFETY: ctx is a retained primary context, never released while the process runs.
-        check(unsafe { sys::cuCtxSetCurrent(ctx.0) }, "cuCtxSetCurrent")
+        check(unsafe { sys::cuCtxSetCurrent(ctx.0) }, "cuCtxSetCurrent")?;
+        let r = f();
+        // SAFETY: prev was current on this thread a moment ago (or null, which unbinds).
+        let _ = unsafe { sys::cuCtxSetCurrent(prev) };
+        r
+    }
+
+    /// Runs a copy on one of kvlink's streams of GPU `ordinal` and waits for it.
+    fn on_stream(
+        &self,
+        ordinal: i32,
+        what: &str,
+        copy: impl FnOnce(sys::CUstream) -> sys::CUresult,
+    ) -> Result<(), String> {
+        self.in_context(ordinal, || {
+            let idle = self.streams.lock().get_mut(&ordinal).and_then(Vec::pop);
+            let stream = match idle {
+                Some(s) => s,
+                None => {
+                    let mut s: sys::CUstream = std::ptr::null_mut();
+                    // SAFETY: out-pointer to a live local; the device's context is current.
+                    check(
+                        unsafe { sys::cuStreamCreate(&mut s, CU_STREAM_NON_BLOCKING) },
+                        "cuStreamCreate",
+                    )?;
+                    Stream(s)
+                }
+            };
+            let r = check(copy(stream.0), what).and_then(|()| {
+                // SAFETY: a stream of this context, used by this copy only.
+                check(
+                    unsafe { sys::cuStreamSynchronize(stream.0) },
+                    "cuStreamSynchronize",
+                )
+            });
+            // A stream whose copy failed may be in an error state: drop it rather than reuse.
+            if r.is_ok() {
+                self.streams.lock().entry(ordinal).or_default().push(stream);
+            }
+            r
+        })
     }
 }
 
@@ -258,13 +331,11 @@ impl DeviceRuntime for Cuda {
         src: u64,
         len: usize,
     ) -> Result<(), String> {
-        self.bind(ordinal)?;
-        // SAFETY: the caller guarantees both ranges (trait contract); cuMemcpyDtoH is
-        // synchronous with respect to the host.
-        check(
-            unsafe { sys::cuMemcpyDtoH_v2(dst as *mut c_void, src, len) },
-            "cuMemcpyDtoH",
-        )
+        self.on_stream(ordinal, "cuMemcpyDtoHAsync", |stream| {
+            // SAFETY: the caller guarantees both ranges (trait contract); on_stream waits for
+            // the stream before returning, so `dst` is written only during this call.
+            unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, len, stream) }
+        })
     }
 
     unsafe fn copy_from_host(
@@ -274,31 +345,37 @@ impl DeviceRuntime for Cuda {
         src: *const u8,
         len: usize,
     ) -> Result<(), String> {
-        self.bind(ordinal)?;
-        // SAFETY: the caller guarantees both ranges; cuMemcpyHtoD returns once the source may
-        // be reused, and, for pageable or pinned sources alike, the copy is ordered before any
-        // later work on the context's null stream, the stream the device-to-host copies use.
-        check(
-            unsafe { sys::cuMemcpyHtoD_v2(dst, src as *const c_void, len) },
-            "cuMemcpyHtoD",
-        )
+        self.on_stream(ordinal, "cuMemcpyHtoDAsync", |stream| {
+            // SAFETY: the caller guarantees both ranges; on_stream waits for the stream, so the
+            // bytes are in device memory (pinned or pageable source alike) when this returns.
+            unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, len, stream) }
+        })
     }
 
-    unsafe fn pin(&self, ptr: *mut u8, len: usize) -> Result<(), String> {
-        self.bind(0)?;
-        // SAFETY: the caller guarantees the mapping lives until unpin. PORTABLE: the buffer
-        // counts as pinned in every context, whichever GPU the staged region is on.
-        check(
-            unsafe {
-                sys::cuMemHostRegister_v2(ptr as *mut c_void, len, CU_MEMHOSTREGISTER_PORTABLE)
-            },
-            "cuMemHostRegister",
-        )
+    unsafe fn pin(&self, ordinal: i32, ptr: *mut u8, len: usize) -> Result<(), String> {
+        self.in_context(ordinal, || {
+            // SAFETY: the caller guarantees the mapping lives until unpin. PORTABLE: pinned
+            // in every context, whichever GPU a staged region is on.
+            check(
+                unsafe {
+                    sys::cuMemHostRegister_v2(ptr as *mut c_void, len, CU_MEMHOSTREGISTER_PORTABLE)
+                },
+                "cuMemHostRegister",
+            )
+        })
     }
 
-    unsafe fn unpin(&self, ptr: *mut u8) {
-        // SAFETY: ptr was registered by pin (caller's contract).
-        let _ = unsafe { sys::cuMemHostUnregister(ptr as *mut c_void) };
+    unsafe fn unpin(&self, ordinal: i32, ptr: *mut u8) {
+        let r = self.in_context(ordinal, || {
+            // SAFETY: ptr was registered by pin (caller's contract) and is still mapped.
+            check(
+                unsafe { sys::cuMemHostUnregister(ptr as *mut c_void) },
+                "cuMemHostUnregister",
+            )
+        });
+        if let Err(e) = r {
+            tracing::warn!("unpinning a staging buffer: {e}");
+        }
     }
 
     fn dmabuf(&self, ordinal: i32, ptr: u64, len: u64) -> Result<(OwnedFd, u64), String> {
@@ -308,59 +385,99 @@ impl DeviceRuntime for Cuda {
                 fmt_version(self.version)
             ));
         }
-        self.bind(ordinal)?;
-        let page = page_size();
-        let base = ptr & !(page - 1);
-        let end = (ptr + len).div_ceil(page) * page;
-        let mut fd: c_int = -1;
-        // SAFETY: the symbol exists (checked at load); the handle out-pointer is a live c_int,
-        // the size the API writes for CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD.
-        let r = unsafe {
-            sys::cuMemGetHandleForAddressRange(
-                &mut fd as *mut c_int as *mut c_void,
-                base,
-                (end - base) as usize,
-                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
-                0,
-            )
-        };
-        check(r, "cuMemGetHandleForAddressRange(DMA_BUF_FD)").map_err(|e| {
-            format!("{e} (needs the NVIDIA open kernel modules, or a GPU and driver with dma-buf support, on Linux 5.12 or newer)")
-        })?;
-        if fd < 0 {
-            return Err("cuMemGetHandleForAddressRange returned no file descriptor".into());
-        }
-        // SAFETY: the driver handed us a new file descriptor that nothing else owns.
-        Ok((unsafe { OwnedFd::from_raw_fd(fd) }, ptr - base))
+        self.in_context(ordinal, || {
+            let mut dev: sys::CUdevice = 0;
+            // SAFETY: out-pointer to a live local; ordinal was checked by in_context.
+            check(unsafe { sys::cuDeviceGet(&mut dev, ordinal) }, "cuDeviceGet")?;
+            let mut supported: c_int = 0;
+            // SAFETY: out-pointer to a live local, valid device.
+            check(
+                unsafe {
+                    sys::cuDeviceGetAttribute(
+                        &mut supported,
+                        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED,
+                        dev,
+                    )
+                },
+                "cuDeviceGetAttribute(DMA_BUF_SUPPORTED)",
+            )?;
+            if supported == 0 {
+                return Err(format!(
+                    "CUDA device {ordinal} does not support dma-buf (needs the NVIDIA open kernel \
+                     modules and Linux 5.12 or newer)"
+                ));
+            }
+            // Export the whole allocation holding `ptr`: the range must lie in one allocation
+            // and be page aligned, which allocations are.
+            let mut base: sys::CUdeviceptr = 0;
+            let mut size: usize = 0;
+            // SAFETY: out-pointers to live locals; ptr is an address of this context.
+            check(
+                unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) },
+                "cuMemGetAddressRange",
+            )?;
+            if ptr < base || ptr + len > base + size as u64 || !base.is_multiple_of(page_size()) {
+                return Err(format!(
+                    "[{ptr:#x}, +{len}) is not inside one page-aligned allocation ({base:#x}, +{size})"
+                ));
+            }
+            let mut fd: c_int = -1;
+            // SAFETY: the symbol exists (checked at load); the handle out-pointer is a live
+            // c_int, what the API writes for CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD.
+            let r = unsafe {
+                sys::cuMemGetHandleForAddressRange(
+                    &mut fd as *mut c_int as *mut c_void,
+                    base,
+                    size,
+                    sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                    0,
+                )
+            };
+            check(r, "cuMemGetHandleForAddressRange(DMA_BUF_FD)")?;
+            if fd < 0 {
+                return Err("cuMemGetHandleForAddressRange returned no file descriptor".into());
+            }
+            // SAFETY: the driver handed us a new file descriptor that nothing else owns.
+            Ok((unsafe { OwnedFd::from_raw_fd(fd) }, ptr - base))
+        })
     }
 
-    fn prepare_for_rdma(&self, ptr: u64) {
-        let one: u32 = 1;
-        // SAFETY: SYNC_MEMOPS takes a 4-byte boolean, read from a live local.
-        let r = unsafe {
-            sys::cuPointerSetAttribute(
-                &one as *const u32 as *const c_void,
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
-                ptr,
+    fn prepare_for_rdma(&self, ordinal: i32, ptr: u64) {
+        let r = self.in_context(ordinal, || {
+            let one: u32 = 1;
+            // SAFETY: SYNC_MEMOPS takes a 4-byte boolean, read from a live local.
+            check(
+                unsafe {
+                    sys::cuPointerSetAttribute(
+                        &one as *const u32 as *const c_void,
+                        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
+                        ptr,
+                    )
+                },
+                "cuPointerSetAttribute(SYNC_MEMOPS)",
             )
-        };
-        if let Err(e) = check(r, "cuPointerSetAttribute(SYNC_MEMOPS)") {
+        });
+        if let Err(e) = r {
             tracing::warn!("{e}: RDMA reads may see device copies still in flight");
         }
     }
 
     fn alloc(&self, ordinal: i32, len: usize) -> Result<u64, String> {
-        self.bind(ordinal)?;
-        let mut p: sys::CUdeviceptr = 0;
-        // SAFETY: out-pointer to a live local.
-        check(unsafe { sys::cuMemAlloc_v2(&mut p, len) }, "cuMemAlloc")?;
-        Ok(p)
+        self.in_context(ordinal, || {
+            let mut p: sys::CUdeviceptr = 0;
+            // SAFETY: out-pointer to a live local.
+            check(unsafe { sys::cuMemAlloc_v2(&mut p, len) }, "cuMemAlloc")?;
+            Ok(p)
+        })
     }
 
     unsafe fn free(&self, ordinal: i32, ptr: u64) {
-        if self.bind(ordinal).is_ok() {
+        let r = self.in_context(ordinal, || {
             // SAFETY: ptr came from alloc and is unused (caller's contract).
-            let _ = unsafe { sys::cuMemFree_v2(ptr) };
+            check(unsafe { sys::cuMemFree_v2(ptr) }, "cuMemFree")
+        });
+        if let Err(e) = r {
+            tracing::warn!("freeing device memory: {e}");
         }
     }
 }

@@ -49,11 +49,11 @@ impl DeviceRuntime for Emulated {
         Ok(())
     }
 
-    unsafe fn pin(&self, _ptr: *mut u8, _len: usize) -> Result<(), String> {
+    unsafe fn pin(&self, _ordinal: i32, _ptr: *mut u8, _len: usize) -> Result<(), String> {
         Ok(())
     }
 
-    unsafe fn unpin(&self, _ptr: *mut u8) {}
+    unsafe fn unpin(&self, _ordinal: i32, _ptr: *mut u8) {}
 
     fn dmabuf(&self, _ordinal: i32, _ptr: u64, _len: u64) -> Result<(OwnedFd, u64), String> {
         Err("emulated device memory has no dma-buf exporter".into())

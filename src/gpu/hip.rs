@@ -1,6 +1,11 @@
 //! HIP through a small shim over `libamdhip64`, loaded with `libloading`: no ROCm is needed to
 //! build kvlink, and only the handful of entry points below are looked up.
 //!
+//! Every call selects the region's device for the call only and restores the calling thread's
+//! device after. Copies go on kvlink's own non-blocking streams and wait for them, so they never
+//! serialise with the engine's work on the null stream, and an unpinned host-to-device copy
+//! (which recent ROCm releases return from early) has landed when the call returns.
+//!
 //! ROCm 6 renumbered `hipMemoryType` (to CUDA's values, with `Unregistered = 0`); ROCm 5 used
 //! `Host = 0, Device = 1, Array = 2, Unified = 3, Managed = 4`. [`Hip::classify`] reads the
 //! field according to the runtime's version. `hipPointerAttribute_t` has the same layout in both.
@@ -19,6 +24,15 @@ const MEMCPY_HOST_TO_DEVICE: c_int = 1;
 const MEMCPY_DEVICE_TO_HOST: c_int = 2;
 const MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD: c_int = 1;
 const HOST_REGISTER_PORTABLE: c_uint = 1;
+const STREAM_NON_BLOCKING: c_uint = 1;
+
+type HipStream = *mut c_void;
+
+/// A stream handle, used by one copy at a time (taken from and returned to `Hip::streams`).
+struct Stream(HipStream);
+// SAFETY: an opaque runtime handle usable from any thread; kvlink hands each stream to one copy
+// at a time.
+unsafe impl Send for Stream {}
 
 /// `hipPointerAttribute_t` (ROCm 5 and 6), with spare room in case a later release grows it.
 #[repr(C)]
@@ -39,7 +53,12 @@ struct Fns {
     runtime_get_version: unsafe extern "C" fn(*mut c_int) -> HipError,
     pointer_get_attributes: unsafe extern "C" fn(*mut PointerAttributes, *const c_void) -> HipError,
     set_device: unsafe extern "C" fn(c_int) -> HipError,
-    memcpy: unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int) -> HipError,
+    get_device: unsafe extern "C" fn(*mut c_int) -> HipError,
+    stream_create: unsafe extern "C" fn(*mut HipStream, c_uint) -> HipError,
+    stream_synchronize: unsafe extern "C" fn(HipStream) -> HipError,
+    memcpy_async:
+        unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int, HipStream) -> HipError,
+    address_range: unsafe extern "C" fn(*mut u64, *mut usize, u64) -> HipError,
     host_register: unsafe extern "C" fn(*mut c_void, usize, c_uint) -> HipError,
     host_unregister: unsafe extern "C" fn(*mut c_void) -> HipError,
     malloc: unsafe extern "C" fn(*mut *mut c_void, usize) -> HipError,
@@ -55,6 +74,8 @@ pub(crate) struct Hip {
     version: i32,
     devices: i32,
     path: String,
+    /// Idle copy streams per device.
+    streams: parking_lot::Mutex<std::collections::HashMap<i32, Vec<Stream>>>,
     _lib: Library,
 }
 
@@ -94,7 +115,7 @@ unsafe fn sym<T: Copy>(lib: &Library, name: &str) -> Result<T, String> {
     // SAFETY: the caller guarantees T matches the symbol's type.
     unsafe { lib.get::<T>(name.as_bytes()) }
         .map(|s| *s)
-        .map_err(|e| format!("libamdhip64 does not export {name} ({e}): ROCm 5.6 or newer needed"))
+        .map_err(|e| format!("libamdhip64 does not export {name} ({e}): ROCm 5.7 or newer needed"))
 }
 
 impl Hip {
@@ -127,7 +148,11 @@ impl Hip {
                 runtime_get_version: sym(&lib, "hipRuntimeGetVersion")?,
                 pointer_get_attributes: sym(&lib, "hipPointerGetAttributes")?,
                 set_device: sym(&lib, "hipSetDevice")?,
-                memcpy: sym(&lib, "hipMemcpy")?,
+                get_device: sym(&lib, "hipGetDevice")?,
+                stream_create: sym(&lib, "hipStreamCreateWithFlags")?,
+                stream_synchronize: sym(&lib, "hipStreamSynchronize")?,
+                memcpy_async: sym(&lib, "hipMemcpyAsync")?,
+                address_range: sym(&lib, "hipMemGetAddressRange")?,
                 host_register: sym(&lib, "hipHostRegister")?,
                 host_unregister: sym(&lib, "hipHostUnregister")?,
                 malloc: sym(&lib, "hipMalloc")?,
@@ -141,6 +166,7 @@ impl Hip {
             version: 0,
             devices: 0,
             path,
+            streams: Default::default(),
             _lib: lib,
         };
         // SAFETY: hipInit takes flags only.
@@ -190,15 +216,63 @@ impl Hip {
         }
     }
 
-    fn bind(&self, ordinal: i32) -> Result<(), String> {
+    /// Runs `f` with GPU `ordinal` selected on this thread, then selects the thread's previous
+    /// device again.
+    fn on_device<T>(
+        &self,
+        ordinal: i32,
+        f: impl FnOnce() -> Result<T, String>,
+    ) -> Result<T, String> {
         if ordinal < 0 || ordinal >= self.devices {
             return Err(format!(
                 "HIP device {ordinal} does not exist ({} visible)",
                 self.devices
             ));
         }
+        let mut prev: c_int = 0;
+        // SAFETY: out-pointer to a live local.
+        self.check(unsafe { (self.fns.get_device)(&mut prev) }, "hipGetDevice")?;
         // SAFETY: a valid ordinal (checked above).
-        self.check(unsafe { (self.fns.set_device)(ordinal) }, "hipSetDevice")
+        self.check(unsafe { (self.fns.set_device)(ordinal) }, "hipSetDevice")?;
+        let r = f();
+        // SAFETY: prev was this thread's device a moment ago.
+        let _ = unsafe { (self.fns.set_device)(prev) };
+        r
+    }
+
+    /// Runs a copy on one of kvlink's streams of GPU `ordinal` and waits for it.
+    fn on_stream(
+        &self,
+        ordinal: i32,
+        what: &str,
+        copy: impl FnOnce(HipStream) -> HipError,
+    ) -> Result<(), String> {
+        self.on_device(ordinal, || {
+            let idle = self.streams.lock().get_mut(&ordinal).and_then(Vec::pop);
+            let stream = match idle {
+                Some(s) => s,
+                None => {
+                    let mut s: HipStream = std::ptr::null_mut();
+                    // SAFETY: out-pointer to a live local; the device is selected.
+                    self.check(
+                        unsafe { (self.fns.stream_create)(&mut s, STREAM_NON_BLOCKING) },
+                        "hipStreamCreateWithFlags",
+                    )?;
+                    Stream(s)
+                }
+            };
+            let r = self.check(copy(stream.0), what).and_then(|()| {
+                // SAFETY: a stream of this device, used by this copy only.
+                self.check(
+                    unsafe { (self.fns.stream_synchronize)(stream.0) },
+                    "hipStreamSynchronize",
+                )
+            });
+            if r.is_ok() {
+                self.streams.lock().entry(ordinal).or_default().push(stream);
+            }
+            r
+        })
     }
 
     /// ROCm 6 and later use CUDA's memory type numbering.
@@ -269,17 +343,19 @@ impl DeviceRuntime for Hip {
         src: u64,
         len: usize,
     ) -> Result<(), String> {
-        self.bind(ordinal)?;
-        // SAFETY: ranges guaranteed by the caller; hipMemcpy is synchronous for device-to-host.
-        let e = unsafe {
-            (self.fns.memcpy)(
-                dst as *mut c_void,
-                src as *const c_void,
-                len,
-                MEMCPY_DEVICE_TO_HOST,
-            )
-        };
-        self.check(e, "hipMemcpy(DeviceToHost)")
+        self.on_stream(ordinal, "hipMemcpyAsync(DeviceToHost)", |stream| {
+            // SAFETY: ranges guaranteed by the caller; on_stream waits for the stream before
+            // returning.
+            unsafe {
+                (self.fns.memcpy_async)(
+                    dst as *mut c_void,
+                    src as *const c_void,
+                    len,
+                    MEMCPY_DEVICE_TO_HOST,
+                    stream,
+                )
+            }
+        })
     }
 
     unsafe fn copy_from_host(
@@ -289,80 +365,102 @@ impl DeviceRuntime for Hip {
         src: *const u8,
         len: usize,
     ) -> Result<(), String> {
-        self.bind(ordinal)?;
-        // SAFETY: ranges guaranteed by the caller; hipMemcpy returns once the source may be
-        // reused.
-        let e = unsafe {
-            (self.fns.memcpy)(
-                dst as *mut c_void,
-                src as *const c_void,
-                len,
-                MEMCPY_HOST_TO_DEVICE,
-            )
-        };
-        self.check(e, "hipMemcpy(HostToDevice)")
+        self.on_stream(ordinal, "hipMemcpyAsync(HostToDevice)", |stream| {
+            // SAFETY: ranges guaranteed by the caller; on_stream waits for the stream, so the
+            // bytes have landed (pinned or pageable source) when this returns.
+            unsafe {
+                (self.fns.memcpy_async)(
+                    dst as *mut c_void,
+                    src as *const c_void,
+                    len,
+                    MEMCPY_HOST_TO_DEVICE,
+                    stream,
+                )
+            }
+        })
     }
 
-    unsafe fn pin(&self, ptr: *mut u8, len: usize) -> Result<(), String> {
-        // SAFETY: mapping lifetime guaranteed by the caller; hipHostRegisterPortable: pinned
-        // for every device, whichever GPU the staged region is on.
-        let e =
-            unsafe { (self.fns.host_register)(ptr as *mut c_void, len, HOST_REGISTER_PORTABLE) };
-        self.check(e, "hipHostRegister")
+    unsafe fn pin(&self, ordinal: i32, ptr: *mut u8, len: usize) -> Result<(), String> {
+        self.on_device(ordinal, || {
+            // SAFETY: mapping lifetime guaranteed by the caller; hipHostRegisterPortable:
+            // pinned for every device, whichever GPU a staged region is on.
+            let e = unsafe {
+                (self.fns.host_register)(ptr as *mut c_void, len, HOST_REGISTER_PORTABLE)
+            };
+            self.check(e, "hipHostRegister")
+        })
     }
 
-    unsafe fn unpin(&self, ptr: *mut u8) {
-        // SAFETY: ptr was registered by pin (caller's contract).
-        let _ = unsafe { (self.fns.host_unregister)(ptr as *mut c_void) };
+    unsafe fn unpin(&self, ordinal: i32, ptr: *mut u8) {
+        let r = self.on_device(ordinal, || {
+            // SAFETY: ptr was registered by pin (caller's contract) and is still mapped.
+            let e = unsafe { (self.fns.host_unregister)(ptr as *mut c_void) };
+            self.check(e, "hipHostUnregister")
+        });
+        if let Err(e) = r {
+            tracing::warn!("unpinning a staging buffer: {e}");
+        }
     }
 
     fn dmabuf(&self, ordinal: i32, ptr: u64, len: u64) -> Result<(OwnedFd, u64), String> {
         let Some(export) = self.fns.dmabuf else {
             return Err(format!(
-                "HIP {} cannot export dma-buf (hipMemGetHandleForAddressRange missing: ROCm 6.2 or newer needed)",
+                "HIP {} cannot export dma-buf (hipMemGetHandleForAddressRange is new in ROCm 7.0)",
                 fmt_version(self.version)
             ));
         };
-        self.bind(ordinal)?;
-        let page = page_size();
-        let base = ptr & !(page - 1);
-        let end = (ptr + len).div_ceil(page) * page;
-        let mut fd: c_int = -1;
-        // SAFETY: the handle out-pointer is a live c_int, the size HIP writes for a dma-buf fd.
-        let e = unsafe {
-            export(
-                &mut fd as *mut c_int as *mut c_void,
-                base,
-                (end - base) as usize,
-                MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
-                0,
-            )
-        };
-        self.check(e, "hipMemGetHandleForAddressRange(DMA_BUF_FD)")
-            .map_err(|m| {
-                format!(
-                    "{m} (needs the amdgpu kernel driver with dma-buf export, Linux 5.12 or newer)"
+        self.on_device(ordinal, || {
+            // Export the whole allocation holding `ptr` (the range must lie in one allocation).
+            let mut base: u64 = 0;
+            let mut size: usize = 0;
+            // SAFETY: out-pointers to live locals.
+            self.check(
+                unsafe { (self.fns.address_range)(&mut base, &mut size, ptr) },
+                "hipMemGetAddressRange",
+            )?;
+            if ptr < base || ptr + len > base + size as u64 || !base.is_multiple_of(page_size()) {
+                return Err(format!(
+                    "[{ptr:#x}, +{len}) is not inside one page-aligned allocation ({base:#x}, +{size})"
+                ));
+            }
+            let mut fd: c_int = -1;
+            // SAFETY: the handle out-pointer is a live c_int, what HIP writes for a dma-buf fd.
+            let e = unsafe {
+                export(
+                    &mut fd as *mut c_int as *mut c_void,
+                    base,
+                    size,
+                    MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                    0,
                 )
+            };
+            self.check(e, "hipMemGetHandleForAddressRange(DMA_BUF_FD)").map_err(|m| {
+                format!("{m} (needs the amdgpu kernel driver with dma-buf export, Linux 5.12 or newer)")
             })?;
-        if fd < 0 {
-            return Err("hipMemGetHandleForAddressRange returned no file descriptor".into());
-        }
-        // SAFETY: a new descriptor owned by nobody else.
-        Ok((unsafe { OwnedFd::from_raw_fd(fd) }, ptr - base))
+            if fd < 0 {
+                return Err("hipMemGetHandleForAddressRange returned no file descriptor".into());
+            }
+            // SAFETY: a new descriptor owned by nobody else.
+            Ok((unsafe { OwnedFd::from_raw_fd(fd) }, ptr - base))
+        })
     }
 
     fn alloc(&self, ordinal: i32, len: usize) -> Result<u64, String> {
-        self.bind(ordinal)?;
-        let mut p: *mut c_void = std::ptr::null_mut();
-        // SAFETY: out-pointer to a live local.
-        self.check(unsafe { (self.fns.malloc)(&mut p, len) }, "hipMalloc")?;
-        Ok(p as u64)
+        self.on_device(ordinal, || {
+            let mut p: *mut c_void = std::ptr::null_mut();
+            // SAFETY: out-pointer to a live local.
+            self.check(unsafe { (self.fns.malloc)(&mut p, len) }, "hipMalloc")?;
+            Ok(p as u64)
+        })
     }
 
     unsafe fn free(&self, ordinal: i32, ptr: u64) {
-        if self.bind(ordinal).is_ok() {
+        let r = self.on_device(ordinal, || {
             // SAFETY: ptr came from alloc and is unused (caller's contract).
-            let _ = unsafe { (self.fns.free)(ptr as *mut c_void) };
+            self.check(unsafe { (self.fns.free)(ptr as *mut c_void) }, "hipFree")
+        });
+        if let Err(e) = r {
+            tracing::warn!("freeing device memory: {e}");
         }
     }
 }

@@ -104,7 +104,7 @@ pub(crate) trait DeviceRuntime: Send + Sync + std::fmt::Debug + 'static {
     ) -> Result<(), String>;
 
     /// Copies `len` bytes from host memory `src` to device address `dst` (on GPU `ordinal`),
-    /// returning when the copy is complete.
+    /// returning only when the bytes are in device memory (also for pageable `src`).
     ///
     /// # Safety
     /// `src` is valid for reads of `len` bytes; `[dst, dst + len)` lies inside a live device
@@ -117,20 +117,21 @@ pub(crate) trait DeviceRuntime: Send + Sync + std::fmt::Debug + 'static {
         len: usize,
     ) -> Result<(), String>;
 
-    /// Pins host memory so device copies run at full speed. Best effort for callers: staging
-    /// still works with pageable memory, only slower.
+    /// Pins host memory (for every GPU, from GPU `ordinal`'s context) so device copies run at
+    /// full speed. Best effort for callers: staging still works with pageable memory, only
+    /// slower.
     ///
     /// # Safety
     /// `[ptr, ptr + len)` is a live host mapping that stays mapped until [`unpin`] is called.
     ///
     /// [`unpin`]: DeviceRuntime::unpin
-    unsafe fn pin(&self, ptr: *mut u8, len: usize) -> Result<(), String>;
+    unsafe fn pin(&self, ordinal: i32, ptr: *mut u8, len: usize) -> Result<(), String>;
 
-    /// Undoes [`pin`](DeviceRuntime::pin).
+    /// Undoes [`pin`](DeviceRuntime::pin) (same `ordinal`).
     ///
     /// # Safety
     /// `ptr` was pinned by this runtime and is still mapped.
-    unsafe fn unpin(&self, ptr: *mut u8);
+    unsafe fn unpin(&self, ordinal: i32, ptr: *mut u8);
 
     /// A dma-buf file descriptor exporting the page-aligned range around `[ptr, ptr + len)`,
     /// and the offset of `ptr` inside it, for `ibv_reg_dmabuf_mr`.
@@ -138,7 +139,7 @@ pub(crate) trait DeviceRuntime: Send + Sync + std::fmt::Debug + 'static {
 
     /// Prepares a device range for access by a NIC (CUDA: synchronous memory operations, so an
     /// RDMA read never sees a copy still in flight). Best effort.
-    fn prepare_for_rdma(&self, _ptr: u64) {}
+    fn prepare_for_rdma(&self, _ordinal: i32, _ptr: u64) {}
 
     /// Allocates `len` bytes of device memory on GPU `ordinal`.
     fn alloc(&self, ordinal: i32, len: usize) -> Result<u64, String>;

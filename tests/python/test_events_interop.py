@@ -64,10 +64,19 @@ def cleanup():
         raise errors[0]
 
 
+_GIVEN_PORTS = set()
+
+
 def free_endpoint():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    """A loopback endpoint on a free port, never one already handed out in this session: the
+    kernel may give a just-released port again, and two endpoints of one test must differ."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return f"tcp://127.0.0.1:{port}"
 
 
 def bound(endpoint):

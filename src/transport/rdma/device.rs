@@ -295,8 +295,8 @@ impl RdmaDevice {
         let mut off = 0u64;
         let flags = AccessFlags::LocalWrite | AccessFlags::RemoteRead;
         let device = region.device_runtime();
-        if let Some((rt, _)) = device {
-            rt.prepare_for_rdma(region.as_ptr() as u64);
+        if let Some((rt, ordinal)) = device {
+            rt.prepare_for_rdma(ordinal, region.as_ptr() as u64);
         }
         let mut method = "host memory";
         while off < region.len() {

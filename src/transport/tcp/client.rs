@@ -276,6 +276,8 @@ async fn reader(
 ) {
     let mut scratch = vec![0u8; 64 << 10];
     let mut expect_tag = 0u64;
+    // This stream's staging buffers for device memory (allocated on first use).
+    let mut inbound = Inbound::new(staging, io_timeout);
     loop {
         // Between batches, also watch the socket: a server that closes an idle stream (or
         // dies) marks this transport broken now, so the next request rebuilds the session
@@ -325,7 +327,7 @@ async fn reader(
             &batch,
             expect_tag,
             &mut scratch,
-            &staging,
+            &mut inbound,
             peer,
             io_timeout,
         )
@@ -361,7 +363,7 @@ async fn receive(
     batch: &Batch,
     expect_tag: u64,
     scratch: &mut [u8],
-    staging: &Arc<StagingPool>,
+    inbound: &mut Inbound,
     peer: SocketAddr,
     io_timeout: Duration,
 ) -> Result<Result<()>> {
@@ -401,7 +403,7 @@ async fn receive(
         )));
     }
     if batch.ops.iter().any(|o| o.local.is_device()) {
-        return receive_staged(rd, batch, scratch, staging, peer, io_timeout).await;
+        return receive_staged(rd, batch, scratch, inbound, peer, io_timeout).await;
     }
     let spans: Vec<RegionSpan> = batch.ops.iter().map(|o| o.local.clone()).collect();
     read_into(rd, &spans, len, &batch.ctl, scratch, peer, io_timeout).await?;
@@ -481,16 +483,19 @@ async fn receive_staged(
     rd: &mut OwnedReadHalf,
     batch: &Batch,
     scratch: &mut [u8],
-    staging: &Arc<StagingPool>,
+    inbound: &mut Inbound,
     peer: SocketAddr,
     io_timeout: Duration,
 ) -> Result<Result<()>> {
-    let mut inbound = Inbound::new(staging.clone(), io_timeout);
+    inbound.failed = None;
     let mut armed = CancelOnDrop(Some(batch.ctl.clone()));
-    let received =
-        receive_pieces(rd, batch, scratch, staging, &mut inbound, peer, io_timeout).await;
+    let received = receive_pieces(rd, batch, scratch, inbound, peer, io_timeout).await;
     let drained = inbound.drain().await;
-    armed.0 = None;
+    if drained.is_ok() {
+        // Every copy has finished: nothing can land after the batch's outcome. (If draining
+        // timed out, dropping `armed` cancels the request, waiting out the copy in progress.)
+        armed.0 = None;
+    }
     received?;
     drained?;
     Ok(match inbound.failed.take() {
@@ -503,29 +508,28 @@ async fn receive_pieces(
     rd: &mut OwnedReadHalf,
     batch: &Batch,
     scratch: &mut [u8],
-    staging: &Arc<StagingPool>,
     inbound: &mut Inbound,
     peer: SocketAddr,
     io_timeout: Duration,
 ) -> Result<()> {
     let spans: Vec<RegionSpan> = batch.ops.iter().map(|o| o.local.clone()).collect();
-    for g in group(&spans, staging.chunk() as u64)? {
+    for g in group(&spans, inbound.chunk() as u64)? {
         match g {
             Group::Host(host) => {
                 let n = host.iter().map(RegionSpan::len).sum();
                 read_into(rd, &host, n, &batch.ctl, scratch, peer, io_timeout).await?;
             }
             Group::Device(pieces) => {
-                let mut slot = inbound.slot().await?;
-                let buf = Inbound::buffer(&mut slot, &pieces)?;
-                timeout(io_timeout, rd.read_exact(buf))
+                let mut buf = inbound.buffer(&pieces[0]).await?;
+                let n = pieces.iter().map(|p| p.len() as usize).sum();
+                timeout(io_timeout, rd.read_exact(&mut buf.bytes_mut()[..n]))
                     .await
                     .map_err(|_| Error::Timeout {
                         what: format!("receiving data from {peer} (stalled)"),
                         after: io_timeout,
                     })?
                     .map_err(|e| lost(peer, "receiving data", &e))?;
-                inbound.land(slot, pieces, batch.ctl.clone()).await?;
+                inbound.land(buf, pieces, batch.ctl.clone());
             }
         }
     }

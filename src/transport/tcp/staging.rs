@@ -6,9 +6,11 @@
 //! chunk k is copied (host to device). Host spans of the same response still go straight from
 //! or to registered memory with `writev`/`readv`.
 //!
-//! Buffers come from one bounded pool per engine. A pipeline only waits for a free buffer when
-//! it holds none itself (otherwise it first finishes its own oldest chunk), so pipelines can
-//! never deadlock each other on the pool.
+//! The server's buffers come from one bounded pool per engine. A serving pipeline only waits
+//! for a free buffer when it holds none itself (otherwise it first sends its own oldest chunk).
+//! Each reader stream has its own two buffers and never waits for the pool, so readers always
+//! drain their sockets and serving pipelines always make progress: no pipeline, in this engine
+//! or a peer, can wait on another forever.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,8 +29,8 @@ use crate::transport::RequestCtl;
 /// Chunks in flight per pipeline (one being copied, one on the wire, one spare).
 pub(crate) const DEPTH: usize = 3;
 
-/// The engine's staging buffers: at most `buffers` of `chunk` bytes, allocated (and pinned) on
-/// first use and kept for reuse.
+/// The engine's staging buffers for serving: at most `buffers` of `chunk` bytes, allocated (and
+/// pinned) on first use and kept for reuse; and the engine's staging counters.
 pub(crate) struct StagingPool {
     chunk: usize,
     slots: Arc<Semaphore>,
@@ -56,11 +58,11 @@ impl Slot {
     /// The buffer, allocated and pinned with the span's runtime on first use.
     fn buf(&mut self, span: &RegionSpan) -> Result<&mut StagingBuf> {
         if self.buf.is_none() {
-            let (rt, _) = span
+            let (rt, ordinal) = span
                 .region()
                 .device_runtime()
                 .ok_or_else(|| Error::invalid("staging a host span"))?;
-            self.buf = Some(StagingBuf::new(self.pool.chunk, rt)?);
+            self.buf = Some(StagingBuf::new(self.pool.chunk, rt, ordinal)?);
         }
         Ok(self.buf.as_mut().expect("set above"))
     }
@@ -271,60 +273,73 @@ impl Filled {
     }
 }
 
-/// The reader side: lands received chunks in device memory, pipelined.
+/// Staging buffers per reader stream: one receiving while the other's copy to the GPU runs.
+pub(crate) const IN_DEPTH: usize = 2;
+
+/// The reader side of one stream: lands received chunks in device memory, pipelined. Its
+/// buffers are its own (allocated on first use, kept for the stream's life), never taken from
+/// the engine's shared pool: a reader must always be able to drain its socket, or serving
+/// pipelines (which hold pool buffers while they write) could wait on each other across engines.
 pub(crate) struct Inbound {
-    pool: Arc<StagingPool>,
-    queue: VecDeque<JoinHandle<Result<()>>>,
+    staging: Arc<StagingPool>,
+    free: Vec<StagingBuf>,
+    allocated: usize,
+    queue: VecDeque<JoinHandle<(StagingBuf, Result<()>)>>,
     wait: Duration,
-    /// The first copy failure; later chunks are still received (to keep the stream in step)
-    /// but the batch fails with this.
+    /// The first copy failure of the current batch; later chunks are still received (to keep
+    /// the stream in step) but the batch fails with this.
     pub(crate) failed: Option<Error>,
 }
 
 impl Inbound {
-    pub(crate) fn new(pool: Arc<StagingPool>, wait: Duration) -> Inbound {
+    pub(crate) fn new(staging: Arc<StagingPool>, wait: Duration) -> Inbound {
         Inbound {
-            pool,
+            staging,
+            free: Vec::new(),
+            allocated: 0,
             queue: VecDeque::new(),
             wait,
             failed: None,
         }
     }
 
-    /// A buffer for the next chunk: taken from the pool, after finishing this pipeline's oldest
-    /// copies when the pool is empty.
-    pub(crate) async fn slot(&mut self) -> Result<Slot> {
+    /// Bytes per staging buffer.
+    pub(crate) fn chunk(&self) -> usize {
+        self.staging.chunk
+    }
+
+    /// A buffer for the next chunk, whose first piece is `first`: an idle one, a new one (up to
+    /// [`IN_DEPTH`], mapped and pinned off the async runtime), or the oldest one in use once
+    /// its copy finishes.
+    pub(crate) async fn buffer(&mut self, first: &RegionSpan) -> Result<StagingBuf> {
         loop {
-            if let Some(s) = self.pool.try_take() {
-                return Ok(s);
+            if let Some(b) = self.free.pop() {
+                return Ok(b);
             }
-            if self.queue.is_empty() {
-                return self.pool.take(self.wait).await;
+            if self.allocated < IN_DEPTH {
+                let (rt, ordinal) = first
+                    .region()
+                    .device_runtime()
+                    .map(|(rt, o)| (rt.clone(), o))
+                    .ok_or_else(|| Error::invalid("staging a host span"))?;
+                let chunk = self.staging.chunk;
+                let h = tokio::task::spawn_blocking(move || StagingBuf::new(chunk, &rt, ordinal));
+                let b = join(h, self.wait, "allocating a staging buffer").await?;
+                self.allocated += 1;
+                return Ok(b);
             }
             self.finish_one().await?;
         }
     }
 
-    /// The slot's buffer, sized for `pieces` (from [`group`]), to receive their bytes into.
-    pub(crate) fn buffer<'a>(slot: &'a mut Slot, pieces: &[RegionSpan]) -> Result<&'a mut [u8]> {
-        let n = total(pieces);
-        let first = pieces
-            .first()
-            .ok_or_else(|| Error::invalid("no pieces to stage"))?;
-        Ok(&mut slot.buf(first)?.bytes_mut()[..n])
-    }
-
-    /// Copies the received bytes in `slot` to `pieces`, back to back, on a blocking thread,
-    /// through the request's write guard (discarded once the request is cancelled).
-    pub(crate) async fn land(
-        &mut self,
-        slot: Slot,
-        pieces: Vec<RegionSpan>,
-        ctl: Arc<RequestCtl>,
-    ) -> Result<()> {
+    /// Copies the received bytes in `buf` to `pieces` (from [`group`]), back to back, on a
+    /// blocking thread, through the request's write guard (discarded once the request is
+    /// cancelled).
+    pub(crate) fn land(&mut self, buf: StagingBuf, pieces: Vec<RegionSpan>, ctl: Arc<RequestCtl>) {
+        let staging = self.staging.clone();
         self.queue.push_back(tokio::task::spawn_blocking(move || {
-            let bytes = slot.buf.as_ref().expect("received into").bytes();
-            ctl.guarded(
+            let bytes = buf.bytes();
+            let r = ctl.guarded(
                 || {
                     let mut at = 0;
                     for p in &pieces {
@@ -332,43 +347,41 @@ impl Inbound {
                         p.region().write_at(p.offset(), &bytes[at..at + len])?;
                         at += len;
                     }
-                    slot.pool.staged_in.fetch_add(at as u64, Ordering::Relaxed);
+                    staging.staged_in.fetch_add(at as u64, Ordering::Relaxed);
                     Ok(())
                 },
                 || Ok(()),
-            )
+            );
+            (buf, r)
         }));
-        while self.queue.len() >= DEPTH {
-            self.finish_one().await?;
-        }
-        Ok(())
     }
 
     async fn finish_one(&mut self) -> Result<()> {
-        if let Some(h) = self.queue.pop_front() {
-            match timeout(self.wait, h).await {
-                Err(_) => {
-                    return Err(Error::Timeout {
-                        what:
-                            "landing received data in device memory (the GPU copy did not finish)"
-                                .into(),
-                        after: self.wait,
-                    })
-                }
-                Ok(Err(e)) => {
-                    self.failed
-                        .get_or_insert(Error::Gpu(format!("copy task failed: {e}")));
-                }
-                Ok(Ok(Err(e))) => {
+        let Some(h) = self.queue.pop_front() else {
+            return Ok(());
+        };
+        match timeout(self.wait, h).await {
+            Err(_) => Err(Error::Timeout {
+                what: "landing received data in device memory (the GPU copy did not finish)".into(),
+                after: self.wait,
+            }),
+            Ok(Err(e)) => {
+                self.allocated -= 1;
+                self.failed
+                    .get_or_insert(Error::Gpu(format!("copy task failed: {e}")));
+                Ok(())
+            }
+            Ok(Ok((buf, r))) => {
+                self.free.push(buf);
+                if let Err(e) = r {
                     self.failed.get_or_insert(e);
                 }
-                Ok(Ok(Ok(()))) => {}
+                Ok(())
             }
         }
-        Ok(())
     }
 
-    /// Waits for every queued copy. Always called before the batch is reported, so no copy
+    /// Waits for every queued copy. Always called before a batch is reported, so no copy
     /// writes into the request's memory after its outcome is known.
     pub(crate) async fn drain(&mut self) -> Result<()> {
         while !self.queue.is_empty() {
