@@ -314,7 +314,7 @@ pub(crate) async fn run_read(shared: Arc<Shared>, job: ReadJob) {
             shared.with_tracker(|t| t.recv_done(report));
         }
         Err(e) => {
-            ctl.cancel();
+            ctl.cancel_async(shared.config.io_timeout).await;
             let reason = if expired {
                 format!(
                     "not complete within the request timeout of {timeout:?} (peer {}): {e}",

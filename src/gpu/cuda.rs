@@ -18,7 +18,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use cudarc::driver::sys;
 use parking_lot::Mutex;
 
-use super::{page_size, DeviceRuntime, GpuApi, PointerKind};
+use super::{export_candidates, DeviceRuntime, DmaBuf, GpuApi, PointerKind};
 
 /// Driver symbols kvlink calls; all exist since CUDA 11.0.
 const REQUIRED: &[&str] = &[
@@ -35,6 +35,7 @@ const REQUIRED: &[&str] = &[
     "cuMemGetAddressRange_v2",
     "cuStreamCreate",
     "cuStreamSynchronize",
+    "cuStreamDestroy_v2",
     "cuMemcpyDtoHAsync_v2",
     "cuMemcpyHtoDAsync_v2",
     "cuMemHostRegister_v2",
@@ -204,7 +205,13 @@ impl Cuda {
         check(unsafe { sys::cuCtxSetCurrent(ctx.0) }, "cuCtxSetCurrent")?;
         let r = f();
         // SAFETY: prev was current on this thread a moment ago (or null, which unbinds).
-        let _ = unsafe { sys::cuCtxSetCurrent(prev) };
+        let restored = check(
+            unsafe { sys::cuCtxSetCurrent(prev) },
+            "restoring the thread's CUDA context",
+        );
+        if let Err(e) = restored {
+            tracing::warn!("{e}");
+        }
         r
     }
 
@@ -229,16 +236,22 @@ impl Cuda {
                     Stream(s)
                 }
             };
-            let r = check(copy(stream.0), what).and_then(|()| {
-                // SAFETY: a stream of this context, used by this copy only.
-                check(
-                    unsafe { sys::cuStreamSynchronize(stream.0) },
-                    "cuStreamSynchronize",
-                )
-            });
-            // A stream whose copy failed may be in an error state: drop it rather than reuse.
-            if r.is_ok() {
+            // A copy that could not be queued leaves the stream as it was: reuse it. One that
+            // failed while running may leave it in an error state: destroy it.
+            if let Err(e) = check(copy(stream.0), what) {
                 self.streams.lock().entry(ordinal).or_default().push(stream);
+                return Err(e);
+            }
+            // SAFETY: a stream of this context, used by this copy only.
+            let r = check(
+                unsafe { sys::cuStreamSynchronize(stream.0) },
+                "cuStreamSynchronize",
+            );
+            match r {
+                Ok(()) => self.streams.lock().entry(ordinal).or_default().push(stream),
+                // SAFETY: the stream has no other user; destroying it releases its resources
+                // once its (failed) work is done.
+                Err(_) => drop(unsafe { sys::cuStreamDestroy_v2(stream.0) }),
             }
             r
         })
@@ -378,7 +391,7 @@ impl DeviceRuntime for Cuda {
         }
     }
 
-    fn dmabuf(&self, ordinal: i32, ptr: u64, len: u64) -> Result<(OwnedFd, u64), String> {
+    fn dmabuf(&self, ordinal: i32, ptr: u64, len: u64) -> Result<DmaBuf, String> {
         if !self.dmabuf {
             return Err(format!(
                 "the CUDA driver {} cannot export dma-buf ({DMABUF_SYMBOL} needs CUDA 11.7 or newer)",
@@ -388,7 +401,10 @@ impl DeviceRuntime for Cuda {
         self.in_context(ordinal, || {
             let mut dev: sys::CUdevice = 0;
             // SAFETY: out-pointer to a live local; ordinal was checked by in_context.
-            check(unsafe { sys::cuDeviceGet(&mut dev, ordinal) }, "cuDeviceGet")?;
+            check(
+                unsafe { sys::cuDeviceGet(&mut dev, ordinal) },
+                "cuDeviceGet",
+            )?;
             let mut supported: c_int = 0;
             // SAFETY: out-pointer to a live local, valid device.
             check(
@@ -407,8 +423,6 @@ impl DeviceRuntime for Cuda {
                      modules and Linux 5.12 or newer)"
                 ));
             }
-            // Export the whole allocation holding `ptr`: the range must lie in one allocation
-            // and be page aligned, which allocations are.
             let mut base: sys::CUdeviceptr = 0;
             let mut size: usize = 0;
             // SAFETY: out-pointers to live locals; ptr is an address of this context.
@@ -416,29 +430,35 @@ impl DeviceRuntime for Cuda {
                 unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) },
                 "cuMemGetAddressRange",
             )?;
-            if ptr < base || ptr + len > base + size as u64 || !base.is_multiple_of(page_size()) {
-                return Err(format!(
-                    "[{ptr:#x}, +{len}) is not inside one page-aligned allocation ({base:#x}, +{size})"
-                ));
+            let mut tried = Vec::new();
+            for (start, n) in export_candidates(base, size as u64, ptr, len) {
+                let mut fd: c_int = -1;
+                // SAFETY: the symbol exists (checked at load); the handle out-pointer is a live
+                // c_int, what the API writes for CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD; start and
+                // n are page aligned.
+                let r = unsafe {
+                    sys::cuMemGetHandleForAddressRange(
+                        &mut fd as *mut c_int as *mut c_void,
+                        start,
+                        n as usize,
+                        sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                        0,
+                    )
+                };
+                match check(r, "cuMemGetHandleForAddressRange(DMA_BUF_FD)") {
+                    Ok(()) if fd >= 0 => {
+                        // SAFETY: the driver handed us a new descriptor that nothing else owns.
+                        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+                        return Ok(DmaBuf { fd, start, len: n });
+                    }
+                    Ok(()) => tried.push(format!("[{start:#x}, +{n}): no descriptor returned")),
+                    Err(e) => tried.push(format!("[{start:#x}, +{n}): {e}")),
+                }
             }
-            let mut fd: c_int = -1;
-            // SAFETY: the symbol exists (checked at load); the handle out-pointer is a live
-            // c_int, what the API writes for CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD.
-            let r = unsafe {
-                sys::cuMemGetHandleForAddressRange(
-                    &mut fd as *mut c_int as *mut c_void,
-                    base,
-                    size,
-                    sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
-                    0,
-                )
-            };
-            check(r, "cuMemGetHandleForAddressRange(DMA_BUF_FD)")?;
-            if fd < 0 {
-                return Err("cuMemGetHandleForAddressRange returned no file descriptor".into());
-            }
-            // SAFETY: the driver handed us a new file descriptor that nothing else owns.
-            Ok((unsafe { OwnedFd::from_raw_fd(fd) }, ptr - base))
+            Err(format!(
+                "exporting GPU memory as dma-buf: {}",
+                tried.join("; ")
+            ))
         })
     }
 

@@ -3,9 +3,7 @@
 //! the device branch of RDMA registration) on machines without a GPU. It is never chosen for
 //! memory an engine registers unless the caller asks for it by name.
 
-use std::os::fd::OwnedFd;
-
-use super::{DeviceRuntime, GpuApi, PointerKind};
+use super::{DeviceRuntime, DmaBuf, GpuApi, PointerKind};
 
 /// The emulated runtime (stateless).
 #[derive(Debug, Clone, Copy)]
@@ -55,7 +53,7 @@ impl DeviceRuntime for Emulated {
 
     unsafe fn unpin(&self, _ordinal: i32, _ptr: *mut u8) {}
 
-    fn dmabuf(&self, _ordinal: i32, _ptr: u64, _len: u64) -> Result<(OwnedFd, u64), String> {
+    fn dmabuf(&self, _ordinal: i32, _ptr: u64, _len: u64) -> Result<DmaBuf, String> {
         Err("emulated device memory has no dma-buf exporter".into())
     }
 

@@ -15,7 +15,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 
 use libloading::Library;
 
-use super::{page_size, DeviceRuntime, GpuApi, PointerKind};
+use super::{export_candidates, DeviceRuntime, DmaBuf, GpuApi, PointerKind};
 
 type HipError = c_int;
 const HIP_SUCCESS: HipError = 0;
@@ -56,6 +56,7 @@ struct Fns {
     get_device: unsafe extern "C" fn(*mut c_int) -> HipError,
     stream_create: unsafe extern "C" fn(*mut HipStream, c_uint) -> HipError,
     stream_synchronize: unsafe extern "C" fn(HipStream) -> HipError,
+    stream_destroy: unsafe extern "C" fn(HipStream) -> HipError,
     memcpy_async:
         unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int, HipStream) -> HipError,
     address_range: unsafe extern "C" fn(*mut u64, *mut usize, u64) -> HipError,
@@ -151,6 +152,7 @@ impl Hip {
                 get_device: sym(&lib, "hipGetDevice")?,
                 stream_create: sym(&lib, "hipStreamCreateWithFlags")?,
                 stream_synchronize: sym(&lib, "hipStreamSynchronize")?,
+                stream_destroy: sym(&lib, "hipStreamDestroy")?,
                 memcpy_async: sym(&lib, "hipMemcpyAsync")?,
                 address_range: sym(&lib, "hipMemGetAddressRange")?,
                 host_register: sym(&lib, "hipHostRegister")?,
@@ -236,7 +238,13 @@ impl Hip {
         self.check(unsafe { (self.fns.set_device)(ordinal) }, "hipSetDevice")?;
         let r = f();
         // SAFETY: prev was this thread's device a moment ago.
-        let _ = unsafe { (self.fns.set_device)(prev) };
+        let restored = self.check(
+            unsafe { (self.fns.set_device)(prev) },
+            "restoring the thread's HIP device",
+        );
+        if let Err(e) = restored {
+            tracing::warn!("{e}");
+        }
         r
     }
 
@@ -261,15 +269,22 @@ impl Hip {
                     Stream(s)
                 }
             };
-            let r = self.check(copy(stream.0), what).and_then(|()| {
-                // SAFETY: a stream of this device, used by this copy only.
-                self.check(
-                    unsafe { (self.fns.stream_synchronize)(stream.0) },
-                    "hipStreamSynchronize",
-                )
-            });
-            if r.is_ok() {
+            // A copy that could not be queued leaves the stream as it was: reuse it. One that
+            // failed while running may leave it in an error state: destroy it.
+            if let Err(e) = self.check(copy(stream.0), what) {
                 self.streams.lock().entry(ordinal).or_default().push(stream);
+                return Err(e);
+            }
+            // SAFETY: a stream of this device, used by this copy only.
+            let r = self.check(
+                unsafe { (self.fns.stream_synchronize)(stream.0) },
+                "hipStreamSynchronize",
+            );
+            match r {
+                Ok(()) => self.streams.lock().entry(ordinal).or_default().push(stream),
+                // SAFETY: the stream has no other user; destroying it releases its resources
+                // once its (failed) work is done.
+                Err(_) => drop(unsafe { (self.fns.stream_destroy)(stream.0) }),
             }
             r
         })
@@ -402,7 +417,7 @@ impl DeviceRuntime for Hip {
         }
     }
 
-    fn dmabuf(&self, ordinal: i32, ptr: u64, len: u64) -> Result<(OwnedFd, u64), String> {
+    fn dmabuf(&self, ordinal: i32, ptr: u64, len: u64) -> Result<DmaBuf, String> {
         let Some(export) = self.fns.dmabuf else {
             return Err(format!(
                 "HIP {} cannot export dma-buf (hipMemGetHandleForAddressRange is new in ROCm 7.0)",
@@ -410,7 +425,6 @@ impl DeviceRuntime for Hip {
             ));
         };
         self.on_device(ordinal, || {
-            // Export the whole allocation holding `ptr` (the range must lie in one allocation).
             let mut base: u64 = 0;
             let mut size: usize = 0;
             // SAFETY: out-pointers to live locals.
@@ -418,30 +432,35 @@ impl DeviceRuntime for Hip {
                 unsafe { (self.fns.address_range)(&mut base, &mut size, ptr) },
                 "hipMemGetAddressRange",
             )?;
-            if ptr < base || ptr + len > base + size as u64 || !base.is_multiple_of(page_size()) {
-                return Err(format!(
-                    "[{ptr:#x}, +{len}) is not inside one page-aligned allocation ({base:#x}, +{size})"
-                ));
+            let mut tried = Vec::new();
+            for (start, n) in export_candidates(base, size as u64, ptr, len) {
+                let mut fd: c_int = -1;
+                // SAFETY: the handle out-pointer is a live c_int, what HIP writes for a dma-buf
+                // descriptor; start and n are page aligned.
+                let e = unsafe {
+                    export(
+                        &mut fd as *mut c_int as *mut c_void,
+                        start,
+                        n as usize,
+                        MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                        0,
+                    )
+                };
+                match self.check(e, "hipMemGetHandleForAddressRange(DMA_BUF_FD)") {
+                    Ok(()) if fd >= 0 => {
+                        // SAFETY: a new descriptor owned by nobody else.
+                        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+                        return Ok(DmaBuf { fd, start, len: n });
+                    }
+                    Ok(()) => tried.push(format!("[{start:#x}, +{n}): no descriptor returned")),
+                    Err(e) => tried.push(format!("[{start:#x}, +{n}): {e}")),
+                }
             }
-            let mut fd: c_int = -1;
-            // SAFETY: the handle out-pointer is a live c_int, what HIP writes for a dma-buf fd.
-            let e = unsafe {
-                export(
-                    &mut fd as *mut c_int as *mut c_void,
-                    base,
-                    size,
-                    MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
-                    0,
-                )
-            };
-            self.check(e, "hipMemGetHandleForAddressRange(DMA_BUF_FD)").map_err(|m| {
-                format!("{m} (needs the amdgpu kernel driver with dma-buf export, Linux 5.12 or newer)")
-            })?;
-            if fd < 0 {
-                return Err("hipMemGetHandleForAddressRange returned no file descriptor".into());
-            }
-            // SAFETY: a new descriptor owned by nobody else.
-            Ok((unsafe { OwnedFd::from_raw_fd(fd) }, ptr - base))
+            Err(format!(
+                "exporting GPU memory as dma-buf: {} (needs the amdgpu kernel driver with dma-buf \
+                 export, Linux 5.12 or newer)",
+                tried.join("; ")
+            ))
         })
     }
 

@@ -19,6 +19,7 @@ mod emulated;
 mod hip;
 
 use std::os::fd::OwnedFd;
+
 use std::sync::{Arc, OnceLock};
 
 use serde::{Deserialize, Serialize};
@@ -133,9 +134,10 @@ pub(crate) trait DeviceRuntime: Send + Sync + std::fmt::Debug + 'static {
     /// `ptr` was pinned by this runtime and is still mapped.
     unsafe fn unpin(&self, ordinal: i32, ptr: *mut u8);
 
-    /// A dma-buf file descriptor exporting the page-aligned range around `[ptr, ptr + len)`,
-    /// and the offset of `ptr` inside it, for `ibv_reg_dmabuf_mr`.
-    fn dmabuf(&self, ordinal: i32, ptr: u64, len: u64) -> Result<(OwnedFd, u64), String>;
+    /// A dma-buf exporting a page-aligned range that covers `[ptr, ptr + len)`: the whole
+    /// allocation holding it when that can be exported (so one export serves every
+    /// registration chunk of the allocation), else the page-aligned range around it.
+    fn dmabuf(&self, ordinal: i32, ptr: u64, len: u64) -> Result<DmaBuf, String>;
 
     /// Prepares a device range for access by a NIC (CUDA: synchronous memory operations, so an
     /// RDMA read never sees a copy still in flight). Best effort.
@@ -149,6 +151,41 @@ pub(crate) trait DeviceRuntime: Send + Sync + std::fmt::Debug + 'static {
     /// # Safety
     /// `ptr` came from `alloc` on this runtime and nothing uses it any more.
     unsafe fn free(&self, ordinal: i32, ptr: u64);
+}
+
+/// An exported dma-buf and the device address range it covers.
+#[derive(Debug)]
+pub(crate) struct DmaBuf {
+    /// The dma-buf file descriptor (closed on drop; registrations keep their own reference).
+    pub(crate) fd: OwnedFd,
+    /// Device address of the dma-buf's first byte (page aligned).
+    pub(crate) start: u64,
+    /// Bytes covered.
+    pub(crate) len: u64,
+}
+
+impl DmaBuf {
+    /// Whether `[ptr, ptr + len)` lies inside the exported range.
+    pub(crate) fn covers(&self, ptr: u64, len: u64) -> bool {
+        ptr >= self.start && ptr.saturating_add(len) <= self.start + self.len
+    }
+}
+
+/// The ranges worth exporting for `[ptr, ptr + len)` inside the allocation `[base, base +
+/// size)`, best first: the whole allocation (page-aligned start, size rounded up to a page:
+/// drivers allocate whole pages), then the page-aligned range around the request.
+pub(crate) fn export_candidates(base: u64, size: u64, ptr: u64, len: u64) -> Vec<(u64, u64)> {
+    let page = page_size();
+    let mut v = Vec::new();
+    if base.is_multiple_of(page) && ptr >= base && ptr + len <= base + size {
+        v.push((base, size.div_ceil(page) * page));
+    }
+    let start = ptr / page * page;
+    let around = ((ptr + len).div_ceil(page) * page - start, start);
+    if !v.contains(&(around.1, around.0)) {
+        v.push((around.1, around.0));
+    }
+    v
 }
 
 /// Which GPU runtimes this process found, or why each is missing. Reported by
@@ -277,6 +314,26 @@ pub(crate) fn page_size() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dma_buf_export_candidates() {
+        let p = page_size();
+        // A page-aligned allocation: the whole of it first (size rounded up to a page), then
+        // the pages around the chunk.
+        assert_eq!(
+            export_candidates(10 * p, 8 * p - 100, 11 * p + 7, p),
+            vec![(10 * p, 8 * p), (11 * p, 2 * p)]
+        );
+        // The chunk is the whole allocation: one candidate.
+        assert_eq!(
+            export_candidates(4 * p, 2 * p, 4 * p, 2 * p),
+            vec![(4 * p, 2 * p)]
+        );
+        // An allocation that does not start on a page, or does not hold the chunk: only the
+        // pages around the chunk.
+        assert_eq!(export_candidates(p + 8, 4 * p, p + 8, 16), vec![(p, p)]);
+        assert_eq!(export_candidates(p, p, 3 * p, 16), vec![(3 * p, p)]);
+    }
 
     #[test]
     fn absent_runtimes_say_why_and_classify_as_host() {

@@ -38,6 +38,33 @@ impl RequestCtl {
         drop(self.write_guard.lock());
     }
 
+    /// [`cancel`](Self::cancel) without blocking an async thread: new writes stop at once, and
+    /// a write in progress (a GPU copy, for staged memory) is waited out on a blocking thread
+    /// for at most `wait`. Returns false, with an error logged, if it is still running then: a
+    /// hung GPU copy may yet land in the request's blocks.
+    pub(crate) async fn cancel_async(
+        self: &std::sync::Arc<Self>,
+        wait: std::time::Duration,
+    ) -> bool {
+        self.cancelled.store(true, Ordering::Release);
+        let me = self.clone();
+        let waited =
+            tokio::time::timeout(wait, tokio::task::spawn_blocking(move || me.cancel())).await;
+        if waited.is_err() {
+            tracing::error!(
+                ?wait,
+                "a copy into a cancelled request's memory is still running (hung GPU copy?); \
+                 the request is reported failed, but its blocks may still be written"
+            );
+        }
+        waited.is_ok()
+    }
+
+    /// Stops new writes into the request's memory without waiting for one in progress.
+    pub(crate) fn mark_cancelled(&self) {
+        self.cancelled.store(true, Ordering::Release);
+    }
+
     pub(crate) fn is_cancelled(&self) -> bool {
         self.cancelled.load(Ordering::Acquire)
     }

@@ -14,7 +14,7 @@ use sideway::ibverbs::device_context::{DeviceContext, LinkLayer, Mtu, PortState}
 use sideway::ibverbs::memory_region::MemoryRegion;
 use std::os::fd::AsRawFd;
 
-use crate::gpu::{DeviceRuntime, GpuApi};
+use crate::gpu::{DeviceRuntime, DmaBuf, GpuApi};
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::AccessFlags;
 
@@ -299,6 +299,8 @@ impl RdmaDevice {
             rt.prepare_for_rdma(ordinal, region.as_ptr() as u64);
         }
         let mut method = "host memory";
+        let mut dmabuf: Option<DmaBuf> = None;
+        let mut dmabuf_err: Option<String> = None;
         while off < region.len() {
             let n = chunk.min(region.len() - off);
             let addr = region.as_ptr() as u64 + off;
@@ -319,7 +321,15 @@ impl RdmaDevice {
                     })?
                 }
                 Some((rt, ordinal)) => {
-                    let (mr, how) = self.register_device_chunk(&**rt, ordinal, addr, n, flags)?;
+                    let (mr, how) = self.register_device_chunk(
+                        &**rt,
+                        ordinal,
+                        addr,
+                        n,
+                        flags,
+                        &mut dmabuf,
+                        &mut dmabuf_err,
+                    )?;
                     method = how;
                     mr
                 }
@@ -341,6 +351,10 @@ impl RdmaDevice {
     }
 
     /// Registers `[addr, addr + n)` of GPU memory: dma-buf first, then plain registration.
+    ///
+    /// `dmabuf` carries the export between the chunks of one region (one export per
+    /// allocation); `dmabuf_err` the reason the last export or dma-buf registration failed.
+    #[allow(clippy::too_many_arguments)]
     fn register_device_chunk(
         &self,
         rt: &dyn DeviceRuntime,
@@ -348,25 +362,37 @@ impl RdmaDevice {
         addr: u64,
         n: u64,
         flags: AccessFlags,
+        dmabuf: &mut Option<DmaBuf>,
+        dmabuf_err: &mut Option<String>,
     ) -> Result<(Arc<MemoryRegion>, &'static str), String> {
-        let dmabuf_err = match rt.dmabuf(ordinal, addr, n) {
-            Ok((fd, offset)) => {
-                // SAFETY: `fd` is a dma-buf exporting the page-aligned range around
-                // [addr, addr+n), `offset` is addr's position in it, and the device memory
-                // outlives the registration (same argument as for host memory in `register`).
-                // The MR takes its own reference on the dma-buf, so `fd` may close after.
-                match unsafe {
-                    self.pd
-                        .reg_dmabuf_mr(offset, n as usize, addr, fd.as_raw_fd(), flags)
-                } {
-                    Ok(mr) => return Ok((mr, "GPU memory through dma-buf")),
-                    Err(e) => format!(
+        let cached = dmabuf.as_ref().is_some_and(|d| d.covers(addr, n));
+        if !cached {
+            *dmabuf = None;
+            match rt.dmabuf(ordinal, addr, n) {
+                Ok(d) => *dmabuf = Some(d),
+                Err(e) => *dmabuf_err = Some(e),
+            }
+        }
+        if let Some(d) = dmabuf.as_ref() {
+            // SAFETY: `d.fd` is a dma-buf exporting [d.start, d.start + d.len), which covers
+            // [addr, addr + n) (checked by `covers` or by the export); `addr - d.start` is the
+            // chunk's offset in it and has the same page offset as `iova = addr`, as
+            // ibv_reg_dmabuf_mr requires. The device memory outlives the registration (same
+            // argument as for host memory in `register`). The MR takes its own reference on
+            // the dma-buf, so the descriptor may close afterwards.
+            match unsafe {
+                self.pd
+                    .reg_dmabuf_mr(addr - d.start, n as usize, addr, d.fd.as_raw_fd(), flags)
+            } {
+                Ok(mr) => return Ok((mr, "GPU memory through dma-buf")),
+                Err(e) => {
+                    *dmabuf_err = Some(format!(
                         "ibv_reg_dmabuf_mr failed: {e} (needs rdma-core 34 or newer and a NIC driver with dma-buf support)"
-                    ),
+                    ))
                 }
             }
-            Err(e) => e,
-        };
+        }
+        let dmabuf_err = dmabuf_err.clone().unwrap_or_default();
         // SAFETY: as for host memory in `register`: the range lies inside the registered
         // device region, which outlives the registration. With a peer-memory driver the kernel
         // pins the GPU pages; without one the call fails and nothing is registered.

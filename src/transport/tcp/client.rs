@@ -69,6 +69,7 @@ pub(crate) struct TcpTransport {
     next: AtomicUsize,
     health: Arc<Health>,
     batch_bytes: u64,
+    io_timeout: Duration,
 }
 
 impl Drop for TcpTransport {
@@ -122,6 +123,7 @@ impl TcpTransport {
             next: AtomicUsize::new(0),
             health,
             batch_bytes: batch_bytes.max(1),
+            io_timeout,
         })
     }
 
@@ -204,7 +206,7 @@ impl Transport for TcpTransport {
                 Ok(r) => r,
                 Err(_) => {
                     // Stop writes into the request's memory before reporting.
-                    ctl.cancel();
+                    ctl.cancel_async(self.io_timeout).await;
                     Err(Error::Timeout {
                         what: format!("reading from {} (request deadline)", self.peer),
                         after: Duration::ZERO,
@@ -465,13 +467,19 @@ async fn read_into(
 }
 
 /// Cancels a request if dropped armed: a reader task aborted mid-response must not leave device
-/// copies landing in the request's memory after the request has failed.
+/// copies landing in the request's memory after the request has failed. Queued copies discard
+/// at once; the one in progress is waited out on a blocking thread (the session's own
+/// `cancel_async` waits for it before reporting the failure).
 struct CancelOnDrop(Option<Arc<RequestCtl>>);
 
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         if let Some(ctl) = self.0.take() {
-            ctl.cancel();
+            ctl.mark_cancelled();
+            match tokio::runtime::Handle::try_current() {
+                Ok(h) => drop(h.spawn_blocking(move || ctl.cancel())),
+                Err(_) => ctl.cancel(),
+            }
         }
     }
 }
@@ -491,10 +499,11 @@ async fn receive_staged(
     let mut armed = CancelOnDrop(Some(batch.ctl.clone()));
     let received = receive_pieces(rd, batch, scratch, inbound, peer, io_timeout).await;
     let drained = inbound.drain().await;
-    if drained.is_ok() {
-        // Every copy has finished: nothing can land after the batch's outcome. (If draining
-        // timed out, dropping `armed` cancels the request, waiting out the copy in progress.)
-        armed.0 = None;
+    armed.0 = None;
+    if drained.is_err() {
+        // A copy ran past io_timeout: stop the rest and wait (bounded) for that one before the
+        // batch fails, without holding an async thread.
+        batch.ctl.cancel_async(io_timeout).await;
     }
     received?;
     drained?;

@@ -283,7 +283,6 @@ pub(crate) const IN_DEPTH: usize = 2;
 pub(crate) struct Inbound {
     staging: Arc<StagingPool>,
     free: Vec<StagingBuf>,
-    allocated: usize,
     queue: VecDeque<JoinHandle<(StagingBuf, Result<()>)>>,
     wait: Duration,
     /// The first copy failure of the current batch; later chunks are still received (to keep
@@ -296,7 +295,6 @@ impl Inbound {
         Inbound {
             staging,
             free: Vec::new(),
-            allocated: 0,
             queue: VecDeque::new(),
             wait,
             failed: None,
@@ -308,15 +306,17 @@ impl Inbound {
         self.staging.chunk
     }
 
-    /// A buffer for the next chunk, whose first piece is `first`: an idle one, a new one (up to
-    /// [`IN_DEPTH`], mapped and pinned off the async runtime), or the oldest one in use once
-    /// its copy finishes.
+    /// A buffer for the next chunk, whose first piece is `first`: an idle one, a new one (while
+    /// this stream holds fewer than [`IN_DEPTH`]; mapped and pinned off the async runtime), or
+    /// the oldest one in use once its copy finishes. The caller holds at most one buffer at a
+    /// time, so the stream's buffers are the idle and queued ones: a buffer lost to an error is
+    /// simply replaced.
     pub(crate) async fn buffer(&mut self, first: &RegionSpan) -> Result<StagingBuf> {
         loop {
             if let Some(b) = self.free.pop() {
                 return Ok(b);
             }
-            if self.allocated < IN_DEPTH {
+            if self.free.len() + self.queue.len() < IN_DEPTH {
                 let (rt, ordinal) = first
                     .region()
                     .device_runtime()
@@ -324,9 +324,7 @@ impl Inbound {
                     .ok_or_else(|| Error::invalid("staging a host span"))?;
                 let chunk = self.staging.chunk;
                 let h = tokio::task::spawn_blocking(move || StagingBuf::new(chunk, &rt, ordinal));
-                let b = join(h, self.wait, "allocating a staging buffer").await?;
-                self.allocated += 1;
-                return Ok(b);
+                return join(h, self.wait, "allocating a staging buffer").await;
             }
             self.finish_one().await?;
         }
@@ -366,7 +364,6 @@ impl Inbound {
                 after: self.wait,
             }),
             Ok(Err(e)) => {
-                self.allocated -= 1;
                 self.failed
                     .get_or_insert(Error::Gpu(format!("copy task failed: {e}")));
                 Ok(())
