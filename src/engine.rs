@@ -63,7 +63,9 @@ pub struct EngineConfig {
     pub request_timeout: Duration,
     /// How long a send is held for its reader before it expires (prefill side).
     pub abort_timeout: Duration,
-    /// Longest silence tolerated on a data stream with a request outstanding.
+    /// Longest silence tolerated on a data stream with a request outstanding; also bounds each
+    /// GPU staging copy, the wait for a staging buffer, and the wait for a copy in progress when
+    /// a request is cancelled.
     pub io_timeout: Duration,
     /// Keep-alive interval of control connections (dead after three silent intervals).
     pub keepalive: Duration,
@@ -81,8 +83,10 @@ pub struct EngineConfig {
     /// Bytes per staging buffer: GPU memory sent or received over TCP moves through pinned host
     /// buffers of this size, one chunk copied while the previous one is on the wire.
     pub staging_chunk_bytes: u64,
-    /// Most staging buffers the engine allocates (shared by all its TCP streams); they are
-    /// allocated on first use and kept.
+    /// Most staging buffers the engine's data server uses to send GPU memory (one pool shared
+    /// by all the connections it serves); allocated on first use and kept. Each stream that
+    /// reads GPU memory from a peer has two more of its own. 1 to 4,096; `staging_chunk_bytes`
+    /// is 4 KiB to 256 MiB.
     pub staging_buffers: usize,
     /// Fault injection for tests of the RDMA error paths; leave at its default.
     #[doc(hidden)]
@@ -117,7 +121,7 @@ impl Default for EngineConfig {
     }
 }
 
-/// Counters of what an engine has served and refused, for tests, logs and benchmarks.
+/// Counters of what an engine has served, refused and staged, for tests, logs and benchmarks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct EngineStats {
     /// Handshakes answered with our descriptor.
@@ -636,8 +640,11 @@ impl Engine {
 
     /// Registers caller-owned GPU memory (see [`DeviceMemory::new`] for the contract). The
     /// loaded runtimes say which GPU it is on; RDMA registers it with dma-buf or a peer-memory
-    /// driver, TCP stages it through pinned host buffers. Fails with [`Error::Gpu`] naming what
-    /// is missing when no runtime knows the pointer.
+    /// driver, TCP stages it through pinned host buffers. Fails with [`Error::Gpu`] when no GPU
+    /// runtime is loaded (naming why each is missing) or a runtime call fails, with
+    /// [`Error::InvalidArgument`] when a loaded runtime says the address is not device memory,
+    /// and with [`Error::Memory`] when the RDMA device cannot register it (the message names the
+    /// dma-buf and peer-memory attempts; `transport: Tcp` avoids RDMA registration).
     pub fn register_device(&self, mem: DeviceMemory) -> Result<Arc<Region>> {
         let (kind, rt) = self.shared.gpus.classify(mem.ptr).map_err(Error::Gpu)?;
         match (kind, rt) {

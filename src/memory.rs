@@ -6,7 +6,9 @@
 //! which are bounds-checked when made.
 //!
 //! Memory is either allocated here (anonymous `mmap`, huge pages on request) or registered by
-//! the caller from a pointer it owns (a KV cache allocated by the inference engine).
+//! the caller from a pointer it owns (a KV cache allocated by the inference engine). GPU memory
+//! regions hold their runtime and are reached only through its copies (`read_at`, `write_at`,
+//! staging buffers), never by the CPU or the kernel directly.
 
 use std::io;
 use std::os::fd::RawFd;
@@ -313,7 +315,8 @@ impl Region {
     }
 
     /// The region's start address (for handing to other libraries; kvlink never exposes it to
-    /// peers over TCP).
+    /// peers over TCP). For GPU memory this is a device address: never dereference it on the
+    /// CPU.
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }

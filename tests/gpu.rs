@@ -285,8 +285,8 @@ fn cuda_device_memory_over_tcp_every_byte_checked() {
 #[test]
 fn peer_killed_mid_staged_transfer_fails_requests_then_a_new_peer_works() {
     // The decode side receives into (emulated) device memory through staging buffers while the
-    // prefill process is killed: every request ends with the connection's reason, no copy is
-    // left behind, and a new peer serves the same engine.
+    // prefill process is killed: every request ends (failed with the connection's reason, none
+    // expired), nothing stays in flight, and a new peer serves the same engine.
     let shape = ModelShape::LLAMA3_8B;
     let blocks = 64;
     let mut child = ChildPrefill::spawn(shape.name, blocks, 5, 0, "tcp");
@@ -298,6 +298,11 @@ fn peer_killed_mid_staged_transfer_fails_requests_then_a_new_peer_works() {
     assert!(!f.failed.is_empty(), "killing the peer failed no request");
     for fr in &f.failed {
         assert!(!fr.expired, "{fr:?}");
+        let r = fr.reason.to_lowercase();
+        assert!(
+            r.contains("lost") || r.contains("closed") || r.contains("reset"),
+            "{fr:?}"
+        );
     }
     assert_eq!(decode.engine.in_flight(), (0, 0));
     let child2 = ChildPrefill::spawn(shape.name, blocks, 9, 0, "tcp");

@@ -94,7 +94,9 @@ class Engine:
         """Handshake with ``peer`` (or reuse the session); returns its descriptor summary."""
     def in_flight(self) -> Tuple[int, int]:
         """``(receiving, holding)``."""
-    def stats(self) -> Dict[str, int]: ...
+    def stats(self) -> Dict[str, int]:
+        """handshakes_accepted/refused, data_requests_served/refused, bytes_served,
+        bytes_staged_out/in (GPU memory moved through TCP staging buffers)."""
 
 class TpAggregator:
     """Releases a request once every TP rank reported it; a failure on any rank fails it."""

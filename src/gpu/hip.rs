@@ -65,7 +65,7 @@ struct Fns {
     malloc: unsafe extern "C" fn(*mut *mut c_void, usize) -> HipError,
     free: unsafe extern "C" fn(*mut c_void) -> HipError,
     error_string: unsafe extern "C" fn(HipError) -> *const c_char,
-    /// `hipMemGetHandleForAddressRange`: dma-buf export (recent ROCm 6 releases).
+    /// `hipMemGetHandleForAddressRange`: dma-buf export (new in ROCm 7.0).
     dmabuf: Option<unsafe extern "C" fn(*mut c_void, u64, usize, c_int, c_ulonglong) -> HipError>,
 }
 

@@ -204,6 +204,8 @@ def test_gpu_capabilities_and_absence_paths():
     # Said to be device memory: refused with the reason, nothing registered.
     with pytest.raises(kvlink.KvlinkError, match="no GPU runtime is loaded" if no_gpu else "not GPU"):
         e.register_memory(buf.ctypes.data, buf.nbytes, device=True)
+    with pytest.raises(kvlink.InvalidArgument, match="not registered"):
+        e.deregister(1)  # the refused registration left no region behind
 
     class Device:
         type = "cuda"

@@ -318,7 +318,7 @@ int kvlink_engine_handshake_address(const struct kvlink_engine *engine, char *bu
  * Writes a report of the transports and memory kinds this engine found into `buf` (`len`
  * bytes, NUL-terminated), one line per item: `transport rdma: yes: <device>` or
  * `memory cuda:    no: <why>`. Returns `KVLINK_OK` or `KVLINK_E_INVALID` (NULL argument,
- * buffer too small: 1024 bytes always suffice in practice, the last error says how many are
+ * buffer too small: 4096 bytes suffice in practice, and the last error says how many are
  * needed).
  *
  * # Safety
@@ -352,7 +352,9 @@ int kvlink_engine_allocate_host(struct kvlink_engine *engine,
  * The memory stays owned by the caller, but kvlink and its peers read and write it
  * concurrently until `kvlink_engine_deregister` returns `KVLINK_OK` for the region or the
  * engine is freed; only then may it be freed. Returns `KVLINK_OK`, `KVLINK_E_INVALID` (NULL
- * argument, `len` of 0) or `KVLINK_E_MEMORY` / `KVLINK_E_RDMA` (registration failed).
+ * argument, `len` of 0, or a loaded GPU runtime says `ptr` is GPU or managed memory: use
+ * `kvlink_engine_register_device`), `KVLINK_E_GPU` (a GPU runtime failed to classify `ptr`)
+ * or `KVLINK_E_MEMORY` (the RDMA device could not register it).
  *
  * # Safety
  * `engine` is NULL or a live engine; `region_id` is NULL or writable; `ptr` is NULL or points
@@ -371,8 +373,9 @@ int kvlink_engine_register_host(struct kvlink_engine *engine,
  *
  * The same lifetime rules as `kvlink_engine_register_host` apply. Returns `KVLINK_OK`,
  * `KVLINK_E_INVALID` (NULL argument, `len` of 0, `ptr` not device memory), `KVLINK_E_GPU` (no
- * GPU runtime loaded: the last error says why each is missing) or `KVLINK_E_MEMORY` /
- * `KVLINK_E_RDMA` (registration failed).
+ * GPU runtime loaded, the last error saying why each is missing, or a runtime call failed) or
+ * `KVLINK_E_MEMORY` (the RDMA device could not register it: the last error names the dma-buf
+ * and peer-memory attempts; a `KVLINK_TRANSPORT_TCP` engine does not register with RDMA).
  *
  * # Safety
  * `engine` is NULL or a live engine; `region_id` is NULL or writable; `[ptr, ptr + len)` is a
@@ -387,8 +390,8 @@ int kvlink_engine_register_device(struct kvlink_engine *engine,
 /**
  * Stops exporting a region and waits until no transfer uses it any more (at most the request
  * timeout plus 10 s). When this returns `KVLINK_OK`, memory registered with
- * `kvlink_engine_register_host` may be freed; memory from `kvlink_engine_allocate_host` is
- * freed by the engine.
+ * `kvlink_engine_register_host` or `kvlink_engine_register_device` may be freed; memory from
+ * `kvlink_engine_allocate_host` is freed by the engine.
  *
  * Returns `KVLINK_OK`, `KVLINK_E_INVALID` (unknown region, or a region the layout uses) or
  * `KVLINK_E_MEMORY` (still in use after the wait: do not free the memory).

@@ -479,8 +479,8 @@ impl Engine {
             .map_err(to_py)
     }
 
-    /// Registers each array (numpy or CPU torch; first axis = blocks, C-contiguous) and sets the
-    /// layout to one tensor per array, in order: the usual per-layer K/V caches. Returns the
+    /// Registers each array (numpy, CuPy, or torch on the CPU or a GPU; first axis = blocks,
+    /// C-contiguous) and sets the layout to one tensor per array, in order: the usual per-layer K/V caches. Returns the
     /// region ids (for `deregister`); on any error the regions this call registered are
     /// deregistered again.
     #[pyo3(signature = (arrays, tokens_per_block, dtype))]
@@ -582,7 +582,10 @@ impl Engine {
         self.inner.in_flight()
     }
 
-    /// Counters of what this engine served and refused.
+    /// Counters of what this engine served, refused and staged: `handshakes_accepted`,
+    /// `handshakes_refused`, `data_requests_served`, `data_requests_refused`, `bytes_served`,
+    /// `bytes_staged_out` (GPU bytes copied out to be sent over TCP) and `bytes_staged_in`
+    /// (received bytes copied into GPU memory).
     fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);

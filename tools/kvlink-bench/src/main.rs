@@ -904,7 +904,9 @@ fn run(args: Args) -> Result<(), String> {
                 peer: &peer,
             };
             drive(&args, &rd, args.warmup, "warmup", &mut rng)?;
-            let o = drive(&args, &rd, args.requests, "req", &mut rng)?;
+            let staged0 = engine.stats().bytes_staged_in;
+            let mut o = drive(&args, &rd, args.requests, "req", &mut rng)?;
+            o.staged = (0, engine.stats().bytes_staged_in - staged0);
             report(&args, "read", &o);
         }
     }
