@@ -53,6 +53,9 @@ class Engine:
         tcp_streams: int = 4,
         rdma_device: Optional[str] = None,
         engine_id: Optional[str] = None,
+        gpu: bool = True,
+        staging_chunk_bytes: int = 2 << 20,
+        staging_buffers: int = 32,
     ) -> None: ...
     @property
     def handshake_address(self) -> str:

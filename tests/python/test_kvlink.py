@@ -236,6 +236,11 @@ def test_gpu_capabilities_and_absence_paths():
     e.deregister(region)
     stats = e.stats()
     assert stats["bytes_staged_out"] == 0 and stats["bytes_staged_in"] == 0
+    # GPU runtimes and staging are configurable; bad values are refused.
+    off = kvlink.Engine(gpu=False, staging_chunk_bytes=1 << 20, staging_buffers=4)
+    assert off.capabilities()["cuda"] == (False, "disabled by configuration (gpu: false)")
+    with pytest.raises(kvlink.InvalidArgument, match="staging"):
+        kvlink.Engine(staging_buffers=0)
 
 
 def test_type_stubs_match_the_module():

@@ -212,6 +212,19 @@ typedef struct kvlink_config {
      * milliseconds (1 ms to 7 days).
      */
     uint64_t abort_timeout_ms;
+    /**
+     * 1 to look for GPU runtimes (CUDA, HIP) at start, 0 to skip them (host memory only).
+     */
+    uint32_t gpu;
+    /**
+     * Staging buffers the data server may use to send GPU memory over TCP, 1 to 4096.
+     */
+    uint32_t staging_buffers;
+    /**
+     * Bytes per staging buffer (GPU memory over TCP moves through pinned host buffers of this
+     * size), 4 KiB to 256 MiB.
+     */
+    uint64_t staging_chunk_bytes;
 } kvlink_config;
 
 /**

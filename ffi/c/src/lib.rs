@@ -359,6 +359,13 @@ pub struct kvlink_config {
     /// How long `kvlink_engine_hold_blocks` holds a send for its reader before it expires, in
     /// milliseconds (1 ms to 7 days).
     pub abort_timeout_ms: u64,
+    /// 1 to look for GPU runtimes (CUDA, HIP) at start, 0 to skip them (host memory only).
+    pub gpu: u32,
+    /// Staging buffers the data server may use to send GPU memory over TCP, 1 to 4096.
+    pub staging_buffers: u32,
+    /// Bytes per staging buffer (GPU memory over TCP moves through pinned host buffers of this
+    /// size), 4 KiB to 256 MiB.
+    pub staging_chunk_bytes: u64,
 }
 
 /// One tensor of the KV cache for `kvlink_engine_set_layout`: `num_blocks` blocks of
@@ -390,7 +397,7 @@ const _: () = assert!(std::mem::offset_of!(kvlink_tensor, block_bytes) == 24);
 
 #[cfg(target_pointer_width = "64")]
 const _: () = {
-    assert!(std::mem::size_of::<kvlink_config>() == 56);
+    assert!(std::mem::size_of::<kvlink_config>() == 72);
     assert!(std::mem::align_of::<kvlink_config>() == 8);
     assert!(std::mem::offset_of!(kvlink_config, listen) == 0);
     assert!(std::mem::offset_of!(kvlink_config, advertise_host) == 8);
@@ -401,6 +408,9 @@ const _: () = {
     assert!(std::mem::offset_of!(kvlink_config, tcp_streams) == 36);
     assert!(std::mem::offset_of!(kvlink_config, request_timeout_ms) == 40);
     assert!(std::mem::offset_of!(kvlink_config, abort_timeout_ms) == 48);
+    assert!(std::mem::offset_of!(kvlink_config, gpu) == 56);
+    assert!(std::mem::offset_of!(kvlink_config, staging_buffers) == 60);
+    assert!(std::mem::offset_of!(kvlink_config, staging_chunk_bytes) == 64);
 };
 
 // The handles are documented as usable from several threads at once.
@@ -445,6 +455,9 @@ pub unsafe extern "C" fn kvlink_config_default(config: *mut kvlink_config) -> c_
             tcp_streams: u32::from(d.tcp_streams),
             request_timeout_ms: ms(d.request_timeout),
             abort_timeout_ms: ms(d.abort_timeout),
+            gpu: u32::from(d.gpu),
+            staging_buffers: u32::try_from(d.staging_buffers).unwrap_or(u32::MAX),
+            staging_chunk_bytes: d.staging_chunk_bytes,
         };
         // SAFETY: checked above; the caller promised writable memory.
         unsafe { write_out(config, c) };
@@ -484,6 +497,14 @@ fn engine_config(c: &kvlink_config) -> FfiResult<EngineConfig> {
     })?;
     config.request_timeout = millis(c.request_timeout_ms, "config->request_timeout_ms")?;
     config.abort_timeout = millis(c.abort_timeout_ms, "config->abort_timeout_ms")?;
+    config.gpu = match c.gpu {
+        0 => false,
+        1 => true,
+        other => return Err(invalid(format!("config->gpu is {other}; use 0 or 1"))),
+    };
+    // Ranges are checked by Engine::start.
+    config.staging_buffers = c.staging_buffers as usize;
+    config.staging_chunk_bytes = c.staging_chunk_bytes;
     Ok(config)
 }
 
@@ -1432,6 +1453,20 @@ mod tests {
         let mut config = unsafe { config.assume_init() };
         config.transport = KVLINK_TRANSPORT_TCP;
         let mut engine = std::ptr::null_mut();
+        let bad = kvlink_config { gpu: 2, ..config };
+        // SAFETY: valid config and out-pointer; refused before any engine exists.
+        let rc = unsafe { kvlink_engine_start(&bad, &mut engine) };
+        assert_eq!(rc, KVLINK_E_INVALID);
+        assert!(last_error().contains("config->gpu"), "{}", last_error());
+        let bad = kvlink_config {
+            staging_buffers: 0,
+            ..config
+        };
+        // SAFETY: as above.
+        let rc = unsafe { kvlink_engine_start(&bad, &mut engine) };
+        assert_eq!(rc, KVLINK_E_INVALID);
+        assert!(engine.is_null());
+        config.gpu = 0;
         // SAFETY: valid config and out-pointer.
         let rc = unsafe { kvlink_engine_start(&config, &mut engine) };
         assert_eq!(rc, KVLINK_OK, "{}", last_error());
@@ -1450,7 +1485,9 @@ mod tests {
         // SAFETY: NUL-terminated by the call above.
         let text = unsafe { CStr::from_ptr(caps.as_ptr()) }.to_str().unwrap();
         assert!(
-            text.contains("memory cuda:") && text.contains("transport tcp:"),
+            text.contains("memory cuda:")
+                && text.contains("transport tcp:")
+                && text.contains("disabled by configuration (gpu: false)"),
             "{text}"
         );
         // SAFETY: live engine, buffer of the given length.

@@ -89,11 +89,23 @@ fn compile(exe: &Path, link_args: &[String]) {
     );
 }
 
-/// Runs `exe` (killed after `RUN_LIMIT`) and checks it succeeded.
-fn run(exe: &Path) {
+/// Runs `exe` (killed after `RUN_LIMIT`) and checks it succeeded. `lib_dir`: where the shared
+/// library must be loaded from. It is also put first on LD_LIBRARY_PATH, which cargo sets for
+/// tests and which wins over the executable's rpath: it lists `target/<profile>/`, where a
+/// stale copy from an earlier `cargo build` may lie.
+fn run(exe: &Path, lib_dir: Option<&Path>) {
     let stdout_path = exe.with_extension("stdout");
     let stderr_path = exe.with_extension("stderr");
-    let mut child = Command::new(exe)
+    let mut cmd = Command::new(exe);
+    if let Some(dir) = lib_dir {
+        let mut path = std::ffi::OsString::from(dir);
+        if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+            path.push(":");
+            path.push(old);
+        }
+        cmd.env("LD_LIBRARY_PATH", path);
+    }
+    let mut child = cmd
         .stdin(Stdio::null())
         .stdout(std::fs::File::create(&stdout_path).expect("creating the stdout file"))
         .stderr(std::fs::File::create(&stderr_path).expect("creating the stderr file"))
@@ -133,13 +145,14 @@ fn c_program_transfers_blocks_static() {
     let mut args = vec![lib.display().to_string()];
     args.extend(NATIVE_STATIC_LIBS.iter().map(|s| s.to_string()));
     compile(&exe, &args);
-    run(&exe);
+    run(&exe, None);
 }
 
 #[test]
 fn c_program_transfers_blocks_shared() {
     let lib = library("libkvlink_c.so");
-    let dir = lib.parent().expect("the library has a directory").display();
+    let lib_dir = lib.parent().expect("the library has a directory");
+    let dir = lib_dir.display();
     let exe = out_dir().join("transfer-shared");
     compile(
         &exe,
@@ -149,5 +162,5 @@ fn c_program_transfers_blocks_shared() {
             format!("-Wl,-rpath,{dir}"),
         ],
     );
-    run(&exe);
+    run(&exe, Some(lib_dir));
 }

@@ -127,6 +127,16 @@ static kvlink_engine *start_engine(const char *name) {
     CHECK(kvlink_engine_start(&cfg, &engine));
     EXPECT(engine != NULL);
     EXPECT(kvlink_last_error()[0] == '\0');
+    /* What the engine found, and GPU memory refused cleanly where no runtime knows it. */
+    char caps[4096];
+    CHECK(kvlink_engine_capabilities(engine, caps, sizeof caps));
+    EXPECT(strstr(caps, "transport tcp:") != NULL && strstr(caps, "memory cuda:") != NULL);
+    static uint8_t not_gpu[4096];
+    uint32_t region = 0;
+    int rc = kvlink_engine_register_device(engine, (uint64_t)(uintptr_t)not_gpu, sizeof not_gpu,
+                                           &region);
+    EXPECT(rc == KVLINK_E_GPU || rc == KVLINK_E_INVALID);
+    EXPECT(strstr(kvlink_last_error(), "GPU") != NULL);
     return engine;
 }
 

@@ -294,7 +294,8 @@ fn interface_nbytes(ai: &Bound<'_, PyDict>, attr: &str) -> PyResult<u64> {
 /// One kvlink engine per worker process (one per tensor-parallel rank).
 ///
 /// Engine(listen="127.0.0.1:0", *, transport="auto", tp_rank=0, tp_size=1, request_timeout=60.0,
-/// abort_timeout=480.0, handshake_timeout=5.0, tcp_streams=4, rdma_device=None, engine_id=None)
+/// abort_timeout=480.0, handshake_timeout=5.0, tcp_streams=4, rdma_device=None, engine_id=None,
+/// gpu=True, staging_chunk_bytes=2 MiB, staging_buffers=32)
 #[pyclass(module = "kvlink", frozen)]
 struct Engine {
     inner: Arc<RsEngine>,
@@ -307,7 +308,8 @@ impl Engine {
     #[new]
     #[pyo3(signature = (listen = "127.0.0.1:0", *, transport = "auto", tp_rank = 0, tp_size = 1,
         request_timeout = 60.0, abort_timeout = 480.0, handshake_timeout = 5.0, tcp_streams = 4,
-        rdma_device = None, engine_id = None))]
+        rdma_device = None, engine_id = None, gpu = true, staging_chunk_bytes = 2 << 20,
+        staging_buffers = 32))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -321,6 +323,9 @@ impl Engine {
         tcp_streams: u16,
         rdma_device: Option<String>,
         engine_id: Option<String>,
+        gpu: bool,
+        staging_chunk_bytes: u64,
+        staging_buffers: usize,
     ) -> PyResult<Self> {
         let mut cfg = EngineConfig {
             listen: listen.to_string(),
@@ -341,6 +346,9 @@ impl Engine {
                     )))
                 }
             },
+            gpu,
+            staging_chunk_bytes,
+            staging_buffers,
             ..EngineConfig::default()
         };
         cfg.rdma.device = rdma_device;
