@@ -18,7 +18,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use cudarc::driver::sys;
 use parking_lot::Mutex;
 
-use super::{export_candidates, DeviceRuntime, DmaBuf, GpuApi, PointerKind};
+use super::{export_candidates, DeviceRuntime, DmaBuf, GpuApi, PointerKind, StreamOps, StreamPool};
 
 /// Driver symbols kvlink calls; all exist since CUDA 11.0.
 const REQUIRED: &[&str] = &[
@@ -54,12 +54,6 @@ const DMABUF_SYMBOL: &str = "cuMemGetHandleForAddressRange";
 /// `cuStreamCreate` flag: no implicit synchronisation with the legacy default stream.
 const CU_STREAM_NON_BLOCKING: std::ffi::c_uint = 0x01;
 
-/// A stream handle, used by one copy at a time (taken from and returned to `Cuda::streams`).
-struct Stream(sys::CUstream);
-// SAFETY: CUstream is an opaque driver handle usable from any thread in its context; kvlink
-// hands each stream to one copy at a time.
-unsafe impl Send for Stream {}
-
 /// A primary context handle. The driver's contexts are process-wide objects usable from any
 /// thread once made current there.
 #[derive(Clone, Copy)]
@@ -75,7 +69,7 @@ pub(crate) struct Cuda {
     dmabuf: bool,
     contexts: Mutex<HashMap<i32, Ctx>>,
     /// Idle copy streams per device.
-    streams: Mutex<HashMap<i32, Vec<Stream>>>,
+    streams: StreamPool,
 }
 
 impl std::fmt::Debug for Cuda {
@@ -154,7 +148,7 @@ impl Cuda {
             devices,
             dmabuf: has_symbol(DMABUF_SYMBOL),
             contexts: Mutex::new(HashMap::new()),
-            streams: Mutex::new(HashMap::new()),
+            streams: StreamPool::default(),
         })
     }
 
@@ -222,38 +216,32 @@ impl Cuda {
         what: &str,
         copy: impl FnOnce(sys::CUstream) -> sys::CUresult,
     ) -> Result<(), String> {
+        let ops = StreamOps {
+            create: &|| {
+                let mut s: sys::CUstream = std::ptr::null_mut();
+                // SAFETY: out-pointer to a live local; the device's context is current.
+                check(
+                    unsafe { sys::cuStreamCreate(&mut s, CU_STREAM_NON_BLOCKING) },
+                    "cuStreamCreate",
+                )?;
+                Ok(s as usize)
+            },
+            sync: &|s| {
+                // SAFETY: a stream this pool created, used by one copy at a time.
+                check(
+                    unsafe { sys::cuStreamSynchronize(s as sys::CUstream) },
+                    "cuStreamSynchronize",
+                )
+            },
+            destroy: &|s| {
+                // SAFETY: a stream with no other user; the driver frees it once its work is
+                // done.
+                let _ = unsafe { sys::cuStreamDestroy_v2(s as sys::CUstream) };
+            },
+        };
         self.in_context(ordinal, || {
-            let idle = self.streams.lock().get_mut(&ordinal).and_then(Vec::pop);
-            let stream = match idle {
-                Some(s) => s,
-                None => {
-                    let mut s: sys::CUstream = std::ptr::null_mut();
-                    // SAFETY: out-pointer to a live local; the device's context is current.
-                    check(
-                        unsafe { sys::cuStreamCreate(&mut s, CU_STREAM_NON_BLOCKING) },
-                        "cuStreamCreate",
-                    )?;
-                    Stream(s)
-                }
-            };
-            // A copy that could not be queued leaves the stream as it was: reuse it. One that
-            // failed while running may leave it in an error state: destroy it.
-            if let Err(e) = check(copy(stream.0), what) {
-                self.streams.lock().entry(ordinal).or_default().push(stream);
-                return Err(e);
-            }
-            // SAFETY: a stream of this context, used by this copy only.
-            let r = check(
-                unsafe { sys::cuStreamSynchronize(stream.0) },
-                "cuStreamSynchronize",
-            );
-            match r {
-                Ok(()) => self.streams.lock().entry(ordinal).or_default().push(stream),
-                // SAFETY: the stream has no other user; destroying it releases its resources
-                // once its (failed) work is done.
-                Err(_) => drop(unsafe { sys::cuStreamDestroy_v2(stream.0) }),
-            }
-            r
+            self.streams
+                .run(ordinal, &ops, |s| check(copy(s as sys::CUstream), what))
         })
     }
 }

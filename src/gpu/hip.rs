@@ -15,7 +15,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 
 use libloading::Library;
 
-use super::{export_candidates, DeviceRuntime, DmaBuf, GpuApi, PointerKind};
+use super::{export_candidates, DeviceRuntime, DmaBuf, GpuApi, PointerKind, StreamOps, StreamPool};
 
 type HipError = c_int;
 const HIP_SUCCESS: HipError = 0;
@@ -27,12 +27,6 @@ const HOST_REGISTER_PORTABLE: c_uint = 1;
 const STREAM_NON_BLOCKING: c_uint = 1;
 
 type HipStream = *mut c_void;
-
-/// A stream handle, used by one copy at a time (taken from and returned to `Hip::streams`).
-struct Stream(HipStream);
-// SAFETY: an opaque runtime handle usable from any thread; kvlink hands each stream to one copy
-// at a time.
-unsafe impl Send for Stream {}
 
 /// `hipPointerAttribute_t` (ROCm 5 and 6), with spare room in case a later release grows it.
 #[repr(C)]
@@ -76,7 +70,7 @@ pub(crate) struct Hip {
     devices: i32,
     path: String,
     /// Idle copy streams per device.
-    streams: parking_lot::Mutex<std::collections::HashMap<i32, Vec<Stream>>>,
+    streams: StreamPool,
     _lib: Library,
 }
 
@@ -255,38 +249,31 @@ impl Hip {
         what: &str,
         copy: impl FnOnce(HipStream) -> HipError,
     ) -> Result<(), String> {
+        let ops = StreamOps {
+            create: &|| {
+                let mut s: HipStream = std::ptr::null_mut();
+                // SAFETY: out-pointer to a live local; the device is selected.
+                self.check(
+                    unsafe { (self.fns.stream_create)(&mut s, STREAM_NON_BLOCKING) },
+                    "hipStreamCreateWithFlags",
+                )?;
+                Ok(s as usize)
+            },
+            sync: &|s| {
+                // SAFETY: a stream this pool created, used by one copy at a time.
+                self.check(
+                    unsafe { (self.fns.stream_synchronize)(s as HipStream) },
+                    "hipStreamSynchronize",
+                )
+            },
+            destroy: &|s| {
+                // SAFETY: a stream with no other user; HIP frees it once its work is done.
+                let _ = unsafe { (self.fns.stream_destroy)(s as HipStream) };
+            },
+        };
         self.on_device(ordinal, || {
-            let idle = self.streams.lock().get_mut(&ordinal).and_then(Vec::pop);
-            let stream = match idle {
-                Some(s) => s,
-                None => {
-                    let mut s: HipStream = std::ptr::null_mut();
-                    // SAFETY: out-pointer to a live local; the device is selected.
-                    self.check(
-                        unsafe { (self.fns.stream_create)(&mut s, STREAM_NON_BLOCKING) },
-                        "hipStreamCreateWithFlags",
-                    )?;
-                    Stream(s)
-                }
-            };
-            // A copy that could not be queued leaves the stream as it was: reuse it. One that
-            // failed while running may leave it in an error state: destroy it.
-            if let Err(e) = self.check(copy(stream.0), what) {
-                self.streams.lock().entry(ordinal).or_default().push(stream);
-                return Err(e);
-            }
-            // SAFETY: a stream of this device, used by this copy only.
-            let r = self.check(
-                unsafe { (self.fns.stream_synchronize)(stream.0) },
-                "hipStreamSynchronize",
-            );
-            match r {
-                Ok(()) => self.streams.lock().entry(ordinal).or_default().push(stream),
-                // SAFETY: the stream has no other user; destroying it releases its resources
-                // once its (failed) work is done.
-                Err(_) => drop(unsafe { (self.fns.stream_destroy)(stream.0) }),
-            }
-            r
+            self.streams
+                .run(ordinal, &ops, |s| self.check(copy(s as HipStream), what))
         })
     }
 

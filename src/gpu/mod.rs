@@ -153,6 +153,51 @@ pub(crate) trait DeviceRuntime: Send + Sync + std::fmt::Debug + 'static {
     unsafe fn free(&self, ordinal: i32, ptr: u64);
 }
 
+/// The operations of one API's copy streams, for [`StreamPool::run`]. Handles are the API's
+/// opaque stream pointers, carried as addresses.
+pub(crate) struct StreamOps<'a> {
+    /// Creates a non-blocking stream on the current device.
+    pub(crate) create: &'a dyn Fn() -> Result<usize, String>,
+    /// Waits for the stream's work.
+    pub(crate) sync: &'a dyn Fn(usize) -> Result<(), String>,
+    /// Destroys a stream.
+    pub(crate) destroy: &'a dyn Fn(usize),
+}
+
+/// Idle copy streams per device, reused by later copies: one stream per copy in flight.
+#[derive(Debug, Default)]
+pub(crate) struct StreamPool(parking_lot::Mutex<std::collections::HashMap<i32, Vec<usize>>>);
+
+impl StreamPool {
+    /// Queues `copy` on an idle (or new) stream of GPU `ordinal`, whose context or device the
+    /// caller has made current, and waits for it. A copy that could not be queued leaves its
+    /// stream as it was, so the stream is reused; one that failed while running may leave it
+    /// in an error state, so it is destroyed.
+    pub(crate) fn run(
+        &self,
+        ordinal: i32,
+        ops: &StreamOps<'_>,
+        copy: impl FnOnce(usize) -> Result<(), String>,
+    ) -> Result<(), String> {
+        let idle = self.0.lock().get_mut(&ordinal).and_then(Vec::pop);
+        let stream = match idle {
+            Some(s) => s,
+            None => (ops.create)()?,
+        };
+        let put = |s| self.0.lock().entry(ordinal).or_default().push(s);
+        if let Err(e) = copy(stream) {
+            put(stream);
+            return Err(e);
+        }
+        let r = (ops.sync)(stream);
+        match r {
+            Ok(()) => put(stream),
+            Err(_) => (ops.destroy)(stream),
+        }
+        r
+    }
+}
+
 /// An exported dma-buf and the device address range it covers.
 #[derive(Debug)]
 pub(crate) struct DmaBuf {
@@ -314,6 +359,51 @@ pub(crate) fn page_size() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn copy_streams_are_reused_unless_their_copy_failed_while_running() {
+        use std::cell::{Cell, RefCell};
+        let created = Cell::new(0usize);
+        let destroyed = RefCell::new(Vec::new());
+        let sync_fails = Cell::new(false);
+        let ops = StreamOps {
+            create: &|| {
+                created.set(created.get() + 1);
+                Ok(100 + created.get())
+            },
+            sync: &|_| {
+                if sync_fails.get() {
+                    Err("sync failed".into())
+                } else {
+                    Ok(())
+                }
+            },
+            destroy: &|s| destroyed.borrow_mut().push(s),
+        };
+        let pool = StreamPool::default();
+        let used = Cell::new(0usize);
+        let ok = |s: usize| {
+            used.set(s);
+            Ok(())
+        };
+        pool.run(0, &ops, ok).unwrap();
+        pool.run(0, &ops, ok).unwrap();
+        assert_eq!((created.get(), used.get()), (1, 101), "idle stream reused");
+        // A copy that could not be queued: the stream goes back to the pool.
+        assert!(pool.run(0, &ops, |_| Err("queue".into())).is_err());
+        pool.run(0, &ops, ok).unwrap();
+        assert_eq!(created.get(), 1);
+        // Another device gets its own stream.
+        pool.run(1, &ops, ok).unwrap();
+        assert_eq!((created.get(), used.get()), (2, 102));
+        // A copy that failed while running: its stream is destroyed, the next copy makes one.
+        sync_fails.set(true);
+        assert!(pool.run(0, &ops, ok).is_err());
+        assert_eq!(*destroyed.borrow(), vec![101]);
+        sync_fails.set(false);
+        pool.run(0, &ops, ok).unwrap();
+        assert_eq!((created.get(), used.get()), (3, 103));
+    }
 
     #[test]
     fn dma_buf_export_candidates() {
