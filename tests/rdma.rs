@@ -41,7 +41,10 @@ fn rdma_config() -> EngineConfig {
     c
 }
 
+/// The prefill worker of the two-process tests. A helper, not a test: ignored, so that test runs
+/// neither run nor count it; `ChildPrefill::spawn` runs it with `--ignored --exact`.
 #[test]
+#[ignore = "helper: run as a child process by the two-process tests"]
 fn prefill_child() {
     prefill_child_main();
 }

@@ -11,10 +11,8 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 rounds=${ROUNDS:-3}
 port=${IPERF_PORT:-5299}
 
-if ! command -v iperf3 >/dev/null; then
-  echo "bench: installing iperf3" >&2
-  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iperf3 >/dev/null
-fi
+# Build dependencies and iperf3 (Debian), when missing.
+"$repo/tools/deps.sh" iperf3
 cargo build --release -q -p kvlink-bench --manifest-path "$repo/Cargo.toml"
 bench="$repo/target/release/kvlink-bench"
 

@@ -13,15 +13,7 @@ vm=0
 [ "${1:-}" = "--vm" ] && vm=1
 rounds=${ROUNDS:-5}
 
-need=()
-command -v iperf3 >/dev/null || need+=(iperf3)
-command -v ucx_perftest >/dev/null || need+=(ucx-utils)
-if [ ${#need[@]} -gt 0 ]; then
-  echo "compare: installing ${need[*]}" >&2
-  sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
-  $sudo apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
-fi
-tools/deps.sh
+tools/deps.sh iperf3 ucx-utils
 cargo build --release -q -p kvlink-bench
 bench=target/release/kvlink-bench
 

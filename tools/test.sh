@@ -1,13 +1,40 @@
 #!/usr/bin/env bash
 # The project's test command (README, CI): format and lint checks, every Rust test on the host,
 # the Python bindings' tests (wheel built with maturin into .venv), then the RDMA tests for real
-# inside a SoftRoCE VM (tools/softroce/run.sh). Installs what it needs.
-#   KVLINK_SKIP_VM=1 tools/test.sh    # host only (the RDMA tests then report themselves skipped)
+# inside a SoftRoCE VM (tools/softroce/run.sh). Installs what it needs (tools/deps.sh, PyPI into
+# .venv, the VM's packages).
+#   KVLINK_SKIP_VM=1 tools/test.sh    # host only: the VM part is reported as skipped
+#
+# The closing lines say what ran, per part: passed, failed, and skipped with the reason. A test
+# that returns early for lack of hardware says "<name>: skipped: <reason> (...)" on stderr and is
+# counted as skipped, not passed. Helpers that tests spawn as child processes are #[ignore]d and
+# counted nowhere. A part that ran fewer tests than its minimum fails the run (a build that
+# produced no tests must not look green), and so does any skip inside the VM or in Python (the
+# command installs everything those tests need).
 set -euo pipefail
+
+# Fewer tests than these, run for real (skips excluded), fail the part.
+MIN_HOST=90
+MIN_PYTHON=20
+MIN_VM=10
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
 tools/deps.sh
+
+# Sums the "test result:" lines of a cargo test log: "passed failed ignored".
+cargo_counts() {
+  awk '/^test result:/ {p += $4; f += $6; i += $8} END {print p + 0, f + 0, i + 0}' "$1"
+}
+# The skips a cargo test log reports, one "name<TAB>reason" per skipped test (the reason without
+# its parenthesised detail), deduplicated.
+cargo_skips() {
+  grep -oE '[A-Za-z0-9_]+: skipped: [^(]*' "$1" | sed -E 's/: skipped: /\t/; s/ +$//' | sort -u || true
+}
+# "n reason, n reason" from cargo_skips output on stdin.
+skip_reasons() {
+  cut -f2 | sort | uniq -c | awk '{n = $1; $1 = ""; sub(/^ /, ""); printf "%s%d %s", (NR > 1 ? ", " : ""), n, $0}'
+}
 
 echo "test: cargo fmt --check"
 cargo fmt --all -- --check
@@ -19,22 +46,28 @@ set +e
 cargo test --workspace --no-fail-fast 2>&1 | tee "$log"
 host_rc=${PIPESTATUS[0]}
 set -e
-host_passed=$(awk '/^test result:/ {p += $4} END {print p + 0}' "$log")
-host_failed=$(awk '/^test result:/ {f += $6} END {print f + 0}' "$log")
+read -r host_ran host_failed host_helpers < <(cargo_counts "$log")
+host_skips=$(cargo_skips "$log")
+host_skipped=0
+[ -n "$host_skips" ] && host_skipped=$(printf '%s\n' "$host_skips" | wc -l)
+host_passed=$((host_ran - host_skipped))
+host_why=""
+[ "$host_skipped" -gt 0 ] && host_why=" ($(printf '%s\n' "$host_skips" | skip_reasons))"
 if [ "$host_rc" -ne 0 ] && [ "$host_failed" -eq 0 ]; then
   echo "test: cargo test failed (exit $host_rc) before reporting failures (build error?)" >&2
   host_failed=1
 fi
-skipped=$(grep -c ': skipped: no RDMA device' "$log" || true)
+if [ "$host_passed" -lt "$MIN_HOST" ]; then
+  echo "test: only $host_passed host tests passed for real; at least $MIN_HOST expected" >&2
+  host_failed=$((host_failed + 1))
+fi
 
 echo "test: Python bindings (maturin wheel into .venv, pytest)"
 if [ ! -x .venv/bin/pip ]; then
   rm -rf .venv
   if ! python3 -m venv .venv; then
     rm -rf .venv
-    sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
-    $sudo apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq python3-venv >/dev/null
+    tools/deps.sh python3-venv
     python3 -m venv .venv
   fi
 fi
@@ -51,18 +84,34 @@ unset CARGO_TARGET_DIR
 .venv/bin/pip install -q --disable-pip-version-check --force-reinstall target/wheels/kvlink-*.whl
 pylog=$(mktemp)
 set +e
-(cd tests/python && ../../.venv/bin/python -m pytest -q) 2>&1 | tee "$pylog"
+# -rs lists each skip with its reason.
+(cd tests/python && ../../.venv/bin/python -m pytest -q -rs) 2>&1 | tee "$pylog"
 py_rc=${PIPESTATUS[0]}
 set -e
-# pytest's closing line only, e.g. "3 passed, 1 failed in 2.0s" or "=== 1 failed, 3 passed in 2.0s ===".
-py_summary=$(grep -E '(passed|failed|error).* in [0-9.]+s' "$pylog" | tail -n 1 || true)
-py_passed=$(echo "$py_summary" | awk '{for (i = 1; i < NF; i++) if ($(i + 1) ~ /^passed/) p = $i} END {print p + 0}')
-py_failed=$(echo "$py_summary" | awk '{for (i = 1; i < NF; i++) if ($(i + 1) ~ /^(failed|errors?)/) f += $i} END {print f + 0}')
-if [ "$py_rc" -ne 0 ] && [ "$py_failed" -eq 0 ]; then py_failed=1; fi
+# pytest's closing line, e.g. "20 passed, 1 skipped in 2.0s" or "=== 1 failed, 3 passed in 2.0s ===".
+py_summary=$(grep -E '[0-9]+ (passed|failed|skipped|errors?|deselected)\b.* in [0-9.]+s' "$pylog" | tail -n 1 || true)
+py_count() { echo "$py_summary" | grep -oE "[0-9]+ ($1)\b" | awk '{n += $1} END {print n + 0}'; }
+py_passed=$(py_count passed)
+py_failed=$(py_count 'failed|errors?')
+py_skipped=$(py_count skipped)
+py_why=""
+if [ "$py_skipped" -gt 0 ]; then
+  py_why=" ($(grep -oE '^SKIPPED \[[0-9]+\] [^:]+:[0-9]+: .*' "$pylog" | sed -E 's/^SKIPPED \[([0-9]+)\] [^:]+:[0-9]+: /\1\t/' | awk -F'\t' '{printf "%s%d %s", (NR > 1 ? ", " : ""), $1, $2}'))"
+  echo "test: $py_skipped Python tests skipped$py_why; this command installs what they need, so a skip is a failure" >&2
+  py_failed=$((py_failed + py_skipped))
+fi
+if [ "$py_rc" -ne 0 ] && [ "$py_failed" -eq 0 ]; then
+  echo "test: pytest failed (exit $py_rc) before reporting failures" >&2
+  py_failed=1
+fi
+if [ "$py_passed" -lt "$MIN_PYTHON" ]; then
+  echo "test: only $py_passed Python tests passed; at least $MIN_PYTHON expected" >&2
+  py_failed=$((py_failed + 1))
+fi
 
-vm_passed=0; vm_failed=0
+vm_passed=0; vm_failed=0; vm_skipped=0
 if [ "${KVLINK_SKIP_VM:-0}" = 1 ]; then
-  echo "test: SoftRoCE VM skipped (KVLINK_SKIP_VM=1): the RDMA tests above did not run for real"
+  vm_line="SoftRoCE VM: skipped (KVLINK_SKIP_VM=1; the RDMA tests did not run for real)"
 else
   echo "test: RDMA tests inside the SoftRoCE VM"
   bin=$(cargo test --test rdma --no-run --message-format=json 2>/dev/null | python3 -c '
@@ -71,23 +120,34 @@ for line in sys.stdin:
     d = json.loads(line)
     if d.get("reason") == "compiler-artifact" and d.get("executable") and d["target"]["name"] == "rdma":
         print(d["executable"])')
+  [ -n "$bin" ] || { echo "test: could not build the rdma test binary" >&2; exit 1; }
   vmlog=$(mktemp)
   set +e
   tools/softroce/run.sh -- "$bin" --test-threads=1 2>&1 | tee "$vmlog"
   vm_rc=${PIPESTATUS[0]}
   set -e
-  vm_passed=$(awk '/^test result:/ {p += $4} END {print p + 0}' "$vmlog")
-  vm_failed=$(awk '/^test result:/ {f += $6} END {print f + 0}' "$vmlog")
+  read -r vm_ran vm_failed _ < <(cargo_counts "$vmlog")
+  vm_skips=$(cargo_skips "$vmlog")
+  [ -n "$vm_skips" ] && vm_skipped=$(printf '%s\n' "$vm_skips" | wc -l)
+  vm_passed=$((vm_ran - vm_skipped))
   if [ "$vm_rc" -ne 0 ] && [ "$vm_failed" -eq 0 ]; then
     echo "test: the SoftRoCE VM run failed (exit $vm_rc) before reporting results" >&2
     vm_failed=1
   fi
-  if grep -q ': skipped: no RDMA device' "$vmlog"; then
-    echo "test: an RDMA test skipped inside the VM" >&2
+  if [ "$vm_skipped" -gt 0 ]; then
+    echo "test: $vm_skipped RDMA tests skipped inside the VM, which has a device: failures" >&2
+    vm_failed=$((vm_failed + vm_skipped))
+  fi
+  if [ "$vm_passed" -lt "$MIN_VM" ]; then
+    echo "test: only $vm_passed RDMA tests passed inside the VM; at least $MIN_VM expected" >&2
     vm_failed=$((vm_failed + 1))
   fi
+  vm_line="SoftRoCE VM: $vm_passed RDMA tests passed, $vm_failed failed"
 fi
 
-echo "test summary: host $host_passed passed, $host_failed failed ($skipped RDMA tests skipped on the host: no RDMA device); python $py_passed passed, $py_failed failed; SoftRoCE VM: $vm_passed RDMA tests passed, $vm_failed failed"
-echo "tests: $((host_passed + py_passed + vm_passed)) passed, $((host_failed + py_failed + vm_failed)) failed"
+echo "test summary:"
+echo "  host: $host_passed passed, $host_failed failed, $host_skipped skipped$host_why; $host_helpers ignored (helpers the two-process tests run as child processes), not counted"
+echo "  python: $py_passed passed, $py_failed failed, $py_skipped skipped$py_why"
+echo "  $vm_line"
+echo "tests: $((host_passed + py_passed + vm_passed)) passed, $((host_failed + py_failed + vm_failed)) failed, $((host_skipped + py_skipped + vm_skipped)) skipped"
 [ "$host_failed" -eq 0 ] && [ "$py_failed" -eq 0 ] && [ "$vm_failed" -eq 0 ]

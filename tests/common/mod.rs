@@ -179,9 +179,9 @@ pub fn quick_config() -> EngineConfig {
 
 const CHILD_ENV: &str = "KVLINK_TEST_CHILD";
 
-/// Body of each test binary's `prefill_child` test: when this process was spawned by
-/// [`ChildPrefill::spawn`], it serves as a prefill worker until its parent goes away; otherwise
-/// it returns at once.
+/// Body of each test binary's `prefill_child` helper (an ignored test): when this process was
+/// spawned by [`ChildPrefill::spawn`], it serves as a prefill worker until its parent goes away;
+/// run by hand with `--ignored` and without the spawn's environment, it returns at once.
 pub fn prefill_child_main() {
     let Ok(spec) = std::env::var(CHILD_ENV) else {
         return;
@@ -243,6 +243,7 @@ impl ChildPrefill {
             .args([
                 "prefill_child",
                 "--exact",
+                "--ignored",
                 "--nocapture",
                 "--test-threads=1",
             ])
