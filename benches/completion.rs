@@ -4,10 +4,8 @@
 use std::time::{Duration, Instant};
 
 use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use kvlink::{
-    CompletionTracker, FailedRequest, Finished, RequestId, SendNotice, Side, TpAggregator,
-    TransferReport,
-};
+use kvlink::internal::{CompletionTracker, SendNotice};
+use kvlink::{FailedRequest, Finished, RequestId, Side, TpAggregator, TransferReport};
 
 const REQUESTS: usize = 4096;
 

@@ -4,7 +4,8 @@
 //! segment, so criterion's "elem/s" reads directly as mappings per second.
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
-use kvlink::{plan, ModelShape, PlanOptions, RegionId};
+use kvlink::internal::{plan, PlanOptions};
+use kvlink::{ModelShape, RegionId};
 
 fn shuffled(n: u32, seed: u64) -> Vec<u32> {
     let mut v: Vec<u32> = (0..n).collect();

@@ -21,29 +21,60 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+// Layers, top to bottom (each imports only from those below it; docs/architecture.md):
+//   engine (API) > session > state > control, transport, completion > plan, layout, memory, gpu
+//   > config, ids, error.   events stands apart.
 mod completion;
-pub mod control;
+mod config;
+mod control;
 mod engine;
 mod error;
+#[cfg(feature = "events")]
 pub mod events;
-pub mod gpu;
+mod gpu;
 mod ids;
 mod layout;
 #[allow(unsafe_code)]
 mod memory;
 mod plan;
 mod session;
-pub mod transport;
+mod state;
+mod transport;
 pub mod verify;
 
-pub use completion::{
-    CompletionTracker, FailedRequest, Finished, SendNotice, Side, TpAggregator, TransferReport,
-};
+pub use completion::{FailedRequest, Finished, Side, TpAggregator, TransferReport};
+pub use config::{EngineConfig, TransportChoice};
 pub use control::messages::{Descriptor, TransportInfo};
-pub use engine::{Capabilities, Engine, EngineConfig, EngineStats, TransportChoice};
+pub use engine::{Capabilities, Engine, EngineStats};
 pub use error::{Error, Result};
 pub use gpu::{GpuApi, GpuReport, PointerKind};
 pub use ids::{BlockId, RegionId, RequestId, MAX_REQUEST_ID_LEN};
 pub use layout::{KvLayout, ModelShape, TensorLayout, MAX_TENSORS};
 pub use memory::{DeviceMemory, ExternalMemory, MemoryKind, Region, RegionInfo};
-pub use plan::{check_blocks, check_local_blocks, plan, Plan, PlanOptions, Segment};
+pub use transport::rdma::RdmaSettings;
+
+/// Internals for kvlink's own tests, benchmarks, fuzzing and bindings: the planner, the
+/// completion tracker, the wire formats of the control and data planes, the RDMA probe and
+/// fault injection. Not part of the stable API.
+#[doc(hidden)]
+pub mod internal {
+    pub use crate::completion::{CompletionTracker, SendNotice};
+    pub use crate::config::{check_duration, MAX_DURATION};
+    pub use crate::control::{frame, messages};
+    pub use crate::plan::{check_blocks, check_local_blocks, plan, Plan, PlanOptions, Segment};
+    pub use crate::transport::rdma::RdmaFault;
+    pub use crate::transport::tcp::wire as tcp_wire;
+
+    use crate::{Engine, EngineConfig, RdmaSettings, Result};
+
+    /// Opens the RDMA device `settings` name (or the first usable one) and returns its name,
+    /// or says why none can be used.
+    pub fn probe_rdma(settings: &RdmaSettings) -> std::result::Result<String, String> {
+        crate::transport::rdma::probe(settings).map(|d| d.name().to_string())
+    }
+
+    /// Starts an engine whose RDMA connections inject `fault` (tests of the RDMA error paths).
+    pub fn start_with_rdma_fault(config: EngineConfig, fault: RdmaFault) -> Result<Engine> {
+        Engine::start_with_rdma_fault(config, fault)
+    }
+}

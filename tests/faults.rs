@@ -10,9 +10,9 @@ use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvlink::control::frame::{self, PROTOCOL_VERSION};
-use kvlink::control::messages::Message;
-use kvlink::transport::tcp::wire;
+use kvlink::internal::frame::{self, PROTOCOL_VERSION};
+use kvlink::internal::messages::Message;
+use kvlink::internal::tcp_wire as wire;
 use kvlink::{ModelShape, RegionId};
 
 #[test]

@@ -4,7 +4,8 @@
 
 use std::collections::HashMap;
 
-use kvlink::{plan, KvLayout, PlanOptions, RegionId, TensorLayout};
+use kvlink::internal::{plan, PlanOptions};
+use kvlink::{KvLayout, RegionId, TensorLayout};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]

@@ -8,8 +8,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvlink::transport::rdma::{probe, RdmaFault, RdmaSettings};
-use kvlink::{Engine, EngineConfig, Error, ModelShape, TransportChoice};
+use kvlink::internal::{probe_rdma as probe, start_with_rdma_fault, RdmaFault};
+use kvlink::{Engine, EngineConfig, Error, ModelShape, RdmaSettings, TransportChoice};
 
 /// True when an RDMA device is usable; otherwise says why the test is skipped (or fails inside
 /// the VM, where the device must exist).
@@ -181,9 +181,8 @@ fn rdma_transport_negotiation() {
 fn faulty_read(fault: RdmaFault, expect: &str) {
     let shape = ModelShape::DEEPSEEK_V3_MLA;
     let prefill = side(&shape, 16, Some(13), rdma_config());
-    let mut c = rdma_config();
-    c.rdma_fault = fault;
-    let decode = side(&shape, 16, None, c);
+    let engine = start_with_rdma_fault(rdma_config(), fault).unwrap();
+    let decode = side_on(engine, Mem::Host, &shape, 16, None);
     let peer = prefill.engine.handshake_address().to_string();
     let t0 = Instant::now();
     decode

@@ -90,13 +90,13 @@ py_rc=${PIPESTATUS[0]}
 set -e
 # pytest's closing line, e.g. "20 passed, 1 skipped in 2.0s" or "=== 1 failed, 3 passed in 2.0s ===".
 py_summary=$(grep -E '[0-9]+ (passed|failed|skipped|errors?|deselected)\b.* in [0-9.]+s' "$pylog" | tail -n 1 || true)
-py_count() { echo "$py_summary" | grep -oE "[0-9]+ ($1)\b" | awk '{n += $1} END {print n + 0}'; }
+py_count() { { echo "$py_summary" | grep -oE "[0-9]+ ($1)\b" || true; } | awk '{n += $1} END {print n + 0}'; }
 py_passed=$(py_count passed)
 py_failed=$(py_count 'failed|errors?')
 py_skipped=$(py_count skipped)
 py_why=""
 if [ "$py_skipped" -gt 0 ]; then
-  py_why=" ($(grep -oE '^SKIPPED \[[0-9]+\] [^:]+:[0-9]+: .*' "$pylog" | sed -E 's/^SKIPPED \[([0-9]+)\] [^:]+:[0-9]+: /\1\t/' | awk -F'\t' '{printf "%s%d %s", (NR > 1 ? ", " : ""), $1, $2}'))"
+  py_why=" ($({ grep -oE '^SKIPPED \[[0-9]+\] [^:]+:[0-9]+: .*' "$pylog" || true; } | sed -E 's/^SKIPPED \[([0-9]+)\] [^:]+:[0-9]+: /\1\t/' | awk -F'\t' '{printf "%s%d %s", (NR > 1 ? ", " : ""), $1, $2}'))"
   echo "test: $py_skipped Python tests skipped$py_why; this command installs what they need, so a skip is a failure" >&2
   py_failed=$((py_failed + py_skipped))
 fi

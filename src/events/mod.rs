@@ -1,23 +1,28 @@
 //! KV-cache events, byte-compatible with vLLM, SGLang and ATOM streams:
-//! - [`wire`]: the event types in both msgpack encodings, over a bounds-checked reader
-//!   ([`msgpack`]);
-//! - [`pages`]: fixed-size pages with chained hashes;
-//! - [`sequence`]: the replay ring and the subscriber's gap/replay/restart state machine,
-//!   without I/O;
+//! - the event types in both msgpack encodings ([`KvEvent`], [`EventBatch`], [`encode_batch`],
+//!   [`decode_batch`]), decoded by a bounds-checked reader;
+//! - fixed-size pages with chained hashes ([`PageSplitter`]);
+//! - the replay ring and the subscriber's gap/replay/restart state machine, without I/O
+//!   ([`ReplayRing`], [`StreamState`]);
 //! - [`Publisher`], [`Subscriber`] and [`Merger`]: the ZeroMQ sockets (PUB, SUB, ROUTER and
 //!   DEALER, on the `zeromq` crate) around them, following vLLM's endpoint rules
-//!   ([`endpoint`]).
+//!   ([`resolve_endpoint`]).
+//!
+//! Compiled with the `events` cargo feature (on by default).
 
-pub mod endpoint;
+mod endpoint;
 mod guard;
-pub mod merger;
+mod merger;
+/// The bounded msgpack reader under the event decoders (for fuzzing and tests).
+#[doc(hidden)]
 pub mod msgpack;
-pub mod pages;
-pub mod publisher;
-pub mod sequence;
-pub mod subscriber;
-pub mod wire;
+mod pages;
+mod publisher;
+mod sequence;
+mod subscriber;
+mod wire;
 
+pub use endpoint::{resolve as resolve_endpoint, Attach, ResolvedEndpoint};
 pub use merger::{InputStats, Merger, MergerConfig, MergerInput};
 pub use pages::{page_digest, PageHash, PageSplitter, Pages};
 pub use publisher::{Publisher, PublisherConfig, PublisherStats, ReplayFormat, REPLAY_END};

@@ -21,6 +21,10 @@
 //! the frame guard ([`super::guard`]) so that no network peer reaches the `zeromq` crate's
 //! unbounded frame buffering.
 
+mod queue;
+mod replay;
+mod sockets;
+
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -31,13 +35,16 @@ use parking_lot::{Condvar, Mutex};
 use tokio::runtime::Runtime;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
-use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+use zeromq::{PubSocket, RouterSocket, Socket};
 
-use super::endpoint::{self, Attach};
-use super::guard::{self, Limits, PrivateDir};
+use super::guard::{Limits, PrivateDir};
 use super::sequence::ReplayRing;
-use super::wire::{encode_batch, Encoding, EventBatch};
+use super::wire::{Encoding, EventBatch};
 use super::EventsError;
+
+use queue::publish_loop;
+use replay::serve_replay;
+use sockets::attach;
 
 /// The sequence value that marks the end of a replay answer.
 pub const REPLAY_END: u64 = u64::MAX;
@@ -187,62 +194,6 @@ impl std::fmt::Debug for Publisher {
             .field("replay_endpoint", &self.replay_endpoint)
             .finish_non_exhaustive()
     }
-}
-
-fn zmq_err(context: String) -> impl FnOnce(zeromq::ZmqError) -> EventsError {
-    move |source| EventsError::Zmq { context, source }
-}
-
-/// Binds or connects `socket` following vLLM's rules; returns the endpoint peers use (the real
-/// port when 0 was asked) and the guard task serving it, if any.
-async fn attach<S: Socket>(
-    socket: &mut S,
-    endpoint: &str,
-    dp_rank: u32,
-    force_bind: bool,
-    dir: &PrivateDir,
-    name: &str,
-    limits: Limits,
-) -> Result<(String, Option<JoinHandle<()>>), EventsError> {
-    let r = endpoint::resolve(endpoint, dp_rank)?;
-    if r.attach == Attach::Connect && !force_bind {
-        socket
-            .connect(&r.endpoint)
-            .await
-            .map_err(zmq_err(format!("connecting to {}", r.endpoint)))?;
-        return Ok((r.endpoint, None));
-    }
-    if r.endpoint.starts_with("ipc://") {
-        let _ = std::fs::remove_file(&r.endpoint["ipc://".len()..]);
-        socket
-            .bind(&r.endpoint)
-            .await
-            .map_err(zmq_err(format!("binding {}", r.endpoint)))?;
-        return Ok((r.endpoint, None));
-    }
-    let addr = endpoint::tcp_listen_addr(&r.endpoint)?;
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|source| EventsError::Io {
-            context: format!("binding {} ({addr})", r.endpoint),
-            source,
-        })?;
-    let local = listener.local_addr().map_err(|source| EventsError::Io {
-        context: "reading the bound address".into(),
-        source,
-    })?;
-    let path = dir.path(name);
-    socket
-        .bind(&guard::ipc_endpoint(&path))
-        .await
-        .map_err(zmq_err(format!(
-            "binding the local socket {}",
-            path.display()
-        )))?;
-    Ok((
-        format!("tcp://{local}"),
-        Some(guard::front(listener, path, limits)),
-    ))
 }
 
 impl Publisher {
@@ -487,221 +438,4 @@ where
             .join()
             .unwrap_or_else(|p| std::panic::resume_unwind(p))
     })
-}
-
-async fn publish_loop(
-    shared: Arc<Shared>,
-    mut socket: PubSocket,
-    topic: Bytes,
-    enc: Encoding,
-    keep_for_replay: bool,
-) -> PubSocket {
-    let mut local = VecDeque::new();
-    let mut seq = 0u64;
-    let mut size_hint = 4096;
-    loop {
-        {
-            let mut q = shared.queue.lock();
-            std::mem::swap(&mut *q, &mut local);
-        }
-        if local.is_empty() {
-            if shared.closed.load(Ordering::Acquire) {
-                break;
-            }
-            shared.work.notified().await;
-            continue;
-        }
-        shared.room.notify_all();
-        shared.room_async.notify_waiters();
-        for item in local.drain(..) {
-            let payload = match item {
-                Item::Encoded(p) => p,
-                Item::Batch(b) => {
-                    let mut v = Vec::with_capacity(size_hint);
-                    encode_batch(&b, enc, &mut v);
-                    size_hint = v.len();
-                    Bytes::from(v)
-                }
-            };
-            if keep_for_replay {
-                shared
-                    .ring
-                    .lock()
-                    .push_sized(seq, payload.clone(), payload.len());
-            }
-            let frames = vec![
-                topic.clone(),
-                Bytes::copy_from_slice(&seq.to_be_bytes()),
-                payload,
-            ];
-            let msg = ZmqMessage::try_from(frames).expect("three frames");
-            if let Err(e) = socket.send(msg).await {
-                tracing::warn!(seq, "KV-event PUB send failed: {e}");
-            }
-            seq += 1;
-            shared.counters.published.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-    socket
-}
-
-/// Parses a replay request (after the ROUTER's identity frame): `["", start]`; a bare
-/// `[start]` is accepted too.
-fn replay_start(frames: &[Bytes]) -> Option<u64> {
-    let seq = match frames {
-        [empty, seq] if empty.is_empty() => seq,
-        [seq] => seq,
-        _ => return None,
-    };
-    Some(u64::from_be_bytes(seq.as_ref().try_into().ok()?))
-}
-
-async fn serve_replay(
-    shared: Arc<Shared>,
-    mut router: RouterSocket,
-    topic: Bytes,
-    format: ReplayFormat,
-    send_timeout: Duration,
-) {
-    let end_seq = Bytes::copy_from_slice(&REPLAY_END.to_be_bytes());
-    loop {
-        let msg = match router.recv().await {
-            Ok(m) => m,
-            Err(e) => {
-                tracing::debug!("KV-event replay socket: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let mut frames = msg.into_vec();
-        if frames.is_empty() {
-            continue;
-        }
-        let id = frames.remove(0);
-        let Some(start) = replay_start(&frames) else {
-            shared
-                .counters
-                .bad_replay_requests
-                .fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(
-                frames = frames.len(),
-                "malformed KV-event replay request ignored"
-            );
-            continue;
-        };
-        shared
-            .counters
-            .replay_requests
-            .fetch_add(1, Ordering::Relaxed);
-        let batches: Vec<(u64, Bytes)> = shared
-            .ring
-            .lock()
-            .replay_from(start)
-            .map(|(s, p)| (s, p.clone()))
-            .collect();
-        let deadline = tokio::time::Instant::now() + send_timeout;
-        let frame = |seq: Bytes, payload: Bytes| {
-            let mut f = vec![id.clone(), Bytes::new()];
-            if format == ReplayFormat::Current {
-                f.push(if payload.is_empty() {
-                    Bytes::new()
-                } else {
-                    topic.clone()
-                });
-            }
-            f.push(seq);
-            f.push(payload);
-            ZmqMessage::try_from(f).expect("frames")
-        };
-        let mut sent_all = true;
-        for (seq, payload) in batches {
-            let m = frame(Bytes::copy_from_slice(&seq.to_be_bytes()), payload);
-            match tokio::time::timeout_at(deadline, router.send(m)).await {
-                Ok(Ok(())) => {
-                    shared
-                        .counters
-                        .replayed_batches
-                        .fetch_add(1, Ordering::Relaxed);
-                }
-                Ok(Err(e)) => {
-                    tracing::debug!("KV-event replay answer failed: {e}");
-                    sent_all = false;
-                    break;
-                }
-                Err(_) => {
-                    shared
-                        .counters
-                        .replay_timeouts
-                        .fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(
-                        "KV-event replay answer not taken within {send_timeout:?}; cut short"
-                    );
-                    sent_all = false;
-                    break;
-                }
-            }
-        }
-        if sent_all {
-            let end = frame(end_seq.clone(), Bytes::new());
-            let _ = tokio::time::timeout_at(deadline, router.send(end)).await;
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn replay_requests_are_parsed_strictly() {
-        let b = |v: &[u8]| Bytes::copy_from_slice(v);
-        assert_eq!(replay_start(&[b(b""), b(&7u64.to_be_bytes())]), Some(7));
-        assert_eq!(replay_start(&[b(&9u64.to_be_bytes())]), Some(9));
-        assert_eq!(replay_start(&[b(b"x"), b(&7u64.to_be_bytes())]), None);
-        assert_eq!(replay_start(&[b(b""), b(&[1, 2, 3])]), None);
-        assert_eq!(replay_start(&[]), None);
-    }
-
-    #[test]
-    fn a_full_queue_refuses_and_counts() {
-        let p = Publisher::start(PublisherConfig {
-            endpoint: "tcp://*:0".into(),
-            replay_endpoint: Some("tcp://*:0".into()),
-            max_queue: 1,
-            ..Default::default()
-        })
-        .unwrap();
-        let b = EventBatch {
-            ts: 0.0,
-            events: vec![],
-            dp_rank: None,
-        };
-        let mut refused = 0;
-        {
-            // Holding the ring stalls the publisher thread once it has taken the first batch.
-            let _hold = p.shared.ring.lock();
-            p.publish(b.clone()).unwrap();
-            let t = Instant::now();
-            while !p.shared.queue.lock().is_empty() {
-                assert!(
-                    t.elapsed() < Duration::from_secs(10),
-                    "publisher thread never ran"
-                );
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            for _ in 0..50 {
-                if p.publish(b.clone()).is_err() {
-                    refused += 1;
-                }
-            }
-            assert_eq!(refused, 49, "one fits, the rest are refused");
-            let t = Instant::now();
-            assert!(matches!(
-                p.publish_timeout(b.clone(), Duration::from_millis(50)),
-                Err(EventsError::QueueFull { cap: 1 })
-            ));
-            assert!(t.elapsed() >= Duration::from_millis(50));
-        }
-        assert_eq!(p.stats().dropped, refused + 1);
-    }
 }

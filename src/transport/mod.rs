@@ -2,8 +2,8 @@
 //! to local registered spans, and reads the peer's bytes into them.
 
 #[allow(unsafe_code)]
-pub mod rdma;
-pub mod tcp;
+pub(crate) mod rdma;
+pub(crate) mod tcp;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -28,13 +28,15 @@ pub(crate) struct RequestCtl {
     cancelled: AtomicBool,
     /// Held by a transport while it writes into the request's local memory.
     write_guard: parking_lot::Mutex<()>,
+    /// Wakes transports waiting on the request when it is cancelled.
+    woken: tokio::sync::Notify,
 }
 
 impl RequestCtl {
     /// Stops further writes into the request's memory. When this returns, no transport is
     /// writing into it and none will.
     pub(crate) fn cancel(&self) {
-        self.cancelled.store(true, Ordering::Release);
+        self.mark_cancelled();
         drop(self.write_guard.lock());
     }
 
@@ -46,7 +48,7 @@ impl RequestCtl {
         self: &std::sync::Arc<Self>,
         wait: std::time::Duration,
     ) -> bool {
-        self.cancelled.store(true, Ordering::Release);
+        self.mark_cancelled();
         let me = self.clone();
         let waited =
             tokio::time::timeout(wait, tokio::task::spawn_blocking(move || me.cancel())).await;
@@ -63,6 +65,20 @@ impl RequestCtl {
     /// Stops new writes into the request's memory without waiting for one in progress.
     pub(crate) fn mark_cancelled(&self) {
         self.cancelled.store(true, Ordering::Release);
+        self.woken.notify_waiters();
+    }
+
+    /// Resolves once the request is cancelled.
+    pub(crate) async fn cancelled(&self) {
+        loop {
+            let woken = self.woken.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            if self.is_cancelled() {
+                return;
+            }
+            woken.await;
+        }
     }
 
     pub(crate) fn is_cancelled(&self) -> bool {

@@ -59,7 +59,18 @@ pub fn side_in(
     config: EngineConfig,
 ) -> Side {
     init_logs();
-    let engine = Engine::start(config).unwrap();
+    side_on(Engine::start(config).unwrap(), mem, shape, num_blocks, seed)
+}
+
+/// [`side_in`] on an engine the caller started (with fault injection, say).
+pub fn side_on(
+    engine: Engine,
+    mem: Mem,
+    shape: &ModelShape,
+    num_blocks: u32,
+    seed: Option<u64>,
+) -> Side {
+    init_logs();
     let bytes = shape.region_bytes(num_blocks);
     let mut emulated = None;
     let region = match mem {

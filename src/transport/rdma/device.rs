@@ -4,11 +4,10 @@ use std::collections::HashMap;
 use std::net::Ipv6Addr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
 use sideway::ibverbs::address::{Gid, GidType};
-use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, CompletionQueue};
+use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel};
 use sideway::ibverbs::device::{DeviceInfo, DeviceList};
 use sideway::ibverbs::device_context::{DeviceContext, LinkLayer, Mtu, PortState};
 use sideway::ibverbs::memory_region::MemoryRegion;
@@ -18,7 +17,8 @@ use crate::gpu::{DeviceRuntime, DmaBuf, GpuApi};
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::AccessFlags;
 
-use super::conn::ConnShared;
+use super::mr::RegionMrs;
+use super::poller::{poll_loop, CqHandler};
 use super::RdmaRegionInfo;
 use crate::ids::RegionId;
 use crate::memory::Region;
@@ -50,25 +50,8 @@ impl Default for RdmaSettings {
     }
 }
 
-/// Memory registrations of one region, in equal chunks (the last may be shorter).
-pub(crate) struct RegionMrs {
-    pub(crate) addr: u64,
-    pub(crate) len: u64,
-    pub(crate) chunk: u64,
-    pub(crate) mrs: Vec<Arc<MemoryRegion>>,
-}
-
-impl RegionMrs {
-    /// Local key covering `offset`, and how many bytes from there stay inside its chunk.
-    pub(crate) fn lkey(&self, offset: u64) -> (u32, u64) {
-        let i = (offset / self.chunk) as usize;
-        let end = ((i as u64 + 1) * self.chunk).min(self.len);
-        (self.mrs[i].lkey(), end - offset)
-    }
-}
-
 /// An opened RDMA device with its protection domain and completion poller.
-pub struct RdmaDevice {
+pub(crate) struct RdmaDevice {
     name: String,
     pub(crate) ctx: Arc<DeviceContext>,
     pub(crate) pd: Arc<ProtectionDomain>,
@@ -83,7 +66,7 @@ pub struct RdmaDevice {
     pub(crate) settings: RdmaSettings,
     pub(crate) channel: Arc<CompletionChannel>,
     mrs: RwLock<HashMap<RegionId, Arc<RegionMrs>>>,
-    conns: Mutex<HashMap<u64, Weak<ConnShared>>>,
+    pub(super) conns: Mutex<HashMap<u64, Weak<dyn CqHandler>>>,
     next_cq_id: AtomicU64,
     stop: Arc<AtomicBool>,
     poller: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -125,7 +108,7 @@ pub(crate) fn mtu_from_bytes(b: u32) -> Option<Mtu> {
 /// Opens the RDMA device the settings name (or the first usable one), or says why none can be
 /// used: no verbs library, no device, no active port, no usable GID. Never panics: probing runs
 /// under `catch_unwind` because the verbs bindings panic on values they do not know.
-pub fn probe(settings: &RdmaSettings) -> Result<Arc<RdmaDevice>, String> {
+pub(crate) fn probe(settings: &RdmaSettings) -> Result<Arc<RdmaDevice>, String> {
     match std::panic::catch_unwind(|| open(settings)) {
         Ok(r) => r,
         Err(p) => {
@@ -271,17 +254,17 @@ impl Drop for RdmaDevice {
 
 impl RdmaDevice {
     /// The device's name.
-    pub fn name(&self) -> &str {
+    pub(crate) fn name(&self) -> &str {
         &self.name
     }
 
     /// The active MTU in bytes.
-    pub fn mtu_bytes(&self) -> u32 {
+    pub(crate) fn mtu_bytes(&self) -> u32 {
         mtu_bytes(self.mtu)
     }
 
     /// The GID in use, as an IPv6 address (IPv4-mapped for RoCE v2 over IPv4).
-    pub fn gid(&self) -> Ipv6Addr {
+    pub(crate) fn gid(&self) -> Ipv6Addr {
         Ipv6Addr::from(self.gid)
     }
 
@@ -453,7 +436,7 @@ impl RdmaDevice {
     }
 
     /// Routes a completion queue's events to a connection.
-    pub(crate) fn attach(&self, cq_id: u64, conn: &Arc<ConnShared>) {
+    pub(crate) fn attach(&self, cq_id: u64, conn: &Arc<dyn CqHandler>) {
         self.conns.lock().insert(cq_id, Arc::downgrade(conn));
         conn.arm();
     }
@@ -468,86 +451,6 @@ impl RdmaDevice {
         let mut b = b;
         b.setup_cqe(16);
         b.build().map_err(|e| format!("create CQ: {e}"))
-    }
-}
-
-/// The poller: waits on the completion channel (no spinning while idle), then drains the
-/// connection whose queue fired. A 100 ms wake-up also lets connections time out stuck work.
-fn poll_loop(dev: Weak<RdmaDevice>, stop: Arc<AtomicBool>) {
-    let fd = match dev.upgrade() {
-        Some(d) => std::os::fd::AsRawFd::as_raw_fd(&*d.channel),
-        None => return,
-    };
-    while !stop.load(Ordering::Acquire) {
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: pfd is a valid pollfd for the duration of the call; fd belongs to the
-        // completion channel, which lives as long as the device (checked by the upgrade below
-        // before any use of the channel).
-        let n = unsafe { libc::poll(&mut pfd, 1, 100) };
-        let Some(d) = dev.upgrade() else { return };
-        // A panic here (the verbs bindings assert when destroying objects) must not stop the
-        // poller: every connection on the device depends on it.
-        let round = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            if n > 0 {
-                d.handle_events();
-            }
-            let conns: Vec<Arc<ConnShared>> =
-                d.conns.lock().values().filter_map(Weak::upgrade).collect();
-            for c in conns {
-                c.tick();
-            }
-        }));
-        if round.is_err() {
-            tracing::error!(
-                device = d.name(),
-                "the completion poller caught a panic; continuing"
-            );
-        }
-        drop(d);
-        if n < 0 {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
-impl RdmaDevice {
-    fn handle_events(&self) {
-        loop {
-            let mut cq: *mut rdma_mummy_sys::ibv_cq = std::ptr::null_mut();
-            let mut ctx: *mut std::ffi::c_void = std::ptr::null_mut();
-            // SAFETY: the channel is valid while `self` lives; out-pointers are valid locals.
-            let rc = unsafe {
-                rdma_mummy_sys::ibv_get_cq_event(
-                    self.channel.comp_channel().as_ptr(),
-                    &mut cq,
-                    &mut ctx,
-                )
-            };
-            if rc != 0 {
-                return; // EAGAIN: no more events
-            }
-            let id = ctx as usize as u64;
-            // Take a strong reference before acknowledging: a CQ is destroyed only after all of
-            // its events are acknowledged, so `cq` is valid until the ack below.
-            let conn = self.conns.lock().get(&id).and_then(Weak::upgrade);
-            // SAFETY: `cq` came from ibv_get_cq_event and is not destroyed before this ack.
-            unsafe { rdma_mummy_sys::ibv_ack_cq_events(cq, 1) };
-            if let Some(c) = conn {
-                c.drain();
-            }
-        }
-    }
-}
-
-/// Arms a completion queue for one event notification.
-pub(crate) fn arm(cq: &BasicCompletionQueue) {
-    // SAFETY: the CQ is alive (borrowed) and was created on a completion channel.
-    unsafe {
-        rdma_mummy_sys::ibv_req_notify_cq(cq.cq().as_ptr(), 0);
     }
 }
 

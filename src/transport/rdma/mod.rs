@@ -4,20 +4,32 @@
 //! where no RDMA stack exists and says why RDMA is unavailable. This module and its children are
 //! the only place, with `memory`, where `unsafe` is allowed: verbs take raw addresses and keys.
 //!
-//! - [`device`]: device/port/GID selection, the protection domain, memory registration (split
-//!   into chunks below the NIC's registration limit), the completion channel and its poller.
-//! - [`conn`]: a connection to one peer: several RC queue pairs, posting of READ work requests
-//!   (chained per doorbell, scatter lists, selective signaling, gated on queue credits) and the
-//!   accounting that maps completions back to requests.
+//! One file per verbs concept:
+//! - `device`: device/port/GID selection, the protection domain, memory registration (split
+//!   into chunks below the NIC's registration limit, `mr`) and the completion channel;
+//! - `poller`: the completion poller thread and the handler registry it drives;
+//! - `qp`: queue pair creation and the moves to ready-to-send;
+//! - `conn`: a connection to one peer: several RC queue pairs, posting of READ work requests
+//!   (chained per doorbell, selective signaling, gated on queue credits);
+//! - sans-I/O cores with unit tests: `wr` (work requests: split at registration chunks and
+//!   `max_wr_bytes`, scatter lists) and `ledger` (per queue pair credits, sequence numbers in
+//!   work request ids, retirement on signaled completions, flush grace with time passed in).
 
 mod conn;
 mod device;
+mod ledger;
+mod mr;
+mod poller;
+mod qp;
+mod wr;
 
 use serde::{Deserialize, Serialize};
 
-pub use conn::RdmaFault;
-pub(crate) use conn::{RdmaConnection, ServerQps};
-pub use device::{probe, RdmaDevice, RdmaSettings};
+pub(crate) use conn::RdmaConnection;
+pub use device::RdmaSettings;
+pub(crate) use device::{probe, RdmaDevice};
+pub(crate) use qp::ServerQps;
+pub use wr::RdmaFault;
 
 use crate::ids::RegionId;
 

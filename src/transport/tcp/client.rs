@@ -201,6 +201,7 @@ impl Transport for TcpTransport {
         ctl: Arc<RequestCtl>,
         deadline: tokio::time::Instant,
     ) -> ReadFuture<'_> {
+        let started = tokio::time::Instant::now();
         Box::pin(async move {
             match tokio::time::timeout_at(deadline, self.run(ops, ctl.clone())).await {
                 Ok(r) => r,
@@ -209,7 +210,7 @@ impl Transport for TcpTransport {
                     ctl.cancel_async(self.io_timeout).await;
                     Err(Error::Timeout {
                         what: format!("reading from {} (request deadline)", self.peer),
-                        after: Duration::ZERO,
+                        after: started.elapsed(),
                     })
                 }
             }

@@ -1,0 +1,116 @@
+//! Argument checks: NULL and alignment checks of pointers, C strings, arrays, out-parameters
+//! and timeouts.
+
+use std::ffi::{c_char, CStr};
+use std::time::Duration;
+
+use crate::status::{invalid, FfiResult, KVLINK_TIMEOUT_MAX_MS};
+
+/// A borrowed string argument.
+///
+/// # Safety
+/// `p` is NULL or points to a NUL-terminated string that stays valid and unchanged for `'a`.
+pub(crate) unsafe fn str_arg<'a>(p: *const c_char, what: &str) -> FfiResult<&'a str> {
+    if p.is_null() {
+        return Err(invalid(format!("{what} is NULL")));
+    }
+    // SAFETY: `p` is not NULL and the caller promised a NUL-terminated string living for 'a.
+    let s = unsafe { CStr::from_ptr(p) };
+    s.to_str()
+        .map_err(|e| invalid(format!("{what} is not valid UTF-8: {e}")))
+}
+
+/// An optional borrowed string argument: NULL gives `None`.
+///
+/// # Safety
+/// As for [`str_arg`].
+pub(crate) unsafe fn opt_str_arg<'a>(p: *const c_char, what: &str) -> FfiResult<Option<&'a str>> {
+    if p.is_null() {
+        Ok(None)
+    } else {
+        // SAFETY: forwarded from the caller.
+        unsafe { str_arg(p, what) }.map(Some)
+    }
+}
+
+/// A shared reference to an argument.
+///
+/// # Safety
+/// `p` is NULL or points to a valid `T` that nothing mutates for `'a`.
+pub(crate) unsafe fn ref_arg<'a, T>(p: *const T, what: &str) -> FfiResult<&'a T> {
+    if p.is_null() {
+        return Err(invalid(format!("{what} is NULL")));
+    }
+    if !p.is_aligned() {
+        return Err(invalid(format!("{what} is not aligned")));
+    }
+    // SAFETY: not NULL, aligned, and the caller promised a valid T for 'a.
+    Ok(unsafe { &*p })
+}
+
+/// An exclusive reference to an argument.
+///
+/// # Safety
+/// `p` is NULL or points to a valid `T` that nothing else accesses for `'a`.
+pub(crate) unsafe fn mut_arg<'a, T>(p: *mut T, what: &str) -> FfiResult<&'a mut T> {
+    if p.is_null() {
+        return Err(invalid(format!("{what} is NULL")));
+    }
+    if !p.is_aligned() {
+        return Err(invalid(format!("{what} is not aligned")));
+    }
+    // SAFETY: not NULL, aligned, and the caller promised exclusive access to a valid T for 'a.
+    Ok(unsafe { &mut *p })
+}
+
+/// A borrowed array argument of `count` elements; NULL is accepted when `count` is 0.
+///
+/// # Safety
+/// When `count > 0`, `p` is NULL or points to `count` valid `T`s that nothing mutates for `'a`.
+pub(crate) unsafe fn slice_arg<'a, T>(p: *const T, count: usize, what: &str) -> FfiResult<&'a [T]> {
+    if count == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return Err(invalid(format!("{what} is NULL but its count is {count}")));
+    }
+    if !p.is_aligned() {
+        return Err(invalid(format!("{what} is not aligned")));
+    }
+    if count > isize::MAX as usize / std::mem::size_of::<T>().max(1) {
+        return Err(invalid(format!("{what}: count {count} is too large")));
+    }
+    // SAFETY: not NULL, aligned, the total size fits in isize, and the caller promised `count`
+    // valid elements for 'a.
+    Ok(unsafe { std::slice::from_raw_parts(p, count) })
+}
+
+/// Checks an out-parameter before any work is done, so that no result is lost to a bad one.
+pub(crate) fn check_out<T>(p: *mut T, what: &str) -> FfiResult {
+    if p.is_null() {
+        return Err(invalid(format!("{what} is NULL")));
+    }
+    if !p.is_aligned() {
+        return Err(invalid(format!("{what} is not aligned")));
+    }
+    Ok(())
+}
+
+/// Stores a result through an out-parameter checked by [`check_out`].
+///
+/// # Safety
+/// `p` passed [`check_out`] and points to writable memory for a `T`.
+pub(crate) unsafe fn write_out<T>(p: *mut T, value: T) {
+    // SAFETY: checked non-NULL and aligned; the caller promised it is writable. `write` does not
+    // read or drop the (possibly uninitialised) old value.
+    unsafe { p.write(value) }
+}
+
+pub(crate) fn millis(ms: u64, what: &str) -> FfiResult<Duration> {
+    if ms > KVLINK_TIMEOUT_MAX_MS {
+        return Err(invalid(format!(
+            "{what} of {ms} ms is longer than the limit of {KVLINK_TIMEOUT_MAX_MS} ms (7 days)"
+        )));
+    }
+    Ok(Duration::from_millis(ms))
+}

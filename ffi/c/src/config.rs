@@ -1,0 +1,147 @@
+//! `kvlink_config`, the settings of `kvlink_engine_start` (with its layout asserts), its
+//! defaults and its conversion to `kvlink::EngineConfig`.
+
+use std::ffi::{c_char, c_int, CStr};
+use std::time::Duration;
+
+use kvlink::{EngineConfig, TransportChoice};
+
+use crate::args::{check_out, millis, opt_str_arg, write_out};
+use crate::guard::guard;
+use crate::status::{
+    invalid, FfiResult, KVLINK_TRANSPORT_AUTO, KVLINK_TRANSPORT_RDMA, KVLINK_TRANSPORT_TCP,
+};
+
+/// Settings of `kvlink_engine_start`. Fill one with `kvlink_config_default`, then change fields.
+///
+/// The strings are borrowed: they are read during `kvlink_engine_start` only, and the caller
+/// keeps ownership.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct kvlink_config {
+    /// Handshake listen address, `"ip:port"`; port 0 picks a free one. The default is
+    /// `"127.0.0.1:0"`; NULL means the default.
+    pub listen: *const c_char,
+    /// Host or IP that peers should use to reach this engine when `listen` is a wildcard
+    /// address such as `"0.0.0.0:7400"`; NULL to advertise the listen address.
+    pub advertise_host: *const c_char,
+    /// Engine id for logs and the handshake; NULL for `<hostname>-<pid>-rank<tp_rank>`.
+    pub engine_id: *const c_char,
+    /// Tensor-parallel rank of this worker (below `tp_size`).
+    pub tp_rank: u32,
+    /// Tensor-parallel size (at least 1).
+    pub tp_size: u32,
+    /// `KVLINK_TRANSPORT_AUTO`, `KVLINK_TRANSPORT_TCP` or `KVLINK_TRANSPORT_RDMA`.
+    pub transport: u32,
+    /// TCP streams opened to each peer for data, 1 to 64.
+    pub tcp_streams: u32,
+    /// Deadline of a whole `kvlink_engine_read_blocks` request, in milliseconds (1 ms to 7
+    /// days).
+    pub request_timeout_ms: u64,
+    /// How long `kvlink_engine_hold_blocks` holds a send for its reader before it expires, in
+    /// milliseconds (1 ms to 7 days).
+    pub abort_timeout_ms: u64,
+    /// 1 to look for GPU runtimes (CUDA, HIP) at start, 0 to skip them (host memory only).
+    pub gpu: u32,
+    /// Staging buffers the data server may use to send GPU memory over TCP, 1 to 4096.
+    pub staging_buffers: u32,
+    /// Bytes per staging buffer (GPU memory over TCP moves through pinned host buffers of this
+    /// size), 4 KiB to 256 MiB.
+    pub staging_chunk_bytes: u64,
+}
+
+#[cfg(target_pointer_width = "64")]
+const _: () = {
+    assert!(std::mem::size_of::<kvlink_config>() == 72);
+    assert!(std::mem::align_of::<kvlink_config>() == 8);
+    assert!(std::mem::offset_of!(kvlink_config, listen) == 0);
+    assert!(std::mem::offset_of!(kvlink_config, advertise_host) == 8);
+    assert!(std::mem::offset_of!(kvlink_config, engine_id) == 16);
+    assert!(std::mem::offset_of!(kvlink_config, tp_rank) == 24);
+    assert!(std::mem::offset_of!(kvlink_config, tp_size) == 28);
+    assert!(std::mem::offset_of!(kvlink_config, transport) == 32);
+    assert!(std::mem::offset_of!(kvlink_config, tcp_streams) == 36);
+    assert!(std::mem::offset_of!(kvlink_config, request_timeout_ms) == 40);
+    assert!(std::mem::offset_of!(kvlink_config, abort_timeout_ms) == 48);
+    assert!(std::mem::offset_of!(kvlink_config, gpu) == 56);
+    assert!(std::mem::offset_of!(kvlink_config, staging_buffers) == 60);
+    assert!(std::mem::offset_of!(kvlink_config, staging_chunk_bytes) == 64);
+};
+
+const DEFAULT_LISTEN: &CStr = c"127.0.0.1:0";
+
+/// Fills `*config` with the defaults: listen on `"127.0.0.1:0"`, rank 0 of 1, automatic
+/// transport, 4 TCP streams, a 60 s request timeout and a 480 s abort timeout.
+///
+/// Returns `KVLINK_OK`, or `KVLINK_E_INVALID` when `config` is NULL.
+///
+/// # Safety
+/// `config` is NULL or points to writable memory for a `kvlink_config`.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_config_default(config: *mut kvlink_config) -> c_int {
+    guard(|| {
+        check_out(config, "config")?;
+        let d = EngineConfig::default();
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        let c = kvlink_config {
+            listen: DEFAULT_LISTEN.as_ptr(),
+            advertise_host: std::ptr::null(),
+            engine_id: std::ptr::null(),
+            tp_rank: d.tp_rank,
+            tp_size: d.tp_size,
+            transport: KVLINK_TRANSPORT_AUTO,
+            tcp_streams: u32::from(d.tcp_streams),
+            request_timeout_ms: ms(d.request_timeout),
+            abort_timeout_ms: ms(d.abort_timeout),
+            gpu: u32::from(d.gpu),
+            staging_buffers: u32::try_from(d.staging_buffers).unwrap_or(u32::MAX),
+            staging_chunk_bytes: d.staging_chunk_bytes,
+        };
+        // SAFETY: checked above; the caller promised writable memory.
+        unsafe { write_out(config, c) };
+        Ok(())
+    })
+}
+
+pub(crate) fn engine_config(c: &kvlink_config) -> FfiResult<EngineConfig> {
+    let mut config = EngineConfig::default();
+    // SAFETY: the caller of kvlink_engine_start promised NUL-terminated strings or NULL.
+    if let Some(listen) = unsafe { opt_str_arg(c.listen, "config->listen") }? {
+        config.listen = listen.to_string();
+    }
+    // SAFETY: as above.
+    config.advertise_host =
+        unsafe { opt_str_arg(c.advertise_host, "config->advertise_host") }?.map(str::to_string);
+    // SAFETY: as above.
+    config.engine_id =
+        unsafe { opt_str_arg(c.engine_id, "config->engine_id") }?.map(str::to_string);
+    config.tp_rank = c.tp_rank;
+    config.tp_size = c.tp_size;
+    config.transport = match c.transport {
+        KVLINK_TRANSPORT_AUTO => TransportChoice::Auto,
+        KVLINK_TRANSPORT_TCP => TransportChoice::Tcp,
+        KVLINK_TRANSPORT_RDMA => TransportChoice::Rdma,
+        other => {
+            return Err(invalid(format!(
+                "config->transport is {other}; use KVLINK_TRANSPORT_AUTO (0), _TCP (1) or _RDMA (2)"
+            )))
+        }
+    };
+    config.tcp_streams = u16::try_from(c.tcp_streams).map_err(|_| {
+        invalid(format!(
+            "config->tcp_streams {} is too large",
+            c.tcp_streams
+        ))
+    })?;
+    config.request_timeout = millis(c.request_timeout_ms, "config->request_timeout_ms")?;
+    config.abort_timeout = millis(c.abort_timeout_ms, "config->abort_timeout_ms")?;
+    config.gpu = match c.gpu {
+        0 => false,
+        1 => true,
+        other => return Err(invalid(format!("config->gpu is {other}; use 0 or 1"))),
+    };
+    // Ranges are checked by Engine::start.
+    config.staging_buffers = c.staging_buffers as usize;
+    config.staging_chunk_bytes = c.staging_chunk_bytes;
+    Ok(config)
+}

@@ -1,0 +1,500 @@
+//! The engine handle (`kvlink_engine`) and its functions, and `kvlink_tensor` (with its
+//! layout asserts) for `kvlink_engine_set_layout`.
+
+use std::ffi::{c_char, c_int, c_void};
+
+use kvlink::{
+    DeviceMemory, Engine, EngineConfig, ExternalMemory, KvLayout, RegionId, TensorLayout,
+    MAX_TENSORS,
+};
+
+use crate::aggregator::kvlink_aggregator;
+use crate::args::{check_out, millis, ref_arg, slice_arg, str_arg, write_out};
+use crate::config::{engine_config, kvlink_config};
+use crate::finished::kvlink_finished;
+use crate::guard::guard;
+use crate::status::{invalid, FfiResult};
+
+/// One tensor of the KV cache for `kvlink_engine_set_layout`: `num_blocks` blocks of
+/// `block_bytes` bytes, block `b` starting at byte `offset + b * block_stride` of region
+/// `region`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct kvlink_tensor {
+    /// Region that holds the tensor (from `kvlink_engine_allocate_host` or
+    /// `kvlink_engine_register_host`).
+    pub region: u32,
+    /// Number of blocks.
+    pub num_blocks: u32,
+    /// Byte offset of block 0 within the region.
+    pub offset: u64,
+    /// Distance in bytes from one block to the next (at least `block_bytes`).
+    pub block_stride: u64,
+    /// Bytes of one block of this tensor.
+    pub block_bytes: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<kvlink_tensor>() == 32);
+const _: () = assert!(std::mem::align_of::<kvlink_tensor>() == 8);
+const _: () = assert!(std::mem::offset_of!(kvlink_tensor, region) == 0);
+const _: () = assert!(std::mem::offset_of!(kvlink_tensor, num_blocks) == 4);
+const _: () = assert!(std::mem::offset_of!(kvlink_tensor, offset) == 8);
+const _: () = assert!(std::mem::offset_of!(kvlink_tensor, block_stride) == 16);
+const _: () = assert!(std::mem::offset_of!(kvlink_tensor, block_bytes) == 24);
+
+// The handles are documented as usable from several threads at once.
+const _: () = {
+    const fn shareable<T: Send + Sync>() {}
+    shareable::<kvlink_engine>();
+    shareable::<kvlink_finished>();
+    shareable::<kvlink_aggregator>();
+};
+
+/// A kvlink engine (one per worker process and tensor-parallel rank). Opaque: create it with
+/// `kvlink_engine_start`, destroy it with `kvlink_engine_free`.
+///
+/// Every function taking an engine may be called from several threads at once, except
+/// `kvlink_engine_free`, which must be the last call on it.
+pub struct kvlink_engine {
+    engine: Engine,
+}
+
+/// Starts an engine: binds its handshake service and data server and starts its threads.
+/// Register memory and set a layout before peers read from it.
+///
+/// On success stores a new engine in `*out`; the caller owns it and frees it with
+/// `kvlink_engine_free`. On failure `*out` is left unchanged. `config` is only read during the
+/// call; NULL means the defaults of `kvlink_config_default`.
+///
+/// Returns `KVLINK_OK`, `KVLINK_E_INVALID` (bad settings), `KVLINK_E_IO` (cannot bind the
+/// listen address) or `KVLINK_E_RDMA` (`KVLINK_TRANSPORT_RDMA` without a usable device).
+///
+/// # Safety
+/// `config` is NULL or points to a valid `kvlink_config` whose strings are NULL or
+/// NUL-terminated; `out` is NULL or points to writable memory for a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_engine_start(
+    config: *const kvlink_config,
+    out: *mut *mut kvlink_engine,
+) -> c_int {
+    guard(|| {
+        check_out(out, "out")?;
+        let config = if config.is_null() {
+            EngineConfig::default()
+        } else {
+            // SAFETY: the caller promised a valid kvlink_config.
+            engine_config(unsafe { ref_arg(config, "config") }?)?
+        };
+        let engine = Engine::start(config)?;
+        let handle = Box::into_raw(Box::new(kvlink_engine { engine }));
+        // SAFETY: checked above; the caller promised writable memory.
+        unsafe { write_out(out, handle) };
+        Ok(())
+    })
+}
+
+/// Stops an engine and frees it with all the memory it allocated (pointers returned by
+/// `kvlink_engine_allocate_host` dangle afterwards). Transfers in flight are abandoned. NULL is
+/// ignored.
+///
+/// # Safety
+/// `engine` is NULL or a pointer returned by `kvlink_engine_start` that has not been freed, and
+/// no other thread uses it during or after this call.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_engine_free(engine: *mut kvlink_engine) {
+    guard(|| {
+        if !engine.is_null() {
+            // SAFETY: the caller passes ownership of a pointer made by Box::into_raw in
+            // kvlink_engine_start, used by no one else.
+            drop(unsafe { Box::from_raw(engine) });
+        }
+        Ok(())
+    });
+}
+
+/// Copies the engine's handshake address (`"ip:port"`, what peers pass to
+/// `kvlink_engine_read_blocks`) into `buf` as a NUL-terminated string.
+///
+/// `buf` is owned by the caller and must hold `len` bytes; `KVLINK_ADDRESS_MAX` bytes are
+/// always enough. Returns `KVLINK_OK`, or `KVLINK_E_INVALID` when an argument is NULL or the
+/// buffer is too small (then `buf` holds an empty string if `len > 0`).
+///
+/// # Safety
+/// `engine` is NULL or a live engine; `buf` is NULL or points to `len` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_engine_handshake_address(
+    engine: *const kvlink_engine,
+    buf: *mut c_char,
+    len: usize,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live engine or NULL.
+        let e = unsafe { ref_arg(engine, "engine") }?;
+        let addr = e.engine.handshake_address().to_string();
+        // SAFETY: the caller promised `len` writable bytes at `buf` (or NULL).
+        unsafe { copy_str_out(buf, len, &addr, "the handshake address") }
+    })
+}
+
+/// Copies `s` and a NUL into `buf` (`len` bytes), or refuses (writing an empty string when
+/// there is room for one) when it does not fit.
+///
+/// # Safety
+/// `buf` is NULL or points to `len` writable bytes that do not overlap `s`.
+unsafe fn copy_str_out(buf: *mut c_char, len: usize, s: &str, what: &str) -> FfiResult {
+    if buf.is_null() {
+        return Err(invalid("buf is NULL"));
+    }
+    let needed = s.len() + 1;
+    if len < needed {
+        if len > 0 {
+            // SAFETY: buf points to at least one writable byte.
+            unsafe { buf.write(0) };
+        }
+        return Err(invalid(format!(
+            "buffer of {len} bytes is too small for {what} ({needed} bytes with its NUL)"
+        )));
+    }
+    // SAFETY: buf has room for `needed` bytes (checked above) and does not overlap `s` (the
+    // caller's promise).
+    unsafe {
+        std::ptr::copy_nonoverlapping(s.as_ptr(), buf.cast::<u8>(), s.len());
+        buf.add(s.len()).write(0);
+    }
+    Ok(())
+}
+
+/// Writes a report of the transports and memory kinds this engine found into `buf` (`len`
+/// bytes, NUL-terminated), one line per item: `transport rdma: yes: <device>` or
+/// `memory cuda:    no: <why>`. Returns `KVLINK_OK` or `KVLINK_E_INVALID` (NULL argument,
+/// buffer too small: 4096 bytes suffice in practice, and the last error says how many are
+/// needed).
+///
+/// # Safety
+/// `engine` is NULL or a live engine; `buf` is NULL or points to `len` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_engine_capabilities(
+    engine: *const kvlink_engine,
+    buf: *mut c_char,
+    len: usize,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live engine or NULL.
+        let e = unsafe { ref_arg(engine, "engine") }?;
+        let report = e.engine.capabilities().to_string();
+        // SAFETY: the caller promised `len` writable bytes at `buf` (or NULL); `report` is ours.
+        unsafe { copy_str_out(buf, len, &report, "the capabilities report") }
+    })
+}
+
+/// Allocates `len` bytes of zeroed host memory and registers it as a new region (with
+/// `huge_pages`, on 2 MiB huge pages when the system has them reserved, else regular pages).
+///
+/// Stores the region id in `*region_id` and the memory's address in `*ptr`. The memory is owned
+/// by the engine: the caller may read and write it until `kvlink_engine_deregister` of its
+/// region or `kvlink_engine_free`, whichever comes first (both release it), and must not free
+/// it. Returns `KVLINK_OK`, `KVLINK_E_INVALID` (NULL argument, `len` of 0) or
+/// `KVLINK_E_MEMORY`.
+///
+/// # Safety
+/// `engine` is NULL or a live engine; `region_id` and `ptr` are NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_engine_allocate_host(
+    engine: *mut kvlink_engine,
+    len: u64,
+    huge_pages: bool,
+    region_id: *mut u32,
+    ptr: *mut *mut u8,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live engine or NULL.
+        let e = unsafe { ref_arg(engine, "engine") }?;
+        check_out(region_id, "region_id")?;
+        check_out(ptr, "ptr")?;
+        let region = e.engine.allocate_host(len, huge_pages)?;
+        // SAFETY: both checked above; the caller promised writable memory.
+        unsafe {
+            write_out(region_id, region.id().0);
+            write_out(ptr, region.as_ptr());
+        }
+        Ok(())
+    })
+}
+
+/// Registers `len` bytes of caller-owned host memory at `ptr` (an inference engine's KV cache)
+/// as a new region, and stores its id in `*region_id`.
+///
+/// The memory stays owned by the caller, but kvlink and its peers read and write it
+/// concurrently until `kvlink_engine_deregister` returns `KVLINK_OK` for the region or the
+/// engine is freed; only then may it be freed. Returns `KVLINK_OK`, `KVLINK_E_INVALID` (NULL
+/// argument, `len` of 0, or a loaded GPU runtime says `ptr` is GPU or managed memory: use
+/// `kvlink_engine_register_device`), `KVLINK_E_GPU` (a GPU runtime failed to classify `ptr`)
+/// or `KVLINK_E_MEMORY` (the RDMA device could not register it).
+///
+/// # Safety
+/// `engine` is NULL or a live engine; `region_id` is NULL or writable; `ptr` is NULL or points
+/// to `len` bytes valid for reads and writes for as long as described above.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_engine_register_host(
+    engine: *mut kvlink_engine,
+    ptr: *mut c_void,
+    len: u64,
+    region_id: *mut u32,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live engine or NULL.
+        let e = unsafe { ref_arg(engine, "engine") }?;
+        check_out(region_id, "region_id")?;
+        // SAFETY: the caller promised `len` bytes at `ptr`, valid for reads and writes until
+        // the region is deregistered or the engine freed: ExternalMemory::new's contract.
+        // NULL and empty ranges are refused by new itself.
+        let mem = unsafe { ExternalMemory::new(ptr.cast::<u8>(), len) }?;
+        let region = e.engine.register_host(mem)?;
+        // SAFETY: checked above; the caller promised writable memory.
+        unsafe { write_out(region_id, region.id().0) };
+        Ok(())
+    })
+}
+
+/// Registers `len` bytes of caller-owned GPU memory at device address `ptr` (a KV cache
+/// allocated with CUDA or HIP) as a new region, and stores its id in `*region_id`. The loaded
+/// GPU runtime says which device it is on; RDMA registers it with dma-buf or a peer-memory
+/// driver, TCP stages it through pinned host buffers.
+///
+/// The same lifetime rules as `kvlink_engine_register_host` apply. Returns `KVLINK_OK`,
+/// `KVLINK_E_INVALID` (NULL argument, `len` of 0, `ptr` not device memory), `KVLINK_E_GPU` (no
+/// GPU runtime loaded, the last error saying why each is missing, or a runtime call failed) or
+/// `KVLINK_E_MEMORY` (the RDMA device could not register it: the last error names the dma-buf
+/// and peer-memory attempts; a `KVLINK_TRANSPORT_TCP` engine does not register with RDMA).
+///
+/// # Safety
+/// `engine` is NULL or a live engine; `region_id` is NULL or writable; `[ptr, ptr + len)` is a
+/// live device allocation of this process's CUDA or HIP runtime that stays allocated as
+/// described above.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_engine_register_device(
+    engine: *mut kvlink_engine,
+    ptr: u64,
+    len: u64,
+    region_id: *mut u32,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live engine or NULL.
+        let e = unsafe { ref_arg(engine, "engine") }?;
+        check_out(region_id, "region_id")?;
+        // SAFETY: the caller promised a live device allocation: DeviceMemory::new's contract.
+        let mem = unsafe { DeviceMemory::new(ptr, len) }?;
+        let region = e.engine.register_device(mem)?;
+        // SAFETY: checked above; the caller promised writable memory.
+        unsafe { write_out(region_id, region.id().0) };
+        Ok(())
+    })
+}
+
+/// Stops exporting a region and waits until no transfer uses it any more (at most the request
+/// timeout plus 10 s). When this returns `KVLINK_OK`, memory registered with
+/// `kvlink_engine_register_host` or `kvlink_engine_register_device` may be freed; memory from
+/// `kvlink_engine_allocate_host` is freed by the engine.
+///
+/// Returns `KVLINK_OK`, `KVLINK_E_INVALID` (unknown region, or a region the layout uses) or
+/// `KVLINK_E_MEMORY` (still in use after the wait: do not free the memory).
+///
+/// # Safety
+/// `engine` is NULL or a live engine.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_engine_deregister(
+    engine: *mut kvlink_engine,
+    region_id: u32,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live engine or NULL.
+        let e = unsafe { ref_arg(engine, "engine") }?;
+        e.engine.deregister(RegionId(region_id))?;
+        Ok(())
+    })
+}
+
+/// Sets the KV layout (validated against the registered regions) and publishes it to peers.
+///
+/// `tensors` points to `count` tensors (1 to 16384) in the order both engines agree on
+/// (layer-major, K before V); they are named `t0`, `t1`, ... in logs. `dtype` is the element
+/// type tag (`"bf16"`, `"fp8_e4m3"`, ...), 1 to 32 bytes; peers must agree on it and on
+/// `tokens_per_block`. Both are only read during the call.
+///
+/// Returns `KVLINK_OK` or `KVLINK_E_INVALID` (the last error names the offending tensor).
+///
+/// # Safety
+/// `engine` is NULL or a live engine; `dtype` is NULL or NUL-terminated; `tensors` is NULL or
+/// points to `count` valid `kvlink_tensor`s.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_engine_set_layout(
+    engine: *mut kvlink_engine,
+    tokens_per_block: u32,
+    dtype: *const c_char,
+    tensors: *const kvlink_tensor,
+    count: usize,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live engine or NULL.
+        let e = unsafe { ref_arg(engine, "engine") }?;
+        // SAFETY: the caller promised a NUL-terminated string or NULL.
+        let dtype = unsafe { str_arg(dtype, "dtype") }?;
+        if count == 0 || count > MAX_TENSORS {
+            return Err(invalid(format!(
+                "count is {count}; a layout has 1 to {MAX_TENSORS} tensors"
+            )));
+        }
+        // SAFETY: the caller promised `count` valid tensors or NULL.
+        let tensors = unsafe { slice_arg(tensors, count, "tensors") }?;
+        let layout = KvLayout {
+            tokens_per_block,
+            dtype: dtype.to_string(),
+            tensors: tensors
+                .iter()
+                .enumerate()
+                .map(|(i, t)| TensorLayout {
+                    name: format!("t{i}"),
+                    region: RegionId(t.region),
+                    offset: t.offset,
+                    block_stride: t.block_stride,
+                    block_bytes: t.block_bytes,
+                    num_blocks: t.num_blocks,
+                })
+                .collect(),
+        };
+        e.engine.set_layout(layout)?;
+        Ok(())
+    })
+}
+
+/// Connects to the engine at `peer` (its handshake address), or reuses the cached connection,
+/// waiting up to `timeout_ms`; optional, as `kvlink_engine_read_blocks` connects on first use.
+/// Stores the number of blocks of the peer's cache in `*peer_blocks` unless it is NULL.
+///
+/// Returns `KVLINK_OK`, `KVLINK_E_INVALID`, `KVLINK_E_TIMEOUT`, `KVLINK_E_INCOMPATIBLE` (the
+/// layouts differ; the last error lists every difference), `KVLINK_E_CONNECTION` or
+/// `KVLINK_E_IO`.
+///
+/// # Safety
+/// `engine` is NULL or a live engine; `peer` is NULL or NUL-terminated; `peer_blocks` is NULL
+/// or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_engine_connect(
+    engine: *mut kvlink_engine,
+    peer: *const c_char,
+    timeout_ms: u64,
+    peer_blocks: *mut u32,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live engine or NULL.
+        let e = unsafe { ref_arg(engine, "engine") }?;
+        // SAFETY: the caller promised a NUL-terminated string or NULL.
+        let peer = unsafe { str_arg(peer, "peer") }?;
+        if !peer_blocks.is_null() {
+            check_out(peer_blocks, "peer_blocks")?;
+        }
+        let timeout = millis(timeout_ms, "timeout_ms")?;
+        let descriptor = e.engine.connect(peer, timeout)?;
+        if !peer_blocks.is_null() {
+            // SAFETY: checked above; the caller promised writable memory.
+            unsafe { write_out(peer_blocks, descriptor.layout.num_blocks()) };
+        }
+        Ok(())
+    })
+}
+
+/// Starts reading blocks `remote[i]` of the engine at `peer` (its handshake address) into
+/// blocks `local[i]` of this engine, for every tensor of the layout, as request `request_id`
+/// (1 to 256 bytes). Returns at once: the outcome arrives through
+/// `kvlink_engine_wait_finished`, as `request_id` in the receiving or the failed entries.
+///
+/// `local` and `remote` hold `count` block ids each and are only read during the call; a local
+/// block id may appear once per request. Returns `KVLINK_OK` or an immediate refusal:
+/// `KVLINK_E_INVALID` (bad id, block id out of range, no layout, request id already in flight)
+/// or `KVLINK_E_SHUTDOWN`. Everything later (handshake, transfer, deadline) ends as a failed
+/// entry instead.
+///
+/// # Safety
+/// `engine` is NULL or a live engine; `peer` and `request_id` are NULL or NUL-terminated;
+/// `local` and `remote` are NULL or point to `count` readable `uint32_t`s.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_engine_read_blocks(
+    engine: *mut kvlink_engine,
+    peer: *const c_char,
+    request_id: *const c_char,
+    local: *const u32,
+    remote: *const u32,
+    count: usize,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live engine or NULL.
+        let e = unsafe { ref_arg(engine, "engine") }?;
+        // SAFETY: the caller promised NUL-terminated strings or NULL.
+        let peer = unsafe { str_arg(peer, "peer") }?;
+        // SAFETY: as above.
+        let id = unsafe { str_arg(request_id, "request_id") }?;
+        // SAFETY: the caller promised `count` readable ids or NULL.
+        let local = unsafe { slice_arg(local, count, "local") }?;
+        // SAFETY: as above.
+        let remote = unsafe { slice_arg(remote, count, "remote") }?;
+        e.engine.read_blocks(peer, id, local, remote)?;
+        Ok(())
+    })
+}
+
+/// Holds the blocks of request `request_id` (1 to 256 bytes) for a reader (prefill side): the
+/// request finishes sending when the reader confirms its read, and fails when the reader
+/// aborts or after `abort_timeout_ms` (0 for the engine's `abort_timeout_ms`; at most 7 days).
+///
+/// Returns `KVLINK_OK` or `KVLINK_E_INVALID` (bad id, id already held, bad timeout).
+///
+/// # Safety
+/// `engine` is NULL or a live engine; `request_id` is NULL or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_engine_hold_blocks(
+    engine: *mut kvlink_engine,
+    request_id: *const c_char,
+    abort_timeout_ms: u64,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live engine or NULL.
+        let e = unsafe { ref_arg(engine, "engine") }?;
+        // SAFETY: the caller promised a NUL-terminated string or NULL.
+        let id = unsafe { str_arg(request_id, "request_id") }?;
+        if abort_timeout_ms == 0 {
+            e.engine.hold_blocks(id)?;
+        } else {
+            let timeout = millis(abort_timeout_ms, "abort_timeout_ms")?;
+            e.engine.hold_blocks_for(id, timeout)?;
+        }
+        Ok(())
+    })
+}
+
+/// Waits up to `timeout_ms` (0 to poll, at most 7 days) until some request finishes, then
+/// stores everything that finished since the last call (each request exactly once) in a new
+/// `kvlink_finished` at `*out`, possibly empty when the wait timed out. The caller owns it and
+/// frees it with `kvlink_finished_free`.
+///
+/// Returns `KVLINK_OK`, or `KVLINK_E_INVALID` (NULL argument, timeout too long).
+///
+/// # Safety
+/// `engine` is NULL or a live engine; `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_engine_wait_finished(
+    engine: *mut kvlink_engine,
+    timeout_ms: u64,
+    out: *mut *mut kvlink_finished,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live engine or NULL.
+        let e = unsafe { ref_arg(engine, "engine") }?;
+        check_out(out, "out")?;
+        let timeout = millis(timeout_ms, "timeout_ms")?;
+        let finished = e.engine.wait_finished(timeout);
+        let handle = Box::into_raw(Box::new(kvlink_finished::new(finished)));
+        // SAFETY: checked above; the caller promised writable memory.
+        unsafe { write_out(out, handle) };
+        Ok(())
+    })
+}

@@ -1,0 +1,165 @@
+//! Unit tests of the C API: status mapping, panic containment, argument checks and an engine
+//! round trip without peers.
+
+use std::ffi::{c_char, CStr};
+use std::time::Duration;
+
+use kvlink::{Error, RegionId};
+
+use super::*;
+use crate::args::{opt_str_arg, str_arg};
+use crate::guard::{guard, guard_value, to_cstring};
+use crate::status::{invalid, status_of};
+
+fn last_error() -> String {
+    // SAFETY: kvlink_last_error never returns NULL, and the string lives until the next call.
+    unsafe { CStr::from_ptr(kvlink_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+#[test]
+fn a_panic_becomes_an_internal_error() {
+    let code = guard(|| panic!("deliberate"));
+    assert_eq!(code, KVLINK_E_INTERNAL);
+    assert!(last_error().contains("deliberate"), "{}", last_error());
+    let code = guard(|| std::panic::panic_any(17_u8));
+    assert_eq!(code, KVLINK_E_INTERNAL);
+    assert!(last_error().contains("internal error"), "{}", last_error());
+    assert!(guard_value(|_| std::ptr::null::<c_char>(), || panic!("x")).is_null());
+}
+
+#[test]
+fn success_clears_the_last_error() {
+    assert_eq!(guard(|| Err(invalid("nope"))), KVLINK_E_INVALID);
+    assert_eq!(last_error(), "nope");
+    assert_eq!(guard(|| Ok(())), KVLINK_OK);
+    assert_eq!(last_error(), "");
+}
+
+#[test]
+fn errors_map_to_status_codes() {
+    let cases = [
+        (Error::InvalidArgument("a".into()), KVLINK_E_INVALID),
+        (Error::UnknownRegion(RegionId(3)), KVLINK_E_INVALID),
+        (
+            Error::Timeout {
+                what: "w".into(),
+                after: Duration::from_secs(1),
+            },
+            KVLINK_E_TIMEOUT,
+        ),
+        (
+            Error::Incompatible {
+                peer: "p".into(),
+                differences: "d".into(),
+            },
+            KVLINK_E_INCOMPATIBLE,
+        ),
+        (Error::io("x", &std::io::Error::other("y")), KVLINK_E_IO),
+        (Error::Protocol("p".into()), KVLINK_E_CONNECTION),
+        (Error::RdmaUnavailable("r".into()), KVLINK_E_RDMA),
+        (Error::Memory("m".into()), KVLINK_E_MEMORY),
+        (Error::Gpu("g".into()), KVLINK_E_GPU),
+        (Error::Shutdown, KVLINK_E_SHUTDOWN),
+    ];
+    for (e, code) in cases {
+        assert_eq!(status_of(&e), code, "{e}");
+    }
+}
+
+#[test]
+fn nul_bytes_never_truncate_messages() {
+    assert_eq!(to_cstring("a\0b").to_str().unwrap(), "a\u{fffd}b");
+}
+
+#[test]
+fn string_arguments_are_checked() {
+    let bad = [0xff_u8, 0];
+    // SAFETY: a NUL-terminated buffer that outlives the call.
+    let e = unsafe { str_arg(bad.as_ptr().cast(), "s") }.unwrap_err();
+    assert!(e.message.contains("UTF-8"), "{}", e.message);
+    // SAFETY: NULL is allowed.
+    let e = unsafe { str_arg(std::ptr::null(), "s") }.unwrap_err();
+    assert_eq!(e.message, "s is NULL");
+    // SAFETY: NULL is allowed.
+    assert_eq!(unsafe { opt_str_arg(std::ptr::null(), "s") }.unwrap(), None);
+}
+
+#[test]
+fn engine_round_trip_without_peers() {
+    let mut config = std::mem::MaybeUninit::<kvlink_config>::uninit();
+    // SAFETY: writable memory for a kvlink_config.
+    let rc = unsafe { kvlink_config_default(config.as_mut_ptr()) };
+    assert_eq!(rc, KVLINK_OK);
+    // SAFETY: initialised by kvlink_config_default.
+    let mut config = unsafe { config.assume_init() };
+    config.transport = KVLINK_TRANSPORT_TCP;
+    let mut engine = std::ptr::null_mut();
+    let bad = kvlink_config { gpu: 2, ..config };
+    // SAFETY: valid config and out-pointer; refused before any engine exists.
+    let rc = unsafe { kvlink_engine_start(&bad, &mut engine) };
+    assert_eq!(rc, KVLINK_E_INVALID);
+    assert!(last_error().contains("config->gpu"), "{}", last_error());
+    let bad = kvlink_config {
+        staging_buffers: 0,
+        ..config
+    };
+    // SAFETY: as above.
+    let rc = unsafe { kvlink_engine_start(&bad, &mut engine) };
+    assert_eq!(rc, KVLINK_E_INVALID);
+    assert!(engine.is_null());
+    config.gpu = 0;
+    // SAFETY: valid config and out-pointer.
+    let rc = unsafe { kvlink_engine_start(&config, &mut engine) };
+    assert_eq!(rc, KVLINK_OK, "{}", last_error());
+    let mut buf = [0 as c_char; KVLINK_ADDRESS_MAX];
+    // SAFETY: live engine, buffer of the given length.
+    let rc = unsafe { kvlink_engine_handshake_address(engine, buf.as_mut_ptr(), buf.len()) };
+    assert_eq!(rc, KVLINK_OK);
+    // SAFETY: NUL-terminated by the call above.
+    let addr = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_str().unwrap();
+    assert!(addr.starts_with("127.0.0.1:"), "{addr}");
+    // The capabilities report, and the error when the buffer is too small.
+    let mut caps = [0 as c_char; 4096];
+    // SAFETY: live engine, buffer of the given length.
+    let rc = unsafe { kvlink_engine_capabilities(engine, caps.as_mut_ptr(), caps.len()) };
+    assert_eq!(rc, KVLINK_OK, "{}", last_error());
+    // SAFETY: NUL-terminated by the call above.
+    let text = unsafe { CStr::from_ptr(caps.as_ptr()) }.to_str().unwrap();
+    assert!(
+        text.contains("memory cuda:")
+            && text.contains("transport tcp:")
+            && text.contains("disabled by configuration (gpu: false)"),
+        "{text}"
+    );
+    // SAFETY: live engine, buffer of the given length.
+    let rc = unsafe { kvlink_engine_capabilities(engine, caps.as_mut_ptr(), 8) };
+    assert_eq!(rc, KVLINK_E_INVALID);
+    assert!(last_error().contains("too small"), "{}", last_error());
+    // Device memory that no runtime knows: KVLINK_E_GPU (no runtime) or KVLINK_E_INVALID (a
+    // runtime says it is host memory); never a crash.
+    let mut host = vec![0u8; 4096];
+    let mut region = 0u32;
+    // SAFETY: live engine; the address is refused before any access.
+    let rc = unsafe {
+        kvlink_engine_register_device(engine, host.as_mut_ptr() as u64, 4096, &mut region)
+    };
+    assert!(rc == KVLINK_E_GPU || rc == KVLINK_E_INVALID, "{rc}");
+    assert!(
+        last_error().contains("GPU") || last_error().contains("device"),
+        "{}",
+        last_error()
+    );
+    let mut f = std::ptr::null_mut();
+    // SAFETY: live engine, valid out-pointer.
+    let rc = unsafe { kvlink_engine_wait_finished(engine, 0, &mut f) };
+    assert_eq!(rc, KVLINK_OK);
+    // SAFETY: f was just made.
+    assert_eq!(unsafe { kvlink_finished_count(f, KVLINK_RECEIVING) }, 0);
+    // SAFETY: both are live and freed once.
+    unsafe {
+        kvlink_finished_free(f);
+        kvlink_engine_free(engine);
+    }
+}

@@ -1,0 +1,138 @@
+//! Finished sets (the `Finished` class and its conversions) and the `TpAggregator` class that
+//! combines them across tensor-parallel ranks.
+
+use std::time::Instant;
+
+use kvlink_core::{Finished as RsFinished, RequestId, Side, TpAggregator as RsAggregator};
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+
+use crate::convert::{request_id, seconds};
+use crate::error::{to_py, InvalidArgument};
+
+/// What finished since the last call: `sending`, `receiving` (request ids) and `failed`
+/// (tuples `(request_id, side, expired, reason)`, side `"send"` or `"recv"`).
+#[pyclass(module = "kvlink", frozen, get_all)]
+pub(crate) struct Finished {
+    sending: Py<PyList>,
+    receiving: Py<PyList>,
+    failed: Py<PyList>,
+}
+
+#[pymethods]
+impl Finished {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "Finished(sending={}, receiving={}, failed={})",
+            self.sending.bind(py).len(),
+            self.receiving.bind(py).len(),
+            self.failed.bind(py).len()
+        )
+    }
+
+    /// True when nothing finished.
+    fn is_empty(&self, py: Python<'_>) -> bool {
+        self.sending.bind(py).is_empty()
+            && self.receiving.bind(py).is_empty()
+            && self.failed.bind(py).is_empty()
+    }
+}
+
+pub(crate) fn finished_to_py(py: Python<'_>, f: &RsFinished) -> PyResult<Finished> {
+    let ids = |v: &[RequestId]| PyList::new(py, v.iter().map(|i| i.as_str()));
+    let failed = PyList::empty(py);
+    for fr in &f.failed {
+        let side = match fr.side {
+            Side::Send => "send",
+            Side::Recv => "recv",
+        };
+        failed.append(PyTuple::new(
+            py,
+            [
+                fr.id.as_str().into_pyobject(py)?.into_any(),
+                side.into_pyobject(py)?.into_any(),
+                pyo3::types::PyBool::new(py, fr.expired)
+                    .to_owned()
+                    .into_any(),
+                fr.reason.as_str().into_pyobject(py)?.into_any(),
+            ],
+        )?)?;
+    }
+    Ok(Finished {
+        sending: ids(&f.sending)?.unbind(),
+        receiving: ids(&f.receiving)?.unbind(),
+        failed: failed.unbind(),
+    })
+}
+
+fn finished_from_py(obj: &Bound<'_, PyAny>) -> PyResult<RsFinished> {
+    let get = |name: &str| -> PyResult<Bound<'_, PyAny>> { obj.getattr(name) };
+    let mut f = RsFinished::default();
+    for id in get("sending")?.try_iter()? {
+        f.sending.push(request_id(&id?)?);
+    }
+    for id in get("receiving")?.try_iter()? {
+        f.receiving.push(request_id(&id?)?);
+    }
+    for item in get("failed")?.try_iter()? {
+        let (id, side, expired, reason): (Bound<'_, PyAny>, String, bool, String) =
+            item?.extract()?;
+        let side = match side.as_str() {
+            "send" => Side::Send,
+            "recv" => Side::Recv,
+            s => {
+                return Err(InvalidArgument::new_err(format!(
+                    "side must be 'send' or 'recv', got {s:?}"
+                )))
+            }
+        };
+        f.failed.push(kvlink_core::FailedRequest {
+            id: request_id(&id)?,
+            side,
+            expired,
+            reason,
+        });
+    }
+    Ok(f)
+}
+
+/// Combines the finished sets of `world_size` TP ranks for the scheduler: a request is released
+/// once every rank reported it, failed if any rank failed, and failed after `rank_timeout`
+/// seconds if some rank never reports.
+#[pyclass(module = "kvlink")]
+pub(crate) struct TpAggregator {
+    inner: RsAggregator,
+}
+
+#[pymethods]
+impl TpAggregator {
+    #[new]
+    #[pyo3(signature = (world_size, rank_timeout = 60.0))]
+    fn new(world_size: usize, rank_timeout: f64) -> PyResult<Self> {
+        Ok(TpAggregator {
+            inner: RsAggregator::new(world_size, seconds("rank_timeout", rank_timeout)?)
+                .map_err(to_py)?,
+        })
+    }
+
+    /// Takes one rank's Finished (as returned by Engine.get_finished()).
+    fn add(&mut self, rank: usize, finished: &Bound<'_, PyAny>) -> PyResult<()> {
+        let f = finished_from_py(finished)?;
+        self.inner
+            .handle_report(rank, &f, Instant::now())
+            .map_err(to_py)
+    }
+
+    /// Requests released since the last call (finished on every rank, or failed).
+    fn take(&mut self, py: Python<'_>) -> PyResult<Finished> {
+        self.inner.poll(Instant::now());
+        let f = self.inner.take_finished();
+        finished_to_py(py, &f)
+    }
+
+    /// Requests some but not all ranks have reported.
+    #[getter]
+    fn pending(&self) -> usize {
+        self.inner.pending()
+    }
+}

@@ -1,0 +1,142 @@
+//! Conversions of Python arguments: durations in seconds, request ids, block-id sequences and
+//! the memory of array-like objects (array interfaces and torch tensors).
+
+use std::time::Duration;
+
+use kvlink_core::RequestId;
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::error::InvalidArgument;
+
+/// Longest duration accepted (as in the C ABI): 7 days.
+const MAX_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
+
+pub(crate) fn seconds(name: &str, v: f64) -> PyResult<Duration> {
+    if !(v.is_finite() && v > 0.0 && v <= MAX_SECONDS) {
+        return Err(InvalidArgument::new_err(format!(
+            "{name} must be a positive number of seconds, at most 7 days, got {v}"
+        )));
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+/// Request ids are `str` end to end: an int id is refused rather than converted, so the ids the
+/// scheduler gets back always equal the ones it passed in.
+pub(crate) fn request_id(obj: &Bound<'_, PyAny>) -> PyResult<RequestId> {
+    let s: String = obj.extract().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "request ids are str (got {}); pass str(request_id)",
+            obj.get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
+        ))
+    })?;
+    let id = RequestId::from(s);
+    id.validate().map_err(InvalidArgument::new_err)?;
+    Ok(id)
+}
+
+pub(crate) fn block_ids(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    // numpy arrays (and tensors) convert to a list in one C call, far faster than extracting
+    // element by element.
+    let list;
+    let obj = if !obj.is_instance_of::<PyList>() && obj.hasattr("tolist")? {
+        list = obj.call_method0("tolist")?;
+        &list
+    } else {
+        obj
+    };
+    obj.extract::<Vec<u32>>().map_err(|_| {
+        InvalidArgument::new_err(format!(
+            "{name} must be a sequence of non-negative block ids below 2**32"
+        ))
+    })
+}
+
+/// Where an array-like object's bytes are: `(pointer, nbytes, on_gpu)`. Host arrays expose
+/// `__array_interface__` (numpy) or are CPU torch tensors; GPU arrays expose
+/// `__cuda_array_interface__` (CuPy, Numba; HIP builds use the same name) or are torch tensors
+/// on a `cuda` device (ROCm builds of torch use the same name).
+pub(crate) fn array_buffer(obj: &Bound<'_, PyAny>) -> PyResult<(usize, u64, bool)> {
+    for (attr, on_gpu) in [
+        ("__cuda_array_interface__", true),
+        ("__array_interface__", false),
+    ] {
+        let Ok(ai) = obj.getattr(attr) else { continue };
+        let ai = ai.downcast_into::<PyDict>()?;
+        let (ptr, readonly): (usize, bool) = ai
+            .get_item("data")?
+            .ok_or_else(|| InvalidArgument::new_err(format!("{attr} has no 'data'")))?
+            .extract()?;
+        if readonly {
+            return Err(InvalidArgument::new_err(
+                "the array is read-only; kvlink writes into KV caches",
+            ));
+        }
+        if let Some(strides) = ai.get_item("strides")? {
+            if !strides.is_none() {
+                return Err(InvalidArgument::new_err(
+                    "the array is not C-contiguous; pass a contiguous array",
+                ));
+            }
+        }
+        let nbytes: u64 = match obj.getattr("nbytes") {
+            Ok(n) => n.extract()?,
+            Err(_) => interface_nbytes(&ai, attr)?,
+        };
+        return Ok((ptr, nbytes, on_gpu));
+    }
+    if obj.hasattr("data_ptr")? && obj.hasattr("nbytes")? {
+        // torch.Tensor: contiguous, on the CPU or a GPU.
+        let mut on_gpu = false;
+        if let Ok(dev) = obj.getattr("device") {
+            let kind: String = dev.getattr("type")?.extract()?;
+            on_gpu = match kind.as_str() {
+                "cpu" => false,
+                "cuda" => true,
+                other => {
+                    return Err(InvalidArgument::new_err(format!(
+                        "the tensor is on {other}; kvlink registers CPU and cuda (CUDA or ROCm) tensors"
+                    )))
+                }
+            };
+        }
+        if obj.hasattr("is_contiguous")? && !obj.call_method0("is_contiguous")?.extract::<bool>()? {
+            return Err(InvalidArgument::new_err(
+                "the tensor is not contiguous; call .contiguous()",
+            ));
+        }
+        let ptr: usize = obj.call_method0("data_ptr")?.extract()?;
+        let nbytes: u64 = obj.getattr("nbytes")?.extract()?;
+        return Ok((ptr, nbytes, on_gpu));
+    }
+    Err(InvalidArgument::new_err(
+        "expected an array exposing __array_interface__ (numpy), __cuda_array_interface__ \
+         (CuPy) or data_ptr()/nbytes (torch)",
+    ))
+}
+
+/// Bytes of a contiguous array from its interface's `shape` and `typestr` (`"<f2"`: 2 bytes).
+fn interface_nbytes(ai: &Bound<'_, PyDict>, attr: &str) -> PyResult<u64> {
+    let shape: Vec<u64> = ai
+        .get_item("shape")?
+        .ok_or_else(|| InvalidArgument::new_err(format!("{attr} has no 'shape'")))?
+        .extract()?;
+    let typestr: String = ai
+        .get_item("typestr")?
+        .ok_or_else(|| InvalidArgument::new_err(format!("{attr} has no 'typestr'")))?
+        .extract()?;
+    let item: u64 = typestr
+        .get(2..)
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| {
+            InvalidArgument::new_err(format!("{attr} typestr {typestr:?} unreadable"))
+        })?;
+    shape
+        .iter()
+        .try_fold(item, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| InvalidArgument::new_err(format!("{attr} describes more than 2^64 bytes")))
+}

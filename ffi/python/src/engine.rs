@@ -1,0 +1,331 @@
+//! The `Engine` class: one kvlink engine per worker process.
+
+use std::sync::{Arc, Mutex};
+
+use kvlink_core::{
+    Engine as RsEngine, EngineConfig, KvLayout, PointerKind, RegionId, TensorLayout,
+    TransportChoice,
+};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::aggregator::{finished_to_py, Finished};
+use crate::convert::{array_buffer, block_ids, request_id, seconds};
+use crate::error::{to_py, InvalidArgument};
+
+/// One kvlink engine per worker process (one per tensor-parallel rank).
+///
+/// Engine(listen="127.0.0.1:0", *, transport="auto", tp_rank=0, tp_size=1, request_timeout=60.0,
+/// abort_timeout=480.0, handshake_timeout=5.0, tcp_streams=4, rdma_device=None, engine_id=None,
+/// gpu=True, staging_chunk_bytes=2 MiB, staging_buffers=32)
+#[pyclass(module = "kvlink", frozen)]
+pub(crate) struct Engine {
+    pub(crate) inner: Arc<RsEngine>,
+    /// Python objects whose memory is registered, kept alive while registered.
+    keep: Mutex<Vec<(u32, PyObject)>>,
+}
+
+#[pymethods]
+impl Engine {
+    #[new]
+    #[pyo3(signature = (listen = "127.0.0.1:0", *, transport = "auto", tp_rank = 0, tp_size = 1,
+        request_timeout = 60.0, abort_timeout = 480.0, handshake_timeout = 5.0, tcp_streams = 4,
+        rdma_device = None, engine_id = None, gpu = true, staging_chunk_bytes = 2 << 20,
+        staging_buffers = 32))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        listen: &str,
+        transport: &str,
+        tp_rank: u32,
+        tp_size: u32,
+        request_timeout: f64,
+        abort_timeout: f64,
+        handshake_timeout: f64,
+        tcp_streams: u16,
+        rdma_device: Option<String>,
+        engine_id: Option<String>,
+        gpu: bool,
+        staging_chunk_bytes: u64,
+        staging_buffers: usize,
+    ) -> PyResult<Self> {
+        let mut cfg = EngineConfig {
+            listen: listen.to_string(),
+            engine_id,
+            tp_rank,
+            tp_size,
+            tcp_streams,
+            request_timeout: seconds("request_timeout", request_timeout)?,
+            abort_timeout: seconds("abort_timeout", abort_timeout)?,
+            handshake_timeout: seconds("handshake_timeout", handshake_timeout)?,
+            transport: match transport {
+                "auto" => TransportChoice::Auto,
+                "tcp" => TransportChoice::Tcp,
+                "rdma" => TransportChoice::Rdma,
+                t => {
+                    return Err(InvalidArgument::new_err(format!(
+                        "transport must be 'auto', 'tcp' or 'rdma', got {t:?}"
+                    )))
+                }
+            },
+            gpu,
+            staging_chunk_bytes,
+            staging_buffers,
+            ..EngineConfig::default()
+        };
+        cfg.rdma.device = rdma_device;
+        let inner = py.allow_threads(|| RsEngine::start(cfg)).map_err(to_py)?;
+        Ok(Engine {
+            inner: Arc::new(inner),
+            keep: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The address peers use for the handshake: put it into a request's transfer parameters.
+    #[getter]
+    fn handshake_address(&self) -> String {
+        self.inner.handshake_address().to_string()
+    }
+
+    /// This engine's id.
+    #[getter]
+    fn engine_id(&self) -> String {
+        self.inner.engine_id().to_string()
+    }
+
+    /// The RDMA device in use, or None (see `rdma_unavailable_reason`).
+    #[getter]
+    fn rdma_device(&self) -> Option<String> {
+        self.inner.rdma_status().ok()
+    }
+
+    /// Why RDMA is not used, or None when it is.
+    #[getter]
+    fn rdma_unavailable_reason(&self) -> Option<String> {
+        self.inner.rdma_status().err()
+    }
+
+    /// Registers memory given as a raw address and size; returns the region id. The memory
+    /// must stay valid until `deregister(region)` has returned. `device=None` asks the loaded
+    /// GPU runtimes whether it is GPU memory; `True` or `False` says so.
+    #[pyo3(signature = (ptr, size, *, device = None))]
+    fn register_memory(
+        &self,
+        py: Python<'_>,
+        ptr: usize,
+        size: u64,
+        device: Option<bool>,
+    ) -> PyResult<u32> {
+        let on_gpu = match device {
+            Some(d) => d,
+            None => matches!(
+                self.inner.classify_pointer(ptr as u64).map_err(to_py)?,
+                PointerKind::Device { .. }
+            ),
+        };
+        self.register_raw(py, ptr, size, on_gpu)
+    }
+
+    /// The transports and memory kinds this engine found: `{name: (available, detail)}` for
+    /// `rdma`, `tcp`, `cuda` and `hip`, the detail saying why when unavailable.
+    fn capabilities(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        let c = self.inner.capabilities();
+        let d = PyDict::new(py);
+        let item = |r: &Result<String, String>| match r {
+            Ok(s) => (true, s.clone()),
+            Err(s) => (false, s.clone()),
+        };
+        d.set_item("rdma", item(&c.rdma))?;
+        d.set_item("tcp", (true, c.tcp.clone()))?;
+        d.set_item("cuda", item(&c.gpu.cuda))?;
+        d.set_item("hip", item(&c.gpu.hip))?;
+        Ok(d.unbind())
+    }
+
+    /// Registers the memory of an array (numpy, CuPy, or a torch tensor on the CPU or a GPU;
+    /// contiguous, writable); keeps the array alive while registered. Returns the region id.
+    pub(crate) fn register_array(&self, array: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let (ptr, nbytes, on_gpu) = array_buffer(array)?;
+        // The array's buffer is valid while the array lives; `keep` holds a reference to the
+        // array until the region is deregistered (or the engine dropped).
+        let id = self.register_raw(array.py(), ptr, nbytes, on_gpu)?;
+        self.keep
+            .lock()
+            .expect("keep list")
+            .push((id, array.clone().unbind()));
+        Ok(id)
+    }
+
+    /// Stops exporting a region, waiting (GIL released) until no transfer uses it; then releases
+    /// the array it came from.
+    fn deregister(&self, py: Python<'_>, region: u32) -> PyResult<()> {
+        let inner = self.inner.clone();
+        py.allow_threads(move || inner.deregister(RegionId(region)))
+            .map_err(to_py)?;
+        // Take the array out under the lock and release it after: dropping it may run Python
+        // code that calls back into this engine.
+        let released: Vec<(u32, PyObject)> = {
+            let mut keep = self.keep.lock().expect("keep list");
+            let (gone, stay) = std::mem::take(&mut *keep)
+                .into_iter()
+                .partition(|(id, _)| *id == region);
+            *keep = stay;
+            gone
+        };
+        drop(released);
+        Ok(())
+    }
+
+    /// Sets the KV layout. `tensors` is a list of `(region, offset, block_stride, block_bytes,
+    /// num_blocks)` tuples, one per tensor (per layer K and V, MLA latent, scales...), in the
+    /// order both sides agree on.
+    #[pyo3(signature = (tensors, tokens_per_block, dtype))]
+    pub(crate) fn set_layout(
+        &self,
+        tensors: Vec<(u32, u64, u64, u64, u32)>,
+        tokens_per_block: u32,
+        dtype: String,
+    ) -> PyResult<()> {
+        let tensors = tensors
+            .into_iter()
+            .enumerate()
+            .map(
+                |(i, (region, offset, block_stride, block_bytes, num_blocks))| TensorLayout {
+                    name: format!("t{i}"),
+                    region: RegionId(region),
+                    offset,
+                    block_stride,
+                    block_bytes,
+                    num_blocks,
+                },
+            )
+            .collect();
+        self.inner
+            .set_layout(KvLayout {
+                tokens_per_block,
+                dtype,
+                tensors,
+            })
+            .map_err(to_py)
+    }
+
+    /// Registers each array (numpy, CuPy, or torch on the CPU or a GPU; first axis = blocks,
+    /// C-contiguous) and sets the layout to one tensor per array, in order: the usual per-layer K/V caches. Returns the
+    /// region ids (for `deregister`); on any error the regions this call registered are
+    /// deregistered again.
+    #[pyo3(signature = (arrays, tokens_per_block, dtype))]
+    fn register_kv_caches(
+        &self,
+        py: Python<'_>,
+        arrays: &Bound<'_, PyList>,
+        tokens_per_block: u32,
+        dtype: String,
+    ) -> PyResult<Vec<u32>> {
+        let mut regions = Vec::new();
+        let result = self.register_all(arrays, tokens_per_block, dtype, &mut regions);
+        if result.is_err() {
+            for r in regions.drain(..) {
+                let _ = self.deregister(py, r);
+            }
+        }
+        result.map(|()| regions)
+    }
+
+    /// Starts reading `remote_blocks` of the engine at `peer` (its handshake address) into
+    /// `local_blocks`, pairwise, for every tensor. Returns at once; the outcome arrives through
+    /// get_finished(). Raises InvalidArgument for bad ids, duplicate local blocks or a missing
+    /// layout.
+    fn read_blocks(
+        &self,
+        peer: &str,
+        request_id: &Bound<'_, PyAny>,
+        local_blocks: &Bound<'_, PyAny>,
+        remote_blocks: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let id = self::request_id(request_id)?;
+        let local = block_ids("local_blocks", local_blocks)?;
+        let remote = block_ids("remote_blocks", remote_blocks)?;
+        self.inner
+            .read_blocks(peer, id, &local, &remote)
+            .map_err(to_py)
+    }
+
+    /// Prefill side: holds a request's blocks until the reader confirms (finished sending), aborts
+    /// (failed) or `abort_timeout` seconds pass (failed, expired).
+    #[pyo3(signature = (request_id, abort_timeout = None))]
+    fn hold_blocks(
+        &self,
+        request_id: &Bound<'_, PyAny>,
+        abort_timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let id = self::request_id(request_id)?;
+        match abort_timeout {
+            Some(t) => self.inner.hold_blocks_for(id, seconds("abort_timeout", t)?),
+            None => self.inner.hold_blocks(id),
+        }
+        .map_err(to_py)
+    }
+
+    /// Everything that finished since the last call, each request once. Never blocks.
+    fn get_finished(&self, py: Python<'_>) -> PyResult<Finished> {
+        let f = self.inner.get_finished();
+        finished_to_py(py, &f)
+    }
+
+    /// Like get_finished(), but waits up to `timeout` seconds (GIL released) for something to
+    /// finish.
+    fn wait_finished(&self, py: Python<'_>, timeout: f64) -> PyResult<Finished> {
+        let t = seconds("timeout", timeout)?;
+        let inner = self.inner.clone();
+        let f = py.allow_threads(move || inner.wait_finished(t));
+        finished_to_py(py, &f)
+    }
+
+    /// Connects to `peer` (or reuses the session) and returns a summary of its descriptor
+    /// (engine_id, tp_rank, tp_size, tokens_per_block, dtype, num_blocks, transports). Blocks up
+    /// to `timeout` seconds with the GIL released.
+    #[pyo3(signature = (peer, timeout = 10.0))]
+    fn connect(&self, py: Python<'_>, peer: String, timeout: f64) -> PyResult<Py<PyDict>> {
+        let t = seconds("timeout", timeout)?;
+        let inner = self.inner.clone();
+        let d = py
+            .allow_threads(move || inner.connect(&peer, t))
+            .map_err(to_py)?;
+        let out = PyDict::new(py);
+        out.set_item("engine_id", &d.engine_id)?;
+        out.set_item("tp_rank", d.tp_rank)?;
+        out.set_item("tp_size", d.tp_size)?;
+        out.set_item("tokens_per_block", d.layout.tokens_per_block)?;
+        out.set_item("dtype", &d.layout.dtype)?;
+        out.set_item("num_blocks", d.layout.num_blocks())?;
+        out.set_item("tensors", d.layout.tensors.len())?;
+        let transports: Vec<&str> = [d.tcp().map(|_| "tcp"), d.rdma().map(|_| "rdma")]
+            .into_iter()
+            .flatten()
+            .collect();
+        out.set_item("transports", transports)?;
+        Ok(out.unbind())
+    }
+
+    /// Requests being received and sends being held: `(receiving, holding)`.
+    fn in_flight(&self) -> (usize, usize) {
+        self.inner.in_flight()
+    }
+
+    /// Counters of what this engine served, refused and staged: `handshakes_accepted`,
+    /// `handshakes_refused`, `data_requests_served`, `data_requests_refused`, `bytes_served`,
+    /// `bytes_staged_out` (GPU bytes copied out to be sent over TCP) and `bytes_staged_in`
+    /// (received bytes copied into GPU memory).
+    fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        d.set_item("handshakes_accepted", s.handshakes_accepted)?;
+        d.set_item("handshakes_refused", s.handshakes_refused)?;
+        d.set_item("data_requests_served", s.data_requests_served)?;
+        d.set_item("data_requests_refused", s.data_requests_refused)?;
+        d.set_item("bytes_served", s.bytes_served)?;
+        d.set_item("bytes_staged_out", s.bytes_staged_out)?;
+        d.set_item("bytes_staged_in", s.bytes_staged_in)?;
+        Ok(d.unbind())
+    }
+}

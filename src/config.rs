@@ -1,0 +1,204 @@
+//! How an engine is set up: [`EngineConfig`] and [`TransportChoice`], with the checks
+//! [`EngineConfig::validate`] runs before an engine starts. A leaf of the crate: every layer may
+//! read the configuration, none is imported here but the transports' own settings.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::transport::rdma::RdmaSettings;
+use crate::transport::tcp;
+
+/// Which transport an engine may use for reading from peers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransportChoice {
+    /// RDMA when both engines have it, TCP otherwise (logged per peer, with the reason).
+    #[default]
+    Auto,
+    /// TCP only; RDMA is not even probed.
+    Tcp,
+    /// RDMA only: the engine fails to start without a usable device, and a read from a peer
+    /// without RDMA fails with `Error::RdmaUnavailable`.
+    Rdma,
+}
+
+/// The longest duration any setting accepts.
+pub const MAX_DURATION: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// How an engine is set up. `EngineConfig::default()` listens on loopback with ephemeral ports.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Handshake (control) listen address, `ip:port`; port 0 picks a free one.
+    pub listen: String,
+    /// Host or IP that peers should use to reach this engine, when `listen` is a wildcard
+    /// address such as `0.0.0.0`.
+    pub advertise_host: Option<String>,
+    /// Engine id; defaults to `<hostname>-<pid>-rank<tp_rank>`.
+    pub engine_id: Option<String>,
+    /// Tensor-parallel rank of this worker.
+    pub tp_rank: u32,
+    /// Tensor-parallel size.
+    pub tp_size: u32,
+    /// TCP streams opened to each peer for data.
+    pub tcp_streams: u16,
+    /// Bytes per pipelined TCP read request (also the largest planned segment).
+    pub batch_bytes: u64,
+    /// Deadline of a TCP connect.
+    pub connect_timeout: Duration,
+    /// Deadline of a handshake exchange.
+    pub handshake_timeout: Duration,
+    /// Deadline of a whole `read_blocks` request, from the call to the last byte.
+    pub request_timeout: Duration,
+    /// How long a send is held for its reader before it expires (prefill side).
+    pub abort_timeout: Duration,
+    /// Longest silence tolerated on a data stream with a request outstanding; also bounds each
+    /// GPU staging copy, the wait for a staging buffer, and the wait for a copy in progress when
+    /// a request is cancelled.
+    pub io_timeout: Duration,
+    /// Keep-alive interval of control connections (dead after three silent intervals).
+    pub keepalive: Duration,
+    /// How long the data server keeps an idle data stream open (readers reconnect after).
+    pub idle_timeout: Duration,
+    /// Worker threads of the engine's runtime.
+    pub runtime_threads: usize,
+    /// Transports to use.
+    pub transport: TransportChoice,
+    /// RDMA device, GID and queue-pair settings.
+    pub rdma: RdmaSettings,
+    /// Whether to look for GPU runtimes (CUDA, HIP) at start. Without them only host memory can
+    /// be registered; `false` skips loading the libraries.
+    pub gpu: bool,
+    /// Bytes per staging buffer: GPU memory sent or received over TCP moves through pinned host
+    /// buffers of this size, one chunk copied while the previous one is on the wire.
+    pub staging_chunk_bytes: u64,
+    /// Most staging buffers the engine's data server uses to send GPU memory (one pool shared
+    /// by all the connections it serves); allocated on first use and kept. Each stream that
+    /// reads GPU memory from a peer has two more of its own. 1 to 4,096; `staging_chunk_bytes`
+    /// is 4 KiB to 256 MiB.
+    pub staging_buffers: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            listen: "127.0.0.1:0".into(),
+            advertise_host: None,
+            engine_id: None,
+            tp_rank: 0,
+            tp_size: 1,
+            tcp_streams: 4,
+            batch_bytes: 4 << 20,
+            connect_timeout: Duration::from_secs(5),
+            handshake_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(60),
+            abort_timeout: Duration::from_secs(480),
+            io_timeout: Duration::from_secs(30),
+            keepalive: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(600),
+            runtime_threads: 2,
+            transport: TransportChoice::Auto,
+            rdma: RdmaSettings::default(),
+            gpu: true,
+            staging_chunk_bytes: 2 << 20,
+            staging_buffers: 32,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Checks every setting against its documented range; the error names the first one out of
+    /// range. [`Engine::start`](crate::Engine::start) runs it first.
+    pub fn validate(&self) -> Result<()> {
+        if self.tp_size == 0 || self.tp_rank >= self.tp_size {
+            return Err(Error::invalid(format!(
+                "tp_rank {} must be below tp_size {}",
+                self.tp_rank, self.tp_size
+            )));
+        }
+        let durations = [
+            ("connect_timeout", self.connect_timeout),
+            ("handshake_timeout", self.handshake_timeout),
+            ("request_timeout", self.request_timeout),
+            ("abort_timeout", self.abort_timeout),
+            ("io_timeout", self.io_timeout),
+            ("keepalive", self.keepalive),
+            ("idle_timeout", self.idle_timeout),
+        ];
+        for (name, d) in durations {
+            check_duration(name, d)?;
+        }
+        let r = &self.rdma;
+        if r.qps == 0 || r.qps > 64 {
+            return Err(Error::invalid("rdma.qps must be 1 to 64"));
+        }
+        if !(4096..=1 << 30).contains(&r.max_wr_bytes) || r.max_mr_bytes < 4096 {
+            return Err(Error::invalid(
+                "rdma.max_wr_bytes must be 4 KiB to 1 GiB and rdma.max_mr_bytes at least 4 KiB",
+            ));
+        }
+        if r.gid_index.is_some_and(|g| g > 255) {
+            return Err(Error::invalid("rdma.gid_index must be below 256"));
+        }
+        if self.tcp_streams == 0 || self.tcp_streams > 64 {
+            return Err(Error::invalid("tcp_streams must be 1 to 64"));
+        }
+        if !(4096..=256 << 20).contains(&self.staging_chunk_bytes)
+            || self.staging_buffers == 0
+            || self.staging_buffers > 4096
+        {
+            return Err(Error::invalid(
+                "staging_chunk_bytes must be 4 KiB to 256 MiB and staging_buffers 1 to 4096",
+            ));
+        }
+        if self.batch_bytes == 0 || self.batch_bytes > tcp::wire::MAX_REQUEST_BYTES {
+            return Err(Error::invalid(format!(
+                "batch_bytes must be 1 to {}",
+                tcp::wire::MAX_REQUEST_BYTES
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Refuses a zero duration or one over [`MAX_DURATION`] (7 days), naming the setting. The
+/// bindings check their duration arguments with it too.
+pub fn check_duration(name: &str, d: Duration) -> Result<()> {
+    if d.is_zero() || d > MAX_DURATION {
+        return Err(Error::invalid(format!(
+            "{name} must be between 0 and 7 days, got {d:?}"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_valid() {
+        EngineConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn each_range_is_checked_and_named() {
+        type Change = fn(&mut EngineConfig);
+        let bad: Vec<(Change, &str)> = vec![
+            (|c| c.tp_rank = 1, "tp_rank 1 must be below tp_size 1"),
+            (|c| c.tp_size = 0, "tp_size 0"),
+            (|c| c.request_timeout = Duration::ZERO, "request_timeout"),
+            (|c| c.keepalive = MAX_DURATION * 2, "keepalive"),
+            (|c| c.rdma.qps = 65, "rdma.qps"),
+            (|c| c.rdma.max_wr_bytes = 100, "rdma.max_wr_bytes"),
+            (|c| c.rdma.gid_index = Some(256), "rdma.gid_index"),
+            (|c| c.tcp_streams = 0, "tcp_streams"),
+            (|c| c.staging_buffers = 0, "staging_buffers"),
+            (|c| c.batch_bytes = 0, "batch_bytes"),
+        ];
+        for (change, name) in bad {
+            let mut c = EngineConfig::default();
+            change(&mut c);
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains(name), "{e:?} should name {name:?}");
+        }
+    }
+}

@@ -1,0 +1,445 @@
+//! The `Engine`: one per worker process, the API every binding and tool calls. It starts the
+//! engine's state (`crate::state`), the handshake service and the data server on a small private
+//! tokio runtime, owns the session cache (`crate::session`), and answers API calls by delegating
+//! to them, so callers use plain blocking-free methods from any thread.
+
+mod report;
+
+pub use report::{Capabilities, EngineStats};
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::completion::Finished;
+use crate::config::{EngineConfig, TransportChoice};
+use crate::control::{self, messages::Descriptor};
+use crate::error::{Error, Result};
+use crate::gpu::{GpuApi, PointerKind, Runtimes};
+use crate::ids::{BlockId, RegionId, RequestId};
+use crate::layout::KvLayout;
+use crate::memory::{DeviceMemory, ExternalMemory, Region};
+use crate::plan;
+use crate::session::{self, ReadJob, Sessions};
+use crate::state::EngineState;
+use crate::transport::rdma::{self, RdmaFault};
+use crate::transport::tcp;
+
+/// A kvlink engine: see the crate docs for the life of a transfer.
+pub struct Engine {
+    // Sessions (which hold RDMA connections) go before the state (which holds the device and
+    // the regions).
+    sessions: Arc<Sessions>,
+    shared: Arc<EngineState>,
+    control_addr: SocketAddr,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+fn default_engine_id(rank: u32) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "host".into());
+    format!("{host}-{}-rank{rank}", std::process::id())
+}
+
+fn generation_nonce() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+impl Engine {
+    /// Starts an engine: binds the handshake service and the data server and starts its
+    /// runtime. Register memory and set a layout before peers can read from it.
+    pub fn start(config: EngineConfig) -> Result<Engine> {
+        Engine::start_with_rdma_fault(config, RdmaFault::default())
+    }
+
+    /// [`start`](Engine::start) with RDMA fault injection, for the tests of the RDMA error
+    /// paths (`kvlink::internal`).
+    pub(crate) fn start_with_rdma_fault(
+        config: EngineConfig,
+        rdma_fault: RdmaFault,
+    ) -> Result<Engine> {
+        config.validate()?;
+        let (rdma, rdma_unavailable) = match config.transport {
+            TransportChoice::Tcp => (
+                None,
+                Some("disabled by configuration (transport: tcp)".to_string()),
+            ),
+            choice => match rdma::probe(&config.rdma) {
+                Ok(dev) => (Some(dev), None),
+                Err(why) if choice == TransportChoice::Rdma => {
+                    return Err(Error::RdmaUnavailable(why))
+                }
+                Err(why) => (None, Some(why)),
+            },
+        };
+        let gpus = Runtimes::probe(config.gpu);
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(config.runtime_threads.max(1))
+            .thread_name("kvlink")
+            .enable_all()
+            .build()
+            .map_err(|e| Error::io("starting the engine runtime", &e))?;
+        let listen: SocketAddr = config
+            .listen
+            .parse()
+            .map_err(|e| Error::invalid(format!("listen address {:?}: {e}", config.listen)))?;
+        let (control, data) = runtime.block_on(async {
+            let control = tokio::net::TcpListener::bind(listen)
+                .await
+                .map_err(|e| Error::io(format!("binding the handshake service to {listen}"), &e))?;
+            let data = tokio::net::TcpListener::bind(SocketAddr::new(listen.ip(), 0))
+                .await
+                .map_err(|e| {
+                    Error::io(format!("binding the data server on {}", listen.ip()), &e)
+                })?;
+            Ok::<_, Error>((control, data))
+        })?;
+        let advertise_ip: IpAddr = match &config.advertise_host {
+            Some(h) => h
+                .parse()
+                .map_err(|e| Error::invalid(format!("advertise_host {h:?}: {e}")))?,
+            None if listen.ip().is_unspecified() => {
+                tracing::warn!(
+                    "listening on a wildcard address without advertise_host; advertising 127.0.0.1"
+                );
+                IpAddr::V4(Ipv4Addr::LOCALHOST)
+            }
+            None => listen.ip(),
+        };
+        let local_control = control
+            .local_addr()
+            .map_err(|e| Error::io("control address", &e))?;
+        let local_data = data
+            .local_addr()
+            .map_err(|e| Error::io("data address", &e))?;
+        let control_addr = SocketAddr::new(advertise_ip, local_control.port());
+        let data_addr = SocketAddr::new(advertise_ip, local_data.port());
+        let engine_id = config
+            .engine_id
+            .clone()
+            .unwrap_or_else(|| default_engine_id(config.tp_rank));
+        let shared = Arc::new(EngineState::new(
+            config,
+            engine_id.clone(),
+            generation_nonce(),
+            data_addr,
+            rdma,
+            rdma_unavailable,
+            rdma_fault,
+            gpus,
+        ));
+        let timeouts = shared.control_timeouts();
+        let io_timeout = shared.config.io_timeout;
+        let idle_timeout = shared.config.idle_timeout;
+        runtime.spawn(control::serve(control, shared.clone(), timeouts));
+        runtime.spawn(tcp::serve(data, shared.clone(), io_timeout, idle_timeout));
+        let engine = Engine {
+            sessions: Arc::new(Sessions::new(shared.clone())),
+            shared,
+            control_addr,
+            runtime: Some(runtime),
+        };
+        let caps = engine.capabilities();
+        tracing::info!(
+            engine = %engine_id, control = %control_addr, data = %data_addr,
+            "kvlink engine started; {}", caps.summary()
+        );
+        Ok(engine)
+    }
+
+    /// The address peers use for the handshake: put it in a request's transfer parameters.
+    pub fn handshake_address(&self) -> SocketAddr {
+        self.control_addr
+    }
+
+    /// The RDMA device in use (`Ok(name)`), or why RDMA is not used (`Err(reason)`).
+    pub fn rdma_status(&self) -> std::result::Result<String, String> {
+        match (&self.shared.rdma, &self.shared.rdma_unavailable) {
+            (Some(d), _) => Ok(d.name().to_string()),
+            (None, why) => Err(why.clone().unwrap_or_else(|| "unknown".into())),
+        }
+    }
+
+    /// The transports and memory kinds this engine found, and why any is missing (also logged
+    /// when the engine starts).
+    pub fn capabilities(&self) -> Capabilities {
+        let sh = &self.shared;
+        Capabilities {
+            rdma: self.rdma_status(),
+            tcp: format!(
+                "data server {}, {} streams per peer",
+                sh.data_addr, sh.config.tcp_streams
+            ),
+            gpu: sh.gpus.report(),
+        }
+    }
+
+    /// What the loaded GPU runtimes say about `ptr`: host memory, pinned host memory, or the
+    /// memory of which GPU. Without a GPU runtime every address is [`PointerKind::Host`].
+    pub fn classify_pointer(&self, ptr: u64) -> Result<PointerKind> {
+        self.shared
+            .gpus
+            .classify(ptr)
+            .map(|(k, _)| k)
+            .map_err(Error::Gpu)
+    }
+
+    /// This engine's id.
+    pub fn engine_id(&self) -> &str {
+        &self.shared.engine_id
+    }
+
+    /// The descriptor peers receive, once a layout is set.
+    pub fn descriptor(&self) -> Option<Descriptor> {
+        self.shared.descriptor().map(|d| (*d).clone())
+    }
+
+    fn next_region_id(&self) -> RegionId {
+        self.shared.next_region_id()
+    }
+
+    fn add_region(&self, region: Region) -> Result<Arc<Region>> {
+        self.shared.add_region(region)
+    }
+
+    /// Allocates and registers `len` bytes of zeroed host memory (huge pages on request, with a
+    /// logged fallback to regular pages).
+    pub fn allocate_host(&self, len: u64, huge_pages: bool) -> Result<Arc<Region>> {
+        let region = Region::allocate(self.next_region_id(), len, huge_pages)?;
+        self.add_region(region)
+    }
+
+    /// Registers caller-owned host memory (see [`ExternalMemory::new`] for the contract).
+    /// Refused, with the device named, when a loaded GPU runtime says it is device memory.
+    pub fn register_host(&self, mem: ExternalMemory) -> Result<Arc<Region>> {
+        match self.classify_pointer(mem.ptr.as_ptr() as u64)? {
+            PointerKind::Host | PointerKind::PinnedHost { .. } => {}
+            PointerKind::Device { api, ordinal } => {
+                return Err(Error::invalid(format!(
+                    "{:p} is {api} memory of GPU {ordinal}, not host memory: register it with register_device",
+                    mem.ptr
+                )))
+            }
+            PointerKind::Managed { api } => {
+                return Err(Error::invalid(format!(
+                    "{:p} is {api} managed memory, which migrates between host and GPU; kvlink needs memory with a fixed home",
+                    mem.ptr
+                )))
+            }
+        }
+        self.add_region(Region::external(self.next_region_id(), mem))
+    }
+
+    /// Registers caller-owned GPU memory (see [`DeviceMemory::new`] for the contract). The
+    /// loaded runtimes say which GPU it is on; RDMA registers it with dma-buf or a peer-memory
+    /// driver, TCP stages it through pinned host buffers. Fails with [`Error::Gpu`] when no GPU
+    /// runtime is loaded (naming why each is missing) or a runtime call fails, with
+    /// [`Error::InvalidArgument`] when a loaded runtime says the address is not device memory,
+    /// and with [`Error::Memory`] when the RDMA device cannot register it (the message names the
+    /// dma-buf and peer-memory attempts; `transport: Tcp` avoids RDMA registration).
+    pub fn register_device(&self, mem: DeviceMemory) -> Result<Arc<Region>> {
+        let (kind, rt) = self.shared.gpus.classify(mem.ptr).map_err(Error::Gpu)?;
+        match (kind, rt) {
+            (PointerKind::Device { ordinal, .. }, Some(rt)) => {
+                self.add_region(Region::device(self.next_region_id(), mem, rt, ordinal))
+            }
+            (PointerKind::Host, _) if self.shared.gpus.loaded().next().is_none() => {
+                Err(Error::Gpu(format!(
+                    "cannot register device memory at {:#x}: no GPU runtime is loaded ({})",
+                    mem.ptr,
+                    self.shared.gpus.why_none()
+                )))
+            }
+            (kind, _) => Err(Error::invalid(format!(
+                "{:#x} is not GPU device memory (the GPU runtimes say {kind:?}); use register_host for host memory",
+                mem.ptr
+            ))),
+        }
+    }
+
+    /// Allocates and registers `len` bytes of device memory on GPU `ordinal` with `api`'s
+    /// runtime (for benchmarks and tests; engines register their own KV caches). Freed when the
+    /// region is deregistered and no transfer holds it.
+    pub fn allocate_device(&self, api: GpuApi, ordinal: i32, len: u64) -> Result<Arc<Region>> {
+        if api == GpuApi::Emulated {
+            return Err(Error::invalid(
+                "emulated device memory is registered, not allocated",
+            ));
+        }
+        let rt = self
+            .shared
+            .gpus
+            .get(api)
+            .map_err(|why| Error::Gpu(format!("cannot allocate {api} memory: {why}")))?;
+        self.add_region(Region::allocate_device(
+            self.next_region_id(),
+            len,
+            rt,
+            ordinal,
+        )?)
+    }
+
+    /// Registers host memory as emulated device memory: every transfer into or out of it takes
+    /// the device paths (TCP staging, device RDMA registration) with `memcpy` as the "GPU" copy.
+    /// For tests of those paths on machines without a GPU.
+    #[doc(hidden)]
+    pub fn register_emulated_device(&self, mem: ExternalMemory) -> Result<Arc<Region>> {
+        let dm = DeviceMemory {
+            ptr: mem.ptr.as_ptr() as u64,
+            len: mem.len,
+        };
+        let rt = self.shared.gpus.get(GpuApi::Emulated).map_err(Error::Gpu)?;
+        self.add_region(Region::device(self.next_region_id(), dm, rt, 0))
+    }
+
+    /// Stops exporting a region and waits until no transfer uses it any more, so its memory may
+    /// be freed when this returns `Ok`. Refused while the KV layout uses the region. Waits at
+    /// most the request timeout plus 10 s (every request ends by then); if transfers still hold
+    /// the region, returns an error and the memory must not be freed.
+    pub fn deregister(&self, id: RegionId) -> Result<()> {
+        self.shared.deregister(id)
+    }
+
+    /// Sets the KV layout (validated against registered regions) and publishes the descriptor.
+    pub fn set_layout(&self, layout: KvLayout) -> Result<()> {
+        self.shared.set_layout(layout)
+    }
+
+    /// Starts reading `remote_blocks` of the engine at `peer` (its handshake address) into
+    /// `local_blocks`, pairwise, for every tensor of the layout. Returns at once; the outcome
+    /// arrives through [`get_finished`](Engine::get_finished).
+    ///
+    /// Errors returned here are immediate refusals (bad ids, no layout); everything after the
+    /// call (handshake, transfer, deadline) ends as a finished or failed entry.
+    pub fn read_blocks(
+        &self,
+        peer: &str,
+        id: impl Into<RequestId>,
+        local_blocks: &[BlockId],
+        remote_blocks: &[BlockId],
+    ) -> Result<()> {
+        let id = id.into();
+        id.validate().map_err(Error::InvalidArgument)?;
+        let layout = self
+            .shared
+            .layout()
+            .ok_or_else(|| Error::invalid("set a KV layout before reading blocks"))?;
+        plan::check_local_blocks(&layout, local_blocks, remote_blocks)?;
+        if let Some(conn) = self.sessions.ready_conn(peer) {
+            plan::check_blocks(
+                &layout,
+                &conn.descriptor.layout,
+                local_blocks,
+                remote_blocks,
+            )?;
+        }
+        let now = Instant::now();
+        self.shared
+            .with_tracker(|t| t.start_recv(id.clone(), now))?;
+        let job = ReadJob {
+            peer: peer.to_string(),
+            id,
+            local: local_blocks.to_vec(),
+            remote: remote_blocks.to_vec(),
+            started: now,
+            deadline: tokio::time::Instant::from_std(now + self.shared.config.request_timeout),
+        };
+        let rt = self.runtime.as_ref().ok_or(Error::Shutdown)?;
+        rt.spawn(session::run_read(self.sessions.clone(), job));
+        Ok(())
+    }
+
+    /// Connects to `peer` (or reuses the cached session), and returns its descriptor: its KV
+    /// layout, block count and TP rank. Blocks up to `timeout`; concurrent first contacts with
+    /// `read_blocks` share the same handshake. Call it from outside async contexts.
+    pub fn connect(&self, peer: &str, timeout: Duration) -> Result<Descriptor> {
+        let rt = self.runtime.as_ref().ok_or(Error::Shutdown)?;
+        let sessions = self.sessions.clone();
+        let conn = rt.block_on(async move {
+            tokio::time::timeout(timeout, sessions.get(peer))
+                .await
+                .map_err(|_| Error::Timeout {
+                    what: format!("connecting to {peer}"),
+                    after: timeout,
+                })?
+        })?;
+        Ok(conn.descriptor.clone())
+    }
+
+    /// Holds a request's blocks for a reader (prefill side): the request finishes sending when
+    /// the reader confirms, fails when it aborts, and expires after the abort timeout.
+    pub fn hold_blocks(&self, id: impl Into<RequestId>) -> Result<()> {
+        self.hold_blocks_for(id, self.shared.config.abort_timeout)
+    }
+
+    /// [`hold_blocks`](Engine::hold_blocks) with a specific abort timeout.
+    pub fn hold_blocks_for(&self, id: impl Into<RequestId>, abort_timeout: Duration) -> Result<()> {
+        let id = id.into();
+        id.validate().map_err(Error::InvalidArgument)?;
+        self.shared
+            .with_tracker(|t| t.hold_send(id, Instant::now(), abort_timeout))
+    }
+
+    /// Everything that finished since the last call, each request once.
+    pub fn get_finished(&self) -> Finished {
+        let mut t = self.shared.tracker.lock();
+        t.poll(Instant::now());
+        t.take_finished()
+    }
+
+    /// Like [`get_finished`](Engine::get_finished), but waits up to `timeout` for something to
+    /// finish (no spinning: it sleeps until a completion or a hold's deadline).
+    pub fn wait_finished(&self, timeout: Duration) -> Finished {
+        let deadline = Instant::now() + timeout;
+        let mut t = self.shared.tracker.lock();
+        loop {
+            let now = Instant::now();
+            t.poll(now);
+            if t.has_finished() || now >= deadline {
+                return t.take_finished();
+            }
+            let wake = t.next_deadline().map_or(deadline, |d| d.min(deadline));
+            self.shared.finished.wait_until(&mut t, wake);
+        }
+    }
+
+    /// Counters of what this engine served and refused.
+    pub fn stats(&self) -> EngineStats {
+        let c = &self.shared.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        EngineStats {
+            handshakes_accepted: get(&c.handshakes_accepted),
+            handshakes_refused: get(&c.handshakes_refused),
+            data_requests_served: get(&c.data_requests_served),
+            data_requests_refused: get(&c.data_requests_refused),
+            bytes_served: get(&c.bytes_served),
+            bytes_staged_out: self.shared.staging.staged_out(),
+            bytes_staged_in: self.shared.staging.staged_in(),
+        }
+    }
+
+    /// Requests being received and sends being held.
+    pub fn in_flight(&self) -> (usize, usize) {
+        let t = self.shared.tracker.lock();
+        (t.receiving(), t.holding())
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_timeout(Duration::from_secs(1));
+        }
+    }
+}

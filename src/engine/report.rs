@@ -1,0 +1,80 @@
+//! What an engine reports about itself: [`Capabilities`] (transports and memory kinds found at
+//! start, with the reason for each one missing) and [`EngineStats`] (counters).
+
+use crate::gpu::GpuReport;
+
+/// Counters of what an engine has served, refused and staged, for tests, logs and benchmarks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Handshakes answered with our descriptor.
+    pub handshakes_accepted: u64,
+    /// Handshakes refused (bad frame, wrong version, incompatible peer, no layout, silence).
+    pub handshakes_refused: u64,
+    /// TCP data requests served.
+    pub data_requests_served: u64,
+    /// TCP data requests refused (range outside exported memory, unknown region).
+    pub data_requests_refused: u64,
+    /// Bytes served over TCP.
+    pub bytes_served: u64,
+    /// GPU bytes copied into staging buffers to be sent over TCP.
+    pub bytes_staged_out: u64,
+    /// Bytes received over TCP and copied from staging buffers into GPU memory.
+    pub bytes_staged_in: u64,
+}
+
+/// What an engine found at start: its transports and the memory kinds it can register, each
+/// with the reason when missing. `Display` prints one line per item.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Capabilities {
+    /// The RDMA device in use, or why RDMA is not used.
+    pub rdma: std::result::Result<String, String>,
+    /// The TCP data server (always available).
+    pub tcp: String,
+    /// The GPU runtimes found (device memory), or why each is missing.
+    pub gpu: GpuReport,
+}
+
+impl Capabilities {
+    /// One line: transports and memory kinds, with reasons for what is missing.
+    pub fn summary(&self) -> String {
+        let mut transports = Vec::new();
+        if let Ok(dev) = &self.rdma {
+            transports.push(format!("rdma ({dev})"));
+        }
+        transports.push("tcp".to_string());
+        let mut memory = vec!["host".to_string()];
+        let mut missing = Vec::new();
+        if let Err(why) = &self.rdma {
+            missing.push(format!("rdma: {why}"));
+        }
+        for (name, r) in [("cuda", &self.gpu.cuda), ("hip", &self.gpu.hip)] {
+            match r {
+                Ok(desc) => memory.push(format!("{name} ({desc})")),
+                Err(why) => missing.push(format!("{name}: {why}")),
+            }
+        }
+        let mut line = format!(
+            "transports: {}; memory: {}",
+            transports.join(", "),
+            memory.join(", ")
+        );
+        if !missing.is_empty() {
+            line.push_str(&format!("; unavailable: {}", missing.join("; ")));
+        }
+        line
+    }
+}
+
+impl std::fmt::Display for Capabilities {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let line = |r: &std::result::Result<String, String>| match r {
+            Ok(s) => format!("yes: {s}"),
+            Err(why) => format!("no: {why}"),
+        };
+        writeln!(f, "transport rdma: {}", line(&self.rdma))?;
+        writeln!(f, "transport tcp:  yes: {}", self.tcp)?;
+        writeln!(f, "memory host:    yes")?;
+        writeln!(f, "memory cuda:    {}", line(&self.gpu.cuda))?;
+        write!(f, "memory hip:     {}", line(&self.gpu.hip))
+    }
+}

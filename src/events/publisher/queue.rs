@@ -1,0 +1,119 @@
+//! The publisher's send loop: drains the queue, then encodes, numbers, records for replay and
+//! sends each batch on the PUB socket.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use zeromq::{PubSocket, SocketSend, ZmqMessage};
+
+use crate::events::wire::{encode_batch, Encoding};
+
+use super::{Item, Shared};
+
+pub(super) async fn publish_loop(
+    shared: Arc<Shared>,
+    mut socket: PubSocket,
+    topic: Bytes,
+    enc: Encoding,
+    keep_for_replay: bool,
+) -> PubSocket {
+    let mut local = VecDeque::new();
+    let mut seq = 0u64;
+    let mut size_hint = 4096;
+    loop {
+        {
+            let mut q = shared.queue.lock();
+            std::mem::swap(&mut *q, &mut local);
+        }
+        if local.is_empty() {
+            if shared.closed.load(Ordering::Acquire) {
+                break;
+            }
+            shared.work.notified().await;
+            continue;
+        }
+        shared.room.notify_all();
+        shared.room_async.notify_waiters();
+        for item in local.drain(..) {
+            let payload = match item {
+                Item::Encoded(p) => p,
+                Item::Batch(b) => {
+                    let mut v = Vec::with_capacity(size_hint);
+                    encode_batch(&b, enc, &mut v);
+                    size_hint = v.len();
+                    Bytes::from(v)
+                }
+            };
+            if keep_for_replay {
+                shared
+                    .ring
+                    .lock()
+                    .push_sized(seq, payload.clone(), payload.len());
+            }
+            let frames = vec![
+                topic.clone(),
+                Bytes::copy_from_slice(&seq.to_be_bytes()),
+                payload,
+            ];
+            let msg = ZmqMessage::try_from(frames).expect("three frames");
+            if let Err(e) = socket.send(msg).await {
+                tracing::warn!(seq, "KV-event PUB send failed: {e}");
+            }
+            seq += 1;
+            shared.counters.published.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    socket
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use crate::events::{EventBatch, EventsError, Publisher, PublisherConfig};
+
+    #[test]
+    fn a_full_queue_refuses_and_counts() {
+        let p = Publisher::start(PublisherConfig {
+            endpoint: "tcp://*:0".into(),
+            replay_endpoint: Some("tcp://*:0".into()),
+            max_queue: 1,
+            ..Default::default()
+        })
+        .unwrap();
+        let b = EventBatch {
+            ts: 0.0,
+            events: vec![],
+            dp_rank: None,
+        };
+        let mut refused = 0;
+        {
+            // Holding the ring stalls the publisher thread once it has taken the first batch.
+            let _hold = p.shared.ring.lock();
+            p.publish(b.clone()).unwrap();
+            let t = Instant::now();
+            while !p.shared.queue.lock().is_empty() {
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "publisher thread never ran"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            for _ in 0..50 {
+                if p.publish(b.clone()).is_err() {
+                    refused += 1;
+                }
+            }
+            assert_eq!(refused, 49, "one fits, the rest are refused");
+            let t = Instant::now();
+            assert!(matches!(
+                p.publish_timeout(b.clone(), Duration::from_millis(50)),
+                Err(EventsError::QueueFull { cap: 1 })
+            ));
+            assert!(t.elapsed() >= Duration::from_millis(50));
+        }
+        assert_eq!(p.stats().dropped, refused + 1);
+    }
+}

@@ -1,0 +1,314 @@
+//! Decoding of event batches: one pass over the bounded msgpack reader, both encodings, a bad
+//! event skipped on its own.
+
+use crate::events::msgpack::{self, Cursor, Token};
+
+use super::{
+    BatchError, BlockHash, BlockRemoved, BlockStored, BlockTransferred, Decoded, EventBatch,
+    KvEvent,
+};
+
+const STORED_ORDER: [&str; 12] = [
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "token_offset",
+];
+const REMOVED_ORDER: [&str; 3] = ["block_hashes", "medium", "group_idx"];
+const CLEARED_ORDER: [&str; 1] = ["medium"];
+const TRANSFERRED_ORDER: [&str; 4] = ["block_hashes", "from_medium", "to_medium", "group_idx"];
+
+/// An event's fields as read, whichever encoding carried them.
+#[derive(Default)]
+struct Raw<'a> {
+    ty: Option<&'a [u8]>,
+    block_hashes: Vec<BlockHash>,
+    parent_block_hash: Option<BlockHash>,
+    token_ids: Vec<u32>,
+    block_size: Option<u32>,
+    lora_id: Option<i64>,
+    medium: Option<String>,
+    lora_name: Option<String>,
+    group_idx: Option<u32>,
+    kv_cache_spec_kind: Option<String>,
+    kv_cache_spec_sliding_window: Option<u32>,
+    token_offset: Option<u64>,
+    from_medium: Option<String>,
+    to_medium: Option<String>,
+}
+
+fn hash(t: Token<'_>) -> Option<BlockHash> {
+    match t {
+        Token::UInt(u) => Some(BlockHash::U64(u)),
+        Token::Int(i) => Some(BlockHash::I64(i)),
+        Token::Bin(b) if !b.is_empty() => Some(BlockHash::Bytes(b.to_vec())),
+        _ => None,
+    }
+}
+
+fn string(t: Token<'_>) -> Option<String> {
+    match t {
+        Token::Str(s) => Some(String::from_utf8_lossy(s).into_owned()),
+        _ => None,
+    }
+}
+
+fn u32_of(t: Token<'_>) -> Option<u32> {
+    match t {
+        Token::UInt(v) => u32::try_from(v).ok(),
+        _ => None,
+    }
+}
+
+fn u64_of(t: Token<'_>) -> Option<u64> {
+    match t {
+        Token::UInt(v) => Some(v),
+        _ => None,
+    }
+}
+
+fn i64_of(t: Token<'_>) -> Option<i64> {
+    match t {
+        Token::UInt(v) => i64::try_from(v).ok(),
+        Token::Int(v) => Some(v),
+        _ => None,
+    }
+}
+
+fn malformed(e: msgpack::DecodeError) -> String {
+    e.to_string()
+}
+
+/// An optional field: nil is unset, any other type than `conv` takes is an error.
+fn opt<T>(
+    c: &mut Cursor<'_>,
+    name: &str,
+    conv: fn(Token<'_>) -> Option<T>,
+) -> Result<Option<T>, String> {
+    match c.token().map_err(malformed)? {
+        Token::Nil => Ok(None),
+        t => conv(t)
+            .map(Some)
+            .ok_or_else(|| format!("field {name} has the wrong type")),
+    }
+}
+
+fn hashes(c: &mut Cursor<'_>, name: &str) -> Result<Vec<BlockHash>, String> {
+    match c.token().map_err(malformed)? {
+        Token::Array(n) => {
+            let mut v = Vec::with_capacity(n);
+            for _ in 0..n {
+                v.push(
+                    hash(c.token().map_err(malformed)?)
+                        .ok_or_else(|| format!("a {name} entry is not a hash"))?,
+                );
+            }
+            Ok(v)
+        }
+        Token::Nil => Ok(Vec::new()),
+        _ => Err(format!("field {name} is not an array")),
+    }
+}
+
+/// Reads the value of field `name` into `raw` (an unknown field is skipped).
+fn field<'a>(c: &mut Cursor<'a>, raw: &mut Raw<'a>, name: &[u8]) -> Result<(), String> {
+    match name {
+        b"type" => match c.token().map_err(malformed)? {
+            Token::Str(t) => raw.ty = Some(t),
+            _ => return Err("the event \"type\" is not a string".into()),
+        },
+        b"block_hashes" => raw.block_hashes = hashes(c, "block_hashes")?,
+        b"parent_block_hash" => raw.parent_block_hash = opt(c, "parent_block_hash", hash)?,
+        b"token_ids" => {
+            raw.token_ids = match c.token().map_err(malformed)? {
+                Token::Array(n) => {
+                    let mut v = Vec::with_capacity(n);
+                    for _ in 0..n {
+                        match c.small_uint() {
+                            Some(t) => v.push(t),
+                            None => {
+                                // Anything else is an error, however it is spelled.
+                                u32_of(c.token().map_err(malformed)?)
+                                    .map(|t| v.push(t))
+                                    .ok_or("a token id is not a u32")?;
+                            }
+                        }
+                    }
+                    v
+                }
+                Token::Nil => Vec::new(),
+                _ => return Err("token_ids is not an array".into()),
+            }
+        }
+        b"block_size" => raw.block_size = opt(c, "block_size", u32_of)?,
+        b"lora_id" => raw.lora_id = opt(c, "lora_id", i64_of)?,
+        b"medium" => raw.medium = opt(c, "medium", string)?,
+        b"lora_name" => raw.lora_name = opt(c, "lora_name", string)?,
+        b"group_idx" => raw.group_idx = opt(c, "group_idx", u32_of)?,
+        b"kv_cache_spec_kind" => raw.kv_cache_spec_kind = opt(c, "kv_cache_spec_kind", string)?,
+        b"kv_cache_spec_sliding_window" => {
+            raw.kv_cache_spec_sliding_window = opt(c, "kv_cache_spec_sliding_window", u32_of)?
+        }
+        b"token_offset" => raw.token_offset = opt(c, "token_offset", u64_of)?,
+        b"from_medium" => raw.from_medium = opt(c, "from_medium", string)?,
+        b"to_medium" => raw.to_medium = opt(c, "to_medium", string)?,
+        _ => c.skip().map_err(malformed)?,
+    }
+    Ok(())
+}
+
+/// Reads one event. On error the cursor is left anywhere inside it (the caller rewinds).
+fn event(c: &mut Cursor<'_>) -> Result<KvEvent, String> {
+    let mut raw = Raw::default();
+    match c.token().map_err(malformed)? {
+        Token::Map(n) => {
+            for _ in 0..n {
+                match c.token().map_err(malformed)? {
+                    Token::Str(k) => field(c, &mut raw, k)?,
+                    _ => c.skip().map_err(malformed)?,
+                }
+            }
+            if raw.ty.is_none() {
+                return Err("map event without a string \"type\"".into());
+            }
+        }
+        Token::Array(n) => {
+            let Some(Token::Str(tag)) =
+                (n > 0).then(|| c.token()).transpose().map_err(malformed)?
+            else {
+                return Err("array event without a tag".into());
+            };
+            raw.ty = Some(tag);
+            let order: &[&str] = match tag {
+                b"BlockStored" => &STORED_ORDER,
+                b"BlockRemoved" => &REMOVED_ORDER,
+                b"AllBlocksCleared" => &CLEARED_ORDER,
+                b"BlockTransferred" => &TRANSFERRED_ORDER,
+                _ => &[],
+            };
+            for i in 1..n {
+                match order.get(i - 1) {
+                    Some(name) => field(c, &mut raw, name.as_bytes())?,
+                    None => c.skip().map_err(malformed)?,
+                }
+            }
+        }
+        _ => return Err("event is neither a map nor an array".into()),
+    }
+    match raw.ty.unwrap_or_default() {
+        b"BlockStored" => {
+            let e = BlockStored {
+                block_hashes: raw.block_hashes,
+                parent_block_hash: raw.parent_block_hash,
+                token_ids: raw.token_ids,
+                block_size: raw.block_size.unwrap_or(0),
+                lora_id: raw.lora_id,
+                medium: raw.medium,
+                lora_name: raw.lora_name,
+                group_idx: raw.group_idx,
+                kv_cache_spec_kind: raw.kv_cache_spec_kind,
+                kv_cache_spec_sliding_window: raw.kv_cache_spec_sliding_window,
+                token_offset: raw.token_offset,
+            };
+            let capacity = e.block_hashes.len() as u64 * u64::from(e.block_size);
+            if e.block_size > 0 && e.token_ids.len() as u64 > capacity {
+                return Err(format!(
+                    "BlockStored has {} tokens for {} blocks of {} (masked or sliding-window blocks?): refused rather than misaligned",
+                    e.token_ids.len(),
+                    e.block_hashes.len(),
+                    e.block_size
+                ));
+            }
+            Ok(KvEvent::BlockStored(e))
+        }
+        b"BlockRemoved" => Ok(KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: raw.block_hashes,
+            medium: raw.medium,
+            group_idx: raw.group_idx,
+        })),
+        b"AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared { medium: raw.medium }),
+        b"BlockTransferred" => Ok(KvEvent::BlockTransferred(BlockTransferred {
+            block_hashes: raw.block_hashes,
+            from_medium: raw.from_medium,
+            to_medium: raw.to_medium,
+            group_idx: raw.group_idx,
+        })),
+        other => Err(format!(
+            "unknown event type {:?}",
+            String::from_utf8_lossy(other)
+        )),
+    }
+}
+
+/// Decodes one batch payload. It is read in one pass without building a generic tree; an
+/// event that fails is skipped whole (its extent is found by re-reading it structurally), so
+/// only bytes that are not msgpack at all make the whole batch unreadable.
+pub fn decode_batch(payload: &[u8]) -> Result<Decoded, BatchError> {
+    let bad = |e: msgpack::DecodeError| BatchError(e.to_string());
+    let mut c = Cursor::new(payload);
+    let n = match c.token().map_err(bad)? {
+        Token::Array(n) => n,
+        _ => return Err(BatchError("a batch is not an array".into())),
+    };
+    if n < 2 {
+        return Err(BatchError(format!(
+            "a batch has {n} elements, at least 2 expected"
+        )));
+    }
+    let ts = match c.token().map_err(bad)? {
+        Token::Float(f) => f,
+        Token::UInt(u) => u as f64,
+        Token::Int(i) => i as f64,
+        _ => return Err(BatchError("the batch timestamp is not a number".into())),
+    };
+    let Token::Array(count) = c.token().map_err(bad)? else {
+        return Err(BatchError("the batch's events are not an array".into()));
+    };
+    let mut events = Vec::with_capacity(count);
+    let mut skipped = Vec::new();
+    for i in 0..count {
+        let start = c.pos();
+        match event(&mut c) {
+            Ok(ev) => events.push(ev),
+            Err(why) => {
+                c.rewind(start);
+                c.skip().map_err(bad)?;
+                skipped.push(format!("event {i}: {why}"));
+            }
+        }
+    }
+    let mut dp_rank = None;
+    for i in 2..n {
+        let start = c.pos();
+        let t = c.token().map_err(bad)?;
+        if i == 2 {
+            dp_rank = i64_of(t);
+        }
+        if matches!(t, Token::Array(_) | Token::Map(_)) {
+            c.rewind(start);
+            c.skip().map_err(bad)?;
+        }
+    }
+    if c.remaining() != 0 {
+        return Err(BatchError(format!(
+            "malformed msgpack: {} trailing bytes",
+            c.remaining()
+        )));
+    }
+    Ok(Decoded {
+        batch: EventBatch {
+            ts,
+            events,
+            dp_rank,
+        },
+        skipped,
+    })
+}

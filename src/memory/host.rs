@@ -1,0 +1,122 @@
+//! Host memory: regions allocated by kvlink (anonymous `mmap`, huge pages on request) and
+//! caller-owned memory registered through [`ExternalMemory`].
+
+use std::ptr::NonNull;
+
+use memmap2::MmapOptions;
+
+use super::{Backing, MemoryKind, Region};
+use crate::error::{Error, Result};
+use crate::ids::RegionId;
+
+/// Host memory owned by the caller (an inference engine's KV cache), vouched for by the caller
+/// through [`ExternalMemory::new`]'s safety contract. Registered with `Engine::register_host`.
+#[derive(Debug)]
+pub struct ExternalMemory {
+    pub(crate) ptr: NonNull<u8>,
+    pub(crate) len: u64,
+}
+
+// SAFETY: ExternalMemory is a (pointer, length) pair the caller vouched for; it is only turned
+// into a Region, which has the same sharing rules (see Region's Send/Sync).
+unsafe impl Send for ExternalMemory {}
+
+impl ExternalMemory {
+    /// Describes caller-owned memory.
+    ///
+    /// # Safety
+    /// `ptr` must point to `len` bytes valid for reads and writes from this call until the
+    /// region registered from it is deregistered (`Engine::deregister` returns only once no
+    /// transfer uses it) or the engine is dropped. kvlink and its peers read and write those
+    /// bytes concurrently with the caller, as a DMA engine would.
+    pub unsafe fn new(ptr: *mut u8, len: u64) -> Result<ExternalMemory> {
+        let ptr = NonNull::new(ptr).ok_or_else(|| Error::invalid("null pointer registered"))?;
+        if len == 0 {
+            return Err(Error::invalid("cannot register an empty region"));
+        }
+        if (ptr.as_ptr() as u64).checked_add(len).is_none() {
+            return Err(Error::invalid("region wraps around the address space"));
+        }
+        Ok(ExternalMemory { ptr, len })
+    }
+}
+
+impl Region {
+    /// Allocates `len` bytes of zeroed host memory. With `huge_pages`, asks for 2 MiB huge pages
+    /// (`MAP_HUGETLB`) and, when the system has none reserved, falls back to regular pages with
+    /// transparent huge pages advised; the result's [`kind`](Region::kind) says which happened.
+    pub(crate) fn allocate(id: RegionId, len: u64, huge_pages: bool) -> Result<Region> {
+        if len == 0 {
+            return Err(Error::invalid("cannot allocate an empty region"));
+        }
+        let size = usize::try_from(len)
+            .map_err(|_| Error::invalid(format!("region length {len} does not fit in memory")))?;
+        let mut kind = MemoryKind::HostMapped;
+        let map = if huge_pages {
+            let huge_len = size.div_ceil(2 << 20) * (2 << 20);
+            match MmapOptions::new().len(huge_len).huge(Some(21)).map_anon() {
+                Ok(m) => {
+                    kind = MemoryKind::HostHugePages;
+                    m
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        error = %e,
+                        "huge pages unavailable (reserve some with /proc/sys/vm/nr_hugepages); \
+                         falling back to regular pages with transparent huge pages advised"
+                    );
+                    let m = MmapOptions::new()
+                        .len(size)
+                        .map_anon()
+                        .map_err(|e| Error::Memory(format!("mmap of {size} bytes failed: {e}")))?;
+                    let _ = m.advise(memmap2::Advice::HugePage);
+                    m
+                }
+            }
+        } else {
+            MmapOptions::new()
+                .len(size)
+                .map_anon()
+                .map_err(|e| Error::Memory(format!("mmap of {size} bytes failed: {e}")))?
+        };
+        // Fault every page in now rather than during the first transfer into it.
+        let _ = map.advise(memmap2::Advice::PopulateWrite);
+        let mut map = map;
+        let ptr = NonNull::new(map.as_mut_ptr()).expect("mmap never returns null");
+        Ok(Region {
+            id,
+            ptr,
+            len,
+            kind,
+            _backing: Backing::Mapped(map),
+        })
+    }
+
+    /// Registers caller-owned memory (validity vouched for by [`ExternalMemory::new`]).
+    pub(crate) fn external(id: RegionId, mem: ExternalMemory) -> Region {
+        Region {
+            id,
+            ptr: mem.ptr,
+            len: mem.len,
+            kind: MemoryKind::HostExternal,
+            _backing: Backing::External,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn huge_pages_fall_back_cleanly() {
+        // Either explicit huge pages are reserved on this machine or the fallback is taken;
+        // both give usable memory of at least the requested size.
+        let r = Region::allocate(RegionId(2), 3 << 20, true).unwrap();
+        assert!(matches!(
+            r.kind(),
+            MemoryKind::HostHugePages | MemoryKind::HostMapped
+        ));
+        r.write_at((3 << 20) - 1, &[7]).unwrap();
+    }
+}

@@ -1,0 +1,119 @@
+//! Connecting to a peer: name lookup, handshake, transport negotiation (RDMA when both engines
+//! have it and the configuration allows, TCP otherwise) and the queue-pair exchange.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use super::PeerConn;
+use crate::config::TransportChoice;
+use crate::control::messages::Message;
+use crate::control::ControlClient;
+use crate::error::{Error, Result};
+use crate::state::EngineState;
+use crate::transport::rdma::RdmaConnection;
+use crate::transport::tcp::TcpTransport;
+use crate::transport::Transport;
+
+pub(super) async fn connect(
+    shared: &Arc<EngineState>,
+    peer: &str,
+    generation: u64,
+) -> Result<PeerConn> {
+    let cfg = &shared.config;
+    let addr: SocketAddr = match peer.parse() {
+        Ok(a) => a,
+        Err(_) => tokio::net::lookup_host(peer)
+            .await
+            .map_err(|e| Error::invalid(format!("peer address {peer:?}: {e}")))?
+            .next()
+            .ok_or_else(|| Error::invalid(format!("peer address {peer:?} resolves to nothing")))?,
+    };
+    let ours = shared.descriptor().ok_or_else(|| {
+        Error::invalid("set a KV layout on this engine before reading from peers")
+    })?;
+    let (mut hs, theirs) = ControlClient::handshake(addr, &ours, shared.control_timeouts()).await?;
+    let transport: Box<dyn Transport> = match (&shared.rdma, theirs.rdma(), cfg.transport) {
+        (Some(dev), Some((their_dev, regions)), choice) if choice != TransportChoice::Tcp => {
+            let (prepared, qps) =
+                RdmaConnection::prepare(dev, cfg.rdma.qps).map_err(Error::Rdma)?;
+            let reply = hs
+                .request(&Message::RdmaConnect { generation, qps })
+                .await?;
+            let conn = match reply {
+                Message::RdmaAccept { generation: g, qps } if g == generation => prepared
+                    .connect(
+                        peer,
+                        &qps,
+                        regions.to_vec(),
+                        shared.rdma_fault,
+                        shared.rdma_fault_budget.clone(),
+                    )
+                    .map_err(Error::Rdma)?,
+                Message::RdmaAccept { generation: g, .. } => {
+                    return Err(Error::Handshake {
+                        peer: peer.to_string(),
+                        reason: format!(
+                            "stale RDMA answer for generation {g}, expected {generation}"
+                        ),
+                    })
+                }
+                other => {
+                    return Err(Error::Handshake {
+                        peer: peer.to_string(),
+                        reason: format!("unexpected answer to RdmaConnect: {other:?}"),
+                    })
+                }
+            };
+            tracing::info!(
+                peer,
+                local = dev.name(),
+                remote = their_dev,
+                qps = cfg.rdma.qps,
+                "transport rdma: both engines have RDMA"
+            );
+            Box::new(conn)
+        }
+        (ours_dev, their_rdma, choice) => {
+            let why = match (ours_dev, their_rdma) {
+                _ if choice == TransportChoice::Tcp => "tcp forced by configuration".to_string(),
+                (None, _) => format!(
+                    "this engine has no RDMA ({})",
+                    shared.rdma_unavailable.as_deref().unwrap_or("unknown")
+                ),
+                _ => "the peer offers no RDMA".to_string(),
+            };
+            if choice == TransportChoice::Rdma {
+                return Err(Error::RdmaUnavailable(format!("to {peer}: {why}")));
+            }
+            let (data_addr, _) = theirs.tcp().ok_or_else(|| Error::Handshake {
+                peer: peer.to_string(),
+                reason: "the peer offers no transport this engine can use".into(),
+            })?;
+            let t = TcpTransport::connect(
+                data_addr,
+                usize::from(cfg.tcp_streams),
+                cfg.connect_timeout,
+                cfg.io_timeout,
+                cfg.batch_bytes,
+                shared.staging.clone(),
+            )
+            .await?;
+            tracing::info!(peer, streams = cfg.tcp_streams, reason = %why, "transport tcp");
+            Box::new(t)
+        }
+    };
+    tracing::info!(
+        peer,
+        engine = %theirs.engine_id,
+        peer_generation = theirs.generation,
+        generation,
+        transport = transport.name(),
+        "session ready"
+    );
+    Ok(PeerConn {
+        descriptor: theirs,
+        control: hs.start(),
+        transport,
+        generation,
+    })
+}

@@ -1,0 +1,158 @@
+//! Sessions: one cached connection per remote engine (single-flight connect, this file), the
+//! connect and transport negotiation (`connect.rs`), and the transfer task that turns a request
+//! into a plan, hands it to the transport and reports the outcome (`transfer.rs`).
+//!
+//! Sessions sit above the engine's state ([`EngineState`]): they read its layout, regions and
+//! configuration and report into its completion tracker. The engine API owns the session cache.
+
+mod connect;
+mod transfer;
+
+pub(crate) use transfer::{run_read, ReadJob};
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use tokio::sync::watch;
+
+use crate::control::messages::Descriptor;
+use crate::control::ControlClient;
+use crate::error::{Error, Result};
+use crate::state::EngineState;
+use crate::transport::Transport;
+
+/// A live session with one remote engine.
+pub(crate) struct PeerConn {
+    pub(crate) descriptor: Descriptor,
+    pub(crate) control: ControlClient,
+    pub(crate) transport: Box<dyn Transport>,
+    pub(crate) generation: u64,
+}
+
+impl PeerConn {
+    fn is_broken(&self) -> bool {
+        self.control.is_closed() || self.transport.is_broken()
+    }
+}
+
+type Outcome = Option<Result<Arc<PeerConn>>>;
+
+enum Slot {
+    Connecting(watch::Receiver<Outcome>),
+    Ready(Arc<PeerConn>),
+    /// A recent failure, returned to callers until the instant passes (so a burst of requests
+    /// to a bad peer costs one handshake, and a dead peer is not hammered).
+    Failed(Error, std::time::Instant),
+}
+
+/// How long a failed connect is remembered.
+const FAILURE_MEMORY: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// The cache of sessions, keyed by the peer's handshake address as the caller gave it.
+pub(crate) struct Sessions {
+    pub(crate) state: Arc<EngineState>,
+    map: Mutex<HashMap<String, Slot>>,
+    generation: AtomicU64,
+}
+
+impl Sessions {
+    /// An empty cache reading from `state`.
+    pub(crate) fn new(state: Arc<EngineState>) -> Sessions {
+        Sessions {
+            state,
+            map: Mutex::new(HashMap::new()),
+            generation: AtomicU64::new(0),
+        }
+    }
+
+    /// The cached session if it is ready and healthy.
+    pub(crate) fn ready_conn(&self, peer: &str) -> Option<Arc<PeerConn>> {
+        match self.map.lock().get(peer) {
+            Some(Slot::Ready(c)) if !c.is_broken() => Some(c.clone()),
+            _ => None,
+        }
+    }
+
+    /// The session to `peer`, connecting once however many callers ask at the same time. A
+    /// failed connect fails every waiting caller with its reason; the next call tries again.
+    pub(crate) async fn get(self: &Arc<Self>, peer: &str) -> Result<Arc<PeerConn>> {
+        let mut rx = {
+            let mut map = self.map.lock();
+            match map.get(peer) {
+                Some(Slot::Ready(c)) if !c.is_broken() => return Ok(c.clone()),
+                Some(Slot::Connecting(rx)) => rx.clone(),
+                Some(Slot::Failed(e, until)) if std::time::Instant::now() < *until => {
+                    return Err(e.clone())
+                }
+                other => {
+                    let generation = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
+                    if let Some(Slot::Ready(old)) = other {
+                        tracing::warn!(
+                            peer,
+                            old_generation = old.generation,
+                            generation,
+                            "session broken; rebuilding it"
+                        );
+                    }
+                    let (tx, rx) = watch::channel(None);
+                    map.insert(peer.to_string(), Slot::Connecting(rx.clone()));
+                    let sessions = self.clone();
+                    let peer = peer.to_string();
+                    tokio::spawn(async move {
+                        let state = &sessions.state;
+                        let cfg = &state.config;
+                        // The whole connect (name lookup, handshake, queue pairs or streams) is
+                        // bounded, so a slot never stays "connecting" for ever.
+                        let limit = cfg.connect_timeout * 2 + cfg.handshake_timeout * 3;
+                        let result = match tokio::time::timeout(
+                            limit,
+                            connect::connect(state, &peer, generation),
+                        )
+                        .await
+                        {
+                            Ok(r) => r.map(Arc::new),
+                            Err(_) => Err(Error::Timeout {
+                                what: format!("connecting to {peer} (all steps)"),
+                                after: limit,
+                            }),
+                        };
+                        {
+                            let mut map = sessions.map.lock();
+                            match &result {
+                                Ok(c) => {
+                                    map.insert(peer.clone(), Slot::Ready(c.clone()));
+                                }
+                                Err(e) => {
+                                    tracing::warn!(%peer, error = %e, "connecting to peer failed");
+                                    let until = std::time::Instant::now() + FAILURE_MEMORY;
+                                    map.insert(peer.clone(), Slot::Failed(e.clone(), until));
+                                }
+                            }
+                        }
+                        let _ = tx.send(Some(result));
+                    });
+                    rx
+                }
+            }
+        };
+        loop {
+            if let Some(r) = rx.borrow_and_update().clone() {
+                return r;
+            }
+            if rx.changed().await.is_err() {
+                // The connect task ended without an answer (runtime shutting down, or a panic):
+                // free the slot so the next call starts afresh.
+                let mut map = self.map.lock();
+                if matches!(map.get(peer), Some(Slot::Connecting(_))) {
+                    map.remove(peer);
+                }
+                return Err(Error::ConnectionLost {
+                    peer: peer.to_string(),
+                    reason: "the connection attempt was abandoned".into(),
+                });
+            }
+        }
+    }
+}

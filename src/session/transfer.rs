@@ -1,0 +1,156 @@
+//! The transfer task: one receive from plan to report (done, failed with a reason, or expired),
+//! with the done/abort notice to the prefill side.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{PeerConn, Sessions};
+use crate::completion::TransferReport;
+use crate::control::messages::Message;
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, RequestId};
+use crate::memory::RegionSpan;
+use crate::plan::{plan, PlanOptions};
+use crate::state::EngineState;
+use crate::transport::{ReadOp, RequestCtl};
+
+/// Everything a transfer task needs, validated by `Engine::read_blocks`.
+pub(crate) struct ReadJob {
+    pub(crate) peer: String,
+    pub(crate) id: RequestId,
+    pub(crate) local: Vec<BlockId>,
+    pub(crate) remote: Vec<BlockId>,
+    pub(crate) started: Instant,
+    pub(crate) deadline: tokio::time::Instant,
+}
+
+/// Extra time after the request deadline for a transport to stop touching the request's
+/// memory (RDMA flushes its queue pairs) before the task gives up waiting for it.
+const BACKSTOP: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Runs one receive to its end and reports it: done, failed with a reason, or expired.
+/// Reports a receive as failed if its task ends without reporting (a panic, or the runtime
+/// shutting down), so no request stays "reading" for ever.
+struct ReportGuard {
+    shared: Arc<EngineState>,
+    id: Option<RequestId>,
+}
+
+impl Drop for ReportGuard {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            self.shared.with_tracker(|t| {
+                t.recv_failed(&id, false, "the transfer task ended without a result (engine shutting down or internal error)".into())
+            });
+        }
+    }
+}
+
+pub(crate) async fn run_read(sessions: Arc<Sessions>, job: ReadJob) {
+    let shared = sessions.state.clone();
+    let mut guard = ReportGuard {
+        shared: shared.clone(),
+        id: Some(job.id.clone()),
+    };
+    let ctl = Arc::new(RequestCtl::default());
+    let timeout = job
+        .deadline
+        .saturating_duration_since(tokio::time::Instant::now());
+    let outcome = tokio::time::timeout_at(
+        job.deadline + BACKSTOP,
+        read_once(&sessions, &job, ctl.clone()),
+    )
+    .await;
+    let conn = sessions.ready_conn(&job.peer);
+    let (expired, result) = match outcome {
+        Ok(Ok(done)) => (false, Ok(done)),
+        Ok(Err(e)) => {
+            let late = tokio::time::Instant::now() >= job.deadline;
+            (late && matches!(e, Error::Timeout { .. }), Err(e))
+        }
+        Err(_) => (
+            true,
+            Err(Error::Timeout {
+                what: "the transport to stop after the request deadline".into(),
+                after: BACKSTOP,
+            }),
+        ),
+    };
+    guard.id = None;
+    match result {
+        Ok((report, conn)) => {
+            conn.control.notify(Message::Done {
+                request_id: job.id.clone(),
+            });
+            shared.with_tracker(|t| t.recv_done(report));
+        }
+        Err(e) => {
+            ctl.cancel_async(shared.config.io_timeout).await;
+            let reason = if expired {
+                format!(
+                    "not complete within the request timeout of {timeout:?} (peer {}): {e}",
+                    job.peer
+                )
+            } else {
+                e.to_string()
+            };
+            tracing::warn!(id = %job.id, %reason, expired, "read failed");
+            if let Some(c) = &conn {
+                c.control.notify(Message::Abort {
+                    request_id: job.id.clone(),
+                    reason: reason.clone(),
+                });
+            }
+            shared.with_tracker(|t| t.recv_failed(&job.id, expired, reason));
+        }
+    }
+}
+
+async fn read_once(
+    sessions: &Arc<Sessions>,
+    job: &ReadJob,
+    ctl: Arc<RequestCtl>,
+) -> Result<(TransferReport, Arc<PeerConn>)> {
+    let shared = &sessions.state;
+    let conn = tokio::time::timeout_at(job.deadline, sessions.get(&job.peer))
+        .await
+        .map_err(|_| Error::Timeout {
+            what: format!("connecting to {}", job.peer),
+            after: job.started.elapsed(),
+        })??;
+    let local_layout = shared
+        .layout()
+        .ok_or_else(|| Error::invalid("this engine's KV layout was removed"))?;
+    let opts = PlanOptions {
+        max_segment_bytes: shared.config.batch_bytes,
+    };
+    let plan = plan(
+        &local_layout,
+        &conn.descriptor.layout,
+        &job.local,
+        &job.remote,
+        opts,
+    )?;
+    let mut ops = Vec::with_capacity(plan.segments.len());
+    for s in &plan.segments {
+        let region = shared
+            .region(s.local_region)
+            .ok_or(Error::UnknownRegion(s.local_region))?;
+        ops.push(ReadOp {
+            local: RegionSpan::new(region, s.local_offset, s.len)?,
+            remote_region: s.remote_region,
+            remote_offset: s.remote_offset,
+        });
+    }
+    let work_requests = conn.transport.read(ops, ctl, job.deadline).await?;
+    let report = TransferReport {
+        id: job.id.clone(),
+        bytes: plan.bytes,
+        segments: plan.segments.len(),
+        blocks: plan.blocks,
+        work_requests,
+        transport: conn.transport.name(),
+        elapsed: job.started.elapsed(),
+    };
+    Ok((report, conn))
+}

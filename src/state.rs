@@ -1,0 +1,299 @@
+//! The state an engine owns: its registered regions, KV layout and descriptor, completion
+//! tracker, RDMA device, staging pool and counters. It sits below the sessions (which read from
+//! it and report into its tracker) and above the transports, the control plane and memory: it
+//! implements the handshake service's [`ControlHandler`] and the data server's
+//! [`RegionLookup`]. It never sees a session.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use crate::completion::{CompletionTracker, SendNotice};
+use crate::config::EngineConfig;
+use crate::control::messages::{Descriptor, TransportInfo};
+use crate::control::{frame::PROTOCOL_VERSION, ControlHandler, ControlTimeouts};
+use crate::error::{Error, Result};
+use crate::gpu::Runtimes;
+use crate::ids::{RegionId, RequestId};
+use crate::layout::KvLayout;
+use crate::memory::{Region, RegionInfo};
+use crate::transport::rdma::{self, RdmaDevice, RdmaFault, ServerQps};
+use crate::transport::tcp::{RegionLookup, StagingPool};
+
+/// What the data and control servers count.
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) handshakes_accepted: AtomicU64,
+    pub(crate) handshakes_refused: AtomicU64,
+    pub(crate) data_requests_served: AtomicU64,
+    pub(crate) data_requests_refused: AtomicU64,
+    pub(crate) bytes_served: AtomicU64,
+}
+
+/// State shared by the engine's API, its servers and its sessions.
+pub(crate) struct EngineState {
+    pub(crate) config: EngineConfig,
+    pub(crate) engine_id: String,
+    generation: u64,
+    pub(crate) data_addr: SocketAddr,
+    // Drop order matters: the RDMA device (which holds the memory registrations) before the
+    // regions themselves. Sessions, which hold RDMA connections, live above this state and go
+    // first.
+    pub(crate) rdma: Option<Arc<RdmaDevice>>,
+    pub(crate) rdma_unavailable: Option<String>,
+    /// Test-only fault injection for RDMA connections (see `internal::start_with_rdma_fault`).
+    pub(crate) rdma_fault: RdmaFault,
+    pub(crate) rdma_fault_budget: Arc<AtomicU32>,
+    regions: RwLock<HashMap<RegionId, Arc<Region>>>,
+    next_region: AtomicU32,
+    layout: RwLock<Option<KvLayout>>,
+    descriptor: RwLock<Option<Arc<Descriptor>>>,
+    pub(crate) tracker: Mutex<CompletionTracker>,
+    pub(crate) finished: Condvar,
+    pub(crate) counters: Counters,
+    pub(crate) gpus: Runtimes,
+    pub(crate) staging: Arc<StagingPool>,
+}
+
+impl EngineState {
+    /// A new state with no region and no layout.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        config: EngineConfig,
+        engine_id: String,
+        generation: u64,
+        data_addr: SocketAddr,
+        rdma: Option<Arc<RdmaDevice>>,
+        rdma_unavailable: Option<String>,
+        rdma_fault: RdmaFault,
+        gpus: Runtimes,
+    ) -> EngineState {
+        EngineState {
+            engine_id,
+            generation,
+            data_addr,
+            rdma,
+            rdma_unavailable,
+            rdma_fault_budget: Arc::new(AtomicU32::new(rdma_fault.requests)),
+            rdma_fault,
+            regions: RwLock::new(HashMap::new()),
+            next_region: AtomicU32::new(1),
+            layout: RwLock::new(None),
+            descriptor: RwLock::new(None),
+            tracker: Mutex::new(CompletionTracker::new()),
+            finished: Condvar::new(),
+            counters: Counters::default(),
+            gpus,
+            staging: StagingPool::new(config.staging_chunk_bytes as usize, config.staging_buffers),
+            config,
+        }
+    }
+
+    pub(crate) fn control_timeouts(&self) -> ControlTimeouts {
+        ControlTimeouts {
+            connect: self.config.connect_timeout,
+            handshake: self.config.handshake_timeout,
+            keepalive: self.config.keepalive,
+        }
+    }
+
+    pub(crate) fn descriptor(&self) -> Option<Arc<Descriptor>> {
+        self.descriptor.read().clone()
+    }
+
+    pub(crate) fn layout(&self) -> Option<KvLayout> {
+        self.layout.read().clone()
+    }
+
+    pub(crate) fn region(&self, id: RegionId) -> Option<Arc<Region>> {
+        self.regions.read().get(&id).cloned()
+    }
+
+    /// Runs `f` on the tracker and wakes waiters.
+    pub(crate) fn with_tracker<R>(&self, f: impl FnOnce(&mut CompletionTracker) -> R) -> R {
+        let r = f(&mut self.tracker.lock());
+        self.finished.notify_all();
+        r
+    }
+
+    pub(crate) fn next_region_id(&self) -> RegionId {
+        RegionId(self.next_region.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Registers `region` with the RDMA device (when there is one), exports it and publishes
+    /// the new descriptor.
+    pub(crate) fn add_region(&self, region: Region) -> Result<Arc<Region>> {
+        if let Some(dev) = &self.rdma {
+            dev.register(&region).map_err(Error::Memory)?;
+        }
+        let region = Arc::new(region);
+        self.regions.write().insert(region.id(), region.clone());
+        self.rebuild_descriptor();
+        tracing::info!(region = %region.id(), len = region.len(), kind = ?region.kind(), "memory registered");
+        Ok(region)
+    }
+
+    /// Stops exporting a region and waits until no transfer uses it (see
+    /// `Engine::deregister`).
+    pub(crate) fn deregister(&self, id: RegionId) -> Result<()> {
+        if let Some(l) = self.layout.read().as_ref() {
+            if l.tensors.iter().any(|t| t.region == id) {
+                return Err(Error::invalid(format!(
+                    "{id} is used by the KV layout; set another layout first"
+                )));
+            }
+        }
+        let region = self
+            .regions
+            .write()
+            .remove(&id)
+            .ok_or(Error::UnknownRegion(id))?;
+        let mrs = self.rdma.as_ref().and_then(|dev| {
+            let m = dev.region_mrs(id);
+            dev.deregister(id);
+            m
+        });
+        self.rebuild_descriptor();
+        // Transfers hold the region (and its registrations) while they use them.
+        let limit = Instant::now() + self.config.request_timeout + Duration::from_secs(10);
+        loop {
+            let users = Arc::strong_count(&region) - 1
+                + mrs.as_ref().map_or(0, |m| Arc::strong_count(m) - 1);
+            if users == 0 {
+                return Ok(());
+            }
+            if Instant::now() >= limit {
+                tracing::error!(region = %id, users, "deregistered region still in use");
+                return Err(Error::Memory(format!(
+                    "{id} is no longer exported but {users} transfers still use it; do not free its memory"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Sets the KV layout (validated against registered regions) and publishes the descriptor.
+    pub(crate) fn set_layout(&self, layout: KvLayout) -> Result<()> {
+        layout.validate(&self.region_infos())?;
+        tracing::info!(
+            tensors = layout.tensors.len(),
+            blocks = layout.num_blocks(),
+            bytes_per_block = layout.bytes_per_block(),
+            "KV layout set"
+        );
+        *self.layout.write() = Some(layout);
+        self.rebuild_descriptor();
+        Ok(())
+    }
+
+    fn region_infos(&self) -> Vec<RegionInfo> {
+        let mut v: Vec<RegionInfo> = self
+            .regions
+            .read()
+            .values()
+            .map(|r| RegionInfo {
+                id: r.id(),
+                len: r.len(),
+            })
+            .collect();
+        v.sort_by_key(|r| r.id);
+        v
+    }
+
+    fn transport_infos(&self) -> Vec<TransportInfo> {
+        let mut v = vec![TransportInfo::Tcp {
+            addr: self.data_addr.to_string(),
+            streams: self.config.tcp_streams,
+        }];
+        if let Some(dev) = &self.rdma {
+            v.push(TransportInfo::Rdma {
+                device: dev.name().to_string(),
+                gid: dev.gid().octets(),
+                lid: dev.lid,
+                mtu: dev.mtu_bytes(),
+                regions: dev.region_infos(),
+            });
+        }
+        v
+    }
+
+    fn rebuild_descriptor(&self) {
+        let layout = self.layout.read().clone();
+        *self.descriptor.write() = layout.map(|layout| {
+            Arc::new(Descriptor {
+                protocol_version: PROTOCOL_VERSION,
+                engine_id: self.engine_id.clone(),
+                generation: self.generation,
+                tp_rank: self.config.tp_rank,
+                tp_size: self.config.tp_size,
+                layout,
+                regions: self.region_infos(),
+                transports: self.transport_infos(),
+            })
+        });
+    }
+}
+
+impl ControlHandler for EngineState {
+    fn descriptor(&self) -> Option<Arc<Descriptor>> {
+        EngineState::descriptor(self)
+    }
+
+    fn notice(&self, peer: SocketAddr, id: RequestId, notice: SendNotice) {
+        tracing::debug!(%peer, %id, ?notice, "send notice");
+        let keep = self.config.abort_timeout;
+        self.with_tracker(|t| t.handle_notice(id, notice, Instant::now(), keep));
+    }
+
+    fn handshake(&self, accepted: bool) {
+        let c = if accepted {
+            &self.counters.handshakes_accepted
+        } else {
+            &self.counters.handshakes_refused
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn rdma_accept(
+        &self,
+        peer: SocketAddr,
+        qps: &[rdma::QpEndpoint],
+    ) -> std::result::Result<(Vec<rdma::QpEndpoint>, Box<dyn std::any::Any + Send>), String> {
+        let dev = self.rdma.as_ref().ok_or_else(|| {
+            format!(
+                "this engine has no RDMA device ({})",
+                self.rdma_unavailable.as_deref().unwrap_or("disabled")
+            )
+        })?;
+        let (guard, ours) = ServerQps::accept(dev, qps)?;
+        tracing::debug!(%peer, qps = ours.len(), "queue pairs created for a reader");
+        Ok((ours, Box::new(guard)))
+    }
+}
+
+impl RegionLookup for EngineState {
+    fn region(&self, id: RegionId) -> Option<Arc<Region>> {
+        EngineState::region(self, id)
+    }
+
+    fn staging(&self) -> &Arc<StagingPool> {
+        &self.staging
+    }
+
+    fn served(&self, bytes: Option<u64>) {
+        let c = &self.counters;
+        match bytes {
+            Some(b) => {
+                c.data_requests_served.fetch_add(1, Ordering::Relaxed);
+                c.bytes_served.fetch_add(b, Ordering::Relaxed);
+            }
+            None => {
+                c.data_requests_refused.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}

@@ -1,0 +1,129 @@
+//! The completion poller: one thread per device blocks on the device's completion channel
+//! (`poll(2)`, no spinning while idle), then drains the completion queue that fired through the
+//! handler registered for it. Connections register as [`CqHandler`]s, so the device never
+//! names a connection type.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionQueue, WorkCompletionStatus};
+
+use super::device::RdmaDevice;
+
+/// What the poller drives: the owner of one completion queue.
+pub(crate) trait CqHandler: Send + Sync {
+    /// Arms the completion queue for the next event notification.
+    fn arm(&self);
+    /// Drains the completion queue (and re-arms it).
+    fn drain(&self);
+    /// Called every poller round (at least every 100 ms): time-based work such as retiring
+    /// reads of a flushed queue pair.
+    fn tick(&self);
+}
+
+/// The poller: waits on the completion channel (no spinning while idle), then drains the
+/// connection whose queue fired. A 100 ms wake-up also lets connections time out stuck work.
+pub(super) fn poll_loop(dev: Weak<RdmaDevice>, stop: Arc<AtomicBool>) {
+    let fd = match dev.upgrade() {
+        Some(d) => std::os::fd::AsRawFd::as_raw_fd(&*d.channel),
+        None => return,
+    };
+    while !stop.load(Ordering::Acquire) {
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: pfd is a valid pollfd for the duration of the call; fd belongs to the
+        // completion channel, which lives as long as the device (checked by the upgrade below
+        // before any use of the channel).
+        let n = unsafe { libc::poll(&mut pfd, 1, 100) };
+        let Some(d) = dev.upgrade() else { return };
+        // A panic here (the verbs bindings assert when destroying objects) must not stop the
+        // poller: every connection on the device depends on it.
+        let round = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            if n > 0 {
+                d.handle_events();
+            }
+            let conns: Vec<Arc<dyn CqHandler>> =
+                d.conns.lock().values().filter_map(Weak::upgrade).collect();
+            for c in conns {
+                c.tick();
+            }
+        }));
+        if round.is_err() {
+            tracing::error!(
+                device = d.name(),
+                "the completion poller caught a panic; continuing"
+            );
+        }
+        drop(d);
+        if n < 0 {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl RdmaDevice {
+    fn handle_events(&self) {
+        loop {
+            let mut cq: *mut rdma_mummy_sys::ibv_cq = std::ptr::null_mut();
+            let mut ctx: *mut std::ffi::c_void = std::ptr::null_mut();
+            // SAFETY: the channel is valid while `self` lives; out-pointers are valid locals.
+            let rc = unsafe {
+                rdma_mummy_sys::ibv_get_cq_event(
+                    self.channel.comp_channel().as_ptr(),
+                    &mut cq,
+                    &mut ctx,
+                )
+            };
+            if rc != 0 {
+                return; // EAGAIN: no more events
+            }
+            let id = ctx as usize as u64;
+            // Take a strong reference before acknowledging: a CQ is destroyed only after all of
+            // its events are acknowledged, so `cq` is valid until the ack below.
+            let conn = self.conns.lock().get(&id).and_then(Weak::upgrade);
+            // SAFETY: `cq` came from ibv_get_cq_event and is not destroyed before this ack.
+            unsafe { rdma_mummy_sys::ibv_ack_cq_events(cq, 1) };
+            if let Some(c) = conn {
+                c.drain();
+            }
+        }
+    }
+}
+
+/// Arms a completion queue for one event notification.
+pub(crate) fn arm(cq: &BasicCompletionQueue) {
+    // SAFETY: the CQ is alive (borrowed) and was created on a completion channel.
+    unsafe {
+        rdma_mummy_sys::ibv_req_notify_cq(cq.cq().as_ptr(), 0);
+    }
+}
+
+/// The verbs name of a work completion status, with what it means.
+pub(crate) fn status_name(status: u32) -> String {
+    use WorkCompletionStatus as S;
+    let known = [
+        (S::LocalLengthError, "IBV_WC_LOC_LEN_ERR (local length error)"),
+        (S::LocalQueuePairOperationError, "IBV_WC_LOC_QP_OP_ERR (local QP operation error)"),
+        (S::LocalProtectionError, "IBV_WC_LOC_PROT_ERR (local protection error: destination not registered)"),
+        (S::WorkRequestFlushedError, "IBV_WC_WR_FLUSH_ERR (flushed: the queue pair was in error)"),
+        (S::BadResponseError, "IBV_WC_BAD_RESP_ERR (bad response)"),
+        (S::LocalAccessError, "IBV_WC_LOC_ACCESS_ERR (local access error)"),
+        (S::RemoteInvalidRequestError, "IBV_WC_REM_INV_REQ_ERR (remote invalid request)"),
+        (S::RemoteAccessError, "IBV_WC_REM_ACCESS_ERR (remote access error: wrong remote key or address outside the peer's registered memory)"),
+        (S::RemoteOperationError, "IBV_WC_REM_OP_ERR (remote operation error)"),
+        (S::RetryCounterExceededError, "IBV_WC_RETRY_EXC_ERR (retry count exceeded: the peer stopped answering)"),
+        (S::ResponderNotReadyRetryCounterExceededError, "IBV_WC_RNR_RETRY_EXC_ERR (receiver not ready)"),
+        (S::FatalError, "IBV_WC_FATAL_ERR (fatal device error)"),
+        (S::ResponseTimeoutError, "IBV_WC_RESP_TIMEOUT_ERR (response timeout)"),
+        (S::GeneralError, "IBV_WC_GENERAL_ERR (general error)"),
+    ];
+    known
+        .iter()
+        .find(|(s, _)| *s as u32 == status)
+        .map(|(_, n)| n.to_string())
+        .unwrap_or_else(|| format!("work completion status {status}"))
+}

@@ -1,0 +1,247 @@
+//! Running the engines: measured requests with a number in flight, the loopback, serve and
+//! read modes, and the plain-copy reference of staged runs.
+
+use std::collections::HashMap;
+use std::io::{IsTerminal, Write};
+use std::time::{Duration, Instant};
+
+use kvlink::{BlockId, Engine, KvLayout, Region, RequestId, TransferReport};
+
+use crate::args::{Args, Memory, Mode, Pattern};
+use crate::report::{fmt_bytes, report, sweep};
+use crate::workload::{make_cache, pick, Cache, Rng};
+
+#[derive(Default)]
+pub(crate) struct Outcome {
+    pub(crate) reports: Vec<TransferReport>,
+    pub(crate) wall: Duration,
+    pub(crate) cpu: f64,
+    pub(crate) verified: u64,
+    /// GB/s of a plain copy out of the caches' memory (staged runs only).
+    pub(crate) reference_gbps: Option<f64>,
+    /// Bytes staged out (prefill) and in (decode) during the run.
+    pub(crate) staged: (u64, u64),
+}
+
+/// CPU time (user + system) of this process so far, in seconds, from /proc/self/stat.
+fn cpu_seconds() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+        + f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    ticks / 100.0 // USER_HZ is 100 on Linux
+}
+
+/// The decode side of a run: its engine and cache, and the peer it reads from.
+struct Reader<'a> {
+    engine: &'a Engine,
+    local: &'a Cache,
+    remote_layout: &'a KvLayout,
+    peer: &'a str,
+}
+
+/// Runs `count` requests with `concurrency` in flight against the reader's peer.
+fn drive(
+    args: &Args,
+    rd: &Reader<'_>,
+    count: usize,
+    tag: &str,
+    rng: &mut Rng,
+) -> Result<Outcome, String> {
+    let Reader {
+        engine,
+        local,
+        remote_layout,
+        peer,
+    } = *rd;
+    let per = args.blocks_per_request();
+    let span = local.layout.num_blocks() / args.concurrency as u32;
+    let remote_blocks = remote_layout.num_blocks();
+    let runs = per.div_ceil(4);
+    let fragmented_short =
+        args.pattern == Pattern::Fragmented && (span / 4 < runs || remote_blocks / 4 < runs);
+    if span < per || remote_blocks < per || fragmented_short {
+        return Err(format!(
+            "caches too small: {per} blocks per request, {span} local blocks per slot, {remote_blocks} remote blocks (raise --blocks)"
+        ));
+    }
+    let mut out = Outcome::default();
+    let mut free_slots: Vec<u32> = (0..args.concurrency as u32).rev().collect();
+    let mut in_flight: HashMap<RequestId, (u32, Vec<BlockId>, Vec<BlockId>)> = HashMap::new();
+    let mut submitted = 0;
+    let t0 = Instant::now();
+    let cpu0 = cpu_seconds();
+    let progress = !args.json && std::io::stderr().is_terminal() && count > 1;
+    let mut shown = Instant::now();
+    while out.reports.len() < count {
+        if progress && shown.elapsed() > Duration::from_millis(250) {
+            shown = Instant::now();
+            let bytes: u64 = out.reports.iter().map(|r| r.bytes).sum();
+            let done = out.reports.len();
+            let bar = "#".repeat(done * 30 / count) + &"-".repeat(30 - done * 30 / count);
+            let _ = write!(
+                std::io::stderr(),
+                "\r{tag} [{bar}] {done}/{count} requests, {:.2} GB/s ",
+                bytes as f64 / t0.elapsed().as_secs_f64() / 1e9
+            );
+        }
+        while submitted < count {
+            let Some(slot) = free_slots.pop() else { break };
+            let (l, r) = pick(rng, args.pattern, per, slot * span, span, remote_blocks);
+            let id = RequestId::from(format!("{tag}-{submitted}"));
+            engine
+                .read_blocks(peer, id.clone(), &l, &r)
+                .map_err(|e| e.to_string())?;
+            in_flight.insert(id, (slot, l, r));
+            submitted += 1;
+        }
+        let f = engine.wait_finished(Duration::from_secs(5));
+        if let Some(fr) = f.failed.first() {
+            return Err(format!("request {} failed: {}", fr.id, fr.reason));
+        }
+        for rep in f.reports {
+            let (slot, l, r) = in_flight
+                .remove(&rep.id)
+                .ok_or("unknown request finished")?;
+            if args.verify {
+                out.verified += kvlink::verify::check_blocks(
+                    &local.region,
+                    &local.layout,
+                    remote_layout,
+                    args.seed,
+                    &l,
+                    &r,
+                )
+                .map_err(|e| format!("verification failed for {}: {e}", rep.id))?;
+            }
+            free_slots.push(slot);
+            out.reports.push(rep);
+        }
+    }
+    out.wall = t0.elapsed();
+    out.cpu = cpu_seconds() - cpu0;
+    if progress {
+        let _ = write!(std::io::stderr(), "\r{}\r", " ".repeat(70));
+    }
+    Ok(out)
+}
+
+/// The reference for staged runs, measured in the same run: one plain copy of the whole
+/// prefill cache out of its memory into an ordinary host buffer, in 64 MiB pieces (for GPU
+/// memory, the runtime's device-to-host copy).
+fn copy_out_reference(region: &Region) -> Result<f64, String> {
+    let mut buf = vec![0u8; (64 << 20).min(region.len() as usize)];
+    buf.fill(1); // fault the pages in before timing
+    let t0 = Instant::now();
+    let mut off = 0;
+    while off < region.len() {
+        let n = (buf.len() as u64).min(region.len() - off) as usize;
+        region
+            .read_at(off, &mut buf[..n])
+            .map_err(|e| e.to_string())?;
+        off += n as u64;
+    }
+    Ok(region.len() as f64 / t0.elapsed().as_secs_f64() / 1e9)
+}
+
+/// Two engines in this process: warm-up, then the measured requests.
+pub(crate) fn loopback(args: &Args, rng: &mut Rng) -> Result<Outcome, String> {
+    let blocks = args.cache_blocks();
+    let prefill = Engine::start(args.config("127.0.0.1:0", None)).map_err(|e| e.to_string())?;
+    let decode = Engine::start(args.config("127.0.0.1:0", None)).map_err(|e| e.to_string())?;
+    eprintln!("kvlink-bench: {}", prefill.capabilities().summary());
+    let remote = make_cache(&prefill, args, blocks, args.seed)?;
+    let local = make_cache(&decode, args, blocks, !args.seed)?;
+    let peer = prefill.handshake_address().to_string();
+    let reference = match args.memory {
+        Memory::Host => None,
+        _ => Some(copy_out_reference(&remote.region)?),
+    };
+    let out = {
+        let rd = Reader {
+            engine: &decode,
+            local: &local,
+            remote_layout: &remote.layout,
+            peer: &peer,
+        };
+        drive(args, &rd, args.warmup, "warmup", rng).and_then(|_| {
+            let staged0 = (
+                prefill.stats().bytes_staged_out,
+                decode.stats().bytes_staged_in,
+            );
+            let mut o = drive(args, &rd, args.requests, "req", rng)?;
+            o.reference_gbps = reference;
+            o.staged = (
+                prefill.stats().bytes_staged_out - staged0.0,
+                decode.stats().bytes_staged_in - staged0.1,
+            );
+            Ok(o)
+        })
+    };
+    // The engines go before the caches: emulated device memory must outlive its registration.
+    drop(decode);
+    drop(prefill);
+    out
+}
+
+pub(crate) fn run(args: Args) -> Result<(), String> {
+    let blocks = args.cache_blocks();
+    let mut rng = Rng(0x5EED ^ args.seed);
+    match args.mode {
+        Mode::Loopback => {
+            let o = loopback(&args, &mut rng)?;
+            report(&args, "loopback", &o);
+        }
+        Mode::Sweep => sweep(&args)?,
+        Mode::Serve => {
+            let engine = Engine::start(args.config(&args.listen, Some(args.advertise.clone())))
+                .map_err(|e| e.to_string())?;
+            let _cache = make_cache(&engine, &args, blocks, args.seed)?;
+            eprintln!(
+                "kvlink-bench serve: {} with {blocks} blocks per tensor, seed {}; readers use --peer {}",
+                args.shape.name,
+                args.seed,
+                engine.handshake_address()
+            );
+            let mut last = engine.stats();
+            loop {
+                std::thread::sleep(Duration::from_secs(5));
+                let s = engine.stats();
+                if s != last {
+                    eprintln!(
+                        "served {} requests, {} ({} refused)",
+                        s.data_requests_served,
+                        fmt_bytes(s.bytes_served as f64),
+                        s.data_requests_refused
+                    );
+                    last = s;
+                }
+            }
+        }
+        Mode::Read => {
+            let peer = args.peer.clone().expect("checked in parse_args");
+            let engine = Engine::start(args.config("0.0.0.0:0", Some(args.advertise.clone())))
+                .map_err(|e| e.to_string())?;
+            let local = make_cache(&engine, &args, blocks, !args.seed)?;
+            let theirs = engine
+                .connect(&peer, Duration::from_secs(10))
+                .map_err(|e| e.to_string())?;
+            let rd = Reader {
+                engine: &engine,
+                local: &local,
+                remote_layout: &theirs.layout,
+                peer: &peer,
+            };
+            drive(&args, &rd, args.warmup, "warmup", &mut rng)?;
+            let staged0 = engine.stats().bytes_staged_in;
+            let mut o = drive(&args, &rd, args.requests, "req", &mut rng)?;
+            o.staged = (0, engine.stats().bytes_staged_in - staged0);
+            report(&args, "read", &o);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,120 @@
+//! What a run moves: the KV caches (registered memory, filled and laid out as the model's
+//! blocks) and the block ids of each request, drawn by pattern from a deterministic generator.
+
+use kvlink::{BlockId, Engine, KvLayout, Region};
+
+use crate::args::{Args, Memory, Pattern};
+
+pub(crate) struct Cache {
+    pub(crate) region: std::sync::Arc<Region>,
+    pub(crate) layout: KvLayout,
+    /// Host memory behind an emulated device region (declared last: dropped after the region).
+    _emulated: Option<Box<[u8]>>,
+}
+
+pub(crate) fn make_cache(
+    engine: &Engine,
+    args: &Args,
+    blocks: u32,
+    seed: u64,
+) -> Result<Cache, String> {
+    let shape = &args.shape;
+    let bytes = shape.region_bytes(blocks);
+    let mut emulated = None;
+    let region = match args.memory {
+        Memory::Host => engine.allocate_host(bytes, false),
+        Memory::Gpu(api) => engine.allocate_device(api, args.gpu, bytes),
+        Memory::Emulated => {
+            let mut buf = vec![0u8; bytes as usize].into_boxed_slice();
+            // SAFETY: the buffer is kept in the returned Cache, which callers drop after the
+            // engine (declared after it), so it outlives the registration.
+            let mem = unsafe { kvlink::ExternalMemory::new(buf.as_mut_ptr(), bytes) }
+                .map_err(|e| e.to_string())?;
+            let r = engine.register_emulated_device(mem);
+            emulated = Some(buf);
+            r
+        }
+    }
+    .map_err(|e| e.to_string())?;
+    // Fill (this also faults every page in, so the run measures transfers, not page faults).
+    kvlink::verify::fill(&region, seed).map_err(|e| e.to_string())?;
+    let layout = shape.layout(region.id(), blocks);
+    engine
+        .set_layout(layout.clone())
+        .map_err(|e| e.to_string())?;
+    Ok(Cache {
+        region,
+        layout,
+        _emulated: emulated,
+    })
+}
+
+/// A tiny deterministic generator for block ids.
+pub(crate) struct Rng(pub(crate) u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let x = self.0;
+        (x ^ (x >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd) ^ (x >> 29)
+    }
+
+    fn below(&mut self, n: u32) -> u32 {
+        (self.next() % u64::from(n.max(1))) as u32
+    }
+
+    /// `k` distinct values of `0..n`, in random order.
+    fn sample(&mut self, n: u32, k: u32) -> Vec<u32> {
+        let mut v: Vec<u32> = (0..n).collect();
+        for i in 0..k as usize {
+            let j = i + (self.next() % (n as u64 - i as u64)) as usize;
+            v.swap(i, j);
+        }
+        v.truncate(k as usize);
+        v
+    }
+}
+
+/// Block ids for one request: `per` local ids inside `[base, base + span)`, `per` remote ids
+/// inside `[0, remote_blocks)`.
+pub(crate) fn pick(
+    rng: &mut Rng,
+    pattern: Pattern,
+    per: u32,
+    base: u32,
+    span: u32,
+    remote_blocks: u32,
+) -> (Vec<BlockId>, Vec<BlockId>) {
+    match pattern {
+        Pattern::Contiguous => {
+            let l0 = base + rng.below(span - per + 1);
+            let r0 = rng.below(remote_blocks - per + 1);
+            ((l0..l0 + per).collect(), (r0..r0 + per).collect())
+        }
+        Pattern::Random => {
+            let l = rng
+                .sample(span, per)
+                .into_iter()
+                .map(|b| b + base)
+                .collect();
+            (l, rng.sample(remote_blocks, per))
+        }
+        Pattern::Fragmented => {
+            // Runs of 4 consecutive blocks at random places on both sides.
+            let runs = per.div_ceil(4);
+            let expand = |starts: Vec<u32>, off: u32| -> Vec<u32> {
+                starts
+                    .into_iter()
+                    .flat_map(|s| (0..4).map(move |i| off + s * 4 + i))
+                    .take(per as usize)
+                    .collect()
+            };
+            let l = expand(rng.sample(span / 4, runs), base);
+            let r = expand(rng.sample(remote_blocks / 4, runs), 0);
+            (l, r)
+        }
+    }
+}
