@@ -36,6 +36,8 @@ skip_reasons() {
   cut -f2 | sort | uniq -c | awk '{n = $1; $1 = ""; sub(/^ /, ""); printf "%s%d %s", (NR > 1 ? ", " : ""), n, $0}'
 }
 
+echo "test: layers (no module of src/ imports from a layer above it)"
+python3 tools/check_layers.py
 echo "test: cargo fmt --check"
 cargo fmt --all -- --check
 echo "test: cargo clippy -D warnings"
