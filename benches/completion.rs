@@ -5,7 +5,9 @@ use std::time::{Duration, Instant};
 
 use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use kvlink::internal::{CompletionTracker, SendNotice};
-use kvlink::{FailedRequest, Finished, RequestId, Side, TpAggregator, TransferReport};
+use kvlink::{
+    FailedRequest, FailureCause, Finished, RequestId, Side, TpAggregator, TransferReport,
+};
 
 const REQUESTS: usize = 4096;
 
@@ -71,6 +73,7 @@ fn bench_aggregator(c: &mut Criterion) {
                 side: Side::Recv,
                 expired: false,
                 reason: "x".into(),
+                cause: FailureCause::Other,
             })
             .collect(),
         reports: vec![],

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::gpu::GpuError;
 use crate::ids::RegionId;
 
 /// Result alias for kvlink operations.
@@ -114,20 +115,22 @@ pub enum Error {
         reason: String,
     },
 
-    /// An RDMA operation failed; the message names the verbs error (for example a remote access
-    /// error or an exceeded retry count) and the peer. The connection is rebuilt on next use.
+    /// An RDMA operation failed; [`RdmaError::kind`] says how (for a work completion error, the
+    /// verbs status: remote access error, retry count exceeded, ...), the message names it and
+    /// the peer. The connection is rebuilt on next use.
     #[error("RDMA: {0}")]
-    Rdma(String),
+    Rdma(RdmaError),
 
     /// RDMA was required (`TransportChoice::Rdma`) but cannot be used; the message says why
     /// (no verbs library, no device, no active port, peer without RDMA).
     #[error("RDMA unavailable: {0}")]
     RdmaUnavailable(String),
 
-    /// A GPU runtime is missing or one of its calls failed; the message names the runtime, the
-    /// call and, for a missing piece, what to install or load (driver, ROCm, kernel module).
+    /// A GPU runtime is missing or one of its calls failed: [`GpuError`] carries the runtime
+    /// and its error code; the message names the call and, for a missing piece, what to install
+    /// or load (driver, ROCm, kernel module).
     #[error("GPU: {0}")]
-    Gpu(String),
+    Gpu(GpuError),
 
     /// The engine is shutting down; no new work is accepted.
     #[error("engine is shut down")]
@@ -148,3 +151,54 @@ impl Error {
         Error::InvalidArgument(msg.into())
     }
 }
+
+/// How an RDMA operation failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub enum RdmaErrorKind {
+    /// A work completion came back with an error status: `status` is the verbs `ibv_wc_status`
+    /// value (for example 10, `IBV_WC_REM_ACCESS_ERR`: wrong key or address outside the peer's
+    /// registered memory; 12, `IBV_WC_RETRY_EXC_ERR`: the peer stopped answering).
+    WorkCompletion {
+        /// The `ibv_wc_status` value.
+        status: u32,
+    },
+    /// Posting work requests to a queue pair failed.
+    Post,
+    /// Polling the completion queue failed.
+    Poll,
+    /// The connection had already failed (an earlier error, a deadline, a cancellation); the
+    /// next request to this peer builds a new one.
+    ConnectionBroken,
+    /// The request was cancelled while its reads were outstanding.
+    Cancelled,
+    /// Creating or connecting queue pairs or completion queues failed.
+    Setup,
+}
+
+/// An RDMA failure: its kind, and a message that names the verbs error and the peer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RdmaError {
+    /// How it failed.
+    pub kind: RdmaErrorKind,
+    /// What happened, for people.
+    pub message: String,
+}
+
+impl RdmaError {
+    /// An error of `kind` saying `message`.
+    pub fn new(kind: RdmaErrorKind, message: impl Into<String>) -> RdmaError {
+        RdmaError {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for RdmaError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for RdmaError {}

@@ -42,12 +42,12 @@ mod state;
 mod transport;
 pub mod verify;
 
-pub use completion::{FailedRequest, Finished, Side, TpAggregator, TransferReport};
+pub use completion::{FailedRequest, FailureCause, Finished, Side, TpAggregator, TransferReport};
 pub use config::{EngineConfig, TransportChoice};
 pub use control::messages::{Descriptor, TransportInfo};
 pub use engine::{Capabilities, Engine, EngineStats};
-pub use error::{Error, Result};
-pub use gpu::{GpuApi, GpuReport, PointerKind};
+pub use error::{Error, RdmaError, RdmaErrorKind, Result};
+pub use gpu::{GpuApi, GpuError, GpuReport, PointerKind};
 pub use ids::{BlockId, RegionId, RequestId, MAX_REQUEST_ID_LEN};
 pub use layout::{KvLayout, ModelShape, TensorLayout, MAX_TENSORS};
 pub use memory::{DeviceMemory, ExternalMemory, MemoryKind, Region, RegionInfo};

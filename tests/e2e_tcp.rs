@@ -134,6 +134,7 @@ fn immediate_refusals_name_the_problem() {
         "{:?}",
         p
     );
+    assert_eq!(p.failed[0].cause, kvlink::FailureCause::Peer);
     // Once the session is cached, remote ids are checked at the call.
     let e = decode
         .engine
@@ -186,6 +187,7 @@ fn held_blocks_expire_when_never_read() {
         "{fr:?}"
     );
     assert!(fr.reason.contains("abort timeout"), "{fr:?}");
+    assert_eq!(fr.cause, kvlink::FailureCause::Expired);
     assert!(prefill.engine.get_finished().is_empty());
 }
 
@@ -250,10 +252,44 @@ fn caller_owned_memory_is_served_and_deregistration_waits_for_it() {
     // The layout's region cannot go; an extra region can, once unused.
     let e = prefill.deregister(region.id()).unwrap_err();
     assert!(e.to_string().contains("used by the KV layout"), "{e}");
+    // Deregistration waits while a user (here the handle, as a transfer holds it) remains.
+    let prefill = std::sync::Arc::new(prefill);
     let extra = prefill.allocate_host(4096, false).unwrap();
     let id = extra.id();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let waiter = {
+        let prefill = prefill.clone();
+        std::thread::spawn(move || {
+            let r = prefill.deregister(id);
+            done_tx.send(()).unwrap();
+            r
+        })
+    };
+    // Not exported any more as soon as deregistration starts...
+    let unexported = || {
+        !prefill
+            .descriptor()
+            .unwrap()
+            .regions
+            .iter()
+            .any(|r| r.id == id)
+    };
+    let t0 = std::time::Instant::now();
+    while !unexported() && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(unexported());
+    // ...but the call does not return while the region is in use.
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        done_rx.try_recv().is_err(),
+        "deregister returned while the region was still in use"
+    );
     drop(extra);
-    prefill.deregister(id).unwrap();
+    done_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("deregister returns once the last user is gone");
+    waiter.join().unwrap().unwrap();
     assert!(matches!(
         prefill.deregister(id),
         Err(Error::UnknownRegion(_))
@@ -264,6 +300,6 @@ fn caller_owned_memory_is_served_and_deregistration_waits_for_it() {
         .regions
         .iter()
         .any(|r| r.id == id));
-    drop(prefill);
+    drop(std::sync::Arc::into_inner(prefill).expect("the waiter thread ended"));
     drop(cache);
 }

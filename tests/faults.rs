@@ -45,6 +45,8 @@ fn silent_handshake_peer_fails_at_the_deadline() {
         "{:?}",
         f.failed[0]
     );
+    // A silent peer is a connection failure, not the request's own deadline.
+    assert_eq!(f.failed[0].cause, kvlink::FailureCause::Connection);
     // Ends at the handshake deadline (0.5 s), far inside the request deadline (20 s).
     assert!(
         t0.elapsed() < Duration::from_secs(10),
@@ -69,6 +71,7 @@ fn nobody_listening_fails_with_the_os_reason() {
         !f.failed.is_empty()
     });
     assert!(f.failed[0].reason.contains("refused"), "{:?}", f.failed[0]);
+    assert_eq!(f.failed[0].cause, kvlink::FailureCause::Connection);
     // Unresolvable names fail too, without hanging.
     decode
         .engine

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use common::*;
 use kvlink::{
-    DeviceMemory, Engine, EngineConfig, Error, GpuApi, MemoryKind, ModelShape, PointerKind,
-    RequestId,
+    DeviceMemory, Engine, EngineConfig, Error, GpuApi, GpuError, MemoryKind, ModelShape,
+    PointerKind, RequestId,
 };
 
 /// The prefill worker of the two-process tests. A helper, not a test: ignored, so that test runs
@@ -104,7 +104,7 @@ fn device_pointer_without_a_runtime_is_a_clear_error() {
     // SAFETY: never dereferenced: registration is refused before any access.
     let mem = unsafe { DeviceMemory::new(fake.as_mut_ptr() as u64, 8192) }.unwrap();
     match e.register_device(mem) {
-        Err(Error::Gpu(msg)) => {
+        Err(Error::Gpu(GpuError { message: msg, .. })) => {
             assert!(caps.gpu.cuda.is_err() && caps.gpu.hip.is_err());
             assert!(msg.contains("no GPU runtime is loaded"), "{msg}");
             assert!(msg.contains("CUDA:") && msg.contains("HIP:"), "{msg}");
@@ -120,7 +120,7 @@ fn device_pointer_without_a_runtime_is_a_clear_error() {
     for (api, probe) in [(GpuApi::Cuda, &caps.gpu.cuda), (GpuApi::Hip, &caps.gpu.hip)] {
         if let Err(why) = probe {
             match e.allocate_device(api, 0, 1 << 20) {
-                Err(Error::Gpu(msg)) => {
+                Err(Error::Gpu(GpuError { message: msg, .. })) => {
                     assert!(
                         msg.contains(&format!("cannot allocate {api} memory")),
                         "{msg}"
@@ -164,7 +164,9 @@ fn gpu_disabled_by_configuration() {
     // SAFETY: never dereferenced (refused).
     let mem = unsafe { DeviceMemory::new(fake.as_mut_ptr() as u64, 64) }.unwrap();
     match e.register_device(mem) {
-        Err(Error::Gpu(msg)) => assert!(msg.contains("disabled by configuration"), "{msg}"),
+        Err(Error::Gpu(GpuError { message: msg, .. })) => {
+            assert!(msg.contains("disabled by configuration"), "{msg}")
+        }
         other => panic!("{other:?}"),
     }
     assert!(Engine::start(EngineConfig {

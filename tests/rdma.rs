@@ -9,7 +9,13 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvlink::internal::{probe_rdma as probe, start_with_rdma_fault, RdmaFault};
-use kvlink::{Engine, EngineConfig, Error, ModelShape, RdmaSettings, TransportChoice};
+use kvlink::{
+    Engine, EngineConfig, Error, FailureCause, ModelShape, RdmaErrorKind, RdmaSettings,
+    TransportChoice,
+};
+
+/// `ibv_wc_status` of a remote access error (verbs.h).
+const IBV_WC_REM_ACCESS_ERR: u32 = 10;
 
 /// True when an RDMA device is usable; otherwise says why the test is skipped (or fails inside
 /// the VM, where the device must exist).
@@ -178,7 +184,7 @@ fn rdma_transport_negotiation() {
     assert!(f.failed[0].reason.contains("offers no RDMA"), "{f:?}");
 }
 
-fn faulty_read(fault: RdmaFault, expect: &str) {
+fn faulty_read(fault: RdmaFault, expect: &str, status: u32) {
     let shape = ModelShape::DEEPSEEK_V3_MLA;
     let prefill = side(&shape, 16, Some(13), rdma_config());
     let engine = start_with_rdma_fault(rdma_config(), fault).unwrap();
@@ -197,6 +203,12 @@ fn faulty_read(fault: RdmaFault, expect: &str) {
         "failed by the verbs error, not the deadline: {fr:?}"
     );
     assert!(fr.reason.contains(expect), "{fr:?}");
+    // The verbs status, typed: no parsing of the reason needed.
+    assert_eq!(
+        fr.cause,
+        FailureCause::Rdma(RdmaErrorKind::WorkCompletion { status }),
+        "{fr:?}"
+    );
     assert!(
         t0.elapsed() < Duration::from_secs(20),
         "no hang: {:?}",
@@ -221,7 +233,7 @@ fn rdma_wrong_remote_key_fails_with_the_verbs_error() {
             addr_add: 0,
             requests: 1,
         };
-        faulty_read(fault, "IBV_WC_REM_ACCESS_ERR");
+        faulty_read(fault, "IBV_WC_REM_ACCESS_ERR", IBV_WC_REM_ACCESS_ERR);
     }
 }
 
@@ -233,7 +245,7 @@ fn rdma_out_of_range_remote_address_fails_with_the_verbs_error() {
             addr_add: 1 << 40,
             requests: 1,
         };
-        faulty_read(fault, "IBV_WC_REM_ACCESS_ERR");
+        faulty_read(fault, "IBV_WC_REM_ACCESS_ERR", IBV_WC_REM_ACCESS_ERR);
     }
 }
 

@@ -8,18 +8,27 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use super::{FailedRequest, Finished, Side};
+use super::{FailedRequest, FailureCause, Finished, Side};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
 
 /// Released ids remembered to drop late duplicates.
 const RELEASED_MEMORY: usize = 65_536;
 
+/// One rank's failure of a request.
+#[derive(Debug)]
+struct RankFailure {
+    rank: usize,
+    expired: bool,
+    cause: FailureCause,
+    reason: String,
+}
+
 #[derive(Debug)]
 struct Partial {
     reported: Vec<bool>,
     count: usize,
-    failures: Vec<(usize, bool, String)>,
+    failures: Vec<RankFailure>,
     first_seen: Instant,
 }
 
@@ -87,7 +96,7 @@ impl TpAggregator {
                 rank,
                 f.side,
                 &f.id,
-                Some((f.expired, f.reason.as_str())),
+                Some((f.expired, f.cause, f.reason.as_str())),
                 now,
             );
         }
@@ -99,7 +108,7 @@ impl TpAggregator {
         rank: usize,
         side: Side,
         id: &RequestId,
-        failure: Option<(bool, &str)>,
+        failure: Option<(bool, FailureCause, &str)>,
         now: Instant,
     ) {
         let key = (side, id.clone());
@@ -120,8 +129,13 @@ impl TpAggregator {
         }
         p.reported[rank] = true;
         p.count += 1;
-        if let Some((expired, reason)) = failure {
-            p.failures.push((rank, expired, reason.to_string()));
+        if let Some((expired, cause, reason)) = failure {
+            p.failures.push(RankFailure {
+                rank,
+                expired,
+                cause,
+                reason: reason.to_string(),
+            });
         }
         if p.count == world {
             let p = self.pending.remove(&key).expect("present");
@@ -129,16 +143,27 @@ impl TpAggregator {
         }
     }
 
-    fn release(&mut self, key: (Side, RequestId), failures: Vec<(usize, bool, String)>) {
+    fn release(&mut self, key: (Side, RequestId), failures: Vec<RankFailure>) {
         let reasons: Vec<String> = failures
             .iter()
-            .map(|(r, _, why)| format!("rank {r}: {why}"))
+            .map(|f| format!("rank {}: {}", f.rank, f.reason))
             .collect();
-        let expired = failures.iter().all(|f| f.1);
-        self.emit(key, reasons, expired);
+        let expired = failures.iter().all(|f| f.expired);
+        // The cause of the lowest failed rank (ranks report in any order).
+        let cause = failures
+            .iter()
+            .min_by_key(|f| f.rank)
+            .map_or(FailureCause::Other, |f| f.cause);
+        self.emit(key, reasons, expired, cause);
     }
 
-    fn emit(&mut self, key: (Side, RequestId), reasons: Vec<String>, expired: bool) {
+    fn emit(
+        &mut self,
+        key: (Side, RequestId),
+        reasons: Vec<String>,
+        expired: bool,
+        cause: FailureCause,
+    ) {
         let (side, id) = key.clone();
         if reasons.is_empty() {
             match side {
@@ -151,6 +176,7 @@ impl TpAggregator {
                 side,
                 expired,
                 reason: reasons.join("; "),
+                cause,
             });
         }
         if self.released_order.len() == RELEASED_MEMORY {
@@ -182,14 +208,19 @@ impl TpAggregator {
             let mut reasons: Vec<String> = p
                 .failures
                 .iter()
-                .map(|(r, _, why)| format!("rank {r}: {why}"))
+                .map(|f| format!("rank {}: {}", f.rank, f.reason))
                 .collect();
+            let cause = p
+                .failures
+                .iter()
+                .min_by_key(|f| f.rank)
+                .map_or(FailureCause::Expired, |f| f.cause);
             reasons.push(format!(
                 "ranks [{}] never reported within {:?}",
                 missing.join(", "),
                 self.rank_timeout
             ));
-            self.emit(key, reasons, true);
+            self.emit(key, reasons, true, cause);
         }
     }
 
@@ -222,6 +253,7 @@ mod tests {
                     side: *side,
                     expired: false,
                     reason: "boom".into(),
+                    cause: FailureCause::Peer,
                 })
                 .collect(),
             reports: vec![],
@@ -284,5 +316,45 @@ mod tests {
         );
         assert!(a.handle_report(4, &Finished::default(), t0).is_err());
         assert!(TpAggregator::new(0, Duration::ZERO).is_err());
+    }
+
+    #[test]
+    fn the_cause_is_the_lowest_failed_ranks_whatever_the_report_order() {
+        use crate::error::RdmaErrorKind;
+        let now = Instant::now();
+        let mut a = TpAggregator::new(3, Duration::from_secs(5)).unwrap();
+        let failed = |cause| Finished {
+            failed: vec![FailedRequest {
+                id: "r".into(),
+                side: Side::Recv,
+                expired: false,
+                reason: format!("{cause:?}"),
+                cause,
+            }],
+            ..Finished::default()
+        };
+        let wc = FailureCause::Rdma(RdmaErrorKind::WorkCompletion { status: 12 });
+        a.handle_report(2, &failed(FailureCause::Connection), now)
+            .unwrap();
+        a.handle_report(1, &failed(wc), now).unwrap();
+        a.handle_report(0, &fin(&[], &["r"], &[]), now).unwrap();
+        let out = a.take_finished();
+        assert_eq!(out.failed.len(), 1, "{out:?}");
+        assert_eq!(out.failed[0].cause, wc);
+        assert!(
+            out.failed[0].reason.starts_with("rank 2:") || out.failed[0].reason.contains("rank 1:")
+        );
+    }
+
+    #[test]
+    fn a_rank_that_never_reports_makes_the_request_expire() {
+        let t0 = Instant::now();
+        let mut a = TpAggregator::new(2, Duration::from_secs(5)).unwrap();
+        a.handle_report(0, &fin(&[], &["r"], &[]), t0).unwrap();
+        a.poll(t0 + Duration::from_secs(5));
+        let out = a.take_finished();
+        assert_eq!(out.failed.len(), 1, "{out:?}");
+        assert_eq!(out.failed[0].cause, FailureCause::Expired);
+        assert!(out.failed[0].expired);
     }
 }

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::{Error, RdmaErrorKind};
 use crate::ids::RequestId;
 
 pub use aggregator::TpAggregator;
@@ -36,6 +37,54 @@ pub struct FailedRequest {
     pub expired: bool,
     /// What happened, in words a user can act on.
     pub reason: String,
+    /// What happened, for code that branches on it.
+    #[serde(default)]
+    pub cause: FailureCause,
+}
+
+/// Why a request failed, for code that branches on it ([`FailedRequest::reason`] says it for
+/// people).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum FailureCause {
+    /// Its deadline passed (receive: `request_timeout`; send: no reader confirmed within the
+    /// abort timeout; aggregated: a rank never reported).
+    Expired,
+    /// The peer aborted it or refused it.
+    Peer,
+    /// The connection to the peer could not be made or was lost; the handshake failed or the
+    /// peer is incompatible.
+    Connection,
+    /// An RDMA failure of this kind (for a work completion error, the verbs status).
+    Rdma(RdmaErrorKind),
+    /// A GPU runtime call failed, with the code it returned where there was one.
+    Gpu {
+        /// The runtime's error code (`CUresult`, `hipError_t`).
+        code: Option<i32>,
+    },
+    /// Anything else: a local error, the engine shutting down.
+    #[default]
+    Other,
+}
+
+impl FailureCause {
+    /// The cause an error stands for.
+    pub fn of(error: &Error) -> FailureCause {
+        match error {
+            Error::Refused { .. } => FailureCause::Peer,
+            Error::Timeout { .. }
+            | Error::Incompatible { .. }
+            | Error::VersionMismatch { .. }
+            | Error::Handshake { .. }
+            | Error::Io { .. }
+            | Error::Protocol(_)
+            | Error::ConnectionLost { .. }
+            | Error::RdmaUnavailable(_) => FailureCause::Connection,
+            Error::Rdma(e) => FailureCause::Rdma(e.kind),
+            Error::Gpu(e) => FailureCause::Gpu { code: e.code },
+            _ => FailureCause::Other,
+        }
+    }
 }
 
 /// Telemetry of one finished receive.
@@ -82,5 +131,52 @@ impl Finished {
         self.receiving.extend(other.receiving);
         self.failed.extend(other.failed);
         self.reports.extend(other.reports);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::{RdmaError, RdmaErrorKind};
+    use crate::gpu::{GpuApi, GpuError};
+
+    #[test]
+    fn errors_map_to_causes_code_can_branch_on() {
+        let wc = RdmaErrorKind::WorkCompletion { status: 10 };
+        let cases = [
+            (
+                Error::Rdma(RdmaError::new(wc, "remote access error")),
+                FailureCause::Rdma(wc),
+            ),
+            (
+                Error::Gpu(GpuError::call(GpuApi::Cuda, 2, "out of memory".into())),
+                FailureCause::Gpu { code: Some(2) },
+            ),
+            (
+                Error::Refused {
+                    peer: "p".into(),
+                    message: "outside exported memory".into(),
+                },
+                FailureCause::Peer,
+            ),
+            (
+                Error::ConnectionLost {
+                    peer: "p".into(),
+                    reason: "reset".into(),
+                },
+                FailureCause::Connection,
+            ),
+            (
+                Error::Timeout {
+                    what: "the handshake reply".into(),
+                    after: Duration::from_secs(1),
+                },
+                FailureCause::Connection,
+            ),
+            (Error::Shutdown, FailureCause::Other),
+        ];
+        for (e, cause) in cases {
+            assert_eq!(FailureCause::of(&e), cause, "{e}");
+        }
     }
 }

@@ -8,7 +8,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use super::{FailedRequest, Finished, Side, TransferReport};
+use super::{FailedRequest, FailureCause, Finished, Side, TransferReport};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
 
@@ -67,16 +67,18 @@ impl CompletionTracker {
         true
     }
 
-    /// Marks a receive failed (or expired). Ignored (returns false) when not being received.
-    pub fn recv_failed(&mut self, id: &RequestId, expired: bool, reason: String) -> bool {
+    /// Marks a receive failed (expired when `cause` is [`FailureCause::Expired`]). Ignored
+    /// (returns false) when not being received.
+    pub fn recv_failed(&mut self, id: &RequestId, cause: FailureCause, reason: String) -> bool {
         if self.reading.remove(id).is_none() {
             return false;
         }
         self.out.failed.push(FailedRequest {
             id: id.clone(),
             side: Side::Recv,
-            expired,
+            expired: cause == FailureCause::Expired,
             reason,
+            cause,
         });
         true
     }
@@ -144,6 +146,7 @@ impl CompletionTracker {
                 side: Side::Send,
                 expired: false,
                 reason: format!("the reading peer aborted: {reason}"),
+                cause: FailureCause::Peer,
             }),
         }
     }
@@ -166,6 +169,7 @@ impl CompletionTracker {
                     "no reader confirmed within the abort timeout of {:?}; the blocks may be freed",
                     h.timeout
                 ),
+                cause: FailureCause::Expired,
             });
         }
         while let Some(front) = self.early_order.front() {
@@ -230,8 +234,8 @@ mod tests {
         assert!(t.start_recv("a".into(), t0).is_err());
         assert!(t.recv_done(report("a")));
         assert!(!t.recv_done(report("a")));
-        assert!(t.recv_failed(&"b".into(), true, "deadline".into()));
-        assert!(!t.recv_failed(&"b".into(), false, "late".into()));
+        assert!(t.recv_failed(&"b".into(), FailureCause::Expired, "deadline".into()));
+        assert!(!t.recv_failed(&"b".into(), FailureCause::Other, "late".into()));
         let f = t.take_finished();
         assert_eq!(f.receiving, vec![RequestId::from("a")]);
         assert_eq!(f.failed.len(), 1);

@@ -255,11 +255,14 @@ impl Engine {
                 self.add_region(Region::device(self.next_region_id(), mem, rt, ordinal))
             }
             (PointerKind::Host, _) if self.shared.gpus.loaded().next().is_none() => {
-                Err(Error::Gpu(format!(
-                    "cannot register device memory at {:#x}: no GPU runtime is loaded ({})",
-                    mem.ptr,
-                    self.shared.gpus.why_none()
-                )))
+                Err(Error::Gpu(
+                    format!(
+                        "cannot register device memory at {:#x}: no GPU runtime is loaded ({})",
+                        mem.ptr,
+                        self.shared.gpus.why_none()
+                    )
+                    .into(),
+                ))
             }
             (kind, _) => Err(Error::invalid(format!(
                 "{:#x} is not GPU device memory (the GPU runtimes say {kind:?}); use register_host for host memory",
@@ -281,7 +284,7 @@ impl Engine {
             .shared
             .gpus
             .get(api)
-            .map_err(|why| Error::Gpu(format!("cannot allocate {api} memory: {why}")))?;
+            .map_err(|why| Error::Gpu(why.context(format!("cannot allocate {api} memory"))))?;
         self.add_region(Region::allocate_device(
             self.next_region_id(),
             len,

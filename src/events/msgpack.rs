@@ -372,6 +372,13 @@ mod tests {
             let d = decode(&bytes).unwrap();
             let Value::Array(items) = d else { panic!("array") };
             prop_assert_eq!(items.len(), v.len());
+            for (item, (u, i, s)) in items.iter().zip(&v) {
+                let Value::Array(fields) = item else { panic!("tuple as array: {item:?}") };
+                prop_assert_eq!(fields.len(), 3);
+                prop_assert_eq!(fields[0].as_u64(), Some(*u));
+                prop_assert_eq!(fields[1].as_i64(), Some(*i));
+                prop_assert_eq!(fields[2].as_str(), Some(s.as_str()));
+            }
         }
     }
 }

@@ -18,7 +18,9 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use cudarc::driver::sys;
 use parking_lot::Mutex;
 
-use super::{export_candidates, DeviceRuntime, DmaBuf, GpuApi, PointerKind, StreamOps, StreamPool};
+use super::{
+    export_candidates, DeviceRuntime, DmaBuf, GpuApi, GpuError, PointerKind, StreamOps, StreamPool,
+};
 
 /// Driver symbols kvlink calls; all exist since CUDA 11.0.
 const REQUIRED: &[&str] = &[
@@ -93,11 +95,15 @@ fn error_text(r: sys::CUresult) -> String {
     }
 }
 
-fn check(r: sys::CUresult, what: &str) -> Result<(), String> {
+fn check(r: sys::CUresult, what: &str) -> Result<(), GpuError> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(format!("{what} failed: {}", error_text(r)))
+        Err(GpuError::call(
+            GpuApi::Cuda,
+            r as i32,
+            format!("{what} failed: {}", error_text(r)),
+        ))
     }
 }
 
@@ -109,7 +115,7 @@ fn has_symbol(name: &str) -> bool {
 
 impl Cuda {
     /// Loads `libcuda`, checks its symbols and initialises the driver.
-    pub(crate) fn load() -> Result<Cuda, String> {
+    pub(crate) fn load() -> Result<Cuda, GpuError> {
         // SAFETY: trying to open the library runs its initialisers, as any CUDA program does.
         if !unsafe { sys::is_culib_present() } {
             return Err(
@@ -121,7 +127,7 @@ impl Cuda {
         if let Some(missing) = REQUIRED.iter().find(|s| !has_symbol(s)) {
             return Err(format!(
                 "libcuda does not export {missing}: the NVIDIA driver is too old (CUDA 11 or newer needed)"
-            ));
+            ).into());
         }
         // SAFETY: all symbols are present (checked above); cuInit has no pointer arguments.
         check(unsafe { sys::cuInit(0) }, "cuInit")?;
@@ -141,7 +147,8 @@ impl Cuda {
             return Err(format!(
                 "CUDA driver {} found but no CUDA device is visible (CUDA_VISIBLE_DEVICES?)",
                 fmt_version(version)
-            ));
+            )
+            .into());
         }
         Ok(Cuda {
             version,
@@ -154,12 +161,13 @@ impl Cuda {
 
     /// GPU `ordinal`'s primary context (retained once, kept for the life of the process, as
     /// the CUDA runtime does).
-    fn context(&self, ordinal: i32) -> Result<Ctx, String> {
+    fn context(&self, ordinal: i32) -> Result<Ctx, GpuError> {
         if ordinal < 0 || ordinal >= self.devices {
             return Err(format!(
                 "CUDA device {ordinal} does not exist ({} visible)",
                 self.devices
-            ));
+            )
+            .into());
         }
         let mut map = self.contexts.lock();
         if let Some(c) = map.get(&ordinal) {
@@ -186,8 +194,8 @@ impl Cuda {
     fn in_context<T>(
         &self,
         ordinal: i32,
-        f: impl FnOnce() -> Result<T, String>,
-    ) -> Result<T, String> {
+        f: impl FnOnce() -> Result<T, GpuError>,
+    ) -> Result<T, GpuError> {
         let ctx = self.context(ordinal)?;
         let mut prev: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: out-pointer to a live local.
@@ -215,7 +223,7 @@ impl Cuda {
         ordinal: i32,
         what: &str,
         copy: impl FnOnce(sys::CUstream) -> sys::CUresult,
-    ) -> Result<(), String> {
+    ) -> Result<(), GpuError> {
         let ops = StreamOps {
             create: &|| {
                 let mut s: sys::CUstream = std::ptr::null_mut();
@@ -268,7 +276,7 @@ impl DeviceRuntime for Cuda {
         )
     }
 
-    fn classify(&self, ptr: u64) -> Result<PointerKind, String> {
+    fn classify(&self, ptr: u64) -> Result<PointerKind, GpuError> {
         let mut mem_type: u32 = 0;
         // SAFETY: CU_POINTER_ATTRIBUTE_MEMORY_TYPE is a 4-byte enum; mem_type is a live u32.
         let r = unsafe {
@@ -283,10 +291,7 @@ impl DeviceRuntime for Cuda {
             // Not an address CUDA knows: plain host memory.
             sys::CUresult::CUDA_ERROR_INVALID_VALUE => return Ok(PointerKind::Host),
             other => {
-                return Err(format!(
-                    "cuPointerGetAttribute failed: {}",
-                    error_text(other)
-                ))
+                return Err(format!("cuPointerGetAttribute failed: {}", error_text(other)).into())
             }
         }
         let mut managed: u32 = 0;
@@ -305,7 +310,7 @@ impl DeviceRuntime for Cuda {
             return Ok(PointerKind::PinnedHost { api: GpuApi::Cuda });
         }
         if mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
-            return Err(format!("CUDA memory type {mem_type} is not supported"));
+            return Err(format!("CUDA memory type {mem_type} is not supported").into());
         }
         let mut ordinal: c_int = -1;
         // SAFETY: CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL is a 4-byte int; ordinal is a live c_int.
@@ -331,7 +336,7 @@ impl DeviceRuntime for Cuda {
         dst: *mut u8,
         src: u64,
         len: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), GpuError> {
         self.on_stream(ordinal, "cuMemcpyDtoHAsync", |stream| {
             // SAFETY: the caller guarantees both ranges (trait contract); on_stream waits for
             // the stream before returning, so `dst` is written only during this call.
@@ -345,7 +350,7 @@ impl DeviceRuntime for Cuda {
         dst: u64,
         src: *const u8,
         len: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), GpuError> {
         self.on_stream(ordinal, "cuMemcpyHtoDAsync", |stream| {
             // SAFETY: the caller guarantees both ranges; on_stream waits for the stream, so the
             // bytes are in device memory (pinned or pageable source alike) when this returns.
@@ -353,7 +358,7 @@ impl DeviceRuntime for Cuda {
         })
     }
 
-    unsafe fn pin(&self, ordinal: i32, ptr: *mut u8, len: usize) -> Result<(), String> {
+    unsafe fn pin(&self, ordinal: i32, ptr: *mut u8, len: usize) -> Result<(), GpuError> {
         self.in_context(ordinal, || {
             // SAFETY: the caller guarantees the mapping lives until unpin. PORTABLE: pinned
             // in every context, whichever GPU a staged region is on.
@@ -379,12 +384,12 @@ impl DeviceRuntime for Cuda {
         }
     }
 
-    fn dmabuf(&self, ordinal: i32, ptr: u64, len: u64) -> Result<DmaBuf, String> {
+    fn dmabuf(&self, ordinal: i32, ptr: u64, len: u64) -> Result<DmaBuf, GpuError> {
         if !self.dmabuf {
             return Err(format!(
                 "the CUDA driver {} cannot export dma-buf ({DMABUF_SYMBOL} needs CUDA 11.7 or newer)",
                 fmt_version(self.version)
-            ));
+            ).into());
         }
         self.in_context(ordinal, || {
             let mut dev: sys::CUdevice = 0;
@@ -409,7 +414,8 @@ impl DeviceRuntime for Cuda {
                 return Err(format!(
                     "CUDA device {ordinal} does not support dma-buf (needs the NVIDIA open kernel \
                      modules and Linux 5.12 or newer)"
-                ));
+                )
+                .into());
             }
             let mut base: sys::CUdeviceptr = 0;
             let mut size: usize = 0;
@@ -443,10 +449,7 @@ impl DeviceRuntime for Cuda {
                     Err(e) => tried.push(format!("[{start:#x}, +{n}): {e}")),
                 }
             }
-            Err(format!(
-                "exporting GPU memory as dma-buf: {}",
-                tried.join("; ")
-            ))
+            Err(format!("exporting GPU memory as dma-buf: {}", tried.join("; ")).into())
         })
     }
 
@@ -470,7 +473,7 @@ impl DeviceRuntime for Cuda {
         }
     }
 
-    fn alloc(&self, ordinal: i32, len: usize) -> Result<u64, String> {
+    fn alloc(&self, ordinal: i32, len: usize) -> Result<u64, GpuError> {
         self.in_context(ordinal, || {
             let mut p: sys::CUdeviceptr = 0;
             // SAFETY: out-pointer to a live local.

@@ -3,7 +3,7 @@
 //! the device branch of RDMA registration) on machines without a GPU. It is never chosen for
 //! memory an engine registers unless the caller asks for it by name.
 
-use super::{DeviceRuntime, DmaBuf, GpuApi, PointerKind};
+use super::{DeviceRuntime, DmaBuf, GpuApi, GpuError, PointerKind};
 
 /// The emulated runtime (stateless).
 #[derive(Debug, Clone, Copy)]
@@ -18,7 +18,7 @@ impl DeviceRuntime for Emulated {
         "emulated device memory (host memory behind the device interface; tests only)".into()
     }
 
-    fn classify(&self, _ptr: u64) -> Result<PointerKind, String> {
+    fn classify(&self, _ptr: u64) -> Result<PointerKind, GpuError> {
         Ok(PointerKind::Host)
     }
 
@@ -28,7 +28,7 @@ impl DeviceRuntime for Emulated {
         dst: *mut u8,
         src: u64,
         len: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), GpuError> {
         // SAFETY: the trait contract makes both ranges valid; for this runtime device addresses
         // are host addresses. `copy` tolerates overlap.
         unsafe { std::ptr::copy(src as *const u8, dst, len) };
@@ -41,23 +41,23 @@ impl DeviceRuntime for Emulated {
         dst: u64,
         src: *const u8,
         len: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), GpuError> {
         // SAFETY: as in copy_to_host.
         unsafe { std::ptr::copy(src, dst as *mut u8, len) };
         Ok(())
     }
 
-    unsafe fn pin(&self, _ordinal: i32, _ptr: *mut u8, _len: usize) -> Result<(), String> {
+    unsafe fn pin(&self, _ordinal: i32, _ptr: *mut u8, _len: usize) -> Result<(), GpuError> {
         Ok(())
     }
 
     unsafe fn unpin(&self, _ordinal: i32, _ptr: *mut u8) {}
 
-    fn dmabuf(&self, _ordinal: i32, _ptr: u64, _len: u64) -> Result<DmaBuf, String> {
+    fn dmabuf(&self, _ordinal: i32, _ptr: u64, _len: u64) -> Result<DmaBuf, GpuError> {
         Err("emulated device memory has no dma-buf exporter".into())
     }
 
-    fn alloc(&self, _ordinal: i32, _len: usize) -> Result<u64, String> {
+    fn alloc(&self, _ordinal: i32, _len: usize) -> Result<u64, GpuError> {
         Err("emulated device memory is registered from host memory, not allocated".into())
     }
 

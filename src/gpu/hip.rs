@@ -15,7 +15,9 @@ use std::os::fd::{FromRawFd, OwnedFd};
 
 use libloading::Library;
 
-use super::{export_candidates, DeviceRuntime, DmaBuf, GpuApi, PointerKind, StreamOps, StreamPool};
+use super::{
+    export_candidates, DeviceRuntime, DmaBuf, GpuApi, GpuError, PointerKind, StreamOps, StreamPool,
+};
 
 type HipError = c_int;
 const HIP_SUCCESS: HipError = 0;
@@ -106,21 +108,25 @@ fn candidates() -> Vec<String> {
 ///
 /// # Safety
 /// `T` must be the C signature of `name` in `libamdhip64`.
-unsafe fn sym<T: Copy>(lib: &Library, name: &str) -> Result<T, String> {
+unsafe fn sym<T: Copy>(lib: &Library, name: &str) -> Result<T, GpuError> {
     // SAFETY: the caller guarantees T matches the symbol's type.
     unsafe { lib.get::<T>(name.as_bytes()) }
         .map(|s| *s)
-        .map_err(|e| format!("libamdhip64 does not export {name} ({e}): ROCm 5.7 or newer needed"))
+        .map_err(|e| {
+            GpuError::from(format!(
+                "libamdhip64 does not export {name} ({e}): ROCm 5.7 or newer needed"
+            ))
+        })
 }
 
 impl Hip {
     /// Loads `libamdhip64`, resolves the entry points and initialises the runtime.
-    pub(crate) fn load() -> Result<Hip, String> {
+    pub(crate) fn load() -> Result<Hip, GpuError> {
         Hip::load_from(&candidates())
     }
 
     /// Loads the first of `tried` that opens.
-    fn load_from(tried: &[String]) -> Result<Hip, String> {
+    fn load_from(tried: &[String]) -> Result<Hip, GpuError> {
         let mut found = None;
         for c in tried {
             // SAFETY: opening the library runs its initialisers, as any HIP program does.
@@ -133,7 +139,8 @@ impl Hip {
             return Err(format!(
                 "libamdhip64.so not found (no ROCm installed; tried {}; set KVLINK_HIP_LIBRARY)",
                 tried.join(", ")
-            ));
+            )
+            .into());
         };
         // SAFETY: each type below is the documented C signature of the named HIP function.
         let fns = unsafe {
@@ -183,7 +190,8 @@ impl Hip {
             return Err(format!(
                 "HIP {} found but no GPU is visible (HIP_VISIBLE_DEVICES? /dev/kfd permissions?)",
                 fmt_version(version)
-            ));
+            )
+            .into());
         }
         hip.version = version;
         hip.devices = devices;
@@ -204,11 +212,15 @@ impl Hip {
         }
     }
 
-    fn check(&self, e: HipError, what: &str) -> Result<(), String> {
+    fn check(&self, e: HipError, what: &str) -> Result<(), GpuError> {
         if e == HIP_SUCCESS {
             Ok(())
         } else {
-            Err(format!("{what} failed: {}", self.error_text(e)))
+            Err(GpuError::call(
+                GpuApi::Hip,
+                e,
+                format!("{what} failed: {}", self.error_text(e)),
+            ))
         }
     }
 
@@ -217,13 +229,14 @@ impl Hip {
     fn on_device<T>(
         &self,
         ordinal: i32,
-        f: impl FnOnce() -> Result<T, String>,
-    ) -> Result<T, String> {
+        f: impl FnOnce() -> Result<T, GpuError>,
+    ) -> Result<T, GpuError> {
         if ordinal < 0 || ordinal >= self.devices {
             return Err(format!(
                 "HIP device {ordinal} does not exist ({} visible)",
                 self.devices
-            ));
+            )
+            .into());
         }
         let mut prev: c_int = 0;
         // SAFETY: out-pointer to a live local.
@@ -248,7 +261,7 @@ impl Hip {
         ordinal: i32,
         what: &str,
         copy: impl FnOnce(HipStream) -> HipError,
-    ) -> Result<(), String> {
+    ) -> Result<(), GpuError> {
         let ops = StreamOps {
             create: &|| {
                 let mut s: HipStream = std::ptr::null_mut();
@@ -306,7 +319,7 @@ impl DeviceRuntime for Hip {
         )
     }
 
-    fn classify(&self, ptr: u64) -> Result<PointerKind, String> {
+    fn classify(&self, ptr: u64) -> Result<PointerKind, GpuError> {
         // SAFETY: PointerAttributes is plain data; all-zero is a valid value.
         let mut a: PointerAttributes = unsafe { std::mem::zeroed() };
         // SAFETY: `a` is a live struct at least as large as hipPointerAttribute_t; the runtime
@@ -334,7 +347,7 @@ impl DeviceRuntime for Hip {
                 ordinal: a.device,
             }),
             t if t == managed => Ok(PointerKind::Managed { api }),
-            t => Err(format!("HIP memory type {t} is not supported")),
+            t => Err(format!("HIP memory type {t} is not supported").into()),
         }
     }
 
@@ -344,7 +357,7 @@ impl DeviceRuntime for Hip {
         dst: *mut u8,
         src: u64,
         len: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), GpuError> {
         self.on_stream(ordinal, "hipMemcpyAsync(DeviceToHost)", |stream| {
             // SAFETY: ranges guaranteed by the caller; on_stream waits for the stream before
             // returning.
@@ -366,7 +379,7 @@ impl DeviceRuntime for Hip {
         dst: u64,
         src: *const u8,
         len: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), GpuError> {
         self.on_stream(ordinal, "hipMemcpyAsync(HostToDevice)", |stream| {
             // SAFETY: ranges guaranteed by the caller; on_stream waits for the stream, so the
             // bytes have landed (pinned or pageable source) when this returns.
@@ -382,7 +395,7 @@ impl DeviceRuntime for Hip {
         })
     }
 
-    unsafe fn pin(&self, ordinal: i32, ptr: *mut u8, len: usize) -> Result<(), String> {
+    unsafe fn pin(&self, ordinal: i32, ptr: *mut u8, len: usize) -> Result<(), GpuError> {
         self.on_device(ordinal, || {
             // SAFETY: mapping lifetime guaranteed by the caller; hipHostRegisterPortable:
             // pinned for every device, whichever GPU a staged region is on.
@@ -404,12 +417,13 @@ impl DeviceRuntime for Hip {
         }
     }
 
-    fn dmabuf(&self, ordinal: i32, ptr: u64, len: u64) -> Result<DmaBuf, String> {
+    fn dmabuf(&self, ordinal: i32, ptr: u64, len: u64) -> Result<DmaBuf, GpuError> {
         let Some(export) = self.fns.dmabuf else {
             return Err(format!(
                 "HIP {} cannot export dma-buf (hipMemGetHandleForAddressRange is new in ROCm 7.0)",
                 fmt_version(self.version)
-            ));
+            )
+            .into());
         };
         self.on_device(ordinal, || {
             let mut base: u64 = 0;
@@ -447,11 +461,12 @@ impl DeviceRuntime for Hip {
                 "exporting GPU memory as dma-buf: {} (needs the amdgpu kernel driver with dma-buf \
                  export, Linux 5.12 or newer)",
                 tried.join("; ")
-            ))
+            )
+            .into())
         })
     }
 
-    fn alloc(&self, ordinal: i32, len: usize) -> Result<u64, String> {
+    fn alloc(&self, ordinal: i32, len: usize) -> Result<u64, GpuError> {
         self.on_device(ordinal, || {
             let mut p: *mut c_void = std::ptr::null_mut();
             // SAFETY: out-pointer to a live local.
@@ -484,10 +499,10 @@ mod tests {
     #[test]
     fn missing_library_and_missing_symbols_are_clear_errors() {
         let e = Hip::load_from(&["/nonexistent/libamdhip64.so".into()]).unwrap_err();
-        assert!(e.contains("libamdhip64.so not found"), "{e}");
+        assert!(e.message.contains("libamdhip64.so not found"), "{e}");
         // A library that is not HIP: the first entry point is reported missing, nothing runs.
         let e = Hip::load_from(&["libc.so.6".into()]).unwrap_err();
-        assert!(e.contains("does not export hipInit"), "{e}");
+        assert!(e.message.contains("does not export hipInit"), "{e}");
     }
 
     #[test]

@@ -26,6 +26,60 @@ use serde::{Deserialize, Serialize};
 
 pub(crate) use emulated::Emulated;
 
+/// A GPU runtime failure: the runtime involved, the error code its call returned, and a
+/// message that names the call and, for a missing piece, what to install or load.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GpuError {
+    /// The runtime, when one is involved (none when no runtime is loaded).
+    pub api: Option<GpuApi>,
+    /// The code a runtime call returned: a `CUresult` for CUDA, a `hipError_t` for HIP.
+    pub code: Option<i32>,
+    /// What happened and what to do.
+    pub message: String,
+}
+
+impl GpuError {
+    /// A failed call of `api` that returned `code`.
+    pub(crate) fn call(api: GpuApi, code: i32, message: String) -> GpuError {
+        GpuError {
+            api: Some(api),
+            code: Some(code),
+            message,
+        }
+    }
+
+    /// The same error, with `context` put before its message.
+    pub(crate) fn context(mut self, context: impl std::fmt::Display) -> GpuError {
+        self.message = format!("{context}: {}", self.message);
+        self
+    }
+}
+
+impl From<String> for GpuError {
+    fn from(message: String) -> GpuError {
+        GpuError {
+            api: None,
+            code: None,
+            message,
+        }
+    }
+}
+
+impl From<&str> for GpuError {
+    fn from(message: &str) -> GpuError {
+        GpuError::from(message.to_string())
+    }
+}
+
+impl std::fmt::Display for GpuError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for GpuError {}
+
 /// The GPU API that owns a device memory region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[non_exhaustive]
@@ -88,7 +142,7 @@ pub(crate) trait DeviceRuntime: Send + Sync + std::fmt::Debug + 'static {
 
     /// Classifies an address. `Err` only when the runtime itself fails; an address it does not
     /// know is `Ok(PointerKind::Host)`.
-    fn classify(&self, ptr: u64) -> Result<PointerKind, String>;
+    fn classify(&self, ptr: u64) -> Result<PointerKind, GpuError>;
 
     /// Copies `len` bytes from device address `src` (on GPU `ordinal`) to host memory `dst`,
     /// returning when the bytes are in place.
@@ -102,7 +156,7 @@ pub(crate) trait DeviceRuntime: Send + Sync + std::fmt::Debug + 'static {
         dst: *mut u8,
         src: u64,
         len: usize,
-    ) -> Result<(), String>;
+    ) -> Result<(), GpuError>;
 
     /// Copies `len` bytes from host memory `src` to device address `dst` (on GPU `ordinal`),
     /// returning only when the bytes are in device memory (also for pageable `src`).
@@ -116,7 +170,7 @@ pub(crate) trait DeviceRuntime: Send + Sync + std::fmt::Debug + 'static {
         dst: u64,
         src: *const u8,
         len: usize,
-    ) -> Result<(), String>;
+    ) -> Result<(), GpuError>;
 
     /// Pins host memory (for every GPU, from GPU `ordinal`'s context) so device copies run at
     /// full speed. Best effort for callers: staging still works with pageable memory, only
@@ -126,7 +180,7 @@ pub(crate) trait DeviceRuntime: Send + Sync + std::fmt::Debug + 'static {
     /// `[ptr, ptr + len)` is a live host mapping that stays mapped until [`unpin`] is called.
     ///
     /// [`unpin`]: DeviceRuntime::unpin
-    unsafe fn pin(&self, ordinal: i32, ptr: *mut u8, len: usize) -> Result<(), String>;
+    unsafe fn pin(&self, ordinal: i32, ptr: *mut u8, len: usize) -> Result<(), GpuError>;
 
     /// Undoes [`pin`](DeviceRuntime::pin) (same `ordinal`).
     ///
@@ -137,14 +191,14 @@ pub(crate) trait DeviceRuntime: Send + Sync + std::fmt::Debug + 'static {
     /// A dma-buf exporting a page-aligned range that covers `[ptr, ptr + len)`: the whole
     /// allocation holding it when that can be exported (so one export serves every
     /// registration chunk of the allocation), else the page-aligned range around it.
-    fn dmabuf(&self, ordinal: i32, ptr: u64, len: u64) -> Result<DmaBuf, String>;
+    fn dmabuf(&self, ordinal: i32, ptr: u64, len: u64) -> Result<DmaBuf, GpuError>;
 
     /// Prepares a device range for access by a NIC (CUDA: synchronous memory operations, so an
     /// RDMA read never sees a copy still in flight). Best effort.
     fn prepare_for_rdma(&self, _ordinal: i32, _ptr: u64) {}
 
     /// Allocates `len` bytes of device memory on GPU `ordinal`.
-    fn alloc(&self, ordinal: i32, len: usize) -> Result<u64, String>;
+    fn alloc(&self, ordinal: i32, len: usize) -> Result<u64, GpuError>;
 
     /// Frees memory from [`alloc`](DeviceRuntime::alloc).
     ///
@@ -157,9 +211,9 @@ pub(crate) trait DeviceRuntime: Send + Sync + std::fmt::Debug + 'static {
 /// opaque stream pointers, carried as addresses.
 pub(crate) struct StreamOps<'a> {
     /// Creates a non-blocking stream on the current device.
-    pub(crate) create: &'a dyn Fn() -> Result<usize, String>,
+    pub(crate) create: &'a dyn Fn() -> Result<usize, GpuError>,
     /// Waits for the stream's work.
-    pub(crate) sync: &'a dyn Fn(usize) -> Result<(), String>,
+    pub(crate) sync: &'a dyn Fn(usize) -> Result<(), GpuError>,
     /// Destroys a stream.
     pub(crate) destroy: &'a dyn Fn(usize),
 }
@@ -177,8 +231,8 @@ impl StreamPool {
         &self,
         ordinal: i32,
         ops: &StreamOps<'_>,
-        copy: impl FnOnce(usize) -> Result<(), String>,
-    ) -> Result<(), String> {
+        copy: impl FnOnce(usize) -> Result<(), GpuError>,
+    ) -> Result<(), GpuError> {
         let idle = self.0.lock().get_mut(&ordinal).and_then(Vec::pop);
         let stream = match idle {
             Some(s) => s,
@@ -243,7 +297,7 @@ pub struct GpuReport {
     pub hip: Result<String, String>,
 }
 
-type Probe = Result<Arc<dyn DeviceRuntime>, String>;
+type Probe = Result<Arc<dyn DeviceRuntime>, GpuError>;
 
 /// The CUDA runtime, probed once per process.
 pub(crate) fn cuda() -> Probe {
@@ -284,7 +338,7 @@ impl Runtimes {
     /// Probes CUDA and HIP (once per process), or records that GPUs are disabled.
     pub(crate) fn probe(enabled: bool) -> Runtimes {
         if !enabled {
-            let off = || Err("disabled by configuration (gpu: false)".to_string());
+            let off = || Err(GpuError::from("disabled by configuration (gpu: false)"));
             return Runtimes {
                 cuda: off(),
                 hip: off(),
@@ -297,7 +351,11 @@ impl Runtimes {
     }
 
     pub(crate) fn report(&self) -> GpuReport {
-        let desc = |p: &Probe| p.as_ref().map(|r| r.describe()).map_err(Clone::clone);
+        let desc = |p: &Probe| {
+            p.as_ref()
+                .map(|r| r.describe())
+                .map_err(|e| e.message.clone())
+        };
         GpuReport {
             cuda: desc(&self.cuda),
             hip: desc(&self.hip),
@@ -312,7 +370,7 @@ impl Runtimes {
     }
 
     /// The runtime of `api`, or why it is unavailable.
-    pub(crate) fn get(&self, api: GpuApi) -> Result<Arc<dyn DeviceRuntime>, String> {
+    pub(crate) fn get(&self, api: GpuApi) -> Result<Arc<dyn DeviceRuntime>, GpuError> {
         match api {
             GpuApi::Cuda => self.cuda.clone(),
             GpuApi::Hip => self.hip.clone(),
@@ -324,7 +382,7 @@ impl Runtimes {
     pub(crate) fn why_none(&self) -> String {
         let e = |p: &Probe| match p {
             Ok(r) => format!("{} loaded", r.api()),
-            Err(why) => why.clone(),
+            Err(why) => why.message.clone(),
         };
         format!("CUDA: {}; HIP: {}", e(&self.cuda), e(&self.hip))
     }
@@ -333,7 +391,7 @@ impl Runtimes {
     pub(crate) fn classify(
         &self,
         ptr: u64,
-    ) -> Result<(PointerKind, Option<Arc<dyn DeviceRuntime>>), String> {
+    ) -> Result<(PointerKind, Option<Arc<dyn DeviceRuntime>>), GpuError> {
         for rt in self.loaded() {
             match rt.classify(ptr)? {
                 PointerKind::Host => continue,

@@ -8,7 +8,7 @@ use super::PeerConn;
 use crate::config::TransportChoice;
 use crate::control::messages::Message;
 use crate::control::ControlClient;
-use crate::error::{Error, Result};
+use crate::error::{Error, RdmaError, RdmaErrorKind, Result};
 use crate::state::EngineState;
 use crate::transport::rdma::RdmaConnection;
 use crate::transport::tcp::TcpTransport;
@@ -34,8 +34,7 @@ pub(super) async fn connect(
     let (mut hs, theirs) = ControlClient::handshake(addr, &ours, shared.control_timeouts()).await?;
     let transport: Box<dyn Transport> = match (&shared.rdma, theirs.rdma(), cfg.transport) {
         (Some(dev), Some((their_dev, regions)), choice) if choice != TransportChoice::Tcp => {
-            let (prepared, qps) =
-                RdmaConnection::prepare(dev, cfg.rdma.qps).map_err(Error::Rdma)?;
+            let (prepared, qps) = RdmaConnection::prepare(dev, cfg.rdma.qps).map_err(rdma_setup)?;
             let reply = hs
                 .request(&Message::RdmaConnect { generation, qps })
                 .await?;
@@ -48,7 +47,7 @@ pub(super) async fn connect(
                         shared.rdma_fault,
                         shared.rdma_fault_budget.clone(),
                     )
-                    .map_err(Error::Rdma)?,
+                    .map_err(rdma_setup)?,
                 Message::RdmaAccept { generation: g, .. } => {
                     return Err(Error::Handshake {
                         peer: peer.to_string(),
@@ -116,4 +115,8 @@ pub(super) async fn connect(
         transport,
         generation,
     })
+}
+
+fn rdma_setup(why: String) -> Error {
+    Error::Rdma(RdmaError::new(RdmaErrorKind::Setup, why))
 }

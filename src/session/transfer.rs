@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::{PeerConn, Sessions};
-use crate::completion::TransferReport;
+use crate::completion::{FailureCause, TransferReport};
 use crate::control::messages::Message;
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, RequestId};
@@ -40,7 +40,7 @@ impl Drop for ReportGuard {
     fn drop(&mut self) {
         if let Some(id) = self.id.take() {
             self.shared.with_tracker(|t| {
-                t.recv_failed(&id, false, "the transfer task ended without a result (engine shutting down or internal error)".into())
+                t.recv_failed(&id, FailureCause::Other, "the transfer task ended without a result (engine shutting down or internal error)".into())
             });
         }
     }
@@ -101,7 +101,12 @@ pub(crate) async fn run_read(sessions: Arc<Sessions>, job: ReadJob) {
                     reason: reason.clone(),
                 });
             }
-            shared.with_tracker(|t| t.recv_failed(&job.id, expired, reason));
+            let cause = if expired {
+                FailureCause::Expired
+            } else {
+                FailureCause::of(&e)
+            };
+            shared.with_tracker(|t| t.recv_failed(&job.id, cause, reason));
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use std::ffi::{c_char, c_int, CString};
 
-use kvlink::{FailedRequest, Finished, RequestId, Side};
+use kvlink::{FailedRequest, FailureCause, Finished, RequestId, Side};
 
 use crate::args::{check_out, mut_arg, opt_str_arg, ref_arg, str_arg, write_out};
 use crate::guard::{guard, guard_value, to_cstring};
@@ -281,6 +281,11 @@ pub unsafe extern "C" fn kvlink_finished_add_failed(
             side,
             expired,
             reason: reason.to_string(),
+            cause: if expired {
+                FailureCause::Expired
+            } else {
+                FailureCause::Other
+            },
         });
         Ok(())
     })

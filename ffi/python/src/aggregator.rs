@@ -91,6 +91,11 @@ fn finished_from_py(obj: &Bound<'_, PyAny>) -> PyResult<RsFinished> {
             side,
             expired,
             reason,
+            cause: if expired {
+                kvlink_core::FailureCause::Expired
+            } else {
+                kvlink_core::FailureCause::Other
+            },
         });
     }
     Ok(f)

@@ -27,7 +27,7 @@ use super::ledger::{split_wr_id, wr_id, QpLedger, Refusal};
 use super::poller::{arm, status_name, CqHandler};
 use super::wr::{RdmaFault, Wr, WrBuilder};
 use super::RdmaRegionInfo;
-use crate::error::{Error, Result};
+use crate::error::{Error, RdmaError, RdmaErrorKind, Result};
 use crate::ids::RegionId;
 use crate::transport::{ReadFuture, ReadOp, RequestCtl, Transport};
 
@@ -43,17 +43,17 @@ const FLUSH_GRACE: Duration = Duration::from_secs(1);
 /// request's future is dropped.
 struct Pending {
     remaining: AtomicUsize,
-    failure: Mutex<Option<String>>,
+    failure: Mutex<Option<RdmaError>>,
     notify: tokio::sync::Notify,
     _keep: (Vec<ReadOp>, Vec<Arc<super::mr::RegionMrs>>),
 }
 
 impl Pending {
-    fn finish(&self, failure: Option<&str>) {
+    fn finish(&self, failure: Option<&RdmaError>) {
         if let Some(f) = failure {
             let mut slot = self.failure.lock();
             if slot.is_none() {
-                *slot = Some(f.to_string());
+                *slot = Some(f.clone());
             }
         }
         if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
@@ -80,24 +80,24 @@ pub(crate) struct ConnShared {
     cq: Arc<BasicCompletionQueue>,
     qps: Vec<QpSlot>,
     broken: AtomicBool,
-    reason: Mutex<Option<String>>,
+    reason: Mutex<Option<RdmaError>>,
     peer: String,
 }
 
 impl ConnShared {
     /// Breaks the connection: records `reason` and moves every queue pair to the error state,
     /// so the device stops executing their reads and flushes them. Idempotent.
-    fn mark_broken(&self, reason: &str) {
+    fn mark_broken(&self, reason: &RdmaError) {
         {
             let mut r = self.reason.lock();
             if r.is_none() {
-                *r = Some(reason.to_string());
+                *r = Some(reason.clone());
             }
         }
         if self.broken.swap(true, Ordering::AcqRel) {
             return;
         }
-        tracing::warn!(peer = %self.peer, reason, "RDMA connection broken; it will be rebuilt on next use");
+        tracing::warn!(peer = %self.peer, %reason, "RDMA connection broken; it will be rebuilt on next use");
         let now = Instant::now();
         for slot in &self.qps {
             let mut guard = slot.state.lock();
@@ -121,7 +121,10 @@ impl ConnShared {
     /// destroy returns) and retires every chain they held. For queue pairs that could not be
     /// moved to the error state.
     fn tear_down(&self) {
-        self.mark_broken("the queue pairs were destroyed");
+        self.mark_broken(&RdmaError::new(
+            RdmaErrorKind::ConnectionBroken,
+            format!("the queue pairs to {} were destroyed", self.peer),
+        ));
         for slot in &self.qps {
             let retired = {
                 let mut st = slot.state.lock();
@@ -132,7 +135,7 @@ impl ConnShared {
                 st.ledger.tick(Instant::now() + FLUSH_GRACE, FLUSH_GRACE)
             };
             for (pending, failure) in retired {
-                pending.finish(failure.as_deref());
+                pending.finish(failure.as_ref());
             }
             slot.credit.notify_waiters();
         }
@@ -147,15 +150,18 @@ impl ConnShared {
         let why = (!ok).then(|| {
             let name = status_name(status);
             tracing::warn!(peer = %self.peer, qp = idx, seq, status = %name, "RDMA work completion error");
-            format!("RDMA READ from {} failed: {name}", self.peer)
+            RdmaError::new(
+                RdmaErrorKind::WorkCompletion { status },
+                format!("RDMA READ from {} failed: {name}", self.peer),
+            )
         });
         let (retired, newly_broken) = {
             let mut st = slot.state.lock();
             st.ledger
-                .complete(seq, why.as_deref().map_or(Ok(()), Err), Instant::now())
+                .complete(seq, why.map_or(Ok(()), Err), Instant::now())
         };
         for (pending, failure) in retired {
-            pending.finish(failure.as_deref());
+            pending.finish(failure.as_ref());
         }
         slot.credit.notify_waiters();
         if let Some(why) = newly_broken {
@@ -183,7 +189,10 @@ impl CqHandler for ConnShared {
                 }
                 Err(PollCompletionQueueError::CompletionQueueEmpty) => {}
                 Err(e) => {
-                    self.mark_broken(&format!("polling the completion queue failed: {e}"));
+                    self.mark_broken(&RdmaError::new(
+                        RdmaErrorKind::Poll,
+                        format!("polling the completion queue failed: {e}"),
+                    ));
                     return;
                 }
             }
@@ -206,7 +215,7 @@ impl CqHandler for ConnShared {
             let retired = slot.state.lock().ledger.tick(now, FLUSH_GRACE);
             let any = !retired.is_empty();
             for (pending, failure) in retired {
-                pending.finish(failure.as_deref());
+                pending.finish(failure.as_ref());
             }
             if any {
                 slot.credit.notify_waiters();
@@ -238,10 +247,17 @@ enum Stop {
 }
 
 impl Stop {
-    fn why(self) -> &'static str {
+    /// The error given to the chains this stop leaves unposted, and to a cancelled request.
+    fn error(self, peer: &str) -> RdmaError {
         match self {
-            Stop::Deadline => "request deadline passed while waiting for send-queue credits",
-            Stop::Cancelled => "the request was cancelled",
+            Stop::Deadline => RdmaError::new(
+                RdmaErrorKind::ConnectionBroken,
+                format!("request deadline passed while waiting for send-queue credits to {peer}"),
+            ),
+            Stop::Cancelled => RdmaError::new(
+                RdmaErrorKind::Cancelled,
+                format!("RDMA READs from {peer} cancelled"),
+            ),
         }
     }
 }
@@ -250,7 +266,7 @@ enum PostOutcome {
     Posted,
     NoCredits,
     /// Accounted as posted (it may be partly posted) but failed: the connection is flushing.
-    Failed(String),
+    Failed(RdmaError),
 }
 
 impl RdmaConnection {
@@ -298,7 +314,7 @@ impl RdmaConnection {
         qi: usize,
         chain: &[Wr],
         pending: &Arc<Pending>,
-    ) -> std::result::Result<PostOutcome, String> {
+    ) -> std::result::Result<PostOutcome, RdmaError> {
         let slot = &self.shared.qps[qi];
         let mut guard = slot.state.lock();
         let st = &mut *guard;
@@ -309,9 +325,9 @@ impl RdmaConnection {
             Err(Refusal::Failed(why)) => return Err(why),
         };
         let Some(qp) = st.qp.as_mut() else {
-            return Err(format!(
-                "the queue pairs to {} were destroyed",
-                self.shared.peer
+            return Err(RdmaError::new(
+                RdmaErrorKind::ConnectionBroken,
+                format!("the queue pairs to {} were destroyed", self.shared.peer),
             ));
         };
         let mut post = qp.start_post_send();
@@ -344,7 +360,10 @@ impl RdmaConnection {
         match posted {
             Ok(()) => Ok(PostOutcome::Posted),
             Err(e) => {
-                let why = format!("posting RDMA READs to {} failed: {e}", self.shared.peer);
+                let why = RdmaError::new(
+                    RdmaErrorKind::Post,
+                    format!("posting RDMA READs to {} failed: {e}", self.shared.peer),
+                );
                 drop(guard);
                 self.shared.mark_broken(&why);
                 Ok(PostOutcome::Failed(why))
@@ -381,11 +400,11 @@ impl RdmaConnection {
         // Why the request stops early: its deadline passed or it was cancelled.
         let mut stopped: Option<Stop> = None;
         // Index of the first chain that will not be posted, and why.
-        let mut unposted: Option<(usize, String)> = None;
+        let mut unposted: Option<(usize, RdmaError)> = None;
         'chains: for (i, chain) in chains.iter().enumerate() {
             if ctl.is_cancelled() {
                 stopped = Some(Stop::Cancelled);
-                unposted = Some((i, Stop::Cancelled.why().into()));
+                unposted = Some((i, Stop::Cancelled.error(&self.shared.peer)));
                 break;
             }
             if let Some(why) = pending.failure.lock().clone() {
@@ -413,7 +432,7 @@ impl RdmaConnection {
                         };
                         if let Some(stop) = stop {
                             stopped = Some(stop);
-                            unposted = Some((i, stop.why().into()));
+                            unposted = Some((i, stop.error(&self.shared.peer)));
                             break 'chains;
                         }
                     }
@@ -458,7 +477,8 @@ impl RdmaConnection {
                     Some(Stop::Cancelled) => "a request was cancelled with RDMA READs outstanding",
                     _ => "a request deadline passed with RDMA READs outstanding",
                 };
-                self.shared.mark_broken(why);
+                self.shared
+                    .mark_broken(&RdmaError::new(RdmaErrorKind::ConnectionBroken, why));
                 continue;
             }
             if tokio::time::timeout(FLUSH_GRACE * 3, notified)
@@ -477,10 +497,7 @@ impl RdmaConnection {
                 what: format!("RDMA READs from {} (request deadline)", self.shared.peer),
                 after: started.elapsed(),
             }),
-            Some(Stop::Cancelled) => Err(Error::Rdma(format!(
-                "RDMA READs from {} cancelled",
-                self.shared.peer
-            ))),
+            Some(Stop::Cancelled) => Err(Error::Rdma(Stop::Cancelled.error(&self.shared.peer))),
             None => match pending.failure.lock().take() {
                 Some(why) => Err(Error::Rdma(why)),
                 None => Ok(work_requests),
@@ -488,14 +505,16 @@ impl RdmaConnection {
         }
     }
 
+    /// The error of a request on a connection that had already failed.
     fn lost(&self) -> Error {
-        Error::Rdma(
-            self.shared
-                .reason
-                .lock()
-                .clone()
-                .unwrap_or_else(|| format!("RDMA connection to {} broken", self.shared.peer)),
-        )
+        let message = match &*self.shared.reason.lock() {
+            Some(why) => format!(
+                "RDMA connection to {} broken earlier: {why}",
+                self.shared.peer
+            ),
+            None => format!("RDMA connection to {} broken", self.shared.peer),
+        };
+        Error::Rdma(RdmaError::new(RdmaErrorKind::ConnectionBroken, message))
     }
 }
 

@@ -353,7 +353,7 @@ impl RdmaDevice {
             *dmabuf = None;
             match rt.dmabuf(ordinal, addr, n) {
                 Ok(d) => *dmabuf = Some(d),
-                Err(e) => *dmabuf_err = Some(e),
+                Err(e) => *dmabuf_err = Some(e.to_string()),
             }
         }
         if let Some(d) = dmabuf.as_ref() {

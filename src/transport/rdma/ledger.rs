@@ -15,6 +15,8 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use crate::error::RdmaError;
+
 /// Sequence bits of a work request id (the queue pair index takes the rest).
 pub(crate) const SEQ_BITS: u32 = 48;
 
@@ -34,7 +36,7 @@ pub(crate) enum Refusal {
     /// Not enough free send slots: wait for completions.
     NoCredits,
     /// The queue pair failed; the reason.
-    Failed(String),
+    Failed(RdmaError),
 }
 
 /// A chain that was posted (or may have been partly posted) and not yet retired.
@@ -46,7 +48,7 @@ struct Posted<T> {
 }
 
 /// A chain retired: its token and, when it failed, why.
-pub(crate) type Retired<T> = (T, Option<String>);
+pub(crate) type Retired<T> = (T, Option<RdmaError>);
 
 /// The ledger of one queue pair. `T` identifies a chain's request to its owner.
 #[derive(Debug)]
@@ -54,7 +56,7 @@ pub(crate) struct QpLedger<T> {
     credits: u32,
     next_seq: u64,
     fifo: VecDeque<Posted<T>>,
-    error: Option<(String, Instant)>,
+    error: Option<(RdmaError, Instant)>,
     in_error_state: bool,
 }
 
@@ -102,14 +104,15 @@ impl<T> QpLedger<T> {
     pub(crate) fn complete(
         &mut self,
         seq: u64,
-        status: Result<(), &str>,
+        status: Result<(), RdmaError>,
         now: Instant,
-    ) -> (Vec<Retired<T>>, Option<String>) {
+    ) -> (Vec<Retired<T>>, Option<RdmaError>) {
         let mut newly_failed = None;
+        let failed = status.is_err();
         if let Err(why) = status {
             if self.error.is_none() {
-                self.error = Some((why.to_string(), now));
-                newly_failed = Some(why.to_string());
+                self.error = Some((why.clone(), now));
+                newly_failed = Some(why);
             }
         }
         let failure = self.error.as_ref().map(|e| e.0.clone());
@@ -118,7 +121,7 @@ impl<T> QpLedger<T> {
             let first = front.last + 1 - u64::from(front.wrs);
             // A success retires every chain up to its own; an error also retires the chain it
             // belongs to (whose signaled last request will never complete successfully).
-            if front.last <= seq || (status.is_err() && first <= seq) {
+            if front.last <= seq || (failed && first <= seq) {
                 let p = self.fifo.pop_front().expect("front exists");
                 self.credits += p.wrs;
                 retired.push((p.token, failure.clone()));
@@ -131,9 +134,9 @@ impl<T> QpLedger<T> {
 
     /// Records a failure of the queue pair not reported by a completion (the connection was
     /// broken from outside: a deadline, a cancellation, a failed post on another queue pair).
-    pub(crate) fn fail(&mut self, why: &str, now: Instant) {
+    pub(crate) fn fail(&mut self, why: &RdmaError, now: Instant) {
         if self.error.is_none() {
-            self.error = Some((why.to_string(), now));
+            self.error = Some((why.clone(), now));
         }
     }
 
@@ -150,8 +153,8 @@ impl<T> QpLedger<T> {
 
     /// The recorded failure, if any.
     #[cfg(test)]
-    pub(crate) fn failure(&self) -> Option<&str> {
-        self.error.as_ref().map(|e| e.0.as_str())
+    pub(crate) fn failure(&self) -> Option<&RdmaError> {
+        self.error.as_ref().map(|e| &e.0)
     }
 
     /// Retires the chains still outstanding `grace` after a failure, once the queue pair is
@@ -189,6 +192,15 @@ impl<T> QpLedger<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::RdmaErrorKind;
+
+    fn wc(status: u32, m: &str) -> RdmaError {
+        RdmaError::new(RdmaErrorKind::WorkCompletion { status }, m)
+    }
+
+    fn broken(m: &str) -> RdmaError {
+        RdmaError::new(RdmaErrorKind::ConnectionBroken, m)
+    }
 
     fn posted(l: &mut QpLedger<&'static str>, n: u32, token: &'static str) -> u64 {
         let first = l.reserve(n).unwrap();
@@ -225,22 +237,22 @@ mod tests {
         posted(&mut l, 4, "b");
         posted(&mut l, 4, "c");
         // An unsignaled request of "b" (seq 5) fails: "a" completed before it, "b" fails.
-        let (r, failed) = l.complete(5, Err("IBV_WC_REM_ACCESS_ERR"), now);
+        let (r, failed) = l.complete(5, Err(wc(10, "IBV_WC_REM_ACCESS_ERR")), now);
         assert_eq!(
             r,
             vec![
-                ("a", Some("IBV_WC_REM_ACCESS_ERR".into())),
-                ("b", Some("IBV_WC_REM_ACCESS_ERR".into()))
+                ("a", Some(wc(10, "IBV_WC_REM_ACCESS_ERR"))),
+                ("b", Some(wc(10, "IBV_WC_REM_ACCESS_ERR")))
             ]
         );
-        assert_eq!(failed.as_deref(), Some("IBV_WC_REM_ACCESS_ERR"));
+        assert_eq!(failed, Some(wc(10, "IBV_WC_REM_ACCESS_ERR")));
         assert_eq!(
             l.reserve(1),
-            Err(Refusal::Failed("IBV_WC_REM_ACCESS_ERR".into()))
+            Err(Refusal::Failed(wc(10, "IBV_WC_REM_ACCESS_ERR")))
         );
         // The flush of "c" names the first error, and is not a new failure.
-        let (r, failed) = l.complete(11, Err("IBV_WC_WR_FLUSH_ERR"), now);
-        assert_eq!(r, vec![("c", Some("IBV_WC_REM_ACCESS_ERR".into()))]);
+        let (r, failed) = l.complete(11, Err(wc(5, "IBV_WC_WR_FLUSH_ERR")), now);
+        assert_eq!(r, vec![("c", Some(wc(10, "IBV_WC_REM_ACCESS_ERR")))]);
         assert!(failed.is_none());
     }
 
@@ -250,14 +262,14 @@ mod tests {
         let grace = Duration::from_secs(1);
         let mut l = QpLedger::new(64);
         posted(&mut l, 8, "a");
-        l.fail("request deadline", t0);
+        l.fail(&broken("request deadline"), t0);
         // Not yet in the error state: the device may still write, nothing is retired.
         assert!(l.tick(t0 + grace * 10, grace).is_empty());
         l.set_error_state();
         assert!(l.tick(t0 + grace / 2, grace).is_empty());
         assert_eq!(
             l.tick(t0 + grace, grace),
-            vec![("a", Some("request deadline".into()))]
+            vec![("a", Some(broken("request deadline")))]
         );
         assert_eq!(l.outstanding(), 0);
     }
@@ -267,8 +279,9 @@ mod tests {
         let mut l = QpLedger::new(8);
         posted(&mut l, 8, "a");
         // The post of "a" failed after a prefix went out: the chain stays until retired.
-        l.fail("posting failed", Instant::now());
+        let why = RdmaError::new(RdmaErrorKind::Post, "posting failed");
+        l.fail(&why, Instant::now());
         assert_eq!(l.outstanding(), 1);
-        assert_eq!(l.failure(), Some("posting failed"));
+        assert_eq!(l.failure(), Some(&why));
     }
 }

@@ -185,7 +185,7 @@ async fn join<T>(h: JoinHandle<Result<T>>, wait: Duration, what: &str) -> Result
             what: format!("{what} (the GPU copy did not finish)"),
             after: wait,
         }),
-        Ok(Err(e)) => Err(Error::Gpu(format!("{what}: copy task failed: {e}"))),
+        Ok(Err(e)) => Err(Error::Gpu(format!("{what}: copy task failed: {e}").into())),
         Ok(Ok(r)) => r,
     }
 }
@@ -365,7 +365,7 @@ impl Inbound {
             }),
             Ok(Err(e)) => {
                 self.failed
-                    .get_or_insert(Error::Gpu(format!("copy task failed: {e}")));
+                    .get_or_insert(Error::Gpu(format!("copy task failed: {e}").into()));
                 Ok(())
             }
             Ok(Ok((buf, r))) => {
