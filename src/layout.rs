@@ -65,6 +65,49 @@ pub struct KvLayout {
 }
 
 impl KvLayout {
+    /// A layout of `tensors`, each given as `(region, offset, block_stride, block_bytes,
+    /// num_blocks)` and named `t0`, `t1`, ... in order (the names only appear in logs and
+    /// errors). The bindings build their layouts with it; check it with
+    /// [`validate`](Self::validate) (as `Engine::set_layout` does).
+    pub fn numbered(
+        tokens_per_block: u32,
+        dtype: impl Into<String>,
+        tensors: impl IntoIterator<Item = (RegionId, u64, u64, u64, u32)>,
+    ) -> KvLayout {
+        KvLayout {
+            tokens_per_block,
+            dtype: dtype.into(),
+            tensors: tensors
+                .into_iter()
+                .enumerate()
+                .map(
+                    |(i, (region, offset, block_stride, block_bytes, num_blocks))| TensorLayout {
+                        name: format!("t{i}"),
+                        region,
+                        offset,
+                        block_stride,
+                        block_bytes,
+                        num_blocks,
+                    },
+                )
+                .collect(),
+        }
+    }
+
+    /// Bytes per block and block count of a KV cache buffer of `nbytes` whose first axis holds
+    /// `blocks` blocks (an array of shape `(blocks, ...)`): refused unless it splits evenly into
+    /// 1 to `u32::MAX` blocks.
+    pub fn split_buffer(nbytes: u64, blocks: u64) -> Result<(u64, u32)> {
+        match u32::try_from(blocks) {
+            Ok(n) if n > 0 && nbytes.is_multiple_of(blocks) && nbytes > 0 => {
+                Ok((nbytes / blocks, n))
+            }
+            _ => Err(Error::invalid(format!(
+                "a KV cache array of {nbytes} bytes cannot be split into {blocks} blocks"
+            ))),
+        }
+    }
+
     /// Number of blocks every tensor can address (the smallest `num_blocks`).
     pub fn num_blocks(&self) -> u32 {
         self.tensors.iter().map(|t| t.num_blocks).min().unwrap_or(0)
@@ -350,5 +393,24 @@ mod tests {
             .differences(&c)
             .iter()
             .any(|s| s.contains("tensor count 64 vs 61")));
+    }
+
+    #[test]
+    fn numbered_layouts_and_buffer_splits() {
+        let l = KvLayout::numbered(
+            16,
+            "bf16",
+            [(RegionId(1), 0, 64, 64, 8), (RegionId(2), 0, 64, 64, 8)],
+        );
+        let names: Vec<&str> = l.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["t0", "t1"]);
+        assert_eq!(l.tensors[1].region, RegionId(2));
+        assert_eq!(KvLayout::split_buffer(4096, 8).unwrap(), (512, 8));
+        for (nbytes, blocks) in [(4096, 0), (4097, 8), (0, 8), (1 << 40, 1 << 33)] {
+            let e = KvLayout::split_buffer(nbytes, blocks)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("cannot be split"), "{e}");
+        }
     }
 }

@@ -19,10 +19,11 @@ use kvlink::{ModelShape, RegionId};
 fn silent_handshake_peer_fails_at_the_deadline() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    // Accepts and then says nothing.
+    // Accepts and then says nothing, until the test is done with it.
+    let (release, released) = std::sync::mpsc::channel::<()>();
     let holder = std::thread::spawn(move || {
         let (s, _) = listener.accept().unwrap();
-        std::thread::sleep(Duration::from_secs(3));
+        let _ = released.recv_timeout(Duration::from_secs(30));
         drop(s);
     });
     let decode = side(&ModelShape::LLAMA3_8B, 4, None, quick_config());
@@ -53,6 +54,7 @@ fn silent_handshake_peer_fails_at_the_deadline() {
         "took {:?}",
         t0.elapsed()
     );
+    release.send(()).unwrap();
     holder.join().unwrap();
 }
 

@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use super::PeerConn;
+use super::{ConnectFuture, Connector, PeerConn};
 use crate::config::TransportChoice;
 use crate::control::messages::Message;
 use crate::control::ControlClient;
@@ -14,11 +14,7 @@ use crate::transport::rdma::RdmaConnection;
 use crate::transport::tcp::TcpTransport;
 use crate::transport::Transport;
 
-pub(super) async fn connect(
-    shared: &Arc<EngineState>,
-    peer: &str,
-    generation: u64,
-) -> Result<PeerConn> {
+async fn connect(shared: &Arc<EngineState>, peer: &str, generation: u64) -> Result<PeerConn> {
     let cfg = &shared.config;
     let addr: SocketAddr = match peer.parse() {
         Ok(a) => a,
@@ -111,7 +107,7 @@ pub(super) async fn connect(
     );
     Ok(PeerConn {
         descriptor: theirs,
-        control: hs.start(),
+        control: Box::new(hs.start()),
         transport,
         generation,
     })
@@ -119,4 +115,18 @@ pub(super) async fn connect(
 
 fn rdma_setup(why: String) -> Error {
     Error::Rdma(RdmaError::new(RdmaErrorKind::Setup, why))
+}
+
+/// Sessions over the network: name lookup, handshake, then RDMA or TCP.
+pub(crate) struct Network;
+
+impl Connector for Network {
+    fn connect<'a>(
+        &'a self,
+        state: &'a Arc<EngineState>,
+        peer: &'a str,
+        generation: u64,
+    ) -> ConnectFuture<'a> {
+        Box::pin(connect(state, peer, generation))
+    }
 }

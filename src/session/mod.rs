@@ -6,6 +6,8 @@
 //! configuration and report into its completion tracker. The engine API owns the session cache.
 
 mod connect;
+#[cfg(test)]
+mod pair;
 mod transfer;
 
 pub(crate) use transfer::{run_read, ReadJob};
@@ -17,16 +19,53 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tokio::sync::watch;
 
-use crate::control::messages::Descriptor;
+use crate::control::messages::{Descriptor, Message};
 use crate::control::ControlClient;
 use crate::error::{Error, Result};
 use crate::state::EngineState;
 use crate::transport::Transport;
 
+/// The control connection of a session, as the transfer task uses it: done/abort notices to
+/// the peer, and whether the connection died. [`ControlClient`] in production; the pair harness
+/// (tests) delivers notices in memory.
+pub(crate) trait ControlLink: Send + Sync {
+    /// Queues a notice without waiting; false when it could not be queued (the peer then
+    /// expires the request on its abort timeout).
+    fn notify(&self, msg: Message) -> bool;
+    /// Whether the connection has died.
+    fn is_closed(&self) -> bool;
+}
+
+impl ControlLink for ControlClient {
+    fn notify(&self, msg: Message) -> bool {
+        ControlClient::notify(self, msg)
+    }
+
+    fn is_closed(&self) -> bool {
+        ControlClient::is_closed(self)
+    }
+}
+
+/// A future that makes a session.
+pub(crate) type ConnectFuture<'a> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<PeerConn>> + Send + 'a>>;
+
+/// How sessions are made: [`connect::Network`] (handshake, then RDMA or TCP) in production; the
+/// pair harness joins engines in memory.
+pub(crate) trait Connector: Send + Sync {
+    /// Connects to `peer` as session `generation`.
+    fn connect<'a>(
+        &'a self,
+        state: &'a Arc<EngineState>,
+        peer: &'a str,
+        generation: u64,
+    ) -> ConnectFuture<'a>;
+}
+
 /// A live session with one remote engine.
 pub(crate) struct PeerConn {
     pub(crate) descriptor: Descriptor,
-    pub(crate) control: ControlClient,
+    pub(crate) control: Box<dyn ControlLink>,
     pub(crate) transport: Box<dyn Transport>,
     pub(crate) generation: u64,
 }
@@ -44,7 +83,7 @@ enum Slot {
     Ready(Arc<PeerConn>),
     /// A recent failure, returned to callers until the instant passes (so a burst of requests
     /// to a bad peer costs one handshake, and a dead peer is not hammered).
-    Failed(Error, std::time::Instant),
+    Failed(Error, tokio::time::Instant),
 }
 
 /// How long a failed connect is remembered.
@@ -53,15 +92,25 @@ const FAILURE_MEMORY: std::time::Duration = std::time::Duration::from_millis(500
 /// The cache of sessions, keyed by the peer's handshake address as the caller gave it.
 pub(crate) struct Sessions {
     pub(crate) state: Arc<EngineState>,
+    connector: Box<dyn Connector>,
     map: Mutex<HashMap<String, Slot>>,
     generation: AtomicU64,
 }
 
 impl Sessions {
-    /// An empty cache reading from `state`.
+    /// An empty cache reading from `state`, connecting over the network.
     pub(crate) fn new(state: Arc<EngineState>) -> Sessions {
+        Sessions::with_connector(state, Box::new(connect::Network))
+    }
+
+    /// An empty cache reading from `state`, making sessions with `connector`.
+    pub(crate) fn with_connector(
+        state: Arc<EngineState>,
+        connector: Box<dyn Connector>,
+    ) -> Sessions {
         Sessions {
             state,
+            connector,
             map: Mutex::new(HashMap::new()),
             generation: AtomicU64::new(0),
         }
@@ -83,7 +132,7 @@ impl Sessions {
             match map.get(peer) {
                 Some(Slot::Ready(c)) if !c.is_broken() => return Ok(c.clone()),
                 Some(Slot::Connecting(rx)) => rx.clone(),
-                Some(Slot::Failed(e, until)) if std::time::Instant::now() < *until => {
+                Some(Slot::Failed(e, until)) if tokio::time::Instant::now() < *until => {
                     return Err(e.clone())
                 }
                 other => {
@@ -108,7 +157,7 @@ impl Sessions {
                         let limit = cfg.connect_timeout * 2 + cfg.handshake_timeout * 3;
                         let result = match tokio::time::timeout(
                             limit,
-                            connect::connect(state, &peer, generation),
+                            sessions.connector.connect(state, &peer, generation),
                         )
                         .await
                         {
@@ -126,7 +175,7 @@ impl Sessions {
                                 }
                                 Err(e) => {
                                     tracing::warn!(%peer, error = %e, "connecting to peer failed");
-                                    let until = std::time::Instant::now() + FAILURE_MEMORY;
+                                    let until = tokio::time::Instant::now() + FAILURE_MEMORY;
                                     map.insert(peer.clone(), Slot::Failed(e.clone(), until));
                                 }
                             }

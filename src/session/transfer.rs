@@ -26,7 +26,7 @@ pub(crate) struct ReadJob {
 
 /// Extra time after the request deadline for a transport to stop touching the request's
 /// memory (RDMA flushes its queue pairs) before the task gives up waiting for it.
-const BACKSTOP: std::time::Duration = std::time::Duration::from_secs(5);
+pub(super) const BACKSTOP: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Runs one receive to its end and reports it: done, failed with a reason, or expired.
 /// Reports a receive as failed if its task ends without reporting (a panic, or the runtime
@@ -56,12 +56,15 @@ pub(crate) async fn run_read(sessions: Arc<Sessions>, job: ReadJob) {
     let timeout = job
         .deadline
         .saturating_duration_since(tokio::time::Instant::now());
+    let mut used = None;
     let outcome = tokio::time::timeout_at(
         job.deadline + BACKSTOP,
-        read_once(&sessions, &job, ctl.clone()),
+        read_once(&sessions, &job, ctl.clone(), &mut used),
     )
     .await;
-    let conn = sessions.ready_conn(&job.peer);
+    // The session the read used: even when its transport broke, its control connection can
+    // still carry the abort, so the prefill frees its blocks now rather than at its timeout.
+    let conn = used.or_else(|| sessions.ready_conn(&job.peer));
     let (expired, result) = match outcome {
         Ok(Ok(done)) => (false, Ok(done)),
         Ok(Err(e)) => {
@@ -78,10 +81,12 @@ pub(crate) async fn run_read(sessions: Arc<Sessions>, job: ReadJob) {
     };
     guard.id = None;
     match result {
-        Ok((report, conn)) => {
-            conn.control.notify(Message::Done {
-                request_id: job.id.clone(),
-            });
+        Ok(report) => {
+            if let Some(c) = &conn {
+                c.control.notify(Message::Done {
+                    request_id: job.id.clone(),
+                });
+            }
             shared.with_tracker(|t| t.recv_done(report));
         }
         Err(e) => {
@@ -111,11 +116,13 @@ pub(crate) async fn run_read(sessions: Arc<Sessions>, job: ReadJob) {
     }
 }
 
+/// Reads once; `used` gets the session as soon as there is one.
 async fn read_once(
     sessions: &Arc<Sessions>,
     job: &ReadJob,
     ctl: Arc<RequestCtl>,
-) -> Result<(TransferReport, Arc<PeerConn>)> {
+    used: &mut Option<Arc<PeerConn>>,
+) -> Result<TransferReport> {
     let shared = &sessions.state;
     let conn = tokio::time::timeout_at(job.deadline, sessions.get(&job.peer))
         .await
@@ -123,6 +130,7 @@ async fn read_once(
             what: format!("connecting to {}", job.peer),
             after: job.started.elapsed(),
         })??;
+    *used = Some(conn.clone());
     let local_layout = shared
         .layout()
         .ok_or_else(|| Error::invalid("this engine's KV layout was removed"))?;
@@ -157,5 +165,5 @@ async fn read_once(
         transport: conn.transport.name(),
         elapsed: job.started.elapsed(),
     };
-    Ok((report, conn))
+    Ok(report)
 }

@@ -4,6 +4,8 @@
 use std::ffi::{c_char, CStr};
 use std::time::Duration;
 
+use kvlink::internal::MAX_DURATION;
+
 use crate::status::{invalid, FfiResult, KVLINK_TIMEOUT_MAX_MS};
 
 /// A borrowed string argument.
@@ -106,11 +108,14 @@ pub(crate) unsafe fn write_out<T>(p: *mut T, value: T) {
     unsafe { p.write(value) }
 }
 
+/// A timeout in milliseconds; 0 is allowed (waits return at once), longer than the core's limit
+/// of 7 days (`MAX_DURATION`, `KVLINK_TIMEOUT_MAX_MS`) is refused.
 pub(crate) fn millis(ms: u64, what: &str) -> FfiResult<Duration> {
-    if ms > KVLINK_TIMEOUT_MAX_MS {
+    let d = Duration::from_millis(ms);
+    if d > MAX_DURATION {
         return Err(invalid(format!(
             "{what} of {ms} ms is longer than the limit of {KVLINK_TIMEOUT_MAX_MS} ms (7 days)"
         )));
     }
-    Ok(Duration::from_millis(ms))
+    Ok(d)
 }

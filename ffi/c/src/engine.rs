@@ -3,10 +3,7 @@
 
 use std::ffi::{c_char, c_int, c_void};
 
-use kvlink::{
-    DeviceMemory, Engine, EngineConfig, ExternalMemory, KvLayout, RegionId, TensorLayout,
-    MAX_TENSORS,
-};
+use kvlink::{DeviceMemory, Engine, EngineConfig, ExternalMemory, KvLayout, RegionId, MAX_TENSORS};
 
 use crate::aggregator::kvlink_aggregator;
 use crate::args::{check_out, millis, ref_arg, slice_arg, str_arg, write_out};
@@ -346,22 +343,19 @@ pub unsafe extern "C" fn kvlink_engine_set_layout(
         }
         // SAFETY: the caller promised `count` valid tensors or NULL.
         let tensors = unsafe { slice_arg(tensors, count, "tensors") }?;
-        let layout = KvLayout {
+        let layout = KvLayout::numbered(
             tokens_per_block,
-            dtype: dtype.to_string(),
-            tensors: tensors
-                .iter()
-                .enumerate()
-                .map(|(i, t)| TensorLayout {
-                    name: format!("t{i}"),
-                    region: RegionId(t.region),
-                    offset: t.offset,
-                    block_stride: t.block_stride,
-                    block_bytes: t.block_bytes,
-                    num_blocks: t.num_blocks,
-                })
-                .collect(),
-        };
+            dtype,
+            tensors.iter().map(|t| {
+                (
+                    RegionId(t.region),
+                    t.offset,
+                    t.block_stride,
+                    t.block_bytes,
+                    t.num_blocks,
+                )
+            }),
+        );
         e.engine.set_layout(layout)?;
         Ok(())
     })

@@ -59,6 +59,9 @@ pub const KVLINK_ADDRESS_MAX: usize = 80;
 /// Longest timeout any function accepts, in milliseconds (7 days).
 pub const KVLINK_TIMEOUT_MAX_MS: u64 = 604_800_000;
 
+// The C limit is the core's.
+const _: () = assert!(KVLINK_TIMEOUT_MAX_MS as u128 == kvlink::internal::MAX_DURATION.as_millis());
+
 /// A failure on its way to C: a status code and the message for `kvlink_last_error`.
 #[derive(Debug)]
 pub(crate) struct FfiError {

@@ -1,7 +1,7 @@
 //! Registration of memory with an engine: raw host or GPU pointers and the arrays of a model's
 //! KV caches.
 
-use kvlink_core::{DeviceMemory, ExternalMemory};
+use kvlink_core::{DeviceMemory, ExternalMemory, KvLayout};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
@@ -47,15 +47,10 @@ impl Engine {
                 .first()
                 .ok_or_else(|| InvalidArgument::new_err("a KV cache array has no dimensions"))?;
             let (_, nbytes, _) = array_buffer(&a)?;
-            if blocks == 0 || nbytes % blocks != 0 || blocks > u64::from(u32::MAX) {
-                return Err(InvalidArgument::new_err(format!(
-                    "a KV cache array of {nbytes} bytes cannot be split into {blocks} blocks"
-                )));
-            }
+            let (block_bytes, blocks) = KvLayout::split_buffer(nbytes, blocks).map_err(to_py)?;
             let region = self.register_array(&a)?;
             regions.push(region);
-            let block_bytes = nbytes / blocks;
-            tensors.push((region, 0, block_bytes, block_bytes, blocks as u32));
+            tensors.push((region, 0, block_bytes, block_bytes, blocks));
         }
         self.set_layout(tensors, tokens_per_block, dtype)
     }

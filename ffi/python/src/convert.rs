@@ -3,23 +3,25 @@
 
 use std::time::Duration;
 
+use kvlink_core::internal::{check_duration, MAX_DURATION};
 use kvlink_core::RequestId;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::error::InvalidArgument;
+use crate::error::{to_py, InvalidArgument};
 
-/// Longest duration accepted (as in the C ABI): 7 days.
-const MAX_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
-
+/// A positive number of seconds, at most the core's limit of 7 days (`MAX_DURATION`).
 pub(crate) fn seconds(name: &str, v: f64) -> PyResult<Duration> {
-    if !(v.is_finite() && v > 0.0 && v <= MAX_SECONDS) {
+    let limit = MAX_DURATION.as_secs_f64();
+    if !(v.is_finite() && v > 0.0 && v <= limit) {
         return Err(InvalidArgument::new_err(format!(
             "{name} must be a positive number of seconds, at most 7 days, got {v}"
         )));
     }
-    Ok(Duration::from_secs_f64(v))
+    let d = Duration::from_secs_f64(v);
+    check_duration(name, d).map_err(to_py)?;
+    Ok(d)
 }
 
 /// Request ids are `str` end to end: an int id is refused rather than converted, so the ids the

@@ -3,8 +3,7 @@
 use std::sync::{Arc, Mutex};
 
 use kvlink_core::{
-    Engine as RsEngine, EngineConfig, KvLayout, PointerKind, RegionId, TensorLayout,
-    TransportChoice,
+    Engine as RsEngine, EngineConfig, KvLayout, PointerKind, RegionId, TransportChoice,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -188,24 +187,11 @@ impl Engine {
     ) -> PyResult<()> {
         let tensors = tensors
             .into_iter()
-            .enumerate()
-            .map(
-                |(i, (region, offset, block_stride, block_bytes, num_blocks))| TensorLayout {
-                    name: format!("t{i}"),
-                    region: RegionId(region),
-                    offset,
-                    block_stride,
-                    block_bytes,
-                    num_blocks,
-                },
-            )
-            .collect();
+            .map(|(region, offset, stride, bytes, blocks)| {
+                (RegionId(region), offset, stride, bytes, blocks)
+            });
         self.inner
-            .set_layout(KvLayout {
-                tokens_per_block,
-                dtype,
-                tensors,
-            })
+            .set_layout(KvLayout::numbered(tokens_per_block, dtype, tensors))
             .map_err(to_py)
     }
 

@@ -16,6 +16,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::timeout;
 
+use super::batch;
 use super::staging::{group, Group, Inbound, StagingPool};
 use super::wire::{self, Entry};
 use crate::error::{Error, Result};
@@ -146,22 +147,12 @@ impl TcpTransport {
             return Err(self.lost());
         }
         // Cut the ops into batches of about batch_bytes, spread round-robin over the streams.
-        let mut batches: Vec<Vec<ReadOp>> = Vec::new();
-        let mut cur: Vec<ReadOp> = Vec::new();
-        let mut cur_bytes = 0u64;
-        for op in ops {
-            let n = op.local.len();
-            let full = cur_bytes + n > self.batch_bytes || cur.len() == wire::MAX_ENTRIES as usize;
-            if full && !cur.is_empty() {
-                batches.push(std::mem::take(&mut cur));
-                cur_bytes = 0;
-            }
-            cur_bytes += n;
-            cur.push(op);
-        }
-        if !cur.is_empty() {
-            batches.push(cur);
-        }
+        let batches = batch::batches(
+            ops,
+            |op| op.local.len(),
+            self.batch_bytes,
+            wire::MAX_ENTRIES as usize,
+        );
         let n = batches.len();
         let (done_tx, mut done_rx) = mpsc::channel::<Result<()>>(n.max(1));
         let start = self.next.fetch_add(n, Ordering::Relaxed);

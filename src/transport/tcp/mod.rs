@@ -4,8 +4,10 @@
 //! each. The server checks every requested range against its exported regions and answers with
 //! the bytes written straight from registered memory (`writev`); the reader reads them straight
 //! into its registered memory (`readv`). No user-space copies on either side for host memory;
-//! GPU memory is staged through pinned host buffers, chunked and pipelined (see `staging`).
+//! GPU memory is staged through pinned host buffers, chunked and pipelined (see `staging`). How
+//! a read is cut into batches is decided without I/O (`batch`, with its tests).
 
+mod batch;
 mod client;
 mod server;
 mod staging;

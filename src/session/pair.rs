@@ -1,0 +1,492 @@
+//! The pair harness: a prefill engine's state and a decode engine's sessions joined in memory,
+//! with no socket, on tokio's paused (virtual) clock. An in-memory transport copies blocks from
+//! the prefill's regions; a fault plan per connection makes it fail after N reads, hang or run
+//! slow; an in-memory control link delivers the decode's done/abort notices to the prefill's
+//! tracker; a scripted connector counts connects and can fail or hang them. The completion,
+//! expiry, abort, cancellation and session-rebuild paths are then checked exactly and fast.
+//! What needs real verbs (a wrong remote key, a flush) stays in the SoftRoCE VM.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use super::{run_read, ConnectFuture, Connector, ControlLink, PeerConn, ReadJob, Sessions};
+use crate::completion::{FailureCause, Finished, SendNotice, Side};
+use crate::config::{EngineConfig, TransportChoice};
+use crate::control::messages::Message;
+use crate::control::ControlHandler;
+use crate::error::{Error, Result};
+use crate::gpu::Runtimes;
+use crate::ids::{BlockId, RegionId, RequestId};
+use crate::layout::ModelShape;
+use crate::memory::Region;
+use crate::state::EngineState;
+use crate::transport::rdma::RdmaFault;
+use crate::transport::{ReadFuture, ReadOp, RequestCtl, Transport};
+
+/// What a connection's transport does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// Reads every byte.
+    None,
+    /// Fails (and breaks the connection) once this many reads (ops) went through.
+    FailAfter(u32),
+    /// Never answers: the read ends at its deadline.
+    Hang,
+    /// Answers after this long.
+    Delay(Duration),
+}
+
+/// What the next connects do, and what happened.
+#[derive(Default)]
+struct Script {
+    /// Fault of each new connection, in order (then `Fault::None`).
+    faults: VecDeque<Fault>,
+    /// Connects to fail before one succeeds.
+    fail_connects: u32,
+    /// Whether connects never finish.
+    hang_connects: bool,
+    /// Connects attempted.
+    connects: u32,
+}
+
+/// The prefill's control server, in memory: notices go straight to its tracker.
+struct MemControl {
+    prefill: Arc<EngineState>,
+    closed: AtomicBool,
+}
+
+impl ControlLink for MemControl {
+    fn notify(&self, msg: Message) -> bool {
+        let peer: SocketAddr = "127.0.0.1:1".parse().expect("address");
+        match msg {
+            Message::Done { request_id } => self.prefill.notice(peer, request_id, SendNotice::Done),
+            Message::Abort { request_id, reason } => {
+                self.prefill
+                    .notice(peer, request_id, SendNotice::Aborted(reason))
+            }
+            other => panic!("unexpected notice {other:?}"),
+        }
+        true
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+}
+
+/// Reads from the prefill's regions in memory.
+struct MemTransport {
+    prefill: Arc<EngineState>,
+    fault: Fault,
+    reads: AtomicU32,
+    broken: AtomicBool,
+}
+
+impl MemTransport {
+    async fn run(&self, ops: Vec<ReadOp>, ctl: &RequestCtl) -> Result<u64> {
+        if let Fault::Delay(d) = self.fault {
+            tokio::time::sleep(d).await;
+        }
+        if self.fault == Fault::Hang {
+            std::future::pending::<()>().await;
+        }
+        let n = ops.len() as u64;
+        for op in ops {
+            if let Fault::FailAfter(limit) = self.fault {
+                if self.reads.load(Ordering::Acquire) >= limit {
+                    self.broken.store(true, Ordering::Release);
+                    return Err(Error::ConnectionLost {
+                        peer: "prefill".into(),
+                        reason: format!("injected failure after {limit} reads"),
+                    });
+                }
+            }
+            let remote = self
+                .prefill
+                .region(op.remote_region)
+                .ok_or(Error::UnknownRegion(op.remote_region))?;
+            let mut buf = vec![0u8; op.local.len() as usize];
+            remote.read_at(op.remote_offset, &mut buf)?;
+            ctl.guarded(
+                || op.local.region().write_at(op.local.offset(), &buf),
+                || Ok(()),
+            )?;
+            self.reads.fetch_add(1, Ordering::AcqRel);
+        }
+        Ok(n)
+    }
+}
+
+impl Transport for MemTransport {
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+
+    fn read(
+        &self,
+        ops: Vec<ReadOp>,
+        ctl: Arc<RequestCtl>,
+        deadline: tokio::time::Instant,
+    ) -> ReadFuture<'_> {
+        let started = tokio::time::Instant::now();
+        Box::pin(async move {
+            match tokio::time::timeout_at(deadline, self.run(ops, &ctl)).await {
+                Ok(r) => r,
+                Err(_) => {
+                    ctl.mark_cancelled();
+                    Err(Error::Timeout {
+                        what: "reading in memory (request deadline)".into(),
+                        after: started.elapsed(),
+                    })
+                }
+            }
+        })
+    }
+
+    fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::Acquire)
+    }
+}
+
+/// Makes in-memory sessions to the prefill, following the script.
+struct MemConnector {
+    prefill: Arc<EngineState>,
+    script: Arc<Mutex<Script>>,
+}
+
+impl Connector for MemConnector {
+    fn connect<'a>(
+        &'a self,
+        _state: &'a Arc<EngineState>,
+        peer: &'a str,
+        generation: u64,
+    ) -> ConnectFuture<'a> {
+        Box::pin(async move {
+            let (fault, fail, hang) = {
+                let mut s = self.script.lock();
+                s.connects += 1;
+                let fail = s.fail_connects > 0;
+                if fail {
+                    s.fail_connects -= 1;
+                }
+                let fault = if fail {
+                    Fault::None
+                } else {
+                    s.faults.pop_front().unwrap_or(Fault::None)
+                };
+                (fault, fail, s.hang_connects)
+            };
+            if hang {
+                std::future::pending::<()>().await;
+            }
+            if fail {
+                return Err(Error::ConnectionLost {
+                    peer: peer.to_string(),
+                    reason: "injected connect failure".into(),
+                });
+            }
+            let descriptor = self.prefill.descriptor().expect("prefill layout set");
+            Ok(PeerConn {
+                descriptor: (*descriptor).clone(),
+                control: Box::new(MemControl {
+                    prefill: self.prefill.clone(),
+                    closed: AtomicBool::new(false),
+                }),
+                transport: Box::new(MemTransport {
+                    prefill: self.prefill.clone(),
+                    fault,
+                    reads: AtomicU32::new(0),
+                    broken: AtomicBool::new(false),
+                }),
+                generation,
+            })
+        })
+    }
+}
+
+/// A small shape: 2 layers of K and V, 4 KiB per block and tensor.
+const SHAPE: ModelShape = ModelShape {
+    name: "pair",
+    layers: 2,
+    tensors_per_layer: 2,
+    bytes_per_token: 256,
+    tokens_per_block: 16,
+    dtype: "bf16",
+};
+const BLOCKS: u32 = 16;
+const PEER: &str = "prefill:1";
+
+/// One engine's state with a host region of `BLOCKS` blocks, filled from `seed` when given.
+fn engine(name: &str, seed: Option<u8>) -> Arc<EngineState> {
+    let config = EngineConfig {
+        transport: TransportChoice::Tcp,
+        gpu: false,
+        request_timeout: Duration::from_secs(10),
+        ..EngineConfig::default()
+    };
+    let state = Arc::new(EngineState::new(
+        config,
+        name.into(),
+        7,
+        "127.0.0.1:9".parse().expect("address"),
+        None,
+        Some("not in the pair harness".into()),
+        RdmaFault::default(),
+        Runtimes::probe(false),
+    ));
+    let region =
+        Region::allocate(state.next_region_id(), SHAPE.region_bytes(BLOCKS), false).unwrap();
+    if let Some(seed) = seed {
+        let bytes: Vec<u8> = (0..region.len()).map(|i| byte(seed, i)).collect();
+        region.write_at(0, &bytes).unwrap();
+    }
+    let region = state.add_region(region).unwrap();
+    state.set_layout(SHAPE.layout(region.id(), BLOCKS)).unwrap();
+    state
+}
+
+fn byte(seed: u8, offset: u64) -> u8 {
+    (offset.wrapping_mul(31) as u8) ^ seed
+}
+
+struct Pair {
+    prefill: Arc<EngineState>,
+    decode: Arc<Sessions>,
+    script: Arc<Mutex<Script>>,
+}
+
+impl Pair {
+    fn new(faults: &[Fault]) -> Pair {
+        let prefill = engine("prefill", Some(0x5A));
+        let decode = engine("decode", None);
+        let script = Arc::new(Mutex::new(Script {
+            faults: faults.iter().copied().collect(),
+            ..Script::default()
+        }));
+        let connector = MemConnector {
+            prefill: prefill.clone(),
+            script: script.clone(),
+        };
+        Pair {
+            prefill,
+            decode: Arc::new(Sessions::with_connector(decode, Box::new(connector))),
+            script,
+        }
+    }
+
+    /// Holds `id` on the prefill side and runs the decode's read of `remote` into `local` to its
+    /// end, as `Engine::read_blocks` does.
+    async fn read(&self, id: &str, local: &[BlockId], remote: &[BlockId]) {
+        let now = std::time::Instant::now();
+        let abort = Duration::from_secs(60);
+        self.prefill
+            .with_tracker(|t| t.hold_send(id.into(), now, abort))
+            .unwrap();
+        let state = &self.decode.state;
+        state
+            .with_tracker(|t| t.start_recv(id.into(), now))
+            .unwrap();
+        let job = ReadJob {
+            peer: PEER.into(),
+            id: RequestId::from(id),
+            local: local.to_vec(),
+            remote: remote.to_vec(),
+            started: now,
+            deadline: tokio::time::Instant::now() + state.config.request_timeout,
+        };
+        run_read(self.decode.clone(), job).await;
+    }
+
+    fn decode_finished(&self) -> Finished {
+        self.decode.state.tracker.lock().take_finished()
+    }
+
+    fn prefill_finished(&self) -> Finished {
+        self.prefill.tracker.lock().take_finished()
+    }
+
+    fn connects(&self) -> u32 {
+        self.script.lock().connects
+    }
+
+    /// Whether local blocks hold the prefill's remote blocks, in every tensor.
+    fn holds(&self, local: &[BlockId], remote: &[BlockId]) -> bool {
+        let layout = self.decode.state.layout().unwrap();
+        let region = self.decode.state.region(layout.tensors[0].region).unwrap();
+        layout.tensors.iter().all(|t| {
+            local.iter().zip(remote).all(|(&l, &r)| {
+                let mut got = vec![0u8; t.block_bytes as usize];
+                region.read_at(t.block_offset(l), &mut got).unwrap();
+                let at = t.block_offset(r);
+                got.iter()
+                    .enumerate()
+                    .all(|(i, &b)| b == byte(0x5A, at + i as u64))
+            })
+        })
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_read_completes_and_the_prefill_side_finishes_sending() {
+    let p = Pair::new(&[]);
+    p.read("r1", &[0, 5, 3], &[9, 1, 15]).await;
+    let d = p.decode_finished();
+    assert_eq!(d.receiving, vec![RequestId::from("r1")], "{d:?}");
+    assert_eq!(d.reports[0].blocks, 3);
+    assert_eq!(d.reports[0].transport, "memory");
+    assert!(p.holds(&[0, 5, 3], &[9, 1, 15]));
+    let s = p.prefill_finished();
+    assert_eq!(s.sending, vec![RequestId::from("r1")], "{s:?}");
+    assert_eq!(p.connects(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_transport_failure_fails_the_read_and_aborts_the_send() {
+    let p = Pair::new(&[Fault::FailAfter(1)]);
+    p.read("r1", &[0, 2, 4], &[1, 3, 5]).await;
+    let d = p.decode_finished();
+    assert!(d.receiving.is_empty(), "{d:?}");
+    let f = &d.failed[0];
+    assert_eq!(
+        (f.side, f.expired, f.cause),
+        (Side::Recv, false, FailureCause::Connection)
+    );
+    assert!(f.reason.contains("injected failure after 1 reads"), "{f:?}");
+    // The prefill learns of it at once (not at its abort timeout), with the reason.
+    let s = p.prefill_finished();
+    assert_eq!(s.failed.len(), 1, "{s:?}");
+    assert_eq!(s.failed[0].cause, FailureCause::Peer);
+    assert!(s.failed[0].reason.contains("injected failure"), "{s:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hung_transport_expires_the_read_at_its_deadline() {
+    let p = Pair::new(&[Fault::Hang]);
+    let t0 = tokio::time::Instant::now();
+    p.read("r1", &[0], &[1]).await;
+    let took = t0.elapsed();
+    let timeout = p.decode.state.config.request_timeout;
+    assert!(
+        took >= timeout && took < timeout + super::transfer::BACKSTOP,
+        "{took:?}"
+    );
+    let d = p.decode_finished();
+    let f = &d.failed[0];
+    assert!(f.expired && f.cause == FailureCause::Expired, "{f:?}");
+    assert!(f.reason.contains("request timeout of 10s"), "{f:?}");
+    assert!(!p.holds(&[0], &[1]), "nothing was written");
+    let s = p.prefill_finished();
+    assert_eq!(
+        s.failed[0].cause,
+        FailureCause::Peer,
+        "aborted, not left to expire"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_transport_within_the_deadline_completes() {
+    let p = Pair::new(&[Fault::Delay(Duration::from_secs(9))]);
+    let t0 = tokio::time::Instant::now();
+    p.read("r1", &[7], &[8]).await;
+    assert_eq!(t0.elapsed(), Duration::from_secs(9));
+    let d = p.decode_finished();
+    assert_eq!(d.receiving.len(), 1, "{d:?}");
+    assert!(p.holds(&[7], &[8]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_broken_session_is_rebuilt_with_a_new_generation() {
+    let p = Pair::new(&[Fault::FailAfter(0), Fault::None]);
+    p.read("r1", &[0], &[1]).await;
+    assert_eq!(p.decode_finished().failed.len(), 1);
+    let first = p.decode.ready_conn(PEER);
+    assert!(first.is_none(), "a broken session is not handed out");
+    p.read("r2", &[2], &[3]).await;
+    let d = p.decode_finished();
+    assert_eq!(d.receiving, vec![RequestId::from("r2")], "{d:?}");
+    assert_eq!(p.connects(), 2);
+    let conn = p.decode.ready_conn(PEER).unwrap();
+    assert_eq!(conn.generation, 2);
+    assert!(p.holds(&[2], &[3]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn concurrent_first_contacts_share_one_connect() {
+    let p = Arc::new(Pair::new(&[]));
+    let reads: Vec<_> = (0..6u32)
+        .map(|i| {
+            let p = p.clone();
+            tokio::spawn(async move { p.read(&format!("r{i}"), &[i], &[i + 8]).await })
+        })
+        .collect();
+    for r in reads {
+        r.await.unwrap();
+    }
+    assert_eq!(p.decode_finished().receiving.len(), 6);
+    assert_eq!(p.connects(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_connect_is_remembered_for_500_ms_then_retried() {
+    let p = Pair::new(&[]);
+    p.script.lock().fail_connects = 1;
+    p.read("r1", &[0], &[0]).await;
+    tokio::time::sleep(Duration::from_millis(499)).await;
+    p.read("r2", &[1], &[1]).await;
+    let d = p.decode_finished();
+    assert_eq!(d.failed.len(), 2, "{d:?}");
+    assert!(d
+        .failed
+        .iter()
+        .all(|f| f.reason.contains("injected connect failure")));
+    assert_eq!(
+        p.connects(),
+        1,
+        "the second read got the remembered failure"
+    );
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    p.read("r3", &[2], &[2]).await;
+    assert_eq!(p.decode_finished().receiving.len(), 1);
+    assert_eq!(p.connects(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_connect_that_never_finishes_fails_within_its_bound() {
+    let p = Pair::new(&[]);
+    p.script.lock().hang_connects = true;
+    let t0 = tokio::time::Instant::now();
+    // The read gives up at its own deadline (10 s)...
+    p.read("r1", &[0], &[0]).await;
+    let cfg = p.decode.state.config.clone();
+    assert_eq!(t0.elapsed(), cfg.request_timeout);
+    let d = p.decode_finished();
+    assert!(d.failed[0].expired, "{d:?}");
+    assert!(
+        d.failed[0].reason.contains("connecting to prefill:1"),
+        "{d:?}"
+    );
+    // ...and the connect itself at its bound (25 s): the next read fails at once with that
+    // reason instead of waiting on a connect that never ends.
+    let bound = cfg.connect_timeout * 2 + cfg.handshake_timeout * 3;
+    tokio::time::sleep_until(t0 + bound).await;
+    tokio::task::yield_now().await;
+    let t1 = tokio::time::Instant::now();
+    p.read("r2", &[1], &[1]).await;
+    assert_eq!(t1.elapsed(), Duration::ZERO);
+    let d = p.decode_finished();
+    assert!(d.failed[0].reason.contains("(all steps)"), "{d:?}");
+    assert!(!d.failed[0].expired, "{d:?}");
+    assert_eq!(p.connects(), 1);
+}
+
+#[test]
+fn region_ids_in_the_harness_match_the_layout() {
+    // The harness relies on both engines numbering their first region 1.
+    let e = engine("x", None);
+    assert_eq!(e.layout().unwrap().tensors[0].region, RegionId(1));
+}
