@@ -108,6 +108,15 @@ impl EngineConfig {
     /// Checks every setting against its documented range; the error names the first one out of
     /// range. [`Engine::start`](crate::Engine::start) runs it first.
     pub fn validate(&self) -> Result<()> {
+        if let Some(id) = &self.engine_id {
+            // Peers refuse a descriptor whose id is empty or longer (every handshake would fail).
+            if id.is_empty() || id.len() > 256 {
+                return Err(Error::invalid(format!(
+                    "engine_id must be 1 to 256 bytes, got {}",
+                    id.len()
+                )));
+            }
+        }
         if self.tp_size == 0 || self.tp_rank >= self.tp_size {
             return Err(Error::invalid(format!(
                 "tp_rank {} must be below tp_size {}",
@@ -193,6 +202,8 @@ mod tests {
             (|c| c.tcp_streams = 0, "tcp_streams"),
             (|c| c.staging_buffers = 0, "staging_buffers"),
             (|c| c.batch_bytes = 0, "batch_bytes"),
+            (|c| c.engine_id = Some(String::new()), "engine_id"),
+            (|c| c.engine_id = Some("e".repeat(257)), "engine_id"),
         ];
         for (change, name) in bad {
             let mut c = EngineConfig::default();

@@ -34,6 +34,7 @@ pub mod events;
 mod gpu;
 mod ids;
 mod layout;
+mod log_limit;
 #[allow(unsafe_code)]
 mod memory;
 mod plan;

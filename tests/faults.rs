@@ -270,3 +270,44 @@ fn reads_outside_exported_memory_are_refused() {
     assert_eq!(f.receiving.len(), 1, "{f:?}");
     verify(&decode, &prefill.layout, 21, &[0, 5], &[7, 2]);
 }
+
+/// Reads one control frame.
+fn read_message(s: &mut TcpStream) -> Message {
+    let mut head = [0u8; 4];
+    s.read_exact(&mut head).unwrap();
+    let mut body = vec![0u8; u32::from_be_bytes(head) as usize];
+    s.read_exact(&mut body).unwrap();
+    frame::decode::<Message>(u16::from_be_bytes([body[0], body[1]]), &body[2..]).unwrap()
+}
+
+#[test]
+fn a_notice_with_an_invalid_id_is_refused_alone() {
+    let shape = ModelShape::LLAMA3_8B;
+    let prefill = side(&shape, 16, Some(11), quick_config());
+    let addr = prefill.engine.handshake_address().to_string();
+    prefill.engine.hold_blocks("req-ok").unwrap();
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let hello = Message::Hello {
+        descriptor: Box::new(prefill.engine.descriptor().unwrap()),
+    };
+    s.write_all(&frame::encode(&hello).unwrap()).unwrap();
+    assert!(matches!(read_message(&mut s), Message::Descriptor(_)));
+    // A 300-byte id is over the limit: that notice is dropped, the session goes on.
+    let long = Message::Done {
+        request_id: "x".repeat(300).into(),
+    };
+    s.write_all(&frame::encode(&long).unwrap()).unwrap();
+    let ok = Message::Done {
+        request_id: "req-ok".into(),
+    };
+    s.write_all(&frame::encode(&ok).unwrap()).unwrap();
+    s.write_all(&frame::encode(&Message::Ping { nonce: 9 }).unwrap())
+        .unwrap();
+    assert!(
+        matches!(read_message(&mut s), Message::Pong { nonce: 9 }),
+        "the session is still open"
+    );
+    let f = collect(&prefill.engine, Duration::from_secs(10), |f| !f.is_empty());
+    assert_eq!(f.sending, vec![kvlink::RequestId::from("req-ok")], "{f:?}");
+}

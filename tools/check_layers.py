@@ -23,6 +23,7 @@ LAYERS = {
     "layout": 3,
     "memory": 2,
     "error": 1.5,
+    "log_limit": 0,
     "gpu": 1,
     "ids": 0,
     "verify": 10,

@@ -66,8 +66,11 @@ class Engine:
     def rdma_device(self) -> Optional[str]: ...
     @property
     def rdma_unavailable_reason(self) -> Optional[str]: ...
-    def register_memory(self, ptr: int, size: int, *, device: Optional[bool] = None) -> int:
-        """Registers memory by address; it must stay valid until deregister() has returned.
+    def register_memory(
+        self, ptr: int, size: int, *, device: Optional[bool] = None, owner: Any = None
+    ) -> int:
+        """Registers memory by address. ``owner`` (the object owning the memory) is kept alive
+        until deregister() has returned; without one, the memory must stay valid until then.
         ``device=None`` asks the loaded GPU runtimes whether it is GPU memory."""
     def register_array(self, array: Any) -> int:
         """Registers a numpy or CuPy array or a CPU/cuda torch tensor (contiguous, writable);

@@ -1,6 +1,6 @@
 //! Control-plane messages and the engine descriptor exchanged in the handshake.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
@@ -80,8 +80,13 @@ impl Descriptor {
                 self.regions.len()
             ));
         }
-        let mut ids = HashSet::new();
-        if let Some(r) = self.regions.iter().find(|r| !ids.insert(r.id)) {
+        // Region lengths by id: every check below is linear in the descriptor's size.
+        let mut lens = HashMap::with_capacity(self.regions.len());
+        if let Some(r) = self
+            .regions
+            .iter()
+            .find(|r| lens.insert(r.id, r.len).is_some())
+        {
             return bad(format!("{} listed twice", r.id));
         }
         if self.transports.is_empty() || self.transports.len() > 8 {
@@ -106,20 +111,30 @@ impl Descriptor {
                     if device.len() > 64 {
                         return bad("rdma device name longer than 64 bytes".into());
                     }
+                    if regions.len() > self.regions.len() {
+                        return bad(format!(
+                            "rdma keys for {} regions, {} exported",
+                            regions.len(),
+                            self.regions.len()
+                        ));
+                    }
+                    let mut keyed = HashSet::with_capacity(regions.len());
                     for r in regions {
-                        let Some(info) = self.regions.iter().find(|x| x.id == r.id) else {
+                        let Some(&len) = lens.get(&r.id) else {
                             return bad(format!("rdma keys for unknown {}", r.id));
                         };
+                        if !keyed.insert(r.id) {
+                            return bad(format!("rdma keys for {} listed twice", r.id));
+                        }
                         let chunks = if r.chunk_bytes == 0 {
                             u64::MAX
                         } else {
-                            info.len.div_ceil(r.chunk_bytes)
+                            len.div_ceil(r.chunk_bytes)
                         };
-                        if chunks != r.rkeys.len() as u64 || r.addr.checked_add(info.len).is_none()
-                        {
+                        if chunks != r.rkeys.len() as u64 || r.addr.checked_add(len).is_none() {
                             return bad(format!(
                                 "rdma registration of {} does not cover its {} bytes",
-                                r.id, info.len
+                                r.id, len
                             ));
                         }
                     }
@@ -215,4 +230,76 @@ pub enum Message {
         /// What is wrong and what to do.
         message: String,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::RegionId;
+    use crate::layout::ModelShape;
+
+    fn descriptor(keys: Vec<RdmaRegionInfo>) -> Descriptor {
+        let shape = ModelShape::LLAMA3_8B;
+        let len = shape.region_bytes(4);
+        Descriptor {
+            protocol_version: crate::control::frame::PROTOCOL_VERSION,
+            engine_id: "e".into(),
+            generation: 1,
+            tp_rank: 0,
+            tp_size: 1,
+            layout: shape.layout(RegionId(1), 4),
+            regions: vec![
+                RegionInfo {
+                    id: RegionId(1),
+                    len,
+                },
+                RegionInfo {
+                    id: RegionId(2),
+                    len: 4096,
+                },
+            ],
+            transports: vec![
+                TransportInfo::Tcp {
+                    addr: "127.0.0.1:9".into(),
+                    streams: 4,
+                },
+                TransportInfo::Rdma {
+                    device: "rxe0".into(),
+                    gid: [0; 16],
+                    lid: 0,
+                    mtu: 1024,
+                    regions: keys,
+                },
+            ],
+        }
+    }
+
+    fn keys(id: u32, len: u64) -> RdmaRegionInfo {
+        RdmaRegionInfo {
+            id: RegionId(id),
+            addr: 1 << 30,
+            chunk_bytes: len,
+            rkeys: vec![7],
+        }
+    }
+
+    #[test]
+    fn rdma_keys_are_checked_once_per_region() {
+        let len = ModelShape::LLAMA3_8B.region_bytes(4);
+        descriptor(vec![keys(1, len), keys(2, 4096)])
+            .validate()
+            .unwrap();
+        for (ks, want) in [
+            (vec![keys(1, len), keys(1, len)], "listed twice"),
+            (vec![keys(3, len)], "unknown"),
+            (
+                vec![keys(1, len), keys(2, 4096), keys(2, 4096)],
+                "3 regions, 2 exported",
+            ),
+            (vec![keys(1, len / 2)], "does not cover"),
+        ] {
+            let e = descriptor(ks).validate().unwrap_err().to_string();
+            assert!(e.contains(want), "{e} should say {want:?}");
+        }
+    }
 }

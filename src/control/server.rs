@@ -3,6 +3,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::timeout;
@@ -13,6 +14,7 @@ use super::ControlTimeouts;
 use crate::completion::SendNotice;
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
+use crate::log_limit::{warn_limited, LogLimit};
 use crate::transport::rdma::QpEndpoint;
 
 /// What the handshake service needs from the engine.
@@ -41,12 +43,15 @@ pub(crate) async fn serve(
     handler: Arc<dyn ControlHandler>,
     timeouts: ControlTimeouts,
 ) {
+    // Peers can trigger these at will: one line per interval, with the count.
+    static FULL: LogLimit = LogLimit::new(Duration::from_secs(10));
+    static CLOSED: LogLimit = LogLimit::new(Duration::from_secs(1));
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
                 let Ok(permit) = slots.clone().try_acquire_owned() else {
-                    tracing::warn!(%peer, "refusing a control connection: {MAX_CONNECTIONS} already open");
+                    warn_limited!(FULL, %peer, "refusing a control connection: {MAX_CONNECTIONS} already open");
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
@@ -54,7 +59,7 @@ pub(crate) async fn serve(
                 tokio::spawn(async move {
                     let _permit = permit;
                     if let Err(e) = connection(stream, peer, handler.clone(), timeouts).await {
-                        tracing::warn!(%peer, error = %e, "control connection closed with an error");
+                        warn_limited!(CLOSED, %peer, error = %e, "control connection closed with an error");
                     }
                 });
             }
@@ -168,13 +173,17 @@ async fn session(
     // Notices, keep-alives and queue-pair exchanges until the reader goes away or falls silent.
     let idle = timeouts.keepalive * 3;
     let mut _rdma_qps: Option<Box<dyn std::any::Any + Send>> = None;
+    let mut bad_notices = 0u64;
     loop {
         let frame = match timeout(idle, read_frame(&mut stream)).await {
             Err(_) => {
+                // The protocol's promise: a refusal is said before the connection closes.
+                let why = format!("no frame from {peer} for {idle:?} (three keep-alive intervals)");
+                refuse(&mut stream, why.clone()).await;
                 return Err(Error::Timeout {
                     what: format!("waiting for a frame from {peer}"),
                     after: idle,
-                })
+                });
             }
             Ok(Ok(None)) => return Ok(()),
             Ok(Ok(Some(f))) => f,
@@ -187,6 +196,14 @@ async fn session(
             Ok(Message::Abort { request_id, reason }) if request_id.validate().is_ok() => {
                 let reason: String = reason.chars().take(1024).collect();
                 handler.notice(peer, request_id, SendNotice::Aborted(reason))
+            }
+            // A notice naming an invalid id (empty, too long) is refused alone: the session and
+            // the other requests on it go on.
+            Ok(Message::Done { request_id } | Message::Abort { request_id, .. }) => {
+                bad_notices += 1;
+                if bad_notices == 1 {
+                    tracing::warn!(%peer, len = request_id.as_str().len(), "notice with an invalid request id ignored (further ones on this connection are counted, not logged)");
+                }
             }
             Ok(Message::RdmaConnect { generation, qps }) => match handler.rdma_accept(peer, &qps) {
                 Ok((ours, guard)) => {

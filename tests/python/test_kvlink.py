@@ -163,6 +163,17 @@ def test_bad_arguments_raise_clear_exceptions():
         ro = np.zeros(16, dtype=np.uint8)
         ro.flags.writeable = False
         e.register_array(ro)
+    # Arrays of Python objects hold pointers, not KV bytes: refused, as are structured dtypes
+    # with an object field at any depth; plain structured (void) dtypes are fine.
+    with pytest.raises(kvlink.InvalidArgument, match="object"):
+        e.register_array(np.array([object()] * 16, dtype=object))
+    nested = np.dtype([("a", np.uint8), ("b", [("c", np.float32), ("Obj", object)])])
+    with pytest.raises(kvlink.InvalidArgument, match="object fields"):
+        e.register_array(np.zeros(4, dtype=nested))
+    plain = np.dtype([("Offset", np.uint32), ("v", np.float16, (3,))])
+    e.deregister(e.register_array(np.zeros(4, dtype=plain)))
+    with pytest.raises(kvlink.InvalidArgument, match="engine_id"):
+        kvlink.Engine(engine_id="x" * 257)
 
     class GpuArray:
         __cuda_array_interface__ = {"data": (1, False), "shape": (4,), "typestr": "|u1"}
@@ -187,6 +198,20 @@ def test_bad_arguments_raise_clear_exceptions():
     e.deregister(region)
     with pytest.raises(kvlink.InvalidArgument, match="not registered"):
         e.deregister(region)
+    # With an owner, the owner lives while registered, and no longer after deregister.
+    import weakref
+
+    class Owner:
+        def __init__(self):
+            self.buf = np.zeros(4096, dtype=np.uint8)
+
+    owner = Owner()
+    alive = weakref.ref(owner)
+    region = e.register_memory(owner.buf.ctypes.data, owner.buf.nbytes, owner=owner)
+    del owner
+    assert alive() is not None, "kept alive while registered"
+    e.deregister(region)
+    assert alive() is None, "released by deregister"
 
 
 def test_gpu_capabilities_and_absence_paths():

@@ -62,6 +62,51 @@ pub(crate) fn block_ids(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>
 /// `__array_interface__` (numpy) or are CPU torch tensors; GPU arrays expose
 /// `__cuda_array_interface__` (CuPy, Numba; HIP builds use the same name) or are torch tensors
 /// on a `cuda` device (ROCm builds of torch use the same name).
+/// Refuses arrays whose elements are not plain bytes: object dtypes hold pointers to Python
+/// objects (a peer would read addresses; written into, the process crashes). Accepted kinds:
+/// bool, signed and unsigned integers, floats, complex, and void (raw bytes) without object
+/// fields.
+fn plain_bytes(ai: &Bound<'_, PyDict>, attr: &str) -> PyResult<()> {
+    let typestr: String = match ai.get_item("typestr")? {
+        Some(t) => t.extract()?,
+        None => return Err(InvalidArgument::new_err(format!("{attr} has no 'typestr'"))),
+    };
+    let kind = typestr.chars().nth(1).unwrap_or('?');
+    if !"biufcV".contains(kind) {
+        return Err(InvalidArgument::new_err(format!(
+            "arrays of dtype {typestr:?} cannot be registered: only plain numeric or raw-byte \
+             (void) dtypes hold KV cache bytes (object arrays hold pointers)"
+        )));
+    }
+    if kind == 'V' {
+        if let Some(descr) = ai.get_item("descr")? {
+            if holds_objects(&descr)? {
+                return Err(InvalidArgument::new_err(format!(
+                    "a structured dtype with object fields cannot be registered ({})",
+                    descr.repr()?
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether an array-interface `descr` (`[(name, typestr or nested descr[, shape]), ...]`) has
+/// an object field at any depth.
+fn holds_objects(descr: &Bound<'_, PyAny>) -> PyResult<bool> {
+    for field in descr.try_iter()? {
+        let ty = field?.get_item(1)?;
+        let objects = match ty.extract::<String>() {
+            Ok(t) => t.chars().nth(1) == Some('O'),
+            Err(_) => holds_objects(&ty)?,
+        };
+        if objects {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 pub(crate) fn array_buffer(obj: &Bound<'_, PyAny>) -> PyResult<(usize, u64, bool)> {
     for (attr, on_gpu) in [
         ("__cuda_array_interface__", true),
@@ -78,6 +123,7 @@ pub(crate) fn array_buffer(obj: &Bound<'_, PyAny>) -> PyResult<(usize, u64, bool
                 "the array is read-only; kvlink writes into KV caches",
             ));
         }
+        plain_bytes(&ai, attr)?;
         if let Some(strides) = ai.get_item("strides")? {
             if !strides.is_none() {
                 return Err(InvalidArgument::new_err(

@@ -104,16 +104,20 @@ impl Engine {
         self.inner.rdma_status().err()
     }
 
-    /// Registers memory given as a raw address and size; returns the region id. The memory
-    /// must stay valid until `deregister(region)` has returned. `device=None` asks the loaded
-    /// GPU runtimes whether it is GPU memory; `True` or `False` says so.
-    #[pyo3(signature = (ptr, size, *, device = None))]
+    /// Registers memory given as a raw address and size; returns the region id. `owner` (the
+    /// object that owns the memory: an array, a tensor, an mmap) is kept alive until
+    /// `deregister(region)` has returned. Without an owner the caller guarantees the memory
+    /// stays valid until then: freed earlier, peers would read whatever reuses it.
+    /// `device=None` asks the loaded GPU runtimes whether it is GPU memory; `True` or `False`
+    /// says so.
+    #[pyo3(signature = (ptr, size, *, device = None, owner = None))]
     fn register_memory(
         &self,
         py: Python<'_>,
         ptr: usize,
         size: u64,
         device: Option<bool>,
+        owner: Option<PyObject>,
     ) -> PyResult<u32> {
         let on_gpu = match device {
             Some(d) => d,
@@ -122,7 +126,11 @@ impl Engine {
                 PointerKind::Device { .. }
             ),
         };
-        self.register_raw(py, ptr, size, on_gpu)
+        let id = self.register_raw(py, ptr, size, on_gpu)?;
+        if let Some(owner) = owner {
+            self.keep.lock().expect("keep list").push((id, owner));
+        }
+        Ok(id)
     }
 
     /// The transports and memory kinds this engine found: `{name: (available, detail)}` for

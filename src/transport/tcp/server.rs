@@ -13,7 +13,11 @@ use super::staging::{group, Group, Outbound, StagingPool};
 use super::wire::{self, Entry};
 use crate::error::{Error, Result};
 use crate::ids::RegionId;
+use crate::log_limit::{warn_limited, LogLimit};
 use crate::memory::{self, Region, RegionSpan};
+
+/// Refused data requests: one line per second, with the count.
+static REFUSED: LogLimit = LogLimit::new(Duration::from_secs(1));
 
 /// Where the data server finds exported regions.
 pub(crate) trait RegionLookup: Send + Sync + 'static {
@@ -32,12 +36,15 @@ pub(crate) async fn serve(
     io_timeout: Duration,
     idle_timeout: Duration,
 ) {
+    // Peers can trigger these at will: one line per interval, with the count.
+    static FULL: LogLimit = LogLimit::new(Duration::from_secs(10));
+    static DROPPED: LogLimit = LogLimit::new(Duration::from_secs(1));
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
                 let Ok(permit) = slots.clone().try_acquire_owned() else {
-                    tracing::warn!(%peer, "refusing a data connection: {MAX_CONNECTIONS} already open");
+                    warn_limited!(FULL, %peer, "refusing a data connection: {MAX_CONNECTIONS} already open");
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
@@ -46,7 +53,9 @@ pub(crate) async fn serve(
                     let _permit = permit;
                     match connection(stream, peer, regions, io_timeout, idle_timeout).await {
                         Ok(()) => tracing::debug!(%peer, "data connection closed"),
-                        Err(e) => tracing::warn!(%peer, error = %e, "data connection dropped"),
+                        Err(e) => {
+                            warn_limited!(DROPPED, %peer, error = %e, "data connection dropped")
+                        }
                     }
                 });
             }
@@ -137,7 +146,7 @@ async fn connection(
             Err(e) => {
                 regions.served(None);
                 let reason = e.to_string();
-                tracing::warn!(%peer, tag, %reason, "refused a data request");
+                warn_limited!(REFUSED, %peer, tag, %reason, "refused a data request");
                 let mut msg =
                     wire::encode_response_header(tag, wire::STATUS_REFUSED, reason.len() as u64)
                         .to_vec();
