@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use crate::auth::AuthKey;
 use crate::error::{Error, Result};
 use crate::transport::rdma::RdmaSettings;
 use crate::transport::tcp;
@@ -70,6 +71,14 @@ pub struct EngineConfig {
     /// Bytes per staging buffer: GPU memory sent or received over TCP moves through pinned host
     /// buffers of this size, one chunk copied while the previous one is on the wire.
     pub staging_chunk_bytes: u64,
+    /// The deployment key peers must prove (HMAC-SHA256 challenge-response on the control
+    /// plane; data connections bound to the authenticated session). `None` reads
+    /// `KVLINK_AUTH_KEY` or `KVLINK_AUTH_KEY_FILE` at start; without either the engine
+    /// authenticates nobody and, unless `insecure`, listens on loopback only.
+    pub auth_key: Option<AuthKey>,
+    /// Allows listening beyond loopback without a key (logged as a warning at start). Also set
+    /// by `KVLINK_INSECURE=1`.
+    pub insecure: bool,
     /// Most staging buffers the engine's data server uses to send GPU memory (one pool shared
     /// by all the connections it serves); allocated on first use and kept. Each stream that
     /// reads GPU memory from a peer has two more of its own. 1 to 4,096; `staging_chunk_bytes`
@@ -100,6 +109,8 @@ impl Default for EngineConfig {
             gpu: true,
             staging_chunk_bytes: 2 << 20,
             staging_buffers: 32,
+            auth_key: None,
+            insecure: false,
         }
     }
 }

@@ -24,6 +24,7 @@
 // Layers, top to bottom (each imports only from those below it; docs/architecture.md):
 //   engine (API) > session > state > control, transport, completion > plan, layout, memory, gpu
 //   > config, ids, error.   events stands apart.
+mod auth;
 mod completion;
 mod config;
 mod control;
@@ -43,6 +44,7 @@ mod state;
 mod transport;
 pub mod verify;
 
+pub use auth::{AuthKey, MIN_KEY_BYTES};
 pub use completion::{FailedRequest, FailureCause, Finished, Side, TpAggregator, TransferReport};
 pub use config::{EngineConfig, TransportChoice};
 pub use control::messages::{Descriptor, TransportInfo};

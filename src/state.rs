@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, RwLock};
 
+use crate::auth::{AuthKey, SessionSecret};
 use crate::completion::{CompletionTracker, SendNotice};
 use crate::config::EngineConfig;
 use crate::control::messages::{Descriptor, TransportInfo};
@@ -57,6 +58,8 @@ pub(crate) struct EngineState {
     pub(crate) counters: Counters,
     pub(crate) gpus: Runtimes,
     pub(crate) staging: Arc<StagingPool>,
+    /// Authenticated control sessions, by id: their data connections are served.
+    data_sessions: Mutex<HashMap<[u8; 16], SessionSecret>>,
 }
 
 impl EngineState {
@@ -89,6 +92,7 @@ impl EngineState {
             counters: Counters::default(),
             gpus,
             staging: StagingPool::new(config.staging_chunk_bytes as usize, config.staging_buffers),
+            data_sessions: Mutex::new(HashMap::new()),
             config,
         }
     }
@@ -273,6 +277,18 @@ impl ControlHandler for EngineState {
         tracing::debug!(%peer, qps = ours.len(), "queue pairs created for a reader");
         Ok((ours, Box::new(guard)))
     }
+
+    fn auth_key(&self) -> Option<&AuthKey> {
+        self.config.auth_key.as_ref()
+    }
+
+    fn session_opened(&self, secret: SessionSecret) {
+        self.data_sessions.lock().insert(secret.id, secret);
+    }
+
+    fn session_closed(&self, id: [u8; 16]) {
+        self.data_sessions.lock().remove(&id);
+    }
 }
 
 impl RegionLookup for EngineState {
@@ -282,6 +298,14 @@ impl RegionLookup for EngineState {
 
     fn staging(&self) -> &Arc<StagingPool> {
         &self.staging
+    }
+
+    fn auth_required(&self) -> bool {
+        self.config.auth_key.is_some()
+    }
+
+    fn data_session(&self, id: &[u8; 16]) -> Option<SessionSecret> {
+        self.data_sessions.lock().get(id).cloned()
     }
 
     fn served(&self, bytes: Option<u64>) {

@@ -184,6 +184,37 @@ fn rdma_transport_negotiation() {
     assert!(f.failed[0].reason.contains("offers no RDMA"), "{f:?}");
 }
 
+#[test]
+fn rdma_with_authentication_keys_go_only_to_key_holders() {
+    if !rdma_available("rdma_with_authentication_keys_go_only_to_key_holders") {
+        return;
+    }
+    let shape = ModelShape::DEEPSEEK_V3_MLA;
+    let keyed = || EngineConfig {
+        auth_key: Some(kvlink::AuthKey::new(b"rdma-deployment-key-0123456789".to_vec()).unwrap()),
+        ..rdma_config()
+    };
+    let prefill = side(&shape, 8, Some(31), keyed());
+    let peer = prefill.engine.handshake_address().to_string();
+    // Key holders: the queue-pair exchange runs on the authenticated session.
+    let decode = side(&shape, 8, None, keyed());
+    decode
+        .engine
+        .read_blocks(&peer, "k", &[1, 6], &[2, 5])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert_eq!(f.reports[0].transport, "rdma", "{f:?}");
+    verify(&decode, &prefill.layout, 31, &[1, 6], &[2, 5]);
+    // Without the key: no descriptor, so no remote key, and no queue pair.
+    let decode = side(&shape, 8, None, rdma_config());
+    decode.engine.read_blocks(&peer, "n", &[1], &[2]).unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert!(
+        f.failed[0].reason.contains("requires authentication"),
+        "{f:?}"
+    );
+}
+
 fn faulty_read(fault: RdmaFault, expect: &str, status: u32) {
     let shape = ModelShape::DEEPSEEK_V3_MLA;
     let prefill = side(&shape, 16, Some(13), rdma_config());

@@ -24,6 +24,7 @@ LAYERS = {
     "memory": 2,
     "error": 1.5,
     "log_limit": 0,
+    "auth": 1.6,
     "gpu": 1,
     "ids": 0,
     "verify": 10,

@@ -4,7 +4,7 @@ Request ids are ``str`` end to end: the ids returned by ``get_finished`` and ``T
 are the ones passed to ``read_blocks`` / ``hold_blocks``.
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 __version__: str
 
@@ -56,6 +56,8 @@ class Engine:
         gpu: bool = True,
         staging_chunk_bytes: int = 2 << 20,
         staging_buffers: int = 32,
+        auth_key: Union[str, bytes, None] = None,
+        insecure: bool = False,
     ) -> None: ...
     @property
     def handshake_address(self) -> str:

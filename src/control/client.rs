@@ -13,6 +13,7 @@ use tokio::time::timeout;
 use super::frame::{self, read_frame, write_frame};
 use super::messages::{Descriptor, Message};
 use super::ControlTimeouts;
+use crate::auth::{self, AuthKey, SessionSecret};
 use crate::error::{Error, Result};
 
 /// Notices queued towards one peer at most; beyond this they are dropped with a warning
@@ -158,8 +159,9 @@ impl ControlClient {
     pub(crate) async fn handshake(
         peer: SocketAddr,
         ours: &Descriptor,
+        key: Option<&AuthKey>,
         timeouts: ControlTimeouts,
-    ) -> Result<(Handshake, Descriptor)> {
+    ) -> Result<(Handshake, Descriptor, Option<SessionSecret>)> {
         let stream = timeout(timeouts.connect, TcpStream::connect(peer))
             .await
             .map_err(|_| Error::Timeout {
@@ -173,12 +175,54 @@ impl ControlClient {
             peer,
             timeouts,
         };
-        let theirs = match hs
-            .request(&Message::Hello {
-                descriptor: Box::new(ours.clone()),
-            })
-            .await
-        {
+        // With a key: prove it both ways before any descriptor moves (docs/security.md).
+        let (hello, secret) = match key {
+            None => (
+                Message::Hello {
+                    descriptor: Box::new(ours.clone()),
+                },
+                None,
+            ),
+            Some(key) => {
+                let client_nonce = auth::nonce()?;
+                let (server_nonce, server_proof) =
+                    match hs.request(&Message::AuthHello { client_nonce }).await {
+                        Ok(Message::AuthChallenge {
+                            server_nonce,
+                            server_proof,
+                        }) => (server_nonce, server_proof),
+                        Ok(other) => {
+                            return Err(handshake_err(
+                                peer,
+                                format!("unexpected answer to the authentication hello: {other:?}"),
+                            ))
+                        }
+                        Err(Error::Timeout { after, .. }) => {
+                            return Err(Error::Timeout {
+                                what: format!("waiting for the authentication challenge of {peer}"),
+                                after,
+                            })
+                        }
+                        Err(e) => return Err(e),
+                    };
+                if !auth::server_proof_checks(key, &client_nonce, &server_nonce, &server_proof) {
+                    return Err(handshake_err(
+                        peer,
+                        "the peer failed to prove the deployment key (a different \
+                         KVLINK_AUTH_KEY, or not a kvlink engine)"
+                            .to_string(),
+                    ));
+                }
+                (
+                    Message::AuthedHello {
+                        descriptor: Box::new(ours.clone()),
+                        client_proof: auth::client_proof(key, &client_nonce, &server_nonce),
+                    },
+                    Some(SessionSecret::derive(key, &client_nonce, &server_nonce)),
+                )
+            }
+        };
+        let theirs = match hs.request(&hello).await {
             Ok(Message::Descriptor(d)) => *d,
             Ok(other) => return Err(handshake_err(peer, format!("unexpected reply {other:?}"))),
             Err(Error::Timeout { after, .. }) => {
@@ -199,7 +243,7 @@ impl ControlClient {
                 differences: format!("(ours vs theirs) {}", diffs.join("; ")),
             });
         }
-        Ok((hs, theirs))
+        Ok((hs, theirs, secret))
     }
 
     /// Whether the connection has died.

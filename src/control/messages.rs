@@ -186,6 +186,27 @@ pub enum Message {
         /// The reader's own descriptor (checked for compatibility by the server).
         descriptor: Box<Descriptor>,
     },
+    /// Reader to server, first message on engines with a deployment key: a fresh nonce.
+    /// Answered by `AuthChallenge`, or `Error` (the server has no key).
+    AuthHello {
+        /// 32 random bytes.
+        client_nonce: [u8; 32],
+    },
+    /// Server to reader: the server's nonce and its proof of the key over both nonces.
+    AuthChallenge {
+        /// 32 random bytes.
+        server_nonce: [u8; 32],
+        /// HMAC-SHA256 under the key of the server label and both nonces.
+        server_proof: [u8; 32],
+    },
+    /// Reader to server, after a valid `AuthChallenge`: who I am, and my proof of the key.
+    /// Answered by `Descriptor` or `Error`.
+    AuthedHello {
+        /// The reader's own descriptor.
+        descriptor: Box<Descriptor>,
+        /// HMAC-SHA256 under the key of the client label and both nonces.
+        client_proof: [u8; 32],
+    },
     /// Server to reader: who I am.
     Descriptor(Box<Descriptor>),
     /// Reader to server: the request's blocks are all read; the server may free them.

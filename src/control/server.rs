@@ -11,6 +11,7 @@ use tokio::time::timeout;
 use super::frame::{self, read_frame, write_frame};
 use super::messages::{Descriptor, Message};
 use super::ControlTimeouts;
+use crate::auth::{self, AuthKey, SessionSecret};
 use crate::completion::SendNotice;
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
@@ -32,6 +33,12 @@ pub(crate) trait ControlHandler: Send + Sync + 'static {
         peer: SocketAddr,
         qps: &[QpEndpoint],
     ) -> std::result::Result<(Vec<QpEndpoint>, Box<dyn std::any::Any + Send>), String>;
+    /// The deployment key readers must prove; `None` serves readers without authentication.
+    fn auth_key(&self) -> Option<&AuthKey>;
+    /// An authenticated session began: its data connections present this secret's proofs.
+    fn session_opened(&self, secret: SessionSecret);
+    /// That session ended: its secret no longer opens data connections.
+    fn session_closed(&self, id: [u8; 16]);
 }
 
 /// Most control connections served at once; more are closed at accept.
@@ -124,9 +131,37 @@ async fn session(
         Ok(Ok(Some(f))) => f,
         Ok(Err(e)) => return Err(refuse_handshake(&mut stream, &**handler, e.to_string()).await),
     };
-    let theirs = match frame::decode::<Message>(first.0, &first.1) {
-        Ok(Message::Hello { descriptor }) => descriptor,
-        Ok(other) => {
+    let first = frame::decode::<Message>(first.0, &first.1);
+    let (theirs, secret) = match (handler.auth_key(), first) {
+        (None, Ok(Message::Hello { descriptor })) => (descriptor, None),
+        (None, Ok(Message::AuthHello { .. })) => {
+            return Err(refuse_handshake(
+                &mut stream,
+                &**handler,
+                "this engine has no authentication key; give every engine the same \
+                 KVLINK_AUTH_KEY, or none"
+                    .into(),
+            )
+            .await)
+        }
+        (Some(key), Ok(Message::AuthHello { client_nonce })) => {
+            match authenticate(&mut stream, peer, key, client_nonce, timeouts).await {
+                Ok(r) => r,
+                Err(why) => return Err(refuse_handshake(&mut stream, &**handler, why).await),
+            }
+        }
+        // Nothing about this engine goes to a peer that has not proved the key.
+        (Some(_), Ok(_)) => {
+            return Err(refuse_handshake(
+                &mut stream,
+                &**handler,
+                "this engine requires authentication: set the deployment key \
+                 (KVLINK_AUTH_KEY or KVLINK_AUTH_KEY_FILE) on every engine"
+                    .into(),
+            )
+            .await)
+        }
+        (None, Ok(other)) => {
             return Err(refuse_handshake(
                 &mut stream,
                 &**handler,
@@ -134,7 +169,7 @@ async fn session(
             )
             .await)
         }
-        Err(e) => return Err(refuse_handshake(&mut stream, &**handler, e.to_string()).await),
+        (_, Err(e)) => return Err(refuse_handshake(&mut stream, &**handler, e.to_string()).await),
     };
     if let Err(e) = theirs.validate() {
         return Err(refuse_handshake(&mut stream, &**handler, e.to_string()).await);
@@ -162,6 +197,8 @@ async fn session(
     }
     let reply = frame::encode(&Message::Descriptor(Box::new((*ours).clone())))?;
     handler.handshake(true);
+    // Data connections of this session are accepted while it lives.
+    let _session = secret.map(|s| SessionGuard::open(handler.clone(), s));
     timeout(timeouts.handshake, write_frame(&mut stream, &reply))
         .await
         .map_err(|_| Error::Timeout {
@@ -238,5 +275,69 @@ async fn session(
             }
             Err(e) => return Err(refuse(&mut stream, e.to_string()).await),
         }
+    }
+}
+
+/// Keeps an authenticated session's secret registered with the data server while the control
+/// session lives.
+struct SessionGuard {
+    handler: Arc<dyn ControlHandler>,
+    id: [u8; 16],
+}
+
+impl SessionGuard {
+    fn open(handler: Arc<dyn ControlHandler>, secret: SessionSecret) -> SessionGuard {
+        let id = secret.id;
+        handler.session_opened(secret);
+        SessionGuard { handler, id }
+    }
+}
+
+impl Drop for SessionGuard {
+    fn drop(&mut self) {
+        self.handler.session_closed(self.id);
+    }
+}
+
+/// The server's side of the challenge-response: answers the reader's nonce with its own and its
+/// proof, then expects the reader's proof with its Hello. The refusal says only that
+/// authentication failed.
+async fn authenticate(
+    stream: &mut TcpStream,
+    peer: SocketAddr,
+    key: &AuthKey,
+    client_nonce: [u8; 32],
+    timeouts: ControlTimeouts,
+) -> std::result::Result<(Box<Descriptor>, Option<SessionSecret>), String> {
+    let server_nonce = auth::nonce().map_err(|e| e.to_string())?;
+    let challenge = frame::encode(&Message::AuthChallenge {
+        server_nonce,
+        server_proof: auth::server_proof(key, &client_nonce, &server_nonce),
+    })
+    .map_err(|e| e.to_string())?;
+    match timeout(timeouts.handshake, write_frame(stream, &challenge)).await {
+        Ok(Ok(())) => {}
+        _ => return Err("could not send the authentication challenge".into()),
+    }
+    let frame = match timeout(timeouts.handshake, read_frame(stream)).await {
+        Ok(Ok(Some(f))) => f,
+        Err(_) => {
+            return Err(format!(
+                "no answer to the challenge within {:?}",
+                timeouts.handshake
+            ))
+        }
+        Ok(Ok(None)) | Ok(Err(_)) => return Err("authentication failed".into()),
+    };
+    match frame::decode::<Message>(frame.0, &frame.1) {
+        Ok(Message::AuthedHello {
+            descriptor,
+            client_proof,
+        }) if auth::client_proof_checks(key, &client_nonce, &server_nonce, &client_proof) => {
+            tracing::debug!(%peer, "reader authenticated");
+            let secret = SessionSecret::derive(key, &client_nonce, &server_nonce);
+            Ok((descriptor, Some(secret)))
+        }
+        _ => Err("authentication failed".into()),
     }
 }

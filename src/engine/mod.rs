@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::auth::AuthKey;
 use crate::completion::Finished;
 use crate::config::{EngineConfig, TransportChoice};
 use crate::control::{self, messages::Descriptor};
@@ -66,10 +67,14 @@ impl Engine {
     /// [`start`](Engine::start) with RDMA fault injection, for the tests of the RDMA error
     /// paths (`kvlink::internal`).
     pub(crate) fn start_with_rdma_fault(
-        config: EngineConfig,
+        mut config: EngineConfig,
         rdma_fault: RdmaFault,
     ) -> Result<Engine> {
         config.validate()?;
+        if config.auth_key.is_none() {
+            config.auth_key = AuthKey::from_env()?;
+        }
+        config.insecure |= std::env::var("KVLINK_INSECURE").is_ok_and(|v| v == "1");
         let (rdma, rdma_unavailable) = match config.transport {
             TransportChoice::Tcp => (
                 None,
@@ -94,6 +99,18 @@ impl Engine {
             .listen
             .parse()
             .map_err(|e| Error::invalid(format!("listen address {:?}: {e}", config.listen)))?;
+        // Protected mode: without a key, only this host can reach the engine.
+        if config.auth_key.is_none() && !listen.ip().is_loopback() {
+            if !config.insecure {
+                return Err(Error::invalid(format!(
+                    "refusing to listen on {listen} without authentication: set the deployment \
+                     key (KVLINK_AUTH_KEY, KVLINK_AUTH_KEY_FILE or auth_key), the same on every \
+                     engine, or opt in to serving anyone who can reach this address with \
+                     insecure=true (KVLINK_INSECURE=1)"
+                )));
+            }
+            tracing::warn!(%listen, "listening beyond loopback WITHOUT authentication (insecure): any host that reaches these ports can read the exported KV cache");
+        }
         let (control, data) = runtime.block_on(async {
             let control = tokio::net::TcpListener::bind(listen)
                 .await

@@ -27,7 +27,13 @@ async fn connect(shared: &Arc<EngineState>, peer: &str, generation: u64) -> Resu
     let ours = shared.descriptor().ok_or_else(|| {
         Error::invalid("set a KV layout on this engine before reading from peers")
     })?;
-    let (mut hs, theirs) = ControlClient::handshake(addr, &ours, shared.control_timeouts()).await?;
+    let (mut hs, theirs, secret) = ControlClient::handshake(
+        addr,
+        &ours,
+        cfg.auth_key.as_ref(),
+        shared.control_timeouts(),
+    )
+    .await?;
     let transport: Box<dyn Transport> = match (&shared.rdma, theirs.rdma(), cfg.transport) {
         (Some(dev), Some((their_dev, regions)), choice) if choice != TransportChoice::Tcp => {
             let (prepared, qps) = RdmaConnection::prepare(dev, cfg.rdma.qps).map_err(rdma_setup)?;
@@ -91,6 +97,7 @@ async fn connect(shared: &Arc<EngineState>, peer: &str, generation: u64) -> Resu
                 cfg.io_timeout,
                 cfg.batch_bytes,
                 shared.staging.clone(),
+                secret.as_ref(),
             )
             .await?;
             tracing::info!(peer, streams = cfg.tcp_streams, reason = %why, "transport tcp");

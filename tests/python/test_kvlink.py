@@ -214,6 +214,28 @@ def test_bad_arguments_raise_clear_exceptions():
     assert alive() is None, "released by deregister"
 
 
+def test_authentication_and_protected_mode():
+    key = "python-deployment-key-0123456789"
+    prefill = kvlink.Engine(auth_key=key)
+    prefill.register_kv_caches(make_caches(2, 8, 256, 3), 16, "bf16")
+    decode = kvlink.Engine(auth_key=key.encode())
+    decode.register_kv_caches(make_caches(2, 8, 256, 0), 16, "bf16")
+    prefill.hold_blocks("a")
+    decode.read_blocks(prefill.handshake_address, "a", [0, 1], [5, 6])
+    received, _, failed = collect(decode, lambda r, s, f: len(r) + len(f) > 0, limit=30.0)
+    assert received == ["a"] and not failed, failed
+    keyless = kvlink.Engine()
+    keyless.register_kv_caches(make_caches(2, 8, 256, 0), 16, "bf16")
+    keyless.read_blocks(prefill.handshake_address, "b", [0], [0])
+    _, _, failed = collect(keyless, lambda r, s, f: len(f) > 0, limit=30.0)
+    assert "requires authentication" in failed[0][3], failed
+    with pytest.raises(kvlink.InvalidArgument, match="at least 16"):
+        kvlink.Engine(auth_key="short")
+    with pytest.raises(kvlink.InvalidArgument, match="KVLINK_AUTH_KEY"):
+        kvlink.Engine("0.0.0.0:0")
+    kvlink.Engine("0.0.0.0:0", insecure=True)
+
+
 def test_gpu_capabilities_and_absence_paths():
     e = kvlink.Engine(transport="tcp")
     caps = e.capabilities()

@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex};
 
 use kvlink_core::{
-    Engine as RsEngine, EngineConfig, KvLayout, PointerKind, RegionId, TransportChoice,
+    AuthKey, Engine as RsEngine, EngineConfig, KvLayout, PointerKind, RegionId, TransportChoice,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -16,7 +16,11 @@ use crate::error::{to_py, InvalidArgument};
 ///
 /// Engine(listen="127.0.0.1:0", *, transport="auto", tp_rank=0, tp_size=1, request_timeout=60.0,
 /// abort_timeout=480.0, handshake_timeout=5.0, tcp_streams=4, rdma_device=None, engine_id=None,
-/// gpu=True, staging_chunk_bytes=2 MiB, staging_buffers=32)
+/// gpu=True, staging_chunk_bytes=2 MiB, staging_buffers=32, auth_key=None, insecure=False)
+///
+/// `auth_key` (str or bytes, at least 16 bytes) is the deployment key every engine shares; None
+/// reads KVLINK_AUTH_KEY or KVLINK_AUTH_KEY_FILE. Without a key the engine only listens on
+/// loopback unless `insecure=True` (or KVLINK_INSECURE=1).
 #[pyclass(module = "kvlink", frozen)]
 pub(crate) struct Engine {
     pub(crate) inner: Arc<RsEngine>,
@@ -30,7 +34,7 @@ impl Engine {
     #[pyo3(signature = (listen = "127.0.0.1:0", *, transport = "auto", tp_rank = 0, tp_size = 1,
         request_timeout = 60.0, abort_timeout = 480.0, handshake_timeout = 5.0, tcp_streams = 4,
         rdma_device = None, engine_id = None, gpu = true, staging_chunk_bytes = 2 << 20,
-        staging_buffers = 32))]
+        staging_buffers = 32, auth_key = None, insecure = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -47,7 +51,21 @@ impl Engine {
         gpu: bool,
         staging_chunk_bytes: u64,
         staging_buffers: usize,
+        auth_key: Option<&Bound<'_, PyAny>>,
+        insecure: bool,
     ) -> PyResult<Self> {
+        let auth_key = match auth_key {
+            None => None,
+            Some(k) => {
+                let bytes: Vec<u8> = match k.extract::<String>() {
+                    Ok(s) => s.into_bytes(),
+                    Err(_) => k
+                        .extract::<Vec<u8>>()
+                        .map_err(|_| InvalidArgument::new_err("auth_key must be str or bytes"))?,
+                };
+                Some(AuthKey::new(bytes).map_err(to_py)?)
+            }
+        };
         let mut cfg = EngineConfig {
             listen: listen.to_string(),
             engine_id,
@@ -70,6 +88,8 @@ impl Engine {
             gpu,
             staging_chunk_bytes,
             staging_buffers,
+            auth_key,
+            insecure,
             ..EngineConfig::default()
         };
         cfg.rdma.device = rdma_device;

@@ -19,6 +19,7 @@ use tokio::time::timeout;
 use super::batch;
 use super::staging::{group, Group, Inbound, StagingPool};
 use super::wire::{self, Entry};
+use crate::auth::SessionSecret;
 use crate::error::{Error, Result};
 use crate::memory::{self, RegionSpan};
 use crate::transport::{ReadFuture, ReadOp, RequestCtl, Transport};
@@ -92,6 +93,7 @@ impl TcpTransport {
         io_timeout: Duration,
         batch_bytes: u64,
         staging: Arc<StagingPool>,
+        session: Option<&SessionSecret>,
     ) -> Result<TcpTransport> {
         let health = Arc::new(Health::default());
         let mut out = Vec::with_capacity(streams);
@@ -104,6 +106,10 @@ impl TcpTransport {
                 })?
                 .map_err(|e| Error::io(format!("connecting to the data server {peer}"), &e))?;
             let _ = s.set_nodelay(true);
+            let mut s = s;
+            if let Some(session) = session {
+                prove_session(&mut s, session, peer, connect_timeout).await?;
+            }
             let (rd, wr) = s.into_split();
             let (tx, rx) = mpsc::channel::<Batch>(PIPELINE);
             let (ptx, prx) = mpsc::channel::<Batch>(PIPELINE);
@@ -535,4 +541,34 @@ async fn receive_pieces(
         }
     }
     Ok(())
+}
+
+/// The reader's side of the data server's session challenge: reads its nonce, answers with the
+/// session id and the session's proof over it.
+async fn prove_session(
+    s: &mut TcpStream,
+    session: &SessionSecret,
+    peer: SocketAddr,
+    limit: Duration,
+) -> Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let what = format!("proving the session to the data server {peer}");
+    let mut nonce = [0u8; wire::AUTH_NONCE];
+    timeout(limit, s.read_exact(&mut nonce))
+        .await
+        .map_err(|_| Error::Timeout {
+            what: what.clone(),
+            after: limit,
+        })?
+        .map_err(|e| Error::io(&what, &e))?;
+    let mut reply = [0u8; wire::AUTH_REPLY];
+    reply[..16].copy_from_slice(&session.id);
+    reply[16..].copy_from_slice(&session.data_proof(&nonce));
+    timeout(limit, s.write_all(&reply))
+        .await
+        .map_err(|_| Error::Timeout {
+            what: what.clone(),
+            after: limit,
+        })?
+        .map_err(|e| Error::io(&what, &e))
 }

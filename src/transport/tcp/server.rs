@@ -11,6 +11,7 @@ use tokio::time::timeout;
 
 use super::staging::{group, Group, Outbound, StagingPool};
 use super::wire::{self, Entry};
+use crate::auth::{self, SessionSecret};
 use crate::error::{Error, Result};
 use crate::ids::RegionId;
 use crate::log_limit::{warn_limited, LogLimit};
@@ -23,6 +24,10 @@ static REFUSED: LogLimit = LogLimit::new(Duration::from_secs(1));
 pub(crate) trait RegionLookup: Send + Sync + 'static {
     /// The exported region with this id, if any.
     fn region(&self, id: RegionId) -> Option<Arc<Region>>;
+    /// Whether data connections must prove an authenticated control session.
+    fn auth_required(&self) -> bool;
+    /// The authenticated control session with this id, while it lives.
+    fn data_session(&self, id: &[u8; 16]) -> Option<SessionSecret>;
     /// A request was served (`Some(bytes)`) or refused (`None`).
     fn served(&self, bytes: Option<u64>);
     /// The staging buffers for device memory.
@@ -109,6 +114,13 @@ async fn connection(
     io_timeout: Duration,
     idle_timeout: Duration,
 ) -> Result<()> {
+    if regions.auth_required() {
+        // Nothing is served before the connection proves an authenticated control session.
+        if let Err(e) = prove_session(&mut stream, &*regions, io_timeout).await {
+            regions.served(None);
+            return Err(e);
+        }
+    }
     let mut header = [0u8; wire::REQUEST_HEADER];
     let mut body = Vec::new();
     loop {
@@ -233,4 +245,36 @@ async fn flush(stream: &TcpStream, out: &mut Outbound, io_timeout: Duration) -> 
         send_next(stream, out, io_timeout).await?;
     }
     Ok(())
+}
+
+/// How long a new data connection has to prove its session.
+const PROOF_DEADLINE: Duration = Duration::from_secs(5);
+
+/// The data server's side of the session proof: sends a fresh nonce, expects the session id and
+/// the session's proof over the nonce (`wire::AUTH_REPLY` bytes) within a few seconds.
+async fn prove_session(
+    stream: &mut TcpStream,
+    regions: &dyn RegionLookup,
+    io_timeout: Duration,
+) -> Result<()> {
+    use tokio::io::AsyncWriteExt;
+    let deadline = PROOF_DEADLINE.min(io_timeout);
+    let nonce = auth::nonce()?;
+    timeout(deadline, stream.write_all(&nonce))
+        .await
+        .map_err(|_| timed_out("sending the session challenge", deadline))?
+        .map_err(|e| Error::io("sending the session challenge", &e))?;
+    let mut reply = [0u8; wire::AUTH_REPLY];
+    timeout(deadline, stream.read_exact(&mut reply))
+        .await
+        .map_err(|_| timed_out("waiting for the session proof", deadline))?
+        .map_err(|e| Error::io("reading the session proof", &e))?;
+    let (id, proof) = reply.split_at(16);
+    let id: [u8; 16] = id.try_into().expect("16 bytes");
+    match regions.data_session(&id) {
+        Some(s) if s.verify_data(&nonce, proof) => Ok(()),
+        _ => Err(Error::Protocol(
+            "data connection without a valid session proof".into(),
+        )),
+    }
 }

@@ -8,6 +8,11 @@
 use crate::error::{Error, Result};
 use crate::ids::RegionId;
 
+/// Bytes of a data connection's session proof: the session id (16) and the proof (32), sent
+/// after the server's 32-byte nonce on engines with a deployment key.
+pub const AUTH_REPLY: usize = 48;
+/// Bytes of the data server's session challenge (a nonce).
+pub const AUTH_NONCE: usize = 32;
 /// Request magic.
 pub const REQUEST_MAGIC: u32 = u32::from_le_bytes(*b"KVRQ");
 /// Response magic.

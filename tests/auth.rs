@@ -1,0 +1,158 @@
+//! Authentication from a deployment key, played from both sides: engines sharing the key
+//! transfer as before; a peer without it, or with another, gets no descriptor and no data byte;
+//! the data port serves only connections that prove an authenticated control session; without
+//! a key an engine listens on loopback only unless told it may be insecure.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use common::*;
+use kvlink::internal::frame;
+use kvlink::internal::messages::Message;
+use kvlink::internal::tcp_wire as wire;
+use kvlink::{AuthKey, Engine, EngineConfig, FailureCause, ModelShape, RegionId};
+
+fn keyed(key: &str) -> EngineConfig {
+    EngineConfig {
+        auth_key: Some(AuthKey::new(key.as_bytes().to_vec()).unwrap()),
+        ..quick_config()
+    }
+}
+
+const KEY: &str = "test-deployment-key-0123456789";
+
+#[test]
+fn engines_sharing_the_key_transfer_every_byte() {
+    let shape = ModelShape::LLAMA3_8B;
+    let prefill = side(&shape, 16, Some(21), keyed(KEY));
+    let decode = side(&shape, 16, None, keyed(KEY));
+    let peer = prefill.engine.handshake_address().to_string();
+    prefill.engine.hold_blocks("auth-ok").unwrap();
+    decode
+        .engine
+        .read_blocks(&peer, "auth-ok", &[0, 9, 4], &[15, 2, 8])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(20), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    verify(&decode, &prefill.layout, 21, &[0, 9, 4], &[15, 2, 8]);
+    let s = collect(&prefill.engine, Duration::from_secs(10), |f| !f.is_empty());
+    assert_eq!(s.sending.len(), 1, "{s:?}");
+}
+
+#[test]
+fn a_peer_without_the_key_learns_nothing() {
+    let shape = ModelShape::LLAMA3_8B;
+    let prefill = side(&shape, 16, Some(22), keyed(KEY));
+    let addr = prefill.engine.handshake_address().to_string();
+    // A raw Hello (what an unauthenticated peer or an engine without a key sends) is answered
+    // by one refusal that says nothing about the engine.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let hello = Message::Hello {
+        descriptor: Box::new(prefill.engine.descriptor().unwrap()),
+    };
+    s.write_all(&frame::encode(&hello).unwrap()).unwrap();
+    let mut answer = Vec::new();
+    let _ = s.read_to_end(&mut answer);
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.contains("requires authentication"), "{text}");
+    let ours = prefill.engine.descriptor().unwrap();
+    for secret in [
+        ours.engine_id.as_str(),
+        &ours.layout.dtype,
+        "tensor",
+        "bytes",
+    ] {
+        assert!(!text.contains(secret), "{secret:?} leaked: {text}");
+    }
+    // An engine without the key fails its read with the reason.
+    let decode = side(&shape, 16, None, quick_config());
+    decode
+        .engine
+        .read_blocks(&addr, "no-key", &[0], &[0])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(20), |f| !f.is_empty());
+    assert!(
+        f.failed[0].reason.contains("requires authentication"),
+        "{f:?}"
+    );
+    assert_eq!(f.failed[0].cause, FailureCause::Connection);
+    assert_eq!(prefill.engine.stats().handshakes_accepted, 0);
+}
+
+#[test]
+fn a_different_key_fails_on_both_sides() {
+    let shape = ModelShape::LLAMA3_8B;
+    let prefill = side(&shape, 16, Some(23), keyed(KEY));
+    let decode = side(&shape, 16, None, keyed("another-deployment-key-98765"));
+    let addr = prefill.engine.handshake_address().to_string();
+    decode
+        .engine
+        .read_blocks(&addr, "wrong-key", &[0], &[0])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(20), |f| !f.is_empty());
+    assert!(
+        f.failed[0]
+            .reason
+            .contains("failed to prove the deployment key"),
+        "{f:?}"
+    );
+    assert_eq!(prefill.engine.stats().handshakes_accepted, 0);
+}
+
+#[test]
+fn the_data_port_serves_nothing_without_a_session_proof() {
+    let shape = ModelShape::LLAMA3_8B;
+    let prefill = side(&shape, 16, Some(24), keyed(KEY));
+    let (data, _) = prefill.engine.descriptor().unwrap().tcp().unwrap();
+    let mut s = TcpStream::connect(data).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    // A well-formed read of region 1, sent without the session proof.
+    let mut req = Vec::new();
+    let entry = wire::Entry {
+        region: RegionId(1),
+        offset: 0,
+        len: 4096,
+    };
+    wire::encode_request(1, [entry, entry, entry].into_iter(), &mut req);
+    s.write_all(&req).unwrap();
+    let mut answer = Vec::new();
+    let _ = s.read_to_end(&mut answer);
+    // Only the server's challenge comes back, then the connection closes.
+    assert_eq!(
+        answer.len(),
+        wire::AUTH_NONCE,
+        "{} bytes came back",
+        answer.len()
+    );
+    let stats = prefill.engine.stats();
+    assert_eq!((stats.data_requests_served, stats.bytes_served), (0, 0));
+    assert!(stats.data_requests_refused >= 1);
+}
+
+#[test]
+fn without_a_key_only_loopback_is_served_unless_insecure() {
+    let wildcard = EngineConfig {
+        listen: "0.0.0.0:0".into(),
+        ..quick_config()
+    };
+    let e = Engine::start(wildcard.clone()).err().expect("refused");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("KVLINK_AUTH_KEY") && msg.contains("insecure"),
+        "{msg}"
+    );
+    Engine::start(EngineConfig {
+        insecure: true,
+        ..wildcard.clone()
+    })
+    .unwrap();
+    Engine::start(EngineConfig {
+        auth_key: Some(AuthKey::new(KEY.as_bytes().to_vec()).unwrap()),
+        ..wildcard
+    })
+    .unwrap();
+}
