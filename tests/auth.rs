@@ -60,11 +60,13 @@ fn a_peer_without_the_key_learns_nothing() {
     let text = String::from_utf8_lossy(&answer);
     assert!(text.contains("requires authentication"), "{text}");
     let ours = prefill.engine.descriptor().unwrap();
+    // Nothing of the engine: its id, dtype, tensors, blocks or regions.
     for secret in [
         ours.engine_id.as_str(),
         &ours.layout.dtype,
         "tensor",
-        "bytes",
+        "block",
+        "region",
     ] {
         assert!(!text.contains(secret), "{secret:?} leaked: {text}");
     }
@@ -155,4 +157,20 @@ fn without_a_key_only_loopback_is_served_unless_insecure() {
         ..wildcard
     })
     .unwrap();
+}
+
+#[test]
+fn before_authentication_only_small_frames_are_read() {
+    let shape = ModelShape::LLAMA3_8B;
+    let prefill = side(&shape, 16, Some(25), keyed(KEY));
+    let addr = prefill.engine.handshake_address().to_string();
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    // Announces a 1 MiB frame (allowed after authentication, or without a key).
+    s.write_all(&(1u32 << 20).to_be_bytes()).unwrap();
+    let mut answer = Vec::new();
+    let _ = s.read_to_end(&mut answer);
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.contains("exceeds the 4096-byte limit"), "{text}");
+    assert!(text.contains("requires authentication"), "{text}");
 }

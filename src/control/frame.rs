@@ -41,8 +41,21 @@ pub fn decode<T: DeserializeOwned>(version: u16, body: &[u8]) -> Result<T> {
         .map_err(|e| Error::Protocol(format!("malformed control message: {e}")))
 }
 
+/// Largest frame a peer may send before it has authenticated, on engines with a key (the
+/// `AuthHello` is under 100 bytes).
+pub const MAX_UNAUTHENTICATED_FRAME_BYTES: u32 = 4 << 10;
+
 /// Reads one frame: `Ok(None)` on a clean end of stream before the first byte.
 pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<(u16, Vec<u8>)>> {
+    read_frame_up_to(r, MAX_FRAME_BYTES).await
+}
+
+/// [`read_frame`] refusing frames over `limit` bytes (at most [`MAX_FRAME_BYTES`]).
+pub async fn read_frame_up_to<R: AsyncRead + Unpin>(
+    r: &mut R,
+    limit: u32,
+) -> Result<Option<(u16, Vec<u8>)>> {
+    let limit = limit.min(MAX_FRAME_BYTES);
     let mut head = [0u8; 4];
     let mut got = 0;
     while got < 4 {
@@ -66,9 +79,9 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<(u16, 
             "control frame length {len} is too short"
         )));
     }
-    if len > MAX_FRAME_BYTES {
+    if len > limit {
         return Err(Error::Protocol(format!(
-            "control frame of {len} bytes exceeds the {MAX_FRAME_BYTES}-byte limit"
+            "control frame of {len} bytes exceeds the {limit}-byte limit"
         )));
     }
     // Grow with the bytes that actually arrive, so a peer announcing a large frame and sending

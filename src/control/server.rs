@@ -118,7 +118,17 @@ async fn session(
     timeouts: ControlTimeouts,
 ) -> Result<()> {
     // Handshake: the first frame must be a Hello, within the handshake deadline.
-    let first = match timeout(timeouts.handshake, read_frame(&mut stream)).await {
+    // Before a peer proves the key, a keyed engine reads at most a small frame from it.
+    let first_limit = match handler.auth_key() {
+        Some(_) => frame::MAX_UNAUTHENTICATED_FRAME_BYTES,
+        None => frame::MAX_FRAME_BYTES,
+    };
+    let first = match timeout(
+        timeouts.handshake,
+        frame::read_frame_up_to(&mut stream, first_limit),
+    )
+    .await
+    {
         Err(_) => {
             return Err(refuse_handshake(
                 &mut stream,
@@ -129,7 +139,17 @@ async fn session(
         }
         Ok(Ok(None)) => return Ok(()),
         Ok(Ok(Some(f))) => f,
-        Ok(Err(e)) => return Err(refuse_handshake(&mut stream, &**handler, e.to_string()).await),
+        Ok(Err(e)) => {
+            let why = match handler.auth_key() {
+                // Most likely a Hello from an engine without the key: say what to do.
+                Some(_) => format!(
+                    "this engine requires authentication: set the deployment key \
+                     (KVLINK_AUTH_KEY or KVLINK_AUTH_KEY_FILE) on every engine ({e})"
+                ),
+                None => e.to_string(),
+            };
+            return Err(refuse_handshake(&mut stream, &**handler, why).await);
+        }
     };
     let first = frame::decode::<Message>(first.0, &first.1);
     let (theirs, secret) = match (handler.auth_key(), first) {
