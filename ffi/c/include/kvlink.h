@@ -225,6 +225,16 @@ typedef struct kvlink_config {
      * size), 4 KiB to 256 MiB.
      */
     uint64_t staging_chunk_bytes;
+    /**
+     * The deployment key every engine shares (NUL-terminated text, at least 16 bytes); NULL
+     * reads `KVLINK_AUTH_KEY` or `KVLINK_AUTH_KEY_FILE`. Only read during
+     * `kvlink_engine_start`.
+     */
+    const char *auth_key;
+    /**
+     * 1 to allow listening beyond loopback without a key (logged as a warning), 0 otherwise.
+     */
+    uint32_t insecure;
 } kvlink_config;
 
 /**

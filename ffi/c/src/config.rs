@@ -4,7 +4,7 @@
 use std::ffi::{c_char, c_int, CStr};
 use std::time::Duration;
 
-use kvlink::{EngineConfig, TransportChoice};
+use kvlink::{AuthKey, EngineConfig, TransportChoice};
 
 use crate::args::{check_out, millis, opt_str_arg, write_out};
 use crate::guard::guard;
@@ -48,11 +48,17 @@ pub struct kvlink_config {
     /// Bytes per staging buffer (GPU memory over TCP moves through pinned host buffers of this
     /// size), 4 KiB to 256 MiB.
     pub staging_chunk_bytes: u64,
+    /// The deployment key every engine shares (NUL-terminated text, at least 16 bytes); NULL
+    /// reads `KVLINK_AUTH_KEY` or `KVLINK_AUTH_KEY_FILE`. Only read during
+    /// `kvlink_engine_start`.
+    pub auth_key: *const c_char,
+    /// 1 to allow listening beyond loopback without a key (logged as a warning), 0 otherwise.
+    pub insecure: u32,
 }
 
 #[cfg(target_pointer_width = "64")]
 const _: () = {
-    assert!(std::mem::size_of::<kvlink_config>() == 72);
+    assert!(std::mem::size_of::<kvlink_config>() == 88);
     assert!(std::mem::align_of::<kvlink_config>() == 8);
     assert!(std::mem::offset_of!(kvlink_config, listen) == 0);
     assert!(std::mem::offset_of!(kvlink_config, advertise_host) == 8);
@@ -66,6 +72,8 @@ const _: () = {
     assert!(std::mem::offset_of!(kvlink_config, gpu) == 56);
     assert!(std::mem::offset_of!(kvlink_config, staging_buffers) == 60);
     assert!(std::mem::offset_of!(kvlink_config, staging_chunk_bytes) == 64);
+    assert!(std::mem::offset_of!(kvlink_config, auth_key) == 72);
+    assert!(std::mem::offset_of!(kvlink_config, insecure) == 80);
 };
 
 const DEFAULT_LISTEN: &CStr = c"127.0.0.1:0";
@@ -96,6 +104,8 @@ pub unsafe extern "C" fn kvlink_config_default(config: *mut kvlink_config) -> c_
             gpu: u32::from(d.gpu),
             staging_buffers: u32::try_from(d.staging_buffers).unwrap_or(u32::MAX),
             staging_chunk_bytes: d.staging_chunk_bytes,
+            auth_key: std::ptr::null(),
+            insecure: 0,
         };
         // SAFETY: checked above; the caller promised writable memory.
         unsafe { write_out(config, c) };
@@ -143,5 +153,14 @@ pub(crate) fn engine_config(c: &kvlink_config) -> FfiResult<EngineConfig> {
     // Ranges are checked by Engine::start.
     config.staging_buffers = c.staging_buffers as usize;
     config.staging_chunk_bytes = c.staging_chunk_bytes;
+    // SAFETY: as above.
+    if let Some(key) = unsafe { opt_str_arg(c.auth_key, "config->auth_key") }? {
+        config.auth_key = Some(AuthKey::new(key.as_bytes().to_vec())?);
+    }
+    config.insecure = match c.insecure {
+        0 => false,
+        1 => true,
+        other => return Err(invalid(format!("config->insecure is {other}; use 0 or 1"))),
+    };
     Ok(config)
 }

@@ -160,6 +160,13 @@ static void check_argument_errors(kvlink_engine *decode) {
     cfg.transport = 7;
     CHECK_FAILS(kvlink_engine_start(&cfg, &none), KVLINK_E_INVALID, "transport");
     EXPECT(none == NULL);
+    CHECK(kvlink_config_default(&cfg));
+    cfg.auth_key = "short";
+    CHECK_FAILS(kvlink_engine_start(&cfg, &none), KVLINK_E_INVALID, "at least 16");
+    CHECK(kvlink_config_default(&cfg));
+    cfg.listen = "0.0.0.0:0";
+    CHECK_FAILS(kvlink_engine_start(&cfg, &none), KVLINK_E_INVALID, "KVLINK_AUTH_KEY");
+    EXPECT(none == NULL);
     CHECK_FAILS(kvlink_config_default(NULL), KVLINK_E_INVALID, "NULL");
 
     char small[4];
