@@ -303,3 +303,36 @@ fn caller_owned_memory_is_served_and_deregistration_waits_for_it() {
     drop(std::sync::Arc::into_inner(prefill).expect("the waiter thread ended"));
     drop(cache);
 }
+
+#[test]
+fn close_ends_reads_in_flight_and_closes_the_ports() {
+    let shape = ModelShape::LLAMA3_8B;
+    // A peer that accepts and never answers keeps the read in flight.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_addr = silent.local_addr().unwrap().to_string();
+    let decode = side(&shape, 4, None, EngineConfig::default());
+    decode
+        .engine
+        .read_blocks(&silent_addr, "in-flight", &[0], &[0])
+        .unwrap();
+    let control = decode.engine.handshake_address();
+    decode.engine.close();
+    assert!(decode.engine.is_closed());
+    let f = collect(&decode.engine, Duration::from_secs(10), |f| !f.is_empty());
+    assert_eq!(f.failed.len(), 1, "{f:?}");
+    assert!(f.failed[0].reason.contains("shutting down"), "{f:?}");
+    assert!(matches!(
+        decode.engine.read_blocks(&silent_addr, "late", &[1], &[1]),
+        Err(Error::Shutdown)
+    ));
+    assert!(
+        decode.engine.get_finished().is_empty(),
+        "a refused call leaves nothing"
+    );
+    assert!(
+        std::net::TcpStream::connect(control).is_err(),
+        "the handshake port is closed"
+    );
+    decode.engine.close(); // idempotent
+    drop(silent);
+}

@@ -102,6 +102,12 @@ class Engine:
         """Handshake with ``peer`` (or reuse the session); returns its descriptor summary."""
     def in_flight(self) -> Tuple[int, int]:
         """``(receiving, holding)``."""
+    def close(self) -> None:
+        """Closes the ports and sessions; reads in flight fail; idempotent (also via ``with``)."""
+    @property
+    def closed(self) -> bool: ...
+    def __enter__(self) -> "Engine": ...
+    def __exit__(self, *exc: Any) -> bool: ...
     def stats(self) -> Dict[str, int]:
         """handshakes_accepted/refused, data_requests_served/refused, bytes_served,
         bytes_staged_out/in (GPU memory moved through TCP staging buffers)."""

@@ -12,6 +12,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use parking_lot::RwLock;
+
 use crate::auth::AuthKey;
 use crate::completion::Finished;
 use crate::config::{EngineConfig, TransportChoice};
@@ -34,7 +36,8 @@ pub struct Engine {
     sessions: Arc<Sessions>,
     shared: Arc<EngineState>,
     control_addr: SocketAddr,
-    runtime: Option<tokio::runtime::Runtime>,
+    /// `None` once closed.
+    runtime: RwLock<Option<tokio::runtime::Runtime>>,
 }
 
 fn default_engine_id(rank: u32) -> String {
@@ -165,7 +168,7 @@ impl Engine {
             sessions: Arc::new(Sessions::new(shared.clone())),
             shared,
             control_addr,
-            runtime: Some(runtime),
+            runtime: RwLock::new(Some(runtime)),
         };
         let caps = engine.capabilities();
         tracing::info!(
@@ -365,6 +368,8 @@ impl Engine {
             )?;
         }
         let now = Instant::now();
+        let rt = self.runtime.read();
+        let rt = rt.as_ref().ok_or(Error::Shutdown)?;
         self.shared
             .with_tracker(|t| t.start_recv(id.clone(), now))?;
         let job = ReadJob {
@@ -375,7 +380,6 @@ impl Engine {
             started: now,
             deadline: tokio::time::Instant::from_std(now + self.shared.config.request_timeout),
         };
-        let rt = self.runtime.as_ref().ok_or(Error::Shutdown)?;
         rt.spawn(session::run_read(self.sessions.clone(), job));
         Ok(())
     }
@@ -384,7 +388,8 @@ impl Engine {
     /// layout, block count and TP rank. Blocks up to `timeout`; concurrent first contacts with
     /// `read_blocks` share the same handshake. Call it from outside async contexts.
     pub fn connect(&self, peer: &str, timeout: Duration) -> Result<Descriptor> {
-        let rt = self.runtime.as_ref().ok_or(Error::Shutdown)?;
+        let rt = self.runtime.read();
+        let rt = rt.as_ref().ok_or(Error::Shutdown)?;
         let sessions = self.sessions.clone();
         let conn = rt.block_on(async move {
             tokio::time::timeout(timeout, sessions.get(peer))
@@ -456,10 +461,29 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// Closes the engine: its handshake and data ports close, its sessions to peers end, reads
+    /// in flight fail ("engine shutting down"), and later calls that need the network return
+    /// [`Error::Shutdown`]. What finished stays readable with
+    /// [`get_finished`](Engine::get_finished). Idempotent; dropping the engine closes it too.
+    /// Waits for calls in progress on other threads (a [`connect`](Engine::connect) up to its
+    /// timeout), then at most a second for the engine's tasks to stop.
+    pub fn close(&self) {
+        let rt = self.runtime.write().take();
+        if let Some(rt) = rt {
+            rt.shutdown_timeout(Duration::from_secs(1));
+            tracing::info!(engine = %self.shared.engine_id, "kvlink engine closed");
+        }
+    }
+
+    /// Whether [`close`](Engine::close) was called.
+    pub fn is_closed(&self) -> bool {
+        self.runtime.read().is_none()
+    }
+}
+
 impl Drop for Engine {
     fn drop(&mut self) {
-        if let Some(rt) = self.runtime.take() {
-            rt.shutdown_timeout(Duration::from_secs(1));
-        }
+        self.close();
     }
 }

@@ -46,12 +46,21 @@ impl Drop for ReportGuard {
     }
 }
 
-pub(crate) async fn run_read(sessions: Arc<Sessions>, job: ReadJob) {
-    let shared = sessions.state.clone();
-    let mut guard = ReportGuard {
-        shared: shared.clone(),
+/// The transfer task of `job`. Its guard exists from this call on, so the receive is reported
+/// failed even if the task is dropped before it first runs (the engine closing).
+pub(crate) fn run_read(
+    sessions: Arc<Sessions>,
+    job: ReadJob,
+) -> impl std::future::Future<Output = ()> + Send {
+    let guard = ReportGuard {
+        shared: sessions.state.clone(),
         id: Some(job.id.clone()),
     };
+    read_to_end(sessions, job, guard)
+}
+
+async fn read_to_end(sessions: Arc<Sessions>, job: ReadJob, mut guard: ReportGuard) {
+    let shared = sessions.state.clone();
     let ctl = Arc::new(RequestCtl::default());
     let timeout = job
         .deadline

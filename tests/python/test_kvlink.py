@@ -236,6 +236,22 @@ def test_authentication_and_protected_mode():
     kvlink.Engine("0.0.0.0:0", insecure=True)
 
 
+def test_close_and_context_manager():
+    with kvlink.Engine() as e:
+        e.register_kv_caches(make_caches(2, 8, 256, 0), 16, "bf16")
+        addr = e.handshake_address
+        assert not e.closed
+    assert e.closed
+    with pytest.raises(kvlink.KvlinkError, match="shut down"):
+        e.read_blocks("127.0.0.1:1", "late", [0], [0])
+    e.close()  # idempotent
+    import socket
+
+    host, port = addr.rsplit(":", 1)
+    with pytest.raises(OSError):
+        socket.create_connection((host, int(port)), timeout=2).close()
+
+
 def test_gpu_capabilities_and_absence_paths():
     e = kvlink.Engine(transport="tcp")
     caps = e.capabilities()

@@ -326,6 +326,31 @@ impl Engine {
         self.inner.in_flight()
     }
 
+    /// Closes the engine (GIL released): its ports close, its sessions end, reads in flight
+    /// fail ("engine shutting down"), and later network calls raise. What finished stays
+    /// readable with get_finished(). Registered arrays are kept until the engine is freed.
+    /// Idempotent; also called when the engine is garbage-collected, and by `with`.
+    fn close(&self, py: Python<'_>) {
+        let inner = self.inner.clone();
+        py.allow_threads(move || inner.close());
+    }
+
+    /// Whether close() was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+
     /// Counters of what this engine served, refused and staged: `handshakes_accepted`,
     /// `handshakes_refused`, `data_requests_served`, `data_requests_refused`, `bytes_served`,
     /// `bytes_staged_out` (GPU bytes copied out to be sent over TCP) and `bytes_staged_in`
