@@ -231,7 +231,10 @@ fn cuda_loaded(test: &str) -> bool {
         Ok(_) => true,
         Err(why) => {
             use std::io::Write;
-            let _ = writeln!(std::io::stderr(), "{test}: skipped: no CUDA ({why})");
+            // One write of the whole line, so that parallel tests cannot interleave inside it
+            // (tools/test.sh counts these lines).
+            let line = format!("{test}: skipped: no CUDA ({why})\n");
+            let _ = std::io::stderr().lock().write_all(line.as_bytes());
             false
         }
     }

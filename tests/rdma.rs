@@ -33,7 +33,10 @@ fn rdma_available(test: &str) -> bool {
             // Written to the process's stderr directly: libtest does not capture it, so the skip
             // shows in every run's output.
             use std::io::Write;
-            let _ = writeln!(std::io::stderr(), "{test}: skipped: no RDMA device ({why})");
+            // One write of the whole line, so that parallel tests cannot interleave inside it
+            // (tools/test.sh counts these lines).
+            let line = format!("{test}: skipped: no RDMA device ({why})\n");
+            let _ = std::io::stderr().lock().write_all(line.as_bytes());
             false
         }
     }
