@@ -173,4 +173,26 @@ fn before_authentication_only_small_frames_are_read() {
     let text = String::from_utf8_lossy(&answer);
     assert!(text.contains("exceeds the 4096-byte limit"), "{text}");
     assert!(text.contains("requires authentication"), "{text}");
+    // After the challenge too: the frame that must carry the proof is capped as well.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let hello = Message::AuthHello {
+        client_nonce: [7; 32],
+    };
+    s.write_all(&frame::encode(&hello).unwrap()).unwrap();
+    let mut head = [0u8; 4];
+    s.read_exact(&mut head).unwrap();
+    let mut body = vec![0u8; u32::from_be_bytes(head) as usize];
+    s.read_exact(&mut body).unwrap();
+    let challenge = frame::decode::<Message>(u16::from_be_bytes([body[0], body[1]]), &body[2..]);
+    assert!(
+        matches!(challenge, Ok(Message::AuthChallenge { .. })),
+        "{challenge:?}"
+    );
+    s.write_all(&(1u32 << 20).to_be_bytes()).unwrap();
+    let mut answer = Vec::new();
+    let _ = s.read_to_end(&mut answer);
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.contains("authentication failed"), "{text}");
+    assert_eq!(prefill.engine.stats().handshakes_accepted, 0);
 }

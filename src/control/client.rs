@@ -52,6 +52,20 @@ pub(crate) struct Handshake {
 }
 
 impl Handshake {
+    /// Sends `msg`, which has no answer, within the handshake deadline.
+    pub(crate) async fn send(&mut self, msg: &Message) -> Result<()> {
+        let frame = frame::encode(msg)?;
+        timeout(
+            self.timeouts.handshake,
+            write_frame(&mut self.stream, &frame),
+        )
+        .await
+        .map_err(|_| Error::Timeout {
+            what: format!("sending to {}", self.peer),
+            after: self.timeouts.handshake,
+        })?
+    }
+
     /// Sends `msg` and waits for the answer, within the handshake deadline. A refusal (`Error`)
     /// becomes `Error::Handshake` with the peer's message.
     pub(crate) async fn request(&mut self, msg: &Message) -> Result<Message> {
@@ -213,10 +227,13 @@ impl ControlClient {
                             .to_string(),
                     ));
                 }
+                hs.send(&Message::AuthProof {
+                    client_proof: auth::client_proof(key, &client_nonce, &server_nonce),
+                })
+                .await?;
                 (
-                    Message::AuthedHello {
+                    Message::Hello {
                         descriptor: Box::new(ours.clone()),
-                        client_proof: auth::client_proof(key, &client_nonce, &server_nonce),
                     },
                     Some(SessionSecret::derive(key, &client_nonce, &server_nonce)),
                 )

@@ -199,11 +199,10 @@ pub enum Message {
         /// HMAC-SHA256 under the key of the server label and both nonces.
         server_proof: [u8; 32],
     },
-    /// Reader to server, after a valid `AuthChallenge`: who I am, and my proof of the key.
-    /// Answered by `Descriptor` or `Error`.
-    AuthedHello {
-        /// The reader's own descriptor.
-        descriptor: Box<Descriptor>,
+    /// Reader to server, after a valid `AuthChallenge`: my proof of the key. Not answered; the
+    /// reader's `Hello` follows, and is read only once the proof checks (so every frame before
+    /// authentication is small).
+    AuthProof {
         /// HMAC-SHA256 under the key of the client label and both nonces.
         client_proof: [u8; 32],
     },

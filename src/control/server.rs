@@ -320,8 +320,8 @@ impl Drop for SessionGuard {
 }
 
 /// The server's side of the challenge-response: answers the reader's nonce with its own and its
-/// proof, then expects the reader's proof with its Hello. The refusal says only that
-/// authentication failed.
+/// proof, expects the reader's proof (a small frame), then reads its Hello. The refusal says
+/// only that authentication failed.
 async fn authenticate(
     stream: &mut TcpStream,
     peer: SocketAddr,
@@ -339,7 +339,11 @@ async fn authenticate(
         Ok(Ok(())) => {}
         _ => return Err("could not send the authentication challenge".into()),
     }
-    let frame = match timeout(timeouts.handshake, read_frame(stream)).await {
+    let proof = timeout(
+        timeouts.handshake,
+        frame::read_frame_up_to(stream, frame::MAX_UNAUTHENTICATED_FRAME_BYTES),
+    );
+    let frame = match proof.await {
         Ok(Ok(Some(f))) => f,
         Err(_) => {
             return Err(format!(
@@ -350,14 +354,26 @@ async fn authenticate(
         Ok(Ok(None)) | Ok(Err(_)) => return Err("authentication failed".into()),
     };
     match frame::decode::<Message>(frame.0, &frame.1) {
-        Ok(Message::AuthedHello {
+        Ok(Message::AuthProof { client_proof })
+            if auth::client_proof_checks(key, &client_nonce, &server_nonce, &client_proof) => {}
+        _ => return Err("authentication failed".into()),
+    }
+    tracing::debug!(%peer, "reader authenticated");
+    // Authenticated: the Hello may be as large as any frame.
+    let frame = match timeout(timeouts.handshake, read_frame(stream)).await {
+        Ok(Ok(Some(f))) => f,
+        Err(_) => return Err(format!("no Hello within {:?}", timeouts.handshake)),
+        Ok(Ok(None)) => return Err("the reader closed before its Hello".into()),
+        Ok(Err(e)) => return Err(e.to_string()),
+    };
+    match frame::decode::<Message>(frame.0, &frame.1) {
+        Ok(Message::Hello { descriptor }) => Ok((
             descriptor,
-            client_proof,
-        }) if auth::client_proof_checks(key, &client_nonce, &server_nonce, &client_proof) => {
-            tracing::debug!(%peer, "reader authenticated");
-            let secret = SessionSecret::derive(key, &client_nonce, &server_nonce);
-            Ok((descriptor, Some(secret)))
-        }
-        _ => Err("authentication failed".into()),
+            Some(SessionSecret::derive(key, &client_nonce, &server_nonce)),
+        )),
+        Ok(other) => Err(format!(
+            "expected Hello after authentication, got {other:?}"
+        )),
+        Err(e) => Err(e.to_string()),
     }
 }

@@ -121,18 +121,17 @@ impl ConnShared {
     /// destroy returns) and retires every chain they held. For queue pairs that could not be
     /// moved to the error state.
     fn tear_down(&self) {
-        self.mark_broken(&RdmaError::new(
+        let why = RdmaError::new(
             RdmaErrorKind::ConnectionBroken,
             format!("the queue pairs to {} were destroyed", self.peer),
-        ));
+        );
+        self.mark_broken(&why);
         for slot in &self.qps {
             let retired = {
                 let mut st = slot.state.lock();
-                if let Some(qp) = st.qp.take() {
-                    drop(qp);
-                }
-                st.ledger.set_error_state();
-                st.ledger.tick(Instant::now() + FLUSH_GRACE, FLUSH_GRACE)
+                // Destroying the queue pair stops the device executing its work requests.
+                drop(st.qp.take());
+                st.ledger.retire_all(&why)
             };
             for (pending, failure) in retired {
                 pending.finish(failure.as_ref());

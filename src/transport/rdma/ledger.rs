@@ -176,6 +176,19 @@ impl<T> QpLedger<T> {
         retired
     }
 
+    /// The queue pair was destroyed (the device no longer executes its work requests): retires
+    /// every chain still outstanding, failed with the recorded failure.
+    pub(crate) fn retire_all(&mut self, why: &RdmaError) -> Vec<Retired<T>> {
+        self.in_error_state = true;
+        let why = self.error.as_ref().map_or(why, |e| &e.0).clone();
+        let mut retired = Vec::with_capacity(self.fifo.len());
+        while let Some(p) = self.fifo.pop_front() {
+            self.credits += p.wrs;
+            retired.push((p.token, Some(why.clone())));
+        }
+        retired
+    }
+
     /// Chains posted and not yet retired.
     #[cfg(test)]
     pub(crate) fn outstanding(&self) -> usize {
@@ -272,6 +285,23 @@ mod tests {
             vec![("a", Some(broken("request deadline")))]
         );
         assert_eq!(l.outstanding(), 0);
+    }
+
+    #[test]
+    fn a_destroyed_queue_pair_retires_everything_at_once() {
+        let mut l = QpLedger::new(16);
+        posted(&mut l, 8, "a");
+        posted(&mut l, 8, "b");
+        l.fail(&broken("request deadline"), Instant::now());
+        let r = l.retire_all(&broken("destroyed"));
+        assert_eq!(
+            r,
+            vec![
+                ("a", Some(broken("request deadline"))),
+                ("b", Some(broken("request deadline")))
+            ]
+        );
+        assert_eq!((l.outstanding(), l.credits()), (0, 16));
     }
 
     #[test]
