@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use kvlink::internal::{CompletionTracker, SendNotice};
+use kvlink::internal::{CompletionTracker, Grant, SendNotice};
 use kvlink::{
     FailedRequest, FailureCause, Finished, RequestId, Side, TpAggregator, TransferReport,
 };
@@ -43,15 +43,23 @@ fn bench_tracker(c: &mut Criterion) {
         })
     });
     g.bench_function("send_hold_notice_take", |b| {
+        let layout = kvlink::ModelShape::LLAMA3_8B.layout(kvlink::RegionId(1), 64);
+        let grant = std::sync::Arc::new(Grant::new(&layout, &[1, 2, 3, 4]).unwrap());
         b.iter(|| {
             let now = Instant::now();
             let mut t = CompletionTracker::new();
             for id in &ids {
-                t.hold_send(id.clone(), now, Duration::from_secs(480))
-                    .unwrap();
+                t.hold_send(
+                    id.clone(),
+                    grant.clone(),
+                    None,
+                    now,
+                    Duration::from_secs(480),
+                )
+                .unwrap();
             }
             for id in &ids {
-                t.handle_notice(id.clone(), SendNotice::Done, now, Duration::from_secs(480));
+                t.handle_notice(id, "decode", SendNotice::Done).unwrap();
             }
             t.poll(now);
             black_box(t.take_finished())

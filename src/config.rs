@@ -33,7 +33,9 @@ pub struct EngineConfig {
     /// Host or IP that peers should use to reach this engine, when `listen` is a wildcard
     /// address such as `0.0.0.0`.
     pub advertise_host: Option<String>,
-    /// Engine id; defaults to `<hostname>-<pid>-rank<tp_rank>`.
+    /// Engine id (1 to 256 bytes): what peers know this engine by, and the reader name grants
+    /// use. Defaults to `<hostname>-<pid>-rank<tp_rank>`, with `-e<k>` added for the second
+    /// and later engines of one process.
     pub engine_id: Option<String>,
     /// Tensor-parallel rank of this worker.
     pub tp_rank: u32,
@@ -57,7 +59,8 @@ pub struct EngineConfig {
     pub io_timeout: Duration,
     /// Keep-alive interval of control connections (dead after three silent intervals).
     pub keepalive: Duration,
-    /// How long the data server keeps an idle data stream open (readers reconnect after).
+    /// How long the data server keeps a data stream open with no request on it (readers
+    /// reconnect after; a stream serving a request is never idle).
     pub idle_timeout: Duration,
     /// Worker threads of the engine's runtime.
     pub runtime_threads: usize,
@@ -84,6 +87,15 @@ pub struct EngineConfig {
     /// reads GPU memory from a peer has two more of its own. 1 to 4,096; `staging_chunk_bytes`
     /// is 4 KiB to 256 MiB.
     pub staging_buffers: usize,
+    /// Serves any byte of exported memory to any (authenticated) reader, with no hold: for
+    /// benchmarks and debugging only. Off (the default), the TCP data server serves a read only
+    /// inside the blocks the engine holds for the request it names (`hold_blocks`), to that
+    /// request's reader.
+    pub open_reads: bool,
+    /// Most control connections, and separately most data connections, one IP address may have
+    /// open at once (1 to 4,096; 4,096 is the total of each); more are closed at accept, so one
+    /// address cannot lock out another.
+    pub max_connections_per_ip: usize,
 }
 
 impl Default for EngineConfig {
@@ -102,7 +114,7 @@ impl Default for EngineConfig {
             abort_timeout: Duration::from_secs(480),
             io_timeout: Duration::from_secs(30),
             keepalive: Duration::from_secs(5),
-            idle_timeout: Duration::from_secs(600),
+            idle_timeout: Duration::from_secs(60),
             runtime_threads: 2,
             transport: TransportChoice::Auto,
             rdma: RdmaSettings::default(),
@@ -111,8 +123,18 @@ impl Default for EngineConfig {
             staging_buffers: 32,
             auth_key: None,
             insecure: false,
+            open_reads: false,
+            max_connections_per_ip: 256,
         }
     }
+}
+
+/// Checks an engine id as peers do: 1 to 256 bytes.
+pub(crate) fn check_engine_id(id: &str) -> std::result::Result<(), String> {
+    if id.is_empty() || id.len() > 256 {
+        return Err(format!("must be 1 to 256 bytes, got {}", id.len()));
+    }
+    Ok(())
 }
 
 impl EngineConfig {
@@ -121,12 +143,10 @@ impl EngineConfig {
     pub fn validate(&self) -> Result<()> {
         if let Some(id) = &self.engine_id {
             // Peers refuse a descriptor whose id is empty or longer (every handshake would fail).
-            if id.is_empty() || id.len() > 256 {
-                return Err(Error::invalid(format!(
-                    "engine_id must be 1 to 256 bytes, got {}",
-                    id.len()
-                )));
-            }
+            check_engine_id(id).map_err(|e| Error::invalid(format!("engine_id {e}")))?;
+        }
+        if !(1..=4096).contains(&self.max_connections_per_ip) {
+            return Err(Error::invalid("max_connections_per_ip must be 1 to 4096"));
         }
         if self.tp_size == 0 || self.tp_rank >= self.tp_size {
             return Err(Error::invalid(format!(

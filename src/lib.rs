@@ -27,12 +27,15 @@
 mod auth;
 mod completion;
 mod config;
+mod conn_limit;
 mod control;
 mod engine;
 mod error;
 #[cfg(feature = "events")]
 pub mod events;
+mod fuzzing;
 mod gpu;
+mod grant;
 mod ids;
 mod layout;
 mod log_limit;
@@ -64,6 +67,12 @@ pub mod internal {
     pub use crate::completion::{CompletionTracker, SendNotice};
     pub use crate::config::{check_duration, MAX_DURATION};
     pub use crate::control::{frame, messages};
+    pub use crate::grant::Grant;
+
+    /// Fuzzing entry points (cargo-fuzz targets and corpus tests).
+    pub mod fuzz {
+        pub use crate::fuzzing::*;
+    }
     pub use crate::plan::{check_blocks, check_local_blocks, plan, Plan, PlanOptions, Segment};
     pub use crate::transport::rdma::RdmaFault;
     pub use crate::transport::tcp::wire as tcp_wire;

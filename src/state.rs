@@ -19,11 +19,12 @@ use crate::control::messages::{Descriptor, TransportInfo};
 use crate::control::{frame::PROTOCOL_VERSION, ControlHandler, ControlTimeouts};
 use crate::error::{Error, Result};
 use crate::gpu::Runtimes;
-use crate::ids::{RegionId, RequestId};
+use crate::grant::Grant;
+use crate::ids::{BlockId, RegionId, RequestId};
 use crate::layout::KvLayout;
 use crate::memory::{Region, RegionInfo};
 use crate::transport::rdma::{self, RdmaDevice, RdmaFault, ServerQps};
-use crate::transport::tcp::{RegionLookup, StagingPool};
+use crate::transport::tcp::{DataSession, Granted, RegionLookup, StagingPool};
 
 /// What the data and control servers count.
 #[derive(Default)]
@@ -33,6 +34,7 @@ pub(crate) struct Counters {
     pub(crate) data_requests_served: AtomicU64,
     pub(crate) data_requests_refused: AtomicU64,
     pub(crate) bytes_served: AtomicU64,
+    pub(crate) notices_refused: AtomicU64,
 }
 
 /// State shared by the engine's API, its servers and its sessions.
@@ -51,15 +53,16 @@ pub(crate) struct EngineState {
     pub(crate) rdma_fault_budget: Arc<AtomicU32>,
     regions: RwLock<HashMap<RegionId, Arc<Region>>>,
     next_region: AtomicU32,
-    layout: RwLock<Option<KvLayout>>,
+    layout: RwLock<Option<Arc<KvLayout>>>,
     descriptor: RwLock<Option<Arc<Descriptor>>>,
     pub(crate) tracker: Mutex<CompletionTracker>,
     pub(crate) finished: Condvar,
     pub(crate) counters: Counters,
     pub(crate) gpus: Runtimes,
     pub(crate) staging: Arc<StagingPool>,
-    /// Authenticated control sessions, by id: their data connections are served.
-    data_sessions: Mutex<HashMap<[u8; 16], SessionSecret>>,
+    /// Authenticated control sessions, by id, with the engine id each reader declared: their
+    /// data connections are served, as that engine.
+    data_sessions: Mutex<HashMap<[u8; 16], DataSession>>,
 }
 
 impl EngineState {
@@ -109,8 +112,29 @@ impl EngineState {
         self.descriptor.read().clone()
     }
 
-    pub(crate) fn layout(&self) -> Option<KvLayout> {
+    pub(crate) fn layout(&self) -> Option<Arc<KvLayout>> {
         self.layout.read().clone()
+    }
+
+    /// Holds request `id`'s `blocks` for a reader (`reader`, when given, is the only engine
+    /// allowed to read and confirm them) until its notice or `abort_timeout`.
+    pub(crate) fn hold(
+        &self,
+        id: RequestId,
+        blocks: &[BlockId],
+        reader: Option<String>,
+        abort_timeout: Duration,
+    ) -> Result<()> {
+        id.validate().map_err(Error::InvalidArgument)?;
+        if let Some(r) = &reader {
+            crate::config::check_engine_id(r)
+                .map_err(|e| Error::invalid(format!("reader: {e}")))?;
+        }
+        let layout = self
+            .layout()
+            .ok_or_else(|| Error::invalid("set a KV layout before holding blocks"))?;
+        let grant = Arc::new(Grant::new(&layout, blocks)?);
+        self.with_tracker(|t| t.hold_send(id, grant, reader, Instant::now(), abort_timeout))
     }
 
     pub(crate) fn region(&self, id: RegionId) -> Option<Arc<Region>> {
@@ -189,7 +213,7 @@ impl EngineState {
             bytes_per_block = layout.bytes_per_block(),
             "KV layout set"
         );
-        *self.layout.write() = Some(layout);
+        *self.layout.write() = Some(Arc::new(layout));
         self.rebuild_descriptor();
         Ok(())
     }
@@ -228,6 +252,7 @@ impl EngineState {
     fn rebuild_descriptor(&self) {
         let layout = self.layout.read().clone();
         *self.descriptor.write() = layout.map(|layout| {
+            let layout = (*layout).clone();
             Arc::new(Descriptor {
                 protocol_version: PROTOCOL_VERSION,
                 engine_id: self.engine_id.clone(),
@@ -247,10 +272,21 @@ impl ControlHandler for EngineState {
         EngineState::descriptor(self)
     }
 
-    fn notice(&self, peer: SocketAddr, id: RequestId, notice: SendNotice) {
+    fn notice(
+        &self,
+        peer: SocketAddr,
+        from: &str,
+        id: RequestId,
+        notice: SendNotice,
+    ) -> std::result::Result<(), String> {
         tracing::debug!(%peer, %id, ?notice, "send notice");
-        let keep = self.config.abort_timeout;
-        self.with_tracker(|t| t.handle_notice(id, notice, Instant::now(), keep));
+        let r = self.with_tracker(|t| t.handle_notice(&id, from, notice));
+        if r.is_err() {
+            self.counters
+                .notices_refused
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        r
     }
 
     fn handshake(&self, accepted: bool) {
@@ -282,8 +318,10 @@ impl ControlHandler for EngineState {
         self.config.auth_key.as_ref()
     }
 
-    fn session_opened(&self, secret: SessionSecret) {
-        self.data_sessions.lock().insert(secret.id, secret);
+    fn session_opened(&self, secret: SessionSecret, engine: &str) {
+        self.data_sessions
+            .lock()
+            .insert(secret.id, (secret, Arc::from(engine)));
     }
 
     fn session_closed(&self, id: [u8; 16]) {
@@ -304,8 +342,23 @@ impl RegionLookup for EngineState {
         self.config.auth_key.is_some()
     }
 
-    fn data_session(&self, id: &[u8; 16]) -> Option<SessionSecret> {
+    fn data_session(&self, id: &[u8; 16]) -> Option<DataSession> {
         self.data_sessions.lock().get(id).cloned()
+    }
+
+    fn grant(
+        &self,
+        id: &RequestId,
+        engine: Option<&str>,
+    ) -> std::result::Result<Option<Granted>, String> {
+        if self.config.open_reads {
+            return Ok(None);
+        }
+        let layout = self
+            .layout()
+            .ok_or_else(|| "this engine has no KV layout".to_string())?;
+        let grant = self.tracker.lock().grant_for(id, engine)?;
+        Ok(Some((grant, layout)))
     }
 
     fn served(&self, bytes: Option<u64>) {

@@ -30,7 +30,7 @@ fn engines_sharing_the_key_transfer_every_byte() {
     let prefill = side(&shape, 16, Some(21), keyed(KEY));
     let decode = side(&shape, 16, None, keyed(KEY));
     let peer = prefill.engine.handshake_address().to_string();
-    prefill.engine.hold_blocks("auth-ok").unwrap();
+    prefill.engine.hold_blocks("auth-ok", &[15, 2, 8]).unwrap();
     decode
         .engine
         .read_blocks(&peer, "auth-ok", &[0, 9, 4], &[15, 2, 8])
@@ -119,7 +119,7 @@ fn the_data_port_serves_nothing_without_a_session_proof() {
         offset: 0,
         len: 4096,
     };
-    wire::encode_request(1, [entry, entry, entry].into_iter(), &mut req);
+    wire::encode_request(1, "any", [entry, entry, entry].into_iter(), &mut req);
     s.write_all(&req).unwrap();
     let mut answer = Vec::new();
     let _ = s.read_to_end(&mut answer);

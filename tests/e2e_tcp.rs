@@ -21,8 +21,8 @@ fn run_transfer(
     let peer = prefill.engine.handshake_address().to_string();
     let mut rng = Rng(42);
     let reqs = random_requests(&mut rng, decode_blocks, prefill_blocks, requests, per);
-    for i in 0..requests {
-        prefill.engine.hold_blocks(format!("req-{i}")).unwrap();
+    for (i, (_, r)) in reqs.iter().enumerate() {
+        prefill.engine.hold_blocks(format!("req-{i}"), r).unwrap();
     }
     // All requests start before the first handshake completes: one handshake serves them all.
     for (i, (l, r)) in reqs.iter().enumerate() {
@@ -113,7 +113,7 @@ fn immediate_refusals_name_the_problem() {
 
     // Remote ids are checked after the handshake: the request fails with the reason, and the
     // prefill side, holding that request, hears the abort.
-    prefill.engine.hold_blocks("far").unwrap();
+    prefill.engine.hold_blocks("far", &[1]).unwrap();
     decode.engine.read_blocks(&peer, "far", &[1], &[9]).unwrap();
     let f = collect(&decode.engine, Duration::from_secs(10), |f| {
         !f.failed.is_empty()
@@ -170,11 +170,11 @@ fn held_blocks_expire_when_never_read() {
     );
     prefill
         .engine
-        .hold_blocks_for("never-read", Duration::from_millis(200))
+        .hold_blocks_for("never-read", &[0], None, Some(Duration::from_millis(200)))
         .unwrap();
     assert!(prefill
         .engine
-        .hold_blocks_for("never-read", Duration::from_millis(200))
+        .hold_blocks_for("never-read", &[0], None, Some(Duration::from_millis(200)))
         .is_err());
     assert!(prefill.engine.get_finished().is_empty());
     let f = collect(&prefill.engine, Duration::from_secs(10), |f| {
@@ -242,6 +242,7 @@ fn caller_owned_memory_is_served_and_deregistration_waits_for_it() {
     prefill.set_layout(layout.clone()).unwrap();
     let decode = side(&shape, blocks, None, EngineConfig::default());
     let peer = prefill.handshake_address().to_string();
+    prefill.hold_blocks("ext", &[5, 1, 6]).unwrap();
     decode
         .engine
         .read_blocks(&peer, "ext", &[0, 7, 3], &[5, 1, 6])

@@ -119,7 +119,8 @@ fn hostile_control_frames_are_refused_and_serving_goes_on() {
     assert!(m.contains("exceeds"), "{m}");
     let hello = frame::encode(&Message::Ping { nonce: 1 }).unwrap();
     let m = control_exchange(&addr, &raw_frame(PROTOCOL_VERSION + 7, &hello[6..]));
-    assert!(m.contains("protocol version 8 is not supported"), "{m}");
+    let want = format!("protocol version {} is not supported", PROTOCOL_VERSION + 7);
+    assert!(m.contains(&want), "{m}");
     let m = control_exchange(&addr, &raw_frame(PROTOCOL_VERSION, &[0xc1, 0x00, 0xff]));
     assert!(m.contains("malformed"), "{m}");
     let m = control_exchange(&addr, &raw_frame(PROTOCOL_VERSION, &[0x92, 0x01]));
@@ -177,6 +178,7 @@ fn hostile_control_frames_are_refused_and_serving_goes_on() {
     assert_eq!(prefill.engine.stats().handshakes_refused, 10);
     // Well-behaved peers are still served.
     let decode = side(&shape, 16, None, quick_config());
+    prefill.engine.hold_blocks("ok", &[12, 1]).unwrap();
     decode
         .engine
         .read_blocks(&addr, "ok", &[3, 7], &[12, 1])
@@ -186,9 +188,9 @@ fn hostile_control_frames_are_refused_and_serving_goes_on() {
     verify(&decode, &prefill.layout, 11, &[3, 7], &[12, 1]);
 }
 
-fn data_request(s: &mut TcpStream, tag: u64, entries: &[wire::Entry]) -> (u8, Vec<u8>) {
+fn data_request(s: &mut TcpStream, tag: u64, id: &str, entries: &[wire::Entry]) -> (u8, Vec<u8>) {
     let mut buf = Vec::new();
-    wire::encode_request(tag, entries.iter().copied(), &mut buf);
+    wire::encode_request(tag, id, entries.iter().copied(), &mut buf);
     s.write_all(&buf).unwrap();
     let mut head = [0u8; wire::RESPONSE_HEADER];
     s.read_exact(&mut head).unwrap();
@@ -206,6 +208,8 @@ fn reads_outside_exported_memory_are_refused() {
     let (data, _) = prefill.engine.descriptor().unwrap().tcp().unwrap();
     let region = prefill.region.id();
     let len = prefill.region.len();
+    let all: Vec<u32> = (0..8).collect();
+    prefill.engine.hold_blocks("raw", &all).unwrap();
     let mut s = TcpStream::connect(data).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let e = |region, offset, len| wire::Entry {
@@ -214,25 +218,55 @@ fn reads_outside_exported_memory_are_refused() {
         len,
     };
 
-    let (st, body) = data_request(&mut s, 1, &[e(RegionId(999), 0, 8)]);
+    let (st, body) = data_request(&mut s, 1, "raw", &[e(RegionId(999), 0, 8)]);
     assert_eq!(st, wire::STATUS_REFUSED);
     assert!(String::from_utf8_lossy(&body).contains("region#999 is not exported"));
-    let (st, body) = data_request(&mut s, 2, &[e(region, 0, 8), e(region, len - 4, 8)]);
+    let (st, body) = data_request(&mut s, 2, "raw", &[e(region, 0, 8), e(region, len - 4, 8)]);
     assert_eq!(st, wire::STATUS_REFUSED);
     assert!(
         String::from_utf8_lossy(&body).contains("entry 1: range"),
         "{}",
         String::from_utf8_lossy(&body)
     );
-    let (st, _) = data_request(&mut s, 3, &[e(region, u64::MAX, 2)]);
+    let (st, _) = data_request(&mut s, 3, "raw", &[e(region, u64::MAX, 2)]);
     assert_eq!(st, wire::STATUS_REFUSED);
-    let (st, _) = data_request(&mut s, 4, &[e(region, 0, wire::MAX_REQUEST_BYTES + 1)]);
+    let (st, _) = data_request(
+        &mut s,
+        4,
+        "raw",
+        &[e(region, 0, wire::MAX_REQUEST_BYTES + 1)],
+    );
     assert_eq!(st, wire::STATUS_REFUSED);
     // The same stream still serves a valid request, with the right bytes.
-    let (st, body) = data_request(&mut s, 5, &[e(region, 100, 50), e(region, len - 10, 10)]);
+    let (st, body) = data_request(
+        &mut s,
+        5,
+        "raw",
+        &[e(region, 100, 50), e(region, len - 10, 10)],
+    );
     assert_eq!(st, wire::STATUS_OK);
     assert_eq!(&body[..50], &pattern(21, 100, 50)[..]);
     assert_eq!(&body[50..], &pattern(21, len - 10, 10)[..]);
+
+    // Reads name a held request and stay inside its blocks.
+    let t = &prefill.layout.tensors[1];
+    let (st, body) = data_request(&mut s, 6, "never-held", &[e(region, 100, 50)]);
+    assert_eq!(st, wire::STATUS_REFUSED);
+    let why = String::from_utf8_lossy(&body).to_string();
+    assert!(why.contains("never-held is not held"), "{why}");
+    prefill.engine.hold_blocks("part", &[2]).unwrap();
+    let (st, body) = data_request(&mut s, 7, "part", &[e(region, t.block_offset(2), 64)]);
+    assert_eq!(st, wire::STATUS_OK);
+    assert_eq!(body, pattern(21, t.block_offset(2), 64));
+    let (st, body) = data_request(
+        &mut s,
+        8,
+        "part",
+        &[e(region, t.block_offset(2), t.block_bytes + 1)],
+    );
+    assert_eq!(st, wire::STATUS_REFUSED);
+    let why = String::from_utf8_lossy(&body).to_string();
+    assert!(why.contains("block 3") && why.contains("not held"), "{why}");
 
     // Garbage and oversized entry counts drop that connection only.
     let mut g = TcpStream::connect(data).unwrap();
@@ -247,7 +281,7 @@ fn reads_outside_exported_memory_are_refused() {
     let mut g = TcpStream::connect(data).unwrap();
     g.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut hdr = Vec::new();
-    wire::encode_request(1, std::iter::empty(), &mut hdr);
+    wire::encode_request(1, "raw", std::iter::empty(), &mut hdr);
     hdr[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
     g.write_all(&hdr).unwrap();
     assert_eq!(
@@ -257,11 +291,12 @@ fn reads_outside_exported_memory_are_refused() {
     );
 
     let stats = prefill.engine.stats();
-    assert_eq!(stats.data_requests_refused, 4, "{stats:?}");
-    assert_eq!(stats.data_requests_served, 1, "{stats:?}");
+    assert_eq!(stats.data_requests_refused, 6, "{stats:?}");
+    assert_eq!(stats.data_requests_served, 2, "{stats:?}");
     // Other peers are unaffected.
     let decode = side(&shape, 8, None, quick_config());
     let peer = prefill.engine.handshake_address().to_string();
+    prefill.engine.hold_blocks("fine", &[7, 2]).unwrap();
     decode
         .engine
         .read_blocks(&peer, "fine", &[0, 5], &[7, 2])
@@ -285,7 +320,7 @@ fn a_notice_with_an_invalid_id_is_refused_alone() {
     let shape = ModelShape::LLAMA3_8B;
     let prefill = side(&shape, 16, Some(11), quick_config());
     let addr = prefill.engine.handshake_address().to_string();
-    prefill.engine.hold_blocks("req-ok").unwrap();
+    prefill.engine.hold_blocks("req-ok", &[0]).unwrap();
     let mut s = TcpStream::connect(&addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let hello = Message::Hello {

@@ -34,7 +34,7 @@ const SHAPE: ModelShape = ModelShape {
 fn transfer(prefill: &Side, decode: &Side, seed: u64, reqs: &[(Vec<u32>, Vec<u32>)]) {
     let peer = prefill.engine.handshake_address().to_string();
     for (i, (l, r)) in reqs.iter().enumerate() {
-        prefill.engine.hold_blocks(format!("req-{i}")).unwrap();
+        prefill.engine.hold_blocks(format!("req-{i}"), r).unwrap();
         decode
             .engine
             .read_blocks(&peer, format!("req-{i}"), l, r)
@@ -297,10 +297,10 @@ fn peer_killed_mid_staged_transfer_fails_requests_then_a_new_peer_works() {
     // expired), nothing stays in flight, and a new peer serves the same engine.
     let shape = ModelShape::LLAMA3_8B;
     let blocks = 64;
-    let mut child = ChildPrefill::spawn(shape.name, blocks, 5, 0, "tcp");
+    let n = 8;
+    let mut child = ChildPrefill::spawn(shape.name, blocks, 5, n, "tcp");
     let decode = side_in(Mem::Emulated, &shape, blocks, None, quick_config());
     let all: Vec<u32> = (0..blocks).collect();
-    let n = 8;
     let (f, _) = kill_peer_mid_transfer(&decode, &mut child, &all, n, Duration::from_secs(60));
     assert_eq!(f.receiving.len() + f.failed.len(), n, "{f:?}");
     assert!(!f.failed.is_empty(), "killing the peer failed no request");
@@ -313,11 +313,11 @@ fn peer_killed_mid_staged_transfer_fails_requests_then_a_new_peer_works() {
         );
     }
     assert_eq!(decode.engine.in_flight(), (0, 0));
-    let child2 = ChildPrefill::spawn(shape.name, blocks, 9, 0, "tcp");
+    let child2 = ChildPrefill::spawn(shape.name, blocks, 9, 1, "tcp");
     let (l, r) = (vec![5u32, 9, 60], vec![17u32, 3, 63]);
     decode
         .engine
-        .read_blocks(&child2.addr, "after", &l, &r)
+        .read_blocks(&child2.addr, "req-0", &l, &r)
         .unwrap();
     let f = collect(&decode.engine, Duration::from_secs(30), |f| !f.is_empty());
     assert_eq!(f.receiving.len(), 1, "{f:?}");
@@ -363,6 +363,8 @@ fn engines_reading_device_memory_from_each_other_do_not_stall() {
     }
     // A stall would end in io_timeout (5 s) tearing streams down: failed requests below.
     for (i, (l, r)) in reqs.iter().enumerate() {
+        b.engine.hold_blocks(format!("a{i}"), r).unwrap();
+        a.engine.hold_blocks(format!("b{i}"), r).unwrap();
         a.engine.read_blocks(&pb, format!("a{i}"), l, r).unwrap();
         b.engine.read_blocks(&pa, format!("b{i}"), l, r).unwrap();
     }

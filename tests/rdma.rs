@@ -87,7 +87,7 @@ fn transfer(shape: ModelShape, blocks: u32, requests: usize, per: usize) {
     let mut rng = Rng(3);
     let reqs = random_requests(&mut rng, blocks, blocks, requests, per);
     for (i, (l, r)) in reqs.iter().enumerate() {
-        prefill.engine.hold_blocks(format!("req-{i}")).unwrap();
+        prefill.engine.hold_blocks(format!("req-{i}"), r).unwrap();
         decode
             .engine
             .read_blocks(&peer, format!("req-{i}"), l, r)
@@ -144,6 +144,7 @@ fn rdma_regions_split_into_chunks_still_transfer() {
     let peer = prefill.engine.handshake_address().to_string();
     let l: Vec<u32> = (10..40).collect();
     let r: Vec<u32> = (20..50).collect();
+    prefill.engine.hold_blocks("chunks", &r).unwrap();
     decode.engine.read_blocks(&peer, "chunks", &l, &r).unwrap();
     let f = collect(&decode.engine, Duration::from_secs(120), |f| !f.is_empty());
     assert_eq!(f.receiving.len(), 1, "{f:?}");
@@ -162,6 +163,7 @@ fn rdma_transport_negotiation() {
     let peer = prefill.engine.handshake_address().to_string();
     // Both have RDMA: auto picks it.
     let decode = side(&shape, 8, None, auto);
+    prefill.engine.hold_blocks("a", &[2]).unwrap();
     decode.engine.read_blocks(&peer, "a", &[1], &[2]).unwrap();
     let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
     assert_eq!(f.reports[0].transport, "rdma");
@@ -169,6 +171,7 @@ fn rdma_transport_negotiation() {
     let mut tcp = quick_config();
     tcp.transport = TransportChoice::Tcp;
     let decode = side(&shape, 8, None, tcp);
+    prefill.engine.hold_blocks("b", &[2]).unwrap();
     decode.engine.read_blocks(&peer, "b", &[1], &[2]).unwrap();
     let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
     assert_eq!(f.reports[0].transport, "tcp");
@@ -201,6 +204,11 @@ fn rdma_with_authentication_keys_go_only_to_key_holders() {
     let peer = prefill.engine.handshake_address().to_string();
     // Key holders: the queue-pair exchange runs on the authenticated session.
     let decode = side(&shape, 8, None, keyed());
+    let reader = decode.engine.descriptor().unwrap().engine_id;
+    prefill
+        .engine
+        .hold_blocks_for("k", &[2, 5], Some(&reader), None)
+        .unwrap();
     decode
         .engine
         .read_blocks(&peer, "k", &[1, 6], &[2, 5])
@@ -208,6 +216,26 @@ fn rdma_with_authentication_keys_go_only_to_key_holders() {
     let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
     assert_eq!(f.reports[0].transport, "rdma", "{f:?}");
     verify(&decode, &prefill.layout, 31, &[1, 6], &[2, 5]);
+    let s = collect(&prefill.engine, Duration::from_secs(10), |f| !f.is_empty());
+    assert_eq!(
+        s.sending.len(),
+        1,
+        "the named reader's confirmation counts: {s:?}"
+    );
+    // Another key holder's confirmation of a request held for someone else is refused: RDMA
+    // reads are one-sided, but the send is not released by the wrong engine.
+    prefill
+        .engine
+        .hold_blocks_for("k2", &[3], Some(&reader), None)
+        .unwrap();
+    let other = side(&shape, 8, None, keyed());
+    other.engine.read_blocks(&peer, "k2", &[1], &[3]).unwrap();
+    let f = collect(&other.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(prefill.engine.get_finished().is_empty(), "k2 is still held");
+    assert_eq!(prefill.engine.in_flight().1, 1);
+    assert!(prefill.engine.stats().notices_refused >= 1);
     // Without the key: no descriptor, so no remote key, and no queue pair.
     let decode = side(&shape, 8, None, rdma_config());
     decode.engine.read_blocks(&peer, "n", &[1], &[2]).unwrap();
@@ -225,6 +253,7 @@ fn faulty_read(fault: RdmaFault, expect: &str, status: u32) {
     let decode = side_on(engine, Mem::Host, &shape, 16, None);
     let peer = prefill.engine.handshake_address().to_string();
     let t0 = Instant::now();
+    prefill.engine.hold_blocks("bad", &[3, 9]).unwrap();
     decode
         .engine
         .read_blocks(&peer, "bad", &[1, 2], &[3, 9])
@@ -249,6 +278,7 @@ fn faulty_read(fault: RdmaFault, expect: &str, status: u32) {
         t0.elapsed()
     );
     // The connection is rebuilt with a new generation and works again.
+    prefill.engine.hold_blocks("good", &[6, 7]).unwrap();
     decode
         .engine
         .read_blocks(&peer, "good", &[4, 5], &[6, 7])
@@ -324,12 +354,12 @@ fn rdma_peer_killed_mid_transfer_then_a_new_peer_works() {
     }
     let shape = ModelShape::LLAMA3_8B;
     let blocks = 16u32;
-    let mut child = ChildPrefill::spawn(shape.name, blocks, 5, 0, "rdma");
-    let decode = side(&shape, blocks, None, rdma_config());
-    let all: Vec<u32> = (0..blocks).collect();
     // Enough work (40 x 32 MiB) that most of it is still in flight when the first request
     // lands and the peer is killed, however fast the emulated device runs.
     let n = 40;
+    let mut child = ChildPrefill::spawn(shape.name, blocks, 5, n, "rdma");
+    let decode = side(&shape, blocks, None, rdma_config());
+    let all: Vec<u32> = (0..blocks).collect();
     let (f, took) = kill_peer_mid_transfer(&decode, &mut child, &all, n, Duration::from_secs(120));
     assert_eq!(
         f.receiving.len() + f.failed.len(),
@@ -379,6 +409,7 @@ fn rdma_device_regions_take_the_device_registration_path() {
     assert!(prefill.region.is_device() && decode.region.is_device());
     let peer = prefill.engine.handshake_address().to_string();
     let (l, r): (Vec<u32>, Vec<u32>) = ((0..24).collect(), (24..48).rev().collect());
+    prefill.engine.hold_blocks("dev", &r).unwrap();
     decode.engine.read_blocks(&peer, "dev", &l, &r).unwrap();
     let f = collect(&decode.engine, Duration::from_secs(120), |f| !f.is_empty());
     assert_eq!(f.receiving.len(), 1, "{f:?}");

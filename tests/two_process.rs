@@ -66,12 +66,12 @@ fn two_process_deepseek_mla() {
 fn prefill_killed_mid_transfer_fails_requests_then_a_new_peer_works() {
     let shape = ModelShape::LLAMA3_8B;
     let blocks = 256;
-    let mut child = ChildPrefill::spawn(shape.name, blocks, 5, 0, "tcp");
+    let n = 24;
+    let mut child = ChildPrefill::spawn(shape.name, blocks, 5, n, "tcp");
     let decode = side(&shape, blocks, None, quick_config());
     // Many large requests (all 256 blocks each, 512 MiB per request); local blocks overlap
     // across requests, which is fine here since bytes are not checked.
     let all: Vec<u32> = (0..blocks).collect();
-    let n = 24;
     // Kill the prefill process as soon as the first request lands.
     let (f, took) = kill_peer_mid_transfer(&decode, &mut child, &all, n, Duration::from_secs(60));
     assert_eq!(
@@ -93,7 +93,7 @@ fn prefill_killed_mid_transfer_fails_requests_then_a_new_peer_works() {
             r.contains("lost")
                 || r.contains("closed")
                 || r.contains("reset")
-                || r.contains("refused"),
+                || r.contains("connection refused"),
             "{fr:?}"
         );
     }

@@ -38,6 +38,7 @@ def main() -> None:
     ]:
         samples = []
         for i in range(CALLS):
+            prefill.hold_blocks(f"{name}-{i}", remote)
             t0 = time.perf_counter()
             decode.read_blocks(peer, f"{name}-{i}", local, remote)
             samples.append(time.perf_counter() - t0)

@@ -21,6 +21,8 @@ LAYERS = {
     "completion": 4,
     "plan": 3,
     "layout": 3,
+    "grant": 3,
+    "conn_limit": 0,
     "memory": 2,
     "error": 1.5,
     "log_limit": 0,
@@ -28,8 +30,9 @@ LAYERS = {
     "gpu": 1,
     "ids": 0,
     "verify": 10,
+    "fuzzing": 10,
 }
-SAME_LAYER_OK = {("plan", "layout")}
+SAME_LAYER_OK = {("plan", "layout"), ("grant", "layout")}
 
 root = pathlib.Path(__file__).resolve().parent.parent / "src"
 bad = []

@@ -92,8 +92,17 @@ class Engine:
         self, peer: str, request_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
     ) -> None:
         """Starts reading ``remote_blocks`` of ``peer`` into ``local_blocks``; returns at once."""
-    def hold_blocks(self, request_id: str, abort_timeout: Optional[float] = None) -> None:
-        """Prefill side: hold a request's blocks until read, aborted or the abort timeout."""
+    def hold_blocks(
+        self,
+        request_id: str,
+        blocks: Sequence[int],
+        reader: Optional[str] = None,
+        abort_timeout: Optional[float] = None,
+    ) -> None:
+        """Prefill side: hold ``blocks`` of a request and grant them to its reader (over TCP the
+        reader may read those blocks, and only those, under this request id) until read,
+        aborted or the abort timeout. ``reader`` names the only engine allowed to read and
+        confirm; without it the first engine that does becomes that reader."""
     def get_finished(self) -> Finished:
         """Everything finished since the last call. Never blocks."""
     def wait_finished(self, timeout: float) -> Finished:
@@ -110,7 +119,7 @@ class Engine:
     def __exit__(self, *exc: Any) -> bool: ...
     def stats(self) -> Dict[str, int]:
         """handshakes_accepted/refused, data_requests_served/refused, bytes_served,
-        bytes_staged_out/in (GPU memory moved through TCP staging buffers)."""
+        bytes_staged_out/in (GPU memory moved through TCP staging buffers), notices_refused."""
 
 class TpAggregator:
     """Releases a request once every TP rank reported it; a failure on any rank fails it."""

@@ -5,15 +5,14 @@
 //! Send side: `held` until the reading peer's done or abort notice arrives, or until the abort
 //! timeout passes, checked in [`poll`](CompletionTracker::poll).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{FailedRequest, FailureCause, Finished, Side, TransferReport};
 use crate::error::{Error, Result};
+use crate::grant::Grant;
 use crate::ids::RequestId;
-
-/// Notices kept for sends that are not held yet (the peer's notice overtook the scheduler).
-const EARLY_NOTICE_CAP: usize = 4096;
 
 /// What a reading peer says about a send.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,6 +27,26 @@ pub enum SendNotice {
 struct Held {
     deadline: Instant,
     timeout: Duration,
+    grant: Arc<Grant>,
+    /// The engine allowed to read and confirm: named at hold time, or the first engine that
+    /// identified itself reading or confirming the request.
+    reader: Option<String>,
+}
+
+impl Held {
+    /// Admits `engine` as the request's reader (claiming it when none is set yet).
+    fn admit(&mut self, id: &RequestId, engine: &str) -> std::result::Result<(), String> {
+        match &self.reader {
+            Some(r) if r != engine => Err(format!(
+                "request {id} is held for another reader engine, not {engine:?}"
+            )),
+            Some(_) => Ok(()),
+            None => {
+                self.reader = Some(engine.to_string());
+                Ok(())
+            }
+        }
+    }
 }
 
 /// Per-worker completion state. See the module docs for the state machine.
@@ -35,8 +54,6 @@ struct Held {
 pub struct CompletionTracker {
     reading: HashMap<RequestId, Instant>,
     held: HashMap<RequestId, Held>,
-    early: HashMap<RequestId, (SendNotice, Instant)>,
-    early_order: VecDeque<RequestId>,
     out: Finished,
 }
 
@@ -83,11 +100,14 @@ impl CompletionTracker {
         true
     }
 
-    /// Holds a send until the peer's notice arrives or `abort_timeout` passes. If the peer's
-    /// notice already arrived, the send finishes at once.
+    /// Holds a send: `grant` is what its reader may read, `reader` (when given) the only
+    /// engine allowed to read and confirm it. The send finishes when that reader's notice
+    /// arrives, or fails when `abort_timeout` passes first.
     pub fn hold_send(
         &mut self,
         id: RequestId,
+        grant: Arc<Grant>,
+        reader: Option<String>,
         now: Instant,
         abort_timeout: Duration,
     ) -> Result<()> {
@@ -96,46 +116,51 @@ impl CompletionTracker {
                 "request {id} is already held for sending"
             )));
         }
-        if let Some((notice, _)) = self.early.remove(&id) {
-            self.early_order.retain(|e| e != &id);
-            self.finish_send(id, notice);
-            return Ok(());
-        }
         self.held.insert(
             id,
             Held {
                 deadline: now + abort_timeout,
                 timeout: abort_timeout,
+                grant,
+                reader,
             },
         );
         Ok(())
     }
 
-    /// Applies a peer's notice about a send. A notice for a send not (yet) held is kept for a
-    /// while, bounded, so a scheduler that holds late still sees it.
+    /// What the reader of request `id` may read. `engine` is the reading engine when the data
+    /// connection identified it (it then claims a request held without a named reader).
+    /// Refuses a request that is not held, or that is held for another engine.
+    pub fn grant_for(
+        &mut self,
+        id: &RequestId,
+        engine: Option<&str>,
+    ) -> std::result::Result<Arc<Grant>, String> {
+        let held = self.held.get_mut(id).ok_or_else(|| {
+            format!("request {id} is not held by this engine (the prefill calls hold_blocks before its reader reads)")
+        })?;
+        if let Some(e) = engine {
+            held.admit(id, e)?;
+        }
+        Ok(held.grant.clone())
+    }
+
+    /// Applies notice `notice` about send `id` from engine `from`. Refuses (and stores
+    /// nothing for) a request that is not held, or that is held for another engine.
     pub fn handle_notice(
         &mut self,
-        id: RequestId,
+        id: &RequestId,
+        from: &str,
         notice: SendNotice,
-        now: Instant,
-        keep: Duration,
-    ) {
-        if self.held.remove(&id).is_some() {
-            self.finish_send(id, notice);
-            return;
-        }
-        if self.early.len() >= EARLY_NOTICE_CAP {
-            if let Some(old) = self.early_order.pop_front() {
-                self.early.remove(&old);
-            }
-        }
-        if self
-            .early
-            .insert(id.clone(), (notice, now + keep))
-            .is_none()
-        {
-            self.early_order.push_back(id);
-        }
+    ) -> std::result::Result<(), String> {
+        let held = self
+            .held
+            .get_mut(id)
+            .ok_or_else(|| format!("request {id} is not held by this engine"))?;
+        held.admit(id, from)?;
+        self.held.remove(id);
+        self.finish_send(id.clone(), notice);
+        Ok(())
     }
 
     fn finish_send(&mut self, id: RequestId, notice: SendNotice) {
@@ -151,7 +176,7 @@ impl CompletionTracker {
         }
     }
 
-    /// Expires held sends whose abort timeout passed, and forgets stale early notices.
+    /// Expires held sends whose abort timeout passed.
     pub fn poll(&mut self, now: Instant) {
         let expired: Vec<RequestId> = self
             .held
@@ -171,15 +196,6 @@ impl CompletionTracker {
                 ),
                 cause: FailureCause::Expired,
             });
-        }
-        while let Some(front) = self.early_order.front() {
-            match self.early.get(front) {
-                Some((_, until)) if *until > now => break,
-                _ => {
-                    let id = self.early_order.pop_front().expect("front exists");
-                    self.early.remove(&id);
-                }
-            }
         }
     }
 
@@ -245,22 +261,36 @@ mod tests {
         t.start_recv("a".into(), t0).unwrap();
     }
 
+    fn grant() -> Arc<Grant> {
+        let l = crate::layout::ModelShape::LLAMA3_8B.layout(crate::ids::RegionId(1), 4);
+        Arc::new(Grant::new(&l, &[0, 1]).unwrap())
+    }
+
+    fn hold(t: &mut CompletionTracker, id: &str, reader: Option<&str>, now: Instant) {
+        t.hold_send(
+            id.into(),
+            grant(),
+            reader.map(Into::into),
+            now,
+            Duration::from_secs(5),
+        )
+        .unwrap();
+    }
+
     #[test]
     fn held_send_finishes_on_notice_or_expires() {
         let t0 = Instant::now();
-        let keep = Duration::from_secs(60);
         let mut t = CompletionTracker::new();
-        t.hold_send("x".into(), t0, Duration::from_secs(5)).unwrap();
-        t.hold_send("y".into(), t0, Duration::from_secs(5)).unwrap();
-        t.hold_send("z".into(), t0, Duration::from_secs(5)).unwrap();
+        hold(&mut t, "x", None, t0);
+        hold(&mut t, "y", None, t0);
+        hold(&mut t, "z", None, t0);
+        assert!(t
+            .hold_send("x".into(), grant(), None, t0, Duration::from_secs(1))
+            .is_err());
         assert_eq!(t.next_deadline(), Some(t0 + Duration::from_secs(5)));
-        t.handle_notice("x".into(), SendNotice::Done, t0, keep);
-        t.handle_notice(
-            "z".into(),
-            SendNotice::Aborted("decode OOM".into()),
-            t0,
-            keep,
-        );
+        t.handle_notice(&"x".into(), "d", SendNotice::Done).unwrap();
+        t.handle_notice(&"z".into(), "d", SendNotice::Aborted("decode OOM".into()))
+            .unwrap();
         t.poll(t0 + Duration::from_secs(4));
         let f = t.take_finished();
         assert_eq!(f.sending, vec![RequestId::from("x")]);
@@ -274,23 +304,51 @@ mod tests {
     }
 
     #[test]
-    fn early_notice_is_applied_when_held_and_is_bounded() {
+    fn notices_for_requests_never_held_are_refused_not_stored() {
         let t0 = Instant::now();
-        let keep = Duration::from_secs(10);
         let mut t = CompletionTracker::new();
-        t.handle_notice("e".into(), SendNotice::Done, t0, keep);
-        t.hold_send("e".into(), t0, Duration::from_secs(1)).unwrap();
-        assert_eq!(t.take_finished().sending, vec![RequestId::from("e")]);
-        // Stale notices are forgotten.
-        t.handle_notice("s".into(), SendNotice::Done, t0, keep);
-        t.poll(t0 + keep);
-        t.hold_send("s".into(), t0 + keep, Duration::from_secs(1))
+        let e = t
+            .handle_notice(&"e".into(), "d", SendNotice::Done)
+            .unwrap_err();
+        assert!(e.contains("not held"), "{e}");
+        hold(&mut t, "e", None, t0);
+        assert!(
+            t.take_finished().is_empty(),
+            "the refused notice was not kept"
+        );
+        assert_eq!(t.holding(), 1);
+        assert!(t.grant_for(&"nope".into(), None).is_err());
+    }
+
+    #[test]
+    fn only_the_requests_reader_reads_and_confirms() {
+        let t0 = Instant::now();
+        let mut t = CompletionTracker::new();
+        // Named at hold time.
+        hold(&mut t, "a", Some("decode-1"), t0);
+        assert!(t.grant_for(&"a".into(), Some("decode-2")).is_err());
+        assert!(t
+            .handle_notice(&"a".into(), "decode-2", SendNotice::Aborted("x".into()))
+            .unwrap_err()
+            .contains("another reader"));
+        assert_eq!(t.holding(), 1, "the foreign abort changed nothing");
+        assert!(t.grant_for(&"a".into(), Some("decode-1")).unwrap().has(1));
+        t.handle_notice(&"a".into(), "decode-1", SendNotice::Done)
             .unwrap();
-        assert!(t.take_finished().is_empty());
-        for i in 0..(EARLY_NOTICE_CAP + 10) {
-            t.handle_notice(format!("n{i}").into(), SendNotice::Done, t0, keep);
-        }
-        assert!(t.early.len() <= EARLY_NOTICE_CAP);
-        assert_eq!(t.early.len(), t.early_order.len());
+        // Claimed by the first engine that identifies itself.
+        hold(&mut t, "b", None, t0);
+        assert!(
+            t.grant_for(&"b".into(), None).is_ok(),
+            "anonymous reads claim nothing"
+        );
+        t.grant_for(&"b".into(), Some("decode-3")).unwrap();
+        assert!(t
+            .handle_notice(&"b".into(), "decode-4", SendNotice::Done)
+            .is_err());
+        t.handle_notice(&"b".into(), "decode-3", SendNotice::Done)
+            .unwrap();
+        let f = t.take_finished();
+        assert_eq!(f.sending, vec![RequestId::from("a"), RequestId::from("b")]);
+        assert!(f.failed.is_empty());
     }
 }

@@ -13,6 +13,7 @@ use super::messages::{Descriptor, Message};
 use super::ControlTimeouts;
 use crate::auth::{self, AuthKey, SessionSecret};
 use crate::completion::SendNotice;
+use crate::conn_limit::ConnLimit;
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::log_limit::{warn_limited, LogLimit};
@@ -22,8 +23,15 @@ use crate::transport::rdma::QpEndpoint;
 pub(crate) trait ControlHandler: Send + Sync + 'static {
     /// This engine's descriptor; `None` until a KV layout is set.
     fn descriptor(&self) -> Option<Arc<Descriptor>>;
-    /// A reader's notice about a send.
-    fn notice(&self, peer: SocketAddr, id: RequestId, notice: SendNotice);
+    /// Reader engine `from`'s notice about a send; refused (with the reason) when the request
+    /// is not held, or is held for another engine.
+    fn notice(
+        &self,
+        peer: SocketAddr,
+        from: &str,
+        id: RequestId,
+        notice: SendNotice,
+    ) -> std::result::Result<(), String>;
     /// A handshake ended: accepted or refused.
     fn handshake(&self, accepted: bool);
     /// A reader asks for queue pairs connected to its own. Returns ours and a guard that keeps
@@ -35,31 +43,37 @@ pub(crate) trait ControlHandler: Send + Sync + 'static {
     ) -> std::result::Result<(Vec<QpEndpoint>, Box<dyn std::any::Any + Send>), String>;
     /// The deployment key readers must prove; `None` serves readers without authentication.
     fn auth_key(&self) -> Option<&AuthKey>;
-    /// An authenticated session began: its data connections present this secret's proofs.
-    fn session_opened(&self, secret: SessionSecret);
+    /// An authenticated session of reader engine `engine` began: its data connections present
+    /// this secret's proofs.
+    fn session_opened(&self, secret: SessionSecret, engine: &str);
     /// That session ended: its secret no longer opens data connections.
     fn session_closed(&self, id: [u8; 16]);
 }
 
 /// Most control connections served at once; more are closed at accept.
-const MAX_CONNECTIONS: usize = 4096;
+pub(crate) const MAX_CONNECTIONS: usize = 4096;
 
-/// Accepts control connections until the task is dropped.
+/// Accepts control connections until the task is dropped: at most [`MAX_CONNECTIONS`] at once,
+/// `per_ip` of them from one address.
 pub(crate) async fn serve(
     listener: TcpListener,
     handler: Arc<dyn ControlHandler>,
     timeouts: ControlTimeouts,
+    per_ip: usize,
 ) {
     // Peers can trigger these at will: one line per interval, with the count.
     static FULL: LogLimit = LogLimit::new(Duration::from_secs(10));
     static CLOSED: LogLimit = LogLimit::new(Duration::from_secs(1));
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let slots = ConnLimit::new(MAX_CONNECTIONS, per_ip);
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
-                let Ok(permit) = slots.clone().try_acquire_owned() else {
-                    warn_limited!(FULL, %peer, "refusing a control connection: {MAX_CONNECTIONS} already open");
-                    continue;
+                let permit = match slots.admit(peer.ip()) {
+                    Ok(p) => p,
+                    Err(full) => {
+                        warn_limited!(FULL, %peer, "refusing a control connection: {full}");
+                        continue;
+                    }
                 };
                 let _ = stream.set_nodelay(true);
                 let handler = handler.clone();
@@ -218,7 +232,7 @@ async fn session(
     let reply = frame::encode(&Message::Descriptor(Box::new((*ours).clone())))?;
     handler.handshake(true);
     // Data connections of this session are accepted while it lives.
-    let _session = secret.map(|s| SessionGuard::open(handler.clone(), s));
+    let _session = secret.map(|s| SessionGuard::open(handler.clone(), s, &theirs.engine_id));
     timeout(timeouts.handshake, write_frame(&mut stream, &reply))
         .await
         .map_err(|_| Error::Timeout {
@@ -231,6 +245,15 @@ async fn session(
     let idle = timeouts.keepalive * 3;
     let mut _rdma_qps: Option<Box<dyn std::any::Any + Send>> = None;
     let mut bad_notices = 0u64;
+    // Notices the engine refused (not held, or held for another reader): one line per
+    // interval for the whole engine, with the count; the session goes on.
+    static REFUSED: LogLimit = LogLimit::new(Duration::from_secs(1));
+    let from = theirs.engine_id.as_str();
+    let refused = |id: &RequestId, r: std::result::Result<(), String>| {
+        if let Err(why) = r {
+            warn_limited!(REFUSED, %peer, engine = from, %id, %why, "refused a reader's notice");
+        }
+    };
     loop {
         let frame = match timeout(idle, read_frame(&mut stream)).await {
             Err(_) => {
@@ -248,11 +271,13 @@ async fn session(
         };
         match frame::decode::<Message>(frame.0, &frame.1) {
             Ok(Message::Done { request_id }) if request_id.validate().is_ok() => {
-                handler.notice(peer, request_id, SendNotice::Done)
+                let r = handler.notice(peer, from, request_id.clone(), SendNotice::Done);
+                refused(&request_id, r);
             }
             Ok(Message::Abort { request_id, reason }) if request_id.validate().is_ok() => {
                 let reason: String = reason.chars().take(1024).collect();
-                handler.notice(peer, request_id, SendNotice::Aborted(reason))
+                let r = handler.notice(peer, from, request_id.clone(), SendNotice::Aborted(reason));
+                refused(&request_id, r);
             }
             // A notice naming an invalid id (empty, too long) is refused alone: the session and
             // the other requests on it go on.
@@ -306,9 +331,9 @@ struct SessionGuard {
 }
 
 impl SessionGuard {
-    fn open(handler: Arc<dyn ControlHandler>, secret: SessionSecret) -> SessionGuard {
+    fn open(handler: Arc<dyn ControlHandler>, secret: SessionSecret, engine: &str) -> SessionGuard {
         let id = secret.id;
-        handler.session_opened(secret);
+        handler.session_opened(secret, engine);
         SessionGuard { handler, id }
     }
 }

@@ -16,7 +16,7 @@ use parking_lot::RwLock;
 
 use crate::auth::AuthKey;
 use crate::completion::Finished;
-use crate::config::{EngineConfig, TransportChoice};
+use crate::config::{check_duration, EngineConfig, TransportChoice};
 use crate::control::{self, messages::Descriptor};
 use crate::error::{Error, Result};
 use crate::gpu::{GpuApi, PointerKind, Runtimes};
@@ -40,11 +40,18 @@ pub struct Engine {
     runtime: RwLock<Option<tokio::runtime::Runtime>>,
 }
 
+/// `host-pid-rankN`, with `-eK` added for the second and later engines of the process, so
+/// that engines of one process never share an id (grants name readers by engine id).
 fn default_engine_id(rank: u32) -> String {
+    static STARTED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_string())
         .unwrap_or_else(|_| "host".into());
-    format!("{host}-{}-rank{rank}", std::process::id())
+    let id = format!("{host}-{}-rank{rank}", std::process::id());
+    match STARTED.fetch_add(1, Ordering::Relaxed) {
+        0 => id,
+        k => format!("{id}-e{k}"),
+    }
 }
 
 fn generation_nonce() -> u64 {
@@ -160,10 +167,20 @@ impl Engine {
             gpus,
         ));
         let timeouts = shared.control_timeouts();
-        let io_timeout = shared.config.io_timeout;
-        let idle_timeout = shared.config.idle_timeout;
-        runtime.spawn(control::serve(control, shared.clone(), timeouts));
-        runtime.spawn(tcp::serve(data, shared.clone(), io_timeout, idle_timeout));
+        let per_ip = shared.config.max_connections_per_ip;
+        let limits = tcp::ServeLimits {
+            io_timeout: shared.config.io_timeout,
+            idle_timeout: shared.config.idle_timeout,
+            per_ip,
+        };
+        runtime.spawn(control::serve(control, shared.clone(), timeouts, per_ip));
+        runtime.spawn(tcp::serve(data, shared.clone(), limits));
+        if shared.config.open_reads {
+            tracing::warn!(
+                "open_reads is on: the data server serves any exported byte without a hold \
+                 (benchmarks and debugging only)"
+            );
+        }
         let engine = Engine {
             sessions: Arc::new(Sessions::new(shared.clone())),
             shared,
@@ -402,18 +419,31 @@ impl Engine {
         Ok(conn.descriptor.clone())
     }
 
-    /// Holds a request's blocks for a reader (prefill side): the request finishes sending when
-    /// the reader confirms, fails when it aborts, and expires after the abort timeout.
-    pub fn hold_blocks(&self, id: impl Into<RequestId>) -> Result<()> {
-        self.hold_blocks_for(id, self.shared.config.abort_timeout)
+    /// Holds request `id`'s `blocks` for a reader (prefill side) and grants them to it: the
+    /// reader may read those blocks, and only those, under this request id (TCP; see
+    /// docs/security.md for RDMA). The request finishes sending when the reader confirms,
+    /// fails when it aborts, and expires after the abort timeout. The first engine that reads
+    /// or confirms the request becomes its only reader; [`hold_blocks_for`] names it instead.
+    ///
+    /// [`hold_blocks_for`]: Engine::hold_blocks_for
+    pub fn hold_blocks(&self, id: impl Into<RequestId>, blocks: &[BlockId]) -> Result<()> {
+        self.shared
+            .hold(id.into(), blocks, None, self.shared.config.abort_timeout)
     }
 
-    /// [`hold_blocks`](Engine::hold_blocks) with a specific abort timeout.
-    pub fn hold_blocks_for(&self, id: impl Into<RequestId>, abort_timeout: Duration) -> Result<()> {
-        let id = id.into();
-        id.validate().map_err(Error::InvalidArgument)?;
+    /// [`hold_blocks`](Engine::hold_blocks) with the reader's engine id (`reader`: only that
+    /// engine may read and confirm) and a specific abort timeout (`None`: the engine's).
+    pub fn hold_blocks_for(
+        &self,
+        id: impl Into<RequestId>,
+        blocks: &[BlockId],
+        reader: Option<&str>,
+        abort_timeout: Option<Duration>,
+    ) -> Result<()> {
+        let timeout = abort_timeout.unwrap_or(self.shared.config.abort_timeout);
+        check_duration("abort_timeout", timeout)?;
         self.shared
-            .with_tracker(|t| t.hold_send(id, Instant::now(), abort_timeout))
+            .hold(id.into(), blocks, reader.map(str::to_string), timeout)
     }
 
     /// Everything that finished since the last call, each request once.
@@ -451,6 +481,7 @@ impl Engine {
             bytes_served: get(&c.bytes_served),
             bytes_staged_out: self.shared.staging.staged_out(),
             bytes_staged_in: self.shared.staging.staged_in(),
+            notices_refused: get(&c.notices_refused),
         }
     }
 

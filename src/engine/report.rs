@@ -12,7 +12,8 @@ pub struct EngineStats {
     pub handshakes_refused: u64,
     /// TCP data requests served.
     pub data_requests_served: u64,
-    /// TCP data requests refused (range outside exported memory, unknown region).
+    /// TCP data requests refused (request not held or held for another reader, range outside
+    /// its blocks or outside exported memory, unknown region, failed session proof).
     pub data_requests_refused: u64,
     /// Bytes served over TCP.
     pub bytes_served: u64,
@@ -20,6 +21,8 @@ pub struct EngineStats {
     pub bytes_staged_out: u64,
     /// Bytes received over TCP and copied from staging buffers into GPU memory.
     pub bytes_staged_in: u64,
+    /// Readers' done/abort notices refused (request not held, or held for another reader).
+    pub notices_refused: u64,
 }
 
 /// What an engine found at start: its transports and the memory kinds it can register, each

@@ -63,14 +63,19 @@ struct MemControl {
 impl ControlLink for MemControl {
     fn notify(&self, msg: Message) -> bool {
         let peer: SocketAddr = "127.0.0.1:1".parse().expect("address");
-        match msg {
-            Message::Done { request_id } => self.prefill.notice(peer, request_id, SendNotice::Done),
+        let from = "decode";
+        // A refused notice is dropped, as the control server drops it.
+        let _ = match msg {
+            Message::Done { request_id } => {
+                self.prefill
+                    .notice(peer, from, request_id, SendNotice::Done)
+            }
             Message::Abort { request_id, reason } => {
                 self.prefill
-                    .notice(peer, request_id, SendNotice::Aborted(reason))
+                    .notice(peer, from, request_id, SendNotice::Aborted(reason))
             }
             other => panic!("unexpected notice {other:?}"),
-        }
+        };
         true
     }
 
@@ -127,12 +132,13 @@ impl Transport for MemTransport {
         "memory"
     }
 
-    fn read(
-        &self,
+    fn read<'a>(
+        &'a self,
+        _id: &'a RequestId,
         ops: Vec<ReadOp>,
         ctl: Arc<RequestCtl>,
         deadline: tokio::time::Instant,
-    ) -> ReadFuture<'_> {
+    ) -> ReadFuture<'a> {
         let started = tokio::time::Instant::now();
         Box::pin(async move {
             match tokio::time::timeout_at(deadline, self.run(ops, &ctl)).await {
@@ -284,9 +290,7 @@ impl Pair {
     async fn read(&self, id: &str, local: &[BlockId], remote: &[BlockId]) {
         let now = std::time::Instant::now();
         let abort = Duration::from_secs(60);
-        self.prefill
-            .with_tracker(|t| t.hold_send(id.into(), now, abort))
-            .unwrap();
+        self.prefill.hold(id.into(), remote, None, abort).unwrap();
         let state = &self.decode.state;
         state
             .with_tracker(|t| t.start_recv(id.into(), now))

@@ -164,7 +164,7 @@ async fn read_once(
             remote_offset: s.remote_offset,
         });
     }
-    let work_requests = conn.transport.read(ops, ctl, job.deadline).await?;
+    let work_requests = conn.transport.read(&job.id, ops, ctl, job.deadline).await?;
     let report = TransferReport {
         id: job.id.clone(),
         bytes: plan.bytes,

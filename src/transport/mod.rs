@@ -10,7 +10,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::error::Result;
-use crate::ids::RegionId;
+use crate::ids::{RegionId, RequestId};
 use crate::memory::RegionSpan;
 
 /// One read: the peer's `[remote_offset, +local.len())` of `remote_region` into `local`.
@@ -107,12 +107,15 @@ pub(crate) trait Transport: Send + Sync {
     /// Reads every op; resolves when all bytes are in place, on the first error, or with
     /// `Error::Timeout` at `deadline`. It resolves only once nothing writes into the ops' local
     /// memory any more.
-    fn read(
-        &self,
+    /// `id` names the request: the peer serves only the blocks it holds for it (TCP; RDMA
+    /// reads are one-sided, see docs/security.md).
+    fn read<'a>(
+        &'a self,
+        id: &'a RequestId,
         ops: Vec<ReadOp>,
         ctl: std::sync::Arc<RequestCtl>,
         deadline: tokio::time::Instant,
-    ) -> ReadFuture<'_>;
+    ) -> ReadFuture<'a>;
     /// Whether the path has failed and must be rebuilt.
     fn is_broken(&self) -> bool;
 }

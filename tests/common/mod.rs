@@ -209,8 +209,13 @@ pub fn prefill_child_main() {
         config.rdma.device = std::env::var("KVLINK_RDMA_DEVICE").ok();
     }
     let prefill = side(&shape, blocks, Some(seed), config);
+    // The parent picks the blocks: every block is granted to each held request.
+    let all: Vec<u32> = (0..blocks).collect();
     for i in 0..held {
-        prefill.engine.hold_blocks(format!("req-{i}")).unwrap();
+        prefill
+            .engine
+            .hold_blocks(format!("req-{i}"), &all)
+            .unwrap();
     }
     // Exit when the parent goes away (stdin closes).
     std::thread::spawn(|| {
@@ -313,7 +318,8 @@ impl Drop for ChildPrefill {
 
 /// Issues `n` reads of `blocks` from the child, kills the child as soon as the first request
 /// ends, and collects until all `n` have ended (or `limit` passes). Returns everything that
-/// finished and how long it took from the first read.
+/// finished and how long it took from the first read. The child must hold `req-0` to
+/// `req-{n-1}` (spawn it with `n` held requests).
 pub fn kill_peer_mid_transfer(
     decode: &Side,
     child: &mut ChildPrefill,
@@ -325,7 +331,7 @@ pub fn kill_peer_mid_transfer(
     for i in 0..n {
         decode
             .engine
-            .read_blocks(&child.addr, format!("big-{i}"), blocks, blocks)
+            .read_blocks(&child.addr, format!("req-{i}"), blocks, blocks)
             .unwrap();
     }
     let mut f = collect(&decode.engine, limit, |f| !f.is_empty());

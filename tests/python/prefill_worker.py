@@ -1,5 +1,5 @@
 """A prefill worker process for the Python tests: registers numpy KV caches filled with a
-deterministic pattern, holds the given requests, prints its handshake address, then reports
+deterministic pattern, holds the given requests (every block granted to each), prints its handshake address, then reports
 finished sends until stdin closes."""
 
 import sys
@@ -16,7 +16,7 @@ def main() -> None:
     caches = make_caches(layers, blocks, block_bytes, seed)
     engine.register_kv_caches(caches, 16, "bf16")
     for i in range(held):
-        engine.hold_blocks(f"req-{i}")
+        engine.hold_blocks(f"req-{i}", list(range(blocks)))
     print(f"ADDR {engine.handshake_address}", flush=True)
     done = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()

@@ -102,6 +102,7 @@ def test_aggregation_over_four_ranks():
         caches.append((pc, dc))
     agg = kvlink.TpAggregator(ranks)
     for rank, (p, d) in enumerate(zip(prefills, decodes)):
+        p.hold_blocks("agg-1", [6, 5])
         d.read_blocks(p.handshake_address, "agg-1", [1, 2], [6, 5])
         if rank < ranks - 1:
             agg.add(rank, d.wait_finished(10.0))
@@ -115,6 +116,7 @@ def test_aggregation_over_four_ranks():
     agg.add(0, decodes[0].get_finished())
     bad = kvlink.TpAggregator(2)
     ok = decodes[0]
+    prefills[0].hold_blocks("agg-2", [3])
     ok.read_blocks(prefills[0].handshake_address, "agg-2", [3], [3])
     bad.add(0, ok.wait_finished(10.0))
     decodes[1].read_blocks("127.0.0.1:1", "agg-2", [3], [3])
@@ -220,7 +222,7 @@ def test_authentication_and_protected_mode():
     prefill.register_kv_caches(make_caches(2, 8, 256, 3), 16, "bf16")
     decode = kvlink.Engine(auth_key=key.encode())
     decode.register_kv_caches(make_caches(2, 8, 256, 0), 16, "bf16")
-    prefill.hold_blocks("a")
+    prefill.hold_blocks("a", [5, 6])
     decode.read_blocks(prefill.handshake_address, "a", [0, 1], [5, 6])
     received, _, failed = collect(decode, lambda r, s, f: len(r) + len(f) > 0, limit=30.0)
     assert received == ["a"] and not failed, failed

@@ -37,7 +37,8 @@ def prefill() -> None:
     blocks = rng.choice(BLOCKS, size=63, replace=False)
     for c in caches:
         c[blocks] = rng.integers(0, 256, size=(len(blocks), BLOCK_BYTES), dtype=np.uint8)
-    engine.hold_blocks("req-42", abort_timeout=60.0)
+    # Grant exactly these blocks to the reader of req-42.
+    engine.hold_blocks("req-42", blocks, abort_timeout=60.0)
     checksum = int(sum(int(c[blocks].astype(np.uint64).sum()) for c in caches))
     print(json.dumps({"addr": engine.handshake_address, "blocks": blocks.tolist(), "checksum": checksum}), flush=True)
     while True:

@@ -486,17 +486,26 @@ int kvlink_engine_read_blocks(struct kvlink_engine *engine,
                               size_t count);
 
 /**
- * Holds the blocks of request `request_id` (1 to 256 bytes) for a reader (prefill side): the
- * request finishes sending when the reader confirms its read, and fails when the reader
- * aborts or after `abort_timeout_ms` (0 for the engine's `abort_timeout_ms`; at most 7 days).
+ * Holds the `count` blocks at `blocks` of request `request_id` (1 to 256 bytes) for a reader
+ * (prefill side) and grants them to it: over TCP the reader may read those blocks, and only
+ * those, under this request id. `reader` is NULL (the first engine that reads or confirms the
+ * request becomes its only reader) or the reader's engine id (only that engine may read and
+ * confirm). The request finishes sending when the reader confirms its read, and fails when
+ * the reader aborts or after `abort_timeout_ms` (0 for the engine's `abort_timeout_ms`; at
+ * most 7 days).
  *
- * Returns `KVLINK_OK` or `KVLINK_E_INVALID` (bad id, id already held, bad timeout).
+ * Returns `KVLINK_OK` or `KVLINK_E_INVALID` (bad id, no block or a block outside the KV
+ * cache, id already held, bad reader or timeout).
  *
  * # Safety
- * `engine` is NULL or a live engine; `request_id` is NULL or NUL-terminated.
+ * `engine` is NULL or a live engine; `request_id` and `reader` are NULL or NUL-terminated;
+ * `blocks` is NULL or points to `count` readable `uint32_t`s.
  */
 int kvlink_engine_hold_blocks(struct kvlink_engine *engine,
                               const char *request_id,
+                              const uint32_t *blocks,
+                              size_t count,
+                              const char *reader,
                               uint64_t abort_timeout_ms);
 
 /**

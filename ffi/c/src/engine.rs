@@ -6,7 +6,7 @@ use std::ffi::{c_char, c_int, c_void};
 use kvlink::{DeviceMemory, Engine, EngineConfig, ExternalMemory, KvLayout, RegionId, MAX_TENSORS};
 
 use crate::aggregator::kvlink_aggregator;
-use crate::args::{check_out, millis, ref_arg, slice_arg, str_arg, write_out};
+use crate::args::{check_out, millis, opt_str_arg, ref_arg, slice_arg, str_arg, write_out};
 use crate::config::{engine_config, kvlink_config};
 use crate::finished::kvlink_finished;
 use crate::guard::guard;
@@ -436,18 +436,27 @@ pub unsafe extern "C" fn kvlink_engine_read_blocks(
     })
 }
 
-/// Holds the blocks of request `request_id` (1 to 256 bytes) for a reader (prefill side): the
-/// request finishes sending when the reader confirms its read, and fails when the reader
-/// aborts or after `abort_timeout_ms` (0 for the engine's `abort_timeout_ms`; at most 7 days).
+/// Holds the `count` blocks at `blocks` of request `request_id` (1 to 256 bytes) for a reader
+/// (prefill side) and grants them to it: over TCP the reader may read those blocks, and only
+/// those, under this request id. `reader` is NULL (the first engine that reads or confirms the
+/// request becomes its only reader) or the reader's engine id (only that engine may read and
+/// confirm). The request finishes sending when the reader confirms its read, and fails when
+/// the reader aborts or after `abort_timeout_ms` (0 for the engine's `abort_timeout_ms`; at
+/// most 7 days).
 ///
-/// Returns `KVLINK_OK` or `KVLINK_E_INVALID` (bad id, id already held, bad timeout).
+/// Returns `KVLINK_OK` or `KVLINK_E_INVALID` (bad id, no block or a block outside the KV
+/// cache, id already held, bad reader or timeout).
 ///
 /// # Safety
-/// `engine` is NULL or a live engine; `request_id` is NULL or NUL-terminated.
+/// `engine` is NULL or a live engine; `request_id` and `reader` are NULL or NUL-terminated;
+/// `blocks` is NULL or points to `count` readable `uint32_t`s.
 #[no_mangle]
 pub unsafe extern "C" fn kvlink_engine_hold_blocks(
     engine: *mut kvlink_engine,
     request_id: *const c_char,
+    blocks: *const u32,
+    count: usize,
+    reader: *const c_char,
     abort_timeout_ms: u64,
 ) -> c_int {
     guard(|| {
@@ -455,12 +464,15 @@ pub unsafe extern "C" fn kvlink_engine_hold_blocks(
         let e = unsafe { ref_arg(engine, "engine") }?;
         // SAFETY: the caller promised a NUL-terminated string or NULL.
         let id = unsafe { str_arg(request_id, "request_id") }?;
-        if abort_timeout_ms == 0 {
-            e.engine.hold_blocks(id)?;
-        } else {
-            let timeout = millis(abort_timeout_ms, "abort_timeout_ms")?;
-            e.engine.hold_blocks_for(id, timeout)?;
-        }
+        // SAFETY: the caller promised `count` readable ids or NULL.
+        let blocks = unsafe { slice_arg(blocks, count, "blocks") }?;
+        // SAFETY: the caller promised a NUL-terminated string or NULL.
+        let reader = unsafe { opt_str_arg(reader, "reader") }?;
+        let timeout = match abort_timeout_ms {
+            0 => None,
+            ms => Some(millis(ms, "abort_timeout_ms")?),
+        };
+        e.engine.hold_blocks_for(id, blocks, reader, timeout)?;
         Ok(())
     })
 }

@@ -301,11 +301,17 @@ int main(void) {
     CHECK(kvlink_engine_connect(decode, peer, 10000, &peer_blocks));
     EXPECT(peer_blocks == BLOCKS);
 
-    CHECK(kvlink_engine_hold_blocks(prefill, REQ, 30000));
-    CHECK_FAILS(kvlink_engine_hold_blocks(prefill, "", 0), KVLINK_E_INVALID, "empty");
-
     const uint32_t remote[NREAD] = {3, 60, 17, 5, 42, 8, 0, 63};
     const uint32_t local[NREAD] = {10, 1, 50, 33, 2, 61, 20, 7};
+
+    CHECK(kvlink_engine_hold_blocks(prefill, REQ, remote, NREAD, NULL, 30000));
+    CHECK_FAILS(kvlink_engine_hold_blocks(prefill, "", remote, NREAD, NULL, 0), KVLINK_E_INVALID,
+                "empty");
+    CHECK_FAILS(kvlink_engine_hold_blocks(prefill, "no-blocks", remote, 0, NULL, 0),
+                KVLINK_E_INVALID, "block ids");
+    const uint32_t outside[1] = {BLOCKS};
+    CHECK_FAILS(kvlink_engine_hold_blocks(prefill, "outside", outside, 1, NULL, 0),
+                KVLINK_E_INVALID, "outside");
 
     /* The error path: a local block id past the end of the cache is refused at once. */
     const uint32_t bad_local[NREAD] = {10, 1, 50, 33, 2, 61, 20, BLOCKS};

@@ -264,20 +264,27 @@ impl Engine {
             .map_err(to_py)
     }
 
-    /// Prefill side: holds a request's blocks until the reader confirms (finished sending), aborts
-    /// (failed) or `abort_timeout` seconds pass (failed, expired).
-    #[pyo3(signature = (request_id, abort_timeout = None))]
+    /// Prefill side: holds `blocks` of a request for its reader and grants them to it (over
+    /// TCP the reader may read those blocks, and only those, under this request id). The send
+    /// finishes when the reader confirms, fails when it aborts, and expires after
+    /// `abort_timeout` seconds. `reader` names the only engine allowed to read and confirm;
+    /// without it, the first engine that does becomes that reader.
+    #[pyo3(signature = (request_id, blocks, reader = None, abort_timeout = None))]
     fn hold_blocks(
         &self,
         request_id: &Bound<'_, PyAny>,
+        blocks: &Bound<'_, PyAny>,
+        reader: Option<&str>,
         abort_timeout: Option<f64>,
     ) -> PyResult<()> {
         let id = self::request_id(request_id)?;
-        match abort_timeout {
-            Some(t) => self.inner.hold_blocks_for(id, seconds("abort_timeout", t)?),
-            None => self.inner.hold_blocks(id),
-        }
-        .map_err(to_py)
+        let blocks = block_ids("blocks", blocks)?;
+        let timeout = abort_timeout
+            .map(|t| seconds("abort_timeout", t))
+            .transpose()?;
+        self.inner
+            .hold_blocks_for(id, &blocks, reader, timeout)
+            .map_err(to_py)
     }
 
     /// Everything that finished since the last call, each request once. Never blocks.
@@ -353,8 +360,9 @@ impl Engine {
 
     /// Counters of what this engine served, refused and staged: `handshakes_accepted`,
     /// `handshakes_refused`, `data_requests_served`, `data_requests_refused`, `bytes_served`,
-    /// `bytes_staged_out` (GPU bytes copied out to be sent over TCP) and `bytes_staged_in`
-    /// (received bytes copied into GPU memory).
+    /// `bytes_staged_out` (GPU bytes copied out to be sent over TCP), `bytes_staged_in`
+    /// (received bytes copied into GPU memory) and `notices_refused` (readers' confirmations
+    /// of requests not held, or held for another reader).
     fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -365,6 +373,7 @@ impl Engine {
         d.set_item("bytes_served", s.bytes_served)?;
         d.set_item("bytes_staged_out", s.bytes_staged_out)?;
         d.set_item("bytes_staged_in", s.bytes_staged_in)?;
+        d.set_item("notices_refused", s.notices_refused)?;
         Ok(d.unbind())
     }
 }

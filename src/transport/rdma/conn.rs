@@ -28,7 +28,7 @@ use super::poller::{arm, status_name, CqHandler};
 use super::wr::{RdmaFault, Wr, WrBuilder};
 use super::RdmaRegionInfo;
 use crate::error::{Error, RdmaError, RdmaErrorKind, Result};
-use crate::ids::RegionId;
+use crate::ids::{RegionId, RequestId};
 use crate::transport::{ReadFuture, ReadOp, RequestCtl, Transport};
 
 mod setup;
@@ -522,12 +522,13 @@ impl Transport for RdmaConnection {
         "rdma"
     }
 
-    fn read(
-        &self,
+    fn read<'a>(
+        &'a self,
+        _id: &'a RequestId,
         ops: Vec<ReadOp>,
         ctl: Arc<RequestCtl>,
         deadline: tokio::time::Instant,
-    ) -> ReadFuture<'_> {
+    ) -> ReadFuture<'a> {
         Box::pin(self.run(ops, ctl, deadline))
     }
 

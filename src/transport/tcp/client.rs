@@ -21,6 +21,7 @@ use super::staging::{group, Group, Inbound, StagingPool};
 use super::wire::{self, Entry};
 use crate::auth::SessionSecret;
 use crate::error::{Error, Result};
+use crate::ids::RequestId;
 use crate::memory::{self, RegionSpan};
 use crate::transport::{ReadFuture, ReadOp, RequestCtl, Transport};
 
@@ -30,6 +31,8 @@ const PIPELINE: usize = 16;
 type Done = mpsc::Sender<Result<()>>;
 
 struct Batch {
+    /// The request whose held blocks the batch reads.
+    id: RequestId,
     ops: Vec<ReadOp>,
     bytes: u64,
     ctl: Arc<RequestCtl>,
@@ -148,7 +151,7 @@ impl TcpTransport {
         }
     }
 
-    async fn run(&self, ops: Vec<ReadOp>, ctl: Arc<RequestCtl>) -> Result<u64> {
+    async fn run(&self, id: &RequestId, ops: Vec<ReadOp>, ctl: Arc<RequestCtl>) -> Result<u64> {
         if self.is_broken() {
             return Err(self.lost());
         }
@@ -165,6 +168,7 @@ impl TcpTransport {
         for (i, ops) in batches.into_iter().enumerate() {
             let bytes = ops.iter().map(|o| o.local.len()).sum();
             let batch = Batch {
+                id: id.clone(),
                 ops,
                 bytes,
                 ctl: ctl.clone(),
@@ -192,15 +196,16 @@ impl Transport for TcpTransport {
         "tcp"
     }
 
-    fn read(
-        &self,
+    fn read<'a>(
+        &'a self,
+        id: &'a RequestId,
         ops: Vec<ReadOp>,
         ctl: Arc<RequestCtl>,
         deadline: tokio::time::Instant,
-    ) -> ReadFuture<'_> {
+    ) -> ReadFuture<'a> {
         let started = tokio::time::Instant::now();
         Box::pin(async move {
-            match tokio::time::timeout_at(deadline, self.run(ops, ctl.clone())).await {
+            match tokio::time::timeout_at(deadline, self.run(id, ops, ctl.clone())).await {
                 Ok(r) => r,
                 Err(_) => {
                     // Stop writes into the request's memory before reporting.
@@ -237,6 +242,7 @@ async fn writer(
         tag += 1;
         wire::encode_request(
             tag,
+            batch.id.as_str(),
             batch.ops.iter().map(|o| Entry {
                 region: o.remote_region,
                 offset: o.remote_offset,

@@ -12,13 +12,23 @@ use tokio::time::timeout;
 use super::staging::{group, Group, Outbound, StagingPool};
 use super::wire::{self, Entry};
 use crate::auth::{self, SessionSecret};
+use crate::conn_limit::ConnLimit;
 use crate::error::{Error, Result};
-use crate::ids::RegionId;
+use crate::grant::Grant;
+use crate::ids::{RegionId, RequestId};
+use crate::layout::KvLayout;
 use crate::log_limit::{warn_limited, LogLimit};
 use crate::memory::{self, Region, RegionSpan};
 
 /// Refused data requests: one line per second, with the count.
 static REFUSED: LogLimit = LogLimit::new(Duration::from_secs(1));
+
+/// An authenticated control session, as the data server sees it: its secret and the engine id
+/// its reader declared.
+pub(crate) type DataSession = (SessionSecret, Arc<str>);
+
+/// What reads of one request may touch: its grant, and the layout its block ids refer to.
+pub(crate) type Granted = (Arc<Grant>, Arc<KvLayout>);
 
 /// Where the data server finds exported regions.
 pub(crate) trait RegionLookup: Send + Sync + 'static {
@@ -26,31 +36,60 @@ pub(crate) trait RegionLookup: Send + Sync + 'static {
     fn region(&self, id: RegionId) -> Option<Arc<Region>>;
     /// Whether data connections must prove an authenticated control session.
     fn auth_required(&self) -> bool;
-    /// The authenticated control session with this id, while it lives.
-    fn data_session(&self, id: &[u8; 16]) -> Option<SessionSecret>;
+    /// The authenticated control session with this id, while it lives, and the engine id its
+    /// reader declared.
+    fn data_session(&self, id: &[u8; 16]) -> Option<DataSession>;
+    /// What reads of request `id` may touch: its grant and the layout the grant's block ids
+    /// refer to; `None` when the engine serves open reads (no hold needed). `engine` is the
+    /// reading engine, when the data connection proved its session. Refused (with the reason)
+    /// when the request is not held, or is held for another engine.
+    fn grant(
+        &self,
+        id: &RequestId,
+        engine: Option<&str>,
+    ) -> std::result::Result<Option<Granted>, String>;
     /// A request was served (`Some(bytes)`) or refused (`None`).
     fn served(&self, bytes: Option<u64>);
     /// The staging buffers for device memory.
     fn staging(&self) -> &Arc<StagingPool>;
 }
 
-/// Accepts data connections until the task is dropped.
+/// The data server's limits.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ServeLimits {
+    /// Most time to send or receive the rest of a message once it started.
+    pub(crate) io_timeout: Duration,
+    /// Most time a stream waits for its next request.
+    pub(crate) idle_timeout: Duration,
+    /// Most connections from one IP address.
+    pub(crate) per_ip: usize,
+}
+
+/// Accepts data connections until the task is dropped: at most [`MAX_CONNECTIONS`] at once,
+/// `limits.per_ip` of them from one address.
 pub(crate) async fn serve(
     listener: TcpListener,
     regions: Arc<dyn RegionLookup>,
-    io_timeout: Duration,
-    idle_timeout: Duration,
+    limits: ServeLimits,
 ) {
     // Peers can trigger these at will: one line per interval, with the count.
     static FULL: LogLimit = LogLimit::new(Duration::from_secs(10));
     static DROPPED: LogLimit = LogLimit::new(Duration::from_secs(1));
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let ServeLimits {
+        io_timeout,
+        idle_timeout,
+        per_ip,
+    } = limits;
+    let slots = ConnLimit::new(MAX_CONNECTIONS, per_ip);
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
-                let Ok(permit) = slots.clone().try_acquire_owned() else {
-                    warn_limited!(FULL, %peer, "refusing a data connection: {MAX_CONNECTIONS} already open");
-                    continue;
+                let permit = match slots.admit(peer.ip()) {
+                    Ok(p) => p,
+                    Err(full) => {
+                        warn_limited!(FULL, %peer, "refusing a data connection: {full}");
+                        continue;
+                    }
                 };
                 let _ = stream.set_nodelay(true);
                 let regions = regions.clone();
@@ -73,7 +112,7 @@ pub(crate) async fn serve(
 }
 
 /// Most data connections served at once; more are closed at accept.
-const MAX_CONNECTIONS: usize = 4096;
+pub(crate) const MAX_CONNECTIONS: usize = 4096;
 
 fn timed_out(what: &str, after: Duration) -> Error {
     Error::Timeout {
@@ -82,9 +121,11 @@ fn timed_out(what: &str, after: Duration) -> Error {
     }
 }
 
-/// Resolves every entry to an exported span, or says which one is refused and why.
+/// Resolves every entry to an exported span inside the request's grant (when there is one),
+/// or says which one is refused and why. The reason names only what the reader asked for.
 fn resolve(
     regions: &dyn RegionLookup,
+    grant: Option<&Granted>,
     entries: impl Iterator<Item = Entry>,
 ) -> Result<(Vec<RegionSpan>, u64)> {
     let mut spans = Vec::new();
@@ -95,6 +136,10 @@ fn resolve(
             .ok_or_else(|| Error::invalid(format!("entry {i}: {} is not exported", e.region)))?;
         let span = RegionSpan::new(region, e.offset, e.len)
             .map_err(|err| Error::invalid(format!("entry {i}: {err}")))?;
+        if let Some((g, layout)) = grant {
+            g.check(layout, e.region, e.offset, e.len)
+                .map_err(|why| Error::invalid(format!("entry {i}: {why}")))?;
+        }
         total += e.len;
         if total > wire::MAX_REQUEST_BYTES {
             return Err(Error::invalid(format!(
@@ -114,14 +159,20 @@ async fn connection(
     io_timeout: Duration,
     idle_timeout: Duration,
 ) -> Result<()> {
+    // The reading engine, once the connection proved an authenticated control session.
+    let mut engine: Option<Arc<str>> = None;
     if regions.auth_required() {
         // Nothing is served before the connection proves an authenticated control session.
-        if let Err(e) = prove_session(&mut stream, &*regions, io_timeout).await {
-            regions.served(None);
-            return Err(e);
+        match prove_session(&mut stream, &*regions, io_timeout).await {
+            Ok(e) => engine = Some(e),
+            Err(e) => {
+                regions.served(None);
+                return Err(e);
+            }
         }
     }
     let mut header = [0u8; wire::REQUEST_HEADER];
+    let mut id = Vec::with_capacity(wire::MAX_ID);
     let mut body = Vec::new();
     loop {
         // Idle between requests: readers keep streams open for later requests, so the first
@@ -138,14 +189,28 @@ async fn connection(
             .await
             .map_err(|_| timed_out("reading a data request header", io_timeout))?
             .map_err(|e| Error::io("reading a data request header", &e))?;
-        let (tag, count) = wire::decode_request_header(&header)?;
-        body.resize(count as usize * wire::ENTRY, 0);
-        timeout(io_timeout, stream.read_exact(&mut body))
+        let (tag, count, id_len) = wire::decode_request_header(&header)?;
+        id.resize(id_len, 0);
+        timeout(io_timeout, stream.read_exact(&mut id))
             .await
-            .map_err(|_| timed_out("reading data request entries", io_timeout))?
-            .map_err(|e| Error::io("reading data request entries", &e))?;
+            .map_err(|_| timed_out("reading a data request id", io_timeout))?
+            .map_err(|e| Error::io("reading a data request id", &e))?;
+        let request = wire::decode_request_id(&id)?;
+        // Entries are read in pieces as they arrive: the buffer grows with the bytes the peer
+        // sent, never ahead of them.
+        read_entries(
+            &mut stream,
+            &mut body,
+            count as usize * wire::ENTRY,
+            io_timeout,
+        )
+        .await?;
 
-        match resolve(&*regions, wire::decode_entries(&body)) {
+        let granted = regions.grant(&request, engine.as_deref());
+        let resolved = granted
+            .map_err(Error::InvalidArgument)
+            .and_then(|g| resolve(&*regions, g.as_ref(), wire::decode_entries(&body)));
+        match resolved {
             Ok((spans, total)) => {
                 let head = wire::encode_response_header(tag, wire::STATUS_OK, total);
                 if spans.iter().any(RegionSpan::is_device) {
@@ -167,6 +232,28 @@ async fn connection(
             }
         }
     }
+}
+
+/// Reads `len` bytes of request entries into `body` (cleared first), growing it only as bytes
+/// arrive, so a peer that announces many entries and sends few costs what it sent.
+async fn read_entries(
+    stream: &mut TcpStream,
+    body: &mut Vec<u8>,
+    len: usize,
+    io_timeout: Duration,
+) -> Result<()> {
+    const PIECE: usize = 16 << 10;
+    body.clear();
+    while body.len() < len {
+        let start = body.len();
+        let n = PIECE.min(len - start);
+        body.resize(start + n, 0);
+        timeout(io_timeout, stream.read_exact(&mut body[start..]))
+            .await
+            .map_err(|_| timed_out("reading data request entries", io_timeout))?
+            .map_err(|e| Error::io("reading data request entries", &e))?;
+    }
+    Ok(())
 }
 
 /// Writes `head` then the spans' bytes straight from registered memory (`writev`, no copy).
@@ -251,12 +338,13 @@ async fn flush(stream: &TcpStream, out: &mut Outbound, io_timeout: Duration) -> 
 const PROOF_DEADLINE: Duration = Duration::from_secs(5);
 
 /// The data server's side of the session proof: sends a fresh nonce, expects the session id and
-/// the session's proof over the nonce (`wire::AUTH_REPLY` bytes) within a few seconds.
+/// the session's proof over the nonce (`wire::AUTH_REPLY` bytes) within a few seconds. Returns
+/// the engine id the session's reader declared.
 async fn prove_session(
     stream: &mut TcpStream,
     regions: &dyn RegionLookup,
     io_timeout: Duration,
-) -> Result<()> {
+) -> Result<Arc<str>> {
     use tokio::io::AsyncWriteExt;
     let deadline = PROOF_DEADLINE.min(io_timeout);
     let nonce = auth::nonce()?;
@@ -272,7 +360,7 @@ async fn prove_session(
     let (id, proof) = reply.split_at(16);
     let id: [u8; 16] = id.try_into().expect("16 bytes");
     match regions.data_session(&id) {
-        Some(s) if s.verify_data(&nonce, proof) => Ok(()),
+        Some((s, engine)) if s.verify_data(&nonce, proof) => Ok(engine),
         _ => Err(Error::Protocol(
             "data connection without a valid session proof".into(),
         )),

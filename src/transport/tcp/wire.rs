@@ -1,7 +1,8 @@
 //! Data-stream framing of the TCP transport (little-endian, fixed layout; see docs/protocol.md).
 //!
-//! Request: `magic u32 = "KVRQ"`, `tag u64`, `count u32`, then `count` entries of
-//! `region u32, offset u64, len u64`.
+//! Request: `magic u32 = "KVRQ"`, `tag u64`, `count u32`, `id_len u16`, `reserved u16 = 0`,
+//! then the request id (`id_len` bytes of UTF-8, 1 to 256: the request whose held blocks the
+//! entries read), then `count` entries of `region u32, offset u64, len u64`.
 //! Response: `magic u32 = "KVRS"`, `tag u64`, `status u8` (0 ok, 1 refused), `len u64`, then
 //! `len` bytes: the data for status 0 (entries in order), a UTF-8 reason for status 1.
 
@@ -18,7 +19,9 @@ pub const REQUEST_MAGIC: u32 = u32::from_le_bytes(*b"KVRQ");
 /// Response magic.
 pub const RESPONSE_MAGIC: u32 = u32::from_le_bytes(*b"KVRS");
 /// Request header bytes.
-pub const REQUEST_HEADER: usize = 16;
+pub const REQUEST_HEADER: usize = 20;
+/// Longest request id, in bytes.
+pub const MAX_ID: usize = 256;
 /// Bytes per request entry.
 pub const ENTRY: usize = 20;
 /// Response header bytes.
@@ -45,13 +48,23 @@ pub struct Entry {
     pub len: u64,
 }
 
-/// Encodes a request.
-pub fn encode_request(tag: u64, entries: impl ExactSizeIterator<Item = Entry>, out: &mut Vec<u8>) {
+/// Encodes a request for the blocks held for request `id` (1 to [`MAX_ID`] bytes; the caller
+/// validated it).
+pub fn encode_request(
+    tag: u64,
+    id: &str,
+    entries: impl ExactSizeIterator<Item = Entry>,
+    out: &mut Vec<u8>,
+) {
+    debug_assert!((1..=MAX_ID).contains(&id.len()));
     out.clear();
-    out.reserve(REQUEST_HEADER + entries.len() * ENTRY);
+    out.reserve(REQUEST_HEADER + id.len() + entries.len() * ENTRY);
     out.extend_from_slice(&REQUEST_MAGIC.to_le_bytes());
     out.extend_from_slice(&tag.to_le_bytes());
     out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(id.len() as u16).to_le_bytes());
+    out.extend_from_slice(&0u16.to_le_bytes());
+    out.extend_from_slice(id.as_bytes());
     for e in entries {
         out.extend_from_slice(&e.region.0.to_le_bytes());
         out.extend_from_slice(&e.offset.to_le_bytes());
@@ -59,8 +72,9 @@ pub fn encode_request(tag: u64, entries: impl ExactSizeIterator<Item = Entry>, o
     }
 }
 
-/// Parses a request header: `(tag, count)`. Refuses a bad magic or too many entries.
-pub fn decode_request_header(h: &[u8; REQUEST_HEADER]) -> Result<(u64, u32)> {
+/// Parses a request header: `(tag, count, id_len)`. Refuses a bad magic, too many entries, or
+/// an id length outside 1 to [`MAX_ID`].
+pub fn decode_request_header(h: &[u8; REQUEST_HEADER]) -> Result<(u64, u32, usize)> {
     let magic = u32::from_le_bytes(h[0..4].try_into().expect("4 bytes"));
     if magic != REQUEST_MAGIC {
         return Err(Error::Protocol(format!("bad request magic {magic:#x}")));
@@ -72,7 +86,22 @@ pub fn decode_request_header(h: &[u8; REQUEST_HEADER]) -> Result<(u64, u32)> {
             "request with {count} entries (1 to {MAX_ENTRIES} allowed)"
         )));
     }
-    Ok((tag, count))
+    let id_len = usize::from(u16::from_le_bytes(h[16..18].try_into().expect("2 bytes")));
+    if id_len == 0 || id_len > MAX_ID || h[18..20] != [0, 0] {
+        return Err(Error::Protocol(format!(
+            "request id of {id_len} bytes (1 to {MAX_ID} allowed; reserved bytes zero)"
+        )));
+    }
+    Ok((tag, count, id_len))
+}
+
+/// Parses the request id that follows the header.
+pub fn decode_request_id(b: &[u8]) -> Result<crate::ids::RequestId> {
+    let s =
+        std::str::from_utf8(b).map_err(|_| Error::Protocol("request id is not UTF-8".into()))?;
+    let id = crate::ids::RequestId::from(s);
+    id.validate().map_err(Error::Protocol)?;
+    Ok(id)
 }
 
 /// Parses request entries (`body.len()` must be a multiple of [`ENTRY`]).
@@ -130,11 +159,19 @@ mod tests {
             },
         ];
         let mut buf = Vec::new();
-        encode_request(9, entries.iter().copied(), &mut buf);
+        encode_request(9, "req-7", entries.iter().copied(), &mut buf);
         let h: [u8; REQUEST_HEADER] = buf[..REQUEST_HEADER].try_into().unwrap();
-        assert_eq!(decode_request_header(&h).unwrap(), (9, 2));
-        let got: Vec<Entry> = decode_entries(&buf[REQUEST_HEADER..]).collect();
+        assert_eq!(decode_request_header(&h).unwrap(), (9, 2, 5));
+        let id = decode_request_id(&buf[REQUEST_HEADER..REQUEST_HEADER + 5]).unwrap();
+        assert_eq!(id.as_str(), "req-7");
+        assert!(decode_request_id(&[0xff, 0xfe]).is_err());
+        let got: Vec<Entry> = decode_entries(&buf[REQUEST_HEADER + 5..]).collect();
         assert_eq!(got, entries);
+        for bad_id in [0u16, MAX_ID as u16 + 1] {
+            let mut b = h;
+            b[16..18].copy_from_slice(&bad_id.to_le_bytes());
+            assert!(decode_request_header(&b).is_err());
+        }
         let mut bad = h;
         bad[0] ^= 1;
         assert!(decode_request_header(&bad).is_err());

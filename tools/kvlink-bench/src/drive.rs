@@ -39,6 +39,9 @@ fn cpu_seconds() -> f64 {
 /// The decode side of a run: its engine and cache, and the peer it reads from.
 struct Reader<'a> {
     engine: &'a Engine,
+    /// The prefill engine when it runs in this process: it holds (grants) each request's
+    /// blocks before the read, as a prefill does. `None` for a `serve` peer (open reads).
+    holder: Option<&'a Engine>,
     local: &'a Cache,
     remote_layout: &'a KvLayout,
     peer: &'a str,
@@ -54,6 +57,7 @@ fn drive(
 ) -> Result<Outcome, String> {
     let Reader {
         engine,
+        holder,
         local,
         remote_layout,
         peer,
@@ -93,6 +97,9 @@ fn drive(
             let Some(slot) = free_slots.pop() else { break };
             let (l, r) = pick(rng, args.pattern, per, slot * span, span, remote_blocks);
             let id = RequestId::from(format!("{tag}-{submitted}"));
+            if let Some(h) = holder {
+                h.hold_blocks(id.clone(), &r).map_err(|e| e.to_string())?;
+            }
             engine
                 .read_blocks(peer, id.clone(), &l, &r)
                 .map_err(|e| e.to_string())?;
@@ -100,6 +107,12 @@ fn drive(
             submitted += 1;
         }
         let f = engine.wait_finished(Duration::from_secs(5));
+        if let Some(h) = holder {
+            // The prefill's finished sends: a failed one fails the run.
+            if let Some(fr) = h.get_finished().failed.first() {
+                return Err(format!("sending {} failed: {}", fr.id, fr.reason));
+            }
+        }
         if let Some(fr) = f.failed.first() {
             return Err(format!("request {} failed: {}", fr.id, fr.reason));
         }
@@ -164,6 +177,7 @@ pub(crate) fn loopback(args: &Args, rng: &mut Rng) -> Result<Outcome, String> {
     let out = {
         let rd = Reader {
             engine: &decode,
+            holder: Some(&prefill),
             local: &local,
             remote_layout: &remote.layout,
             peer: &peer,
@@ -198,8 +212,13 @@ pub(crate) fn run(args: Args) -> Result<(), String> {
         }
         Mode::Sweep => sweep(&args)?,
         Mode::Serve => {
-            let engine = Engine::start(args.config(&args.listen, Some(args.advertise.clone())))
-                .map_err(|e| e.to_string())?;
+            // Readers in other processes name requests this engine never held: serve every
+            // exported byte (authentication, when a key is set, still applies).
+            let config = kvlink::EngineConfig {
+                open_reads: true,
+                ..args.config(&args.listen, Some(args.advertise.clone()))
+            };
+            let engine = Engine::start(config).map_err(|e| e.to_string())?;
             let _cache = make_cache(&engine, &args, blocks, args.seed)?;
             eprintln!(
                 "kvlink-bench serve: {} with {blocks} blocks per tensor, seed {}; readers use --peer {}",
@@ -232,6 +251,7 @@ pub(crate) fn run(args: Args) -> Result<(), String> {
                 .map_err(|e| e.to_string())?;
             let rd = Reader {
                 engine: &engine,
+                holder: None,
                 local: &local,
                 remote_layout: &theirs.layout,
                 peer: &peer,

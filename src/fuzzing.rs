@@ -1,0 +1,232 @@
+//! Fuzzing entry points: each takes arbitrary bytes, runs one decoder that faces the network,
+//! and panics only when an invariant breaks (a decoder's panic counts as one). The cargo-fuzz
+//! targets under `tests/fuzz` call them, and `tests/fuzz_corpus.rs` runs them over the stored
+//! corpora as ordinary tests.
+
+use std::pin::Pin;
+use std::sync::OnceLock;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, ReadBuf};
+
+use crate::control::frame::{self, MAX_UNAUTHENTICATED_FRAME_BYTES, PROTOCOL_VERSION};
+use crate::control::messages::{Descriptor, Message, TransportInfo};
+use crate::grant::Grant;
+use crate::ids::RegionId;
+use crate::layout::{KvLayout, ModelShape, TensorLayout};
+use crate::memory::RegionInfo;
+use crate::transport::tcp::wire;
+
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a current-thread runtime")
+    })
+}
+
+/// A stream that hands out its bytes in pieces of the sizes it is given (cycled), as a socket
+/// might.
+struct Pieces<'a> {
+    data: &'a [u8],
+    sizes: &'a [u8],
+    turn: usize,
+}
+
+impl AsyncRead for Pieces<'_> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let size = match self.sizes.len() {
+            0 => usize::MAX,
+            n => usize::from(self.sizes[self.turn % n]).max(1),
+        };
+        self.turn += 1;
+        let n = size.min(buf.remaining()).min(self.data.len());
+        let (now, rest) = self.data.split_at(n);
+        buf.put_slice(now);
+        self.data = rest;
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// The control plane as a server reads it: frames from a stream delivered in arbitrary pieces
+/// (the first byte picks the piece sizes and the pre-authentication cap), each decoded as a
+/// message; descriptors are validated and compared with a valid one.
+pub fn control_stream(data: &[u8]) {
+    let Some((&mode, rest)) = data.split_first() else {
+        return;
+    };
+    let (sizes, stream) = rest.split_at(usize::from(mode & 7).min(rest.len()));
+    let limit = if mode & 8 != 0 {
+        MAX_UNAUTHENTICATED_FRAME_BYTES
+    } else {
+        frame::MAX_FRAME_BYTES
+    };
+    let mut r = Pieces {
+        data: stream,
+        sizes,
+        turn: 0,
+    };
+    runtime().block_on(async {
+        for _ in 0..64 {
+            match frame::read_frame_up_to(&mut r, limit).await {
+                Ok(Some((version, body))) => {
+                    assert!(body.len() + 2 <= limit as usize, "frame over its cap");
+                    message(version, &body);
+                }
+                Ok(None) | Err(_) => return,
+            }
+        }
+    });
+}
+
+fn message(version: u16, body: &[u8]) {
+    match frame::decode::<Message>(version, body) {
+        Ok(Message::Hello { descriptor }) | Ok(Message::Descriptor(descriptor)) => {
+            check_descriptor(&descriptor)
+        }
+        Ok(m) => {
+            // Whatever decodes encodes again.
+            frame::encode(&m).expect("a decoded message encodes");
+        }
+        Err(_) => {}
+    }
+}
+
+/// A descriptor as a handshake meets it: decoded from msgpack, validated, compared.
+pub fn descriptor(data: &[u8]) {
+    if let Ok(d) = rmp_serde::from_slice::<Descriptor>(data) {
+        check_descriptor(&d);
+    }
+}
+
+fn check_descriptor(d: &Descriptor) {
+    if d.validate().is_ok() {
+        // A valid descriptor survives a round trip and compares with itself as equal.
+        let again = rmp_serde::to_vec_named(d).expect("encodes");
+        let back: Descriptor = rmp_serde::from_slice(&again).expect("decodes");
+        assert_eq!(&back, d);
+        assert!(d.differences(d).is_empty());
+        let _ = d.differences(&example_descriptor());
+    }
+}
+
+/// A valid descriptor (a seed for the corpora, and the peer descriptors are compared with).
+pub fn example_descriptor() -> Descriptor {
+    let shape = ModelShape::LLAMA3_8B;
+    Descriptor {
+        protocol_version: PROTOCOL_VERSION,
+        engine_id: "fuzz-host-1-rank0".into(),
+        generation: 7,
+        tp_rank: 0,
+        tp_size: 1,
+        layout: shape.layout(RegionId(1), 4),
+        regions: vec![RegionInfo {
+            id: RegionId(1),
+            len: shape.region_bytes(4),
+        }],
+        transports: vec![TransportInfo::Tcp {
+            addr: "127.0.0.1:7401".into(),
+            streams: 4,
+        }],
+    }
+}
+
+/// The layout the data-plane target grants from: two tensors interleaved in region 1 (with
+/// padding between blocks) and one in region 2.
+fn grant_layout() -> KvLayout {
+    let t = |name: &str, region, offset, stride, bytes| TensorLayout {
+        name: name.into(),
+        region: RegionId(region),
+        offset,
+        block_stride: stride,
+        block_bytes: bytes,
+        num_blocks: 8,
+    };
+    KvLayout {
+        tokens_per_block: 16,
+        dtype: "bf16".into(),
+        tensors: vec![
+            t("k", 1, 0, 96, 40),
+            t("v", 1, 40, 96, 40),
+            t("kv", 2, 16, 64, 64),
+        ],
+    }
+}
+
+/// A data-plane request as the data server reads it: header, request id and entries decoded,
+/// then each entry checked against a grant (blocks 1, 2, 5 and 7) and, for short ranges, the
+/// verdict compared with a byte-by-byte reference.
+pub fn data_request(data: &[u8]) {
+    let Some(header) = data.get(..wire::REQUEST_HEADER) else {
+        return;
+    };
+    let header: &[u8; wire::REQUEST_HEADER] = header.try_into().expect("header length");
+    let Ok((_, count, id_len)) = wire::decode_request_header(header) else {
+        return;
+    };
+    assert!((1..=wire::MAX_ID).contains(&id_len) && count >= 1);
+    let rest = &data[wire::REQUEST_HEADER..];
+    let Some(id) = rest.get(..id_len) else {
+        return;
+    };
+    if wire::decode_request_id(id).is_err() {
+        return;
+    }
+    let layout = grant_layout();
+    let grant = Grant::new(&layout, &[1, 2, 5, 7]).expect("a valid grant");
+    let body = &rest[id_len..];
+    let n = body.len().min(count as usize * wire::ENTRY) / wire::ENTRY * wire::ENTRY;
+    for e in wire::decode_entries(&body[..n]) {
+        // Keep the numbers in reach of the layout half the time, so the walk gets exercised.
+        let (offset, len) = if e.offset >> 63 == 0 {
+            (e.offset % 1024, e.len % 512)
+        } else {
+            (e.offset, e.len)
+        };
+        let verdict = grant.check(&layout, e.region, offset, len).is_ok();
+        if len <= 4096 && offset.checked_add(len).is_some() {
+            let granted_byte = |x: u64| {
+                layout.tensors.iter().any(|t| {
+                    t.region == e.region
+                        && x >= t.offset
+                        && (x - t.offset) / t.block_stride < u64::from(t.num_blocks)
+                        && (x - t.offset) % t.block_stride < t.block_bytes
+                        && grant.has(((x - t.offset) / t.block_stride) as u32)
+                })
+            };
+            let want = len > 0 && (offset..offset + len).all(granted_byte);
+            assert_eq!(verdict, want, "entry {e:?} as {offset}+{len}");
+        }
+    }
+}
+
+/// A KV-event batch as a subscriber reads it: decoded, and what decodes re-encodes (in both
+/// encodings) to a batch that decodes to the same.
+pub fn events_batch(data: &[u8]) {
+    #[cfg(feature = "events")]
+    {
+        use crate::events::{decode_batch, encode_batch, Encoding};
+        let Ok(decoded) = decode_batch(data) else {
+            return;
+        };
+        for enc in [Encoding::Current, Encoding::Legacy] {
+            let mut out = Vec::new();
+            encode_batch(&decoded.batch, enc, &mut out);
+            let again = decode_batch(&out).expect("an encoded batch decodes");
+            assert!(again.skipped.is_empty(), "{:?}", again.skipped);
+            // Debug text compares NaN timestamps as equal.
+            assert_eq!(
+                format!("{:?}", again.batch),
+                format!("{:?}", decoded.batch),
+                "{enc:?} round trip"
+            );
+        }
+    }
+    #[cfg(not(feature = "events"))]
+    let _ = data;
+}

@@ -1,0 +1,215 @@
+//! Read grants, without I/O: the blocks a prefill holds for one request, and the check the
+//! data server runs on every requested byte range against them. A range is served only when
+//! every byte of it lies inside a granted block of some tensor of the layout, so a reader of
+//! one request never gets bytes of another request's blocks, of blocks the request does not
+//! hold, or of memory outside the KV layout (padding between blocks, other registrations).
+
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, RegionId};
+use crate::layout::KvLayout;
+
+/// The blocks held for one request (sorted, without repeats).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    blocks: Vec<BlockId>,
+}
+
+impl Grant {
+    /// A grant of `blocks` of `layout`. Refuses an empty list and block ids outside the layout.
+    pub fn new(layout: &KvLayout, blocks: &[BlockId]) -> Result<Grant> {
+        if blocks.is_empty() {
+            return Err(Error::invalid(
+                "hold_blocks needs the request's block ids (the blocks its reader may read)",
+            ));
+        }
+        let n = layout.num_blocks();
+        if let Some(b) = blocks.iter().find(|b| **b >= n) {
+            return Err(Error::invalid(format!(
+                "block {b} is outside this engine's KV cache ({n} blocks)"
+            )));
+        }
+        let mut blocks = blocks.to_vec();
+        blocks.sort_unstable();
+        blocks.dedup();
+        Ok(Grant { blocks })
+    }
+
+    /// Whether block `b` is granted.
+    pub fn has(&self, b: BlockId) -> bool {
+        self.blocks.binary_search(&b).is_ok()
+    }
+
+    /// Number of granted blocks.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Whether no block is granted (never true for a grant built by [`Grant::new`]).
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// Checks that every byte of `[offset, offset + len)` of `region` lies in a granted block of
+    /// a tensor of `layout`. The walk advances by at least one block's bytes per step, and
+    /// tries the tensor of the previous step first, so its cost is linear in the number of
+    /// blocks the range covers. The error names only what the reader asked for.
+    pub fn check(
+        &self,
+        layout: &KvLayout,
+        region: RegionId,
+        offset: u64,
+        len: u64,
+    ) -> std::result::Result<(), String> {
+        let end = offset
+            .checked_add(len)
+            .ok_or_else(|| format!("range at {offset} of {len} bytes overflows"))?;
+        if len == 0 {
+            return Err("empty range".into());
+        }
+        let mut at = offset;
+        let mut last: Option<usize> = None;
+        while at < end {
+            let hit = last
+                .and_then(|i| piece(layout, i, region, at).map(|p| (i, p)))
+                .or_else(|| {
+                    (0..layout.tensors.len())
+                        .find_map(|i| piece(layout, i, region, at).map(|p| (i, p)))
+                });
+            let Some((i, (block, block_end))) = hit else {
+                return Err(format!(
+                    "byte {at} of {region} is not in a block of the KV layout"
+                ));
+            };
+            if !self.has(block) {
+                return Err(format!(
+                    "block {block} (byte {at} of {region}) is not held for this request"
+                ));
+            }
+            last = Some(i);
+            at = block_end.min(end);
+        }
+        Ok(())
+    }
+}
+
+/// The block of tensor `i` that holds byte `at` of `region`, and one past its last byte.
+fn piece(layout: &KvLayout, i: usize, region: RegionId, at: u64) -> Option<(BlockId, u64)> {
+    let t = &layout.tensors[i];
+    if t.region != region || at < t.offset || t.block_stride == 0 {
+        return None;
+    }
+    let rel = at - t.offset;
+    let b = rel / t.block_stride;
+    if b >= u64::from(t.num_blocks) || rel % t.block_stride >= t.block_bytes {
+        return None;
+    }
+    let block_end = t.offset + b * t.block_stride + t.block_bytes;
+    Some((b as BlockId, block_end))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{ModelShape, TensorLayout};
+    use proptest::prelude::*;
+
+    fn tensor(region: u32, offset: u64, stride: u64, bytes: u64, n: u32) -> TensorLayout {
+        TensorLayout {
+            name: "t".into(),
+            region: RegionId(region),
+            offset,
+            block_stride: stride,
+            block_bytes: bytes,
+            num_blocks: n,
+        }
+    }
+
+    fn layout(tensors: Vec<TensorLayout>) -> KvLayout {
+        KvLayout {
+            tokens_per_block: 16,
+            dtype: "bf16".into(),
+            tensors,
+        }
+    }
+
+    #[test]
+    fn granted_blocks_are_served_and_nothing_else() {
+        // Two tensors interleaved in region 1 (stride twice the block), padding after each.
+        let l = layout(vec![tensor(1, 0, 256, 100, 8), tensor(1, 128, 256, 100, 8)]);
+        let g = Grant::new(&l, &[2, 3, 3]).unwrap();
+        assert_eq!(g.len(), 2);
+        let r = RegionId(1);
+        assert!(g.check(&l, r, 512, 100).is_ok(), "block 2 of t0");
+        assert!(g.check(&l, r, 512 + 128, 100).is_ok(), "block 2 of t1");
+        assert!(g.check(&l, r, 768 + 10, 50).is_ok(), "inside block 3");
+        let e = g.check(&l, r, 0, 100).unwrap_err();
+        assert!(e.contains("block 0") && e.contains("not held"), "{e}");
+        let e = g.check(&l, r, 512, 101).unwrap_err();
+        assert!(e.contains("not in a block"), "padding after the block: {e}");
+        assert!(
+            g.check(&l, r, 512, 256).is_err(),
+            "spans into the other tensor"
+        );
+        assert!(g.check(&l, RegionId(2), 512, 10).is_err(), "other region");
+        assert!(g.check(&l, r, 512, 0).is_err(), "empty");
+        assert!(g.check(&l, r, u64::MAX, 2).is_err(), "overflow");
+        assert!(g.check(&l, r, 8 * 256, 10).is_err(), "past the last block");
+    }
+
+    #[test]
+    fn contiguous_blocks_may_be_read_in_one_range() {
+        let l = ModelShape::LLAMA3_8B.layout(RegionId(1), 16);
+        let t = &l.tensors[0];
+        assert_eq!(t.block_stride, t.block_bytes);
+        let g = Grant::new(&l, &[4, 5, 6]).unwrap();
+        let r = RegionId(1);
+        assert!(g.check(&l, r, t.block_offset(4), 3 * t.block_bytes).is_ok());
+        assert!(g
+            .check(&l, r, t.block_offset(4), 4 * t.block_bytes)
+            .is_err());
+        assert!(g
+            .check(&l, r, t.block_offset(3) + 1, t.block_bytes)
+            .is_err());
+    }
+
+    #[test]
+    fn empty_and_out_of_range_grants_are_refused() {
+        let l = layout(vec![tensor(1, 0, 100, 100, 4)]);
+        assert!(Grant::new(&l, &[]).is_err());
+        assert!(Grant::new(&l, &[4])
+            .unwrap_err()
+            .to_string()
+            .contains("outside"));
+    }
+
+    proptest! {
+        /// The walk agrees with a byte-by-byte reference on random layouts, grants and ranges.
+        #[test]
+        fn check_matches_a_byte_by_byte_reference(
+            stride_extra in 0u64..8,
+            bytes in 1u64..12,
+            n in 1u32..6,
+            interleave in any::<bool>(),
+            granted in proptest::collection::vec(0u32..6, 1..6),
+            offset in 0u64..160,
+            len in 1u64..60,
+        ) {
+            let stride = bytes + stride_extra + if interleave { bytes } else { 0 };
+            let mut tensors = vec![tensor(1, 0, stride, bytes, n)];
+            if interleave {
+                tensors.push(tensor(1, bytes, stride, bytes, n));
+            }
+            let l = layout(tensors);
+            let granted: Vec<u32> = granted.into_iter().filter(|b| *b < n).collect();
+            prop_assume!(!granted.is_empty());
+            let g = Grant::new(&l, &granted).unwrap();
+            let byte_ok = |x: u64| l.tensors.iter().any(|t| {
+                x >= t.offset && (x - t.offset) / t.block_stride < u64::from(t.num_blocks)
+                    && (x - t.offset) % t.block_stride < t.block_bytes
+                    && g.has(((x - t.offset) / t.block_stride) as u32)
+            });
+            let want = (offset..offset + len).all(byte_ok);
+            prop_assert_eq!(g.check(&l, RegionId(1), offset, len).is_ok(), want);
+        }
+    }
+}
