@@ -136,6 +136,50 @@ pub fn example_descriptor() -> Descriptor {
     }
 }
 
+/// Hostile descriptors that must be refused, each under 4 MiB encoded, as a raw-socket peer
+/// would send them in a `Hello`: 4,096 regions with RDMA key lists that name the last region
+/// over and over, or that carry 340,000 keys for it. (Validation once took 0.48 s of CPU on
+/// the first; `benches/descriptor.rs` measures them.)
+pub fn hostile_descriptors() -> Vec<(&'static str, Descriptor)> {
+    let base = example_descriptor();
+    let mut regions = base.regions.clone();
+    for id in 2..=4096u32 {
+        regions.push(RegionInfo {
+            id: RegionId(id),
+            len: 1 << 20,
+        });
+    }
+    let last = RegionId(4096);
+    let key = |rkeys: Vec<u32>| crate::transport::rdma::RdmaRegionInfo {
+        id: last,
+        addr: 1 << 40,
+        chunk_bytes: 4096,
+        rkeys,
+    };
+    let with_keys = |keys: Vec<crate::transport::rdma::RdmaRegionInfo>| {
+        let mut d = base.clone();
+        d.regions = regions.clone();
+        d.transports.push(TransportInfo::Rdma {
+            device: "rxe0".into(),
+            gid: [0; 16],
+            lid: 0,
+            mtu: 1024,
+            regions: keys,
+        });
+        d
+    };
+    vec![
+        (
+            "the last region keyed 4,096 times",
+            with_keys((0..4096).map(|_| key(vec![7; 256])).collect()),
+        ),
+        (
+            "340,000 keys for the last region",
+            with_keys(vec![key(vec![7; 340_000])]),
+        ),
+    ]
+}
+
 /// The layout the data-plane target grants from: two tensors interleaved in region 1 (with
 /// padding between blocks) and one in region 2.
 fn grant_layout() -> KvLayout {

@@ -346,3 +346,31 @@ fn a_notice_with_an_invalid_id_is_refused_alone() {
     let f = collect(&prefill.engine, Duration::from_secs(10), |f| !f.is_empty());
     assert_eq!(f.sending, vec![kvlink::RequestId::from("req-ok")], "{f:?}");
 }
+
+#[test]
+fn crafted_descriptors_are_refused_and_serving_goes_on() {
+    // Hellos built to make validation expensive (many regions, key lists naming one region
+    // again and again, or hundreds of thousands of keys): refused, each with its reason. What
+    // validating them costs is measured in benches/descriptor.rs.
+    let shape = ModelShape::DEEPSEEK_V3_MLA;
+    let prefill = side(&shape, 8, Some(12), quick_config());
+    let addr = prefill.engine.handshake_address().to_string();
+    for (what, d) in kvlink::internal::fuzz::hostile_descriptors() {
+        let hello = frame::encode(&Message::Hello {
+            descriptor: Box::new(d),
+        })
+        .unwrap();
+        assert!(hello.len() < 4 << 20, "{what}: {} bytes", hello.len());
+        let m = control_exchange(&addr, &hello);
+        assert!(m.contains("invalid peer descriptor"), "{what}: {m}");
+    }
+    assert_eq!(prefill.engine.stats().handshakes_refused, 2);
+    let decode = side(&shape, 8, None, quick_config());
+    prefill.engine.hold_blocks("after", &[6]).unwrap();
+    decode
+        .engine
+        .read_blocks(&addr, "after", &[1], &[6])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(20), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+}

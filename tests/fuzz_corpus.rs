@@ -19,19 +19,37 @@ fn corpus(target: &str) -> PathBuf {
         .join(target)
 }
 
-/// Runs `run` over every file of `target`'s corpus; at least the seeds must be there.
-fn replay(target: &str, run: fn(&[u8])) {
+/// The inputs of `target`'s corpus: its seed files, and the merged corpus the fuzzing runs
+/// kept (`corpus/<target>.pack`, see tests/fuzz/pack.py).
+fn inputs(target: &str) -> Vec<(String, Vec<u8>)> {
     let dir = corpus(target);
-    let mut n = 0;
+    let mut out = Vec::new();
     for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
         let path = entry.unwrap().path();
-        let data = std::fs::read(&path).unwrap();
-        let ok = std::panic::catch_unwind(|| run(&data));
-        assert!(ok.is_ok(), "{target}: {} fails", path.display());
-        n += 1;
+        out.push((path.display().to_string(), std::fs::read(&path).unwrap()));
     }
-    assert!(n >= 3, "{target}: only {n} inputs in {}", dir.display());
-    println!("{target}: {n} corpus inputs");
+    let pack = dir.with_extension("pack");
+    if let Ok(blob) = std::fs::read(&pack) {
+        let mut at = 0;
+        while at < blob.len() {
+            let len = u32::from_le_bytes(blob[at..at + 4].try_into().unwrap()) as usize;
+            let data = blob[at + 4..at + 4 + len].to_vec();
+            out.push((format!("{} at byte {at}", pack.display()), data));
+            at += 4 + len;
+        }
+    }
+    out
+}
+
+/// Runs `run` over every input of `target`'s corpus; at least the seeds must be there.
+fn replay(target: &str, run: fn(&[u8])) {
+    let all = inputs(target);
+    for (name, data) in &all {
+        let ok = std::panic::catch_unwind(|| run(data));
+        assert!(ok.is_ok(), "{target}: {name} fails");
+    }
+    assert!(all.len() >= 3, "{target}: only {} inputs", all.len());
+    println!("{target}: {} corpus inputs", all.len());
 }
 
 #[test]
@@ -93,7 +111,11 @@ fn write_seeds() {
     ];
     let stream = frames(&session);
     // Mode byte: low 3 bits = how many piece sizes follow, bit 3 = the pre-authentication cap.
-    write("control_stream", "session-whole", &[&[0u8][..], &stream].concat());
+    write(
+        "control_stream",
+        "session-whole",
+        &[&[0u8][..], &stream].concat(),
+    );
     write(
         "control_stream",
         "session-pieces",
@@ -107,16 +129,28 @@ fn write_seeds() {
     write(
         "control_stream",
         "descriptor-reply",
-        &[&[0u8][..], &frames(&[Message::Descriptor(Box::new(d.clone()))])].concat(),
+        &[
+            &[0u8][..],
+            &frames(&[Message::Descriptor(Box::new(d.clone()))]),
+        ]
+        .concat(),
     );
 
     write("descriptor", "valid", &rmp_serde::to_vec_named(&d).unwrap());
     let mut two = d.clone();
     two.layout.tensors.truncate(2);
-    write("descriptor", "two-tensors", &rmp_serde::to_vec_named(&two).unwrap());
+    write(
+        "descriptor",
+        "two-tensors",
+        &rmp_serde::to_vec_named(&two).unwrap(),
+    );
     let mut bad = d;
     bad.regions[0].len = 1;
-    write("descriptor", "too-short", &rmp_serde::to_vec_named(&bad).unwrap());
+    write(
+        "descriptor",
+        "too-short",
+        &rmp_serde::to_vec_named(&bad).unwrap(),
+    );
 
     let e = |region, offset, len| wire::Entry {
         region: RegionId(region),
@@ -124,9 +158,17 @@ fn write_seeds() {
         len,
     };
     for (name, id, entries) in [
-        ("granted", "req-1", vec![e(1, 96, 40), e(1, 136, 40), e(2, 80, 64)]),
+        (
+            "granted",
+            "req-1",
+            vec![e(1, 96, 40), e(1, 136, 40), e(2, 80, 64)],
+        ),
         ("padding", "req-2", vec![e(1, 100, 60)]),
-        ("mixed", "r", vec![e(1, 0, 10), e(2, 16 + 5 * 64, 128), e(9, 0, 1)]),
+        (
+            "mixed",
+            "r",
+            vec![e(1, 0, 10), e(2, 16 + 5 * 64, 128), e(9, 0, 1)],
+        ),
     ] {
         let mut out = Vec::new();
         wire::encode_request(1, id, entries.into_iter(), &mut out);
@@ -157,5 +199,9 @@ fn write_seeds() {
         encode_batch(&batch, enc, &mut out);
         write("events_batch", name, &out);
     }
-    write("events_batch", "empty", &[0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x90, 0xc0]);
+    write(
+        "events_batch",
+        "empty",
+        &[0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x90, 0xc0],
+    );
 }
