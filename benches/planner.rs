@@ -4,7 +4,7 @@
 //! segment, so criterion's "elem/s" reads directly as mappings per second.
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
-use kvlink::internal::{plan, PlanOptions};
+use kvlink::internal::{plan, Grant, PlanOptions};
 use kvlink::{ModelShape, RegionId};
 
 fn shuffled(n: u32, seed: u64) -> Vec<u32> {
@@ -53,5 +53,32 @@ fn bench_planner(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_planner);
+/// The data server's grant check over the remote side of a planned 4,096-token request: every
+/// segment a reader would send, checked against the request's grant, in pieces per second.
+fn bench_grant_check(c: &mut Criterion) {
+    let mut g = c.benchmark_group("grant_check_4096_tokens");
+    for shape in [ModelShape::DEEPSEEK_V3_MLA, ModelShape::LLAMA3_8B] {
+        let blocks = 4096 / shape.tokens_per_block;
+        let local = shape.layout(RegionId(1), 4 * blocks);
+        let remote = shape.layout(RegionId(2), 4 * blocks);
+        let pieces = u64::from(blocks) * local.tensors.len() as u64;
+        g.throughput(Throughput::Elements(pieces));
+        let l = shuffled(4 * blocks, 1);
+        let r = shuffled(4 * blocks, 2);
+        let (l, r) = (&l[..blocks as usize], &r[..blocks as usize]);
+        let p = plan(&local, &remote, l, r, PlanOptions::default()).unwrap();
+        let grant = Grant::new(&remote, r).unwrap();
+        g.bench_function(format!("{}/random", shape.name), |b| {
+            b.iter(|| {
+                let mut c = grant.checker(&remote);
+                for s in &p.segments {
+                    c.check(s.remote_region, s.remote_offset, s.len).unwrap();
+                }
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench_planner, bench_grant_check);
 criterion_main!(benches);

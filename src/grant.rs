@@ -50,9 +50,8 @@ impl Grant {
     }
 
     /// Checks that every byte of `[offset, offset + len)` of `region` lies in a granted block of
-    /// a tensor of `layout`. The walk advances by at least one block's bytes per step, and
-    /// tries the tensor of the previous step first, so its cost is linear in the number of
-    /// blocks the range covers. The error names only what the reader asked for.
+    /// a tensor of `layout` (see [`Checker::check`]; a request's entries go through one
+    /// [`Checker`]).
     pub fn check(
         &self,
         layout: &KvLayout,
@@ -60,32 +59,65 @@ impl Grant {
         offset: u64,
         len: u64,
     ) -> std::result::Result<(), String> {
+        self.checker(layout).check(region, offset, len)
+    }
+
+    /// A checker of ranges against this grant and `layout`, for the entries of one request.
+    pub fn checker<'a>(&'a self, layout: &'a KvLayout) -> Checker<'a> {
+        Checker {
+            grant: self,
+            layout,
+            last: 0,
+        }
+    }
+}
+
+/// Checks the ranges of one request against a grant, remembering where the previous range
+/// ended: entries come in tensor order, so the next range is found in its tensor or the next.
+#[derive(Debug)]
+pub struct Checker<'a> {
+    grant: &'a Grant,
+    layout: &'a KvLayout,
+    last: usize,
+}
+
+impl Checker<'_> {
+    /// Checks that every byte of `[offset, offset + len)` of `region` lies in a granted block of
+    /// a tensor of the layout. The walk advances by at least one block's bytes per step and
+    /// looks from the tensor of the previous step on, wrapping, so its cost is linear in the
+    /// number of blocks the range covers (times the tensors of the layout at worst, once per
+    /// tensor change). The error names only what the reader asked for.
+    pub fn check(
+        &mut self,
+        region: RegionId,
+        offset: u64,
+        len: u64,
+    ) -> std::result::Result<(), String> {
+        let layout = self.layout;
         let end = offset
             .checked_add(len)
             .ok_or_else(|| format!("range at {offset} of {len} bytes overflows"))?;
         if len == 0 {
             return Err("empty range".into());
         }
+        let n = layout.tensors.len();
         let mut at = offset;
-        let mut last: Option<usize> = None;
         while at < end {
-            let hit = last
-                .and_then(|i| piece(layout, i, region, at).map(|p| (i, p)))
-                .or_else(|| {
-                    (0..layout.tensors.len())
-                        .find_map(|i| piece(layout, i, region, at).map(|p| (i, p)))
-                });
+            let start = self.last;
+            let hit = (0..n)
+                .map(|k| (start + k) % n)
+                .find_map(|i| piece(layout, i, region, at).map(|p| (i, p)));
             let Some((i, (block, block_end))) = hit else {
                 return Err(format!(
                     "byte {at} of {region} is not in a block of the KV layout"
                 ));
             };
-            if !self.has(block) {
+            if !self.grant.has(block) {
                 return Err(format!(
                     "block {block} (byte {at} of {region}) is not held for this request"
                 ));
             }
-            last = Some(i);
+            self.last = i;
             at = block_end.min(end);
         }
         Ok(())

@@ -14,7 +14,8 @@
 set -euo pipefail
 
 # Fewer tests than these, run for real (skips excluded), fail the part.
-MIN_HOST=110
+MIN_HOST=145
+MIN_KEYED=15
 MIN_PYTHON=20
 MIN_VM=11
 
@@ -62,6 +63,31 @@ fi
 if [ "$host_passed" -lt "$MIN_HOST" ]; then
   echo "test: only $host_passed host tests passed for real; at least $MIN_HOST expected" >&2
   host_failed=$((host_failed + 1))
+fi
+
+# The transfer suites again with every engine keyed: the legitimate path with authentication
+# on (the suites that play peers without a key, auth and faults, are left out).
+echo "test: cargo test with a deployment key (KVLINK_AUTH_KEY; transfer suites)"
+klog=$(mktemp)
+set +e
+KVLINK_AUTH_KEY=test-suite-deployment-key-0123456789 cargo test -p kvlink --no-fail-fast \
+  --test e2e_tcp --test two_process --test gpu --test grants 2>&1 | tee "$klog"
+key_rc=${PIPESTATUS[0]}
+set -e
+read -r key_ran key_failed _ < <(cargo_counts "$klog")
+key_skips=$(cargo_skips "$klog")
+key_skipped=0
+[ -n "$key_skips" ] && key_skipped=$(printf '%s\n' "$key_skips" | wc -l)
+key_passed=$((key_ran - key_skipped))
+key_why=""
+[ "$key_skipped" -gt 0 ] && key_why=" ($(printf '%s\n' "$key_skips" | skip_reasons))"
+if [ "$key_rc" -ne 0 ] && [ "$key_failed" -eq 0 ]; then
+  echo "test: cargo test with a key failed (exit $key_rc) before reporting failures" >&2
+  key_failed=1
+fi
+if [ "$key_passed" -lt "$MIN_KEYED" ]; then
+  echo "test: only $key_passed keyed host tests passed for real; at least $MIN_KEYED expected" >&2
+  key_failed=$((key_failed + 1))
 fi
 
 echo "test: Python bindings (maturin wheel into .venv, pytest)"
@@ -148,8 +174,9 @@ for line in sys.stdin:
 fi
 
 echo "test summary:"
-echo "  host: $host_passed passed, $host_failed failed, $host_skipped skipped$host_why; $host_helpers ignored (helpers the two-process tests run as child processes), not counted"
+echo "  host: $host_passed passed, $host_failed failed, $host_skipped skipped$host_why; $host_helpers ignored (child-process helpers of the two-process tests, and the fuzz seed writer), not counted"
+echo "  host, every engine keyed: $key_passed passed, $key_failed failed, $key_skipped skipped$key_why"
 echo "  python: $py_passed passed, $py_failed failed, $py_skipped skipped$py_why"
 echo "  $vm_line"
-echo "tests: $((host_passed + py_passed + vm_passed)) passed, $((host_failed + py_failed + vm_failed)) failed, $((host_skipped + py_skipped + vm_skipped)) skipped"
-[ "$host_failed" -eq 0 ] && [ "$py_failed" -eq 0 ] && [ "$vm_failed" -eq 0 ]
+echo "tests: $((host_passed + key_passed + py_passed + vm_passed)) passed, $((host_failed + key_failed + py_failed + vm_failed)) failed, $((host_skipped + key_skipped + py_skipped + vm_skipped)) skipped"
+[ "$host_failed" -eq 0 ] && [ "$key_failed" -eq 0 ] && [ "$py_failed" -eq 0 ] && [ "$vm_failed" -eq 0 ]

@@ -130,14 +130,15 @@ fn resolve(
 ) -> Result<(Vec<RegionSpan>, u64)> {
     let mut spans = Vec::new();
     let mut total = 0u64;
+    let mut checker = grant.map(|(g, layout)| g.checker(layout));
     for (i, e) in entries.enumerate() {
         let region = regions
             .region(e.region)
             .ok_or_else(|| Error::invalid(format!("entry {i}: {} is not exported", e.region)))?;
         let span = RegionSpan::new(region, e.offset, e.len)
             .map_err(|err| Error::invalid(format!("entry {i}: {err}")))?;
-        if let Some((g, layout)) = grant {
-            g.check(layout, e.region, e.offset, e.len)
+        if let Some(c) = &mut checker {
+            c.check(e.region, e.offset, e.len)
                 .map_err(|why| Error::invalid(format!("entry {i}: {why}")))?;
         }
         total += e.len;
