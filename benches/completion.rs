@@ -44,7 +44,8 @@ fn bench_tracker(c: &mut Criterion) {
     });
     g.bench_function("send_hold_notice_take", |b| {
         let layout = kvlink::ModelShape::LLAMA3_8B.layout(kvlink::RegionId(1), 64);
-        let grant = std::sync::Arc::new(Grant::new(&layout, &[1, 2, 3, 4]).unwrap());
+        let grant =
+            std::sync::Arc::new(Grant::new(std::sync::Arc::new(layout), &[1, 2, 3, 4]).unwrap());
         b.iter(|| {
             let now = Instant::now();
             let mut t = CompletionTracker::new();

@@ -34,8 +34,7 @@ pub struct EngineConfig {
     /// address such as `0.0.0.0`.
     pub advertise_host: Option<String>,
     /// Engine id (1 to 256 bytes): what peers know this engine by, and the reader name grants
-    /// use. Defaults to `<hostname>-<pid>-rank<tp_rank>`, with `-e<k>` added for the second
-    /// and later engines of one process.
+    /// use. Defaults to `<hostname>-<pid>-rank<tp_rank>-<8 random hex digits>`.
     pub engine_id: Option<String>,
     /// Tensor-parallel rank of this worker.
     pub tp_rank: u32,

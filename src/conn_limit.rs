@@ -79,10 +79,17 @@ impl ConnLimit {
     }
 }
 
-/// An IPv4 address seen through an IPv6 socket counts as itself.
+/// The unit the per-address cap counts: an IPv4 address (also when seen through an IPv6
+/// socket), or an IPv6 /64 (one host usually holds a whole /64).
 fn canonical(ip: IpAddr) -> IpAddr {
     match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let prefix = u128::from(v6) & !((1u128 << 64) - 1);
+                IpAddr::V6(prefix.into())
+            }
+        },
         v4 => v4,
     }
 }
@@ -117,6 +124,16 @@ mod tests {
             l.admit(mapped).unwrap_err(),
             Full::PerIp(3),
             "mapped v4 is the same"
+        );
+        let v6 = ConnLimit::new(5, 1);
+        let _a = v6.admit("2001:db8::1".parse().unwrap()).unwrap();
+        assert!(
+            v6.admit("2001:db8::2".parse().unwrap()).is_err(),
+            "the same /64"
+        );
+        assert!(
+            v6.admit("2001:db8:0:1::1".parse().unwrap()).is_ok(),
+            "another /64"
         );
         let b1 = l.admit(b).unwrap();
         let _b2 = l.admit(b).unwrap();

@@ -3,20 +3,27 @@
 //! every byte of it lies inside a granted block of some tensor of the layout, so a reader of
 //! one request never gets bytes of another request's blocks, of blocks the request does not
 //! hold, or of memory outside the KV layout (padding between blocks, other registrations).
+//! A grant keeps the layout its block ids were given in, and ends with its hold: a response
+//! being sent stops at its next write once the grant has ended.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, RegionId};
 use crate::layout::KvLayout;
 
-/// The blocks held for one request (sorted, without repeats).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// The blocks held for one request (sorted, without repeats), in the layout they were held in.
+#[derive(Debug)]
 pub struct Grant {
     blocks: Vec<BlockId>,
+    layout: Arc<KvLayout>,
+    ended: AtomicBool,
 }
 
 impl Grant {
     /// A grant of `blocks` of `layout`. Refuses an empty list and block ids outside the layout.
-    pub fn new(layout: &KvLayout, blocks: &[BlockId]) -> Result<Grant> {
+    pub fn new(layout: Arc<KvLayout>, blocks: &[BlockId]) -> Result<Grant> {
         if blocks.is_empty() {
             return Err(Error::invalid(
                 "hold_blocks needs the request's block ids (the blocks its reader may read)",
@@ -31,7 +38,26 @@ impl Grant {
         let mut blocks = blocks.to_vec();
         blocks.sort_unstable();
         blocks.dedup();
-        Ok(Grant { blocks })
+        Ok(Grant {
+            blocks,
+            layout,
+            ended: AtomicBool::new(false),
+        })
+    }
+
+    /// The layout the block ids refer to (the one in force when the blocks were held).
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// Ends the grant (its hold finished, failed or expired): nothing more is served from it.
+    pub fn end(&self) {
+        self.ended.store(true, Ordering::Release);
+    }
+
+    /// Whether the grant has ended.
+    pub fn is_ended(&self) -> bool {
+        self.ended.load(Ordering::Acquire)
     }
 
     /// Whether block `b` is granted.
@@ -50,23 +76,22 @@ impl Grant {
     }
 
     /// Checks that every byte of `[offset, offset + len)` of `region` lies in a granted block of
-    /// a tensor of `layout` (see [`Checker::check`]; a request's entries go through one
+    /// a tensor of the layout (see [`Checker::check`]; a request's entries go through one
     /// [`Checker`]).
     pub fn check(
         &self,
-        layout: &KvLayout,
         region: RegionId,
         offset: u64,
         len: u64,
     ) -> std::result::Result<(), String> {
-        self.checker(layout).check(region, offset, len)
+        self.checker().check(region, offset, len)
     }
 
-    /// A checker of ranges against this grant and `layout`, for the entries of one request.
-    pub fn checker<'a>(&'a self, layout: &'a KvLayout) -> Checker<'a> {
+    /// A checker of ranges against this grant, for the entries of one request.
+    pub fn checker(&self) -> Checker<'_> {
         Checker {
             grant: self,
-            layout,
+            layout: &self.layout,
             last: 0,
         }
     }
@@ -168,24 +193,24 @@ mod tests {
     fn granted_blocks_are_served_and_nothing_else() {
         // Two tensors interleaved in region 1 (stride twice the block), padding after each.
         let l = layout(vec![tensor(1, 0, 256, 100, 8), tensor(1, 128, 256, 100, 8)]);
-        let g = Grant::new(&l, &[2, 3, 3]).unwrap();
+        let g = Grant::new(Arc::new(l.clone()), &[2, 3, 3]).unwrap();
         assert_eq!(g.len(), 2);
         let r = RegionId(1);
-        assert!(g.check(&l, r, 512, 100).is_ok(), "block 2 of t0");
-        assert!(g.check(&l, r, 512 + 128, 100).is_ok(), "block 2 of t1");
-        assert!(g.check(&l, r, 768 + 10, 50).is_ok(), "inside block 3");
-        let e = g.check(&l, r, 0, 100).unwrap_err();
+        assert!(g.check(r, 512, 100).is_ok(), "block 2 of t0");
+        assert!(g.check(r, 512 + 128, 100).is_ok(), "block 2 of t1");
+        assert!(g.check(r, 768 + 10, 50).is_ok(), "inside block 3");
+        let e = g.check(r, 0, 100).unwrap_err();
         assert!(e.contains("block 0") && e.contains("not held"), "{e}");
-        let e = g.check(&l, r, 512, 101).unwrap_err();
+        let e = g.check(r, 512, 101).unwrap_err();
         assert!(e.contains("not in a block"), "padding after the block: {e}");
-        assert!(
-            g.check(&l, r, 512, 256).is_err(),
-            "spans into the other tensor"
-        );
-        assert!(g.check(&l, RegionId(2), 512, 10).is_err(), "other region");
-        assert!(g.check(&l, r, 512, 0).is_err(), "empty");
-        assert!(g.check(&l, r, u64::MAX, 2).is_err(), "overflow");
-        assert!(g.check(&l, r, 8 * 256, 10).is_err(), "past the last block");
+        assert!(g.check(r, 512, 256).is_err(), "spans into the other tensor");
+        assert!(g.check(RegionId(2), 512, 10).is_err(), "other region");
+        assert!(g.check(r, 512, 0).is_err(), "empty");
+        assert!(g.check(r, u64::MAX, 2).is_err(), "overflow");
+        assert!(g.check(r, 8 * 256, 10).is_err(), "past the last block");
+        assert!(!g.is_ended());
+        g.end();
+        assert!(g.is_ended());
     }
 
     #[test]
@@ -193,22 +218,18 @@ mod tests {
         let l = ModelShape::LLAMA3_8B.layout(RegionId(1), 16);
         let t = &l.tensors[0];
         assert_eq!(t.block_stride, t.block_bytes);
-        let g = Grant::new(&l, &[4, 5, 6]).unwrap();
+        let g = Grant::new(Arc::new(l.clone()), &[4, 5, 6]).unwrap();
         let r = RegionId(1);
-        assert!(g.check(&l, r, t.block_offset(4), 3 * t.block_bytes).is_ok());
-        assert!(g
-            .check(&l, r, t.block_offset(4), 4 * t.block_bytes)
-            .is_err());
-        assert!(g
-            .check(&l, r, t.block_offset(3) + 1, t.block_bytes)
-            .is_err());
+        assert!(g.check(r, t.block_offset(4), 3 * t.block_bytes).is_ok());
+        assert!(g.check(r, t.block_offset(4), 4 * t.block_bytes).is_err());
+        assert!(g.check(r, t.block_offset(3) + 1, t.block_bytes).is_err());
     }
 
     #[test]
     fn empty_and_out_of_range_grants_are_refused() {
         let l = layout(vec![tensor(1, 0, 100, 100, 4)]);
-        assert!(Grant::new(&l, &[]).is_err());
-        assert!(Grant::new(&l, &[4])
+        assert!(Grant::new(Arc::new(l.clone()), &[]).is_err());
+        assert!(Grant::new(Arc::new(l.clone()), &[4])
             .unwrap_err()
             .to_string()
             .contains("outside"));
@@ -234,14 +255,14 @@ mod tests {
             let l = layout(tensors);
             let granted: Vec<u32> = granted.into_iter().filter(|b| *b < n).collect();
             prop_assume!(!granted.is_empty());
-            let g = Grant::new(&l, &granted).unwrap();
+            let g = Grant::new(Arc::new(l.clone()), &granted).unwrap();
             let byte_ok = |x: u64| l.tensors.iter().any(|t| {
                 x >= t.offset && (x - t.offset) / t.block_stride < u64::from(t.num_blocks)
                     && (x - t.offset) % t.block_stride < t.block_bytes
                     && g.has(((x - t.offset) / t.block_stride) as u32)
             });
             let want = (offset..offset + len).all(byte_ok);
-            prop_assert_eq!(g.check(&l, RegionId(1), offset, len).is_ok(), want);
+            prop_assert_eq!(g.check(RegionId(1), offset, len).is_ok(), want);
         }
     }
 }

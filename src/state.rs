@@ -24,7 +24,7 @@ use crate::ids::{BlockId, RegionId, RequestId};
 use crate::layout::KvLayout;
 use crate::memory::{Region, RegionInfo};
 use crate::transport::rdma::{self, RdmaDevice, RdmaFault, ServerQps};
-use crate::transport::tcp::{DataSession, Granted, RegionLookup, StagingPool};
+use crate::transport::tcp::{DataSession, RegionLookup, StagingPool};
 
 /// What the data and control servers count.
 #[derive(Default)]
@@ -60,6 +60,8 @@ pub(crate) struct EngineState {
     pub(crate) counters: Counters,
     pub(crate) gpus: Runtimes,
     pub(crate) staging: Arc<StagingPool>,
+    /// Set by `Engine::close` before its tasks stop: reads failing from then on say so.
+    pub(crate) closing: std::sync::atomic::AtomicBool,
     /// Authenticated control sessions, by id, with the engine id each reader declared: their
     /// data connections are served, as that engine.
     data_sessions: Mutex<HashMap<[u8; 16], DataSession>>,
@@ -96,6 +98,7 @@ impl EngineState {
             gpus,
             staging: StagingPool::new(config.staging_chunk_bytes as usize, config.staging_buffers),
             data_sessions: Mutex::new(HashMap::new()),
+            closing: std::sync::atomic::AtomicBool::new(false),
             config,
         }
     }
@@ -133,7 +136,7 @@ impl EngineState {
         let layout = self
             .layout()
             .ok_or_else(|| Error::invalid("set a KV layout before holding blocks"))?;
-        let grant = Arc::new(Grant::new(&layout, blocks)?);
+        let grant = Arc::new(Grant::new(layout, blocks)?);
         self.with_tracker(|t| t.hold_send(id, grant, reader, Instant::now(), abort_timeout))
     }
 
@@ -350,15 +353,15 @@ impl RegionLookup for EngineState {
         &self,
         id: &RequestId,
         engine: Option<&str>,
-    ) -> std::result::Result<Option<Granted>, String> {
+    ) -> std::result::Result<Option<Arc<Grant>>, String> {
         if self.config.open_reads {
             return Ok(None);
         }
-        let layout = self
-            .layout()
-            .ok_or_else(|| "this engine has no KV layout".to_string())?;
-        let grant = self.tracker.lock().grant_for(id, engine)?;
-        Ok(Some((grant, layout)))
+        self.tracker.lock().grant_for(id, engine).map(Some)
+    }
+
+    fn claim(&self, id: &RequestId, engine: &str) {
+        self.tracker.lock().claim(id, engine);
     }
 
     fn served(&self, bytes: Option<u64>) {

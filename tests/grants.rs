@@ -50,7 +50,7 @@ fn a_key_holder_reads_only_what_is_held_for_it() {
         .unwrap();
     let f = collect(&b.engine, Duration::from_secs(20), |f| !f.is_empty());
     assert!(
-        f.failed[0].reason.contains("held for another reader"),
+        f.failed[0].reason.contains("not held for this reader"),
         "{f:?}"
     );
     assert_eq!(f.failed[0].cause, FailureCause::Peer);
@@ -211,4 +211,73 @@ fn idle_data_streams_close_early_and_readers_carry_on() {
         std::thread::sleep(Duration::from_millis(1600));
     }
     assert_eq!(prefill.engine.stats().handshakes_accepted, 2);
+}
+
+#[test]
+fn a_response_stops_when_its_hold_ends() {
+    use kvlink::internal::frame;
+    use kvlink::internal::messages::Message;
+    use kvlink::internal::tcp_wire as wire;
+    use std::io::Write;
+    // A reader that asks for the whole cache (32 MiB) and does not read the answer: the server
+    // stalls on a full socket. When the hold ends (here the reader's own Done), the rest of the
+    // response is not sent: the blocks may be reused from then on.
+    let shape = ModelShape::LLAMA3_8B;
+    let prefill = side(&shape, 16, Some(45), quick_config());
+    let all: Vec<u32> = (0..16).collect();
+    prefill.engine.hold_blocks("slow", &all).unwrap();
+    let (data, _) = prefill.engine.descriptor().unwrap().tcp().unwrap();
+    let mut d = TcpStream::connect(data).unwrap();
+    let len = prefill.region.len();
+    let mut req = Vec::new();
+    let entry = wire::Entry {
+        region: prefill.region.id(),
+        offset: 0,
+        len,
+    };
+    wire::encode_request(1, "slow", std::iter::once(entry), &mut req);
+    d.write_all(&req).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    // The reader's control session says it is done.
+    let mut c = TcpStream::connect(prefill.engine.handshake_address()).unwrap();
+    let hello = Message::Hello {
+        descriptor: Box::new(prefill.engine.descriptor().unwrap()),
+    };
+    c.write_all(&frame::encode(&hello).unwrap()).unwrap();
+    let mut head = [0u8; 4];
+    c.read_exact(&mut head).unwrap();
+    let mut body = vec![0u8; u32::from_be_bytes(head) as usize];
+    c.read_exact(&mut body).unwrap();
+    let done = Message::Done {
+        request_id: "slow".into(),
+    };
+    c.write_all(&frame::encode(&done).unwrap()).unwrap();
+    let s = collect(&prefill.engine, Duration::from_secs(10), |f| !f.is_empty());
+    assert_eq!(s.sending.len(), 1, "{s:?}");
+    // Now drain: the connection closes before the whole response arrived.
+    d.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut got = 0u64;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        match d.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got += n as u64,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            // Still open after 10 s with nothing more: judged by the count below.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                break
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let whole = wire::RESPONSE_HEADER as u64 + len;
+    assert!(
+        got < whole,
+        "{got} of {whole} bytes arrived after the hold ended"
+    );
 }

@@ -129,20 +129,30 @@ impl CompletionTracker {
     }
 
     /// What the reader of request `id` may read. `engine` is the reading engine when the data
-    /// connection identified it (it then claims a request held without a named reader).
-    /// Refuses a request that is not held, or that is held for another engine.
+    /// connection identified it. Refuses a request that is not held, or is held for another
+    /// engine, with the same reason (a reader learns nothing about other readers' requests).
     pub fn grant_for(
-        &mut self,
+        &self,
         id: &RequestId,
         engine: Option<&str>,
     ) -> std::result::Result<Arc<Grant>, String> {
-        let held = self.held.get_mut(id).ok_or_else(|| {
-            format!("request {id} is not held by this engine (the prefill calls hold_blocks before its reader reads)")
-        })?;
-        if let Some(e) = engine {
-            held.admit(id, e)?;
+        match (self.held.get(id), engine) {
+            (Some(h), Some(e)) if h.reader.as_deref().is_some_and(|r| r != e) => {}
+            (Some(h), _) => return Ok(h.grant.clone()),
+            (None, _) => {}
         }
-        Ok(held.grant.clone())
+        Err(format!(
+            "request {id} is not held for this reader (the prefill holds a request with \
+             hold_blocks, granted to one reader, before that reader reads)"
+        ))
+    }
+
+    /// `engine` read request `id` (every check passed): a request held without a named reader
+    /// becomes that engine's.
+    pub fn claim(&mut self, id: &RequestId, engine: &str) {
+        if let Some(h) = self.held.get_mut(id) {
+            let _ = h.admit(id, engine);
+        }
     }
 
     /// Applies notice `notice` about send `id` from engine `from`. Refuses (and stores
@@ -158,7 +168,9 @@ impl CompletionTracker {
             .get_mut(id)
             .ok_or_else(|| format!("request {id} is not held by this engine"))?;
         held.admit(id, from)?;
-        self.held.remove(id);
+        if let Some(h) = self.held.remove(id) {
+            h.grant.end();
+        }
         self.finish_send(id.clone(), notice);
         Ok(())
     }
@@ -186,6 +198,7 @@ impl CompletionTracker {
             .collect();
         for id in expired {
             let h = self.held.remove(&id).expect("listed above");
+            h.grant.end();
             self.out.failed.push(FailedRequest {
                 id,
                 side: Side::Send,
@@ -263,7 +276,7 @@ mod tests {
 
     fn grant() -> Arc<Grant> {
         let l = crate::layout::ModelShape::LLAMA3_8B.layout(crate::ids::RegionId(1), 4);
-        Arc::new(Grant::new(&l, &[0, 1]).unwrap())
+        Arc::new(Grant::new(Arc::new(l), &[0, 1]).unwrap())
     }
 
     fn hold(t: &mut CompletionTracker, id: &str, reader: Option<&str>, now: Instant) {
@@ -335,18 +348,27 @@ mod tests {
         assert!(t.grant_for(&"a".into(), Some("decode-1")).unwrap().has(1));
         t.handle_notice(&"a".into(), "decode-1", SendNotice::Done)
             .unwrap();
-        // Claimed by the first engine that identifies itself.
+        // Claimed by the first engine whose read was served, or whose notice was applied.
         hold(&mut t, "b", None, t0);
+        let g = t.grant_for(&"b".into(), Some("decode-3")).unwrap();
         assert!(
             t.grant_for(&"b".into(), None).is_ok(),
             "anonymous reads claim nothing"
         );
-        t.grant_for(&"b".into(), Some("decode-3")).unwrap();
+        assert!(
+            t.grant_for(&"b".into(), Some("decode-4")).is_ok(),
+            "not claimed yet"
+        );
+        t.claim(&"b".into(), "decode-3");
+        let e = t.grant_for(&"b".into(), Some("decode-4")).unwrap_err();
+        assert!(e.contains("not held for this reader"), "{e}");
         assert!(t
             .handle_notice(&"b".into(), "decode-4", SendNotice::Done)
             .is_err());
+        assert!(!g.is_ended());
         t.handle_notice(&"b".into(), "decode-3", SendNotice::Done)
             .unwrap();
+        assert!(g.is_ended(), "the grant ends with its hold");
         let f = t.take_finished();
         assert_eq!(f.sending, vec![RequestId::from("a"), RequestId::from("b")]);
         assert!(f.failed.is_empty());

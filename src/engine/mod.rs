@@ -40,18 +40,14 @@ pub struct Engine {
     runtime: RwLock<Option<tokio::runtime::Runtime>>,
 }
 
-/// `host-pid-rankN`, with `-eK` added for the second and later engines of the process, so
-/// that engines of one process never share an id (grants name readers by engine id).
+/// `host-pid-rankN-xxxxxxxx`, the suffix random: engines of one process, or of containers that
+/// share a hostname and a pid, never share an id (grants name readers by engine id).
 fn default_engine_id(rank: u32) -> String {
-    static STARTED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_string())
         .unwrap_or_else(|_| "host".into());
-    let id = format!("{host}-{}-rank{rank}", std::process::id());
-    match STARTED.fetch_add(1, Ordering::Relaxed) {
-        0 => id,
-        k => format!("{id}-e{k}"),
-    }
+    let suffix = generation_nonce() as u32;
+    format!("{host}-{}-rank{rank}-{suffix:08x}", std::process::id())
 }
 
 fn generation_nonce() -> u64 {
@@ -500,6 +496,7 @@ impl Engine {
     /// Waits for calls in progress on other threads (a [`connect`](Engine::connect) up to its
     /// timeout), then at most a second for the engine's tasks to stop.
     pub fn close(&self) {
+        self.shared.closing.store(true, Ordering::Release);
         let rt = self.runtime.write().take();
         if let Some(rt) = rt {
             rt.shutdown_timeout(Duration::from_secs(1));

@@ -350,8 +350,20 @@ async fn a_read_completes_and_the_prefill_side_finishes_sending() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_lost_connection_is_retried_once_on_a_new_session() {
+    let p = Pair::new(&[Fault::FailAfter(0), Fault::None]);
+    p.read("r1", &[0, 2], &[1, 3]).await;
+    let d = p.decode_finished();
+    assert_eq!(d.receiving, vec![RequestId::from("r1")], "{d:?}");
+    assert_eq!(p.connects(), 2);
+    assert!(p.holds(&[0, 2], &[1, 3]));
+    assert_eq!(p.prefill_finished().sending, vec![RequestId::from("r1")]);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_transport_failure_fails_the_read_and_aborts_the_send() {
-    let p = Pair::new(&[Fault::FailAfter(1)]);
+    // Lost twice: the first attempt and its one retry.
+    let p = Pair::new(&[Fault::FailAfter(1), Fault::FailAfter(0)]);
     p.read("r1", &[0, 2, 4], &[1, 3, 5]).await;
     let d = p.decode_finished();
     assert!(d.receiving.is_empty(), "{d:?}");
@@ -361,6 +373,8 @@ async fn a_transport_failure_fails_the_read_and_aborts_the_send() {
         (Side::Recv, false, FailureCause::Connection)
     );
     assert!(f.reason.contains("injected failure after 1 reads"), "{f:?}");
+    assert!(f.reason.contains("retried once on a new session"), "{f:?}");
+    assert_eq!(p.connects(), 2);
     // The prefill learns of it at once (not at its abort timeout), with the reason.
     let s = p.prefill_finished();
     assert_eq!(s.failed.len(), 1, "{s:?}");
@@ -405,7 +419,8 @@ async fn a_slow_transport_within_the_deadline_completes() {
 
 #[tokio::test(start_paused = true)]
 async fn a_broken_session_is_rebuilt_with_a_new_generation() {
-    let p = Pair::new(&[Fault::FailAfter(0), Fault::None]);
+    // The first read fails on two sessions (its retry included); the next gets a third.
+    let p = Pair::new(&[Fault::FailAfter(0), Fault::FailAfter(0), Fault::None]);
     p.read("r1", &[0], &[1]).await;
     assert_eq!(p.decode_finished().failed.len(), 1);
     let first = p.decode.ready_conn(PEER);
@@ -413,9 +428,9 @@ async fn a_broken_session_is_rebuilt_with_a_new_generation() {
     p.read("r2", &[2], &[3]).await;
     let d = p.decode_finished();
     assert_eq!(d.receiving, vec![RequestId::from("r2")], "{d:?}");
-    assert_eq!(p.connects(), 2);
+    assert_eq!(p.connects(), 3);
     let conn = p.decode.ready_conn(PEER).unwrap();
-    assert_eq!(conn.generation, 2);
+    assert_eq!(conn.generation, 3);
     assert!(p.holds(&[2], &[3]));
 }
 

@@ -61,16 +61,42 @@ pub(crate) fn run_read(
 
 async fn read_to_end(sessions: Arc<Sessions>, job: ReadJob, mut guard: ReportGuard) {
     let shared = sessions.state.clone();
-    let ctl = Arc::new(RequestCtl::default());
+    let mut ctl = Arc::new(RequestCtl::default());
     let timeout = job
         .deadline
         .saturating_duration_since(tokio::time::Instant::now());
     let mut used = None;
-    let outcome = tokio::time::timeout_at(
+    let mut outcome = tokio::time::timeout_at(
         job.deadline + BACKSTOP,
         read_once(&sessions, &job, ctl.clone(), &mut used),
     )
     .await;
+    // A data connection lost (a server closing an idle stream just as a request went out, a
+    // peer restarting): reads are idempotent, so the read runs once more on a new session,
+    // within the same deadline, once the first attempt has stopped writing.
+    if let Ok(Err(first @ Error::ConnectionLost { reason, .. })) = &outcome {
+        let closing = shared.closing.load(std::sync::atomic::Ordering::Acquire);
+        if !closing
+            && tokio::time::Instant::now() < job.deadline
+            && ctl.cancel_async(shared.config.io_timeout).await
+        {
+            tracing::info!(id = %job.id, error = %first, "retrying a read once on a new session");
+            let first = reason.clone();
+            ctl = Arc::new(RequestCtl::default());
+            used = None;
+            outcome = tokio::time::timeout_at(
+                job.deadline + BACKSTOP,
+                read_once(&sessions, &job, ctl.clone(), &mut used),
+            )
+            .await;
+            if let Ok(Err(e)) = &mut outcome {
+                *e = Error::ConnectionLost {
+                    peer: job.peer.clone(),
+                    reason: format!("{first}; retried once on a new session: {e}"),
+                };
+            }
+        }
+    }
     // The session the read used: even when its transport broke, its control connection can
     // still carry the abort, so the prefill frees its blocks now rather than at its timeout.
     let conn = used.or_else(|| sessions.ready_conn(&job.peer));
@@ -100,7 +126,10 @@ async fn read_to_end(sessions: Arc<Sessions>, job: ReadJob, mut guard: ReportGua
         }
         Err(e) => {
             ctl.cancel_async(shared.config.io_timeout).await;
-            let reason = if expired {
+            let closing = shared.closing.load(std::sync::atomic::Ordering::Acquire);
+            let reason = if closing {
+                format!("engine shutting down ({e})")
+            } else if expired {
                 format!(
                     "not complete within the request timeout of {timeout:?} (peer {}): {e}",
                     job.peer
@@ -115,7 +144,9 @@ async fn read_to_end(sessions: Arc<Sessions>, job: ReadJob, mut guard: ReportGua
                     reason: reason.clone(),
                 });
             }
-            let cause = if expired {
+            let cause = if closing {
+                FailureCause::Other
+            } else if expired {
                 FailureCause::Expired
             } else {
                 FailureCause::of(&e)

@@ -281,7 +281,7 @@ extern "C" {
 const char *kvlink_last_error(void);
 
 /**
- * The version of this library, e.g. `"0.1.0"`. Never NULL; a static string owned by kvlink.
+ * The version of this library, e.g. `"0.2.0"`. Never NULL; a static string owned by kvlink.
  */
 const char *kvlink_version(void);
 

@@ -83,7 +83,7 @@ pub extern "C" fn kvlink_last_error() -> *const c_char {
 
 const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "\0");
 
-/// The version of this library, e.g. `"0.1.0"`. Never NULL; a static string owned by kvlink.
+/// The version of this library, e.g. `"0.2.0"`. Never NULL; a static string owned by kvlink.
 #[no_mangle]
 pub extern "C" fn kvlink_version() -> *const c_char {
     VERSION.as_ptr().cast()

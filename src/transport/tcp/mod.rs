@@ -14,5 +14,5 @@ mod staging;
 pub mod wire;
 
 pub(crate) use client::TcpTransport;
-pub(crate) use server::{serve, DataSession, Granted, RegionLookup, ServeLimits};
+pub(crate) use server::{serve, DataSession, RegionLookup, ServeLimits};
 pub(crate) use staging::StagingPool;

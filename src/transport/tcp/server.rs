@@ -16,7 +16,6 @@ use crate::conn_limit::ConnLimit;
 use crate::error::{Error, Result};
 use crate::grant::Grant;
 use crate::ids::{RegionId, RequestId};
-use crate::layout::KvLayout;
 use crate::log_limit::{warn_limited, LogLimit};
 use crate::memory::{self, Region, RegionSpan};
 
@@ -27,9 +26,6 @@ static REFUSED: LogLimit = LogLimit::new(Duration::from_secs(1));
 /// its reader declared.
 pub(crate) type DataSession = (SessionSecret, Arc<str>);
 
-/// What reads of one request may touch: its grant, and the layout its block ids refer to.
-pub(crate) type Granted = (Arc<Grant>, Arc<KvLayout>);
-
 /// Where the data server finds exported regions.
 pub(crate) trait RegionLookup: Send + Sync + 'static {
     /// The exported region with this id, if any.
@@ -39,15 +35,17 @@ pub(crate) trait RegionLookup: Send + Sync + 'static {
     /// The authenticated control session with this id, while it lives, and the engine id its
     /// reader declared.
     fn data_session(&self, id: &[u8; 16]) -> Option<DataSession>;
-    /// What reads of request `id` may touch: its grant and the layout the grant's block ids
-    /// refer to; `None` when the engine serves open reads (no hold needed). `engine` is the
-    /// reading engine, when the data connection proved its session. Refused (with the reason)
-    /// when the request is not held, or is held for another engine.
+    /// What reads of request `id` may touch: its grant; `None` when the engine serves open
+    /// reads (no hold needed). `engine` is the reading engine, when the data connection proved
+    /// its session. Refused (with the reason) when the request is not held for that reader.
     fn grant(
         &self,
         id: &RequestId,
         engine: Option<&str>,
-    ) -> std::result::Result<Option<Granted>, String>;
+    ) -> std::result::Result<Option<Arc<Grant>>, String>;
+    /// A read of request `id` by `engine` was served: a request held without a named reader
+    /// is that engine's from now on.
+    fn claim(&self, id: &RequestId, engine: &str);
     /// A request was served (`Some(bytes)`) or refused (`None`).
     fn served(&self, bytes: Option<u64>);
     /// The staging buffers for device memory.
@@ -125,13 +123,21 @@ fn timed_out(what: &str, after: Duration) -> Error {
 /// or says which one is refused and why. The reason names only what the reader asked for.
 fn resolve(
     regions: &dyn RegionLookup,
-    grant: Option<&Granted>,
+    grant: Option<&Grant>,
     entries: impl Iterator<Item = Entry>,
 ) -> Result<(Vec<RegionSpan>, u64)> {
     let mut spans = Vec::new();
     let mut total = 0u64;
-    let mut checker = grant.map(|(g, layout)| g.checker(layout));
+    let mut checker = grant.map(Grant::checker);
     for (i, e) in entries.enumerate() {
+        // The size cap first: it bounds the grant walk below too.
+        total = total.saturating_add(e.len);
+        if total > wire::MAX_REQUEST_BYTES {
+            return Err(Error::invalid(format!(
+                "request asks for more than {} bytes",
+                wire::MAX_REQUEST_BYTES
+            )));
+        }
         let region = regions
             .region(e.region)
             .ok_or_else(|| Error::invalid(format!("entry {i}: {} is not exported", e.region)))?;
@@ -140,13 +146,6 @@ fn resolve(
         if let Some(c) = &mut checker {
             c.check(e.region, e.offset, e.len)
                 .map_err(|why| Error::invalid(format!("entry {i}: {why}")))?;
-        }
-        total += e.len;
-        if total > wire::MAX_REQUEST_BYTES {
-            return Err(Error::invalid(format!(
-                "request asks for more than {} bytes",
-                wire::MAX_REQUEST_BYTES
-            )));
         }
         spans.push(span);
     }
@@ -208,16 +207,22 @@ async fn connection(
         .await?;
 
         let granted = regions.grant(&request, engine.as_deref());
-        let resolved = granted
-            .map_err(Error::InvalidArgument)
-            .and_then(|g| resolve(&*regions, g.as_ref(), wire::decode_entries(&body)));
+        let resolved = granted.map_err(Error::InvalidArgument).and_then(|g| {
+            resolve(&*regions, g.as_deref(), wire::decode_entries(&body)).map(|r| (g, r))
+        });
         match resolved {
-            Ok((spans, total)) => {
+            Ok((grant, (spans, total))) => {
+                // Only a read that passed every check claims the request for its engine.
+                if let (Some(_), Some(e)) = (&grant, &engine) {
+                    regions.claim(&request, e);
+                }
+                let live = grant.as_deref();
                 let head = wire::encode_response_header(tag, wire::STATUS_OK, total);
                 if spans.iter().any(RegionSpan::is_device) {
-                    write_staged(&stream, &head, &spans, regions.staging(), io_timeout).await?;
+                    let pool = regions.staging();
+                    write_staged(&stream, &head, &spans, pool, live, io_timeout).await?;
                 } else {
-                    write_all(&stream, &head, &spans, io_timeout).await?;
+                    write_all(&stream, &head, &spans, live, io_timeout).await?;
                 }
                 regions.served(Some(total));
             }
@@ -229,7 +234,7 @@ async fn connection(
                     wire::encode_response_header(tag, wire::STATUS_REFUSED, reason.len() as u64)
                         .to_vec();
                 msg.extend_from_slice(reason.as_bytes());
-                write_all(&stream, &msg, &[], io_timeout).await?;
+                write_all(&stream, &msg, &[], None, io_timeout).await?;
             }
         }
     }
@@ -257,11 +262,24 @@ async fn read_entries(
     Ok(())
 }
 
-/// Writes `head` then the spans' bytes straight from registered memory (`writev`, no copy).
+/// Stops a response whose grant ended (its hold finished, failed or expired) while it was
+/// being sent: the blocks may be reused from then on.
+fn still_granted(live: Option<&Grant>) -> Result<()> {
+    match live {
+        Some(g) if g.is_ended() => Err(Error::Protocol(
+            "the request's hold ended while its blocks were being sent".into(),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Writes `head` then the spans' bytes straight from registered memory (`writev`, no copy),
+/// checking before every write that `live` (the request's grant, if any) has not ended.
 async fn write_all(
     stream: &TcpStream,
     head: &[u8],
     spans: &[RegionSpan],
+    live: Option<&Grant>,
     io_timeout: Duration,
 ) -> Result<()> {
     let fd = stream.as_raw_fd();
@@ -277,6 +295,7 @@ async fn write_all(
                 )
             })?
             .map_err(|e| Error::io("writing a data response", &e))?;
+        still_granted(live)?;
         match stream.try_io(Interest::WRITABLE, || memory::writev(fd, head, spans, done)) {
             Ok(0) => return Err(Error::Protocol("data stream closed while writing".into())),
             Ok(n) => done += n as u64,
@@ -294,17 +313,20 @@ async fn write_staged(
     head: &[u8],
     spans: &[RegionSpan],
     pool: &Arc<StagingPool>,
+    live: Option<&Grant>,
     io_timeout: Duration,
 ) -> Result<()> {
-    write_all(stream, head, &[], io_timeout).await?;
+    write_all(stream, head, &[], None, io_timeout).await?;
     let mut out = Outbound::new(pool.clone(), io_timeout);
     for g in group(spans, pool.chunk() as u64)? {
         match g {
             Group::Host(host) => {
                 flush(stream, &mut out, io_timeout).await?;
-                write_all(stream, &[], &host, io_timeout).await?;
+                write_all(stream, &[], &host, live, io_timeout).await?;
             }
             Group::Device(mut pieces) => loop {
+                // Checked before each copy out of the request's device memory.
+                still_granted(live)?;
                 if out.is_full() {
                     send_next(stream, &mut out, io_timeout).await?;
                 }
@@ -323,7 +345,7 @@ async fn write_staged(
 
 async fn send_next(stream: &TcpStream, out: &mut Outbound, io_timeout: Duration) -> Result<()> {
     if let Some(filled) = out.next().await? {
-        write_all(stream, filled.bytes(), &[], io_timeout).await?;
+        write_all(stream, filled.bytes(), &[], None, io_timeout).await?;
     }
     Ok(())
 }
