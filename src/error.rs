@@ -135,6 +135,10 @@ pub enum Error {
     /// The engine is shutting down; no new work is accepted.
     #[error("engine is shut down")]
     Shutdown,
+
+    /// The caller cancelled the request.
+    #[error("cancelled: {0}")]
+    Cancelled(String),
 }
 
 impl Error {

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -25,6 +25,7 @@ use crate::layout::KvLayout;
 use crate::memory::{Region, RegionInfo};
 use crate::transport::rdma::{self, RdmaDevice, RdmaFault, ServerQps};
 use crate::transport::tcp::{DataSession, RegionLookup, StagingPool};
+use crate::transport::RequestCtl;
 
 /// What the data and control servers count.
 #[derive(Default)]
@@ -36,6 +37,9 @@ pub(crate) struct Counters {
     pub(crate) bytes_served: AtomicU64,
     pub(crate) notices_refused: AtomicU64,
 }
+
+/// A read in flight: the control of its running attempt, and whether the caller cancelled it.
+pub(crate) type ReadInFlight = (Arc<RequestCtl>, Arc<AtomicBool>);
 
 /// State shared by the engine's API, its servers and its sessions.
 pub(crate) struct EngineState {
@@ -60,6 +64,9 @@ pub(crate) struct EngineState {
     pub(crate) counters: Counters,
     pub(crate) gpus: Runtimes,
     pub(crate) staging: Arc<StagingPool>,
+    /// Reads in flight, by id: the control of the attempt running now, and whether the caller
+    /// cancelled the read (`Engine::cancel`).
+    pub(crate) reads: Mutex<HashMap<RequestId, ReadInFlight>>,
     /// Set by `Engine::close` before its tasks stop: reads failing from then on say so.
     pub(crate) closing: std::sync::atomic::AtomicBool,
     /// Authenticated control sessions, by id, with the engine id each reader declared: their
@@ -99,6 +106,7 @@ impl EngineState {
             staging: StagingPool::new(config.staging_chunk_bytes as usize, config.staging_buffers),
             data_sessions: Mutex::new(HashMap::new()),
             closing: std::sync::atomic::AtomicBool::new(false),
+            reads: Mutex::new(HashMap::new()),
             config,
         }
     }
@@ -142,6 +150,17 @@ impl EngineState {
 
     pub(crate) fn region(&self, id: RegionId) -> Option<Arc<Region>> {
         self.regions.read().get(&id).cloned()
+    }
+
+    /// Cancels read `id` if it is in flight: its transport stops writing into its blocks and
+    /// the read is reported failed ("cancelled"), its prefill told. Returns whether it was.
+    pub(crate) fn cancel_read(&self, id: &RequestId) -> bool {
+        let Some((ctl, by_caller)) = self.reads.lock().get(id).cloned() else {
+            return false;
+        };
+        by_caller.store(true, Ordering::Release);
+        ctl.mark_cancelled();
+        true
     }
 
     /// Runs `f` on the tracker and wakes waiters.

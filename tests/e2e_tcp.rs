@@ -337,3 +337,28 @@ fn close_ends_reads_in_flight_and_closes_the_ports() {
     decode.engine.close(); // idempotent
     drop(silent);
 }
+
+#[test]
+fn a_cancelled_read_fails_at_once_and_its_id_is_free_again() {
+    let shape = ModelShape::DEEPSEEK_V3_MLA;
+    // A peer that accepts and never answers: only the cancel (or the 5 s handshake timeout,
+    // whose reason differs) can end the read.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_addr = silent.local_addr().unwrap().to_string();
+    let decode = side(&shape, 4, None, EngineConfig::default());
+    assert!(!decode.engine.cancel("never-started"));
+    for round in 0..2 {
+        decode
+            .engine
+            .read_blocks(&silent_addr, "c1", &[0], &[0])
+            .unwrap();
+        assert!(decode.engine.cancel("c1"), "round {round}: in flight");
+        let f = collect(&decode.engine, Duration::from_secs(10), |f| !f.is_empty());
+        let fr = &f.failed[0];
+        assert_eq!(fr.cause, kvlink::FailureCause::Cancelled, "{fr:?}");
+        assert!(fr.reason.contains("cancelled") && !fr.expired, "{fr:?}");
+        assert!(!decode.engine.cancel("c1"), "round {round}: finished");
+        assert_eq!(decode.engine.in_flight(), (0, 0));
+    }
+    drop(silent);
+}

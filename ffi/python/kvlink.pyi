@@ -103,6 +103,9 @@ class Engine:
         reader may read those blocks, and only those, under this request id) until read,
         aborted or the abort timeout. ``reader`` names the only engine allowed to read and
         confirm; without it the first engine that does becomes that reader."""
+    def cancel(self, request_id: str) -> bool:
+        """Decode side: cancel a read in flight (it ends in ``failed``, its prefill is told);
+        ``False`` when none with that id is in flight. Never blocks."""
     def get_finished(self) -> Finished:
         """Everything finished since the last call. Never blocks."""
     def wait_finished(self, timeout: float) -> Finished:

@@ -62,6 +62,8 @@ pub enum FailureCause {
         /// The runtime's error code (`CUresult`, `hipError_t`).
         code: Option<i32>,
     },
+    /// The caller cancelled it (`Engine::cancel`).
+    Cancelled,
     /// Anything else: a local error, the engine shutting down.
     #[default]
     Other,
@@ -82,6 +84,7 @@ impl FailureCause {
             | Error::RdmaUnavailable(_) => FailureCause::Connection,
             Error::Rdma(e) => FailureCause::Rdma(e.kind),
             Error::Gpu(e) => FailureCause::Gpu { code: e.code },
+            Error::Cancelled(_) => FailureCause::Cancelled,
             _ => FailureCause::Other,
         }
     }

@@ -442,6 +442,16 @@ impl Engine {
             .hold(id.into(), blocks, reader.map(str::to_string), timeout)
     }
 
+    /// Cancels read `id` (decode side): nothing more is posted or written into its blocks,
+    /// what is in flight is waited for (at most `io_timeout`), the read is reported failed with
+    /// [`FailureCause::Cancelled`](crate::FailureCause::Cancelled), and the prefill is told
+    /// (an `Abort`), so it frees its blocks at once. Returns `false` when no read with that id
+    /// is in flight (it finished, or never started); returns at once, the report follows in
+    /// [`get_finished`](Engine::get_finished).
+    pub fn cancel(&self, id: impl Into<RequestId>) -> bool {
+        self.shared.cancel_read(&id.into())
+    }
+
     /// Everything that finished since the last call, each request once.
     pub fn get_finished(&self) -> Finished {
         let mut t = self.shared.tracker.lock();

@@ -141,15 +141,18 @@ impl Transport for MemTransport {
     ) -> ReadFuture<'a> {
         let started = tokio::time::Instant::now();
         Box::pin(async move {
-            match tokio::time::timeout_at(deadline, self.run(ops, &ctl)).await {
-                Ok(r) => r,
-                Err(_) => {
-                    ctl.mark_cancelled();
-                    Err(Error::Timeout {
-                        what: "reading in memory (request deadline)".into(),
-                        after: started.elapsed(),
-                    })
-                }
+            tokio::select! {
+                r = tokio::time::timeout_at(deadline, self.run(ops, &ctl)) => match r {
+                    Ok(r) => r,
+                    Err(_) => {
+                        ctl.mark_cancelled();
+                        Err(Error::Timeout {
+                            what: "reading in memory (request deadline)".into(),
+                            after: started.elapsed(),
+                        })
+                    }
+                },
+                _ = ctl.cancelled() => Err(Error::Cancelled("reading in memory".into())),
             }
         })
     }
@@ -380,6 +383,36 @@ async fn a_transport_failure_fails_the_read_and_aborts_the_send() {
     assert_eq!(s.failed.len(), 1, "{s:?}");
     assert_eq!(s.failed[0].cause, FailureCause::Peer);
     assert!(s.failed[0].reason.contains("injected failure"), "{s:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancelled_read_stops_at_once_and_tells_the_prefill() {
+    let p = Arc::new(Pair::new(&[Fault::Delay(Duration::from_secs(5))]));
+    let t0 = tokio::time::Instant::now();
+    let reading = {
+        let p = p.clone();
+        tokio::spawn(async move { p.read("r1", &[0, 1], &[2, 3]).await })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(p.decode.state.cancel_read(&"r1".into()), "in flight");
+    reading.await.unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    let d = p.decode_finished();
+    let f = &d.failed[0];
+    assert_eq!(
+        (f.cause, f.expired),
+        (FailureCause::Cancelled, false),
+        "{f:?}"
+    );
+    assert!(f.reason.contains("cancelled"), "{f:?}");
+    assert!(!p.holds(&[0, 1], &[2, 3]), "nothing was written");
+    let s = p.prefill_finished();
+    assert_eq!(s.failed[0].cause, FailureCause::Peer, "{s:?}");
+    assert!(s.failed[0].reason.contains("cancelled"), "{s:?}");
+    assert!(
+        !p.decode.state.cancel_read(&"r1".into()),
+        "no longer in flight"
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -1,6 +1,7 @@
 //! The transfer task: one receive from plan to report (done, failed with a reason, or expired),
 //! with the done/abort notice to the prefill side.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -34,10 +35,26 @@ pub(super) const BACKSTOP: std::time::Duration = std::time::Duration::from_secs(
 struct ReportGuard {
     shared: Arc<EngineState>,
     id: Option<RequestId>,
+    /// The read's entry in the engine's registry of reads in flight (see `Engine::cancel`).
+    registered: Option<(RequestId, Arc<AtomicBool>)>,
+}
+
+impl ReportGuard {
+    /// Takes the read out of the registry of reads in flight (only its own entry: the id may
+    /// already belong to a new read).
+    fn unregister(&mut self) {
+        if let Some((id, flag)) = self.registered.take() {
+            let mut reads = self.shared.reads.lock();
+            if reads.get(&id).is_some_and(|(_, f)| Arc::ptr_eq(f, &flag)) {
+                reads.remove(&id);
+            }
+        }
+    }
 }
 
 impl Drop for ReportGuard {
     fn drop(&mut self) {
+        self.unregister();
         if let Some(id) = self.id.take() {
             self.shared.with_tracker(|t| {
                 t.recv_failed(&id, FailureCause::Other, "the transfer task ended without a result (engine shutting down or internal error)".into())
@@ -52,16 +69,30 @@ pub(crate) fn run_read(
     sessions: Arc<Sessions>,
     job: ReadJob,
 ) -> impl std::future::Future<Output = ()> + Send {
+    // Registered before the task first runs, so `Engine::cancel` finds it at once.
+    let ctl = Arc::new(RequestCtl::default());
+    let by_caller = Arc::new(AtomicBool::new(false));
+    sessions
+        .state
+        .reads
+        .lock()
+        .insert(job.id.clone(), (ctl.clone(), by_caller.clone()));
     let guard = ReportGuard {
         shared: sessions.state.clone(),
         id: Some(job.id.clone()),
+        registered: Some((job.id.clone(), by_caller.clone())),
     };
-    read_to_end(sessions, job, guard)
+    read_to_end(sessions, job, guard, ctl, by_caller)
 }
 
-async fn read_to_end(sessions: Arc<Sessions>, job: ReadJob, mut guard: ReportGuard) {
+async fn read_to_end(
+    sessions: Arc<Sessions>,
+    job: ReadJob,
+    mut guard: ReportGuard,
+    mut ctl: Arc<RequestCtl>,
+    by_caller: Arc<AtomicBool>,
+) {
     let shared = sessions.state.clone();
-    let mut ctl = Arc::new(RequestCtl::default());
     let timeout = job
         .deadline
         .saturating_duration_since(tokio::time::Instant::now());
@@ -77,12 +108,20 @@ async fn read_to_end(sessions: Arc<Sessions>, job: ReadJob, mut guard: ReportGua
     if let Ok(Err(first @ Error::ConnectionLost { reason, .. })) = &outcome {
         let closing = shared.closing.load(std::sync::atomic::Ordering::Acquire);
         if !closing
+            && !by_caller.load(Ordering::Acquire)
             && tokio::time::Instant::now() < job.deadline
             && ctl.cancel_async(shared.config.io_timeout).await
         {
             tracing::info!(id = %job.id, error = %first, "retrying a read once on a new session");
             let first = reason.clone();
             ctl = Arc::new(RequestCtl::default());
+            if let Some((c, _)) = shared.reads.lock().get_mut(&job.id) {
+                *c = ctl.clone();
+            }
+            // A cancel that took the old control just before the swap still counts.
+            if by_caller.load(Ordering::Acquire) {
+                ctl.mark_cancelled();
+            }
             used = None;
             outcome = tokio::time::timeout_at(
                 job.deadline + BACKSTOP,
@@ -114,6 +153,14 @@ async fn read_to_end(sessions: Arc<Sessions>, job: ReadJob, mut guard: ReportGua
             }),
         ),
     };
+    // Cancelled by the caller: reported as such, whatever the attempt returned.
+    let (expired, result) = if by_caller.load(Ordering::Acquire) {
+        let why = "the reader cancelled the read (cancel)".to_string();
+        (false, Err(Error::Cancelled(why)))
+    } else {
+        (expired, result)
+    };
+    guard.unregister();
     guard.id = None;
     match result {
         Ok(report) => {
@@ -138,11 +185,26 @@ async fn read_to_end(sessions: Arc<Sessions>, job: ReadJob, mut guard: ReportGua
                 e.to_string()
             };
             tracing::warn!(id = %job.id, %reason, expired, "read failed");
-            if let Some(c) = &conn {
-                c.control.notify(Message::Abort {
-                    request_id: job.id.clone(),
-                    reason: reason.clone(),
-                });
+            let abort = Message::Abort {
+                request_id: job.id.clone(),
+                reason: reason.clone(),
+            };
+            match &conn {
+                Some(c) => {
+                    c.control.notify(abort);
+                }
+                // Cancelled before the session was up: the prefill is told once it is (within
+                // the connect timeout), so it frees its blocks now rather than at its timeout.
+                None if matches!(e, Error::Cancelled(_)) && !closing => {
+                    let (sessions, peer) = (sessions.clone(), job.peer.clone());
+                    let wait = shared.config.connect_timeout + shared.config.handshake_timeout;
+                    tokio::spawn(async move {
+                        if let Ok(Ok(c)) = tokio::time::timeout(wait, sessions.get(&peer)).await {
+                            c.control.notify(abort);
+                        }
+                    });
+                }
+                None => {}
             }
             let cause = if closing {
                 FailureCause::Other
@@ -164,12 +226,15 @@ async fn read_once(
     used: &mut Option<Arc<PeerConn>>,
 ) -> Result<TransferReport> {
     let shared = &sessions.state;
-    let conn = tokio::time::timeout_at(job.deadline, sessions.get(&job.peer))
-        .await
-        .map_err(|_| Error::Timeout {
+    let connect = tokio::time::timeout_at(job.deadline, sessions.get(&job.peer));
+    let conn = tokio::select! {
+        c = connect => c.map_err(|_| Error::Timeout {
             what: format!("connecting to {}", job.peer),
             after: job.started.elapsed(),
-        })??;
+        })??,
+        // Nothing is written while connecting: a cancel stops the wait at once.
+        _ = ctl.cancelled() => return Err(Error::Cancelled("while connecting".into())),
+    };
     *used = Some(conn.clone());
     let local_layout = shared
         .layout()

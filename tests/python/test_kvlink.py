@@ -332,3 +332,22 @@ def test_type_stubs_match_the_module():
             continue
         have = {m for m in dir(cls) if not m.startswith("_")}
         assert members == have, (name, members ^ have)
+
+
+def test_cancel_ends_a_read_in_flight():
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    peer = "127.0.0.1:%d" % silent.getsockname()[1]
+    e = kvlink.Engine()
+    e.register_kv_caches(make_caches(2, 4, 256, 0), 16, "bf16")
+    assert e.cancel("never-started") is False
+    e.read_blocks(peer, "c1", [0], [0])
+    assert e.cancel("c1") is True
+    _, _, failed = collect(e, lambda r, s, f: len(f) > 0, limit=10.0)
+    assert failed[0][0] == "c1" and failed[0][1] == "recv", failed
+    assert "cancelled" in failed[0][3], failed
+    assert e.cancel("c1") is False
+    silent.close()

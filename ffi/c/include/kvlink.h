@@ -463,6 +463,21 @@ int kvlink_engine_connect(struct kvlink_engine *engine,
                           uint32_t *peer_blocks);
 
 /**
+ * Cancels the read `request_id` (decode side): nothing more is written into its blocks once
+ * in-flight data is drained (at most the engine's `io_timeout_ms`), it ends as a failed entry
+ * whose reason says it was cancelled, and the prefill is told so it frees its blocks at once.
+ * Returns at once. `*in_flight` (when `in_flight` is not NULL) is set to 1 when such a read was
+ * in flight, 0 when not (it already finished, or never started).
+ *
+ * Returns `KVLINK_OK` or `KVLINK_E_INVALID` (NULL engine or id, misaligned `in_flight`).
+ *
+ * # Safety
+ * `engine` is NULL or a live engine; `request_id` is NULL or NUL-terminated; `in_flight` is
+ * NULL or points to a writable `int`.
+ */
+int kvlink_engine_cancel(struct kvlink_engine *engine, const char *request_id, int *in_flight);
+
+/**
  * Starts reading blocks `remote[i]` of the engine at `peer` (its handshake address) into
  * blocks `local[i]` of this engine, for every tensor of the layout, as request `request_id`
  * (1 to 256 bytes). Returns at once: the outcome arrives through

@@ -397,6 +397,40 @@ pub unsafe extern "C" fn kvlink_engine_connect(
     })
 }
 
+/// Cancels the read `request_id` (decode side): nothing more is written into its blocks once
+/// in-flight data is drained (at most the engine's `io_timeout_ms`), it ends as a failed entry
+/// whose reason says it was cancelled, and the prefill is told so it frees its blocks at once.
+/// Returns at once. `*in_flight` (when `in_flight` is not NULL) is set to 1 when such a read was
+/// in flight, 0 when not (it already finished, or never started).
+///
+/// Returns `KVLINK_OK` or `KVLINK_E_INVALID` (NULL engine or id, misaligned `in_flight`).
+///
+/// # Safety
+/// `engine` is NULL or a live engine; `request_id` is NULL or NUL-terminated; `in_flight` is
+/// NULL or points to a writable `int`.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_engine_cancel(
+    engine: *mut kvlink_engine,
+    request_id: *const c_char,
+    in_flight: *mut c_int,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live engine or NULL.
+        let e = unsafe { ref_arg(engine, "engine") }?;
+        // SAFETY: the caller promised a NUL-terminated string or NULL.
+        let id = unsafe { str_arg(request_id, "request_id") }?;
+        if !in_flight.is_null() {
+            check_out(in_flight, "in_flight")?;
+        }
+        let was = e.engine.cancel(id);
+        if !in_flight.is_null() {
+            // SAFETY: checked above; the caller promised writable memory.
+            unsafe { write_out(in_flight, c_int::from(was)) };
+        }
+        Ok(())
+    })
+}
+
 /// Starts reading blocks `remote[i]` of the engine at `peer` (its handshake address) into
 /// blocks `local[i]` of this engine, for every tensor of the layout, as request `request_id`
 /// (1 to 256 bytes). Returns at once: the outcome arrives through

@@ -14,6 +14,11 @@
 #include <string.h>
 #include <time.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #define TENSORS 4
 #define BLOCKS 64
 #define BLOCK_BYTES 4096
@@ -112,6 +117,51 @@ static kvlink_finished *wait_for(kvlink_engine *engine, int kind, const char *id
     }
     fail(__LINE__, "%s: %s did not finish within %.0f s", who, id, DEADLINE_S);
     return NULL;
+}
+
+/* kvlink_engine_cancel: an id not in flight, then a read held up by a peer that accepts and
+ * never answers, cancelled: it fails at once with a reason that says so. */
+static void check_cancel(kvlink_engine *decode) {
+    int in_flight = -1;
+    CHECK(kvlink_engine_cancel(decode, "c-never-started", &in_flight));
+    EXPECT(in_flight == 0);
+    CHECK_FAILS(kvlink_engine_cancel(decode, NULL, NULL), KVLINK_E_INVALID, "request_id");
+
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    EXPECT(fd >= 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT(bind(fd, (struct sockaddr *)&a, sizeof a) == 0);
+    EXPECT(listen(fd, 4) == 0);
+    socklen_t len = sizeof a;
+    EXPECT(getsockname(fd, (struct sockaddr *)&a, &len) == 0);
+    char silent[64];
+    snprintf(silent, sizeof silent, "127.0.0.1:%u", (unsigned)ntohs(a.sin_port));
+
+    const uint32_t one[1] = {0};
+    CHECK(kvlink_engine_read_blocks(decode, silent, "c-cancel", one, one, 1));
+    CHECK(kvlink_engine_cancel(decode, "c-cancel", &in_flight));
+    EXPECT(in_flight == 1);
+    double deadline = now_s() + 10.0;
+    int seen = 0;
+    while (!seen && now_s() < deadline) {
+        kvlink_finished *f = NULL;
+        CHECK(kvlink_engine_wait_finished(decode, 200, &f));
+        size_t n = kvlink_finished_count(f, KVLINK_FAILED);
+        for (size_t i = 0; i < n; i++) {
+            if (strcmp(kvlink_finished_id(f, KVLINK_FAILED, i), "c-cancel") == 0) {
+                EXPECT(strstr(kvlink_finished_reason(f, i), "cancel") != NULL);
+                seen = 1;
+            }
+        }
+        kvlink_finished_free(f);
+    }
+    EXPECT(seen);
+    CHECK(kvlink_engine_cancel(decode, "c-cancel", &in_flight));
+    EXPECT(in_flight == 0);
+    close(fd);
 }
 
 static kvlink_engine *start_engine(const char *name) {
@@ -350,6 +400,7 @@ int main(void) {
     kvlink_finished_free(sent);
 
     check_registered_memory(decode, d_region);
+    check_cancel(decode);
     check_aggregator(received);
     kvlink_finished_free(received);
 

@@ -287,6 +287,14 @@ impl Engine {
             .map_err(to_py)
     }
 
+    /// Decode side: cancels the read `request_id`. Nothing more is written into its blocks once
+    /// in-flight data is drained, it ends in `failed` with a reason saying it was cancelled, and
+    /// the prefill is told so it frees its blocks at once. Returns whether such a read was in
+    /// flight; never blocks.
+    fn cancel(&self, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.inner.cancel(self::request_id(request_id)?))
+    }
+
     /// Everything that finished since the last call, each request once. Never blocks.
     fn get_finished(&self, py: Python<'_>) -> PyResult<Finished> {
         let f = self.inner.get_finished();

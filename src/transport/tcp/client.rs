@@ -205,15 +205,24 @@ impl Transport for TcpTransport {
     ) -> ReadFuture<'a> {
         let started = tokio::time::Instant::now();
         Box::pin(async move {
-            match tokio::time::timeout_at(deadline, self.run(id, ops, ctl.clone())).await {
-                Ok(r) => r,
-                Err(_) => {
-                    // Stop writes into the request's memory before reporting.
+            let run = tokio::time::timeout_at(deadline, self.run(id, ops, ctl.clone()));
+            tokio::select! {
+                r = run => match r {
+                    Ok(r) => r,
+                    Err(_) => {
+                        // Stop writes into the request's memory before reporting.
+                        ctl.cancel_async(self.io_timeout).await;
+                        Err(Error::Timeout {
+                            what: format!("reading from {} (request deadline)", self.peer),
+                            after: started.elapsed(),
+                        })
+                    }
+                },
+                // Cancelled (by the caller): batches still on the wire are received and
+                // discarded by the streams; no write into the request's memory after this.
+                _ = ctl.cancelled() => {
                     ctl.cancel_async(self.io_timeout).await;
-                    Err(Error::Timeout {
-                        what: format!("reading from {} (request deadline)", self.peer),
-                        after: started.elapsed(),
-                    })
+                    Err(Error::Cancelled(format!("reading from {}", self.peer)))
                 }
             }
         })
