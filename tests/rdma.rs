@@ -418,3 +418,40 @@ fn rdma_device_regions_take_the_device_registration_path() {
     assert_eq!(decode.engine.stats().bytes_staged_in, 0);
     assert_eq!(prefill.engine.stats().bytes_staged_out, 0);
 }
+
+#[test]
+fn rdma_cancel_stops_a_read_in_flight_and_tells_the_prefill() {
+    if !rdma_available("rdma_cancel_stops_a_read_in_flight_and_tells_the_prefill") {
+        return;
+    }
+    // 32 MiB over the emulated device takes about a second: the cancel lands mid-transfer.
+    let shape = ModelShape::LLAMA3_8B;
+    let blocks = 16u32;
+    let prefill = side(&shape, blocks, Some(61), rdma_config());
+    let decode = side(&shape, blocks, None, rdma_config());
+    let peer = prefill.engine.handshake_address().to_string();
+    decode
+        .engine
+        .connect(&peer, Duration::from_secs(30))
+        .unwrap();
+    let all: Vec<u32> = (0..blocks).collect();
+    prefill.engine.hold_blocks("rc", &all).unwrap();
+    decode.engine.read_blocks(&peer, "rc", &all, &all).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(decode.engine.cancel("rc"), "still in flight after 200 ms");
+    let f = collect(&decode.engine, Duration::from_secs(30), |f| !f.is_empty());
+    assert_eq!(f.failed[0].cause, FailureCause::Cancelled, "{f:?}");
+    let s = collect(&prefill.engine, Duration::from_secs(30), |f| !f.is_empty());
+    assert_eq!(s.failed[0].cause, FailureCause::Peer, "{s:?}");
+    assert!(s.failed[0].reason.contains("cancelled"), "{s:?}");
+    // The engine reads again afterwards, over RDMA, every byte right.
+    prefill.engine.hold_blocks("after", &[7, 2]).unwrap();
+    decode
+        .engine
+        .read_blocks(&peer, "after", &[1, 3], &[7, 2])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    assert_eq!(f.reports[0].transport, "rdma");
+    verify(&decode, &prefill.layout, 61, &[1, 3], &[7, 2]);
+}

@@ -17,7 +17,7 @@ set -euo pipefail
 MIN_HOST=145
 MIN_KEYED=15
 MIN_PYTHON=20
-MIN_VM=11
+MIN_VM=12
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
