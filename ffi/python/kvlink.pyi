@@ -35,6 +35,10 @@ class Finished:
     """Receives complete: every byte is in place, the request may be scheduled."""
     failed: List[Tuple[str, str, bool, str]]
     """``(request_id, side, expired, reason)``; side is ``"send"`` or ``"recv"``. Blocks may be reused."""
+    reports: List[Dict[str, Any]]
+    """One per request in ``receiving``: ``id``, ``bytes``, ``segments``, ``blocks``,
+    ``work_requests``, ``transport`` (``"tcp"`` or ``"rdma"``) and ``seconds`` (from
+    ``read_blocks`` to the last byte). Empty for sets built by ``TpAggregator``."""
     def is_empty(self) -> bool: ...
 
 class Engine:

@@ -351,3 +351,23 @@ def test_cancel_ends_a_read_in_flight():
     assert "cancelled" in failed[0][3], failed
     assert e.cancel("c1") is False
     silent.close()
+
+
+def test_finished_reads_carry_a_report():
+    prefill = kvlink.Engine()
+    prefill.register_kv_caches(make_caches(2, 8, 256, 5), 16, "bf16")
+    decode = kvlink.Engine()
+    decode.register_kv_caches(make_caches(2, 8, 256, 0), 16, "bf16")
+    prefill.hold_blocks("rep", [6, 1])
+    decode.read_blocks(prefill.handshake_address, "rep", [0, 3], [6, 1])
+    end = time.monotonic() + 30.0
+    f = decode.wait_finished(1.0)
+    while not f.receiving and not f.failed and time.monotonic() < end:
+        f = decode.wait_finished(1.0)
+    assert f.receiving == ["rep"], f.failed
+    (r,) = f.reports
+    assert r["id"] == "rep" and r["transport"] == "tcp", r
+    # 2 blocks of 4 tensors (2 layers, K and V) of 256 bytes each.
+    assert r["bytes"] == 2 * 4 * 256 and r["blocks"] == 2, r
+    assert r["segments"] >= 1 and r["work_requests"] >= 1 and r["seconds"] > 0, r
+    assert prefill.wait_finished(10.0).reports == [], "sends carry no report"

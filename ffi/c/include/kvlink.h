@@ -266,6 +266,36 @@ typedef struct kvlink_tensor {
     uint64_t block_bytes;
 } kvlink_tensor;
 
+/**
+ * What one finished read moved (see `kvlink_finished_report`).
+ */
+typedef struct kvlink_report {
+    /**
+     * Bytes moved.
+     */
+    uint64_t bytes;
+    /**
+     * Segments after coalescing.
+     */
+    uint64_t segments;
+    /**
+     * Block pairs requested.
+     */
+    uint64_t blocks;
+    /**
+     * RDMA work requests, or TCP read requests, the read took.
+     */
+    uint64_t work_requests;
+    /**
+     * Nanoseconds from `kvlink_engine_read_blocks` to the last byte in place.
+     */
+    uint64_t elapsed_ns;
+    /**
+     * `"tcp"` or `"rdma"`: a static string, never NULL.
+     */
+    const char *transport;
+} kvlink_report;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -537,6 +567,22 @@ int kvlink_engine_hold_blocks(struct kvlink_engine *engine,
 int kvlink_engine_wait_finished(struct kvlink_engine *engine,
                                 uint64_t timeout_ms,
                                 struct kvlink_finished **out);
+
+/**
+ * Stores in `*out` what receiving entry `index` of `finished` moved (bytes, segments, blocks,
+ * work requests, duration, transport).
+ *
+ * Returns `KVLINK_OK`, or `KVLINK_E_INVALID` when `finished` or `out` is NULL, `index` is out of
+ * range, or the entry carries no report (sets built by `kvlink_aggregator_take` or
+ * `kvlink_finished_add` carry none).
+ *
+ * # Safety
+ * `finished` is NULL or a live `kvlink_finished`; `out` is NULL or points to a writable
+ * `kvlink_report`.
+ */
+int kvlink_finished_report(const struct kvlink_finished *finished,
+                           size_t index,
+                           struct kvlink_report *out);
 
 /**
  * Number of entries of `kind` (`KVLINK_SENDING`, `KVLINK_RECEIVING` or `KVLINK_FAILED`) in

@@ -67,6 +67,75 @@ impl kvlink_finished {
     }
 }
 
+/// What one finished read moved (see `kvlink_finished_report`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct kvlink_report {
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Segments after coalescing.
+    pub segments: u64,
+    /// Block pairs requested.
+    pub blocks: u64,
+    /// RDMA work requests, or TCP read requests, the read took.
+    pub work_requests: u64,
+    /// Nanoseconds from `kvlink_engine_read_blocks` to the last byte in place.
+    pub elapsed_ns: u64,
+    /// `"tcp"` or `"rdma"`: a static string, never NULL.
+    pub transport: *const c_char,
+}
+
+/// Stores in `*out` what receiving entry `index` of `finished` moved (bytes, segments, blocks,
+/// work requests, duration, transport).
+///
+/// Returns `KVLINK_OK`, or `KVLINK_E_INVALID` when `finished` or `out` is NULL, `index` is out of
+/// range, or the entry carries no report (sets built by `kvlink_aggregator_take` or
+/// `kvlink_finished_add` carry none).
+///
+/// # Safety
+/// `finished` is NULL or a live `kvlink_finished`; `out` is NULL or points to a writable
+/// `kvlink_report`.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_finished_report(
+    finished: *const kvlink_finished,
+    index: usize,
+    out: *mut kvlink_report,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live kvlink_finished or NULL.
+        let f = unsafe { ref_arg(finished, "finished") }?;
+        check_out(out, "out")?;
+        let id = f.finished.receiving.get(index).ok_or_else(|| {
+            invalid(format!(
+                "index {index} is out of range: there are {} receiving entries",
+                f.finished.receiving.len()
+            ))
+        })?;
+        let r = f
+            .finished
+            .reports
+            .iter()
+            .find(|r| &r.id == id)
+            .ok_or_else(|| invalid(format!("receiving entry {index} ({id}) carries no report")))?;
+        let transport: &'static std::ffi::CStr = match r.transport {
+            "rdma" => c"rdma",
+            "tcp" => c"tcp",
+            _ => c"other",
+        };
+        let report = kvlink_report {
+            bytes: r.bytes,
+            segments: r.segments as u64,
+            blocks: r.blocks as u64,
+            work_requests: r.work_requests,
+            elapsed_ns: u64::try_from(r.elapsed.as_nanos()).unwrap_or(u64::MAX),
+            transport: transport.as_ptr(),
+        };
+        // SAFETY: checked above; the caller promised writable memory.
+        unsafe { write_out(out, report) };
+        Ok(())
+    })
+}
+
 /// Number of entries of `kind` (`KVLINK_SENDING`, `KVLINK_RECEIVING` or `KVLINK_FAILED`) in
 /// `finished`. Returns 0, with the last error set, when `finished` is NULL or `kind` unknown.
 ///

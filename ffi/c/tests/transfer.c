@@ -375,6 +375,17 @@ int main(void) {
 
     kvlink_finished *received = wait_for(decode, KVLINK_RECEIVING, REQ, "decode");
     EXPECT(kvlink_finished_count(received, KVLINK_RECEIVING) >= 1);
+    /* What the read moved: every tensor's block of each of the NREAD pairs, over TCP. */
+    for (size_t i = 0; i < kvlink_finished_count(received, KVLINK_RECEIVING); i++) {
+        if (strcmp(kvlink_finished_id(received, KVLINK_RECEIVING, i), REQ) == 0) {
+            kvlink_report r;
+            CHECK(kvlink_finished_report(received, i, &r));
+            EXPECT(r.bytes == (uint64_t)NREAD * TENSORS * BLOCK_BYTES);
+            EXPECT(r.blocks == NREAD && r.segments >= 1 && r.work_requests >= 1);
+            EXPECT(r.elapsed_ns > 0 && strcmp(r.transport, "tcp") == 0);
+        }
+    }
+    CHECK_FAILS(kvlink_finished_report(received, 1000, NULL), KVLINK_E_INVALID, "out");
 
     /* Every byte of the blocks read, and nothing else, changed on the decode side. */
     for (unsigned t = 0; t < TENSORS; t++) {

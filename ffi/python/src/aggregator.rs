@@ -10,13 +10,16 @@ use pyo3::types::{PyList, PyTuple};
 use crate::convert::{request_id, seconds};
 use crate::error::{to_py, InvalidArgument};
 
-/// What finished since the last call: `sending`, `receiving` (request ids) and `failed`
-/// (tuples `(request_id, side, expired, reason)`, side `"send"` or `"recv"`).
+/// What finished since the last call: `sending`, `receiving` (request ids), `failed`
+/// (tuples `(request_id, side, expired, reason)`, side `"send"` or `"recv"`) and `reports`
+/// (one dict per request in `receiving`: `id`, `bytes`, `segments`, `blocks`,
+/// `work_requests`, `transport`, `seconds`).
 #[pyclass(module = "kvlink", frozen, get_all)]
 pub(crate) struct Finished {
     sending: Py<PyList>,
     receiving: Py<PyList>,
     failed: Py<PyList>,
+    reports: Py<PyList>,
 }
 
 #[pymethods]
@@ -58,10 +61,23 @@ pub(crate) fn finished_to_py(py: Python<'_>, f: &RsFinished) -> PyResult<Finishe
             ],
         )?)?;
     }
+    let reports = PyList::empty(py);
+    for r in &f.reports {
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("id", r.id.as_str())?;
+        d.set_item("bytes", r.bytes)?;
+        d.set_item("segments", r.segments)?;
+        d.set_item("blocks", r.blocks)?;
+        d.set_item("work_requests", r.work_requests)?;
+        d.set_item("transport", r.transport)?;
+        d.set_item("seconds", r.elapsed.as_secs_f64())?;
+        reports.append(d)?;
+    }
     Ok(Finished {
         sending: ids(&f.sending)?.unbind(),
         receiving: ids(&f.receiving)?.unbind(),
         failed: failed.unbind(),
+        reports: reports.unbind(),
     })
 }
 
