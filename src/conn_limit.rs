@@ -8,6 +8,9 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+/// Most connections one server (control or data) serves at once; more are closed at accept.
+pub(crate) const MAX_CONNECTIONS: usize = 4096;
+
 /// Why a connection was not admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Full {

@@ -7,7 +7,7 @@
 mod common;
 
 use std::io::Read;
-use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::net::{IpAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -106,25 +106,6 @@ fn a_key_holder_reads_only_what_is_held_for_it() {
     assert_eq!(s.sending[0].as_str(), "first");
 }
 
-/// A TCP connection from `src` to `dst` (a loopback address of the caller's choice).
-fn connect_from(src: IpAddr, dst: SocketAddr) -> TcpStream {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_io()
-        .build()
-        .unwrap();
-    let s = rt
-        .block_on(async {
-            let s = tokio::net::TcpSocket::new_v4()?;
-            s.bind(SocketAddr::new(src, 0))?;
-            s.connect(dst).await
-        })
-        .unwrap()
-        .into_std()
-        .unwrap();
-    s.set_nonblocking(false).unwrap();
-    s
-}
-
 /// Whether the server closed `s` (EOF, or an error frame then EOF) within `limit`.
 fn closed_within(s: &mut TcpStream, limit: Duration) -> bool {
     s.set_read_timeout(Some(limit)).unwrap();
@@ -151,20 +132,21 @@ fn held_connections_from_one_address_do_not_lock_out_another() {
     let control = prefill.engine.handshake_address();
     let (data, _) = prefill.engine.descriptor().unwrap().tcp().unwrap();
     let attacker: IpAddr = "127.0.0.2".parse().unwrap();
+    let dialer = Dialer::new();
     // The attacker fills its share of both ports with silent connections.
     let mut held: Vec<TcpStream> = (0..16)
         .flat_map(|_| {
             [
-                connect_from(attacker, control),
-                connect_from(attacker, data),
+                dialer.connect(attacker, control),
+                dialer.connect(attacker, data),
             ]
         })
         .collect();
     std::thread::sleep(Duration::from_millis(200));
     // One more from the same address is closed at once.
-    let mut extra = connect_from(attacker, control);
+    let mut extra = dialer.connect(attacker, control);
     assert!(closed_within(&mut extra, Duration::from_secs(2)));
-    let mut extra = connect_from(attacker, data);
+    let mut extra = dialer.connect(attacker, data);
     assert!(closed_within(&mut extra, Duration::from_secs(2)));
     // A reader from 127.0.0.1 is served meanwhile.
     let decode = side(&shape, 8, None, keyed());
@@ -182,7 +164,7 @@ fn held_connections_from_one_address_do_not_lock_out_another() {
         assert!(closed_within(s, Duration::from_secs(8)), "still open");
     }
     // Then the address may connect again.
-    let mut again = connect_from(attacker, control);
+    let mut again = dialer.connect(attacker, control);
     assert!(!closed_within(&mut again, Duration::from_millis(300)));
 }
 

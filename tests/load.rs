@@ -5,7 +5,7 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -34,35 +34,6 @@ fn fd_limit() -> usize {
         .nth(3)
         .and_then(|v| v.parse().ok())
         .unwrap_or(1024)
-}
-
-/// Opens TCP connections from chosen loopback addresses.
-struct Dialer(tokio::runtime::Runtime);
-
-impl Dialer {
-    fn new() -> Dialer {
-        Dialer(
-            tokio::runtime::Builder::new_current_thread()
-                .enable_io()
-                .build()
-                .unwrap(),
-        )
-    }
-
-    fn connect(&self, src: IpAddr, dst: SocketAddr) -> TcpStream {
-        let s = self
-            .0
-            .block_on(async {
-                let s = tokio::net::TcpSocket::new_v4()?;
-                s.bind(SocketAddr::new(src, 0))?;
-                s.connect(dst).await
-            })
-            .unwrap()
-            .into_std()
-            .unwrap();
-        s.set_nonblocking(false).unwrap();
-        s
-    }
 }
 
 const MIB: u64 = 1 << 20;

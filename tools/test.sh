@@ -37,6 +37,29 @@ skip_reasons() {
   cut -f2 | sort | uniq -c | awk '{n = $1; $1 = ""; sub(/^ /, ""); printf "%s%d %s", (NR > 1 ? ", " : ""), n, $0}'
 }
 
+# Tallies one cargo test run (LOG, its exit status RC, the minimum MIN, a name WHAT) into
+# part_passed, part_failed, part_skipped, part_ignored and part_why (" (n reason, ...)" or "").
+# An exit without a reported failure (a build error) counts as a failure, and so does a run
+# below its minimum.
+tally_cargo() {
+  local log=$1 rc=$2 min=$3 what=$4 ran skips
+  read -r ran part_failed part_ignored < <(cargo_counts "$log")
+  skips=$(cargo_skips "$log")
+  part_skipped=0
+  [ -n "$skips" ] && part_skipped=$(printf '%s\n' "$skips" | wc -l)
+  part_passed=$((ran - part_skipped))
+  part_why=""
+  [ "$part_skipped" -gt 0 ] && part_why=" ($(printf '%s\n' "$skips" | skip_reasons))"
+  if [ "$rc" -ne 0 ] && [ "$part_failed" -eq 0 ]; then
+    echo "test: cargo test ($what) failed (exit $rc) before reporting failures (build error?)" >&2
+    part_failed=1
+  fi
+  if [ "$part_passed" -lt "$min" ]; then
+    echo "test: only $part_passed $what tests passed for real; at least $min expected" >&2
+    part_failed=$((part_failed + 1))
+  fi
+}
+
 echo "test: layers (no module of src/ imports from a layer above it)"
 python3 tools/check_layers.py
 echo "test: cargo fmt --check"
@@ -49,21 +72,9 @@ set +e
 cargo test --workspace --no-fail-fast 2>&1 | tee "$log"
 host_rc=${PIPESTATUS[0]}
 set -e
-read -r host_ran host_failed host_helpers < <(cargo_counts "$log")
-host_skips=$(cargo_skips "$log")
-host_skipped=0
-[ -n "$host_skips" ] && host_skipped=$(printf '%s\n' "$host_skips" | wc -l)
-host_passed=$((host_ran - host_skipped))
-host_why=""
-[ "$host_skipped" -gt 0 ] && host_why=" ($(printf '%s\n' "$host_skips" | skip_reasons))"
-if [ "$host_rc" -ne 0 ] && [ "$host_failed" -eq 0 ]; then
-  echo "test: cargo test failed (exit $host_rc) before reporting failures (build error?)" >&2
-  host_failed=1
-fi
-if [ "$host_passed" -lt "$MIN_HOST" ]; then
-  echo "test: only $host_passed host tests passed for real; at least $MIN_HOST expected" >&2
-  host_failed=$((host_failed + 1))
-fi
+tally_cargo "$log" "$host_rc" "$MIN_HOST" host
+host_passed=$part_passed host_failed=$part_failed host_skipped=$part_skipped
+host_helpers=$part_ignored host_why=$part_why
 
 # The transfer suites again with every engine keyed: the legitimate path with authentication
 # on (the suites that play peers without a key or speak the wire by hand, auth, faults and
@@ -75,21 +86,8 @@ KVLINK_AUTH_KEY=test-suite-deployment-key-0123456789 cargo test -p kvlink --no-f
   --test e2e_tcp --test two_process --test gpu 2>&1 | tee "$klog"
 key_rc=${PIPESTATUS[0]}
 set -e
-read -r key_ran key_failed _ < <(cargo_counts "$klog")
-key_skips=$(cargo_skips "$klog")
-key_skipped=0
-[ -n "$key_skips" ] && key_skipped=$(printf '%s\n' "$key_skips" | wc -l)
-key_passed=$((key_ran - key_skipped))
-key_why=""
-[ "$key_skipped" -gt 0 ] && key_why=" ($(printf '%s\n' "$key_skips" | skip_reasons))"
-if [ "$key_rc" -ne 0 ] && [ "$key_failed" -eq 0 ]; then
-  echo "test: cargo test with a key failed (exit $key_rc) before reporting failures" >&2
-  key_failed=1
-fi
-if [ "$key_passed" -lt "$MIN_KEYED" ]; then
-  echo "test: only $key_passed keyed host tests passed for real; at least $MIN_KEYED expected" >&2
-  key_failed=$((key_failed + 1))
-fi
+tally_cargo "$klog" "$key_rc" "$MIN_KEYED" "keyed host"
+key_passed=$part_passed key_failed=$part_failed key_skipped=$part_skipped key_why=$part_why
 
 echo "test: Python bindings (maturin wheel into .venv, pytest)"
 if [ ! -x .venv/bin/pip ]; then

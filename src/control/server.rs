@@ -13,7 +13,7 @@ use super::messages::{Descriptor, Message};
 use super::ControlTimeouts;
 use crate::auth::{self, AuthKey, SessionSecret};
 use crate::completion::SendNotice;
-use crate::conn_limit::ConnLimit;
+use crate::conn_limit::{ConnLimit, MAX_CONNECTIONS};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::log_limit::{warn_limited, LogLimit};
@@ -49,9 +49,6 @@ pub(crate) trait ControlHandler: Send + Sync + 'static {
     /// That session ended: its secret no longer opens data connections.
     fn session_closed(&self, id: [u8; 16]);
 }
-
-/// Most control connections served at once; more are closed at accept.
-pub(crate) const MAX_CONNECTIONS: usize = 4096;
 
 /// Accepts control connections until the task is dropped: at most [`MAX_CONNECTIONS`] at once,
 /// `per_ip` of them from one address.

@@ -343,3 +343,33 @@ pub fn kill_peer_mid_transfer(
     f.extend(rest);
     (f, t0.elapsed())
 }
+
+/// Opens TCP connections from chosen loopback addresses.
+pub struct Dialer(tokio::runtime::Runtime);
+
+impl Dialer {
+    pub fn new() -> Dialer {
+        Dialer(
+            tokio::runtime::Builder::new_current_thread()
+                .enable_io()
+                .build()
+                .unwrap(),
+        )
+    }
+
+    /// A TCP connection from `src` (a loopback address of the caller's choice) to `dst`.
+    pub fn connect(&self, src: std::net::IpAddr, dst: std::net::SocketAddr) -> std::net::TcpStream {
+        let s = self
+            .0
+            .block_on(async {
+                let s = tokio::net::TcpSocket::new_v4()?;
+                s.bind(std::net::SocketAddr::new(src, 0))?;
+                s.connect(dst).await
+            })
+            .unwrap()
+            .into_std()
+            .unwrap();
+        s.set_nonblocking(false).unwrap();
+        s
+    }
+}

@@ -12,7 +12,7 @@ use tokio::time::timeout;
 use super::staging::{group, Group, Outbound, StagingPool};
 use super::wire::{self, Entry};
 use crate::auth::{self, SessionSecret};
-use crate::conn_limit::ConnLimit;
+use crate::conn_limit::{ConnLimit, MAX_CONNECTIONS};
 use crate::error::{Error, Result};
 use crate::grant::Grant;
 use crate::ids::{RegionId, RequestId};
@@ -108,9 +108,6 @@ pub(crate) async fn serve(
         }
     }
 }
-
-/// Most data connections served at once; more are closed at accept.
-pub(crate) const MAX_CONNECTIONS: usize = 4096;
 
 fn timed_out(what: &str, after: Duration) -> Error {
     Error::Timeout {
