@@ -31,6 +31,7 @@ fn bench_tracker(c: &mut Criterion) {
             for id in &ids {
                 t.recv_done(TransferReport {
                     id: id.clone(),
+                    peer: "127.0.0.1:1".into(),
                     bytes: 1,
                     segments: 1,
                     blocks: 1,

@@ -48,7 +48,9 @@ mod transport;
 pub mod verify;
 
 pub use auth::{AuthKey, MIN_KEY_BYTES};
-pub use completion::{FailedRequest, FailureCause, Finished, Side, TpAggregator, TransferReport};
+pub use completion::{
+    FailedRequest, FailureCause, Finished, Side, Totals, TpAggregator, TransferReport,
+};
 pub use config::{EngineConfig, TransportChoice};
 pub use control::messages::{Descriptor, TransportInfo};
 pub use engine::{Capabilities, Engine, EngineStats};

@@ -362,3 +362,65 @@ fn a_cancelled_read_fails_at_once_and_its_id_is_free_again() {
     }
     drop(silent);
 }
+
+#[test]
+fn a_decode_reads_under_its_own_id_and_rejects_or_releases_free_a_hold() {
+    let shape = ModelShape::LLAMA3_8B;
+    let prefill = side(&shape, 8, Some(11), EngineConfig::default());
+    let decode = side(&shape, 8, None, EngineConfig::default());
+    let peer = prefill.engine.handshake_address().to_string();
+    // The prefill holds under its id, the decode tracks, reports and cancels under its own.
+    prefill.engine.hold_blocks("prefill-1", &[5, 2]).unwrap();
+    decode
+        .engine
+        .read_blocks_as(&peer, "decode-1", "prefill-1", &[0, 1], &[5, 2])
+        .unwrap();
+    let got = collect(&decode.engine, Duration::from_secs(30), |f| {
+        !f.receiving.is_empty() || !f.failed.is_empty()
+    });
+    assert_eq!(got.receiving, vec![RequestId::from("decode-1")], "{got:?}");
+    assert_eq!(got.reports[0].peer, peer);
+    verify(&decode, &prefill.layout, 11, &[0, 1], &[5, 2]);
+    let sent = collect(&prefill.engine, Duration::from_secs(10), |f| {
+        !f.sending.is_empty()
+    });
+    assert_eq!(sent.sending, vec![RequestId::from("prefill-1")]);
+    assert!(decode
+        .engine
+        .read_blocks_as(&peer, "decode-2", "", &[0], &[0])
+        .is_err());
+
+    // Rejected by the decode: the prefill's send fails at once, long before its timeout.
+    prefill
+        .engine
+        .hold_blocks_for("prefill-2", &[1], None, Some(Duration::from_secs(300)))
+        .unwrap();
+    decode.engine.reject(&peer, "prefill-2", "refused").unwrap();
+    let f = collect(&prefill.engine, Duration::from_secs(10), |f| {
+        !f.failed.is_empty()
+    });
+    assert_eq!(f.failed[0].id.as_str(), "prefill-2");
+    assert_eq!(f.failed[0].cause, kvlink::FailureCause::Peer);
+    assert!(f.failed[0].reason.contains("refused"), "{f:?}");
+
+    // Released by the prefill: nothing reported, and a read is refused.
+    prefill.engine.hold_blocks("prefill-3", &[3]).unwrap();
+    assert!(prefill.engine.release("prefill-3"));
+    assert!(!prefill.engine.release("prefill-3"));
+    decode
+        .engine
+        .read_blocks(&peer, "prefill-3", &[2], &[3])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(10), |f| {
+        !f.failed.is_empty()
+    });
+    assert!(f.failed[0].reason.contains("not held"), "{f:?}");
+    assert!(prefill.engine.get_finished().is_empty());
+    let totals = prefill.engine.stats().totals;
+    assert_eq!(
+        (totals.sends_done, totals.sends_failed),
+        (1, 1),
+        "{totals:?}"
+    );
+    assert_eq!(decode.engine.stats().totals.reads_done, 1);
+}

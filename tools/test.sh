@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The project's test command (README, CI): format and lint checks, every Rust test on the host,
-# the Python bindings' tests (wheel built with maturin into .venv), then the RDMA tests for real
-# inside a SoftRoCE VM (tools/softroce/run.sh). Installs what it needs (tools/deps.sh, PyPI into
-# .venv, the VM's packages).
+# the Python bindings' tests (wheel built with maturin into .venv), the vLLM connector through
+# vLLM's own Scheduler (the same wheel installed into .venv-vllm beside a pinned vLLM), then
+# the RDMA tests for real inside a SoftRoCE VM (tools/softroce/run.sh). Installs what it needs
+# (tools/deps.sh, PyPI into .venv and .venv-vllm, the VM's packages).
 #   KVLINK_SKIP_VM=1 tools/test.sh    # host only: the VM part is reported as skipped
 #
 # The closing lines say what ran, per part: passed, failed, and skipped with the reason. A test
@@ -18,6 +19,10 @@ MIN_HOST=145
 MIN_KEYED=15
 MIN_PYTHON=20
 MIN_VM=12
+MIN_VLLM=8
+# The vLLM release the connector is tested against (0.33.0 needs a newer certifi than PyPI
+# mirrors here carry).
+VLLM_PIN="vllm==0.32.0"
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
@@ -60,6 +65,34 @@ tally_cargo() {
   fi
 }
 
+# Tallies one pytest run (LOG, exit status RC, minimum MIN, name WHAT) into part_passed,
+# part_failed, part_skipped and part_why. A skip counts as a failure (the test command installs
+# everything these tests need), and so does an exit without a reported failure or a run below
+# its minimum.
+tally_pytest() {
+  local log=$1 rc=$2 min=$3 what=$4 summary
+  # pytest's closing line, e.g. "20 passed, 1 skipped in 2.0s" or "=== 1 failed, 3 passed in 2.0s ===".
+  summary=$(grep -E '[0-9]+ (passed|failed|skipped|errors?|deselected)\b.* in [0-9.]+s' "$log" | tail -n 1 || true)
+  py_count() { { echo "$summary" | grep -oE "[0-9]+ ($1)\b" || true; } | awk '{n += $1} END {print n + 0}'; }
+  part_passed=$(py_count passed)
+  part_failed=$(py_count 'failed|errors?')
+  part_skipped=$(py_count skipped)
+  part_why=""
+  if [ "$part_skipped" -gt 0 ]; then
+    part_why=" ($({ grep -oE '^SKIPPED \[[0-9]+\] [^:]+:[0-9]+: .*' "$log" || true; } | sed -E 's/^SKIPPED \[([0-9]+)\] [^:]+:[0-9]+: /\1\t/' | awk -F'\t' '{printf "%s%d %s", (NR > 1 ? ", " : ""), $1, $2}'))"
+    echo "test: $part_skipped $what tests skipped$part_why; this command installs what they need, so a skip is a failure" >&2
+    part_failed=$((part_failed + part_skipped))
+  fi
+  if [ "$rc" -ne 0 ] && [ "$part_failed" -eq 0 ]; then
+    echo "test: pytest ($what) failed (exit $rc) before reporting failures" >&2
+    part_failed=1
+  fi
+  if [ "$part_passed" -lt "$min" ]; then
+    echo "test: only $part_passed $what tests passed; at least $min expected" >&2
+    part_failed=$((part_failed + 1))
+  fi
+}
+
 echo "test: layers (no module of src/ imports from a layer above it)"
 python3 tools/check_layers.py
 echo "test: cargo fmt --check"
@@ -98,7 +131,7 @@ if [ ! -x .venv/bin/pip ]; then
     python3 -m venv .venv
   fi
 fi
-.venv/bin/pip install -q --disable-pip-version-check "maturin>=1.5,<2" numpy pytest pyzmq msgpack msgspec
+.venv/bin/pip install -q --disable-pip-version-check "maturin>=1.5,<2" ziglang numpy pytest pyzmq msgpack msgspec
 # The KV-event interop tests drive this tool against Python peers.
 cargo build -p kvlink-events --quiet
 export KVLINK_EVENTS_BIN="$repo/target/debug/kvlink-events"
@@ -106,7 +139,10 @@ export CARGO_TARGET_DIR="$repo/target/python"
 cargo fmt --manifest-path ffi/python/Cargo.toml -- --check
 cargo clippy --manifest-path ffi/python/Cargo.toml --quiet -- -D warnings
 rm -rf target/wheels
-(cd ffi/python && ../../.venv/bin/maturin build --release --quiet -o "$repo/target/wheels")
+# The wheel users install: abi3, linked by zig against glibc 2.17 so that it passes maturin's
+# manylinux_2_17 (manylinux2014) check, the oldest policy Rust's standard library supports.
+(cd ffi/python && PATH="$repo/.venv/bin:$PATH" ../../.venv/bin/maturin build --release --quiet \
+  --zig --compatibility manylinux_2_17 -o "$repo/target/wheels")
 unset CARGO_TARGET_DIR
 .venv/bin/pip install -q --disable-pip-version-check --force-reinstall target/wheels/kvlink-*.whl
 pylog=$(mktemp)
@@ -115,25 +151,37 @@ set +e
 (cd tests/python && ../../.venv/bin/python -m pytest -q -rs) 2>&1 | tee "$pylog"
 py_rc=${PIPESTATUS[0]}
 set -e
-# pytest's closing line, e.g. "20 passed, 1 skipped in 2.0s" or "=== 1 failed, 3 passed in 2.0s ===".
-py_summary=$(grep -E '[0-9]+ (passed|failed|skipped|errors?|deselected)\b.* in [0-9.]+s' "$pylog" | tail -n 1 || true)
-py_count() { { echo "$py_summary" | grep -oE "[0-9]+ ($1)\b" || true; } | awk '{n += $1} END {print n + 0}'; }
-py_passed=$(py_count passed)
-py_failed=$(py_count 'failed|errors?')
-py_skipped=$(py_count skipped)
-py_why=""
-if [ "$py_skipped" -gt 0 ]; then
-  py_why=" ($({ grep -oE '^SKIPPED \[[0-9]+\] [^:]+:[0-9]+: .*' "$pylog" || true; } | sed -E 's/^SKIPPED \[([0-9]+)\] [^:]+:[0-9]+: /\1\t/' | awk -F'\t' '{printf "%s%d %s", (NR > 1 ? ", " : ""), $1, $2}'))"
-  echo "test: $py_skipped Python tests skipped$py_why; this command installs what they need, so a skip is a failure" >&2
-  py_failed=$((py_failed + py_skipped))
+tally_pytest "$pylog" "$py_rc" "$MIN_PYTHON" Python
+py_passed=$part_passed py_failed=$part_failed py_skipped=$part_skipped py_why=$part_why
+
+# vLLM's own Scheduler drives kvlink's connector (kvlink.vllm) in two processes. vLLM and torch
+# (about 8 GB) go into a venv of their own; the kvlink wheel built above is installed into it
+# as a user would, without Rust.
+echo "test: the vLLM connector through vLLM's real Scheduler ($VLLM_PIN in .venv-vllm)"
+vl_passed=0; vl_failed=0; vl_skipped=0; vl_why=""
+vllm_ready=1
+if ! .venv-vllm/bin/python -c "import sys, vllm; sys.exit(vllm.__version__ != '${VLLM_PIN#vllm==}')" 2>/dev/null; then
+  rm -rf .venv-vllm
+  free_gb=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
+  if [ "$free_gb" -lt 12 ]; then
+    echo "test: $VLLM_PIN needs about 9 GB and $free_gb GB are free here: the vLLM connector tests cannot run" >&2
+    vllm_ready=0
+  elif ! { python3 -m venv .venv-vllm && .venv-vllm/bin/pip install -q --disable-pip-version-check "$VLLM_PIN" pytest; }; then
+    echo "test: installing $VLLM_PIN from the package registry failed (output above): the vLLM connector tests cannot run" >&2
+    vllm_ready=0
+  fi
 fi
-if [ "$py_rc" -ne 0 ] && [ "$py_failed" -eq 0 ]; then
-  echo "test: pytest failed (exit $py_rc) before reporting failures" >&2
-  py_failed=1
-fi
-if [ "$py_passed" -lt "$MIN_PYTHON" ]; then
-  echo "test: only $py_passed Python tests passed; at least $MIN_PYTHON expected" >&2
-  py_failed=$((py_failed + 1))
+if [ "$vllm_ready" = 1 ]; then
+  .venv-vllm/bin/pip install -q --disable-pip-version-check --force-reinstall --no-deps target/wheels/kvlink-*.whl
+  vllog=$(mktemp)
+  set +e
+  (cd tests/vllm && ../../.venv-vllm/bin/python -m pytest -q -rs -p no:cacheprovider) 2>&1 | tee "$vllog"
+  vl_rc=${PIPESTATUS[0]}
+  set -e
+  tally_pytest "$vllog" "$vl_rc" "$MIN_VLLM" vLLM
+  vl_passed=$part_passed vl_failed=$part_failed vl_skipped=$part_skipped vl_why=$part_why
+else
+  vl_failed=1
 fi
 
 vm_passed=0; vm_failed=0; vm_skipped=0
@@ -176,6 +224,7 @@ echo "test summary:"
 echo "  host: $host_passed passed, $host_failed failed, $host_skipped skipped$host_why; $host_helpers ignored (child-process helpers of the two-process tests, and the fuzz seed writer), not counted"
 echo "  host, every engine keyed: $key_passed passed, $key_failed failed, $key_skipped skipped$key_why"
 echo "  python: $py_passed passed, $py_failed failed, $py_skipped skipped$py_why"
+echo "  vLLM connector ($VLLM_PIN): $vl_passed passed, $vl_failed failed, $vl_skipped skipped$vl_why"
 echo "  $vm_line"
-echo "tests: $((host_passed + key_passed + py_passed + vm_passed)) passed, $((host_failed + key_failed + py_failed + vm_failed)) failed, $((host_skipped + key_skipped + py_skipped + vm_skipped)) skipped"
-[ "$host_failed" -eq 0 ] && [ "$key_failed" -eq 0 ] && [ "$py_failed" -eq 0 ] && [ "$vm_failed" -eq 0 ]
+echo "tests: $((host_passed + key_passed + py_passed + vl_passed + vm_passed)) passed, $((host_failed + key_failed + py_failed + vl_failed + vm_failed)) failed, $((host_skipped + key_skipped + py_skipped + vl_skipped + vm_skipped)) skipped"
+[ "$host_failed" -eq 0 ] && [ "$key_failed" -eq 0 ] && [ "$py_failed" -eq 0 ] && [ "$vl_failed" -eq 0 ] && [ "$vm_failed" -eq 0 ]

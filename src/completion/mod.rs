@@ -70,6 +70,20 @@ pub enum FailureCause {
 }
 
 impl FailureCause {
+    /// A stable lowercase name for bindings and metrics: `expired`, `peer`, `connection`,
+    /// `rdma`, `gpu`, `cancelled` or `other`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            FailureCause::Expired => "expired",
+            FailureCause::Peer => "peer",
+            FailureCause::Connection => "connection",
+            FailureCause::Rdma(_) => "rdma",
+            FailureCause::Gpu { .. } => "gpu",
+            FailureCause::Cancelled => "cancelled",
+            FailureCause::Other => "other",
+        }
+    }
+
     /// The cause an error stands for.
     pub fn of(error: &Error) -> FailureCause {
         match error {
@@ -93,8 +107,10 @@ impl FailureCause {
 /// Telemetry of one finished receive.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TransferReport {
-    /// The request.
+    /// The request (the reader's own id for it).
     pub id: RequestId,
+    /// The handshake address of the engine it was read from.
+    pub peer: String,
     /// Bytes moved.
     pub bytes: u64,
     /// Segments after coalescing.
@@ -107,6 +123,28 @@ pub struct TransferReport {
     pub transport: &'static str,
     /// From `read_blocks` to completion.
     pub elapsed: Duration,
+}
+
+/// Requests finished since a tracker started, by side and outcome: monotonic counters, fit
+/// for a metrics exporter (`EngineStats::totals`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Totals {
+    /// Receives completed.
+    pub reads_done: u64,
+    /// Receives failed, expired ones and cancelled ones included.
+    pub reads_failed: u64,
+    /// Receives that expired (also counted in `reads_failed`).
+    pub reads_expired: u64,
+    /// Receives cancelled by the caller (also counted in `reads_failed`).
+    pub reads_cancelled: u64,
+    /// Bytes of the completed receives.
+    pub bytes_read: u64,
+    /// Sends confirmed by their reader.
+    pub sends_done: u64,
+    /// Sends aborted by their reader or expired.
+    pub sends_failed: u64,
+    /// Sends that expired (also counted in `sends_failed`).
+    pub sends_expired: u64,
 }
 
 /// What finished since the last call, each request exactly once.

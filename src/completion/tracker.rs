@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{FailedRequest, FailureCause, Finished, Side, TransferReport};
+use super::{FailedRequest, FailureCause, Finished, Side, Totals, TransferReport};
 use crate::error::{Error, Result};
 use crate::grant::Grant;
 use crate::ids::RequestId;
@@ -55,6 +55,7 @@ pub struct CompletionTracker {
     reading: HashMap<RequestId, Instant>,
     held: HashMap<RequestId, Held>,
     out: Finished,
+    totals: Totals,
 }
 
 impl CompletionTracker {
@@ -79,6 +80,8 @@ impl CompletionTracker {
         if self.reading.remove(&report.id).is_none() {
             return false;
         }
+        self.totals.reads_done += 1;
+        self.totals.bytes_read += report.bytes;
         self.out.receiving.push(report.id.clone());
         self.out.reports.push(report);
         true
@@ -90,6 +93,9 @@ impl CompletionTracker {
         if self.reading.remove(id).is_none() {
             return false;
         }
+        self.totals.reads_failed += 1;
+        self.totals.reads_expired += u64::from(cause == FailureCause::Expired);
+        self.totals.reads_cancelled += u64::from(cause == FailureCause::Cancelled);
         self.out.failed.push(FailedRequest {
             id: id.clone(),
             side: Side::Recv,
@@ -177,14 +183,32 @@ impl CompletionTracker {
 
     fn finish_send(&mut self, id: RequestId, notice: SendNotice) {
         match notice {
-            SendNotice::Done => self.out.sending.push(id),
-            SendNotice::Aborted(reason) => self.out.failed.push(FailedRequest {
-                id,
-                side: Side::Send,
-                expired: false,
-                reason: format!("the reading peer aborted: {reason}"),
-                cause: FailureCause::Peer,
-            }),
+            SendNotice::Done => {
+                self.totals.sends_done += 1;
+                self.out.sending.push(id);
+            }
+            SendNotice::Aborted(reason) => {
+                self.totals.sends_failed += 1;
+                self.out.failed.push(FailedRequest {
+                    id,
+                    side: Side::Send,
+                    expired: false,
+                    reason: format!("the reading peer aborted: {reason}"),
+                    cause: FailureCause::Peer,
+                });
+            }
+        }
+    }
+
+    /// Drops the hold of send `id` at the holder's own request (its request was aborted or
+    /// preempted): the grant ends and nothing is reported for it. Returns whether it was held.
+    pub fn release(&mut self, id: &RequestId) -> bool {
+        match self.held.remove(id) {
+            Some(h) => {
+                h.grant.end();
+                true
+            }
+            None => false,
         }
     }
 
@@ -199,6 +223,8 @@ impl CompletionTracker {
         for id in expired {
             let h = self.held.remove(&id).expect("listed above");
             h.grant.end();
+            self.totals.sends_failed += 1;
+            self.totals.sends_expired += 1;
             self.out.failed.push(FailedRequest {
                 id,
                 side: Side::Send,
@@ -227,6 +253,11 @@ impl CompletionTracker {
         std::mem::take(&mut self.out)
     }
 
+    /// Requests finished since the tracker started, by side and outcome.
+    pub fn totals(&self) -> Totals {
+        self.totals
+    }
+
     /// Requests being received.
     pub fn receiving(&self) -> usize {
         self.reading.len()
@@ -245,6 +276,7 @@ mod tests {
     fn report(id: &str) -> TransferReport {
         TransferReport {
             id: id.into(),
+            peer: "127.0.0.1:1".into(),
             bytes: 1,
             segments: 1,
             blocks: 1,
@@ -288,6 +320,46 @@ mod tests {
             Duration::from_secs(5),
         )
         .unwrap();
+    }
+
+    #[test]
+    fn release_ends_a_hold_silently_and_totals_count_outcomes() {
+        let t0 = Instant::now();
+        let mut t = CompletionTracker::new();
+        hold(&mut t, "r", None, t0);
+        let g = t.grant_for(&"r".into(), None).unwrap();
+        assert!(t.release(&"r".into()));
+        assert!(g.is_ended(), "the grant ends with the hold");
+        assert!(!t.release(&"r".into()));
+        assert!(t.take_finished().is_empty(), "a release reports nothing");
+        assert_eq!(t.totals(), Totals::default());
+        // One of each outcome.
+        hold(&mut t, "done", None, t0);
+        hold(&mut t, "aborted", None, t0);
+        hold(&mut t, "expired", None, t0);
+        t.handle_notice(&"done".into(), "e", SendNotice::Done)
+            .unwrap();
+        t.handle_notice(&"aborted".into(), "e", SendNotice::Aborted("x".into()))
+            .unwrap();
+        t.poll(t0 + Duration::from_secs(6));
+        for id in ["ok", "failed", "cancelled", "late"] {
+            t.start_recv(id.into(), t0).unwrap();
+        }
+        t.recv_done(report("ok"));
+        t.recv_failed(&"failed".into(), FailureCause::Connection, "x".into());
+        t.recv_failed(&"cancelled".into(), FailureCause::Cancelled, "x".into());
+        t.recv_failed(&"late".into(), FailureCause::Expired, "x".into());
+        let want = Totals {
+            reads_done: 1,
+            reads_failed: 3,
+            reads_expired: 1,
+            reads_cancelled: 1,
+            bytes_read: 1,
+            sends_done: 1,
+            sends_failed: 2,
+            sends_expired: 1,
+        };
+        assert_eq!(t.totals(), want);
     }
 
     #[test]

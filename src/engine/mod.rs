@@ -17,7 +17,10 @@ use parking_lot::RwLock;
 use crate::auth::AuthKey;
 use crate::completion::Finished;
 use crate::config::{check_duration, EngineConfig, TransportChoice};
-use crate::control::{self, messages::Descriptor};
+use crate::control::{
+    self,
+    messages::{Descriptor, Message},
+};
 use crate::error::{Error, Result};
 use crate::gpu::{GpuApi, PointerKind, Runtimes};
 use crate::ids::{BlockId, RegionId, RequestId};
@@ -366,7 +369,27 @@ impl Engine {
         remote_blocks: &[BlockId],
     ) -> Result<()> {
         let id = id.into();
+        self.read_blocks_as(peer, id.clone(), id, local_blocks, remote_blocks)
+    }
+
+    /// [`read_blocks`](Engine::read_blocks) of a request the prefill holds under another id:
+    /// `remote_id` is the prefill's id (its grant, the done/abort notices), `id` this engine's
+    /// own (completion, reports, [`cancel`](Engine::cancel)). Lets a decode keep its
+    /// scheduler's ids while the prefill keeps its own.
+    pub fn read_blocks_as(
+        &self,
+        peer: &str,
+        id: impl Into<RequestId>,
+        remote_id: impl Into<RequestId>,
+        local_blocks: &[BlockId],
+        remote_blocks: &[BlockId],
+    ) -> Result<()> {
+        let id = id.into();
         id.validate().map_err(Error::InvalidArgument)?;
+        let remote_id = remote_id.into();
+        remote_id
+            .validate()
+            .map_err(|e| Error::invalid(format!("remote request id: {e}")))?;
         let layout = self
             .shared
             .layout()
@@ -388,6 +411,7 @@ impl Engine {
         let job = ReadJob {
             peer: peer.to_string(),
             id,
+            remote_id,
             local: local_blocks.to_vec(),
             remote: remote_blocks.to_vec(),
             started: now,
@@ -452,6 +476,49 @@ impl Engine {
         self.shared.cancel_read(&id.into())
     }
 
+    /// Prefill side: drops the hold of request `id` (aborted or preempted before any reader
+    /// was told about it): its grant ends at once (a read in progress stops at its next write)
+    /// and nothing is reported for it in [`get_finished`](Engine::get_finished). Returns
+    /// whether it was held.
+    pub fn release(&self, id: impl Into<RequestId>) -> bool {
+        let id = id.into();
+        self.shared.with_tracker(|t| t.release(&id))
+    }
+
+    /// Decode side: tells the prefill at `peer` that this engine will not read request
+    /// `remote_id` (the prefill's id), so it frees the request's blocks now instead of at its
+    /// abort timeout; for a request rejected or aborted before its read started. Returns at
+    /// once; the notice goes out once the session to `peer` is up (within the connect and
+    /// handshake timeouts), and is lost, with a log line, if it cannot be. A read of that
+    /// request in flight is [`cancel`](Engine::cancel)led instead.
+    pub fn reject(&self, peer: &str, remote_id: impl Into<RequestId>, reason: &str) -> Result<()> {
+        let remote_id = remote_id.into();
+        remote_id.validate().map_err(Error::InvalidArgument)?;
+        let rt = self.runtime.read();
+        let rt = rt.as_ref().ok_or(Error::Shutdown)?;
+        let sessions = self.sessions.clone();
+        let peer = peer.to_string();
+        let wait = self.shared.config.connect_timeout + self.shared.config.handshake_timeout;
+        let abort = Message::Abort {
+            request_id: remote_id.clone(),
+            reason: format!("rejected by the reader: {reason}"),
+        };
+        rt.spawn(async move {
+            match tokio::time::timeout(wait, sessions.get(&peer)).await {
+                Ok(Ok(c)) => {
+                    c.control.notify(abort);
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(id = %remote_id, %peer, error = %e, "could not tell the prefill a request is rejected; it frees the blocks at its abort timeout");
+                }
+                Err(_) => {
+                    tracing::warn!(id = %remote_id, %peer, after = ?wait, "could not reach the prefill to reject a request; it frees the blocks at its abort timeout");
+                }
+            }
+        });
+        Ok(())
+    }
+
     /// Everything that finished since the last call, each request once.
     pub fn get_finished(&self) -> Finished {
         let mut t = self.shared.tracker.lock();
@@ -488,6 +555,7 @@ impl Engine {
             bytes_staged_out: self.shared.staging.staged_out(),
             bytes_staged_in: self.shared.staging.staged_in(),
             notices_refused: get(&c.notices_refused),
+            totals: self.shared.tracker.lock().totals(),
         }
     }
 

@@ -1,6 +1,7 @@
 //! What an engine reports about itself: [`Capabilities`] (transports and memory kinds found at
 //! start, with the reason for each one missing) and [`EngineStats`] (counters).
 
+use crate::completion::Totals;
 use crate::gpu::GpuReport;
 
 /// Counters of what an engine has served, refused and staged, for tests, logs and benchmarks.
@@ -23,6 +24,8 @@ pub struct EngineStats {
     pub bytes_staged_in: u64,
     /// Readers' done/abort notices refused (request not held, or held for another reader).
     pub notices_refused: u64,
+    /// Requests finished on each side since the engine started, by outcome.
+    pub totals: Totals,
 }
 
 /// What an engine found at start: its transports and the memory kinds it can register, each

@@ -301,6 +301,7 @@ impl Pair {
         let job = ReadJob {
             peer: PEER.into(),
             id: RequestId::from(id),
+            remote_id: RequestId::from(id),
             local: local.to_vec(),
             remote: remote.to_vec(),
             started: now,

@@ -18,7 +18,10 @@ use crate::transport::{ReadOp, RequestCtl};
 /// Everything a transfer task needs, validated by `Engine::read_blocks`.
 pub(crate) struct ReadJob {
     pub(crate) peer: String,
+    /// The id this engine tracks and reports the read under.
     pub(crate) id: RequestId,
+    /// The id the prefill holds the request under (its grant, and the done/abort notices).
+    pub(crate) remote_id: RequestId,
     pub(crate) local: Vec<BlockId>,
     pub(crate) remote: Vec<BlockId>,
     pub(crate) started: Instant,
@@ -166,7 +169,7 @@ async fn read_to_end(
         Ok(report) => {
             if let Some(c) = &conn {
                 c.control.notify(Message::Done {
-                    request_id: job.id.clone(),
+                    request_id: job.remote_id.clone(),
                 });
             }
             shared.with_tracker(|t| t.recv_done(report));
@@ -186,7 +189,7 @@ async fn read_to_end(
             };
             tracing::warn!(id = %job.id, %reason, expired, "read failed");
             let abort = Message::Abort {
-                request_id: job.id.clone(),
+                request_id: job.remote_id.clone(),
                 reason: reason.clone(),
             };
             match &conn {
@@ -260,9 +263,13 @@ async fn read_once(
             remote_offset: s.remote_offset,
         });
     }
-    let work_requests = conn.transport.read(&job.id, ops, ctl, job.deadline).await?;
+    let work_requests = conn
+        .transport
+        .read(&job.remote_id, ops, ctl, job.deadline)
+        .await?;
     let report = TransferReport {
         id: job.id.clone(),
+        peer: job.peer.clone(),
         bytes: plan.bytes,
         segments: plan.segments.len(),
         blocks: plan.blocks,

@@ -312,7 +312,7 @@ def test_type_stubs_match_the_module():
     """The checked-in stubs name exactly the public classes and members the module has."""
     import ast
 
-    stub = os.path.join(HERE, "..", "..", "ffi", "python", "kvlink.pyi")
+    stub = os.path.join(HERE, "..", "..", "ffi", "python", "python", "kvlink", "_kvlink.pyi")
     tree = ast.parse(open(stub).read())
     declared = {}
     for node in tree.body:
@@ -371,3 +371,98 @@ def test_finished_reads_carry_a_report():
     assert r["bytes"] == 2 * 4 * 256 and r["blocks"] == 2, r
     assert r["segments"] >= 1 and r["work_requests"] >= 1 and r["seconds"] > 0, r
     assert prefill.wait_finished(10.0).reports == [], "sends carry no report"
+
+
+def _pair(blocks=8, bytes_=256):
+    prefill = kvlink.Engine()
+    prefill.register_kv_caches(make_caches(2, blocks, bytes_, 9), 16, "bf16")
+    decode = kvlink.Engine()
+    decode.register_kv_caches(make_caches(2, blocks, bytes_, 0), 16, "bf16")
+    return prefill, decode
+
+
+def _until(engine, want, limit=20.0):
+    end, got = time.monotonic() + limit, []
+    while time.monotonic() < end:
+        f = engine.wait_finished(0.5)
+        got.append(f)
+        if want(f):
+            return f, got
+    raise AssertionError(f"not finished within {limit} s: {got}")
+
+
+def test_decode_local_id_differs_from_the_prefills():
+    prefill, decode = _pair()
+    prefill.hold_blocks("prefill-7", [4, 2])
+    decode.read_blocks(prefill.handshake_address, "decode-7", [0, 1], [4, 2], remote_request_id="prefill-7")
+    f, _ = _until(decode, lambda f: f.receiving or f.failed)
+    assert f.receiving == ["decode-7"], f.failures
+    assert f.reports[0]["id"] == "decode-7" and f.reports[0]["peer"] == prefill.handshake_address
+    s, _ = _until(prefill, lambda f: f.sending or f.failed)
+    assert s.sending == ["prefill-7"], s.failures
+    with pytest.raises(kvlink.InvalidArgument, match="empty"):
+        decode.read_blocks(prefill.handshake_address, "x", [0], [0], remote_request_id="")
+
+
+def test_reject_and_release_free_a_hold_at_once():
+    prefill, decode = _pair()
+    prefill.hold_blocks("rejected", [1], abort_timeout=300.0)
+    decode.reject(prefill.handshake_address, "rejected", "admission refused")
+    f, _ = _until(prefill, lambda f: f.failed)
+    (failure,) = f.failures
+    assert failure["id"] == "rejected" and failure["side"] == "send" and failure["cause"] == "peer", failure
+    assert "admission refused" in failure["reason"]
+    prefill.hold_blocks("released", [2])
+    assert prefill.release("released") is True
+    assert prefill.release("released") is False
+    assert prefill.in_flight() == (0, 0)
+    # The grant ended with the hold: the read is refused, and nothing is reported on the
+    # prefill for the released request.
+    decode.read_blocks(prefill.handshake_address, "released", [0], [2])
+    f, _ = _until(decode, lambda f: f.failed)
+    assert f.failures[0]["cause"] == "peer" and "not held" in f.failures[0]["reason"], f.failures
+    assert prefill.get_finished().is_empty()
+
+
+def test_failures_carry_a_cause_and_counters_add_up():
+    prefill, decode = _pair()
+    # Nothing listens on this port: the read fails for its connection.
+    spare = __import__("socket").socket()
+    spare.bind(("127.0.0.1", 0))
+    dead = "127.0.0.1:%d" % spare.getsockname()[1]
+    spare.close()
+    decode.read_blocks(dead, "nowhere", [0], [0])
+    f, _ = _until(decode, lambda f: f.failed)
+    assert f.failures[0]["cause"] == "connection", f.failures
+    prefill.hold_blocks("ok", [3, 5])
+    decode.read_blocks(prefill.handshake_address, "ok", [0, 1], [3, 5])
+    _until(decode, lambda f: f.receiving)
+    _until(prefill, lambda f: f.sending)
+    d, p = decode.stats(), prefill.stats()
+    assert (d["reads_done"], d["reads_failed"], d["bytes_read"]) == (1, 1, 2 * 4 * 256), d
+    assert (p["sends_done"], p["sends_failed"]) == (1, 0), p
+
+
+def test_metrics_render_and_serve():
+    import urllib.request
+
+    from kvlink import metrics
+
+    prefill, decode = _pair()
+    prefill.hold_blocks("m", [1])
+    decode.read_blocks(prefill.handshake_address, "m", [0], [1])
+    _until(decode, lambda f: f.receiving)
+    text = metrics.render([prefill, decode])
+    assert "# TYPE kvlink_reads_done_total counter" in text
+    assert f'kvlink_reads_done_total{{engine_id="{decode.engine_id}"}} 1' in text
+    assert f'kvlink_read_bytes_total{{engine_id="{decode.engine_id}"}} {4 * 256}' in text
+    assert "# TYPE kvlink_holds_in_flight gauge" in text
+    server = metrics.serve(decode, 0)
+    try:
+        url = "http://127.0.0.1:%d/metrics" % server.server_address[1]
+        body = urllib.request.urlopen(url, timeout=5).read().decode()
+        assert f'kvlink_reads_done_total{{engine_id="{decode.engine_id}"}} 1' in body
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(url.replace("/metrics", "/other"), timeout=5)
+    finally:
+        server.shutdown()

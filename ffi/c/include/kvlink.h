@@ -531,6 +531,52 @@ int kvlink_engine_read_blocks(struct kvlink_engine *engine,
                               size_t count);
 
 /**
+ * `kvlink_engine_read_blocks` of a request the prefill holds under another id:
+ * `remote_request_id` is the prefill's id (its grant, the done and abort notices),
+ * `request_id` this engine's own (finished entries, reports, `kvlink_engine_cancel`). Lets a
+ * decode keep its scheduler's ids while the prefill keeps its own. Same returns as
+ * `kvlink_engine_read_blocks`.
+ *
+ * # Safety
+ * As `kvlink_engine_read_blocks`; `remote_request_id` is NULL or NUL-terminated.
+ */
+int kvlink_engine_read_blocks_as(struct kvlink_engine *engine,
+                                 const char *peer,
+                                 const char *request_id,
+                                 const char *remote_request_id,
+                                 const uint32_t *local,
+                                 const uint32_t *remote,
+                                 size_t count);
+
+/**
+ * Prefill side: drops the hold of request `request_id` (aborted or preempted before its reader
+ * was told): its grant ends at once and nothing is reported for it. Stores 1 at `*was_held`
+ * (when not NULL) if it was held, 0 otherwise. Returns `KVLINK_OK` or `KVLINK_E_INVALID`.
+ *
+ * # Safety
+ * `engine` is NULL or a live engine; `request_id` is NULL or NUL-terminated; `was_held` is
+ * NULL or writable.
+ */
+int kvlink_engine_release(struct kvlink_engine *engine, const char *request_id, int *was_held);
+
+/**
+ * Decode side: tells the prefill at `peer` that this engine will not read its request
+ * `remote_request_id`, so it frees the blocks now rather than at its abort timeout (for a
+ * request rejected or aborted before its read started; a read in flight is cancelled with
+ * `kvlink_engine_cancel` instead). `reason` (NULL for none) is passed along. Returns at once
+ * (`KVLINK_OK`); the notice leaves once the session to `peer` is up. `KVLINK_E_INVALID` for a
+ * bad id, `KVLINK_E_SHUTDOWN` after close.
+ *
+ * # Safety
+ * `engine` is NULL or a live engine; `peer`, `remote_request_id` and `reason` are NULL or
+ * NUL-terminated.
+ */
+int kvlink_engine_reject(struct kvlink_engine *engine,
+                         const char *peer,
+                         const char *remote_request_id,
+                         const char *reason);
+
+/**
  * Holds the `count` blocks at `blocks` of request `request_id` (1 to 256 bytes) for a reader
  * (prefill side) and grants them to it: over TCP the reader may read those blocks, and only
  * those, under this request id. `reader` is NULL (the first engine that reads or confirms the
@@ -612,6 +658,17 @@ const char *kvlink_finished_id(const struct kvlink_finished *finished, int kind,
  * `finished` is NULL or a live `kvlink_finished`.
  */
 const char *kvlink_finished_reason(const struct kvlink_finished *finished, size_t index);
+
+/**
+ * Why failed entry `index` of `finished` failed, as a static NUL-terminated name valid for the
+ * life of the program: `"expired"`, `"peer"` (the peer aborted or refused it), `"connection"`,
+ * `"rdma"`, `"gpu"`, `"cancelled"` or `"other"`; NULL when `finished` is NULL or `index` out
+ * of range (see `kvlink_last_error`).
+ *
+ * # Safety
+ * `finished` is NULL or a live `kvlink_finished`.
+ */
+const char *kvlink_finished_cause(const struct kvlink_finished *finished, size_t index);
 
 /**
  * 1 when failed entry `index` of `finished` ended because its deadline passed (for a send: the

@@ -470,6 +470,102 @@ pub unsafe extern "C" fn kvlink_engine_read_blocks(
     })
 }
 
+/// `kvlink_engine_read_blocks` of a request the prefill holds under another id:
+/// `remote_request_id` is the prefill's id (its grant, the done and abort notices),
+/// `request_id` this engine's own (finished entries, reports, `kvlink_engine_cancel`). Lets a
+/// decode keep its scheduler's ids while the prefill keeps its own. Same returns as
+/// `kvlink_engine_read_blocks`.
+///
+/// # Safety
+/// As `kvlink_engine_read_blocks`; `remote_request_id` is NULL or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_engine_read_blocks_as(
+    engine: *mut kvlink_engine,
+    peer: *const c_char,
+    request_id: *const c_char,
+    remote_request_id: *const c_char,
+    local: *const u32,
+    remote: *const u32,
+    count: usize,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live engine or NULL.
+        let e = unsafe { ref_arg(engine, "engine") }?;
+        // SAFETY: the caller promised NUL-terminated strings or NULL.
+        let peer = unsafe { str_arg(peer, "peer") }?;
+        // SAFETY: as above.
+        let id = unsafe { str_arg(request_id, "request_id") }?;
+        // SAFETY: as above.
+        let remote_id = unsafe { str_arg(remote_request_id, "remote_request_id") }?;
+        // SAFETY: the caller promised `count` readable ids or NULL.
+        let local = unsafe { slice_arg(local, count, "local") }?;
+        // SAFETY: as above.
+        let remote = unsafe { slice_arg(remote, count, "remote") }?;
+        e.engine
+            .read_blocks_as(peer, id, remote_id, local, remote)?;
+        Ok(())
+    })
+}
+
+/// Prefill side: drops the hold of request `request_id` (aborted or preempted before its reader
+/// was told): its grant ends at once and nothing is reported for it. Stores 1 at `*was_held`
+/// (when not NULL) if it was held, 0 otherwise. Returns `KVLINK_OK` or `KVLINK_E_INVALID`.
+///
+/// # Safety
+/// `engine` is NULL or a live engine; `request_id` is NULL or NUL-terminated; `was_held` is
+/// NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_engine_release(
+    engine: *mut kvlink_engine,
+    request_id: *const c_char,
+    was_held: *mut c_int,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live engine or NULL.
+        let e = unsafe { ref_arg(engine, "engine") }?;
+        // SAFETY: the caller promised a NUL-terminated string or NULL.
+        let id = unsafe { str_arg(request_id, "request_id") }?;
+        let was = e.engine.release(id);
+        if !was_held.is_null() {
+            // SAFETY: checked above; the caller promised writable memory.
+            unsafe { write_out(was_held, c_int::from(was)) };
+        }
+        Ok(())
+    })
+}
+
+/// Decode side: tells the prefill at `peer` that this engine will not read its request
+/// `remote_request_id`, so it frees the blocks now rather than at its abort timeout (for a
+/// request rejected or aborted before its read started; a read in flight is cancelled with
+/// `kvlink_engine_cancel` instead). `reason` (NULL for none) is passed along. Returns at once
+/// (`KVLINK_OK`); the notice leaves once the session to `peer` is up. `KVLINK_E_INVALID` for a
+/// bad id, `KVLINK_E_SHUTDOWN` after close.
+///
+/// # Safety
+/// `engine` is NULL or a live engine; `peer`, `remote_request_id` and `reason` are NULL or
+/// NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_engine_reject(
+    engine: *mut kvlink_engine,
+    peer: *const c_char,
+    remote_request_id: *const c_char,
+    reason: *const c_char,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live engine or NULL.
+        let e = unsafe { ref_arg(engine, "engine") }?;
+        // SAFETY: the caller promised NUL-terminated strings or NULL.
+        let peer = unsafe { str_arg(peer, "peer") }?;
+        // SAFETY: as above.
+        let id = unsafe { str_arg(remote_request_id, "remote_request_id") }?;
+        // SAFETY: as above.
+        let reason = unsafe { opt_str_arg(reason, "reason") }?;
+        e.engine
+            .reject(peer, id, reason.unwrap_or("no reason given"))?;
+        Ok(())
+    })
+}
+
 /// Holds the `count` blocks at `blocks` of request `request_id` (1 to 256 bytes) for a reader
 /// (prefill side) and grants them to it: over TCP the reader may read those blocks, and only
 /// those, under this request id. `reader` is NULL (the first engine that reads or confirms the

@@ -206,6 +206,42 @@ pub unsafe extern "C" fn kvlink_finished_reason(
     )
 }
 
+/// Why failed entry `index` of `finished` failed, as a static NUL-terminated name valid for the
+/// life of the program: `"expired"`, `"peer"` (the peer aborted or refused it), `"connection"`,
+/// `"rdma"`, `"gpu"`, `"cancelled"` or `"other"`; NULL when `finished` is NULL or `index` out
+/// of range (see `kvlink_last_error`).
+///
+/// # Safety
+/// `finished` is NULL or a live `kvlink_finished`.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_finished_cause(
+    finished: *const kvlink_finished,
+    index: usize,
+) -> *const c_char {
+    guard_value(
+        |_| std::ptr::null(),
+        || {
+            // SAFETY: the caller promised a live kvlink_finished or NULL.
+            let f = unsafe { ref_arg(finished, "finished") }?;
+            Ok(cause_name(&f.failed(index)?.cause).as_ptr())
+        },
+    )
+}
+
+/// The NUL-terminated static name of a cause (`FailureCause::name` plus the terminator).
+pub(crate) fn cause_name(cause: &FailureCause) -> &'static std::ffi::CStr {
+    match cause {
+        FailureCause::Expired => c"expired",
+        FailureCause::Peer => c"peer",
+        FailureCause::Connection => c"connection",
+        FailureCause::Rdma(_) => c"rdma",
+        FailureCause::Gpu { .. } => c"gpu",
+        FailureCause::Cancelled => c"cancelled",
+        // `FailureCause` is non-exhaustive: a cause added later reads "other" here until named.
+        _ => c"other",
+    }
+}
+
 /// 1 when failed entry `index` of `finished` ended because its deadline passed (for a send: the
 /// reader never confirmed within the abort timeout), 0 when it failed otherwise, or a negative
 /// status (`KVLINK_E_INVALID`) when `finished` is NULL or `index` out of range.

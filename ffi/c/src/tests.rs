@@ -163,3 +163,20 @@ fn engine_round_trip_without_peers() {
         kvlink_engine_free(engine);
     }
 }
+
+#[test]
+fn cause_names_match_the_core() {
+    use kvlink::{FailureCause, RdmaErrorKind};
+    let all = [
+        FailureCause::Expired,
+        FailureCause::Peer,
+        FailureCause::Connection,
+        FailureCause::Rdma(RdmaErrorKind::Post),
+        FailureCause::Gpu { code: None },
+        FailureCause::Cancelled,
+        FailureCause::Other,
+    ];
+    for c in all {
+        assert_eq!(crate::finished::cause_name(&c).to_str().unwrap(), c.name());
+    }
+}

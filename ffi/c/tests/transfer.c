@@ -153,6 +153,7 @@ static void check_cancel(kvlink_engine *decode) {
         for (size_t i = 0; i < n; i++) {
             if (strcmp(kvlink_finished_id(f, KVLINK_FAILED, i), "c-cancel") == 0) {
                 EXPECT(strstr(kvlink_finished_reason(f, i), "cancel") != NULL);
+                EXPECT(strcmp(kvlink_finished_cause(f, i), "cancelled") == 0);
                 seen = 1;
             }
         }
@@ -316,6 +317,65 @@ static void check_aggregator(const kvlink_finished *rank0) {
     kvlink_aggregator_free(agg);
 }
 
+/* A decode-local id distinct from the prefill's, and a rejected request freed at once. */
+static void check_local_ids(kvlink_engine *prefill, kvlink_engine *decode, const char *peer) {
+    const uint32_t remote[2] = {9, 4};
+    const uint32_t local[2] = {40, 41};
+    CHECK(kvlink_engine_hold_blocks(prefill, "c-prefill-id", remote, 2, NULL, 30000));
+    CHECK(kvlink_engine_read_blocks_as(decode, peer, "c-decode-id", "c-prefill-id", local, remote,
+                                       2));
+    kvlink_finished *got = wait_for(decode, KVLINK_RECEIVING, "c-decode-id", "decode (local id)");
+    EXPECT(!contains(got, KVLINK_RECEIVING, "c-prefill-id"));
+    kvlink_finished_free(got);
+    kvlink_finished *sent = wait_for(prefill, KVLINK_SENDING, "c-prefill-id", "prefill (remote id)");
+    kvlink_finished_free(sent);
+    CHECK_FAILS(kvlink_engine_read_blocks_as(decode, peer, "c-x", "", local, remote, 2),
+                KVLINK_E_INVALID, "remote request id");
+
+    /* Held for 30 s, rejected by the decode: the prefill reports it failed within seconds. */
+    CHECK(kvlink_engine_hold_blocks(prefill, "c-rejected", remote, 2, NULL, 30000));
+    CHECK(kvlink_engine_reject(decode, peer, "c-rejected", "admission refused"));
+    double deadline = now_s() + 10.0;
+    int seen = 0;
+    while (!seen && now_s() < deadline) {
+        kvlink_finished *f = NULL;
+        CHECK(kvlink_engine_wait_finished(prefill, 200, &f));
+        for (size_t i = 0; i < kvlink_finished_count(f, KVLINK_FAILED); i++) {
+            if (strcmp(kvlink_finished_id(f, KVLINK_FAILED, i), "c-rejected") == 0) {
+                EXPECT(strstr(kvlink_finished_reason(f, i), "admission refused") != NULL);
+                EXPECT(strcmp(kvlink_finished_cause(f, i), "peer") == 0);
+                seen = 1;
+            }
+        }
+        kvlink_finished_free(f);
+    }
+    EXPECT(seen);
+
+    /* Released by the prefill: the grant ends, nothing is reported, a read is refused. */
+    int was = -1;
+    CHECK(kvlink_engine_hold_blocks(prefill, "c-released", remote, 2, NULL, 30000));
+    CHECK(kvlink_engine_release(prefill, "c-released", &was));
+    EXPECT(was == 1);
+    CHECK(kvlink_engine_release(prefill, "c-released", &was));
+    EXPECT(was == 0);
+    CHECK(kvlink_engine_read_blocks(decode, peer, "c-released", local, remote, 2));
+    kvlink_finished *refused = NULL;
+    deadline = now_s() + 10.0;
+    seen = 0;
+    while (!seen && now_s() < deadline) {
+        CHECK(kvlink_engine_wait_finished(decode, 200, &refused));
+        for (size_t i = 0; i < kvlink_finished_count(refused, KVLINK_FAILED); i++) {
+            if (strcmp(kvlink_finished_id(refused, KVLINK_FAILED, i), "c-released") == 0) {
+                EXPECT(strstr(kvlink_finished_reason(refused, i), "not held") != NULL);
+                seen = 1;
+            }
+        }
+        EXPECT(!contains(refused, KVLINK_RECEIVING, "c-released"));
+        kvlink_finished_free(refused);
+    }
+    EXPECT(seen);
+}
+
 int main(void) {
     EXPECT(kvlink_version() != NULL && kvlink_version()[0] != '\0');
     kvlink_engine *prefill = start_engine("c-prefill");
@@ -411,6 +471,7 @@ int main(void) {
     kvlink_finished_free(sent);
 
     check_registered_memory(decode, d_region);
+    check_local_ids(prefill, decode, peer);
     check_cancel(decode);
     check_aggregator(received);
     kvlink_finished_free(received);

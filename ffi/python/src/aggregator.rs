@@ -11,14 +11,16 @@ use crate::convert::{request_id, seconds};
 use crate::error::{to_py, InvalidArgument};
 
 /// What finished since the last call: `sending`, `receiving` (request ids), `failed`
-/// (tuples `(request_id, side, expired, reason)`, side `"send"` or `"recv"`) and `reports`
-/// (one dict per request in `receiving`: `id`, `bytes`, `segments`, `blocks`,
-/// `work_requests`, `transport`, `seconds`).
+/// (tuples `(request_id, side, expired, reason)`, side `"send"` or `"recv"`), `failures`
+/// (the same entries as dicts with a `cause` too: `expired`, `peer`, `connection`, `rdma`,
+/// `gpu`, `cancelled` or `other`) and `reports` (one dict per request in `receiving`: `id`,
+/// `peer`, `bytes`, `segments`, `blocks`, `work_requests`, `transport`, `seconds`).
 #[pyclass(module = "kvlink", frozen, get_all)]
 pub(crate) struct Finished {
     sending: Py<PyList>,
     receiving: Py<PyList>,
     failed: Py<PyList>,
+    failures: Py<PyList>,
     reports: Py<PyList>,
 }
 
@@ -44,6 +46,7 @@ impl Finished {
 pub(crate) fn finished_to_py(py: Python<'_>, f: &RsFinished) -> PyResult<Finished> {
     let ids = |v: &[RequestId]| PyList::new(py, v.iter().map(|i| i.as_str()));
     let failed = PyList::empty(py);
+    let failures = PyList::empty(py);
     for fr in &f.failed {
         let side = match fr.side {
             Side::Send => "send",
@@ -60,11 +63,19 @@ pub(crate) fn finished_to_py(py: Python<'_>, f: &RsFinished) -> PyResult<Finishe
                 fr.reason.as_str().into_pyobject(py)?.into_any(),
             ],
         )?)?;
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("id", fr.id.as_str())?;
+        d.set_item("side", side)?;
+        d.set_item("expired", fr.expired)?;
+        d.set_item("reason", fr.reason.as_str())?;
+        d.set_item("cause", fr.cause.name())?;
+        failures.append(d)?;
     }
     let reports = PyList::empty(py);
     for r in &f.reports {
         let d = pyo3::types::PyDict::new(py);
         d.set_item("id", r.id.as_str())?;
+        d.set_item("peer", r.peer.as_str())?;
         d.set_item("bytes", r.bytes)?;
         d.set_item("segments", r.segments)?;
         d.set_item("blocks", r.blocks)?;
@@ -77,6 +88,7 @@ pub(crate) fn finished_to_py(py: Python<'_>, f: &RsFinished) -> PyResult<Finishe
         sending: ids(&f.sending)?.unbind(),
         receiving: ids(&f.receiving)?.unbind(),
         failed: failed.unbind(),
+        failures: failures.unbind(),
         reports: reports.unbind(),
     })
 }

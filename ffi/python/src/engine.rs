@@ -249,19 +249,50 @@ impl Engine {
     /// `local_blocks`, pairwise, for every tensor. Returns at once; the outcome arrives through
     /// get_finished(). Raises InvalidArgument for bad ids, duplicate local blocks or a missing
     /// layout.
+    ///
+    /// `remote_request_id` is the id the prefill holds the request under when it differs from
+    /// `request_id`, this engine's own id (the one get_finished() and cancel() use).
+    #[pyo3(signature = (peer, request_id, local_blocks, remote_blocks, remote_request_id = None))]
     fn read_blocks(
         &self,
         peer: &str,
         request_id: &Bound<'_, PyAny>,
         local_blocks: &Bound<'_, PyAny>,
         remote_blocks: &Bound<'_, PyAny>,
+        remote_request_id: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let id = self::request_id(request_id)?;
+        let remote_id = match remote_request_id {
+            Some(r) => self::request_id(r)?,
+            None => id.clone(),
+        };
         let local = block_ids("local_blocks", local_blocks)?;
         let remote = block_ids("remote_blocks", remote_blocks)?;
         self.inner
-            .read_blocks(peer, id, &local, &remote)
+            .read_blocks_as(peer, id, remote_id, &local, &remote)
             .map_err(to_py)
+    }
+
+    /// Prefill side: drops the hold of `request_id` (aborted or preempted before its reader was
+    /// told): the grant ends at once and nothing is reported for it. Returns whether it was
+    /// held; never blocks.
+    fn release(&self, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.inner.release(self::request_id(request_id)?))
+    }
+
+    /// Decode side: tells the prefill at `peer` that this engine will not read its request
+    /// `remote_request_id`, so it frees the blocks now rather than at its abort timeout (a
+    /// request rejected or aborted before its read started; a read in flight is cancel()led
+    /// instead). Returns at once; the notice leaves once the session to `peer` is up.
+    #[pyo3(signature = (peer, remote_request_id, reason = "rejected"))]
+    fn reject(
+        &self,
+        peer: &str,
+        remote_request_id: &Bound<'_, PyAny>,
+        reason: &str,
+    ) -> PyResult<()> {
+        let id = self::request_id(remote_request_id)?;
+        self.inner.reject(peer, id, reason).map_err(to_py)
     }
 
     /// Prefill side: holds `blocks` of a request for its reader and grants them to it (over
@@ -370,7 +401,10 @@ impl Engine {
     /// `handshakes_refused`, `data_requests_served`, `data_requests_refused`, `bytes_served`,
     /// `bytes_staged_out` (GPU bytes copied out to be sent over TCP), `bytes_staged_in`
     /// (received bytes copied into GPU memory) and `notices_refused` (readers' confirmations
-    /// of requests not held, or held for another reader).
+    /// of requests not held, or held for another reader); then the requests finished since
+    /// the engine started: `reads_done`, `reads_failed` (of which `reads_expired` and
+    /// `reads_cancelled`), `bytes_read`, `sends_done`, `sends_failed` (of which
+    /// `sends_expired`). Every value is a monotonic counter.
     fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -382,6 +416,15 @@ impl Engine {
         d.set_item("bytes_staged_out", s.bytes_staged_out)?;
         d.set_item("bytes_staged_in", s.bytes_staged_in)?;
         d.set_item("notices_refused", s.notices_refused)?;
+        let t = s.totals;
+        d.set_item("reads_done", t.reads_done)?;
+        d.set_item("reads_failed", t.reads_failed)?;
+        d.set_item("reads_expired", t.reads_expired)?;
+        d.set_item("reads_cancelled", t.reads_cancelled)?;
+        d.set_item("bytes_read", t.bytes_read)?;
+        d.set_item("sends_done", t.sends_done)?;
+        d.set_item("sends_failed", t.sends_failed)?;
+        d.set_item("sends_expired", t.sends_expired)?;
         Ok(d.unbind())
     }
 }

@@ -18,9 +18,10 @@ use crate::error::{
     IncompatiblePeer, InvalidArgument, KvlinkError, KvlinkTimeout, PeerError, RdmaUnavailable,
 };
 
-/// kvlink: moves LLM KV-cache blocks between inference engines.
+/// kvlink's native core (`kvlink._kvlink`), re-exported by the `kvlink` package: moves LLM
+/// KV-cache blocks between inference engines.
 #[pymodule]
-fn kvlink(m: &Bound<'_, PyModule>) -> PyResult<()> {
+fn _kvlink(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<Engine>()?;
     m.add_class::<TpAggregator>()?;

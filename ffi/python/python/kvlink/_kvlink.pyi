@@ -1,4 +1,5 @@
-"""kvlink: moves LLM KV-cache blocks between inference engines (RDMA READ, TCP fallback).
+"""kvlink's native core, re-exported by the ``kvlink`` package: moves LLM KV-cache blocks
+between inference engines (RDMA READ, TCP fallback).
 
 Request ids are ``str`` end to end: the ids returned by ``get_finished`` and ``TpAggregator.take``
 are the ones passed to ``read_blocks`` / ``hold_blocks``.
@@ -35,8 +36,12 @@ class Finished:
     """Receives complete: every byte is in place, the request may be scheduled."""
     failed: List[Tuple[str, str, bool, str]]
     """``(request_id, side, expired, reason)``; side is ``"send"`` or ``"recv"``. Blocks may be reused."""
+    failures: List[Dict[str, Any]]
+    """The entries of ``failed`` as dicts: ``id``, ``side``, ``expired``, ``reason`` and
+    ``cause``: ``"expired"``, ``"peer"`` (the peer aborted or refused it), ``"connection"``,
+    ``"rdma"``, ``"gpu"``, ``"cancelled"`` or ``"other"``."""
     reports: List[Dict[str, Any]]
-    """One per request in ``receiving``: ``id``, ``bytes``, ``segments``, ``blocks``,
+    """One per request in ``receiving``: ``id``, ``peer``, ``bytes``, ``segments``, ``blocks``,
     ``work_requests``, ``transport`` (``"tcp"`` or ``"rdma"``) and ``seconds`` (from
     ``read_blocks`` to the last byte). Empty for sets built by ``TpAggregator``."""
     def is_empty(self) -> bool: ...
@@ -93,9 +98,24 @@ class Engine:
         """Registers per-tensor caches (first axis = blocks) and sets the layout in that order;
         returns the region ids. On error, the regions it registered are deregistered again."""
     def read_blocks(
-        self, peer: str, request_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
+        self,
+        peer: str,
+        request_id: str,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        remote_request_id: Optional[str] = None,
     ) -> None:
-        """Starts reading ``remote_blocks`` of ``peer`` into ``local_blocks``; returns at once."""
+        """Starts reading ``remote_blocks`` of ``peer`` into ``local_blocks``; returns at once.
+        ``remote_request_id``: the id the prefill holds the request under, when it differs
+        from ``request_id`` (this engine's own, used by get_finished() and cancel())."""
+    def release(self, request_id: str) -> bool:
+        """Prefill side: drops the hold of ``request_id`` (aborted or preempted before its
+        reader was told); the grant ends at once and nothing is reported for it. Returns whether
+        it was held."""
+    def reject(self, peer: str, remote_request_id: str, reason: str = "rejected") -> None:
+        """Decode side: tells the prefill at ``peer`` this engine will not read its request
+        ``remote_request_id``, so it frees the blocks now (a request rejected or aborted before
+        its read started). Returns at once."""
     def hold_blocks(
         self,
         request_id: str,
@@ -125,8 +145,10 @@ class Engine:
     def __enter__(self) -> "Engine": ...
     def __exit__(self, *exc: Any) -> bool: ...
     def stats(self) -> Dict[str, int]:
-        """handshakes_accepted/refused, data_requests_served/refused, bytes_served,
-        bytes_staged_out/in (GPU memory moved through TCP staging buffers), notices_refused."""
+        """Monotonic counters: handshakes_accepted/refused, data_requests_served/refused,
+        bytes_served, bytes_staged_out/in (GPU memory moved through TCP staging buffers),
+        notices_refused, reads_done/failed/expired/cancelled, bytes_read,
+        sends_done/failed/expired (``kvlink.metrics.render`` exports them)."""
 
 class TpAggregator:
     """Releases a request once every TP rank reported it; a failure on any rank fails it."""

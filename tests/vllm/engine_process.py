@@ -1,0 +1,304 @@
+"""One vLLM engine for the connector tests, in its own process: vLLM's real ``Scheduler``
+(CPU, a local model config, no weights) with kvlink's connector loaded by vLLM's own factory
+in both roles, and a stand-in for the model runner that does what the GPU worker does around
+the connector each step (bind metadata, start loads, forward, collect transfer results).
+
+The forward writes, for every token it computes, bytes that are a function of the token id,
+its position, the layer and K or V (``token_bytes``) into the token's slot of the request's
+blocks. A decode can therefore check every byte it received without knowing the prefill's
+block ids: at the step a request is first scheduled after its load, each of its computed
+positions must hold exactly ``token_bytes`` of its token.
+
+The test process drives it through a ``multiprocessing`` pipe (``serve``): add requests,
+step, abort, report state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import traceback
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+
+LAYERS = 2
+KV_HEADS = 2
+HEAD_DIM = 16
+BLOCK_SIZE = 16
+EOS = 2
+MLA_DIM = 576
+# The KV cache layouts vLLM's attention backends hand to register_kv_caches, per layer:
+# (shape for n blocks, K/V planes, dtype). MLA's latent is one plane; uint8 stands for fp8.
+LAYOUTS = {
+    "flash": (lambda n: (2, n, BLOCK_SIZE, KV_HEADS, HEAD_DIM), 2, torch.bfloat16),
+    "flashinfer": (lambda n: (n, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM), 2, torch.bfloat16),
+    "mla": (lambda n: (n, BLOCK_SIZE, MLA_DIM), 1, torch.uint8),
+}
+
+
+def token_bytes(token: int, pos: int, layer: int, kv: int, size: int) -> np.ndarray:
+    """What the stand-in forward writes for one token: ``size`` bytes."""
+    base = (token * 7 + pos * 13 + layer * 29 + kv * 53) % 251
+    return ((np.arange(size, dtype=np.int64) * 131 + base) % 251 + 1).astype(np.uint8)
+
+
+def model_dir() -> str:
+    """A local model directory with a small Llama config (no weights, no tokenizer)."""
+    d = os.path.join(tempfile.gettempdir(), "kvlink-vllm-test-model")
+    os.makedirs(d, exist_ok=True)
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": KV_HEADS * HEAD_DIM * 2,
+        "num_attention_heads": KV_HEADS * 2,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "num_hidden_layers": LAYERS,
+        "intermediate_size": 128,
+        "vocab_size": 1024,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": EOS,
+        "rms_norm_eps": 1e-5,
+    }
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return d
+
+
+class Engine:
+    """A vLLM scheduler, the worker-side connector and the KV caches of one engine."""
+
+    def __init__(self, name: str, num_blocks: int, extra: Dict[str, Any], layout: str):
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVTransferConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        init_none_hash(sha256)
+        self.name = name
+        model = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=2048)
+        config = VllmConfig(
+            model_config=model,
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=16,
+                max_num_batched_tokens=256,
+                max_model_len=2048,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=False,
+            ),
+            cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KvlinkConnector",
+                kv_connector_module_path="kvlink.vllm",
+                kv_role="kv_both",
+                kv_connector_extra_config=extra,
+                kv_load_failure_policy="recompute",
+            ),
+            device_config=DeviceConfig("cpu"),
+        )
+        config.cache_config.num_gpu_blocks = num_blocks
+        self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    self.layer_names,
+                    FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16),
+                )
+            ],
+        )
+        self.scheduler = Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv_cache_config,
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=BLOCK_SIZE,
+        )
+        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+        # The layouts vLLM's attention backends hand to register_kv_caches.
+        self.layout = layout
+        shape, self.planes, dtype = LAYOUTS[layout]
+        self.caches = {n: torch.zeros(shape(num_blocks), dtype=dtype) for n in self.layer_names}
+        self.worker.register_kv_caches(self.caches)
+        # As vLLM's EngineCore does with what every worker returned, keyed (pp rank, tp rank).
+        self.scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): self.worker.get_handshake_metadata()})
+        self.num_blocks = num_blocks
+        self.requests: Dict[str, Any] = {}
+        self.verified: List[str] = []
+        self.bad: List[str] = []
+        self.reads: Dict[str, int] = {}
+        self.stats: Dict[str, Any] = {}
+        self.finished_sending_seen = 0
+
+    # -- the stand-in model runner --
+
+    def _slot(self, layer: str, kv: int, block: int, offset: int) -> torch.Tensor:
+        t = self.caches[layer]
+        if self.layout == "flash":
+            s = t[kv, block, offset]
+        elif self.layout == "flashinfer":
+            s = t[block, kv, offset]
+        else:
+            s = t[block, offset]
+        return s.view(torch.uint8).reshape(-1)
+
+    def _write(self, req, start: int, end: int) -> None:
+        blocks = self.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
+        tokens = req.all_token_ids
+        for pos in range(start, end):
+            b, off = blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+            for li, layer in enumerate(self.layer_names):
+                for kv in range(self.planes):
+                    slot = self._slot(layer, kv, b, off)
+                    slot.copy_(torch.from_numpy(token_bytes(tokens[pos], pos, li, kv, slot.numel())))
+
+    def _verify(self, req, upto: int) -> None:
+        """Every position below ``upto`` holds its token's bytes."""
+        blocks = self.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
+        tokens = req.all_token_ids
+        for pos in range(upto):
+            b, off = blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+            for li, layer in enumerate(self.layer_names):
+                for kv in range(self.planes):
+                    got = self._slot(layer, kv, b, off).numpy()
+                    if not np.array_equal(got, token_bytes(tokens[pos], pos, li, kv, got.size)):
+                        self.bad.append(f"{req.request_id} position {pos} layer {li} kv {kv} block {b}")
+                        return
+        self.verified.append(req.request_id)
+
+    def step(self) -> Dict[str, Any]:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        so = self.scheduler.schedule()
+        meta = so.kv_connector_metadata
+        for rid, spec in meta.reads.items():
+            self.reads[rid] = len(spec.local_blocks)
+        self.worker.bind_connector_metadata(meta)
+        # Requests scheduled for the first time: what they did not compute here must have
+        # arrived intact (loaded, or a local prefix hit computed here earlier).
+        for new in so.scheduled_new_reqs:
+            req = self.scheduler.requests[new.req_id]
+            if new.num_computed_tokens > 0 and (req.kv_transfer_params or {}).get("remote_request_id"):
+                self._verify(req, new.num_computed_tokens)
+        req_ids, sampled = [], []
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[rid]
+            end = req.num_computed_tokens  # already advanced by schedule()
+            self._write(req, end - n, end)
+            req_ids.append(rid)
+            # A partial prefill samples nothing; otherwise one token (EOS ends a request
+            # early only when its sampling params allow; max_tokens bounds it).
+            sampled.append([] if end < req.num_tokens else [7 + (end % 500)])
+        # As vLLM's model runner does when the step has no synchronous loads: the connector's
+        # loads (and holds) start once the forward is launched.
+        self.worker.start_load_kv(None)
+        self.worker.wait_for_save()
+        results = self.worker.get_transfer_results(so.finished_req_ids)
+        invalid = self.worker.get_block_ids_with_load_errors()
+        stats = self.worker.get_kv_connector_stats()
+        if stats is not None:
+            for k, v in stats.reduce().items():
+                self.stats[k] = self.stats.get(k, 0) + v if isinstance(v, int) else v
+        self.worker.clear_connector_metadata()
+        self.finished_sending_seen += len(results.finished_sending)
+        kv_out = KVConnectorOutput(
+            finished_sending=results.finished_sending or None,
+            finished_recving=results.finished_recving or None,
+            failed_recving=results.failed_recving,
+            invalid_block_ids=invalid,
+            kv_connector_stats=stats,
+        )
+        mro = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kv_out,
+        )
+        outputs = self.scheduler.update_from_output(so, mro)
+        finished = []
+        for eco in outputs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    finished.append(
+                        {"id": o.request_id, "reason": str(o.finish_reason), "params": o.kv_transfer_params}
+                    )
+        return {"finished": finished, "scheduled": len(req_ids)}
+
+    # -- commands --
+
+    def add(self, rid: str, prompt: List[int], max_tokens: int, params: Dict[str, Any] | None) -> None:
+        from vllm import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+        from vllm.v1.request import Request
+
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=list(prompt),
+            sampling_params=sp,
+            pooling_params=None,
+            mm_features=None,
+            block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+        )
+        req.kv_transfer_params = dict(params) if params else None
+        self.scheduler.add_request(req)
+
+    def abort(self, rids: List[str]) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(rids, RequestStatus.FINISHED_ABORTED)
+
+    def state(self) -> Dict[str, Any]:
+        pool = self.scheduler.kv_cache_manager.block_pool
+        eng = self.worker.engine
+        return {
+            "free_blocks": pool.free_block_queue.num_free_blocks,
+            "total_blocks": pool.num_gpu_blocks - 1,  # block 0 is vLLM's null block
+            "requests": len(self.scheduler.requests),
+            "in_flight": list(eng.in_flight()),
+            "engine_stats": eng.stats(),
+            "address": eng.handshake_address,
+            "verified": list(self.verified),
+            "bad": list(self.bad),
+            "reads": dict(self.reads),
+            "connector_stats": dict(self.stats),
+            "finished_sending": self.finished_sending_seen,
+        }
+
+
+def serve(conn, name: str, num_blocks: int, extra: Dict[str, Any], layout: str) -> None:
+    """Process entry point: builds the engine, then answers commands until ``("exit",)``."""
+    try:
+        engine = Engine(name, num_blocks, extra, layout)
+        conn.send(("ok", engine.state()))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "exit":
+            engine.worker.shutdown()
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", getattr(engine, cmd)(*args)))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))

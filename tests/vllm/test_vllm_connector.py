@@ -1,0 +1,304 @@
+"""kvlink's vLLM connector driven through two real vLLM Schedulers in two processes (prefill
+and decode, CPU tensors): vLLM's factory loads ``kvlink.vllm.KvlinkConnector`` in both roles,
+the prefill's ``request_finished`` makes the transfer parameters the decode consumes, and
+every byte the decode receives is checked. Run by tools/test.sh in a venv with vLLM."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import engine_process  # noqa: E402
+
+BLOCKS = 400
+# Long enough that only the tests' own reject/cancel/abort paths free a hold in time.
+ABORT_TIMEOUT = 300.0
+
+
+class Proc:
+    """An engine process and its command pipe."""
+
+    def __init__(self, name: str, extra: Optional[Dict[str, Any]] = None, layout: str = "flash"):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        extra = {"abort_timeout": ABORT_TIMEOUT, "request_timeout": 20.0, **(extra or {})}
+        self.proc = ctx.Process(target=engine_process.serve, args=(child, name, BLOCKS, extra, layout), daemon=True)
+        self.proc.start()
+        self.name = name
+        self.ready: Optional[Dict[str, Any]] = None
+
+    def wait_ready(self, limit: float = 240.0) -> Dict[str, Any]:
+        if self.ready is None:
+            self.ready = self._reply(limit)
+        return self.ready
+
+    def _reply(self, limit: float = 60.0) -> Any:
+        if not self.conn.poll(limit):
+            raise AssertionError(f"{self.name}: no answer within {limit} s")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise AssertionError(f"{self.name} failed:\n{value}")
+        return value
+
+    def call(self, cmd: str, *args: Any) -> Any:
+        self.conn.send((cmd, *args))
+        return self._reply()
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("exit")
+            except (AssertionError, OSError, EOFError):
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    prefill, decode = Proc("prefill"), Proc("decode")
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        yield prefill, decode
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def run_prefill(prefill: Proc, reqs: Dict[str, List[int]], max_tokens: int = 1, limit: float = 60.0) -> Dict[str, Dict[str, Any]]:
+    """Adds prefill requests and steps until each finished; returns their transfer params."""
+    for rid, prompt in reqs.items():
+        prefill.call("add", rid, prompt, max_tokens, {"do_remote_decode": True})
+    params: Dict[str, Dict[str, Any]] = {}
+    end = time.monotonic() + limit
+    while len(params) < len(reqs):
+        assert time.monotonic() < end, f"prefill did not finish {set(reqs) - set(params)}"
+        for f in prefill.call("step")["finished"]:
+            assert f["params"] and f["params"]["do_remote_prefill"], f
+            params[f["id"]] = f["params"]
+    return params
+
+
+def step_until(procs: List[Proc], done, limit: float = 60.0, what: str = "condition") -> List[Dict[str, Any]]:
+    """Steps every process until ``done(finished so far)``; returns what finished."""
+    finished: List[Dict[str, Any]] = []
+    end = time.monotonic() + limit
+    while not done(finished):
+        assert time.monotonic() < end, f"{what} not reached within {limit} s; finished: {finished}"
+        busy = 0
+        for p in procs:
+            out = p.call("step")
+            finished += [dict(f, engine=p.name) for f in out["finished"]]
+            busy += out["scheduled"]
+        if not busy:
+            time.sleep(0.01)
+    return finished
+
+
+def assert_no_leak(procs: List[Proc], limit: float = 30.0) -> None:
+    """Every block back in the pool, no request left, nothing held or read."""
+    end = time.monotonic() + limit
+    while True:
+        states = [p.call("state") for p in procs]
+        ok = all(
+            s["free_blocks"] == s["total_blocks"] and s["requests"] == 0 and s["in_flight"] == [0, 0] for s in states
+        )
+        if ok:
+            return
+        if time.monotonic() > end:
+            raise AssertionError(
+                "leak: " + "; ".join(
+                    f"{p.name}: free {s['free_blocks']}/{s['total_blocks']}, requests {s['requests']}, "
+                    f"in flight (reading, holding) {s['in_flight']}"
+                    for p, s in zip(procs, states)
+                )
+            )
+        for p in procs:
+            p.call("step")
+        time.sleep(0.02)
+
+
+def test_many_requests_with_prefix_hits_every_byte(pair):
+    prefill, decode = pair
+    rng = random.Random(1234)
+    shared = [rng.randrange(10, 1000) for _ in range(3 * engine_process.BLOCK_SIZE + 5)]
+    prompts: Dict[str, List[int]] = {}
+    for i in range(24):
+        n = rng.randrange(2, 250)
+        body = [rng.randrange(10, 1000) for _ in range(n)]
+        # A third of them share a 53-token prefix: the decode holds its first three blocks
+        # after the first of them and reads only the rest.
+        prompts[f"p{i}"] = (shared + body) if i % 3 == 0 else body
+    # Prefill in waves so the decode runs while other prefills are in flight.
+    ids = list(prompts)
+    decode_ids: Dict[str, str] = {}
+    decoded = 0
+    for wave in (ids[:8], ids[8:16], ids[16:]):
+        params = run_prefill(prefill, {r: prompts[r] for r in wave})
+        for rid in wave:
+            # The decode's own request id: vLLM gives every request an internal id, and the
+            # two engines' ids differ.
+            did = f"d-{rid}-{rng.randrange(1 << 30):x}"
+            decode_ids[did] = rid
+            decode.call("add", did, prompts[rid], 4, params[rid])
+        finished = step_until(
+            [decode, prefill],
+            lambda f: decoded + sum(x["engine"] == "decode" for x in f) >= len(decode_ids),
+            what="decode of a wave",
+        )
+        assert all(x["reason"] == "length" for x in finished if x["engine"] == "decode"), finished
+        decoded += sum(x["engine"] == "decode" for x in finished)
+    state = decode.call("state")
+    assert state["bad"] == [], state["bad"]
+    assert sorted(state["verified"]) == sorted(decode_ids), set(decode_ids) ^ set(state["verified"])
+    reads = state["reads"]
+    assert set(reads) == set(decode_ids), set(reads) ^ set(decode_ids)
+    # Partial local prefix hits read fewer blocks than the prompt has.
+    partial = [d for d, r in decode_ids.items() if len(prompts[r]) > 52 and reads[d] < -(-len(prompts[r]) // 16)]
+    assert len(partial) >= 4, (partial, reads)
+    assert state["connector_stats"].get("Num reads", 0) == len(decode_ids), state["connector_stats"]
+    assert state["engine_stats"]["reads_done"] >= len(decode_ids)
+    assert_no_leak([prefill, decode])
+    pstate = prefill.call("state")
+    assert pstate["engine_stats"]["sends_done"] >= len(decode_ids), pstate["engine_stats"]
+
+
+def test_decode_rejected_before_admission_frees_the_prefill(pair):
+    prefill, decode = pair
+    params = run_prefill(prefill, {"rej-1": list(range(100, 180))})
+    assert prefill.call("state")["in_flight"][1] == 1
+    # Aborted before it was ever scheduled on the decode: vLLM calls request_finished with
+    # the parameters untouched; the prefill is told and frees its blocks at once (its abort
+    # timeout is 300 s).
+    decode.call("add", "d-rej-1", list(range(100, 180)), 4, params["rej-1"])
+    decode.call("abort", ["d-rej-1"])
+    t0 = time.monotonic()
+    assert_no_leak([prefill, decode], limit=20.0)
+    assert time.monotonic() - t0 < 20.0
+    assert prefill.call("state")["engine_stats"]["sends_failed"] >= 1
+
+
+def test_decode_aborted_while_reading_is_cancelled(pair):
+    prefill, decode = pair
+    prompt = [int(x) for x in random.Random(5).choices(range(10, 1000), k=200)]
+    params = run_prefill(prefill, {"ab-1": prompt})
+    before = decode.call("state")["engine_stats"]
+    # Freeze the prefill process: the decode's read is sent and never answered.
+    os.kill(prefill.proc.pid, signal.SIGSTOP)
+    try:
+        decode.call("add", "d-ab-1", prompt, 4, params["ab-1"])
+        decode.call("step")  # allocates and starts the read
+        assert decode.call("state")["in_flight"][0] == 1, "the read should be in flight"
+        decode.call("abort", ["d-ab-1"])
+        decode.call("step")  # hands the cancel to the worker
+    finally:
+        os.kill(prefill.proc.pid, signal.SIGCONT)
+    # The decode's blocks come back once the read reports cancelled; the prefill's once the
+    # abort reaches it (well before its 300 s abort timeout).
+    assert_no_leak([prefill, decode], limit=30.0)
+    after = decode.call("state")["engine_stats"]
+    assert after["reads_cancelled"] == before["reads_cancelled"] + 1, (before, after)
+
+
+def test_prefill_abort_leaks_nothing(pair):
+    prefill, decode = pair
+    # Aborted while its prompt is being prefilled in chunks (256 tokens per step): nothing
+    # was held.
+    prefill.call("add", "pa-1", list(range(10, 700)), 1, {"do_remote_decode": True})
+    prefill.call("step")
+    prefill.call("abort", ["pa-1"])
+    # Aborted after its prompt completed (held) but before it finished generating: the hold
+    # is released and no parameters are offered.
+    prefill.call("add", "pa-2", list(range(10, 90)), 3, {"do_remote_decode": True})
+    prefill.call("step")
+    assert prefill.call("state")["in_flight"][1] == 1, "held at the step that completed the prompt"
+    prefill.call("abort", ["pa-2"])
+    prefill.call("step")
+    assert_no_leak([prefill, decode])
+
+
+def test_dead_prefill_leads_to_recompute(pair):
+    _, decode = pair
+    doomed = Proc("doomed-prefill")
+    try:
+        doomed.wait_ready()
+        prompt = list(range(200, 300))
+        params = run_prefill(doomed, {"dead-1": prompt})
+    finally:
+        doomed.proc.kill()
+        doomed.proc.join(10)
+    before = decode.call("state")["engine_stats"]
+    decode.call("add", "d-dead-1", prompt, 2, params["dead-1"])
+    finished = step_until([decode], lambda f: any(x["id"] == "d-dead-1" for x in f), what="recompute after a dead prefill")
+    assert finished[-1]["reason"] == "length", finished
+    after = decode.call("state")["engine_stats"]
+    assert after["reads_failed"] == before["reads_failed"] + 1, (before, after)
+    assert_no_leak([decode])
+
+
+@pytest.mark.parametrize("layout", ["flashinfer", "mla"])
+def test_other_kv_cache_layouts(layout):
+    """FlashInfer's [num_blocks, 2, ...] (bf16) and MLA's [num_blocks, block_size, 576] (one
+    byte per element, as fp8) end to end."""
+    prefill, decode = Proc("fi-prefill", layout=layout), Proc("fi-decode", layout=layout)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        prompts = {f"fi{i}": list(range(10 + i, 10 + i + 17 * (i + 1))) for i in range(4)}
+        params = run_prefill(prefill, prompts)
+        for rid, prompt in prompts.items():
+            decode.call("add", "d-" + rid, prompt, 2, params[rid])
+        step_until([decode, prefill], lambda f: sum(x["engine"] == "fi-decode" for x in f) == 4, what="flashinfer decode")
+        s = decode.call("state")
+        assert s["bad"] == [] and len(s["verified"]) == 4, s
+        assert_no_leak([prefill, decode])
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_kv_cache_tensors_maps_vllm_layouts():
+    import torch
+
+    from kvlink.vllm import kv_cache_tensors
+
+    nb = 10
+    fa = torch.zeros(2, nb, 16, 4, 8, dtype=torch.bfloat16)
+    fi = torch.zeros(nb, 2, 16, 4, 8, dtype=torch.float16)
+    mla = torch.zeros(nb, 16, 576, dtype=torch.uint8)  # fp8 caches are one byte per element
+    # HND through a permuted view: blocks stay dense.
+    hnd = torch.zeros(2, nb, 4, 16, 8, dtype=torch.bfloat16).permute(0, 1, 3, 2, 4)
+    memory, layout = kv_cache_tensors({"fa": fa, "fi": fi, "mla": mla, "hnd": hnd}, nb)
+    assert len(memory) == 4
+    block = 16 * 4 * 8 * 2
+    assert layout[0] == (0, 0, block, block, nb)
+    assert layout[1] == (0, nb * block, block, block, nb)
+    assert layout[2] == (1, 0, 2 * block, 2 * block, nb)
+    assert layout[3] == (2, 0, 16 * 576, 16 * 576, nb)
+    assert layout[4][2:] == (block, block, nb) and layout[5][1] == nb * block
+    with pytest.raises(ValueError, match="block index"):
+        kv_cache_tensors({"bad": torch.zeros(3, 4)}, nb)
+    with pytest.raises(ValueError, match="not dense"):
+        kv_cache_tensors({"strided": torch.zeros(nb, 16, 8)[:, ::2]}, nb)
+
+
+def test_loaded_by_vllms_factory():
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    import kvlink.vllm
+
+    cfg = KVTransferConfig(kv_connector="KvlinkConnector", kv_connector_module_path="kvlink.vllm", kv_role="kv_both")
+    assert KVConnectorFactory.get_connector_class(cfg) is kvlink.vllm.KvlinkConnector
