@@ -28,11 +28,11 @@ ABORT_TIMEOUT = 300.0
 class Proc:
     """An engine process and its command pipe."""
 
-    def __init__(self, name: str, extra: Optional[Dict[str, Any]] = None, layout: str = "flash"):
+    def __init__(self, name: str, extra: Optional[Dict[str, Any]] = None, layout: str = "flash", asynchronous: bool = True):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         extra = {"abort_timeout": ABORT_TIMEOUT, "request_timeout": 20.0, **(extra or {})}
-        self.proc = ctx.Process(target=engine_process.serve, args=(child, name, BLOCKS, extra, layout), daemon=True)
+        self.proc = ctx.Process(target=engine_process.serve, args=(child, name, BLOCKS, extra, layout, asynchronous), daemon=True)
         self.proc.start()
         self.name = name
         self.ready: Optional[Dict[str, Any]] = None
@@ -182,12 +182,38 @@ def test_decode_rejected_before_admission_frees_the_prefill(pair):
     # Aborted before it was ever scheduled on the decode: vLLM calls request_finished with
     # the parameters untouched; the prefill is told and frees its blocks at once (its abort
     # timeout is 300 s).
+    failed_before = prefill.call("state")["engine_stats"]["sends_failed"]
     decode.call("add", "d-rej-1", list(range(100, 180)), 4, params["rej-1"])
     decode.call("abort", ["d-rej-1"])
-    t0 = time.monotonic()
     assert_no_leak([prefill, decode], limit=20.0)
-    assert time.monotonic() - t0 < 20.0
-    assert prefill.call("state")["engine_stats"]["sends_failed"] >= 1
+    assert prefill.call("state")["engine_stats"]["sends_failed"] == failed_before + 1
+
+
+def test_unusable_params_are_computed_locally_and_the_prefill_told(pair):
+    """Parameters from a prefill with another TP size (not supported yet) and malformed ones
+    (they come from clients) never crash either engine: the decode computes the prompt itself
+    and, when it can tell which prefill it was, frees that prefill's blocks at once."""
+    prefill, decode = pair
+    prompt = list(range(300, 390))
+    params = run_prefill(prefill, {"tp-1": prompt})
+    other_tp = dict(params["tp-1"], remote_addresses=params["tp-1"]["remote_addresses"] * 2)
+    failed_before = prefill.call("state")["engine_stats"]["sends_failed"]
+    decode.call("add", "d-tp-1", prompt, 2, other_tp)
+    bad = [
+        dict(params["tp-1"], remote_block_ids="not a list"),
+        dict(params["tp-1"], remote_block_ids=[-1, 2**40]),
+        dict(params["tp-1"], remote_addresses=[17]),
+        dict(params["tp-1"], remote_num_tokens="many"),
+        {"do_remote_prefill": True},
+    ]
+    for i, p in enumerate(bad):
+        decode.call("add", f"d-bad-{i}", prompt, 2, p)
+    want = {"d-tp-1"} | {f"d-bad-{i}" for i in range(len(bad))}
+    finished = step_until([decode, prefill], lambda f: want <= {x["id"] for x in f}, what="local compute of unusable params")
+    assert all(x["reason"] == "length" for x in finished if x["id"] in want), finished
+    assert decode.call("state")["reads"].keys().isdisjoint(want)
+    assert_no_leak([prefill, decode], limit=20.0)
+    assert prefill.call("state")["engine_stats"]["sends_failed"] == failed_before + 1
 
 
 def test_decode_aborted_while_reading_is_cancelled(pair):
@@ -218,6 +244,7 @@ def test_prefill_abort_leaks_nothing(pair):
     # was held.
     prefill.call("add", "pa-1", list(range(10, 700)), 1, {"do_remote_decode": True})
     prefill.call("step")
+    assert prefill.call("state")["in_flight"][1] == 0, "a partial prompt is not held"
     prefill.call("abort", ["pa-1"])
     # Aborted after its prompt completed (held) but before it finished generating: the hold
     # is released and no parameters are offered.
@@ -225,7 +252,9 @@ def test_prefill_abort_leaks_nothing(pair):
     prefill.call("step")
     assert prefill.call("state")["in_flight"][1] == 1, "held at the step that completed the prompt"
     prefill.call("abort", ["pa-2"])
-    prefill.call("step")
+    out = prefill.call("step")
+    assert all(f["params"] is None for f in out["finished"]), out
+    assert prefill.call("state")["in_flight"][1] == 0, "released"
     assert_no_leak([prefill, decode])
 
 
@@ -249,10 +278,12 @@ def test_dead_prefill_leads_to_recompute(pair):
 
 
 @pytest.mark.parametrize("layout", ["flashinfer", "mla"])
-def test_other_kv_cache_layouts(layout):
+def test_other_kv_cache_layouts_with_the_synchronous_scheduler(layout):
     """FlashInfer's [num_blocks, 2, ...] (bf16) and MLA's [num_blocks, block_size, 576] (one
-    byte per element, as fp8) end to end."""
-    prefill, decode = Proc("fi-prefill", layout=layout), Proc("fi-decode", layout=layout)
+    byte per element, as fp8) end to end, with vLLM's synchronous Scheduler (the other tests
+    use its default, the AsyncScheduler)."""
+    prefill = Proc("fi-prefill", layout=layout, asynchronous=False)
+    decode = Proc("fi-decode", layout=layout, asynchronous=False)
     try:
         prefill.wait_ready()
         decode.wait_ready()

@@ -11,8 +11,9 @@ Turn it on with::
 Settings (``kv_connector_extra_config``):
 
 ``listen``
-    ``host:port`` of TP rank 0's kvlink engine; rank ``r`` listens on ``port + r``. Default: the
-    node's address (``127.0.0.1`` without an authentication key) and an ephemeral port.
+    ``host:port`` of TP rank 0's kvlink engine; rank ``r`` of data-parallel engine ``d``
+    listens on ``port + d * tp_size + r``. Default: the node's address (``127.0.0.1`` without
+    an authentication key) and an ephemeral port.
 ``transport``
     ``auto`` (RDMA when a device is usable, else TCP), ``tcp`` or ``rdma``.
 ``abort_timeout``
@@ -46,10 +47,8 @@ dtype (both sides must agree).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
@@ -247,6 +246,10 @@ class KvlinkConnector(KVConnectorBase_V1):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._block_size = vllm_config.cache_config.block_size
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+        # NHD and HND blocks have the same size and different byte orders: the layout joins
+        # the dtype in what both sides must agree on.
+        self._kv_layout = getattr(vllm_config.cache_config, "kv_cache_layout", None)
         self._settings = _Settings.parse(extra)
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             raise ValueError(
@@ -335,9 +338,6 @@ class KvlinkConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         return self._need_scheduler().request_finished(request, block_ids)
 
-    def has_pending_block_frees(self) -> bool:
-        return self._scheduler is not None and self._scheduler.has_pending_frees()
-
     # ---- helpers -----------------------------------------------------------------------
 
     def _need_worker(self) -> "_WorkerSide":
@@ -411,12 +411,14 @@ class _WorkerSide:
         self.tp_rank = _tp_rank()
         self.tp_size = owner._tp_size
         self.block_size = owner._block_size
+        self.kv_layout = owner._kv_layout
         self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
         keyed = s.auth_key is not None or bool(os.environ.get("KVLINK_AUTH_KEY") or os.environ.get("KVLINK_AUTH_KEY_FILE"))
         host = s.host
         if host is None:
             host = _node_address() if keyed else "127.0.0.1"
-        port = s.port + self.tp_rank if s.port else 0
+        # Each data-parallel engine's ranks take the next tp_size ports.
+        port = s.port + owner._dp_rank * self.tp_size + self.tp_rank if s.port else 0
         self.engine = kvlink.Engine(
             f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
             transport=s.transport,
@@ -445,6 +447,8 @@ class _WorkerSide:
         self.reading: Dict[str, List[int]] = {}
         # Reads refused before they started, reported failed at the next poll.
         self.failed_now: Set[str] = set()
+        # Reads cancelled at the scheduler's request (their request was aborted).
+        self.cancelled: Set[str] = set()
         self.load_errors: Set[int] = set()
         self.stats = KvlinkConnectorStats()
 
@@ -461,7 +465,8 @@ class _WorkerSide:
             for addr, size, owner in memory
         ]
         tensors = [(regions[i], off, stride, nbytes, blocks) for i, off, stride, nbytes, blocks in layout]
-        self.engine.set_layout(tensors, self.block_size, _dtype_name(first))
+        dtype = _dtype_name(first) + (f"/{self.kv_layout}" if self.kv_layout else "")
+        self.engine.set_layout(tensors, self.block_size, dtype)
         self.registered = True
         total = sum(size for _, size, _ in memory)
         logger.info(
@@ -479,16 +484,20 @@ class _WorkerSide:
         )
 
     def apply(self, meta: KvlinkConnectorMetadata) -> None:
+        """Does what the scheduler asked for this step. Nothing here raises: a failure to hold
+        leaves the request unread (the decode's read is refused and recomputed), a read that
+        cannot start is reported failed at the next poll and its prefill told."""
         for rid in meta.releases:
             if rid in self.held:
                 self.held.discard(rid)
-                self.engine.release(rid)
+                self._guard("release", rid, self.engine.release, rid)
             self.sends_ended.discard(rid)
         for rid, blocks in meta.holds.items():
             if rid in self.held:  # held again after a preemption: the blocks may differ
                 self.engine.release(rid)
-            self.engine.hold_blocks(rid, blocks)
-            self.held.add(rid)
+                self.held.discard(rid)
+            if self._guard("hold", rid, self.engine.hold_blocks, rid, blocks):
+                self.held.add(rid)
         for rid, spec in meta.reads.items():
             try:
                 if len(spec.remote_addresses) != self.tp_size:
@@ -503,20 +512,38 @@ class _WorkerSide:
                     spec.remote_blocks,
                     remote_request_id=spec.remote_request_id,
                 )
-            except kvlink.KvlinkError as e:
-                # Refused at once: it ends like a failed read (vLLM recomputes or fails it).
+            except Exception as e:  # noqa: BLE001 - every refusal ends as a failed read
+                # Refused at once: it ends like a failed read (vLLM recomputes or fails it),
+                # and the prefill frees its blocks now rather than at its abort timeout.
                 logger.error("KvlinkConnector: read of %s refused: %s", rid, e)
                 self.load_errors.update(spec.local_blocks)
                 self.failed_now.add(rid)
                 self.stats.record_failure("refused")
+                self._reject(spec.remote_addresses, spec.remote_request_id, f"read refused by the decode: {e}")
                 continue
             self.reading[rid] = spec.local_blocks
         for rid in meta.cancels:
-            if not self.engine.cancel(rid):
-                logger.debug("KvlinkConnector: %s had no read in flight to cancel", rid)
+            if rid in self.reading and self._guard("cancel", rid, self.engine.cancel, rid):
+                self.cancelled.add(rid)
         for addresses, remote_id, reason in meta.rejects:
-            if len(addresses) == self.tp_size:
-                self.engine.reject(addresses[self.tp_rank], remote_id, reason)
+            self._reject(addresses, remote_id, reason)
+
+    def _reject(self, addresses: List[str], remote_id: str, reason: str) -> None:
+        """Tells the prefill rank(s) this rank stands for that a request will not be read: its
+        peer rank when the TP sizes match, else rank 0 tells every prefill rank."""
+        if len(addresses) == self.tp_size:
+            targets = [addresses[self.tp_rank]]
+        else:
+            targets = list(addresses) if self.tp_rank == 0 else []
+        for peer in targets:
+            self._guard("reject", remote_id, self.engine.reject, str(peer), remote_id, reason)
+
+    def _guard(self, what: str, rid: str, fn, *args) -> bool:
+        try:
+            return fn(*args) is not False
+        except Exception as e:  # noqa: BLE001 - a worker step must not die of one request
+            logger.error("KvlinkConnector: %s of %s failed: %s", what, rid, e)
+            return False
 
     def poll(self, finished_req_ids: Set[str]) -> Tuple[Set[str], Set[str], Set[str]]:
         """Finished sends, finished receives (failed ones included), failed receives."""
@@ -530,6 +557,7 @@ class _WorkerSide:
                 self.sends_ended.add(rid)
         for report in f.reports:
             self.reading.pop(report["id"], None)
+            self.cancelled.discard(report["id"])
             recving.add(report["id"])
             self.stats.record_read(report)
         for failure in f.failures:
@@ -545,7 +573,11 @@ class _WorkerSide:
             if blocks is None:
                 continue
             recving.add(rid)
-            if failure["cause"] != "cancelled":
+            if rid in self.cancelled:
+                self.cancelled.discard(rid)
+            else:
+                # Any other failure (a cancel this connector did not ask for included) leaves
+                # blocks vLLM must not trust.
                 logger.warning("KvlinkConnector: read of %s failed (%s): %s", rid, failure["cause"], failure["reason"])
                 failed.add(rid)
                 self.load_errors.update(blocks)
@@ -599,8 +631,8 @@ class _SchedulerSide:
         self.meta = KvlinkConnectorMetadata()
         # Decode: reads handed to the workers and not reported finished yet.
         self.reading: Set[str] = set()
-        # Prefill: finished requests whose blocks wait for their reader.
-        self.sending: Set[str] = set()
+        # Requests whose unusable parameters were already logged.
+        self.warned: Set[str] = set()
 
     def set_addresses(self, metadata: Dict[int, KVConnectorHandshakeMetadata]) -> None:
         ranks = sorted(metadata)
@@ -624,12 +656,29 @@ class _SchedulerSide:
         if params.get("do_remote_decode"):
             self.producing.setdefault(request.request_id, _Producing(request))
             return 0, False
-        if params.get("do_remote_prefill") and _complete(params):
-            remote_tokens = int(params.get("remote_num_tokens") or request.num_prompt_tokens)
-            count = min(remote_tokens, request.num_prompt_tokens) - num_computed_tokens
-            self.local_hits[request.request_id] = num_computed_tokens
-            if count > 0:
-                return count, True
+        if not params.get("do_remote_prefill"):
+            return 0, False
+        remote = _remote(params, self.block_size)
+        if isinstance(remote, str):
+            # Malformed or unusable parameters come from a client: compute locally, and let
+            # after_alloc tell whatever prefill the parameters name.
+            if request.request_id not in self.warned:
+                self.warned.add(request.request_id)
+                logger.warning("KvlinkConnector: %s: %s; computing it locally", request.request_id, remote)
+            return 0, False
+        if len(remote.addresses) != self.owner._tp_size:
+            logger.warning(
+                "KvlinkConnector: %s comes from a prefill with %d TP ranks, this engine has %d "
+                "(heterogeneous TP is not supported yet); computing it locally",
+                request.request_id, len(remote.addresses), self.owner._tp_size,
+            )
+            return 0, False
+        # Only what the prefill can deliver counts: its tokens, within the blocks it offered.
+        available = min(remote.num_tokens, len(remote.blocks) * self.block_size, request.num_prompt_tokens)
+        count = available - num_computed_tokens
+        self.local_hits[request.request_id] = num_computed_tokens
+        if count > 0:
+            return count, True
         return 0, False
 
     def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -639,36 +688,37 @@ class _SchedulerSide:
         params["do_remote_prefill"] = False
         rid = request.request_id
         local_hit = self.local_hits.pop(rid, 0)
-        if not _complete(params):
-            logger.warning("KvlinkConnector: %s has incomplete kv_transfer_params %s; computing locally", rid, params)
-            return
+        self.warned.discard(rid)
+        remote = _remote(params, self.block_size)
         if num_external_tokens <= 0:
-            # Nothing to read (a full local hit): the prefill may free its blocks now.
-            self.meta.rejects.append((list(params["remote_addresses"]), params["remote_request_id"], "nothing to read: local prefix hit"))
+            # Nothing to read (a local hit, or parameters this engine cannot use): the
+            # prefill may free its blocks now.
+            if not isinstance(remote, str):
+                self.meta.rejects.append((remote.addresses, remote.request_id, "nothing to read from this prefill"))
             return
+        assert not isinstance(remote, str), remote  # checked by matched_tokens
         first = local_hit // self.block_size
         end = math.ceil((local_hit + num_external_tokens) / self.block_size)
         local_all = blocks.get_block_ids()[0]
-        remote_all = list(params["remote_block_ids"])
-        if end > len(remote_all) or end > len(local_all):
+        if end > len(remote.blocks) or end > len(local_all):
+            # matched_tokens bounds the count by the remote blocks; this cannot happen unless
+            # vLLM allocated fewer blocks than the tokens need. Fail the read, never read less.
             logger.error(
-                "KvlinkConnector: %s needs blocks up to %d; the prefill sent %d, %d are allocated",
-                rid, end, len(remote_all), len(local_all),
+                "KvlinkConnector: %s needs blocks up to %d; the prefill offered %d, %d are allocated",
+                rid, end, len(remote.blocks), len(local_all),
             )
-            end = min(end, len(remote_all), len(local_all))
         self.meta.reads[rid] = ReadSpec(
-            remote_addresses=list(params["remote_addresses"]),
-            remote_request_id=str(params["remote_request_id"]),
+            remote_addresses=remote.addresses,
+            remote_request_id=remote.request_id,
             local_blocks=list(local_all[first:end]),
-            remote_blocks=remote_all[first:end],
+            remote_blocks=remote.blocks[first:end],
         )
         self.reading.add(rid)
 
     def update_output(self, output: "KVConnectorOutput") -> None:
         for rid in output.finished_recving or ():
             self.reading.discard(rid)
-        for rid in output.finished_sending or ():
-            self.sending.discard(rid)
+
 
     # -- both --
 
@@ -716,7 +766,6 @@ class _SchedulerSide:
                 self.meta.holds.pop(rid, None)
                 self.meta.releases.append(rid)
                 return False, None
-            self.sending.add(rid)
             return True, {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
@@ -727,21 +776,50 @@ class _SchedulerSide:
                 "remote_engine_id": self.owner._kv_transfer_config.engine_id,
                 "tp_size": len(self.addresses),
             }
+        self.warned.discard(rid)
         if not params:
             return False, None
-        if params.get("do_remote_prefill") and _complete(params):
+        if params.get("do_remote_prefill"):
             # Finished (aborted, refused) before its blocks were allocated: never read.
             params["do_remote_prefill"] = False
-            self.meta.rejects.append((list(params["remote_addresses"]), params["remote_request_id"], "request finished before its read started"))
+            remote = _remote(params, self.block_size)
+            if not isinstance(remote, str):
+                self.meta.rejects.append((remote.addresses, remote.request_id, "request finished before its read started"))
         elif rid in self.reading:
             # Aborted while its read is in flight: vLLM keeps the blocks until the worker
             # reports the read finished, which the cancel brings about at once.
             self.meta.cancels.append(rid)
         return False, None
 
-    def has_pending_frees(self) -> bool:
-        return bool(self.sending)
+
+@dataclass
+class _Remote:
+    addresses: List[str]
+    request_id: str
+    blocks: List[int]
+    num_tokens: int
 
 
-def _complete(params: Dict[str, Any]) -> bool:
-    return all(k in params for k in ("remote_addresses", "remote_request_id", "remote_block_ids"))
+def _remote(params: Dict[str, Any], block_size: int):
+    """The prefill side of ``kv_transfer_params``, validated (they come from a client through
+    the proxy), or why they are unusable."""
+    try:
+        addresses = params["remote_addresses"]
+        rid = params["remote_request_id"]
+        blocks = params["remote_block_ids"]
+    except KeyError as e:
+        return f"kv_transfer_params lack {e.args[0]!r}"
+    if not isinstance(addresses, (list, tuple)) or not addresses or not all(isinstance(a, str) for a in addresses):
+        return "remote_addresses must be a non-empty list of 'host:port' strings"
+    if not isinstance(rid, str) or not rid:
+        return "remote_request_id must be a non-empty string"
+    if not isinstance(blocks, (list, tuple)) or not all(
+        isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 2**32 for b in blocks
+    ):
+        return "remote_block_ids must be a list of block ids (integers 0 to 2^32-1)"
+    tokens = params.get("remote_num_tokens")
+    if tokens is None:
+        tokens = len(blocks) * block_size
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        return "remote_num_tokens must be a non-negative integer"
+    return _Remote(list(addresses), rid, list(blocks), tokens)
