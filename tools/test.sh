@@ -17,9 +17,9 @@ set -euo pipefail
 # Fewer tests than these, run for real (skips excluded), fail the part.
 MIN_HOST=145
 MIN_KEYED=15
-MIN_PYTHON=20
+MIN_PYTHON=35
 MIN_VM=12
-MIN_VLLM=8
+MIN_VLLM=13
 # The vLLM release the connector is tested against (0.33.0 needs a newer certifi than PyPI
 # mirrors here carry).
 VLLM_PIN="vllm==0.32.0"

@@ -324,10 +324,11 @@ def test_type_stubs_match_the_module():
                 elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
                     names.add(n.target.id)
             declared[node.name] = {m for m in names if not m.startswith("_")}
-    public = {n for n in dir(kvlink) if not n.startswith("_") and isinstance(getattr(kvlink, n), type)}
+    native = kvlink._kvlink
+    public = {n for n in dir(native) if not n.startswith("_") and isinstance(getattr(native, n), type)}
     assert set(declared) == public, set(declared) ^ public
     for name, members in declared.items():
-        cls = getattr(kvlink, name)
+        cls = getattr(native, name)
         if issubclass(cls, Exception):
             continue
         have = {m for m in dir(cls) if not m.startswith("_")}

@@ -1,7 +1,9 @@
-"""One vLLM engine for the connector tests, in its own process: vLLM's real ``Scheduler``
-(CPU, a local model config, no weights) with kvlink's connector loaded by vLLM's own factory
-in both roles, and a stand-in for the model runner that does what the GPU worker does around
-the connector each step (bind metadata, start loads, forward, collect transfer results).
+"""One vLLM engine for the connector tests, in its own process: vLLM's real scheduler
+(``AsyncScheduler`` by default, as vLLM picks; CPU, a local model config, no weights) with
+kvlink's connector loaded by vLLM's own factory in both roles, one worker-side connector per TP
+rank, and a stand-in for the model runner that does what each GPU worker does around the
+connector every step (bind metadata, forward, start loads, collect transfer results), the
+ranks' results combined by vLLM's ``KVOutputAggregator``.
 
 The forward writes, for every token it computes, bytes that are a function of the token id,
 its position, the layer and K or V (``token_bytes``) into the token's slot of the request's
@@ -73,7 +75,7 @@ def model_dir() -> str:
 class Engine:
     """A vLLM scheduler, the worker-side connector and the KV caches of one engine."""
 
-    def __init__(self, name: str, num_blocks: int, extra: Dict[str, Any], layout: str, asynchronous: bool):
+    def __init__(self, name: str, num_blocks: int, extra: Dict[str, Any], layout: str, asynchronous: bool, tp: int = 1):
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -114,6 +116,9 @@ class Engine:
             device_config=DeviceConfig("cpu"),
         )
         config.cache_config.num_gpu_blocks = num_blocks
+        # TP ranks live in this one process (no torch.distributed on CPU): each rank's
+        # worker-side connector is made while kvlink.vllm._tp_rank answers that rank.
+        config.parallel_config.tensor_parallel_size = tp
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks,
@@ -135,14 +140,30 @@ class Engine:
             structured_output_manager=StructuredOutputManager(config),
             block_size=BLOCK_SIZE,
         )
-        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
-        # The layouts vLLM's attention backends hand to register_kv_caches.
+        import kvlink.vllm as kv_vllm
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+        rank_of = kv_vllm._tp_rank
+        self.workers = []
+        try:
+            for r in range(tp):
+                kv_vllm._tp_rank = lambda r=r: r
+                self.workers.append(KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config))
+        finally:
+            kv_vllm._tp_rank = rank_of
+        # vLLM's own combination of the ranks' transfer results (a request is finished once
+        # every rank reported it).
+        self.aggregator = KVOutputAggregator.from_connector(self.workers[0], tp)
+        # The layouts vLLM's attention backends hand to register_kv_caches, per rank.
         self.layout = layout
         shape, self.planes, dtype = LAYOUTS[layout]
-        self.caches = {n: torch.zeros(shape(num_blocks), dtype=dtype) for n in self.layer_names}
-        self.worker.register_kv_caches(self.caches)
+        self.caches = [{n: torch.zeros(shape(num_blocks), dtype=dtype) for n in self.layer_names} for _ in range(tp)]
+        for w, caches in zip(self.workers, self.caches):
+            w.register_kv_caches(caches)
         # As vLLM's EngineCore does with what every worker returned, keyed (pp rank, tp rank).
-        self.scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): self.worker.get_handshake_metadata()})
+        self.scheduler.connector.set_xfer_handshake_metadata_pp_aware(
+            {(0, r): w.get_handshake_metadata() for r, w in enumerate(self.workers)}
+        )
         self.num_blocks = num_blocks
         self.requests: Dict[str, Any] = {}
         self.verified: List[str] = []
@@ -157,8 +178,8 @@ class Engine:
 
     # -- the stand-in model runner --
 
-    def _slot(self, layer: str, kv: int, block: int, offset: int) -> torch.Tensor:
-        t = self.caches[layer]
+    def _slot(self, rank: int, layer: str, kv: int, block: int, offset: int) -> torch.Tensor:
+        t = self.caches[rank][layer]
         if self.layout == "flash":
             s = t[kv, block, offset]
         elif self.layout == "flashinfer":
@@ -176,9 +197,11 @@ class Engine:
         for pos in range(start, min(end, len(tokens))):
             b, off = blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
             for li, layer in enumerate(self.layer_names):
-                for kv in range(self.planes):
-                    slot = self._slot(layer, kv, b, off)
-                    slot.copy_(torch.from_numpy(token_bytes(tokens[pos], pos, li, kv, slot.numel())))
+                for rank in range(len(self.workers)):
+                    for kv in range(self.planes):
+                        slot = self._slot(rank, layer, kv, b, off)
+                        # Each rank holds its own heads: its bytes differ from the others'.
+                        slot.copy_(torch.from_numpy(token_bytes(tokens[pos], pos, li + 100 * rank, kv, slot.numel())))
 
     def _verify(self, req, upto: int) -> None:
         """Every position below ``upto`` holds its token's bytes."""
@@ -187,11 +210,12 @@ class Engine:
         for pos in range(upto):
             b, off = blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
             for li, layer in enumerate(self.layer_names):
-                for kv in range(self.planes):
-                    got = self._slot(layer, kv, b, off).numpy()
-                    if not np.array_equal(got, token_bytes(tokens[pos], pos, li, kv, got.size)):
-                        self.bad.append(f"{req.request_id} position {pos} layer {li} kv {kv} block {b}")
-                        return
+                for rank in range(len(self.workers)):
+                    for kv in range(self.planes):
+                        got = self._slot(rank, layer, kv, b, off).numpy()
+                        if not np.array_equal(got, token_bytes(tokens[pos], pos, li + 100 * rank, kv, got.size)):
+                            self.bad.append(f"{req.request_id} rank {rank} position {pos} layer {li} kv {kv} block {b}")
+                            return
         self.verified.append(req.request_id)
 
     def step(self) -> Dict[str, Any]:
@@ -201,7 +225,8 @@ class Engine:
         meta = so.kv_connector_metadata
         for rid, spec in meta.reads.items():
             self.reads[rid] = len(spec.local_blocks)
-        self.worker.bind_connector_metadata(meta)
+        for w in self.workers:
+            w.bind_connector_metadata(meta)
         # Requests scheduled for the first time: what they did not compute here must have
         # arrived intact (loaded, or a local prefix hit computed here earlier).
         for new in so.scheduled_new_reqs:
@@ -214,34 +239,39 @@ class Engine:
             end = req.num_computed_tokens  # already advanced by schedule()
             self._write(req, end - n, end)
             req_ids.append(rid)
-            # A partial prefill samples nothing; otherwise one token (EOS ends a request
-            # early only when its sampling params allow; max_tokens bounds it).
+            # A partial prefill samples nothing; otherwise one token (ignore_eos: max_tokens
+            # ends it).
             sampled.append([] if end < req.num_tokens else [7 + (end % 500)])
-        # As vLLM's model runner does when the step has no synchronous loads: the connector's
-        # loads (and holds) start once the forward is launched.
-        self.worker.start_load_kv(None)
-        self.worker.wait_for_save()
-        results = self.worker.get_transfer_results(so.finished_req_ids)
-        invalid = self.worker.get_block_ids_with_load_errors()
-        stats = self.worker.get_kv_connector_stats()
-        if stats is not None:
-            for k, v in stats.reduce().items():
-                self.stats[k] = self.stats.get(k, 0) + v if isinstance(v, int) else v
-        self.worker.clear_connector_metadata()
-        self.finished_sending_seen += len(results.finished_sending)
-        kv_out = KVConnectorOutput(
-            finished_sending=results.finished_sending or None,
-            finished_recving=results.finished_recving or None,
-            failed_recving=results.failed_recving,
-            invalid_block_ids=invalid,
-            kv_connector_stats=stats,
-        )
-        mro = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=kv_out,
-        )
+        outputs = []
+        for w in self.workers:
+            # As vLLM's model runner does when the step has no synchronous loads: the
+            # connector's loads (and holds) start once the forward is launched.
+            w.start_load_kv(None)
+            w.wait_for_save()
+            results = w.get_transfer_results(so.finished_req_ids)
+            invalid = w.get_block_ids_with_load_errors()
+            stats = w.get_kv_connector_stats()
+            if stats is not None:
+                for k, v in stats.reduce().items():
+                    self.stats[k] = self.stats.get(k, 0) + v if isinstance(v, int) else v
+            w.clear_connector_metadata()
+            kv_out = KVConnectorOutput(
+                finished_sending=results.finished_sending or None,
+                finished_recving=results.finished_recving or None,
+                failed_recving=results.failed_recving,
+                invalid_block_ids=invalid,
+                kv_connector_stats=stats,
+            )
+            outputs.append(
+                ModelRunnerOutput(
+                    req_ids=req_ids,
+                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                    sampled_token_ids=sampled,
+                    kv_connector_output=kv_out,
+                )
+            )
+        mro = self.aggregator.aggregate(outputs)
+        self.finished_sending_seen += len(mro.kv_connector_output.finished_sending or ())
         if self.asynchronous:
             previous, self.pending = self.pending, (so, mro)
             if previous is None:
@@ -284,14 +314,19 @@ class Engine:
 
     def state(self) -> Dict[str, Any]:
         pool = self.scheduler.kv_cache_manager.block_pool
-        eng = self.worker.engine
+        engines = [w.engine for w in self.workers]
+        in_flight = [sum(e.in_flight()[i] for e in engines) for i in (0, 1)]
+        stats: Dict[str, int] = {}
+        for e in engines:
+            for k, v in e.stats().items():
+                stats[k] = stats.get(k, 0) + v
         return {
             "free_blocks": pool.free_block_queue.num_free_blocks,
             "total_blocks": pool.num_gpu_blocks - 1,  # block 0 is vLLM's null block
             "requests": len(self.scheduler.requests),
-            "in_flight": list(eng.in_flight()),
-            "engine_stats": eng.stats(),
-            "address": eng.handshake_address,
+            "in_flight": in_flight,
+            "engine_stats": stats,
+            "addresses": [e.handshake_address for e in engines],
             "verified": list(self.verified),
             "bad": list(self.bad),
             "reads": dict(self.reads),
@@ -300,10 +335,10 @@ class Engine:
         }
 
 
-def serve(conn, name: str, num_blocks: int, extra: Dict[str, Any], layout: str, asynchronous: bool) -> None:
+def serve(conn, name: str, num_blocks: int, extra: Dict[str, Any], layout: str, asynchronous: bool, tp: int) -> None:
     """Process entry point: builds the engine, then answers commands until ``("exit",)``."""
     try:
-        engine = Engine(name, num_blocks, extra, layout, asynchronous)
+        engine = Engine(name, num_blocks, extra, layout, asynchronous, tp)
         conn.send(("ok", engine.state()))
     except Exception:
         conn.send(("error", traceback.format_exc()))
@@ -311,7 +346,8 @@ def serve(conn, name: str, num_blocks: int, extra: Dict[str, Any], layout: str, 
     while True:
         cmd, *args = conn.recv()
         if cmd == "exit":
-            engine.worker.shutdown()
+            for w in engine.workers:
+                w.shutdown()
             conn.send(("ok", None))
             return
         try:

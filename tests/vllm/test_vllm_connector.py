@@ -28,11 +28,13 @@ ABORT_TIMEOUT = 300.0
 class Proc:
     """An engine process and its command pipe."""
 
-    def __init__(self, name: str, extra: Optional[Dict[str, Any]] = None, layout: str = "flash", asynchronous: bool = True):
+    def __init__(
+        self, name: str, extra: Optional[Dict[str, Any]] = None, layout: str = "flash", asynchronous: bool = True, tp: int = 1
+    ):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         extra = {"abort_timeout": ABORT_TIMEOUT, "request_timeout": 20.0, **(extra or {})}
-        self.proc = ctx.Process(target=engine_process.serve, args=(child, name, BLOCKS, extra, layout, asynchronous), daemon=True)
+        self.proc = ctx.Process(target=engine_process.serve, args=(child, name, BLOCKS, extra, layout, asynchronous, tp), daemon=True)
         self.proc.start()
         self.name = name
         self.ready: Optional[Dict[str, Any]] = None
@@ -225,7 +227,11 @@ def test_decode_aborted_while_reading_is_cancelled(pair):
     os.kill(prefill.proc.pid, signal.SIGSTOP)
     try:
         decode.call("add", "d-ab-1", prompt, 4, params["ab-1"])
-        decode.call("step")  # allocates and starts the read
+        # Steps until the scheduler has admitted the request and the worker started its read.
+        for _ in range(50):
+            decode.call("step")
+            if decode.call("state")["in_flight"][0] == 1:
+                break
         assert decode.call("state")["in_flight"][0] == 1, "the read should be in flight"
         decode.call("abort", ["d-ab-1"])
         decode.call("step")  # hands the cancel to the worker
@@ -295,6 +301,33 @@ def test_other_kv_cache_layouts_with_the_synchronous_scheduler(layout):
         s = decode.call("state")
         assert s["bad"] == [] and len(s["verified"]) == 4, s
         assert_no_leak([prefill, decode])
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_two_tp_ranks_each_read_their_peer_rank():
+    """TP 2 on both sides: each decode rank reads its peer prefill rank's blocks (the ranks'
+    bytes differ), vLLM's aggregator releases a request once both ranks reported it, and the
+    prefill frees its blocks only when both ranks' reads were confirmed."""
+    prefill, decode = Proc("tp2-prefill", tp=2), Proc("tp2-decode", tp=2)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        assert len(set(prefill.ready["addresses"])) == 2
+        rng = random.Random(77)
+        prompts = {f"t{i}": [rng.randrange(10, 1000) for _ in range(rng.randrange(20, 200))] for i in range(6)}
+        params = run_prefill(prefill, prompts)
+        for rid, prompt in prompts.items():
+            assert params[rid]["remote_addresses"] == prefill.ready["addresses"]
+            decode.call("add", "d-" + rid, prompt, 3, params[rid])
+        step_until([decode, prefill], lambda f: sum(x["engine"] == "tp2-decode" for x in f) == 6, what="TP 2 decode")
+        s = decode.call("state")
+        assert s["bad"] == [] and len(s["verified"]) == 6, s
+        assert s["engine_stats"]["reads_done"] == 12, s["engine_stats"]
+        assert_no_leak([prefill, decode])
+        p = prefill.call("state")
+        assert p["engine_stats"]["sends_done"] == 12 and p["finished_sending"] == 6, p
     finally:
         prefill.close()
         decode.close()

@@ -138,6 +138,16 @@
 #define KVLINK_TIMEOUT_MAX_MS 604800000
 
 /**
+ * `kvlink_event_publisher_start`: the current encoding (tagged maps: vLLM >= 0.24, SGLang).
+ */
+#define KVLINK_EVENTS_CURRENT 0
+
+/**
+ * `kvlink_event_publisher_start`: the legacy encoding (tagged arrays: older vLLM, ATOM).
+ */
+#define KVLINK_EVENTS_LEGACY 1
+
+/**
  * Combines the finished sets of the ranks of a tensor-parallel group for the scheduler: a
  * request is released once every rank reported it, as finished when every rank succeeded and
  * as failed when any failed (or when some rank did not report within the rank timeout).
@@ -154,6 +164,20 @@ typedef struct kvlink_aggregator kvlink_aggregator;
  * `kvlink_engine_free`, which must be the last call on it.
  */
 typedef struct kvlink_engine kvlink_engine;
+
+/**
+ * The events of one batch (one scheduler step), built with the `kvlink_event_batch_*`
+ * functions. Opaque: made by `kvlink_event_batch_new`, freed by `kvlink_event_batch_free`.
+ * Not for concurrent use.
+ */
+typedef struct kvlink_event_batch kvlink_event_batch;
+
+/**
+ * A KV-event publisher. Opaque: made by `kvlink_event_publisher_start`, freed by
+ * `kvlink_event_publisher_free`. Usable from several threads at once, except
+ * `kvlink_event_publisher_free`.
+ */
+typedef struct kvlink_event_publisher kvlink_event_publisher;
 
 /**
  * A set of finished requests: sending, receiving and failed entries (see `KVLINK_SENDING`,
@@ -295,6 +319,32 @@ typedef struct kvlink_report {
      */
     const char *transport;
 } kvlink_report;
+
+/**
+ * The publisher's counters (`kvlink_event_publisher_stats`).
+ */
+typedef struct kvlink_event_stats {
+    /**
+     * Batches numbered and handed to the PUB socket.
+     */
+    uint64_t published;
+    /**
+     * Batches refused because the queue was full.
+     */
+    uint64_t dropped;
+    /**
+     * Batches waiting in the queue.
+     */
+    uint64_t queued;
+    /**
+     * The sequence number the next batch gets.
+     */
+    uint64_t next_seq;
+    /**
+     * Replay requests answered.
+     */
+    uint64_t replay_requests;
+} kvlink_event_stats;
 
 #ifdef __cplusplus
 extern "C" {
@@ -631,6 +681,16 @@ int kvlink_finished_report(const struct kvlink_finished *finished,
                            struct kvlink_report *out);
 
 /**
+ * The handshake address of the engine receiving entry `index` of `finished` was read from,
+ * owned by `finished` (valid until it is freed); NULL when `finished` is NULL, `index` is out
+ * of range or the entry carries no report (see `kvlink_last_error`).
+ *
+ * # Safety
+ * `finished` is NULL or a live `kvlink_finished`.
+ */
+const char *kvlink_finished_report_peer(const struct kvlink_finished *finished, size_t index);
+
+/**
  * Number of entries of `kind` (`KVLINK_SENDING`, `KVLINK_RECEIVING` or `KVLINK_FAILED`) in
  * `finished`. Returns 0, with the last error set, when `finished` is NULL or `kind` unknown.
  *
@@ -788,6 +848,128 @@ int kvlink_aggregator_take(struct kvlink_aggregator *aggregator, struct kvlink_f
  * after this call.
  */
 void kvlink_aggregator_free(struct kvlink_aggregator *aggregator);
+
+/**
+ * Starts a KV-event publisher on `endpoint` (a tcp endpoint whose host is a star binds, as
+ * vLLM's does, for example "tcp://" then "*:5557"; port 0 picks one, see
+ * `kvlink_event_publisher_endpoint`), with a replay socket on `replay_endpoint` (NULL: none),
+ * `topic` (NULL: none), `dp_rank` (added to tcp ports, put in each batch unless the batch
+ * says otherwise) and `encoding` (`KVLINK_EVENTS_CURRENT` or `KVLINK_EVENTS_LEGACY`). Stores
+ * it in `*out`; the caller frees it with `kvlink_event_publisher_free`.
+ *
+ * Returns `KVLINK_OK`, `KVLINK_E_INVALID` (bad endpoint or settings) or `KVLINK_E_IO` (cannot
+ * bind).
+ *
+ * # Safety
+ * `endpoint` is NULL or NUL-terminated; `replay_endpoint` and `topic` are NULL or
+ * NUL-terminated; `out` is NULL or writable.
+ */
+int kvlink_event_publisher_start(const char *endpoint,
+                                 const char *replay_endpoint,
+                                 const char *topic,
+                                 uint32_t dp_rank,
+                                 int encoding,
+                                 struct kvlink_event_publisher **out);
+
+/**
+ * Copies the live endpoint (with the real port) into `buf` of `len` bytes, NUL-terminated.
+ * Returns `KVLINK_OK` or `KVLINK_E_INVALID` (NULL argument, buffer too small).
+ *
+ * # Safety
+ * `publisher` is NULL or live; `buf` is NULL or writable for `len` bytes.
+ */
+int kvlink_event_publisher_endpoint(const struct kvlink_event_publisher *publisher,
+                                    char *buf,
+                                    size_t len);
+
+/**
+ * Publishes the events of `batch` as one batch and empties `batch` (it may be reused). Never
+ * blocks. Returns `KVLINK_OK`, `KVLINK_E_IO` when the queue is full (the batch is dropped and
+ * counted) or `KVLINK_E_INVALID` (NULL argument, closed publisher).
+ *
+ * # Safety
+ * `publisher` is NULL or live; `batch` is NULL or live and not used by another thread.
+ */
+int kvlink_event_publisher_publish(const struct kvlink_event_publisher *publisher,
+                                   struct kvlink_event_batch *batch);
+
+/**
+ * Stores the publisher's counters in `*out`. Returns `KVLINK_OK` or `KVLINK_E_INVALID`.
+ *
+ * # Safety
+ * `publisher` is NULL or live; `out` is NULL or writable.
+ */
+int kvlink_event_publisher_stats(const struct kvlink_event_publisher *publisher,
+                                 struct kvlink_event_stats *out);
+
+/**
+ * Sends what is queued (waiting up to `timeout_ms`), closes the sockets and frees the
+ * publisher. NULL is ignored. The publisher must not be used after this call.
+ *
+ * # Safety
+ * `publisher` is NULL or a live publisher from `kvlink_event_publisher_start`, not in use by
+ * another thread.
+ */
+void kvlink_event_publisher_free(struct kvlink_event_publisher *publisher, uint64_t timeout_ms);
+
+/**
+ * Stores a new, empty batch in `*out`: timestamp `ts` (seconds since the epoch; a negative
+ * value means now) and `dp_rank` (negative: none). Freed by `kvlink_event_batch_free`.
+ *
+ * # Safety
+ * `out` is NULL or writable.
+ */
+int kvlink_event_batch_new(double ts, int64_t dp_rank, struct kvlink_event_batch **out);
+
+/**
+ * Adds a `BlockStored` event: `count` block hashes at `block_hashes`, the parent's hash at
+ * `parent` (NULL: none), `num_tokens` token ids at `tokens` (NULL when 0), `block_size`
+ * tokens per block, `medium` (NULL: none, else for example "GPU"). Hashes are published as
+ * unsigned 64-bit integers, as vLLM's are. Returns `KVLINK_OK` or `KVLINK_E_INVALID`.
+ *
+ * # Safety
+ * `batch` is NULL or live; `block_hashes` points to `count` readable values; `parent` is NULL or
+ * readable; `tokens` is NULL or points to `num_tokens` readable values; `medium` is NULL or
+ * NUL-terminated.
+ */
+int kvlink_event_batch_block_stored(struct kvlink_event_batch *batch,
+                                    const uint64_t *block_hashes,
+                                    size_t count,
+                                    const uint64_t *parent,
+                                    const uint32_t *tokens,
+                                    size_t num_tokens,
+                                    uint32_t block_size,
+                                    const char *medium);
+
+/**
+ * Adds a `BlockRemoved` event for the `count` block hashes at `block_hashes`, from `medium` (NULL:
+ * none). Returns `KVLINK_OK` or `KVLINK_E_INVALID`.
+ *
+ * # Safety
+ * `batch` is NULL or live; `block_hashes` points to `count` readable values; `medium` is NULL or
+ * NUL-terminated.
+ */
+int kvlink_event_batch_block_removed(struct kvlink_event_batch *batch,
+                                     const uint64_t *block_hashes,
+                                     size_t count,
+                                     const char *medium);
+
+/**
+ * Adds an `AllBlocksCleared` event (`medium`: NULL for none). Returns `KVLINK_OK` or
+ * `KVLINK_E_INVALID`.
+ *
+ * # Safety
+ * `batch` is NULL or live; `medium` is NULL or NUL-terminated.
+ */
+int kvlink_event_batch_all_cleared(struct kvlink_event_batch *batch, const char *medium);
+
+/**
+ * Frees a batch. NULL is ignored.
+ *
+ * # Safety
+ * `batch` is NULL or a live batch from `kvlink_event_batch_new`, not used afterwards.
+ */
+void kvlink_event_batch_free(struct kvlink_event_batch *batch);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -45,6 +45,7 @@ const _: () = {
     shareable::<kvlink_engine>();
     shareable::<kvlink_finished>();
     shareable::<kvlink_aggregator>();
+    shareable::<crate::events::kvlink_event_publisher>();
 };
 
 /// A kvlink engine (one per worker process and tensor-parallel rank). Opaque: create it with

@@ -24,6 +24,8 @@ pub struct kvlink_finished {
     receiving: Vec<CString>,
     failed: Vec<CString>,
     reasons: Vec<CString>,
+    /// The peer of each report, in the order of `finished.reports`.
+    peers: Vec<CString>,
 }
 
 impl kvlink_finished {
@@ -41,6 +43,11 @@ impl kvlink_finished {
                 .failed
                 .iter()
                 .map(|f| to_cstring(&f.reason))
+                .collect(),
+            peers: finished
+                .reports
+                .iter()
+                .map(|r| to_cstring(&r.peer))
                 .collect(),
             finished,
         }
@@ -134,6 +141,41 @@ pub unsafe extern "C" fn kvlink_finished_report(
         unsafe { write_out(out, report) };
         Ok(())
     })
+}
+
+/// The handshake address of the engine receiving entry `index` of `finished` was read from,
+/// owned by `finished` (valid until it is freed); NULL when `finished` is NULL, `index` is out
+/// of range or the entry carries no report (see `kvlink_last_error`).
+///
+/// # Safety
+/// `finished` is NULL or a live `kvlink_finished`.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_finished_report_peer(
+    finished: *const kvlink_finished,
+    index: usize,
+) -> *const c_char {
+    guard_value(
+        |_| std::ptr::null(),
+        || {
+            // SAFETY: the caller promised a live kvlink_finished or NULL.
+            let f = unsafe { ref_arg(finished, "finished") }?;
+            let id = f.finished.receiving.get(index).ok_or_else(|| {
+                invalid(format!(
+                    "index {index} is out of range: there are {} receiving entries",
+                    f.finished.receiving.len()
+                ))
+            })?;
+            let at = f
+                .finished
+                .reports
+                .iter()
+                .position(|r| &r.id == id)
+                .ok_or_else(|| {
+                    invalid(format!("receiving entry {index} ({id}) carries no report"))
+                })?;
+            Ok(f.peers[at].as_ptr())
+        },
+    )
 }
 
 /// Number of entries of `kind` (`KVLINK_SENDING`, `KVLINK_RECEIVING` or `KVLINK_FAILED`) in

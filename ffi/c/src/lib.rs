@@ -1,7 +1,7 @@
 //! The C ABI of kvlink.
 //!
 //! Every type C sees is either an opaque handle (`kvlink_engine`, `kvlink_finished`,
-//! `kvlink_aggregator`, always behind a pointer) or a `#[repr(C)]` struct whose layout is
+//! `kvlink_aggregator`, `kvlink_event_publisher`, `kvlink_event_batch`, always behind a pointer) or a `#[repr(C)]` struct whose layout is
 //! asserted below. Every function that can fail returns a status (`KVLINK_OK` or a negative
 //! `KVLINK_E_*` code) and leaves a message for [`kvlink_last_error`]; every body runs under
 //! [`std::panic::catch_unwind`], so a panic becomes `KVLINK_E_INTERNAL` instead of unwinding into
@@ -33,6 +33,8 @@ mod finished;
 
 mod aggregator;
 
+mod events;
+
 #[cfg(test)]
 mod tests;
 
@@ -48,10 +50,17 @@ pub use crate::engine::{
     kvlink_engine_register_host, kvlink_engine_set_layout, kvlink_engine_start,
     kvlink_engine_wait_finished, kvlink_tensor,
 };
+pub use crate::events::{
+    kvlink_event_batch, kvlink_event_batch_all_cleared, kvlink_event_batch_block_removed,
+    kvlink_event_batch_block_stored, kvlink_event_batch_free, kvlink_event_batch_new,
+    kvlink_event_publisher, kvlink_event_publisher_endpoint, kvlink_event_publisher_free,
+    kvlink_event_publisher_publish, kvlink_event_publisher_start, kvlink_event_publisher_stats,
+    kvlink_event_stats, KVLINK_EVENTS_CURRENT, KVLINK_EVENTS_LEGACY,
+};
 pub use crate::finished::{
     kvlink_finished, kvlink_finished_add, kvlink_finished_add_failed, kvlink_finished_count,
     kvlink_finished_expired, kvlink_finished_free, kvlink_finished_id, kvlink_finished_new,
-    kvlink_finished_reason, kvlink_finished_side,
+    kvlink_finished_reason, kvlink_finished_report_peer, kvlink_finished_side,
 };
 pub use crate::guard::{kvlink_last_error, kvlink_version};
 pub use crate::status::{

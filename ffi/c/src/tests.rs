@@ -180,3 +180,136 @@ fn cause_names_match_the_core() {
         assert_eq!(crate::finished::cause_name(&c).to_str().unwrap(), c.name());
     }
 }
+
+#[test]
+fn the_c_event_publisher_is_read_by_the_subscriber() {
+    use kvlink::events::{KvEvent, SubItem, Subscriber, SubscriberConfig};
+    use std::ptr::null;
+
+    let mut publisher = std::ptr::null_mut();
+    // SAFETY: NUL-terminated literals and a writable out-pointer.
+    let rc = unsafe {
+        kvlink_event_publisher_start(
+            c"tcp://*:0".as_ptr(),
+            null(),
+            c"kv@c".as_ptr(),
+            0,
+            KVLINK_EVENTS_CURRENT,
+            &mut publisher,
+        )
+    };
+    assert_eq!(rc, KVLINK_OK, "{}", last_error());
+    let mut buf = [0 as c_char; 80];
+    // SAFETY: a live publisher and a buffer of 80 bytes.
+    let rc = unsafe { kvlink_event_publisher_endpoint(publisher, buf.as_mut_ptr(), 80) };
+    assert_eq!(rc, KVLINK_OK);
+    // SAFETY: NUL-terminated by the call above.
+    let ep = unsafe { CStr::from_ptr(buf.as_ptr()) }
+        .to_str()
+        .unwrap()
+        .replace('*', "127.0.0.1");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut cfg = SubscriberConfig::new(ep);
+    cfg.topic = "kv@".into();
+    let mut sub = rt.block_on(Subscriber::connect(cfg)).unwrap();
+    std::thread::sleep(Duration::from_millis(1000)); // the subscription reaches the PUB
+
+    let mut batch = std::ptr::null_mut();
+    // SAFETY: a writable out-pointer.
+    let rc = unsafe { kvlink_event_batch_new(12.5, 3, &mut batch) };
+    assert_eq!(rc, KVLINK_OK);
+    let hashes = [u64::MAX, 7];
+    let parent = 6u64;
+    let tokens: Vec<u32> = (0..32).collect();
+    // SAFETY: live batch; the pointers cover the counts given.
+    unsafe {
+        assert_eq!(
+            kvlink_event_batch_block_stored(
+                batch,
+                hashes.as_ptr(),
+                2,
+                &parent,
+                tokens.as_ptr(),
+                32,
+                16,
+                c"GPU".as_ptr()
+            ),
+            KVLINK_OK
+        );
+        assert_eq!(
+            kvlink_event_batch_block_removed(batch, hashes.as_ptr(), 1, null()),
+            KVLINK_OK
+        );
+        assert_eq!(kvlink_event_batch_all_cleared(batch, null()), KVLINK_OK);
+        // Refusals: no hash, NULL tokens with a count.
+        assert_eq!(
+            kvlink_event_batch_block_removed(batch, hashes.as_ptr(), 0, null()),
+            KVLINK_E_INVALID
+        );
+        assert!(last_error().contains("at least one block hash"));
+        assert_eq!(
+            kvlink_event_batch_block_stored(
+                batch,
+                hashes.as_ptr(),
+                1,
+                null(),
+                null(),
+                4,
+                16,
+                null()
+            ),
+            KVLINK_E_INVALID
+        );
+        assert_eq!(
+            kvlink_event_publisher_publish(publisher, batch),
+            KVLINK_OK,
+            "{}",
+            last_error()
+        );
+        // The batch was emptied: publishing it again sends an empty batch.
+        assert_eq!(kvlink_event_publisher_publish(publisher, batch), KVLINK_OK);
+    }
+    let mut items = Vec::new();
+    while items.len() < 2 {
+        match rt.block_on(sub.next(Duration::from_secs(10))).unwrap() {
+            Some(i) => items.push(i),
+            None => panic!("no batch within 10 s; got {items:?}"),
+        }
+    }
+    let SubItem::Batch { seq, batch: b, .. } = &items[0] else {
+        panic!("{items:?}")
+    };
+    assert_eq!((*seq, b.ts, b.dp_rank), (Some(0), 12.5, Some(3)));
+    assert_eq!(b.events.len(), 3);
+    let KvEvent::BlockStored(s) = &b.events[0] else {
+        panic!("{b:?}")
+    };
+    assert_eq!(s.block_hashes[0].as_u64(), u64::MAX);
+    assert_eq!(s.parent_block_hash.as_ref().map(|h| h.as_u64()), Some(6));
+    assert_eq!(
+        (s.token_ids.len(), s.block_size, s.medium.as_deref()),
+        (32, 16, Some("GPU"))
+    );
+    assert!(matches!(
+        b.events[2],
+        KvEvent::AllBlocksCleared { medium: None }
+    ));
+    let SubItem::Batch { batch: empty, .. } = &items[1] else {
+        panic!("{items:?}")
+    };
+    assert!(empty.events.is_empty());
+    let mut stats = kvlink_event_stats::default();
+    // SAFETY: live publisher, writable out.
+    let rc = unsafe { kvlink_event_publisher_stats(publisher, &mut stats) };
+    assert_eq!(rc, KVLINK_OK);
+    assert_eq!((stats.published, stats.next_seq), (2, 2));
+    // SAFETY: each freed once, not used afterwards.
+    unsafe {
+        kvlink_event_batch_free(batch);
+        kvlink_event_publisher_free(publisher, 2000);
+        kvlink_event_publisher_free(std::ptr::null_mut(), 0);
+    }
+}

@@ -376,6 +376,47 @@ static void check_local_ids(kvlink_engine *prefill, kvlink_engine *decode, const
     EXPECT(seen);
 }
 
+/* The KV-event publisher from C: a batch of each event kind published, counters read.
+ * (The stream itself is checked against kvlink's subscriber in the crate's unit tests.) */
+static void check_event_publisher(void) {
+    kvlink_event_publisher *pub = NULL;
+    CHECK(kvlink_event_publisher_start("tcp://" "*:0", NULL, "kv@c", 0, KVLINK_EVENTS_CURRENT,
+                                       &pub));
+    char ep[KVLINK_ADDRESS_MAX];
+    CHECK(kvlink_event_publisher_endpoint(pub, ep, sizeof ep));
+    EXPECT(strncmp(ep, "tcp://", 6) == 0);
+    CHECK_FAILS(kvlink_event_publisher_start("udp://nowhere", NULL, NULL, 0,
+                                             KVLINK_EVENTS_CURRENT, &pub), KVLINK_E_INVALID,
+                "endpoint");
+    kvlink_event_batch *batch = NULL;
+    CHECK(kvlink_event_batch_new(-1.0, -1, &batch));
+    const uint64_t hashes[2] = {UINT64_MAX, 42};
+    uint32_t tokens[16];
+    for (unsigned i = 0; i < 16; i++) {
+        tokens[i] = i;
+    }
+    CHECK(kvlink_event_batch_block_stored(batch, hashes, 2, NULL, tokens, 16, 16, "GPU"));
+    CHECK(kvlink_event_batch_block_removed(batch, hashes, 1, "GPU"));
+    CHECK(kvlink_event_batch_all_cleared(batch, NULL));
+    CHECK_FAILS(kvlink_event_batch_block_removed(batch, hashes, 0, NULL), KVLINK_E_INVALID,
+                "block hash");
+    CHECK(kvlink_event_publisher_publish(pub, batch));
+    /* Sent on the publisher's thread: counted within moments. */
+    kvlink_event_stats stats;
+    double until = now_s() + 5.0;
+    for (;;) {
+        CHECK(kvlink_event_publisher_stats(pub, &stats));
+        if (stats.published >= 1 || now_s() >= until) {
+            break;
+        }
+        struct timespec ms = {0, 1000000};
+        nanosleep(&ms, NULL);
+    }
+    EXPECT(stats.published == 1 && stats.next_seq == 1 && stats.dropped == 0);
+    kvlink_event_batch_free(batch);
+    kvlink_event_publisher_free(pub, 2000);
+}
+
 int main(void) {
     EXPECT(kvlink_version() != NULL && kvlink_version()[0] != '\0');
     kvlink_engine *prefill = start_engine("c-prefill");
@@ -443,6 +484,7 @@ int main(void) {
             EXPECT(r.bytes == (uint64_t)NREAD * TENSORS * BLOCK_BYTES);
             EXPECT(r.blocks == NREAD && r.segments >= 1 && r.work_requests >= 1);
             EXPECT(r.elapsed_ns > 0 && strcmp(r.transport, "tcp") == 0);
+            EXPECT(strcmp(kvlink_finished_report_peer(received, i), peer) == 0);
         }
     }
     CHECK_FAILS(kvlink_finished_report(received, 1000, NULL), KVLINK_E_INVALID, "out");
@@ -473,6 +515,7 @@ int main(void) {
     check_registered_memory(decode, d_region);
     check_local_ids(prefill, decode, peer);
     check_cancel(decode);
+    check_event_publisher();
     check_aggregator(received);
     kvlink_finished_free(received);
 

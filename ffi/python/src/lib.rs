@@ -9,6 +9,7 @@ mod buffers;
 mod convert;
 mod engine;
 mod error;
+mod events;
 
 use pyo3::prelude::*;
 
@@ -17,6 +18,7 @@ use crate::engine::Engine;
 use crate::error::{
     IncompatiblePeer, InvalidArgument, KvlinkError, KvlinkTimeout, PeerError, RdmaUnavailable,
 };
+use crate::events::{EventMerger, EventPublisher, EventSubscriber, PageSplitter};
 
 /// kvlink's native core (`kvlink._kvlink`), re-exported by the `kvlink` package: moves LLM
 /// KV-cache blocks between inference engines.
@@ -26,6 +28,10 @@ fn _kvlink(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Engine>()?;
     m.add_class::<TpAggregator>()?;
     m.add_class::<Finished>()?;
+    m.add_class::<EventPublisher>()?;
+    m.add_class::<EventSubscriber>()?;
+    m.add_class::<EventMerger>()?;
+    m.add_class::<PageSplitter>()?;
     m.add("KvlinkError", py.get_type::<KvlinkError>())?;
     m.add("InvalidArgument", py.get_type::<InvalidArgument>())?;
     m.add("KvlinkTimeout", py.get_type::<KvlinkTimeout>())?;

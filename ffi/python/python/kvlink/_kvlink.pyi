@@ -161,3 +161,102 @@ class TpAggregator:
     def take(self) -> Finished: ...
     @property
     def pending(self) -> int: ...
+
+class EventPublisher:
+    """Publishes an engine's KV-cache events, byte-compatible with vLLM's and SGLang's
+    publishers (``kvlink.events.Publisher``). Encoding, numbering and sending run on kvlink's
+    thread."""
+
+    def __init__(
+        self,
+        endpoint: str = "tcp://*:5557",
+        *,
+        replay_endpoint: Optional[str] = None,
+        topic: str = "",
+        dp_rank: int = 0,
+        encoding: str = "current",
+        replay_format: str = "current",
+        buffer_steps: int = 10000,
+        max_queue: int = 100000,
+    ) -> None: ...
+    @property
+    def endpoint(self) -> str:
+        """The live endpoint (the real port when port 0 was asked for)."""
+    @property
+    def replay_endpoint(self) -> Optional[str]: ...
+    def publish(self, events: Sequence[Any], ts: Optional[float] = None, dp_rank: Optional[int] = None) -> None:
+        """One batch (one scheduler step) of event dicts or engine event objects; never
+        blocks. Raises ``KvlinkError`` when the queue is full (batch dropped and counted) or
+        closed, ``InvalidArgument`` for an unreadable event (nothing sent)."""
+    def stats(self) -> Dict[str, int]:
+        """published, dropped, queued, next_seq, replay_requests, replayed_batches,
+        bad_replay_requests, replay_timeouts."""
+    def close(self, timeout: float = 5.0) -> Optional[Dict[str, int]]:
+        """Sends what is queued (up to ``timeout``), closes, returns the final counters."""
+    def __enter__(self) -> "EventPublisher": ...
+    def __exit__(self, *exc: Any) -> bool: ...
+
+class EventSubscriber:
+    """Reads a vLLM, SGLang, ATOM or kvlink KV-event stream (``kvlink.events.Subscriber``):
+    batches in sequence order, each once; gaps filled by replay; resync signals."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        replay_endpoint: Optional[str] = None,
+        topic: str = "",
+        replay_timeout: float = 2.0,
+        connect_timeout: float = 10.0,
+        start_from: Optional[int] = None,
+        max_buffered: int = 10000,
+    ) -> None: ...
+    def next(self, timeout: float = 1.0) -> Optional[Dict[str, Any]]:
+        """One item or None after ``timeout``: ``{"kind": "batch", "seq", "ts", "dp_rank",
+        "events", "skipped"}``, ``{"kind": "malformed", "seq", "reason"}``, or ``{"kind":
+        "resync", "reason": "publisher_restart", "last", "now"}`` / ``{"kind": "resync",
+        "reason": "history_lost", "from", "resumed"}``."""
+    def __iter__(self) -> "EventSubscriber": ...
+    def __next__(self) -> Dict[str, Any]: ...
+    @property
+    def last_seq(self) -> Optional[int]: ...
+    def stats(self) -> Dict[str, int]:
+        """received, delivered, duplicates, replays (gaps and late joins filled by replay),
+        replay_failures, resyncs, malformed_batches, skipped_events, bad_messages."""
+
+class EventMerger:
+    """Merges several publishers' streams into one renumbered stream with its own replay
+    (``kvlink.events.Merger``)."""
+
+    def __init__(
+        self,
+        inputs: Sequence[Tuple[str, Optional[str]]],
+        endpoint: str = "tcp://*:5557",
+        *,
+        replay_endpoint: Optional[str] = None,
+        topic: str = "",
+        encoding: str = "current",
+    ) -> None: ...
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def replay_endpoint(self) -> Optional[str]: ...
+    def stats(self) -> Dict[str, Any]:
+        """The output's counters, and ``inputs``: per input endpoint, connected, last_seq,
+        batches, resyncs, malformed, dropped."""
+    def close(self) -> None: ...
+
+class PageSplitter:
+    """A stored token run as BlockStored pages of ``block_size`` tokens with chained SHA-256
+    digests and ``token_offset``; ``hash``: ``"vllm"`` (low 64 bits, unsigned) or
+    ``"sglang"`` (first 8 bytes, signed)."""
+
+    def __init__(self, block_size: int, hash: str = "vllm") -> None: ...
+    def split(
+        self,
+        tokens: Sequence[int],
+        parent: Optional[bytes] = None,
+        token_offset: int = 0,
+        medium: Optional[str] = None,
+    ) -> Tuple[List[Dict[str, Any]], Optional[bytes]]:
+        """``(events, last_digest)``; pass ``last_digest`` as ``parent`` for the next run."""

@@ -1,0 +1,35 @@
+"""KV-cache events for Python engines and routers, byte-compatible with vLLM, SGLang and ATOM.
+
+An engine publishes each scheduler step's events; a router subscribes (batches come out in
+sequence order, each once, gaps filled by replay, with explicit resync signals when it must
+drop what it derived); a merger joins several engines' streams. The encoding, numbering,
+replay and socket work run on kvlink's threads, with the GIL released.
+
+Events are dicts shaped like vLLM's event structs (``{"type": "BlockStored", "block_hashes":
+[...], "parent_block_hash": ..., "token_ids": [...], "block_size": 16, "medium": "GPU", ...}``);
+``Publisher.publish`` also takes vLLM's and SGLang's own event objects::
+
+    from kvlink.events import Publisher, Subscriber
+
+    pub = Publisher("tcp://*:5557", replay_endpoint="tcp://*:5558")
+    pub.publish([{"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None,
+                  "token_ids": list(range(16)), "block_size": 16, "medium": "GPU"}])
+
+    sub = Subscriber("tcp://127.0.0.1:5557", replay_endpoint="tcp://127.0.0.1:5558")
+    for item in sub:
+        if item["kind"] == "batch":
+            index(item["events"])
+        elif item["kind"] == "resync":   # publisher restarted, or history lost
+            drop_state()
+
+``PageSplitter`` turns a stored run of tokens into fixed-size pages with chained hashes and
+``token_offset`` (SGLang's scheme, or vLLM-style 64-bit hashes) for consumers that index
+fixed-size blocks only.
+"""
+
+from ._kvlink import EventMerger as Merger
+from ._kvlink import EventPublisher as Publisher
+from ._kvlink import EventSubscriber as Subscriber
+from ._kvlink import PageSplitter
+
+__all__ = ["Merger", "PageSplitter", "Publisher", "Subscriber"]

@@ -1,0 +1,718 @@
+//! KV events from Python: `EventPublisher` (an engine publishes its KV-cache events each
+//! scheduler step; encoding and sending happen on kvlink's thread), `EventSubscriber` (a
+//! router reads decoded batches and resync signals, in sequence order), `EventMerger` (several
+//! engines' streams as one) and `PageSplitter` (a stored token run as fixed-size pages with
+//! chained hashes).
+//!
+//! Events cross the boundary as dicts shaped like vLLM's and SGLang's event structs: `"type"`
+//! (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`, `BlockTransferred`) and the fields of
+//! that type by their upstream names. `publish` also takes the engines' own event objects
+//! (vLLM's msgspec structs, SGLang's dataclasses): the type is the class name, the fields its
+//! attributes.
+
+use std::sync::Mutex;
+
+use kvlink_core::events::{
+    BlockHash, BlockRemoved, BlockStored, BlockTransferred, Encoding, EventBatch, KvEvent, Merger,
+    MergerConfig, MergerInput, PageHash, PageSplitter as RsSplitter, Publisher, PublisherConfig,
+    ReplayFormat, Resync, SubItem, Subscriber, SubscriberConfig,
+};
+use pyo3::exceptions::PyValueError;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
+
+use crate::convert::seconds;
+use crate::error::{InvalidArgument, KvlinkError};
+
+fn events_err(e: kvlink_core::events::EventsError) -> PyErr {
+    match e {
+        kvlink_core::events::EventsError::Endpoint(_)
+        | kvlink_core::events::EventsError::Config(_) => InvalidArgument::new_err(e.to_string()),
+        e => KvlinkError::new_err(e.to_string()),
+    }
+}
+
+// ---- Python -> events ----------------------------------------------------------------------
+
+/// Reads field `name` of an event given as a dict or an object (None when absent). The name
+/// is an interned Python string: no allocation, and its hash is cached.
+fn field<'py>(
+    ev: &Bound<'py, PyAny>,
+    name: &Bound<'py, PyString>,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let v = if let Ok(d) = ev.downcast::<PyDict>() {
+        d.get_item(name)?
+    } else {
+        ev.getattr(name).ok()
+    };
+    Ok(v.filter(|v| !v.is_none()))
+}
+
+fn opt<'py, T: FromPyObject<'py>>(
+    ev: &Bound<'py, PyAny>,
+    name: &Bound<'py, PyString>,
+) -> PyResult<Option<T>> {
+    field(ev, name)?
+        .map(|v| {
+            v.extract::<T>()
+                .map_err(|e| InvalidArgument::new_err(format!("event field {name:?}: {e}")))
+        })
+        .transpose()
+}
+
+fn hash_of(v: &Bound<'_, PyAny>, what: &str) -> PyResult<BlockHash> {
+    if let Ok(b) = v.downcast::<PyBytes>() {
+        return Ok(BlockHash::Bytes(b.as_bytes().to_vec()));
+    }
+    if let Ok(u) = v.extract::<u64>() {
+        return Ok(BlockHash::U64(u));
+    }
+    if let Ok(i) = v.extract::<i64>() {
+        return Ok(BlockHash::I64(i));
+    }
+    Err(InvalidArgument::new_err(format!(
+        "{what}: a block hash is an int (-2^63 to 2^64-1) or bytes, got {}",
+        v.get_type().name()?
+    )))
+}
+
+fn hashes(ev: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
+    let Some(list) = field(ev, intern!(ev.py(), "block_hashes"))? else {
+        return Err(InvalidArgument::new_err("event without block_hashes"));
+    };
+    if let Ok(l) = list.downcast::<PyList>() {
+        return l.iter().map(|h| hash_of(&h, "block_hashes")).collect();
+    }
+    list.try_iter()?
+        .map(|h| hash_of(&h?, "block_hashes"))
+        .collect()
+}
+
+/// Token ids: a list is walked directly (the common case, and the costly one: an engine's
+/// page carries 16 or more), any other iterable through the iterator protocol.
+fn token_ids(ev: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let Some(v) = field(ev, intern!(ev.py(), "token_ids"))? else {
+        return Ok(Vec::new());
+    };
+    let bad = |e: PyErr| InvalidArgument::new_err(format!("event field \"token_ids\": {e}"));
+    if let Ok(l) = v.downcast::<PyList>() {
+        let mut out = Vec::with_capacity(l.len());
+        for t in l.iter() {
+            out.push(t.extract::<u32>().map_err(bad)?);
+        }
+        return Ok(out);
+    }
+    v.extract::<Vec<u32>>().map_err(bad)
+}
+
+fn event_from_py(ev: &Bound<'_, PyAny>) -> PyResult<KvEvent> {
+    let py = ev.py();
+    let kind: String = match field(ev, intern!(py, "type"))? {
+        Some(t) if ev.is_instance_of::<PyDict>() => t.extract()?,
+        _ if ev.is_instance_of::<PyDict>() => {
+            return Err(InvalidArgument::new_err(
+                "an event dict needs a \"type\" key",
+            ))
+        }
+        _ => ev.get_type().name()?.extract()?,
+    };
+    Ok(match kind.as_str() {
+        "BlockStored" => KvEvent::BlockStored(BlockStored {
+            block_hashes: hashes(ev)?,
+            parent_block_hash: field(ev, intern!(py, "parent_block_hash"))?
+                .map(|h| hash_of(&h, "parent_block_hash"))
+                .transpose()?,
+            token_ids: token_ids(ev)?,
+            block_size: opt(ev, intern!(py, "block_size"))?.unwrap_or(0),
+            lora_id: opt(ev, intern!(py, "lora_id"))?,
+            medium: opt(ev, intern!(py, "medium"))?,
+            lora_name: opt(ev, intern!(py, "lora_name"))?,
+            group_idx: opt(ev, intern!(py, "group_idx"))?,
+            kv_cache_spec_kind: opt(ev, intern!(py, "kv_cache_spec_kind"))?,
+            kv_cache_spec_sliding_window: opt(ev, intern!(py, "kv_cache_spec_sliding_window"))?,
+            token_offset: opt(ev, intern!(py, "token_offset"))?,
+        }),
+        "BlockRemoved" => KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: hashes(ev)?,
+            medium: opt(ev, intern!(py, "medium"))?,
+            group_idx: opt(ev, intern!(py, "group_idx"))?,
+        }),
+        "AllBlocksCleared" => KvEvent::AllBlocksCleared {
+            medium: opt(ev, intern!(py, "medium"))?,
+        },
+        "BlockTransferred" => KvEvent::BlockTransferred(BlockTransferred {
+            block_hashes: hashes(ev)?,
+            from_medium: opt(ev, intern!(py, "from_medium"))?,
+            to_medium: opt(ev, intern!(py, "to_medium"))?,
+            group_idx: opt(ev, intern!(py, "group_idx"))?,
+        }),
+        other => {
+            return Err(InvalidArgument::new_err(format!(
+                "unknown KV event type {other:?} (BlockStored, BlockRemoved, AllBlocksCleared, BlockTransferred)"
+            )))
+        }
+    })
+}
+
+// ---- events -> Python ----------------------------------------------------------------------
+
+fn hash_to_py(py: Python<'_>, h: &BlockHash) -> PyResult<PyObject> {
+    Ok(match h {
+        BlockHash::U64(v) => v.into_pyobject(py)?.into_any().unbind(),
+        BlockHash::I64(v) => v.into_pyobject(py)?.into_any().unbind(),
+        BlockHash::Bytes(b) => PyBytes::new(py, b).into_any().unbind(),
+    })
+}
+
+fn hashes_to_py<'py>(py: Python<'py>, hs: &[BlockHash]) -> PyResult<Bound<'py, PyList>> {
+    let l = PyList::empty(py);
+    for h in hs {
+        l.append(hash_to_py(py, h)?)?;
+    }
+    Ok(l)
+}
+
+/// An event as a dict with every field of its type (None when unset).
+pub(crate) fn event_to_py<'py>(py: Python<'py>, e: &KvEvent) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    match e {
+        KvEvent::BlockStored(s) => {
+            d.set_item("type", "BlockStored")?;
+            d.set_item("block_hashes", hashes_to_py(py, &s.block_hashes)?)?;
+            d.set_item(
+                "parent_block_hash",
+                s.parent_block_hash
+                    .as_ref()
+                    .map(|h| hash_to_py(py, h))
+                    .transpose()?,
+            )?;
+            d.set_item("token_ids", &s.token_ids)?;
+            d.set_item("block_size", s.block_size)?;
+            d.set_item("lora_id", s.lora_id)?;
+            d.set_item("medium", &s.medium)?;
+            d.set_item("lora_name", &s.lora_name)?;
+            d.set_item("group_idx", s.group_idx)?;
+            d.set_item("kv_cache_spec_kind", &s.kv_cache_spec_kind)?;
+            d.set_item(
+                "kv_cache_spec_sliding_window",
+                s.kv_cache_spec_sliding_window,
+            )?;
+            d.set_item("token_offset", s.token_offset)?;
+        }
+        KvEvent::BlockRemoved(r) => {
+            d.set_item("type", "BlockRemoved")?;
+            d.set_item("block_hashes", hashes_to_py(py, &r.block_hashes)?)?;
+            d.set_item("medium", &r.medium)?;
+            d.set_item("group_idx", r.group_idx)?;
+        }
+        KvEvent::AllBlocksCleared { medium } => {
+            d.set_item("type", "AllBlocksCleared")?;
+            d.set_item("medium", medium)?;
+        }
+        KvEvent::BlockTransferred(t) => {
+            d.set_item("type", "BlockTransferred")?;
+            d.set_item("block_hashes", hashes_to_py(py, &t.block_hashes)?)?;
+            d.set_item("from_medium", &t.from_medium)?;
+            d.set_item("to_medium", &t.to_medium)?;
+            d.set_item("group_idx", t.group_idx)?;
+        }
+    }
+    Ok(d)
+}
+
+fn item_to_py<'py>(py: Python<'py>, item: &SubItem) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    match item {
+        SubItem::Batch {
+            seq,
+            batch,
+            skipped,
+            ..
+        } => {
+            d.set_item("kind", "batch")?;
+            d.set_item("seq", *seq)?;
+            d.set_item("ts", batch.ts)?;
+            d.set_item("dp_rank", batch.dp_rank)?;
+            let events = PyList::empty(py);
+            for e in &batch.events {
+                events.append(event_to_py(py, e)?)?;
+            }
+            d.set_item("events", events)?;
+            d.set_item("skipped", skipped)?;
+        }
+        SubItem::Malformed { seq, reason } => {
+            d.set_item("kind", "malformed")?;
+            d.set_item("seq", *seq)?;
+            d.set_item("reason", reason)?;
+        }
+        SubItem::Resync(Resync::PublisherRestart { last, now }) => {
+            d.set_item("kind", "resync")?;
+            d.set_item("reason", "publisher_restart")?;
+            d.set_item("last", *last)?;
+            d.set_item("now", *now)?;
+        }
+        SubItem::Resync(Resync::HistoryLost { from, resumed }) => {
+            d.set_item("kind", "resync")?;
+            d.set_item("reason", "history_lost")?;
+            d.set_item("from", *from)?;
+            d.set_item("resumed", *resumed)?;
+        }
+    }
+    Ok(d)
+}
+
+fn encoding(name: &str) -> PyResult<Encoding> {
+    match name {
+        "current" => Ok(Encoding::Current),
+        "legacy" => Ok(Encoding::Legacy),
+        e => Err(InvalidArgument::new_err(format!(
+            "encoding must be 'current' or 'legacy', got {e:?}"
+        ))),
+    }
+}
+
+fn replay_format(name: &str) -> PyResult<ReplayFormat> {
+    match name {
+        "current" => Ok(ReplayFormat::Current),
+        "legacy" => Ok(ReplayFormat::Legacy),
+        e => Err(InvalidArgument::new_err(format!(
+            "replay_format must be 'current' or 'legacy', got {e:?}"
+        ))),
+    }
+}
+
+fn now_ts() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+// ---- EventPublisher ------------------------------------------------------------------------
+
+/// Publishes an engine's KV-cache events, byte-compatible with vLLM's ZmqEventPublisher (and
+/// SGLang's): `[topic, seq, payload]` on a PUB socket, a replay ROUTER when configured.
+///
+/// EventPublisher(endpoint="tcp://*:5557", *, replay_endpoint=None, topic="", dp_rank=0,
+/// encoding="current", replay_format="current", buffer_steps=10000, max_queue=100000)
+#[pyclass(module = "kvlink", frozen)]
+pub(crate) struct EventPublisher {
+    inner: Mutex<Option<Publisher>>,
+    endpoint: String,
+    replay_endpoint: Option<String>,
+    dp_rank: i64,
+}
+
+#[pymethods]
+impl EventPublisher {
+    #[new]
+    #[pyo3(signature = (endpoint = "tcp://*:5557", *, replay_endpoint = None, topic = "",
+        dp_rank = 0, encoding = "current", replay_format = "current", buffer_steps = 10_000,
+        max_queue = 100_000))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        endpoint: &str,
+        replay_endpoint: Option<String>,
+        topic: &str,
+        dp_rank: u32,
+        encoding: &str,
+        replay_format: &str,
+        buffer_steps: usize,
+        max_queue: usize,
+    ) -> PyResult<Self> {
+        let cfg = PublisherConfig {
+            endpoint: endpoint.to_string(),
+            replay_endpoint,
+            topic: topic.to_string(),
+            dp_rank,
+            encoding: self::encoding(encoding)?,
+            replay_format: self::replay_format(replay_format)?,
+            buffer_steps,
+            max_queue,
+            ..PublisherConfig::default()
+        };
+        let p = py
+            .allow_threads(|| Publisher::start(cfg))
+            .map_err(events_err)?;
+        Ok(EventPublisher {
+            endpoint: p.endpoint().to_string(),
+            replay_endpoint: p.replay_endpoint().map(str::to_string),
+            inner: Mutex::new(Some(p)),
+            dp_rank: i64::from(dp_rank),
+        })
+    }
+
+    /// The live endpoint subscribers connect to (the real port when port 0 was asked for).
+    #[getter]
+    fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// The replay endpoint, when configured.
+    #[getter]
+    fn replay_endpoint(&self) -> Option<&str> {
+        self.replay_endpoint.as_deref()
+    }
+
+    /// Publishes one batch (one scheduler step): `events` is a list of event dicts or of the
+    /// engine's own event objects; `ts` defaults to now, `dp_rank` to the publisher's. The
+    /// batch is numbered, encoded and sent on kvlink's thread; this never blocks. Raises
+    /// `KvlinkError` when the queue is full (the batch is dropped and counted) or the
+    /// publisher is closed, `InvalidArgument` for an event it cannot read (nothing is sent).
+    #[pyo3(signature = (events, ts = None, dp_rank = None))]
+    fn publish(
+        &self,
+        py: Python<'_>,
+        events: &Bound<'_, PyAny>,
+        ts: Option<f64>,
+        dp_rank: Option<i64>,
+    ) -> PyResult<()> {
+        let mut out = Vec::new();
+        for (i, ev) in events.try_iter()?.enumerate() {
+            out.push(
+                event_from_py(&ev?)
+                    .map_err(|e| InvalidArgument::new_err(format!("event {i}: {}", e.value(py))))?,
+            );
+        }
+        let batch = EventBatch {
+            ts: ts.unwrap_or_else(now_ts),
+            events: out,
+            dp_rank: Some(dp_rank.unwrap_or(self.dp_rank)),
+        };
+        let guard = self.inner.lock().expect("publisher lock");
+        let p = guard
+            .as_ref()
+            .ok_or_else(|| KvlinkError::new_err("the KV-event publisher is closed"))?;
+        py.allow_threads(|| p.publish(batch)).map_err(events_err)
+    }
+
+    /// Counters: `published`, `dropped`, `queued`, `next_seq`, `replay_requests`,
+    /// `replayed_batches`, `bad_replay_requests`, `replay_timeouts`.
+    fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        let guard = self.inner.lock().expect("publisher lock");
+        let p = guard
+            .as_ref()
+            .ok_or_else(|| KvlinkError::new_err("the KV-event publisher is closed"))?;
+        pub_stats(py, p.stats())
+    }
+
+    /// Sends what is queued (waiting up to `timeout` seconds, GIL released), closes the
+    /// sockets and returns the final counters. Idempotent (later calls return None).
+    #[pyo3(signature = (timeout = 5.0))]
+    fn close(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<Py<PyDict>>> {
+        let t = seconds("timeout", timeout)?;
+        let taken = self.inner.lock().expect("publisher lock").take();
+        match taken {
+            None => Ok(None),
+            Some(mut p) => {
+                let s = py.allow_threads(move || {
+                    let s = p.close(t);
+                    drop(p);
+                    s
+                });
+                pub_stats(py, s).map(Some)
+            }
+        }
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        self.close(py, 5.0)?;
+        Ok(false)
+    }
+}
+
+fn pub_stats(py: Python<'_>, s: kvlink_core::events::PublisherStats) -> PyResult<Py<PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("published", s.published)?;
+    d.set_item("dropped", s.dropped)?;
+    d.set_item("queued", s.queued)?;
+    d.set_item("next_seq", s.next_seq)?;
+    d.set_item("replay_requests", s.replay_requests)?;
+    d.set_item("replayed_batches", s.replayed_batches)?;
+    d.set_item("bad_replay_requests", s.bad_replay_requests)?;
+    d.set_item("replay_timeouts", s.replay_timeouts)?;
+    Ok(d.unbind())
+}
+
+// ---- EventSubscriber -----------------------------------------------------------------------
+
+/// Reads a vLLM, SGLang, ATOM or kvlink KV-event stream: batches in sequence order, each once;
+/// gaps filled by replay; resync signals when the consumer must drop what it derived.
+///
+/// EventSubscriber(endpoint, *, replay_endpoint=None, topic="", replay_timeout=2.0,
+/// connect_timeout=10.0, start_from=None, max_buffered=10000)
+///
+/// `next(timeout)` returns one item or None: `{"kind": "batch", "seq", "ts", "dp_rank",
+/// "events", "skipped"}`, `{"kind": "malformed", "seq", "reason"}` or `{"kind": "resync",
+/// "reason": "publisher_restart", "last", "now"}` / `{"kind": "resync", "reason":
+/// "history_lost", "from", "resumed"}`. Iterating yields items as they come.
+#[pyclass(module = "kvlink", frozen)]
+pub(crate) struct EventSubscriber {
+    runtime: tokio::runtime::Runtime,
+    inner: Mutex<Subscriber>,
+}
+
+#[pymethods]
+impl EventSubscriber {
+    #[new]
+    #[pyo3(signature = (endpoint, *, replay_endpoint = None, topic = "", replay_timeout = 2.0,
+        connect_timeout = 10.0, start_from = None, max_buffered = 10_000))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        endpoint: &str,
+        replay_endpoint: Option<String>,
+        topic: &str,
+        replay_timeout: f64,
+        connect_timeout: f64,
+        start_from: Option<u64>,
+        max_buffered: usize,
+    ) -> PyResult<Self> {
+        let mut cfg = SubscriberConfig::new(endpoint);
+        cfg.replay_endpoint = replay_endpoint;
+        cfg.topic = topic.to_string();
+        cfg.replay_timeout = seconds("replay_timeout", replay_timeout)?;
+        cfg.connect_timeout = seconds("connect_timeout", connect_timeout)?;
+        cfg.start_from = start_from;
+        cfg.max_buffered = max_buffered;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| KvlinkError::new_err(format!("starting the subscriber runtime: {e}")))?;
+        let sub = py
+            .allow_threads(|| runtime.block_on(Subscriber::connect(cfg)))
+            .map_err(events_err)?;
+        Ok(EventSubscriber {
+            runtime,
+            inner: Mutex::new(sub),
+        })
+    }
+
+    /// The next item, waiting up to `timeout` seconds (GIL released); None when nothing came.
+    #[pyo3(signature = (timeout = 1.0))]
+    fn next(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<Py<PyDict>>> {
+        let t = seconds("timeout", timeout)?;
+        let item = py
+            .allow_threads(|| {
+                let mut sub = self.inner.lock().expect("subscriber lock");
+                self.runtime.block_on(sub.next(t))
+            })
+            .map_err(events_err)?;
+        item.map(|i| item_to_py(py, &i).map(Bound::unbind))
+            .transpose()
+    }
+
+    fn __iter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// Blocks until the next item (checking for Ctrl-C every 100 ms).
+    fn __next__(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        loop {
+            if let Some(item) = self.next(py, 0.1)? {
+                return Ok(item);
+            }
+            py.check_signals()?;
+        }
+    }
+
+    /// The last sequence handed out, or None.
+    #[getter]
+    fn last_seq(&self) -> Option<u64> {
+        self.inner.lock().expect("subscriber lock").last_seq()
+    }
+
+    /// Counters: `received`, `delivered`, `duplicates`, `replays` (gaps and late joins filled
+    /// by replay), `replay_failures`, `resyncs`, `malformed_batches`, `skipped_events`,
+    /// `bad_messages`.
+    fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        let s = self.inner.lock().expect("subscriber lock").stats();
+        let d = PyDict::new(py);
+        d.set_item("received", s.received)?;
+        d.set_item("delivered", s.delivered)?;
+        d.set_item("duplicates", s.duplicates)?;
+        d.set_item("replays", s.replays)?;
+        d.set_item("replay_failures", s.replay_failures)?;
+        d.set_item("resyncs", s.resyncs)?;
+        d.set_item("malformed_batches", s.malformed_batches)?;
+        d.set_item("skipped_events", s.skipped_events)?;
+        d.set_item("bad_messages", s.bad_messages)?;
+        Ok(d.unbind())
+    }
+}
+
+// ---- EventMerger ---------------------------------------------------------------------------
+
+/// Merges several publishers' streams (for example the DP ranks of one engine) into one
+/// stream of its own, renumbered, with its own replay.
+///
+/// EventMerger(inputs, endpoint="tcp://*:5557", *, replay_endpoint=None, topic="",
+/// encoding="current") where `inputs` is a list of `(endpoint, replay_endpoint or None)`.
+#[pyclass(module = "kvlink", frozen)]
+pub(crate) struct EventMerger {
+    inner: Mutex<Option<Merger>>,
+    endpoint: String,
+    replay_endpoint: Option<String>,
+}
+
+#[pymethods]
+impl EventMerger {
+    #[new]
+    #[pyo3(signature = (inputs, endpoint = "tcp://*:5557", *, replay_endpoint = None, topic = "",
+        encoding = "current"))]
+    fn new(
+        py: Python<'_>,
+        inputs: Vec<(String, Option<String>)>,
+        endpoint: &str,
+        replay_endpoint: Option<String>,
+        topic: &str,
+        encoding: &str,
+    ) -> PyResult<Self> {
+        if inputs.is_empty() {
+            return Err(PyValueError::new_err(
+                "EventMerger needs at least one input",
+            ));
+        }
+        let output = PublisherConfig {
+            endpoint: endpoint.to_string(),
+            replay_endpoint,
+            topic: topic.to_string(),
+            encoding: self::encoding(encoding)?,
+            ..PublisherConfig::default()
+        };
+        let inputs = inputs
+            .into_iter()
+            .map(|(endpoint, replay_endpoint)| MergerInput {
+                endpoint,
+                replay_endpoint,
+                dp_rank: None,
+            })
+            .collect();
+        let m = py
+            .allow_threads(|| Merger::start(MergerConfig::new(inputs, output)))
+            .map_err(events_err)?;
+        Ok(EventMerger {
+            endpoint: m.endpoint().to_string(),
+            replay_endpoint: m.replay_endpoint().map(str::to_string),
+            inner: Mutex::new(Some(m)),
+        })
+    }
+
+    /// The merged stream's live endpoint.
+    #[getter]
+    fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// The merged stream's replay endpoint, when configured.
+    #[getter]
+    fn replay_endpoint(&self) -> Option<&str> {
+        self.replay_endpoint.as_deref()
+    }
+
+    /// The output publisher's counters, and under `inputs` per input: `endpoint`,
+    /// `connected`, `last_seq`, `batches`, `resyncs`, `malformed`, `dropped`.
+    fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        let guard = self.inner.lock().expect("merger lock");
+        let m = guard
+            .as_ref()
+            .ok_or_else(|| KvlinkError::new_err("the KV-event merger is closed"))?;
+        let (out, inputs) = m.stats();
+        let d = pub_stats(py, out)?.into_bound(py);
+        let l = PyList::empty(py);
+        for i in inputs {
+            let x = PyDict::new(py);
+            x.set_item("endpoint", &i.endpoint)?;
+            x.set_item("connected", i.connected)?;
+            x.set_item("last_seq", i.last_seq)?;
+            x.set_item("batches", i.batches)?;
+            x.set_item("resyncs", i.resyncs)?;
+            x.set_item("malformed", i.malformed)?;
+            x.set_item("dropped", i.dropped)?;
+            l.append(x)?;
+        }
+        d.set_item("inputs", l)?;
+        Ok(d.unbind())
+    }
+
+    /// Stops the merger (GIL released). Idempotent.
+    fn close(&self, py: Python<'_>) {
+        let taken = self.inner.lock().expect("merger lock").take();
+        py.allow_threads(move || drop(taken));
+    }
+}
+
+// ---- PageSplitter --------------------------------------------------------------------------
+
+/// Splits a stored run of tokens into `BlockStored` events of `block_size` tokens each (a
+/// partial tail page allowed), each page chained to the previous one by SHA-256 digests, with
+/// `token_offset` set: for consumers that understand fixed-size blocks only.
+///
+/// PageSplitter(block_size, hash="vllm") where `hash` is "vllm" (low 64 bits of the digest,
+/// unsigned) or "sglang" (first 8 bytes, signed).
+#[pyclass(module = "kvlink", frozen)]
+pub(crate) struct PageSplitter {
+    inner: RsSplitter,
+}
+
+#[pymethods]
+impl PageSplitter {
+    #[new]
+    #[pyo3(signature = (block_size, hash = "vllm"))]
+    fn new(block_size: u32, hash: &str) -> PyResult<Self> {
+        let h = match hash {
+            "vllm" => PageHash::VllmU64,
+            "sglang" => PageHash::SglangI64,
+            h => {
+                return Err(InvalidArgument::new_err(format!(
+                    "hash must be 'vllm' or 'sglang', got {h:?}"
+                )))
+            }
+        };
+        if block_size == 0 {
+            return Err(InvalidArgument::new_err("block_size must be at least 1"));
+        }
+        Ok(PageSplitter {
+            inner: RsSplitter::new(block_size, h),
+        })
+    }
+
+    /// `(events, last_digest)`: one BlockStored dict per page of `tokens` (which start at
+    /// position `token_offset` and follow the page whose digest is `parent`, None for a
+    /// root), and the digest to pass as `parent` for the run that follows.
+    #[pyo3(signature = (tokens, parent = None, token_offset = 0, medium = None))]
+    fn split<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: Vec<u32>,
+        parent: Option<&[u8]>,
+        token_offset: u64,
+        medium: Option<&str>,
+    ) -> PyResult<(Bound<'py, PyList>, Option<Bound<'py, PyBytes>>)> {
+        let parent: Option<[u8; 32]> = parent
+            .map(|p| {
+                p.try_into().map_err(|_| {
+                    InvalidArgument::new_err(format!(
+                        "parent is a 32-byte digest, got {} bytes",
+                        p.len()
+                    ))
+                })
+            })
+            .transpose()?;
+        let pages = self
+            .inner
+            .split(parent.as_ref(), &tokens, token_offset, medium);
+        let events = PyList::empty(py);
+        for e in pages.events {
+            events.append(event_to_py(py, &KvEvent::BlockStored(e))?)?;
+        }
+        Ok((events, pages.last_digest.map(|d| PyBytes::new(py, &d))))
+    }
+}
