@@ -103,7 +103,7 @@ async fn take_until(sub: &mut Subscriber, done: impl Fn(&[SubItem]) -> bool) -> 
 fn batches(items: &[SubItem]) -> usize {
     items
         .iter()
-        .filter(|i| !matches!(i, SubItem::Resync(_)))
+        .filter(|i| !matches!(i, SubItem::Resync(_) | SubItem::GapFilled { .. }))
         .count()
 }
 
@@ -114,6 +114,7 @@ fn summary(items: &[SubItem]) -> Vec<String> {
             SubItem::Batch { seq, .. } => format!("{seq:?}"),
             SubItem::Malformed { seq, .. } => format!("malformed {seq:?}"),
             SubItem::Resync(r) => format!("{r:?}"),
+            SubItem::GapFilled { from, through } => format!("filled {from}..={through}"),
         })
         .collect()
 }
@@ -123,7 +124,7 @@ fn seqs(items: &[SubItem]) -> Vec<u64> {
         .iter()
         .filter_map(|i| match i {
             SubItem::Batch { seq, .. } | SubItem::Malformed { seq, .. } => *seq,
-            SubItem::Resync(_) => None,
+            SubItem::Resync(_) | SubItem::GapFilled { .. } => None,
         })
         .collect()
 }
@@ -235,6 +236,30 @@ fn dropped_live_batches_are_recovered_by_replay() {
     let st = sub.stats();
     assert!(st.replays >= 1, "{st:?}");
     assert_eq!(st.replay_failures, 0);
+    // Every replay that filled a gap says so, after the batches it recovered (the last one
+    // when its end marker arrives, which may be after the 60th batch).
+    let mut got = got;
+    let end = Instant::now() + Duration::from_secs(5);
+    while got
+        .iter()
+        .filter(|i| matches!(i, SubItem::GapFilled { .. }))
+        .count()
+        < st.replays as usize
+        && Instant::now() < end
+    {
+        if let Some(i) = rt.block_on(sub.next(Duration::from_millis(200))).unwrap() {
+            got.push(i);
+        }
+    }
+    let filled: Vec<(u64, u64)> = got
+        .iter()
+        .filter_map(|i| match i {
+            SubItem::GapFilled { from, through } => Some((*from, *through)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(filled.len() as u64, st.replays, "{:?}", summary(&got));
+    assert!(filled.iter().any(|(f, t)| *f <= 5 && *t >= 7), "{filled:?}");
 }
 
 #[test]

@@ -274,6 +274,8 @@ async fn run_input(
                     tracing::warn!(input = %input.endpoint, ?dp_rank, "rank resynchronised ({r:?}); publishing AllBlocksCleared for it");
                     encode(&clear_batch(dp_rank))
                 }
+                // Its batches came through in order: nothing to forward or clear.
+                SubItem::GapFilled { .. } => continue,
                 SubItem::Malformed { seq, reason } => {
                     let mut s = st.lock();
                     s.last_seq = seq.or(s.last_seq);

@@ -105,6 +105,15 @@ pub enum Action<P> {
     RequestReplay(u64),
     /// Tell the consumer to drop what it derived from this stream, and why.
     Resync(Resync),
+    /// A replay recovered everything from `from` on: a gap (or a late join from `from`) was
+    /// filled, and every batch up to `through` has been delivered in order. Informational:
+    /// nothing derived from the stream needs dropping.
+    GapFilled {
+        /// First sequence the replay was asked for.
+        from: u64,
+        /// Last sequence delivered when the replay ended.
+        through: u64,
+    },
 }
 
 #[derive(Debug)]
@@ -112,6 +121,8 @@ struct Replay<P> {
     from: u64,
     deadline: Instant,
     buffered: BTreeMap<u64, P>,
+    /// Whether history was lost during this replay (then it did not fill its gap).
+    lost: bool,
 }
 
 /// One subscriber's view of one publisher stream.
@@ -160,6 +171,7 @@ impl<P> StreamState<P> {
             from,
             deadline: now + self.replay_timeout,
             buffered: BTreeMap::new(),
+            lost: false,
         });
         out.push(Action::RequestReplay(from));
     }
@@ -242,25 +254,32 @@ impl<P> StreamState<P> {
         let Some(from) = self.replay.as_ref().map(|r| r.from) else {
             return out; // a late answer to a finished replay
         };
-        self.accept_after(from, seq, payload, &mut out);
+        if self.accept_after(from, seq, payload, &mut out) {
+            if let Some(r) = &mut self.replay {
+                r.lost = true;
+            }
+        }
         out
     }
 
     /// Delivers a replayed or buffered batch in sequence: a duplicate (at or before what was
     /// delivered) is dropped, a jump past the next expected sequence is reported as lost history.
-    fn accept_after(&mut self, from: u64, seq: u64, payload: P, out: &mut Vec<Action<P>>) {
+    /// Returns whether history was lost.
+    fn accept_after(&mut self, from: u64, seq: u64, payload: P, out: &mut Vec<Action<P>>) -> bool {
         let expected = self.last.map_or(from, |l| l + 1).max(from);
         if seq < expected {
             self.duplicates += 1;
-            return;
+            return false;
         }
-        if seq > expected {
+        let lost = seq > expected;
+        if lost {
             out.push(Action::Resync(Resync::HistoryLost {
                 from: expected,
                 resumed: seq,
             }));
         }
         self.deliver(seq, payload, out);
+        lost
     }
 
     /// The replay's end marker: buffered live batches follow, in order, duplicates dropped.
@@ -269,8 +288,17 @@ impl<P> StreamState<P> {
         let Some(r) = self.replay.take() else {
             return out;
         };
+        let mut lost = r.lost;
         for (seq, payload) in r.buffered {
-            self.accept_after(r.from, seq, payload, &mut out);
+            lost |= self.accept_after(r.from, seq, payload, &mut out);
+        }
+        if !lost {
+            if let Some(through) = self.last.filter(|l| *l >= r.from) {
+                out.push(Action::GapFilled {
+                    from: r.from,
+                    through,
+                });
+            }
         }
         out
     }
@@ -331,6 +359,38 @@ mod tests {
             (Some((5, 5)), (1, 500)),
             "newest kept"
         );
+    }
+
+    #[test]
+    fn a_filled_gap_is_announced_once_after_its_batches_and_a_lossy_one_is_not() {
+        let t = Instant::now();
+        let mut s: StreamState<&str> = StreamState::new(Duration::from_secs(2), 100);
+        for q in 0..2 {
+            s.handle_live(q, "x", t);
+        }
+        assert_eq!(s.handle_live(4, "e", t), vec![Action::RequestReplay(2)]);
+        let mut got = s.handle_replayed(2, "c");
+        got.extend(s.handle_replayed(3, "d"));
+        got.extend(s.handle_replay_end());
+        assert_eq!(delivered(&got), vec![2, 3, 4]);
+        assert_eq!(
+            got.last(),
+            Some(&Action::GapFilled {
+                from: 2,
+                through: 4
+            }),
+            "after the buffered live batch too"
+        );
+        // A replay that could not supply everything reports the loss, and no fill.
+        assert_eq!(s.handle_live(9, "j", t), vec![Action::RequestReplay(5)]);
+        let got = s.handle_replay_end();
+        assert!(
+            !got.iter().any(|a| matches!(a, Action::GapFilled { .. })),
+            "{got:?}"
+        );
+        assert!(got
+            .iter()
+            .any(|a| matches!(a, Action::Resync(Resync::HistoryLost { .. }))));
     }
 
     #[test]

@@ -93,6 +93,14 @@ pub enum SubItem {
     },
     /// Drop what was derived from this stream, and why.
     Resync(Resync),
+    /// A gap (or a late join) was filled by replay: batches `from..=through` were delivered in
+    /// order. Nothing to drop; for logs and metrics.
+    GapFilled {
+        /// First sequence the replay was asked for.
+        from: u64,
+        /// Last sequence delivered when it ended.
+        through: u64,
+    },
 }
 
 /// Subscriber counters.
@@ -327,6 +335,10 @@ impl Subscriber {
                     self.stats.resyncs += 1;
                     tracing::info!(endpoint = %self.cfg.endpoint, "KV-event stream resync: {r:?}");
                     self.out.push_back(SubItem::Resync(r));
+                }
+                Action::GapFilled { from, through } => {
+                    tracing::debug!(endpoint = %self.cfg.endpoint, from, through, "KV-event gap filled by replay");
+                    self.out.push_back(SubItem::GapFilled { from, through });
                 }
                 Action::RequestReplay(from) => {
                     self.stats.replays += 1;

@@ -104,11 +104,16 @@ def test_python_subscriber_fills_gaps_and_reports_restart_and_lost_history(clean
     # Seqs 2 and 3 never go out live: the subscriber sees the gap at 4 and replays them.
     for seq, evs in batches_of(range(6)):
         pub.publish([to_wire(e, "current") for e in simple_batch(seq)], ts=ts_of(seq), skip_live=seq in (2, 3))
-    got = drain(sub, 6)
-    assert [g["seq"] for g in got] == list(range(6)), got
-    assert all(g["kind"] == "batch" for g in got)
-    assert got[2]["events"] == [py_event(e) for e in simple_batch(2)]
-    assert got[3]["ts"] == ts_of(3) and got[3]["dp_rank"] == 0
+    got = drain(sub, 7)
+    batches = [g for g in got if g["kind"] == "batch"]
+    assert [g["seq"] for g in batches] == list(range(6)), got
+    assert batches[2]["events"] == [py_event(e) for e in simple_batch(2)]
+    assert batches[3]["ts"] == ts_of(3) and batches[3]["dp_rank"] == 0
+    # The replay's end is announced after the batches it recovered (and the buffered 4 and 5
+    # when they were already there).
+    filled = [g for g in got if g["kind"] == "gap_filled"]
+    assert len(filled) == 1 and filled[0]["from"] == 2 and filled[0]["through"] >= 4, got
+    assert got.index(filled[0]) > got.index(batches[4]), got
     assert sub.stats()["replays"] >= 1
     # A restart: the sequence goes down.
     pub.restart()
@@ -128,6 +133,7 @@ def test_python_subscriber_late_join_with_lost_history(cleanup):
     got = drain(sub, 4)
     assert got[0] == {"kind": "resync", "reason": "history_lost", "from": 0, "resumed": 7}, got
     assert [g["seq"] for g in got[1:]] == [7, 8, 9]
+    assert sub.next(0.5) is None, "a lossy replay announces no fill"
 
 
 def test_subscriber_iterates_and_reports_malformed(cleanup):

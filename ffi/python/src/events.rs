@@ -252,6 +252,11 @@ fn item_to_py<'py>(py: Python<'py>, item: &SubItem) -> PyResult<Bound<'py, PyDic
             d.set_item("last", *last)?;
             d.set_item("now", *now)?;
         }
+        SubItem::GapFilled { from, through } => {
+            d.set_item("kind", "gap_filled")?;
+            d.set_item("from", *from)?;
+            d.set_item("through", *through)?;
+        }
         SubItem::Resync(Resync::HistoryLost { from, resumed }) => {
             d.set_item("kind", "resync")?;
             d.set_item("reason", "history_lost")?;
@@ -452,7 +457,8 @@ fn pub_stats(py: Python<'_>, s: kvlink_core::events::PublisherStats) -> PyResult
 /// `next(timeout)` returns one item or None: `{"kind": "batch", "seq", "ts", "dp_rank",
 /// "events", "skipped"}`, `{"kind": "malformed", "seq", "reason"}` or `{"kind": "resync",
 /// "reason": "publisher_restart", "last", "now"}` / `{"kind": "resync", "reason":
-/// "history_lost", "from", "resumed"}`. Iterating yields items as they come.
+/// "history_lost", "from", "resumed"}`, or `{"kind": "gap_filled", "from", "through"}` once a
+/// replay recovered everything it was asked for. Iterating yields items as they come.
 #[pyclass(module = "kvlink", frozen)]
 pub(crate) struct EventSubscriber {
     runtime: tokio::runtime::Runtime,

@@ -292,6 +292,11 @@ fn tail(o: Opts) -> Result<(), String> {
                     last_at = Instant::now();
                 }
                 SubItem::Resync(_) => {}
+                // Everything arrived in order: stdout carries only what a consumer acts on.
+                SubItem::GapFilled { from, through } => {
+                    eprintln!("kvlink-events: gap filled by replay: batches {from}..={through} delivered in order");
+                    continue;
+                }
             }
             if !o.quiet {
                 let line = match &item {
@@ -300,6 +305,7 @@ fn tail(o: Opts) -> Result<(), String> {
                         serde_json::json!({"malformed": seq, "reason": reason})
                     }
                     SubItem::Resync(r) => json::resync_line(r),
+                    SubItem::GapFilled { .. } => unreachable!("handled above"),
                 };
                 serde_json::to_writer(&mut out, &line).map_err(|e| e.to_string())?;
                 out.write_all(b"\n").and_then(|_| out.flush()).map_err(|e| e.to_string())?;

@@ -215,7 +215,8 @@ class EventSubscriber:
         """One item or None after ``timeout``: ``{"kind": "batch", "seq", "ts", "dp_rank",
         "events", "skipped"}``, ``{"kind": "malformed", "seq", "reason"}``, or ``{"kind":
         "resync", "reason": "publisher_restart", "last", "now"}`` / ``{"kind": "resync",
-        "reason": "history_lost", "from", "resumed"}``."""
+        "reason": "history_lost", "from", "resumed"}``, or ``{"kind": "gap_filled", "from",
+        "through"}`` after a replay recovered everything it was asked for."""
     def __iter__(self) -> "EventSubscriber": ...
     def __next__(self) -> Dict[str, Any]: ...
     @property
