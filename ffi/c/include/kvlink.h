@@ -903,18 +903,20 @@ int kvlink_event_publisher_stats(const struct kvlink_event_publisher *publisher,
                                  struct kvlink_event_stats *out);
 
 /**
- * Sends what is queued (waiting up to `timeout_ms`), closes the sockets and frees the
+ * Sends what is queued (waiting up to `timeout_ms`, at most 7 days), closes the sockets and frees the
  * publisher. NULL is ignored. The publisher must not be used after this call.
  *
  * # Safety
  * `publisher` is NULL or a live publisher from `kvlink_event_publisher_start`, not in use by
  * another thread.
  */
-void kvlink_event_publisher_free(struct kvlink_event_publisher *publisher, uint64_t timeout_ms);
+void kvlink_event_publisher_free(struct kvlink_event_publisher *publisher,
+                                 uint64_t timeout_ms);
 
 /**
  * Stores a new, empty batch in `*out`: timestamp `ts` (seconds since the epoch; a negative
- * value means now) and `dp_rank` (negative: none). Freed by `kvlink_event_batch_free`.
+ * value means the time of each `kvlink_event_publisher_publish`) and `dp_rank` (negative: the
+ * publisher's). Freed by `kvlink_event_batch_free`.
  *
  * # Safety
  * `out` is NULL or writable.

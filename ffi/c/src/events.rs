@@ -36,6 +36,8 @@ fn events_error(e: EventsError) -> FfiError {
 /// `kvlink_event_publisher_free`.
 pub struct kvlink_event_publisher {
     inner: Mutex<Option<Publisher>>,
+    /// Put in batches that name no rank of their own.
+    dp_rank: i64,
 }
 
 /// The events of one batch (one scheduler step), built with the `kvlink_event_batch_*`
@@ -43,6 +45,8 @@ pub struct kvlink_event_publisher {
 /// Not for concurrent use.
 pub struct kvlink_event_batch {
     batch: EventBatch,
+    /// The batch's timestamp was left to publish time (a negative `ts`).
+    ts_now: bool,
 }
 
 /// The publisher's counters (`kvlink_event_publisher_stats`).
@@ -125,6 +129,7 @@ pub unsafe extern "C" fn kvlink_event_publisher_start(
         let p = Publisher::start(cfg).map_err(events_error)?;
         let handle = Box::into_raw(Box::new(kvlink_event_publisher {
             inner: Mutex::new(Some(p)),
+            dp_rank: i64::from(dp_rank),
         }));
         // SAFETY: checked above; the caller promised writable memory.
         unsafe { write_out(out, handle) };
@@ -168,6 +173,13 @@ pub unsafe extern "C" fn kvlink_event_publisher_endpoint(
     })
 }
 
+fn now_ts() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
 /// Publishes the events of `batch` as one batch and empties `batch` (it may be reused). Never
 /// blocks. Returns `KVLINK_OK`, `KVLINK_E_IO` when the queue is full (the batch is dropped and
 /// counted) or `KVLINK_E_INVALID` (NULL argument, closed publisher).
@@ -190,9 +202,9 @@ pub unsafe extern "C" fn kvlink_event_publisher_publish(
             .ok_or_else(|| invalid("the publisher is closed"))?;
         let events = std::mem::take(&mut b.batch.events);
         let batch = EventBatch {
-            ts: b.batch.ts,
+            ts: if b.ts_now { now_ts() } else { b.batch.ts },
             events,
-            dp_rank: b.batch.dp_rank,
+            dp_rank: b.batch.dp_rank.or(Some(p.dp_rank)),
         };
         pubr.publish(batch).map_err(events_error)
     })
@@ -221,7 +233,7 @@ pub unsafe extern "C" fn kvlink_event_publisher_stats(
     })
 }
 
-/// Sends what is queued (waiting up to `timeout_ms`), closes the sockets and frees the
+/// Sends what is queued (waiting up to `timeout_ms`, at most 7 days), closes the sockets and frees the
 /// publisher. NULL is ignored. The publisher must not be used after this call.
 ///
 /// # Safety
@@ -236,7 +248,11 @@ pub unsafe extern "C" fn kvlink_event_publisher_free(
         if publisher.is_null() {
             return Ok(());
         }
-        let timeout = millis(timeout_ms, "timeout_ms")?;
+        // Longer than the limit is clamped to it: freeing must not fail (and leak).
+        let timeout = millis(
+            timeout_ms.min(crate::status::KVLINK_TIMEOUT_MAX_MS),
+            "timeout_ms",
+        )?;
         // SAFETY: the caller promised a live publisher from `kvlink_event_publisher_start`
         // (made by `Box::into_raw`) that nothing else uses; it is freed exactly once here.
         let boxed = unsafe { Box::from_raw(publisher) };
@@ -249,7 +265,8 @@ pub unsafe extern "C" fn kvlink_event_publisher_free(
 }
 
 /// Stores a new, empty batch in `*out`: timestamp `ts` (seconds since the epoch; a negative
-/// value means now) and `dp_rank` (negative: none). Freed by `kvlink_event_batch_free`.
+/// value means the time of each `kvlink_event_publisher_publish`) and `dp_rank` (negative: the
+/// publisher's). Freed by `kvlink_event_batch_free`.
 ///
 /// # Safety
 /// `out` is NULL or writable.
@@ -264,20 +281,13 @@ pub unsafe extern "C" fn kvlink_event_batch_new(
         if !ts.is_finite() {
             return Err(invalid("ts is not a finite number"));
         }
-        let ts = if ts < 0.0 {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_secs_f64())
-                .unwrap_or(0.0)
-        } else {
-            ts
-        };
         let handle = Box::into_raw(Box::new(kvlink_event_batch {
             batch: EventBatch {
-                ts,
+                ts: ts.max(0.0),
                 events: Vec::new(),
                 dp_rank: (dp_rank >= 0).then_some(dp_rank),
             },
+            ts_now: ts < 0.0,
         }));
         // SAFETY: checked above; the caller promised writable memory.
         unsafe { write_out(out, handle) };

@@ -271,9 +271,17 @@ fn the_c_event_publisher_is_read_by_the_subscriber() {
         );
         // The batch was emptied: publishing it again sends an empty batch.
         assert_eq!(kvlink_event_publisher_publish(publisher, batch), KVLINK_OK);
+        let mut now_batch = std::ptr::null_mut();
+        assert_eq!(kvlink_event_batch_new(-1.0, -1, &mut now_batch), KVLINK_OK);
+        assert_eq!(kvlink_event_batch_all_cleared(now_batch, null()), KVLINK_OK);
+        assert_eq!(
+            kvlink_event_publisher_publish(publisher, now_batch),
+            KVLINK_OK
+        );
+        kvlink_event_batch_free(now_batch);
     }
     let mut items = Vec::new();
-    while items.len() < 2 {
+    while items.len() < 3 {
         match rt.block_on(sub.next(Duration::from_secs(10))).unwrap() {
             Some(i) => items.push(i),
             None => panic!("no batch within 10 s; got {items:?}"),
@@ -283,6 +291,17 @@ fn the_c_event_publisher_is_read_by_the_subscriber() {
         panic!("{items:?}")
     };
     assert_eq!((*seq, b.ts, b.dp_rank), (Some(0), 12.5, Some(3)));
+    let SubItem::Batch { batch: second, .. } = &items[1] else {
+        panic!("{items:?}")
+    };
+    // A reused batch keeps its own timestamp and rank.
+    assert_eq!((second.ts, second.dp_rank), (12.5, Some(3)));
+    // A batch with neither takes the publisher's rank and the time of publishing.
+    let SubItem::Batch { batch: third, .. } = &items[2] else {
+        panic!("{items:?}")
+    };
+    assert_eq!(third.dp_rank, Some(0));
+    assert!(third.ts > 1.7e9, "{}", third.ts);
     assert_eq!(b.events.len(), 3);
     let KvEvent::BlockStored(s) = &b.events[0] else {
         panic!("{b:?}")
@@ -305,7 +324,7 @@ fn the_c_event_publisher_is_read_by_the_subscriber() {
     // SAFETY: live publisher, writable out.
     let rc = unsafe { kvlink_event_publisher_stats(publisher, &mut stats) };
     assert_eq!(rc, KVLINK_OK);
-    assert_eq!((stats.published, stats.next_seq), (2, 2));
+    assert_eq!((stats.published, stats.dropped), (3, 0));
     // SAFETY: each freed once, not used afterwards.
     unsafe {
         kvlink_event_batch_free(batch);

@@ -386,11 +386,13 @@ impl EventPublisher {
             events: out,
             dp_rank: Some(dp_rank.unwrap_or(self.dp_rank)),
         };
+        // The push never blocks, so the GIL stays held: releasing it while holding the lock
+        // would deadlock against a thread that holds the GIL and waits for the lock (stats).
         let guard = self.inner.lock().expect("publisher lock");
         let p = guard
             .as_ref()
             .ok_or_else(|| KvlinkError::new_err("the KV-event publisher is closed"))?;
-        py.allow_threads(|| p.publish(batch)).map_err(events_err)
+        p.publish(batch).map_err(events_err)
     }
 
     /// Counters: `published`, `dropped`, `queued`, `next_seq`, `replay_requests`,
@@ -531,15 +533,17 @@ impl EventSubscriber {
 
     /// The last sequence handed out, or None.
     #[getter]
-    fn last_seq(&self) -> Option<u64> {
-        self.inner.lock().expect("subscriber lock").last_seq()
+    fn last_seq(&self, py: Python<'_>) -> Option<u64> {
+        // next() holds the lock while it waits: wait for it without the GIL.
+        py.allow_threads(|| self.inner.lock().expect("subscriber lock").last_seq())
     }
 
     /// Counters: `received`, `delivered`, `duplicates`, `replays` (gaps and late joins filled
     /// by replay), `replay_failures`, `resyncs`, `malformed_batches`, `skipped_events`,
     /// `bad_messages`.
     fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
-        let s = self.inner.lock().expect("subscriber lock").stats();
+        // next() holds the lock while it waits: wait for it without the GIL.
+        let s = py.allow_threads(|| self.inner.lock().expect("subscriber lock").stats());
         let d = PyDict::new(py);
         d.set_item("received", s.received)?;
         d.set_item("delivered", s.delivered)?;
