@@ -455,20 +455,11 @@ pub unsafe extern "C" fn kvlink_engine_read_blocks(
     remote: *const u32,
     count: usize,
 ) -> c_int {
-    guard(|| {
-        // SAFETY: the caller promised a live engine or NULL.
-        let e = unsafe { ref_arg(engine, "engine") }?;
-        // SAFETY: the caller promised NUL-terminated strings or NULL.
-        let peer = unsafe { str_arg(peer, "peer") }?;
-        // SAFETY: as above.
-        let id = unsafe { str_arg(request_id, "request_id") }?;
-        // SAFETY: the caller promised `count` readable ids or NULL.
-        let local = unsafe { slice_arg(local, count, "local") }?;
-        // SAFETY: as above.
-        let remote = unsafe { slice_arg(remote, count, "remote") }?;
-        e.engine.read_blocks(peer, id, local, remote)?;
-        Ok(())
-    })
+    // SAFETY: the same contract as `kvlink_engine_read_blocks_as`, with the prefill's id being
+    // this engine's own.
+    unsafe {
+        kvlink_engine_read_blocks_as(engine, peer, request_id, request_id, local, remote, count)
+    }
 }
 
 /// `kvlink_engine_read_blocks` of a request the prefill holds under another id:

@@ -64,6 +64,21 @@ impl kvlink_finished {
         }
     }
 
+    /// Receiving entry `index`'s position in `finished.reports`.
+    fn report_at(&self, index: usize) -> FfiResult<usize> {
+        let id = self.finished.receiving.get(index).ok_or_else(|| {
+            invalid(format!(
+                "index {index} is out of range: there are {} receiving entries",
+                self.finished.receiving.len()
+            ))
+        })?;
+        self.finished
+            .reports
+            .iter()
+            .position(|r| &r.id == id)
+            .ok_or_else(|| invalid(format!("receiving entry {index} ({id}) carries no report")))
+    }
+
     fn failed(&self, index: usize) -> FfiResult<&FailedRequest> {
         self.finished.failed.get(index).ok_or_else(|| {
             invalid(format!(
@@ -112,18 +127,7 @@ pub unsafe extern "C" fn kvlink_finished_report(
         // SAFETY: the caller promised a live kvlink_finished or NULL.
         let f = unsafe { ref_arg(finished, "finished") }?;
         check_out(out, "out")?;
-        let id = f.finished.receiving.get(index).ok_or_else(|| {
-            invalid(format!(
-                "index {index} is out of range: there are {} receiving entries",
-                f.finished.receiving.len()
-            ))
-        })?;
-        let r = f
-            .finished
-            .reports
-            .iter()
-            .find(|r| &r.id == id)
-            .ok_or_else(|| invalid(format!("receiving entry {index} ({id}) carries no report")))?;
+        let r = &f.finished.reports[f.report_at(index)?];
         let transport: &'static std::ffi::CStr = match r.transport {
             "rdma" => c"rdma",
             "tcp" => c"tcp",
@@ -159,21 +163,7 @@ pub unsafe extern "C" fn kvlink_finished_report_peer(
         || {
             // SAFETY: the caller promised a live kvlink_finished or NULL.
             let f = unsafe { ref_arg(finished, "finished") }?;
-            let id = f.finished.receiving.get(index).ok_or_else(|| {
-                invalid(format!(
-                    "index {index} is out of range: there are {} receiving entries",
-                    f.finished.receiving.len()
-                ))
-            })?;
-            let at = f
-                .finished
-                .reports
-                .iter()
-                .position(|r| &r.id == id)
-                .ok_or_else(|| {
-                    invalid(format!("receiving entry {index} ({id}) carries no report"))
-                })?;
-            Ok(f.peers[at].as_ptr())
+            Ok(f.peers[f.report_at(index)?].as_ptr())
         },
     )
 }
