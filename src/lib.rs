@@ -23,7 +23,7 @@
 
 // Layers, top to bottom (each imports only from those below it; docs/architecture.md):
 //   engine (API) > session > state > control, transport, completion > plan, layout, memory, gpu
-//   > config, ids, error.   events stands apart.
+//   > config, ids, inbox, error.   events stands apart.
 mod auth;
 mod completion;
 mod config;
@@ -37,6 +37,7 @@ mod fuzzing;
 mod gpu;
 mod grant;
 mod ids;
+mod inbox;
 mod layout;
 mod log_limit;
 #[allow(unsafe_code)]
@@ -57,6 +58,7 @@ pub use engine::{Capabilities, Engine, EngineStats};
 pub use error::{Error, RdmaError, RdmaErrorKind, Result};
 pub use gpu::{GpuApi, GpuError, GpuReport, PointerKind};
 pub use ids::{BlockId, RegionId, RequestId, MAX_REQUEST_ID_LEN};
+pub use inbox::{PeerMessage, MAX_MESSAGE_BYTES};
 pub use layout::{KvLayout, ModelShape, TensorLayout, MAX_TENSORS};
 pub use memory::{DeviceMemory, ExternalMemory, MemoryKind, Region, RegionInfo};
 pub use transport::rdma::RdmaSettings;
@@ -70,6 +72,7 @@ pub mod internal {
     pub use crate::config::{check_duration, MAX_DURATION};
     pub use crate::control::{frame, messages};
     pub use crate::grant::Grant;
+    pub use crate::inbox::Body as MessageBody;
 
     /// Fuzzing entry points (cargo-fuzz targets and corpus tests).
     pub mod fuzz {

@@ -4,7 +4,7 @@
 //! implements the handshake service's [`ControlHandler`] and the data server's
 //! [`RegionLookup`]. It never sees a session.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -15,12 +15,13 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use crate::auth::{AuthKey, SessionSecret};
 use crate::completion::{CompletionTracker, SendNotice};
 use crate::config::EngineConfig;
-use crate::control::messages::{Descriptor, TransportInfo};
+use crate::control::messages::{Descriptor, Message, TransportInfo};
 use crate::control::{frame::PROTOCOL_VERSION, ControlHandler, ControlTimeouts};
 use crate::error::{Error, Result};
 use crate::gpu::Runtimes;
 use crate::grant::Grant;
 use crate::ids::{BlockId, RegionId, RequestId};
+use crate::inbox::{Inbox, PeerMessage, Refused};
 use crate::layout::KvLayout;
 use crate::memory::{Region, RegionInfo};
 use crate::transport::rdma::{self, RdmaDevice, RdmaFault, ServerQps};
@@ -36,6 +37,10 @@ pub(crate) struct Counters {
     pub(crate) data_requests_refused: AtomicU64,
     pub(crate) bytes_served: AtomicU64,
     pub(crate) notices_refused: AtomicU64,
+    pub(crate) messages_received: AtomicU64,
+    pub(crate) messages_refused: AtomicU64,
+    pub(crate) messages_sent: AtomicU64,
+    pub(crate) messages_unsent: AtomicU64,
 }
 
 /// A read in flight: the control of its running attempt, and whether the caller cancelled it.
@@ -72,6 +77,10 @@ pub(crate) struct EngineState {
     /// Authenticated control sessions, by id, with the engine id each reader declared: their
     /// data connections are served, as that engine.
     data_sessions: Mutex<HashMap<[u8; 16], DataSession>>,
+    /// Application messages from peers, not yet taken (`Engine::take_messages`).
+    pub(crate) inbox: Mutex<Inbox>,
+    /// Application messages waiting for a peer's session, by handshake address, in call order.
+    pub(crate) outbox: Mutex<HashMap<String, VecDeque<Message>>>,
 }
 
 impl EngineState {
@@ -105,6 +114,8 @@ impl EngineState {
             gpus,
             staging: StagingPool::new(config.staging_chunk_bytes as usize, config.staging_buffers),
             data_sessions: Mutex::new(HashMap::new()),
+            inbox: Mutex::new(Inbox::default()),
+            outbox: Mutex::new(HashMap::new()),
             closing: std::sync::atomic::AtomicBool::new(false),
             reads: Mutex::new(HashMap::new()),
             config,
@@ -309,6 +320,40 @@ impl ControlHandler for EngineState {
                 .fetch_add(1, Ordering::Relaxed);
         }
         r
+    }
+
+    fn message(
+        &self,
+        peer: SocketAddr,
+        from: &str,
+        body: Vec<u8>,
+    ) -> std::result::Result<(), String> {
+        let len = body.len();
+        let m = PeerMessage {
+            from: from.to_string(),
+            peer,
+            body,
+        };
+        let r = self.inbox.lock().push(m);
+        let c = &self.counters;
+        match r {
+            Ok(()) => {
+                c.messages_received.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(why) => {
+                c.messages_refused.fetch_add(1, Ordering::Relaxed);
+                Err(match why {
+                    Refused::TooLarge => format!(
+                        "message of {len} bytes is over the {} byte limit",
+                        crate::inbox::MAX_MESSAGE_BYTES
+                    ),
+                    Refused::Full => "inbox full: the application does not take its messages \
+                                      (Engine::take_messages)"
+                        .to_string(),
+                })
+            }
+        }
     }
 
     fn handshake(&self, accepted: bool) {

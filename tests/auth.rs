@@ -196,3 +196,49 @@ fn before_authentication_only_small_frames_are_read() {
     assert!(text.contains("authentication failed"), "{text}");
     assert_eq!(prefill.engine.stats().handshakes_accepted, 0);
 }
+
+#[test]
+fn messages_reach_an_engine_only_through_an_authenticated_session() {
+    let shape = ModelShape::LLAMA3_8B;
+    let server = side(&shape, 4, None, keyed(KEY));
+    let addr = server.engine.handshake_address().to_string();
+    // A message as the first frame, without authentication: refused, nothing queued.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let msg = Message::AppMessage {
+        body: kvlink::internal::MessageBody(b"forged".to_vec()),
+    };
+    s.write_all(&frame::encode(&msg).unwrap()).unwrap();
+    let mut answer = Vec::new();
+    let _ = s.read_to_end(&mut answer);
+    assert!(
+        String::from_utf8_lossy(&answer).contains("requires authentication"),
+        "{answer:?}"
+    );
+    // Engines with another key, or none: their messages never arrive.
+    let other = side(&shape, 4, None, keyed("another-deployment-key-98765"));
+    let none = side(&shape, 4, None, quick_config());
+    other.engine.send_message(&addr, b"x".to_vec()).unwrap();
+    none.engine.send_message(&addr, b"y".to_vec()).unwrap();
+    // The same key: delivered, with the sender's engine id.
+    let friend = side(&shape, 4, None, keyed(KEY));
+    friend.engine.send_message(&addr, b"ok".to_vec()).unwrap();
+    let end = std::time::Instant::now() + Duration::from_secs(20);
+    let mut got = Vec::new();
+    while (other.engine.stats().messages_unsent == 0
+        || none.engine.stats().messages_unsent == 0
+        || got.is_empty())
+        && std::time::Instant::now() < end
+    {
+        got.extend(server.engine.take_messages());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    got.extend(server.engine.take_messages());
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0].body, b"ok");
+    assert_eq!(got[0].from, friend.engine.engine_id());
+    assert_eq!(other.engine.stats().messages_unsent, 1);
+    assert_eq!(none.engine.stats().messages_unsent, 1);
+    assert_eq!(server.engine.stats().messages_received, 1);
+}

@@ -424,3 +424,63 @@ fn a_decode_reads_under_its_own_id_and_rejects_or_releases_free_a_hold() {
     );
     assert_eq!(decode.engine.stats().totals.reads_done, 1);
 }
+
+/// Waits until `engine` has taken at least `n` messages (or `limit` passed).
+fn take_messages(engine: &kvlink::Engine, n: usize, limit: Duration) -> Vec<kvlink::PeerMessage> {
+    let end = std::time::Instant::now() + limit;
+    let mut got = Vec::new();
+    while got.len() < n && std::time::Instant::now() < end {
+        got.extend(engine.take_messages());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    got
+}
+
+#[test]
+fn application_messages_arrive_in_order_both_ways_with_the_senders_engine_id() {
+    let shape = ModelShape::LLAMA3_8B;
+    let a = side(&shape, 4, None, EngineConfig::default());
+    let b = side(&shape, 4, None, EngineConfig::default());
+    let (a_addr, b_addr) = (
+        a.engine.handshake_address().to_string(),
+        b.engine.handshake_address().to_string(),
+    );
+    // A first contact: the first messages wait for the session, later ones queue behind them.
+    for i in 0..300u32 {
+        a.engine
+            .send_message(&b_addr, i.to_be_bytes().to_vec())
+            .unwrap();
+    }
+    let big = vec![0xabu8; kvlink::MAX_MESSAGE_BYTES];
+    a.engine.send_message(&b_addr, big.clone()).unwrap();
+    b.engine.send_message(&a_addr, b"back".to_vec()).unwrap();
+    let got = take_messages(&b.engine, 301, Duration::from_secs(20));
+    assert_eq!(got.len(), 301);
+    for (i, m) in got.iter().take(300).enumerate() {
+        assert_eq!(m.body, (i as u32).to_be_bytes(), "message {i} out of order");
+        assert_eq!(m.from, a.engine.engine_id());
+    }
+    assert_eq!(got[300].body, big);
+    let back = take_messages(&a.engine, 1, Duration::from_secs(20));
+    assert_eq!(back[0].body, b"back");
+    assert_eq!(back[0].from, b.engine.engine_id());
+    let s = a.engine.stats();
+    assert_eq!((s.messages_sent, s.messages_unsent), (301, 0));
+    assert_eq!(b.engine.stats().messages_received, 301);
+
+    // Too large: refused on the spot. Unreachable peer: counted as unsent, nothing blocks.
+    let e = a
+        .engine
+        .send_message(&b_addr, vec![0; kvlink::MAX_MESSAGE_BYTES + 1])
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_addr = dead.local_addr().unwrap().to_string();
+    drop(dead);
+    a.engine.send_message(&dead_addr, b"lost".to_vec()).unwrap();
+    let end = std::time::Instant::now() + Duration::from_secs(20);
+    while a.engine.stats().messages_unsent == 0 && std::time::Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(a.engine.stats().messages_unsent, 1);
+}

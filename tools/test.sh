@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (README, CI): format and lint checks, every Rust test on the host,
 # the Python bindings' tests (wheel built with maturin into .venv), the vLLM connector through
-# vLLM's own Scheduler (the same wheel installed into .venv-vllm beside a pinned vLLM), then
+# vLLM's own Scheduler (the same wheel installed into .venv-vllm beside a pinned vLLM), the
+# SGLang backend through SGLang's own queues (a pinned SGLang wheel in the same venv), then
 # the RDMA tests for real inside a SoftRoCE VM (tools/softroce/run.sh). Installs what it needs
 # (tools/deps.sh, PyPI into .venv and .venv-vllm, the VM's packages).
 #   KVLINK_SKIP_VM=1 tools/test.sh    # host only: the VM part is reported as skipped
@@ -15,14 +16,20 @@
 set -euo pipefail
 
 # Fewer tests than these, run for real (skips excluded), fail the part.
-MIN_HOST=145
+MIN_HOST=155
 MIN_KEYED=15
-MIN_PYTHON=35
+MIN_PYTHON=38
 MIN_VM=12
 MIN_VLLM=13
+MIN_SGLANG=15
 # The vLLM release the connector is tested against (0.33.0 needs a newer certifi than PyPI
 # mirrors here carry).
 VLLM_PIN="vllm==0.32.0"
+# The SGLang release the transfer backend is tested against. Its wheel goes into .venv-vllm
+# without its dependencies (it pins another torch than vLLM 0.32), plus the few its
+# disaggregation code imports that vLLM does not bring.
+SGLANG_PIN="sglang==0.5.23"
+SGLANG_EXTRAS="orjson==3.13.0 ipython==9.18.1 gguf==0.19.0"
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
@@ -184,6 +191,25 @@ else
   vl_failed=1
 fi
 
+# SGLang's own queues (prefill bootstrap and inflight, decode prealloc and transfer) drive
+# kvlink's backend (kvlink.sglang) in two processes, loaded by SGLang's plugin loader.
+echo "test: the SGLang backend through SGLang's own queues ($SGLANG_PIN in .venv-vllm)"
+sg_passed=0; sg_failed=0; sg_skipped=0; sg_why=""
+if [ "$vllm_ready" = 1 ] && { .venv-vllm/bin/python -c "import sys; from importlib.metadata import version; sys.exit(version('sglang') != '${SGLANG_PIN#sglang==}')" 2>/dev/null \
+    || .venv-vllm/bin/pip install -q --disable-pip-version-check --no-deps "$SGLANG_PIN"; } \
+    && .venv-vllm/bin/pip install -q --disable-pip-version-check $SGLANG_EXTRAS; then
+  sglog=$(mktemp)
+  set +e
+  (cd tests/sglang && ../../.venv-vllm/bin/python -m pytest -q -rs -p no:cacheprovider -p no:warnings) 2>&1 | tee "$sglog"
+  sg_rc=${PIPESTATUS[0]}
+  set -e
+  tally_pytest "$sglog" "$sg_rc" "$MIN_SGLANG" SGLang
+  sg_passed=$part_passed sg_failed=$part_failed sg_skipped=$part_skipped sg_why=$part_why
+else
+  echo "test: $SGLANG_PIN could not be installed into .venv-vllm (output above): the SGLang backend tests cannot run" >&2
+  sg_failed=1
+fi
+
 vm_passed=0; vm_failed=0; vm_skipped=0
 if [ "${KVLINK_SKIP_VM:-0}" = 1 ]; then
   vm_line="SoftRoCE VM: skipped (KVLINK_SKIP_VM=1; the RDMA tests did not run for real)"
@@ -225,6 +251,7 @@ echo "  host: $host_passed passed, $host_failed failed, $host_skipped skipped$ho
 echo "  host, every engine keyed: $key_passed passed, $key_failed failed, $key_skipped skipped$key_why"
 echo "  python: $py_passed passed, $py_failed failed, $py_skipped skipped$py_why"
 echo "  vLLM connector ($VLLM_PIN): $vl_passed passed, $vl_failed failed, $vl_skipped skipped$vl_why"
+echo "  SGLang backend ($SGLANG_PIN, no deps, beside $VLLM_PIN): $sg_passed passed, $sg_failed failed, $sg_skipped skipped$sg_why"
 echo "  $vm_line"
-echo "tests: $((host_passed + key_passed + py_passed + vl_passed + vm_passed)) passed, $((host_failed + key_failed + py_failed + vl_failed + vm_failed)) failed, $((host_skipped + key_skipped + py_skipped + vl_skipped + vm_skipped)) skipped"
-[ "$host_failed" -eq 0 ] && [ "$key_failed" -eq 0 ] && [ "$py_failed" -eq 0 ] && [ "$vl_failed" -eq 0 ] && [ "$vm_failed" -eq 0 ]
+echo "tests: $((host_passed + key_passed + py_passed + vl_passed + sg_passed + vm_passed)) passed, $((host_failed + key_failed + py_failed + vl_failed + sg_failed + vm_failed)) failed, $((host_skipped + key_skipped + py_skipped + vl_skipped + sg_skipped + vm_skipped)) skipped"
+[ "$host_failed" -eq 0 ] && [ "$key_failed" -eq 0 ] && [ "$py_failed" -eq 0 ] && [ "$vl_failed" -eq 0 ] && [ "$sg_failed" -eq 0 ] && [ "$vm_failed" -eq 0 ]

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
+use crate::inbox::Body;
 use crate::layout::KvLayout;
 use crate::memory::RegionInfo;
 use crate::transport::rdma::{QpEndpoint, RdmaRegionInfo};
@@ -234,6 +235,13 @@ pub enum Message {
         generation: u64,
         /// The server's queue pairs, one per reader queue pair.
         qps: Vec<QpEndpoint>,
+    },
+    /// Reader to server, after the handshake: bytes for the server engine's application
+    /// (`Engine::send_message`), queued in its inbox (`Engine::take_messages`). Not answered;
+    /// over [`MAX_MESSAGE_BYTES`](crate::inbox::MAX_MESSAGE_BYTES) it is dropped alone.
+    AppMessage {
+        /// The application's bytes.
+        body: Body,
     },
     /// Keep-alive probe.
     Ping {

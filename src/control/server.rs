@@ -32,6 +32,14 @@ pub(crate) trait ControlHandler: Send + Sync + 'static {
         id: RequestId,
         notice: SendNotice,
     ) -> std::result::Result<(), String>;
+    /// An application message from reader engine `from` (after its handshake); refused, with
+    /// the reason, when too large or when the inbox is full.
+    fn message(
+        &self,
+        peer: SocketAddr,
+        from: &str,
+        body: Vec<u8>,
+    ) -> std::result::Result<(), String>;
     /// A handshake ended: accepted or refused.
     fn handshake(&self, accepted: bool);
     /// A reader asks for queue pairs connected to its own. Returns ours and a guard that keeps
@@ -282,6 +290,13 @@ async fn session(
                 bad_notices += 1;
                 if bad_notices == 1 {
                     tracing::warn!(%peer, len = request_id.as_str().len(), "notice with an invalid request id ignored (further ones on this connection are counted, not logged)");
+                }
+            }
+            // Refused alone (too large, inbox full): the session goes on; the engine counts and
+            // logs it.
+            Ok(Message::AppMessage { body }) => {
+                if let Err(why) = handler.message(peer, from, body.0) {
+                    warn_limited!(REFUSED, %peer, engine = from, %why, "refused a peer's message");
                 }
             }
             Ok(Message::RdmaConnect { generation, qps }) => match handler.rdma_accept(peer, &qps) {

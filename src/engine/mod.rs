@@ -24,6 +24,7 @@ use crate::control::{
 use crate::error::{Error, Result};
 use crate::gpu::{GpuApi, PointerKind, Runtimes};
 use crate::ids::{BlockId, RegionId, RequestId};
+use crate::inbox::{Body, PeerMessage, MAX_MESSAGE_BYTES, OUTBOX_MESSAGES};
 use crate::layout::KvLayout;
 use crate::memory::{DeviceMemory, ExternalMemory, Region};
 use crate::plan;
@@ -519,6 +520,94 @@ impl Engine {
         Ok(())
     }
 
+    /// Sends `body` to the engine at `peer` (a handshake address) over the authenticated
+    /// control connection, for its application ([`take_messages`](Engine::take_messages)):
+    /// connectors use it to announce what a reader may read (SGLang's chunks). Returns at once;
+    /// messages to one peer go out in call order once its session is up (a first contact
+    /// connects within the connect and handshake timeouts). A message that cannot be sent
+    /// (peer unreachable, its queue full) is logged and counted in `messages_unsent`: the
+    /// application's protocol must time out on its own. `body` is at most
+    /// [`MAX_MESSAGE_BYTES`](crate::MAX_MESSAGE_BYTES).
+    pub fn send_message(&self, peer: &str, body: Vec<u8>) -> Result<()> {
+        if body.len() > MAX_MESSAGE_BYTES {
+            return Err(Error::InvalidArgument(format!(
+                "message of {} bytes is over the {MAX_MESSAGE_BYTES} byte limit",
+                body.len()
+            )));
+        }
+        let rt = self.runtime.read();
+        let rt = rt.as_ref().ok_or(Error::Shutdown)?;
+        let msg = Message::AppMessage { body: Body(body) };
+        let shared = self.shared.clone();
+        let counted = move |sent: bool| {
+            let c = &shared.counters;
+            let c = if sent {
+                &c.messages_sent
+            } else {
+                &c.messages_unsent
+            };
+            c.fetch_add(1, Ordering::Relaxed);
+        };
+        // In order behind the messages still waiting for this peer's session: a ready session
+        // takes the message now only when none is waiting.
+        let mut waiting = self.shared.outbox.lock();
+        let queue = waiting.entry(peer.to_string()).or_default();
+        if queue.is_empty() {
+            if let Some(c) = self.sessions.ready_conn(peer) {
+                counted(c.control.notify(msg));
+                return Ok(());
+            }
+        }
+        let first = queue.is_empty();
+        if queue.len() >= OUTBOX_MESSAGES {
+            counted(false);
+            return Err(Error::ConnectionLost {
+                peer: peer.to_string(),
+                reason: format!(
+                    "the session is not up yet and {OUTBOX_MESSAGES} messages already wait for it"
+                ),
+            });
+        }
+        queue.push_back(msg);
+        drop(waiting);
+        if first {
+            let sessions = self.sessions.clone();
+            let shared = self.shared.clone();
+            let peer = peer.to_string();
+            // `Sessions::get` bounds the whole connect itself.
+            rt.spawn(async move {
+                let conn = sessions.get(&peer).await;
+                // Queued under the lock: a later call waits, and so goes out after these.
+                let mut waiting = shared.outbox.lock();
+                let queued = waiting.remove(&peer).unwrap_or_default();
+                let c = &shared.counters;
+                match conn {
+                    Ok(conn) => {
+                        for m in queued {
+                            let sent = conn.control.notify(m);
+                            let c = if sent { &c.messages_sent } else { &c.messages_unsent };
+                            c.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    Err(e) => {
+                        let n = queued.len() as u64;
+                        c.messages_unsent.fetch_add(n, Ordering::Relaxed);
+                        tracing::warn!(%peer, messages = n, error = %e, "could not send messages: no session to the peer");
+                    }
+                }
+            });
+        }
+        Ok(())
+    }
+
+    /// The messages peers sent this engine since the last call, in arrival order: each with
+    /// the sender's engine id (from its authenticated handshake). The inbox keeps at most 4,096
+    /// messages or 16 MiB; beyond that new ones are refused (counted in `messages_refused`,
+    /// logged), so take them every scheduler step. Never blocks.
+    pub fn take_messages(&self) -> Vec<PeerMessage> {
+        self.shared.inbox.lock().take()
+    }
+
     /// Everything that finished since the last call, each request once.
     pub fn get_finished(&self) -> Finished {
         let mut t = self.shared.tracker.lock();
@@ -555,6 +644,10 @@ impl Engine {
             bytes_staged_out: self.shared.staging.staged_out(),
             bytes_staged_in: self.shared.staging.staged_in(),
             notices_refused: get(&c.notices_refused),
+            messages_received: get(&c.messages_received),
+            messages_refused: get(&c.messages_refused),
+            messages_sent: get(&c.messages_sent),
+            messages_unsent: get(&c.messages_unsent),
             totals: self.shared.tracker.lock().totals(),
         }
     }

@@ -24,6 +24,14 @@ pub struct EngineStats {
     pub bytes_staged_in: u64,
     /// Readers' done/abort notices refused (request not held, or held for another reader).
     pub notices_refused: u64,
+    /// Peers' application messages queued in the inbox.
+    pub messages_received: u64,
+    /// Peers' application messages refused (over the size limit, or the inbox full).
+    pub messages_refused: u64,
+    /// Application messages handed to a peer's control connection.
+    pub messages_sent: u64,
+    /// Application messages that could not be sent (peer unreachable, its queue full).
+    pub messages_unsent: u64,
     /// Requests finished on each side since the engine started, by outcome.
     pub totals: Totals,
 }

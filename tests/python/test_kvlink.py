@@ -467,3 +467,26 @@ def test_metrics_render_and_serve():
             urllib.request.urlopen(url.replace("/metrics", "/other"), timeout=5)
     finally:
         server.shutdown()
+
+
+def test_messages_arrive_in_order_with_the_senders_engine_id():
+    a, b = kvlink.Engine(), kvlink.Engine()
+    for e in (a, b):
+        e.register_kv_caches(make_caches(1, 4, 64, 0), 16, "bfloat16")
+    for i in range(50):
+        a.send_message(b.handshake_address, f"m{i}".encode())
+    a.send_message(b.handshake_address, b"\0" * 65536)
+    with pytest.raises(kvlink.InvalidArgument, match="limit"):
+        a.send_message(b.handshake_address, b"\0" * 65537)
+    got = []
+    end = time.monotonic() + 10
+    while len(got) < 51 and time.monotonic() < end:
+        got += b.messages()
+        time.sleep(0.01)
+    assert [body for _, body in got[:50]] == [f"m{i}".encode() for i in range(50)]
+    assert len(got[50][1]) == 65536
+    assert {sender for sender, _ in got} == {a.engine_id}
+    assert b.messages() == []
+    assert a.stats()["messages_sent"] == 51 and b.stats()["messages_received"] == 51
+    a.close()
+    b.close()

@@ -133,6 +133,11 @@
 #define KVLINK_ADDRESS_MAX 80
 
 /**
+ * Largest body `kvlink_engine_send_message` sends (64 KiB).
+ */
+#define KVLINK_MESSAGE_MAX 65536
+
+/**
  * Longest timeout any function accepts, in milliseconds (7 days).
  */
 #define KVLINK_TIMEOUT_MAX_MS 604800000
@@ -188,6 +193,13 @@ typedef struct kvlink_event_publisher kvlink_event_publisher;
  * be read from several threads at once, but not while `kvlink_finished_add*` changes it.
  */
 typedef struct kvlink_finished kvlink_finished;
+
+/**
+ * Messages taken from an engine's inbox, oldest first. Opaque: made by
+ * `kvlink_engine_take_messages`, freed with `kvlink_messages_free`; what its accessors return
+ * is owned by it and stays valid until then.
+ */
+typedef struct kvlink_messages kvlink_messages;
 
 /**
  * Settings of `kvlink_engine_start`. Fill one with `kvlink_config_default`, then change fields.
@@ -663,6 +675,68 @@ int kvlink_engine_hold_blocks(struct kvlink_engine *engine,
 int kvlink_engine_wait_finished(struct kvlink_engine *engine,
                                 uint64_t timeout_ms,
                                 struct kvlink_finished **out);
+
+/**
+ * Sends `len` bytes at `body` (at most `KVLINK_MESSAGE_MAX`) to the engine whose handshake
+ * address is `peer`, over the authenticated control connection, for its application
+ * (`kvlink_engine_take_messages`). The bytes are copied before the call returns. Returns at
+ * once: messages to one peer arrive in call order once its session is up; one that cannot be
+ * delivered (peer unreachable) is logged and counted, so the application's own protocol must
+ * time out. `KVLINK_E_INVALID` for a body over the limit or a NULL argument (`body` may be NULL
+ * when `len` is 0), `KVLINK_E_SHUTDOWN` after close.
+ *
+ * # Safety
+ * `engine` is NULL or a live engine; `peer` is NULL or NUL-terminated; `body` is NULL or points
+ * to `len` readable bytes.
+ */
+int kvlink_engine_send_message(const struct kvlink_engine *engine,
+                               const char *peer,
+                               const uint8_t *body,
+                               size_t len);
+
+/**
+ * Takes the messages peers sent this engine since the last call (oldest first) into a new
+ * `kvlink_messages` stored in `*out` (possibly empty), which the caller frees with
+ * `kvlink_messages_free`. The inbox keeps at most 4,096 messages or 16 MiB and refuses what does
+ * not fit, so call it every scheduler step. Never blocks.
+ *
+ * # Safety
+ * `engine` is NULL or a live engine; `out` is NULL or points to writable memory for a pointer.
+ */
+int kvlink_engine_take_messages(const struct kvlink_engine *engine, struct kvlink_messages **out);
+
+/**
+ * Number of messages in `messages`; 0, with the last error set, when it is NULL.
+ *
+ * # Safety
+ * `messages` is NULL or a live `kvlink_messages`.
+ */
+size_t kvlink_messages_count(const struct kvlink_messages *messages);
+
+/**
+ * Message `index` of `messages`: stores the sender's engine id (as it proved it in its
+ * handshake; a NUL-terminated string) in `*from`, the body's address in `*body` and its length
+ * in `*len`, all owned by `messages` (valid until `kvlink_messages_free`). Any of the three
+ * output pointers may be NULL. `KVLINK_E_INVALID` when `messages` is NULL or `index` out of
+ * range.
+ *
+ * # Safety
+ * `messages` is NULL or a live `kvlink_messages`; each output pointer is NULL or writable.
+ */
+int kvlink_messages_get(const struct kvlink_messages *messages,
+                        size_t index,
+                        const char **from,
+                        const uint8_t **body,
+                        size_t *len);
+
+/**
+ * Frees a `kvlink_messages` and what its accessors returned. NULL is ignored.
+ *
+ * # Safety
+ * `messages` is NULL or a `kvlink_messages` not freed yet, which no other thread uses during or
+ * after this call.
+ */
+void kvlink_messages_free(struct kvlink_messages *messages);
 
 /**
  * Stores in `*out` what receiving entry `index` of `finished` moved (bytes, segments, blocks,

@@ -46,6 +46,7 @@ const _: () = {
     shareable::<kvlink_finished>();
     shareable::<kvlink_aggregator>();
     shareable::<crate::events::kvlink_event_publisher>();
+    shareable::<crate::messages::kvlink_messages>();
 };
 
 /// A kvlink engine (one per worker process and tensor-parallel rank). Opaque: create it with
@@ -54,7 +55,7 @@ const _: () = {
 /// Every function taking an engine may be called from several threads at once, except
 /// `kvlink_engine_free`, which must be the last call on it.
 pub struct kvlink_engine {
-    engine: Engine,
+    pub(crate) engine: Engine,
 }
 
 /// Starts an engine: binds its handshake service and data server and starts its threads.

@@ -1,6 +1,6 @@
 //! The C ABI of kvlink.
 //!
-//! Every type C sees is either an opaque handle (`kvlink_engine`, `kvlink_finished`,
+//! Every type C sees is either an opaque handle (`kvlink_engine`, `kvlink_messages`, `kvlink_finished`,
 //! `kvlink_aggregator`, `kvlink_event_publisher`, `kvlink_event_batch`, always behind a pointer) or a `#[repr(C)]` struct whose layout is
 //! asserted below. Every function that can fail returns a status (`KVLINK_OK` or a negative
 //! `KVLINK_E_*` code) and leaves a message for [`kvlink_last_error`]; every body runs under
@@ -28,6 +28,8 @@ mod args;
 mod config;
 
 mod engine;
+
+mod messages;
 
 mod finished;
 
@@ -63,10 +65,14 @@ pub use crate::finished::{
     kvlink_finished_reason, kvlink_finished_report_peer, kvlink_finished_side,
 };
 pub use crate::guard::{kvlink_last_error, kvlink_version};
+pub use crate::messages::{
+    kvlink_engine_send_message, kvlink_engine_take_messages, kvlink_messages,
+    kvlink_messages_count, kvlink_messages_free, kvlink_messages_get,
+};
 pub use crate::status::{
     KVLINK_ADDRESS_MAX, KVLINK_E_CONNECTION, KVLINK_E_GPU, KVLINK_E_INCOMPATIBLE,
     KVLINK_E_INTERNAL, KVLINK_E_INVALID, KVLINK_E_IO, KVLINK_E_MEMORY, KVLINK_E_RDMA,
-    KVLINK_E_SHUTDOWN, KVLINK_E_TIMEOUT, KVLINK_FAILED, KVLINK_OK, KVLINK_RECEIVING,
-    KVLINK_SENDING, KVLINK_SIDE_RECV, KVLINK_SIDE_SEND, KVLINK_TIMEOUT_MAX_MS,
+    KVLINK_E_SHUTDOWN, KVLINK_E_TIMEOUT, KVLINK_FAILED, KVLINK_MESSAGE_MAX, KVLINK_OK,
+    KVLINK_RECEIVING, KVLINK_SENDING, KVLINK_SIDE_RECV, KVLINK_SIDE_SEND, KVLINK_TIMEOUT_MAX_MS,
     KVLINK_TRANSPORT_AUTO, KVLINK_TRANSPORT_RDMA, KVLINK_TRANSPORT_TCP,
 };

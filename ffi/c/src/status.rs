@@ -56,6 +56,10 @@ pub const KVLINK_SIDE_RECV: c_int = 1;
 /// A buffer of this many bytes always holds a handshake address and its NUL.
 pub const KVLINK_ADDRESS_MAX: usize = 80;
 
+/// Largest body `kvlink_engine_send_message` sends (64 KiB).
+pub const KVLINK_MESSAGE_MAX: usize = 65_536;
+const _: () = assert!(KVLINK_MESSAGE_MAX == kvlink::MAX_MESSAGE_BYTES);
+
 /// Longest timeout any function accepts, in milliseconds (7 days).
 pub const KVLINK_TIMEOUT_MAX_MS: u64 = 604_800_000;
 

@@ -417,6 +417,48 @@ static void check_event_publisher(void) {
     kvlink_event_publisher_free(pub, 2000);
 }
 
+/* Application messages: in order, with the sender's engine id; limits and misuse refused. */
+static void check_messages(kvlink_engine *prefill, kvlink_engine *decode, const char *peer) {
+    const char *bodies[3] = {"want room 7", "", "third"};
+    for (int i = 0; i < 3; i++) {
+        CHECK(kvlink_engine_send_message(decode, peer, (const uint8_t *)bodies[i],
+                                         strlen(bodies[i])));
+    }
+    static uint8_t big[KVLINK_MESSAGE_MAX + 1];
+    CHECK_FAILS(kvlink_engine_send_message(decode, peer, big, sizeof big), KVLINK_E_INVALID,
+                "limit");
+    CHECK_FAILS(kvlink_engine_send_message(decode, peer, NULL, 4), KVLINK_E_INVALID, "NULL");
+    size_t got = 0;
+    const char *from[3];
+    char text[3][32];
+    double deadline = now_s() + 10.0;
+    while (got < 3 && now_s() < deadline) {
+        kvlink_messages *m = NULL;
+        CHECK(kvlink_engine_take_messages(prefill, &m));
+        for (size_t i = 0; i < kvlink_messages_count(m) && got < 3; i++, got++) {
+            const uint8_t *body = NULL;
+            size_t len = 0;
+            CHECK(kvlink_messages_get(m, i, &from[got], &body, &len));
+            EXPECT(len < sizeof text[got]);
+            memcpy(text[got], body, len);
+            text[got][len] = '\0';
+            EXPECT(strcmp(from[got], "c-decode") == 0);
+        }
+        CHECK_FAILS(kvlink_messages_get(m, 99, NULL, NULL, NULL), KVLINK_E_INVALID, "range");
+        kvlink_messages_free(m);
+        struct timespec pause = {0, 5000000};
+        nanosleep(&pause, NULL);
+    }
+    if (got != 3) {
+        fail(__LINE__, "%zu of 3 messages arrived", got);
+    }
+    for (int i = 0; i < 3; i++) {
+        EXPECT(strcmp(text[i], bodies[i]) == 0);
+    }
+    EXPECT(kvlink_messages_count(NULL) == 0);
+    kvlink_messages_free(NULL);
+}
+
 int main(void) {
     EXPECT(kvlink_version() != NULL && kvlink_version()[0] != '\0');
     kvlink_engine *prefill = start_engine("c-prefill");
@@ -514,6 +556,7 @@ int main(void) {
 
     check_registered_memory(decode, d_region);
     check_local_ids(prefill, decode, peer);
+    check_messages(prefill, decode, peer);
     check_cancel(decode);
     check_event_publisher();
     check_aggregator(received);

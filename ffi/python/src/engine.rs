@@ -6,7 +6,7 @@ use kvlink_core::{
     AuthKey, Engine as RsEngine, EngineConfig, KvLayout, PointerKind, RegionId, TransportChoice,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::aggregator::{finished_to_py, Finished};
 use crate::convert::{array_buffer, block_ids, request_id, seconds};
@@ -295,6 +295,28 @@ impl Engine {
         self.inner.reject(peer, id, reason).map_err(to_py)
     }
 
+    /// Sends `body` (bytes, at most 64 KiB) to the engine at `peer` over the authenticated
+    /// control connection, for its application (`messages()`): connectors announce what a
+    /// reader may read with it. Returns at once; messages to one peer arrive in call order. One
+    /// that cannot be delivered (peer unreachable) is logged and counted in `stats()`
+    /// (`messages_unsent`): the application's own protocol must time out.
+    fn send_message(&self, peer: &str, body: &[u8]) -> PyResult<()> {
+        self.inner.send_message(peer, body.to_vec()).map_err(to_py)
+    }
+
+    /// The messages peers sent since the last call, oldest first, as ``(sender engine id,
+    /// body bytes)``: the engine id is the one the sender proved in its handshake. The inbox
+    /// holds at most 4,096 messages or 16 MiB (further ones are refused and counted), so call
+    /// it every scheduler step. Never blocks.
+    fn messages<'py>(&self, py: Python<'py>) -> PyResult<Vec<(String, Bound<'py, PyBytes>)>> {
+        Ok(self
+            .inner
+            .take_messages()
+            .into_iter()
+            .map(|m| (m.from, PyBytes::new(py, &m.body)))
+            .collect())
+    }
+
     /// Prefill side: holds `blocks` of a request for its reader and grants them to it (over
     /// TCP the reader may read those blocks, and only those, under this request id). The send
     /// finishes when the reader confirms, fails when it aborts, and expires after
@@ -401,7 +423,8 @@ impl Engine {
     /// `handshakes_refused`, `data_requests_served`, `data_requests_refused`, `bytes_served`,
     /// `bytes_staged_out` (GPU bytes copied out to be sent over TCP), `bytes_staged_in`
     /// (received bytes copied into GPU memory) and `notices_refused` (readers' confirmations
-    /// of requests not held, or held for another reader); then the requests finished since
+    /// of requests not held, or held for another reader), `messages_received`,
+    /// `messages_refused`, `messages_sent`, `messages_unsent`; then the requests finished since
     /// the engine started: `reads_done`, `reads_failed` (of which `reads_expired` and
     /// `reads_cancelled`), `bytes_read`, `sends_done`, `sends_failed` (of which
     /// `sends_expired`). Every value is a monotonic counter.
@@ -416,6 +439,10 @@ impl Engine {
         d.set_item("bytes_staged_out", s.bytes_staged_out)?;
         d.set_item("bytes_staged_in", s.bytes_staged_in)?;
         d.set_item("notices_refused", s.notices_refused)?;
+        d.set_item("messages_received", s.messages_received)?;
+        d.set_item("messages_refused", s.messages_refused)?;
+        d.set_item("messages_sent", s.messages_sent)?;
+        d.set_item("messages_unsent", s.messages_unsent)?;
         let t = s.totals;
         d.set_item("reads_done", t.reads_done)?;
         d.set_item("reads_failed", t.reads_failed)?;

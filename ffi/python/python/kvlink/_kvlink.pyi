@@ -116,6 +116,13 @@ class Engine:
         """Decode side: tells the prefill at ``peer`` this engine will not read its request
         ``remote_request_id``, so it frees the blocks now (a request rejected or aborted before
         its read started). Returns at once."""
+    def send_message(self, peer: str, body: bytes) -> None:
+        """Sends ``body`` (at most 64 KiB) to the engine at ``peer`` over the authenticated
+        control connection, for its application (``messages()``); in call order per peer.
+        Returns at once; an undeliverable message is logged and counted (``messages_unsent``)."""
+    def messages(self) -> List[Tuple[str, bytes]]:
+        """Messages peers sent since the last call, oldest first: ``(sender engine id, body)``.
+        The inbox keeps at most 4,096 messages or 16 MiB; call it every scheduler step."""
     def hold_blocks(
         self,
         request_id: str,
@@ -147,7 +154,7 @@ class Engine:
     def stats(self) -> Dict[str, int]:
         """Monotonic counters: handshakes_accepted/refused, data_requests_served/refused,
         bytes_served, bytes_staged_out/in (GPU memory moved through TCP staging buffers),
-        notices_refused, reads_done/failed/expired/cancelled, bytes_read,
+        notices_refused, messages_received/refused/sent/unsent, reads_done/failed/expired/cancelled, bytes_read,
         sends_done/failed/expired (``kvlink.metrics.render`` exports them)."""
 
 class TpAggregator:

@@ -33,6 +33,10 @@ _COUNTERS: Dict[str, Tuple[str, str]] = {
     "bytes_staged_out": ("kvlink_staged_out_bytes_total", "GPU bytes copied to staging buffers to be sent."),
     "bytes_staged_in": ("kvlink_staged_in_bytes_total", "Received bytes copied from staging buffers into GPU memory."),
     "notices_refused": ("kvlink_notices_refused_total", "Done/abort notices refused (request not held for that reader)."),
+    "messages_received": ("kvlink_messages_received_total", "Peers' application messages queued."),
+    "messages_refused": ("kvlink_messages_refused_total", "Peers' application messages refused (too large, inbox full)."),
+    "messages_sent": ("kvlink_messages_sent_total", "Application messages handed to a peer's control connection."),
+    "messages_unsent": ("kvlink_messages_unsent_total", "Application messages that could not be sent."),
 }
 
 

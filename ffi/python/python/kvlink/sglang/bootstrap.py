@@ -1,0 +1,165 @@
+"""Where a decode rank finds its prefill rank: a small HTTP registry the prefill's main process
+runs on ``--disaggregation-bootstrap-port`` (SGLang starts it as the backend's bootstrap
+server), which each prefill rank tells its kvlink handshake address.
+
+The registry only hands out addresses: everything after it goes through kvlink's handshake,
+which with a deployment key authenticates both sides, so a forged registration leads a decode
+to a peer that cannot prove the key, and the read fails with that reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Dict, Optional, Tuple
+
+from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY = 4096
+MAX_RANKS = 4096
+
+
+class KvlinkBootstrapServer(BaseKVBootstrapServer):
+    """The registry: ``PUT /kvlink/route`` (a prefill rank's ``dp_rank``, ``tp_rank``,
+    ``tp_size``, ``dp_size``, ``addr``, ``engine_id``, ``page_size``, ``dtype``), ``GET /kvlink/route?dp_rank=&
+    tp_rank=`` (that rank's entry, 404 until registered), ``GET /kvlink/info`` (sizes, and
+    whether every rank registered) and ``GET /health``."""
+
+    def __init__(self, host: str, port: int):
+        self.ranks: Dict[Tuple[int, int], Dict[str, Any]] = {}
+        self.lock = threading.Lock()
+        registry = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, fmt: str, *args: Any) -> None:
+                logger.debug("bootstrap: " + fmt, *args)
+
+            def _answer(self, code: int, body: Any) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_PUT(self) -> None:
+                if urllib.parse.urlparse(self.path).path != "/kvlink/route":
+                    return self._answer(404, {"error": "unknown path"})
+                n = int(self.headers.get("Content-Length") or 0)
+                if not 0 < n <= MAX_BODY:
+                    return self._answer(400, {"error": f"body of 1 to {MAX_BODY} bytes expected"})
+                try:
+                    entry = _check_entry(json.loads(self.rfile.read(n)))
+                except (ValueError, KeyError, TypeError) as e:
+                    return self._answer(400, {"error": str(e)})
+                with registry.lock:
+                    key = (entry["dp_rank"], entry["tp_rank"])
+                    if key not in registry.ranks and len(registry.ranks) >= MAX_RANKS:
+                        return self._answer(400, {"error": "too many ranks"})
+                    registry.ranks[key] = entry
+                logger.info("kvlink bootstrap: prefill dp %d tp %d at %s", key[0], key[1], entry["addr"])
+                self._answer(200, {"ok": True})
+
+            def do_GET(self) -> None:
+                url = urllib.parse.urlparse(self.path)
+                q = urllib.parse.parse_qs(url.query)
+                if url.path == "/health":
+                    return self._answer(200, {"ok": True})
+                with registry.lock:
+                    ranks = dict(registry.ranks)
+                if url.path == "/kvlink/info":
+                    if not ranks:
+                        return self._answer(404, {"error": "no prefill rank registered yet"})
+                    any_rank = next(iter(ranks.values()))
+                    tp, dp = any_rank["tp_size"], any_rank["dp_size"]
+                    return self._answer(200, {"tp_size": tp, "dp_size": dp,
+                                              "page_size": any_rank["page_size"],
+                                              "dtype": any_rank["dtype"],
+                                              "complete": len(ranks) >= tp * dp})
+                if url.path == "/kvlink/route":
+                    try:
+                        key = (int(q["dp_rank"][0]), int(q["tp_rank"][0]))
+                    except (KeyError, ValueError):
+                        return self._answer(400, {"error": "dp_rank and tp_rank expected"})
+                    if key not in ranks:
+                        return self._answer(404, {"error": f"prefill dp {key[0]} tp {key[1]} not registered"})
+                    return self._answer(200, ranks[key])
+                self._answer(404, {"error": "unknown path"})
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, name="kvlink-bootstrap", daemon=True)
+        self.thread.start()
+        logger.info("kvlink bootstrap server on %s:%d", host, self.port)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _check_entry(d: Any) -> Dict[str, Any]:
+    if not isinstance(d, dict):
+        raise ValueError("a JSON object expected")
+    out = {}
+    for k, hi in (("dp_rank", MAX_RANKS), ("tp_rank", MAX_RANKS), ("tp_size", MAX_RANKS),
+                  ("dp_size", MAX_RANKS), ("page_size", 1 << 20)):
+        v = d[k]
+        if type(v) is not int or not 0 <= v <= hi:
+            raise ValueError(f"{k} out of range")
+        out[k] = v
+    if not (out["tp_rank"] < out["tp_size"] and out["dp_rank"] < out["dp_size"]):
+        raise ValueError("rank beyond its size")
+    for k in ("addr", "dtype", "engine_id"):
+        if not isinstance(d[k], str) or not 0 < len(d[k]) <= 256:
+            raise ValueError(f"{k} must be a short string")
+        out[k] = d[k]
+    return out
+
+
+def _url(bootstrap_addr: str, path: str) -> str:
+    return f"http://{bootstrap_addr}{path}"
+
+
+def register(bootstrap_addr: str, entry: Dict[str, Any], deadline_s: float = 120.0) -> threading.Thread:
+    """Registers a prefill rank, retrying in the background until the registry answers (the
+    server starts in another process) or ``deadline_s`` passes (logged as an error)."""
+
+    def run() -> None:
+        body = json.dumps(entry).encode()
+        end = time.monotonic() + deadline_s
+        last = None
+        while time.monotonic() < end:
+            req = urllib.request.Request(_url(bootstrap_addr, "/kvlink/route"), data=body, method="PUT",
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    r.read()
+                    return
+            except (urllib.error.URLError, OSError) as e:
+                last = e
+                time.sleep(0.2)
+        logger.error("kvlink: could not register with the bootstrap server at %s for %.0f s: %s; "
+                     "decodes cannot find this rank", bootstrap_addr, deadline_s, last)
+
+    t = threading.Thread(target=run, name="kvlink-register", daemon=True)
+    t.start()
+    return t
+
+
+def get(bootstrap_addr: str, path: str, timeout: float = 2.0) -> Optional[Dict[str, Any]]:
+    """The registry's JSON answer, or None when it has none yet or cannot be reached."""
+    try:
+        with urllib.request.urlopen(_url(bootstrap_addr, path), timeout=timeout) as r:
+            d = json.loads(r.read(MAX_BODY + 1))
+            return d if isinstance(d, dict) else None
+    except (urllib.error.URLError, OSError, ValueError):
+        return None

@@ -1,0 +1,321 @@
+"""One side of an SGLang prefill/decode pair, on CPU, run as its own process: SGLang's real
+queues (``PrefillBootstrapQueue``, the prefill mixin's ``send_kv_chunk`` and inflight queue;
+``DecodePreallocQueue``, ``DecodeTransferQueue``), its KV pool, metadata buffers and page
+allocator, with kvlink's backend loaded through SGLang's own plugin loader. Only the model and
+the scheduler loop are stand-ins: the prefill writes each token's K and V as a function of
+(room, position, layer, head, dim) and its first output token as a function of the room; the
+decode checks every byte it got.
+
+Usage: ``python sglang_side.py prefill|decode PLAN_JSON``; prints one JSON line per request
+outcome, then ``{"summary": ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import warnings
+from array import array
+from types import SimpleNamespace as NS
+from typing import Any, Dict, List
+
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+PAGE = 16
+LAYERS = 2
+HEADS = 2
+HEAD_DIM = 8
+POOL_TOKENS = 8192
+
+
+def expected_k(room: int, positions: torch.Tensor, layer: int) -> torch.Tensor:
+    base = (room % 97) * 13 + positions.to(torch.int64) * 7 + layer * 5
+    hd = torch.arange(HEADS * HEAD_DIM, dtype=torch.int64).reshape(HEADS, HEAD_DIM)
+    return ((base[:, None, None] + hd[None]) % 2000).to(torch.float16)
+
+
+def expected_v(room: int, positions: torch.Tensor, layer: int) -> torch.Tensor:
+    return -expected_k(room, positions, layer) - 1
+
+
+def first_token(room: int) -> int:
+    return 1000 + room % 1000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup(role: str, bootstrap_port: int):
+    from sglang.srt.plugins import load_plugins
+
+    # What every SGLang process does first: the kvlink entry point registers the backend.
+    load_plugins()
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.server_args import ServerArgs
+    from sglang.test.parallel_groups import publish
+
+    sa = ServerArgs(model_path="dummy", disaggregation_mode=role, disaggregation_transfer_backend="kvlink",
+                    disaggregation_bootstrap_port=bootstrap_port, device="cpu", page_size=PAGE)
+    publish(sa, role="scheduler")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    group = dist.new_group([0], backend="gloo")
+    get_parallel().override_permanently(attn_tp_group=NS(cpu_group=group, rank_in_group=0, world_size=1), dp_rank=0)
+    return sa, group
+
+
+def kv_pool():
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.float16, head_num=HEADS,
+                            head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False,
+                            start_layer=0, end_layer=LAYERS, enable_alt_stream=False)
+
+
+def make_req(rid: str, n: int, room: int, port: int):
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    return Req(rid=rid, origin_input_text="", origin_input_ids=array("q", range(1, n + 1)),
+               sampling_params=SamplingParams(max_new_tokens=8), bootstrap_host="127.0.0.1",
+               bootstrap_port=port, bootstrap_room=room)
+
+
+class Model:
+    hf_text_config = NS()
+    num_hidden_layers = LAYERS
+    num_key_value_heads = HEADS
+
+    def get_total_num_kv_heads(self) -> int:
+        return HEADS
+
+
+class Outputs:
+    """The scheduler's output streamer: records each request's end and its reason."""
+
+    def __init__(self):
+        self.ends: Dict[str, str] = {}
+
+    def stream_output(self, reqs, return_logprob, *args):
+        for r in reqs:
+            if r.finished_reason is not None and r.rid not in self.ends:
+                self.ends[r.rid] = getattr(r.finished_reason, "message", type(r.finished_reason).__name__)
+
+
+def emit(d: Dict[str, Any]) -> None:
+    print(json.dumps(d), flush=True)
+
+
+def run_prefill(plan: Dict[str, Any]) -> None:
+    from sglang.srt.disaggregation import prefill as P
+    from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator, TransferBackend
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    port = plan["bootstrap_port"]
+    sa, group = setup("prefill", port)
+    from sglang.srt.disaggregation.utils import get_kv_class, KVClassType
+
+    backend = TransferBackend(sa.disaggregation_transfer_backend)
+    server = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", port)
+    # No radix tree on this stand-in: releasing a finished request's pages is the scheduler's.
+    P.release_kv_cache = lambda req, tree_cache, checkpoint=False: None
+    P.checkpoint_kv_cache = lambda req, cache: None
+    pool = kv_pool()
+    alloc = PagedTokenToKVPoolAllocator(POOL_TOKENS, PAGE, torch.float16, "cpu", pool, need_sort=False)
+    r2t = ReqToTokenPool(size=32, max_context_len=1024, device="cpu", enable_memory_saver=False)
+    out = Outputs()
+
+    class Scheduler(P.SchedulerDisaggregationPrefillMixin):
+        pass
+
+    s = Scheduler()
+    s.__dict__.update(
+        tp_worker=NS(model_runner=NS(effective_logical_max_total_num_tokens=POOL_TOKENS, kv_cache_dtype_str="auto")),
+        kv_shard_widening=1, token_to_kv_pool_allocator=alloc, rust_server=None, model_config=Model(),
+        server_args=sa, req_to_token_pool=r2t, attn_cp_cpu_group=group, attn_tp_cpu_group=group, pp_group=None,
+        processed_tokens_counter=0, tree_cache=NS(finish=lambda *a: None), output_streamer=out,
+        metrics_reporter=NS(enable_metrics=False), scheduler_stage_metrics=None, enable_staging=False,
+        enable_overlap=False, kv_checksum_computer=None, disagg_prefill_inflight_queue=[],
+        disagg_prefill_pending_chunk_rids=set(), waiting_queue=[],
+        retire_unadmitted_request=lambda r: None, _release_aborted_request=lambda r: None,
+    )
+    meta = MetadataBuffers(32, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=16)
+    idx = ReqToMetadataIdxAllocator(32)
+    s.req_to_metadata_buffer_idx_allocator, s.disagg_metadata_buffers = idx, meta
+    s.disagg_prefill_bootstrap_queue = queue = P.PrefillBootstrapQueue(
+        token_to_kv_pool=pool, draft_token_to_kv_pool=None, req_to_metadata_buffer_idx_allocator=idx,
+        metadata_buffers=meta, gpu_id=0, bootstrap_port=port, max_total_num_tokens=POOL_TOKENS, scheduler=s,
+        scheduler_stage_metrics=None, transfer_backend=backend)
+    mgr = queue.kv_manager
+    emit({"ready": True, "backend": type(mgr).__name__})
+
+    reqs = {}
+    for spec in plan["requests"]:
+        r = make_req(spec["rid"], spec["n"], spec["room"], port)
+        reqs[spec["rid"]] = (r, spec)
+        queue.add(r, HEADS)
+    computing: List[Any] = []  # (req, spec, next position)
+    ended: Dict[str, str] = {}
+    aborted = set()
+    deadline = time.monotonic() + plan.get("deadline", 60)
+    while len(ended) < len(reqs) and time.monotonic() < deadline:
+        for rid, (r, spec) in reqs.items():
+            # The scheduler's abort of a request still in the bootstrap queue, once its decode asked.
+            if spec.get("abort_in_bootstrap") and rid not in aborted and r.disagg_kv_sender.want is not None:
+                aborted.add(rid)
+                r.disagg_kv_sender.abort()
+        for r in queue.pop_bootstrapped():
+            spec = reqs[r.rid][1]
+            r2t.alloc([r])
+            n = spec["n"]
+            n_alloc = (n + PAGE - 1) // PAGE * PAGE
+            loc = alloc.alloc(n_alloc)
+            r2t.write((r.kv.req_pool_idx, slice(0, n_alloc)), loc.to(torch.int32))
+            positions = torch.arange(n)
+            for layer in range(LAYERS):
+                pool.k_buffer[layer][loc[:n]] = expected_k(spec["room"], positions, layer)
+                pool.v_buffer[layer][loc[:n]] = expected_v(spec["room"], positions, layer)
+            r.kv.kv_allocated_len = n_alloc
+            computing.append([r, spec, 0])
+        for item in list(computing):
+            r, spec, pos = item
+            n, step = spec["n"], spec.get("chunk", 64)
+            if pos + step < n:
+                # A non-last chunk of chunked prefill: process_prefill_chunk -> send_kv_chunk.
+                item[2] = pos + step
+                r.extend_end = pos + step
+                s.send_kv_chunk(r)
+                if spec.get("die_after_first_chunk"):
+                    emit({"dying": r.rid})
+                    os._exit(3)
+            else:
+                # The last chunk: process_batch_result_disagg_prefill.
+                computing.remove(item)
+                r.extend_end = n
+                r.output_ids.append(first_token(spec["room"]))
+                r.hidden_states_tensor = None
+                s.disagg_prefill_inflight_queue.append(r)
+                if not r.pending_bootstrap:
+                    s.send_kv_chunk(r, last_chunk=True)
+        for r in s.process_disagg_prefill_inflight_queue():
+            why = getattr(r.finished_reason, "message", None) if r.finished_reason is not None else None
+            ended.setdefault(r.rid, why or "ok")
+        for rid, why in out.ends.items():
+            ended.setdefault(rid, why)
+        time.sleep(0.002)
+    for rid, (r, spec) in reqs.items():
+        emit({"rid": rid, "room": spec["room"], "end": ended.get(rid, "unfinished")})
+    held = sum(e.in_flight()[1] for e in mgr.engines)
+    emit({"summary": {"held": held, "senders": len(mgr.senders), "bad_messages": mgr.bad_messages,
+                      "stats": mgr.kv.stats()}})
+    # Let the decode read what it was granted before the engines go away.
+    time.sleep(plan.get("linger", 0.5))
+    mgr.close()
+    server.close()
+
+
+def run_decode(plan: Dict[str, Any]) -> None:
+    from sglang.srt.disaggregation import decode as D
+    from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator, TransferBackend
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    port = plan["bootstrap_port"]
+    sa, group = setup("decode", port)
+    backend = TransferBackend(sa.disaggregation_transfer_backend)
+    pool = kv_pool()
+    alloc = PagedTokenToKVPoolAllocator(POOL_TOKENS, PAGE, torch.float16, "cpu", pool, need_sort=False)
+    r2t = D.DecodeReqToTokenPool(size=32, max_context_len=1024, device="cpu", enable_memory_saver=False,
+                                 pre_alloc_size=32)
+    tree = RadixCache(CacheInitParams(disable=True, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
+                                      page_size=PAGE))
+    out = Outputs()
+
+    class Scheduler(D.SchedulerDisaggregationDecodeMixin):
+        pass
+
+    s = Scheduler()
+    s.__dict__.update(
+        tp_worker=NS(model_runner=NS(kv_cache_dtype_str="auto"), is_hybrid_swa=False), random_seed=0,
+        model_config=Model(), server_args=sa, enable_hisparse=False, enable_lora=False,
+        enable_priority_scheduling=False, enable_decode_hicache=False, running_batch=NS(reqs=[]),
+        waiting_queue=[], last_batch=None, output_streamer=out, metrics_reporter=NS(enable_metrics=False),
+        spec_algorithm=NS(is_none=lambda: True), enable_overlap=False, kv_checksum_computer=None,
+        batch_result_processor=NS(_maybe_update_reasoning_tokens=lambda req, tok: None), sliding_window_size=None,
+    )
+    meta = MetadataBuffers(64, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=16)
+    idx = ReqToMetadataIdxAllocator(64)
+    tq = D.DecodeTransferQueue(req_to_metadata_buffer_idx_allocator=idx, metadata_buffers=meta, scheduler=s,
+                               tree_cache=tree)
+    s.disagg_decode_transfer_queue = tq
+    dq = D.DecodePreallocQueue(req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, draft_token_to_kv_pool=None,
+                               req_to_metadata_buffer_idx_allocator=idx, metadata_buffers=meta, scheduler=s,
+                               transfer_queue=tq, tree_cache=tree, gpu_id=0, bootstrap_port=port,
+                               max_total_num_tokens=POOL_TOKENS, num_reserved_decode_tokens=16,
+                               transfer_backend=backend)
+    s.disagg_decode_prealloc_queue = dq
+    mgr = dq.kv_manager
+    emit({"ready": True, "backend": type(mgr).__name__})
+    free_pages_at_start = alloc.available_size()
+
+    reqs = {}
+    for spec in plan["requests"]:
+        r = make_req(spec["rid"], spec["n"], spec["room"], port)
+        reqs[spec["rid"]] = (r, spec)
+        dq.add(r)
+    ended: Dict[str, Dict[str, Any]] = {}
+    aborted = set()
+    deadline = time.monotonic() + plan.get("deadline", 60)
+    while len(ended) < len(reqs) and time.monotonic() < deadline:
+        good, _failed = dq.pop_preallocated()
+        tq.extend(good)
+        for d in tq.queue:
+            spec = reqs[d.req.rid][1]
+            # The scheduler's abort of a request in the transfer queue, once a chunk was read.
+            if spec.get("abort_after_first_chunk") and d.req.rid not in aborted and d.kv_receiver.chunks > 0:
+                aborted.add(d.req.rid)
+                d.kv_receiver.abort()
+        for r in tq.pop_transferred():
+            spec = reqs[r.rid][1]
+            n, room = spec["n"], spec["room"]
+            slots = r2t.req_to_token[r.kv.req_pool_idx, :n].long()
+            positions = torch.arange(n)
+            bad = []
+            for layer in range(LAYERS):
+                if not torch.equal(pool.k_buffer[layer][slots], expected_k(room, positions, layer)):
+                    bad.append(f"K layer {layer}")
+                if not torch.equal(pool.v_buffer[layer][slots], expected_v(room, positions, layer)):
+                    bad.append(f"V layer {layer}")
+            ok_token = list(r.output_ids) == [first_token(room)]
+            ended[r.rid] = {"end": "ok", "bytes_ok": not bad, "bad": bad, "first_token_ok": ok_token,
+                            "pages": (n + PAGE - 1) // PAGE}
+            # The request goes on decoding; here its pages go back.
+            alloc.free(r2t.req_to_token[r.kv.req_pool_idx, :r.kv.kv_allocated_len])
+            r2t.free(r)
+        for rid, why in out.ends.items():
+            ended.setdefault(rid, {"end": why})
+        time.sleep(0.002)
+    for rid, (r, spec) in reqs.items():
+        emit({"rid": rid, "room": spec["room"], **ended.get(rid, {"end": "unfinished"})})
+    receiving = sum(e.in_flight()[0] for e in mgr.engines)
+    emit({"summary": {"receiving": receiving, "receivers": len(mgr.receivers), "bad_messages": mgr.bad_messages,
+                      "free_pages_back": alloc.available_size() == free_pages_at_start,
+                      "stats": mgr.kv.stats()}})
+    mgr.close()
+
+
+if __name__ == "__main__":
+    role, plan = sys.argv[1], json.loads(sys.argv[2])
+    (run_prefill if role == "prefill" else run_decode)(plan)

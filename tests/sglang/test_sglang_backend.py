@@ -1,0 +1,347 @@
+"""kvlink's SGLang backend driven by SGLang's own queues and state machine (SGLang 0.5.23 from
+PyPI, installed by tools/test.sh): a prefill process and a decode process, each with SGLang's
+real scheduler queues, KV pool and metadata buffers on CPU, the backend loaded by SGLang's
+plugin loader from kvlink's entry point. Every byte the decode receives is checked, and the
+first output token travels in SGLang's aux (metadata) row."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace as NS
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SIDE = os.path.join(HERE, "sglang_side.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def lines(text: str) -> List[Dict[str, Any]]:
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            out.append(json.loads(line))
+    return out
+
+
+def run_pair(requests: List[Dict[str, Any]], decode_env: Optional[Dict[str, str]] = None,
+             deadline: float = 60) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any], Dict[str, Any], int]:
+    """Runs both sides to the end; returns (prefill ends, prefill summary, decode ends, decode
+    summary, prefill exit code), ends keyed by request id."""
+    port = free_port()
+    plan = json.dumps({"bootstrap_port": port, "requests": requests, "deadline": deadline})
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    prefill = subprocess.Popen([sys.executable, SIDE, "prefill", plan], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)
+    decode = subprocess.Popen([sys.executable, SIDE, "decode", plan], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**env, **(decode_env or {})})
+    try:
+        d_out, d_err = decode.communicate(timeout=deadline + 60)
+        p_out, p_err = prefill.communicate(timeout=30)
+    finally:
+        for p in (prefill, decode):
+            if p.poll() is None:
+                p.kill()
+    p_lines, d_lines = lines(p_out), lines(d_out)
+    assert d_lines and d_lines[0].get("ready"), f"decode did not start:\n{d_err[-3000:]}"
+    assert p_lines and p_lines[0].get("ready"), f"prefill did not start:\n{p_err[-3000:]}"
+    assert p_lines[0]["backend"] == d_lines[0]["backend"] == "KvlinkKVManager"
+
+    def split(ls):
+        ends = {d["rid"]: d for d in ls if "rid" in d}
+        summary = next((d["summary"] for d in ls if "summary" in d), None)
+        return ends, summary
+
+    p_ends, p_sum = split(p_lines)
+    d_ends, d_sum = split(d_lines)
+    assert d_sum is not None, f"decode did not finish:\n{d_err[-3000:]}"
+    return p_ends, p_sum, d_ends, d_sum, prefill.returncode
+
+
+def test_chunked_prefill_every_byte_and_the_aux_row_arrive():
+    rng = random.Random(16)
+    reqs = []
+    for i in range(16):
+        # Page edges first, then random lengths: most are prefilled in several chunks.
+        n = [1, 15, 16, 17][i] if i < 4 else rng.randint(2, 600)
+        reqs.append({"rid": f"r{i}", "room": 1000 + rng.randint(0, 1 << 40) * 8 + i, "n": n,
+                     "chunk": 16 * rng.randint(1, 8)})
+    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs)
+    chunked = 0
+    for r in reqs:
+        d = d_ends[r["rid"]]
+        assert d["end"] == "ok", d
+        assert d["bytes_ok"], d
+        assert d["first_token_ok"], f"the aux row did not carry the first token: {d}"
+        assert p_ends[r["rid"]]["end"] == "ok", p_ends[r["rid"]]
+        chunked += r["n"] > r["chunk"]
+    assert chunked >= 5, "the plan must chunk several prefills"
+    # Nothing held or read any more; the decode's pages all came back.
+    assert p_sum["held"] == 0 and p_sum["senders"] == 0, p_sum
+    assert d_sum["receiving"] == 0 and d_sum["receivers"] == 0 and d_sum["free_pages_back"], d_sum
+    assert p_sum["bad_messages"] == d_sum["bad_messages"] == 0
+    # One want per request, one chunk message per chunk; every hold confirmed.
+    assert p_sum["stats"]["messages_received"] == len(reqs)
+    assert d_sum["stats"]["messages_received"] == p_sum["stats"]["messages_sent"] >= len(reqs) + chunked
+    assert p_sum["stats"]["sends_failed"] == d_sum["stats"]["reads_failed"] == 0
+    assert d_sum["stats"]["reads_done"] == p_sum["stats"]["sends_done"]
+
+
+def test_aborts_on_either_side_end_both_sides_with_the_reason():
+    reqs = [
+        {"rid": "ok1", "room": 501, "n": 100, "chunk": 32},
+        {"rid": "prefill-abort", "room": 502, "n": 64, "abort_in_bootstrap": True},
+        {"rid": "decode-abort", "room": 503, "n": 800, "chunk": 16, "abort_after_first_chunk": True},
+        {"rid": "ok2", "room": 504, "n": 33, "chunk": 16},
+    ]
+    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs)
+    for rid in ("ok1", "ok2"):
+        assert d_ends[rid]["end"] == "ok" and d_ends[rid]["bytes_ok"], d_ends[rid]
+    # The prefill aborted in its bootstrap queue: the decode fails it, saying so.
+    assert "Abort" in p_ends["prefill-abort"]["end"], p_ends["prefill-abort"]
+    assert "prefill aborted" in d_ends["prefill-abort"]["end"], d_ends["prefill-abort"]
+    # The decode aborted mid-transfer: its reads stop, the prefill fails the room and frees it.
+    assert "Abort" in d_ends["decode-abort"]["end"], d_ends["decode-abort"]
+    assert "decode aborted" in p_ends["decode-abort"]["end"], p_ends["decode-abort"]
+    assert p_sum["held"] == 0 and p_sum["senders"] == 0, p_sum
+    assert d_sum["receiving"] == 0 and d_sum["free_pages_back"], d_sum
+
+
+def test_a_dead_prefill_fails_the_decode_within_its_waiting_timeout():
+    reqs = [{"rid": "orphan", "room": 777, "n": 300, "chunk": 32, "die_after_first_chunk": True}]
+    start = time.monotonic()
+    p_ends, _, d_ends, d_sum, code = run_pair(reqs, decode_env={"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "3"},
+                                              deadline=40)
+    assert code == 3, "the prefill was to die after its first chunk"
+    end = d_ends["orphan"]["end"]
+    assert "no KV chunk" in end or "connection" in end or "peer" in end, end
+    assert time.monotonic() - start < 60
+    assert d_sum["receiving"] == 0 and d_sum["free_pages_back"], d_sum
+
+
+def test_the_backend_is_registered_through_sglangs_plugin_loader():
+    from importlib.metadata import entry_points
+
+    eps = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "kvlink"]
+    assert eps and eps[0].value == "kvlink.sglang:install"
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES
+    from sglang.srt.disaggregation import decode, prefill, utils
+    from sglang.srt.managers import disagg_service
+
+    import kvlink.sglang as ks
+
+    ours = utils.TransferBackend("kvlink")
+    assert ours not in list(utils.TransferBackend), "SGLang's own members are unchanged"
+    assert "kvlink" in DISAGG_TRANSFER_BACKEND_CHOICES
+    for module in (utils, prefill, decode, disagg_service):
+        assert module.get_kv_class(ours, utils.KVClassType.SENDER) is ks.KvlinkKVSender
+        assert module.get_kv_class(ours, utils.KVClassType.RECEIVER) is ks.KvlinkKVReceiver
+        assert module.get_kv_class(ours, utils.KVClassType.MANAGER) is ks.KvlinkKVManager
+        assert module.get_kv_class(utils.TransferBackend.FAKE, utils.KVClassType.SENDER).__name__ == "FakeKVSender"
+    assert disagg_service.get_kv_class(ours, utils.KVClassType.BOOTSTRAP_SERVER) is ks.KvlinkBootstrapServer
+    with pytest.raises(ValueError):
+        utils.TransferBackend("no-such-backend")
+
+
+# -- In one process: the aux and state index spaces, and hostile messages ----------------------
+
+
+def kv_args(pages: int, states: List[Tuple[int, int]], seed: Optional[int]):
+    """SGLang's KVArgs over numpy buffers: 4 KV buffers (2 layers x K/V) of 64-byte pages, 3
+    aux buffers of rows, and one buffer per state type (rows of the given size)."""
+    from sglang.srt.disaggregation.base.conn import KVArgs
+
+    rng = np.random.default_rng(seed)
+
+    def buf(n: int) -> np.ndarray:
+        return rng.integers(0, 256, n, dtype=np.uint8) if seed is not None else np.zeros(n, np.uint8)
+
+    a = KVArgs()
+    keep = []
+    kv = [buf(pages * 64) for _ in range(4)]
+    aux = [buf(32 * 8), buf(32 * 4), buf(32 * 16)]
+    st = [[buf(rows * item)] for rows, item in states]
+    keep += kv + aux + [b for s in st for b in s]
+    a.engine_rank, a.page_size, a.kv_cache_dtype_str, a.kv_layout = 0, 16, "uint8", None
+    a.kv_data_ptrs = [b.ctypes.data for b in kv]
+    a.kv_data_lens = [b.nbytes for b in kv]
+    a.kv_item_lens = [64] * 4
+    a.aux_data_ptrs = [b.ctypes.data for b in aux]
+    a.aux_data_lens = [b.nbytes for b in aux]
+    a.aux_item_lens = [8, 4, 16]
+    a.state_types = ["mamba"] * len(states)
+    a.state_data_ptrs = [[b.ctypes.data for b in s] for s in st]
+    a.state_data_lens = [[b.nbytes for b in s] for s in st]
+    a.state_item_lens = [[item] for _, item in states]
+    a.ib_device, a.system_dp_rank = None, 0
+    return a, (kv, aux, st), keep
+
+
+def pump_until(cond, polls, limit=20.0):
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        for p in polls:
+            p()
+        if cond():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_aux_rows_and_state_indices_move_in_their_own_index_spaces():
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    import kvlink.sglang as ks
+
+    port = free_port()
+    server = ks.KvlinkBootstrapServer("127.0.0.1", port)
+    sa = NS(host="127.0.0.1", disaggregation_bootstrap_port=port, dp_size=1)
+    states = [(8, 24), (16, 40)]
+    pa, (p_kv, p_aux, p_st), _pk = kv_args(64, states, seed=7)
+    da, (d_kv, d_aux, d_st), _dk = kv_args(64, states, seed=None)
+    pm = ks.KvlinkKVManager(pa, DisaggregationMode.PREFILL, sa)
+    dm = ks.KvlinkKVManager(da, DisaggregationMode.DECODE, sa)
+    try:
+        addr = f"127.0.0.1:{port}"
+        assert pump_until(lambda: dm.try_ensure_parallel_info(addr), [])
+        sender = ks.KvlinkKVSender(pm, addr, 42)
+        receiver = ks.KvlinkKVReceiver(dm, addr, 42)
+        assert sender.poll() == KVPoll.Bootstrapping
+        receiver.init(0)
+        assert receiver.poll() == KVPoll.WaitingForInput
+        local_pages = np.array([9, 3, 30, 31, 5], np.int32)
+        receiver.send_metadata(local_pages, aux_index=6, state_indices=[[2], [11, 4, 0]], decode_prefix_len=0)
+        assert pump_until(lambda: sender.poll() == KVPoll.WaitingForInput, [])
+        sender.init(5, aux_index=17)
+        remote_pages = [40, 41, 2, 60, 7]
+        sender.send(np.array(remote_pages[:2], np.int32))
+        sender.send(np.array(remote_pages[2:], np.int32), state_indices=[[5], [1, 15, 8]])
+        assert pump_until(lambda: receiver.poll() == KVPoll.Success and sender.poll() == KVPoll.Success, [])
+        for p, d in zip(p_kv, d_kv):
+            for lp, rp in zip(local_pages, remote_pages):
+                assert np.array_equal(d[lp * 64:(lp + 1) * 64], p[rp * 64:(rp + 1) * 64])
+        for p, d, item in zip(p_aux, d_aux, [8, 4, 16]):
+            assert np.array_equal(d[6 * item:7 * item], p[17 * item:18 * item])
+            assert not d[:6 * item].any(), "only the aux row asked for is written"
+        for (p,), (d,), (_, item), loc, rem in zip(p_st, d_st, states, [[2], [11, 4, 0]], [[5], [1, 15, 8]]):
+            for li, ri in zip(loc, rem):
+                assert np.array_equal(d[li * item:(li + 1) * item], p[ri * item:(ri + 1) * item])
+        metric = sender.get_transfer_metric()
+        assert metric.transfer_total_bytes == 5 * 256 + 28 and metric.transfer_latency_s is not None
+        sender.clear()
+        receiver.clear()
+        assert sum(e.in_flight()[1] for e in pm.engines) == 0
+
+        # A decode expecting more pages than the prefill sends: both sides fail, with the counts.
+        s2, r2 = ks.KvlinkKVSender(pm, addr, 43), ks.KvlinkKVReceiver(dm, addr, 43)
+        r2.init(0)
+        r2.send_metadata(np.array([1, 2, 3], np.int32), aux_index=1, state_indices=[], decode_prefix_len=0)
+        assert pump_until(lambda: s2.poll() == KVPoll.WaitingForInput, [])
+        s2.init(2, aux_index=1)
+        assert s2.poll() == KVPoll.Failed
+        with pytest.raises(ks.KvlinkTransferError, match="sends 2 pages, the decode expects 3"):
+            s2.failure_exception()
+        assert pump_until(lambda: r2.poll() == KVPoll.Failed, [])
+        with pytest.raises(ks.KvlinkTransferError, match="prefill aborted"):
+            r2.failure_exception()
+        r2.clear()
+    finally:
+        pm.close()
+        dm.close()
+        server.close()
+
+
+def test_malformed_and_foreign_messages_are_dropped_alone():
+    import kvlink
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    import kvlink.sglang as ks
+    from kvlink.sglang import wire
+
+    port = free_port()
+    server = ks.KvlinkBootstrapServer("127.0.0.1", port)
+    sa = NS(host="127.0.0.1", disaggregation_bootstrap_port=port, dp_size=1)
+    pa, (p_kv, _, _), _pk = kv_args(32, [], seed=3)
+    da, (d_kv, _, _), _dk = kv_args(32, [], seed=None)
+    pm = ks.KvlinkKVManager(pa, DisaggregationMode.PREFILL, sa)
+    dm = ks.KvlinkKVManager(da, DisaggregationMode.DECODE, sa)
+    intruder = kvlink.Engine()
+    intruder.register_kv_caches([np.zeros((32, 64), np.uint8)] * 4, 16, dm.dtype)
+    try:
+        addr = f"127.0.0.1:{port}"
+        assert pump_until(lambda: dm.try_ensure_parallel_info(addr), [])
+        s, r = ks.KvlinkKVSender(pm, addr, 9), ks.KvlinkKVReceiver(dm, addr, 9)
+        r.init(0)
+        r.send_metadata(np.array([4, 5], np.int32), aux_index=0, state_indices=[], decode_prefix_len=0)
+        garbage = [b"", b"\xff\xfe", b"[]", b'{"t":"chunk"}', b'{"t":"want","room":9}',
+                   b'{"t":"chunk","room":9,"id":"x","first":0,"pages":[-1],"last":false,"spaces":[]}',
+                   b'{"t":"nope","room":9}', b'{"t":"abort","room":-4,"reason":"x"}']
+        for g in garbage:
+            intruder.send_message(dm.kv.handshake_address, g)
+            intruder.send_message(pm.kv.handshake_address, g)
+        # Well formed, but from an engine that is not the room's prefill: ignored.
+        intruder.send_message(dm.kv.handshake_address, wire.chunk(9, "sgl9.c0", 0, [1, 2], True, []))
+        intruder.send_message(dm.kv.handshake_address, wire.abort(9, "forged"))
+        assert pump_until(lambda: dm.bad_messages >= len(garbage) + 1 and pm.bad_messages >= len(garbage),
+                          [s.poll, r.poll])
+        assert r.poll() == KVPoll.WaitingForInput, "a forged abort or chunk changed nothing"
+        assert pump_until(lambda: s.poll() == KVPoll.WaitingForInput, [])
+        s.init(2, aux_index=0)
+        s.send(np.array([30, 31], np.int32), state_indices=[])
+        assert pump_until(lambda: r.poll() == KVPoll.Success and s.poll() == KVPoll.Success, [])
+        for p, d in zip(p_kv, d_kv):
+            assert np.array_equal(d[4 * 64:6 * 64], p[30 * 64:32 * 64])
+    finally:
+        intruder.close()
+        pm.close()
+        dm.close()
+        server.close()
+
+
+@pytest.mark.parametrize("body, why", [
+    (b"{", "not JSON"),
+    (b'{"t":"want","room":1,"addr":"a:1","pages":-1,"prefix":0,"aux":true,"states":[],"readers":{}}', "pages"),
+    (b'{"t":"want","room":1,"addr":"a:1","pages":1,"prefix":0,"aux":1,"states":[],"readers":{}}', "aux"),
+    (b'{"t":"want","room":1,"addr":"a:1","pages":1,"prefix":0,"aux":true,"states":[1],"readers":{"states":[]}}',
+     "readers.states"),
+    (b'{"t":"chunk","room":1,"id":"i","first":0,"pages":[1.5],"last":true,"spaces":[]}', "pages"),
+    (b'{"t":"chunk","room":1,"id":"i","first":0,"pages":[1],"last":false,'
+     b'"spaces":[{"space":"aux","addr":"a:1","id":"j","indices":[0]}]}', "only the last chunk"),
+    (b'{"t":"chunk","room":1,"id":"i","first":0,"pages":[1],"last":true,'
+     b'"spaces":[{"space":99,"addr":"a:1","id":"j","indices":[0]}]}', "space"),
+    (b'{"t":"abort","room":true,"reason":"x"}', "room"),
+])
+def test_wire_refuses_malformed_messages(body, why):
+    from kvlink.sglang import wire
+
+    with pytest.raises(wire.BadMessage, match=why):
+        wire.decode(body)
+
+
+def test_wire_round_trips():
+    from kvlink.sglang import wire
+
+    w = wire.decode(wire.want(5, "h:1", 3, 16, True, [1], {"aux": "e1", "states": ["e2"]}))
+    assert (w["pages"], w["prefix"], w["readers"]["states"]) == (3, 16, ["e2"])
+    c = wire.decode(wire.chunk(5, "sgl5.c0", 0, [1, 2], True, [{"space": 0, "addr": "h:2", "id": "s", "indices": [4]}]))
+    assert c["pages"] == [1, 2] and c["spaces"][0]["indices"] == [4]
+    assert wire.decode(wire.abort(5, "x" * 2000))["reason"] == "x" * wire.MAX_REASON
