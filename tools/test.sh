@@ -21,7 +21,7 @@ MIN_KEYED=15
 MIN_PYTHON=38
 MIN_VM=12
 MIN_VLLM=13
-MIN_SGLANG=15
+MIN_SGLANG=22
 # The vLLM release the connector is tested against (0.33.0 needs a newer certifi than PyPI
 # mirrors here carry).
 VLLM_PIN="vllm==0.32.0"

@@ -163,9 +163,9 @@ def test_the_backend_is_registered_through_sglangs_plugin_loader():
 # -- In one process: the aux and state index spaces, and hostile messages ----------------------
 
 
-def kv_args(pages: int, states: List[Tuple[int, int]], seed: Optional[int]):
-    """SGLang's KVArgs over numpy buffers: 4 KV buffers (2 layers x K/V) of 64-byte pages, 3
-    aux buffers of rows, and one buffer per state type (rows of the given size)."""
+def kv_args(pages: int, states: List[Tuple[int, int]], seed: Optional[int], item: int = 64):
+    """SGLang's KVArgs over numpy buffers: 4 KV buffers (2 layers x K/V) of ``item``-byte pages,
+    3 aux buffers of rows, and one buffer per state type (rows of the given size)."""
     from sglang.srt.disaggregation.base.conn import KVArgs
 
     rng = np.random.default_rng(seed)
@@ -175,14 +175,14 @@ def kv_args(pages: int, states: List[Tuple[int, int]], seed: Optional[int]):
 
     a = KVArgs()
     keep = []
-    kv = [buf(pages * 64) for _ in range(4)]
+    kv = [buf(pages * item) for _ in range(4)]
     aux = [buf(32 * 8), buf(32 * 4), buf(32 * 16)]
     st = [[buf(rows * item)] for rows, item in states]
     keep += kv + aux + [b for s in st for b in s]
     a.engine_rank, a.page_size, a.kv_cache_dtype_str, a.kv_layout = 0, 16, "uint8", None
     a.kv_data_ptrs = [b.ctypes.data for b in kv]
     a.kv_data_lens = [b.nbytes for b in kv]
-    a.kv_item_lens = [64] * 4
+    a.kv_item_lens = [item] * 4
     a.aux_data_ptrs = [b.ctypes.data for b in aux]
     a.aux_data_lens = [b.nbytes for b in aux]
     a.aux_item_lens = [8, 4, 16]
@@ -299,8 +299,8 @@ def test_malformed_and_foreign_messages_are_dropped_alone():
             intruder.send_message(dm.kv.handshake_address, g)
             intruder.send_message(pm.kv.handshake_address, g)
         # Well formed, but from an engine that is not the room's prefill: ignored.
-        intruder.send_message(dm.kv.handshake_address, wire.chunk(9, "sgl9.c0", 0, [1, 2], True, []))
-        intruder.send_message(dm.kv.handshake_address, wire.abort(9, "forged"))
+        intruder.send_message(dm.kv.handshake_address, wire.chunk(9, r.nonce, "sgl9.c0", 0, [1, 2], True, []))
+        intruder.send_message(dm.kv.handshake_address, wire.abort(9, r.nonce, "forged"))
         assert pump_until(lambda: dm.bad_messages >= len(garbage) + 1 and pm.bad_messages >= len(garbage),
                           [s.poll, r.poll])
         assert r.poll() == KVPoll.WaitingForInput, "a forged abort or chunk changed nothing"
@@ -319,14 +319,18 @@ def test_malformed_and_foreign_messages_are_dropped_alone():
 
 @pytest.mark.parametrize("body, why", [
     (b"{", "not JSON"),
-    (b'{"t":"want","room":1,"addr":"a:1","pages":-1,"prefix":0,"aux":true,"states":[],"readers":{}}', "pages"),
-    (b'{"t":"want","room":1,"addr":"a:1","pages":1,"prefix":0,"aux":1,"states":[],"readers":{}}', "aux"),
-    (b'{"t":"want","room":1,"addr":"a:1","pages":1,"prefix":0,"aux":true,"states":[1],"readers":{"states":[]}}',
-     "readers.states"),
-    (b'{"t":"chunk","room":1,"id":"i","first":0,"pages":[1.5],"last":true,"spaces":[]}', "pages"),
-    (b'{"t":"chunk","room":1,"id":"i","first":0,"pages":[1],"last":false,'
+    (b'{"t":"want","room":1,"nonce":2,"addr":"a:1","pages":-1,"prefix":0,"aux":true,"states":[],"readers":{}}',
+     "pages"),
+    (b'{"t":"want","room":1,"nonce":2,"addr":"a:1","pages":1,"prefix":0,"aux":1,"states":[],"readers":{}}', "aux"),
+    (b'{"t":"want","room":1,"nonce":2,"addr":"a:1","pages":1,"prefix":0,"aux":true,"states":[],"readers":{}}',
+     "readers.aux"),
+    (b'{"t":"want","room":1,"nonce":2,"addr":"a:1","pages":1,"prefix":0,"aux":false,"states":[1],'
+     b'"readers":{"states":[]}}', "readers.states"),
+    (b'{"t":"want","room":1,"addr":"a:1","pages":1,"prefix":0,"aux":false,"states":[],"readers":{}}', "nonce"),
+    (b'{"t":"chunk","room":1,"nonce":2,"id":"i","first":0,"pages":[1.5],"last":true,"spaces":[]}', "pages"),
+    (b'{"t":"chunk","room":1,"nonce":2,"id":"i","first":0,"pages":[1],"last":false,'
      b'"spaces":[{"space":"aux","addr":"a:1","id":"j","indices":[0]}]}', "only the last chunk"),
-    (b'{"t":"chunk","room":1,"id":"i","first":0,"pages":[1],"last":true,'
+    (b'{"t":"chunk","room":1,"nonce":2,"id":"i","first":0,"pages":[1],"last":true,'
      b'"spaces":[{"space":99,"addr":"a:1","id":"j","indices":[0]}]}', "space"),
     (b'{"t":"abort","room":true,"reason":"x"}', "room"),
 ])
@@ -340,8 +344,160 @@ def test_wire_refuses_malformed_messages(body, why):
 def test_wire_round_trips():
     from kvlink.sglang import wire
 
-    w = wire.decode(wire.want(5, "h:1", 3, 16, True, [1], {"aux": "e1", "states": ["e2"]}))
-    assert (w["pages"], w["prefix"], w["readers"]["states"]) == (3, 16, ["e2"])
-    c = wire.decode(wire.chunk(5, "sgl5.c0", 0, [1, 2], True, [{"space": 0, "addr": "h:2", "id": "s", "indices": [4]}]))
+    w = wire.decode(wire.want(5, 77, "h:1", 3, 16, True, [1], {"aux": "e1", "states": ["e2"]}))
+    assert (w["nonce"], w["pages"], w["prefix"], w["readers"]["states"]) == (77, 3, 16, ["e2"])
+    c = wire.decode(wire.chunk(5, 77, "sgl5.c0", 0, [1, 2], True,
+                               [{"space": 0, "addr": "h:2", "id": "s", "indices": [4]}]))
     assert c["pages"] == [1, 2] and c["spaces"][0]["indices"] == [4]
-    assert wire.decode(wire.abort(5, "x" * 2000))["reason"] == "x" * wire.MAX_REASON
+    assert wire.decode(wire.abort(5, 77, "x" * 2000))["reason"] == "x" * wire.MAX_REASON
+    assert wire.decode(wire.abort(5, None, "x"))["nonce"] is None
+    # A chunk message names at most MAX_PAGES_PER_MESSAGE pages, and fits in one kvlink message.
+    big = wire.chunk(5, (1 << 63) - 1, "sgl5.c0", 0, [(1 << 31) - 1] * wire.MAX_PAGES_PER_MESSAGE, True)
+    assert len(big) < 65536 and len(wire.decode(big)["pages"]) == wire.MAX_PAGES_PER_MESSAGE
+    with pytest.raises(wire.BadMessage, match="pages"):
+        wire.decode(wire.chunk(5, 1, "i", 0, [1] * (wire.MAX_PAGES_PER_MESSAGE + 1), True))
+
+
+class Pair:
+    """A prefill and a decode manager in this process, with a bootstrap server."""
+
+    def __init__(self, pages: int, states=(), item: int = 64, sa_extra=None):
+        import kvlink.sglang as ks
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+
+        self.ks = ks
+        port = free_port()
+        self.server = ks.KvlinkBootstrapServer("127.0.0.1", port)
+        sa = NS(host="127.0.0.1", disaggregation_bootstrap_port=port, dp_size=1, **(sa_extra or {}))
+        self.pa, (self.p_kv, _, self.p_st), self._pk = kv_args(pages, list(states), seed=5, item=item)
+        self.da, (self.d_kv, _, self.d_st), self._dk = kv_args(pages, list(states), seed=None, item=item)
+        self.pm = ks.KvlinkKVManager(self.pa, DisaggregationMode.PREFILL, sa)
+        self.dm = ks.KvlinkKVManager(self.da, DisaggregationMode.DECODE, sa)
+        self.addr = f"127.0.0.1:{port}"
+        assert pump_until(lambda: self.dm.try_ensure_parallel_info(self.addr), [])
+
+    def start(self, room: int, local_pages, num_pages: Optional[int] = None, state_indices=()):
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        s = self.ks.KvlinkKVSender(self.pm, self.addr, room)
+        r = self.ks.KvlinkKVReceiver(self.dm, self.addr, room)
+        r.init(0)
+        r.send_metadata(np.array(local_pages, np.int32), aux_index=0, state_indices=list(state_indices),
+                        decode_prefix_len=0)
+        assert pump_until(lambda: s.poll() == KVPoll.WaitingForInput, [])
+        s.init(len(local_pages) if num_pages is None else num_pages, aux_index=0)
+        return s, r
+
+    def close(self):
+        self.pm.close()
+        self.dm.close()
+        self.server.close()
+
+
+def test_a_chunk_larger_than_one_message_is_announced_in_parts():
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    n = 2 * 4096 + 1000  # page_size 1 with a 9K-token chunk: three messages
+    pair = Pair(n + 8, item=8)
+    try:
+        rng = np.random.default_rng(1)
+        local = rng.permutation(n + 8)[:n]
+        remote = rng.permutation(n + 8)[:n]
+        s, r = pair.start(77, local)
+        s.send(remote.astype(np.int32), state_indices=[])
+        assert pump_until(lambda: r.poll() == KVPoll.Success and s.poll() == KVPoll.Success, [], limit=30)
+        for p, d in zip(pair.p_kv, pair.d_kv):
+            assert np.array_equal(d.reshape(-1, 8)[local], p.reshape(-1, 8)[remote])
+        assert pair.dm.kv.stats()["messages_received"] == 3
+        assert r.chunks == 3
+    finally:
+        pair.close()
+
+
+def test_a_reused_room_is_not_touched_by_its_earlier_attempt():
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from kvlink.sglang import wire
+
+    pair = Pair(64)
+    try:
+        s1, r1 = pair.start(5, [1, 2, 3])
+        s1.send(np.array([10], np.int32))
+        assert pump_until(lambda: r1.chunks == 1, [r1.poll])
+        old = r1.nonce
+        r1.abort()
+        assert r1.poll() == KVPoll.Failed
+        r1.clear()
+        assert pump_until(lambda: s1.poll() == KVPoll.Failed, [])
+        # Told by the abort message or, first, by the cancelled read's own notice.
+        with pytest.raises(pair.ks.KvlinkTransferError, match="decode aborted|reader cancelled"):
+            s1.failure_exception()
+        # The retry, under the same room: a late abort of the first attempt changes nothing.
+        s2, r2 = pair.start(5, [4, 5, 6])
+        assert r2.nonce != old
+        pair.pm.kv.send_message(pair.dm.kv.handshake_address, wire.abort(5, old, "late"))
+        pair.dm.kv.send_message(pair.pm.kv.handshake_address, wire.abort(5, old, "late"))
+        s2.send(np.array([20, 21, 22], np.int32), state_indices=[])
+        assert pump_until(lambda: r2.poll() == KVPoll.Success and s2.poll() == KVPoll.Success, [])
+        for p, d in zip(pair.p_kv, pair.d_kv):
+            assert np.array_equal(d[4 * 64:7 * 64], p[20 * 64:23 * 64])
+    finally:
+        pair.close()
+
+
+def test_clear_returns_only_when_a_cancelled_read_can_no_longer_write():
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    pages = 192
+    pair = Pair(pages + 1, item=256 << 10)  # 4 x 192 x 256 KiB = 192 MiB to read
+    try:
+        local = list(range(pages))
+        s, r = pair.start(8, local)
+        s.send(np.arange(1, pages + 1, dtype=np.int32), state_indices=[])
+        assert pump_until(lambda: r.chunks == 1, [r.poll])
+        r.abort()
+        assert r.poll() == KVPoll.Failed
+        r.clear()
+        assert not pair.dm.draining, "clear() waited for every cancelled read"
+        # SGLang hands the pages to another request now: nothing of the read may land later.
+        for d in pair.d_kv:
+            d[:] = 0xEE
+        time.sleep(0.5)
+        pair.dm.pump()
+        for d in pair.d_kv:
+            assert (d == 0xEE).all()
+        assert pump_until(lambda: s.poll() == KVPoll.Failed, [])
+    finally:
+        pair.close()
+
+
+def test_a_missing_state_type_fails_the_room():
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    pair = Pair(32, states=[(8, 16), (8, 16)])
+    try:
+        s, r = pair.start(3, [1, 2], state_indices=[[0], [1]])
+        s.send(np.array([5, 6], np.int32), state_indices=[[2], None])
+        assert pump_until(lambda: r.poll() == KVPoll.Failed, [s.poll])
+        with pytest.raises(pair.ks.KvlinkTransferError, match="no indices of state type 1"):
+            r.failure_exception()
+        r.clear()
+        assert pump_until(lambda: s.poll() == KVPoll.Failed, [])
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("extra, why", [
+    ({"pp_size": 2}, "pipeline parallelism"),
+    ({"attn_dp_size": 4}, "DP attention"),
+    ({"disaggregation_decode_allocation_policy": "prefill_complete"}, "prefill_complete"),
+    ({"enable_memory_saver": True}, "memory saver"),
+])
+def test_configurations_not_supported_yet_are_refused_at_start(extra, why):
+    import kvlink.sglang as ks
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    a, _, _keep = kv_args(4, [], seed=None)
+    sa = NS(host="127.0.0.1", disaggregation_bootstrap_port=free_port(), dp_size=1, **extra)
+    with pytest.raises(ValueError, match=why):
+        ks.KvlinkKVManager(a, DisaggregationMode.DECODE, sa)

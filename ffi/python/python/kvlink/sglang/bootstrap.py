@@ -39,6 +39,8 @@ class KvlinkBootstrapServer(BaseKVBootstrapServer):
         registry = self
 
         class Handler(BaseHTTPRequestHandler):
+            # A client that stops sending does not keep its thread for ever.
+            timeout = 10
             def log_message(self, fmt: str, *args: Any) -> None:
                 logger.debug("bootstrap: " + fmt, *args)
 
@@ -53,7 +55,10 @@ class KvlinkBootstrapServer(BaseKVBootstrapServer):
             def do_PUT(self) -> None:
                 if urllib.parse.urlparse(self.path).path != "/kvlink/route":
                     return self._answer(404, {"error": "unknown path"})
-                n = int(self.headers.get("Content-Length") or 0)
+                try:
+                    n = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    n = 0
                 if not 0 < n <= MAX_BODY:
                     return self._answer(400, {"error": f"body of 1 to {MAX_BODY} bytes expected"})
                 try:
@@ -129,7 +134,7 @@ def _url(bootstrap_addr: str, path: str) -> str:
     return f"http://{bootstrap_addr}{path}"
 
 
-def register(bootstrap_addr: str, entry: Dict[str, Any], deadline_s: float = 120.0) -> threading.Thread:
+def register(bootstrap_addr: str, entry: Dict[str, Any], deadline_s: float = 600.0) -> threading.Thread:
     """Registers a prefill rank, retrying in the background until the registry answers (the
     server starts in another process) or ``deadline_s`` passes (logged as an error)."""
 
@@ -144,9 +149,9 @@ def register(bootstrap_addr: str, entry: Dict[str, Any], deadline_s: float = 120
                 with urllib.request.urlopen(req, timeout=5) as r:
                     r.read()
                     return
-            except (urllib.error.URLError, OSError) as e:
+            except (urllib.error.URLError, OSError, ValueError) as e:
                 last = e
-                time.sleep(0.2)
+                time.sleep(min(2.0, 0.2 + (time.monotonic() - (end - deadline_s)) / 20))
         logger.error("kvlink: could not register with the bootstrap server at %s for %.0f s: %s; "
                      "decodes cannot find this rank", bootstrap_addr, deadline_s, last)
 
@@ -161,5 +166,5 @@ def get(bootstrap_addr: str, path: str, timeout: float = 2.0) -> Optional[Dict[s
         with urllib.request.urlopen(_url(bootstrap_addr, path), timeout=timeout) as r:
             d = json.loads(r.read(MAX_BODY + 1))
             return d if isinstance(d, dict) else None
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, OSError, ValueError):  # ValueError: bad JSON or a bad address
         return None

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional
@@ -49,6 +50,9 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 logger = logging.getLogger(__name__)
 
 _REMEMBERED_ROOMS = 4096
+# How long clear() waits for the cancelled reads of a room to stop writing (kvlink waits for
+# what is in flight at most its I/O timeout).
+_DRAIN_S = 15.0
 
 
 class KvlinkTransferError(Exception):
@@ -110,8 +114,11 @@ class KvlinkKVManager(BaseKVManager):
         self.is_mla_backend = bool(is_mla_backend)
         self.bootstrap_timeout = _env_seconds("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300)
         self.waiting_timeout = _env_seconds("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300)
+        _refuse_unsupported(server_args)
+        # Both sides number ranks inside the attention-TP group (SGLang's prefill passes the
+        # global TP rank as engine_rank, its decode the rank in the group).
         self.tp_rank, self.tp_size = _attn_tp()
-        self.engine_rank = int(getattr(args, "engine_rank", self.tp_rank))
+        self.engine_rank = self.tp_rank
         self.page_size = int(args.page_size)
         self.dtype = f"{args.kv_cache_dtype_str}/{getattr(args, 'kv_layout', None) or 'default'}/p{self.page_size}"
         host = _host()
@@ -119,7 +126,7 @@ class KvlinkKVManager(BaseKVManager):
         opts = dict(
             transport=os.environ.get("KVLINK_TRANSPORT", "auto"),
             tp_rank=self.engine_rank,
-            tp_size=max(self.tp_size, self.engine_rank + 1),
+            tp_size=self.tp_size,
             request_timeout=float(os.environ.get("KVLINK_REQUEST_TIMEOUT", 60)),
             abort_timeout=float(os.environ.get("KVLINK_ABORT_TIMEOUT", 480)),
             rdma_device=(getattr(args, "ib_device", None) or os.environ.get("KVLINK_RDMA_DEVICE")) or None,
@@ -138,16 +145,21 @@ class KvlinkKVManager(BaseKVManager):
         self.engines = [e for e in [self.kv, self.aux, *self.states] if e is not None]
         # request id -> the sender or receiver it belongs to
         self.owners: Dict[str, Any] = {}
+        # decode: cancelled reads whose last writes may still land (request id -> engine)
+        self.draining: Dict[str, kvlink.Engine] = {}
         self.senders: Dict[int, "KvlinkKVSender"] = {}
         self.receivers: Dict[int, "KvlinkKVReceiver"] = {}
-        # prefill: wants that came before their sender; rooms aborted before their want
+        # prefill: wants that came before their sender; rooms a prefill sender gave up on before
+        # any want (answered with an abort); attempts a decode aborted before its want came
         self.early_wants: "OrderedDict[int, tuple]" = OrderedDict()
         self.aborted: "OrderedDict[int, str]" = OrderedDict()
+        self.withdrawn: "OrderedDict[tuple, str]" = OrderedDict()
         self.req_to_decode_prefix_len: Dict[int, int] = {}
         # decode: what SGLang's decode scheduler reads, and the routes it learned
         self.prefill_info_table: Dict[str, Any] = {}
         self.routes: Dict[tuple, Dict[str, Any]] = {}
         self.bad_messages = 0
+        self.unsent_messages = 0
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.register_to_bootstrap()
         logger.info("kvlink %s rank %d: KV engine %s at %s, %d index spaces (%s)", self.mode.value,
@@ -177,12 +189,16 @@ class KvlinkKVManager(BaseKVManager):
     def register_to_bootstrap(self) -> None:
         """Tells the bootstrap server this rank's KV engine (retried in the background)."""
         sa = self.server_args
-        host = getattr(sa, "host", None) or "127.0.0.1"
+        # The bootstrap server runs beside the first node's tokenizer manager.
+        dist = getattr(sa, "dist_init_addr", None)
+        host = dist.rsplit(":", 1)[0].strip("[]") if dist else (getattr(sa, "host", None) or "127.0.0.1")
+        if host in ("", "0.0.0.0", "::"):
+            host = "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
         port = int(getattr(sa, "disaggregation_bootstrap_port", 8998))
-        dp_rank = int(getattr(self.kv_args, "system_dp_rank", 0) or 0)
-        dp_size = max(int(getattr(sa, "dp_size", 1) or 1), dp_rank + 1)
-        entry = {"dp_rank": dp_rank, "tp_rank": self.engine_rank, "tp_size": max(self.tp_size, self.engine_rank + 1),
-                 "dp_size": dp_size, "addr": self.kv.handshake_address, "engine_id": self.kv.engine_id,
+        entry = {"dp_rank": 0, "tp_rank": self.engine_rank, "tp_size": self.tp_size, "dp_size": 1,
+                 "addr": self.kv.handshake_address, "engine_id": self.kv.engine_id,
                  "page_size": self.page_size, "dtype": self.dtype}
         bootstrap.register(f"{host}:{port}", entry)
 
@@ -194,14 +210,24 @@ class KvlinkKVManager(BaseKVManager):
         if bootstrap_addr in self.prefill_info_table:
             return True
         info = bootstrap.get(bootstrap_addr, "/kvlink/info")
-        if not info or not info.get("complete"):
+        if not info or info.get("complete") is not True:
             return False
         from types import SimpleNamespace
 
-        self.prefill_info_table[bootstrap_addr] = SimpleNamespace(
-            dp_size=int(info["dp_size"]), tp_size=int(info["tp_size"]), follow_bootstrap_room=True,
-            page_size=info.get("page_size"), dtype=info.get("dtype"))
+        try:
+            self.prefill_info_table[bootstrap_addr] = SimpleNamespace(
+                dp_size=int(info["dp_size"]), tp_size=int(info["tp_size"]), follow_bootstrap_room=True,
+                page_size=info.get("page_size"), dtype=info.get("dtype"))
+        except (KeyError, TypeError, ValueError):
+            logger.warning("kvlink: the bootstrap server at %s answered %r", bootstrap_addr, info)
+            return False
         return True
+
+    def forget_route(self, bootstrap_addr: str) -> None:
+        """Drops what was learned about a prefill (it may have restarted on other ports)."""
+        self.prefill_info_table.pop(bootstrap_addr, None)
+        for key in [k for k in self.routes if k[0] == bootstrap_addr]:
+            del self.routes[key]
 
     def route(self, bootstrap_addr: str, dp_rank: int) -> Dict[str, Any]:
         """The prefill rank this decode rank reads from; raises ``KvlinkTransferError``-ready
@@ -212,7 +238,7 @@ class KvlinkKVManager(BaseKVManager):
         if not self.try_ensure_parallel_info(bootstrap_addr):
             raise ValueError(f"the prefill at {bootstrap_addr} has not registered all its ranks")
         info = self.prefill_info_table[bootstrap_addr]
-        if info.tp_size != max(self.tp_size, self.engine_rank + 1):
+        if info.tp_size != self.tp_size:
             raise ValueError(f"prefill attention TP {info.tp_size}, decode {self.tp_size}: kvlink pairs equal "
                              "TP sizes only (heterogeneous TP is not supported yet)")
         if info.dtype != self.dtype:
@@ -229,17 +255,7 @@ class KvlinkKVManager(BaseKVManager):
         """Takes every engine's finished transfers and the KV engine's messages, and hands each
         to its room. Called from every poll; never blocks."""
         for e in self.engines:
-            f = e.get_finished()
-            if f.is_empty():
-                continue
-            for rid in list(f.sending) + list(f.receiving):
-                owner = self.owners.pop(rid, None)
-                if owner is not None:
-                    owner._done(rid)
-            for d in f.failures:
-                owner = self.owners.pop(d["id"], None)
-                if owner is not None:
-                    owner._fail(f"{d['side']} {d['id']} {d['cause']}: {d['reason']}", tell_peer=True)
+            self._finished(e.get_finished())
         for sender_id, body in self.kv.messages():
             try:
                 m = wire.decode(body)
@@ -248,6 +264,47 @@ class KvlinkKVManager(BaseKVManager):
                 continue
             self._dispatch(sender_id, m)
 
+    def _finished(self, f: Any) -> None:
+        if f.is_empty():
+            return
+        for rid in list(f.sending) + list(f.receiving):
+            self.draining.pop(rid, None)
+            owner = self.owners.pop(rid, None)
+            if owner is not None:
+                owner._done(rid)
+        for d in f.failures:
+            self.draining.pop(d["id"], None)
+            owner = self.owners.pop(d["id"], None)
+            if owner is not None:
+                owner._fail(f"{d['side']} {d['id']} {d['cause']}: {d['reason']}", tell_peer=True)
+
+    def drain(self, rids: List[str]) -> None:
+        """Waits until the cancelled reads ``rids`` were reported (their last write landed), at
+        most ``_DRAIN_S``: SGLang reuses a failed request's pages right after ``clear()``."""
+        end = time.monotonic() + _DRAIN_S
+        while any(r in self.draining for r in rids):
+            left = end - time.monotonic()
+            if left <= 0:
+                logger.error("kvlink: cancelled reads %s not reported within %.0f s; their pages may "
+                             "still be written", [r for r in rids if r in self.draining], _DRAIN_S)
+                return
+            engines = {id(e): e for r, e in self.draining.items() if r in rids}
+            for e in engines.values():
+                self._finished(e.wait_finished(min(left, 0.05)))
+
+    def send(self, peer: str, body: bytes) -> bool:
+        """Sends a message; a refusal (peer unreachable with its queue full, engine closed) is
+        logged and counted, never raised into SGLang's scheduler."""
+        try:
+            self.kv.send_message(peer, body)
+            return True
+        except kvlink.KvlinkError as e:
+            self.unsent_messages += 1
+            if self.unsent_messages <= 10 or self.unsent_messages % 1000 == 0:
+                logger.warning("kvlink: could not send a message to %s (%d so far): %s", peer,
+                               self.unsent_messages, e)
+            return False
+
     def _bad(self, sender_id: str, why: str) -> None:
         self.bad_messages += 1
         if self.bad_messages <= 10 or self.bad_messages % 1000 == 0:
@@ -255,27 +312,35 @@ class KvlinkKVManager(BaseKVManager):
                            sender_id, self.bad_messages, why)
 
     def _dispatch(self, sender_id: str, m: Dict[str, Any]) -> None:
-        room, kind = m["room"], m["t"]
+        room, kind, nonce = m["room"], m["t"], m["nonce"]
         if self.mode == DisaggregationMode.PREFILL:
             sender = self.senders.get(room)
             if kind == "want":
+                if (room, nonce) in self.withdrawn:
+                    return
                 if sender is not None:
                     sender._on_want(m, sender_id)
                 elif room in self.aborted:
-                    self.kv.send_message(m["addr"], wire.abort(room, self.aborted[room]))
+                    self.send(m["addr"], wire.abort(room, nonce, self.aborted[room]))
                 else:
                     _remember(self.early_wants, room, (m, sender_id))
-            elif kind == "abort" and sender is not None:
-                sender._on_peer_abort(m["reason"], sender_id)
-            elif kind == "abort":
-                _remember(self.aborted, room, f"decode aborted: {m['reason']}")
-                self.early_wants.pop(room, None)
+            elif kind == "abort" and nonce is not None:
+                if sender is not None and sender.want is not None and sender.want["nonce"] == nonce:
+                    sender._on_peer_abort(m["reason"], sender_id)
+                elif sender is None or sender.want is None:
+                    # An attempt withdrawn before its want got here: its want will be ignored.
+                    _remember(self.withdrawn, (room, nonce), m["reason"])
+                    early = self.early_wants.get(room)
+                    if early is not None and early[0]["nonce"] == nonce:
+                        del self.early_wants[room]
             else:
                 self._bad(sender_id, f"a {kind} message on a prefill")
         else:
             receiver = self.receivers.get(room)
             if receiver is None:
                 logger.debug("kvlink: %s message for room %d, which this decode rank does not know", kind, room)
+            elif nonce is not None and nonce != receiver.nonce:
+                logger.debug("kvlink: %s message for an earlier attempt at room %d", kind, room)
             elif kind == "chunk":
                 receiver._on_chunk(m, sender_id)
             elif kind == "abort":
@@ -291,7 +356,26 @@ class KvlinkKVManager(BaseKVManager):
         self.close()
 
 
-def _remember(d: "OrderedDict[int, Any]", room: int, value: Any) -> None:
+def _refuse_unsupported(sa: Any) -> None:
+    """Configurations this backend does not implement yet fail at start, saying which."""
+    why = []
+    for attr, ok, what in (("pp_size", 1, "pipeline parallelism"), ("attn_cp_size", 1, "attention context parallelism"),
+                           ("attn_dp_size", 1, "DP attention"), ("dp_size", 1, "data parallelism")):
+        v = getattr(sa, attr, ok)
+        if isinstance(v, int) and v > ok:
+            why.append(f"{what} ({attr}={v})")
+    if getattr(sa, "disaggregation_decode_allocation_policy", "early") not in ("early", None):
+        why.append("the prefill_complete decode allocation policy")
+    if getattr(sa, "enable_memory_saver", False) is True:
+        why.append("the memory saver (KV memory released and remapped)")
+    for env in ("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", "SGLANG_DISAGG_STAGING_BUFFER"):
+        if os.environ.get(env, "").lower() in ("1", "true", "yes"):
+            why.append(env)
+    if why:
+        raise ValueError("the kvlink transfer backend does not support " + ", ".join(why) + " yet")
+
+
+def _remember(d: "OrderedDict[Any, Any]", room: Any, value: Any) -> None:
     d[room] = value
     d.move_to_end(room)
     while len(d) > _REMEMBERED_ROOMS:
@@ -353,8 +437,11 @@ class _Room:
 
     def failure_exception(self):
         local = self.reason is not None
+        if self.outcome is None:
+            # SGLang all-reduces polls: another TP rank failed this room. Our peer rank is told.
+            self._fail("failed on another TP rank", tell_peer=True)
         raise KvlinkTransferError(self.bootstrap_room,
-                                  self.reason or "failed on another TP rank", is_from_another_rank=not local)
+                                  self.reason if local else "failed on another TP rank", is_from_another_rank=not local)
 
 
 class KvlinkKVSender(_Room, BaseKVSender):
@@ -374,17 +461,21 @@ class KvlinkKVSender(_Room, BaseKVSender):
         self.created = time.monotonic()
         self.waiting_since: Optional[float] = None
         room = self.bootstrap_room
+        old = mgr.senders.get(room)
+        if old is not None and old is not self:
+            old._fail("a new sender took over the room", tell_peer=True)
         mgr.senders[room] = self
-        if room in mgr.aborted:
-            self._fail(mgr.aborted.pop(room))
-        elif room in mgr.early_wants:
+        # A new attempt at the room: an earlier sender's give-up does not apply to it.
+        mgr.aborted.pop(room, None)
+        if room in mgr.early_wants:
             m, sender_id = mgr.early_wants.pop(room)
             self._on_want(m, sender_id)
 
     def _on_want(self, m: Dict[str, Any], sender_id: str) -> None:
         if self.want is not None or self.outcome is not None:
-            if self.outcome == KVPoll.Failed:
-                self.kv_mgr.kv.send_message(m["addr"], wire.abort(self.bootstrap_room, self.reason or "failed"))
+            if self.outcome == KVPoll.Failed or self.want["nonce"] != m["nonce"]:
+                why = self.reason if self.outcome == KVPoll.Failed else "another attempt holds the room"
+                self.kv_mgr.send(m["addr"], wire.abort(self.bootstrap_room, m["nonce"], why or "failed"))
             return
         self.want, self.reader = m, sender_id
         self.kv_mgr.req_to_decode_prefix_len[self.bootstrap_room] = m["prefix"]
@@ -401,7 +492,8 @@ class KvlinkKVSender(_Room, BaseKVSender):
         if self.want is None:
             if now - self.created > self.kv_mgr.bootstrap_timeout:
                 self._fail(f"no decode asked for room {self.bootstrap_room} within "
-                           f"{self.kv_mgr.bootstrap_timeout:.0f} s (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)")
+                           f"{self.kv_mgr.bootstrap_timeout:.0f} s (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)",
+                           tell_peer=True)
                 return KVPoll.Failed
             return KVPoll.Bootstrapping
         if self.chunks == 0 and self.num_pages is not None:
@@ -441,6 +533,12 @@ class KvlinkKVSender(_Room, BaseKVSender):
 
     def send(self, kv_indices: Any, state_indices: Optional[List] = None,
              num_kv_tokens: Optional[int] = None, **_: Any) -> None:
+        # With overlap scheduling SGLang may hand over pages whose KV the previous forward is
+        # still writing, with an event to wait on first.
+        event = getattr(self, "_early_send_wait_event", None)
+        if event is not None:
+            event.synchronize()
+            self._early_send_wait_event = None
         if self.outcome is not None or self.want is None or self.num_pages is None:
             return
         mgr, room = self.kv_mgr, self.bootstrap_room
@@ -452,19 +550,27 @@ class KvlinkKVSender(_Room, BaseKVSender):
             return self._fail(f"{self.sent_pages} pages sent, {self.num_pages} announced", tell_peer=True)
         if self.started is None:
             self.started = time.monotonic()
-        rid = f"sgl{room}.c{self.chunks}"
-        self.chunks += 1
-        spaces = []
-        try:
-            if pages:
-                mgr.kv.hold_blocks(rid, pages, reader=self.reader)
-                self._track(rid, "kv")
-                self.bytes += len(pages) * sum(int(x) for x in mgr.kv_args.kv_item_lens)
-            if last:
-                spaces = self._hold_spaces(state_indices)
-        except kvlink.KvlinkError as e:
-            return self._fail(f"holding chunk {self.chunks - 1}: {e}", tell_peer=True)
-        mgr.kv.send_message(self.want["addr"], wire.chunk(room, rid, first, pages, last, spaces))
+        # One hold and one message per part: a message names at most MAX_PAGES_PER_MESSAGE pages.
+        step = wire.MAX_PAGES_PER_MESSAGE
+        parts = [pages[i:i + step] for i in range(0, len(pages), step)] or [[]]
+        for n, part in enumerate(parts):
+            part_last = last and n == len(parts) - 1
+            rid = f"sgl{room}.{self.want['nonce']:x}.c{self.chunks}"
+            self.chunks += 1
+            spaces = []
+            try:
+                if part:
+                    mgr.kv.hold_blocks(rid, part, reader=self.reader)
+                    self._track(rid, "kv")
+                    self.bytes += len(part) * sum(int(x) for x in mgr.kv_args.kv_item_lens)
+                if part_last:
+                    spaces = self._hold_spaces(state_indices)
+            except kvlink.KvlinkError as e:
+                return self._fail(f"holding chunk {self.chunks - 1}: {e}", tell_peer=True)
+            body = wire.chunk(room, self.want["nonce"], rid, first, part, part_last, spaces)
+            if not mgr.send(self.want["addr"], body):
+                return self._fail(f"could not announce chunk {self.chunks - 1} to the decode", tell_peer=True)
+            first += len(part)
         self.last_sent = last
         self._progress()
 
@@ -472,7 +578,7 @@ class KvlinkKVSender(_Room, BaseKVSender):
         mgr, room, want = self.kv_mgr, self.bootstrap_room, self.want
         spaces = []
         if want["aux"] and self.aux_index is not None and mgr.aux is not None:
-            rid = f"sgl{room}.aux"
+            rid = f"sgl{room}.{want['nonce']:x}.aux"
             mgr.aux.hold_blocks(rid, [self.aux_index], reader=want["readers"]["aux"])
             self._track(rid, "aux")
             self.bytes += sum(int(x) for x in mgr.kv_args.aux_item_lens)
@@ -484,7 +590,7 @@ class KvlinkKVSender(_Room, BaseKVSender):
             if engine is None:
                 raise kvlink.InvalidArgument(f"state type {i} has no buffers on this prefill")
             indices = [int(x) for x in np.asarray(idx).reshape(-1)]
-            rid = f"sgl{room}.s{i}"
+            rid = f"sgl{room}.{want['nonce']:x}.s{i}"
             engine.hold_blocks(rid, indices, reader=want["readers"]["states"][i])
             self._track(rid, f"s{i}")
             spaces.append({"space": i, "addr": engine.handshake_address, "id": rid, "indices": indices})
@@ -505,14 +611,16 @@ class KvlinkKVSender(_Room, BaseKVSender):
 
     def _tell_peer_abort(self, reason: str) -> None:
         if self.want is not None:
-            self.kv_mgr.kv.send_message(self.want["addr"], wire.abort(self.bootstrap_room, reason))
+            self.kv_mgr.send(self.want["addr"], wire.abort(self.bootstrap_room, self.want["nonce"], reason))
         else:
             _remember(self.kv_mgr.aborted, self.bootstrap_room, reason)
 
     def failure_exception(self):
         # SGLang's prefill scheduler does not clear() a failed sender: it clears itself.
-        self.clear()
-        _Room.failure_exception(self)
+        try:
+            _Room.failure_exception(self)
+        finally:
+            self.clear()
 
     def clear(self) -> None:
         self._drop_out()
@@ -544,6 +652,9 @@ class KvlinkKVReceiver(_Room, BaseKVReceiver):
         self.last_seen = False
         self.asked_at: Optional[float] = None
         self.chunk_at: Optional[float] = None
+        # This attempt at the room: echoed by the prefill, part of every request id.
+        self.nonce = random.getrandbits(63)
+        self.cancelled: List[str] = []
         old = mgr.receivers.get(self.bootstrap_room)
         if old is not None and old is not self:
             old._fail("a new receiver took over the room")
@@ -572,8 +683,8 @@ class KvlinkKVReceiver(_Room, BaseKVReceiver):
         readers = {"aux": mgr.aux.engine_id if mgr.aux is not None else None,
                    "states": [mgr.states[i].engine_id if c else mgr.kv.engine_id for i, c in enumerate(counts)]}
         self.asked_at = time.monotonic()
-        mgr.kv.send_message(self.route["addr"], wire.want(
-            self.bootstrap_room, mgr.kv.handshake_address, len(self.local_pages), int(decode_prefix_len or 0),
+        mgr.send(self.route["addr"], wire.want(
+            self.bootstrap_room, self.nonce, mgr.kv.handshake_address, len(self.local_pages), int(decode_prefix_len or 0),
             self.aux_index is not None and mgr.aux is not None, counts, readers))
 
     def _on_chunk(self, m: Dict[str, Any], sender_id: str) -> None:
@@ -594,7 +705,7 @@ class KvlinkKVReceiver(_Room, BaseKVReceiver):
         peer = self.route["addr"]
         try:
             if pages:
-                rid = f"sgl{room}.c{self.chunks}"
+                rid = f"sgl{room}.{self.nonce:x}.c{self.chunks}"
                 mgr.kv.read_blocks(peer, rid, self.local_pages[first:first + len(pages)], pages,
                                    remote_request_id=m["id"])
                 self._track(rid, "kv")
@@ -616,7 +727,7 @@ class KvlinkKVReceiver(_Room, BaseKVReceiver):
             if s["space"] == "aux":
                 if self.aux_index is None or mgr.aux is None or len(s["indices"]) != 1:
                     raise ValueError("an aux row this decode did not ask for")
-                rid = f"sgl{room}.aux"
+                rid = f"sgl{room}.{self.nonce:x}.aux"
                 mgr.aux.read_blocks(s["addr"], rid, [self.aux_index], s["indices"], remote_request_id=s["id"])
                 self._track(rid, "aux")
             else:
@@ -626,11 +737,15 @@ class KvlinkKVReceiver(_Room, BaseKVReceiver):
                 if local is None or engine is None or len(local) != len(s["indices"]):
                     raise ValueError(f"state type {i}: the prefill sent {len(s['indices'])} indices, "
                                      f"this decode expects {0 if local is None else len(local)}")
-                rid = f"sgl{room}.s{i}"
+                rid = f"sgl{room}.{self.nonce:x}.s{i}"
                 engine.read_blocks(s["addr"], rid, local, s["indices"], remote_request_id=s["id"])
                 self._track(rid, f"s{i}")
         if self.aux_index is not None and mgr.aux is not None and not any(s["space"] == "aux" for s in spaces):
             raise ValueError("the prefill sent no aux row")
+        got = {s["space"] for s in spaces}
+        for i, local in enumerate(self.state_indices):
+            if local and i < len(mgr.states) and mgr.states[i] is not None and i not in got:
+                raise ValueError(f"the prefill sent no indices of state type {i}")
 
     def _on_peer_abort(self, reason: str, sender_id: str) -> None:
         if self.route is not None and sender_id == self.route["engine_id"]:
@@ -664,17 +779,32 @@ class KvlinkKVReceiver(_Room, BaseKVReceiver):
     def _drop_out(self) -> None:
         for rid, space in list(self.out.items()):
             e = self._engine(space)
-            if e is not None:
-                e.cancel(rid)
+            if e is not None and e.cancel(rid):
+                # Its last writes may still land: clear() waits for its report.
+                self.kv_mgr.draining[rid] = e
+                self.cancelled.append(rid)
             self.kv_mgr.owners.pop(rid, None)
         self.out.clear()
 
+    def _fail(self, reason: str, tell_peer: bool = False) -> None:
+        if self.outcome is None and not reason.startswith("Aborted by AbortReq"):
+            # The prefill may have restarted elsewhere behind the same bootstrap address.
+            self.kv_mgr.forget_route(self.bootstrap_addr)
+        _Room._fail(self, reason, tell_peer)
+
     def _tell_peer_abort(self, reason: str) -> None:
         if self.route is not None:
-            self.kv_mgr.kv.send_message(self.route["addr"], wire.abort(self.bootstrap_room, reason))
+            self.kv_mgr.send(self.route["addr"], wire.abort(self.bootstrap_room, self.nonce, reason))
 
     def clear(self) -> None:
+        """Ends the room; returns once no read of it can write into the decode's pages any more
+        (SGLang reuses them right after)."""
+        if self.outcome is None:
+            self._fail("cleared before it finished", tell_peer=True)
         self._drop_out()
+        if self.cancelled:
+            self.kv_mgr.drain(self.cancelled)
+            self.cancelled = []
         if self.kv_mgr.receivers.get(self.bootstrap_room) is self:
             del self.kv_mgr.receivers[self.bootstrap_room]
 
@@ -682,5 +812,5 @@ class KvlinkKVReceiver(_Room, BaseKVReceiver):
         self._fail("Aborted by AbortReq.", tell_peer=True)
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
-        """The prefill is told at ``abort()``; nothing of the decode's pages is written after a
-        cancelled read returns, so the pages may be released at once."""
+        """The prefill is told at ``abort()``, and ``clear()`` returns only once every cancelled
+        read of the room was reported, so no write lands in its pages afterwards."""

@@ -5,11 +5,16 @@ Pure functions, no I/O: every message is a JSON object, and every field of one t
 checked here before use (a peer's message is hostile input). A malformed message raises
 ``BadMessage`` with what is wrong; the caller logs it and drops it alone.
 
+Every message names the room and the decode's attempt at it (``nonce``, chosen by the receiver):
+SGLang reuses a room for a retried request, and a late message of an earlier attempt must not
+touch the new one.
+
 - ``want`` (decode to prefill, from ``KVReceiver.send_metadata``): the decode is ready for room
   ``room``; it expects ``pages`` pages past its own prefix of ``prefix`` tokens, the aux row
   if ``aux``, and ``states[i]`` indices of state type ``i``; reply to ``addr`` (its KV engine),
   and grant the aux and state spaces to the engine ids in ``readers``.
-- ``chunk`` (prefill to decode, from each ``KVSender.send``): pages ``pages`` of the prefill,
+- ``chunk`` (prefill to decode, from each ``KVSender.send``, split into messages of at most
+  ``MAX_PAGES_PER_MESSAGE`` pages so each stays under kvlink's 64 KiB): pages ``pages`` of the prefill,
   held under ``id``, are the request's pages ``[first, first + len(pages))``. The last chunk
   (``last``) also names the aux row and the state indices, each held under its own id on the
   prefill's engine for that space (``spaces``: ``[{"space", "addr", "id", "indices"}]``).
@@ -23,6 +28,8 @@ from typing import Any, Dict, List, Optional
 
 MAX_PAGES = 1 << 20
 """Most pages one request may announce (a 16M-token prompt of 16-token pages)."""
+MAX_PAGES_PER_MESSAGE = 4096
+"""Most pages one chunk message names: 4,096 ids of at most 10 digits stay well under 64 KiB."""
 MAX_STATE_TYPES = 16
 MAX_REASON = 512
 MAX_ID = 256
@@ -59,20 +66,21 @@ def encode(msg: Dict[str, Any]) -> bytes:
     return json.dumps(msg, separators=(",", ":")).encode()
 
 
-def want(room: int, addr: str, pages: int, prefix: int, aux: bool, states: List[int],
+def want(room: int, nonce: int, addr: str, pages: int, prefix: int, aux: bool, states: List[int],
          readers: Dict[str, Any]) -> bytes:
-    return encode({"t": "want", "room": room, "addr": addr, "pages": pages, "prefix": prefix,
+    return encode({"t": "want", "room": room, "nonce": nonce, "addr": addr, "pages": pages, "prefix": prefix,
                    "aux": aux, "states": states, "readers": readers})
 
 
-def chunk(room: int, id: str, first: int, pages: List[int], last: bool,
+def chunk(room: int, nonce: int, id: str, first: int, pages: List[int], last: bool,
           spaces: Optional[List[Dict[str, Any]]] = None) -> bytes:
-    return encode({"t": "chunk", "room": room, "id": id, "first": first, "pages": pages,
+    return encode({"t": "chunk", "room": room, "nonce": nonce, "id": id, "first": first, "pages": pages,
                    "last": last, "spaces": spaces or []})
 
 
-def abort(room: int, reason: str) -> bytes:
-    return encode({"t": "abort", "room": room, "reason": reason[:MAX_REASON]})
+def abort(room: int, nonce: Optional[int], reason: str) -> bytes:
+    """``nonce`` None: every attempt at the room (a prefill that gave up before any want)."""
+    return encode({"t": "abort", "room": room, "nonce": nonce, "reason": reason[:MAX_REASON]})
 
 
 def decode(body: bytes) -> Dict[str, Any]:
@@ -85,8 +93,9 @@ def decode(body: bytes) -> Dict[str, Any]:
         raise BadMessage("not a JSON object")
     kind = d.get("t")
     room = _int(d, "room", 0, (1 << 64) - 1)
+    nonce = None if kind == "abort" and d.get("nonce") is None else _int(d, "nonce", 0, (1 << 64) - 1)
     if kind == "want":
-        out = {"t": kind, "room": room, "addr": _str(d, "addr", MAX_ADDR),
+        out = {"t": kind, "room": room, "nonce": nonce, "addr": _str(d, "addr", MAX_ADDR),
                "pages": _int(d, "pages", 0, MAX_PAGES), "prefix": _int(d, "prefix", 0, 1 << 40)}
         if not isinstance(d.get("aux"), bool):
             raise BadMessage("aux must be a boolean")
@@ -102,12 +111,14 @@ def decode(body: bytes) -> Dict[str, Any]:
         if not isinstance(states, list) or len(states) != len(out["states"]) or not all(
                 isinstance(s, str) and 0 < len(s) <= MAX_ID for s in states):
             raise BadMessage("readers.states must name one engine per state type")
+        if out["aux"] and aux_reader is None:
+            raise BadMessage("readers.aux must name the engine that reads the aux row")
         out["readers"] = {"aux": aux_reader, "states": states}
         return out
     if kind == "chunk":
-        out = {"t": kind, "room": room, "id": _str(d, "id", MAX_ID),
+        out = {"t": kind, "room": room, "nonce": nonce, "id": _str(d, "id", MAX_ID),
                "first": _int(d, "first", 0, MAX_PAGES),
-               "pages": _ints(d.get("pages"), "pages", MAX_PAGES)}
+               "pages": _ints(d.get("pages"), "pages", MAX_PAGES_PER_MESSAGE)}
         if not isinstance(d.get("last"), bool):
             raise BadMessage("last must be a boolean")
         out["last"] = d["last"]
@@ -132,5 +143,5 @@ def decode(body: bytes) -> Dict[str, Any]:
         reason = d.get("reason")
         if not isinstance(reason, str):
             raise BadMessage("reason must be a string")
-        return {"t": kind, "room": room, "reason": reason[:MAX_REASON]}
+        return {"t": kind, "room": room, "nonce": nonce, "reason": reason[:MAX_REASON]}
     raise BadMessage(f"unknown message kind {kind!r:.40}")
