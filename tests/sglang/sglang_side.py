@@ -172,7 +172,9 @@ def run_prefill(plan: Dict[str, Any]) -> None:
     while len(ended) < len(reqs) and time.monotonic() < deadline:
         for rid, (r, spec) in reqs.items():
             # The scheduler's abort of a request still in the bootstrap queue, once its decode asked.
-            if spec.get("abort_in_bootstrap") and rid not in aborted and r.disagg_kv_sender.want is not None:
+            # (Polled here first, so the abort lands before pop_bootstrapped can take the request.)
+            if (spec.get("abort_in_bootstrap") and rid not in aborted
+                    and r.disagg_kv_sender.poll() is not None and r.disagg_kv_sender.want is not None):
                 aborted.add(rid)
                 r.disagg_kv_sender.abort()
         for r in queue.pop_bootstrapped():
