@@ -4,7 +4,7 @@
 //! implements the handshake service's [`ControlHandler`] and the data server's
 //! [`RegionLookup`]. It never sees a session.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -15,7 +15,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use crate::auth::{AuthKey, SessionSecret};
 use crate::completion::{CompletionTracker, SendNotice};
 use crate::config::EngineConfig;
-use crate::control::messages::{Descriptor, Message, TransportInfo};
+use crate::control::messages::{Descriptor, TransportInfo};
 use crate::control::{frame::PROTOCOL_VERSION, ControlHandler, ControlTimeouts};
 use crate::error::{Error, Result};
 use crate::gpu::Runtimes;
@@ -79,8 +79,6 @@ pub(crate) struct EngineState {
     data_sessions: Mutex<HashMap<[u8; 16], DataSession>>,
     /// Application messages from peers, not yet taken (`Engine::take_messages`).
     pub(crate) inbox: Mutex<Inbox>,
-    /// Application messages waiting for a peer's session, by handshake address, in call order.
-    pub(crate) outbox: Mutex<HashMap<String, VecDeque<Message>>>,
 }
 
 impl EngineState {
@@ -115,7 +113,6 @@ impl EngineState {
             staging: StagingPool::new(config.staging_chunk_bytes as usize, config.staging_buffers),
             data_sessions: Mutex::new(HashMap::new()),
             inbox: Mutex::new(Inbox::default()),
-            outbox: Mutex::new(HashMap::new()),
             closing: std::sync::atomic::AtomicBool::new(false),
             reads: Mutex::new(HashMap::new()),
             config,

@@ -24,7 +24,7 @@ use crate::control::{
 use crate::error::{Error, Result};
 use crate::gpu::{GpuApi, PointerKind, Runtimes};
 use crate::ids::{BlockId, RegionId, RequestId};
-use crate::inbox::{Body, PeerMessage, MAX_MESSAGE_BYTES, OUTBOX_MESSAGES};
+use crate::inbox::{Body, PeerMessage, MAX_MESSAGE_BYTES};
 use crate::layout::KvLayout;
 use crate::memory::{DeviceMemory, ExternalMemory, Region};
 use crate::plan;
@@ -490,34 +490,19 @@ impl Engine {
     /// `remote_id` (the prefill's id), so it frees the request's blocks now instead of at its
     /// abort timeout; for a request rejected or aborted before its read started. Returns at
     /// once; the notice goes out once the session to `peer` is up (within the connect and
-    /// handshake timeouts), and is lost, with a log line, if it cannot be. A read of that
+    /// handshake timeouts), and is lost, with a log line, if it cannot be (refused at once when
+    /// 1,024 messages already wait for that session). A read of that
     /// request in flight is [`cancel`](Engine::cancel)led instead.
     pub fn reject(&self, peer: &str, remote_id: impl Into<RequestId>, reason: &str) -> Result<()> {
         let remote_id = remote_id.into();
         remote_id.validate().map_err(Error::InvalidArgument)?;
         let rt = self.runtime.read();
         let rt = rt.as_ref().ok_or(Error::Shutdown)?;
-        let sessions = self.sessions.clone();
-        let peer = peer.to_string();
-        let wait = self.shared.config.connect_timeout + self.shared.config.handshake_timeout;
         let abort = Message::Abort {
-            request_id: remote_id.clone(),
+            request_id: remote_id,
             reason: format!("rejected by the reader: {reason}"),
         };
-        rt.spawn(async move {
-            match tokio::time::timeout(wait, sessions.get(&peer)).await {
-                Ok(Ok(c)) => {
-                    c.control.notify(abort);
-                }
-                Ok(Err(e)) => {
-                    tracing::warn!(id = %remote_id, %peer, error = %e, "could not tell the prefill a request is rejected; it frees the blocks at its abort timeout");
-                }
-                Err(_) => {
-                    tracing::warn!(id = %remote_id, %peer, after = ?wait, "could not reach the prefill to reject a request; it frees the blocks at its abort timeout");
-                }
-            }
-        });
-        Ok(())
+        self.sessions.post(rt.handle(), peer, abort)
     }
 
     /// Sends `body` to the engine at `peer` (a handshake address) over the authenticated
@@ -538,66 +523,7 @@ impl Engine {
         let rt = self.runtime.read();
         let rt = rt.as_ref().ok_or(Error::Shutdown)?;
         let msg = Message::AppMessage { body: Body(body) };
-        let shared = self.shared.clone();
-        let counted = move |sent: bool| {
-            let c = &shared.counters;
-            let c = if sent {
-                &c.messages_sent
-            } else {
-                &c.messages_unsent
-            };
-            c.fetch_add(1, Ordering::Relaxed);
-        };
-        // In order behind the messages still waiting for this peer's session: a ready session
-        // takes the message now only when none is waiting.
-        let mut waiting = self.shared.outbox.lock();
-        let queue = waiting.entry(peer.to_string()).or_default();
-        if queue.is_empty() {
-            if let Some(c) = self.sessions.ready_conn(peer) {
-                counted(c.control.notify(msg));
-                return Ok(());
-            }
-        }
-        let first = queue.is_empty();
-        if queue.len() >= OUTBOX_MESSAGES {
-            counted(false);
-            return Err(Error::ConnectionLost {
-                peer: peer.to_string(),
-                reason: format!(
-                    "the session is not up yet and {OUTBOX_MESSAGES} messages already wait for it"
-                ),
-            });
-        }
-        queue.push_back(msg);
-        drop(waiting);
-        if first {
-            let sessions = self.sessions.clone();
-            let shared = self.shared.clone();
-            let peer = peer.to_string();
-            // `Sessions::get` bounds the whole connect itself.
-            rt.spawn(async move {
-                let conn = sessions.get(&peer).await;
-                // Queued under the lock: a later call waits, and so goes out after these.
-                let mut waiting = shared.outbox.lock();
-                let queued = waiting.remove(&peer).unwrap_or_default();
-                let c = &shared.counters;
-                match conn {
-                    Ok(conn) => {
-                        for m in queued {
-                            let sent = conn.control.notify(m);
-                            let c = if sent { &c.messages_sent } else { &c.messages_unsent };
-                            c.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                    Err(e) => {
-                        let n = queued.len() as u64;
-                        c.messages_unsent.fetch_add(n, Ordering::Relaxed);
-                        tracing::warn!(%peer, messages = n, error = %e, "could not send messages: no session to the peer");
-                    }
-                }
-            });
-        }
-        Ok(())
+        self.sessions.post(rt.handle(), peer, msg)
     }
 
     /// The messages peers sent this engine since the last call, in arrival order: each with

@@ -12,7 +12,7 @@ mod transfer;
 
 pub(crate) use transfer::{run_read, ReadJob};
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -22,6 +22,7 @@ use tokio::sync::watch;
 use crate::control::messages::{Descriptor, Message};
 use crate::control::ControlClient;
 use crate::error::{Error, Result};
+use crate::inbox::OUTBOX_MESSAGES;
 use crate::state::EngineState;
 use crate::transport::Transport;
 
@@ -95,6 +96,8 @@ pub(crate) struct Sessions {
     connector: Box<dyn Connector>,
     map: Mutex<HashMap<String, Slot>>,
     generation: AtomicU64,
+    /// Control messages waiting for a peer's session, by peer, in call order (`post`).
+    outbox: Mutex<HashMap<String, VecDeque<Message>>>,
 }
 
 impl Sessions {
@@ -113,6 +116,74 @@ impl Sessions {
             connector,
             map: Mutex::new(HashMap::new()),
             generation: AtomicU64::new(0),
+            outbox: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Hands `msg` to `peer`'s control connection, in call order per peer: at once when the
+    /// session is up and nothing waits for it, else queued (at most [`OUTBOX_MESSAGES`]) and
+    /// sent by one task once `get` has connected. Application messages are counted as sent or
+    /// unsent; a message that cannot go out is logged. Returns at once.
+    pub(crate) fn post(
+        self: &Arc<Self>,
+        rt: &tokio::runtime::Handle,
+        peer: &str,
+        msg: Message,
+    ) -> Result<()> {
+        let mut waiting = self.outbox.lock();
+        let queue = waiting.entry(peer.to_string()).or_default();
+        if queue.is_empty() {
+            if let Some(c) = self.ready_conn(peer) {
+                waiting.remove(peer);
+                self.hand_over(Some(&c), msg);
+                return Ok(());
+            }
+        }
+        if queue.len() >= OUTBOX_MESSAGES {
+            self.hand_over(None, msg);
+            return Err(Error::ConnectionLost {
+                peer: peer.to_string(),
+                reason: format!(
+                    "the session is not up yet and {OUTBOX_MESSAGES} messages already wait for it"
+                ),
+            });
+        }
+        let first = queue.is_empty();
+        queue.push_back(msg);
+        drop(waiting);
+        if first {
+            let sessions = self.clone();
+            let peer = peer.to_string();
+            // `get` bounds the whole connect itself.
+            rt.spawn(async move {
+                let conn = sessions.get(&peer).await;
+                // Handed over under the lock: a later call waits, and so goes out after these.
+                let mut waiting = sessions.outbox.lock();
+                let queued = waiting.remove(&peer).unwrap_or_default();
+                let n = queued.len();
+                for m in queued {
+                    sessions.hand_over(conn.as_ref().ok(), m);
+                }
+                if let Err(e) = conn {
+                    tracing::warn!(%peer, messages = n, error = %e, "could not send control messages (notices, application messages): no session to the peer");
+                }
+            });
+        }
+        Ok(())
+    }
+
+    /// Queues `msg` on `conn` (none: it cannot be sent); application messages are counted.
+    fn hand_over(&self, conn: Option<&Arc<PeerConn>>, msg: Message) {
+        let app = matches!(msg, Message::AppMessage { .. });
+        let sent = conn.is_some_and(|c| c.control.notify(msg));
+        if app {
+            let c = &self.state.counters;
+            let c = if sent {
+                &c.messages_sent
+            } else {
+                &c.messages_unsent
+            };
+            c.fetch_add(1, Ordering::Relaxed);
         }
     }
 
