@@ -190,7 +190,7 @@ fn write_seeds() {
                 block_hashes: vec![BlockHash::U64(1)],
                 ..Default::default()
             }),
-            KvEvent::AllBlocksCleared { medium: None },
+            KvEvent::all_cleared(None),
         ],
         dp_rank: Some(0),
     };

@@ -10,7 +10,12 @@
 //! When an input resynchronises (its publisher restarted, or history was lost), the rank's
 //! blocks known downstream can no longer be trusted: the merger publishes an
 //! `AllBlocksCleared` batch carrying that rank's `dp_rank` (the configured one, else the last
-//! one seen), then continues with the rank's new batches. No clear is sent for a rank nothing
+//! one seen), then continues with the rank's new batches.
+//!
+//! Options: each input's own topic frame kept on the merged stream (llm-d's `kv@<pod>@<model>`
+//! topics name the pod), and the TP rule of vLLM's `KVEventAggregator` (`tp_size` > 1: inputs
+//! come in groups of `tp_size` TP workers of one data-parallel rank, and an event is published
+//! once every worker of its group emitted it; see [`super::aggregate`]). No clear is sent for a rank nothing
 //! was forwarded from yet, or whose `dp_rank` is unknown (a clear without one would read as
 //! every rank's). An input that cannot be reached at start is retried with backoff while the
 //! others flow; once connected, its SUB socket reconnects by itself.
@@ -23,9 +28,10 @@ use parking_lot::Mutex;
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
+use super::aggregate::{TpAggregator, TpStats};
 use super::publisher::{block_on_aside, Publisher, PublisherConfig, PublisherStats};
 use super::subscriber::{SubItem, Subscriber, SubscriberConfig};
-use super::wire::{encode_batch, EventBatch, KvEvent};
+use super::wire::{encode_batch, Encoding, EventBatch, KvEvent};
 use super::EventsError;
 
 /// One input stream.
@@ -53,6 +59,15 @@ pub struct MergerConfig {
     pub replay_timeout: Duration,
     /// Time a batch may wait for room in the output queue before it is dropped (and counted).
     pub publish_timeout: Duration,
+    /// Publish each batch under the topic frame it arrived with (llm-d's `kv@<pod>@<model>`),
+    /// instead of the output's configured topic.
+    pub keep_input_topics: bool,
+    /// vLLM's TP rule: inputs `[k * tp_size, (k + 1) * tp_size)` are the TP workers of one
+    /// data-parallel rank, and an event is published once all of them emitted it. 1: off.
+    pub tp_size: usize,
+    /// Events held per TP group waiting for the other workers (beyond it the oldest is
+    /// dropped and counted).
+    pub tp_max_pending: usize,
 }
 
 impl MergerConfig {
@@ -64,6 +79,9 @@ impl MergerConfig {
             topic: String::new(),
             replay_timeout: Duration::from_secs(2),
             publish_timeout: Duration::from_secs(5),
+            keep_input_topics: false,
+            tp_size: 1,
+            tp_max_pending: 100_000,
         }
     }
 }
@@ -91,6 +109,7 @@ pub struct InputStats {
 pub struct Merger {
     publisher: Arc<Publisher>,
     inputs: Arc<Vec<Mutex<InputStats>>>,
+    groups: Arc<Vec<Mutex<TpAggregator>>>,
     tasks: Vec<JoinHandle<()>>,
     runtime: Option<Runtime>,
 }
@@ -111,6 +130,18 @@ impl Merger {
                 "a merger needs at least one input".into(),
             ));
         }
+        let tp = cfg.tp_size.max(1);
+        if !cfg.inputs.len().is_multiple_of(tp) || tp > 64 {
+            return Err(EventsError::Config(format!(
+                "tp_size {tp} must divide the number of inputs ({}) and be at most 64",
+                cfg.inputs.len()
+            )));
+        }
+        let groups: Arc<Vec<Mutex<TpAggregator>>> = Arc::new(
+            (0..cfg.inputs.len() / tp)
+                .map(|_| Mutex::new(TpAggregator::new(tp, cfg.tp_max_pending)))
+                .collect(),
+        );
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("kvlink-merger")
@@ -146,12 +177,14 @@ impl Merger {
                     cfg.clone(),
                     publisher.clone(),
                     inputs.clone(),
+                    groups.clone(),
                 ))
             })
             .collect();
         Ok(Merger {
             publisher,
             inputs,
+            groups,
             tasks,
             runtime: Some(runtime),
         })
@@ -165,6 +198,14 @@ impl Merger {
     /// The merged stream's replay endpoint, when configured.
     pub fn replay_endpoint(&self) -> Option<&str> {
         self.publisher.replay_endpoint()
+    }
+
+    /// With the TP rule on: each data-parallel group's counters (empty when `tp_size` is 1).
+    pub fn tp_stats(&self) -> Vec<TpStats> {
+        if self.groups.iter().all(|g| g.lock().tp_size() == 1) {
+            return Vec::new();
+        }
+        self.groups.iter().map(|g| g.lock().stats()).collect()
     }
 
     /// The output's counters and each input's state.
@@ -192,7 +233,7 @@ fn clear_batch(dp_rank: Option<i64>) -> EventBatch {
         ts: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64()),
-        events: vec![KvEvent::AllBlocksCleared { medium: None }],
+        events: vec![KvEvent::all_cleared(None)],
         dp_rank,
     }
 }
@@ -203,15 +244,19 @@ async fn run_input(
     cfg: MergerConfig,
     out: Arc<Publisher>,
     stats: Arc<Vec<Mutex<InputStats>>>,
+    groups: Arc<Vec<Mutex<TpAggregator>>>,
 ) {
     let st = &stats[index];
+    let tp = cfg.tp_size.max(1);
+    let (group, tp_rank) = (&groups[index / tp], index % tp);
     let mut dp_rank = input.dp_rank;
     let mut backoff = Duration::from_millis(100);
-    let encode = |b: &EventBatch| {
+    let encode = |b: &EventBatch, enc: Encoding| {
         let mut v = Vec::new();
-        encode_batch(b, cfg.output.encoding, &mut v);
+        encode_batch(b, enc, &mut v);
         Bytes::from(v)
     };
+    let mut topic = Bytes::new();
     loop {
         let sc = SubscriberConfig {
             replay_endpoint: input.replay_endpoint.clone(),
@@ -243,23 +288,40 @@ async fn run_input(
             let payload = match item {
                 SubItem::Batch {
                     seq,
-                    batch,
+                    mut batch,
                     skipped,
                     raw,
+                    topic: t,
+                    encoding,
                 } => {
                     if input.dp_rank.is_none() && batch.dp_rank.is_some() {
                         dp_rank = batch.dp_rank;
                     }
-                    let mut s = st.lock();
-                    s.last_seq = seq.or(s.last_seq);
-                    s.batches += 1;
-                    if skipped.is_empty() {
+                    topic = t;
+                    {
+                        let mut s = st.lock();
+                        s.last_seq = seq.or(s.last_seq);
+                        s.batches += 1;
+                    }
+                    if tp > 1 {
+                        // Only what every TP worker of the group emitted goes out.
+                        let events = std::mem::take(&mut batch.events);
+                        batch.events = group.lock().add(tp_rank, events);
+                        if batch.events.is_empty() {
+                            continue;
+                        }
+                        encode(&batch, encoding)
+                    } else if skipped.is_empty() {
                         raw
                     } else {
-                        encode(&batch)
+                        // Re-encoded in its own encoding: its events keep their unknown fields.
+                        encode(&batch, encoding)
                     }
                 }
                 SubItem::Resync(r) => {
+                    if tp > 1 {
+                        group.lock().forget(tp_rank);
+                    }
                     let forwarded = {
                         let mut s = st.lock();
                         s.resyncs += 1;
@@ -272,7 +334,7 @@ async fn run_input(
                         continue;
                     }
                     tracing::warn!(input = %input.endpoint, ?dp_rank, "rank resynchronised ({r:?}); publishing AllBlocksCleared for it");
-                    encode(&clear_batch(dp_rank))
+                    encode(&clear_batch(dp_rank), cfg.output.encoding)
                 }
                 // Its batches came through in order: nothing to forward or clear.
                 SubItem::GapFilled { .. } => continue,
@@ -285,7 +347,8 @@ async fn run_input(
                 }
             };
             let deadline = tokio::time::Instant::now() + cfg.publish_timeout;
-            if let Err(e) = out.publish_encoded_async(payload, deadline).await {
+            let topic = cfg.keep_input_topics.then(|| topic.clone());
+            if let Err(e) = out.publish_encoded_async(topic, payload, deadline).await {
                 st.lock().dropped += 1;
                 tracing::warn!(input = %input.endpoint, "merged batch dropped: {e}");
             }

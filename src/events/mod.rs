@@ -10,6 +10,7 @@
 //!
 //! Compiled with the `events` cargo feature (on by default).
 
+mod aggregate;
 mod endpoint;
 mod guard;
 mod merger;
@@ -22,6 +23,7 @@ mod sequence;
 mod subscriber;
 mod wire;
 
+pub use aggregate::{TpAggregator, TpStats};
 pub use endpoint::{resolve as resolve_endpoint, Attach, ResolvedEndpoint};
 pub use merger::{InputStats, Merger, MergerConfig, MergerInput};
 pub use pages::{page_digest, PageHash, PageSplitter, Pages};
@@ -30,8 +32,22 @@ pub use sequence::{Action, ReplayRing, Resync, StreamState};
 pub use subscriber::{SubItem, Subscriber, SubscriberConfig, SubscriberStats};
 pub use wire::{
     decode_batch, encode_batch, encode_event, BatchError, BlockHash, BlockRemoved, BlockStored,
-    BlockTransferred, Decoded, Encoding, EventBatch, KvEvent,
+    BlockTransferred, Decoded, Encoding, EventBatch, ExtraField, FieldKey, KvEvent, Value,
+    CLEARED_LEGACY_ORDER, REMOVED_LEGACY_ORDER, STORED_LEGACY_ORDER, TRANSFERRED_LEGACY_ORDER,
 };
+
+/// The topic of llm-d's convention, `kv@<pod>@<model>`, which its indexer subscribes to by the
+/// `kv@` prefix and reads the pod and model from.
+pub fn llm_d_topic(pod: &str, model: &str) -> String {
+    format!("kv@{pod}@{model}")
+}
+
+/// The pod and model of an llm-d topic (`kv@<pod>@<model>`; the model may itself hold `@`).
+pub fn parse_llm_d_topic(topic: &[u8]) -> Option<(&str, &str)> {
+    let rest = std::str::from_utf8(topic).ok()?.strip_prefix("kv@")?;
+    let (pod, model) = rest.split_once('@')?;
+    (!pod.is_empty() && !model.is_empty()).then_some((pod, model))
+}
 
 /// Errors of the KV-event sockets.
 #[derive(Debug, thiserror::Error)]

@@ -256,7 +256,7 @@ impl<'a> Cursor<'a> {
     }
 
     /// One whole item as a tree (nesting capped at [`MAX_DEPTH`]).
-    fn value(&mut self, depth: usize) -> Result<Value, DecodeError> {
+    pub(crate) fn value(&mut self, depth: usize) -> Result<Value, DecodeError> {
         if depth > MAX_DEPTH {
             return err(format!("nested deeper than {MAX_DEPTH}"));
         }
@@ -311,6 +311,54 @@ fn int_token(v: i64) -> Token<'static> {
     }
 }
 
+impl Value {
+    /// Writes the value in msgpack's shortest form for each item (as msgspec and rmp do).
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        use rmp::encode as w;
+        // Writing into a Vec cannot fail: the results are ignored.
+        match self {
+            Value::Nil => {
+                let _ = w::write_nil(out);
+            }
+            Value::Bool(b) => {
+                let _ = w::write_bool(out, *b);
+            }
+            Value::UInt(v) => {
+                let _ = w::write_uint(out, *v);
+            }
+            Value::Int(v) => {
+                let _ = w::write_sint(out, *v);
+            }
+            Value::Float(v) => {
+                let _ = w::write_f64(out, *v);
+            }
+            Value::Str(s) => {
+                let _ = w::write_str(out, s);
+            }
+            Value::Bin(b) => {
+                let _ = w::write_bin(out, b);
+            }
+            Value::Array(items) => {
+                let _ = w::write_array_len(out, items.len() as u32);
+                for v in items {
+                    v.encode(out);
+                }
+            }
+            Value::Map(pairs) => {
+                let _ = w::write_map_len(out, pairs.len() as u32);
+                for (k, v) in pairs {
+                    k.encode(out);
+                    v.encode(out);
+                }
+            }
+            Value::Ext(t, data) => {
+                let _ = w::write_ext_meta(out, data.len() as u32, *t);
+                out.extend_from_slice(data);
+            }
+        }
+    }
+}
+
 /// Decodes exactly one value from `buf` (trailing bytes are an error).
 pub fn decode(buf: &[u8]) -> Result<Value, DecodeError> {
     let mut c = Cursor::new(buf);
@@ -344,6 +392,19 @@ mod tests {
             decode(&[0x81, 0xa1, b'k', 0x05]).unwrap(),
             Value::Map(vec![(Value::Str("k".into()), Value::UInt(5))])
         );
+    }
+
+    #[test]
+    fn values_encode_back_to_their_bytes() {
+        let bytes: &[u8] = &[
+            0x95, 0xc0, 0xc3, 0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xfe, 0xd0, 0x80,
+            0x82, 0xa1, b'k', 0xc4, 1, 7, 0x01, 0x92, 0xd4, 5, 9, 0xcb, 0x3f, 0xf8, 0, 0, 0, 0, 0,
+            0,
+        ];
+        let v = decode(bytes).unwrap();
+        let mut out = Vec::new();
+        v.encode(&mut out);
+        assert_eq!(out, bytes);
     }
 
     #[test]

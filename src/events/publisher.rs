@@ -131,7 +131,11 @@ pub struct PublisherStats {
 
 enum Item {
     Batch(EventBatch),
-    Encoded(Bytes),
+    /// An encoded payload, with its own topic or the publisher's.
+    Encoded {
+        topic: Option<Bytes>,
+        payload: Bytes,
+    },
 }
 
 #[derive(Default)]
@@ -154,18 +158,20 @@ struct Shared {
     work: Notify,
     cap: usize,
     closed: AtomicBool,
-    ring: Mutex<ReplayRing<Bytes>>,
+    ring: Mutex<ReplayRing<(Bytes, Bytes)>>,
     counters: Counters,
 }
 
 impl Shared {
-    fn try_push(&self, item: Item) -> Result<(), (Item, EventsError)> {
+    /// Queues `item`; when the queue is full, hands it back (`Err(Some)`); when the publisher
+    /// is closed, drops it (`Err(None)`).
+    fn try_push(&self, item: Item) -> Result<(), Option<Item>> {
         if self.closed.load(Ordering::Acquire) {
-            return Err((item, EventsError::Closed));
+            return Err(None);
         }
         let mut q = self.queue.lock();
         if q.len() >= self.cap {
-            return Err((item, EventsError::QueueFull { cap: self.cap }));
+            return Err(Some(item));
         }
         q.push_back(item);
         drop(q);
@@ -272,7 +278,6 @@ impl Publisher {
             tasks.push(tokio::spawn(serve_replay(
                 shared.clone(),
                 router,
-                topic.clone(),
                 cfg.replay_format,
                 cfg.replay_send_timeout,
             )));
@@ -324,28 +329,54 @@ impl Publisher {
 
     /// Queues an already-encoded batch payload (published as is).
     pub fn publish_encoded(&self, payload: Bytes) -> Result<(), EventsError> {
-        self.push(Item::Encoded(payload), None)
+        self.push(
+            Item::Encoded {
+                topic: None,
+                payload,
+            },
+            None,
+        )
     }
 
-    /// Queues an already-encoded payload from async code, waiting up to `deadline` for room.
+    /// Queues an already-encoded payload under its own topic frame (instead of the configured
+    /// one), never blocking.
+    pub fn publish_encoded_with_topic(
+        &self,
+        topic: Bytes,
+        payload: Bytes,
+    ) -> Result<(), EventsError> {
+        self.push(
+            Item::Encoded {
+                topic: Some(topic),
+                payload,
+            },
+            None,
+        )
+    }
+
+    /// Queues an already-encoded payload from async code (under `topic`, else the configured
+    /// one), waiting up to `deadline` for room.
     pub(crate) async fn publish_encoded_async(
         &self,
+        topic: Option<Bytes>,
         payload: Bytes,
         deadline: tokio::time::Instant,
     ) -> Result<(), EventsError> {
-        let mut item = Item::Encoded(payload);
+        let mut item = Item::Encoded { topic, payload };
         loop {
             let room = self.shared.room_async.notified();
             match self.shared.try_push(item) {
                 Ok(()) => return Ok(()),
-                Err((back, EventsError::QueueFull { cap })) => {
+                Err(Some(back)) => {
                     if tokio::time::timeout_at(deadline, room).await.is_err() {
                         self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
-                        return Err(EventsError::QueueFull { cap });
+                        return Err(EventsError::QueueFull {
+                            cap: self.shared.cap,
+                        });
                     }
                     item = back;
                 }
-                Err((_, e)) => return Err(e),
+                Err(None) => return Err(EventsError::Closed),
             }
         }
     }
@@ -355,7 +386,8 @@ impl Publisher {
         loop {
             match self.shared.try_push(item) {
                 Ok(()) => return Ok(()),
-                Err((back, EventsError::QueueFull { cap })) => {
+                Err(Some(back)) => {
+                    let cap = self.shared.cap;
                     let mut q = self.shared.queue.lock();
                     let now = Instant::now();
                     match deadline {
@@ -372,7 +404,7 @@ impl Publisher {
                     }
                     item = back;
                 }
-                Err((_, e)) => return Err(e),
+                Err(None) => return Err(EventsError::Closed),
             }
         }
     }

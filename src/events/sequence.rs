@@ -135,6 +135,8 @@ pub struct StreamState<P> {
     replay_timeout: Duration,
     max_buffered: usize,
     duplicates: u64,
+    /// The first sequence wanted before anything was delivered: 0, or `begin_replay`'s start.
+    floor: u64,
 }
 
 impl<P> StreamState<P> {
@@ -148,6 +150,7 @@ impl<P> StreamState<P> {
             replay_timeout,
             max_buffered: max_buffered.max(1),
             duplicates: 0,
+            floor: 0,
         }
     }
 
@@ -182,10 +185,14 @@ impl<P> StreamState<P> {
     }
 
     /// Starts a replay from `from` before (or while) following the live stream: live batches are
-    /// buffered until it ends. Used to start at a chosen sequence.
+    /// buffered until it ends. Used to start at a chosen sequence; batches before it are never
+    /// delivered, and when the publisher has not reached it yet the stream starts when it does.
     pub fn begin_replay(&mut self, from: u64, now: Instant) -> Vec<Action<P>> {
         let mut out = Vec::new();
         if self.replay.is_none() {
+            if self.last.is_none() {
+                self.floor = from;
+            }
             self.start_replay(from, now, &mut out);
         }
         out
@@ -195,23 +202,32 @@ impl<P> StreamState<P> {
     /// replay end marker), which no publisher can reach.
     pub fn handle_live(&mut self, seq: u64, payload: P, now: Instant) -> Vec<Action<P>> {
         let mut out = Vec::new();
-        let live_high = self.live_high.replace(seq);
-        // Live batches never repeat: a sequence at or below the highest live one means the
-        // publisher restarted, even in the middle of a replay.
-        if let Some(high) = live_high.filter(|h| seq <= *h) {
-            let last = self.last.unwrap_or(high).max(high);
-            out.push(Action::Resync(Resync::PublisherRestart { last, now: seq }));
-            self.last = None;
-            self.replay = None;
-            if seq == 0 {
-                self.deliver(seq, payload, &mut out);
-            } else {
-                self.start_replay(0, now, &mut out);
-                if let Some(r) = &mut self.replay {
-                    r.buffered.insert(seq, payload);
-                }
+        match self.live_high {
+            // The same batch twice (the wire spec drops duplicates by sequence).
+            Some(high) if seq == high => {
+                self.duplicates += 1;
+                return out;
             }
-            return out;
+            // Live batches never go down: the publisher restarted, even in the middle of a
+            // replay.
+            Some(high) if seq < high => {
+                self.live_high = Some(seq);
+                let last = self.last.unwrap_or(high).max(high);
+                out.push(Action::Resync(Resync::PublisherRestart { last, now: seq }));
+                self.last = None;
+                self.replay = None;
+                self.floor = 0;
+                if seq == 0 {
+                    self.deliver(seq, payload, &mut out);
+                } else {
+                    self.start_replay(0, now, &mut out);
+                    if let Some(r) = &mut self.replay {
+                        r.buffered.insert(seq, payload);
+                    }
+                }
+                return out;
+            }
+            _ => self.live_high = Some(seq),
         }
         if let Some(r) = &mut self.replay {
             if r.buffered.len() >= self.max_buffered {
@@ -223,9 +239,11 @@ impl<P> StreamState<P> {
             return out;
         }
         match self.last {
-            // Late join: bootstrap with everything the ring still holds.
-            None if seq > 0 => {
-                self.start_replay(0, now, &mut out);
+            // Before the chosen start: not wanted.
+            None if seq < self.floor => self.duplicates += 1,
+            // Late join (or a start the stream has passed): bootstrap with a replay.
+            None if seq > self.floor => {
+                self.start_replay(self.floor, now, &mut out);
                 if let Some(r) = &mut self.replay {
                     r.buffered.insert(seq, payload);
                 }
@@ -282,14 +300,29 @@ impl<P> StreamState<P> {
         lost
     }
 
-    /// The replay's end marker: buffered live batches follow, in order, duplicates dropped.
-    pub fn handle_replay_end(&mut self) -> Vec<Action<P>> {
+    /// The replay's end marker: buffered live batches follow, in order, duplicates dropped. A
+    /// gap between buffered batches past the first one (the replay covered up to it) is a
+    /// newer live loss: it gets a replay of its own rather than being reported lost.
+    pub fn handle_replay_end(&mut self, now: Instant) -> Vec<Action<P>> {
         let mut out = Vec::new();
         let Some(r) = self.replay.take() else {
             return out;
         };
         let mut lost = r.lost;
-        for (seq, payload) in r.buffered {
+        let first_buffered = r.buffered.first_key_value().map(|(s, _)| *s);
+        let mut rest = r.buffered.into_iter();
+        while let Some((seq, payload)) = rest.next() {
+            let expected = self.last.map_or(r.from, |l| l + 1).max(r.from);
+            let covered = first_buffered.is_some_and(|f| f < expected);
+            if seq > expected && covered && !lost {
+                // Fill this one by replay too, keeping the rest buffered.
+                self.start_replay(expected, now, &mut out);
+                if let Some(nr) = &mut self.replay {
+                    nr.buffered.insert(seq, payload);
+                    nr.buffered.extend(rest);
+                }
+                return out;
+            }
             lost |= self.accept_after(r.from, seq, payload, &mut out);
         }
         if !lost {
@@ -307,7 +340,7 @@ impl<P> StreamState<P> {
     /// (publishers that drop malformed requests never answer).
     pub fn poll(&mut self, now: Instant) -> Vec<Action<P>> {
         match &self.replay {
-            Some(r) if now >= r.deadline => self.handle_replay_end(),
+            Some(r) if now >= r.deadline => self.handle_replay_end(now),
             _ => Vec::new(),
         }
     }
@@ -371,7 +404,7 @@ mod tests {
         assert_eq!(s.handle_live(4, "e", t), vec![Action::RequestReplay(2)]);
         let mut got = s.handle_replayed(2, "c");
         got.extend(s.handle_replayed(3, "d"));
-        got.extend(s.handle_replay_end());
+        got.extend(s.handle_replay_end(t));
         assert_eq!(delivered(&got), vec![2, 3, 4]);
         assert_eq!(
             got.last(),
@@ -383,7 +416,7 @@ mod tests {
         );
         // A replay that could not supply everything reports the loss, and no fill.
         assert_eq!(s.handle_live(9, "j", t), vec![Action::RequestReplay(5)]);
-        let got = s.handle_replay_end();
+        let got = s.handle_replay_end(t);
         assert!(
             !got.iter().any(|a| matches!(a, Action::GapFilled { .. })),
             "{got:?}"
@@ -418,7 +451,7 @@ mod tests {
         got.extend(s.handle_replayed(2, "c"));
         got.extend(s.handle_replayed(3, "d"));
         got.extend(s.handle_replayed(4, "e"));
-        got.extend(s.handle_replay_end());
+        got.extend(s.handle_replay_end(t));
         assert_eq!(delivered(&got), vec![2, 3, 4, 5]);
         assert_eq!(s.duplicates(), 2, "replayed 1 and buffered 4");
         assert!(!s.replaying());
@@ -439,7 +472,7 @@ mod tests {
                 resumed: 40
             })
         );
-        let mut got = s.handle_replay_end();
+        let mut got = s.handle_replay_end(t);
         assert_eq!(
             got.remove(0),
             Action::Resync(Resync::HistoryLost {
@@ -460,7 +493,7 @@ mod tests {
         for q in 5..=7 {
             got.extend(s.handle_replayed(q, "r"));
         }
-        got.extend(s.handle_replay_end());
+        got.extend(s.handle_replay_end(t));
         assert_eq!(
             got[0],
             Action::Resync(Resync::HistoryLost {
@@ -506,7 +539,7 @@ mod tests {
         for q in 1..=6 {
             got.extend(s.handle_replayed(q, "r"));
         }
-        got.extend(s.handle_replay_end());
+        got.extend(s.handle_replay_end(t));
         assert_eq!(delivered(&got), vec![1, 2, 3, 4, 5, 6]);
         // The backlogged live stream catches up: 4..=6 are duplicates, 7 is next.
         for q in 4..=6 {
@@ -535,7 +568,7 @@ mod tests {
         for q in 3..10 {
             s.handle_live(q, "x", t);
         }
-        let got = s.handle_replay_end();
+        let got = s.handle_replay_end(t);
         assert_eq!(delivered(&got), vec![7, 8, 9]);
         assert!(matches!(
             got[0],
@@ -544,5 +577,74 @@ mod tests {
                 resumed: 7
             })
         ));
+    }
+
+    #[test]
+    fn a_repeated_sequence_is_a_duplicate_and_only_a_lower_one_a_restart() {
+        let t = Instant::now();
+        let mut s = StreamState::new(Duration::from_secs(1), 100);
+        for q in 0..=5 {
+            s.handle_live(q, "x", t);
+        }
+        assert!(s.handle_live(5, "again", t).is_empty(), "seq 5 twice");
+        assert_eq!(s.duplicates(), 1);
+        assert_eq!(s.handle_live(6, "g", t), vec![Action::Deliver(6, "g")]);
+        // During a replay too.
+        assert_eq!(s.handle_live(9, "j", t), vec![Action::RequestReplay(7)]);
+        assert!(s.handle_live(9, "j", t).is_empty());
+        assert!(s.replaying());
+        let got = s.handle_live(4, "new", t);
+        assert!(
+            matches!(
+                got[0],
+                Action::Resync(Resync::PublisherRestart { last: 9, now: 4 })
+            ),
+            "{got:?}"
+        );
+    }
+
+    #[test]
+    fn a_second_gap_behind_the_replayed_range_is_replayed_not_lost() {
+        let t = Instant::now();
+        let mut s = StreamState::new(Duration::from_secs(1), 100);
+        s.handle_live(0, "a", t);
+        assert_eq!(s.handle_live(3, "d", t), vec![Action::RequestReplay(1)]);
+        // While the replay runs, live loses 5 as well.
+        s.handle_live(4, "e", t);
+        s.handle_live(6, "g", t);
+        let mut got = Vec::new();
+        for q in 1..=3 {
+            got.extend(s.handle_replayed(q, "r"));
+        }
+        got.extend(s.handle_replay_end(t));
+        assert_eq!(delivered(&got), vec![1, 2, 3, 4]);
+        assert_eq!(got.last(), Some(&Action::RequestReplay(5)));
+        assert!(!got.iter().any(|a| matches!(a, Action::Resync(_))));
+        let mut got = s.handle_replayed(5, "f");
+        got.extend(s.handle_replayed(6, "g"));
+        got.extend(s.handle_replay_end(t));
+        assert_eq!(delivered(&got), vec![5, 6]);
+        assert_eq!(
+            got.last(),
+            Some(&Action::GapFilled {
+                from: 5,
+                through: 6
+            })
+        );
+    }
+
+    #[test]
+    fn a_start_beyond_the_stream_waits_for_it_instead_of_starting_from_zero() {
+        let t = Instant::now();
+        let mut s = StreamState::new(Duration::from_secs(1), 100);
+        assert_eq!(s.begin_replay(10, t), vec![Action::RequestReplay(10)]);
+        s.handle_live(7, "h", t);
+        // The ring holds nothing from 10 yet: the answer is just the end marker.
+        let got = s.handle_replay_end(t);
+        assert!(delivered(&got).is_empty(), "{got:?}");
+        assert!(s.handle_live(8, "i", t).is_empty(), "before the start");
+        assert!(s.handle_live(9, "j", t).is_empty());
+        assert_eq!(s.handle_live(10, "k", t), vec![Action::Deliver(10, "k")]);
+        assert_eq!(s.handle_live(11, "l", t), vec![Action::Deliver(11, "l")]);
     }
 }

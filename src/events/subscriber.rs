@@ -26,7 +26,7 @@ use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSoc
 
 use super::publisher::REPLAY_END;
 use super::sequence::{Action, Resync, StreamState};
-use super::wire::{decode_batch, EventBatch};
+use super::wire::{decode_batch, Encoding, EventBatch};
 use super::EventsError;
 
 /// Subscriber settings.
@@ -83,6 +83,11 @@ pub enum SubItem {
         skipped: Vec<String>,
         /// The payload as received.
         raw: Bytes,
+        /// The topic frame it came with (empty for publishers without one; a replayed batch
+        /// in the legacy replay format, which has none, takes the live stream's latest).
+        topic: Bytes,
+        /// The encoding of its events: re-encoding the batch in it keeps their unknown fields.
+        encoding: Encoding,
     },
     /// A batch whose payload could not be read at all; it still takes its place in sequence.
     Malformed {
@@ -131,7 +136,9 @@ pub struct Subscriber {
     cfg: SubscriberConfig,
     sub: SubSocket,
     dealer: Option<DealerSocket>,
-    state: StreamState<Bytes>,
+    state: StreamState<Frames>,
+    /// The topic of the latest live message (for replay answers that carry none).
+    topic: Bytes,
     out: VecDeque<SubItem>,
     stats: SubscriberStats,
 }
@@ -145,14 +152,17 @@ impl std::fmt::Debug for Subscriber {
     }
 }
 
-/// A live message's `(seq, payload)`: `[topic, seq, payload]`, or the sequence-less
+/// A message's topic and payload.
+type Frames = (Bytes, Bytes);
+
+/// A live message's `(seq, (topic, payload))`: `[topic, seq, payload]`, or the sequence-less
 /// `[topic, payload]` and `[payload]` of old publishers.
-fn parse_live(frames: Vec<Bytes>) -> Result<(Option<u64>, Bytes), String> {
+fn parse_live(frames: Vec<Bytes>) -> Result<(Option<u64>, Frames), String> {
     let n = frames.len();
     let mut it = frames.into_iter();
     match n {
         3 => {
-            let _topic = it.next();
+            let topic = it.next().unwrap_or_default();
             let seq = it.next().unwrap_or_default();
             let seq = <[u8; 8]>::try_from(seq.as_ref())
                 .map_err(|_| format!("sequence frame of {} bytes, expected 8", seq.len()))?;
@@ -160,28 +170,36 @@ fn parse_live(frames: Vec<Bytes>) -> Result<(Option<u64>, Bytes), String> {
             if seq == REPLAY_END {
                 return Err("live sequence 0xFF*8 is reserved for replay end markers".into());
             }
-            Ok((Some(seq), it.next().unwrap_or_default()))
+            Ok((Some(seq), (topic, it.next().unwrap_or_default())))
         }
-        1 | 2 => Ok((None, it.last().unwrap_or_default())),
+        2 => {
+            let topic = it.next().unwrap_or_default();
+            Ok((None, (topic, it.next().unwrap_or_default())))
+        }
+        1 => Ok((None, (Bytes::new(), it.next().unwrap_or_default()))),
         n => Err(format!("{n} frames, expected 3")),
     }
 }
 
-/// A replay answer's `(seq, payload)`, after the DEALER's empty delimiter:
-/// `[topic, seq, payload]` (current) or `[seq, payload]` (legacy).
-fn parse_replayed(frames: Vec<Bytes>) -> Result<(u64, Bytes), String> {
+/// A replay answer's `(seq, topic, payload)`, after the DEALER's empty delimiter:
+/// `[topic, seq, payload]` (current) or `[seq, payload]` (legacy: no topic, `None`).
+fn parse_replayed(frames: Vec<Bytes>) -> Result<(u64, Option<Bytes>, Bytes), String> {
     let mut frames = frames;
     if frames.first().is_some_and(|f| f.is_empty()) && frames.len() >= 3 {
         frames.remove(0);
     }
-    let (seq, payload) = match frames.len() {
-        3 => (frames[1].clone(), frames[2].clone()),
-        2 => (frames[0].clone(), frames[1].clone()),
+    let (topic, seq, payload) = match frames.len() {
+        3 => (
+            Some(frames[0].clone()),
+            frames[1].clone(),
+            frames[2].clone(),
+        ),
+        2 => (None, frames[0].clone(), frames[1].clone()),
         n => return Err(format!("replay answer of {n} frames")),
     };
     let seq = <[u8; 8]>::try_from(seq.as_ref())
         .map_err(|_| format!("replay sequence frame of {} bytes", seq.len()))?;
-    Ok((u64::from_be_bytes(seq), payload))
+    Ok((u64::from_be_bytes(seq), topic, payload))
 }
 
 async fn recv_dealer(d: &mut Option<DealerSocket>) -> zeromq::ZmqResult<ZmqMessage> {
@@ -219,6 +237,7 @@ impl Subscriber {
             cfg,
             sub,
             dealer: None,
+            topic: Bytes::new(),
             out: VecDeque::new(),
             stats: SubscriberStats::default(),
         };
@@ -256,11 +275,12 @@ impl Subscriber {
                         self.stats.received += 1;
                         match parse_live(m.into_vec()) {
                             Ok((Some(seq), _)) if self.cfg.drop_live.is_some_and(|f| f(seq)) => {}
-                            Ok((Some(seq), payload)) => {
-                                let a = self.state.handle_live(seq, payload, std::time::Instant::now());
+                            Ok((Some(seq), frames)) => {
+                                self.topic = frames.0.clone();
+                                let a = self.state.handle_live(seq, frames, std::time::Instant::now());
                                 self.apply(a).await;
                             }
-                            Ok((None, payload)) => self.deliver(None, payload),
+                            Ok((None, frames)) => self.deliver(None, frames),
                             Err(why) => self.bad(&why),
                         }
                     }
@@ -270,13 +290,14 @@ impl Subscriber {
                     }
                 },
                 m = recv_dealer(&mut self.dealer) => match m.map(|m| parse_replayed(m.into_vec())) {
-                    Ok(Ok((REPLAY_END, _))) => {
+                    Ok(Ok((REPLAY_END, _, _))) => {
                         self.dealer = None;
-                        let a = self.state.handle_replay_end();
+                        let a = self.state.handle_replay_end(std::time::Instant::now());
                         self.apply(a).await;
                     }
-                    Ok(Ok((seq, payload))) => {
-                        let a = self.state.handle_replayed(seq, payload);
+                    Ok(Ok((seq, topic, payload))) => {
+                        let topic = topic.unwrap_or_else(|| self.topic.clone());
+                        let a = self.state.handle_replayed(seq, (topic, payload));
                         self.apply(a).await;
                     }
                     Ok(Err(why)) => self.bad(&why),
@@ -307,7 +328,7 @@ impl Subscriber {
         tracing::debug!(endpoint = %self.cfg.endpoint, "KV-event message dropped: {why}");
     }
 
-    fn deliver(&mut self, seq: Option<u64>, raw: Bytes) {
+    fn deliver(&mut self, seq: Option<u64>, (topic, raw): Frames) {
         self.stats.delivered += 1;
         match decode_batch(&raw) {
             Ok(d) => {
@@ -317,6 +338,8 @@ impl Subscriber {
                     batch: d.batch,
                     skipped: d.skipped,
                     raw,
+                    topic,
+                    encoding: d.encoding,
                 });
             }
             Err(e) => {
@@ -326,7 +349,7 @@ impl Subscriber {
         }
     }
 
-    async fn apply(&mut self, actions: Vec<Action<Bytes>>) {
+    async fn apply(&mut self, actions: Vec<Action<Frames>>) {
         let mut pending = VecDeque::from(actions);
         while let Some(a) = pending.pop_front() {
             match a {
@@ -346,7 +369,7 @@ impl Subscriber {
                         self.stats.replay_failures += 1;
                         tracing::warn!(endpoint = %self.cfg.endpoint, "KV-event replay from {from}: {why}");
                         self.dealer = None;
-                        pending.extend(self.state.handle_replay_end());
+                        pending.extend(self.state.handle_replay_end(std::time::Instant::now()));
                     }
                 }
             }
@@ -391,19 +414,22 @@ mod tests {
         let seq = 5u64.to_be_bytes();
         assert_eq!(
             parse_live(vec![b(b"t"), b(&seq), b(b"p")]).unwrap(),
-            (Some(5), b(b"p"))
+            (Some(5), (b(b"t"), b(b"p")))
         );
-        assert_eq!(parse_live(vec![b(b"t"), b(b"p")]).unwrap(), (None, b(b"p")));
+        assert_eq!(
+            parse_live(vec![b(b"t"), b(b"p")]).unwrap(),
+            (None, (b(b"t"), b(b"p")))
+        );
         assert!(parse_live(vec![b(b"t"), b(&[1, 2]), b(b"p")]).is_err());
         assert!(parse_live(vec![b(b""); 4]).is_err());
         assert!(parse_live(vec![]).is_err());
         assert_eq!(
             parse_replayed(vec![b(b""), b(b"t"), b(&seq), b(b"p")]).unwrap(),
-            (5, b(b"p"))
+            (5, Some(b(b"t")), b(b"p"))
         );
         assert_eq!(
             parse_replayed(vec![b(b""), b(&seq), b(b"p")]).unwrap(),
-            (5, b(b"p"))
+            (5, None, b(b"p"))
         );
         assert!(parse_replayed(vec![b(b""), b(b"p")]).is_err());
         assert!(parse_replayed(vec![b(b""), b(b"t"), b(b"short"), b(b"p")]).is_err());

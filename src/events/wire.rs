@@ -3,15 +3,84 @@
 //! (older vLLM/SGLang, ATOM): each event an array, tag first, fields in declaration order.
 //! A batch is `[ts, events, dp_rank]` (publishers before vLLM PR 18925 sent two elements).
 //!
-//! Decoding accepts both encodings and every hash form (u64, i64, bin), ignores unknown keys and
-//! trailing elements, and skips a malformed or unknown event on its own (counted with its
-//! reason) without losing the rest of its batch.
+//! Decoding accepts both encodings and every hash form (u64, i64, bin), keeps fields it does not
+//! model ([`ExtraField`]: unknown keys of a map, elements past the known order of an array) so
+//! that they are re-emitted unchanged, and skips a malformed or unknown event on its own
+//! (counted with its reason) without losing the rest of its batch.
 
 mod decode;
 mod encode;
 
 pub use decode::decode_batch;
 pub use encode::{encode_batch, encode_event};
+
+pub use super::msgpack::Value;
+
+/// Where a field kvlink does not model sat in its event.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum FieldKey {
+    /// A key of a current-encoding (map) event.
+    Name(String),
+    /// An element of a legacy-encoding (array) event past the fields kvlink knows, by its index
+    /// in the array (the tag is index 0).
+    Position(usize),
+}
+
+/// A field kvlink does not model, kept as read and re-emitted unchanged by the encoders: a
+/// named field in the current encoding, a positional one in the legacy encoding (a field
+/// has no name in an array and no place in a map, so it is not carried across encodings).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExtraField {
+    /// The field's key or position.
+    pub key: FieldKey,
+    /// Its value, as decoded (strings with invalid UTF-8 are replaced; 32-bit floats widen).
+    pub value: Value,
+}
+
+/// BlockStored's fields in the legacy (array) encoding, after the tag: vLLM's declaration order
+/// up to `kv_cache_spec_sliding_window` (vLLM <= 0.23 writes all eleven), ATOM's `token_offset`,
+/// then kvlink's extension with vLLM 0.33's and SGLang's newer fields (their publishers use the
+/// current encoding only, so these places are kvlink's own).
+pub const STORED_LEGACY_ORDER: [&str; 17] = [
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "token_offset",
+    "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
+    "cache_salt",
+];
+/// BlockStored's fields written in every legacy event (vLLM 0.23's eleven).
+pub(crate) const STORED_LEGACY_ALWAYS: usize = 11;
+/// BlockStored's legacy places defined upstream (vLLM's eleven and ATOM's `token_offset`);
+/// the later ones are kvlink's.
+pub(crate) const STORED_LEGACY_UPSTREAM: usize = 12;
+/// BlockRemoved's legacy places defined upstream (vLLM's three).
+pub(crate) const REMOVED_LEGACY_UPSTREAM: usize = 3;
+/// BlockRemoved's fields in the legacy encoding, after the tag: vLLM's three (always written),
+/// then kvlink's extension with vLLM 0.33's `locality` and `ownership`.
+pub const REMOVED_LEGACY_ORDER: [&str; 5] = [
+    "block_hashes",
+    "medium",
+    "group_idx",
+    "locality",
+    "ownership",
+];
+/// AllBlocksCleared's fields in the legacy encoding (ATOM's medium).
+pub const CLEARED_LEGACY_ORDER: [&str; 1] = ["medium"];
+/// ATOM's BlockTransferred fields in the legacy encoding (all written).
+pub const TRANSFERRED_LEGACY_ORDER: [&str; 4] =
+    ["block_hashes", "from_medium", "to_medium", "group_idx"];
 
 /// A block hash as it appeared on the wire. Consumers index by [`BlockHash::as_u64`]: msgpack
 /// does not tell a non-negative signed integer from an unsigned one, so such an `I64` hash
@@ -68,6 +137,21 @@ pub struct BlockStored {
     pub kv_cache_spec_sliding_window: Option<u32>,
     /// ATOM: position of the first block's first token in the sequence.
     pub token_offset: Option<u64>,
+    /// vLLM: the extra keys of each block's hash (LoRA name, multimodal identifiers and
+    /// offsets, cache salt, prompt-embedding digests), one entry (or nil) per block.
+    pub extra_keys: Option<Value>,
+    /// vLLM 0.33: `LOCAL` or `REMOTE` relative to the publisher.
+    pub locality: Option<String>,
+    /// vLLM 0.33: the secondary offloading tier that generated the event.
+    pub ownership: Option<String>,
+    /// vLLM 0.33 and SGLang: the session that triggered the store (attribution only).
+    pub session_id: Option<String>,
+    /// vLLM 0.33: tokens past each block used in its hash, one list per block.
+    pub lookahead_token_ids: Option<Vec<Vec<u32>>>,
+    /// SGLang: the cache salt mixed into the hashes.
+    pub cache_salt: Option<String>,
+    /// Fields kvlink does not model, in wire order.
+    pub extra: Vec<ExtraField>,
 }
 
 /// Blocks removed from a cache tier.
@@ -79,6 +163,12 @@ pub struct BlockRemoved {
     pub medium: Option<String>,
     /// KV-cache group index.
     pub group_idx: Option<u32>,
+    /// vLLM 0.33: `LOCAL` or `REMOTE` relative to the publisher.
+    pub locality: Option<String>,
+    /// vLLM 0.33: the secondary offloading tier that generated the event.
+    pub ownership: Option<String>,
+    /// Fields kvlink does not model, in wire order.
+    pub extra: Vec<ExtraField>,
 }
 
 /// ATOM: blocks moved between tiers.
@@ -92,10 +182,15 @@ pub struct BlockTransferred {
     pub to_medium: Option<String>,
     /// KV-cache group index.
     pub group_idx: Option<u32>,
+    /// Fields kvlink does not model, in wire order.
+    pub extra: Vec<ExtraField>,
 }
 
 /// One KV-cache event.
 #[derive(Debug, Clone, PartialEq)]
+// BlockStored, the large variant, is also by far the most common event: boxing it would cost an
+// allocation per event to shrink the rare ones.
+#[allow(clippy::large_enum_variant)]
 pub enum KvEvent {
     /// `BlockStored`
     BlockStored(BlockStored),
@@ -105,6 +200,8 @@ pub enum KvEvent {
     AllBlocksCleared {
         /// Cache tier, when given.
         medium: Option<String>,
+        /// Fields kvlink does not model, in wire order.
+        extra: Vec<ExtraField>,
     },
     /// `BlockTransferred` (ATOM).
     BlockTransferred(BlockTransferred),
@@ -131,11 +228,56 @@ pub enum Encoding {
     Legacy,
 }
 
+impl KvEvent {
+    /// `AllBlocksCleared` for a tier (or all tiers), with no other fields.
+    pub fn all_cleared(medium: Option<String>) -> KvEvent {
+        KvEvent::AllBlocksCleared {
+            medium,
+            extra: Vec::new(),
+        }
+    }
+
+    /// The event's type name on the wire.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            KvEvent::BlockStored(_) => "BlockStored",
+            KvEvent::BlockRemoved(_) => "BlockRemoved",
+            KvEvent::AllBlocksCleared { .. } => "AllBlocksCleared",
+            KvEvent::BlockTransferred(_) => "BlockTransferred",
+        }
+    }
+
+    /// The fields kvlink does not model.
+    pub fn extra(&self) -> &[ExtraField] {
+        match self {
+            KvEvent::BlockStored(e) => &e.extra,
+            KvEvent::BlockRemoved(e) => &e.extra,
+            KvEvent::AllBlocksCleared { extra, .. } => extra,
+            KvEvent::BlockTransferred(e) => &e.extra,
+        }
+    }
+
+    /// Whether `name` is a field kvlink models for events of type `ty` (either encoding).
+    pub fn known_field(ty: &str, name: &str) -> bool {
+        name == "type"
+            || match ty {
+                "BlockStored" => STORED_LEGACY_ORDER.contains(&name),
+                "BlockRemoved" => REMOVED_LEGACY_ORDER.contains(&name),
+                "AllBlocksCleared" => CLEARED_LEGACY_ORDER.contains(&name),
+                "BlockTransferred" => TRANSFERRED_LEGACY_ORDER.contains(&name),
+                _ => false,
+            }
+    }
+}
+
 /// A decoded batch and the events that had to be skipped (with reasons).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decoded {
     /// The batch, without the skipped events.
     pub batch: EventBatch,
+    /// The encoding of the batch's first event (current when it has none): a batch re-encoded
+    /// in it keeps its unknown fields.
+    pub encoding: Encoding,
     /// Why each skipped event was skipped.
     pub skipped: Vec<String>,
 }

@@ -30,8 +30,8 @@ def _encode_event(tag, required, optional, encoding):
 
     ``required`` and ``optional`` are lists of (name, value) pairs in declaration order. Current
     encoding: a map with "type" first, required fields always, optional ones only when set.
-    Legacy: an array, tag first, then every field positionally; trailing unset optional fields
-    are left out, earlier unset ones are nil placeholders.
+    Legacy: an array, tag first, then every declared field positionally, nil when unset (what
+    msgspec writes for an array-like struct).
     """
     if encoding == "current":
         event = {"type": tag}
@@ -39,10 +39,7 @@ def _encode_event(tag, required, optional, encoding):
         event.update((k, v) for k, v in optional if v is not None)
         return event
     if encoding == "legacy":
-        values = [v for _, v in optional]
-        while values and values[-1] is None:
-            values.pop()
-        return [tag] + [v for _, v in required] + values
+        return [tag] + [v for _, v in required] + [v for _, v in optional]
     raise ValueError(f"unknown encoding {encoding!r}")
 
 

@@ -196,13 +196,15 @@ def stored(hashes, parent, tokens, block_size=16, *, medium="GPU", lora_id=None,
     return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
             "token_ids": tokens, "block_size": block_size, "lora_id": lora_id,
             "medium": medium, "lora_name": lora_name, "group_idx": group_idx,
-            "kv_cache_spec_kind": kind, "kv_cache_spec_sliding_window": window,
-            "token_offset": None}
+            "extra_keys": None, "kv_cache_spec_kind": kind,
+            "kv_cache_spec_sliding_window": window, "token_offset": None, "locality": None,
+            "ownership": None, "session_id": None, "lookahead_token_ids": None,
+            "cache_salt": None}
 
 
 def removed(hashes, medium="GPU", group_idx=None):
     return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium,
-            "group_idx": group_idx}
+            "group_idx": group_idx, "locality": None, "ownership": None}
 
 
 def cleared():
@@ -243,9 +245,10 @@ def tokens(start, blocks, block_size=16):
     return list(range(start, start + blocks * block_size))
 
 
-def batch_line(seq, ts, events, dp_rank=0):
+def batch_line(seq, ts, events, dp_rank=0, topic=""):
     """What tail prints for a batch with nothing skipped."""
-    return {"seq": seq, "ts": ts, "dp_rank": dp_rank, "events": events, "skipped": []}
+    return {"seq": seq, "topic": topic, "ts": ts, "dp_rank": dp_rank, "events": events,
+            "skipped": []}
 
 
 def ts_of(seq):
@@ -285,10 +288,11 @@ def test_event_builders_both_encodings():
         ("token_ids", [1, 2]), ("block_size", 2), ("lora_id", None), ("medium", "GPU"),
         ("lora_name", None), ("group_idx", 3)]
     assert ep.block_stored([b"\x01"], None, [1], 1, encoding="legacy") == [
-        "BlockStored", [b"\x01"], None, [1], 1, None, "GPU", None]
+        "BlockStored", [b"\x01"], None, [1], 1, None, "GPU", None, None, None, None, None]
     assert ep.block_stored([1], None, [1], 1, group_idx=0, encoding="legacy") == [
-        "BlockStored", [1], None, [1], 1, None, "GPU", None, None, 0]
-    assert ep.block_removed([1], "CPU", encoding="legacy") == ["BlockRemoved", [1], "CPU"]
+        "BlockStored", [1], None, [1], 1, None, "GPU", None, None, 0, None, None]
+    assert ep.block_removed([1], "CPU", encoding="legacy") == [
+        "BlockRemoved", [1], "CPU", None]
     assert ep.block_removed([1], group_idx=2) == {
         "type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "group_idx": 2}
     assert ep.all_blocks_cleared() == {"type": "AllBlocksCleared"}
@@ -441,22 +445,32 @@ def test_kvlink_reads_python_publisher(events_bin, cleanup, encoding):
         [removed([2**64 - 1, -1]), removed([{"bytes": H32}], medium=None, group_idx=3)],
         [cleared(), stored([0], 2**64 - 1, tokens(149_000, 1), medium="STORAGE")],
     ]
-    extra_keys = {3: [[["mm", 0]]]}  # by batch; on the wire only (tail prints no extra_keys)
+    extra_keys = {3: [[["mm", 0]]]}  # by batch
     cli = start_tail(events_bin, cleanup, pub_ep, rep_ep, "--topic", "kv",
                      "--count", str(len(batches) + 2))
     expected = []
     for seq, events in enumerate(batches):
         wire = [to_wire(e, encoding, extra_keys.get(seq)) for e in events]
-        if encoding == "current" and seq == 1:
-            wire[0]["future_field"] = {"nested": [1, 2]}  # unknown keys are ignored
+        shown = [dict(e) for e in events]
+        if seq in extra_keys:
+            shown[0]["extra_keys"] = extra_keys[seq]
+        if seq == 1:
+            # A field kvlink does not model: a map's key, or a legacy array's trailing element.
+            if encoding == "current":
+                wire[0]["future_field"] = {"nested": [1, 2]}
+                shown[0]["future_field"] = {"nested": [1, 2]}
+            else:
+                wire[0] += [None] * (18 - len(wire[0])) + [{"nested": [1, 2]}]
+                shown[0]["@18"] = {"nested": [1, 2]}
         pub.publish(wire, ts=ts_of(seq), dp_rank=seq % 3)
-        expected.append(batch_line(seq, ts_of(seq), events, seq % 3))
+        expected.append(batch_line(seq, ts_of(seq), shown, seq % 3, topic="kv"))
     # Older 2-element batches (no dp_rank), and trailing batch elements ignored.
     event = removed([2**63])
     wire = [to_wire(event, encoding)]
     pub.publish_raw(msgpack.packb([ts_of(6), wire]))
     pub.publish_raw(msgpack.packb([ts_of(7), wire, 4, "future"]))
-    expected += [batch_line(6, ts_of(6), [event], None), batch_line(7, ts_of(7), [event], 4)]
+    expected += [batch_line(6, ts_of(6), [event], None, topic="kv"),
+                 batch_line(7, ts_of(7), [event], 4, topic="kv")]
     assert cli.lines_until_exit() == expected
 
 
@@ -502,6 +516,41 @@ def test_kvlink_reports_restart(events_bin, cleanup):
         + [batch_line(seq, ts_of(seq), simple_batch(seq, 1000)) for seq in range(3)])
 
 
+def test_kvlink_drops_a_repeated_sequence_instead_of_reporting_a_restart(events_bin, cleanup):
+    # The wire spec drops duplicates by sequence; only a sequence going down is a restart.
+    pub_ep, rep_ep = free_endpoint(), free_endpoint()
+    pub = cleanup(PyPublisher(pub_ep, rep_ep))
+    cli = start_tail(events_bin, cleanup, pub_ep, rep_ep, "--count", "7")
+    payloads = [msgpack.packb([ts_of(seq), [to_wire(e, "current") for e in simple_batch(seq)], 0])
+                for seq in range(7)]
+    for seq in range(6):
+        pub.publish_raw(payloads[seq])
+    pub._pub.send_multipart([pub.topic, seq_frame(5), payloads[5]])  # seq 5 again
+    pub.publish_raw(payloads[6])
+    assert cli.lines_until_exit() == [
+        batch_line(seq, ts_of(seq), simple_batch(seq)) for seq in range(7)]
+
+
+def test_kvlink_publish_keeps_every_bit_of_ts(events_bin, cleanup):
+    # 17 significant digits: a parser that is not exact loses the last bit of some of these.
+    stamps = [1795255560.1496913 + i * 0.0123456789 for i in range(40)]
+    pub_ep = free_endpoint()
+    sub = cleanup(PySubscriber(pub_ep, None))
+    cli = cleanup(Cli(events_bin, ["publish", "--endpoint", bound(pub_ep), "--linger-ms", "300"]))
+    cli.wait_stderr("listening")
+    time.sleep(0.5)
+    for ts in stamps:
+        cli.send({"ts": ts, "events": []})  # json writes floats exactly (repr)
+    got = []
+    for _ in stamps:
+        frames = sub.recv_frames(TIMEOUT)
+        assert frames is not None, cli.stderr()
+        got.append(decode_payload(frames[2])[0])
+    assert got == stamps
+    cli.close_stdin()
+    cli.assert_exit_ok(time.monotonic() + TIMEOUT)
+
+
 def test_kvlink_reports_history_lost(events_bin, cleanup):
     pub_ep, rep_ep = free_endpoint(), free_endpoint()
     pub = cleanup(PyPublisher(pub_ep, rep_ep, ring=3))
@@ -535,5 +584,5 @@ def test_kvlink_skips_malformed_event_keeps_rest(events_bin, cleanup):
     assert len(batches) == 2, lines
     skipped = batches[0].pop("skipped")
     assert len(skipped) == 3 and all(isinstance(r, str) and r for r in skipped), skipped
-    assert batches[0] == {"seq": 0, "ts": ts_of(0), "dp_rank": 0, "events": good}
+    assert batches[0] == {"seq": 0, "topic": "", "ts": ts_of(0), "dp_rank": 0, "events": good}
     assert batches[1] == batch_line(2, ts_of(2), last)

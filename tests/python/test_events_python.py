@@ -177,7 +177,8 @@ def test_publisher_takes_engine_event_objects_and_refuses_bad_events(cleanup):
         a, b = item["events"]
         assert a["type"] == "BlockStored" and a["block_hashes"] == [11, 12] and a["parent_block_hash"] == 10
         assert a["token_ids"] == list(range(32)) and a["medium"] == "GPU" and a["lora_id"] is None
-        assert b == {"type": "BlockRemoved", "block_hashes": [3], "medium": None, "group_idx": None}
+        assert b == {"type": "BlockRemoved", "block_hashes": [3], "medium": None, "group_idx": None,
+                     "locality": None, "ownership": None}
         for bad, why in [
             ({"block_hashes": [1]}, "type"),
             ({"type": "Nope", "block_hashes": [1]}, "unknown KV event type"),
@@ -270,3 +271,52 @@ def test_publish_and_stats_from_two_threads_do_not_deadlock():
     assert not t.is_alive(), "the stats reader hung"
     assert errors == [] and n > 100
     assert pub.close(10.0)["published"] == n
+
+
+def test_newer_and_unknown_fields_reach_python_and_go_back_out(cleanup):
+    # vLLM 0.33's and SGLang's newer fields, and fields kvlink does not model, cross the
+    # Python API both ways unchanged, in both encodings.
+    for encoding in ("current", "legacy"):
+        pub_ep = free_endpoint()
+        with Publisher(bound(pub_ep), encoding=encoding) as pub:
+            sub = Subscriber(pub_ep)
+            time.sleep(SUBSCRIBED)
+            extra = {"x_future": {"k": [1, 2.5, b"\x00"], 7: None}} if encoding == "current" else {
+                "@20": ["later", True]}
+            event = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+                     "token_ids": [1, 2], "block_size": 1, "medium": "GPU",
+                     "extra_keys": [["lora-a", ["mm", 0]], None], "locality": "REMOTE",
+                     "ownership": "tier-2", "session_id": "s-1",
+                     "lookahead_token_ids": [[3], [4, 5]], "cache_salt": "salt", **extra}
+            pub.publish([event], ts=2.5)
+            (item,) = drain(sub, 1)
+            got = item["events"][0]
+            for k, v in event.items():
+                assert got[k] == v, (encoding, k, got[k])
+            # What came out goes back in as is.
+            pub.publish(item["events"], ts=3.5)
+            (again,) = drain(sub, 1)
+            assert again["events"] == item["events"]
+
+
+def test_merger_keeps_topics_and_applies_the_tp_rule(cleanup):
+    w0, w1, out = free_endpoint(), free_endpoint(), free_endpoint()
+    p0 = cleanup(Publisher(bound(w0), topic="kv@pod-0@llama"))
+    p1 = cleanup(Publisher(bound(w1), topic="kv@pod-0@llama"))
+    m = cleanup(Merger([(w0, None), (w1, None)], bound(out), keep_topics=True, tp_size=2,
+                       topic="kv@"))
+    sub = Subscriber(out)
+    deadline = time.monotonic() + 15
+    while not all(i["connected"] for i in m.stats()["inputs"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(SUBSCRIBED)
+    rm = lambda h: {"type": "BlockRemoved", "block_hashes": [h]}  # noqa: E731
+    p0.publish([rm(1), rm(2)])
+    time.sleep(0.2)
+    p1.publish([rm(2), rm(3)])
+    (item,) = drain(sub, 1)
+    assert item["topic"] == "kv@pod-0@llama"
+    assert [e["block_hashes"] for e in item["events"]] == [[2]], "only what both workers emitted"
+    groups = m.stats()["tp_groups"]
+    assert groups == [{"forwarded": 1, "held": 2, "evicted": 0}]

@@ -138,7 +138,8 @@ def test_vllms_publisher_read_by_kvlink_subscriber():
             assert g["kind"] == "batch" and g["ts"] == 2000.0 + i and g["dp_rank"] == 0 and g["skipped"] == []
             stored, removed = g["events"]
             assert stored["block_hashes"] == [i, 2**63 + i] and stored["token_ids"] == list(range(16))
-            assert removed == {"type": "BlockRemoved", "block_hashes": [i], "medium": "GPU", "group_idx": None}
+            assert removed == {"type": "BlockRemoved", "block_hashes": [i], "medium": "GPU", "group_idx": None,
+                               "locality": None, "ownership": None}
         # A late subscriber starting from 0 gets vLLM's whole history by replay.
         late = Subscriber(f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay_port}", topic="kv", start_from=0)
         first = late.next(5.0)

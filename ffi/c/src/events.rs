@@ -384,7 +384,7 @@ pub unsafe extern "C" fn kvlink_event_batch_block_removed(
         b.batch.events.push(KvEvent::BlockRemoved(BlockRemoved {
             block_hashes: hashes,
             medium,
-            group_idx: None,
+            ..Default::default()
         }));
         Ok(())
     })
@@ -405,7 +405,7 @@ pub unsafe extern "C" fn kvlink_event_batch_all_cleared(
         let b = unsafe { crate::args::mut_arg(batch, "batch") }?;
         // SAFETY: the caller promised a NUL-terminated string or NULL.
         let medium = unsafe { opt_str_arg(medium, "medium") }?.map(str::to_string);
-        b.batch.events.push(KvEvent::AllBlocksCleared { medium });
+        b.batch.events.push(KvEvent::all_cleared(medium));
         Ok(())
     })
 }

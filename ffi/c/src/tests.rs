@@ -312,10 +312,7 @@ fn the_c_event_publisher_is_read_by_the_subscriber() {
         (s.token_ids.len(), s.block_size, s.medium.as_deref()),
         (32, 16, Some("GPU"))
     );
-    assert!(matches!(
-        b.events[2],
-        KvEvent::AllBlocksCleared { medium: None }
-    ));
+    assert_eq!(b.events[2], KvEvent::all_cleared(None));
     let SubItem::Batch { batch: empty, .. } = &items[1] else {
         panic!("{items:?}")
     };

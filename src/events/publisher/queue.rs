@@ -37,23 +37,26 @@ pub(super) async fn publish_loop(
         shared.room.notify_all();
         shared.room_async.notify_waiters();
         for item in local.drain(..) {
-            let payload = match item {
-                Item::Encoded(p) => p,
+            let (item_topic, payload) = match item {
+                Item::Encoded { topic: t, payload } => {
+                    (t.unwrap_or_else(|| topic.clone()), payload)
+                }
                 Item::Batch(b) => {
                     let mut v = Vec::with_capacity(size_hint);
                     encode_batch(&b, enc, &mut v);
                     size_hint = v.len();
-                    Bytes::from(v)
+                    (topic.clone(), Bytes::from(v))
                 }
             };
             if keep_for_replay {
+                let size = payload.len() + item_topic.len();
                 shared
                     .ring
                     .lock()
-                    .push_sized(seq, payload.clone(), payload.len());
+                    .push_sized(seq, (item_topic.clone(), payload.clone()), size);
             }
             let frames = vec![
-                topic.clone(),
+                item_topic,
                 Bytes::copy_from_slice(&seq.to_be_bytes()),
                 payload,
             ];

@@ -24,7 +24,6 @@ fn replay_start(frames: &[Bytes]) -> Option<u64> {
 pub(super) async fn serve_replay(
     shared: Arc<Shared>,
     mut router: RouterSocket,
-    topic: Bytes,
     format: ReplayFormat,
     send_timeout: Duration,
 ) {
@@ -58,29 +57,25 @@ pub(super) async fn serve_replay(
             .counters
             .replay_requests
             .fetch_add(1, Ordering::Relaxed);
-        let batches: Vec<(u64, Bytes)> = shared
+        let batches: Vec<(u64, (Bytes, Bytes))> = shared
             .ring
             .lock()
             .replay_from(start)
             .map(|(s, p)| (s, p.clone()))
             .collect();
         let deadline = tokio::time::Instant::now() + send_timeout;
-        let frame = |seq: Bytes, payload: Bytes| {
+        let frame = |topic: Bytes, seq: Bytes, payload: Bytes| {
             let mut f = vec![id.clone(), Bytes::new()];
             if format == ReplayFormat::Current {
-                f.push(if payload.is_empty() {
-                    Bytes::new()
-                } else {
-                    topic.clone()
-                });
+                f.push(topic);
             }
             f.push(seq);
             f.push(payload);
             ZmqMessage::try_from(f).expect("frames")
         };
         let mut sent_all = true;
-        for (seq, payload) in batches {
-            let m = frame(Bytes::copy_from_slice(&seq.to_be_bytes()), payload);
+        for (seq, (topic, payload)) in batches {
+            let m = frame(topic, Bytes::copy_from_slice(&seq.to_be_bytes()), payload);
             match tokio::time::timeout_at(deadline, router.send(m)).await {
                 Ok(Ok(())) => {
                     shared
@@ -107,7 +102,7 @@ pub(super) async fn serve_replay(
             }
         }
         if sent_all {
-            let end = frame(end_seq.clone(), Bytes::new());
+            let end = frame(Bytes::new(), end_seq.clone(), Bytes::new());
             let _ = tokio::time::timeout_at(deadline, router.send(end)).await;
         }
     }

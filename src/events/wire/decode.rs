@@ -4,27 +4,10 @@
 use crate::events::msgpack::{self, Cursor, Token};
 
 use super::{
-    BatchError, BlockHash, BlockRemoved, BlockStored, BlockTransferred, Decoded, EventBatch,
-    KvEvent,
+    BatchError, BlockHash, BlockRemoved, BlockStored, BlockTransferred, Decoded, Encoding,
+    EventBatch, ExtraField, FieldKey, KvEvent, Value, CLEARED_LEGACY_ORDER, REMOVED_LEGACY_ORDER,
+    REMOVED_LEGACY_UPSTREAM, STORED_LEGACY_ORDER, STORED_LEGACY_UPSTREAM, TRANSFERRED_LEGACY_ORDER,
 };
-
-const STORED_ORDER: [&str; 12] = [
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-    "token_offset",
-];
-const REMOVED_ORDER: [&str; 3] = ["block_hashes", "medium", "group_idx"];
-const CLEARED_ORDER: [&str; 1] = ["medium"];
-const TRANSFERRED_ORDER: [&str; 4] = ["block_hashes", "from_medium", "to_medium", "group_idx"];
 
 /// An event's fields as read, whichever encoding carried them.
 #[derive(Default)]
@@ -43,6 +26,13 @@ struct Raw<'a> {
     token_offset: Option<u64>,
     from_medium: Option<String>,
     to_medium: Option<String>,
+    extra_keys: Option<Value>,
+    locality: Option<String>,
+    ownership: Option<String>,
+    session_id: Option<String>,
+    lookahead_token_ids: Option<Vec<Vec<u32>>>,
+    cache_salt: Option<String>,
+    extra: Vec<ExtraField>,
 }
 
 fn hash(t: Token<'_>) -> Option<BlockHash> {
@@ -118,8 +108,55 @@ fn hashes(c: &mut Cursor<'_>, name: &str) -> Result<Vec<BlockHash>, String> {
     }
 }
 
-/// Reads the value of field `name` into `raw` (an unknown field is skipped).
-fn field<'a>(c: &mut Cursor<'a>, raw: &mut Raw<'a>, name: &[u8]) -> Result<(), String> {
+/// A list of token ids (nil reads as `None`).
+fn token_list(c: &mut Cursor<'_>, name: &str) -> Result<Option<Vec<u32>>, String> {
+    match c.token().map_err(malformed)? {
+        Token::Array(n) => {
+            let mut v = Vec::with_capacity(n);
+            for _ in 0..n {
+                match c.small_uint() {
+                    Some(t) => v.push(t),
+                    None => {
+                        // Anything else is an error, however it is spelled.
+                        u32_of(c.token().map_err(malformed)?)
+                            .map(|t| v.push(t))
+                            .ok_or_else(|| format!("a {name} entry is not a u32 token id"))?;
+                    }
+                }
+            }
+            Ok(Some(v))
+        }
+        Token::Nil => Ok(None),
+        _ => Err(format!("{name} is not an array")),
+    }
+}
+
+/// Whether a field name is one kvlink models for events of type `ty`.
+fn modelled(ty: Option<&[u8]>, name: &[u8]) -> bool {
+    let order: &[&str] = match ty {
+        Some(b"BlockStored") => &STORED_LEGACY_ORDER,
+        Some(b"BlockRemoved") => &REMOVED_LEGACY_ORDER,
+        Some(b"AllBlocksCleared") => &CLEARED_LEGACY_ORDER,
+        Some(b"BlockTransferred") => &TRANSFERRED_LEGACY_ORDER,
+        // The type is not known yet (or is unknown, and the event is refused anyway).
+        _ => return true,
+    };
+    name == b"type" || order.iter().any(|n| n.as_bytes() == name)
+}
+
+/// Reads the value of field `name` into `raw` (a name kvlink does not model is kept whole in
+/// `raw.extra` under `key`).
+fn field<'a>(
+    c: &mut Cursor<'a>,
+    raw: &mut Raw<'a>,
+    name: &[u8],
+    key: impl FnOnce() -> FieldKey,
+) -> Result<(), String> {
+    if !modelled(raw.ty, name) {
+        let value = c.value(0).map_err(malformed)?;
+        raw.extra.push(ExtraField { key: key(), value });
+        return Ok(());
+    }
     match name {
         b"type" => match c.token().map_err(malformed)? {
             Token::Str(t) => raw.ty = Some(t),
@@ -127,27 +164,7 @@ fn field<'a>(c: &mut Cursor<'a>, raw: &mut Raw<'a>, name: &[u8]) -> Result<(), S
         },
         b"block_hashes" => raw.block_hashes = hashes(c, "block_hashes")?,
         b"parent_block_hash" => raw.parent_block_hash = opt(c, "parent_block_hash", hash)?,
-        b"token_ids" => {
-            raw.token_ids = match c.token().map_err(malformed)? {
-                Token::Array(n) => {
-                    let mut v = Vec::with_capacity(n);
-                    for _ in 0..n {
-                        match c.small_uint() {
-                            Some(t) => v.push(t),
-                            None => {
-                                // Anything else is an error, however it is spelled.
-                                u32_of(c.token().map_err(malformed)?)
-                                    .map(|t| v.push(t))
-                                    .ok_or("a token id is not a u32")?;
-                            }
-                        }
-                    }
-                    v
-                }
-                Token::Nil => Vec::new(),
-                _ => return Err("token_ids is not an array".into()),
-            }
-        }
+        b"token_ids" => raw.token_ids = token_list(c, "token_ids")?.unwrap_or_default(),
         b"block_size" => raw.block_size = opt(c, "block_size", u32_of)?,
         b"lora_id" => raw.lora_id = opt(c, "lora_id", i64_of)?,
         b"medium" => raw.medium = opt(c, "medium", string)?,
@@ -160,25 +177,52 @@ fn field<'a>(c: &mut Cursor<'a>, raw: &mut Raw<'a>, name: &[u8]) -> Result<(), S
         b"token_offset" => raw.token_offset = opt(c, "token_offset", u64_of)?,
         b"from_medium" => raw.from_medium = opt(c, "from_medium", string)?,
         b"to_medium" => raw.to_medium = opt(c, "to_medium", string)?,
-        _ => c.skip().map_err(malformed)?,
+        b"extra_keys" => {
+            raw.extra_keys = Some(c.value(0).map_err(malformed)?).filter(|v| !v.is_nil())
+        }
+        b"locality" => raw.locality = opt(c, "locality", string)?,
+        b"ownership" => raw.ownership = opt(c, "ownership", string)?,
+        b"session_id" => raw.session_id = opt(c, "session_id", string)?,
+        b"cache_salt" => raw.cache_salt = opt(c, "cache_salt", string)?,
+        b"lookahead_token_ids" => {
+            raw.lookahead_token_ids = match c.token().map_err(malformed)? {
+                Token::Array(n) => {
+                    let mut v = Vec::with_capacity(n);
+                    for _ in 0..n {
+                        v.push(token_list(c, "lookahead_token_ids")?.unwrap_or_default());
+                    }
+                    Some(v)
+                }
+                Token::Nil => None,
+                _ => return Err("lookahead_token_ids is not an array".into()),
+            }
+        }
+        _ => {
+            let value = c.value(0).map_err(malformed)?;
+            raw.extra.push(ExtraField { key: key(), value });
+        }
     }
     Ok(())
 }
 
-/// Reads one event. On error the cursor is left anywhere inside it (the caller rewinds).
-fn event(c: &mut Cursor<'_>) -> Result<KvEvent, String> {
+/// Reads one event and says which encoding carried it. On error the cursor is left anywhere
+/// inside it (the caller rewinds).
+fn event(c: &mut Cursor<'_>) -> Result<(KvEvent, Encoding), String> {
     let mut raw = Raw::default();
-    match c.token().map_err(malformed)? {
+    let encoding = match c.token().map_err(malformed)? {
         Token::Map(n) => {
             for _ in 0..n {
                 match c.token().map_err(malformed)? {
-                    Token::Str(k) => field(c, &mut raw, k)?,
-                    _ => c.skip().map_err(malformed)?,
+                    Token::Str(k) => field(c, &mut raw, k, || {
+                        FieldKey::Name(String::from_utf8_lossy(k).into_owned())
+                    })?,
+                    _ => return Err("a map event has a key that is not a string".into()),
                 }
             }
             if raw.ty.is_none() {
                 return Err("map event without a string \"type\"".into());
             }
+            Encoding::Current
         }
         Token::Array(n) => {
             let Some(Token::Str(tag)) =
@@ -188,22 +232,51 @@ fn event(c: &mut Cursor<'_>) -> Result<KvEvent, String> {
             };
             raw.ty = Some(tag);
             let order: &[&str] = match tag {
-                b"BlockStored" => &STORED_ORDER,
-                b"BlockRemoved" => &REMOVED_ORDER,
-                b"AllBlocksCleared" => &CLEARED_ORDER,
-                b"BlockTransferred" => &TRANSFERRED_ORDER,
+                b"BlockStored" => &STORED_LEGACY_ORDER,
+                b"BlockRemoved" => &REMOVED_LEGACY_ORDER,
+                b"AllBlocksCleared" => &CLEARED_LEGACY_ORDER,
+                b"BlockTransferred" => &TRANSFERRED_LEGACY_ORDER,
                 _ => &[],
             };
+            // Places past the upstream fields are kvlink's extension: an element of another
+            // type there is some other publisher's field, kept as a positional extra.
+            let upstream = match tag {
+                b"BlockStored" => STORED_LEGACY_UPSTREAM,
+                b"BlockRemoved" => REMOVED_LEGACY_UPSTREAM,
+                _ => order.len(),
+            };
             for i in 1..n {
+                let start = c.pos();
                 match order.get(i - 1) {
-                    Some(name) => field(c, &mut raw, name.as_bytes())?,
-                    None => c.skip().map_err(malformed)?,
+                    Some(name) if i > upstream => {
+                        if field(c, &mut raw, name.as_bytes(), || FieldKey::Position(i)).is_err() {
+                            c.rewind(start);
+                            let value = c.value(0).map_err(malformed)?;
+                            raw.extra.push(ExtraField {
+                                key: FieldKey::Position(i),
+                                value,
+                            });
+                        }
+                    }
+                    Some(name) => field(c, &mut raw, name.as_bytes(), || FieldKey::Position(i))?,
+                    None => {
+                        // A nil between kept elements is padding the encoder writes again; a
+                        // trailing one is kept, so that the array keeps its length.
+                        let value = c.value(0).map_err(malformed)?;
+                        if !value.is_nil() || i + 1 == n {
+                            raw.extra.push(ExtraField {
+                                key: FieldKey::Position(i),
+                                value,
+                            });
+                        }
+                    }
                 }
             }
+            Encoding::Legacy
         }
         _ => return Err("event is neither a map nor an array".into()),
-    }
-    match raw.ty.unwrap_or_default() {
+    };
+    let ev = match raw.ty.unwrap_or_default() {
         b"BlockStored" => {
             let e = BlockStored {
                 block_hashes: raw.block_hashes,
@@ -217,6 +290,13 @@ fn event(c: &mut Cursor<'_>) -> Result<KvEvent, String> {
                 kv_cache_spec_kind: raw.kv_cache_spec_kind,
                 kv_cache_spec_sliding_window: raw.kv_cache_spec_sliding_window,
                 token_offset: raw.token_offset,
+                extra_keys: raw.extra_keys,
+                locality: raw.locality,
+                ownership: raw.ownership,
+                session_id: raw.session_id,
+                lookahead_token_ids: raw.lookahead_token_ids,
+                cache_salt: raw.cache_salt,
+                extra: raw.extra,
             };
             let capacity = e.block_hashes.len() as u64 * u64::from(e.block_size);
             if e.block_size > 0 && e.token_ids.len() as u64 > capacity {
@@ -233,19 +313,27 @@ fn event(c: &mut Cursor<'_>) -> Result<KvEvent, String> {
             block_hashes: raw.block_hashes,
             medium: raw.medium,
             group_idx: raw.group_idx,
+            locality: raw.locality,
+            ownership: raw.ownership,
+            extra: raw.extra,
         })),
-        b"AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared { medium: raw.medium }),
+        b"AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared {
+            medium: raw.medium,
+            extra: raw.extra,
+        }),
         b"BlockTransferred" => Ok(KvEvent::BlockTransferred(BlockTransferred {
             block_hashes: raw.block_hashes,
             from_medium: raw.from_medium,
             to_medium: raw.to_medium,
             group_idx: raw.group_idx,
+            extra: raw.extra,
         })),
         other => Err(format!(
             "unknown event type {:?}",
             String::from_utf8_lossy(other)
         )),
-    }
+    }?;
+    Ok((ev, encoding))
 }
 
 /// Decodes one batch payload. It is read in one pass without building a generic tree; an
@@ -274,10 +362,14 @@ pub fn decode_batch(payload: &[u8]) -> Result<Decoded, BatchError> {
     };
     let mut events = Vec::with_capacity(count);
     let mut skipped = Vec::new();
+    let mut encoding = None;
     for i in 0..count {
         let start = c.pos();
         match event(&mut c) {
-            Ok(ev) => events.push(ev),
+            Ok((ev, enc)) => {
+                encoding.get_or_insert(enc);
+                events.push(ev)
+            }
             Err(why) => {
                 c.rewind(start);
                 c.skip().map_err(bad)?;
@@ -309,6 +401,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<Decoded, BatchError> {
             events,
             dp_rank,
         },
+        encoding: encoding.unwrap_or_default(),
         skipped,
     })
 }

@@ -2,7 +2,10 @@
 
 use rmp::encode as w;
 
-use super::{BlockHash, Encoding, EventBatch, KvEvent};
+use super::{
+    BlockHash, BlockStored, Encoding, EventBatch, ExtraField, FieldKey, KvEvent, Value,
+    STORED_LEGACY_ALWAYS,
+};
 
 fn nil(out: &mut Vec<u8>) {
     // Writing into a Vec cannot fail.
@@ -62,103 +65,206 @@ fn put_field_str(out: &mut Vec<u8>, k: &str, v: &Option<String>) {
     }
 }
 
+fn put_tokens(out: &mut Vec<u8>, ts: &[u32]) {
+    let _ = w::write_array_len(out, ts.len() as u32);
+    for t in ts {
+        let _ = w::write_uint(out, u64::from(*t));
+    }
+}
+
+fn put_opt_hash(out: &mut Vec<u8>, h: &Option<BlockHash>) {
+    match h {
+        Some(h) => put_hash(out, h),
+        None => nil(out),
+    }
+}
+
+fn put_opt_sint(out: &mut Vec<u8>, v: Option<i64>) {
+    match v {
+        Some(v) => {
+            let _ = w::write_sint(out, v);
+        }
+        None => nil(out),
+    }
+}
+
+fn put_opt_value(out: &mut Vec<u8>, v: &Option<Value>) {
+    match v {
+        Some(v) => v.encode(out),
+        None => nil(out),
+    }
+}
+
+fn put_opt_lookahead(out: &mut Vec<u8>, v: &Option<Vec<Vec<u32>>>) {
+    match v {
+        Some(lists) => {
+            let _ = w::write_array_len(out, lists.len() as u32);
+            for l in lists {
+                put_tokens(out, l);
+            }
+        }
+        None => nil(out),
+    }
+}
+
+/// The named extra fields (current encoding).
+fn named(extra: &[ExtraField]) -> impl Iterator<Item = (&str, &Value)> {
+    extra.iter().filter_map(|f| match &f.key {
+        FieldKey::Name(n) => Some((n.as_str(), &f.value)),
+        FieldKey::Position(_) => None,
+    })
+}
+
+fn put_named(out: &mut Vec<u8>, extra: &[ExtraField]) {
+    for (k, v) in named(extra) {
+        put_key(out, k);
+        v.encode(out);
+    }
+}
+
+/// The legacy array's length: `known` fields (tag included), or more to hold the positional
+/// extras.
+fn legacy_len(known: usize, extra: &[ExtraField]) -> usize {
+    extra
+        .iter()
+        .filter_map(|f| match f.key {
+            FieldKey::Position(p) => Some(p + 1),
+            FieldKey::Name(_) => None,
+        })
+        .fold(known, usize::max)
+}
+
+/// A legacy field kvlink may write: whether it is set, and how to write it.
+type Later<'a> = (bool, &'a dyn Fn(&mut Vec<u8>));
+
+/// A legacy event's elements from position `from` on: each kvlink-extension field (`later`,
+/// from `from` on) when set, else the positional extra kept at its place, else nil; then the
+/// positional extras past them. Written up to the last set field or extra.
+fn put_later(out: &mut Vec<u8>, later: &[Later<'_>], extra: &[ExtraField], from: usize) {
+    let last_set = later
+        .iter()
+        .rposition(|(set, _)| *set)
+        .map_or(from, |i| from + i + 1);
+    let len = legacy_len(last_set, extra);
+    for p in from..len {
+        match later.get(p - from) {
+            Some((true, put)) => put(out),
+            _ => match extra.iter().find(|f| f.key == FieldKey::Position(p)) {
+                Some(f) => f.value.encode(out),
+                None => nil(out),
+            },
+        }
+    }
+}
+
+/// The length of a legacy array whose fields up to `from` are always written.
+fn later_len(later: &[Later<'_>], extra: &[ExtraField], from: usize) -> usize {
+    let last_set = later
+        .iter()
+        .rposition(|(set, _)| *set)
+        .map_or(from, |i| from + i + 1);
+    legacy_len(last_set, extra)
+}
+
+fn encode_stored_current(s: &BlockStored, out: &mut Vec<u8>) {
+    let optional = [
+        s.extra_keys.is_some(),
+        s.group_idx.is_some(),
+        s.kv_cache_spec_kind.is_some(),
+        s.kv_cache_spec_sliding_window.is_some(),
+        s.token_offset.is_some(),
+        s.locality.is_some(),
+        s.ownership.is_some(),
+        s.session_id.is_some(),
+        s.lookahead_token_ids.is_some(),
+        s.cache_salt.is_some(),
+    ];
+    let n = 8 + optional.iter().filter(|x| **x).count() + named(&s.extra).count();
+    let _ = w::write_map_len(out, n as u32);
+    put_key(out, "type");
+    let _ = w::write_str(out, "BlockStored");
+    put_key(out, "block_hashes");
+    put_hashes(out, &s.block_hashes);
+    put_key(out, "parent_block_hash");
+    put_opt_hash(out, &s.parent_block_hash);
+    put_key(out, "token_ids");
+    put_tokens(out, &s.token_ids);
+    put_key(out, "block_size");
+    let _ = w::write_uint(out, u64::from(s.block_size));
+    put_key(out, "lora_id");
+    put_opt_sint(out, s.lora_id);
+    put_key(out, "medium");
+    put_opt_str(out, &s.medium);
+    put_key(out, "lora_name");
+    put_opt_str(out, &s.lora_name);
+    if let Some(v) = &s.extra_keys {
+        put_key(out, "extra_keys");
+        v.encode(out);
+    }
+    put_field_uint(out, "group_idx", s.group_idx.map(u64::from));
+    put_field_str(out, "kv_cache_spec_kind", &s.kv_cache_spec_kind);
+    put_field_uint(
+        out,
+        "kv_cache_spec_sliding_window",
+        s.kv_cache_spec_sliding_window.map(u64::from),
+    );
+    put_field_uint(out, "token_offset", s.token_offset);
+    put_field_str(out, "locality", &s.locality);
+    put_field_str(out, "ownership", &s.ownership);
+    put_field_str(out, "session_id", &s.session_id);
+    if s.lookahead_token_ids.is_some() {
+        put_key(out, "lookahead_token_ids");
+        put_opt_lookahead(out, &s.lookahead_token_ids);
+    }
+    put_field_str(out, "cache_salt", &s.cache_salt);
+    put_named(out, &s.extra);
+}
+
+fn encode_stored_legacy(s: &BlockStored, out: &mut Vec<u8>) {
+    // Every field vLLM 0.23 declares (tag and eleven, nil when unset, as msgspec writes them);
+    // ATOM's token_offset and kvlink's extension (STORED_LEGACY_ORDER) up to the last set.
+    let later: [Later<'_>; 6] = [
+        (s.token_offset.is_some(), &|o| {
+            put_opt_uint(o, s.token_offset)
+        }),
+        (s.locality.is_some(), &|o| put_opt_str(o, &s.locality)),
+        (s.ownership.is_some(), &|o| put_opt_str(o, &s.ownership)),
+        (s.session_id.is_some(), &|o| put_opt_str(o, &s.session_id)),
+        (s.lookahead_token_ids.is_some(), &|o| {
+            put_opt_lookahead(o, &s.lookahead_token_ids)
+        }),
+        (s.cache_salt.is_some(), &|o| put_opt_str(o, &s.cache_salt)),
+    ];
+    let from = 1 + STORED_LEGACY_ALWAYS;
+    let _ = w::write_array_len(out, later_len(&later, &s.extra, from) as u32);
+    let _ = w::write_str(out, "BlockStored");
+    put_hashes(out, &s.block_hashes);
+    put_opt_hash(out, &s.parent_block_hash);
+    put_tokens(out, &s.token_ids);
+    let _ = w::write_uint(out, u64::from(s.block_size));
+    put_opt_sint(out, s.lora_id);
+    put_opt_str(out, &s.medium);
+    put_opt_str(out, &s.lora_name);
+    put_opt_value(out, &s.extra_keys);
+    put_opt_uint(out, s.group_idx.map(u64::from));
+    put_opt_str(out, &s.kv_cache_spec_kind);
+    put_opt_uint(out, s.kv_cache_spec_sliding_window.map(u64::from));
+    put_later(out, &later, &s.extra, from);
+}
+
 /// Encodes one event.
 pub fn encode_event(e: &KvEvent, enc: Encoding, out: &mut Vec<u8>) {
     match (e, enc) {
-        (KvEvent::BlockStored(s), Encoding::Current) => {
-            let optional = [
-                s.group_idx.is_some(),
-                s.kv_cache_spec_kind.is_some(),
-                s.kv_cache_spec_sliding_window.is_some(),
-                s.token_offset.is_some(),
-            ];
-            let n = 8 + optional.iter().filter(|x| **x).count() as u32;
-            let _ = w::write_map_len(out, n);
-            put_key(out, "type");
-            let _ = w::write_str(out, "BlockStored");
-            put_key(out, "block_hashes");
-            put_hashes(out, &s.block_hashes);
-            put_key(out, "parent_block_hash");
-            match &s.parent_block_hash {
-                Some(h) => put_hash(out, h),
-                None => nil(out),
-            }
-            put_key(out, "token_ids");
-            let _ = w::write_array_len(out, s.token_ids.len() as u32);
-            for t in &s.token_ids {
-                let _ = w::write_uint(out, u64::from(*t));
-            }
-            put_key(out, "block_size");
-            let _ = w::write_uint(out, u64::from(s.block_size));
-            put_key(out, "lora_id");
-            match s.lora_id {
-                Some(v) => {
-                    let _ = w::write_sint(out, v);
-                }
-                None => nil(out),
-            }
-            put_key(out, "medium");
-            put_opt_str(out, &s.medium);
-            put_key(out, "lora_name");
-            put_opt_str(out, &s.lora_name);
-            put_field_uint(out, "group_idx", s.group_idx.map(u64::from));
-            put_field_str(out, "kv_cache_spec_kind", &s.kv_cache_spec_kind);
-            put_field_uint(
-                out,
-                "kv_cache_spec_sliding_window",
-                s.kv_cache_spec_sliding_window.map(u64::from),
-            );
-            put_field_uint(out, "token_offset", s.token_offset);
-        }
-        (KvEvent::BlockStored(s), Encoding::Legacy) => {
-            // Like msgspec's array_like structs with omit_defaults (vLLM): the seven required
-            // fields always, the optional ones up to the last that is set.
-            let optional = [
-                false, // extra_keys: never set by kvlink
-                s.group_idx.is_some(),
-                s.kv_cache_spec_kind.is_some(),
-                s.kv_cache_spec_sliding_window.is_some(),
-                s.token_offset.is_some(),
-            ];
-            let tail = optional.iter().rposition(|x| *x).map_or(0, |i| i + 1);
-            let _ = w::write_array_len(out, 8 + tail as u32);
-            let _ = w::write_str(out, "BlockStored");
-            put_hashes(out, &s.block_hashes);
-            match &s.parent_block_hash {
-                Some(h) => put_hash(out, h),
-                None => nil(out),
-            }
-            let _ = w::write_array_len(out, s.token_ids.len() as u32);
-            for t in &s.token_ids {
-                let _ = w::write_uint(out, u64::from(*t));
-            }
-            let _ = w::write_uint(out, u64::from(s.block_size));
-            match s.lora_id {
-                Some(v) => {
-                    let _ = w::write_sint(out, v);
-                }
-                None => nil(out),
-            }
-            put_opt_str(out, &s.medium);
-            put_opt_str(out, &s.lora_name);
-            if tail >= 1 {
-                nil(out); // extra_keys
-            }
-            if tail >= 2 {
-                put_opt_uint(out, s.group_idx.map(u64::from));
-            }
-            if tail >= 3 {
-                put_opt_str(out, &s.kv_cache_spec_kind);
-            }
-            if tail >= 4 {
-                put_opt_uint(out, s.kv_cache_spec_sliding_window.map(u64::from));
-            }
-            if tail >= 5 {
-                put_opt_uint(out, s.token_offset);
-            }
-        }
+        (KvEvent::BlockStored(s), Encoding::Current) => encode_stored_current(s, out),
+        (KvEvent::BlockStored(s), Encoding::Legacy) => encode_stored_legacy(s, out),
         (KvEvent::BlockRemoved(r), Encoding::Current) => {
-            let _ = w::write_map_len(out, 3 + u32::from(r.group_idx.is_some()));
+            let optional = [
+                r.group_idx.is_some(),
+                r.locality.is_some(),
+                r.ownership.is_some(),
+            ];
+            let n = 3 + optional.iter().filter(|x| **x).count() + named(&r.extra).count();
+            let _ = w::write_map_len(out, n as u32);
             put_key(out, "type");
             let _ = w::write_str(out, "BlockRemoved");
             put_key(out, "block_hashes");
@@ -166,55 +272,61 @@ pub fn encode_event(e: &KvEvent, enc: Encoding, out: &mut Vec<u8>) {
             put_key(out, "medium");
             put_opt_str(out, &r.medium);
             put_field_uint(out, "group_idx", r.group_idx.map(u64::from));
+            put_field_str(out, "locality", &r.locality);
+            put_field_str(out, "ownership", &r.ownership);
+            put_named(out, &r.extra);
         }
         (KvEvent::BlockRemoved(r), Encoding::Legacy) => {
-            let _ = w::write_array_len(out, 3 + u32::from(r.group_idx.is_some()));
+            // Tag, hashes, medium and group_idx always (vLLM 0.23); locality and ownership
+            // (kvlink's extension) up to the last set.
+            let later: [Later<'_>; 2] = [
+                (r.locality.is_some(), &|o| put_opt_str(o, &r.locality)),
+                (r.ownership.is_some(), &|o| put_opt_str(o, &r.ownership)),
+            ];
+            let _ = w::write_array_len(out, later_len(&later, &r.extra, 4) as u32);
             let _ = w::write_str(out, "BlockRemoved");
             put_hashes(out, &r.block_hashes);
             put_opt_str(out, &r.medium);
-            if let Some(g) = r.group_idx {
-                let _ = w::write_uint(out, u64::from(g));
-            }
+            put_opt_uint(out, r.group_idx.map(u64::from));
+            put_later(out, &later, &r.extra, 4);
         }
-        (KvEvent::AllBlocksCleared { medium }, Encoding::Current) => {
-            let _ = w::write_map_len(out, 1 + u32::from(medium.is_some()));
+        (KvEvent::AllBlocksCleared { medium, extra }, Encoding::Current) => {
+            let n = 1 + usize::from(medium.is_some()) + named(extra).count();
+            let _ = w::write_map_len(out, n as u32);
             put_key(out, "type");
             let _ = w::write_str(out, "AllBlocksCleared");
             put_field_str(out, "medium", medium);
+            put_named(out, extra);
         }
-        (KvEvent::AllBlocksCleared { medium }, Encoding::Legacy) => {
-            let _ = w::write_array_len(out, 1 + u32::from(medium.is_some()));
+        (KvEvent::AllBlocksCleared { medium, extra }, Encoding::Legacy) => {
+            // vLLM: the tag alone; ATOM: the tag and a medium.
+            let later: [Later<'_>; 1] = [(medium.is_some(), &|o| put_opt_str(o, medium))];
+            let _ = w::write_array_len(out, later_len(&later, extra, 1) as u32);
             let _ = w::write_str(out, "AllBlocksCleared");
-            if let Some(m) = medium {
-                let _ = w::write_str(out, m);
-            }
+            put_later(out, &later, extra, 1);
         }
-        (KvEvent::BlockTransferred(t), enc) => {
-            if enc == Encoding::Current {
-                let _ = w::write_map_len(out, 4 + u32::from(t.group_idx.is_some()));
-                put_key(out, "type");
-            } else {
-                let _ = w::write_array_len(out, 4 + u32::from(t.group_idx.is_some()));
-            }
+        (KvEvent::BlockTransferred(t), Encoding::Current) => {
+            let n = 4 + usize::from(t.group_idx.is_some()) + named(&t.extra).count();
+            let _ = w::write_map_len(out, n as u32);
+            put_key(out, "type");
             let _ = w::write_str(out, "BlockTransferred");
-            let field = |out: &mut Vec<u8>, k: &str| {
-                if enc == Encoding::Current {
-                    put_key(out, k)
-                }
-            };
-            field(out, "block_hashes");
+            put_key(out, "block_hashes");
             put_hashes(out, &t.block_hashes);
-            field(out, "from_medium");
+            put_key(out, "from_medium");
             put_opt_str(out, &t.from_medium);
-            field(out, "to_medium");
+            put_key(out, "to_medium");
             put_opt_str(out, &t.to_medium);
-            if enc == Encoding::Legacy {
-                if let Some(g) = t.group_idx {
-                    let _ = w::write_uint(out, u64::from(g));
-                }
-            } else {
-                put_field_uint(out, "group_idx", t.group_idx.map(u64::from));
-            }
+            put_field_uint(out, "group_idx", t.group_idx.map(u64::from));
+            put_named(out, &t.extra);
+        }
+        (KvEvent::BlockTransferred(t), Encoding::Legacy) => {
+            let _ = w::write_array_len(out, legacy_len(5, &t.extra) as u32);
+            let _ = w::write_str(out, "BlockTransferred");
+            put_hashes(out, &t.block_hashes);
+            put_opt_str(out, &t.from_medium);
+            put_opt_str(out, &t.to_medium);
+            put_opt_uint(out, t.group_idx.map(u64::from));
+            put_later(out, &[], &t.extra, 5);
         }
     }
 }

@@ -1,8 +1,12 @@
-//! The JSON-lines form of batches (tail's output, publish's input). Every field is written,
-//! `null` when unset; hashes are integers, or `{"bytes": "<hex>"}` for binary hashes.
+//! The JSON-lines form of batches (tail's output, publish's input). Every field kvlink models is
+//! written, `null` when unset; hashes are integers, or `{"bytes": "<hex>"}` for binary hashes.
+//! Fields kvlink does not model follow under their own names (`"@<index>"` for a legacy
+//! array's positional ones), their msgpack values as JSON (see [`value_to_json`]).
 
 use kvlink::events::{
-    BlockHash, BlockRemoved, BlockStored, BlockTransferred, EventBatch, KvEvent, Resync,
+    BlockHash, BlockRemoved, BlockStored, BlockTransferred, EventBatch, ExtraField, FieldKey,
+    KvEvent, Resync, Value as MpValue, CLEARED_LEGACY_ORDER, REMOVED_LEGACY_ORDER,
+    STORED_LEGACY_ORDER, TRANSFERRED_LEGACY_ORDER,
 };
 use serde_json::{json, Map, Value};
 
@@ -13,14 +17,26 @@ pub fn now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(hex: &str) -> Result<Vec<u8>, String> {
+    if !hex.len().is_multiple_of(2) || !hex.is_ascii() {
+        return Err(format!("bad hex {hex:?}"));
+    }
+    (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16))
+        .collect::<Result<Vec<u8>, _>>()
+        .map_err(|_| format!("bad hex {hex:?}"))
+}
+
 fn hash(h: &BlockHash) -> Value {
     match h {
         BlockHash::U64(v) => json!(v),
         BlockHash::I64(v) => json!(v),
-        BlockHash::Bytes(b) => {
-            let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
-            json!({ "bytes": hex })
-        }
+        BlockHash::Bytes(b) => json!({ "bytes": hex(b) }),
     }
 }
 
@@ -28,9 +44,122 @@ fn hashes(hs: &[BlockHash]) -> Value {
     Value::Array(hs.iter().map(hash).collect())
 }
 
-/// One event as JSON.
+/// Object shapes that stand for msgpack types JSON lacks; a real string-keyed map of one of
+/// these shapes is written in the generic `{"map": [[k, v], ...]}` form instead.
+fn reserved_shape(m: &Map<String, Value>) -> bool {
+    let keys: Vec<&str> = m.keys().map(String::as_str).collect();
+    matches!(
+        keys.as_slice(),
+        ["bytes"] | ["map"] | ["ext", "bytes"] | ["bytes", "ext"]
+    )
+}
+
+/// A msgpack value as JSON: nil, booleans, integers, floats, strings and arrays as themselves,
+/// binary as `{"bytes": hex}`, extension types as `{"ext": type, "bytes": hex}`, maps with
+/// string keys as objects, any other map as `{"map": [[key, value], ...]}`.
+pub fn value_to_json(v: &MpValue) -> Value {
+    match v {
+        MpValue::Nil => Value::Null,
+        MpValue::Bool(b) => json!(b),
+        MpValue::UInt(u) => json!(u),
+        MpValue::Int(i) => json!(i),
+        MpValue::Float(f) => json!(f),
+        MpValue::Str(s) => json!(s),
+        MpValue::Bin(b) => json!({ "bytes": hex(b) }),
+        MpValue::Ext(t, b) => json!({ "ext": t, "bytes": hex(b) }),
+        MpValue::Array(a) => Value::Array(a.iter().map(value_to_json).collect()),
+        MpValue::Map(pairs) => {
+            let mut m = Map::new();
+            let mut plain = true;
+            for (k, v) in pairs {
+                match k {
+                    MpValue::Str(k) if !m.contains_key(k) => {
+                        m.insert(k.clone(), value_to_json(v));
+                    }
+                    _ => plain = false,
+                }
+            }
+            if plain && !reserved_shape(&m) {
+                Value::Object(m)
+            } else {
+                let pairs = pairs
+                    .iter()
+                    .map(|(k, v)| json!([value_to_json(k), value_to_json(v)]))
+                    .collect();
+                json!({ "map": Value::Array(pairs) })
+            }
+        }
+    }
+}
+
+/// The inverse of [`value_to_json`] (a JSON number with a fraction or exponent is a float).
+pub fn value_from_json(v: &Value) -> Result<MpValue, String> {
+    Ok(match v {
+        Value::Null => MpValue::Nil,
+        Value::Bool(b) => MpValue::Bool(*b),
+        Value::Number(n) => {
+            if let Some(u) = n.as_u64() {
+                MpValue::UInt(u)
+            } else if let Some(i) = n.as_i64() {
+                MpValue::Int(i)
+            } else {
+                MpValue::Float(n.as_f64().ok_or_else(|| format!("bad number {n}"))?)
+            }
+        }
+        Value::String(s) => MpValue::Str(s.clone()),
+        Value::Array(a) => MpValue::Array(a.iter().map(value_from_json).collect::<Result<_, _>>()?),
+        Value::Object(m) if reserved_shape(m) => {
+            if let Some(Value::Array(pairs)) = m.get("map") {
+                let mut out = Vec::with_capacity(pairs.len());
+                for p in pairs {
+                    match p.as_array().map(Vec::as_slice) {
+                        Some([k, v]) => out.push((value_from_json(k)?, value_from_json(v)?)),
+                        _ => return Err(format!("a map entry must be [key, value], got {p}")),
+                    }
+                }
+                MpValue::Map(out)
+            } else {
+                let bytes = m
+                    .get("bytes")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| format!("\"bytes\" must be a hex string in {v}"))
+                    .and_then(unhex)?;
+                match m.get("ext") {
+                    None => MpValue::Bin(bytes),
+                    Some(t) => MpValue::Ext(
+                        t.as_i64()
+                            .and_then(|t| i8::try_from(t).ok())
+                            .ok_or_else(|| format!("bad extension type {t}"))?,
+                        bytes,
+                    ),
+                }
+            }
+        }
+        Value::Object(m) => MpValue::Map(
+            m.iter()
+                .map(|(k, v)| Ok((MpValue::Str(k.clone()), value_from_json(v)?)))
+                .collect::<Result<_, String>>()?,
+        ),
+    })
+}
+
+/// Adds the fields kvlink does not model: a named one under its name, a positional one (legacy
+/// encoding) as `"@<index>"`.
+fn put_extra(v: &mut Value, extra: &[ExtraField]) {
+    if let Value::Object(m) = v {
+        for f in extra {
+            let k = match &f.key {
+                FieldKey::Name(n) => n.clone(),
+                FieldKey::Position(p) => format!("@{p}"),
+            };
+            m.insert(k, value_to_json(&f.value));
+        }
+    }
+}
+
+/// One event as JSON: every field kvlink models (null when unset), then the others.
 pub fn event(e: &KvEvent) -> Value {
-    match e {
+    let mut v = match e {
         KvEvent::BlockStored(s) => json!({
             "type": "BlockStored",
             "block_hashes": hashes(&s.block_hashes),
@@ -40,18 +169,26 @@ pub fn event(e: &KvEvent) -> Value {
             "lora_id": s.lora_id,
             "medium": s.medium,
             "lora_name": s.lora_name,
+            "extra_keys": s.extra_keys.as_ref().map(value_to_json),
             "group_idx": s.group_idx,
             "kv_cache_spec_kind": s.kv_cache_spec_kind,
             "kv_cache_spec_sliding_window": s.kv_cache_spec_sliding_window,
             "token_offset": s.token_offset,
+            "locality": s.locality,
+            "ownership": s.ownership,
+            "session_id": s.session_id,
+            "lookahead_token_ids": s.lookahead_token_ids,
+            "cache_salt": s.cache_salt,
         }),
         KvEvent::BlockRemoved(r) => json!({
             "type": "BlockRemoved",
             "block_hashes": hashes(&r.block_hashes),
             "medium": r.medium,
             "group_idx": r.group_idx,
+            "locality": r.locality,
+            "ownership": r.ownership,
         }),
-        KvEvent::AllBlocksCleared { medium } => {
+        KvEvent::AllBlocksCleared { medium, .. } => {
             json!({"type": "AllBlocksCleared", "medium": medium})
         }
         KvEvent::BlockTransferred(t) => json!({
@@ -61,13 +198,16 @@ pub fn event(e: &KvEvent) -> Value {
             "to_medium": t.to_medium,
             "group_idx": t.group_idx,
         }),
-    }
+    };
+    put_extra(&mut v, e.extra());
+    v
 }
 
 /// A batch line of `tail`.
-pub fn batch_line(seq: Option<u64>, b: &EventBatch, skipped: &[String]) -> Value {
+pub fn batch_line(seq: Option<u64>, topic: &[u8], b: &EventBatch, skipped: &[String]) -> Value {
     json!({
         "seq": seq,
+        "topic": String::from_utf8_lossy(topic),
         "ts": b.ts,
         "dp_rank": b.dp_rank,
         "events": b.events.iter().map(event).collect::<Vec<_>>(),
@@ -95,15 +235,9 @@ fn parse_hash(v: &Value) -> Result<BlockHash, String> {
         return Ok(BlockHash::I64(i));
     }
     if let Some(hex) = v.get("bytes").and_then(Value::as_str) {
-        if hex.len() % 2 != 0 || !hex.is_ascii() {
-            return Err(format!("bad hex hash {hex:?}"));
-        }
-        return (0..hex.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16))
-            .collect::<Result<Vec<u8>, _>>()
+        return unhex(hex)
             .map(BlockHash::Bytes)
-            .map_err(|_| format!("bad hex hash {hex:?}"));
+            .map_err(|e| format!("hash: {e}"));
     }
     Err(format!(
         "a hash must be an integer or {{\"bytes\": hex}}, got {v}"
@@ -148,27 +282,71 @@ impl Obj<'_> {
     }
 }
 
+fn tokens(v: &Value) -> Result<Vec<u32>, String> {
+    match v {
+        Value::Array(a) => a
+            .iter()
+            .map(|t| {
+                t.as_u64()
+                    .and_then(|t| u32::try_from(t).ok())
+                    .ok_or_else(|| format!("token id {t} is not a u32"))
+            })
+            .collect(),
+        v => Err(format!("token ids must be an array, got {v}")),
+    }
+}
+
+/// The fields of `m` kvlink does not model for type `ty`, in order.
+fn parse_extra(ty: &str, m: &Map<String, Value>) -> Result<Vec<ExtraField>, String> {
+    let known = match ty {
+        "BlockStored" => STORED_LEGACY_ORDER.len(),
+        "BlockRemoved" => REMOVED_LEGACY_ORDER.len(),
+        "AllBlocksCleared" => CLEARED_LEGACY_ORDER.len(),
+        _ => TRANSFERRED_LEGACY_ORDER.len(),
+    };
+    let mut out = Vec::new();
+    for (k, v) in m {
+        if KvEvent::known_field(ty, k) {
+            continue;
+        }
+        let key = match k.strip_prefix('@') {
+            Some(p) => {
+                let p: usize = p
+                    .parse()
+                    .map_err(|_| format!("bad positional field {k:?}"))?;
+                if p <= known {
+                    return Err(format!(
+                        "positional field {k:?} is a known field's place (extras start at @{})",
+                        known + 1
+                    ));
+                }
+                FieldKey::Position(p)
+            }
+            None => FieldKey::Name(k.clone()),
+        };
+        out.push(ExtraField {
+            key,
+            value: value_from_json(v)?,
+        });
+    }
+    Ok(out)
+}
+
 /// Parses one event.
 pub fn parse_event(v: &Value) -> Result<KvEvent, String> {
     let m = v.as_object().ok_or("an event must be an object")?;
     let o = Obj(m);
     let ty = o.str("type")?.ok_or("an event needs a \"type\"")?;
+    let extra = parse_extra(&ty, m)?;
     Ok(match ty.as_str() {
         "BlockStored" => KvEvent::BlockStored(BlockStored {
             block_hashes: o.hashes("block_hashes")?,
             parent_block_hash: o.hash("parent_block_hash")?,
-            token_ids: match o.field("token_ids") {
-                None => Vec::new(),
-                Some(Value::Array(a)) => a
-                    .iter()
-                    .map(|t| {
-                        t.as_u64()
-                            .and_then(|t| u32::try_from(t).ok())
-                            .ok_or_else(|| format!("token id {t} is not a u32"))
-                    })
-                    .collect::<Result<_, _>>()?,
-                Some(v) => return Err(format!("token_ids must be an array, got {v}")),
-            },
+            token_ids: o
+                .field("token_ids")
+                .map(tokens)
+                .transpose()?
+                .unwrap_or_default(),
             block_size: o.int("block_size")?.unwrap_or(0),
             lora_id: o.int("lora_id")?,
             medium: o.str("medium")?,
@@ -177,20 +355,36 @@ pub fn parse_event(v: &Value) -> Result<KvEvent, String> {
             kv_cache_spec_kind: o.str("kv_cache_spec_kind")?,
             kv_cache_spec_sliding_window: o.int("kv_cache_spec_sliding_window")?,
             token_offset: o.int("token_offset")?,
+            extra_keys: o.field("extra_keys").map(value_from_json).transpose()?,
+            locality: o.str("locality")?,
+            ownership: o.str("ownership")?,
+            session_id: o.str("session_id")?,
+            lookahead_token_ids: match o.field("lookahead_token_ids") {
+                None => None,
+                Some(Value::Array(a)) => Some(a.iter().map(tokens).collect::<Result<_, _>>()?),
+                Some(v) => return Err(format!("lookahead_token_ids must be an array, got {v}")),
+            },
+            cache_salt: o.str("cache_salt")?,
+            extra,
         }),
         "BlockRemoved" => KvEvent::BlockRemoved(BlockRemoved {
             block_hashes: o.hashes("block_hashes")?,
             medium: o.str("medium")?,
             group_idx: o.int("group_idx")?,
+            locality: o.str("locality")?,
+            ownership: o.str("ownership")?,
+            extra,
         }),
         "AllBlocksCleared" => KvEvent::AllBlocksCleared {
             medium: o.str("medium")?,
+            extra,
         },
         "BlockTransferred" => KvEvent::BlockTransferred(BlockTransferred {
             block_hashes: o.hashes("block_hashes")?,
             from_medium: o.str("from_medium")?,
             to_medium: o.str("to_medium")?,
             group_idx: o.int("group_idx")?,
+            extra,
         }),
         t => return Err(format!("unknown event type {t:?}")),
     })
@@ -241,7 +435,7 @@ mod tests {
                 BlockHash::Bytes(vec![0, 255])
             ]
         );
-        let back = batch_line(Some(3), &b, &[]);
+        let back = batch_line(Some(3), b"kv@p@m", &b, &[]);
         let again = parse_batch(&back.to_string()).unwrap();
         assert_eq!(again, b);
         assert!(parse_batch(r#"{"events": [{"type": "Nope"}]}"#).is_err());
@@ -252,5 +446,43 @@ mod tests {
         assert!(
             parse_batch(r#"{"events": [{"type": "BlockStored", "token_ids": [-1]}]}"#).is_err()
         );
+    }
+
+    #[test]
+    fn unknown_fields_and_exact_timestamps_round_trip() {
+        let line = r#"{"ts": 1795255560.1496913, "dp_rank": null, "events": [
+            {"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": 1,
+             "extra_keys": [["lora-a", ["mm", 3]], null], "session_id": "s1",
+             "lookahead_token_ids": [[5, 6]], "future": {"nested": [1.5, {"bytes": "0a"}]},
+             "odd": {"map": [[1, "one"]]}, "bin_like": {"map": [["bytes", "x"]]}},
+            {"type": "BlockRemoved", "block_hashes": [2], "@6": {"ext": 5, "bytes": "ff"}}]}"#;
+        let b = parse_batch(line).unwrap();
+        assert_eq!(b.ts.to_string(), "1795255560.1496913");
+        let KvEvent::BlockStored(s) = &b.events[0] else {
+            panic!()
+        };
+        assert_eq!(s.session_id.as_deref(), Some("s1"));
+        let names: Vec<_> = s.extra.iter().map(|f| f.key.clone()).collect();
+        assert_eq!(
+            names,
+            ["future", "odd", "bin_like"].map(|n| FieldKey::Name(n.into()))
+        );
+        assert_eq!(
+            s.extra[1].value,
+            MpValue::Map(vec![(MpValue::UInt(1), MpValue::Str("one".into()))])
+        );
+        assert_eq!(
+            s.extra[2].value,
+            MpValue::Map(vec![(
+                MpValue::Str("bytes".into()),
+                MpValue::Str("x".into())
+            )]),
+            "a real map shaped like a binary value"
+        );
+        assert_eq!(b.events[1].extra()[0].key, FieldKey::Position(6));
+        let back = batch_line(None, b"", &b, &[]).to_string();
+        assert!(back.contains("1795255560.1496913"), "{back}");
+        assert_eq!(parse_batch(&back).unwrap(), b);
+        assert!(parse_batch(r#"{"events": [{"type": "BlockRemoved", "@2": 1}]}"#).is_err());
     }
 }

@@ -50,6 +50,11 @@ publish   publish batches read as JSON lines on stdin (seq 0, 1, ...)
 merge     re-publish several ranks' streams as one (global sequence, own replay)
   --input SPEC          ENDPOINT[,REPLAY][@DP_RANK], repeated once per rank   [required]
   --endpoint E, --replay R, --topic T, --encoding E, --buffer-steps N   the merged stream
+                        (--topic is also the prefix subscribed to on the inputs)
+  --keep-topics         publish each batch under its input's topic frame (llm-d's
+                        kv@<pod>@<model>) instead of --topic
+  --tp-size N           vLLM's TP rule: inputs in groups of N TP workers of one DP rank;
+                        an event goes out once all N emitted it                [1: off]
   --duration-s S        stop after S seconds                                  [run until killed]
 ";
 
@@ -106,6 +111,8 @@ struct Opts {
     start_delay_ms: u64,
     inputs: Vec<MergerInput>,
     duration_s: Option<f64>,
+    keep_topics: bool,
+    tp_size: usize,
 }
 
 fn num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T, String> {
@@ -197,6 +204,8 @@ impl Opts {
                 "--start-delay-ms" => o.start_delay_ms = num(flag, &val()?)?,
                 "--input" => o.inputs.push(input_spec(&val()?)?),
                 "--duration-s" => o.duration_s = Some(seconds(flag, &val()?)?),
+                "--keep-topics" => o.keep_topics = true,
+                "--tp-size" => o.tp_size = num(flag, &val()?)?,
                 f => return Err(format!("unknown option {f:?}")),
             }
         }
@@ -300,7 +309,9 @@ fn tail(o: Opts) -> Result<(), String> {
             }
             if !o.quiet {
                 let line = match &item {
-                    SubItem::Batch { seq, batch, skipped, .. } => json::batch_line(*seq, batch, skipped),
+                    SubItem::Batch { seq, batch, skipped, topic, .. } => {
+                        json::batch_line(*seq, topic, batch, skipped)
+                    }
                     SubItem::Malformed { seq, reason } => {
                         serde_json::json!({"malformed": seq, "reason": reason})
                     }
@@ -438,6 +449,8 @@ fn merge(o: Opts) -> Result<(), String> {
     let m = Merger::start(MergerConfig {
         topic: o.topic.clone(),
         replay_timeout: Duration::from_millis(o.replay_timeout_ms),
+        keep_input_topics: o.keep_topics,
+        tp_size: o.tp_size.max(1),
         ..MergerConfig::new(o.inputs.clone(), o.publisher())
     })
     .map_err(|e| e.to_string())?;
@@ -471,6 +484,12 @@ fn merge(o: Opts) -> Result<(), String> {
                 i.resyncs,
                 i.malformed,
                 i.dropped
+            );
+        }
+        for (k, g) in m.tp_stats().iter().enumerate() {
+            eprintln!(
+                "  TP group {k}: {} events forwarded, {} held, {} evicted",
+                g.forwarded, g.held, g.evicted
             );
         }
     }

@@ -244,13 +244,16 @@ class EventMerger:
         replay_endpoint: Optional[str] = None,
         topic: str = "",
         encoding: str = "current",
+        keep_topics: bool = False,
+        tp_size: int = 1,
     ) -> None: ...
     @property
     def endpoint(self) -> str: ...
     @property
     def replay_endpoint(self) -> Optional[str]: ...
     def stats(self) -> Dict[str, Any]:
-        """The output's counters, and ``inputs``: per input endpoint, connected, last_seq,
+        """The output's counters, ``tp_groups`` (with ``tp_size`` > 1: per group, events
+        forwarded, held and evicted), and ``inputs``: per input endpoint, connected, last_seq,
         batches, resyncs, malformed, dropped."""
     def close(self) -> None: ...
 

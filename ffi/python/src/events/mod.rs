@@ -12,18 +12,21 @@
 
 use std::sync::Mutex;
 
+mod fields;
+
 use kvlink_core::events::{
-    BlockHash, BlockRemoved, BlockStored, BlockTransferred, Encoding, EventBatch, KvEvent, Merger,
-    MergerConfig, MergerInput, PageHash, PageSplitter as RsSplitter, Publisher, PublisherConfig,
-    ReplayFormat, Resync, SubItem, Subscriber, SubscriberConfig,
+    Encoding, EventBatch, KvEvent, Merger, MergerConfig, MergerInput, PageHash,
+    PageSplitter as RsSplitter, Publisher, PublisherConfig, ReplayFormat, Resync, SubItem,
+    Subscriber, SubscriberConfig,
 };
 use pyo3::exceptions::PyValueError;
-use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::convert::seconds;
 use crate::error::{InvalidArgument, KvlinkError};
+use fields::event_from_py;
+pub(crate) use fields::event_to_py;
 
 fn events_err(e: kvlink_core::events::EventsError) -> PyErr {
     match e {
@@ -33,194 +36,6 @@ fn events_err(e: kvlink_core::events::EventsError) -> PyErr {
     }
 }
 
-// ---- Python -> events ----------------------------------------------------------------------
-
-/// Reads field `name` of an event given as a dict or an object (None when absent). The name
-/// is an interned Python string: no allocation, and its hash is cached.
-fn field<'py>(
-    ev: &Bound<'py, PyAny>,
-    name: &Bound<'py, PyString>,
-) -> PyResult<Option<Bound<'py, PyAny>>> {
-    let v = if let Ok(d) = ev.downcast::<PyDict>() {
-        d.get_item(name)?
-    } else {
-        ev.getattr(name).ok()
-    };
-    Ok(v.filter(|v| !v.is_none()))
-}
-
-fn opt<'py, T: FromPyObject<'py>>(
-    ev: &Bound<'py, PyAny>,
-    name: &Bound<'py, PyString>,
-) -> PyResult<Option<T>> {
-    field(ev, name)?
-        .map(|v| {
-            v.extract::<T>()
-                .map_err(|e| InvalidArgument::new_err(format!("event field {name:?}: {e}")))
-        })
-        .transpose()
-}
-
-fn hash_of(v: &Bound<'_, PyAny>, what: &str) -> PyResult<BlockHash> {
-    if let Ok(b) = v.downcast::<PyBytes>() {
-        return Ok(BlockHash::Bytes(b.as_bytes().to_vec()));
-    }
-    if let Ok(u) = v.extract::<u64>() {
-        return Ok(BlockHash::U64(u));
-    }
-    if let Ok(i) = v.extract::<i64>() {
-        return Ok(BlockHash::I64(i));
-    }
-    Err(InvalidArgument::new_err(format!(
-        "{what}: a block hash is an int (-2^63 to 2^64-1) or bytes, got {}",
-        v.get_type().name()?
-    )))
-}
-
-fn hashes(ev: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
-    let Some(list) = field(ev, intern!(ev.py(), "block_hashes"))? else {
-        return Err(InvalidArgument::new_err("event without block_hashes"));
-    };
-    if let Ok(l) = list.downcast::<PyList>() {
-        return l.iter().map(|h| hash_of(&h, "block_hashes")).collect();
-    }
-    list.try_iter()?
-        .map(|h| hash_of(&h?, "block_hashes"))
-        .collect()
-}
-
-/// Token ids: a list is walked directly (the common case, and the costly one: an engine's
-/// page carries 16 or more), any other iterable through the iterator protocol.
-fn token_ids(ev: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    let Some(v) = field(ev, intern!(ev.py(), "token_ids"))? else {
-        return Ok(Vec::new());
-    };
-    let bad = |e: PyErr| InvalidArgument::new_err(format!("event field \"token_ids\": {e}"));
-    if let Ok(l) = v.downcast::<PyList>() {
-        let mut out = Vec::with_capacity(l.len());
-        for t in l.iter() {
-            out.push(t.extract::<u32>().map_err(bad)?);
-        }
-        return Ok(out);
-    }
-    v.extract::<Vec<u32>>().map_err(bad)
-}
-
-fn event_from_py(ev: &Bound<'_, PyAny>) -> PyResult<KvEvent> {
-    let py = ev.py();
-    let kind: String = match field(ev, intern!(py, "type"))? {
-        Some(t) if ev.is_instance_of::<PyDict>() => t.extract()?,
-        _ if ev.is_instance_of::<PyDict>() => {
-            return Err(InvalidArgument::new_err(
-                "an event dict needs a \"type\" key",
-            ))
-        }
-        _ => ev.get_type().name()?.extract()?,
-    };
-    Ok(match kind.as_str() {
-        "BlockStored" => KvEvent::BlockStored(BlockStored {
-            block_hashes: hashes(ev)?,
-            parent_block_hash: field(ev, intern!(py, "parent_block_hash"))?
-                .map(|h| hash_of(&h, "parent_block_hash"))
-                .transpose()?,
-            token_ids: token_ids(ev)?,
-            block_size: opt(ev, intern!(py, "block_size"))?.unwrap_or(0),
-            lora_id: opt(ev, intern!(py, "lora_id"))?,
-            medium: opt(ev, intern!(py, "medium"))?,
-            lora_name: opt(ev, intern!(py, "lora_name"))?,
-            group_idx: opt(ev, intern!(py, "group_idx"))?,
-            kv_cache_spec_kind: opt(ev, intern!(py, "kv_cache_spec_kind"))?,
-            kv_cache_spec_sliding_window: opt(ev, intern!(py, "kv_cache_spec_sliding_window"))?,
-            token_offset: opt(ev, intern!(py, "token_offset"))?,
-        }),
-        "BlockRemoved" => KvEvent::BlockRemoved(BlockRemoved {
-            block_hashes: hashes(ev)?,
-            medium: opt(ev, intern!(py, "medium"))?,
-            group_idx: opt(ev, intern!(py, "group_idx"))?,
-        }),
-        "AllBlocksCleared" => KvEvent::AllBlocksCleared {
-            medium: opt(ev, intern!(py, "medium"))?,
-        },
-        "BlockTransferred" => KvEvent::BlockTransferred(BlockTransferred {
-            block_hashes: hashes(ev)?,
-            from_medium: opt(ev, intern!(py, "from_medium"))?,
-            to_medium: opt(ev, intern!(py, "to_medium"))?,
-            group_idx: opt(ev, intern!(py, "group_idx"))?,
-        }),
-        other => {
-            return Err(InvalidArgument::new_err(format!(
-                "unknown KV event type {other:?} (BlockStored, BlockRemoved, AllBlocksCleared, BlockTransferred)"
-            )))
-        }
-    })
-}
-
-// ---- events -> Python ----------------------------------------------------------------------
-
-fn hash_to_py(py: Python<'_>, h: &BlockHash) -> PyResult<PyObject> {
-    Ok(match h {
-        BlockHash::U64(v) => v.into_pyobject(py)?.into_any().unbind(),
-        BlockHash::I64(v) => v.into_pyobject(py)?.into_any().unbind(),
-        BlockHash::Bytes(b) => PyBytes::new(py, b).into_any().unbind(),
-    })
-}
-
-fn hashes_to_py<'py>(py: Python<'py>, hs: &[BlockHash]) -> PyResult<Bound<'py, PyList>> {
-    let l = PyList::empty(py);
-    for h in hs {
-        l.append(hash_to_py(py, h)?)?;
-    }
-    Ok(l)
-}
-
-/// An event as a dict with every field of its type (None when unset).
-pub(crate) fn event_to_py<'py>(py: Python<'py>, e: &KvEvent) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    match e {
-        KvEvent::BlockStored(s) => {
-            d.set_item("type", "BlockStored")?;
-            d.set_item("block_hashes", hashes_to_py(py, &s.block_hashes)?)?;
-            d.set_item(
-                "parent_block_hash",
-                s.parent_block_hash
-                    .as_ref()
-                    .map(|h| hash_to_py(py, h))
-                    .transpose()?,
-            )?;
-            d.set_item("token_ids", &s.token_ids)?;
-            d.set_item("block_size", s.block_size)?;
-            d.set_item("lora_id", s.lora_id)?;
-            d.set_item("medium", &s.medium)?;
-            d.set_item("lora_name", &s.lora_name)?;
-            d.set_item("group_idx", s.group_idx)?;
-            d.set_item("kv_cache_spec_kind", &s.kv_cache_spec_kind)?;
-            d.set_item(
-                "kv_cache_spec_sliding_window",
-                s.kv_cache_spec_sliding_window,
-            )?;
-            d.set_item("token_offset", s.token_offset)?;
-        }
-        KvEvent::BlockRemoved(r) => {
-            d.set_item("type", "BlockRemoved")?;
-            d.set_item("block_hashes", hashes_to_py(py, &r.block_hashes)?)?;
-            d.set_item("medium", &r.medium)?;
-            d.set_item("group_idx", r.group_idx)?;
-        }
-        KvEvent::AllBlocksCleared { medium } => {
-            d.set_item("type", "AllBlocksCleared")?;
-            d.set_item("medium", medium)?;
-        }
-        KvEvent::BlockTransferred(t) => {
-            d.set_item("type", "BlockTransferred")?;
-            d.set_item("block_hashes", hashes_to_py(py, &t.block_hashes)?)?;
-            d.set_item("from_medium", &t.from_medium)?;
-            d.set_item("to_medium", &t.to_medium)?;
-            d.set_item("group_idx", t.group_idx)?;
-        }
-    }
-    Ok(d)
-}
-
 fn item_to_py<'py>(py: Python<'py>, item: &SubItem) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     match item {
@@ -228,10 +43,12 @@ fn item_to_py<'py>(py: Python<'py>, item: &SubItem) -> PyResult<Bound<'py, PyDic
             seq,
             batch,
             skipped,
+            topic,
             ..
         } => {
             d.set_item("kind", "batch")?;
             d.set_item("seq", *seq)?;
+            d.set_item("topic", String::from_utf8_lossy(topic))?;
             d.set_item("ts", batch.ts)?;
             d.set_item("dp_rank", batch.dp_rank)?;
             let events = PyList::empty(py);
@@ -564,7 +381,10 @@ impl EventSubscriber {
 /// stream of its own, renumbered, with its own replay.
 ///
 /// EventMerger(inputs, endpoint="tcp://*:5557", *, replay_endpoint=None, topic="",
-/// encoding="current") where `inputs` is a list of `(endpoint, replay_endpoint or None)`.
+/// encoding="current", keep_topics=False, tp_size=1) where `inputs` is a list of
+/// `(endpoint, replay_endpoint or None)`. `keep_topics` publishes each batch under its input's
+/// topic (llm-d's `kv@<pod>@<model>`); `tp_size` > 1 applies vLLM's TP rule: inputs come in
+/// groups of `tp_size` TP workers, and an event goes out once all of them emitted it.
 #[pyclass(module = "kvlink", frozen)]
 pub(crate) struct EventMerger {
     inner: Mutex<Option<Merger>>,
@@ -576,7 +396,8 @@ pub(crate) struct EventMerger {
 impl EventMerger {
     #[new]
     #[pyo3(signature = (inputs, endpoint = "tcp://*:5557", *, replay_endpoint = None, topic = "",
-        encoding = "current"))]
+        encoding = "current", keep_topics = false, tp_size = 1))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         inputs: Vec<(String, Option<String>)>,
@@ -584,6 +405,8 @@ impl EventMerger {
         replay_endpoint: Option<String>,
         topic: &str,
         encoding: &str,
+        keep_topics: bool,
+        tp_size: usize,
     ) -> PyResult<Self> {
         if inputs.is_empty() {
             return Err(PyValueError::new_err(
@@ -605,8 +428,14 @@ impl EventMerger {
                 dp_rank: None,
             })
             .collect();
+        let cfg = MergerConfig {
+            topic: topic.to_string(),
+            keep_input_topics: keep_topics,
+            tp_size,
+            ..MergerConfig::new(inputs, output)
+        };
         let m = py
-            .allow_threads(|| Merger::start(MergerConfig::new(inputs, output)))
+            .allow_threads(|| Merger::start(cfg))
             .map_err(events_err)?;
         Ok(EventMerger {
             endpoint: m.endpoint().to_string(),
@@ -649,6 +478,15 @@ impl EventMerger {
             l.append(x)?;
         }
         d.set_item("inputs", l)?;
+        let groups = PyList::empty(py);
+        for g in m.tp_stats() {
+            let x = PyDict::new(py);
+            x.set_item("forwarded", g.forwarded)?;
+            x.set_item("held", g.held)?;
+            x.set_item("evicted", g.evicted)?;
+            groups.append(x)?;
+        }
+        d.set_item("tp_groups", groups)?;
         Ok(d.unbind())
     }
 
