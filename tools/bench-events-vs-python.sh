@@ -3,8 +3,9 @@
 # (msgspec structs and encoder, pyzmq PUB: tools/bench_events_python.py), both read by the same
 # kvlink subscriber (`kvlink-events tail --quiet`), alternating, in the same run. Same workload
 # on both sides: events built per batch from hashes and token ids made beforehand.
-# Prints each run (publisher-side and receiver-side block entries per second) and ratios of
-# medians. Shapes: "EVENTS_PER_BATCH HASHES_PER_EVENT"; the default 256 x 1 is one event per
+# Prints each run (publisher-side and receiver-side block entries per second, and the CPU time
+# per block entry of the publishing process and of the receiving one, every thread counted) and
+# ratios of medians. Shapes: "EVENTS_PER_BATCH HASHES_PER_EVENT"; the default 256 x 1 is one event per
 # 16-token page (what the page splitter emits), 32 x 16 is one event per request step.
 #
 #   tools/bench-events-vs-python.sh
@@ -43,7 +44,13 @@ once() {
     cat "$err" >&2
     exit 1
   fi
-  echo "$(field entries_per_s "$pub") $(field entries_per_s "$got")"
+  # Rates, then CPU nanoseconds per block entry of the publishing and the receiving process.
+  python3 - "$pub" "$got" <<'PY'
+import json, sys
+p, g = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+print(f"{p['entries_per_s']:.0f} {g['entries_per_s']:.0f} "
+      f"{p['cpu_s'] / p['entries'] * 1e9:.1f} {g['cpu_s'] / g['entries'] * 1e9:.1f}")
+PY
   rm -f "$out" "$err"
 }
 
@@ -51,25 +58,28 @@ median() { sort -n | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'; }
 
 for shape in $shapes; do
   epb=${shape%x*}; hpe=${shape#*x}
-  py_pub=(); py_e2e=(); kv_pub=(); kv_e2e=()
+  py_pub=(); py_e2e=(); kv_pub=(); kv_e2e=(); py_cpu=(); py_rcpu=(); kv_cpu=(); kv_rcpu=()
   for r in $(seq "$rounds"); do
-    read -r a b < <(once "$py" "$repo/tools/bench_events_python.py" --endpoint "tcp://127.0.0.1:$port" \
+    read -r a b ac bc < <(once "$py" "$repo/tools/bench_events_python.py" --endpoint "tcp://127.0.0.1:$port" \
       --batches "$batches" --events-per-batch "$epb" --hashes-per-event "$hpe")
-    py_pub+=("$a"); py_e2e+=("$b")
-    read -r c d < <(once "$tool" publish --endpoint "tcp://*:$port" --synthetic "$batches" \
+    py_pub+=("$a"); py_e2e+=("$b"); py_cpu+=("$ac"); py_rcpu+=("$bc")
+    read -r c d cc dc < <(once "$tool" publish --endpoint "tcp://*:$port" --synthetic "$batches" \
       --events-per-batch "$epb" --hashes-per-event "$hpe" --linger-ms 3000)
-    kv_pub+=("$c"); kv_e2e+=("$d")
-    printf 'shape %-6s round %d: python publisher %9s entries/s (received %9s); kvlink publisher %9s (received %9s)\n' \
-      "$shape" "$r" "$a" "$b" "$c" "$d"
+    kv_pub+=("$c"); kv_e2e+=("$d"); kv_cpu+=("$cc"); kv_rcpu+=("$dc")
+    printf 'shape %-6s round %d: python publisher %9s entries/s (received %9s; CPU ns/entry: publisher %6s, receiver %6s); kvlink publisher %9s (received %9s; CPU %6s, %6s)\n' \
+      "$shape" "$r" "$a" "$b" "$ac" "$bc" "$c" "$d" "$cc" "$dc"
   done
-  pp=$(printf '%s\n' "${py_pub[@]}" | median); pe=$(printf '%s\n' "${py_e2e[@]}" | median)
-  kp=$(printf '%s\n' "${kv_pub[@]}" | median); ke=$(printf '%s\n' "${kv_e2e[@]}" | median)
-  python3 - "$shape" "$pp" "$pe" "$kp" "$ke" <<'PY'
+  m() { printf '%s\n' "$@" | median; }
+  python3 - "$shape" "$(m "${py_pub[@]}")" "$(m "${py_e2e[@]}")" "$(m "${kv_pub[@]}")" "$(m "${kv_e2e[@]}")" \
+    "$(m "${py_cpu[@]}")" "$(m "${py_rcpu[@]}")" "$(m "${kv_cpu[@]}")" "$(m "${kv_rcpu[@]}")" <<'PY'
 import sys
-shape, pp, pe, kp, ke = sys.argv[1], *map(float, sys.argv[2:])
+shape = sys.argv[1]
+pp, pe, kp, ke, pc, prc, kc, krc = map(float, sys.argv[2:])
 print(f"shape {shape} medians (M block entries/s): python publisher {pp/1e6:.2f}, received {pe/1e6:.2f}; "
       f"kvlink publisher {kp/1e6:.2f}, received {ke/1e6:.2f}")
-print(f"shape {shape} kvlink end to end / python publisher: {ke/pp:.2f}x; "
-      f"end to end / end to end: {ke/pe:.2f}x; publisher / publisher: {kp/pp:.2f}x")
+print(f"shape {shape} CPU ns per entry: python publisher {pc:.0f}, kvlink publisher {kc:.0f} "
+      f"({kc/pc:.2f}x); receiver fed by python {prc:.0f}, fed by kvlink {krc:.0f}")
+print(f"shape {shape} kvlink end to end / python end to end: {ke/pe:.2f}x; "
+      f"publisher / publisher: {kp/pp:.2f}x")
 PY
 done

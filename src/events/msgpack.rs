@@ -235,24 +235,57 @@ impl<'a> Cursor<'a> {
         }
     }
 
-    /// The next item if it is an unsigned integer of at most 32 bits (the common token id);
-    /// `None` (nothing consumed) otherwise.
+    /// Reads up to `n` unsigned integers of at most 32 bits (token ids) into `out`, stopping at
+    /// the first item of another form (or at the end of the bytes); returns how many it read.
+    /// One pass over the bytes, one cursor update: the bulk of a BlockStored.
     #[inline]
-    pub(crate) fn small_uint(&mut self) -> Option<u32> {
+    pub(crate) fn small_uints(&mut self, n: usize, out: &mut Vec<u32>) -> usize {
         let r = &mut self.0;
         let rest = &r.buf[r.pos..];
-        let (v, n) = match *rest.first()? {
-            b @ 0x00..=0x7f => (u32::from(b), 1),
-            0xcc => (u32::from(*rest.get(1)?), 2),
-            0xcd => (
-                u32::from(u16::from_be_bytes(rest.get(1..3)?.try_into().ok()?)),
-                3,
-            ),
-            0xce => (u32::from_be_bytes(rest.get(1..5)?.try_into().ok()?), 5),
+        let mut i = 0;
+        let mut done = 0;
+        while done < n {
+            let (v, len) = if let Some(w) = rest.get(i..i + 5) {
+                // Five bytes are there: the longest form fits, no per-byte checks.
+                match w[0] {
+                    b @ 0x00..=0x7f => (u32::from(b), 1),
+                    0xcc => (u32::from(w[1]), 2),
+                    0xcd => (u32::from(u16::from_be_bytes([w[1], w[2]])), 3),
+                    0xce => (u32::from_be_bytes([w[1], w[2], w[3], w[4]]), 5),
+                    _ => break,
+                }
+            } else {
+                let Some(&b) = rest.get(i) else { break };
+                match (b, rest.get(i + 1..)) {
+                    (0x00..=0x7f, _) => (u32::from(b), 1),
+                    (0xcc, Some([x, ..])) => (u32::from(*x), 2),
+                    (0xcd, Some([x, y, ..])) => (u32::from(u16::from_be_bytes([*x, *y])), 3),
+                    (0xce, Some([a, b, c, d, ..])) => (u32::from_be_bytes([*a, *b, *c, *d]), 5),
+                    _ => break,
+                }
+            };
+            out.push(v);
+            i += len;
+            done += 1;
+        }
+        r.pos += i;
+        done
+    }
+
+    /// The next item if it is a string of at most 255 bytes (a map key, an event's tag);
+    /// `None` (nothing consumed) otherwise, or when the bytes are not all there.
+    #[inline]
+    pub(crate) fn short_str(&mut self) -> Option<&'a [u8]> {
+        let r = &mut self.0;
+        let rest = &r.buf[r.pos..];
+        let (start, len) = match *rest.first()? {
+            b @ 0xa0..=0xbf => (1, usize::from(b & 0x1f)),
+            0xd9 => (2, usize::from(*rest.get(1)?)),
             _ => return None,
         };
-        r.pos += n;
-        Some(v)
+        let s = rest.get(start..start + len)?;
+        r.pos += start + len;
+        Some(s)
     }
 
     /// One whole item as a tree (nesting capped at [`MAX_DEPTH`]).

@@ -7,9 +7,11 @@
 //!   with `seq >= start_seq`, oldest first, then an end marker (formats in [`ReplayFormat`]).
 //!   The ring keeps the last `buffer_steps` batches and at most `replay_max_bytes` of them
 //!   (only when a replay endpoint is configured).
-//! - Queue: [`Publisher::publish`] never blocks the engine. It hands the batch to a bounded
-//!   queue (`max_queue` batches) drained by the publisher's own thread, which encodes, numbers,
-//!   records and sends. When the queue is full the batch is refused with
+//! - Queue: [`Publisher::publish`] never blocks the engine. It encodes the batch in the calling
+//!   thread (where its memory was allocated and is freed: handing batches to another thread to
+//!   encode and free cost more than the encoding itself) and hands the payload to a bounded
+//!   queue (`max_queue` batches) drained by the publisher's own thread, which numbers, records
+//!   and sends. When the queue is full the batch is refused with
 //!   [`EventsError::QueueFull`] and counted in `dropped`: it never gets a sequence number, so
 //!   subscribers see a consistent stream and the caller knows. [`Publisher::publish_timeout`]
 //!   waits for room instead, up to a deadline.
@@ -26,7 +28,7 @@ mod replay;
 mod sockets;
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,7 +41,7 @@ use zeromq::{PubSocket, RouterSocket, Socket};
 
 use super::guard::{Limits, PrivateDir};
 use super::sequence::ReplayRing;
-use super::wire::{Encoding, EventBatch};
+use super::wire::{encode_batch, Encoding, EventBatch};
 use super::EventsError;
 
 use queue::publish_loop;
@@ -129,13 +131,10 @@ pub struct PublisherStats {
     pub replay_timeouts: u64,
 }
 
-enum Item {
-    Batch(EventBatch),
-    /// An encoded payload, with its own topic or the publisher's.
-    Encoded {
-        topic: Option<Bytes>,
-        payload: Bytes,
-    },
+/// A batch waiting to be numbered and sent: its payload, with its own topic or the publisher's.
+struct Item {
+    topic: Option<Bytes>,
+    payload: Bytes,
 }
 
 #[derive(Default)]
@@ -183,6 +182,9 @@ impl Shared {
 /// A running publisher. Dropping it stops it (see [`Publisher::close`] to drain first).
 pub struct Publisher {
     shared: Arc<Shared>,
+    encoding: Encoding,
+    /// The last payload's size, to size the next one's buffer.
+    size_hint: AtomicUsize,
     endpoint: String,
     replay_endpoint: Option<String>,
     tasks: Vec<JoinHandle<()>>,
@@ -286,7 +288,6 @@ impl Publisher {
             shared.clone(),
             pub_socket,
             topic,
-            cfg.encoding,
             replay_endpoint.is_some(),
         ));
         tracing::info!(
@@ -296,6 +297,8 @@ impl Publisher {
         );
         Ok(Publisher {
             shared,
+            encoding: cfg.encoding,
+            size_hint: AtomicUsize::new(4096),
             endpoint,
             replay_endpoint,
             tasks,
@@ -319,23 +322,57 @@ impl Publisher {
     /// Queues a batch; never blocks. Fails with [`EventsError::QueueFull`] (the batch is
     /// dropped and counted) or [`EventsError::Closed`].
     pub fn publish(&self, batch: EventBatch) -> Result<(), EventsError> {
-        self.push(Item::Batch(batch), None)
+        self.publish_batch(&batch)
     }
 
-    /// Queues a batch, waiting up to `timeout` for room in the queue.
-    pub fn publish_timeout(&self, batch: EventBatch, timeout: Duration) -> Result<(), EventsError> {
-        self.push(Item::Batch(batch), Some(Instant::now() + timeout))
-    }
-
-    /// Queues an already-encoded batch payload (published as is).
-    pub fn publish_encoded(&self, payload: Bytes) -> Result<(), EventsError> {
+    /// Queues a batch the caller keeps; never blocks. The batch is encoded in the calling
+    /// thread (where its memory was allocated and is freed); numbering, replay bookkeeping and
+    /// sending happen on the publisher's thread.
+    pub fn publish_batch(&self, batch: &EventBatch) -> Result<(), EventsError> {
+        let payload = self.encode(batch);
         self.push(
-            Item::Encoded {
+            Item {
                 topic: None,
                 payload,
             },
             None,
         )
+    }
+
+    fn encode(&self, batch: &EventBatch) -> Bytes {
+        let mut v = Vec::with_capacity(self.size_hint.load(Ordering::Relaxed));
+        encode_batch(batch, self.encoding, &mut v);
+        self.size_hint.store(v.len(), Ordering::Relaxed);
+        Bytes::from(v)
+    }
+
+    /// Queues a batch, waiting up to `timeout` for room in the queue.
+    pub fn publish_timeout(&self, batch: EventBatch, timeout: Duration) -> Result<(), EventsError> {
+        let payload = self.encode(&batch);
+        drop(batch);
+        self.push(
+            Item {
+                topic: None,
+                payload,
+            },
+            Some(Instant::now() + timeout),
+        )
+    }
+
+    /// Queues an already-encoded batch payload (published as is), never blocking.
+    pub fn publish_encoded(&self, payload: impl Into<Bytes>) -> Result<(), EventsError> {
+        self.push(
+            Item {
+                topic: None,
+                payload: payload.into(),
+            },
+            None,
+        )
+    }
+
+    /// The encoding of the payloads [`Publisher::publish`] builds.
+    pub fn encoding(&self) -> Encoding {
+        self.encoding
     }
 
     /// Queues an already-encoded payload under its own topic frame (instead of the configured
@@ -346,7 +383,7 @@ impl Publisher {
         payload: Bytes,
     ) -> Result<(), EventsError> {
         self.push(
-            Item::Encoded {
+            Item {
                 topic: Some(topic),
                 payload,
             },
@@ -362,7 +399,7 @@ impl Publisher {
         payload: Bytes,
         deadline: tokio::time::Instant,
     ) -> Result<(), EventsError> {
-        let mut item = Item::Encoded { topic, payload };
+        let mut item = Item { topic, payload };
         loop {
             let room = self.shared.room_async.notified();
             match self.shared.try_push(item) {

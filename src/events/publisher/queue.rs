@@ -1,5 +1,5 @@
-//! The publisher's send loop: drains the queue, then encodes, numbers, records for replay and
-//! sends each batch on the PUB socket.
+//! The publisher's send loop: drains the queue, then numbers, records for replay and sends each
+//! (already encoded) batch on the PUB socket.
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -8,20 +8,16 @@ use std::sync::Arc;
 use bytes::Bytes;
 use zeromq::{PubSocket, SocketSend, ZmqMessage};
 
-use crate::events::wire::{encode_batch, Encoding};
-
 use super::{Item, Shared};
 
 pub(super) async fn publish_loop(
     shared: Arc<Shared>,
     mut socket: PubSocket,
     topic: Bytes,
-    enc: Encoding,
     keep_for_replay: bool,
 ) -> PubSocket {
     let mut local = VecDeque::new();
     let mut seq = 0u64;
-    let mut size_hint = 4096;
     loop {
         {
             let mut q = shared.queue.lock();
@@ -37,17 +33,8 @@ pub(super) async fn publish_loop(
         shared.room.notify_all();
         shared.room_async.notify_waiters();
         for item in local.drain(..) {
-            let (item_topic, payload) = match item {
-                Item::Encoded { topic: t, payload } => {
-                    (t.unwrap_or_else(|| topic.clone()), payload)
-                }
-                Item::Batch(b) => {
-                    let mut v = Vec::with_capacity(size_hint);
-                    encode_batch(&b, enc, &mut v);
-                    size_hint = v.len();
-                    (topic.clone(), Bytes::from(v))
-                }
-            };
+            let Item { topic: t, payload } = item;
+            let item_topic = t.unwrap_or_else(|| topic.clone());
             if keep_for_replay {
                 let size = payload.len() + item_topic.len();
                 shared

@@ -13,6 +13,8 @@ use super::{
 #[derive(Default)]
 struct Raw<'a> {
     ty: Option<&'a [u8]>,
+    /// The fields of `ty` ([`fields_of`]; all while it is not known yet).
+    fields: u32,
     block_hashes: Vec<BlockHash>,
     parent_block_hash: Option<BlockHash>,
     token_ids: Vec<u32>,
@@ -113,15 +115,12 @@ fn token_list(c: &mut Cursor<'_>, name: &str) -> Result<Option<Vec<u32>>, String
     match c.token().map_err(malformed)? {
         Token::Array(n) => {
             let mut v = Vec::with_capacity(n);
-            for _ in 0..n {
-                match c.small_uint() {
-                    Some(t) => v.push(t),
-                    None => {
-                        // Anything else is an error, however it is spelled.
-                        u32_of(c.token().map_err(malformed)?)
-                            .map(|t| v.push(t))
-                            .ok_or_else(|| format!("a {name} entry is not a u32 token id"))?;
-                    }
+            while v.len() < n {
+                if c.small_uints(n - v.len(), &mut v) == 0 {
+                    // Anything else is an error, however it is spelled.
+                    u32_of(c.token().map_err(malformed)?)
+                        .map(|t| v.push(t))
+                        .ok_or_else(|| format!("a {name} entry is not a u32 token id"))?;
                 }
             }
             Ok(Some(v))
@@ -131,17 +130,113 @@ fn token_list(c: &mut Cursor<'_>, name: &str) -> Result<Option<Vec<u32>>, String
     }
 }
 
-/// Whether a field name is one kvlink models for events of type `ty`.
-fn modelled(ty: Option<&[u8]>, name: &[u8]) -> bool {
-    let order: &[&str] = match ty {
-        Some(b"BlockStored") => &STORED_LEGACY_ORDER,
-        Some(b"BlockRemoved") => &REMOVED_LEGACY_ORDER,
-        Some(b"AllBlocksCleared") => &CLEARED_LEGACY_ORDER,
-        Some(b"BlockTransferred") => &TRANSFERRED_LEGACY_ORDER,
-        // The type is not known yet (or is unknown, and the event is refused anyway).
-        _ => return true,
-    };
-    name == b"type" || order.iter().any(|n| n.as_bytes() == name)
+/// The fields kvlink models, by their wire names.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum F {
+    Type,
+    BlockHashes,
+    ParentBlockHash,
+    TokenIds,
+    BlockSize,
+    LoraId,
+    Medium,
+    LoraName,
+    ExtraKeys,
+    GroupIdx,
+    KvCacheSpecKind,
+    KvCacheSpecSlidingWindow,
+    TokenOffset,
+    Locality,
+    Ownership,
+    SessionId,
+    LookaheadTokenIds,
+    CacheSalt,
+    FromMedium,
+    ToMedium,
+}
+
+impl F {
+    fn of(name: &[u8]) -> Option<F> {
+        Some(match name {
+            b"type" => F::Type,
+            b"block_hashes" => F::BlockHashes,
+            b"parent_block_hash" => F::ParentBlockHash,
+            b"token_ids" => F::TokenIds,
+            b"block_size" => F::BlockSize,
+            b"lora_id" => F::LoraId,
+            b"medium" => F::Medium,
+            b"lora_name" => F::LoraName,
+            b"extra_keys" => F::ExtraKeys,
+            b"group_idx" => F::GroupIdx,
+            b"kv_cache_spec_kind" => F::KvCacheSpecKind,
+            b"kv_cache_spec_sliding_window" => F::KvCacheSpecSlidingWindow,
+            b"token_offset" => F::TokenOffset,
+            b"locality" => F::Locality,
+            b"ownership" => F::Ownership,
+            b"session_id" => F::SessionId,
+            b"lookahead_token_ids" => F::LookaheadTokenIds,
+            b"cache_salt" => F::CacheSalt,
+            b"from_medium" => F::FromMedium,
+            b"to_medium" => F::ToMedium,
+            _ => return None,
+        })
+    }
+
+    const fn bit(self) -> u32 {
+        1 << self as u32
+    }
+}
+
+const fn mask(fields: &[F]) -> u32 {
+    let mut m = F::Type.bit();
+    let mut i = 0;
+    while i < fields.len() {
+        m |= fields[i].bit();
+        i += 1;
+    }
+    m
+}
+
+/// The fields each event type has (the others are kept as unknown fields).
+const STORED_FIELDS: u32 = mask(&[
+    F::BlockHashes,
+    F::ParentBlockHash,
+    F::TokenIds,
+    F::BlockSize,
+    F::LoraId,
+    F::Medium,
+    F::LoraName,
+    F::ExtraKeys,
+    F::GroupIdx,
+    F::KvCacheSpecKind,
+    F::KvCacheSpecSlidingWindow,
+    F::TokenOffset,
+    F::Locality,
+    F::Ownership,
+    F::SessionId,
+    F::LookaheadTokenIds,
+    F::CacheSalt,
+]);
+const REMOVED_FIELDS: u32 = mask(&[
+    F::BlockHashes,
+    F::Medium,
+    F::GroupIdx,
+    F::Locality,
+    F::Ownership,
+]);
+const CLEARED_FIELDS: u32 = mask(&[F::Medium]);
+const TRANSFERRED_FIELDS: u32 = mask(&[F::BlockHashes, F::FromMedium, F::ToMedium, F::GroupIdx]);
+
+/// The fields of event type `ty` (every one while the type is unknown: such an event is refused
+/// anyway).
+fn fields_of(ty: &[u8]) -> u32 {
+    match ty {
+        b"BlockStored" => STORED_FIELDS,
+        b"BlockRemoved" => REMOVED_FIELDS,
+        b"AllBlocksCleared" => CLEARED_FIELDS,
+        b"BlockTransferred" => TRANSFERRED_FIELDS,
+        _ => u32::MAX,
+    }
 }
 
 /// Reads the value of field `name` into `raw` (a name kvlink does not model is kept whole in
@@ -152,39 +247,45 @@ fn field<'a>(
     name: &[u8],
     key: impl FnOnce() -> FieldKey,
 ) -> Result<(), String> {
-    if !modelled(raw.ty, name) {
-        let value = c.value(0).map_err(malformed)?;
-        raw.extra.push(ExtraField { key: key(), value });
-        return Ok(());
-    }
-    match name {
-        b"type" => match c.token().map_err(malformed)? {
-            Token::Str(t) => raw.ty = Some(t),
+    let f = match F::of(name) {
+        Some(f) if raw.fields & f.bit() != 0 => f,
+        _ => {
+            let value = c.value(0).map_err(malformed)?;
+            raw.extra.push(ExtraField { key: key(), value });
+            return Ok(());
+        }
+    };
+    match f {
+        F::Type => match c.token().map_err(malformed)? {
+            Token::Str(t) => {
+                raw.ty = Some(t);
+                raw.fields = fields_of(t);
+            }
             _ => return Err("the event \"type\" is not a string".into()),
         },
-        b"block_hashes" => raw.block_hashes = hashes(c, "block_hashes")?,
-        b"parent_block_hash" => raw.parent_block_hash = opt(c, "parent_block_hash", hash)?,
-        b"token_ids" => raw.token_ids = token_list(c, "token_ids")?.unwrap_or_default(),
-        b"block_size" => raw.block_size = opt(c, "block_size", u32_of)?,
-        b"lora_id" => raw.lora_id = opt(c, "lora_id", i64_of)?,
-        b"medium" => raw.medium = opt(c, "medium", string)?,
-        b"lora_name" => raw.lora_name = opt(c, "lora_name", string)?,
-        b"group_idx" => raw.group_idx = opt(c, "group_idx", u32_of)?,
-        b"kv_cache_spec_kind" => raw.kv_cache_spec_kind = opt(c, "kv_cache_spec_kind", string)?,
-        b"kv_cache_spec_sliding_window" => {
+        F::BlockHashes => raw.block_hashes = hashes(c, "block_hashes")?,
+        F::ParentBlockHash => raw.parent_block_hash = opt(c, "parent_block_hash", hash)?,
+        F::TokenIds => raw.token_ids = token_list(c, "token_ids")?.unwrap_or_default(),
+        F::BlockSize => raw.block_size = opt(c, "block_size", u32_of)?,
+        F::LoraId => raw.lora_id = opt(c, "lora_id", i64_of)?,
+        F::Medium => raw.medium = opt(c, "medium", string)?,
+        F::LoraName => raw.lora_name = opt(c, "lora_name", string)?,
+        F::GroupIdx => raw.group_idx = opt(c, "group_idx", u32_of)?,
+        F::KvCacheSpecKind => raw.kv_cache_spec_kind = opt(c, "kv_cache_spec_kind", string)?,
+        F::KvCacheSpecSlidingWindow => {
             raw.kv_cache_spec_sliding_window = opt(c, "kv_cache_spec_sliding_window", u32_of)?
         }
-        b"token_offset" => raw.token_offset = opt(c, "token_offset", u64_of)?,
-        b"from_medium" => raw.from_medium = opt(c, "from_medium", string)?,
-        b"to_medium" => raw.to_medium = opt(c, "to_medium", string)?,
-        b"extra_keys" => {
+        F::TokenOffset => raw.token_offset = opt(c, "token_offset", u64_of)?,
+        F::FromMedium => raw.from_medium = opt(c, "from_medium", string)?,
+        F::ToMedium => raw.to_medium = opt(c, "to_medium", string)?,
+        F::ExtraKeys => {
             raw.extra_keys = Some(c.value(0).map_err(malformed)?).filter(|v| !v.is_nil())
         }
-        b"locality" => raw.locality = opt(c, "locality", string)?,
-        b"ownership" => raw.ownership = opt(c, "ownership", string)?,
-        b"session_id" => raw.session_id = opt(c, "session_id", string)?,
-        b"cache_salt" => raw.cache_salt = opt(c, "cache_salt", string)?,
-        b"lookahead_token_ids" => {
+        F::Locality => raw.locality = opt(c, "locality", string)?,
+        F::Ownership => raw.ownership = opt(c, "ownership", string)?,
+        F::SessionId => raw.session_id = opt(c, "session_id", string)?,
+        F::CacheSalt => raw.cache_salt = opt(c, "cache_salt", string)?,
+        F::LookaheadTokenIds => {
             raw.lookahead_token_ids = match c.token().map_err(malformed)? {
                 Token::Array(n) => {
                     let mut v = Vec::with_capacity(n);
@@ -197,10 +298,6 @@ fn field<'a>(
                 _ => return Err("lookahead_token_ids is not an array".into()),
             }
         }
-        _ => {
-            let value = c.value(0).map_err(malformed)?;
-            raw.extra.push(ExtraField { key: key(), value });
-        }
     }
     Ok(())
 }
@@ -208,16 +305,23 @@ fn field<'a>(
 /// Reads one event and says which encoding carried it. On error the cursor is left anywhere
 /// inside it (the caller rewinds).
 fn event(c: &mut Cursor<'_>) -> Result<(KvEvent, Encoding), String> {
-    let mut raw = Raw::default();
+    let mut raw = Raw {
+        fields: u32::MAX,
+        ..Raw::default()
+    };
     let encoding = match c.token().map_err(malformed)? {
         Token::Map(n) => {
             for _ in 0..n {
-                match c.token().map_err(malformed)? {
-                    Token::Str(k) => field(c, &mut raw, k, || {
-                        FieldKey::Name(String::from_utf8_lossy(k).into_owned())
-                    })?,
-                    _ => return Err("a map event has a key that is not a string".into()),
-                }
+                let k = match c.short_str() {
+                    Some(k) => k,
+                    None => match c.token().map_err(malformed)? {
+                        Token::Str(k) => k,
+                        _ => return Err("a map event has a key that is not a string".into()),
+                    },
+                };
+                field(c, &mut raw, k, || {
+                    FieldKey::Name(String::from_utf8_lossy(k).into_owned())
+                })?;
             }
             if raw.ty.is_none() {
                 return Err("map event without a string \"type\"".into());
@@ -231,6 +335,7 @@ fn event(c: &mut Cursor<'_>) -> Result<(KvEvent, Encoding), String> {
                 return Err("array event without a tag".into());
             };
             raw.ty = Some(tag);
+            raw.fields = fields_of(tag);
             let order: &[&str] = match tag {
                 b"BlockStored" => &STORED_LEGACY_ORDER,
                 b"BlockRemoved" => &REMOVED_LEGACY_ORDER,

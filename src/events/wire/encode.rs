@@ -12,16 +12,40 @@ fn nil(out: &mut Vec<u8>) {
     let _ = w::write_nil(out);
 }
 
+/// An unsigned integer in msgpack's shortest form (the hot path: token ids and hashes).
+#[inline]
+fn put_u64(out: &mut Vec<u8>, v: u64) {
+    if v < 0x80 {
+        out.push(v as u8);
+    } else if v <= 0xff {
+        out.extend_from_slice(&[0xcc, v as u8]);
+    } else if v <= 0xffff {
+        let b = (v as u16).to_be_bytes();
+        out.extend_from_slice(&[0xcd, b[0], b[1]]);
+    } else if v <= 0xffff_ffff {
+        let b = (v as u32).to_be_bytes();
+        out.extend_from_slice(&[0xce, b[0], b[1], b[2], b[3]]);
+    } else {
+        out.push(0xcf);
+        out.extend_from_slice(&v.to_be_bytes());
+    }
+}
+
 fn put_hash(out: &mut Vec<u8>, h: &BlockHash) {
-    let _ = match h {
-        BlockHash::U64(v) => w::write_uint(out, *v).map(|_| ()),
-        BlockHash::I64(v) => w::write_sint(out, *v).map(|_| ()),
-        BlockHash::Bytes(b) => w::write_bin(out, b),
-    };
+    match h {
+        BlockHash::U64(v) => put_u64(out, *v),
+        BlockHash::I64(v) => {
+            let _ = w::write_sint(out, *v);
+        }
+        BlockHash::Bytes(b) => {
+            let _ = w::write_bin(out, b);
+        }
+    }
 }
 
 fn put_hashes(out: &mut Vec<u8>, hs: &[BlockHash]) {
     let _ = w::write_array_len(out, hs.len() as u32);
+    out.reserve(hs.len() * 9);
     for h in hs {
         put_hash(out, h);
     }
@@ -29,9 +53,7 @@ fn put_hashes(out: &mut Vec<u8>, hs: &[BlockHash]) {
 
 fn put_opt_str(out: &mut Vec<u8>, s: &Option<String>) {
     match s {
-        Some(s) => {
-            let _ = w::write_str(out, s);
-        }
+        Some(s) => put_str(out, s),
         None => nil(out),
     }
 }
@@ -45,8 +67,20 @@ fn put_opt_uint(out: &mut Vec<u8>, v: Option<u64>) {
     }
 }
 
+/// A string; the short ones (every key, most values) without going through rmp.
+#[inline]
+fn put_str(out: &mut Vec<u8>, k: &str) {
+    if k.len() < 32 {
+        out.push(0xa0 | k.len() as u8);
+        out.extend_from_slice(k.as_bytes());
+    } else {
+        let _ = w::write_str(out, k);
+    }
+}
+
+#[inline]
 fn put_key(out: &mut Vec<u8>, k: &str) {
-    let _ = w::write_str(out, k);
+    put_str(out, k);
 }
 
 /// A map field written only when set (current encoding: defaults are omitted).
@@ -65,10 +99,41 @@ fn put_field_str(out: &mut Vec<u8>, k: &str, v: &Option<String>) {
     }
 }
 
+/// A u32 in msgpack's shortest form into `b` (room for the longest); returns its length.
+#[inline(always)]
+fn put_u32_at(b: &mut [u8; 5], v: u32) -> usize {
+    let be = v.to_be_bytes();
+    if v < 0x80 {
+        b[0] = v as u8;
+        1
+    } else if v <= 0xff {
+        b[0] = 0xcc;
+        b[1] = v as u8;
+        2
+    } else if v <= 0xffff {
+        b[0] = 0xcd;
+        b[1] = be[2];
+        b[2] = be[3];
+        3
+    } else {
+        b[0] = 0xce;
+        b[1..].copy_from_slice(&be);
+        5
+    }
+}
+
+/// Token ids, the bulk of a BlockStored: written through a stack buffer, 64 at a time, so the
+/// output vector is grown and checked once per chunk rather than once per token.
 fn put_tokens(out: &mut Vec<u8>, ts: &[u32]) {
     let _ = w::write_array_len(out, ts.len() as u32);
-    for t in ts {
-        let _ = w::write_uint(out, u64::from(*t));
+    let mut buf = [0u8; 5 * 64 + 5];
+    for chunk in ts.chunks(64) {
+        let mut n = 0;
+        for &t in chunk {
+            let slot: &mut [u8; 5] = (&mut buf[n..n + 5]).try_into().expect("5 bytes");
+            n += put_u32_at(slot, t);
+        }
+        out.extend_from_slice(&buf[..n]);
     }
 }
 
@@ -182,7 +247,7 @@ fn encode_stored_current(s: &BlockStored, out: &mut Vec<u8>) {
     let n = 8 + optional.iter().filter(|x| **x).count() + named(&s.extra).count();
     let _ = w::write_map_len(out, n as u32);
     put_key(out, "type");
-    let _ = w::write_str(out, "BlockStored");
+    put_str(out, "BlockStored");
     put_key(out, "block_hashes");
     put_hashes(out, &s.block_hashes);
     put_key(out, "parent_block_hash");

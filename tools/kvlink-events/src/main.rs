@@ -9,6 +9,7 @@
 //! Batches are JSON lines on stdout (tail) and stdin (publish); progress and counts go to
 //! stderr. See docs/kv-events.md.
 
+mod cpu;
 mod json;
 
 use std::io::{BufRead, Write};
@@ -229,9 +230,10 @@ impl Opts {
     }
 }
 
+/// One thread: the SUB socket's reader task and the decoding run together (no hand-off of each
+/// message between threads, no buffer freed on another thread than the one that filled it).
 fn runtime() -> Result<tokio::runtime::Runtime, String> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| format!("starting the runtime: {e}"))
@@ -332,7 +334,7 @@ fn tail(o: Opts) -> Result<(), String> {
             "seconds": secs, "entries_per_s": if secs > 0.0 { n_entries as f64 / secs } else { 0.0 },
             "replays": s.replays, "duplicates": s.duplicates, "resyncs": s.resyncs,
             "malformed": s.malformed_batches, "skipped_events": s.skipped_events,
-            "bad_messages": s.bad_messages,
+            "bad_messages": s.bad_messages, "cpu_s": cpu::seconds(),
         });
         eprintln!("kvlink-events: done: {summary}");
         if o.quiet {
@@ -408,6 +410,7 @@ fn publish(o: Opts) -> Result<(), String> {
     if let Some(n) = o.synthetic {
         let w = Synthetic::new(o.events_per_batch, o.hashes_per_event, o.block_size);
         std::thread::sleep(Duration::from_millis(o.start_delay_ms));
+        let cpu = cpu::seconds();
         let t = Instant::now();
         for _ in 0..n {
             p.publish_timeout(w.batch(), wait)
@@ -415,11 +418,13 @@ fn publish(o: Opts) -> Result<(), String> {
         }
         let s = p.close(Duration::from_secs(60));
         let secs = t.elapsed().as_secs_f64();
+        let cpu = cpu::seconds() - cpu;
         let n_entries = n * (o.events_per_batch * o.hashes_per_event) as u64;
         println!(
             "{}",
             serde_json::json!({"publisher": "kvlink", "batches": s.published, "entries": n_entries,
-                "seconds": secs, "entries_per_s": n_entries as f64 / secs, "dropped": s.dropped})
+                "seconds": secs, "entries_per_s": n_entries as f64 / secs, "dropped": s.dropped,
+                "cpu_s": cpu})
         );
     } else {
         for (i, line) in std::io::stdin().lock().lines().enumerate() {

@@ -206,10 +206,14 @@ fn extra_fields(ev: &Bound<'_, PyAny>, ty: &str) -> PyResult<Vec<ExtraField>> {
     };
     if let Ok(d) = ev.downcast::<PyDict>() {
         for (k, v) in d.iter() {
-            let name: String = k
-                .extract()
+            let k = k
+                .downcast_into::<PyString>()
                 .map_err(|_| InvalidArgument::new_err("an event dict's keys must be strings"))?;
-            add(name, v)?;
+            // Borrowed: the common keys (all known) cost no allocation.
+            let name = k.to_str()?;
+            if !KvEvent::known_field(ty, name) {
+                add(name.to_owned(), v)?;
+            }
         }
         return Ok(out);
     }
@@ -221,13 +225,13 @@ fn extra_fields(ev: &Bound<'_, PyAny>, ty: &str) -> PyResult<Vec<ExtraField>> {
         },
     };
     for name in names.try_iter()? {
-        let name: String = name?.extract()?;
-        if KvEvent::known_field(ty, &name) {
+        let name = name?.downcast_into::<PyString>()?;
+        if KvEvent::known_field(ty, name.to_str()?) {
             continue;
         }
-        let v = ev.getattr(name.as_str())?;
+        let v = ev.getattr(&name)?;
         if !v.is_none() {
-            add(name, v)?;
+            add(name.to_str()?.to_owned(), v)?;
         }
     }
     Ok(out)

@@ -1,5 +1,5 @@
 //! KV events from Python: `EventPublisher` (an engine publishes its KV-cache events each
-//! scheduler step; encoding and sending happen on kvlink's thread), `EventSubscriber` (a
+//! scheduler step; encoded with the GIL released, sent on kvlink's thread), `EventSubscriber` (a
 //! router reads decoded batches and resync signals, in sequence order), `EventMerger` (several
 //! engines' streams as one) and `PageSplitter` (a stored token run as fixed-size pages with
 //! chained hashes).
@@ -15,7 +15,7 @@ use std::sync::Mutex;
 mod fields;
 
 use kvlink_core::events::{
-    Encoding, EventBatch, KvEvent, Merger, MergerConfig, MergerInput, PageHash,
+    encode_batch, Encoding, EventBatch, KvEvent, Merger, MergerConfig, MergerInput, PageHash,
     PageSplitter as RsSplitter, Publisher, PublisherConfig, ReplayFormat, Resync, SubItem,
     Subscriber, SubscriberConfig,
 };
@@ -124,6 +124,7 @@ pub(crate) struct EventPublisher {
     endpoint: String,
     replay_endpoint: Option<String>,
     dp_rank: i64,
+    encoding: Encoding,
 }
 
 #[pymethods]
@@ -159,6 +160,7 @@ impl EventPublisher {
             .allow_threads(|| Publisher::start(cfg))
             .map_err(events_err)?;
         Ok(EventPublisher {
+            encoding: p.encoding(),
             endpoint: p.endpoint().to_string(),
             replay_endpoint: p.replay_endpoint().map(str::to_string),
             inner: Mutex::new(Some(p)),
@@ -180,7 +182,8 @@ impl EventPublisher {
 
     /// Publishes one batch (one scheduler step): `events` is a list of event dicts or of the
     /// engine's own event objects; `ts` defaults to now, `dp_rank` to the publisher's. The
-    /// batch is numbered, encoded and sent on kvlink's thread; this never blocks. Raises
+    /// events are read with the GIL held, encoded with it released, then numbered and sent on
+    /// kvlink's thread; this never blocks. Raises
     /// `KvlinkError` when the queue is full (the batch is dropped and counted) or the
     /// publisher is closed, `InvalidArgument` for an event it cannot read (nothing is sent).
     #[pyo3(signature = (events, ts = None, dp_rank = None))]
@@ -203,13 +206,20 @@ impl EventPublisher {
             events: out,
             dp_rank: Some(dp_rank.unwrap_or(self.dp_rank)),
         };
+        // Encoded without the GIL (and without the lock), in this thread.
+        let encoding = self.encoding;
+        let payload = py.allow_threads(move || {
+            let mut v = Vec::with_capacity(4096);
+            encode_batch(&batch, encoding, &mut v);
+            v
+        });
         // The push never blocks, so the GIL stays held: releasing it while holding the lock
         // would deadlock against a thread that holds the GIL and waits for the lock (stats).
         let guard = self.inner.lock().expect("publisher lock");
         let p = guard
             .as_ref()
             .ok_or_else(|| KvlinkError::new_err("the KV-event publisher is closed"))?;
-        p.publish(batch).map_err(events_err)
+        p.publish_encoded(payload).map_err(events_err)
     }
 
     /// Counters: `published`, `dropped`, `queued`, `next_seq`, `replay_requests`,
