@@ -22,6 +22,7 @@ MIN_PYTHON=44
 MIN_VM=12
 MIN_VLLM=13
 MIN_SGLANG=22
+MIN_ENGINE_EVENTS=6
 # The vLLM release the connector is tested against (0.33.0 needs a newer certifi than PyPI
 # mirrors here carry).
 VLLM_PIN="vllm==0.32.0"
@@ -208,6 +209,37 @@ if [ "$vllm_ready" = 1 ] && { .venv-vllm/bin/python -c "import sys; from importl
 else
   echo "test: $SGLANG_PIN could not be installed into .venv-vllm (output above): the SGLang backend tests cannot run" >&2
   sg_failed=1
+fi
+
+# kvlink's KV events through the engines' own event structs, msgspec encoders and decoders:
+# vLLM 0.32 and SGLang (installed above) and vLLM 0.33, whose kv_events.py alone is taken from
+# its wheel (0.33 itself does not install here) and runs on the installed vLLM 0.32.
+echo "test: KV events against vLLM 0.33, vLLM 0.32 and SGLang's own event code"
+ee_passed=0; ee_failed=0; ee_skipped=0; ee_why=""
+v33=.venv-vllm/vllm-0.33.0-kv_events.py
+if [ "$vllm_ready" = 1 ] && [ ! -s "$v33" ]; then
+  v33dir=$(mktemp -d)
+  if .venv-vllm/bin/pip download -q --disable-pip-version-check --no-deps vllm==0.33.0 -d "$v33dir"; then
+    .venv-vllm/bin/python - "$v33dir" "$v33" <<'PY'
+import glob, sys, zipfile
+(wheel,) = glob.glob(sys.argv[1] + "/vllm-0.33.0-*.whl")
+with zipfile.ZipFile(wheel) as z, open(sys.argv[2], "wb") as out:
+    out.write(z.read("vllm/distributed/kv_events.py"))
+PY
+  fi
+  rm -rf "$v33dir"
+fi
+if [ "$vllm_ready" = 1 ] && [ -s "$v33" ]; then
+  eelog=$(mktemp)
+  set +e
+  (cd tests/engine_events && KVLINK_VLLM033_KV_EVENTS="$repo/$v33" ../../.venv-vllm/bin/python -m pytest -q -rs -p no:cacheprovider -p no:warnings) 2>&1 | tee "$eelog"
+  ee_rc=${PIPESTATUS[0]}
+  set -e
+  tally_pytest "$eelog" "$ee_rc" "$MIN_ENGINE_EVENTS" "engine events"
+  ee_passed=$part_passed ee_failed=$part_failed ee_skipped=$part_skipped ee_why=$part_why
+else
+  echo "test: vLLM 0.33.0's kv_events.py could not be fetched, or vLLM is missing (output above): the engine event tests cannot run" >&2
+  ee_failed=1
 fi
 
 vm_passed=0; vm_failed=0; vm_skipped=0
