@@ -536,3 +536,36 @@ fn unknown_positional_fields_round_trip_in_the_legacy_encoding() {
     encode_batch(&d.batch, Encoding::Legacy, &mut again);
     assert_eq!(again, payload);
 }
+
+#[test]
+fn a_second_type_key_is_refused_and_kvlink_places_take_unknown_values() {
+    // {"type": "AllBlocksCleared", "block_hashes": [1], "type": "BlockRemoved"}: refused alone.
+    let mut ev = Vec::new();
+    w::write_map_len(&mut ev, 3).unwrap();
+    w::write_str(&mut ev, "type").unwrap();
+    w::write_str(&mut ev, "AllBlocksCleared").unwrap();
+    w::write_str(&mut ev, "block_hashes").unwrap();
+    w::write_array_len(&mut ev, 1).unwrap();
+    w::write_uint(&mut ev, 1).unwrap();
+    w::write_str(&mut ev, "type").unwrap();
+    w::write_str(&mut ev, "BlockRemoved").unwrap();
+    let d = decode_batch(&one_event_batch(&ev)).unwrap();
+    assert!(d.batch.events.is_empty());
+    assert!(d.skipped[0].contains("second \"type\""), "{:?}", d.skipped);
+    // A positional unknown field at one of kvlink's places (13: locality) round-trips while
+    // locality is unset.
+    assert_eq!(KvEvent::first_extra_position("BlockStored"), 13);
+    assert_eq!(KvEvent::first_extra_position("BlockRemoved"), 4);
+    let e = KvEvent::BlockStored(BlockStored {
+        block_hashes: vec![BlockHash::U64(1)],
+        extra: vec![ExtraField {
+            key: FieldKey::Position(13),
+            value: Value::UInt(7),
+        }],
+        ..Default::default()
+    });
+    let mut out = Vec::new();
+    encode_event(&e, Encoding::Legacy, &mut out);
+    let d = decode_batch(&one_event_batch(&out)).unwrap();
+    assert_eq!(d.batch.events, vec![e]);
+}

@@ -68,6 +68,9 @@ pub struct MergerConfig {
     /// Events held per TP group waiting for the other workers (beyond it the oldest is
     /// dropped and counted).
     pub tp_max_pending: usize,
+    /// Bytes (of their encoding) of the events held per TP group (beyond it the oldest is
+    /// dropped and counted).
+    pub tp_max_pending_bytes: usize,
 }
 
 impl MergerConfig {
@@ -82,6 +85,7 @@ impl MergerConfig {
             keep_input_topics: false,
             tp_size: 1,
             tp_max_pending: 100_000,
+            tp_max_pending_bytes: 256 << 20,
         }
     }
 }
@@ -139,7 +143,18 @@ impl Merger {
         }
         let groups: Arc<Vec<Mutex<TpAggregator>>> = Arc::new(
             (0..cfg.inputs.len() / tp)
-                .map(|_| Mutex::new(TpAggregator::new(tp, cfg.tp_max_pending)))
+                .map(|_| {
+                    Mutex::new(TpAggregator::new(
+                        tp,
+                        cfg.tp_max_pending,
+                        cfg.tp_max_pending_bytes,
+                    ))
+                })
+                .collect(),
+        );
+        let send_order: Arc<Vec<tokio::sync::Mutex<()>>> = Arc::new(
+            (0..groups.len())
+                .map(|_| tokio::sync::Mutex::new(()))
                 .collect(),
         );
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -178,6 +193,7 @@ impl Merger {
                     publisher.clone(),
                     inputs.clone(),
                     groups.clone(),
+                    send_order.clone(),
                 ))
             })
             .collect();
@@ -245,10 +261,12 @@ async fn run_input(
     out: Arc<Publisher>,
     stats: Arc<Vec<Mutex<InputStats>>>,
     groups: Arc<Vec<Mutex<TpAggregator>>>,
+    send_order: Arc<Vec<tokio::sync::Mutex<()>>>,
 ) {
     let st = &stats[index];
     let tp = cfg.tp_size.max(1);
     let (group, tp_rank) = (&groups[index / tp], index % tp);
+    let order = &send_order[index / tp];
     let mut dp_rank = input.dp_rank;
     let mut backoff = Duration::from_millis(100);
     let encode = |b: &EventBatch, enc: Encoding| {
@@ -285,6 +303,9 @@ async fn run_input(
                     break;
                 }
             };
+            // With the TP rule, a group's events go out in the order they completed: the
+            // group's send lock is held from the aggregation until the batch is queued.
+            let mut in_order = None;
             let payload = match item {
                 SubItem::Batch {
                     seq,
@@ -306,6 +327,7 @@ async fn run_input(
                     if tp > 1 {
                         // Only what every TP worker of the group emitted goes out.
                         let events = std::mem::take(&mut batch.events);
+                        in_order = Some(order.lock().await);
                         batch.events = group.lock().add(tp_rank, events);
                         if batch.events.is_empty() {
                             continue;
@@ -352,6 +374,7 @@ async fn run_input(
                 st.lock().dropped += 1;
                 tracing::warn!(input = %input.endpoint, "merged batch dropped: {e}");
             }
+            drop(in_order);
         }
         st.lock().connected = false;
     }

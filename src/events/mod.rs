@@ -33,7 +33,8 @@ pub use subscriber::{SubItem, Subscriber, SubscriberConfig, SubscriberStats};
 pub use wire::{
     decode_batch, encode_batch, encode_event, BatchError, BlockHash, BlockRemoved, BlockStored,
     BlockTransferred, Decoded, Encoding, EventBatch, ExtraField, FieldKey, KvEvent, Value,
-    CLEARED_LEGACY_ORDER, REMOVED_LEGACY_ORDER, STORED_LEGACY_ORDER, TRANSFERRED_LEGACY_ORDER,
+    CLEARED_LEGACY_ORDER, MAX_EXTRA_POSITION, REMOVED_LEGACY_ORDER, STORED_LEGACY_ORDER,
+    TRANSFERRED_LEGACY_ORDER,
 };
 
 /// The topic of llm-d's convention, `kv@<pod>@<model>`, which its indexer subscribes to by the

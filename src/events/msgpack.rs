@@ -7,6 +7,11 @@ use std::fmt;
 /// Deepest nesting accepted.
 pub const MAX_DEPTH: usize = 32;
 
+/// Most items reserved ahead for a container: a length only says how many items may follow (at
+/// one byte each), while each costs far more in memory, so vectors start at most this large and
+/// grow with what actually arrives.
+pub(crate) const MAX_RESERVE: usize = 1024;
+
 /// A decoded msgpack value.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Value {
@@ -304,14 +309,14 @@ impl<'a> Cursor<'a> {
             Token::Ext(t, d) => Value::Ext(t, d.to_vec()),
             // Lengths were checked against the bytes left by `token`.
             Token::Array(n) => {
-                let mut v = Vec::with_capacity(n);
+                let mut v = Vec::with_capacity(n.min(MAX_RESERVE));
                 for _ in 0..n {
                     v.push(self.value(depth + 1)?);
                 }
                 Value::Array(v)
             }
             Token::Map(n) => {
-                let mut v = Vec::with_capacity(n);
+                let mut v = Vec::with_capacity(n.min(MAX_RESERVE));
                 for _ in 0..n {
                     let k = self.value(depth + 1)?;
                     v.push((k, self.value(depth + 1)?));

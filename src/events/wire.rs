@@ -65,6 +65,9 @@ pub(crate) const STORED_LEGACY_ALWAYS: usize = 11;
 /// BlockStored's legacy places defined upstream (vLLM's eleven and ATOM's `token_offset`);
 /// the later ones are kvlink's.
 pub(crate) const STORED_LEGACY_UPSTREAM: usize = 12;
+/// The highest legacy array position of a field kvlink does not model that it accepts from JSON
+/// or Python (decoded events keep whatever positions their arrays had).
+pub const MAX_EXTRA_POSITION: usize = 1024;
 /// BlockRemoved's legacy places defined upstream (vLLM's three).
 pub(crate) const REMOVED_LEGACY_UPSTREAM: usize = 3;
 /// BlockRemoved's fields in the legacy encoding, after the tag: vLLM's three (always written),
@@ -254,6 +257,18 @@ impl KvEvent {
             KvEvent::BlockRemoved(e) => &e.extra,
             KvEvent::AllBlocksCleared { extra, .. } => extra,
             KvEvent::BlockTransferred(e) => &e.extra,
+        }
+    }
+
+    /// The first legacy array position a field kvlink does not model may take in an event of
+    /// type `ty`: past the places defined upstream. (kvlink's own later places may hold such a
+    /// field too; it is written there only while kvlink's field is unset.)
+    pub fn first_extra_position(ty: &str) -> usize {
+        1 + match ty {
+            "BlockStored" => STORED_LEGACY_UPSTREAM,
+            "BlockRemoved" => REMOVED_LEGACY_UPSTREAM,
+            "AllBlocksCleared" => CLEARED_LEGACY_ORDER.len(),
+            _ => TRANSFERRED_LEGACY_ORDER.len(),
         }
     }
 

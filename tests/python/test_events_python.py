@@ -304,7 +304,7 @@ def test_merger_keeps_topics_and_applies_the_tp_rule(cleanup):
     p0 = cleanup(Publisher(bound(w0), topic="kv@pod-0@llama"))
     p1 = cleanup(Publisher(bound(w1), topic="kv@pod-0@llama"))
     m = cleanup(Merger([(w0, None), (w1, None)], bound(out), keep_topics=True, tp_size=2,
-                       topic="kv@"))
+                       input_topic="kv@"))
     sub = Subscriber(out)
     deadline = time.monotonic() + 15
     while not all(i["connected"] for i in m.stats()["inputs"]):

@@ -1,7 +1,7 @@
 //! Decoding of event batches: one pass over the bounded msgpack reader, both encodings, a bad
 //! event skipped on its own.
 
-use crate::events::msgpack::{self, Cursor, Token};
+use crate::events::msgpack::{self, Cursor, Token, MAX_RESERVE};
 
 use super::{
     BatchError, BlockHash, BlockRemoved, BlockStored, BlockTransferred, Decoded, Encoding,
@@ -96,7 +96,7 @@ fn opt<T>(
 fn hashes(c: &mut Cursor<'_>, name: &str) -> Result<Vec<BlockHash>, String> {
     match c.token().map_err(malformed)? {
         Token::Array(n) => {
-            let mut v = Vec::with_capacity(n);
+            let mut v = Vec::with_capacity(n.min(MAX_RESERVE));
             for _ in 0..n {
                 v.push(
                     hash(c.token().map_err(malformed)?)
@@ -114,7 +114,7 @@ fn hashes(c: &mut Cursor<'_>, name: &str) -> Result<Vec<BlockHash>, String> {
 fn token_list(c: &mut Cursor<'_>, name: &str) -> Result<Option<Vec<u32>>, String> {
     match c.token().map_err(malformed)? {
         Token::Array(n) => {
-            let mut v = Vec::with_capacity(n);
+            let mut v = Vec::with_capacity(n); // at most 4 bytes per byte that arrived
             while v.len() < n {
                 if c.small_uints(n - v.len(), &mut v) == 0 {
                     // Anything else is an error, however it is spelled.
@@ -256,6 +256,7 @@ fn field<'a>(
         }
     };
     match f {
+        F::Type if raw.ty.is_some() => return Err("a second \"type\" in one event".into()),
         F::Type => match c.token().map_err(malformed)? {
             Token::Str(t) => {
                 raw.ty = Some(t);
@@ -288,7 +289,7 @@ fn field<'a>(
         F::LookaheadTokenIds => {
             raw.lookahead_token_ids = match c.token().map_err(malformed)? {
                 Token::Array(n) => {
-                    let mut v = Vec::with_capacity(n);
+                    let mut v = Vec::with_capacity(n.min(MAX_RESERVE));
                     for _ in 0..n {
                         v.push(token_list(c, "lookahead_token_ids")?.unwrap_or_default());
                     }
@@ -465,7 +466,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<Decoded, BatchError> {
     let Token::Array(count) = c.token().map_err(bad)? else {
         return Err(BatchError("the batch's events are not an array".into()));
     };
-    let mut events = Vec::with_capacity(count);
+    let mut events = Vec::with_capacity(count.min(MAX_RESERVE));
     let mut skipped = Vec::new();
     let mut encoding = None;
     for i in 0..count {

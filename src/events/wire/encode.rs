@@ -193,7 +193,7 @@ fn legacy_len(known: usize, extra: &[ExtraField]) -> usize {
     extra
         .iter()
         .filter_map(|f| match f.key {
-            FieldKey::Position(p) => Some(p + 1),
+            FieldKey::Position(p) => Some(p.saturating_add(1)),
             FieldKey::Name(_) => None,
         })
         .fold(known, usize::max)

@@ -5,8 +5,7 @@
 
 use kvlink::events::{
     BlockHash, BlockRemoved, BlockStored, BlockTransferred, EventBatch, ExtraField, FieldKey,
-    KvEvent, Resync, Value as MpValue, CLEARED_LEGACY_ORDER, REMOVED_LEGACY_ORDER,
-    STORED_LEGACY_ORDER, TRANSFERRED_LEGACY_ORDER,
+    KvEvent, Resync, Value as MpValue, MAX_EXTRA_POSITION,
 };
 use serde_json::{json, Map, Value};
 
@@ -298,30 +297,21 @@ fn tokens(v: &Value) -> Result<Vec<u32>, String> {
 
 /// The fields of `m` kvlink does not model for type `ty`, in order.
 fn parse_extra(ty: &str, m: &Map<String, Value>) -> Result<Vec<ExtraField>, String> {
-    let known = match ty {
-        "BlockStored" => STORED_LEGACY_ORDER.len(),
-        "BlockRemoved" => REMOVED_LEGACY_ORDER.len(),
-        "AllBlocksCleared" => CLEARED_LEGACY_ORDER.len(),
-        _ => TRANSFERRED_LEGACY_ORDER.len(),
-    };
+    let first = KvEvent::first_extra_position(ty);
     let mut out = Vec::new();
     for (k, v) in m {
         if KvEvent::known_field(ty, k) {
             continue;
         }
         let key = match k.strip_prefix('@') {
-            Some(p) => {
-                let p: usize = p
-                    .parse()
-                    .map_err(|_| format!("bad positional field {k:?}"))?;
-                if p <= known {
+            Some(p) => match p.parse::<usize>() {
+                Ok(p) if (first..=MAX_EXTRA_POSITION).contains(&p) => FieldKey::Position(p),
+                _ => {
                     return Err(format!(
-                        "positional field {k:?} is a known field's place (extras start at @{})",
-                        known + 1
-                    ));
+                    "positional field {k:?}: \"@<index>\" from @{first} to @{MAX_EXTRA_POSITION}"
+                ))
                 }
-                FieldKey::Position(p)
-            }
+            },
             None => FieldKey::Name(k.clone()),
         };
         out.push(ExtraField {
@@ -484,5 +474,8 @@ mod tests {
         assert!(back.contains("1795255560.1496913"), "{back}");
         assert_eq!(parse_batch(&back).unwrap(), b);
         assert!(parse_batch(r#"{"events": [{"type": "BlockRemoved", "@2": 1}]}"#).is_err());
+        assert!(parse_batch(r#"{"events": [{"type": "BlockRemoved", "@4": 1}]}"#).is_ok());
+        assert!(parse_batch(r#"{"events": [{"type": "BlockStored", "@13": 1}]}"#).is_ok());
+        assert!(parse_batch(r#"{"events": [{"type": "BlockStored", "@5000000000": 1}]}"#).is_err());
     }
 }

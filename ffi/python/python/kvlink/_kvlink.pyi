@@ -244,6 +244,7 @@ class EventMerger:
         replay_endpoint: Optional[str] = None,
         topic: str = "",
         encoding: str = "current",
+        input_topic: str = "",
         keep_topics: bool = False,
         tp_size: int = 1,
     ) -> None: ...

@@ -4,7 +4,7 @@
 
 use kvlink_core::events::{
     BlockHash, BlockRemoved, BlockStored, BlockTransferred, ExtraField, FieldKey, KvEvent, Value,
-    CLEARED_LEGACY_ORDER, REMOVED_LEGACY_ORDER, STORED_LEGACY_ORDER, TRANSFERRED_LEGACY_ORDER,
+    MAX_EXTRA_POSITION,
 };
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -176,12 +176,7 @@ pub(crate) fn value_from_py(v: &Bound<'_, PyAny>, depth: usize) -> PyResult<Valu
 /// fields (msgspec's `__struct_fields__`, a dataclass's fields) that are not None.
 fn extra_fields(ev: &Bound<'_, PyAny>, ty: &str) -> PyResult<Vec<ExtraField>> {
     let py = ev.py();
-    let known = match ty {
-        "BlockStored" => STORED_LEGACY_ORDER.len(),
-        "BlockRemoved" => REMOVED_LEGACY_ORDER.len(),
-        "AllBlocksCleared" => CLEARED_LEGACY_ORDER.len(),
-        _ => TRANSFERRED_LEGACY_ORDER.len(),
-    };
+    let first = KvEvent::first_extra_position(ty);
     let mut out = Vec::new();
     let mut add = |name: String, v: Bound<'_, PyAny>| -> PyResult<()> {
         if KvEvent::known_field(ty, &name) {
@@ -189,11 +184,10 @@ fn extra_fields(ev: &Bound<'_, PyAny>, ty: &str) -> PyResult<Vec<ExtraField>> {
         }
         let key = match name.strip_prefix('@') {
             Some(p) => match p.parse::<usize>() {
-                Ok(p) if p > known => FieldKey::Position(p),
+                Ok(p) if (first..=MAX_EXTRA_POSITION).contains(&p) => FieldKey::Position(p),
                 _ => {
                     return Err(InvalidArgument::new_err(format!(
-                        "event field {name:?}: a positional field is \"@<index>\" past the known ones (from @{})",
-                        known + 1
+                        "event field {name:?}: a positional field is \"@<index>\" from @{first} to @{MAX_EXTRA_POSITION}"
                     )))
                 }
             },
@@ -321,8 +315,8 @@ fn hashes_to_py<'py>(py: Python<'py>, hs: &[BlockHash]) -> PyResult<Bound<'py, P
     Ok(l)
 }
 
-/// A msgpack value as Python: the inverse of [`value_from_py`] (arrays as lists, except as
-/// dict keys, where they become tuples).
+/// A msgpack value as Python: the inverse of [`value_from_py`] (arrays as lists, except inside
+/// dict keys, where they become tuples, and maps there become tuples of pairs).
 pub(crate) fn value_to_py(py: Python<'_>, v: &Value) -> PyResult<PyObject> {
     value_to_py_as(py, v, false)
 }
@@ -356,6 +350,19 @@ fn value_to_py_as(py: Python<'_>, v: &Value, key: bool) -> PyResult<PyObject> {
             } else {
                 PyList::new(py, items)?.into_any().unbind()
             }
+        }
+        // A map as a dict key (not hashable): a tuple of (key, value) pairs.
+        Value::Map(pairs) if key => {
+            let items = pairs
+                .iter()
+                .map(|(k, v)| {
+                    PyTuple::new(
+                        py,
+                        [value_to_py_as(py, k, true)?, value_to_py_as(py, v, true)?],
+                    )
+                })
+                .collect::<PyResult<Vec<_>>>()?;
+            PyTuple::new(py, items)?.into_any().unbind()
         }
         Value::Map(pairs) => {
             let d = PyDict::new(py);

@@ -391,10 +391,12 @@ impl EventSubscriber {
 /// stream of its own, renumbered, with its own replay.
 ///
 /// EventMerger(inputs, endpoint="tcp://*:5557", *, replay_endpoint=None, topic="",
-/// encoding="current", keep_topics=False, tp_size=1) where `inputs` is a list of
-/// `(endpoint, replay_endpoint or None)`. `keep_topics` publishes each batch under its input's
-/// topic (llm-d's `kv@<pod>@<model>`); `tp_size` > 1 applies vLLM's TP rule: inputs come in
-/// groups of `tp_size` TP workers, and an event goes out once all of them emitted it.
+/// encoding="current", input_topic="", keep_topics=False, tp_size=1) where `inputs` is a list
+/// of `(endpoint, replay_endpoint or None)`. `topic` is the merged stream's topic frame,
+/// `input_topic` the prefix subscribed to on the inputs; `keep_topics` publishes each batch
+/// under its input's topic instead (llm-d's `kv@<pod>@<model>`); `tp_size` > 1 applies vLLM's
+/// TP rule: inputs come in groups of `tp_size` TP workers, and an event goes out once all of
+/// them emitted it.
 #[pyclass(module = "kvlink", frozen)]
 pub(crate) struct EventMerger {
     inner: Mutex<Option<Merger>>,
@@ -406,7 +408,7 @@ pub(crate) struct EventMerger {
 impl EventMerger {
     #[new]
     #[pyo3(signature = (inputs, endpoint = "tcp://*:5557", *, replay_endpoint = None, topic = "",
-        encoding = "current", keep_topics = false, tp_size = 1))]
+        encoding = "current", input_topic = "", keep_topics = false, tp_size = 1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -415,6 +417,7 @@ impl EventMerger {
         replay_endpoint: Option<String>,
         topic: &str,
         encoding: &str,
+        input_topic: &str,
         keep_topics: bool,
         tp_size: usize,
     ) -> PyResult<Self> {
@@ -439,7 +442,7 @@ impl EventMerger {
             })
             .collect();
         let cfg = MergerConfig {
-            topic: topic.to_string(),
+            topic: input_topic.to_string(),
             keep_input_topics: keep_topics,
             tp_size,
             ..MergerConfig::new(inputs, output)
