@@ -69,11 +69,6 @@ impl TpAggregator {
         }
     }
 
-    /// Workers aggregated.
-    pub fn tp_size(&self) -> usize {
-        self.tp_size
-    }
-
     /// Counters so far.
     pub fn stats(&self) -> TpStats {
         TpStats {

@@ -114,6 +114,7 @@ pub struct Merger {
     publisher: Arc<Publisher>,
     inputs: Arc<Vec<Mutex<InputStats>>>,
     groups: Arc<Vec<Mutex<TpAggregator>>>,
+    tp_size: usize,
     tasks: Vec<JoinHandle<()>>,
     runtime: Option<Runtime>,
 }
@@ -201,6 +202,7 @@ impl Merger {
             publisher,
             inputs,
             groups,
+            tp_size: tp,
             tasks,
             runtime: Some(runtime),
         })
@@ -218,7 +220,7 @@ impl Merger {
 
     /// With the TP rule on: each data-parallel group's counters (empty when `tp_size` is 1).
     pub fn tp_stats(&self) -> Vec<TpStats> {
-        if self.groups.iter().all(|g| g.lock().tp_size() == 1) {
+        if self.tp_size == 1 {
             return Vec::new();
         }
         self.groups.iter().map(|g| g.lock().stats()).collect()

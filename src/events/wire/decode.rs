@@ -511,3 +511,32 @@ pub fn decode_batch(payload: &[u8]) -> Result<Decoded, BatchError> {
         skipped,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::events::KvEvent;
+
+    /// The decoder's per-type field masks say the same as the field lists the encoders, the
+    /// JSON and the Python API use.
+    #[test]
+    fn field_masks_match_the_field_lists() {
+        let names = STORED_LEGACY_ORDER
+            .iter()
+            .chain(&REMOVED_LEGACY_ORDER)
+            .chain(&TRANSFERRED_LEGACY_ORDER)
+            .chain(&["type", "not_a_field"]);
+        for ty in [
+            "BlockStored",
+            "BlockRemoved",
+            "AllBlocksCleared",
+            "BlockTransferred",
+        ] {
+            for name in names.clone() {
+                let in_mask =
+                    F::of(name.as_bytes()).is_some_and(|f| fields_of(ty.as_bytes()) & f.bit() != 0);
+                assert_eq!(in_mask, KvEvent::known_field(ty, name), "{ty}.{name}");
+            }
+        }
+    }
+}

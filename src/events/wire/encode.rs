@@ -15,19 +15,16 @@ fn nil(out: &mut Vec<u8>) {
 /// An unsigned integer in msgpack's shortest form (the hot path: token ids and hashes).
 #[inline]
 fn put_u64(out: &mut Vec<u8>, v: u64) {
-    if v < 0x80 {
-        out.push(v as u8);
-    } else if v <= 0xff {
-        out.extend_from_slice(&[0xcc, v as u8]);
-    } else if v <= 0xffff {
-        let b = (v as u16).to_be_bytes();
-        out.extend_from_slice(&[0xcd, b[0], b[1]]);
-    } else if v <= 0xffff_ffff {
-        let b = (v as u32).to_be_bytes();
-        out.extend_from_slice(&[0xce, b[0], b[1], b[2], b[3]]);
-    } else {
-        out.push(0xcf);
-        out.extend_from_slice(&v.to_be_bytes());
+    match u32::try_from(v) {
+        Ok(v) => {
+            let mut b = [0u8; 5];
+            let n = put_u32_at(&mut b, v);
+            out.extend_from_slice(&b[..n]);
+        }
+        Err(_) => {
+            out.push(0xcf);
+            out.extend_from_slice(&v.to_be_bytes());
+        }
     }
 }
 
@@ -95,7 +92,7 @@ fn put_field_uint(out: &mut Vec<u8>, k: &str, v: Option<u64>) {
 fn put_field_str(out: &mut Vec<u8>, k: &str, v: &Option<String>) {
     if let Some(v) = v {
         put_key(out, k);
-        let _ = w::write_str(out, v);
+        put_str(out, v);
     }
 }
 

@@ -178,10 +178,8 @@ fn extra_fields(ev: &Bound<'_, PyAny>, ty: &str) -> PyResult<Vec<ExtraField>> {
     let py = ev.py();
     let first = KvEvent::first_extra_position(ty);
     let mut out = Vec::new();
+    // Called for the names kvlink does not model only.
     let mut add = |name: String, v: Bound<'_, PyAny>| -> PyResult<()> {
-        if KvEvent::known_field(ty, &name) {
-            return Ok(());
-        }
         let key = match name.strip_prefix('@') {
             Some(p) => match p.parse::<usize>() {
                 Ok(p) if (first..=MAX_EXTRA_POSITION).contains(&p) => FieldKey::Position(p),

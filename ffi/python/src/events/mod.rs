@@ -283,8 +283,8 @@ fn pub_stats(py: Python<'_>, s: kvlink_core::events::PublisherStats) -> PyResult
 /// EventSubscriber(endpoint, *, replay_endpoint=None, topic="", replay_timeout=2.0,
 /// connect_timeout=10.0, start_from=None, max_buffered=10000)
 ///
-/// `next(timeout)` returns one item or None: `{"kind": "batch", "seq", "ts", "dp_rank",
-/// "events", "skipped"}`, `{"kind": "malformed", "seq", "reason"}` or `{"kind": "resync",
+/// `next(timeout)` returns one item or None: `{"kind": "batch", "seq", "topic", "ts",
+/// "dp_rank", "events", "skipped"}`, `{"kind": "malformed", "seq", "reason"}` or `{"kind": "resync",
 /// "reason": "publisher_restart", "last", "now"}` / `{"kind": "resync", "reason":
 /// "history_lost", "from", "resumed"}`, or `{"kind": "gap_filled", "from", "through"}` once a
 /// replay recovered everything it was asked for. Iterating yields items as they come.
