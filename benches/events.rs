@@ -9,12 +9,15 @@ use kvlink::events::{
     PublisherConfig, SubItem, Subscriber, SubscriberConfig,
 };
 
-/// One scheduler step: 64 requests storing 4,096 tokens each, split into 16-token pages.
+/// One scheduler step: 64 requests storing 4,096 tokens each, split into 16-token pages. Token
+/// ids spread over a 150,000-token vocabulary, as real ones do (their msgpack forms vary).
 fn batch() -> EventBatch {
     let s = PageSplitter::new(16, PageHash::VllmU64);
     let mut events = Vec::new();
     for r in 0..64u32 {
-        let tokens: Vec<u32> = (0..4096).map(|t| t ^ r).collect();
+        let tokens: Vec<u32> = (0..4096)
+            .map(|t| (t * 7919 + r * 104_729) % 150_000)
+            .collect();
         events.extend(
             s.split(None, &tokens, 0, Some("GPU"))
                 .events

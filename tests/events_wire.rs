@@ -309,6 +309,43 @@ proptest! {
         }
         let _ = decode_batch(&buf);
     }
+
+    /// Token ids of every size: written in msgpack's shortest form (as rmp and msgspec write
+    /// them) and read back, in both encodings, however many follow in the batch.
+    #[test]
+    fn token_ids_use_the_shortest_form(
+        tokens in prop::collection::vec(
+            prop_oneof![
+                0u32..0x100,
+                0x80u32..0x1_0000,
+                0u32..150_000,
+                any::<u32>(),
+                Just(u32::MAX),
+            ],
+            0..300,
+        ),
+        enc in 0..2u8,
+    ) {
+        let enc = if enc == 0 { Encoding::Current } else { Encoding::Legacy };
+        let batch = EventBatch {
+            ts: 1.0,
+            events: vec![KvEvent::BlockStored(BlockStored {
+                block_hashes: vec![BlockHash::U64(1)],
+                token_ids: tokens.clone(),
+                ..Default::default()
+            })],
+            dp_rank: None,
+        };
+        let mut buf = Vec::new();
+        encode_batch(&batch, enc, &mut buf);
+        let mut expected = Vec::new();
+        w::write_array_len(&mut expected, tokens.len() as u32).unwrap();
+        for &t in &tokens {
+            w::write_uint(&mut expected, u64::from(t)).unwrap();
+        }
+        prop_assert!(buf.windows(expected.len()).any(|w| w == expected));
+        prop_assert_eq!(decode_batch(&buf).unwrap().batch, batch);
+    }
 }
 
 /// msgpack of `['BlockStored', [1], None, [1], 16, None, 'GPU', None, None, None, None, None]`,

@@ -23,6 +23,7 @@
 //! the frame guard ([`super::guard`]) so that no network peer reaches the `zeromq` crate's
 //! unbounded frame buffering.
 
+mod pool;
 mod queue;
 mod replay;
 mod sockets;
@@ -44,6 +45,7 @@ use super::sequence::ReplayRing;
 use super::wire::{encode_batch, Encoding, EventBatch};
 use super::EventsError;
 
+use pool::BufferPool;
 use queue::publish_loop;
 use replay::serve_replay;
 use sockets::attach;
@@ -185,6 +187,8 @@ pub struct Publisher {
     encoding: Encoding,
     /// The last payload's size, to size the next one's buffer.
     size_hint: AtomicUsize,
+    /// Payload buffers for reuse.
+    buffers: Arc<BufferPool>,
     endpoint: String,
     replay_endpoint: Option<String>,
     tasks: Vec<JoinHandle<()>>,
@@ -299,6 +303,7 @@ impl Publisher {
             shared,
             encoding: cfg.encoding,
             size_hint: AtomicUsize::new(4096),
+            buffers: Arc::default(),
             endpoint,
             replay_endpoint,
             tasks,
@@ -340,10 +345,10 @@ impl Publisher {
     }
 
     fn encode(&self, batch: &EventBatch) -> Bytes {
-        let mut v = Vec::with_capacity(self.size_hint.load(Ordering::Relaxed));
+        let mut v = self.buffers.take(self.size_hint.load(Ordering::Relaxed));
         encode_batch(batch, self.encoding, &mut v);
         self.size_hint.store(v.len(), Ordering::Relaxed);
-        Bytes::from(v)
+        self.buffers.payload(v)
     }
 
     /// Queues a batch, waiting up to `timeout` for room in the queue.

@@ -1,40 +1,28 @@
 //! Decoding of event batches: one pass over the bounded msgpack reader, both encodings, a bad
 //! event skipped on its own.
 
+use std::mem::take;
+
 use crate::events::msgpack::{self, Cursor, Token, MAX_RESERVE};
 
 use super::{
     BatchError, BlockHash, BlockRemoved, BlockStored, BlockTransferred, Decoded, Encoding,
-    EventBatch, ExtraField, FieldKey, KvEvent, Value, CLEARED_LEGACY_ORDER, REMOVED_LEGACY_ORDER,
-    REMOVED_LEGACY_UPSTREAM, STORED_LEGACY_ORDER, STORED_LEGACY_UPSTREAM, TRANSFERRED_LEGACY_ORDER,
+    EventBatch, ExtraField, FieldKey, KvEvent, REMOVED_LEGACY_UPSTREAM, STORED_LEGACY_UPSTREAM,
 };
 
-/// An event's fields as read, whichever encoding carried them.
-#[derive(Default)]
-struct Raw<'a> {
+/// An event's fields as read, whichever encoding carried them: a BlockStored (the most common
+/// event, and the one with most fields) is built in its slot of the batch; the other types take
+/// their fields from it.
+struct Raw<'a, 's> {
     ty: Option<&'a [u8]>,
-    /// The fields of `ty` ([`fields_of`]; all while it is not known yet).
+    /// The fields of `ty` ([`type_of`]; all while it is not known yet).
     fields: u32,
-    block_hashes: Vec<BlockHash>,
-    parent_block_hash: Option<BlockHash>,
-    token_ids: Vec<u32>,
-    block_size: Option<u32>,
-    lora_id: Option<i64>,
-    medium: Option<String>,
-    lora_name: Option<String>,
-    group_idx: Option<u32>,
-    kv_cache_spec_kind: Option<String>,
-    kv_cache_spec_sliding_window: Option<u32>,
-    token_offset: Option<u64>,
+    /// The fields of `ty` in the order encoders write them.
+    order: &'static [F],
+    /// The event's slot in the batch, filled where it lies (no 400-byte moves per event).
+    stored: &'s mut BlockStored,
     from_medium: Option<String>,
     to_medium: Option<String>,
-    extra_keys: Option<Value>,
-    locality: Option<String>,
-    ownership: Option<String>,
-    session_id: Option<String>,
-    lookahead_token_ids: Option<Vec<Vec<u32>>>,
-    cache_salt: Option<String>,
-    extra: Vec<ExtraField>,
 }
 
 fn hash(t: Token<'_>) -> Option<BlockHash> {
@@ -48,9 +36,49 @@ fn hash(t: Token<'_>) -> Option<BlockHash> {
 
 fn string(t: Token<'_>) -> Option<String> {
     match t {
-        Token::Str(s) => Some(String::from_utf8_lossy(s).into_owned()),
+        Token::Str(s) => Some(owned(s)),
         _ => None,
     }
+}
+
+/// A string value (invalid UTF-8 replaced).
+fn owned(s: &[u8]) -> String {
+    match std::str::from_utf8(s) {
+        Ok(s) => s.to_owned(),
+        Err(_) => String::from_utf8_lossy(s).into_owned(),
+    }
+}
+
+/// An optional string field: nil is unset, any other type than a string is an error.
+#[inline(always)]
+fn opt_str(c: &mut Cursor<'_>, name: &str) -> Result<Option<String>, String> {
+    match c.short_str() {
+        Some(s) => Ok(Some(owned(s))),
+        None => opt(c, name, string),
+    }
+}
+
+/// Whether a map key equals a field name: short keys compared a word at a time inline rather
+/// than through a call to `memcmp`.
+#[inline(always)]
+fn same_key(k: &[u8], name: &[u8]) -> bool {
+    if k.len() != name.len() {
+        return false;
+    }
+    let n = k.len();
+    if n < 8 {
+        return k == name;
+    }
+    let word = |b: &[u8], at: usize| u64::from_ne_bytes(b[at..at + 8].try_into().expect("8"));
+    let mut i = 0;
+    while i + 8 < n {
+        if word(k, i) != word(name, i) {
+            return false;
+        }
+        i += 8;
+    }
+    // The last (possibly overlapping) word.
+    word(k, n - 8) == word(name, n - 8)
 }
 
 fn u32_of(t: Token<'_>) -> Option<u32> {
@@ -80,11 +108,15 @@ fn malformed(e: msgpack::DecodeError) -> String {
 }
 
 /// An optional field: nil is unset, any other type than `conv` takes is an error.
+#[inline(always)]
 fn opt<T>(
     c: &mut Cursor<'_>,
     name: &str,
-    conv: fn(Token<'_>) -> Option<T>,
+    conv: impl FnOnce(Token<'_>) -> Option<T>,
 ) -> Result<Option<T>, String> {
+    if c.nil() {
+        return Ok(None);
+    }
     match c.token().map_err(malformed)? {
         Token::Nil => Ok(None),
         t => conv(t)
@@ -197,8 +229,10 @@ const fn mask(fields: &[F]) -> u32 {
     m
 }
 
-/// The fields each event type has (the others are kept as unknown fields).
-const STORED_FIELDS: u32 = mask(&[
+/// Field orders as the encoders write them (vLLM's declaration order), for the key a map event
+/// most likely has next; the legacy encoding's places. The fields of a type not listed are kept
+/// as unknown fields.
+const STORED_ORDER: [F; 17] = [
     F::BlockHashes,
     F::ParentBlockHash,
     F::TokenIds,
@@ -216,78 +250,116 @@ const STORED_FIELDS: u32 = mask(&[
     F::SessionId,
     F::LookaheadTokenIds,
     F::CacheSalt,
-]);
-const REMOVED_FIELDS: u32 = mask(&[
+];
+const REMOVED_ORDER: [F; 5] = [
     F::BlockHashes,
     F::Medium,
     F::GroupIdx,
     F::Locality,
     F::Ownership,
-]);
-const CLEARED_FIELDS: u32 = mask(&[F::Medium]);
-const TRANSFERRED_FIELDS: u32 = mask(&[F::BlockHashes, F::FromMedium, F::ToMedium, F::GroupIdx]);
+];
+const CLEARED_ORDER: [F; 1] = [F::Medium];
+const TRANSFERRED_ORDER: [F; 4] = [F::BlockHashes, F::FromMedium, F::ToMedium, F::GroupIdx];
 
-/// The fields of event type `ty` (every one while the type is unknown: such an event is refused
-/// anyway).
-fn fields_of(ty: &[u8]) -> u32 {
-    match ty {
-        b"BlockStored" => STORED_FIELDS,
-        b"BlockRemoved" => REMOVED_FIELDS,
-        b"AllBlocksCleared" => CLEARED_FIELDS,
-        b"BlockTransferred" => TRANSFERRED_FIELDS,
-        _ => u32::MAX,
+/// Each event type: its tag, its fields in order, and their mask.
+const TYPES: [(&str, &[F], u32); 4] = [
+    ("BlockStored", &STORED_ORDER, mask(&STORED_ORDER)),
+    ("BlockRemoved", &REMOVED_ORDER, mask(&REMOVED_ORDER)),
+    ("AllBlocksCleared", &CLEARED_ORDER, mask(&CLEARED_ORDER)),
+    (
+        "BlockTransferred",
+        &TRANSFERRED_ORDER,
+        mask(&TRANSFERRED_ORDER),
+    ),
+];
+
+/// The fields of event type `ty`, as a mask and in order (every field and none while the type
+/// is unknown: such an event is refused anyway).
+fn type_of(ty: &[u8]) -> (u32, &'static [F]) {
+    for (name, order, fields) in TYPES {
+        if same_key(ty, name.as_bytes()) {
+            return (fields, order);
+        }
+    }
+    (u32::MAX, &[])
+}
+
+impl F {
+    /// The field's wire name.
+    fn name(self) -> &'static str {
+        match self {
+            F::Type => "type",
+            F::BlockHashes => "block_hashes",
+            F::ParentBlockHash => "parent_block_hash",
+            F::TokenIds => "token_ids",
+            F::BlockSize => "block_size",
+            F::LoraId => "lora_id",
+            F::Medium => "medium",
+            F::LoraName => "lora_name",
+            F::ExtraKeys => "extra_keys",
+            F::GroupIdx => "group_idx",
+            F::KvCacheSpecKind => "kv_cache_spec_kind",
+            F::KvCacheSpecSlidingWindow => "kv_cache_spec_sliding_window",
+            F::TokenOffset => "token_offset",
+            F::Locality => "locality",
+            F::Ownership => "ownership",
+            F::SessionId => "session_id",
+            F::LookaheadTokenIds => "lookahead_token_ids",
+            F::CacheSalt => "cache_salt",
+            F::FromMedium => "from_medium",
+            F::ToMedium => "to_medium",
+        }
     }
 }
 
-/// Reads the value of field `name` into `raw` (a name kvlink does not model is kept whole in
-/// `raw.extra` under `key`).
+/// Reads the value of field `f` into `raw`; a field kvlink does not model (`None`, or one the
+/// event's type does not have) is kept whole in the event's extra fields under `key`.
 fn field<'a>(
     c: &mut Cursor<'a>,
-    raw: &mut Raw<'a>,
-    name: &[u8],
+    raw: &mut Raw<'a, '_>,
+    f: Option<F>,
     key: impl FnOnce() -> FieldKey,
 ) -> Result<(), String> {
-    let f = match F::of(name) {
+    let f = match f {
         Some(f) if raw.fields & f.bit() != 0 => f,
         _ => {
             let value = c.value(0).map_err(malformed)?;
-            raw.extra.push(ExtraField { key: key(), value });
+            raw.stored.extra.push(ExtraField { key: key(), value });
             return Ok(());
         }
     };
+    let s = &mut *raw.stored;
     match f {
         F::Type if raw.ty.is_some() => return Err("a second \"type\" in one event".into()),
         F::Type => match c.token().map_err(malformed)? {
             Token::Str(t) => {
                 raw.ty = Some(t);
-                raw.fields = fields_of(t);
+                (raw.fields, raw.order) = type_of(t);
             }
             _ => return Err("the event \"type\" is not a string".into()),
         },
-        F::BlockHashes => raw.block_hashes = hashes(c, "block_hashes")?,
-        F::ParentBlockHash => raw.parent_block_hash = opt(c, "parent_block_hash", hash)?,
-        F::TokenIds => raw.token_ids = token_list(c, "token_ids")?.unwrap_or_default(),
-        F::BlockSize => raw.block_size = opt(c, "block_size", u32_of)?,
-        F::LoraId => raw.lora_id = opt(c, "lora_id", i64_of)?,
-        F::Medium => raw.medium = opt(c, "medium", string)?,
-        F::LoraName => raw.lora_name = opt(c, "lora_name", string)?,
-        F::GroupIdx => raw.group_idx = opt(c, "group_idx", u32_of)?,
-        F::KvCacheSpecKind => raw.kv_cache_spec_kind = opt(c, "kv_cache_spec_kind", string)?,
+        F::BlockHashes => s.block_hashes = hashes(c, "block_hashes")?,
+        F::ParentBlockHash => s.parent_block_hash = opt(c, "parent_block_hash", hash)?,
+        F::TokenIds => s.token_ids = token_list(c, "token_ids")?.unwrap_or_default(),
+        F::BlockSize => s.block_size = opt(c, "block_size", u32_of)?.unwrap_or(0),
+        F::LoraId => s.lora_id = opt(c, "lora_id", i64_of)?,
+        F::Medium => s.medium = opt_str(c, "medium")?,
+        F::LoraName => s.lora_name = opt_str(c, "lora_name")?,
+        F::GroupIdx => s.group_idx = opt(c, "group_idx", u32_of)?,
+        F::KvCacheSpecKind => s.kv_cache_spec_kind = opt_str(c, "kv_cache_spec_kind")?,
         F::KvCacheSpecSlidingWindow => {
-            raw.kv_cache_spec_sliding_window = opt(c, "kv_cache_spec_sliding_window", u32_of)?
+            s.kv_cache_spec_sliding_window = opt(c, "kv_cache_spec_sliding_window", u32_of)?
         }
-        F::TokenOffset => raw.token_offset = opt(c, "token_offset", u64_of)?,
-        F::FromMedium => raw.from_medium = opt(c, "from_medium", string)?,
-        F::ToMedium => raw.to_medium = opt(c, "to_medium", string)?,
-        F::ExtraKeys => {
-            raw.extra_keys = Some(c.value(0).map_err(malformed)?).filter(|v| !v.is_nil())
-        }
-        F::Locality => raw.locality = opt(c, "locality", string)?,
-        F::Ownership => raw.ownership = opt(c, "ownership", string)?,
-        F::SessionId => raw.session_id = opt(c, "session_id", string)?,
-        F::CacheSalt => raw.cache_salt = opt(c, "cache_salt", string)?,
+        F::TokenOffset => s.token_offset = opt(c, "token_offset", u64_of)?,
+        F::FromMedium => raw.from_medium = opt_str(c, "from_medium")?,
+        F::ToMedium => raw.to_medium = opt_str(c, "to_medium")?,
+        F::ExtraKeys => s.extra_keys = Some(c.value(0).map_err(malformed)?).filter(|v| !v.is_nil()),
+        F::Locality => s.locality = opt_str(c, "locality")?,
+        F::Ownership => s.ownership = opt_str(c, "ownership")?,
+        F::SessionId => s.session_id = opt_str(c, "session_id")?,
+        F::CacheSalt => s.cache_salt = opt_str(c, "cache_salt")?,
         F::LookaheadTokenIds => {
-            raw.lookahead_token_ids = match c.token().map_err(malformed)? {
+            s.lookahead_token_ids = match c.token().map_err(malformed)? {
                 Token::Array(n) => {
                     let mut v = Vec::with_capacity(n.min(MAX_RESERVE));
                     for _ in 0..n {
@@ -303,15 +375,26 @@ fn field<'a>(
     Ok(())
 }
 
-/// Reads one event and says which encoding carried it. On error the cursor is left anywhere
-/// inside it (the caller rewinds).
-fn event(c: &mut Cursor<'_>) -> Result<(KvEvent, Encoding), String> {
+/// Reads one event into `slot` (a default BlockStored, left as the event when it is one,
+/// replaced otherwise) and says which encoding carried it. On error the cursor is left anywhere
+/// inside the event (the caller rewinds) and the slot holds whatever was read.
+fn event(c: &mut Cursor<'_>, slot: &mut KvEvent) -> Result<Encoding, String> {
+    let KvEvent::BlockStored(stored) = slot else {
+        unreachable!("the caller passes a BlockStored slot")
+    };
     let mut raw = Raw {
+        ty: None,
         fields: u32::MAX,
-        ..Raw::default()
+        order: &[],
+        stored,
+        from_medium: None,
+        to_medium: None,
     };
     let encoding = match c.token().map_err(malformed)? {
         Token::Map(n) => {
+            // The fields still expected, in the order encoders write them: the next key is
+            // most likely the first of these, checked before looking the name up.
+            let mut expect: &[F] = &[];
             for _ in 0..n {
                 let k = match c.short_str() {
                     Some(k) => k,
@@ -320,9 +403,25 @@ fn event(c: &mut Cursor<'_>) -> Result<(KvEvent, Encoding), String> {
                         _ => return Err("a map event has a key that is not a string".into()),
                     },
                 };
-                field(c, &mut raw, k, || {
+                let f = match expect.first() {
+                    Some(&f) if same_key(k, f.name().as_bytes()) => {
+                        expect = &expect[1..];
+                        Some(f)
+                    }
+                    _ => {
+                        let f = F::of(k);
+                        if let Some(p) = f.and_then(|f| expect.iter().position(|&g| g == f)) {
+                            expect = &expect[p + 1..];
+                        }
+                        f
+                    }
+                };
+                field(c, &mut raw, f, || {
                     FieldKey::Name(String::from_utf8_lossy(k).into_owned())
                 })?;
+                if f == Some(F::Type) {
+                    expect = raw.order;
+                }
             }
             if raw.ty.is_none() {
                 return Err("map event without a string \"type\"".into());
@@ -336,14 +435,8 @@ fn event(c: &mut Cursor<'_>) -> Result<(KvEvent, Encoding), String> {
                 return Err("array event without a tag".into());
             };
             raw.ty = Some(tag);
-            raw.fields = fields_of(tag);
-            let order: &[&str] = match tag {
-                b"BlockStored" => &STORED_LEGACY_ORDER,
-                b"BlockRemoved" => &REMOVED_LEGACY_ORDER,
-                b"AllBlocksCleared" => &CLEARED_LEGACY_ORDER,
-                b"BlockTransferred" => &TRANSFERRED_LEGACY_ORDER,
-                _ => &[],
-            };
+            (raw.fields, raw.order) = type_of(tag);
+            let order = raw.order;
             // Places past the upstream fields are kvlink's extension: an element of another
             // type there is some other publisher's field, kept as a positional extra.
             let upstream = match tag {
@@ -354,23 +447,23 @@ fn event(c: &mut Cursor<'_>) -> Result<(KvEvent, Encoding), String> {
             for i in 1..n {
                 let start = c.pos();
                 match order.get(i - 1) {
-                    Some(name) if i > upstream => {
-                        if field(c, &mut raw, name.as_bytes(), || FieldKey::Position(i)).is_err() {
+                    Some(&f) if i > upstream => {
+                        if field(c, &mut raw, Some(f), || FieldKey::Position(i)).is_err() {
                             c.rewind(start);
                             let value = c.value(0).map_err(malformed)?;
-                            raw.extra.push(ExtraField {
+                            raw.stored.extra.push(ExtraField {
                                 key: FieldKey::Position(i),
                                 value,
                             });
                         }
                     }
-                    Some(name) => field(c, &mut raw, name.as_bytes(), || FieldKey::Position(i))?,
+                    Some(&f) => field(c, &mut raw, Some(f), || FieldKey::Position(i))?,
                     None => {
                         // A nil between kept elements is padding the encoder writes again; a
                         // trailing one is kept, so that the array keeps its length.
                         let value = c.value(0).map_err(malformed)?;
                         if !value.is_nil() || i + 1 == n {
-                            raw.extra.push(ExtraField {
+                            raw.stored.extra.push(ExtraField {
                                 key: FieldKey::Position(i),
                                 value,
                             });
@@ -382,64 +475,48 @@ fn event(c: &mut Cursor<'_>) -> Result<(KvEvent, Encoding), String> {
         }
         _ => return Err("event is neither a map nor an array".into()),
     };
-    let ev = match raw.ty.unwrap_or_default() {
+    let s = raw.stored;
+    let other = match raw.ty.unwrap_or_default() {
         b"BlockStored" => {
-            let e = BlockStored {
-                block_hashes: raw.block_hashes,
-                parent_block_hash: raw.parent_block_hash,
-                token_ids: raw.token_ids,
-                block_size: raw.block_size.unwrap_or(0),
-                lora_id: raw.lora_id,
-                medium: raw.medium,
-                lora_name: raw.lora_name,
-                group_idx: raw.group_idx,
-                kv_cache_spec_kind: raw.kv_cache_spec_kind,
-                kv_cache_spec_sliding_window: raw.kv_cache_spec_sliding_window,
-                token_offset: raw.token_offset,
-                extra_keys: raw.extra_keys,
-                locality: raw.locality,
-                ownership: raw.ownership,
-                session_id: raw.session_id,
-                lookahead_token_ids: raw.lookahead_token_ids,
-                cache_salt: raw.cache_salt,
-                extra: raw.extra,
-            };
-            let capacity = e.block_hashes.len() as u64 * u64::from(e.block_size);
-            if e.block_size > 0 && e.token_ids.len() as u64 > capacity {
+            let capacity = s.block_hashes.len() as u64 * u64::from(s.block_size);
+            if s.block_size > 0 && s.token_ids.len() as u64 > capacity {
                 return Err(format!(
                     "BlockStored has {} tokens for {} blocks of {} (masked or sliding-window blocks?): refused rather than misaligned",
-                    e.token_ids.len(),
-                    e.block_hashes.len(),
-                    e.block_size
+                    s.token_ids.len(),
+                    s.block_hashes.len(),
+                    s.block_size
                 ));
             }
-            Ok(KvEvent::BlockStored(e))
+            return Ok(encoding);
         }
-        b"BlockRemoved" => Ok(KvEvent::BlockRemoved(BlockRemoved {
-            block_hashes: raw.block_hashes,
-            medium: raw.medium,
-            group_idx: raw.group_idx,
-            locality: raw.locality,
-            ownership: raw.ownership,
-            extra: raw.extra,
-        })),
-        b"AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared {
-            medium: raw.medium,
-            extra: raw.extra,
+        b"BlockRemoved" => KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: take(&mut s.block_hashes),
+            medium: s.medium.take(),
+            group_idx: s.group_idx,
+            locality: s.locality.take(),
+            ownership: s.ownership.take(),
+            extra: take(&mut s.extra),
         }),
-        b"BlockTransferred" => Ok(KvEvent::BlockTransferred(BlockTransferred {
-            block_hashes: raw.block_hashes,
+        b"AllBlocksCleared" => KvEvent::AllBlocksCleared {
+            medium: s.medium.take(),
+            extra: take(&mut s.extra),
+        },
+        b"BlockTransferred" => KvEvent::BlockTransferred(BlockTransferred {
+            block_hashes: take(&mut s.block_hashes),
             from_medium: raw.from_medium,
             to_medium: raw.to_medium,
-            group_idx: raw.group_idx,
-            extra: raw.extra,
-        })),
-        other => Err(format!(
-            "unknown event type {:?}",
-            String::from_utf8_lossy(other)
-        )),
-    }?;
-    Ok((ev, encoding))
+            group_idx: s.group_idx,
+            extra: take(&mut s.extra),
+        }),
+        other => {
+            return Err(format!(
+                "unknown event type {:?}",
+                String::from_utf8_lossy(other)
+            ))
+        }
+    };
+    *slot = other;
+    Ok(encoding)
 }
 
 /// Decodes one batch payload. It is read in one pass without building a generic tree; an
@@ -471,12 +548,14 @@ pub fn decode_batch(payload: &[u8]) -> Result<Decoded, BatchError> {
     let mut encoding = None;
     for i in 0..count {
         let start = c.pos();
-        match event(&mut c) {
-            Ok((ev, enc)) => {
+        events.push(KvEvent::BlockStored(BlockStored::default()));
+        let slot = events.last_mut().expect("just pushed");
+        match event(&mut c, slot) {
+            Ok(enc) => {
                 encoding.get_or_insert(enc);
-                events.push(ev)
             }
             Err(why) => {
+                events.pop();
                 c.rewind(start);
                 c.skip().map_err(bad)?;
                 skipped.push(format!("event {i}: {why}"));
@@ -515,7 +594,81 @@ pub fn decode_batch(payload: &[u8]) -> Result<Decoded, BatchError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::events::msgpack::{decode, Value};
+    use crate::events::wire::{
+        CLEARED_LEGACY_ORDER, REMOVED_LEGACY_ORDER, STORED_LEGACY_ORDER, TRANSFERRED_LEGACY_ORDER,
+    };
     use crate::events::KvEvent;
+
+    /// The decoder's field orders and names are the wire's: each order spells the legacy field
+    /// list of its type, and each name looks up its own field.
+    #[test]
+    fn field_orders_match_the_legacy_orders() {
+        for (ty, names) in [
+            ("BlockStored", &STORED_LEGACY_ORDER[..]),
+            ("BlockRemoved", &REMOVED_LEGACY_ORDER[..]),
+            ("AllBlocksCleared", &CLEARED_LEGACY_ORDER[..]),
+            ("BlockTransferred", &TRANSFERRED_LEGACY_ORDER[..]),
+        ] {
+            let order: Vec<&str> = type_of(ty.as_bytes()).1.iter().map(|f| f.name()).collect();
+            assert_eq!(order, names, "{ty}");
+            for f in type_of(ty.as_bytes()).1 {
+                assert!(F::of(f.name().as_bytes()) == Some(*f), "{}", f.name());
+            }
+        }
+        assert!(F::of(b"type") == Some(F::Type));
+    }
+
+    /// Keys out of the usual order, a field skipped, an unknown one between known ones: the
+    /// expected-next-key shortcut falls back to the lookup and every field lands.
+    #[test]
+    fn map_keys_in_any_order() {
+        let mut buf = Vec::new();
+        let e = KvEvent::BlockStored(crate::events::BlockStored {
+            block_hashes: vec![BlockHash::U64(7)],
+            token_ids: vec![1, 2, 3],
+            block_size: 4,
+            medium: Some("GPU".into()),
+            group_idx: Some(2),
+            cache_salt: Some("s".into()),
+            ..Default::default()
+        });
+        let batch = EventBatch {
+            ts: 1.0,
+            events: vec![e.clone()],
+            dp_rank: None,
+        };
+        super::super::encode_batch(&batch, Encoding::Current, &mut buf);
+        assert_eq!(decode_batch(&buf).unwrap().batch, batch);
+        // The same fields, keys reversed, with an unknown key in the middle.
+        let Value::Array(top) = decode(&buf).unwrap() else {
+            panic!("a batch is an array")
+        };
+        let Value::Array(evs) = &top[1] else {
+            panic!("events are an array")
+        };
+        let Value::Map(fields) = &evs[0] else {
+            panic!("a current event is a map")
+        };
+        let mut fields = fields.clone();
+        fields.reverse();
+        fields.insert(3, (Value::Str("zz".into()), Value::UInt(9)));
+        let mut out = Vec::new();
+        Value::Array(vec![
+            top[0].clone(),
+            Value::Array(vec![Value::Map(fields)]),
+            top[2].clone(),
+        ])
+        .encode(&mut out);
+        let got = decode_batch(&out).unwrap().batch;
+        let KvEvent::BlockStored(mut s) = got.events[0].clone() else {
+            panic!("a BlockStored")
+        };
+        assert_eq!(s.extra.len(), 1);
+        assert_eq!(s.extra[0].key, FieldKey::Name("zz".into()));
+        s.extra.clear();
+        assert_eq!(KvEvent::BlockStored(s), e);
+    }
 
     /// The decoder's per-type field masks say the same as the field lists the encoders, the
     /// JSON and the Python API use.
@@ -534,7 +687,7 @@ mod tests {
         ] {
             for name in names.clone() {
                 let in_mask =
-                    F::of(name.as_bytes()).is_some_and(|f| fields_of(ty.as_bytes()) & f.bit() != 0);
+                    F::of(name.as_bytes()).is_some_and(|f| type_of(ty.as_bytes()).0 & f.bit() != 0);
                 assert_eq!(in_mask, KvEvent::known_field(ty, name), "{ty}.{name}");
             }
         }

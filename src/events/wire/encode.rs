@@ -17,9 +17,8 @@ fn nil(out: &mut Vec<u8>) {
 fn put_u64(out: &mut Vec<u8>, v: u64) {
     match u32::try_from(v) {
         Ok(v) => {
-            let mut b = [0u8; 5];
-            let n = put_u32_at(&mut b, v);
-            out.extend_from_slice(&b[..n]);
+            let (word, len) = u32_form(v);
+            out.extend_from_slice(&word.to_be_bytes()[..len]);
         }
         Err(_) => {
             out.push(0xcf);
@@ -28,6 +27,7 @@ fn put_u64(out: &mut Vec<u8>, v: u64) {
     }
 }
 
+#[inline]
 fn put_hash(out: &mut Vec<u8>, h: &BlockHash) {
     match h {
         BlockHash::U64(v) => put_u64(out, *v),
@@ -41,7 +41,7 @@ fn put_hash(out: &mut Vec<u8>, h: &BlockHash) {
 }
 
 fn put_hashes(out: &mut Vec<u8>, hs: &[BlockHash]) {
-    let _ = w::write_array_len(out, hs.len() as u32);
+    put_array_len(out, hs.len());
     out.reserve(hs.len() * 9);
     for h in hs {
         put_hash(out, h);
@@ -96,41 +96,65 @@ fn put_field_str(out: &mut Vec<u8>, k: &str, v: &Option<String>) {
     }
 }
 
-/// A u32 in msgpack's shortest form into `b` (room for the longest); returns its length.
+/// For each bit width of a u32 (0 to 32): the msgpack marker of its shortest form, placed
+/// above the value's bytes, and that form's length. Token ids spread over a vocabulary land
+/// in the 2-, 3- and 5-byte forms at random, so choosing the form by table rather than by
+/// branches spares a mispredicted branch per token.
+const U32_FORMS: [(u64, usize); 33] = {
+    let mut t = [(0u64, 1usize); 33];
+    let mut bits = 8;
+    while bits <= 32 {
+        t[bits] = match bits {
+            8 => (0xcc << 8, 2),
+            9..=16 => (0xcd << 16, 3),
+            _ => (0xce << 32, 5),
+        };
+        bits += 1;
+    }
+    t
+};
+
+/// A u32 in msgpack's shortest form, as the first bytes of a big-endian word, and its length.
 #[inline(always)]
-fn put_u32_at(b: &mut [u8; 5], v: u32) -> usize {
-    let be = v.to_be_bytes();
-    if v < 0x80 {
-        b[0] = v as u8;
-        1
-    } else if v <= 0xff {
-        b[0] = 0xcc;
-        b[1] = v as u8;
-        2
-    } else if v <= 0xffff {
-        b[0] = 0xcd;
-        b[1] = be[2];
-        b[2] = be[3];
-        3
+fn u32_form(v: u32) -> (u64, usize) {
+    let (mark, len) = U32_FORMS[(32 - v.leading_zeros()) as usize];
+    ((mark | u64::from(v)) << (64 - 8 * len), len)
+}
+
+/// Token ids, the bulk of a BlockStored: written straight into `out`, each as a whole 8-byte
+/// word with the position advanced by its form's length (room for the longest forms is made
+/// once, and cut back to what was written).
+fn put_tokens(out: &mut Vec<u8>, ts: &[u32]) {
+    put_array_len(out, ts.len());
+    let start = out.len();
+    out.resize(start + 5 * ts.len() + 8, 0);
+    let dst = &mut out[start..];
+    let mut n = 0;
+    for &t in ts {
+        let (word, len) = u32_form(t);
+        dst[n..n + 8].copy_from_slice(&word.to_be_bytes());
+        n += len;
+    }
+    out.truncate(start + n);
+}
+
+/// An array header in its shortest form.
+#[inline]
+fn put_array_len(out: &mut Vec<u8>, n: usize) {
+    if n < 16 {
+        out.push(0x90 | n as u8);
     } else {
-        b[0] = 0xce;
-        b[1..].copy_from_slice(&be);
-        5
+        let _ = w::write_array_len(out, n as u32);
     }
 }
 
-/// Token ids, the bulk of a BlockStored: written through a stack buffer, 64 at a time, so the
-/// output vector is grown and checked once per chunk rather than once per token.
-fn put_tokens(out: &mut Vec<u8>, ts: &[u32]) {
-    let _ = w::write_array_len(out, ts.len() as u32);
-    let mut buf = [0u8; 5 * 64 + 5];
-    for chunk in ts.chunks(64) {
-        let mut n = 0;
-        for &t in chunk {
-            let slot: &mut [u8; 5] = (&mut buf[n..n + 5]).try_into().expect("5 bytes");
-            n += put_u32_at(slot, t);
-        }
-        out.extend_from_slice(&buf[..n]);
+/// A map header in its shortest form.
+#[inline]
+fn put_map_len(out: &mut Vec<u8>, n: usize) {
+    if n < 16 {
+        out.push(0x80 | n as u8);
+    } else {
+        let _ = w::write_map_len(out, n as u32);
     }
 }
 
@@ -242,22 +266,22 @@ fn encode_stored_current(s: &BlockStored, out: &mut Vec<u8>) {
         s.cache_salt.is_some(),
     ];
     let n = 8 + optional.iter().filter(|x| **x).count() + named(&s.extra).count();
-    let _ = w::write_map_len(out, n as u32);
-    put_key(out, "type");
-    put_str(out, "BlockStored");
-    put_key(out, "block_hashes");
+    put_map_len(out, n);
+    // The keys (and the tag) as constant runs of msgpack: one copy each instead of a string
+    // header and a copy per key.
+    out.extend_from_slice(b"\xa4type\xabBlockStored\xacblock_hashes");
     put_hashes(out, &s.block_hashes);
-    put_key(out, "parent_block_hash");
+    out.extend_from_slice(b"\xb1parent_block_hash");
     put_opt_hash(out, &s.parent_block_hash);
-    put_key(out, "token_ids");
+    out.extend_from_slice(b"\xa9token_ids");
     put_tokens(out, &s.token_ids);
-    put_key(out, "block_size");
-    let _ = w::write_uint(out, u64::from(s.block_size));
-    put_key(out, "lora_id");
+    out.extend_from_slice(b"\xaablock_size");
+    put_u64(out, u64::from(s.block_size));
+    out.extend_from_slice(b"\xa7lora_id");
     put_opt_sint(out, s.lora_id);
-    put_key(out, "medium");
+    out.extend_from_slice(b"\xa6medium");
     put_opt_str(out, &s.medium);
-    put_key(out, "lora_name");
+    out.extend_from_slice(b"\xa9lora_name");
     put_opt_str(out, &s.lora_name);
     if let Some(v) = &s.extra_keys {
         put_key(out, "extra_keys");
