@@ -346,6 +346,56 @@ proptest! {
         prop_assert!(buf.windows(expected.len()).any(|w| w == expected));
         prop_assert_eq!(decode_batch(&buf).unwrap().batch, batch);
     }
+
+    /// A BlockStored given by reference encodes to the bytes of the owned event with the same
+    /// fields, in both encodings and for every hash form.
+    #[test]
+    fn stored_refs_encode_as_owned_events(
+        hashes in prop::collection::vec(any::<u64>(), 0..20),
+        form in 0..3u8,
+        parent in prop::option::of(any::<i64>()),
+        tokens in prop::collection::vec(any::<u32>(), 0..100),
+        block_size in any::<u32>(),
+        lora_id in prop::option::of(any::<i64>()),
+        medium in prop::option::of("[A-Z]{0,40}"),
+        lora_name in prop::option::of("[a-z]{0,3}"),
+        group_idx in prop::option::of(any::<u32>()),
+        enc in 0..2u8,
+    ) {
+        let enc = if enc == 0 { Encoding::Current } else { Encoding::Legacy };
+        let signed: Vec<i64> = hashes.iter().map(|&h| h as i64).collect();
+        let any: Vec<BlockHash> = hashes.iter().map(|&h| BlockHash::Bytes(h.to_be_bytes().to_vec())).collect();
+        let (hs, owned): (HashesRef<'_>, Vec<BlockHash>) = match form {
+            0 => (HashesRef::U64(&hashes), hashes.iter().map(|&h| BlockHash::U64(h)).collect()),
+            1 => (HashesRef::I64(&signed), signed.iter().map(|&h| BlockHash::I64(h)).collect()),
+            _ => (HashesRef::Any(&any), any.clone()),
+        };
+        let r = BlockStoredRef {
+            block_hashes: hs,
+            parent_block_hash: parent.map(HashRef::I64),
+            token_ids: &tokens,
+            block_size,
+            lora_id,
+            medium: medium.as_deref(),
+            lora_name: lora_name.as_deref(),
+            group_idx,
+        };
+        let e = KvEvent::BlockStored(BlockStored {
+            block_hashes: owned,
+            parent_block_hash: parent.map(BlockHash::I64),
+            token_ids: tokens.clone(),
+            block_size,
+            lora_id,
+            medium: medium.clone(),
+            lora_name: lora_name.clone(),
+            group_idx,
+            ..Default::default()
+        });
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        encode_stored_ref(&r, enc, &mut a);
+        encode_event(&e, enc, &mut b);
+        prop_assert_eq!(a, b);
+    }
 }
 
 /// msgpack of `['BlockStored', [1], None, [1], 16, None, 'GPU', None, None, None, None, None]`,

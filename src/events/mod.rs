@@ -27,14 +27,16 @@ pub use aggregate::{TpAggregator, TpStats};
 pub use endpoint::{resolve as resolve_endpoint, Attach, ResolvedEndpoint};
 pub use merger::{InputStats, Merger, MergerConfig, MergerInput};
 pub use pages::{page_digest, PageHash, PageSplitter, Pages};
-pub use publisher::{Publisher, PublisherConfig, PublisherStats, ReplayFormat, REPLAY_END};
+pub use publisher::{
+    BatchBuilder, Publisher, PublisherConfig, PublisherStats, ReplayFormat, REPLAY_END,
+};
 pub use sequence::{Action, ReplayRing, Resync, StreamState};
 pub use subscriber::{SubItem, Subscriber, SubscriberConfig, SubscriberStats};
 pub use wire::{
-    decode_batch, encode_batch, encode_event, BatchError, BlockHash, BlockRemoved, BlockStored,
-    BlockTransferred, Decoded, Encoding, EventBatch, ExtraField, FieldKey, KvEvent, Value,
-    CLEARED_LEGACY_ORDER, MAX_EXTRA_POSITION, REMOVED_LEGACY_ORDER, STORED_LEGACY_ORDER,
-    TRANSFERRED_LEGACY_ORDER,
+    decode_batch, encode_batch, encode_event, encode_stored_ref, BatchError, BlockHash,
+    BlockRemoved, BlockStored, BlockStoredRef, BlockTransferred, Decoded, Encoding, EventBatch,
+    ExtraField, FieldKey, HashRef, HashesRef, KvEvent, Value, CLEARED_LEGACY_ORDER,
+    MAX_EXTRA_POSITION, REMOVED_LEGACY_ORDER, STORED_LEGACY_ORDER, TRANSFERRED_LEGACY_ORDER,
 };
 
 /// The topic of llm-d's convention, `kv@<pod>@<model>`, which its indexer subscribes to by the

@@ -23,6 +23,7 @@
 //! the frame guard ([`super::guard`]) so that no network peer reaches the `zeromq` crate's
 //! unbounded frame buffering.
 
+mod batch;
 mod pool;
 mod queue;
 mod replay;
@@ -45,6 +46,7 @@ use super::sequence::ReplayRing;
 use super::wire::{encode_batch, Encoding, EventBatch};
 use super::EventsError;
 
+pub use batch::BatchBuilder;
 use pool::BufferPool;
 use queue::publish_loop;
 use replay::serve_replay;
@@ -84,6 +86,9 @@ pub struct PublisherConfig {
     pub replay_max_bytes: usize,
     /// Batches waiting to be sent before `publish` refuses more.
     pub max_queue: usize,
+    /// Payload bytes waiting to be sent before `publish` refuses more (a batch is always
+    /// taken into an empty queue, whatever its size).
+    pub max_queue_bytes: usize,
     /// Time allowed to send one whole replay answer to a requester.
     pub replay_send_timeout: Duration,
     /// Largest frame a network peer may send to the bound sockets (subscriptions and replay
@@ -105,6 +110,7 @@ impl Default for PublisherConfig {
             buffer_steps: 10_000,
             replay_max_bytes: 256 << 20,
             max_queue: 100_000,
+            max_queue_bytes: 64 << 20,
             replay_send_timeout: Duration::from_secs(5),
             max_inbound_frame: 64 << 10,
             max_connections: 1024,
@@ -158,6 +164,9 @@ struct Shared {
     /// Signalled when the queue has items or the publisher closes.
     work: Notify,
     cap: usize,
+    /// Payload bytes in `queue`, and their bound.
+    queued_bytes: AtomicUsize,
+    cap_bytes: usize,
     closed: AtomicBool,
     ring: Mutex<ReplayRing<(Bytes, Bytes)>>,
     counters: Counters,
@@ -171,9 +180,12 @@ impl Shared {
             return Err(None);
         }
         let mut q = self.queue.lock();
-        if q.len() >= self.cap {
+        let bytes = self.queued_bytes.load(Ordering::Relaxed);
+        if q.len() >= self.cap || (!q.is_empty() && bytes + item.payload.len() > self.cap_bytes) {
             return Err(Some(item));
         }
+        self.queued_bytes
+            .store(bytes + item.payload.len(), Ordering::Relaxed);
         q.push_back(item);
         drop(q);
         self.work.notify_one();
@@ -253,6 +265,8 @@ impl Publisher {
             room_async: Notify::new(),
             work: Notify::new(),
             cap: cfg.max_queue,
+            queued_bytes: AtomicUsize::new(0),
+            cap_bytes: cfg.max_queue_bytes,
             closed: AtomicBool::new(false),
             ring: Mutex::new(ReplayRing::with_max_bytes(
                 cfg.buffer_steps,
@@ -349,6 +363,51 @@ impl Publisher {
         encode_batch(batch, self.encoding, &mut v);
         self.size_hint.store(v.len(), Ordering::Relaxed);
         self.buffers.payload(v)
+    }
+
+    /// Starts a batch with timestamp `ts` (seconds since the epoch), to be encoded event by
+    /// event in the publisher's encoding into a buffer of its own ([`BatchBuilder`]) and queued
+    /// by [`Publisher::publish_built`]: no [`EventBatch`] is built.
+    pub fn builder(&self, ts: f64) -> BatchBuilder {
+        BatchBuilder::new(
+            self.buffers.clone(),
+            self.size_hint.load(Ordering::Relaxed),
+            self.encoding,
+            ts,
+        )
+    }
+
+    /// Queues a batch built with [`Publisher::builder`] (with the data-parallel rank, if any);
+    /// never blocks. Fails as [`Publisher::publish`] does.
+    pub fn publish_built(&self, b: BatchBuilder, dp_rank: Option<i64>) -> Result<(), EventsError> {
+        let (payload, size) = b.finish(dp_rank);
+        self.size_hint.store(size, Ordering::Relaxed);
+        self.push(
+            Item {
+                topic: None,
+                payload,
+            },
+            None,
+        )
+    }
+
+    /// Queues a batch built with [`Publisher::builder`], waiting up to `timeout` for room in
+    /// the queue.
+    pub fn publish_built_timeout(
+        &self,
+        b: BatchBuilder,
+        dp_rank: Option<i64>,
+        timeout: Duration,
+    ) -> Result<(), EventsError> {
+        let (payload, size) = b.finish(dp_rank);
+        self.size_hint.store(size, Ordering::Relaxed);
+        self.push(
+            Item {
+                topic: None,
+                payload,
+            },
+            Some(Instant::now() + timeout),
+        )
     }
 
     /// Queues a batch, waiting up to `timeout` for room in the queue.

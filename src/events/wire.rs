@@ -12,7 +12,7 @@ mod decode;
 mod encode;
 
 pub use decode::decode_batch;
-pub use encode::{encode_batch, encode_event};
+pub use encode::{encode_batch, encode_event, encode_stored_ref};
 
 pub use super::msgpack::Value;
 
@@ -155,6 +155,78 @@ pub struct BlockStored {
     pub cache_salt: Option<String>,
     /// Fields kvlink does not model, in wire order.
     pub extra: Vec<ExtraField>,
+}
+
+impl BlockStored {
+    /// The fields a [`BlockStoredRef`] carries, borrowed.
+    pub(crate) fn head(&self) -> BlockStoredRef<'_> {
+        BlockStoredRef {
+            block_hashes: HashesRef::Any(&self.block_hashes),
+            parent_block_hash: self.parent_block_hash.as_ref().map(HashRef::from),
+            token_ids: &self.token_ids,
+            block_size: self.block_size,
+            lora_id: self.lora_id,
+            medium: self.medium.as_deref(),
+            lora_name: self.lora_name.as_deref(),
+            group_idx: self.group_idx,
+        }
+    }
+}
+
+/// One block hash, borrowed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HashRef<'a> {
+    /// An unsigned 64-bit hash (vLLM).
+    U64(u64),
+    /// A signed 64-bit hash (SGLang).
+    I64(i64),
+    /// Raw digest bytes.
+    Bytes(&'a [u8]),
+}
+
+impl<'a> From<&'a BlockHash> for HashRef<'a> {
+    fn from(h: &'a BlockHash) -> Self {
+        match h {
+            BlockHash::U64(v) => HashRef::U64(*v),
+            BlockHash::I64(v) => HashRef::I64(*v),
+            BlockHash::Bytes(b) => HashRef::Bytes(b),
+        }
+    }
+}
+
+/// A BlockStored's block hashes in the caller's memory, in whichever form it keeps them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HashesRef<'a> {
+    /// Unsigned 64-bit hashes (vLLM).
+    U64(&'a [u64]),
+    /// Signed 64-bit hashes (SGLang).
+    I64(&'a [i64]),
+    /// Hashes of any form.
+    Any(&'a [BlockHash]),
+}
+
+/// A BlockStored given by reference to the publisher's own memory: the fields engines fill on
+/// every store. It is encoded straight into a batch ([`crate::events::BatchBuilder`],
+/// [`encode_stored_ref`]) without building a [`BlockStored`] (no copy of the hashes or the
+/// tokens, no allocation); events with more fields go in as [`KvEvent`]s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockStoredRef<'a> {
+    /// One hash per block, in order.
+    pub block_hashes: HashesRef<'a>,
+    /// Hash of the block before the first one, if any.
+    pub parent_block_hash: Option<HashRef<'a>>,
+    /// The tokens the blocks hold.
+    pub token_ids: &'a [u32],
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Deprecated LoRA id.
+    pub lora_id: Option<i64>,
+    /// Cache tier (`GPU`, `CPU`, ...).
+    pub medium: Option<&'a str>,
+    /// LoRA name.
+    pub lora_name: Option<&'a str>,
+    /// KV-cache group index.
+    pub group_idx: Option<u32>,
 }
 
 /// Blocks removed from a cache tier.

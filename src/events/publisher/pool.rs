@@ -9,21 +9,36 @@ use std::sync::Arc;
 use bytes::Bytes;
 use parking_lot::Mutex;
 
-/// Most buffers kept for reuse.
-const KEEP: usize = 32;
+/// Most buffers kept for reuse (enough for the publisher's queue at its default byte bound,
+/// 64 MiB, in batches of 64 KiB).
+const KEEP: usize = 1024;
+/// Most bytes kept (buffer capacities).
+const KEEP_BYTES: usize = 64 << 20;
 /// Buffers larger than this are freed rather than kept.
 const KEEP_MAX_CAPACITY: usize = 4 << 20;
 
 /// A pool of empty buffers.
 #[derive(Default)]
 pub(super) struct BufferPool {
-    free: Mutex<Vec<Vec<u8>>>,
+    free: Mutex<Free>,
+}
+
+#[derive(Default)]
+struct Free {
+    buffers: Vec<Vec<u8>>,
+    /// Their capacities, summed.
+    bytes: usize,
 }
 
 impl BufferPool {
     /// An empty buffer with room for at least `hint` bytes (a kept one when there is one).
     pub(super) fn take(&self, hint: usize) -> Vec<u8> {
-        let mut b = self.free.lock().pop().unwrap_or_default();
+        let mut b = {
+            let mut free = self.free.lock();
+            let b = free.buffers.pop().unwrap_or_default();
+            free.bytes -= b.capacity();
+            b
+        };
         b.reserve(hint);
         b
     }
@@ -34,8 +49,9 @@ impl BufferPool {
         }
         b.clear();
         let mut free = self.free.lock();
-        if free.len() < KEEP {
-            free.push(b);
+        if free.buffers.len() < KEEP && free.bytes + b.capacity() <= KEEP_BYTES {
+            free.bytes += b.capacity();
+            free.buffers.push(b);
         }
     }
 
@@ -80,7 +96,7 @@ mod tests {
         let q = p.clone();
         assert_eq!(&p[..], b"payload");
         drop(p);
-        assert!(pool.free.lock().is_empty(), "still referenced");
+        assert!(pool.free.lock().buffers.is_empty(), "still referenced");
         drop(q);
         let again = pool.take(10);
         assert_eq!(again.as_ptr(), ptr, "the same memory, reused");
@@ -92,8 +108,20 @@ mod tests {
         let pool = Arc::new(BufferPool::default());
         let payloads: Vec<Bytes> = (0..KEEP + 10).map(|_| pool.payload(vec![0; 8])).collect();
         drop(payloads);
-        assert_eq!(pool.free.lock().len(), KEEP);
+        assert_eq!(pool.free.lock().buffers.len(), KEEP);
         drop(pool.payload(Vec::with_capacity(KEEP_MAX_CAPACITY + 1)));
-        assert_eq!(pool.free.lock().len(), KEEP);
+        assert_eq!(pool.free.lock().buffers.len(), KEEP);
+        // Bounded in bytes too.
+        let pool = Arc::new(BufferPool::default());
+        let big: Vec<Bytes> = (0..KEEP_BYTES / KEEP_MAX_CAPACITY + 2)
+            .map(|_| pool.payload(Vec::with_capacity(KEEP_MAX_CAPACITY)))
+            .collect();
+        drop(big);
+        let free = pool.free.lock();
+        assert!(free.bytes <= KEEP_BYTES);
+        assert_eq!(
+            free.bytes,
+            free.buffers.iter().map(Vec::capacity).sum::<usize>()
+        );
     }
 }

@@ -22,6 +22,8 @@ pub(super) async fn publish_loop(
         {
             let mut q = shared.queue.lock();
             std::mem::swap(&mut *q, &mut local);
+            // Updated under the queue's lock, as `try_push` does.
+            shared.queued_bytes.store(0, Ordering::Relaxed);
         }
         if local.is_empty() {
             if shared.closed.load(Ordering::Acquire) {
@@ -105,5 +107,35 @@ mod tests {
             assert!(t.elapsed() >= Duration::from_millis(50));
         }
         assert_eq!(p.stats().dropped, refused + 1);
+    }
+
+    /// The queue is bounded in bytes as well as in batches; an empty queue takes a batch of
+    /// any size.
+    #[test]
+    fn the_queue_is_bounded_in_bytes() {
+        let p = Publisher::start(PublisherConfig {
+            endpoint: "tcp://*:0".into(),
+            replay_endpoint: Some("tcp://*:0".into()),
+            max_queue_bytes: 1000,
+            ..Default::default()
+        })
+        .unwrap();
+        let (big, small) = {
+            // Holding the ring stalls the publisher thread once it has taken the first batch.
+            let _ring = p.shared.ring.lock();
+            let t = Instant::now();
+            p.publish_encoded(vec![0u8; 5000]).unwrap();
+            while !p.shared.queue.lock().is_empty() {
+                assert!(t.elapsed() < Duration::from_secs(10), "never drained");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // The thread now waits on the ring with one batch taken; the queue is empty.
+            let big = p.publish_encoded(vec![0u8; 5000]).is_ok();
+            let small = p.publish_encoded(vec![0u8; 10]).is_ok();
+            (big, small)
+        };
+        assert!(big, "an empty queue takes a batch over the byte bound");
+        assert!(!small, "a second batch past the bound is refused");
+        assert_eq!(p.stats().dropped, 1);
     }
 }

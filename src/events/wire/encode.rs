@@ -3,8 +3,8 @@
 use rmp::encode as w;
 
 use super::{
-    BlockHash, BlockStored, Encoding, EventBatch, ExtraField, FieldKey, KvEvent, Value,
-    STORED_LEGACY_ALWAYS,
+    BlockHash, BlockStored, BlockStoredRef, Encoding, EventBatch, ExtraField, FieldKey, HashRef,
+    HashesRef, KvEvent, Value, STORED_LEGACY_ALWAYS,
 };
 
 fn nil(out: &mut Vec<u8>) {
@@ -158,10 +158,105 @@ fn put_map_len(out: &mut Vec<u8>, n: usize) {
     }
 }
 
-fn put_opt_hash(out: &mut Vec<u8>, h: &Option<BlockHash>) {
+fn put_hash_ref(out: &mut Vec<u8>, h: HashRef<'_>) {
     match h {
-        Some(h) => put_hash(out, h),
+        HashRef::U64(v) => put_u64(out, v),
+        HashRef::I64(v) => {
+            let _ = w::write_sint(out, v);
+        }
+        HashRef::Bytes(b) => {
+            let _ = w::write_bin(out, b);
+        }
+    }
+}
+
+fn put_hashes_ref(out: &mut Vec<u8>, hs: HashesRef<'_>) {
+    match hs {
+        HashesRef::Any(hs) => put_hashes(out, hs),
+        HashesRef::U64(hs) => {
+            put_array_len(out, hs.len());
+            out.reserve(hs.len() * 9);
+            for &h in hs {
+                put_u64(out, h);
+            }
+        }
+        HashesRef::I64(hs) => {
+            put_array_len(out, hs.len());
+            out.reserve(hs.len() * 9);
+            for &h in hs {
+                let _ = w::write_sint(out, h);
+            }
+        }
+    }
+}
+
+fn put_opt_hash_ref(out: &mut Vec<u8>, h: Option<HashRef<'_>>) {
+    match h {
+        Some(h) => put_hash_ref(out, h),
         None => nil(out),
+    }
+}
+
+fn put_opt_str_ref(out: &mut Vec<u8>, s: Option<&str>) {
+    match s {
+        Some(s) => put_str(out, s),
+        None => nil(out),
+    }
+}
+
+/// A BlockStored's first seven fields (vLLM's required ones), map keys included in the current
+/// encoding: what owned and borrowed events share.
+fn put_stored_head(out: &mut Vec<u8>, s: &BlockStoredRef<'_>, enc: Encoding) {
+    match enc {
+        Encoding::Current => {
+            // The keys (and the tag) as constant runs of msgpack: one copy each instead of a
+            // string header and a copy per key.
+            out.extend_from_slice(b"\xa4type\xabBlockStored\xacblock_hashes");
+            put_hashes_ref(out, s.block_hashes);
+            out.extend_from_slice(b"\xb1parent_block_hash");
+            put_opt_hash_ref(out, s.parent_block_hash);
+            out.extend_from_slice(b"\xa9token_ids");
+            put_tokens(out, s.token_ids);
+            out.extend_from_slice(b"\xaablock_size");
+            put_u64(out, u64::from(s.block_size));
+            out.extend_from_slice(b"\xa7lora_id");
+            put_opt_sint(out, s.lora_id);
+            out.extend_from_slice(b"\xa6medium");
+            put_opt_str_ref(out, s.medium);
+            out.extend_from_slice(b"\xa9lora_name");
+            put_opt_str_ref(out, s.lora_name);
+        }
+        Encoding::Legacy => {
+            out.extend_from_slice(b"\xabBlockStored");
+            put_hashes_ref(out, s.block_hashes);
+            put_opt_hash_ref(out, s.parent_block_hash);
+            put_tokens(out, s.token_ids);
+            put_u64(out, u64::from(s.block_size));
+            put_opt_sint(out, s.lora_id);
+            put_opt_str_ref(out, s.medium);
+            put_opt_str_ref(out, s.lora_name);
+        }
+    }
+}
+
+/// Encodes a BlockStored given by reference (see [`BlockStoredRef`]): the same bytes as
+/// [`encode_event`] writes for a [`BlockStored`] with these fields and no others.
+pub fn encode_stored_ref(s: &BlockStoredRef<'_>, enc: Encoding, out: &mut Vec<u8>) {
+    match enc {
+        Encoding::Current => {
+            put_map_len(out, 8 + usize::from(s.group_idx.is_some()));
+            put_stored_head(out, s, enc);
+            put_field_uint(out, "group_idx", s.group_idx.map(u64::from));
+        }
+        Encoding::Legacy => {
+            // vLLM 0.23's eleven fields, nil when unset, as msgspec writes them.
+            put_array_len(out, 1 + STORED_LEGACY_ALWAYS);
+            put_stored_head(out, s, enc);
+            nil(out); // extra_keys
+            put_opt_uint(out, s.group_idx.map(u64::from));
+            nil(out); // kv_cache_spec_kind
+            nil(out); // kv_cache_spec_sliding_window
+        }
     }
 }
 
@@ -267,22 +362,7 @@ fn encode_stored_current(s: &BlockStored, out: &mut Vec<u8>) {
     ];
     let n = 8 + optional.iter().filter(|x| **x).count() + named(&s.extra).count();
     put_map_len(out, n);
-    // The keys (and the tag) as constant runs of msgpack: one copy each instead of a string
-    // header and a copy per key.
-    out.extend_from_slice(b"\xa4type\xabBlockStored\xacblock_hashes");
-    put_hashes(out, &s.block_hashes);
-    out.extend_from_slice(b"\xb1parent_block_hash");
-    put_opt_hash(out, &s.parent_block_hash);
-    out.extend_from_slice(b"\xa9token_ids");
-    put_tokens(out, &s.token_ids);
-    out.extend_from_slice(b"\xaablock_size");
-    put_u64(out, u64::from(s.block_size));
-    out.extend_from_slice(b"\xa7lora_id");
-    put_opt_sint(out, s.lora_id);
-    out.extend_from_slice(b"\xa6medium");
-    put_opt_str(out, &s.medium);
-    out.extend_from_slice(b"\xa9lora_name");
-    put_opt_str(out, &s.lora_name);
+    put_stored_head(out, &s.head(), Encoding::Current);
     if let Some(v) = &s.extra_keys {
         put_key(out, "extra_keys");
         v.encode(out);
@@ -322,15 +402,8 @@ fn encode_stored_legacy(s: &BlockStored, out: &mut Vec<u8>) {
         (s.cache_salt.is_some(), &|o| put_opt_str(o, &s.cache_salt)),
     ];
     let from = 1 + STORED_LEGACY_ALWAYS;
-    let _ = w::write_array_len(out, later_len(&later, &s.extra, from) as u32);
-    let _ = w::write_str(out, "BlockStored");
-    put_hashes(out, &s.block_hashes);
-    put_opt_hash(out, &s.parent_block_hash);
-    put_tokens(out, &s.token_ids);
-    let _ = w::write_uint(out, u64::from(s.block_size));
-    put_opt_sint(out, s.lora_id);
-    put_opt_str(out, &s.medium);
-    put_opt_str(out, &s.lora_name);
+    put_array_len(out, later_len(&later, &s.extra, from));
+    put_stored_head(out, &s.head(), Encoding::Legacy);
     put_opt_value(out, &s.extra_keys);
     put_opt_uint(out, s.group_idx.map(u64::from));
     put_opt_str(out, &s.kv_cache_spec_kind);

@@ -17,8 +17,9 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use kvlink::events::{
-    BlockHash, BlockStored, Encoding, EventBatch, KvEvent, Merger, MergerConfig, MergerInput,
-    Publisher, PublisherConfig, ReplayFormat, SubItem, Subscriber, SubscriberConfig,
+    BatchBuilder, BlockHash, BlockStored, BlockStoredRef, Encoding, EventBatch, HashRef, HashesRef,
+    KvEvent, Merger, MergerConfig, MergerInput, Publisher, PublisherConfig, ReplayFormat, SubItem,
+    Subscriber, SubscriberConfig,
 };
 
 const USAGE: &str = "\
@@ -47,6 +48,9 @@ publish   publish batches read as JSON lines on stdin (seq 0, 1, ...)
                         print a JSON summary line on stdout
   --events-per-batch N, --hashes-per-event N, --block-size N   synthetic shape [32, 16, 16]
   --start-delay-ms M    synthetic: wait before publishing (subscribers join)  [500]
+  --owned-events        synthetic: build an EventBatch of owned events per batch and
+                        publish it, instead of encoding each event from the pool's
+                        hashes and tokens in place (Publisher::builder)
 
 merge     re-publish several ranks' streams as one (global sequence, own replay)
   --input SPEC          ENDPOINT[,REPLAY][@DP_RANK], repeated once per rank   [required]
@@ -115,6 +119,7 @@ struct Opts {
     hashes_per_event: usize,
     block_size: u32,
     start_delay_ms: u64,
+    owned_events: bool,
     inputs: Vec<MergerInput>,
     duration_s: Option<f64>,
     keep_topics: bool,
@@ -168,6 +173,7 @@ impl Opts {
             hashes_per_event: 16,
             block_size: 16,
             start_delay_ms: 500,
+            owned_events: false,
             ..Default::default()
         };
         let mut it = args.iter();
@@ -186,6 +192,7 @@ impl Opts {
                 "--idle-exit" => o.idle_exit = Some(seconds(flag, &val()?)?),
                 "--replay-timeout-ms" => o.replay_timeout_ms = num(flag, &val()?)?,
                 "--quiet" => o.quiet = true,
+                "--owned-events" => o.owned_events = true,
                 "--dp-rank" => o.dp_rank = num(flag, &val()?)?,
                 "--encoding" => {
                     o.encoding = match val()?.as_str() {
@@ -383,6 +390,26 @@ impl Synthetic {
         }
     }
 
+    /// The batch encoded event by event from the pool (what an engine holding its hashes and
+    /// tokens does: nothing is copied into owned events).
+    fn build(&self, p: &Publisher) -> BatchBuilder {
+        let mut b = p.builder(json::now());
+        for i in 0..self.hashes.len() {
+            b.push_stored(&BlockStoredRef {
+                block_hashes: HashesRef::U64(&self.hashes[i]),
+                parent_block_hash: Some(HashRef::U64(self.parents[i])),
+                token_ids: &self.tokens[i],
+                block_size: self.block_size,
+                lora_id: None,
+                medium: Some("GPU"),
+                lora_name: None,
+                group_idx: None,
+            });
+        }
+        b
+    }
+
+    /// The batch as owned events.
     fn batch(&self) -> EventBatch {
         let events = (0..self.hashes.len())
             .map(|i| {
@@ -418,8 +445,12 @@ fn publish(o: Opts) -> Result<(), String> {
         let cpu = cpu::seconds();
         let t = Instant::now();
         for _ in 0..n {
-            p.publish_timeout(w.batch(), wait)
-                .map_err(|e| e.to_string())?;
+            if o.owned_events {
+                p.publish_timeout(w.batch(), wait)
+            } else {
+                p.publish_built_timeout(w.build(&p), Some(0), wait)
+            }
+            .map_err(|e| e.to_string())?;
         }
         let s = p.close(Duration::from_secs(60));
         let secs = t.elapsed().as_secs_f64();
