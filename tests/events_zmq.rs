@@ -325,3 +325,167 @@ fn malformed_payloads_and_hostile_peers_lose_nothing() {
     let st = p.stats();
     assert_eq!((st.bad_replay_requests, st.replay_requests), (1, 1));
 }
+
+/// A raw ZMTP peer for the publisher's own PUB side: writes frames and commands, reads them
+/// back one at a time.
+struct RawPeer(std::net::TcpStream);
+
+impl RawPeer {
+    fn connect(ep: &str, socket_type: &str) -> RawPeer {
+        let addr = ep
+            .trim_start_matches("tcp://")
+            .replace("0.0.0.0", "127.0.0.1");
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(LIMIT)).unwrap();
+        let mut greeting = vec![0u8; 64];
+        greeting[0] = 0xFF;
+        greeting[9] = 0x7F;
+        greeting[10] = 3;
+        greeting[11] = 1; // ZMTP 3.1: subscriptions as commands
+        greeting[12..16].copy_from_slice(b"NULL");
+        s.write_all(&greeting).unwrap();
+        let mut props = vec![11];
+        props.extend_from_slice(b"Socket-Type");
+        props.extend((socket_type.len() as u32).to_be_bytes());
+        props.extend_from_slice(socket_type.as_bytes());
+        let mut p = RawPeer(s);
+        p.command(b"READY", &props);
+        let mut theirs = [0u8; 64];
+        p.0.read_exact(&mut theirs).unwrap();
+        assert_eq!((theirs[0], theirs[9], theirs[10]), (0xFF, 0x7F, 3));
+        assert_eq!(&theirs[12..16], b"NULL");
+        p
+    }
+
+    fn command(&mut self, name: &[u8], data: &[u8]) {
+        let mut body = vec![name.len() as u8];
+        body.extend_from_slice(name);
+        body.extend_from_slice(data);
+        let mut f = vec![0x04, body.len() as u8];
+        f.extend(body);
+        self.0.write_all(&f).unwrap();
+    }
+
+    /// The next frame: (flags, body); `None` when the connection closed.
+    fn frame(&mut self) -> Option<(u8, Vec<u8>)> {
+        let mut flags = [0u8; 1];
+        if self.0.read(&mut flags).ok()? == 0 {
+            return None;
+        }
+        let len = if flags[0] & 0x02 != 0 {
+            let mut b = [0u8; 8];
+            self.0.read_exact(&mut b).ok()?;
+            u64::from_be_bytes(b) as usize
+        } else {
+            let mut b = [0u8; 1];
+            self.0.read_exact(&mut b).ok()?;
+            usize::from(b[0])
+        };
+        let mut body = vec![0u8; len];
+        self.0.read_exact(&mut body).ok()?;
+        Some((flags[0], body))
+    }
+}
+
+/// The publisher's own PUB side serves any ZMTP 3 subscriber: its READY names it a PUB, ZMTP
+/// 3.1 SUBSCRIBE commands select topics, a PING gets its PONG, messages arrive as three frames
+/// (topic, sequence, payload); a socket of another type is refused.
+#[test]
+fn raw_zmtp_subscribers_are_served_and_other_sockets_refused() {
+    let p = publisher(|c| c.topic = "kv@pod@model".into());
+    let mut peer = RawPeer::connect(p.endpoint(), "SUB");
+    let (flags, ready) = peer.frame().unwrap();
+    assert_eq!(flags, 0x04, "a command");
+    assert!(ready.starts_with(b"\x05READY"));
+    assert!(ready.windows(3).any(|w| w == b"PUB"), "{ready:?}");
+    peer.command(b"SUBSCRIBE", b"kv@");
+    peer.command(b"PING", b"\x00\x0aping-ctx");
+    let (flags, pong) = peer.frame().unwrap();
+    assert_eq!((flags, pong.as_slice()), (0x04, &b"\x04PONGping-ctx"[..]));
+    // The PONG came after the subscription was read: batches published now reach the peer.
+    p.publish(batch(0)).unwrap();
+    let (f1, topic) = peer.frame().unwrap();
+    let (f2, seq) = peer.frame().unwrap();
+    let (f3, payload) = peer.frame().unwrap();
+    assert_eq!((f1, f2, f3 & 0x01), (0x01, 0x01, 0x00));
+    assert_eq!(topic, b"kv@pod@model");
+    assert_eq!(seq, 0u64.to_be_bytes());
+    assert_eq!(
+        kvlink::events::decode_batch(&payload).unwrap().batch,
+        batch(0)
+    );
+
+    // A peer subscribed to another prefix gets nothing; one that cancels stops getting more.
+    let mut other = RawPeer::connect(p.endpoint(), "SUB");
+    other.frame().unwrap(); // READY
+    other.command(b"SUBSCRIBE", b"zz");
+    other.command(b"PING", b"\x00\x0a1");
+    assert_eq!(other.frame().unwrap().1, b"\x04PONG1");
+    p.publish(batch(1)).unwrap();
+    let seq1 = [peer.frame(), peer.frame(), peer.frame()][1]
+        .clone()
+        .unwrap()
+        .1;
+    assert_eq!(seq1, 1u64.to_be_bytes());
+    other.command(b"PING", b"\x00\x0a2");
+    assert_eq!(
+        other.frame().unwrap().1,
+        b"\x04PONG2",
+        "the other prefix got no message"
+    );
+
+    // A DEALER is not a subscriber: the connection is closed after the handshake.
+    let mut dealer = RawPeer::connect(p.endpoint(), "DEALER");
+    let end = Instant::now() + LIMIT;
+    while dealer.frame().is_some() {
+        assert!(Instant::now() < end, "connection never closed");
+    }
+}
+
+/// A subscriber that takes nothing loses messages past its high-water mark (counted), rather
+/// than growing the publisher's memory or holding up the others; what it reads later is whole
+/// messages, in order.
+#[test]
+fn a_stalled_subscriber_loses_messages_past_its_bound() {
+    let p = publisher(|c| {
+        c.subscriber_hwm = 8;
+        c.subscriber_hwm_bytes = 1 << 20;
+        c.max_queue_bytes = 1 << 30;
+    });
+    let rt = rt();
+    let mut sub = rt.block_on(Subscriber::connect(sub_config(&p))).unwrap();
+    let mut stalled = RawPeer::connect(p.endpoint(), "SUB");
+    stalled.frame().unwrap(); // READY
+    stalled.command(b"SUBSCRIBE", b"");
+    stalled.command(b"PING", b"\x00\x0aready");
+    assert_eq!(stalled.frame().unwrap().1, b"\x04PONGready");
+    std::thread::sleep(Duration::from_millis(200));
+    // 64 MiB toward a peer that reads nothing: far past the kernel's buffers and the bound.
+    let payload = vec![0xC0u8; 256 << 10];
+    for _ in 0..256 {
+        p.publish_encoded(payload.clone()).unwrap();
+    }
+    let end = Instant::now() + LIMIT;
+    while p.stats().published < 256 {
+        assert!(Instant::now() < end, "the publisher stalled");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let drops = p.stats().subscriber_drops;
+    assert!(
+        drops > 100,
+        "only {drops} messages dropped toward the stalled peer"
+    );
+    // The live subscriber got every one of them meanwhile.
+    let got = rt.block_on(take_until(&mut sub, |g| g.len() >= 256));
+    assert_eq!(got.len(), 256);
+    // The stalled peer now reads whole messages in order, then nothing past its bound.
+    let mut last = None;
+    for _ in 0..3 {
+        let (_, seq) = [stalled.frame(), stalled.frame(), stalled.frame()][1]
+            .clone()
+            .unwrap();
+        let seq = u64::from_be_bytes(seq.try_into().unwrap());
+        assert!(last.is_none_or(|l| seq > l), "in order");
+        last = Some(seq);
+    }
+}

@@ -12,6 +12,7 @@
 
 mod aggregate;
 mod endpoint;
+mod fanout;
 mod guard;
 mod merger;
 /// The bounded msgpack reader under the event decoders (for fuzzing and tests).
@@ -22,6 +23,7 @@ mod publisher;
 mod sequence;
 mod subscriber;
 mod wire;
+mod zmtp;
 
 pub use aggregate::{TpAggregator, TpStats};
 pub use endpoint::{resolve as resolve_endpoint, Attach, ResolvedEndpoint};

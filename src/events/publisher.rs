@@ -39,8 +39,9 @@ use parking_lot::{Condvar, Mutex};
 use tokio::runtime::Runtime;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
-use zeromq::{PubSocket, RouterSocket, Socket};
+use zeromq::{RouterSocket, Socket};
 
+use super::fanout::QueueBound;
 use super::guard::{Limits, PrivateDir};
 use super::sequence::ReplayRing;
 use super::wire::{encode_batch, Encoding, EventBatch};
@@ -50,7 +51,7 @@ pub use batch::BatchBuilder;
 use pool::BufferPool;
 use queue::publish_loop;
 use replay::serve_replay;
-use sockets::attach;
+use sockets::{attach, attach_pub, PubSink};
 
 /// The sequence value that marks the end of a replay answer.
 pub const REPLAY_END: u64 = u64::MAX;
@@ -96,6 +97,12 @@ pub struct PublisherConfig {
     pub max_inbound_frame: u64,
     /// Most network connections to the bound sockets at once.
     pub max_connections: usize,
+    /// Messages waiting toward one subscriber of a bound tcp endpoint before it loses the
+    /// next ones (ZeroMQ's SNDHWM; vLLM's default).
+    pub subscriber_hwm: usize,
+    /// Bytes waiting toward one subscriber of a bound tcp endpoint before it loses the next
+    /// messages.
+    pub subscriber_hwm_bytes: usize,
 }
 
 impl Default for PublisherConfig {
@@ -114,6 +121,8 @@ impl Default for PublisherConfig {
             replay_send_timeout: Duration::from_secs(5),
             max_inbound_frame: 64 << 10,
             max_connections: 1024,
+            subscriber_hwm: 100_000,
+            subscriber_hwm_bytes: 256 << 20,
         }
     }
 }
@@ -137,6 +146,10 @@ pub struct PublisherStats {
     pub bad_replay_requests: u64,
     /// Replay answers cut short (the requester did not take them in time).
     pub replay_timeouts: u64,
+    /// Messages a subscriber of a bound tcp endpoint lost because its queue was full
+    /// ([`PublisherConfig::subscriber_hwm`] messages or `subscriber_hwm_bytes`, as a ZeroMQ
+    /// PUB at its high-water mark), summed over subscribers.
+    pub subscriber_drops: u64,
 }
 
 /// A batch waiting to be numbered and sent: its payload, with its own topic or the publisher's.
@@ -153,6 +166,7 @@ struct Counters {
     replayed_batches: AtomicU64,
     bad_replay_requests: AtomicU64,
     replay_timeouts: AtomicU64,
+    subscriber_drops: AtomicU64,
 }
 
 struct Shared {
@@ -204,9 +218,9 @@ pub struct Publisher {
     endpoint: String,
     replay_endpoint: Option<String>,
     tasks: Vec<JoinHandle<()>>,
-    publish_task: Option<JoinHandle<PubSocket>>,
+    publish_task: Option<JoinHandle<PubSink>>,
     /// The PUB socket after `close`, kept open (its queues still draining) until drop.
-    closed_socket: Option<PubSocket>,
+    closed_socket: Option<PubSink>,
     runtime: Option<Runtime>,
     _dir: PrivateDir,
 }
@@ -275,18 +289,12 @@ impl Publisher {
             counters: Counters::default(),
         });
         let mut tasks = Vec::new();
-        let mut pub_socket = PubSocket::new();
-        let (endpoint, front) = attach(
-            &mut pub_socket,
-            &cfg.endpoint,
-            cfg.dp_rank,
-            false,
-            &dir,
-            "pub",
-            limits,
-        )
-        .await?;
-        tasks.extend(front);
+        let bound = QueueBound {
+            messages: cfg.subscriber_hwm.max(1),
+            bytes: cfg.subscriber_hwm_bytes,
+        };
+        let (endpoint, pub_socket) =
+            attach_pub(&cfg.endpoint, cfg.dp_rank, &dir, limits, bound).await?;
         let topic = Bytes::from(cfg.topic.clone().into_bytes());
         let mut replay_endpoint = None;
         if let Some(ep) = &cfg.replay_endpoint {
@@ -523,6 +531,7 @@ impl Publisher {
             replayed_batches: c.replayed_batches.load(Ordering::Relaxed),
             bad_replay_requests: c.bad_replay_requests.load(Ordering::Relaxed),
             replay_timeouts: c.replay_timeouts.load(Ordering::Relaxed),
+            subscriber_drops: c.subscriber_drops.load(Ordering::Relaxed),
         }
     }
 

@@ -6,16 +6,16 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use zeromq::{PubSocket, SocketSend, ZmqMessage};
 
+use super::sockets::PubSink;
 use super::{Item, Shared};
 
 pub(super) async fn publish_loop(
     shared: Arc<Shared>,
-    mut socket: PubSocket,
+    mut socket: PubSink,
     topic: Bytes,
     keep_for_replay: bool,
-) -> PubSocket {
+) -> PubSink {
     let mut local = VecDeque::new();
     let mut seq = 0u64;
     loop {
@@ -44,14 +44,12 @@ pub(super) async fn publish_loop(
                     .lock()
                     .push_sized(seq, (item_topic.clone(), payload.clone()), size);
             }
-            let frames = vec![
-                item_topic,
-                Bytes::copy_from_slice(&seq.to_be_bytes()),
-                payload,
-            ];
-            let msg = ZmqMessage::try_from(frames).expect("three frames");
-            if let Err(e) = socket.send(msg).await {
-                tracing::warn!(seq, "KV-event PUB send failed: {e}");
+            let lost = socket.send(item_topic, seq, payload).await;
+            if lost > 0 {
+                shared
+                    .counters
+                    .subscriber_drops
+                    .fetch_add(lost, Ordering::Relaxed);
             }
             seq += 1;
             shared.counters.published.fetch_add(1, Ordering::Relaxed);

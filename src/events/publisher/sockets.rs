@@ -1,12 +1,82 @@
 //! Binding or connecting the publisher's sockets by vLLM's endpoint rules; bound TCP endpoints
 //! are served through the frame guard.
 
+use bytes::Bytes;
 use tokio::task::JoinHandle;
-use zeromq::Socket;
+use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
 use crate::events::endpoint::{self, Attach};
+use crate::events::fanout::{Fanout, QueueBound};
 use crate::events::guard::{self, Limits, PrivateDir};
 use crate::events::EventsError;
+
+/// Where the publish loop sends: the publisher's own PUB side for a bound tcp endpoint
+/// ([`Fanout`]: payloads written from their own memory), the `zeromq` crate's PUB socket for
+/// ipc endpoints and connected ones.
+pub(super) enum PubSink {
+    Fanout(Fanout),
+    Zmq(PubSocket),
+}
+
+impl PubSink {
+    /// Sends `[topic, seq, payload]`; returns how many subscribers lost it to a full queue
+    /// (known for the publisher's own PUB side only).
+    pub(super) async fn send(&mut self, topic: Bytes, seq: u64, payload: Bytes) -> u64 {
+        match self {
+            PubSink::Fanout(f) => f.send(&topic, seq, payload),
+            PubSink::Zmq(s) => {
+                let frames = vec![topic, Bytes::copy_from_slice(&seq.to_be_bytes()), payload];
+                let msg = ZmqMessage::try_from(frames).expect("three frames");
+                if let Err(e) = s.send(msg).await {
+                    tracing::warn!(seq, "KV-event PUB send failed: {e}");
+                }
+                0
+            }
+        }
+    }
+}
+
+/// Binds or connects the live PUB endpoint following vLLM's rules; returns the endpoint peers
+/// use (the real port when 0 was asked) and the socket.
+pub(super) async fn attach_pub(
+    endpoint: &str,
+    dp_rank: u32,
+    dir: &PrivateDir,
+    limits: Limits,
+    bound: QueueBound,
+) -> Result<(String, PubSink), EventsError> {
+    let r = endpoint::resolve(endpoint, dp_rank)?;
+    if r.attach == Attach::Bind && !r.endpoint.starts_with("ipc://") {
+        let (listener, local) = listen(&r.endpoint).await?;
+        return Ok((
+            format!("tcp://{local}"),
+            PubSink::Fanout(Fanout::start(listener, limits, bound)),
+        ));
+    }
+    let mut socket = PubSocket::new();
+    let (resolved, front) =
+        attach(&mut socket, endpoint, dp_rank, false, dir, "pub", limits).await?;
+    debug_assert!(front.is_none(), "only bound tcp endpoints are fronted");
+    Ok((resolved, PubSink::Zmq(socket)))
+}
+
+/// Binds a tcp listener for `endpoint`; returns it and its local address.
+async fn listen(
+    endpoint: &str,
+) -> Result<(tokio::net::TcpListener, std::net::SocketAddr), EventsError> {
+    let addr = endpoint::tcp_listen_addr(endpoint)?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| EventsError::Io {
+            context: format!("binding {endpoint} ({addr})"),
+            source,
+        })?;
+    let local = listener.local_addr().map_err(|source| EventsError::Io {
+        context: "reading the bound address".into(),
+        source,
+    })?;
+    Ok((listener, local))
+}
 
 fn zmq_err(context: String) -> impl FnOnce(zeromq::ZmqError) -> EventsError {
     move |source| EventsError::Zmq { context, source }
@@ -39,17 +109,7 @@ pub(super) async fn attach<S: Socket>(
             .map_err(zmq_err(format!("binding {}", r.endpoint)))?;
         return Ok((r.endpoint, None));
     }
-    let addr = endpoint::tcp_listen_addr(&r.endpoint)?;
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|source| EventsError::Io {
-            context: format!("binding {} ({addr})", r.endpoint),
-            source,
-        })?;
-    let local = listener.local_addr().map_err(|source| EventsError::Io {
-        context: "reading the bound address".into(),
-        source,
-    })?;
+    let (listener, local) = listen(&r.endpoint).await?;
     let path = dir.path(name);
     socket
         .bind(&guard::ipc_endpoint(&path))

@@ -63,11 +63,6 @@ merge     re-publish several ranks' streams as one (global sequence, own replay)
   --duration-s S        stop after S seconds                                  [run until killed]
 ";
 
-/// Events are many small allocations freed in bulk: mimalloc serves them without glibc's
-/// consolidation passes (see docs/benchmarks.md).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 fn main() -> ExitCode {
     let level = std::env::var("KVLINK_LOG")
         .ok()

@@ -223,7 +223,7 @@ impl EventPublisher {
     }
 
     /// Counters: `published`, `dropped`, `queued`, `next_seq`, `replay_requests`,
-    /// `replayed_batches`, `bad_replay_requests`, `replay_timeouts`.
+    /// `replayed_batches`, `bad_replay_requests`, `replay_timeouts`, `subscriber_drops`.
     fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
         let guard = self.inner.lock().expect("publisher lock");
         let p = guard
@@ -272,6 +272,7 @@ fn pub_stats(py: Python<'_>, s: kvlink_core::events::PublisherStats) -> PyResult
     d.set_item("replayed_batches", s.replayed_batches)?;
     d.set_item("bad_replay_requests", s.bad_replay_requests)?;
     d.set_item("replay_timeouts", s.replay_timeouts)?;
+    d.set_item("subscriber_drops", s.subscriber_drops)?;
     Ok(d.unbind())
 }
 

@@ -1,0 +1,347 @@
+//! The publisher's PUB side of a bound tcp endpoint, written for its data path: each
+//! subscriber's connection is served here directly (ZMTP 3, NULL mechanism; `zmtp`), and each
+//! published message is written to it from the payload's own memory with one vectored write,
+//! shared by every subscriber (the `zeromq` crate, behind the frame guard's relay, copied each
+//! payload three more times and woke three tasks per message). Inbound bytes go through the
+//! same frame guard check ([`Check`]) as the relayed sockets.
+//!
+//! PUB semantics: a message goes to the subscribers whose subscriptions match its topic and
+//! that completed the handshake; a subscriber whose queue is full (messages or bytes) loses
+//! the message, counted, as a ZeroMQ PUB at its high-water mark drops; one that takes nothing
+//! for `Limits::stall` is cut off.
+
+use std::collections::VecDeque;
+use std::io::{self, IoSlice};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, Semaphore};
+use tokio::task::JoinHandle;
+
+use super::guard::{Check, Limits};
+use super::zmtp::{self, Incoming, Parser, Subscriptions};
+
+/// How much may wait toward one subscriber before it loses messages.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct QueueBound {
+    /// Messages (ZeroMQ's SNDHWM).
+    pub messages: usize,
+    /// Bytes of frames.
+    pub bytes: usize,
+}
+/// Most messages handed to the kernel in one vectored write.
+const WRITE_BATCH: usize = 64;
+
+/// One published message, shared by every subscriber's queue.
+struct Message {
+    /// Topic and sequence frames, and the payload frame's header.
+    prefix: Bytes,
+    payload: Bytes,
+}
+
+enum Out {
+    Message(Arc<Message>),
+    /// A command frame (PONG).
+    Command(Bytes),
+}
+
+impl Out {
+    fn len(&self) -> usize {
+        match self {
+            Out::Message(m) => m.prefix.len() + m.payload.len(),
+            Out::Command(c) => c.len(),
+        }
+    }
+}
+
+/// One subscriber's state, shared by its connection task and the publishing side.
+struct Peer {
+    bound: QueueBound,
+    /// Subscriptions in force (and whether its handshake completed: no message before).
+    subscriptions: Mutex<Option<Subscriptions>>,
+    queue: Mutex<Queue>,
+    wake: Notify,
+}
+
+#[derive(Default)]
+struct Queue {
+    items: VecDeque<Out>,
+    bytes: usize,
+}
+
+impl Peer {
+    /// Queues `out` unless the queue is full (returns whether it was queued).
+    fn push(&self, out: Out) -> bool {
+        let mut q = self.queue.lock();
+        if q.items.len() >= self.bound.messages || q.bytes + out.len() > self.bound.bytes {
+            return false;
+        }
+        q.bytes += out.len();
+        q.items.push_back(out);
+        drop(q);
+        self.wake.notify_one();
+        true
+    }
+}
+
+#[derive(Default)]
+struct Shared {
+    peers: Mutex<Vec<Arc<Peer>>>,
+    /// Set when the PUB side is dropped: connection tasks end.
+    closed: AtomicBool,
+    close: Notify,
+}
+
+/// The PUB side of one bound tcp endpoint.
+pub(crate) struct Fanout {
+    shared: Arc<Shared>,
+    accept: JoinHandle<()>,
+}
+
+impl Fanout {
+    /// Serves subscribers connecting to `listener`.
+    pub(crate) fn start(listener: TcpListener, limits: Limits, bound: QueueBound) -> Fanout {
+        let shared = Arc::new(Shared::default());
+        let accept = tokio::spawn(accept_loop(listener, limits, bound, shared.clone()));
+        Fanout { shared, accept }
+    }
+
+    /// Queues the message `[topic, seq, payload]` toward every subscriber whose subscriptions
+    /// match `topic`; never waits. Returns how many subscribers lost it to a full queue.
+    pub(crate) fn send(&self, topic: &[u8], seq: u64, payload: Bytes) -> u64 {
+        let peers = self.shared.peers.lock().clone();
+        let mut message = None;
+        let mut dropped = 0;
+        for p in peers {
+            let wanted = p
+                .subscriptions
+                .lock()
+                .as_ref()
+                .is_some_and(|s| s.matches(topic));
+            if !wanted {
+                continue;
+            }
+            let m = message
+                .get_or_insert_with(|| {
+                    Arc::new(Message {
+                        prefix: Bytes::from(zmtp::message_prefix(topic, seq, payload.len())),
+                        payload: payload.clone(),
+                    })
+                })
+                .clone();
+            if !p.push(Out::Message(m)) {
+                dropped += 1;
+            }
+        }
+        dropped
+    }
+}
+
+impl Drop for Fanout {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.shared.closed.store(true, Ordering::Release);
+        self.shared.close.notify_waiters();
+        for p in self.shared.peers.lock().iter() {
+            p.wake.notify_one();
+        }
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    limits: Limits,
+    bound: QueueBound,
+    shared: Arc<Shared>,
+) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    loop {
+        let (tcp, addr) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!("accept on the KV-event endpoint failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::warn!(peer = %addr, "too many ZeroMQ connections; closing this one");
+            continue;
+        };
+        let _ = tcp.set_nodelay(true);
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            let peer = Arc::new(Peer {
+                bound,
+                subscriptions: Mutex::new(None),
+                queue: Mutex::new(Queue::default()),
+                wake: Notify::new(),
+            });
+            shared.peers.lock().push(peer.clone());
+            let why = serve(tcp, &peer, limits, &shared).await;
+            shared.peers.lock().retain(|p| !Arc::ptr_eq(p, &peer));
+            match why {
+                Ok(()) => tracing::debug!(peer = %addr, "KV-event subscriber left"),
+                Err(why) => tracing::warn!(peer = %addr, "KV-event subscriber cut off: {why}"),
+            }
+        });
+    }
+}
+
+/// Serves one subscriber until it leaves, misbehaves or stalls, or the PUB side closes.
+async fn serve(tcp: TcpStream, peer: &Peer, limits: Limits, shared: &Shared) -> Result<(), String> {
+    let (mut rd, mut wr) = tcp.into_split();
+    let mut hello = zmtp::greeting().to_vec();
+    hello.extend(zmtp::ready("PUB"));
+    tokio::time::timeout(limits.handshake, wr.write_all(&hello))
+        .await
+        .map_err(|_| "the greeting could not be sent in time".to_string())?
+        .map_err(|e| e.to_string())?;
+    let inbound = async {
+        let mut check = Check::new(limits);
+        let mut parser = Parser::default();
+        let mut buf = vec![0u8; 4096];
+        let deadline = tokio::time::Instant::now() + limits.handshake;
+        let mut ready = false;
+        loop {
+            let n = if ready {
+                rd.read(&mut buf).await
+            } else {
+                tokio::time::timeout_at(deadline, rd.read(&mut buf))
+                    .await
+                    .map_err(|_| format!("no ZMTP handshake within {:?}", limits.handshake))?
+            }
+            .map_err(|e| e.to_string())?;
+            if n == 0 {
+                return Ok(());
+            }
+            check.feed(&buf[..n])?;
+            parser.feed(&buf[..n]);
+            while let Some(unit) = parser.next()? {
+                match &unit {
+                    Incoming::Greeting {
+                        major, mechanism, ..
+                    } => {
+                        if *major < 3 || mechanism != b"NULL" {
+                            return Err(format!(
+                                "ZMTP {major} with mechanism {:?} (3 with NULL expected)",
+                                String::from_utf8_lossy(mechanism)
+                            ));
+                        }
+                    }
+                    Incoming::Command { name, data } if name == b"READY" => {
+                        let props = zmtp::properties(data)?;
+                        let ty = props
+                            .iter()
+                            .find(|(k, _)| k.eq_ignore_ascii_case(b"Socket-Type"))
+                            .map(|(_, v)| v.as_slice());
+                        if !matches!(ty, Some(b"SUB" | b"XSUB")) {
+                            return Err(format!(
+                                "a {:?} socket connected to a PUB",
+                                ty.map(String::from_utf8_lossy)
+                            ));
+                        }
+                        ready = true;
+                        *peer.subscriptions.lock() = Some(Subscriptions::default());
+                    }
+                    Incoming::Command { name, data } if name == b"PING" => {
+                        // PING: TTL (2 bytes), then a context echoed in the PONG.
+                        let context = data.get(2..).unwrap_or_default();
+                        // Dropped like a message when the queue is full: a peer that pings and
+                        // takes nothing grows no memory here.
+                        peer.push(Out::Command(Bytes::from(zmtp::pong(context))));
+                    }
+                    Incoming::Command { name, .. } if name == b"ERROR" => {
+                        return Err("the subscriber sent ERROR".into());
+                    }
+                    _ => {
+                        if let Some(subs) = peer.subscriptions.lock().as_mut() {
+                            subs.apply(&unit)?;
+                        }
+                    }
+                }
+            }
+        }
+    };
+    let outbound = write_loop(&mut wr, peer, limits.stall, shared);
+    let closed = async {
+        loop {
+            // Made before the flag is read, so a close between the two is not missed.
+            let woken = shared.close.notified();
+            if shared.closed.load(Ordering::Acquire) {
+                break;
+            }
+            woken.await;
+        }
+    };
+    tokio::select! {
+        r = inbound => r,
+        r = outbound => r,
+        _ = closed => Ok(()),
+    }
+}
+
+/// Writes what is queued toward the subscriber, up to [`WRITE_BATCH`] messages per vectored
+/// write, each payload from its own memory.
+async fn write_loop<W: AsyncWrite + Unpin>(
+    wr: &mut W,
+    peer: &Peer,
+    stall: Duration,
+    shared: &Shared,
+) -> Result<(), String> {
+    let mut batch: Vec<Out> = Vec::with_capacity(WRITE_BATCH);
+    loop {
+        {
+            let mut q = peer.queue.lock();
+            while batch.len() < WRITE_BATCH {
+                let Some(o) = q.items.pop_front() else { break };
+                q.bytes -= o.len();
+                batch.push(o);
+            }
+        }
+        if batch.is_empty() {
+            if shared.closed.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            peer.wake.notified().await;
+            continue;
+        }
+        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * batch.len());
+        for o in &batch {
+            match o {
+                Out::Message(m) => {
+                    slices.push(IoSlice::new(&m.prefix));
+                    slices.push(IoSlice::new(&m.payload));
+                }
+                Out::Command(c) => slices.push(IoSlice::new(c)),
+            }
+        }
+        tokio::time::timeout(stall, write_all_vectored(wr, &mut slices))
+            .await
+            .map_err(|_| format!("the subscriber took nothing for {stall:?}"))?
+            .map_err(|e| e.to_string())?;
+        drop(slices);
+        batch.clear();
+    }
+}
+
+async fn write_all_vectored<W: AsyncWrite + Unpin>(
+    wr: &mut W,
+    mut bufs: &mut [IoSlice<'_>],
+) -> io::Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        let n = wr.write_vectored(bufs).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut bufs, n);
+    }
+    Ok(())
+}
