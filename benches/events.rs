@@ -100,21 +100,30 @@ fn end_to_end(c: &mut Criterion) {
             bn.iter_custom(|iters| {
                 let t = Instant::now();
                 let mut got = 0;
-                rt.block_on(async {
-                    for _ in 0..iters {
-                        p.publish_timeout(b.clone(), Duration::from_secs(10))
-                            .unwrap();
-                    }
-                    while got < iters {
-                        match sub.next(Duration::from_secs(10)).await.unwrap() {
-                            Some(SubItem::Batch { batch, .. }) => {
-                                black_box(batch);
-                                got += 1;
-                            }
-                            Some(_) => {}
-                            None => panic!("end-to-end bench: a batch never arrived"),
+                // Published from another thread while this one receives: a subscriber that
+                // read nothing until everything was published would fill its queue at the
+                // publisher (bounded, as a ZeroMQ high-water mark) and lose batches.
+                std::thread::scope(|s| {
+                    s.spawn(|| {
+                        for _ in 0..iters {
+                            p.publish_timeout(b.clone(), Duration::from_secs(10))
+                                .unwrap();
                         }
-                    }
+                    });
+                    rt.block_on(async {
+                        while got < iters {
+                            match sub.next(Duration::from_secs(10)).await.unwrap() {
+                                Some(SubItem::Batch { batch, .. }) => {
+                                    black_box(batch);
+                                    got += 1;
+                                }
+                                Some(other) => {
+                                    panic!("end-to-end bench: {other:?} instead of a batch")
+                                }
+                                None => panic!("end-to-end bench: a batch never arrived"),
+                            }
+                        }
+                    });
                 });
                 t.elapsed()
             })

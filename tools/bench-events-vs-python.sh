@@ -63,8 +63,10 @@ for shape in $shapes; do
     read -r a b ac bc < <(once "$py" "$repo/tools/bench_events_python.py" --endpoint "tcp://127.0.0.1:$port" \
       --batches "$batches" --events-per-batch "$epb" --hashes-per-event "$hpe")
     py_pub+=("$a"); py_e2e+=("$b"); py_cpu+=("$ac"); py_rcpu+=("$bc")
+    # The subscriber's queue at the publisher bounded by messages only, as libzmq's (pyzmq's)
+    # high-water mark is: the run is as long as BATCHES makes it, and nothing may be lost.
     read -r c d cc dc < <(once "$tool" publish --endpoint "tcp://*:$port" --synthetic "$batches" \
-      --events-per-batch "$epb" --hashes-per-event "$hpe" --linger-ms 3000)
+      --events-per-batch "$epb" --hashes-per-event "$hpe" --linger-ms 3000 --subscriber-hwm-mib 65536)
     kv_pub+=("$c"); kv_e2e+=("$d"); kv_cpu+=("$cc"); kv_rcpu+=("$dc")
     printf 'shape %-6s round %d: python publisher %9s entries/s (received %9s; CPU ns/entry: publisher %6s, receiver %6s); kvlink publisher %9s (received %9s; CPU %6s, %6s)\n' \
       "$shape" "$r" "$a" "$b" "$ac" "$bc" "$c" "$d" "$cc" "$dc"

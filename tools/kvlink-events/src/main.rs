@@ -48,6 +48,8 @@ publish   publish batches read as JSON lines on stdin (seq 0, 1, ...)
                         print a JSON summary line on stdout
   --events-per-batch N, --hashes-per-event N, --block-size N   synthetic shape [32, 16, 16]
   --start-delay-ms M    synthetic: wait before publishing (subscribers join)  [500]
+  --subscriber-hwm-mib M  bytes queued toward one subscriber before it loses
+                        messages, in MiB (the message bound is vLLM's 100,000)  [256]
   --owned-events        synthetic: build an EventBatch of owned events per batch and
                         publish it, instead of encoding each event from the pool's
                         hashes and tokens in place (Publisher::builder)
@@ -115,6 +117,7 @@ struct Opts {
     block_size: u32,
     start_delay_ms: u64,
     owned_events: bool,
+    subscriber_hwm_mib: usize,
     inputs: Vec<MergerInput>,
     duration_s: Option<f64>,
     keep_topics: bool,
@@ -169,6 +172,7 @@ impl Opts {
             block_size: 16,
             start_delay_ms: 500,
             owned_events: false,
+            subscriber_hwm_mib: 256,
             ..Default::default()
         };
         let mut it = args.iter();
@@ -188,6 +192,7 @@ impl Opts {
                 "--replay-timeout-ms" => o.replay_timeout_ms = num(flag, &val()?)?,
                 "--quiet" => o.quiet = true,
                 "--owned-events" => o.owned_events = true,
+                "--subscriber-hwm-mib" => o.subscriber_hwm_mib = num(flag, &val()?)?,
                 "--dp-rank" => o.dp_rank = num(flag, &val()?)?,
                 "--encoding" => {
                     o.encoding = match val()?.as_str() {
@@ -232,6 +237,7 @@ impl Opts {
             encoding: self.encoding,
             replay_format: self.replay_format,
             buffer_steps: self.buffer_steps,
+            subscriber_hwm_bytes: self.subscriber_hwm_mib.saturating_mul(1 << 20),
             ..Default::default()
         }
     }
