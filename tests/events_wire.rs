@@ -398,6 +398,37 @@ proptest! {
     }
 }
 
+/// Token ids in forms other than the compact unsigned ones (signed forms of non-negative values,
+/// 64-bit), alone and between compact ones, decode to the same ids.
+#[test]
+fn token_ids_in_any_integer_form_decode() {
+    let ids: Vec<u32> = (0..3000u32).map(|i| (i * 7919) % 150_000).collect();
+    let mut ev = Vec::new();
+    w::write_map_len(&mut ev, 4).unwrap();
+    w::write_str(&mut ev, "type").unwrap();
+    w::write_str(&mut ev, "BlockStored").unwrap();
+    w::write_str(&mut ev, "block_hashes").unwrap();
+    w::write_array_len(&mut ev, 1).unwrap();
+    w::write_uint(&mut ev, 1).unwrap();
+    w::write_str(&mut ev, "block_size").unwrap();
+    w::write_uint(&mut ev, 0).unwrap();
+    w::write_str(&mut ev, "token_ids").unwrap();
+    w::write_array_len(&mut ev, ids.len() as u32).unwrap();
+    for (i, &t) in ids.iter().enumerate() {
+        match i % 3 {
+            0 => w::write_uint(&mut ev, u64::from(t)).map(|_| ()).unwrap(),
+            1 => w::write_i64(&mut ev, i64::from(t)).unwrap(),
+            _ => w::write_u64(&mut ev, u64::from(t)).unwrap(),
+        }
+    }
+    let d = decode_batch(&one_event_batch(&ev)).unwrap();
+    assert!(d.skipped.is_empty(), "{:?}", d.skipped);
+    let KvEvent::BlockStored(s) = &d.batch.events[0] else {
+        panic!("a BlockStored")
+    };
+    assert_eq!(s.token_ids, ids);
+}
+
 /// msgpack of `['BlockStored', [1], None, [1], 16, None, 'GPU', None, None, None, None, None]`,
 /// what vLLM 0.23's msgspec encoder writes for a legacy BlockStored with those fields.
 #[test]

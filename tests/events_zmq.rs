@@ -434,6 +434,21 @@ fn raw_zmtp_subscribers_are_served_and_other_sockets_refused() {
         "the other prefix got no message"
     );
 
+    // A PING context longer than ZMTP's 16 bytes, and a command no subscriber sends, each cut
+    // the connection.
+    for (name, data) in [
+        (&b"PING"[..], &b"\x00\x0a0123456789abcdefX"[..]),
+        (b"HELLO", b""),
+    ] {
+        let mut bad = RawPeer::connect(p.endpoint(), "SUB");
+        bad.frame().unwrap(); // READY
+        bad.command(name, data);
+        let end = Instant::now() + LIMIT;
+        while bad.frame().is_some() {
+            assert!(Instant::now() < end, "connection never closed");
+        }
+    }
+
     // A DEALER is not a subscriber: the connection is closed after the handshake.
     let mut dealer = RawPeer::connect(p.endpoint(), "DEALER");
     let end = Instant::now() + LIMIT;

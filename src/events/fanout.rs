@@ -12,7 +12,7 @@
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -37,11 +37,20 @@ pub(crate) struct QueueBound {
 /// Most messages handed to the kernel in one vectored write.
 const WRITE_BATCH: usize = 64;
 
-/// One published message, shared by every subscriber's queue.
+/// One published message, shared by every subscriber's queue; counted in the fanout's bytes
+/// alive until the last queue lets it go.
 struct Message {
     /// Topic and sequence frames, and the payload frame's header.
     prefix: Bytes,
     payload: Bytes,
+    alive: Arc<AtomicUsize>,
+}
+
+impl Drop for Message {
+    fn drop(&mut self) {
+        self.alive
+            .fetch_sub(self.prefix.len() + self.payload.len(), Ordering::Relaxed);
+    }
 }
 
 enum Out {
@@ -62,6 +71,9 @@ impl Out {
 /// One subscriber's state, shared by its connection task and the publishing side.
 struct Peer {
     bound: QueueBound,
+    /// A PONG is queued and not written yet (at most one is: a peer that pings without reading
+    /// grows nothing).
+    pong_queued: AtomicBool,
     /// Subscriptions in force (and whether its handshake completed: no message before).
     subscriptions: Mutex<Option<Subscriptions>>,
     queue: Mutex<Queue>,
@@ -75,10 +87,18 @@ struct Queue {
 }
 
 impl Peer {
-    /// Queues `out` unless the queue is full (returns whether it was queued).
+    /// Bytes queued now.
+    fn queued_bytes(&self) -> usize {
+        self.queue.lock().bytes
+    }
+
+    /// Queues `out` unless the queue is full (returns whether it was queued); an empty queue
+    /// takes a message of any size.
     fn push(&self, out: Out) -> bool {
         let mut q = self.queue.lock();
-        if q.items.len() >= self.bound.messages || q.bytes + out.len() > self.bound.bytes {
+        if q.items.len() >= self.bound.messages
+            || (!q.items.is_empty() && q.bytes + out.len() > self.bound.bytes)
+        {
             return false;
         }
         q.bytes += out.len();
@@ -92,6 +112,12 @@ impl Peer {
 #[derive(Default)]
 struct Shared {
     peers: Mutex<Vec<Arc<Peer>>>,
+    /// Bytes of messages some subscriber's queue still holds (each message counted once).
+    alive: Arc<AtomicUsize>,
+    /// Past this many bytes alive, a subscriber more than an eighth of its bound behind loses
+    /// new messages: lagging subscribers that stalled at different times cannot pin a window
+    /// each.
+    budget: usize,
     /// Set when the PUB side is dropped: connection tasks end.
     closed: AtomicBool,
     close: Notify,
@@ -106,7 +132,10 @@ pub(crate) struct Fanout {
 impl Fanout {
     /// Serves subscribers connecting to `listener`.
     pub(crate) fn start(listener: TcpListener, limits: Limits, bound: QueueBound) -> Fanout {
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared {
+            budget: bound.bytes,
+            ..Shared::default()
+        });
         let accept = tokio::spawn(accept_loop(listener, limits, bound, shared.clone()));
         Fanout { shared, accept }
     }
@@ -117,6 +146,7 @@ impl Fanout {
         let peers = self.shared.peers.lock().clone();
         let mut message = None;
         let mut dropped = 0;
+        let over_budget = self.shared.alive.load(Ordering::Relaxed) > self.shared.budget;
         for p in peers {
             let wanted = p
                 .subscriptions
@@ -126,11 +156,20 @@ impl Fanout {
             if !wanted {
                 continue;
             }
+            if over_budget && p.queued_bytes() > p.bound.bytes / 8 {
+                dropped += 1;
+                continue;
+            }
             let m = message
                 .get_or_insert_with(|| {
+                    let prefix = Bytes::from(zmtp::message_prefix(topic, seq, payload.len()));
+                    self.shared
+                        .alive
+                        .fetch_add(prefix.len() + payload.len(), Ordering::Relaxed);
                     Arc::new(Message {
-                        prefix: Bytes::from(zmtp::message_prefix(topic, seq, payload.len())),
+                        prefix,
                         payload: payload.clone(),
+                        alive: self.shared.alive.clone(),
                     })
                 })
                 .clone();
@@ -179,6 +218,7 @@ async fn accept_loop(
             let _slot = slot;
             let peer = Arc::new(Peer {
                 bound,
+                pong_queued: AtomicBool::new(false),
                 subscriptions: Mutex::new(None),
                 queue: Mutex::new(Queue::default()),
                 wake: Notify::new(),
@@ -209,6 +249,7 @@ async fn serve(tcp: TcpStream, peer: &Peer, limits: Limits, shared: &Shared) -> 
         let mut buf = vec![0u8; 4096];
         let deadline = tokio::time::Instant::now() + limits.handshake;
         let mut ready = false;
+        let mut in_message = false;
         loop {
             let n = if ready {
                 rd.read(&mut buf).await
@@ -224,6 +265,11 @@ async fn serve(tcp: TcpStream, peer: &Peer, limits: Limits, shared: &Shared) -> 
             check.feed(&buf[..n])?;
             parser.feed(&buf[..n]);
             while let Some(unit) = parser.next()? {
+                // A frame is a whole message when it starts one and ends it.
+                let whole = !in_message && matches!(unit, Incoming::Frame { more: false, .. });
+                if let Incoming::Frame { more, .. } = unit {
+                    in_message = more;
+                }
                 match &unit {
                     Incoming::Greeting {
                         major, mechanism, ..
@@ -234,6 +280,9 @@ async fn serve(tcp: TcpStream, peer: &Peer, limits: Limits, shared: &Shared) -> 
                                 String::from_utf8_lossy(mechanism)
                             ));
                         }
+                    }
+                    Incoming::Command { name, .. } if name == b"READY" && ready => {
+                        return Err("a second READY".into());
                     }
                     Incoming::Command { name, data } if name == b"READY" => {
                         let props = zmtp::properties(data)?;
@@ -250,19 +299,38 @@ async fn serve(tcp: TcpStream, peer: &Peer, limits: Limits, shared: &Shared) -> 
                         ready = true;
                         *peer.subscriptions.lock() = Some(Subscriptions::default());
                     }
+                    _ if !ready => return Err("a frame before READY".into()),
                     Incoming::Command { name, data } if name == b"PING" => {
-                        // PING: TTL (2 bytes), then a context echoed in the PONG.
+                        // PING: TTL (2 bytes), then a context of at most 16 bytes, echoed in
+                        // the PONG. At most one PONG waits: a peer that pings and reads nothing
+                        // grows no memory here.
                         let context = data.get(2..).unwrap_or_default();
-                        // Dropped like a message when the queue is full: a peer that pings and
-                        // takes nothing grows no memory here.
-                        peer.push(Out::Command(Bytes::from(zmtp::pong(context))));
+                        if context.len() > zmtp::MAX_PING_CONTEXT {
+                            return Err(format!(
+                                "a PING context of {} bytes (at most {})",
+                                context.len(),
+                                zmtp::MAX_PING_CONTEXT
+                            ));
+                        }
+                        if !peer.pong_queued.swap(true, Ordering::AcqRel)
+                            && !peer.push(Out::Command(Bytes::from(zmtp::pong(context))))
+                        {
+                            peer.pong_queued.store(false, Ordering::Release);
+                        }
                     }
+                    Incoming::Command { name, .. } if name == b"PONG" => {}
                     Incoming::Command { name, .. } if name == b"ERROR" => {
                         return Err("the subscriber sent ERROR".into());
                     }
+                    Incoming::Command { name, .. } if name != b"SUBSCRIBE" && name != b"CANCEL" => {
+                        return Err(format!(
+                            "an unexpected command {:?}",
+                            String::from_utf8_lossy(name)
+                        ));
+                    }
                     _ => {
                         if let Some(subs) = peer.subscriptions.lock().as_mut() {
-                            subs.apply(&unit)?;
+                            subs.apply(&unit, whole)?;
                         }
                     }
                 }
@@ -322,24 +390,29 @@ async fn write_loop<W: AsyncWrite + Unpin>(
                 Out::Command(c) => slices.push(IoSlice::new(c)),
             }
         }
-        tokio::time::timeout(stall, write_all_vectored(wr, &mut slices))
-            .await
-            .map_err(|_| format!("the subscriber took nothing for {stall:?}"))?
-            .map_err(|e| e.to_string())?;
+        write_all_vectored(wr, &mut slices, stall).await?;
         drop(slices);
+        if batch.iter().any(|o| matches!(o, Out::Command(_))) {
+            peer.pong_queued.store(false, Ordering::Release);
+        }
         batch.clear();
     }
 }
 
+/// Writes every byte of `bufs`; fails when a write takes nothing for `stall`.
 async fn write_all_vectored<W: AsyncWrite + Unpin>(
     wr: &mut W,
     mut bufs: &mut [IoSlice<'_>],
-) -> io::Result<()> {
+    stall: Duration,
+) -> Result<(), String> {
     IoSlice::advance_slices(&mut bufs, 0);
     while !bufs.is_empty() {
-        let n = wr.write_vectored(bufs).await?;
+        let n = tokio::time::timeout(stall, wr.write_vectored(bufs))
+            .await
+            .map_err(|_| format!("the subscriber took nothing for {stall:?}"))?
+            .map_err(|e| e.to_string())?;
         if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
+            return Err(io::Error::from(io::ErrorKind::WriteZero).to_string());
         }
         IoSlice::advance_slices(&mut bufs, n);
     }

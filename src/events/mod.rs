@@ -80,10 +80,14 @@ pub enum EventsError {
     #[error("invalid KV-event configuration: {0}")]
     Config(String),
     /// The publish queue is full: the batch was dropped (and counted).
-    #[error("KV-event publish queue full ({cap} batches waiting); the batch was dropped")]
+    #[error(
+        "KV-event publish queue full (at most {cap} batches and {cap_bytes} bytes wait); the batch was dropped"
+    )]
     QueueFull {
-        /// The queue's capacity.
+        /// The queue's capacity in batches.
         cap: usize,
+        /// The queue's capacity in payload bytes.
+        cap_bytes: usize,
     },
     /// The publisher is closed.
     #[error("the KV-event publisher is closed")]

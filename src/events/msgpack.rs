@@ -164,6 +164,9 @@ const UINT32_FORMS: [(u8, u32, u32); 256] = {
     t
 };
 
+/// Most token ids [`Cursor::small_uints`] reads per call.
+const SMALL_UINTS_CHUNK: usize = 256;
+
 /// One msgpack item as a pull parser sees it: scalars whole, containers as their length (the
 /// caller then reads that many items, or pairs for a map).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -294,8 +297,9 @@ impl<'a> Cursor<'a> {
         }
     }
 
-    /// Reads up to `n` unsigned integers of at most 32 bits (token ids) into `out`, stopping at
-    /// the first item of another form (or at the end of the bytes); returns how many it read.
+    /// Reads up to `n` (and at most 256) unsigned integers of at most 32 bits (token ids) into
+    /// `out`, stopping at the first item of another form (or at the end of the bytes); returns
+    /// how many it read.
     /// One pass over the bytes, one cursor update: the bulk of a BlockStored. Where eight bytes
     /// are left, each item is read as a big-endian word and cut by a table indexed by its
     /// marker, with no branch on the form (token ids come in the 1-, 2-, 3- and 5-byte forms at
@@ -305,8 +309,16 @@ impl<'a> Cursor<'a> {
         let r = &mut self.0;
         let rest = &r.buf[r.pos..];
         let start = out.len();
-        // Room for all of them (the caller checked `n` against the bytes left), written by
-        // index and cut back to what was read.
+        // Room for at most as many as there are bytes left and at most a chunk at a time
+        // (callers come back for the rest after an item of another form, so the zero-fill stays
+        // linear), written by index and cut back to what was read.
+        let n = n.min(rest.len()).min(SMALL_UINTS_CHUNK);
+        if rest
+            .first()
+            .is_none_or(|&b| UINT32_FORMS[usize::from(b)].0 == 0)
+        {
+            return 0; // not one of these forms: nothing to make room for
+        }
         out.resize(start + n, 0);
         let dst = &mut out[start..];
         let mut i = 0;

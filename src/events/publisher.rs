@@ -187,6 +187,20 @@ struct Shared {
 }
 
 impl Shared {
+    /// Whether the queue `q` (locked) has no room for a payload of `len` bytes: at its batch
+    /// bound, or past its byte bound (an empty queue takes a payload of any size).
+    fn full(&self, q: &VecDeque<Item>, len: usize) -> bool {
+        q.len() >= self.cap
+            || (!q.is_empty() && self.queued_bytes.load(Ordering::Relaxed) + len > self.cap_bytes)
+    }
+
+    fn queue_full(&self) -> EventsError {
+        EventsError::QueueFull {
+            cap: self.cap,
+            cap_bytes: self.cap_bytes,
+        }
+    }
+
     /// Queues `item`; when the queue is full, hands it back (`Err(Some)`); when the publisher
     /// is closed, drops it (`Err(None)`).
     fn try_push(&self, item: Item) -> Result<(), Option<Item>> {
@@ -194,12 +208,11 @@ impl Shared {
             return Err(None);
         }
         let mut q = self.queue.lock();
-        let bytes = self.queued_bytes.load(Ordering::Relaxed);
-        if q.len() >= self.cap || (!q.is_empty() && bytes + item.payload.len() > self.cap_bytes) {
+        if self.full(&q, item.payload.len()) {
             return Err(Some(item));
         }
         self.queued_bytes
-            .store(bytes + item.payload.len(), Ordering::Relaxed);
+            .fetch_add(item.payload.len(), Ordering::Relaxed);
         q.push_back(item);
         drop(q);
         self.work.notify_one();
@@ -479,9 +492,7 @@ impl Publisher {
                 Err(Some(back)) => {
                     if tokio::time::timeout_at(deadline, room).await.is_err() {
                         self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
-                        return Err(EventsError::QueueFull {
-                            cap: self.shared.cap,
-                        });
+                        return Err(self.shared.queue_full());
                     }
                     item = back;
                 }
@@ -496,19 +507,21 @@ impl Publisher {
             match self.shared.try_push(item) {
                 Ok(()) => return Ok(()),
                 Err(Some(back)) => {
-                    let cap = self.shared.cap;
                     let mut q = self.shared.queue.lock();
                     let now = Instant::now();
                     match deadline {
-                        Some(d) if now < d && q.len() >= self.shared.cap => {
-                            self.shared.room.wait_until(&mut q, d);
+                        // Waits while there is no room by either bound (the publisher's thread
+                        // signals `room` each time it takes the queue); never spins.
+                        Some(d) if now < d => {
+                            if self.shared.full(&q, back.payload.len()) {
+                                self.shared.room.wait_until(&mut q, d);
+                            }
                         }
-                        Some(d) if now < d => {}
                         _ => {
                             drop(q);
                             self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
-                            tracing::debug!("KV-event publish queue full ({cap}); batch dropped");
-                            return Err(EventsError::QueueFull { cap });
+                            tracing::debug!("KV-event publish queue full; batch dropped");
+                            return Err(self.shared.queue_full());
                         }
                     }
                     item = back;

@@ -10,6 +10,10 @@ pub(crate) const GREETING: usize = 64;
 
 /// Most subscriptions one peer may hold (a SUB sends one per topic prefix it wants).
 pub(crate) const MAX_SUBSCRIPTIONS: usize = 1024;
+/// Most bytes of subscription prefixes one peer may hold, all together.
+pub(crate) const MAX_SUBSCRIPTION_BYTES: usize = 64 << 10;
+/// Longest PING context (ZMTP 3.1: at most 16 bytes).
+pub(crate) const MAX_PING_CONTEXT: usize = 16;
 
 /// Our greeting: signature, version 3.0 (peers then subscribe with messages, and libzmq and the
 /// `zeromq` crate both speak it), the NULL mechanism, not a server.
@@ -94,108 +98,130 @@ pub(crate) enum Incoming {
 }
 
 /// Splits a peer's byte stream into [`Incoming`] units: bytes are fed as they arrive and units
-/// taken when whole.
+/// taken when whole. Consumed bytes are dropped from the buffer once per [`Parser::feed`], not
+/// once per unit.
 #[derive(Debug, Default)]
 pub(crate) struct Parser {
     buf: Vec<u8>,
+    /// Bytes of `buf` already taken as units.
+    at: usize,
     greeted: bool,
 }
 
 impl Parser {
     /// Appends bytes that arrived.
     pub(crate) fn feed(&mut self, bytes: &[u8]) {
+        self.buf.drain(..self.at);
+        self.at = 0;
         self.buf.extend_from_slice(bytes);
     }
 
     /// The next whole unit, if one is there.
     pub(crate) fn next(&mut self) -> Result<Option<Incoming>, String> {
+        let rest = &self.buf[self.at..];
         if !self.greeted {
-            if self.buf.len() < GREETING {
+            if rest.len() < GREETING {
                 return Ok(None);
             }
-            let g: Vec<u8> = self.buf.drain(..GREETING).collect();
+            let g = &rest[..GREETING];
             if g[0] != 0xFF || g[9] & 1 != 1 {
                 return Err("not a ZMTP 3 greeting".into());
             }
-            self.greeted = true;
             let mech = &g[12..32];
             let end = mech.iter().position(|&b| b == 0).unwrap_or(mech.len());
-            return Ok(Some(Incoming::Greeting {
+            let unit = Incoming::Greeting {
                 major: g[10],
                 minor: g[11],
                 mechanism: mech[..end].to_vec(),
-            }));
+            };
+            self.greeted = true;
+            self.at += GREETING;
+            return Ok(Some(unit));
         }
-        let Some(&flags) = self.buf.first() else {
+        let Some(&flags) = rest.first() else {
             return Ok(None);
         };
         if flags & !0x07 != 0 {
             return Err(format!("frame flags {flags:#04x} set reserved bits"));
         }
+        if flags & 0x05 == 0x05 {
+            return Err("a command frame with the MORE flag".into());
+        }
         let (head, len): (usize, u64) = if flags & 0x02 != 0 {
-            match self.buf.get(1..9) {
+            match rest.get(1..9) {
                 Some(b) => (9, u64::from_be_bytes(b.try_into().expect("8 bytes"))),
                 None => return Ok(None),
             }
         } else {
-            match self.buf.get(1) {
+            match rest.get(1) {
                 Some(&b) => (2, u64::from(b)),
                 None => return Ok(None),
             }
         };
         let len = usize::try_from(len).map_err(|_| "a frame too large")?;
-        let Some(body) = self.buf.get(head..head.saturating_add(len)) else {
+        let Some(body) = rest.get(head..head.saturating_add(len)) else {
             return Ok(None);
         };
-        let body = body.to_vec();
-        self.buf.drain(..head + len);
-        if flags & 0x04 != 0 {
+        let unit = if flags & 0x04 != 0 {
             let n = usize::from(*body.first().ok_or("an empty command frame")?);
             let name = body.get(1..1 + n).ok_or("a command name is cut short")?;
-            return Ok(Some(Incoming::Command {
+            Incoming::Command {
                 name: name.to_vec(),
                 data: body[1 + n..].to_vec(),
-            }));
-        }
-        Ok(Some(Incoming::Frame {
-            more: flags & 0x01 != 0,
-            body,
-        }))
+            }
+        } else {
+            Incoming::Frame {
+                more: flags & 0x01 != 0,
+                body: body.to_vec(),
+            }
+        };
+        self.at += head + len;
+        Ok(Some(unit))
     }
 }
 
 /// The topic prefixes a subscriber asked for, as a multiset: each subscribe adds one, each
 /// cancel removes one (libzmq's semantics).
 #[derive(Debug, Default, Clone)]
-pub(crate) struct Subscriptions(Vec<Vec<u8>>);
+pub(crate) struct Subscriptions {
+    prefixes: Vec<Vec<u8>>,
+    bytes: usize,
+}
 
 impl Subscriptions {
-    /// Adds a prefix; fails past [`MAX_SUBSCRIPTIONS`].
+    /// Adds a prefix; fails past [`MAX_SUBSCRIPTIONS`] or [`MAX_SUBSCRIPTION_BYTES`].
     pub(crate) fn subscribe(&mut self, prefix: &[u8]) -> Result<(), String> {
-        if self.0.len() >= MAX_SUBSCRIPTIONS {
+        if self.prefixes.len() >= MAX_SUBSCRIPTIONS {
             return Err(format!("more than {MAX_SUBSCRIPTIONS} subscriptions"));
         }
-        self.0.push(prefix.to_vec());
+        if self.bytes + prefix.len() > MAX_SUBSCRIPTION_BYTES {
+            return Err(format!(
+                "more than {MAX_SUBSCRIPTION_BYTES} bytes of subscriptions"
+            ));
+        }
+        self.bytes += prefix.len();
+        self.prefixes.push(prefix.to_vec());
         Ok(())
     }
 
     /// Removes one instance of a prefix, if held.
     pub(crate) fn cancel(&mut self, prefix: &[u8]) {
-        if let Some(i) = self.0.iter().position(|p| p == prefix) {
-            self.0.swap_remove(i);
+        if let Some(i) = self.prefixes.iter().position(|p| p == prefix) {
+            self.bytes -= self.prefixes.swap_remove(i).len();
         }
     }
 
     /// Whether a message with `topic` goes to this subscriber.
     pub(crate) fn matches(&self, topic: &[u8]) -> bool {
-        self.0.iter().any(|p| topic.starts_with(p))
+        self.prefixes.iter().any(|p| topic.starts_with(p))
     }
 
     /// Applies a subscription message or command, if `unit` is one (ZMTP 3.0: a one-frame
-    /// message starting with 1 or 0; ZMTP 3.1: `SUBSCRIBE` / `CANCEL`). Returns whether it was.
-    pub(crate) fn apply(&mut self, unit: &Incoming) -> Result<bool, String> {
+    /// message starting with 1 or 0, `whole` when the frame is a message of its own; ZMTP
+    /// 3.1: `SUBSCRIBE` / `CANCEL`). Returns whether it was.
+    pub(crate) fn apply(&mut self, unit: &Incoming, whole: bool) -> Result<bool, String> {
         match unit {
-            Incoming::Frame { more: false, body } => match body.split_first() {
+            Incoming::Frame { more: false, body } if whole => match body.split_first() {
                 Some((1, topic)) => self.subscribe(topic).map(|_| true),
                 Some((0, topic)) => {
                     self.cancel(topic);
@@ -284,11 +310,14 @@ mod tests {
                 vec![(b"Socket-Type".to_vec(), b"SUB".to_vec())]
             );
             let mut subs = Subscriptions::default();
-            assert!(subs.apply(&u[2]).unwrap());
+            assert!(subs.apply(&u[2], true).unwrap());
             assert!(subs.matches(b"kv@pod") && !subs.matches(b"x"));
-            assert!(subs.apply(&u[3]).unwrap());
+            assert!(subs.apply(&u[3], true).unwrap());
             assert!(subs.matches(b"x"));
-            assert!(!subs.apply(&u[4]).unwrap(), "PING is not a subscription");
+            assert!(
+                !subs.apply(&u[4], true).unwrap(),
+                "PING is not a subscription"
+            );
             assert_eq!(
                 u[5],
                 Incoming::Frame {
@@ -308,18 +337,30 @@ mod tests {
             more: false,
             body: vec![0, b'a'],
         };
-        subs.apply(&cancel).unwrap();
+        assert!(
+            !subs.apply(&cancel, false).unwrap(),
+            "the last frame of a longer message is not a subscription"
+        );
+        subs.apply(&cancel, true).unwrap();
         assert!(subs.matches(b"ab"), "one of two left");
-        subs.apply(&Incoming::Command {
-            name: b"CANCEL".to_vec(),
-            data: b"a".to_vec(),
-        })
+        subs.apply(
+            &Incoming::Command {
+                name: b"CANCEL".to_vec(),
+                data: b"a".to_vec(),
+            },
+            true,
+        )
         .unwrap();
         assert!(!subs.matches(b"ab"));
         for _ in 0..MAX_SUBSCRIPTIONS {
             subs.subscribe(b"x").unwrap();
         }
         assert!(subs.subscribe(b"x").is_err());
+        let mut big = Subscriptions::default();
+        big.subscribe(&[b'p'; MAX_SUBSCRIPTION_BYTES]).unwrap();
+        assert!(big.subscribe(b"q").is_err(), "bounded in bytes");
+        big.cancel(&[b'p'; MAX_SUBSCRIPTION_BYTES]);
+        big.subscribe(b"q").unwrap();
     }
 
     #[test]
@@ -334,6 +375,9 @@ mod tests {
         assert!(units(&s, 3).is_err(), "reserved flag bits");
         let mut s = greeting().to_vec();
         s.extend([0x04, 3, 9, b'a', b'b']); // command name longer than the frame
+        assert!(units(&s, 1).is_err());
+        let mut s = greeting().to_vec();
+        s.extend([0x05, 2, 1, b'a']); // a command with MORE
         assert!(units(&s, 1).is_err());
         assert!(properties(&[11, b'S']).is_err());
         assert!(properties(&[1, b'a', 0, 0, 0, 9, b'x']).is_err());

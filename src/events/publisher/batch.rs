@@ -79,7 +79,17 @@ impl BatchBuilder {
         let start = HEAD - head.len();
         self.buf[start..HEAD].copy_from_slice(&head);
         let size = self.buf.len() - start;
-        (self.pool.payload(self.buf).slice(start..), size)
+        let buf = std::mem::take(&mut self.buf);
+        (self.pool.payload(buf).slice(start..), size)
+    }
+}
+
+impl Drop for BatchBuilder {
+    /// A batch never published gives its buffer back.
+    fn drop(&mut self) {
+        if self.buf.capacity() > 0 {
+            self.pool.give_back(std::mem::take(&mut self.buf));
+        }
     }
 }
 

@@ -43,7 +43,8 @@ impl BufferPool {
         b
     }
 
-    fn give_back(&self, mut b: Vec<u8>) {
+    /// Keeps `b` for reuse, if the pool has room for it.
+    pub(super) fn give_back(&self, mut b: Vec<u8>) {
         if b.capacity() > KEEP_MAX_CAPACITY {
             return;
         }

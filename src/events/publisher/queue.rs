@@ -100,7 +100,7 @@ mod tests {
             let t = Instant::now();
             assert!(matches!(
                 p.publish_timeout(b.clone(), Duration::from_millis(50)),
-                Err(EventsError::QueueFull { cap: 1 })
+                Err(EventsError::QueueFull { cap: 1, .. })
             ));
             assert!(t.elapsed() >= Duration::from_millis(50));
         }
