@@ -20,10 +20,10 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
-use super::guard::{Check, Limits};
+use super::guard::{accept_limited, Check, Limits};
 use super::zmtp::{self, Incoming, Parser, Subscriptions};
 
 /// How much may wait toward one subscriber before it loses messages.
@@ -198,24 +198,9 @@ async fn accept_loop(
     bound: QueueBound,
     shared: Arc<Shared>,
 ) {
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
-    loop {
-        let (tcp, addr) = match listener.accept().await {
-            Ok(x) => x,
-            Err(e) => {
-                tracing::warn!("accept on the KV-event endpoint failed: {e}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            tracing::warn!(peer = %addr, "too many ZeroMQ connections; closing this one");
-            continue;
-        };
-        let _ = tcp.set_nodelay(true);
+    accept_limited(listener, limits.max_connections, |tcp, addr| {
         let shared = shared.clone();
-        tokio::spawn(async move {
-            let _slot = slot;
+        async move {
             let peer = Arc::new(Peer {
                 bound,
                 pong_queued: AtomicBool::new(false),
@@ -230,8 +215,9 @@ async fn accept_loop(
                 Ok(()) => tracing::debug!(peer = %addr, "KV-event subscriber left"),
                 Err(why) => tracing::warn!(peer = %addr, "KV-event subscriber cut off: {why}"),
             }
-        });
-    }
+        }
+    })
+    .await
 }
 
 /// Serves one subscriber until it leaves, misbehaves or stalls, or the PUB side closes.

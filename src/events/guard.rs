@@ -19,8 +19,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::future::Future;
+use std::net::SocketAddr;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::{TcpListener, UnixStream};
+
+use tokio::net::{TcpListener, TcpStream, UnixStream};
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
@@ -304,36 +307,57 @@ where
     }
 }
 
+/// Accepts TCP connections on `listener` for ever, at most `max_connections` served at once
+/// (beyond that, new ones are closed at once), each served by the task `serve` makes for it.
+/// Shared by the relay below and the publisher's own PUB side.
+pub(crate) async fn accept_limited<F, Fut>(
+    listener: TcpListener,
+    max_connections: usize,
+    mut serve: F,
+) where
+    F: FnMut(TcpStream, SocketAddr) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let slots = Arc::new(Semaphore::new(max_connections));
+    loop {
+        let (tcp, addr) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!("accept on the KV-event endpoint failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::warn!(peer = %addr, "too many ZeroMQ connections; closing this one");
+            continue;
+        };
+        let _ = tcp.set_nodelay(true);
+        let task = serve(tcp, addr);
+        tokio::spawn(async move {
+            let _slot = slot;
+            task.await
+        });
+    }
+}
+
 /// Accepts TCP connections on `listener` and relays each, checked, to the Unix socket at
 /// `backend` (where the real `zeromq` socket listens). The task ends when aborted.
 pub(crate) fn front(listener: TcpListener, backend: PathBuf, limits: Limits) -> JoinHandle<()> {
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
-    tokio::spawn(async move {
-        loop {
-            let (tcp, addr) = match listener.accept().await {
-                Ok(x) => x,
-                Err(e) => {
-                    tracing::warn!("accept on the KV-event endpoint failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
-            let Ok(slot) = slots.clone().try_acquire_owned() else {
-                tracing::warn!(peer = %addr, "too many ZeroMQ connections; closing this one");
-                continue;
-            };
-            let _ = tcp.set_nodelay(true);
+    tokio::spawn(accept_limited(
+        listener,
+        limits.max_connections,
+        move |tcp, addr| {
             let backend = backend.clone();
-            tokio::spawn(async move {
-                let _slot = slot;
+            async move {
                 match UnixStream::connect(&backend).await {
                     Ok(unix) => relay(tcp, unix, limits, &addr.to_string()).await,
                     // The socket is gone while the publisher shuts down.
                     Err(e) => tracing::debug!("relay to the local ZeroMQ socket failed: {e}"),
                 }
-            });
-        }
-    })
+            }
+        },
+    ))
 }
 
 #[cfg(test)]

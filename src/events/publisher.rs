@@ -370,13 +370,7 @@ impl Publisher {
     /// sending happen on the publisher's thread.
     pub fn publish_batch(&self, batch: &EventBatch) -> Result<(), EventsError> {
         let payload = self.encode(batch);
-        self.push(
-            Item {
-                topic: None,
-                payload,
-            },
-            None,
-        )
+        self.queue_payload(payload, None)
     }
 
     fn encode(&self, batch: &EventBatch) -> Bytes {
@@ -401,15 +395,7 @@ impl Publisher {
     /// Queues a batch built with [`Publisher::builder`] (with the data-parallel rank, if any);
     /// never blocks. Fails as [`Publisher::publish`] does.
     pub fn publish_built(&self, b: BatchBuilder, dp_rank: Option<i64>) -> Result<(), EventsError> {
-        let (payload, size) = b.finish(dp_rank);
-        self.size_hint.store(size, Ordering::Relaxed);
-        self.push(
-            Item {
-                topic: None,
-                payload,
-            },
-            None,
-        )
+        self.queue_built(b, dp_rank, None)
     }
 
     /// Queues a batch built with [`Publisher::builder`], waiting up to `timeout` for room in
@@ -420,39 +406,30 @@ impl Publisher {
         dp_rank: Option<i64>,
         timeout: Duration,
     ) -> Result<(), EventsError> {
+        self.queue_built(b, dp_rank, Some(Instant::now() + timeout))
+    }
+
+    fn queue_built(
+        &self,
+        b: BatchBuilder,
+        dp_rank: Option<i64>,
+        deadline: Option<Instant>,
+    ) -> Result<(), EventsError> {
         let (payload, size) = b.finish(dp_rank);
         self.size_hint.store(size, Ordering::Relaxed);
-        self.push(
-            Item {
-                topic: None,
-                payload,
-            },
-            Some(Instant::now() + timeout),
-        )
+        self.queue_payload(payload, deadline)
     }
 
     /// Queues a batch, waiting up to `timeout` for room in the queue.
     pub fn publish_timeout(&self, batch: EventBatch, timeout: Duration) -> Result<(), EventsError> {
         let payload = self.encode(&batch);
         drop(batch);
-        self.push(
-            Item {
-                topic: None,
-                payload,
-            },
-            Some(Instant::now() + timeout),
-        )
+        self.queue_payload(payload, Some(Instant::now() + timeout))
     }
 
     /// Queues an already-encoded batch payload (published as is), never blocking.
     pub fn publish_encoded(&self, payload: impl Into<Bytes>) -> Result<(), EventsError> {
-        self.push(
-            Item {
-                topic: None,
-                payload: payload.into(),
-            },
-            None,
-        )
+        self.queue_payload(payload.into(), None)
     }
 
     /// The encoding of the payloads [`Publisher::publish`] builds.
@@ -499,6 +476,17 @@ impl Publisher {
                 Err(None) => return Err(EventsError::Closed),
             }
         }
+    }
+
+    /// Queues a payload under the configured topic (waiting up to `deadline` for room, if any).
+    fn queue_payload(&self, payload: Bytes, deadline: Option<Instant>) -> Result<(), EventsError> {
+        self.push(
+            Item {
+                topic: None,
+                payload,
+            },
+            deadline,
+        )
     }
 
     fn push(&self, item: Item, deadline: Option<Instant>) -> Result<(), EventsError> {
