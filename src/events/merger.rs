@@ -326,7 +326,7 @@ async fn run_input(
                         s.last_seq = seq.or(s.last_seq);
                         s.batches += 1;
                     }
-                    if tp > 1 {
+                    let payload = if tp > 1 {
                         // Only what every TP worker of the group emitted goes out.
                         let events = std::mem::take(&mut batch.events);
                         in_order = Some(order.lock().await);
@@ -340,7 +340,10 @@ async fn run_input(
                     } else {
                         // Re-encoded in its own encoding: its events keep their unknown fields.
                         encode(&batch, encoding)
-                    }
+                    };
+                    // The input's next batch is decoded into this one's allocations.
+                    sub.recycle(batch);
+                    payload
                 }
                 SubItem::Resync(r) => {
                     if tp > 1 {

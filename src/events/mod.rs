@@ -35,9 +35,9 @@ pub use publisher::{
 pub use sequence::{Action, ReplayRing, Resync, StreamState};
 pub use subscriber::{SubItem, Subscriber, SubscriberConfig, SubscriberStats};
 pub use wire::{
-    decode_batch, encode_batch, encode_event, encode_stored_ref, BatchError, BlockHash,
-    BlockRemoved, BlockStored, BlockStoredRef, BlockTransferred, Decoded, Encoding, EventBatch,
-    ExtraField, FieldKey, HashRef, HashesRef, KvEvent, Value, CLEARED_LEGACY_ORDER,
+    decode_batch, decode_batch_reusing, encode_batch, encode_event, encode_stored_ref, BatchError,
+    BlockHash, BlockRemoved, BlockStored, BlockStoredRef, BlockTransferred, Decoded, Encoding,
+    EventBatch, ExtraField, FieldKey, HashRef, HashesRef, KvEvent, Value, CLEARED_LEGACY_ORDER,
     MAX_EXTRA_POSITION, REMOVED_LEGACY_ORDER, STORED_LEGACY_ORDER, TRANSFERRED_LEGACY_ORDER,
 };
 

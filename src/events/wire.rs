@@ -11,7 +11,7 @@
 mod decode;
 mod encode;
 
-pub use decode::decode_batch;
+pub use decode::{decode_batch, decode_batch_reusing};
 pub use encode::{encode_batch, encode_event, encode_stored_ref};
 
 pub use super::msgpack::Value;
@@ -283,7 +283,7 @@ pub enum KvEvent {
 }
 
 /// One batch (one scheduler step).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct EventBatch {
     /// Publisher's timestamp, seconds since the epoch.
     pub ts: f64,

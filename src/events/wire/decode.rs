@@ -23,7 +23,12 @@ struct Raw<'a, 's> {
     stored: &'s mut BlockStored,
     from_medium: Option<String>,
     to_medium: Option<String>,
+    /// String buffers of earlier events of the batch, refilled instead of allocated.
+    strings: &'s mut Vec<String>,
 }
+
+/// At most this many string buffers wait for reuse while a batch is decoded.
+const SPARE_STRINGS: usize = 64;
 
 fn hash(t: Token<'_>) -> Option<BlockHash> {
     match t {
@@ -49,11 +54,23 @@ fn owned(s: &[u8]) -> String {
     }
 }
 
-/// An optional string field: nil is unset, any other type than a string is an error.
+/// An optional string field: nil is unset, any other type than a string is an error. A short
+/// string goes into one of `spare`'s buffers when there is one.
 #[inline(always)]
-fn opt_str(c: &mut Cursor<'_>, name: &str) -> Result<Option<String>, String> {
+fn opt_str(
+    c: &mut Cursor<'_>,
+    name: &str,
+    spare: &mut Vec<String>,
+) -> Result<Option<String>, String> {
     match c.short_str() {
-        Some(s) => Ok(Some(owned(s))),
+        Some(s) => Ok(Some(match (std::str::from_utf8(s), spare.pop()) {
+            (Ok(s), Some(mut buf)) => {
+                buf.clear();
+                buf.push_str(s);
+                buf
+            }
+            _ => owned(s),
+        })),
         None => opt(c, name, string),
     }
 }
@@ -117,7 +134,12 @@ fn opt<T>(
     if c.nil() {
         return Ok(None);
     }
-    match c.token().map_err(malformed)? {
+    // An unsigned integer (most fields) without going through `token`.
+    let t = match c.uint() {
+        Some(u) => Token::UInt(u),
+        None => c.token().map_err(malformed)?,
+    };
+    match t {
         Token::Nil => Ok(None),
         t => conv(t)
             .map(Some)
@@ -125,39 +147,53 @@ fn opt<T>(
     }
 }
 
-fn hashes(c: &mut Cursor<'_>, name: &str) -> Result<Vec<BlockHash>, String> {
-    match c.token().map_err(malformed)? {
+/// The next item, an array's header read without going through `token`.
+#[inline(always)]
+fn array_or_token<'a>(c: &mut Cursor<'a>) -> Result<Token<'a>, String> {
+    match c.container_len(false) {
+        Some(n) => Ok(Token::Array(n)),
+        None => c.token().map_err(malformed),
+    }
+}
+
+/// A list of block hashes into `v` (emptied first, its allocation kept; nil reads as empty).
+fn hashes(c: &mut Cursor<'_>, name: &str, v: &mut Vec<BlockHash>) -> Result<(), String> {
+    v.clear();
+    match array_or_token(c)? {
         Token::Array(n) => {
-            let mut v = Vec::with_capacity(n.min(MAX_RESERVE));
+            v.reserve(n.min(MAX_RESERVE));
             for _ in 0..n {
-                v.push(
-                    hash(c.token().map_err(malformed)?)
+                v.push(match c.uint() {
+                    Some(u) => BlockHash::U64(u),
+                    None => hash(c.token().map_err(malformed)?)
                         .ok_or_else(|| format!("a {name} entry is not a hash"))?,
-                );
+                });
             }
-            Ok(v)
+            Ok(())
         }
-        Token::Nil => Ok(Vec::new()),
+        Token::Nil => Ok(()),
         _ => Err(format!("field {name} is not an array")),
     }
 }
 
-/// A list of token ids (nil reads as `None`).
-fn token_list(c: &mut Cursor<'_>, name: &str) -> Result<Option<Vec<u32>>, String> {
-    match c.token().map_err(malformed)? {
+/// A list of token ids into `v` (emptied first, its allocation kept); says whether it was a
+/// list (nil is not).
+fn token_list(c: &mut Cursor<'_>, name: &str, v: &mut Vec<u32>) -> Result<bool, String> {
+    v.clear();
+    match array_or_token(c)? {
         Token::Array(n) => {
-            let mut v = Vec::with_capacity(n); // at most 4 bytes per byte that arrived
+            v.reserve(n); // at most 4 bytes per byte that arrived
             while v.len() < n {
-                if c.small_uints(n - v.len(), &mut v) == 0 {
+                if c.small_uints(n - v.len(), v) == 0 {
                     // Anything else is an error, however it is spelled.
                     u32_of(c.token().map_err(malformed)?)
                         .map(|t| v.push(t))
                         .ok_or_else(|| format!("a {name} entry is not a u32 token id"))?;
                 }
             }
-            Ok(Some(v))
+            Ok(true)
         }
-        Token::Nil => Ok(None),
+        Token::Nil => Ok(false),
         _ => Err(format!("{name} is not an array")),
     }
 }
@@ -338,32 +374,36 @@ fn field<'a>(
             }
             _ => return Err("the event \"type\" is not a string".into()),
         },
-        F::BlockHashes => s.block_hashes = hashes(c, "block_hashes")?,
+        F::BlockHashes => hashes(c, "block_hashes", &mut s.block_hashes)?,
         F::ParentBlockHash => s.parent_block_hash = opt(c, "parent_block_hash", hash)?,
-        F::TokenIds => s.token_ids = token_list(c, "token_ids")?.unwrap_or_default(),
+        F::TokenIds => {
+            token_list(c, "token_ids", &mut s.token_ids)?;
+        }
         F::BlockSize => s.block_size = opt(c, "block_size", u32_of)?.unwrap_or(0),
         F::LoraId => s.lora_id = opt(c, "lora_id", i64_of)?,
-        F::Medium => s.medium = opt_str(c, "medium")?,
-        F::LoraName => s.lora_name = opt_str(c, "lora_name")?,
+        F::Medium => s.medium = opt_str(c, "medium", raw.strings)?,
+        F::LoraName => s.lora_name = opt_str(c, "lora_name", raw.strings)?,
         F::GroupIdx => s.group_idx = opt(c, "group_idx", u32_of)?,
-        F::KvCacheSpecKind => s.kv_cache_spec_kind = opt_str(c, "kv_cache_spec_kind")?,
+        F::KvCacheSpecKind => s.kv_cache_spec_kind = opt_str(c, "kv_cache_spec_kind", raw.strings)?,
         F::KvCacheSpecSlidingWindow => {
             s.kv_cache_spec_sliding_window = opt(c, "kv_cache_spec_sliding_window", u32_of)?
         }
         F::TokenOffset => s.token_offset = opt(c, "token_offset", u64_of)?,
-        F::FromMedium => raw.from_medium = opt_str(c, "from_medium")?,
-        F::ToMedium => raw.to_medium = opt_str(c, "to_medium")?,
+        F::FromMedium => raw.from_medium = opt_str(c, "from_medium", raw.strings)?,
+        F::ToMedium => raw.to_medium = opt_str(c, "to_medium", raw.strings)?,
         F::ExtraKeys => s.extra_keys = Some(c.value(0).map_err(malformed)?).filter(|v| !v.is_nil()),
-        F::Locality => s.locality = opt_str(c, "locality")?,
-        F::Ownership => s.ownership = opt_str(c, "ownership")?,
-        F::SessionId => s.session_id = opt_str(c, "session_id")?,
-        F::CacheSalt => s.cache_salt = opt_str(c, "cache_salt")?,
+        F::Locality => s.locality = opt_str(c, "locality", raw.strings)?,
+        F::Ownership => s.ownership = opt_str(c, "ownership", raw.strings)?,
+        F::SessionId => s.session_id = opt_str(c, "session_id", raw.strings)?,
+        F::CacheSalt => s.cache_salt = opt_str(c, "cache_salt", raw.strings)?,
         F::LookaheadTokenIds => {
             s.lookahead_token_ids = match c.token().map_err(malformed)? {
                 Token::Array(n) => {
                     let mut v = Vec::with_capacity(n.min(MAX_RESERVE));
                     for _ in 0..n {
-                        v.push(token_list(c, "lookahead_token_ids")?.unwrap_or_default());
+                        let mut ids = Vec::new();
+                        token_list(c, "lookahead_token_ids", &mut ids)?;
+                        v.push(ids);
                     }
                     Some(v)
                 }
@@ -375,10 +415,77 @@ fn field<'a>(
     Ok(())
 }
 
+/// Makes `slot` a default BlockStored for the next event while keeping its allocations: its
+/// vectors emptied, its strings moved to `strings` for [`opt_str`] to refill.
+fn recycle(slot: &mut KvEvent, strings: &mut Vec<String>) {
+    let KvEvent::BlockStored(s) = slot else {
+        let mut hashes = match slot {
+            KvEvent::BlockRemoved(r) => take(&mut r.block_hashes),
+            KvEvent::BlockTransferred(t) => take(&mut t.block_hashes),
+            _ => Vec::new(),
+        };
+        hashes.clear();
+        *slot = KvEvent::BlockStored(BlockStored {
+            block_hashes: hashes,
+            ..BlockStored::default()
+        });
+        return;
+    };
+    // Every field named, so that a new one cannot be left out of the reset.
+    let BlockStored {
+        block_hashes,
+        parent_block_hash,
+        token_ids,
+        block_size,
+        lora_id,
+        medium,
+        lora_name,
+        group_idx,
+        kv_cache_spec_kind,
+        kv_cache_spec_sliding_window,
+        token_offset,
+        extra_keys,
+        locality,
+        ownership,
+        session_id,
+        lookahead_token_ids,
+        cache_salt,
+        extra,
+    } = s;
+    block_hashes.clear();
+    token_ids.clear();
+    extra.clear();
+    *parent_block_hash = None;
+    *block_size = 0;
+    *lora_id = None;
+    *group_idx = None;
+    *kv_cache_spec_sliding_window = None;
+    *token_offset = None;
+    *extra_keys = None;
+    *lookahead_token_ids = None;
+    for f in [
+        medium,
+        lora_name,
+        kv_cache_spec_kind,
+        locality,
+        ownership,
+        session_id,
+        cache_salt,
+    ] {
+        if let Some(buf) = f.take().filter(|_| strings.len() < SPARE_STRINGS) {
+            strings.push(buf);
+        }
+    }
+}
+
 /// Reads one event into `slot` (a default BlockStored, left as the event when it is one,
 /// replaced otherwise) and says which encoding carried it. On error the cursor is left anywhere
 /// inside the event (the caller rewinds) and the slot holds whatever was read.
-fn event(c: &mut Cursor<'_>, slot: &mut KvEvent) -> Result<Encoding, String> {
+fn event(
+    c: &mut Cursor<'_>,
+    slot: &mut KvEvent,
+    strings: &mut Vec<String>,
+) -> Result<Encoding, String> {
     let KvEvent::BlockStored(stored) = slot else {
         unreachable!("the caller passes a BlockStored slot")
     };
@@ -389,8 +496,13 @@ fn event(c: &mut Cursor<'_>, slot: &mut KvEvent) -> Result<Encoding, String> {
         stored,
         from_medium: None,
         to_medium: None,
+        strings,
     };
-    let encoding = match c.token().map_err(malformed)? {
+    let head = match c.container_len(true) {
+        Some(n) => Token::Map(n),
+        None => c.token().map_err(malformed)?,
+    };
+    let encoding = match head {
         Token::Map(n) => {
             // The fields still expected, in the order encoders write them: the next key is
             // most likely the first of these, checked before looking the name up.
@@ -523,6 +635,13 @@ fn event(c: &mut Cursor<'_>, slot: &mut KvEvent) -> Result<Encoding, String> {
 /// event that fails is skipped whole (its extent is found by re-reading it structurally), so
 /// only bytes that are not msgpack at all make the whole batch unreadable.
 pub fn decode_batch(payload: &[u8]) -> Result<Decoded, BatchError> {
+    decode_batch_reusing(payload, EventBatch::default())
+}
+
+/// [`decode_batch`] into the allocations of `spare`, a batch the caller is done with: its
+/// events' vectors and strings are refilled rather than allocated again, which is most of a
+/// steady stream's decoding cost. The result equals [`decode_batch`]'s.
+pub fn decode_batch_reusing(payload: &[u8], spare: EventBatch) -> Result<Decoded, BatchError> {
     let bad = |e: msgpack::DecodeError| BatchError(e.to_string());
     let mut c = Cursor::new(payload);
     let n = match c.token().map_err(bad)? {
@@ -543,19 +662,25 @@ pub fn decode_batch(payload: &[u8]) -> Result<Decoded, BatchError> {
     let Token::Array(count) = c.token().map_err(bad)? else {
         return Err(BatchError("the batch's events are not an array".into()));
     };
-    let mut events = Vec::with_capacity(count.min(MAX_RESERVE));
+    let mut events = spare.events;
+    events.reserve(count.min(MAX_RESERVE).saturating_sub(events.len()));
+    let mut strings = Vec::new();
     let mut skipped = Vec::new();
     let mut encoding = None;
+    // Events decoded so far: slot `done` takes the next one (a failed event's slot is reused).
+    let mut done = 0;
     for i in 0..count {
         let start = c.pos();
-        events.push(KvEvent::BlockStored(BlockStored::default()));
-        let slot = events.last_mut().expect("just pushed");
-        match event(&mut c, slot) {
+        match events.get_mut(done) {
+            Some(slot) => recycle(slot, &mut strings),
+            None => events.push(KvEvent::BlockStored(BlockStored::default())),
+        }
+        match event(&mut c, &mut events[done], &mut strings) {
             Ok(enc) => {
+                done += 1;
                 encoding.get_or_insert(enc);
             }
             Err(why) => {
-                events.pop();
                 c.rewind(start);
                 c.skip().map_err(bad)?;
                 skipped.push(format!("event {i}: {why}"));
@@ -580,6 +705,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<Decoded, BatchError> {
             c.remaining()
         )));
     }
+    events.truncate(done);
     Ok(Decoded {
         batch: EventBatch {
             ts,

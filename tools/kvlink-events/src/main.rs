@@ -336,6 +336,9 @@ fn tail(o: Opts) -> Result<(), String> {
                 serde_json::to_writer(&mut out, &line).map_err(|e| e.to_string())?;
                 out.write_all(b"\n").and_then(|_| out.flush()).map_err(|e| e.to_string())?;
             }
+            if let SubItem::Batch { batch, .. } = item {
+                sub.recycle(batch);
+            }
         }
         let secs = match first {
             Some(f) => last_at.duration_since(f).as_secs_f64(),

@@ -341,8 +341,14 @@ impl EventSubscriber {
                 self.runtime.block_on(sub.next(t))
             })
             .map_err(events_err)?;
-        item.map(|i| item_to_py(py, &i).map(Bound::unbind))
-            .transpose()
+        let Some(item) = item else { return Ok(None) };
+        let out = item_to_py(py, &item)?.unbind();
+        // The batch is in Python objects now: the next one is decoded into its allocations
+        // (skipped while another thread waits in next(), rather than waiting with the GIL).
+        if let (SubItem::Batch { batch, .. }, Ok(mut sub)) = (item, self.inner.try_lock()) {
+            sub.recycle(batch);
+        }
+        Ok(Some(out))
     }
 
     fn __iter__(slf: Py<Self>) -> Py<Self> {
