@@ -226,3 +226,33 @@ proptest! {
         fast_paths_agree(&bytes);
     }
 }
+
+/// `skip_if` takes an encoded key exactly when the bytes start with it, whatever the key's
+/// length (both word paths) and however many bytes follow (the short-buffer path), and a
+/// difference in any one byte leaves the cursor where it was.
+#[test]
+fn skip_if_takes_exactly_the_encoded_key() {
+    let name = "kv_cache_spec_sliding_window_x"; // 30 bytes: keys of 0 to 30 bytes
+    for len in 0..=name.len() {
+        let key = Encoded::str(&name[..len]);
+        let mut bytes = vec![0xa0 | len as u8];
+        bytes.extend_from_slice(&name.as_bytes()[..len]);
+        for tail in [0usize, 1, 5, 40] {
+            let mut b = bytes.clone();
+            b.extend(std::iter::repeat_n(0xc0, tail));
+            let mut c = Cursor::new(&b);
+            assert!(c.skip_if(&key), "len {len} tail {tail}");
+            assert_eq!(c.pos(), len + 1);
+            for flip in 0..=len {
+                let mut bad = b.clone();
+                bad[flip] ^= 0x20;
+                let mut c = Cursor::new(&bad);
+                assert!(!c.skip_if(&key), "len {len} tail {tail} flip {flip}");
+                assert_eq!(c.pos(), 0);
+            }
+            // Cut short: never taken.
+            let mut c = Cursor::new(&b[..len]);
+            assert!(!c.skip_if(&key));
+        }
+    }
+}

@@ -3,7 +3,7 @@
 
 use std::mem::take;
 
-use crate::events::msgpack::{self, Cursor, Token, MAX_RESERVE};
+use crate::events::msgpack::{self, Cursor, Encoded, Token, MAX_RESERVE};
 
 use super::{
     BatchError, BlockHash, BlockRemoved, BlockStored, BlockTransferred, Decoded, Encoding,
@@ -320,9 +320,55 @@ fn type_of(ty: &[u8]) -> (u32, &'static [F]) {
     (u32::MAX, &[])
 }
 
+/// Every field, in declaration order (`ALL[f as usize] == f`).
+const ALL: [F; 20] = [
+    F::Type,
+    F::BlockHashes,
+    F::ParentBlockHash,
+    F::TokenIds,
+    F::BlockSize,
+    F::LoraId,
+    F::Medium,
+    F::LoraName,
+    F::ExtraKeys,
+    F::GroupIdx,
+    F::KvCacheSpecKind,
+    F::KvCacheSpecSlidingWindow,
+    F::TokenOffset,
+    F::Locality,
+    F::Ownership,
+    F::SessionId,
+    F::LookaheadTokenIds,
+    F::CacheSalt,
+    F::FromMedium,
+    F::ToMedium,
+];
+
+/// Each field's name as encoders write a map key (fixstr), by `F as usize`.
+const KEYS: [Encoded; 20] = {
+    let mut k = [Encoded::str(""); 20];
+    let mut i = 0;
+    while i < ALL.len() {
+        k[i] = Encoded::str(ALL[i].name());
+        i += 1;
+    }
+    k
+};
+
+/// Each event type's tag as encoders write it, in the order of [`TYPES`].
+const TAGS: [Encoded; 4] = [
+    Encoded::str(TYPES[0].0),
+    Encoded::str(TYPES[1].0),
+    Encoded::str(TYPES[2].0),
+    Encoded::str(TYPES[3].0),
+];
+
+/// The key a map event starts with.
+const TYPE_FIRST: [F; 1] = [F::Type];
+
 impl F {
     /// The field's wire name.
-    fn name(self) -> &'static str {
+    const fn name(self) -> &'static str {
         match self {
             F::Type => "type",
             F::BlockHashes => "block_hashes",
@@ -350,6 +396,7 @@ impl F {
 
 /// Reads the value of field `f` into `raw`; a field kvlink does not model (`None`, or one the
 /// event's type does not have) is kept whole in the event's extra fields under `key`.
+#[inline(always)]
 fn field<'a>(
     c: &mut Cursor<'a>,
     raw: &mut Raw<'a, '_>,
@@ -367,13 +414,22 @@ fn field<'a>(
     let s = &mut *raw.stored;
     match f {
         F::Type if raw.ty.is_some() => return Err("a second \"type\" in one event".into()),
-        F::Type => match c.token().map_err(malformed)? {
-            Token::Str(t) => {
-                raw.ty = Some(t);
-                (raw.fields, raw.order) = type_of(t);
+        F::Type => {
+            // The tag as encoders write it, compared whole; else read and looked up.
+            if let Some(i) = TAGS.iter().position(|tag| c.skip_if(tag)) {
+                let (name, order, fields) = TYPES[i];
+                raw.ty = Some(name.as_bytes());
+                (raw.fields, raw.order) = (fields, order);
+            } else {
+                match c.token().map_err(malformed)? {
+                    Token::Str(t) => {
+                        raw.ty = Some(t);
+                        (raw.fields, raw.order) = type_of(t);
+                    }
+                    _ => return Err("the event \"type\" is not a string".into()),
+                }
             }
-            _ => return Err("the event \"type\" is not a string".into()),
-        },
+        }
         F::BlockHashes => hashes(c, "block_hashes", &mut s.block_hashes)?,
         F::ParentBlockHash => s.parent_block_hash = opt(c, "parent_block_hash", hash)?,
         F::TokenIds => {
@@ -506,26 +562,30 @@ fn event(
         Token::Map(n) => {
             // The fields still expected, in the order encoders write them: the next key is
             // most likely the first of these, checked before looking the name up.
-            let mut expect: &[F] = &[];
+            let mut expect: &[F] = &TYPE_FIRST;
             for _ in 0..n {
-                let k = match c.short_str() {
-                    Some(k) => k,
-                    None => match c.token().map_err(malformed)? {
-                        Token::Str(k) => k,
-                        _ => return Err("a map event has a key that is not a string".into()),
-                    },
-                };
-                let f = match expect.first() {
-                    Some(&f) if same_key(k, f.name().as_bytes()) => {
+                // The expected key, compared with its marker as encoders write it; any other
+                // key is read and looked up.
+                let (f, k) = match expect.first() {
+                    Some(&f) if c.skip_if(&KEYS[f as usize]) => {
                         expect = &expect[1..];
-                        Some(f)
+                        (Some(f), f.name().as_bytes())
                     }
                     _ => {
+                        let k = match c.short_str() {
+                            Some(k) => k,
+                            None => match c.token().map_err(malformed)? {
+                                Token::Str(k) => k,
+                                _ => {
+                                    return Err("a map event has a key that is not a string".into())
+                                }
+                            },
+                        };
                         let f = F::of(k);
                         if let Some(p) = f.and_then(|f| expect.iter().position(|&g| g == f)) {
                             expect = &expect[p + 1..];
                         }
-                        f
+                        (f, k)
                     }
                 };
                 field(c, &mut raw, f, || {
