@@ -213,9 +213,14 @@ impl Shared {
         }
         self.queued_bytes
             .fetch_add(item.payload.len(), Ordering::Relaxed);
+        let was_empty = q.is_empty();
         q.push_back(item);
         drop(q);
-        self.work.notify_one();
+        // Only a queue that was empty may have the send loop waiting (or about to wait) for
+        // work; pushes behind it are taken with it, without waking anything again.
+        if was_empty {
+            self.work.notify_one();
+        }
         Ok(())
     }
 }
