@@ -124,12 +124,43 @@ fn u32_form(v: u32) -> (u64, usize) {
     (mark | (u64::from(v) * place), len)
 }
 
-/// Token ids, the bulk of a BlockStored: written straight into `out`, each as a whole 8-byte
-/// word with the position advanced by its form's length (room for the longest forms is made
-/// once, and cut back to what was written). Compiled twice ([`fast::put_tokens`]).
+/// Token ids, the bulk of a BlockStored, each written as a whole 8-byte word with the position
+/// advanced by its form's length. Short lists go straight into `out` (room for the longest
+/// forms made once, then cut back to what was written); long ones a chunk at a time through a
+/// buffer on the stack, hot in the first-level cache, then copied out whole: a payload being
+/// filled is often fresh memory, where scattered word stores cost more than one copy (see
+/// docs/benchmarks.md). Compiled twice ([`fast::put_tokens`]).
 #[inline(always)]
 fn put_tokens_with(out: &mut Vec<u8>, ts: &[u32]) {
     put_array_len(out, ts.len());
+    if ts.len() < TOKEN_CHUNK {
+        put_token_words(out, ts);
+    } else {
+        put_token_chunks(out, ts);
+    }
+}
+
+/// Token ids through a buffer on the stack, a chunk at a time.
+#[inline(always)]
+fn put_token_chunks(out: &mut Vec<u8>, ts: &[u32]) {
+    let mut stage = [0u8; 5 * TOKEN_CHUNK + 8];
+    for chunk in ts.chunks(TOKEN_CHUNK) {
+        let mut n = 0;
+        for &t in chunk {
+            let (word, len) = u32_form(t);
+            // `n` never passes `5 * TOKEN_CHUNK`; the `min` says so to the compiler, which
+            // then checks no bounds in the loop.
+            let at = n.min(5 * TOKEN_CHUNK);
+            stage[at..at + 8].copy_from_slice(&word.to_be_bytes());
+            n = at + len;
+        }
+        out.extend_from_slice(&stage[..n]);
+    }
+}
+
+/// Token ids written into `out` in place: room for the longest forms made once, then cut back.
+#[inline(always)]
+fn put_token_words(out: &mut Vec<u8>, ts: &[u32]) {
     let start = out.len();
     // At most 5 bytes a token, and the last word's 8.
     let last = 5 * ts.len();
@@ -147,17 +178,27 @@ fn put_tokens_with(out: &mut Vec<u8>, ts: &[u32]) {
     out.truncate(start + n);
 }
 
+/// Token ids a long list is written through the stack at a time.
+const TOKEN_CHUNK: usize = 64;
+
 /// The token-id writer compiled a second time for x86-64 CPUs with LZCNT and BMI2 (every x86
 /// server core of the last decade), chosen at run time: the baseline target has neither, and
 /// its bit scan costs several micro-ops on AMD cores where LZCNT is one; that is a third of
 /// the writer's time. The one `unsafe` call of the events code is here.
 #[allow(unsafe_code)]
 mod fast {
-    /// [`super::put_tokens_with`] with LZCNT and BMI2.
+    /// [`super::put_token_words`] with LZCNT and BMI2.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "lzcnt,bmi2")]
-    fn put_tokens_lzcnt(out: &mut Vec<u8>, ts: &[u32]) {
-        super::put_tokens_with(out, ts)
+    fn put_token_words_lzcnt(out: &mut Vec<u8>, ts: &[u32]) {
+        super::put_token_words(out, ts)
+    }
+
+    /// [`super::put_token_chunks`] with LZCNT and BMI2.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "lzcnt,bmi2")]
+    fn put_token_chunks_lzcnt(out: &mut Vec<u8>, ts: &[u32]) {
+        super::put_token_chunks(out, ts)
     }
 
     /// Token ids as [`super::put_tokens_with`] writes them, by the fastest build this CPU runs.
@@ -167,9 +208,17 @@ mod fast {
         if std::arch::is_x86_feature_detected!("lzcnt")
             && std::arch::is_x86_feature_detected!("bmi2")
         {
-            // SAFETY: `put_tokens_lzcnt` is safe code whose only requirement is that the CPU
+            super::put_array_len(out, ts.len());
+            // SAFETY: both functions are safe code whose only requirement is that the CPU
             // has LZCNT and BMI2, and it was just found to have both (std caches the answer).
-            return unsafe { put_tokens_lzcnt(out, ts) };
+            unsafe {
+                if ts.len() < super::TOKEN_CHUNK {
+                    put_token_words_lzcnt(out, ts)
+                } else {
+                    put_token_chunks_lzcnt(out, ts)
+                }
+            }
+            return;
         }
         super::put_tokens_with(out, ts)
     }
