@@ -21,8 +21,10 @@ fn put_u64(out: &mut Vec<u8>, v: u64) {
             out.extend_from_slice(&word.to_be_bytes()[..len]);
         }
         Err(_) => {
-            out.push(0xcf);
-            out.extend_from_slice(&v.to_be_bytes());
+            // Marker and value as one 9-byte write (one capacity check, not two).
+            let mut b = [0xcf; 9];
+            b[1..].copy_from_slice(&v.to_be_bytes());
+            out.extend_from_slice(&b);
         }
     }
 }
