@@ -41,7 +41,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use zeromq::{RouterSocket, Socket};
 
-use super::fanout::QueueBound;
+use super::fanout::{Fanout, QueueBound};
 use super::guard::{Limits, PrivateDir};
 use super::sequence::ReplayRing;
 use super::wire::{encode_batch, Encoding, EventBatch};
@@ -184,6 +184,21 @@ struct Shared {
     closed: AtomicBool,
     ring: Mutex<ReplayRing<(Bytes, Bytes)>>,
     counters: Counters,
+    /// The publisher's own PUB side, sent to from the caller's thread (`None` once dropped);
+    /// absent for the `zeromq` crate's sockets, which the send loop serves from the queue.
+    direct: Option<Mutex<Option<Direct>>>,
+    /// The topic frame of batches published without one of their own.
+    topic: Bytes,
+    /// Whether sent batches are kept for replay.
+    keep_for_replay: bool,
+}
+
+/// Sending from the caller's thread to the publisher's own PUB side ([`Fanout::send`] queues
+/// toward each subscriber and never waits): no queue, no hop through the send loop, no thread
+/// to wake per batch.
+struct Direct {
+    fanout: Fanout,
+    next_seq: u64,
 }
 
 impl Shared {
@@ -201,11 +216,47 @@ impl Shared {
         }
     }
 
-    /// Queues `item`; when the queue is full, hands it back (`Err(Some)`); when the publisher
-    /// is closed, drops it (`Err(None)`).
+    /// Keeps batch `seq` for replay when configured, under its own topic frame or the
+    /// configured one, which it returns (the send loop and the direct path both record here).
+    pub(super) fn record(&self, seq: u64, topic: Option<Bytes>, payload: &Bytes) -> Bytes {
+        let topic = topic.unwrap_or_else(|| self.topic.clone());
+        if self.keep_for_replay {
+            let size = payload.len() + topic.len();
+            self.ring
+                .lock()
+                .push_sized(seq, (topic.clone(), payload.clone()), size);
+        }
+        topic
+    }
+
+    /// Counts a batch handed to the PUB side, which `lost` subscribers lost to a full queue.
+    pub(super) fn count_sent(&self, lost: u64) {
+        if lost > 0 {
+            self.counters
+                .subscriber_drops
+                .fetch_add(lost, Ordering::Relaxed);
+        }
+        self.counters.published.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Queues `item` (or sends it now, on the direct path); when the queue is full, hands it
+    /// back (`Err(Some)`); when the publisher is closed, drops it (`Err(None)`).
     fn try_push(&self, item: Item) -> Result<(), Option<Item>> {
         if self.closed.load(Ordering::Acquire) {
             return Err(None);
+        }
+        if let Some(direct) = &self.direct {
+            // Held while sending, so that sequence numbers go out in order.
+            let mut d = direct.lock();
+            let Some(d) = d.as_mut() else {
+                return Err(None);
+            };
+            let seq = d.next_seq;
+            d.next_seq += 1;
+            let topic = self.record(seq, item.topic, &item.payload);
+            let lost = d.fanout.send(&topic, seq, item.payload);
+            self.count_sent(lost);
+            return Ok(());
         }
         let mut q = self.queue.lock();
         if self.full(&q, item.payload.len()) {
@@ -291,6 +342,24 @@ impl Publisher {
             max_messages: 1024,
             stall: Duration::from_secs(30),
         };
+        let bound = QueueBound {
+            messages: cfg.subscriber_hwm.max(1),
+            bytes: cfg.subscriber_hwm_bytes,
+        };
+        let (endpoint, pub_socket) =
+            attach_pub(&cfg.endpoint, cfg.dp_rank, &dir, limits, bound).await?;
+        // The own PUB side is sent to from the callers' threads; the `zeromq` crate's sockets
+        // from the send loop.
+        let (direct, loop_socket) = match pub_socket {
+            PubSink::Fanout(fanout) => (
+                Some(Mutex::new(Some(Direct {
+                    fanout,
+                    next_seq: 0,
+                }))),
+                None,
+            ),
+            zmq => (None, Some(zmq)),
+        };
         let shared = Arc::new(Shared {
             queue: Mutex::new(VecDeque::new()),
             room: Condvar::new(),
@@ -305,15 +374,11 @@ impl Publisher {
                 cfg.replay_max_bytes,
             )),
             counters: Counters::default(),
+            direct,
+            topic: Bytes::from(cfg.topic.clone().into_bytes()),
+            keep_for_replay: cfg.replay_endpoint.is_some(),
         });
         let mut tasks = Vec::new();
-        let bound = QueueBound {
-            messages: cfg.subscriber_hwm.max(1),
-            bytes: cfg.subscriber_hwm_bytes,
-        };
-        let (endpoint, pub_socket) =
-            attach_pub(&cfg.endpoint, cfg.dp_rank, &dir, limits, bound).await?;
-        let topic = Bytes::from(cfg.topic.clone().into_bytes());
         let mut replay_endpoint = None;
         if let Some(ep) = &cfg.replay_endpoint {
             let mut router = RouterSocket::new();
@@ -328,12 +393,8 @@ impl Publisher {
                 cfg.replay_send_timeout,
             )));
         }
-        let publish_task = tokio::spawn(publish_loop(
-            shared.clone(),
-            pub_socket,
-            topic,
-            replay_endpoint.is_some(),
-        ));
+        let publish_task =
+            loop_socket.map(|socket| tokio::spawn(publish_loop(shared.clone(), socket)));
         tracing::info!(
             %endpoint,
             replay = replay_endpoint.as_deref().unwrap_or("off"),
@@ -347,7 +408,7 @@ impl Publisher {
             endpoint,
             replay_endpoint,
             tasks,
-            publish_task: Some(publish_task),
+            publish_task,
             closed_socket: None,
             runtime: None,
             _dir: dir,
@@ -546,6 +607,7 @@ impl Publisher {
     /// the publisher is dropped.
     pub fn close(&mut self, timeout: Duration) -> PublisherStats {
         self.shared.closed.store(true, Ordering::Release);
+        // On the direct path nothing is queued: the PUB side stays in `shared` until drop.
         self.shared.work.notify_one();
         if let (Some(task), Some(rt)) = (self.publish_task.take(), &self.runtime) {
             if let Ok(Ok(socket)) =
@@ -561,6 +623,10 @@ impl Publisher {
 impl Drop for Publisher {
     fn drop(&mut self) {
         self.shared.closed.store(true, Ordering::Release);
+        if let Some(direct) = &self.shared.direct {
+            // The PUB side closes now, not when the last task lets `shared` go.
+            drop(direct.lock().take());
+        }
         self.shared.room.notify_all();
         for t in self.tasks.drain(..) {
             t.abort();

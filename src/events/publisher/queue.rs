@@ -1,21 +1,15 @@
-//! The publisher's send loop: drains the queue, then numbers, records for replay and sends each
-//! (already encoded) batch on the PUB socket.
+//! The publisher's send loop for the `zeromq` crate's PUB sockets (ipc and connected
+//! endpoints): drains the queue, then numbers, records for replay and sends each (already
+//! encoded) batch. The publisher's own PUB side is sent to from the callers' threads instead.
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use bytes::Bytes;
-
 use super::sockets::PubSink;
 use super::{Item, Shared};
 
-pub(super) async fn publish_loop(
-    shared: Arc<Shared>,
-    mut socket: PubSink,
-    topic: Bytes,
-    keep_for_replay: bool,
-) -> PubSink {
+pub(super) async fn publish_loop(shared: Arc<Shared>, mut socket: PubSink) -> PubSink {
     let mut local = VecDeque::new();
     let mut seq = 0u64;
     loop {
@@ -35,105 +29,12 @@ pub(super) async fn publish_loop(
         shared.room.notify_all();
         shared.room_async.notify_waiters();
         for item in local.drain(..) {
-            let Item { topic: t, payload } = item;
-            let item_topic = t.unwrap_or_else(|| topic.clone());
-            if keep_for_replay {
-                let size = payload.len() + item_topic.len();
-                shared
-                    .ring
-                    .lock()
-                    .push_sized(seq, (item_topic.clone(), payload.clone()), size);
-            }
-            let lost = socket.send(item_topic, seq, payload).await;
-            if lost > 0 {
-                shared
-                    .counters
-                    .subscriber_drops
-                    .fetch_add(lost, Ordering::Relaxed);
-            }
+            let Item { topic, payload } = item;
+            let topic = shared.record(seq, topic, &payload);
+            let lost = socket.send(topic, seq, payload).await;
+            shared.count_sent(lost);
             seq += 1;
-            shared.counters.published.fetch_add(1, Ordering::Relaxed);
         }
     }
     socket
-}
-
-#[cfg(test)]
-mod tests {
-    use std::time::{Duration, Instant};
-
-    use crate::events::{EventBatch, EventsError, Publisher, PublisherConfig};
-
-    #[test]
-    fn a_full_queue_refuses_and_counts() {
-        let p = Publisher::start(PublisherConfig {
-            endpoint: "tcp://*:0".into(),
-            replay_endpoint: Some("tcp://*:0".into()),
-            max_queue: 1,
-            ..Default::default()
-        })
-        .unwrap();
-        let b = EventBatch {
-            ts: 0.0,
-            events: vec![],
-            dp_rank: None,
-        };
-        let mut refused = 0;
-        {
-            // Holding the ring stalls the publisher thread once it has taken the first batch.
-            let _hold = p.shared.ring.lock();
-            p.publish(b.clone()).unwrap();
-            let t = Instant::now();
-            while !p.shared.queue.lock().is_empty() {
-                assert!(
-                    t.elapsed() < Duration::from_secs(10),
-                    "publisher thread never ran"
-                );
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            for _ in 0..50 {
-                if p.publish(b.clone()).is_err() {
-                    refused += 1;
-                }
-            }
-            assert_eq!(refused, 49, "one fits, the rest are refused");
-            let t = Instant::now();
-            assert!(matches!(
-                p.publish_timeout(b.clone(), Duration::from_millis(50)),
-                Err(EventsError::QueueFull { cap: 1, .. })
-            ));
-            assert!(t.elapsed() >= Duration::from_millis(50));
-        }
-        assert_eq!(p.stats().dropped, refused + 1);
-    }
-
-    /// The queue is bounded in bytes as well as in batches; an empty queue takes a batch of
-    /// any size.
-    #[test]
-    fn the_queue_is_bounded_in_bytes() {
-        let p = Publisher::start(PublisherConfig {
-            endpoint: "tcp://*:0".into(),
-            replay_endpoint: Some("tcp://*:0".into()),
-            max_queue_bytes: 1000,
-            ..Default::default()
-        })
-        .unwrap();
-        let (big, small) = {
-            // Holding the ring stalls the publisher thread once it has taken the first batch.
-            let _ring = p.shared.ring.lock();
-            let t = Instant::now();
-            p.publish_encoded(vec![0u8; 5000]).unwrap();
-            while !p.shared.queue.lock().is_empty() {
-                assert!(t.elapsed() < Duration::from_secs(10), "never drained");
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            // The thread now waits on the ring with one batch taken; the queue is empty.
-            let big = p.publish_encoded(vec![0u8; 5000]).is_ok();
-            let small = p.publish_encoded(vec![0u8; 10]).is_ok();
-            (big, small)
-        };
-        assert!(big, "an empty queue takes a batch over the byte bound");
-        assert!(!small, "a second batch past the bound is refused");
-        assert_eq!(p.stats().dropped, 1);
-    }
 }
