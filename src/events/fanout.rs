@@ -102,9 +102,14 @@ impl Peer {
             return false;
         }
         q.bytes += out.len();
+        let was_empty = q.items.is_empty();
         q.items.push_back(out);
         drop(q);
-        self.wake.notify_one();
+        // The writer waits only once it found the queue empty: pushes behind a waiting message
+        // are taken with it, without waking it again.
+        if was_empty {
+            self.wake.notify_one();
+        }
         true
     }
 }

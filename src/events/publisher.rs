@@ -7,14 +7,16 @@
 //!   with `seq >= start_seq`, oldest first, then an end marker (formats in [`ReplayFormat`]).
 //!   The ring keeps the last `buffer_steps` batches and at most `replay_max_bytes` of them
 //!   (only when a replay endpoint is configured).
-//! - Queue: [`Publisher::publish`] never blocks the engine. It encodes the batch in the calling
-//!   thread (where its memory was allocated and is freed: handing batches to another thread to
-//!   encode and free cost more than the encoding itself) and hands the payload to a bounded
-//!   queue (`max_queue` batches) drained by the publisher's own thread, which numbers, records
-//!   and sends. When the queue is full the batch is refused with
-//!   [`EventsError::QueueFull`] and counted in `dropped`: it never gets a sequence number, so
-//!   subscribers see a consistent stream and the caller knows. [`Publisher::publish_timeout`]
-//!   waits for room instead, up to a deadline.
+//! - Sending: [`Publisher::publish`] never blocks the engine. It encodes the batch in the
+//!   calling thread (where its memory was allocated and is freed: handing batches to another
+//!   thread to encode and free cost more than the encoding itself). For a bound tcp endpoint
+//!   (the publisher's own PUB side) the same thread then numbers it, records it for replay and
+//!   queues it toward each subscriber, which never waits; for ipc and connected endpoints (the
+//!   `zeromq` crate's sockets) the payload goes to a bounded queue (`max_queue` batches)
+//!   drained by the publisher's own thread, which numbers, records and sends. When that queue
+//!   is full the batch is refused with [`EventsError::QueueFull`] and counted in `dropped`: it
+//!   never gets a sequence number, so subscribers see a consistent stream and the caller
+//!   knows. [`Publisher::publish_timeout`] waits for room instead, up to a deadline.
 //! - Subscribers that fall behind: the PUB socket drops batches for a subscriber whose send
 //!   queue is full (as ZeroMQ does at its high-water mark); the sequence shows the gap and the
 //!   subscriber fills it by replay.
@@ -85,10 +87,11 @@ pub struct PublisherConfig {
     pub buffer_steps: usize,
     /// Payload bytes kept for replay (the newest batch is always kept).
     pub replay_max_bytes: usize,
-    /// Batches waiting to be sent before `publish` refuses more.
+    /// Batches waiting to be sent before `publish` refuses more (ipc and connected endpoints;
+    /// a bound tcp endpoint queues toward each subscriber instead, see `subscriber_hwm`).
     pub max_queue: usize,
     /// Payload bytes waiting to be sent before `publish` refuses more (a batch is always
-    /// taken into an empty queue, whatever its size).
+    /// taken into an empty queue, whatever its size; as `max_queue`).
     pub max_queue_bytes: usize,
     /// Time allowed to send one whole replay answer to a requester.
     pub replay_send_timeout: Duration,
@@ -175,7 +178,7 @@ struct Shared {
     room: Condvar,
     /// Signalled when the queue has room (async waiters).
     room_async: Notify,
-    /// Signalled when the queue has items or the publisher closes.
+    /// Signalled when the queue goes from empty to not empty, or the publisher closes.
     work: Notify,
     cap: usize,
     /// Payload bytes in `queue`, and their bound.
@@ -194,8 +197,8 @@ struct Shared {
 }
 
 /// Sending from the caller's thread to the publisher's own PUB side ([`Fanout::send`] queues
-/// toward each subscriber and never waits): no queue, no hop through the send loop, no thread
-/// to wake per batch.
+/// toward each subscriber and never waits): no queue and no hop through the send loop; a
+/// subscriber's writer is woken only when its queue was empty.
 struct Direct {
     fanout: Fanout,
     next_seq: u64,
@@ -425,15 +428,17 @@ impl Publisher {
         self.replay_endpoint.as_deref()
     }
 
-    /// Queues a batch; never blocks. Fails with [`EventsError::QueueFull`] (the batch is
-    /// dropped and counted) or [`EventsError::Closed`].
+    /// Queues a batch; never blocks. Fails with [`EventsError::QueueFull`] (ipc and connected
+    /// endpoints, whose queue is bounded; the batch is dropped and counted) or
+    /// [`EventsError::Closed`].
     pub fn publish(&self, batch: EventBatch) -> Result<(), EventsError> {
         self.publish_batch(&batch)
     }
 
     /// Queues a batch the caller keeps; never blocks. The batch is encoded in the calling
-    /// thread (where its memory was allocated and is freed); numbering, replay bookkeeping and
-    /// sending happen on the publisher's thread.
+    /// thread (where its memory was allocated and is freed), and numbered, recorded for replay
+    /// and queued toward subscribers there too for a bound tcp endpoint (on the publisher's
+    /// thread for the others).
     pub fn publish_batch(&self, batch: &EventBatch) -> Result<(), EventsError> {
         let payload = self.encode(batch);
         self.queue_payload(payload, None)

@@ -958,8 +958,9 @@ int kvlink_event_publisher_endpoint(const struct kvlink_event_publisher *publish
 
 /**
  * Publishes the events of `batch` as one batch and empties `batch` (it may be reused). Never
- * blocks. Returns `KVLINK_OK`, `KVLINK_E_IO` when the queue is full (the batch is dropped and
- * counted) or `KVLINK_E_INVALID` (NULL argument, closed publisher).
+ * blocks. Returns `KVLINK_OK`, `KVLINK_E_IO` when the queue is full (ipc and connected
+ * endpoints; the batch is dropped and counted) or `KVLINK_E_INVALID` (NULL argument, closed
+ * publisher).
  *
  * # Safety
  * `publisher` is NULL or live; `batch` is NULL or live and not used by another thread.

@@ -1,5 +1,6 @@
 //! Payload buffers reused across batches. A batch is encoded on the caller's thread and its
-//! payload freed on the publisher's thread once sent (or once the replay ring lets it go): a
+//! payload freed on whichever thread lets go of it last once sent (a subscriber's writer, the
+//! replay ring evicting it, the send loop): a
 //! fresh large buffer per batch, freed elsewhere, made the allocator map and zero new pages for
 //! most batches (a third of the publisher's time with mimalloc, glibc's consolidation passes
 //! otherwise). Buffers now go back to a small pool when their last reference drops.

@@ -38,3 +38,91 @@ pub(super) async fn publish_loop(shared: Arc<Shared>, mut socket: PubSink) -> Pu
     }
     socket
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use crate::events::{EventBatch, EventsError, Publisher, PublisherConfig};
+
+    /// An ipc endpoint of its own: the queue and the send loop serve the `zeromq` crate's
+    /// sockets (a bound tcp endpoint is sent to from the caller's thread, with no queue).
+    fn ipc(name: &str) -> String {
+        let path = std::env::temp_dir().join(format!("kvlink-queue-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        format!("ipc://{}", path.display())
+    }
+
+    #[test]
+    fn a_full_queue_refuses_and_counts() {
+        let p = Publisher::start(PublisherConfig {
+            endpoint: ipc("full"),
+            replay_endpoint: Some("tcp://*:0".into()),
+            max_queue: 1,
+            ..Default::default()
+        })
+        .unwrap();
+        let b = EventBatch {
+            ts: 0.0,
+            events: vec![],
+            dp_rank: None,
+        };
+        let mut refused = 0;
+        {
+            // Holding the ring stalls the publisher thread once it has taken the first batch.
+            let _hold = p.shared.ring.lock();
+            p.publish(b.clone()).unwrap();
+            let t = Instant::now();
+            while !p.shared.queue.lock().is_empty() {
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "publisher thread never ran"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            for _ in 0..50 {
+                if p.publish(b.clone()).is_err() {
+                    refused += 1;
+                }
+            }
+            assert_eq!(refused, 49, "one fits, the rest are refused");
+            let t = Instant::now();
+            assert!(matches!(
+                p.publish_timeout(b.clone(), Duration::from_millis(50)),
+                Err(EventsError::QueueFull { cap: 1, .. })
+            ));
+            assert!(t.elapsed() >= Duration::from_millis(50));
+        }
+        assert_eq!(p.stats().dropped, refused + 1);
+    }
+
+    /// The queue is bounded in bytes as well as in batches; an empty queue takes a batch of
+    /// any size.
+    #[test]
+    fn the_queue_is_bounded_in_bytes() {
+        let p = Publisher::start(PublisherConfig {
+            endpoint: ipc("bytes"),
+            replay_endpoint: Some("tcp://*:0".into()),
+            max_queue_bytes: 1000,
+            ..Default::default()
+        })
+        .unwrap();
+        let (big, small) = {
+            // Holding the ring stalls the publisher thread once it has taken the first batch.
+            let _ring = p.shared.ring.lock();
+            let t = Instant::now();
+            p.publish_encoded(vec![0u8; 5000]).unwrap();
+            while !p.shared.queue.lock().is_empty() {
+                assert!(t.elapsed() < Duration::from_secs(10), "never drained");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // The thread now waits on the ring with one batch taken; the queue is empty.
+            let big = p.publish_encoded(vec![0u8; 5000]).is_ok();
+            let small = p.publish_encoded(vec![0u8; 10]).is_ok();
+            (big, small)
+        };
+        assert!(big, "an empty queue takes a batch over the byte bound");
+        assert!(!small, "a second batch past the bound is refused");
+        assert_eq!(p.stats().dropped, 1);
+    }
+}

@@ -29,6 +29,12 @@ struct Raw<'a, 's> {
 
 /// At most this many string buffers wait for reuse while a batch is decoded.
 const SPARE_STRINGS: usize = 64;
+/// A recycled event keeps room for at most this many token ids (256 KiB)...
+const KEEP_TOKENS: usize = 64 << 10;
+/// ... and this many block hashes.
+const KEEP_HASHES: usize = 4096;
+/// A recycled batch keeps room for at most this many events.
+const KEEP_EVENTS: usize = 16 << 10;
 
 fn hash(t: Token<'_>) -> Option<BlockHash> {
     match t {
@@ -63,13 +69,16 @@ fn opt_str(
     spare: &mut Vec<String>,
 ) -> Result<Option<String>, String> {
     match c.short_str() {
-        Some(s) => Ok(Some(match (std::str::from_utf8(s), spare.pop()) {
-            (Ok(s), Some(mut buf)) => {
-                buf.clear();
-                buf.push_str(s);
-                buf
-            }
-            _ => owned(s),
+        Some(s) => Ok(Some(match std::str::from_utf8(s) {
+            Ok(s) => match spare.pop() {
+                Some(mut buf) => {
+                    buf.clear();
+                    buf.push_str(s);
+                    buf
+                }
+                None => s.to_owned(),
+            },
+            Err(_) => String::from_utf8_lossy(s).into_owned(),
         })),
         None => opt(c, name, string),
     }
@@ -508,6 +517,14 @@ fn recycle(slot: &mut KvEvent, strings: &mut Vec<String>) {
         cache_salt,
         extra,
     } = s;
+    // Vectors kept only up to a bound, so that one huge event does not pin its memory in
+    // every batch after it.
+    if token_ids.capacity() > KEEP_TOKENS {
+        *token_ids = Vec::new();
+    }
+    if block_hashes.capacity() > KEEP_HASHES {
+        *block_hashes = Vec::new();
+    }
     block_hashes.clear();
     token_ids.clear();
     extra.clear();
@@ -723,6 +740,9 @@ pub fn decode_batch_reusing(payload: &[u8], spare: EventBatch) -> Result<Decoded
         return Err(BatchError("the batch's events are not an array".into()));
     };
     let mut events = spare.events;
+    if events.capacity() > KEEP_EVENTS {
+        events = Vec::new();
+    }
     events.reserve(count.min(MAX_RESERVE).saturating_sub(events.len()));
     let mut strings = Vec::new();
     let mut skipped = Vec::new();

@@ -193,8 +193,9 @@ class EventPublisher:
     def replay_endpoint(self) -> Optional[str]: ...
     def publish(self, events: Sequence[Any], ts: Optional[float] = None, dp_rank: Optional[int] = None) -> None:
         """One batch (one scheduler step) of event dicts or engine event objects; never
-        blocks. Raises ``KvlinkError`` when the queue is full (batch dropped and counted) or
-        closed, ``InvalidArgument`` for an unreadable event (nothing sent)."""
+        blocks. Raises ``KvlinkError`` when the queue is full (ipc and connected endpoints;
+        batch dropped and counted) or closed, ``InvalidArgument`` for an unreadable event
+        (nothing sent)."""
     def stats(self) -> Dict[str, int]:
         """published, dropped, queued, next_seq, replay_requests, replayed_batches,
         bad_replay_requests, replay_timeouts."""

@@ -3,7 +3,7 @@
 An engine publishes each scheduler step's events; a router subscribes (batches come out in
 sequence order, each once, gaps filled by replay, with explicit resync signals when it must
 drop what it derived); a merger joins several engines' streams. Events are read with the GIL
-held and encoded with it released; numbering, replay and socket work run on kvlink's threads.
+held and encoded with it released; socket writes and replay answers run on kvlink's threads.
 
 Events are dicts shaped like vLLM's event structs (``{"type": "BlockStored", "block_hashes":
 [...], "parent_block_hash": ..., "token_ids": [...], "block_size": 16, "medium": "GPU", ...}``);

@@ -1,5 +1,6 @@
 //! KV events from Python: `EventPublisher` (an engine publishes its KV-cache events each
-//! scheduler step; encoded with the GIL released, sent on kvlink's thread), `EventSubscriber` (a
+//! scheduler step; encoded with the GIL released, queued toward subscribers without waiting),
+//! `EventSubscriber` (a
 //! router reads decoded batches and resync signals, in sequence order), `EventMerger` (several
 //! engines' streams as one) and `PageSplitter` (a stored token run as fixed-size pages with
 //! chained hashes).
@@ -182,10 +183,11 @@ impl EventPublisher {
 
     /// Publishes one batch (one scheduler step): `events` is a list of event dicts or of the
     /// engine's own event objects; `ts` defaults to now, `dp_rank` to the publisher's. The
-    /// events are read with the GIL held, encoded with it released, then numbered and sent on
-    /// kvlink's thread; this never blocks. Raises
-    /// `KvlinkError` when the queue is full (the batch is dropped and counted) or the
-    /// publisher is closed, `InvalidArgument` for an event it cannot read (nothing is sent).
+    /// events are read with the GIL held, encoded with it released, then numbered and queued
+    /// toward each subscriber (bound tcp endpoints) or handed to kvlink's thread (ipc and
+    /// connected ones); this never blocks. Raises `KvlinkError` when kvlink's queue is full
+    /// (ipc and connected endpoints; the batch is dropped and counted) or the publisher is
+    /// closed, `InvalidArgument` for an event it cannot read (nothing is sent).
     #[pyo3(signature = (events, ts = None, dp_rank = None))]
     fn publish(
         &self,
