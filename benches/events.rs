@@ -1,12 +1,13 @@
 //! KV-event throughput, in block entries (one hash of a BlockStored) per second: encoding,
-//! decoding, and end to end from `Publisher::publish` to `Subscriber::next` over tcp loopback.
+//! decoding (afresh, and into the last batch's allocations), and end to end from
+//! `Publisher::publish` to `Subscriber::next` over tcp loopback.
 
 use std::time::{Duration, Instant};
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
 use kvlink::events::{
-    decode_batch, encode_batch, Encoding, EventBatch, KvEvent, PageHash, PageSplitter, Publisher,
-    PublisherConfig, SubItem, Subscriber, SubscriberConfig,
+    decode_batch, decode_batch_reusing, encode_batch, Encoding, EventBatch, KvEvent, PageHash,
+    PageSplitter, Publisher, PublisherConfig, SubItem, Subscriber, SubscriberConfig,
 };
 
 /// One scheduler step: 64 requests storing 4,096 tokens each, split into 16-token pages. Token
@@ -45,6 +46,14 @@ fn bench(c: &mut Criterion) {
         encode_batch(&b, enc, &mut buf);
         g.bench_function(format!("decode_{enc:?}"), |bn| {
             bn.iter(|| decode_batch(black_box(&buf)).unwrap())
+        });
+        // Each batch decoded into the last one's allocations (`Subscriber::recycle`).
+        let mut spare = EventBatch::default();
+        g.bench_function(format!("decode_reusing_{enc:?}"), |bn| {
+            bn.iter(|| {
+                let d = decode_batch_reusing(black_box(&buf), std::mem::take(&mut spare)).unwrap();
+                spare = d.batch;
+            })
         });
     }
     g.throughput(Throughput::Elements(4096 / 16));
@@ -114,7 +123,7 @@ fn end_to_end(c: &mut Criterion) {
                         while got < iters {
                             match sub.next(Duration::from_secs(10)).await.unwrap() {
                                 Some(SubItem::Batch { batch, .. }) => {
-                                    black_box(batch);
+                                    sub.recycle(black_box(batch));
                                     got += 1;
                                 }
                                 Some(other) => {
