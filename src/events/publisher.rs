@@ -41,7 +41,7 @@ use parking_lot::{Condvar, Mutex};
 use tokio::runtime::Runtime;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
-use zeromq::{RouterSocket, Socket};
+use zeromq::{PubSocket, RouterSocket, Socket};
 
 use super::fanout::{Fanout, QueueBound};
 use super::guard::{Limits, PrivateDir};
@@ -290,9 +290,9 @@ pub struct Publisher {
     endpoint: String,
     replay_endpoint: Option<String>,
     tasks: Vec<JoinHandle<()>>,
-    publish_task: Option<JoinHandle<PubSink>>,
+    publish_task: Option<JoinHandle<PubSocket>>,
     /// The PUB socket after `close`, kept open (its queues still draining) until drop.
-    closed_socket: Option<PubSink>,
+    closed_socket: Option<PubSocket>,
     runtime: Option<Runtime>,
     _dir: PrivateDir,
 }
@@ -361,7 +361,7 @@ impl Publisher {
                 }))),
                 None,
             ),
-            zmq => (None, Some(zmq)),
+            PubSink::Zmq(socket) => (None, Some(socket)),
         };
         let shared = Arc::new(Shared {
             queue: Mutex::new(VecDeque::new()),

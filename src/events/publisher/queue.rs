@@ -6,10 +6,12 @@ use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::sockets::PubSink;
+use bytes::Bytes;
+use zeromq::{PubSocket, SocketSend, ZmqMessage};
+
 use super::{Item, Shared};
 
-pub(super) async fn publish_loop(shared: Arc<Shared>, mut socket: PubSink) -> PubSink {
+pub(super) async fn publish_loop(shared: Arc<Shared>, mut socket: PubSocket) -> PubSocket {
     let mut local = VecDeque::new();
     let mut seq = 0u64;
     loop {
@@ -31,8 +33,13 @@ pub(super) async fn publish_loop(shared: Arc<Shared>, mut socket: PubSink) -> Pu
         for item in local.drain(..) {
             let Item { topic, payload } = item;
             let topic = shared.record(seq, topic, &payload);
-            let lost = socket.send(topic, seq, payload).await;
-            shared.count_sent(lost);
+            let frames = vec![topic, Bytes::copy_from_slice(&seq.to_be_bytes()), payload];
+            let msg = ZmqMessage::try_from(frames).expect("three frames");
+            if let Err(e) = socket.send(msg).await {
+                tracing::warn!(seq, "KV-event PUB send failed: {e}");
+            }
+            // The crate does not say whether a subscriber lost it.
+            shared.count_sent(0);
             seq += 1;
         }
     }

@@ -1,39 +1,20 @@
 //! Binding or connecting the publisher's sockets by vLLM's endpoint rules; bound TCP endpoints
 //! are served through the frame guard.
 
-use bytes::Bytes;
 use tokio::task::JoinHandle;
-use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
+use zeromq::{PubSocket, Socket};
 
 use crate::events::endpoint::{self, Attach};
 use crate::events::fanout::{Fanout, QueueBound};
 use crate::events::guard::{self, Limits, PrivateDir};
 use crate::events::EventsError;
 
-/// Where the publish loop sends: the publisher's own PUB side for a bound tcp endpoint
-/// ([`Fanout`]: payloads written from their own memory), the `zeromq` crate's PUB socket for
-/// ipc endpoints and connected ones.
+/// The live PUB side: the publisher's own for a bound tcp endpoint ([`Fanout`]: payloads
+/// written from their own memory, sent to from the callers' threads), the `zeromq` crate's PUB
+/// socket for ipc endpoints and connected ones (served by the send loop).
 pub(super) enum PubSink {
     Fanout(Fanout),
     Zmq(PubSocket),
-}
-
-impl PubSink {
-    /// Sends `[topic, seq, payload]`; returns how many subscribers lost it to a full queue
-    /// (known for the publisher's own PUB side only).
-    pub(super) async fn send(&mut self, topic: Bytes, seq: u64, payload: Bytes) -> u64 {
-        match self {
-            PubSink::Fanout(f) => f.send(&topic, seq, payload),
-            PubSink::Zmq(s) => {
-                let frames = vec![topic, Bytes::copy_from_slice(&seq.to_be_bytes()), payload];
-                let msg = ZmqMessage::try_from(frames).expect("three frames");
-                if let Err(e) = s.send(msg).await {
-                    tracing::warn!(seq, "KV-event PUB send failed: {e}");
-                }
-                0
-            }
-        }
-    }
 }
 
 /// Binds or connects the live PUB endpoint following vLLM's rules; returns the endpoint peers
