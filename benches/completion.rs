@@ -46,7 +46,11 @@ fn bench_tracker(c: &mut Criterion) {
     g.bench_function("send_hold_notice_take", |b| {
         let layout = kvlink::ModelShape::LLAMA3_8B.layout(kvlink::RegionId(1), 64);
         let grant =
-            std::sync::Arc::new(Grant::new(std::sync::Arc::new(layout), &[1, 2, 3, 4]).unwrap());
+            std::sync::Arc::new(Grant::new(std::sync::Arc::new(layout), &[[1, 2, 3, 4]]).unwrap());
+        let reader = kvlink::internal::Reader {
+            engine: "decode".into(),
+            tp: kvlink::TpRank::SOLO,
+        };
         b.iter(|| {
             let now = Instant::now();
             let mut t = CompletionTracker::new();
@@ -61,7 +65,7 @@ fn bench_tracker(c: &mut Criterion) {
                 .unwrap();
             }
             for id in &ids {
-                t.handle_notice(id, "decode", SendNotice::Done).unwrap();
+                t.handle_notice(id, &reader, SendNotice::Done).unwrap();
             }
             t.poll(now);
             black_box(t.take_finished())

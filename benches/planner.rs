@@ -67,7 +67,7 @@ fn bench_grant_check(c: &mut Criterion) {
         let r = shuffled(4 * blocks, 2);
         let (l, r) = (&l[..blocks as usize], &r[..blocks as usize]);
         let p = plan(&local, &remote, l, r, PlanOptions::default()).unwrap();
-        let grant = Grant::new(std::sync::Arc::new(remote.clone()), r).unwrap();
+        let grant = Grant::new(std::sync::Arc::new(remote.clone()), &[r]).unwrap();
         g.bench_function(format!("{}/random", shape.name), |b| {
             b.iter(|| {
                 let mut c = grant.checker();

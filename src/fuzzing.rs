@@ -190,6 +190,8 @@ fn grant_layout() -> KvLayout {
         block_stride: stride,
         block_bytes: bytes,
         num_blocks: 8,
+        group: 0,
+        heads: None,
     };
     KvLayout {
         tokens_per_block: 16,
@@ -223,7 +225,7 @@ pub fn data_request(data: &[u8]) {
     }
     let layout = grant_layout();
     let grant =
-        Grant::new(std::sync::Arc::new(layout.clone()), &[1, 2, 5, 7]).expect("a valid grant");
+        Grant::new(std::sync::Arc::new(layout.clone()), &[[1, 2, 5, 7]]).expect("a valid grant");
     let body = &rest[id_len..];
     let mut checker = grant.checker();
     let n = body.len().min(count as usize * wire::ENTRY) / wire::ENTRY * wire::ENTRY;
@@ -242,7 +244,7 @@ pub fn data_request(data: &[u8]) {
                         && x >= t.offset
                         && (x - t.offset) / t.block_stride < u64::from(t.num_blocks)
                         && (x - t.offset) % t.block_stride < t.block_bytes
-                        && grant.has(((x - t.offset) / t.block_stride) as u32)
+                        && grant.has(0, ((x - t.offset) / t.block_stride) as u32)
                 })
             };
             let want = len > 0 && (offset..offset + len).all(granted_byte);

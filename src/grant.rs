@@ -13,33 +13,52 @@ use crate::error::{Error, Result};
 use crate::ids::{BlockId, RegionId};
 use crate::layout::KvLayout;
 
-/// The blocks held for one request (sorted, without repeats), in the layout they were held in.
+/// The blocks held for one request, per block group (sorted, without repeats), in the layout
+/// they were held in.
 #[derive(Debug)]
 pub struct Grant {
-    blocks: Vec<BlockId>,
+    blocks: Vec<Vec<BlockId>>,
     layout: Arc<KvLayout>,
     ended: AtomicBool,
 }
 
 impl Grant {
-    /// A grant of `blocks` of `layout`. Refuses an empty list and block ids outside the layout.
-    pub fn new(layout: Arc<KvLayout>, blocks: &[BlockId]) -> Result<Grant> {
-        if blocks.is_empty() {
+    /// A grant of `blocks[g]` of each block group `g` of `layout`. Refuses a list per group
+    /// that does not match the layout's groups, no block at all, and block ids outside the
+    /// layout.
+    pub fn new<B: AsRef<[BlockId]>>(layout: Arc<KvLayout>, blocks: &[B]) -> Result<Grant> {
+        let groups = layout.num_groups();
+        if blocks.len() != groups {
+            return Err(Error::invalid(format!(
+                "{} block lists for a layout of {groups} block groups; hold one list per group",
+                blocks.len()
+            )));
+        }
+        if blocks.iter().all(|b| b.as_ref().is_empty()) {
             return Err(Error::invalid(
                 "hold_blocks needs the request's block ids (the blocks its reader may read)",
             ));
         }
-        let n = layout.num_blocks();
-        if let Some(b) = blocks.iter().find(|b| **b >= n) {
-            return Err(Error::invalid(format!(
-                "block {b} is outside this engine's KV cache ({n} blocks)"
-            )));
+        let mut out = Vec::with_capacity(groups);
+        for (g, b) in blocks.iter().enumerate() {
+            let n = layout.group_blocks(g);
+            if let Some(b) = b.as_ref().iter().find(|b| **b >= n) {
+                return Err(Error::invalid(format!(
+                    "block {b} is outside this engine's KV cache ({n} blocks{})",
+                    if groups > 1 {
+                        format!(" in block group {g}")
+                    } else {
+                        String::new()
+                    }
+                )));
+            }
+            let mut b = b.as_ref().to_vec();
+            b.sort_unstable();
+            b.dedup();
+            out.push(b);
         }
-        let mut blocks = blocks.to_vec();
-        blocks.sort_unstable();
-        blocks.dedup();
         Ok(Grant {
-            blocks,
+            blocks: out,
             layout,
             ended: AtomicBool::new(false),
         })
@@ -60,19 +79,21 @@ impl Grant {
         self.ended.load(Ordering::Acquire)
     }
 
-    /// Whether block `b` is granted.
-    pub fn has(&self, b: BlockId) -> bool {
-        self.blocks.binary_search(&b).is_ok()
+    /// Whether block `b` of block group `group` is granted.
+    pub fn has(&self, group: usize, b: BlockId) -> bool {
+        self.blocks
+            .get(group)
+            .is_some_and(|g| g.binary_search(&b).is_ok())
     }
 
-    /// Number of granted blocks.
+    /// Number of granted blocks, over all block groups.
     pub fn len(&self) -> usize {
-        self.blocks.len()
+        self.blocks.iter().map(Vec::len).sum()
     }
 
     /// Whether no block is granted (never true for a grant built by [`Grant::new`]).
     pub fn is_empty(&self) -> bool {
-        self.blocks.is_empty()
+        self.len() == 0
     }
 
     /// Checks that every byte of `[offset, offset + len)` of `region` lies in a granted block of
@@ -111,7 +132,8 @@ impl Checker<'_> {
     /// a tensor of the layout. The walk advances by at least one block's bytes per step and
     /// looks from the tensor of the previous step on, wrapping, so its cost is linear in the
     /// number of blocks the range covers (times the tensors of the layout at worst, once per
-    /// tensor change). The error names only what the reader asked for.
+    /// tensor change, or per block where block groups share memory). The error names only
+    /// what the reader asked for.
     pub fn check(
         &mut self,
         region: RegionId,
@@ -129,19 +151,28 @@ impl Checker<'_> {
         let mut at = offset;
         while at < end {
             let start = self.last;
-            let hit = (0..n)
-                .map(|k| (start + k) % n)
-                .find_map(|i| piece(layout, i, region, at).map(|p| (i, p)));
-            let Some((i, (block, block_end))) = hit else {
-                return Err(format!(
-                    "byte {at} of {region} is not in a block of the KV layout"
-                ));
-            };
-            if !self.grant.has(block) {
-                return Err(format!(
-                    "block {block} (byte {at} of {region}) is not held for this request"
-                ));
+            // The first tensor (from the previous one on) whose granted block holds `at`; a
+            // byte in memory that tensors of several block groups share is served when any of
+            // them grants it.
+            let mut held_elsewhere = None;
+            let mut hit = None;
+            for i in (0..n).map(|k| (start + k) % n) {
+                if let Some((block, block_end)) = piece(layout, i, region, at) {
+                    if self.grant.has(layout.tensors[i].group as usize, block) {
+                        hit = Some((i, block_end));
+                        break;
+                    }
+                    held_elsewhere.get_or_insert(block);
+                }
             }
+            let Some((i, block_end)) = hit else {
+                return Err(match held_elsewhere {
+                    Some(block) => format!(
+                        "block {block} (byte {at} of {region}) is not held for this request"
+                    ),
+                    None => format!("byte {at} of {region} is not in a block of the KV layout"),
+                });
+            };
             self.last = i;
             at = block_end.min(end);
         }
@@ -178,6 +209,8 @@ mod tests {
             block_stride: stride,
             block_bytes: bytes,
             num_blocks: n,
+            group: 0,
+            heads: None,
         }
     }
 
@@ -193,7 +226,7 @@ mod tests {
     fn granted_blocks_are_served_and_nothing_else() {
         // Two tensors interleaved in region 1 (stride twice the block), padding after each.
         let l = layout(vec![tensor(1, 0, 256, 100, 8), tensor(1, 128, 256, 100, 8)]);
-        let g = Grant::new(Arc::new(l.clone()), &[2, 3, 3]).unwrap();
+        let g = Grant::new(Arc::new(l.clone()), &[[2, 3, 3]]).unwrap();
         assert_eq!(g.len(), 2);
         let r = RegionId(1);
         assert!(g.check(r, 512, 100).is_ok(), "block 2 of t0");
@@ -218,7 +251,7 @@ mod tests {
         let l = ModelShape::LLAMA3_8B.layout(RegionId(1), 16);
         let t = &l.tensors[0];
         assert_eq!(t.block_stride, t.block_bytes);
-        let g = Grant::new(Arc::new(l.clone()), &[4, 5, 6]).unwrap();
+        let g = Grant::new(Arc::new(l.clone()), &[[4, 5, 6]]).unwrap();
         let r = RegionId(1);
         assert!(g.check(r, t.block_offset(4), 3 * t.block_bytes).is_ok());
         assert!(g.check(r, t.block_offset(4), 4 * t.block_bytes).is_err());
@@ -228,8 +261,9 @@ mod tests {
     #[test]
     fn empty_and_out_of_range_grants_are_refused() {
         let l = layout(vec![tensor(1, 0, 100, 100, 4)]);
-        assert!(Grant::new(Arc::new(l.clone()), &[]).is_err());
-        assert!(Grant::new(Arc::new(l.clone()), &[4])
+        assert!(Grant::new(Arc::new(l.clone()), &[[0u32; 0]]).is_err());
+        assert!(Grant::new::<[u32; 0]>(Arc::new(l.clone()), &[]).is_err());
+        assert!(Grant::new(Arc::new(l.clone()), &[[4]])
             .unwrap_err()
             .to_string()
             .contains("outside"));
@@ -255,11 +289,11 @@ mod tests {
             let l = layout(tensors);
             let granted: Vec<u32> = granted.into_iter().filter(|b| *b < n).collect();
             prop_assume!(!granted.is_empty());
-            let g = Grant::new(Arc::new(l.clone()), &granted).unwrap();
+            let g = Grant::new(Arc::new(l.clone()), &[&granted]).unwrap();
             let byte_ok = |x: u64| l.tensors.iter().any(|t| {
                 x >= t.offset && (x - t.offset) / t.block_stride < u64::from(t.num_blocks)
                     && (x - t.offset) % t.block_stride < t.block_bytes
-                    && g.has(((x - t.offset) / t.block_stride) as u32)
+                    && g.has(0, ((x - t.offset) / t.block_stride) as u32)
             });
             let want = (offset..offset + len).all(byte_ok);
             prop_assert_eq!(g.check(RegionId(1), offset, len).is_ok(), want);

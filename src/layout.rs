@@ -13,9 +13,36 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, RegionId};
 use crate::memory::RegionInfo;
+use crate::tp::{self, TpRank};
 
 /// Most tensors one layout may hold (bounds a peer's descriptor).
 pub const MAX_TENSORS: usize = 16_384;
+
+/// Most block groups one layout may have.
+pub const MAX_GROUPS: usize = 64;
+
+/// How a tensor's blocks hold KV heads that tensor parallelism splits over ranks. A block is
+/// `runs` repetitions of this rank's `local` heads side by side, each head `block_bytes /
+/// (runs * local)` bytes: `runs` is 1 when a block is head-major (`[heads, tokens, dim]`, vLLM's
+/// HND), `tokens_per_block` when it is token-major (`[tokens, heads, dim]`, NHD), twice that
+/// for `[2, tokens, heads, dim]` (K and V in one block). With it, a decode of another TP size
+/// reads its own heads out of the prefill's blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeadSplit {
+    /// KV heads of the model in this tensor, over all TP ranks.
+    pub total: u32,
+    /// KV heads this rank holds: `total / tp_size`, or 1 when there are more ranks than heads.
+    pub local: u32,
+    /// Runs of heads per block (see the type's docs).
+    pub runs: u32,
+}
+
+impl HeadSplit {
+    /// Bytes of one head in one run of a block of `block_bytes`.
+    pub fn head_bytes(&self, block_bytes: u64) -> u64 {
+        block_bytes / (u64::from(self.runs) * u64::from(self.local)).max(1)
+    }
+}
 
 /// One tensor of the KV cache, as a run of equally spaced blocks in one region.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -32,6 +59,15 @@ pub struct TensorLayout {
     pub block_bytes: u64,
     /// Number of blocks.
     pub num_blocks: u32,
+    /// The block group (block-id space) the tensor belongs to: reads and holds give block ids
+    /// per group (vLLM's KV cache groups of hybrid models, SGLang's aux and state buffers).
+    /// Groups are numbered from 0 without gaps; most layouts have only group 0.
+    #[serde(default)]
+    pub group: u32,
+    /// How the tensor's KV heads are split over TP ranks; `None` when every rank holds the
+    /// tensor whole (MLA's latent) or when the TP sizes of both sides are the same.
+    #[serde(default)]
+    pub heads: Option<HeadSplit>,
 }
 
 impl TensorLayout {
@@ -88,10 +124,31 @@ impl KvLayout {
                         block_stride,
                         block_bytes,
                         num_blocks,
+                        group: 0,
+                        heads: None,
                     },
                 )
                 .collect(),
         }
+    }
+
+    /// Number of block groups (one more than the highest group of a tensor).
+    pub fn num_groups(&self) -> usize {
+        self.tensors
+            .iter()
+            .map(|t| t.group as usize + 1)
+            .max()
+            .unwrap_or(1)
+    }
+
+    /// Number of blocks every tensor of block group `group` can address.
+    pub fn group_blocks(&self, group: usize) -> u32 {
+        self.tensors
+            .iter()
+            .filter(|t| t.group as usize == group)
+            .map(|t| t.num_blocks)
+            .min()
+            .unwrap_or(0)
     }
 
     /// Bytes per block and block count of a KV cache buffer of `nbytes` whose first axis holds
@@ -108,7 +165,8 @@ impl KvLayout {
         }
     }
 
-    /// Number of blocks every tensor can address (the smallest `num_blocks`).
+    /// Number of blocks every tensor can address (the smallest `num_blocks`; per block group:
+    /// [`group_blocks`](Self::group_blocks)).
     pub fn num_blocks(&self) -> u32 {
         self.tensors.iter().map(|t| t.num_blocks).min().unwrap_or(0)
     }
@@ -137,8 +195,40 @@ impl KvLayout {
             return Err(Error::invalid("dtype tag must be 1 to 32 bytes"));
         }
         let lens: HashMap<RegionId, u64> = regions.iter().map(|r| (r.id, r.len)).collect();
+        let mut groups = [false; MAX_GROUPS];
         for (i, t) in self.tensors.iter().enumerate() {
             let what = || format!("tensor {i} ({:?})", t.name);
+            match groups.get_mut(t.group as usize) {
+                Some(seen) => *seen = true,
+                None => {
+                    return Err(Error::invalid(format!(
+                        "{}: block group {} (at most {MAX_GROUPS} groups, numbered from 0)",
+                        what(),
+                        t.group
+                    )))
+                }
+            }
+            if let Some(h) = &t.heads {
+                let runs_heads = u64::from(h.runs) * u64::from(h.local);
+                if h.total == 0 || h.local == 0 || h.runs == 0 || h.local > h.total {
+                    return Err(Error::invalid(format!(
+                        "{}: heads {} of {} in {} runs (each at least 1, local at most total)",
+                        what(),
+                        h.local,
+                        h.total,
+                        h.runs
+                    )));
+                }
+                if !t.block_bytes.is_multiple_of(runs_heads) {
+                    return Err(Error::invalid(format!(
+                        "{}: a block of {} bytes does not split into {} runs of {} heads",
+                        what(),
+                        t.block_bytes,
+                        h.runs,
+                        h.local
+                    )));
+                }
+            }
             if t.name.len() > 128 {
                 return Err(Error::invalid(format!(
                     "{}: name longer than 128 bytes",
@@ -178,6 +268,35 @@ impl KvLayout {
                 }
             }
         }
+        if let Some(g) = groups[..self.num_groups()].iter().position(|seen| !seen) {
+            return Err(Error::invalid(format!(
+                "block group {g} has no tensor (groups are numbered from 0 without gaps)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Checks that the heads each tensor declares are what a rank of a TP group of `tp_size`
+    /// holds (`total / tp_size`, or 1 with more ranks than heads).
+    pub fn validate_tp(&self, tp_size: u32) -> Result<()> {
+        for (i, t) in self.tensors.iter().enumerate() {
+            let Some(h) = &t.heads else { continue };
+            match tp::heads_per_rank(h.total, tp_size) {
+                Some(n) if n == h.local => {}
+                Some(n) => {
+                    return Err(Error::invalid(format!(
+                        "tensor {i} ({:?}) declares {} of {} KV heads, but a rank of TP {tp_size} holds {n}",
+                        t.name, h.local, h.total
+                    )))
+                }
+                None => {
+                    return Err(Error::invalid(format!(
+                        "tensor {i} ({:?}): {} KV heads cannot be split evenly over TP {tp_size}",
+                        t.name, h.total
+                    )))
+                }
+            }
+        }
         Ok(())
     }
 
@@ -205,16 +324,13 @@ impl KvLayout {
         let mut mismatched = 0;
         let mut first = String::new();
         for (i, (a, b)) in self.tensors.iter().zip(&theirs.tensors).enumerate() {
-            if a.block_bytes != b.block_bytes {
-                if mismatched == 0 {
-                    let _ = write!(
-                        first,
-                        "tensor {i} ({:?}) bytes per block {} vs {}",
-                        a.name, a.block_bytes, b.block_bytes
-                    );
-                }
-                mismatched += 1;
+            let Some(why) = tensor_difference(a, b) else {
+                continue;
+            };
+            if mismatched == 0 {
+                let _ = write!(first, "tensor {i} ({:?}) {why}", a.name);
             }
+            mismatched += 1;
         }
         if mismatched > 0 {
             if mismatched > 1 {
@@ -223,6 +339,39 @@ impl KvLayout {
             diffs.push(first);
         }
         diffs
+    }
+}
+
+/// What makes tensor `b` (theirs) unusable with `a` (ours), if anything: another block group,
+/// heads declared on one side only, another head count, arrangement or head size, or (without
+/// heads) another size of block.
+fn tensor_difference(a: &TensorLayout, b: &TensorLayout) -> Option<String> {
+    if a.group != b.group {
+        return Some(format!("block group {} vs {}", a.group, b.group));
+    }
+    match (&a.heads, &b.heads) {
+        (None, None) if a.block_bytes != b.block_bytes => Some(format!(
+            "bytes per block {} vs {}",
+            a.block_bytes, b.block_bytes
+        )),
+        (None, None) => None,
+        (Some(x), Some(y)) => {
+            let (hx, hy) = (x.head_bytes(a.block_bytes), y.head_bytes(b.block_bytes));
+            if x.total != y.total {
+                Some(format!("KV heads {} vs {}", x.total, y.total))
+            } else if x.runs != y.runs {
+                Some(format!(
+                    "runs of heads per block {} vs {} (head-major vs token-major blocks?)",
+                    x.runs, y.runs
+                ))
+            } else if hx != hy {
+                Some(format!("bytes per head {hx} vs {hy}"))
+            } else {
+                None
+            }
+        }
+        (Some(_), None) => Some("declares its KV heads here but not at the peer".into()),
+        (None, Some(_)) => Some("declares its KV heads at the peer but not here".into()),
     }
 }
 
@@ -237,6 +386,11 @@ pub struct ModelShape {
     pub tensors_per_layer: u32,
     /// Bytes per token per tensor (for K: kv_heads * head_dim * element size).
     pub bytes_per_token: u64,
+    /// KV heads in `bytes_per_token`, which TP splits over ranks ([`layout_tp`]); 0 when every
+    /// rank holds the whole tensor (MLA's latent).
+    ///
+    /// [`layout_tp`]: ModelShape::layout_tp
+    pub kv_heads: u32,
     /// Tokens per block.
     pub tokens_per_block: u32,
     /// dtype tag.
@@ -250,6 +404,7 @@ impl ModelShape {
         layers: 32,
         tensors_per_layer: 2,
         bytes_per_token: 8 * 128 * 2,
+        kv_heads: 8,
         tokens_per_block: 16,
         dtype: "bf16",
     };
@@ -259,6 +414,7 @@ impl ModelShape {
         layers: 80,
         tensors_per_layer: 2,
         bytes_per_token: 128 * 2,
+        kv_heads: 1,
         tokens_per_block: 16,
         dtype: "bf16",
     };
@@ -268,6 +424,7 @@ impl ModelShape {
         layers: 61,
         tensors_per_layer: 1,
         bytes_per_token: 576,
+        kv_heads: 0,
         tokens_per_block: 16,
         dtype: "fp8_e4m3",
     };
@@ -277,6 +434,7 @@ impl ModelShape {
         layers: 28,
         tensors_per_layer: 2,
         bytes_per_token: 4 * 128 * 2,
+        kv_heads: 4,
         tokens_per_block: 16,
         dtype: "bf16",
     };
@@ -325,6 +483,8 @@ impl ModelShape {
                     block_stride: block_bytes,
                     block_bytes,
                     num_blocks,
+                    group: 0,
+                    heads: None,
                 });
             }
         }
@@ -333,6 +493,60 @@ impl ModelShape {
             dtype: self.dtype.to_string(),
             tensors,
         }
+    }
+
+    /// Bytes per token per tensor on one rank of a TP group of `tp_size` (all of
+    /// `bytes_per_token` without heads), or why the heads do not split over it.
+    pub fn rank_bytes_per_token(&self, tp_size: u32) -> Result<u64> {
+        if self.kv_heads == 0 {
+            return Ok(self.bytes_per_token);
+        }
+        let n = tp::heads_per_rank(self.kv_heads, tp_size).ok_or_else(|| {
+            Error::invalid(format!(
+                "{}: {} KV heads do not split evenly over TP {tp_size}",
+                self.name, self.kv_heads
+            ))
+        })?;
+        Ok(self.bytes_per_token / u64::from(self.kv_heads) * u64::from(n))
+    }
+
+    /// Bytes a region of one rank of TP `tp_size` needs for `num_blocks` blocks of every tensor.
+    pub fn region_bytes_tp(&self, num_blocks: u32, tp_size: u32) -> Result<u64> {
+        Ok(self.rank_bytes_per_token(tp_size)?
+            * u64::from(self.tokens_per_block)
+            * u64::from(num_blocks)
+            * u64::from(self.layers * self.tensors_per_layer))
+    }
+
+    /// The layout of rank `tp` of a TP group: [`layout`](Self::layout) with this rank's share
+    /// of the KV heads, which every tensor declares ([`HeadSplit`]; blocks head-major
+    /// `[heads, tokens, dim]` when `head_major`, else token-major `[tokens, heads, dim]`), so
+    /// that engines of other TP sizes can read it. MLA shapes (no heads) are the same on every
+    /// rank.
+    pub fn layout_tp(
+        &self,
+        region: RegionId,
+        num_blocks: u32,
+        tp: TpRank,
+        head_major: bool,
+    ) -> Result<KvLayout> {
+        let per_token = self.rank_bytes_per_token(tp.size)?;
+        let rank = ModelShape {
+            bytes_per_token: per_token,
+            ..self.clone()
+        };
+        let mut layout = rank.layout(region, num_blocks);
+        if self.kv_heads > 0 {
+            let split = HeadSplit {
+                total: self.kv_heads,
+                local: tp::heads_per_rank(self.kv_heads, tp.size).unwrap_or(1),
+                runs: if head_major { 1 } else { self.tokens_per_block },
+            };
+            for t in &mut layout.tensors {
+                t.heads = Some(split);
+            }
+        }
+        Ok(layout)
     }
 }
 

@@ -23,7 +23,7 @@
 
 // Layers, top to bottom (each imports only from those below it; docs/architecture.md):
 //   engine (API) > session > state > control, transport, completion > plan, layout, memory, gpu
-//   > config, ids, inbox, error.   events stands apart.
+//   > config, ids, inbox, tp, error.   events stands apart.
 mod auth;
 mod completion;
 mod config;
@@ -45,6 +45,7 @@ mod memory;
 mod plan;
 mod session;
 mod state;
+mod tp;
 mod transport;
 pub mod verify;
 
@@ -54,13 +55,14 @@ pub use completion::{
 };
 pub use config::{EngineConfig, TransportChoice};
 pub use control::messages::{Descriptor, TransportInfo};
-pub use engine::{Capabilities, Engine, EngineStats};
+pub use engine::{tp_sources, Capabilities, Engine, EngineStats, ReadFrom, ReadRequest};
 pub use error::{Error, RdmaError, RdmaErrorKind, Result};
 pub use gpu::{GpuApi, GpuError, GpuReport, PointerKind};
 pub use ids::{BlockId, RegionId, RequestId, MAX_REQUEST_ID_LEN};
 pub use inbox::{PeerMessage, MAX_MESSAGE_BYTES};
-pub use layout::{KvLayout, ModelShape, TensorLayout, MAX_TENSORS};
+pub use layout::{HeadSplit, KvLayout, ModelShape, TensorLayout, MAX_GROUPS, MAX_TENSORS};
 pub use memory::{DeviceMemory, ExternalMemory, MemoryKind, Region, RegionInfo};
+pub use tp::TpRank;
 pub use transport::rdma::RdmaSettings;
 
 /// Internals for kvlink's own tests, benchmarks, fuzzing and bindings: the planner, the
@@ -78,7 +80,11 @@ pub mod internal {
     pub mod fuzz {
         pub use crate::fuzzing::*;
     }
-    pub use crate::plan::{check_blocks, check_local_blocks, plan, Plan, PlanOptions, Segment};
+    pub use crate::plan::{
+        check_blocks, check_local_blocks, plan, plan_read, tensor_reads, whole_reads, Plan,
+        PlanOptions, Segment, TensorRead,
+    };
+    pub use crate::tp::{heads, heads_per_rank, readers, reads, sources, Reader, Relation};
     pub use crate::transport::rdma::RdmaFault;
     pub use crate::transport::tcp::wire as tcp_wire;
 

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,9 +24,10 @@ use crate::ids::{BlockId, RegionId, RequestId};
 use crate::inbox::{Inbox, PeerMessage, Refused};
 use crate::layout::KvLayout;
 use crate::memory::{Region, RegionInfo};
+use crate::tp::{Reader, TpRank};
 use crate::transport::rdma::{self, RdmaDevice, RdmaFault, ServerQps};
 use crate::transport::tcp::{DataSession, RegionLookup, StagingPool};
-use crate::transport::RequestCtl;
+use crate::transport::ReadCancel;
 
 /// What the data and control servers count.
 #[derive(Default)]
@@ -42,9 +43,6 @@ pub(crate) struct Counters {
     pub(crate) messages_sent: AtomicU64,
     pub(crate) messages_unsent: AtomicU64,
 }
-
-/// A read in flight: the control of its running attempt, and whether the caller cancelled it.
-pub(crate) type ReadInFlight = (Arc<RequestCtl>, Arc<AtomicBool>);
 
 /// State shared by the engine's API, its servers and its sessions.
 pub(crate) struct EngineState {
@@ -69,9 +67,9 @@ pub(crate) struct EngineState {
     pub(crate) counters: Counters,
     pub(crate) gpus: Runtimes,
     pub(crate) staging: Arc<StagingPool>,
-    /// Reads in flight, by id: the control of the attempt running now, and whether the caller
-    /// cancelled the read (`Engine::cancel`).
-    pub(crate) reads: Mutex<HashMap<RequestId, ReadInFlight>>,
+    /// Reads in flight, by id: the controls of their attempts, and whether the caller
+    /// cancelled them (`Engine::cancel`).
+    pub(crate) reads: Mutex<HashMap<RequestId, Arc<ReadCancel>>>,
     /// Set by `Engine::close` before its tasks stop: reads failing from then on say so.
     pub(crate) closing: std::sync::atomic::AtomicBool,
     /// Authenticated control sessions, by id, with the engine id each reader declared: their
@@ -106,7 +104,10 @@ impl EngineState {
             next_region: AtomicU32::new(1),
             layout: RwLock::new(None),
             descriptor: RwLock::new(None),
-            tracker: Mutex::new(CompletionTracker::new()),
+            tracker: Mutex::new(CompletionTracker::with_tp(TpRank::new(
+                config.tp_rank,
+                config.tp_size,
+            ))),
             finished: Condvar::new(),
             counters: Counters::default(),
             gpus,
@@ -135,12 +136,13 @@ impl EngineState {
         self.layout.read().clone()
     }
 
-    /// Holds request `id`'s `blocks` for a reader (`reader`, when given, is the only engine
-    /// allowed to read and confirm them) until its notice or `abort_timeout`.
-    pub(crate) fn hold(
+    /// Holds request `id`'s `blocks` (one list per block group) for its readers (`reader`,
+    /// when given, is the only engine allowed to read and confirm them) until their notices
+    /// or `abort_timeout`.
+    pub(crate) fn hold<B: AsRef<[BlockId]>>(
         &self,
         id: RequestId,
-        blocks: &[BlockId],
+        blocks: &[B],
         reader: Option<String>,
         abort_timeout: Duration,
     ) -> Result<()> {
@@ -163,11 +165,10 @@ impl EngineState {
     /// Cancels read `id` if it is in flight: its transport stops writing into its blocks and
     /// the read is reported failed ("cancelled"), its prefill told. Returns whether it was.
     pub(crate) fn cancel_read(&self, id: &RequestId) -> bool {
-        let Some((ctl, by_caller)) = self.reads.lock().get(id).cloned() else {
+        let Some(read) = self.reads.lock().get(id).cloned() else {
             return false;
         };
-        by_caller.store(true, Ordering::Release);
-        ctl.mark_cancelled();
+        read.cancel_by_caller();
         true
     }
 
@@ -237,9 +238,11 @@ impl EngineState {
     /// Sets the KV layout (validated against registered regions) and publishes the descriptor.
     pub(crate) fn set_layout(&self, layout: KvLayout) -> Result<()> {
         layout.validate(&self.region_infos())?;
+        layout.validate_tp(self.config.tp_size)?;
         tracing::info!(
             tensors = layout.tensors.len(),
             blocks = layout.num_blocks(),
+            groups = layout.num_groups(),
             bytes_per_block = layout.bytes_per_block(),
             "KV layout set"
         );
@@ -305,7 +308,7 @@ impl ControlHandler for EngineState {
     fn notice(
         &self,
         peer: SocketAddr,
-        from: &str,
+        from: &Reader,
         id: RequestId,
         notice: SendNotice,
     ) -> std::result::Result<(), String> {
@@ -382,10 +385,10 @@ impl ControlHandler for EngineState {
         self.config.auth_key.as_ref()
     }
 
-    fn session_opened(&self, secret: SessionSecret, engine: &str) {
+    fn session_opened(&self, secret: SessionSecret, reader: Reader) {
         self.data_sessions
             .lock()
-            .insert(secret.id, (secret, Arc::from(engine)));
+            .insert(secret.id, (secret, Arc::new(reader)));
     }
 
     fn session_closed(&self, id: [u8; 16]) {
@@ -413,16 +416,16 @@ impl RegionLookup for EngineState {
     fn grant(
         &self,
         id: &RequestId,
-        engine: Option<&str>,
+        reader: Option<&Reader>,
     ) -> std::result::Result<Option<Arc<Grant>>, String> {
         if self.config.open_reads {
             return Ok(None);
         }
-        self.tracker.lock().grant_for(id, engine).map(Some)
+        self.tracker.lock().grant_for(id, reader).map(Some)
     }
 
-    fn claim(&self, id: &RequestId, engine: &str) {
-        self.tracker.lock().claim(id, engine);
+    fn claim(&self, id: &RequestId, reader: &Reader) {
+        self.tracker.lock().claim(id, reader);
     }
 
     fn served(&self, bytes: Option<u64>) {

@@ -6,9 +6,10 @@
 //! be.
 
 use crate::error::{Error, Result};
-use crate::ids::BlockId;
+use crate::ids::{BlockId, RegionId};
 use crate::layout::KvLayout;
 use crate::memory::Region;
+use crate::tp::{self, TpRank};
 
 fn mix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -85,6 +86,113 @@ pub fn check_blocks(
                     "tensor {t} ({}): local block {l} differs from remote block {r} at byte {at}",
                     lt.name
                 )));
+            }
+            checked += lt.block_bytes;
+        }
+    }
+    Ok(checked)
+}
+
+/// Reads a prefill rank's memory: fills `out` with the bytes at `offset` of `region`.
+pub type ReadMemory = dyn Fn(RegionId, u64, &mut [u8]) -> Result<()>;
+
+/// One prefill rank as [`check_read`] sees it: its layout, its TP rank, and its bytes
+/// (`bytes(region, offset, out)` fills `out` with what the rank's memory holds there: the
+/// pattern of its seed, or its actual memory).
+pub struct PrefillRank<'a> {
+    /// The rank's KV layout.
+    pub layout: &'a KvLayout,
+    /// The rank in the prefill's TP group.
+    pub tp: TpRank,
+    /// Reads the rank's memory.
+    pub bytes: &'a ReadMemory,
+}
+
+/// Checks a read between TP groups head by head, without the planner: for every tensor of
+/// every block pair (`local[g][i]` with `remote[g][i]`, per block group `g`), each KV head of
+/// this rank (`ours` at `our_tp`) must hold what that head holds in the remote block at the
+/// first prefill rank of `prefill` that has it; a tensor without heads must hold the remote
+/// block of the first prefill rank. Returns the bytes checked, or an error naming the first
+/// difference.
+pub fn check_read<L: AsRef<[BlockId]>, R: AsRef<[BlockId]>>(
+    region: &Region,
+    ours: &KvLayout,
+    our_tp: TpRank,
+    prefill: &[PrefillRank<'_>],
+    local: &[L],
+    remote: &[R],
+) -> Result<u64> {
+    let first = prefill
+        .first()
+        .ok_or_else(|| Error::invalid("no prefill rank to check against"))?;
+    let mut checked = 0u64;
+    let (mut got, mut want) = (Vec::new(), Vec::new());
+    for (t, lt) in ours.tensors.iter().enumerate() {
+        if lt.region != region.id() {
+            return Err(Error::invalid(format!(
+                "tensor {t} lives in {}, not in {}",
+                lt.region,
+                region.id()
+            )));
+        }
+        let g = lt.group as usize;
+        let (Some(lb), Some(rb)) = (local.get(g), remote.get(g)) else {
+            return Err(Error::invalid(format!("no block list for block group {g}")));
+        };
+        for (&l, &r) in lb.as_ref().iter().zip(rb.as_ref()) {
+            let at = lt.block_offset(l);
+            let differs = |what: String| {
+                Error::invalid(format!(
+                    "tensor {t} ({}): local block {l} differs from remote block {r} ({what})",
+                    lt.name
+                ))
+            };
+            match lt.heads {
+                None => {
+                    let rt = &first.layout.tensors[t];
+                    got.resize(lt.block_bytes as usize, 0);
+                    want.resize(lt.block_bytes as usize, 0);
+                    region.read_at(at, &mut got)?;
+                    (first.bytes)(rt.region, rt.block_offset(r), &mut want)?;
+                    if got != want {
+                        return Err(differs(format!("whole block, prefill {}", first.tp)));
+                    }
+                }
+                Some(h) => {
+                    let hb = h.head_bytes(lt.block_bytes);
+                    got.resize(hb as usize, 0);
+                    want.resize(hb as usize, 0);
+                    let mine = tp::heads(our_tp, h.total);
+                    for head in mine.clone() {
+                        let Some(p) = prefill
+                            .iter()
+                            .find(|p| tp::heads(p.tp, h.total).contains(&head))
+                        else {
+                            return Err(Error::invalid(format!(
+                                "no prefill rank given holds KV head {head}"
+                            )));
+                        };
+                        let rt = &p.layout.tensors[t];
+                        let rh = rt.heads.ok_or_else(|| {
+                            Error::invalid(format!("tensor {t} has no heads at prefill {}", p.tp))
+                        })?;
+                        let theirs = tp::heads(p.tp, h.total);
+                        for k in 0..u64::from(h.runs) {
+                            let lo =
+                                at + (k * u64::from(h.local) + u64::from(head - mine.start)) * hb;
+                            let ro = rt.block_offset(r)
+                                + (k * u64::from(rh.local) + u64::from(head - theirs.start)) * hb;
+                            region.read_at(lo, &mut got)?;
+                            (p.bytes)(rt.region, ro, &mut want)?;
+                            if got != want {
+                                return Err(differs(format!(
+                                    "KV head {head}, run {k}, from prefill {}",
+                                    p.tp
+                                )));
+                            }
+                        }
+                    }
+                }
             }
             checked += lt.block_bytes;
         }

@@ -27,6 +27,7 @@ const SHAPE: ModelShape = ModelShape {
     layers: 4,
     tensors_per_layer: 2,
     bytes_per_token: 256,
+    kv_heads: 0,
     tokens_per_block: 16,
     dtype: "bf16",
 };

@@ -1,11 +1,14 @@
 //! Property tests: the planner's segments move exactly the bytes a naive per-block copy moves,
 //! for random layouts (tensor-major, block-major, padded, several regions) and random block
-//! lists.
+//! lists; and between TP groups of different sizes, exactly the bytes a naive per-head copy
+//! moves, for random head arrangements, whole (MLA-like) tensors and block groups.
 
 use std::collections::HashMap;
 
-use kvlink::internal::{plan, PlanOptions};
-use kvlink::{KvLayout, RegionId, TensorLayout};
+use kvlink::internal::{
+    heads, heads_per_rank, plan, plan_read, sources, tensor_reads, PlanOptions,
+};
+use kvlink::{HeadSplit, KvLayout, RegionId, TensorLayout, TpRank};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -51,6 +54,8 @@ fn build(bytes: &[u64], num_blocks: u32, mode: u8, pad: u64, base_region: u32) -
             block_stride: stride,
             block_bytes: b,
             num_blocks,
+            group: 0,
+            heads: None,
         });
     }
     Side {
@@ -143,5 +148,192 @@ proptest! {
         prop_assert_eq!(p.pieces, pairs.len() * bytes.len());
         prop_assert!(p.segments.len() <= p.pieces.max(1) * (48 / cap as usize + 1));
         prop_assert!(got == want, "planned copy differs from naive copy");
+    }
+}
+
+/// One tensor of a model for the TP property test: heads (total, runs, bytes per head) split
+/// over ranks, or a whole tensor of the given bytes per block every rank holds; and its block
+/// group.
+#[derive(Debug, Clone)]
+struct ModelTensor {
+    heads: Option<(u32, u32, u64)>,
+    whole_bytes: u64,
+    group: u32,
+}
+
+/// Rank `tp` of a model's layout: one region, tensors one after the other, `pad` bytes after
+/// every block.
+fn rank_layout(model: &[ModelTensor], tp: TpRank, num_blocks: u32, pad: u64) -> (KvLayout, u64) {
+    let mut tensors = Vec::new();
+    let mut cursor = 0u64;
+    for (i, m) in model.iter().enumerate() {
+        let (bytes, heads) = match m.heads {
+            Some((total, runs, hb)) => {
+                let local = heads_per_rank(total, tp.size).unwrap();
+                (
+                    u64::from(runs * local) * hb,
+                    Some(HeadSplit { total, local, runs }),
+                )
+            }
+            None => (m.whole_bytes, None),
+        };
+        tensors.push(TensorLayout {
+            name: format!("t{i}"),
+            region: RegionId(0),
+            offset: cursor,
+            block_stride: bytes + pad,
+            block_bytes: bytes,
+            num_blocks,
+            group: m.group,
+            heads,
+        });
+        cursor += (bytes + pad) * u64::from(num_blocks);
+    }
+    let layout = KvLayout {
+        tokens_per_block: 16,
+        dtype: "x".into(),
+        tensors,
+    };
+    (layout, cursor)
+}
+
+/// The byte `i` of head `g` (global) in run `k` of block `b` of tensor `t`: the same on every
+/// rank that holds the head. Never 255, the decode's untouched fill.
+fn model_byte(t: usize, b: u32, k: u32, g: u32, i: u64) -> u8 {
+    let x =
+        (t as u64 * 131 + u64::from(b) * 31 + u64::from(k) * 7 + u64::from(g) * 17 + i * 3) % 255;
+    x as u8
+}
+
+/// A rank's memory filled by the model.
+fn rank_memory(model: &[ModelTensor], layout: &KvLayout, tp: TpRank, len: u64) -> Vec<u8> {
+    let mut mem = vec![255u8; len as usize];
+    for (t, (m, lt)) in model.iter().zip(&layout.tensors).enumerate() {
+        for b in 0..lt.num_blocks {
+            let base = lt.offset + u64::from(b) * lt.block_stride;
+            match (m.heads, lt.heads) {
+                (Some((total, runs, hb)), Some(split)) => {
+                    let first = heads(tp, total).start;
+                    for k in 0..runs {
+                        for j in 0..split.local {
+                            for i in 0..hb {
+                                let at = base + (u64::from(k * split.local + j)) * hb + i;
+                                mem[at as usize] = model_byte(t, b, k, first + j, i);
+                            }
+                        }
+                    }
+                }
+                _ => {
+                    for i in 0..lt.block_bytes {
+                        mem[(base + i) as usize] = model_byte(t, b, 0, 0, i);
+                    }
+                }
+            }
+        }
+    }
+    mem
+}
+
+fn model() -> impl Strategy<Value = Vec<ModelTensor>> {
+    let tensor = (
+        any::<bool>(),
+        prop::sample::select(vec![1u32, 2, 4, 8]),
+        1u32..4,
+        1u64..6,
+        1u64..20,
+    )
+        .prop_map(|(h, total, runs, hb, whole)| ModelTensor {
+            heads: h.then_some((total, runs, hb)),
+            whole_bytes: whole,
+            group: 0,
+        });
+    (prop::collection::vec(tensor, 1..5), 1u32..4).prop_map(|(mut ts, groups)| {
+        let groups = groups.min(ts.len() as u32);
+        for (i, t) in ts.iter_mut().enumerate() {
+            t.group = i as u32 % groups;
+        }
+        ts
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    /// A decode rank of one TP size reading from a prefill of another (either larger) gets,
+    /// in every requested block, exactly the bytes a naive copy head by head puts there (and
+    /// nothing anywhere else): the plans of all the prefill ranks it reads together.
+    #[test]
+    fn head_sliced_reads_match_a_naive_per_head_copy(
+        model in model(),
+        sizes in (0u32..4, 0u32..4),
+        decode_rank in 0u32..8,
+        blocks in (2u32..10, 2u32..10),
+        pads in (0u64..3, 0u64..3),
+        pairs in prop::collection::vec(prop::collection::vec((0u32..10, 0u32..10), 0..6), 3),
+        cap in 1u64..64,
+    ) {
+        let (p_size, d_size) = (1u32 << sizes.0, 1u32 << sizes.1);
+        let decode = TpRank::new(decode_rank % d_size, d_size);
+        let (dl, dlen) = rank_layout(&model, decode, blocks.1, pads.1);
+        let groups = dl.num_groups();
+        // Per group: unique local blocks, in range on both sides.
+        let mut local = Vec::new();
+        let mut remote = Vec::new();
+        for group in pairs.iter().take(groups) {
+            let mut seen = std::collections::HashSet::new();
+            let ps: Vec<(u32, u32)> = group
+                .iter()
+                .map(|&(l, r)| (l % blocks.1, r % blocks.0))
+                .filter(|p| seen.insert(p.0))
+                .collect();
+            local.push(ps.iter().map(|p| p.0).collect::<Vec<_>>());
+            remote.push(ps.iter().map(|p| p.1).collect::<Vec<_>>());
+        }
+        let mut got = vec![255u8; dlen as usize];
+        let mut moved = 0;
+        let sources = sources(decode, p_size).unwrap();
+        for p in sources.clone() {
+            let at = TpRank::new(p, p_size);
+            let (pl, plen) = rank_layout(&model, at, blocks.0, pads.0);
+            let mem = rank_memory(&model, &pl, at, plen);
+            let reads = tensor_reads(&dl, decode, &pl, at, sources.clone()).unwrap();
+            let plan = plan_read(&dl, &pl, &reads, &local, &remote,
+                PlanOptions { max_segment_bytes: cap }).unwrap();
+            for s in &plan.segments {
+                prop_assert!(s.len > 0 && s.len <= cap);
+                let (lo, ro, n) = (s.local_offset as usize, s.remote_offset as usize, s.len as usize);
+                got[lo..lo + n].copy_from_slice(&mem[ro..ro + n]);
+            }
+            moved += plan.bytes;
+        }
+        // The naive copy: every head of every tensor of every requested block, one by one.
+        let mut want = vec![255u8; dlen as usize];
+        let mut needed = 0;
+        for (t, (m, lt)) in model.iter().zip(&dl.tensors).enumerate() {
+            let g = lt.group as usize;
+            for (&lb, &rb) in local[g].iter().zip(&remote[g]) {
+                let base = lt.offset + u64::from(lb) * lt.block_stride;
+                needed += lt.block_bytes;
+                match (m.heads, lt.heads) {
+                    (Some((total, runs, hb)), Some(split)) => {
+                        let first = heads(decode, total).start;
+                        for k in 0..runs {
+                            for j in 0..split.local {
+                                for i in 0..hb {
+                                    let at = base + u64::from(k * split.local + j) * hb + i;
+                                    want[at as usize] = model_byte(t, rb, k, first + j, i);
+                                }
+                            }
+                        }
+                    }
+                    _ => {
+                        for i in 0..lt.block_bytes {
+                            want[(base + i) as usize] = model_byte(t, rb, 0, 0, i);
+                        }
+                    }
+                }
+            }
+        }
+        prop_assert_eq!(moved, needed, "bytes moved vs bytes the blocks hold");
+        prop_assert!(got == want, "planned copy differs from the naive per-head copy");
     }
 }

@@ -29,6 +29,7 @@ LAYERS = {
     "auth": 1.6,
     "gpu": 1,
     "ids": 0,
+    "tp": 0,
     "inbox": 0,
     "verify": 10,
     "fuzzing": 10,

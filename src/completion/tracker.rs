@@ -13,6 +13,7 @@ use super::{FailedRequest, FailureCause, Finished, Side, Totals, TransferReport}
 use crate::error::{Error, Result};
 use crate::grant::Grant;
 use crate::ids::RequestId;
+use crate::tp::{self, Reader, TpRank};
 
 /// What a reading peer says about a send.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,40 +29,123 @@ struct Held {
     deadline: Instant,
     timeout: Duration,
     grant: Arc<Grant>,
-    /// The engine allowed to read and confirm: named at hold time, or the first engine that
-    /// identified itself reading or confirming the request.
-    reader: Option<String>,
+    /// The only engine allowed to read and confirm, when the holder named one.
+    named: Option<String>,
+    /// The readers admitted so far (engines that read or confirmed the request), one per
+    /// decode rank, and whether each confirmed.
+    readers: Vec<Admitted>,
+    /// The decode's TP size, fixed by the first reader admitted; it sets how many readers
+    /// the request waits for (`tp::readers`).
+    reader_size: Option<u32>,
+}
+
+#[derive(Debug)]
+struct Admitted {
+    engine: String,
+    rank: u32,
+    done: bool,
 }
 
 impl Held {
-    /// Admits `engine` as the request's reader (claiming it when none is set yet).
-    fn admit(&mut self, id: &RequestId, engine: &str) -> std::result::Result<(), String> {
-        match &self.reader {
-            Some(r) if r != engine => Err(format!(
-                "request {id} is held for another reader engine, not {engine:?}"
-            )),
-            Some(_) => Ok(()),
-            None => {
-                self.reader = Some(engine.to_string());
-                Ok(())
+    /// How many readers must confirm before the send is done: one until the first reader
+    /// says how large the decode is; then every decode rank that reads this rank.
+    fn expected(&self, own: TpRank) -> u32 {
+        match (&self.named, self.reader_size) {
+            (None, Some(size)) => tp::readers(own, size).unwrap_or(1),
+            _ => 1,
+        }
+    }
+
+    fn confirmed(&self) -> u32 {
+        self.readers.iter().filter(|r| r.done).count() as u32
+    }
+
+    /// The slot of `reader` among the request's readers, admitting it when it may read: the
+    /// named engine only, or else one engine per decode rank that reads this rank (`own`),
+    /// all of one decode TP group. With `admit` false it only checks.
+    fn admit(
+        &mut self,
+        own: TpRank,
+        id: &RequestId,
+        reader: &Reader,
+        admit: bool,
+    ) -> std::result::Result<Option<usize>, String> {
+        let who = &reader.engine;
+        if let Some(i) = self.readers.iter().position(|r| &r.engine == who) {
+            return Ok(Some(i));
+        }
+        if let Some(n) = &self.named {
+            if n != who {
+                return Err(format!(
+                    "request {id} is held for another reader engine, not {who:?}"
+                ));
+            }
+        } else {
+            if self.reader_size.is_some_and(|s| s != reader.tp.size) {
+                return Err(format!(
+                    "request {id} is held for a decode of TP {}; engine {who:?} is {}",
+                    self.reader_size.unwrap_or(0),
+                    reader.tp
+                ));
+            }
+            if !tp::reads(reader.tp, own) {
+                return Err(format!(
+                    "request {id}: engine {who:?} ({} of a decode) does not read this prefill                      {own} (a decode rank reads the prefill ranks tp::sources names)",
+                    reader.tp
+                ));
+            }
+            if self.readers.iter().any(|r| r.rank == reader.tp.rank) {
+                return Err(format!(
+                    "request {id} is held for another reader engine at decode rank {}, not {who:?}",
+                    reader.tp.rank
+                ));
             }
         }
+        if !admit {
+            return Ok(None);
+        }
+        self.reader_size = Some(reader.tp.size);
+        self.readers.push(Admitted {
+            engine: who.clone(),
+            rank: reader.tp.rank,
+            done: false,
+        });
+        Ok(Some(self.readers.len() - 1))
     }
 }
 
 /// Per-worker completion state. See the module docs for the state machine.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct CompletionTracker {
     reading: HashMap<RequestId, Instant>,
     held: HashMap<RequestId, Held>,
     out: Finished,
     totals: Totals,
+    /// This worker's TP rank: which decode ranks read its held requests, and how many.
+    tp: TpRank,
+}
+
+impl Default for CompletionTracker {
+    fn default() -> Self {
+        CompletionTracker::with_tp(TpRank::SOLO)
+    }
 }
 
 impl CompletionTracker {
-    /// An empty tracker.
+    /// An empty tracker of a worker alone in its TP group.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty tracker of the worker at `tp`.
+    pub fn with_tp(tp: TpRank) -> Self {
+        CompletionTracker {
+            reading: HashMap::new(),
+            held: HashMap::new(),
+            out: Finished::default(),
+            totals: Totals::default(),
+            tp,
+        }
     }
 
     /// Starts tracking a receive. Refuses an id that is already being received.
@@ -106,9 +190,11 @@ impl CompletionTracker {
         true
     }
 
-    /// Holds a send: `grant` is what its reader may read, `reader` (when given) the only
-    /// engine allowed to read and confirm it. The send finishes when that reader's notice
-    /// arrives, or fails when `abort_timeout` passes first.
+    /// Holds a send: `grant` is what its readers may read, `reader` (when given) the only
+    /// engine allowed to read and confirm it. Otherwise the decode ranks that read this rank
+    /// (one, or several when the decode has the larger TP size: `tp::readers`) are its
+    /// readers, admitted as they read or confirm. The send finishes when every reader
+    /// confirmed, fails when one aborts, and fails when `abort_timeout` passes first.
     pub fn hold_send(
         &mut self,
         id: RequestId,
@@ -128,52 +214,77 @@ impl CompletionTracker {
                 deadline: now + abort_timeout,
                 timeout: abort_timeout,
                 grant,
-                reader,
+                named: reader,
+                readers: Vec::new(),
+                reader_size: None,
             },
         );
         Ok(())
     }
 
-    /// What the reader of request `id` may read. `engine` is the reading engine when the data
-    /// connection identified it. Refuses a request that is not held, or is held for another
-    /// engine, with the same reason (a reader learns nothing about other readers' requests).
+    /// What the reader of request `id` may read. `reader` is the reading engine when the data
+    /// connection identified it. Refuses a request that is not held, or is held for other
+    /// readers, with the same reason (a reader learns nothing about other readers' requests).
     pub fn grant_for(
-        &self,
+        &mut self,
         id: &RequestId,
-        engine: Option<&str>,
+        reader: Option<&Reader>,
     ) -> std::result::Result<Arc<Grant>, String> {
-        match (self.held.get(id), engine) {
-            (Some(h), Some(e)) if h.reader.as_deref().is_some_and(|r| r != e) => {}
-            (Some(h), _) => return Ok(h.grant.clone()),
-            (None, _) => {}
+        let own = self.tp;
+        if let Some(h) = self.held.get_mut(id) {
+            match reader {
+                None => return Ok(h.grant.clone()),
+                Some(r) if h.admit(own, id, r, false).is_ok() => return Ok(h.grant.clone()),
+                Some(_) => {}
+            }
         }
         Err(format!(
             "request {id} is not held for this reader (the prefill holds a request with \
-             hold_blocks, granted to one reader, before that reader reads)"
+             hold_blocks, granted to its readers, before they read)"
         ))
     }
 
-    /// `engine` read request `id` (every check passed): a request held without a named reader
-    /// becomes that engine's.
-    pub fn claim(&mut self, id: &RequestId, engine: &str) {
+    /// `reader` read request `id` (every check passed): it becomes one of the request's
+    /// readers.
+    pub fn claim(&mut self, id: &RequestId, reader: &Reader) {
+        let own = self.tp;
         if let Some(h) = self.held.get_mut(id) {
-            let _ = h.admit(id, engine);
+            let _ = h.admit(own, id, reader, true);
         }
     }
 
-    /// Applies notice `notice` about send `id` from engine `from`. Refuses (and stores
-    /// nothing for) a request that is not held, or that is held for another engine.
+    /// Applies notice `notice` about send `id` from `reader`. Refuses (and stores nothing for)
+    /// a request that is not held, or that is held for other readers. A done notice finishes
+    /// the send once every reader confirmed; an abort fails it at once.
     pub fn handle_notice(
         &mut self,
         id: &RequestId,
-        from: &str,
+        reader: &Reader,
         notice: SendNotice,
     ) -> std::result::Result<(), String> {
+        let own = self.tp;
         let held = self
             .held
             .get_mut(id)
             .ok_or_else(|| format!("request {id} is not held by this engine"))?;
-        held.admit(id, from)?;
+        let slot = held.admit(own, id, reader, true)?.expect("admitted");
+        let expected = held.expected(own);
+        let notice = match notice {
+            SendNotice::Done => {
+                held.readers[slot].done = true;
+                if held.confirmed() < expected {
+                    return Ok(());
+                }
+                SendNotice::Done
+            }
+            SendNotice::Aborted(why) if expected > 1 => SendNotice::Aborted(format!(
+                "{why} (reader {:?}, decode {}; {} of {expected} readers had confirmed)",
+                reader.engine,
+                reader.tp,
+                held.confirmed()
+            )),
+            aborted => aborted,
+        };
         if let Some(h) = self.held.remove(id) {
             h.grant.end();
         }
@@ -225,12 +336,18 @@ impl CompletionTracker {
             h.grant.end();
             self.totals.sends_failed += 1;
             self.totals.sends_expired += 1;
+            let (confirmed, expected) = (h.confirmed(), h.expected(self.tp));
+            let who = if confirmed == 0 {
+                "no reader confirmed".to_string()
+            } else {
+                format!("only {confirmed} of {expected} readers confirmed")
+            };
             self.out.failed.push(FailedRequest {
                 id,
                 side: Side::Send,
                 expired: true,
                 reason: format!(
-                    "no reader confirmed within the abort timeout of {:?}; the blocks may be freed",
+                    "{who} within the abort timeout of {:?}; the blocks may be freed",
                     h.timeout
                 ),
                 cause: FailureCause::Expired,
@@ -273,6 +390,13 @@ impl CompletionTracker {
 mod tests {
     use super::*;
 
+    fn rd(engine: &str) -> Reader {
+        Reader {
+            engine: engine.into(),
+            tp: TpRank::SOLO,
+        }
+    }
+
     fn report(id: &str) -> TransferReport {
         TransferReport {
             id: id.into(),
@@ -308,7 +432,7 @@ mod tests {
 
     fn grant() -> Arc<Grant> {
         let l = crate::layout::ModelShape::LLAMA3_8B.layout(crate::ids::RegionId(1), 4);
-        Arc::new(Grant::new(Arc::new(l), &[0, 1]).unwrap())
+        Arc::new(Grant::new(Arc::new(l), &[[0, 1]]).unwrap())
     }
 
     fn hold(t: &mut CompletionTracker, id: &str, reader: Option<&str>, now: Instant) {
@@ -337,9 +461,9 @@ mod tests {
         hold(&mut t, "done", None, t0);
         hold(&mut t, "aborted", None, t0);
         hold(&mut t, "expired", None, t0);
-        t.handle_notice(&"done".into(), "e", SendNotice::Done)
+        t.handle_notice(&"done".into(), &rd("e"), SendNotice::Done)
             .unwrap();
-        t.handle_notice(&"aborted".into(), "e", SendNotice::Aborted("x".into()))
+        t.handle_notice(&"aborted".into(), &rd("e"), SendNotice::Aborted("x".into()))
             .unwrap();
         t.poll(t0 + Duration::from_secs(6));
         for id in ["ok", "failed", "cancelled", "late"] {
@@ -373,9 +497,14 @@ mod tests {
             .hold_send("x".into(), grant(), None, t0, Duration::from_secs(1))
             .is_err());
         assert_eq!(t.next_deadline(), Some(t0 + Duration::from_secs(5)));
-        t.handle_notice(&"x".into(), "d", SendNotice::Done).unwrap();
-        t.handle_notice(&"z".into(), "d", SendNotice::Aborted("decode OOM".into()))
+        t.handle_notice(&"x".into(), &rd("d"), SendNotice::Done)
             .unwrap();
+        t.handle_notice(
+            &"z".into(),
+            &rd("d"),
+            SendNotice::Aborted("decode OOM".into()),
+        )
+        .unwrap();
         t.poll(t0 + Duration::from_secs(4));
         let f = t.take_finished();
         assert_eq!(f.sending, vec![RequestId::from("x")]);
@@ -393,7 +522,7 @@ mod tests {
         let t0 = Instant::now();
         let mut t = CompletionTracker::new();
         let e = t
-            .handle_notice(&"e".into(), "d", SendNotice::Done)
+            .handle_notice(&"e".into(), &rd("d"), SendNotice::Done)
             .unwrap_err();
         assert!(e.contains("not held"), "{e}");
         hold(&mut t, "e", None, t0);
@@ -411,38 +540,122 @@ mod tests {
         let mut t = CompletionTracker::new();
         // Named at hold time.
         hold(&mut t, "a", Some("decode-1"), t0);
-        assert!(t.grant_for(&"a".into(), Some("decode-2")).is_err());
+        assert!(t.grant_for(&"a".into(), Some(&rd("decode-2"))).is_err());
         assert!(t
-            .handle_notice(&"a".into(), "decode-2", SendNotice::Aborted("x".into()))
+            .handle_notice(
+                &"a".into(),
+                &rd("decode-2"),
+                SendNotice::Aborted("x".into())
+            )
             .unwrap_err()
             .contains("another reader"));
         assert_eq!(t.holding(), 1, "the foreign abort changed nothing");
-        assert!(t.grant_for(&"a".into(), Some("decode-1")).unwrap().has(1));
-        t.handle_notice(&"a".into(), "decode-1", SendNotice::Done)
+        assert!(t
+            .grant_for(&"a".into(), Some(&rd("decode-1")))
+            .unwrap()
+            .has(0, 1));
+        t.handle_notice(&"a".into(), &rd("decode-1"), SendNotice::Done)
             .unwrap();
         // Claimed by the first engine whose read was served, or whose notice was applied.
         hold(&mut t, "b", None, t0);
-        let g = t.grant_for(&"b".into(), Some("decode-3")).unwrap();
+        let g = t.grant_for(&"b".into(), Some(&rd("decode-3"))).unwrap();
         assert!(
             t.grant_for(&"b".into(), None).is_ok(),
             "anonymous reads claim nothing"
         );
         assert!(
-            t.grant_for(&"b".into(), Some("decode-4")).is_ok(),
+            t.grant_for(&"b".into(), Some(&rd("decode-4"))).is_ok(),
             "not claimed yet"
         );
-        t.claim(&"b".into(), "decode-3");
-        let e = t.grant_for(&"b".into(), Some("decode-4")).unwrap_err();
+        t.claim(&"b".into(), &rd("decode-3"));
+        let e = t.grant_for(&"b".into(), Some(&rd("decode-4"))).unwrap_err();
         assert!(e.contains("not held for this reader"), "{e}");
         assert!(t
-            .handle_notice(&"b".into(), "decode-4", SendNotice::Done)
+            .handle_notice(&"b".into(), &rd("decode-4"), SendNotice::Done)
             .is_err());
         assert!(!g.is_ended());
-        t.handle_notice(&"b".into(), "decode-3", SendNotice::Done)
+        t.handle_notice(&"b".into(), &rd("decode-3"), SendNotice::Done)
             .unwrap();
         assert!(g.is_ended(), "the grant ends with its hold");
         let f = t.take_finished();
         assert_eq!(f.sending, vec![RequestId::from("a"), RequestId::from("b")]);
         assert!(f.failed.is_empty());
+    }
+
+    fn at(engine: &str, rank: u32, size: u32) -> Reader {
+        Reader {
+            engine: engine.into(),
+            tp: TpRank::new(rank, size),
+        }
+    }
+
+    #[test]
+    fn a_prefill_rank_read_by_several_decode_ranks_waits_for_each() {
+        let t0 = Instant::now();
+        // Prefill rank 1 of 2; a decode of TP 4 reads it from ranks 2 and 3.
+        let mut t = CompletionTracker::with_tp(TpRank::new(1, 2));
+        hold(&mut t, "r", None, t0);
+        // Decode rank 0 reads prefill rank 0, not this one.
+        let e = t
+            .handle_notice(&"r".into(), &at("d0", 0, 4), SendNotice::Done)
+            .unwrap_err();
+        assert!(e.contains("does not read"), "{e}");
+        t.handle_notice(&"r".into(), &at("d2", 2, 4), SendNotice::Done)
+            .unwrap();
+        // The same notice again changes nothing.
+        t.handle_notice(&"r".into(), &at("d2", 2, 4), SendNotice::Done)
+            .unwrap();
+        assert_eq!(t.holding(), 1, "one of two readers confirmed");
+        // Another decode size, or another engine at a rank already taken, is refused.
+        assert!(t
+            .handle_notice(&"r".into(), &at("x", 1, 2), SendNotice::Done)
+            .unwrap_err()
+            .contains("TP 4"));
+        assert!(t
+            .handle_notice(&"r".into(), &at("x", 2, 4), SendNotice::Done)
+            .unwrap_err()
+            .contains("another reader"));
+        assert!(t.grant_for(&"r".into(), Some(&at("d3", 3, 4))).is_ok());
+        assert!(t.grant_for(&"r".into(), Some(&at("d1", 1, 4))).is_err());
+        t.handle_notice(&"r".into(), &at("d3", 3, 4), SendNotice::Done)
+            .unwrap();
+        assert_eq!(t.take_finished().sending, vec![RequestId::from("r")]);
+
+        // One abort fails the send at once and names the reader; a late notice is refused.
+        hold(&mut t, "a", None, t0);
+        t.claim(&"a".into(), &at("d2", 2, 4));
+        t.handle_notice(
+            &"a".into(),
+            &at("d3", 3, 4),
+            SendNotice::Aborted("oom".into()),
+        )
+        .unwrap();
+        let f = t.take_finished();
+        assert!(f.failed[0].reason.contains("oom") && f.failed[0].reason.contains("\"d3\""));
+        assert!(t
+            .handle_notice(&"a".into(), &at("d2", 2, 4), SendNotice::Done)
+            .is_err());
+
+        // Expiry says how many confirmed.
+        hold(&mut t, "e", None, t0);
+        t.handle_notice(&"e".into(), &at("d2", 2, 4), SendNotice::Done)
+            .unwrap();
+        t.poll(t0 + Duration::from_secs(6));
+        let f = t.take_finished();
+        assert!(
+            f.failed[0].reason.contains("only 1 of 2"),
+            "{}",
+            f.failed[0].reason
+        );
+
+        // A decode with the smaller TP: one reader per prefill rank.
+        let mut t = CompletionTracker::with_tp(TpRank::new(3, 4));
+        hold(&mut t, "s", None, t0);
+        assert!(t
+            .handle_notice(&"s".into(), &at("d0", 0, 2), SendNotice::Done)
+            .is_err());
+        t.handle_notice(&"s".into(), &at("d1", 1, 2), SendNotice::Done)
+            .unwrap();
+        assert_eq!(t.take_finished().sending.len(), 1);
     }
 }

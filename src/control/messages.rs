@@ -10,6 +10,7 @@ use crate::ids::RequestId;
 use crate::inbox::Body;
 use crate::layout::KvLayout;
 use crate::memory::RegionInfo;
+use crate::tp::Relation;
 use crate::transport::rdma::{QpEndpoint, RdmaRegionInfo};
 
 /// Most regions a descriptor may list.
@@ -144,19 +145,27 @@ impl Descriptor {
         }
         self.layout
             .validate(&self.regions)
+            .and_then(|()| self.layout.validate_tp(self.tp_size))
             .map_err(|e| Error::Protocol(format!("invalid peer descriptor: {e}")))
     }
 
-    /// Every difference that stops `theirs` from exchanging blocks with `self`.
+    /// Every difference that stops `theirs` from exchanging blocks with `self`: layouts that
+    /// differ in what a block is, or TP sizes that cannot pair (one must be a multiple of the
+    /// other; see `crate::tp`).
     pub fn differences(&self, theirs: &Descriptor) -> Vec<String> {
         let mut d = self.layout.differences(&theirs.layout);
-        if self.tp_size != theirs.tp_size {
+        if let Err(why) = Relation::describe(self.tp_size, theirs.tp_size) {
             d.push(format!(
-                "tp_size {} vs {} (heterogeneous TP is not supported yet)",
+                "tp_size {} vs {}: {why}",
                 self.tp_size, theirs.tp_size
             ));
         }
         d
+    }
+
+    /// How this engine's TP group pairs with `theirs`', in words (for logs).
+    pub fn tp_relation(&self, theirs: &Descriptor) -> String {
+        Relation::describe(self.tp_size, theirs.tp_size).unwrap_or_else(|why| why)
     }
 
     /// The TCP data server, if offered.

@@ -17,18 +17,19 @@ use crate::conn_limit::{ConnLimit, MAX_CONNECTIONS};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::log_limit::{warn_limited, LogLimit};
+use crate::tp::{Reader, TpRank};
 use crate::transport::rdma::QpEndpoint;
 
 /// What the handshake service needs from the engine.
 pub(crate) trait ControlHandler: Send + Sync + 'static {
     /// This engine's descriptor; `None` until a KV layout is set.
     fn descriptor(&self) -> Option<Arc<Descriptor>>;
-    /// Reader engine `from`'s notice about a send; refused (with the reason) when the request
-    /// is not held, or is held for another engine.
+    /// Reader `from`'s notice about a send; refused (with the reason) when the request is not
+    /// held, or is held for other readers.
     fn notice(
         &self,
         peer: SocketAddr,
-        from: &str,
+        from: &Reader,
         id: RequestId,
         notice: SendNotice,
     ) -> std::result::Result<(), String>;
@@ -51,9 +52,9 @@ pub(crate) trait ControlHandler: Send + Sync + 'static {
     ) -> std::result::Result<(Vec<QpEndpoint>, Box<dyn std::any::Any + Send>), String>;
     /// The deployment key readers must prove; `None` serves readers without authentication.
     fn auth_key(&self) -> Option<&AuthKey>;
-    /// An authenticated session of reader engine `engine` began: its data connections present
-    /// this secret's proofs.
-    fn session_opened(&self, secret: SessionSecret, engine: &str);
+    /// An authenticated session of `reader` began: its data connections present this secret's
+    /// proofs.
+    fn session_opened(&self, secret: SessionSecret, reader: Reader);
     /// That session ended: its secret no longer opens data connections.
     fn session_closed(&self, id: [u8; 16]);
 }
@@ -237,7 +238,11 @@ async fn session(
     let reply = frame::encode(&Message::Descriptor(Box::new((*ours).clone())))?;
     handler.handshake(true);
     // Data connections of this session are accepted while it lives.
-    let _session = secret.map(|s| SessionGuard::open(handler.clone(), s, &theirs.engine_id));
+    let reader = Reader {
+        engine: theirs.engine_id.clone(),
+        tp: TpRank::new(theirs.tp_rank, theirs.tp_size),
+    };
+    let _session = secret.map(|s| SessionGuard::open(handler.clone(), s, reader.clone()));
     timeout(timeouts.handshake, write_frame(&mut stream, &reply))
         .await
         .map_err(|_| Error::Timeout {
@@ -276,12 +281,17 @@ async fn session(
         };
         match frame::decode::<Message>(frame.0, &frame.1) {
             Ok(Message::Done { request_id }) if request_id.validate().is_ok() => {
-                let r = handler.notice(peer, from, request_id.clone(), SendNotice::Done);
+                let r = handler.notice(peer, &reader, request_id.clone(), SendNotice::Done);
                 refused(&request_id, r);
             }
             Ok(Message::Abort { request_id, reason }) if request_id.validate().is_ok() => {
                 let reason: String = reason.chars().take(1024).collect();
-                let r = handler.notice(peer, from, request_id.clone(), SendNotice::Aborted(reason));
+                let r = handler.notice(
+                    peer,
+                    &reader,
+                    request_id.clone(),
+                    SendNotice::Aborted(reason),
+                );
                 refused(&request_id, r);
             }
             // A notice naming an invalid id (empty, too long) is refused alone: the session and
@@ -343,9 +353,13 @@ struct SessionGuard {
 }
 
 impl SessionGuard {
-    fn open(handler: Arc<dyn ControlHandler>, secret: SessionSecret, engine: &str) -> SessionGuard {
+    fn open(
+        handler: Arc<dyn ControlHandler>,
+        secret: SessionSecret,
+        reader: Reader,
+    ) -> SessionGuard {
         let id = secret.id;
-        handler.session_opened(secret, engine);
+        handler.session_opened(secret, reader);
         SessionGuard { handler, id }
     }
 }

@@ -4,8 +4,10 @@
 //! to them, so callers use plain blocking-free methods from any thread.
 
 mod report;
+mod requests;
 
 pub use report::{Capabilities, EngineStats};
+pub use requests::{tp_sources, ReadFrom, ReadRequest};
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,19 +18,18 @@ use parking_lot::RwLock;
 
 use crate::auth::AuthKey;
 use crate::completion::Finished;
-use crate::config::{check_duration, EngineConfig, TransportChoice};
+use crate::config::{EngineConfig, TransportChoice};
 use crate::control::{
     self,
     messages::{Descriptor, Message},
 };
 use crate::error::{Error, Result};
 use crate::gpu::{GpuApi, PointerKind, Runtimes};
-use crate::ids::{BlockId, RegionId, RequestId};
+use crate::ids::RegionId;
 use crate::inbox::{Body, PeerMessage, MAX_MESSAGE_BYTES};
 use crate::layout::KvLayout;
 use crate::memory::{DeviceMemory, ExternalMemory, Region};
-use crate::plan;
-use crate::session::{self, ReadJob, Sessions};
+use crate::session::Sessions;
 use crate::state::EngineState;
 use crate::transport::rdma::{self, RdmaFault};
 use crate::transport::tcp;
@@ -356,72 +357,6 @@ impl Engine {
         self.shared.set_layout(layout)
     }
 
-    /// Starts reading `remote_blocks` of the engine at `peer` (its handshake address) into
-    /// `local_blocks`, pairwise, for every tensor of the layout. Returns at once; the outcome
-    /// arrives through [`get_finished`](Engine::get_finished).
-    ///
-    /// Errors returned here are immediate refusals (bad ids, no layout); everything after the
-    /// call (handshake, transfer, deadline) ends as a finished or failed entry.
-    pub fn read_blocks(
-        &self,
-        peer: &str,
-        id: impl Into<RequestId>,
-        local_blocks: &[BlockId],
-        remote_blocks: &[BlockId],
-    ) -> Result<()> {
-        let id = id.into();
-        self.read_blocks_as(peer, id.clone(), id, local_blocks, remote_blocks)
-    }
-
-    /// [`read_blocks`](Engine::read_blocks) of a request the prefill holds under another id:
-    /// `remote_id` is the prefill's id (its grant, the done/abort notices), `id` this engine's
-    /// own (completion, reports, [`cancel`](Engine::cancel)). Lets a decode keep its
-    /// scheduler's ids while the prefill keeps its own.
-    pub fn read_blocks_as(
-        &self,
-        peer: &str,
-        id: impl Into<RequestId>,
-        remote_id: impl Into<RequestId>,
-        local_blocks: &[BlockId],
-        remote_blocks: &[BlockId],
-    ) -> Result<()> {
-        let id = id.into();
-        id.validate().map_err(Error::InvalidArgument)?;
-        let remote_id = remote_id.into();
-        remote_id
-            .validate()
-            .map_err(|e| Error::invalid(format!("remote request id: {e}")))?;
-        let layout = self
-            .shared
-            .layout()
-            .ok_or_else(|| Error::invalid("set a KV layout before reading blocks"))?;
-        plan::check_local_blocks(&layout, local_blocks, remote_blocks)?;
-        if let Some(conn) = self.sessions.ready_conn(peer) {
-            plan::check_blocks(
-                &layout,
-                &conn.descriptor.layout,
-                local_blocks,
-                remote_blocks,
-            )?;
-        }
-        let now = Instant::now();
-        let rt = self.runtime.read();
-        let rt = rt.as_ref().ok_or(Error::Shutdown)?;
-        self.shared
-            .with_tracker(|t| t.start_recv(id.clone(), now))?;
-        let job = ReadJob {
-            peer: peer.to_string(),
-            id,
-            remote_id,
-            local: local_blocks.to_vec(),
-            remote: remote_blocks.to_vec(),
-            started: now,
-            deadline: tokio::time::Instant::from_std(now + self.shared.config.request_timeout),
-        };
-        rt.spawn(session::run_read(self.sessions.clone(), job));
-        Ok(())
-    }
-
     /// Connects to `peer` (or reuses the cached session), and returns its descriptor: its KV
     /// layout, block count and TP rank. Blocks up to `timeout`; concurrent first contacts with
     /// `read_blocks` share the same handshake. Call it from outside async contexts.
@@ -438,71 +373,6 @@ impl Engine {
                 })?
         })?;
         Ok(conn.descriptor.clone())
-    }
-
-    /// Holds request `id`'s `blocks` for a reader (prefill side) and grants them to it: the
-    /// reader may read those blocks, and only those, under this request id (TCP; see
-    /// docs/security.md for RDMA). The request finishes sending when the reader confirms,
-    /// fails when it aborts, and expires after the abort timeout. The first engine that reads
-    /// or confirms the request becomes its only reader; [`hold_blocks_for`] names it instead.
-    ///
-    /// [`hold_blocks_for`]: Engine::hold_blocks_for
-    pub fn hold_blocks(&self, id: impl Into<RequestId>, blocks: &[BlockId]) -> Result<()> {
-        self.shared
-            .hold(id.into(), blocks, None, self.shared.config.abort_timeout)
-    }
-
-    /// [`hold_blocks`](Engine::hold_blocks) with the reader's engine id (`reader`: only that
-    /// engine may read and confirm) and a specific abort timeout (`None`: the engine's).
-    pub fn hold_blocks_for(
-        &self,
-        id: impl Into<RequestId>,
-        blocks: &[BlockId],
-        reader: Option<&str>,
-        abort_timeout: Option<Duration>,
-    ) -> Result<()> {
-        let timeout = abort_timeout.unwrap_or(self.shared.config.abort_timeout);
-        check_duration("abort_timeout", timeout)?;
-        self.shared
-            .hold(id.into(), blocks, reader.map(str::to_string), timeout)
-    }
-
-    /// Cancels read `id` (decode side): nothing more is posted or written into its blocks,
-    /// what is in flight is waited for (at most `io_timeout`), the read is reported failed with
-    /// [`FailureCause::Cancelled`](crate::FailureCause::Cancelled), and the prefill is told
-    /// (an `Abort`), so it frees its blocks at once. Returns `false` when no read with that id
-    /// is in flight (it finished, or never started); returns at once, the report follows in
-    /// [`get_finished`](Engine::get_finished).
-    pub fn cancel(&self, id: impl Into<RequestId>) -> bool {
-        self.shared.cancel_read(&id.into())
-    }
-
-    /// Prefill side: drops the hold of request `id` (aborted or preempted before any reader
-    /// was told about it): its grant ends at once (a read in progress stops at its next write)
-    /// and nothing is reported for it in [`get_finished`](Engine::get_finished). Returns
-    /// whether it was held.
-    pub fn release(&self, id: impl Into<RequestId>) -> bool {
-        let id = id.into();
-        self.shared.with_tracker(|t| t.release(&id))
-    }
-
-    /// Decode side: tells the prefill at `peer` that this engine will not read request
-    /// `remote_id` (the prefill's id), so it frees the request's blocks now instead of at its
-    /// abort timeout; for a request rejected or aborted before its read started. Returns at
-    /// once; the notice goes out once the session to `peer` is up (within the connect and
-    /// handshake timeouts), and is lost, with a log line, if it cannot be (refused at once when
-    /// 1,024 messages already wait for that session). A read of that
-    /// request in flight is [`cancel`](Engine::cancel)led instead.
-    pub fn reject(&self, peer: &str, remote_id: impl Into<RequestId>, reason: &str) -> Result<()> {
-        let remote_id = remote_id.into();
-        remote_id.validate().map_err(Error::InvalidArgument)?;
-        let rt = self.runtime.read();
-        let rt = rt.as_ref().ok_or(Error::Shutdown)?;
-        let abort = Message::Abort {
-            request_id: remote_id,
-            reason: format!("rejected by the reader: {reason}"),
-        };
-        self.sessions.post(rt.handle(), peer, abort)
     }
 
     /// Sends `body` to the engine at `peer` (a handshake address) over the authenticated

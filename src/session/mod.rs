@@ -10,7 +10,7 @@ mod connect;
 mod pair;
 mod transfer;
 
-pub(crate) use transfer::{run_read, ReadJob};
+pub(crate) use transfer::{run_read, ReadJob, Source};
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -63,7 +63,11 @@ struct MemControl {
 impl ControlLink for MemControl {
     fn notify(&self, msg: Message) -> bool {
         let peer: SocketAddr = "127.0.0.1:1".parse().expect("address");
-        let from = "decode";
+        let from = crate::tp::Reader {
+            engine: "decode".into(),
+            tp: crate::tp::TpRank::SOLO,
+        };
+        let from = &from;
         // A refused notice is dropped, as the control server drops it.
         let _ = match msg {
             Message::Done { request_id } => {
@@ -224,6 +228,7 @@ const SHAPE: ModelShape = ModelShape {
     layers: 2,
     tensors_per_layer: 2,
     bytes_per_token: 256,
+    kv_heads: 0,
     tokens_per_block: 16,
     dtype: "bf16",
 };
@@ -293,17 +298,22 @@ impl Pair {
     async fn read(&self, id: &str, local: &[BlockId], remote: &[BlockId]) {
         let now = std::time::Instant::now();
         let abort = Duration::from_secs(60);
-        self.prefill.hold(id.into(), remote, None, abort).unwrap();
+        self.prefill
+            .hold(id.into(), &[remote], None, abort)
+            .unwrap();
         let state = &self.decode.state;
         state
             .with_tracker(|t| t.start_recv(id.into(), now))
             .unwrap();
         let job = ReadJob {
-            peer: PEER.into(),
+            sources: vec![super::Source {
+                peer: PEER.into(),
+                rank: None,
+            }],
             id: RequestId::from(id),
             remote_id: RequestId::from(id),
-            local: local.to_vec(),
-            remote: remote.to_vec(),
+            local: vec![local.to_vec()],
+            remote: vec![remote.to_vec()],
             started: now,
             deadline: tokio::time::Instant::now() + state.config.request_timeout,
         };

@@ -1,7 +1,10 @@
 //! The transfer task: one receive from plan to report (done, failed with a reason, or expired),
-//! with the done/abort notice to the prefill side.
+//! with the done/abort notices to the prefill side. A read draws on one source (a peer engine),
+//! or on several prefill ranks at once when the prefill has the larger TP size: each source is
+//! planned and read on its own session, concurrently, and the read is done when every source
+//! is.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -11,19 +14,34 @@ use crate::control::messages::Message;
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, RequestId};
 use crate::memory::RegionSpan;
-use crate::plan::{plan, PlanOptions};
+use crate::plan::{plan_read, tensor_reads, PlanOptions};
 use crate::state::EngineState;
-use crate::transport::{ReadOp, RequestCtl};
+use crate::tp::TpRank;
+use crate::transport::{ReadCancel, ReadOp, RequestCtl};
 
-/// Everything a transfer task needs, validated by `Engine::read_blocks`.
-pub(crate) struct ReadJob {
+/// One engine a read draws on.
+#[derive(Debug, Clone)]
+pub(crate) struct Source {
+    /// Its handshake address.
     pub(crate) peer: String,
+    /// For a read from a prefill's TP group: the rank and group size this peer must be, and
+    /// the prefill ranks the read draws on (`tp::sources`). `None` for a read from one engine,
+    /// whatever its rank, which must then hold every head this engine needs.
+    pub(crate) rank: Option<(TpRank, Range<u32>)>,
+}
+
+/// Everything a transfer task needs, validated by `Engine::read`.
+pub(crate) struct ReadJob {
+    /// The engines read from (one, or the prefill ranks of this decode rank).
+    pub(crate) sources: Vec<Source>,
     /// The id this engine tracks and reports the read under.
     pub(crate) id: RequestId,
     /// The id the prefill holds the request under (its grant, and the done/abort notices).
     pub(crate) remote_id: RequestId,
-    pub(crate) local: Vec<BlockId>,
-    pub(crate) remote: Vec<BlockId>,
+    /// Local block ids per block group.
+    pub(crate) local: Vec<Vec<BlockId>>,
+    /// Remote block ids per block group, paired with `local`.
+    pub(crate) remote: Vec<Vec<BlockId>>,
     pub(crate) started: Instant,
     pub(crate) deadline: tokio::time::Instant,
 }
@@ -39,16 +57,16 @@ struct ReportGuard {
     shared: Arc<EngineState>,
     id: Option<RequestId>,
     /// The read's entry in the engine's registry of reads in flight (see `Engine::cancel`).
-    registered: Option<(RequestId, Arc<AtomicBool>)>,
+    registered: Option<(RequestId, Arc<ReadCancel>)>,
 }
 
 impl ReportGuard {
     /// Takes the read out of the registry of reads in flight (only its own entry: the id may
     /// already belong to a new read).
     fn unregister(&mut self) {
-        if let Some((id, flag)) = self.registered.take() {
+        if let Some((id, cancel)) = self.registered.take() {
             let mut reads = self.shared.reads.lock();
-            if reads.get(&id).is_some_and(|(_, f)| Arc::ptr_eq(f, &flag)) {
+            if reads.get(&id).is_some_and(|c| Arc::ptr_eq(c, &cancel)) {
                 reads.remove(&id);
             }
         }
@@ -73,142 +91,264 @@ pub(crate) fn run_read(
     job: ReadJob,
 ) -> impl std::future::Future<Output = ()> + Send {
     // Registered before the task first runs, so `Engine::cancel` finds it at once.
-    let ctl = Arc::new(RequestCtl::default());
-    let by_caller = Arc::new(AtomicBool::new(false));
+    let cancel = Arc::new(ReadCancel::default());
     sessions
         .state
         .reads
         .lock()
-        .insert(job.id.clone(), (ctl.clone(), by_caller.clone()));
+        .insert(job.id.clone(), cancel.clone());
     let guard = ReportGuard {
         shared: sessions.state.clone(),
         id: Some(job.id.clone()),
-        registered: Some((job.id.clone(), by_caller.clone())),
+        registered: Some((job.id.clone(), cancel.clone())),
     };
-    read_to_end(sessions, job, guard, ctl, by_caller)
+    read_to_end(sessions, job, guard, cancel)
+}
+
+/// What reading one source came to.
+struct SourceOutcome {
+    /// The session the read used (its control connection carries the notice).
+    conn: Option<Arc<PeerConn>>,
+    /// The control of the last attempt (waited on before the read is reported).
+    ctl: Arc<RequestCtl>,
+    /// What the read came to; `Err` when the transport did not stop by the backstop.
+    result: std::result::Result<Result<SourceReport>, tokio::time::error::Elapsed>,
+}
+
+/// What one source delivered.
+struct SourceReport {
+    bytes: u64,
+    segments: usize,
+    blocks: usize,
+    work_requests: u64,
+    transport: &'static str,
+}
+
+/// Reads one source, retrying once on a new session when its data connection was lost (reads
+/// are idempotent) and the read goes on. A failure stops the read's other sources.
+async fn read_source(
+    sessions: &Arc<Sessions>,
+    job: &ReadJob,
+    source: &Source,
+    cancel: &Arc<ReadCancel>,
+) -> SourceOutcome {
+    let shared = &sessions.state;
+    let mut ctl = cancel.attempt();
+    let mut used = None;
+    let mut outcome = tokio::time::timeout_at(
+        job.deadline + BACKSTOP,
+        read_once(sessions, job, source, ctl.clone(), &mut used),
+    )
+    .await;
+    // A data connection lost (a server closing an idle stream just as a request went out, a
+    // peer restarting): the read runs once more on a new session, within the same deadline,
+    // once the first attempt has stopped writing.
+    if let Ok(Err(first @ Error::ConnectionLost { reason, .. })) = &outcome {
+        let closing = shared.closing.load(std::sync::atomic::Ordering::Acquire);
+        if !closing
+            && !cancel.is_stopped()
+            && tokio::time::Instant::now() < job.deadline
+            && ctl.cancel_async(shared.config.io_timeout).await
+        {
+            tracing::info!(id = %job.id, peer = %source.peer, error = %first, "retrying a read once on a new session");
+            let first = reason.clone();
+            ctl = cancel.attempt();
+            used = None;
+            outcome = tokio::time::timeout_at(
+                job.deadline + BACKSTOP,
+                read_once(sessions, job, source, ctl.clone(), &mut used),
+            )
+            .await;
+            if let Ok(Err(e)) = &mut outcome {
+                *e = Error::ConnectionLost {
+                    peer: source.peer.clone(),
+                    reason: format!("{first}; retried once on a new session: {e}"),
+                };
+            }
+        }
+    }
+    if !matches!(outcome, Ok(Ok(_))) {
+        cancel.stop();
+    }
+    // The session the read used: even when its transport broke, its control connection can
+    // still carry the abort, so the prefill frees its blocks now rather than at its timeout.
+    let conn = used.or_else(|| sessions.ready_conn(&source.peer));
+    SourceOutcome {
+        conn,
+        ctl,
+        result: outcome,
+    }
+}
+
+/// Reads every source of `job` concurrently (each on its own task when there are several).
+async fn read_sources(
+    sessions: &Arc<Sessions>,
+    job: &Arc<ReadJob>,
+    cancel: &Arc<ReadCancel>,
+) -> Vec<SourceOutcome> {
+    if let [only] = job.sources.as_slice() {
+        return vec![read_source(sessions, job, only, cancel).await];
+    }
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..job.sources.len() {
+        let (sessions, job, cancel) = (sessions.clone(), job.clone(), cancel.clone());
+        tasks.spawn(async move {
+            let o = read_source(&sessions, &job, &job.sources[i], &cancel).await;
+            (i, o)
+        });
+    }
+    let mut out: Vec<Option<SourceOutcome>> = job.sources.iter().map(|_| None).collect();
+    while let Some(done) = tasks.join_next().await {
+        // A source task only ends early when the runtime stops (the guard reports that).
+        if let Ok((i, o)) = done {
+            out[i] = Some(o);
+        }
+    }
+    out.into_iter()
+        .map(|o| {
+            o.unwrap_or_else(|| SourceOutcome {
+                conn: None,
+                ctl: cancel.attempt(),
+                result: Ok(Err(Error::ConnectionLost {
+                    peer: String::new(),
+                    reason: "the source's task ended without a result".into(),
+                })),
+            })
+        })
+        .collect()
 }
 
 async fn read_to_end(
     sessions: Arc<Sessions>,
     job: ReadJob,
     mut guard: ReportGuard,
-    mut ctl: Arc<RequestCtl>,
-    by_caller: Arc<AtomicBool>,
+    cancel: Arc<ReadCancel>,
 ) {
     let shared = sessions.state.clone();
+    let job = Arc::new(job);
     let timeout = job
         .deadline
         .saturating_duration_since(tokio::time::Instant::now());
-    let mut used = None;
-    let mut outcome = tokio::time::timeout_at(
-        job.deadline + BACKSTOP,
-        read_once(&sessions, &job, ctl.clone(), &mut used),
-    )
-    .await;
-    // A data connection lost (a server closing an idle stream just as a request went out, a
-    // peer restarting): reads are idempotent, so the read runs once more on a new session,
-    // within the same deadline, once the first attempt has stopped writing.
-    if let Ok(Err(first @ Error::ConnectionLost { reason, .. })) = &outcome {
-        let closing = shared.closing.load(std::sync::atomic::Ordering::Acquire);
-        if !closing
-            && !by_caller.load(Ordering::Acquire)
-            && tokio::time::Instant::now() < job.deadline
-            && ctl.cancel_async(shared.config.io_timeout).await
-        {
-            tracing::info!(id = %job.id, error = %first, "retrying a read once on a new session");
-            let first = reason.clone();
-            ctl = Arc::new(RequestCtl::default());
-            if let Some((c, _)) = shared.reads.lock().get_mut(&job.id) {
-                *c = ctl.clone();
+    let outcomes = read_sources(&sessions, &job, &cancel).await;
+    // The first real failure: a source stopped because another failed says only that.
+    let mut first_err: Option<(usize, bool, Error)> = None;
+    for (i, o) in outcomes.iter().enumerate() {
+        let (expired, e) = match &o.result {
+            Ok(Ok(_)) => continue,
+            Ok(Err(e)) => {
+                let late = tokio::time::Instant::now() >= job.deadline;
+                (late && matches!(e, Error::Timeout { .. }), e.clone())
             }
-            // A cancel that took the old control just before the swap still counts.
-            if by_caller.load(Ordering::Acquire) {
-                ctl.mark_cancelled();
-            }
-            used = None;
-            outcome = tokio::time::timeout_at(
-                job.deadline + BACKSTOP,
-                read_once(&sessions, &job, ctl.clone(), &mut used),
-            )
-            .await;
-            if let Ok(Err(e)) = &mut outcome {
-                *e = Error::ConnectionLost {
-                    peer: job.peer.clone(),
-                    reason: format!("{first}; retried once on a new session: {e}"),
-                };
-            }
+            Err(_) => (
+                true,
+                Error::Timeout {
+                    what: "the transport to stop after the request deadline".into(),
+                    after: BACKSTOP,
+                },
+            ),
+        };
+        let secondary = matches!(e, Error::Cancelled(_));
+        let better = match &first_err {
+            None => true,
+            Some((_, _, prev)) => matches!(prev, Error::Cancelled(_)) && !secondary,
+        };
+        if better {
+            first_err = Some((i, expired, e));
         }
     }
-    // The session the read used: even when its transport broke, its control connection can
-    // still carry the abort, so the prefill frees its blocks now rather than at its timeout.
-    let conn = used.or_else(|| sessions.ready_conn(&job.peer));
-    let (expired, result) = match outcome {
-        Ok(Ok(done)) => (false, Ok(done)),
-        Ok(Err(e)) => {
-            let late = tokio::time::Instant::now() >= job.deadline;
-            (late && matches!(e, Error::Timeout { .. }), Err(e))
-        }
-        Err(_) => (
-            true,
-            Err(Error::Timeout {
-                what: "the transport to stop after the request deadline".into(),
-                after: BACKSTOP,
-            }),
-        ),
-    };
-    // Cancelled by the caller: reported as such, whatever the attempt returned.
-    let (expired, result) = if by_caller.load(Ordering::Acquire) {
+    // Cancelled by the caller: reported as such, whatever the attempts returned.
+    let by_caller = cancel.by_caller();
+    let failure = if by_caller {
         let why = "the reader cancelled the read (cancel)".to_string();
-        (false, Err(Error::Cancelled(why)))
+        Some((None, false, Error::Cancelled(why)))
     } else {
-        (expired, result)
+        first_err.map(|(i, expired, e)| (Some(i), expired, e))
     };
     guard.unregister();
     guard.id = None;
-    match result {
-        Ok(report) => {
-            if let Some(c) = &conn {
-                c.control.notify(Message::Done {
-                    request_id: job.remote_id.clone(),
+    let closing = shared.closing.load(std::sync::atomic::Ordering::Acquire);
+    let reason = failure.as_ref().map(|(at, expired, e)| {
+        // With several sources, the reason names the one that failed.
+        let e = match at {
+            Some(i) if job.sources.len() > 1 => {
+                let s = &job.sources[*i];
+                let rank = s.rank.as_ref().map_or(*i as u32, |(r, _)| r.rank);
+                format!("prefill rank {rank} ({}): {e}", s.peer)
+            }
+            _ => e.to_string(),
+        };
+        if closing {
+            format!("engine shutting down ({e})")
+        } else if *expired {
+            format!(
+                "not complete within the request timeout of {timeout:?} (peer {}): {e}",
+                peers(&job)
+            )
+        } else {
+            e
+        }
+    });
+    // Each source hears how its part ended: done when all its bytes are here (and the caller
+    // did not cancel), else aborted with the read's reason.
+    for (s, o) in job.sources.iter().zip(&outcomes) {
+        let part_done = matches!(o.result, Ok(Ok(_))) && !by_caller;
+        if !part_done {
+            o.ctl.cancel_async(shared.config.io_timeout).await;
+        }
+        let msg = match (part_done, &reason) {
+            (true, _) | (false, None) => Message::Done {
+                request_id: job.remote_id.clone(),
+            },
+            (false, Some(reason)) => Message::Abort {
+                request_id: job.remote_id.clone(),
+                reason: reason.clone(),
+            },
+        };
+        match &o.conn {
+            Some(c) => {
+                c.control.notify(msg);
+            }
+            // Not connected yet when the read was cancelled (by the caller, or as another
+            // source failed): the prefill is told once the session is up (within the connect
+            // timeout), so it frees its blocks now rather than at its timeout.
+            None if matches!(&o.result, Ok(Err(Error::Cancelled(_)))) && !closing => {
+                let (sessions, peer) = (sessions.clone(), s.peer.clone());
+                let wait = shared.config.connect_timeout + shared.config.handshake_timeout;
+                tokio::spawn(async move {
+                    if let Ok(Ok(c)) = tokio::time::timeout(wait, sessions.get(&peer)).await {
+                        c.control.notify(msg);
+                    }
                 });
+            }
+            None => {}
+        }
+    }
+    match (failure, reason) {
+        (None, _) => {
+            let mut report = TransferReport {
+                id: job.id.clone(),
+                peer: peers(&job),
+                bytes: 0,
+                segments: 0,
+                blocks: 0,
+                work_requests: 0,
+                transport: "",
+                elapsed: job.started.elapsed(),
+            };
+            for o in &outcomes {
+                if let Ok(Ok(r)) = &o.result {
+                    report.bytes += r.bytes;
+                    report.segments += r.segments;
+                    report.blocks = report.blocks.max(r.blocks);
+                    report.work_requests += r.work_requests;
+                    report.transport = r.transport;
+                }
             }
             shared.with_tracker(|t| t.recv_done(report));
         }
-        Err(e) => {
-            ctl.cancel_async(shared.config.io_timeout).await;
-            let closing = shared.closing.load(std::sync::atomic::Ordering::Acquire);
-            let reason = if closing {
-                format!("engine shutting down ({e})")
-            } else if expired {
-                format!(
-                    "not complete within the request timeout of {timeout:?} (peer {}): {e}",
-                    job.peer
-                )
-            } else {
-                e.to_string()
-            };
+        (Some((_, expired, e)), reason) => {
+            let reason = reason.unwrap_or_default();
             tracing::warn!(id = %job.id, %reason, expired, "read failed");
-            let abort = Message::Abort {
-                request_id: job.remote_id.clone(),
-                reason: reason.clone(),
-            };
-            match &conn {
-                Some(c) => {
-                    c.control.notify(abort);
-                }
-                // Cancelled before the session was up: the prefill is told once it is (within
-                // the connect timeout), so it frees its blocks now rather than at its timeout.
-                None if matches!(e, Error::Cancelled(_)) && !closing => {
-                    let (sessions, peer) = (sessions.clone(), job.peer.clone());
-                    let wait = shared.config.connect_timeout + shared.config.handshake_timeout;
-                    tokio::spawn(async move {
-                        if let Ok(Ok(c)) = tokio::time::timeout(wait, sessions.get(&peer)).await {
-                            c.control.notify(abort);
-                        }
-                    });
-                }
-                None => {}
-            }
             let cause = if closing {
                 FailureCause::Other
             } else if expired {
@@ -221,33 +361,58 @@ async fn read_to_end(
     }
 }
 
-/// Reads once; `used` gets the session as soon as there is one.
+/// The engines a read draws on, for reports and logs.
+fn peers(job: &ReadJob) -> String {
+    let all: Vec<&str> = job.sources.iter().map(|s| s.peer.as_str()).collect();
+    all.join(",")
+}
+
+/// Reads one source once; `used` gets the session as soon as there is one.
 async fn read_once(
     sessions: &Arc<Sessions>,
     job: &ReadJob,
+    source: &Source,
     ctl: Arc<RequestCtl>,
     used: &mut Option<Arc<PeerConn>>,
-) -> Result<TransferReport> {
+) -> Result<SourceReport> {
     let shared = &sessions.state;
-    let connect = tokio::time::timeout_at(job.deadline, sessions.get(&job.peer));
+    let connect = tokio::time::timeout_at(job.deadline, sessions.get(&source.peer));
     let conn = tokio::select! {
         c = connect => c.map_err(|_| Error::Timeout {
-            what: format!("connecting to {}", job.peer),
+            what: format!("connecting to {}", source.peer),
             after: job.started.elapsed(),
         })??,
         // Nothing is written while connecting: a cancel stops the wait at once.
         _ = ctl.cancelled() => return Err(Error::Cancelled("while connecting".into())),
     };
     *used = Some(conn.clone());
+    let d = &conn.descriptor;
+    let theirs = TpRank::new(d.tp_rank, d.tp_size);
+    let range = match &source.rank {
+        Some((want, range)) => {
+            if *want != theirs {
+                return Err(Error::invalid(format!(
+                    "the engine at {} is {theirs}, but the read lists it as prefill {want}; \
+                     list the prefill's handshake addresses in rank order",
+                    source.peer
+                )));
+            }
+            range.clone()
+        }
+        None => theirs.rank..theirs.rank + 1,
+    };
     let local_layout = shared
         .layout()
         .ok_or_else(|| Error::invalid("this engine's KV layout was removed"))?;
+    let ours = TpRank::new(shared.config.tp_rank, shared.config.tp_size);
+    let reads = tensor_reads(&local_layout, ours, &d.layout, theirs, range)?;
     let opts = PlanOptions {
         max_segment_bytes: shared.config.batch_bytes,
     };
-    let plan = plan(
+    let plan = plan_read(
         &local_layout,
-        &conn.descriptor.layout,
+        &d.layout,
+        &reads,
         &job.local,
         &job.remote,
         opts,
@@ -263,19 +428,18 @@ async fn read_once(
             remote_offset: s.remote_offset,
         });
     }
-    let work_requests = conn
-        .transport
-        .read(&job.remote_id, ops, ctl, job.deadline)
-        .await?;
-    let report = TransferReport {
-        id: job.id.clone(),
-        peer: job.peer.clone(),
+    let work_requests = if ops.is_empty() {
+        0
+    } else {
+        conn.transport
+            .read(&job.remote_id, ops, ctl, job.deadline)
+            .await?
+    };
+    Ok(SourceReport {
         bytes: plan.bytes,
         segments: plan.segments.len(),
         blocks: plan.blocks,
         work_requests,
         transport: conn.transport.name(),
-        elapsed: job.started.elapsed(),
-    };
-    Ok(report)
+    })
 }

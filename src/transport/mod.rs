@@ -96,6 +96,55 @@ impl RequestCtl {
     }
 }
 
+/// The controls of every attempt of one read (one per source, and per retry), so that a
+/// cancel reaches all of them, attempts that start after it included.
+#[derive(Debug, Default)]
+pub(crate) struct ReadCancel {
+    /// The caller cancelled the read (`Engine::cancel`).
+    by_caller: AtomicBool,
+    /// The read is failing (a source failed): the other sources stop.
+    stopped: AtomicBool,
+    attempts: parking_lot::Mutex<Vec<std::sync::Arc<RequestCtl>>>,
+}
+
+impl ReadCancel {
+    /// A new attempt's control, cancelled at once when the read already was.
+    pub(crate) fn attempt(&self) -> std::sync::Arc<RequestCtl> {
+        let ctl = std::sync::Arc::new(RequestCtl::default());
+        let mut attempts = self.attempts.lock();
+        if self.is_stopped() {
+            ctl.mark_cancelled();
+        }
+        attempts.push(ctl.clone());
+        ctl
+    }
+
+    /// The caller cancels the read: every attempt stops writing.
+    pub(crate) fn cancel_by_caller(&self) {
+        self.by_caller.store(true, Ordering::Release);
+        self.stop();
+    }
+
+    /// Every attempt stops writing (a source failed, or the caller cancelled).
+    pub(crate) fn stop(&self) {
+        let attempts = self.attempts.lock();
+        self.stopped.store(true, Ordering::Release);
+        for a in attempts.iter() {
+            a.mark_cancelled();
+        }
+    }
+
+    /// Whether the caller cancelled the read.
+    pub(crate) fn by_caller(&self) -> bool {
+        self.by_caller.load(Ordering::Acquire)
+    }
+
+    /// Whether the read was stopped (by the caller, or by a failing source).
+    pub(crate) fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::Acquire)
+    }
+}
+
 /// A boxed transfer future; it yields the number of work requests (RDMA work requests, or TCP
 /// read requests) the transfer took.
 pub(crate) type ReadFuture<'a> = Pin<Box<dyn Future<Output = Result<u64>> + Send + 'a>>;

@@ -18,13 +18,14 @@ use crate::grant::Grant;
 use crate::ids::{RegionId, RequestId};
 use crate::log_limit::{warn_limited, LogLimit};
 use crate::memory::{self, Region, RegionSpan};
+use crate::tp::Reader;
 
 /// Refused data requests: one line per second, with the count.
 static REFUSED: LogLimit = LogLimit::new(Duration::from_secs(1));
 
-/// An authenticated control session, as the data server sees it: its secret and the engine id
-/// its reader declared.
-pub(crate) type DataSession = (SessionSecret, Arc<str>);
+/// An authenticated control session, as the data server sees it: its secret and the reader
+/// (engine id and TP rank) its handshake declared.
+pub(crate) type DataSession = (SessionSecret, Arc<Reader>);
 
 /// Where the data server finds exported regions.
 pub(crate) trait RegionLookup: Send + Sync + 'static {
@@ -32,20 +33,20 @@ pub(crate) trait RegionLookup: Send + Sync + 'static {
     fn region(&self, id: RegionId) -> Option<Arc<Region>>;
     /// Whether data connections must prove an authenticated control session.
     fn auth_required(&self) -> bool;
-    /// The authenticated control session with this id, while it lives, and the engine id its
-    /// reader declared.
+    /// The authenticated control session with this id, while it lives, and the reader it
+    /// declared.
     fn data_session(&self, id: &[u8; 16]) -> Option<DataSession>;
     /// What reads of request `id` may touch: its grant; `None` when the engine serves open
-    /// reads (no hold needed). `engine` is the reading engine, when the data connection proved
+    /// reads (no hold needed). `reader` is the reading engine, when the data connection proved
     /// its session. Refused (with the reason) when the request is not held for that reader.
     fn grant(
         &self,
         id: &RequestId,
-        engine: Option<&str>,
+        reader: Option<&Reader>,
     ) -> std::result::Result<Option<Arc<Grant>>, String>;
-    /// A read of request `id` by `engine` was served: a request held without a named reader
-    /// is that engine's from now on.
-    fn claim(&self, id: &RequestId, engine: &str);
+    /// A read of request `id` by `reader` was served: it is one of the request's readers from
+    /// now on.
+    fn claim(&self, id: &RequestId, reader: &Reader);
     /// A request was served (`Some(bytes)`) or refused (`None`).
     fn served(&self, bytes: Option<u64>);
     /// The staging buffers for device memory.
@@ -157,7 +158,7 @@ async fn connection(
     idle_timeout: Duration,
 ) -> Result<()> {
     // The reading engine, once the connection proved an authenticated control session.
-    let mut engine: Option<Arc<str>> = None;
+    let mut engine: Option<Arc<Reader>> = None;
     if regions.auth_required() {
         // Nothing is served before the connection proves an authenticated control session.
         match prove_session(&mut stream, &*regions, io_timeout).await {
@@ -359,12 +360,12 @@ const PROOF_DEADLINE: Duration = Duration::from_secs(5);
 
 /// The data server's side of the session proof: sends a fresh nonce, expects the session id and
 /// the session's proof over the nonce (`wire::AUTH_REPLY` bytes) within a few seconds. Returns
-/// the engine id the session's reader declared.
+/// the reader the session declared.
 async fn prove_session(
     stream: &mut TcpStream,
     regions: &dyn RegionLookup,
     io_timeout: Duration,
-) -> Result<Arc<str>> {
+) -> Result<Arc<Reader>> {
     use tokio::io::AsyncWriteExt;
     let deadline = PROOF_DEADLINE.min(io_timeout);
     let nonce = auth::nonce()?;

@@ -275,6 +275,7 @@ pub(crate) fn parse_args() -> Result<Args, String> {
             layers: tensors,
             tensors_per_layer: 1,
             bytes_per_token: b,
+            kv_heads: 0,
             tokens_per_block: 1,
             dtype: "u8",
         };

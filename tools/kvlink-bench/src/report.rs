@@ -163,6 +163,7 @@ pub(crate) fn sweep(args: &Args) -> Result<(), String> {
                     layers: 1,
                     tensors_per_layer: 1,
                     bytes_per_token: v,
+                    kv_heads: 0,
                     tokens_per_block: 1,
                     dtype: "u8",
                 };

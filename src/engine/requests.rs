@@ -1,0 +1,265 @@
+//! The transfer calls of the engine API: reads (decode side) and holds (prefill side), with
+//! their cancels, releases and rejections. Reads may draw on a prefill of another TP size and
+//! carry block ids per block group.
+
+use std::time::{Duration, Instant};
+
+use super::Engine;
+use crate::config::check_duration;
+use crate::control::messages::Message;
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, RequestId};
+use crate::plan;
+use crate::session::{self, ReadJob, Source};
+use crate::tp::{self, TpRank};
+
+/// Where a read takes its blocks from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReadFrom {
+    /// One engine, at its handshake address, whatever its TP rank: it must hold every KV head
+    /// this engine needs (the same TP size and the paired rank, a prefill of TP 1, or a layout
+    /// without heads such as MLA's).
+    Engine(String),
+    /// Every rank of the prefill's TP group, by handshake address in rank order. This engine
+    /// reads the ranks its own rank needs (`tp_sources`): one rank when the decode's TP size
+    /// is the same or a multiple of the prefill's (its share of the heads), several when the
+    /// prefill's is a multiple of the decode's (their heads side by side in each block;
+    /// tensors without heads shared out among them). Each rank read must answer with that rank
+    /// and that group size.
+    TpGroup(Vec<String>),
+}
+
+/// One read (decode side): which blocks, from where, under which ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadRequest {
+    /// This engine's id for the read: completion, reports, [`Engine::cancel`].
+    pub id: RequestId,
+    /// The id the prefill holds the request under (its grant, the done and abort notices);
+    /// usually `id`.
+    pub remote_id: RequestId,
+    /// The engine or the prefill TP group to read from.
+    pub from: ReadFrom,
+    /// This engine's block ids, one list per block group of its layout.
+    pub local: Vec<Vec<BlockId>>,
+    /// The prefill's block ids, paired one to one with `local`, group by group.
+    pub remote: Vec<Vec<BlockId>>,
+}
+
+impl ReadRequest {
+    /// A read of `remote` blocks of the engine at `peer` into `local` blocks, one block group,
+    /// under one id on both sides.
+    pub fn blocks(
+        peer: impl Into<String>,
+        id: impl Into<RequestId>,
+        local: &[BlockId],
+        remote: &[BlockId],
+    ) -> ReadRequest {
+        let id = id.into();
+        ReadRequest {
+            remote_id: id.clone(),
+            id,
+            from: ReadFrom::Engine(peer.into()),
+            local: vec![local.to_vec()],
+            remote: vec![remote.to_vec()],
+        }
+    }
+}
+
+/// The prefill ranks that rank `decode` of a decode's TP group reads from a prefill of
+/// `prefill_size` ranks (what [`ReadFrom::TpGroup`] reads), or why the sizes cannot pair (one
+/// must be a multiple of the other).
+pub fn tp_sources(decode: TpRank, prefill_size: u32) -> Result<std::ops::Range<u32>> {
+    tp::sources(decode, prefill_size).map_err(Error::InvalidArgument)
+}
+
+impl Engine {
+    /// Starts reading `remote_blocks` of the engine at `peer` (its handshake address) into
+    /// `local_blocks`, pairwise, for every tensor of the layout. Returns at once; the outcome
+    /// arrives through [`get_finished`](Engine::get_finished). The layout must have one block
+    /// group; [`read`](Engine::read) takes several, and a prefill of another TP size.
+    ///
+    /// Errors returned here are immediate refusals (bad ids, no layout); everything after the
+    /// call (handshake, transfer, deadline) ends as a finished or failed entry.
+    pub fn read_blocks(
+        &self,
+        peer: &str,
+        id: impl Into<RequestId>,
+        local_blocks: &[BlockId],
+        remote_blocks: &[BlockId],
+    ) -> Result<()> {
+        self.read(ReadRequest::blocks(peer, id, local_blocks, remote_blocks))
+    }
+
+    /// [`read_blocks`](Engine::read_blocks) of a request the prefill holds under another id:
+    /// `remote_id` is the prefill's id (its grant, the done/abort notices), `id` this engine's
+    /// own (completion, reports, [`cancel`](Engine::cancel)). Lets a decode keep its
+    /// scheduler's ids while the prefill keeps its own.
+    pub fn read_blocks_as(
+        &self,
+        peer: &str,
+        id: impl Into<RequestId>,
+        remote_id: impl Into<RequestId>,
+        local_blocks: &[BlockId],
+        remote_blocks: &[BlockId],
+    ) -> Result<()> {
+        let mut r = ReadRequest::blocks(peer, id, local_blocks, remote_blocks);
+        r.remote_id = remote_id.into();
+        self.read(r)
+    }
+
+    /// Starts a read ([`ReadRequest`]): block ids per block group, from one engine or from the
+    /// prefill's TP group. Returns at once; the outcome arrives through
+    /// [`get_finished`](Engine::get_finished), once every prefill rank read delivered its part
+    /// (or one failed: the others stop, and each is told). Immediate refusals: bad ids or
+    /// block lists, no layout, TP sizes that cannot pair, a session already up whose layout
+    /// does not fit.
+    pub fn read(&self, req: ReadRequest) -> Result<()> {
+        let ReadRequest {
+            id,
+            remote_id,
+            from,
+            local,
+            remote,
+        } = req;
+        id.validate().map_err(Error::InvalidArgument)?;
+        remote_id
+            .validate()
+            .map_err(|e| Error::invalid(format!("remote request id: {e}")))?;
+        let layout = self
+            .shared
+            .layout()
+            .ok_or_else(|| Error::invalid("set a KV layout before reading blocks"))?;
+        plan::check_local_blocks(&layout, &local, &remote)?;
+        let ours = TpRank::new(self.shared.config.tp_rank, self.shared.config.tp_size);
+        let sources = match from {
+            ReadFrom::Engine(peer) => vec![Source { peer, rank: None }],
+            ReadFrom::TpGroup(peers) => {
+                let size = u32::try_from(peers.len())
+                    .ok()
+                    .filter(|n| *n > 0)
+                    .ok_or_else(|| {
+                        Error::invalid(format!(
+                            "a prefill TP group of {} addresses (1 or more, one per rank)",
+                            peers.len()
+                        ))
+                    })?;
+                let range = tp_sources(ours, size)?;
+                range
+                    .clone()
+                    .map(|r| Source {
+                        peer: peers[r as usize].clone(),
+                        rank: Some((TpRank::new(r, size), range.clone())),
+                    })
+                    .collect()
+            }
+        };
+        for s in &sources {
+            if let Some(conn) = self.sessions.ready_conn(&s.peer) {
+                plan::check_blocks(&layout, &conn.descriptor.layout, &local, &remote)?;
+            }
+        }
+        let now = Instant::now();
+        let rt = self.runtime.read();
+        let rt = rt.as_ref().ok_or(Error::Shutdown)?;
+        self.shared
+            .with_tracker(|t| t.start_recv(id.clone(), now))?;
+        let job = ReadJob {
+            sources,
+            id,
+            remote_id,
+            local,
+            remote,
+            started: now,
+            deadline: tokio::time::Instant::from_std(now + self.shared.config.request_timeout),
+        };
+        rt.spawn(session::run_read(self.sessions.clone(), job));
+        Ok(())
+    }
+
+    /// Holds request `id`'s `blocks` for its readers (prefill side) and grants them to them:
+    /// they may read those blocks, and only those, under this request id (TCP; see
+    /// docs/security.md for RDMA). The layout must have one block group
+    /// ([`hold_groups`](Engine::hold_groups) takes several). The readers are the decode ranks
+    /// that read this rank: one when the decode's TP size is the same or smaller, the decode's
+    /// ratio when it is larger (each reads its share of the heads). The request finishes
+    /// sending when every reader confirmed, fails when one aborts, and expires after the abort
+    /// timeout. Engines become readers as they read or confirm;
+    /// [`hold_blocks_for`](Engine::hold_blocks_for) names the one reader instead.
+    pub fn hold_blocks(&self, id: impl Into<RequestId>, blocks: &[BlockId]) -> Result<()> {
+        self.hold_groups(id, &[blocks])
+    }
+
+    /// [`hold_blocks`](Engine::hold_blocks) with block ids per block group.
+    pub fn hold_groups<B: AsRef<[BlockId]>>(
+        &self,
+        id: impl Into<RequestId>,
+        blocks: &[B],
+    ) -> Result<()> {
+        self.shared
+            .hold(id.into(), blocks, None, self.shared.config.abort_timeout)
+    }
+
+    /// [`hold_blocks`](Engine::hold_blocks) with the reader's engine id (`reader`: only that
+    /// engine may read and confirm) and a specific abort timeout (`None`: the engine's).
+    pub fn hold_blocks_for(
+        &self,
+        id: impl Into<RequestId>,
+        blocks: &[BlockId],
+        reader: Option<&str>,
+        abort_timeout: Option<Duration>,
+    ) -> Result<()> {
+        self.hold_groups_for(id, &[blocks], reader, abort_timeout)
+    }
+
+    /// [`hold_blocks_for`](Engine::hold_blocks_for) with block ids per block group.
+    pub fn hold_groups_for<B: AsRef<[BlockId]>>(
+        &self,
+        id: impl Into<RequestId>,
+        blocks: &[B],
+        reader: Option<&str>,
+        abort_timeout: Option<Duration>,
+    ) -> Result<()> {
+        let timeout = abort_timeout.unwrap_or(self.shared.config.abort_timeout);
+        check_duration("abort_timeout", timeout)?;
+        self.shared
+            .hold(id.into(), blocks, reader.map(str::to_string), timeout)
+    }
+
+    /// Cancels read `id` (decode side): nothing more is posted or written into its blocks,
+    /// what is in flight is waited for (at most `io_timeout`), the read is reported failed with
+    /// [`FailureCause::Cancelled`](crate::FailureCause::Cancelled), and the prefill is told
+    /// (an `Abort`; every prefill rank it reads), so it frees its blocks at once. Returns
+    /// `false` when no read with that id is in flight (it finished, or never started); returns
+    /// at once, the report follows in [`get_finished`](Engine::get_finished).
+    pub fn cancel(&self, id: impl Into<RequestId>) -> bool {
+        self.shared.cancel_read(&id.into())
+    }
+
+    /// Prefill side: drops the hold of request `id` (aborted or preempted before any reader
+    /// was told about it): its grant ends at once (a read in progress stops at its next write)
+    /// and nothing is reported for it in [`get_finished`](Engine::get_finished). Returns
+    /// whether it was held.
+    pub fn release(&self, id: impl Into<RequestId>) -> bool {
+        let id = id.into();
+        self.shared.with_tracker(|t| t.release(&id))
+    }
+
+    /// Decode side: tells the prefill at `peer` that this engine will not read request
+    /// `remote_id` (the prefill's id), so it frees the request's blocks now instead of at its
+    /// abort timeout; for a request rejected or aborted before its read started. Returns at
+    /// once; the notice goes out once the session to `peer` is up (within the connect and
+    /// handshake timeouts), and is lost, with a log line, if it cannot be (refused at once when
+    /// 1,024 messages already wait for that session). A read of that
+    /// request in flight is [`cancel`](Engine::cancel)led instead.
+    pub fn reject(&self, peer: &str, remote_id: impl Into<RequestId>, reason: &str) -> Result<()> {
+        let remote_id = remote_id.into();
+        remote_id.validate().map_err(Error::InvalidArgument)?;
+        let rt = self.runtime.read();
+        let rt = rt.as_ref().ok_or(Error::Shutdown)?;
+        let abort = Message::Abort {
+            request_id: remote_id,
+            reason: format!("rejected by the reader: {reason}"),
+        };
+        self.sessions.post(rt.handle(), peer, abort)
+    }
+}
