@@ -114,6 +114,62 @@ fn transfer(shape: ModelShape, blocks: u32, requests: usize, per: usize) {
     assert_eq!(prefill.engine.stats().data_requests_served, 0);
 }
 
+/// A read between TP sizes over RDMA (`common::tp::run` checks every byte head by head).
+fn tp_transfer(shape: ModelShape, prefill: u32, decode: u32, head_major: bool, groups: bool) {
+    let ran = common::tp::run(&common::tp::Case {
+        shape,
+        prefill,
+        decode,
+        head_major,
+        groups,
+        requests: 2,
+        per: 3,
+        blocks: 12,
+        config: rdma_config,
+    });
+    assert!(
+        ran.reports.iter().all(|r| r.transport == "rdma"),
+        "{:?}",
+        ran.reports
+    );
+    for p in &ran.prefill {
+        // The data went over RDMA: the TCP data server served nothing.
+        assert_eq!(p.engine.stats().data_requests_served, 0);
+    }
+}
+
+#[test]
+fn rdma_one_prefill_rank_read_by_two_and_four_decode_ranks() {
+    if rdma_available("rdma_one_prefill_rank_read_by_two_and_four_decode_ranks") {
+        tp_transfer(ModelShape::QWEN25_7B, 1, 2, false, false);
+        tp_transfer(ModelShape::QWEN25_7B, 1, 4, true, false);
+    }
+}
+
+#[test]
+fn rdma_two_and_four_prefill_ranks_gathered_by_one_decode_rank() {
+    if rdma_available("rdma_two_and_four_prefill_ranks_gathered_by_one_decode_rank") {
+        tp_transfer(ModelShape::QWEN25_7B, 2, 1, true, false);
+        tp_transfer(ModelShape::QWEN25_7B, 4, 1, false, false);
+    }
+}
+
+#[test]
+fn rdma_mla_across_tp_sizes() {
+    if rdma_available("rdma_mla_across_tp_sizes") {
+        tp_transfer(ModelShape::DEEPSEEK_V3_MLA, 1, 2, false, false);
+        tp_transfer(ModelShape::DEEPSEEK_V3_MLA, 2, 1, false, false);
+    }
+}
+
+#[test]
+fn rdma_block_groups_with_their_own_block_ids() {
+    if rdma_available("rdma_block_groups_with_their_own_block_ids") {
+        tp_transfer(ModelShape::QWEN25_7B, 1, 1, false, true);
+        tp_transfer(ModelShape::QWEN25_7B, 2, 1, true, true);
+    }
+}
+
 #[test]
 fn rdma_llama3_8b_random_blocks_concurrent() {
     if rdma_available("rdma_llama3_8b_random_blocks_concurrent") {

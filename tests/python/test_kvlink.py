@@ -490,3 +490,75 @@ def test_messages_arrive_in_order_with_the_senders_engine_id():
     assert a.stats()["messages_sent"] == 51 and b.stats()["messages_received"] == 51
     a.close()
     b.close()
+
+
+def _tp_engine(rank, size, heads_total, layers, blocks, tokens, head_bytes, head_major, fill):
+    """A TP rank whose caches declare their heads, layer 1 in block group 1. Arrays are
+    ``[blocks, heads, tokens, head_bytes]`` (head-major) or ``[blocks, tokens, heads,
+    head_bytes]``; ``fill`` gives the byte of (layer, kv, block, global head, token, byte)."""
+    local = heads_total // size
+    first = rank * local
+    e = kvlink.Engine(tp_rank=rank, tp_size=size)
+    arrays, tensors = [], []
+    for layer in range(layers):
+        for kv in range(2):
+            shape = (blocks, local, tokens, head_bytes) if head_major else (blocks, tokens, local, head_bytes)
+            a = np.zeros(shape, np.uint8)
+            if fill is not None:
+                b, h, t, i = np.meshgrid(np.arange(blocks), np.arange(local), np.arange(tokens), np.arange(head_bytes), indexing="ij")
+                v = fill(layer, kv, b, h + first, t, i).astype(np.uint8)
+                a[...] = v if head_major else v.transpose(0, 2, 1, 3)
+            region = e.register_memory(a.ctypes.data, a.nbytes, owner=a)
+            runs = 1 if head_major else tokens
+            per_block = a.nbytes // blocks
+            tensors.append((region, 0, per_block, per_block, blocks, layer % 2, (heads_total, local, runs)))
+            arrays.append(a)
+    e.set_layout(tensors, tokens, "u8")
+    return e, arrays
+
+
+def test_heterogeneous_tp_and_block_groups_every_byte():
+    heads, layers, blocks, tokens, hb = 4, 2, 12, 4, 8
+
+    def fill(layer, kv, b, g, t, i):
+        return (layer * 61 + kv * 31 + b * 17 + g * 7 + t * 3 + i) % 251
+
+    assert kvlink.tp_sources(1, 2, 1) == [0]
+    assert kvlink.tp_sources(0, 1, 4) == [0, 1, 2, 3]
+    with pytest.raises(kvlink.InvalidArgument, match="multiple"):
+        kvlink.tp_sources(0, 3, 2)
+    local = [[0, 5, 2], [7, 1, 3]]  # per block group
+    remote = [[9, 4, 11], [0, 10, 6]]
+    for psize, dsize, head_major in ((1, 2, True), (2, 1, False)):
+        prefill = [_tp_engine(r, psize, heads, layers, blocks, tokens, hb, head_major, fill) for r in range(psize)]
+        decode = [_tp_engine(r, dsize, heads, layers, blocks, tokens, hb, head_major, None) for r in range(dsize)]
+        addrs = [p.handshake_address for p, _ in prefill]
+        rid = f"tp-{psize}-{dsize}"
+        for p, _ in prefill:
+            p.hold_blocks(rid, remote)
+        for d, _ in decode:
+            d.read_blocks(addrs, rid, local, remote)
+        for r, (d, arrays) in enumerate(decode):
+            f, _ = _until(d, lambda f: f.receiving or f.failed)
+            assert f.receiving == [rid], f.failures
+            assert f.reports[0]["peer"] == ",".join(addrs[s] for s in kvlink.tp_sources(r, dsize, psize))
+            first = r * heads // dsize
+            for t, a in enumerate(arrays):
+                layer, kv = divmod(t, 2)
+                group = layer % 2
+                for lb, rb in zip(local[group], remote[group]):
+                    got = a[lb] if head_major else a[lb].transpose(1, 0, 2)
+                    h, tk, i = np.meshgrid(np.arange(got.shape[0]), np.arange(tokens), np.arange(hb), indexing="ij")
+                    want = fill(layer, kv, rb, h + first, tk, i).astype(np.uint8)
+                    assert np.array_equal(got, want), (psize, dsize, r, t, lb, rb)
+        for p, _ in prefill:
+            s, _ = _until(p, lambda f: f.sending or f.failed)
+            assert s.sending == [rid], s.failures
+        for e, _ in prefill + decode:
+            e.close()
+    # A flat block list for a layout of two groups is refused with the reason.
+    d, _ = _tp_engine(0, 1, heads, layers, blocks, tokens, hb, True, None)
+    with pytest.raises(kvlink.InvalidArgument, match="block groups"):
+        d.hold_blocks("flat", [1, 2])
+    with pytest.raises(kvlink.InvalidArgument, match="heads"):
+        d.set_layout([(1, 0, 64, 64, 2, 0, (4, 3, 1))], 4, "u8")

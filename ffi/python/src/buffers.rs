@@ -1,7 +1,7 @@
 //! Registration of memory with an engine: raw host or GPU pointers and the arrays of a model's
 //! KV caches.
 
-use kvlink_core::{DeviceMemory, ExternalMemory, KvLayout};
+use kvlink_core::{DeviceMemory, ExternalMemory, KvLayout, RegionId};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
@@ -50,8 +50,8 @@ impl Engine {
             let (block_bytes, blocks) = KvLayout::split_buffer(nbytes, blocks).map_err(to_py)?;
             let region = self.register_array(&a)?;
             regions.push(region);
-            tensors.push((region, 0, block_bytes, block_bytes, blocks));
+            tensors.push((RegionId(region), 0, block_bytes, block_bytes, blocks));
         }
-        self.set_layout(tensors, tokens_per_block, dtype)
+        self.apply_layout(KvLayout::numbered(tokens_per_block, dtype, tensors))
     }
 }

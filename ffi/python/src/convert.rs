@@ -58,6 +58,31 @@ pub(crate) fn block_ids(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>
     })
 }
 
+/// Block ids per block group: a flat sequence of ids (one group), or a sequence of such
+/// sequences (one per group of the layout).
+pub(crate) fn block_groups(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
+    let list;
+    let obj = if !obj.is_instance_of::<PyList>() && obj.hasattr("tolist")? {
+        list = obj.call_method0("tolist")?;
+        &list
+    } else {
+        obj
+    };
+    if let Ok(flat) = obj.extract::<Vec<u32>>() {
+        return Ok(vec![flat]);
+    }
+    let groups: Vec<Bound<'_, PyAny>> = obj.extract().map_err(|_| {
+        InvalidArgument::new_err(format!(
+            "{name} must be a sequence of block ids, or one such sequence per block group"
+        ))
+    })?;
+    groups
+        .iter()
+        .enumerate()
+        .map(|(g, ids)| block_ids(&format!("{name}[{g}]"), ids))
+        .collect()
+}
+
 /// Where an array-like object's bytes are: `(pointer, nbytes, on_gpu)`. Host arrays expose
 /// `__array_interface__` (numpy) or are CPU torch tensors; GPU arrays expose
 /// `__cuda_array_interface__` (CuPy, Numba; HIP builds use the same name) or are torch tensors

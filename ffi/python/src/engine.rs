@@ -3,13 +3,14 @@
 use std::sync::{Arc, Mutex};
 
 use kvlink_core::{
-    AuthKey, Engine as RsEngine, EngineConfig, KvLayout, PointerKind, RegionId, TransportChoice,
+    AuthKey, Engine as RsEngine, EngineConfig, HeadSplit, KvLayout, PointerKind, ReadFrom,
+    ReadRequest, RegionId, TensorLayout, TransportChoice,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::aggregator::{finished_to_py, Finished};
-use crate::convert::{array_buffer, block_ids, request_id, seconds};
+use crate::convert::{array_buffer, block_groups, request_id, seconds};
 use crate::error::{to_py, InvalidArgument};
 
 /// One kvlink engine per worker process (one per tensor-parallel rank).
@@ -209,18 +210,15 @@ impl Engine {
     #[pyo3(signature = (tensors, tokens_per_block, dtype))]
     pub(crate) fn set_layout(
         &self,
-        tensors: Vec<(u32, u64, u64, u64, u32)>,
+        tensors: Vec<Bound<'_, PyAny>>,
         tokens_per_block: u32,
         dtype: String,
     ) -> PyResult<()> {
-        let tensors = tensors
-            .into_iter()
-            .map(|(region, offset, stride, bytes, blocks)| {
-                (RegionId(region), offset, stride, bytes, blocks)
-            });
-        self.inner
-            .set_layout(KvLayout::numbered(tokens_per_block, dtype, tensors))
-            .map_err(to_py)
+        let mut layout = KvLayout::numbered(tokens_per_block, dtype, []);
+        for (i, t) in tensors.iter().enumerate() {
+            layout.tensors.push(tensor_layout(i, t)?);
+        }
+        self.apply_layout(layout)
     }
 
     /// Registers each array (numpy, CuPy, or torch on the CPU or a GPU; first axis = blocks,
@@ -255,7 +253,7 @@ impl Engine {
     #[pyo3(signature = (peer, request_id, local_blocks, remote_blocks, remote_request_id = None))]
     fn read_blocks(
         &self,
-        peer: &str,
+        peer: &Bound<'_, PyAny>,
         request_id: &Bound<'_, PyAny>,
         local_blocks: &Bound<'_, PyAny>,
         remote_blocks: &Bound<'_, PyAny>,
@@ -266,10 +264,26 @@ impl Engine {
             Some(r) => self::request_id(r)?,
             None => id.clone(),
         };
-        let local = block_ids("local_blocks", local_blocks)?;
-        let remote = block_ids("remote_blocks", remote_blocks)?;
+        let from = if let Ok(one) = peer.extract::<String>() {
+            ReadFrom::Engine(one)
+        } else {
+            let group: Vec<String> = peer.extract().map_err(|_| {
+                InvalidArgument::new_err(
+                    "peer must be a handshake address, or the prefill TP group's addresses in rank order",
+                )
+            })?;
+            ReadFrom::TpGroup(group)
+        };
+        let local = block_groups("local_blocks", local_blocks)?;
+        let remote = block_groups("remote_blocks", remote_blocks)?;
         self.inner
-            .read_blocks_as(peer, id, remote_id, &local, &remote)
+            .read(ReadRequest {
+                id,
+                remote_id,
+                from,
+                local,
+                remote,
+            })
             .map_err(to_py)
     }
 
@@ -331,12 +345,12 @@ impl Engine {
         abort_timeout: Option<f64>,
     ) -> PyResult<()> {
         let id = self::request_id(request_id)?;
-        let blocks = block_ids("blocks", blocks)?;
+        let blocks = block_groups("blocks", blocks)?;
         let timeout = abort_timeout
             .map(|t| seconds("abort_timeout", t))
             .transpose()?;
         self.inner
-            .hold_blocks_for(id, &blocks, reader, timeout)
+            .hold_groups_for(id, &blocks, reader, timeout)
             .map_err(to_py)
     }
 
@@ -380,6 +394,7 @@ impl Engine {
         out.set_item("tokens_per_block", d.layout.tokens_per_block)?;
         out.set_item("dtype", &d.layout.dtype)?;
         out.set_item("num_blocks", d.layout.num_blocks())?;
+        out.set_item("groups", d.layout.num_groups())?;
         out.set_item("tensors", d.layout.tensors.len())?;
         let transports: Vec<&str> = [d.tcp().map(|_| "tcp"), d.rdma().map(|_| "rdma")]
             .into_iter()
@@ -454,4 +469,46 @@ impl Engine {
         d.set_item("sends_expired", t.sends_expired)?;
         Ok(d.unbind())
     }
+}
+
+impl Engine {
+    /// Sets a layout built by the bindings.
+    pub(crate) fn apply_layout(&self, layout: KvLayout) -> PyResult<()> {
+        self.inner.set_layout(layout).map_err(to_py)
+    }
+}
+
+/// Tensor `i` of `set_layout`: `(region, offset, block_stride, block_bytes, num_blocks[, group[,
+/// heads]])`, `heads` being `None` or `(total, local, runs)`.
+fn tensor_layout(i: usize, t: &Bound<'_, PyAny>) -> PyResult<TensorLayout> {
+    let bad = || {
+        InvalidArgument::new_err(format!(
+            "tensor {i} must be (region, offset, block_stride, block_bytes, num_blocks[, group[, \
+             (total_heads, local_heads, runs) or None]]) with non-negative integers"
+        ))
+    };
+    let items: Vec<Bound<'_, PyAny>> = t.extract().map_err(|_| bad())?;
+    if !(5..=7).contains(&items.len()) {
+        return Err(bad());
+    }
+    let int = |k: usize| items[k].extract::<u64>().map_err(|_| bad());
+    let small = |k: usize| items[k].extract::<u32>().map_err(|_| bad());
+    let group = if items.len() > 5 { small(5)? } else { 0 };
+    let heads = match items.get(6) {
+        Some(h) if !h.is_none() => {
+            let (total, local, runs): (u32, u32, u32) = h.extract().map_err(|_| bad())?;
+            Some(HeadSplit { total, local, runs })
+        }
+        _ => None,
+    };
+    Ok(TensorLayout {
+        name: format!("t{i}"),
+        region: RegionId(small(0)?),
+        offset: int(1)?,
+        block_stride: int(2)?,
+        block_bytes: int(3)?,
+        num_blocks: small(4)?,
+        group,
+        heads,
+    })
 }

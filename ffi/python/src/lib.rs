@@ -39,5 +39,19 @@ fn _kvlink(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PeerError", py.get_type::<PeerError>())?;
     m.add("RdmaUnavailable", py.get_type::<RdmaUnavailable>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(tp_sources, m)?)?;
     Ok(())
+}
+
+/// tp_sources(decode_rank, decode_size, prefill_size) -> list[int]
+///
+/// The prefill ranks that rank `decode_rank` of a decode's TP group of `decode_size` reads from
+/// a prefill of `prefill_size` ranks (what `read_blocks` with the prefill's address list reads):
+/// one rank when the decode is the same size or larger, `prefill_size / decode_size` when it is
+/// smaller. Raises `InvalidArgument` when neither size is a multiple of the other.
+#[pyfunction]
+fn tp_sources(decode_rank: u32, decode_size: u32, prefill_size: u32) -> PyResult<Vec<u32>> {
+    kvlink_core::tp_sources(kvlink_core::TpRank::new(decode_rank, decode_size), prefill_size)
+        .map(|r| r.collect())
+        .map_err(crate::error::to_py)
 }

@@ -19,6 +19,7 @@ from ._kvlink import (
     RdmaUnavailable,
     TpAggregator,
     __version__,
+    tp_sources,
 )
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "RdmaUnavailable",
     "TpAggregator",
     "__version__",
+    "tp_sources",
 ]

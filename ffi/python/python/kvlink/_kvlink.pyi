@@ -46,6 +46,11 @@ class Finished:
     ``read_blocks`` to the last byte). Empty for sets built by ``TpAggregator``."""
     def is_empty(self) -> bool: ...
 
+def tp_sources(decode_rank: int, decode_size: int, prefill_size: int) -> List[int]:
+    """The prefill ranks that decode rank ``decode_rank`` of ``decode_size`` reads from a prefill
+    of ``prefill_size`` ranks. Raises ``InvalidArgument`` when neither size is a multiple of
+    the other."""
+
 class Engine:
     """One kvlink engine per worker process (one per tensor-parallel rank)."""
 
@@ -90,24 +95,32 @@ class Engine:
         """``{"rdma"|"tcp"|"cuda"|"hip": (available, detail or why not)}``."""
     def deregister(self, region: int) -> None:
         """Stops exporting a region once no transfer uses it (GIL released while waiting)."""
-    def set_layout(
-        self, tensors: Sequence[Tuple[int, int, int, int, int]], tokens_per_block: int, dtype: str
-    ) -> None:
-        """Tensors as ``(region, offset, block_stride, block_bytes, num_blocks)``, in agreed order."""
+    def set_layout(self, tensors: Sequence[Tuple[Any, ...]], tokens_per_block: int, dtype: str) -> None:
+        """Tensors as ``(region, offset, block_stride, block_bytes, num_blocks[, group[,
+        heads]])``, in agreed order. ``group``: the tensor's block group (block-id space, from
+        0; default 0). ``heads``: ``(total, local, runs)`` when TP splits the tensor's KV heads
+        (``total`` over all ranks, ``local`` on this rank, a block being ``runs`` repetitions
+        of the local heads: 1 for head-major ``[heads, tokens, dim]`` blocks, the tokens per
+        block for token-major ones); ``None`` (default) when every rank holds it whole (MLA).
+        Declared heads let engines of other TP sizes read each other."""
     def register_kv_caches(self, arrays: List[Any], tokens_per_block: int, dtype: str) -> List[int]:
         """Registers per-tensor caches (first axis = blocks) and sets the layout in that order;
         returns the region ids. On error, the regions it registered are deregistered again."""
     def read_blocks(
         self,
-        peer: str,
+        peer: Union[str, Sequence[str]],
         request_id: str,
-        local_blocks: Sequence[int],
-        remote_blocks: Sequence[int],
+        local_blocks: Union[Sequence[int], Sequence[Sequence[int]]],
+        remote_blocks: Union[Sequence[int], Sequence[Sequence[int]]],
         remote_request_id: Optional[str] = None,
     ) -> None:
         """Starts reading ``remote_blocks`` of ``peer`` into ``local_blocks``; returns at once.
-        ``remote_request_id``: the id the prefill holds the request under, when it differs
-        from ``request_id`` (this engine's own, used by get_finished() and cancel())."""
+        ``peer``: one engine's handshake address, or the prefill TP group's addresses in rank
+        order (this rank reads the ranks ``tp_sources`` names: its share of the heads of one
+        rank, or the heads of several side by side; TP sizes must divide one another). Block
+        lists: one list, or one list per block group of the layout. ``remote_request_id``: the
+        id the prefill holds the request under, when it differs from ``request_id`` (this
+        engine's own, used by get_finished() and cancel())."""
     def release(self, request_id: str) -> bool:
         """Prefill side: drops the hold of ``request_id`` (aborted or preempted before its
         reader was told); the grant ends at once and nothing is reported for it. Returns whether
@@ -126,14 +139,16 @@ class Engine:
     def hold_blocks(
         self,
         request_id: str,
-        blocks: Sequence[int],
+        blocks: Union[Sequence[int], Sequence[Sequence[int]]],
         reader: Optional[str] = None,
         abort_timeout: Optional[float] = None,
     ) -> None:
-        """Prefill side: hold ``blocks`` of a request and grant them to its reader (over TCP the
-        reader may read those blocks, and only those, under this request id) until read,
-        aborted or the abort timeout. ``reader`` names the only engine allowed to read and
-        confirm; without it the first engine that does becomes that reader."""
+        """Prefill side: hold ``blocks`` of a request (one list, or one per block group) and
+        grant them to its readers (over TCP they may read those blocks, and only those, under
+        this request id) until every reader confirmed, one aborted, or the abort timeout. The
+        readers are the decode ranks that read this rank (several when the decode's TP size is
+        a multiple of this one's). ``reader`` names the only engine allowed to read and
+        confirm."""
     def cancel(self, request_id: str) -> bool:
         """Decode side: cancel a read in flight (it ends in ``failed``, its prefill is told);
         ``False`` when none with that id is in flight. Never blocks."""
