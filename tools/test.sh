@@ -18,9 +18,9 @@ set -euo pipefail
 # Fewer tests than these, run for real (skips excluded), fail the part.
 MIN_HOST=160
 MIN_KEYED=15
-MIN_PYTHON=44
+MIN_PYTHON=45
 MIN_VM=16
-MIN_VLLM=13
+MIN_VLLM=20
 MIN_SGLANG=22
 MIN_ENGINE_EVENTS=6
 # The vLLM release the connector is tested against (0.33.0 needs a newer certifi than PyPI

@@ -6,10 +6,15 @@ connector every step (bind metadata, forward, start loads, collect transfer resu
 ranks' results combined by vLLM's ``KVOutputAggregator``.
 
 The forward writes, for every token it computes, bytes that are a function of the token id,
-its position, the layer and K or V (``token_bytes``) into the token's slot of the request's
-blocks. A decode can therefore check every byte it received without knowing the prefill's
-block ids: at the step a request is first scheduled after its load, each of its computed
-positions must hold exactly ``token_bytes`` of its token.
+its position, the layer, K or V and the KV head (``token_bytes``; MLA's latent has no head)
+into the token's slot of the request's blocks, each TP rank for the heads it holds. A decode
+can therefore check every byte it received without knowing the prefill's block ids or TP size:
+at the step a request is first scheduled after its load, each of its computed positions must
+hold exactly ``token_bytes`` of its token, head by head.
+
+``hybrid`` puts the second layer in a sliding-window KV cache group of its own (vLLM's hybrid
+KV cache manager, as for Gemma-style models): its blocks have their own ids, and only the
+blocks its window still sees are sent and checked.
 
 The test process drives it through a ``multiprocessing`` pipe (``serve``): add requests,
 step, abort, report state.
@@ -27,23 +32,36 @@ import numpy as np
 import torch
 
 LAYERS = 2
-KV_HEADS = 2
+# KV heads of the model, over all TP ranks (each of TP 1, 2 or 4 ranks holds its share).
+KV_HEADS = 4
 HEAD_DIM = 16
 BLOCK_SIZE = 16
 EOS = 2
 MLA_DIM = 576
+# The sliding window of the hybrid configuration's second layer, in tokens.
+WINDOW = 48
+
+
+def _hnd(n: int, heads: int) -> torch.Tensor:
+    """FlashAttention's cache with head-major blocks: allocated ``[2, n, heads, block, dim]``
+    and handed over as the ``[2, n, block, heads, dim]`` view vLLM's HND layout gives."""
+    return torch.zeros(2, n, heads, BLOCK_SIZE, HEAD_DIM, dtype=torch.bfloat16).permute(0, 1, 3, 2, 4)
+
+
 # The KV cache layouts vLLM's attention backends hand to register_kv_caches, per layer:
-# (shape for n blocks, K/V planes, dtype). MLA's latent is one plane; uint8 stands for fp8.
+# (cache for n blocks and this rank's heads, K/V planes). MLA's latent is one plane; uint8
+# stands for fp8.
 LAYOUTS = {
-    "flash": (lambda n: (2, n, BLOCK_SIZE, KV_HEADS, HEAD_DIM), 2, torch.bfloat16),
-    "flashinfer": (lambda n: (n, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM), 2, torch.bfloat16),
-    "mla": (lambda n: (n, BLOCK_SIZE, MLA_DIM), 1, torch.uint8),
+    "flash": (lambda n, h: torch.zeros(2, n, BLOCK_SIZE, h, HEAD_DIM, dtype=torch.bfloat16), 2),
+    "flash_hnd": (_hnd, 2),
+    "flashinfer": (lambda n, h: torch.zeros(n, 2, BLOCK_SIZE, h, HEAD_DIM, dtype=torch.float16), 2),
+    "mla": (lambda n, h: torch.zeros(n, BLOCK_SIZE, MLA_DIM, dtype=torch.uint8), 1),
 }
 
 
-def token_bytes(token: int, pos: int, layer: int, kv: int, size: int) -> np.ndarray:
-    """What the stand-in forward writes for one token: ``size`` bytes."""
-    base = (token * 7 + pos * 13 + layer * 29 + kv * 53) % 251
+def token_bytes(token: int, pos: int, layer: int, kv: int, head: int, size: int) -> np.ndarray:
+    """What the stand-in forward writes for one token and KV head: ``size`` bytes."""
+    base = (token * 7 + pos * 13 + layer * 29 + kv * 53 + head * 97) % 251
     return ((np.arange(size, dtype=np.int64) * 131 + base) % 251 + 1).astype(np.uint8)
 
 
@@ -75,7 +93,9 @@ def model_dir() -> str:
 class Engine:
     """A vLLM scheduler, the worker-side connector and the KV caches of one engine."""
 
-    def __init__(self, name: str, num_blocks: int, extra: Dict[str, Any], layout: str, asynchronous: bool, tp: int = 1):
+    def __init__(
+        self, name: str, num_blocks: int, extra: Dict[str, Any], layout: str, asynchronous: bool, tp: int = 1, hybrid: bool = False
+    ):
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -90,7 +110,7 @@ class Engine:
         from vllm.v1.core.kv_cache_utils import init_none_hash
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
         from vllm.v1.structured_output import StructuredOutputManager
 
         init_none_hash(sha256)
@@ -120,16 +140,20 @@ class Engine:
         # worker-side connector is made while kvlink.vllm._tp_rank answers that rank.
         config.parallel_config.tensor_parallel_size = tp
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-        kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[
-                KVCacheGroupSpec(
-                    self.layer_names,
-                    FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16),
-                )
-            ],
-        )
+        self.heads = KV_HEADS // tp  # this engine's heads per rank
+        full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=self.heads, head_size=HEAD_DIM, dtype=torch.bfloat16)
+        if hybrid:
+            sliding = SlidingWindowSpec(
+                block_size=BLOCK_SIZE, num_kv_heads=self.heads, head_size=HEAD_DIM, dtype=torch.bfloat16, sliding_window=WINDOW
+            )
+            groups = [KVCacheGroupSpec(self.layer_names[:1], full), KVCacheGroupSpec(self.layer_names[1:], sliding)]
+        else:
+            groups = [KVCacheGroupSpec(self.layer_names, full)]
+        # Which KV cache group each layer is in, and how many trailing blocks of a prompt a
+        # group keeps (0: all).
+        self.group_of = {n: g for g, spec in enumerate(groups) for n in spec.layer_names}
+        self.tails = [0] + ([-(-WINDOW // BLOCK_SIZE) + 1] if hybrid else [])
+        kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         # vLLM turns asynchronous scheduling on by default (for this config too); the
         # synchronous scheduler is what it uses otherwise.
         config.scheduler_config.async_scheduling = asynchronous
@@ -156,8 +180,8 @@ class Engine:
         self.aggregator = KVOutputAggregator.from_connector(self.workers[0], tp)
         # The layouts vLLM's attention backends hand to register_kv_caches, per rank.
         self.layout = layout
-        shape, self.planes, dtype = LAYOUTS[layout]
-        self.caches = [{n: torch.zeros(shape(num_blocks), dtype=dtype) for n in self.layer_names} for _ in range(tp)]
+        make, self.planes = LAYOUTS[layout]
+        self.caches = [{n: make(num_blocks, self.heads) for n in self.layer_names} for _ in range(tp)]
         for w, caches in zip(self.workers, self.caches):
             w.register_kv_caches(caches)
         # As vLLM's EngineCore does with what every worker returned, keyed (pp rank, tp rank).
@@ -178,44 +202,54 @@ class Engine:
 
     # -- the stand-in model runner --
 
-    def _slot(self, rank: int, layer: str, kv: int, block: int, offset: int) -> torch.Tensor:
+    def _slots(self, rank: int, layer: str, kv: int, block: int, offset: int):
+        """The bytes of one token's slot, per global KV head it holds on ``rank`` (one slot
+        with head 0 for MLA's latent, which every rank holds whole)."""
         t = self.caches[rank][layer]
-        if self.layout == "flash":
-            s = t[kv, block, offset]
-        elif self.layout == "flashinfer":
-            s = t[block, kv, offset]
-        else:
-            s = t[block, offset]
-        return s.view(torch.uint8).reshape(-1)
+        if self.layout == "mla":
+            return [(0, t[block, offset].view(torch.uint8))]
+        s = t[kv, block, offset] if self.layout in ("flash", "flash_hnd") else t[block, kv, offset]
+        first = rank * self.heads
+        return [(first + j, s[j].view(torch.uint8)) for j in range(self.heads)]
+
+    def _blocks(self, rid: str, layer: str):
+        return self.scheduler.kv_cache_manager.get_block_ids(rid)[self.group_of[layer]]
 
     def _write(self, req, start: int, end: int) -> None:
-        blocks = self.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
         tokens = req.all_token_ids
         # Under asynchronous scheduling a decode step computes a token sampled by the step
         # before, which the scheduler has not seen yet: its id is unknown here, so its KV is
         # not written (no test reads it).
         for pos in range(start, min(end, len(tokens))):
-            b, off = blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+            off = pos % BLOCK_SIZE
             for li, layer in enumerate(self.layer_names):
+                b = self._blocks(req.request_id, layer)[pos // BLOCK_SIZE]
+                if b == 0:
+                    continue  # vLLM's null block: a position a sliding window no longer keeps
                 for rank in range(len(self.workers)):
                     for kv in range(self.planes):
-                        slot = self._slot(rank, layer, kv, b, off)
-                        # Each rank holds its own heads: its bytes differ from the others'.
-                        slot.copy_(torch.from_numpy(token_bytes(tokens[pos], pos, li + 100 * rank, kv, slot.numel())))
+                        for head, slot in self._slots(rank, layer, kv, b, off):
+                            slot.copy_(torch.from_numpy(token_bytes(tokens[pos], pos, li, kv, head, slot.numel())))
 
     def _verify(self, req, upto: int) -> None:
-        """Every position below ``upto`` holds its token's bytes."""
-        blocks = self.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
+        """Every position below ``upto`` holds its token's bytes, head by head (in a sliding
+        window's group, the positions the window still sees)."""
         tokens = req.all_token_ids
         for pos in range(upto):
-            b, off = blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+            off = pos % BLOCK_SIZE
             for li, layer in enumerate(self.layer_names):
+                if self.tails[self.group_of[layer]] and pos <= upto - WINDOW:
+                    continue
+                b = self._blocks(req.request_id, layer)[pos // BLOCK_SIZE]
                 for rank in range(len(self.workers)):
                     for kv in range(self.planes):
-                        got = self._slot(rank, layer, kv, b, off).numpy()
-                        if not np.array_equal(got, token_bytes(tokens[pos], pos, li + 100 * rank, kv, got.size)):
-                            self.bad.append(f"{req.request_id} rank {rank} position {pos} layer {li} kv {kv} block {b}")
-                            return
+                        for head, slot in self._slots(rank, layer, kv, b, off):
+                            got = slot.numpy()
+                            if b == 0 or not np.array_equal(got, token_bytes(tokens[pos], pos, li, kv, head, got.size)):
+                                self.bad.append(
+                                    f"{req.request_id} rank {rank} position {pos} layer {li} kv {kv} head {head} block {b}"
+                                )
+                                return
         self.verified.append(req.request_id)
 
     def step(self) -> Dict[str, Any]:
@@ -224,7 +258,7 @@ class Engine:
         so = self.scheduler.schedule()
         meta = so.kv_connector_metadata
         for rid, spec in meta.reads.items():
-            self.reads[rid] = len(spec.local_blocks)
+            self.reads[rid] = len(spec.all_local())
         for w in self.workers:
             w.bind_connector_metadata(meta)
         # Requests scheduled for the first time: what they did not compute here must have
@@ -335,10 +369,12 @@ class Engine:
         }
 
 
-def serve(conn, name: str, num_blocks: int, extra: Dict[str, Any], layout: str, asynchronous: bool, tp: int) -> None:
+def serve(
+    conn, name: str, num_blocks: int, extra: Dict[str, Any], layout: str, asynchronous: bool, tp: int, hybrid: bool = False
+) -> None:
     """Process entry point: builds the engine, then answers commands until ``("exit",)``."""
     try:
-        engine = Engine(name, num_blocks, extra, layout, asynchronous, tp)
+        engine = Engine(name, num_blocks, extra, layout, asynchronous, tp, hybrid)
         conn.send(("ok", engine.state()))
     except Exception:
         conn.send(("error", traceback.format_exc()))

@@ -29,12 +29,18 @@ class Proc:
     """An engine process and its command pipe."""
 
     def __init__(
-        self, name: str, extra: Optional[Dict[str, Any]] = None, layout: str = "flash", asynchronous: bool = True, tp: int = 1
+        self,
+        name: str,
+        extra: Optional[Dict[str, Any]] = None,
+        layout: str = "flash",
+        asynchronous: bool = True,
+        tp: int = 1,
+        hybrid: bool = False,
     ):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         extra = {"abort_timeout": ABORT_TIMEOUT, "request_timeout": 20.0, **(extra or {})}
-        self.proc = ctx.Process(target=engine_process.serve, args=(child, name, BLOCKS, extra, layout, asynchronous, tp), daemon=True)
+        self.proc = ctx.Process(target=engine_process.serve, args=(child, name, BLOCKS, extra, layout, asynchronous, tp, hybrid), daemon=True)
         self.proc.start()
         self.name = name
         self.ready: Optional[Dict[str, Any]] = None
@@ -192,15 +198,17 @@ def test_decode_rejected_before_admission_frees_the_prefill(pair):
 
 
 def test_unusable_params_are_computed_locally_and_the_prefill_told(pair):
-    """Parameters from a prefill with another TP size (not supported yet) and malformed ones
-    (they come from clients) never crash either engine: the decode computes the prompt itself
-    and, when it can tell which prefill it was, frees that prefill's blocks at once."""
+    """Parameters from a prefill this engine cannot read (blocks of another number of KV cache
+    groups) and malformed ones (they come from clients) never crash either engine: the decode
+    computes the prompt itself and, when it can tell which prefill it was, frees that
+    prefill's blocks at once."""
     prefill, decode = pair
     prompt = list(range(300, 390))
     params = run_prefill(prefill, {"tp-1": prompt})
-    other_tp = dict(params["tp-1"], remote_addresses=params["tp-1"]["remote_addresses"] * 2)
+    blocks = params["tp-1"]["remote_block_ids"]
+    other_groups = dict(params["tp-1"], remote_block_ids=[blocks, blocks])
     failed_before = prefill.call("state")["engine_stats"]["sends_failed"]
-    decode.call("add", "d-tp-1", prompt, 2, other_tp)
+    decode.call("add", "d-tp-1", prompt, 2, other_groups)
     bad = [
         dict(params["tp-1"], remote_block_ids="not a list"),
         dict(params["tp-1"], remote_block_ids=[-1, 2**40]),
@@ -338,6 +346,77 @@ def test_two_tp_ranks_each_read_their_peer_rank():
         decode.close()
 
 
+@pytest.mark.parametrize(
+    "prefill_tp, decode_tp, layout",
+    [(1, 2, "flash"), (2, 1, "flash_hnd"), (1, 4, "flashinfer"), (2, 1, "mla")],
+)
+def test_heterogeneous_tp_every_head_of_every_byte(prefill_tp, decode_tp, layout):
+    """A prefill and a decode of different TP sizes: each decode rank reads its share of a
+    prefill rank's KV heads (decode larger), or gathers the heads of several prefill ranks into
+    its blocks (prefill larger); MLA's latent is read whole. Every head of every position is
+    checked, and each prefill rank frees its blocks only once every decode rank reading it
+    confirmed."""
+    name = f"tp{prefill_tp}to{decode_tp}-{layout}"
+    prefill = Proc(name + "-prefill", layout=layout, tp=prefill_tp)
+    decode = Proc(name + "-decode", layout=layout, tp=decode_tp)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        rng = random.Random(prefill_tp * 10 + decode_tp)
+        prompts = {f"h{i}": [rng.randrange(10, 1000) for _ in range(rng.randrange(20, 150))] for i in range(5)}
+        params = run_prefill(prefill, prompts)
+        for rid, prompt in prompts.items():
+            assert params[rid]["tp_size"] == prefill_tp
+            decode.call("add", "d-" + rid, prompt, 2, params[rid])
+        step_until([decode, prefill], lambda f: sum(x["engine"] == decode.name for x in f) == 5, what=name)
+        s = decode.call("state")
+        assert s["bad"] == [] and len(s["verified"]) == 5, s
+        # Each decode rank read each request once, from as many prefill ranks as it pairs with.
+        assert s["engine_stats"]["reads_done"] == 5 * decode_tp, s["engine_stats"]
+        assert_no_leak([prefill, decode])
+        p = prefill.call("state")
+        assert p["engine_stats"]["sends_done"] == 5 * prefill_tp and p["finished_sending"] == 5, p
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 1), (1, 2)])
+def test_hybrid_kv_cache_groups_full_and_sliding_window(prefill_tp, decode_tp):
+    """vLLM's hybrid KV cache manager left on (the connector subclasses SupportsHMA): a
+    full-attention group and a sliding-window group, each with block ids of its own. The
+    decode reads both groups' blocks (the sliding window's only as far as it still sees), and
+    every kept position is checked, with the same and with another TP size."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    import kvlink.vllm
+
+    assert supports_hma(kvlink.vllm.KvlinkConnector)
+    name = f"hybrid{prefill_tp}{decode_tp}"
+    prefill = Proc(name + "-prefill", tp=prefill_tp, hybrid=True)
+    decode = Proc(name + "-decode", tp=decode_tp, hybrid=True)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        rng = random.Random(5)
+        # Long prompts: the window (48 tokens) sees only the last few blocks.
+        prompts = {f"w{i}": [rng.randrange(10, 1000) for _ in range(rng.randrange(60, 220))] for i in range(5)}
+        params = run_prefill(prefill, prompts)
+        for rid, prompt in prompts.items():
+            groups = params[rid]["remote_block_ids"]
+            assert len(groups) == 2 and len(groups[0]) == len(groups[1]), groups
+            # The sliding window's group sends only its last blocks.
+            assert 0 < sum(1 for b in groups[1] if b) < sum(1 for b in groups[0] if b), groups
+            decode.call("add", "d-" + rid, prompt, 2, params[rid])
+        step_until([decode, prefill], lambda f: sum(x["engine"] == decode.name for x in f) == 5, what=name)
+        s = decode.call("state")
+        assert s["bad"] == [] and len(s["verified"]) == 5, s
+        assert_no_leak([prefill, decode])
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_kv_cache_tensors_maps_vllm_layouts():
     import torch
 
@@ -349,14 +428,18 @@ def test_kv_cache_tensors_maps_vllm_layouts():
     mla = torch.zeros(nb, 16, 576, dtype=torch.uint8)  # fp8 caches are one byte per element
     # HND through a permuted view: blocks stay dense.
     hnd = torch.zeros(2, nb, 4, 16, 8, dtype=torch.bfloat16).permute(0, 1, 3, 2, 4)
-    memory, layout = kv_cache_tensors({"fa": fa, "fi": fi, "mla": mla, "hnd": hnd}, nb)
+    memory, layout = kv_cache_tensors({"fa": fa, "fi": fi, "mla": mla, "hnd": hnd}, nb, {"mla": 1}, (8, 4))
     assert len(memory) == 4
     block = 16 * 4 * 8 * 2
-    assert layout[0] == (0, 0, block, block, nb)
-    assert layout[1] == (0, nb * block, block, block, nb)
-    assert layout[2] == (1, 0, 2 * block, 2 * block, nb)
-    assert layout[3] == (2, 0, 16 * 576, 16 * 576, nb)
-    assert layout[4][2:] == (block, block, nb) and layout[5][1] == nb * block
+    # Token-major blocks repeat their 4 heads once per token (16 runs), FlashInfer's twice as
+    # often (K and V in one block), head-major ones once; MLA's latent declares no heads.
+    assert layout[0] == (0, 0, block, block, nb, 0, (8, 4, 16))
+    assert layout[1] == (0, nb * block, block, block, nb, 0, (8, 4, 16))
+    assert layout[2] == (1, 0, 2 * block, 2 * block, nb, 0, (8, 4, 32))
+    assert layout[3] == (2, 0, 16 * 576, 16 * 576, nb, 1, None)
+    assert layout[4][2:] == (block, block, nb, 0, (8, 4, 1)) and layout[5][1] == nb * block
+    # Without head counts (MLA models), nothing declares heads.
+    assert all(t[6] is None for t in kv_cache_tensors({"fa": fa}, nb)[1])
     with pytest.raises(ValueError, match="block index"):
         kv_cache_tensors({"bad": torch.zeros(3, 4)}, nb)
     with pytest.raises(ValueError, match="not dense"):
@@ -371,3 +454,21 @@ def test_loaded_by_vllms_factory():
 
     cfg = KVTransferConfig(kv_connector="KvlinkConnector", kv_connector_module_path="kvlink.vllm", kv_role="kv_both")
     assert KVConnectorFactory.get_connector_class(cfg) is kvlink.vllm.KvlinkConnector
+
+
+def test_head_runs_agree_across_tp_sizes():
+    """A block's runs of heads are the same whatever the number of heads a rank holds (one
+    head included), so ranks of different TP sizes can pair."""
+    import torch
+
+    from kvlink.vllm import _head_split
+
+    for heads in (4, 2, 1):
+        nhd = torch.zeros(16, heads, 8)
+        fi = torch.zeros(2, 16, heads, 8)
+        hnd = torch.zeros(heads, 16, 8).permute(1, 0, 2)
+        fi_hnd = torch.zeros(2, heads, 16, 8).permute(0, 2, 1, 3)
+        assert _head_split(nhd, (4, heads)) == (4, heads, 16)
+        assert _head_split(fi, (4, heads)) == (4, heads, 32)
+        assert _head_split(hnd, (4, heads)) == (4, heads, 1)
+        assert _head_split(fi_hnd, (4, heads)) == (4, heads, 2)

@@ -31,18 +31,25 @@ Flow. The proxy sends the prompt to the prefill with ``kv_transfer_params =
 every prefill rank holds the prompt's blocks for the request (a read grant: only those blocks,
 under that request id); ``request_finished`` then returns the ``kv_transfer_params`` the proxy
 passes to the decode: ``remote_addresses`` (one per TP rank), ``remote_request_id``,
-``remote_block_ids`` and ``remote_num_tokens``. The decode allocates blocks for the tokens it
-does not hold locally (a local prefix hit is not read again), each decode rank reads its peer
-rank's blocks, and the prefill frees its blocks once the read is confirmed, aborted, or after
-``abort_timeout``. A failed read becomes ``failed_recving`` and invalid blocks, which vLLM
+``remote_block_ids`` (one list per KV cache group when there are several) and
+``remote_num_tokens``. The decode allocates blocks for the tokens it
+does not hold locally (a local prefix hit is not read again), each decode rank reads the
+prefill ranks it pairs with (``kvlink.tp_sources``: its peer rank when the TP sizes match),
+and each prefill rank frees its blocks once every decode rank reading it confirmed, one
+aborted, or after ``abort_timeout``. A failed read becomes ``failed_recving`` and invalid blocks, which vLLM
 recomputes (``kv_load_failure_policy="recompute"``) or fails. A decode request aborted while
 its read is in flight cancels it; one aborted or refused before its read starts tells the
 prefill, which frees the blocks at once.
 
-Supported: vLLM 0.32 (tested), one KV cache group, the same TP size on both sides, KV caches
-laid out with the block index outermost (FlashAttention ``[2, num_blocks, ...]``, FlashInfer
-``[num_blocks, 2, ...]``, MLA ``[num_blocks, block_size, dim]``) in GPU or host memory, any
-dtype (both sides must agree).
+Supported: vLLM 0.32 (tested); vLLM's hybrid KV cache manager (``SupportsHMA``): each KV
+cache group's blocks travel with their own block ids (full-attention groups whole,
+sliding-window groups only the blocks their window still sees; SSM state groups are refused);
+a prefill and a decode of different TP sizes when one is a multiple of the other (each decode
+rank reads its share of a prefill rank's KV heads, or gathers the heads of several prefill
+ranks; MLA latents are read whole); KV caches laid out with the block index outermost
+(FlashAttention ``[2, num_blocks, ...]``, FlashInfer ``[num_blocks, 2, ...]``, MLA
+``[num_blocks, block_size, dim]``) in GPU or host memory, head-major (HND) or token-major
+(NHD) blocks, any dtype (both sides must agree).
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.logger import init_logger
@@ -104,20 +112,28 @@ class KvlinkHandshakeMetadata(KVConnectorHandshakeMetadata):
 @dataclass
 class ReadSpec:
     """One decode read: the prefill's blocks ``remote_blocks`` of request ``remote_request_id``
-    into this engine's ``local_blocks``, on every TP rank from its peer rank."""
+    into this engine's ``local_blocks``, one list per KV cache group, paired by position; each
+    TP rank reads the prefill ranks kvlink pairs it with (``kvlink.tp_sources``)."""
 
     remote_addresses: List[str]
     remote_request_id: str
-    local_blocks: List[int]
-    remote_blocks: List[int]
+    local_blocks: List[List[int]]
+    remote_blocks: List[List[int]]
+    refused: str = ""
+    """Why the read cannot be made, when the scheduler found it unusable: it then ends as a
+    failed read at once (its blocks reported as load errors)."""
+
+    def all_local(self) -> List[int]:
+        """Every local block of the read (for load errors)."""
+        return [b for group in self.local_blocks for b in group]
 
 
 @dataclass
 class KvlinkConnectorMetadata(KVConnectorMetadata):
     """What the scheduler asks its workers to do in one step (pickled with the step)."""
 
-    holds: Dict[str, List[int]] = field(default_factory=dict)
-    """Prefill: request id -> blocks to hold and grant to its reader."""
+    holds: Dict[str, List[List[int]]] = field(default_factory=dict)
+    """Prefill: request id -> blocks to hold and grant to its readers, per KV cache group."""
     releases: List[str] = field(default_factory=list)
     """Prefill: holds to drop (request aborted or preempted); no send is reported for them."""
     reads: Dict[str, ReadSpec] = field(default_factory=dict)
@@ -184,57 +200,101 @@ class KvlinkConnectorStats(KVConnectorStats):
 
 
 def kv_cache_tensors(
-    kv_caches: Dict[str, torch.Tensor], num_blocks: int
-) -> Tuple[List[Tuple[int, int, torch.Tensor]], List[Tuple[int, int, int, int, int]]]:
+    kv_caches: Dict[str, Any],
+    num_blocks: int,
+    groups: Optional[Dict[str, int]] = None,
+    kv_heads: Optional[Tuple[int, int]] = None,
+) -> Tuple[List[Tuple[int, int, torch.Tensor]], List[Tuple[int, int, int, int, int, int, Any]]]:
     """Maps vLLM's KV caches to kvlink memory and layout.
 
     Returns the memory to register, ``(address, bytes, owner)`` per distinct storage, and the
-    layout, ``(storage index, offset, block stride, block bytes, blocks)`` per tensor in layer
-    order (K before V where a layer has both). A tensor's block index is its first dimension
-    of size ``num_blocks`` among the first two (``[2, num_blocks, ...]`` is split into K and
-    V); the rest of a block must be dense in memory (any order of its dimensions: HND and NHD
-    both qualify).
+    layout, ``(storage index, offset, block stride, block bytes, blocks, group, heads)`` per
+    tensor in layer order (K before V where a layer has both). A tensor's block index is its
+    first dimension of size ``num_blocks`` among the first two (``[2, num_blocks, ...]`` is
+    split into K and V); the rest of a block must be dense in memory (any order of its
+    dimensions: HND and NHD both qualify). A layer with several state tensors (a list, as SSM
+    layers have) gives one tensor each.
+
+    ``groups`` maps a layer to its KV cache group (default 0). ``kv_heads`` is ``(total, this
+    rank's)``: tensors whose blocks hold that many heads in their second-to-last dimension
+    declare them, as ``(total, local, runs)`` (``runs``: how many times the heads repeat in a
+    block, 1 when they are its outermost dimension), so that a decode of another TP size reads
+    its own heads; ``None`` (MLA, or no TP split) declares none.
     """
     storages: Dict[int, int] = {}
     memory: List[Tuple[int, int, torch.Tensor]] = []
-    layout: List[Tuple[int, int, int, int, int]] = []
-    for name, t in kv_caches.items():
-        if t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks and t.shape[0] != num_blocks:
-            views = [t[0], t[1]]
-        elif t.dim() >= 1 and t.shape[0] == num_blocks:
-            views = [t]
-        else:
-            raise ValueError(
-                f"kvlink: KV cache {name!r} has shape {tuple(t.shape)}; expected the block "
-                f"index ({num_blocks} blocks) first, or second after a K/V dimension of 2"
-            )
-        storage = t.untyped_storage()
-        base = storage.data_ptr()
-        if base not in storages:
-            storages[base] = len(memory)
-            memory.append((base, storage.nbytes(), t))
-        index = storages[base]
-        esize = t.element_size()
-        for v in views:
-            inner = v[0]
-            span = 1 + sum((s - 1) * st for s, st in zip(inner.shape, inner.stride()) if s > 0)
-            if span != inner.numel():
+    layout: List[Tuple[int, int, int, int, int, int, Any]] = []
+    for name, value in kv_caches.items():
+        group = (groups or {}).get(name, 0)
+        for t in value if isinstance(value, (list, tuple)) else [value]:
+            if t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks and t.shape[0] != num_blocks:
+                views = [t[0], t[1]]
+            elif t.dim() >= 1 and t.shape[0] == num_blocks:
+                views = [t]
+            else:
                 raise ValueError(
-                    f"kvlink: a block of KV cache {name!r} is not dense in memory "
-                    f"(shape {tuple(inner.shape)}, strides {inner.stride()})"
+                    f"kvlink: KV cache {name!r} has shape {tuple(t.shape)}; expected the block "
+                    f"index ({num_blocks} blocks) first, or second after a K/V dimension of 2"
                 )
-            layout.append(
-                (index, v.data_ptr() - base, v.stride(0) * esize, inner.numel() * esize, v.shape[0])
-            )
+            storage = t.untyped_storage()
+            base = storage.data_ptr()
+            if base not in storages:
+                storages[base] = len(memory)
+                memory.append((base, storage.nbytes(), t))
+            index = storages[base]
+            esize = t.element_size()
+            for v in views:
+                inner = v[0]
+                span = 1 + sum((s - 1) * st for s, st in zip(inner.shape, inner.stride()) if s > 0)
+                if span != inner.numel():
+                    raise ValueError(
+                        f"kvlink: a block of KV cache {name!r} is not dense in memory "
+                        f"(shape {tuple(inner.shape)}, strides {inner.stride()})"
+                    )
+                layout.append(
+                    (
+                        index,
+                        v.data_ptr() - base,
+                        v.stride(0) * esize,
+                        inner.numel() * esize,
+                        v.shape[0],
+                        group,
+                        _head_split(inner, kv_heads),
+                    )
+                )
     return memory, layout
+
+
+def _head_split(block: torch.Tensor, kv_heads: Optional[Tuple[int, int]]) -> Optional[Tuple[int, int, int]]:
+    """``(total, local, runs)`` for a dense block whose second-to-last dimension holds this
+    rank's heads, or None: ``runs`` is the product of the sizes of the dimensions laid out
+    outside the heads (token-major blocks repeat their heads once per token)."""
+    if kv_heads is None or block.dim() < 2:
+        return None
+    total, local = kv_heads
+    h = block.dim() - 2
+    if block.shape[h] != local:
+        return None
+    # Dimensions laid out inside the heads, and outside them. A stride equal to the heads'
+    # (a dimension of size 1 on either side) counts as laid out as in a contiguous block:
+    # outside when it comes first.
+    sh = block.stride(h)
+    dims = [(i, n, st) for i, (n, st) in enumerate(zip(block.shape, block.stride())) if i != h]
+    inner = [n for i, n, st in dims if st < sh or (st == sh and i > h)]
+    outer = [n for i, n, st in dims if st > sh or (st == sh and i < h)]
+    if math.prod(inner) != sh:
+        return None  # the heads are not laid out as runs of whole heads
+    return (total, local, math.prod(outer))
 
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-class KvlinkConnector(KVConnectorBase_V1):
-    """vLLM KV connector on kvlink (scheduler and worker roles); see the module docs."""
+class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM KV connector on kvlink (scheduler and worker roles); see the module docs. Supports
+    vLLM's hybrid KV cache manager (``SupportsHMA``): each KV cache group's blocks are a block
+    group of the kvlink layout, read with their own block ids."""
 
     def __init__(
         self,
@@ -251,13 +311,9 @@ class KvlinkConnector(KVConnectorBase_V1):
         # the dtype in what both sides must agree on.
         self._kv_layout = getattr(vllm_config.cache_config, "kv_cache_layout", None)
         self._settings = _Settings.parse(extra)
-        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            raise ValueError(
-                "KvlinkConnector supports one KV cache group; this model has "
-                f"{len(kv_cache_config.kv_cache_groups)} (hybrid models come with block groups)"
-            )
+        self._num_groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler: Optional[_SchedulerSide] = _SchedulerSide(self)
+            self._scheduler: Optional[_SchedulerSide] = _SchedulerSide(self, kv_cache_config)
             self._worker: Optional[_WorkerSide] = None
         else:
             self._scheduler = None
@@ -336,7 +392,12 @@ class KvlinkConnector(KVConnectorBase_V1):
         self._need_scheduler().update_output(connector_output)
 
     def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
-        return self._need_scheduler().request_finished(request, block_ids)
+        return self._need_scheduler().request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: Tuple[List[int], ...]
+    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        return self._need_scheduler().request_finished(request)
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -395,6 +456,22 @@ class _Settings:
         )
 
 
+def _kv_heads(vllm_config: "VllmConfig", tp_size: int) -> Optional[Tuple[int, int]]:
+    """``(total KV heads, this rank's)`` for per-head KV caches, None for MLA (every rank
+    holds the latent whole) or when the model does not say."""
+    model = getattr(vllm_config, "model_config", None)
+    if model is None or getattr(model, "use_mla", False):
+        return None
+    try:
+        total = int(model.get_total_num_kv_heads())
+        local = int(model.get_num_kv_heads(vllm_config.parallel_config))
+    except Exception:  # noqa: BLE001 - a model config without head counts: no head split
+        return None
+    if total <= 0 or local != (total // tp_size if tp_size <= total else 1):
+        return None
+    return total, local
+
+
 def _tp_rank() -> int:
     from vllm.distributed import parallel_state
 
@@ -413,6 +490,13 @@ class _WorkerSide:
         self.block_size = owner._block_size
         self.kv_layout = owner._kv_layout
         self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
+        # Each layer's KV cache group: a block group of the kvlink layout.
+        self.groups: Dict[str, int] = {}
+        if kv_cache_config is not None:
+            for g, spec in enumerate(kv_cache_config.kv_cache_groups):
+                for name in spec.layer_names:
+                    self.groups[name] = g
+        self.kv_heads = _kv_heads(owner._vllm_config, self.tp_size)
         keyed = s.auth_key is not None or bool(os.environ.get("KVLINK_AUTH_KEY") or os.environ.get("KVLINK_AUTH_KEY_FILE"))
         host = s.host
         if host is None:
@@ -456,23 +540,32 @@ class _WorkerSide:
         if self.registered:
             raise RuntimeError("KvlinkConnector: register_kv_caches called twice")
         first = next(iter(kv_caches.values()))
+        if isinstance(first, (list, tuple)):
+            first = first[0]
         num_blocks = self.num_blocks
         if num_blocks is None:
             num_blocks = first.shape[1] if first.shape[0] == 2 else first.shape[0]
-        memory, layout = kv_cache_tensors(kv_caches, num_blocks)
+        if self.groups:
+            unknown = sorted(set(kv_caches) - set(self.groups))
+            if unknown:
+                raise ValueError(f"KvlinkConnector: KV caches {unknown} are in no KV cache group")
+        memory, layout = kv_cache_tensors(kv_caches, num_blocks, self.groups, self.kv_heads)
         regions = [
             self.engine.register_memory(addr, size, device=owner.device.type != "cpu", owner=owner)
             for addr, size, owner in memory
         ]
-        tensors = [(regions[i], off, stride, nbytes, blocks) for i, off, stride, nbytes, blocks in layout]
+        tensors = [(regions[i], off, stride, nbytes, blocks, group, heads) for i, off, stride, nbytes, blocks, group, heads in layout]
         dtype = _dtype_name(first) + (f"/{self.kv_layout}" if self.kv_layout else "")
         self.engine.set_layout(tensors, self.block_size, dtype)
         self.registered = True
         total = sum(size for _, size, _ in memory)
+        with_heads = sum(1 for t in tensors if t[6] is not None)
         logger.info(
-            "KvlinkConnector rank %d: registered %d KV tensors (%d blocks, %.1f MiB, %s, %s)",
+            "KvlinkConnector rank %d: registered %d KV tensors (%d blocks, %.1f MiB, %s, %s; "
+            "%d KV cache groups; %d tensors declare their KV heads%s)",
             self.tp_rank, len(tensors), num_blocks, total / 2**20, _dtype_name(first),
-            "GPU" if first.device.type != "cpu" else "host",
+            "GPU" if first.device.type != "cpu" else "host", len({t[5] for t in tensors}),
+            with_heads, f" ({self.kv_heads[1]} of {self.kv_heads[0]} per rank)" if self.kv_heads else "",
         )
 
     def handshake_metadata(self) -> KvlinkHandshakeMetadata:
@@ -500,13 +593,12 @@ class _WorkerSide:
                 self.held.add(rid)
         for rid, spec in meta.reads.items():
             try:
-                if len(spec.remote_addresses) != self.tp_size:
-                    raise kvlink.IncompatiblePeer(
-                        f"the prefill has {len(spec.remote_addresses)} TP ranks and this decode "
-                        f"{self.tp_size}; heterogeneous TP is not supported yet"
-                    )
+                if spec.refused:
+                    raise kvlink.InvalidArgument(spec.refused)
+                # The prefill's whole TP group: kvlink reads the ranks this rank pairs with
+                # (its share of one rank's heads, or several ranks' heads side by side).
                 self.engine.read_blocks(
-                    spec.remote_addresses[self.tp_rank],
+                    list(spec.remote_addresses),
                     rid,
                     spec.local_blocks,
                     spec.remote_blocks,
@@ -516,12 +608,12 @@ class _WorkerSide:
                 # Refused at once: it ends like a failed read (vLLM recomputes or fails it),
                 # and the prefill frees its blocks now rather than at its abort timeout.
                 logger.error("KvlinkConnector: read of %s refused: %s", rid, e)
-                self.load_errors.update(spec.local_blocks)
+                self.load_errors.update(spec.all_local())
                 self.failed_now.add(rid)
                 self.stats.record_failure("refused")
                 self._reject(spec.remote_addresses, spec.remote_request_id, f"read refused by the decode: {e}")
                 continue
-            self.reading[rid] = spec.local_blocks
+            self.reading[rid] = spec.all_local()
         for rid in meta.cancels:
             if rid in self.reading and self._guard("cancel", rid, self.engine.cancel, rid):
                 self.cancelled.add(rid)
@@ -529,11 +621,15 @@ class _WorkerSide:
             self._reject(addresses, remote_id, reason)
 
     def _reject(self, addresses: List[str], remote_id: str, reason: str) -> None:
-        """Tells the prefill rank(s) this rank stands for that a request will not be read: its
-        peer rank when the TP sizes match, else rank 0 tells every prefill rank."""
-        if len(addresses) == self.tp_size:
-            targets = [addresses[self.tp_rank]]
-        else:
+        """Tells the prefill ranks this rank reads that a request will not be read (when
+        several decode ranks read one prefill rank, the first of them tells it); with TP sizes
+        that cannot pair, rank 0 tells every prefill rank."""
+        p, d = len(addresses), self.tp_size
+        try:
+            targets = [addresses[r] for r in kvlink.tp_sources(self.tp_rank, d, p)]
+            if d > p and self.tp_rank % (d // p) != 0:
+                targets = []
+        except kvlink.InvalidArgument:
             targets = list(addresses) if self.tp_rank == 0 else []
         for peer in targets:
             self._guard("reject", remote_id, self.engine.reject, str(peer), remote_id, reason)
@@ -616,15 +712,48 @@ def _node_address() -> str:
 @dataclass
 class _Producing:
     request: "Request"
-    held: Optional[List[int]] = None
+    held: Optional[List[List[int]]] = None
+    """Per KV cache group, the block at each position of the prompt (0 where none is sent)."""
+
+
+def _group_tails(kv_cache_config: Optional["KVCacheConfig"], block_size: int) -> List[int]:
+    """Per KV cache group, how many trailing blocks of a prompt are sent (0: all). A
+    sliding-window group sends only the blocks its window can still see (as the prefill frees
+    the others); an SSM state group is refused."""
+    if kv_cache_config is None:
+        return [0]
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    tails = []
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            raise ValueError(
+                f"KvlinkConnector: KV cache group {g} holds SSM state ({type(spec).__name__}), "
+                "which kvlink does not transfer yet; attention groups (full, sliding window) are "
+                "supported"
+            )
+        if isinstance(spec, SlidingWindowSpec):
+            tails.append(math.ceil(spec.sliding_window / spec.block_size) + 1)
+        else:
+            tails.append(0)
+    return tails
+
+
+def _clip(ids: List[int], tail: int) -> List[int]:
+    """A group's blocks with the positions before its last ``tail`` set to 0 (not sent)."""
+    if not tail or len(ids) <= tail:
+        return list(ids)
+    return [0] * (len(ids) - tail) + list(ids[-tail:])
 
 
 class _SchedulerSide:
     """The scheduler's view: what each worker must hold, read, cancel or reject per step."""
 
-    def __init__(self, owner: KvlinkConnector):
+    def __init__(self, owner: KvlinkConnector, kv_cache_config: Optional["KVCacheConfig"]):
         self.owner = owner
         self.block_size = owner._block_size
+        self.tails = _group_tails(kv_cache_config, self.block_size)
         self.addresses: Optional[List[str]] = None
         self.producing: Dict[str, _Producing] = {}
         self.local_hits: Dict[str, int] = {}
@@ -649,6 +778,23 @@ class _SchedulerSide:
 
     # -- decode side --
 
+    def _usable(self, remote: "_Remote") -> Optional[str]:
+        """Why this engine cannot read from the prefill the parameters name, if it cannot."""
+        tp = self.owner._tp_size
+        try:
+            kvlink.tp_sources(0, tp, len(remote.addresses))
+        except kvlink.InvalidArgument:
+            return (
+                f"the prefill has {len(remote.addresses)} TP ranks and this engine {tp}; one "
+                "must be a multiple of the other"
+            )
+        if len(remote.blocks) != len(self.tails):
+            return (
+                f"the prefill sent blocks of {len(remote.blocks)} KV cache groups; this engine "
+                f"has {len(self.tails)}"
+            )
+        return None
+
     def matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[int, bool]:
         params = request.kv_transfer_params
         if not params:
@@ -659,6 +805,10 @@ class _SchedulerSide:
         if not params.get("do_remote_prefill"):
             return 0, False
         remote = _remote(params, self.block_size)
+        if not isinstance(remote, str):
+            why = self._usable(remote)
+            if why is not None:
+                remote = why
         if isinstance(remote, str):
             # Malformed or unusable parameters come from a client: compute locally, and let
             # after_alloc tell whatever prefill the parameters name.
@@ -666,15 +816,9 @@ class _SchedulerSide:
                 self.warned.add(request.request_id)
                 logger.warning("KvlinkConnector: %s: %s; computing it locally", request.request_id, remote)
             return 0, False
-        if len(remote.addresses) != self.owner._tp_size:
-            logger.warning(
-                "KvlinkConnector: %s comes from a prefill with %d TP ranks, this engine has %d "
-                "(heterogeneous TP is not supported yet); computing it locally",
-                request.request_id, len(remote.addresses), self.owner._tp_size,
-            )
-            return 0, False
         # Only what the prefill can deliver counts: its tokens, within the blocks it offered.
-        available = min(remote.num_tokens, len(remote.blocks) * self.block_size, request.num_prompt_tokens)
+        offered = min(len(g) for g in remote.blocks) * self.block_size
+        available = min(remote.num_tokens, offered, request.num_prompt_tokens)
         count = available - num_computed_tokens
         self.local_hits[request.request_id] = num_computed_tokens
         if count > 0:
@@ -699,26 +843,41 @@ class _SchedulerSide:
         assert not isinstance(remote, str), remote  # checked by matched_tokens
         first = local_hit // self.block_size
         end = math.ceil((local_hit + num_external_tokens) / self.block_size)
-        local_all = blocks.get_block_ids()[0]
-        if end > len(remote.blocks) or end > len(local_all):
-            # matched_tokens bounds the count by the remote blocks; this cannot happen unless
-            # vLLM allocated fewer blocks than the tokens need. Fail the read, never read less.
-            logger.error(
-                "KvlinkConnector: %s needs blocks up to %d; the prefill offered %d, %d are allocated",
-                rid, end, len(remote.blocks), len(local_all),
-            )
+        local_groups, remote_groups = [], []
+        refused = ""
+        for g, (local_all, theirs) in enumerate(zip(blocks.get_block_ids(), remote.blocks)):
+            if end > len(theirs) or end > len(local_all):
+                # matched_tokens bounds the count by the remote blocks; this cannot happen
+                # unless vLLM allocated fewer blocks than the tokens need. Fail the read,
+                # never read less.
+                refused = (
+                    f"blocks up to {end} are needed in KV cache group {g}; the prefill offered "
+                    f"{len(theirs)}, {len(local_all)} are allocated"
+                )
+                break
+            mine = _clip(list(local_all[:end]), self.tails[g])
+            pairs = [(mine[i], theirs[i]) for i in range(first, end) if mine[i]]
+            if any(r == 0 for _, r in pairs):
+                refused = f"the prefill sent no block for a position this engine needs in KV cache group {g}"
+                break
+            local_groups.append([l for l, _ in pairs])
+            remote_groups.append([r for _, r in pairs])
+        if refused:
+            logger.error("KvlinkConnector: %s: %s", rid, refused)
+            local_groups = [list(ids) for ids in blocks.get_block_ids()]
+            remote_groups = [[] for _ in local_groups]
         self.meta.reads[rid] = ReadSpec(
             remote_addresses=remote.addresses,
             remote_request_id=remote.request_id,
-            local_blocks=list(local_all[first:end]),
-            remote_blocks=remote.blocks[first:end],
+            local_blocks=local_groups,
+            remote_blocks=remote_groups,
+            refused=refused,
         )
         self.reading.add(rid)
 
     def update_output(self, output: "KVConnectorOutput") -> None:
         for rid in output.finished_recving or ():
             self.reading.discard(rid)
-
 
     # -- both --
 
@@ -740,15 +899,18 @@ class _SchedulerSide:
             if manager is None:
                 raise RuntimeError("KvlinkConnector: the scheduler did not bind its KV cache manager")
             needed = math.ceil(req.num_prompt_tokens / self.block_size)
-            blocks = list(manager.get_block_ids(rid)[0][:needed])
+            held = [
+                _clip(list(ids[:needed]), tail)
+                for ids, tail in zip(manager.get_block_ids(rid), self.tails)
+            ]
             # Held in this step, before its output (and the request's transfer parameters)
-            # can reach the decode.
-            self.meta.holds[rid] = blocks
-            p.held = blocks
+            # can reach the decode; vLLM's null block (0) is never held.
+            self.meta.holds[rid] = [[b for b in ids if b] for ids in held]
+            p.held = held
         meta, self.meta = self.meta, KvlinkConnectorMetadata()
         return meta
 
-    def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+    def request_finished(self, request: "Request") -> Tuple[bool, Optional[Dict[str, Any]]]:
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
@@ -771,7 +933,8 @@ class _SchedulerSide:
                 "do_remote_decode": False,
                 "remote_addresses": list(self.addresses),
                 "remote_request_id": rid,
-                "remote_block_ids": list(p.held),
+                # One list per KV cache group (a flat list when there is one group).
+                "remote_block_ids": [list(g) for g in p.held] if len(p.held) > 1 else list(p.held[0]),
                 "remote_num_tokens": request.num_prompt_tokens,
                 "remote_engine_id": self.owner._kv_transfer_config.engine_id,
                 "tp_size": len(self.addresses),
@@ -796,8 +959,15 @@ class _SchedulerSide:
 class _Remote:
     addresses: List[str]
     request_id: str
-    blocks: List[int]
+    blocks: List[List[int]]
+    """Per KV cache group, the prefill's block at each position (0: none sent)."""
     num_tokens: int
+
+
+def _block_list(blocks: Any) -> bool:
+    return isinstance(blocks, (list, tuple)) and all(
+        isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 2**32 for b in blocks
+    )
 
 
 def _remote(params: Dict[str, Any], block_size: int):
@@ -813,13 +983,18 @@ def _remote(params: Dict[str, Any], block_size: int):
         return "remote_addresses must be a non-empty list of 'host:port' strings"
     if not isinstance(rid, str) or not rid:
         return "remote_request_id must be a non-empty string"
-    if not isinstance(blocks, (list, tuple)) or not all(
-        isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 2**32 for b in blocks
-    ):
-        return "remote_block_ids must be a list of block ids (integers 0 to 2^32-1)"
+    if _block_list(blocks):
+        groups = [list(blocks)]
+    elif isinstance(blocks, (list, tuple)) and blocks and len(blocks) <= 64 and all(_block_list(g) for g in blocks):
+        groups = [list(g) for g in blocks]
+    else:
+        return (
+            "remote_block_ids must be a list of block ids (integers 0 to 2^32-1), or one such "
+            "list per KV cache group"
+        )
     tokens = params.get("remote_num_tokens")
     if tokens is None:
-        tokens = len(blocks) * block_size
+        tokens = min(len(g) for g in groups) * block_size
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
         return "remote_num_tokens must be a non-negative integer"
-    return _Remote(list(addresses), rid, list(blocks), tokens)
+    return _Remote(list(addresses), rid, groups, tokens)
