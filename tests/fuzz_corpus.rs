@@ -144,6 +144,22 @@ fn write_seeds() {
         "two-tensors",
         &rmp_serde::to_vec_named(&two).unwrap(),
     );
+    // Heads declared (a TP split) and a second block group.
+    let mut split = d.clone();
+    split.tp_size = 2;
+    for (i, t) in split.layout.tensors.iter_mut().enumerate() {
+        t.group = (i % 2) as u32;
+        t.heads = Some(kvlink::HeadSplit {
+            total: 2,
+            local: 1,
+            runs: 1,
+        });
+    }
+    write(
+        "descriptor",
+        "heads-and-groups",
+        &rmp_serde::to_vec_named(&split).unwrap(),
+    );
     let mut bad = d;
     bad.regions[0].len = 1;
     write(
