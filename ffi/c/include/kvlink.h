@@ -276,7 +276,8 @@ typedef struct kvlink_config {
 /**
  * One tensor of the KV cache for `kvlink_engine_set_layout`: `num_blocks` blocks of
  * `block_bytes` bytes, block `b` starting at byte `offset + b * block_stride` of region
- * `region`.
+ * `region`. Zero the struct before filling it: the fields after `block_bytes` default to
+ * block group 0 and no KV heads.
  */
 typedef struct kvlink_tensor {
     /**
@@ -300,6 +301,26 @@ typedef struct kvlink_tensor {
      * Bytes of one block of this tensor.
      */
     uint64_t block_bytes;
+    /**
+     * The block group (block-id space, from 0) the tensor belongs to: reads and holds give
+     * block ids per group (`kvlink_engine_read`, `kvlink_engine_hold_groups`).
+     */
+    uint32_t group;
+    /**
+     * KV heads of the model in this tensor over all TP ranks, when tensor parallelism splits
+     * them (0: every rank holds the tensor whole, as MLA's latent). Declared heads let a peer
+     * of another TP size read its own heads.
+     */
+    uint32_t heads_total;
+    /**
+     * KV heads this rank holds (`heads_total / tp_size`, or 1 with more ranks than heads).
+     */
+    uint32_t heads_local;
+    /**
+     * How many times this rank's heads repeat in a block: 1 for head-major blocks
+     * (`[heads, tokens, dim]`), the tokens per block for token-major ones.
+     */
+    uint32_t head_runs;
 } kvlink_tensor;
 
 /**
@@ -675,6 +696,73 @@ int kvlink_engine_hold_blocks(struct kvlink_engine *engine,
 int kvlink_engine_wait_finished(struct kvlink_engine *engine,
                                 uint64_t timeout_ms,
                                 struct kvlink_finished **out);
+
+/**
+ * Starts a read with block ids per block group (`groups` lists: `local[g]` and `remote[g]`
+ * hold `counts[g]` ids each, paired one to one), from one engine or from a prefill's TP
+ * group. With `tp_group` 0, `peers` holds one handshake address and that engine is read
+ * whatever its TP rank (it must hold every KV head this engine needs). With `tp_group` 1,
+ * `peers` holds the prefill's `num_peers` handshake addresses in rank order and this engine
+ * reads the ranks `kvlink_tp_sources` names: its share of one rank's heads, or the heads of
+ * several ranks side by side (the TP sizes must be multiples of one another). The read is
+ * reported once, when every rank read delivered its part or one failed.
+ *
+ * `remote_request_id` is the prefill's id for the request (NULL: `request_id`). Everything is
+ * only read during the call. Returns `KVLINK_OK` or an immediate refusal: `KVLINK_E_INVALID`
+ * (bad ids or block lists, TP sizes that cannot pair, no layout, request id already in
+ * flight) or `KVLINK_E_SHUTDOWN`; everything later ends as a failed entry.
+ *
+ * # Safety
+ * `engine` is NULL or a live engine; `request_id` and `remote_request_id` are NULL or
+ * NUL-terminated; `peers` is NULL or points to `num_peers` NULL or NUL-terminated strings;
+ * `local`, `remote` and `counts` are NULL or point to `groups` readable elements, and each
+ * `local[g]` and `remote[g]` is NULL or points to `counts[g]` readable `uint32_t`s.
+ */
+int kvlink_engine_read(struct kvlink_engine *engine,
+                       const char *request_id,
+                       const char *remote_request_id,
+                       const char *const *peers,
+                       size_t num_peers,
+                       int tp_group,
+                       const uint32_t *const *local,
+                       const uint32_t *const *remote,
+                       const size_t *counts,
+                       size_t groups);
+
+/**
+ * `kvlink_engine_hold_blocks` with block ids per block group: list `g` holds `counts[g]` ids
+ * at `blocks[g]`, for the layout's `groups` block groups. The readers are the decode ranks
+ * that read this rank (several when the decode's TP size is a multiple of this one's); the
+ * send finishes once every one confirmed. `reader` (NULL: any) and `abort_timeout_ms` (0: the
+ * engine's) as for `kvlink_engine_hold_blocks`. Returns `KVLINK_OK` or `KVLINK_E_INVALID`.
+ *
+ * # Safety
+ * `engine` is NULL or a live engine; `request_id` and `reader` are NULL or NUL-terminated;
+ * `blocks` and `counts` are NULL or point to `groups` readable elements, each `blocks[g]`
+ * NULL or pointing to `counts[g]` readable `uint32_t`s.
+ */
+int kvlink_engine_hold_groups(struct kvlink_engine *engine,
+                              const char *request_id,
+                              const uint32_t *const *blocks,
+                              const size_t *counts,
+                              size_t groups,
+                              const char *reader,
+                              uint64_t abort_timeout_ms);
+
+/**
+ * The prefill ranks that rank `decode_rank` of a decode's TP group of `decode_size` reads
+ * from a prefill of `prefill_size` ranks: `*count` ranks from `*first` on (one when the decode
+ * is the same size or larger, `prefill_size / decode_size` when it is smaller). Returns
+ * `KVLINK_OK`, or `KVLINK_E_INVALID` when neither size is a multiple of the other.
+ *
+ * # Safety
+ * `first` and `count` are NULL or writable.
+ */
+int kvlink_tp_sources(uint32_t decode_rank,
+                      uint32_t decode_size,
+                      uint32_t prefill_size,
+                      uint32_t *first,
+                      uint32_t *count);
 
 /**
  * Sends `len` bytes at `body` (at most `KVLINK_MESSAGE_MAX`) to the engine whose handshake

@@ -3,7 +3,9 @@
 
 use std::ffi::{c_char, c_int, c_void};
 
-use kvlink::{DeviceMemory, Engine, EngineConfig, ExternalMemory, KvLayout, RegionId, MAX_TENSORS};
+use kvlink::{
+    DeviceMemory, Engine, EngineConfig, ExternalMemory, HeadSplit, KvLayout, RegionId, MAX_TENSORS,
+};
 
 use crate::aggregator::kvlink_aggregator;
 use crate::args::{check_out, millis, opt_str_arg, ref_arg, slice_arg, str_arg, write_out};
@@ -14,7 +16,8 @@ use crate::status::{invalid, FfiResult};
 
 /// One tensor of the KV cache for `kvlink_engine_set_layout`: `num_blocks` blocks of
 /// `block_bytes` bytes, block `b` starting at byte `offset + b * block_stride` of region
-/// `region`.
+/// `region`. Zero the struct before filling it: the fields after `block_bytes` default to
+/// block group 0 and no KV heads.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct kvlink_tensor {
@@ -29,15 +32,31 @@ pub struct kvlink_tensor {
     pub block_stride: u64,
     /// Bytes of one block of this tensor.
     pub block_bytes: u64,
+    /// The block group (block-id space, from 0) the tensor belongs to: reads and holds give
+    /// block ids per group (`kvlink_engine_read`, `kvlink_engine_hold_groups`).
+    pub group: u32,
+    /// KV heads of the model in this tensor over all TP ranks, when tensor parallelism splits
+    /// them (0: every rank holds the tensor whole, as MLA's latent). Declared heads let a peer
+    /// of another TP size read its own heads.
+    pub heads_total: u32,
+    /// KV heads this rank holds (`heads_total / tp_size`, or 1 with more ranks than heads).
+    pub heads_local: u32,
+    /// How many times this rank's heads repeat in a block: 1 for head-major blocks
+    /// (`[heads, tokens, dim]`), the tokens per block for token-major ones.
+    pub head_runs: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<kvlink_tensor>() == 32);
+const _: () = assert!(std::mem::size_of::<kvlink_tensor>() == 48);
 const _: () = assert!(std::mem::align_of::<kvlink_tensor>() == 8);
 const _: () = assert!(std::mem::offset_of!(kvlink_tensor, region) == 0);
 const _: () = assert!(std::mem::offset_of!(kvlink_tensor, num_blocks) == 4);
 const _: () = assert!(std::mem::offset_of!(kvlink_tensor, offset) == 8);
 const _: () = assert!(std::mem::offset_of!(kvlink_tensor, block_stride) == 16);
 const _: () = assert!(std::mem::offset_of!(kvlink_tensor, block_bytes) == 24);
+const _: () = assert!(std::mem::offset_of!(kvlink_tensor, group) == 32);
+const _: () = assert!(std::mem::offset_of!(kvlink_tensor, heads_total) == 36);
+const _: () = assert!(std::mem::offset_of!(kvlink_tensor, heads_local) == 40);
+const _: () = assert!(std::mem::offset_of!(kvlink_tensor, head_runs) == 44);
 
 // The handles are documented as usable from several threads at once.
 const _: () = {
@@ -345,7 +364,7 @@ pub unsafe extern "C" fn kvlink_engine_set_layout(
         }
         // SAFETY: the caller promised `count` valid tensors or NULL.
         let tensors = unsafe { slice_arg(tensors, count, "tensors") }?;
-        let layout = KvLayout::numbered(
+        let mut layout = KvLayout::numbered(
             tokens_per_block,
             dtype,
             tensors.iter().map(|t| {
@@ -358,6 +377,14 @@ pub unsafe extern "C" fn kvlink_engine_set_layout(
                 )
             }),
         );
+        for (out, t) in layout.tensors.iter_mut().zip(tensors) {
+            out.group = t.group;
+            out.heads = (t.heads_total > 0).then_some(HeadSplit {
+                total: t.heads_total,
+                local: t.heads_local,
+                runs: t.head_runs,
+            });
+        }
         e.engine.set_layout(layout)?;
         Ok(())
     })

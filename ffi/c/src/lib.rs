@@ -29,6 +29,8 @@ mod config;
 
 mod engine;
 
+mod tp;
+
 mod messages;
 
 mod finished;
@@ -76,3 +78,4 @@ pub use crate::status::{
     KVLINK_RECEIVING, KVLINK_SENDING, KVLINK_SIDE_RECV, KVLINK_SIDE_SEND, KVLINK_TIMEOUT_MAX_MS,
     KVLINK_TRANSPORT_AUTO, KVLINK_TRANSPORT_RDMA, KVLINK_TRANSPORT_TCP,
 };
+pub use crate::tp::{kvlink_engine_hold_groups, kvlink_engine_read, kvlink_tp_sources};

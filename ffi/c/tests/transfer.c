@@ -193,6 +193,7 @@ static kvlink_engine *start_engine(const char *name) {
 
 static void set_layout(kvlink_engine *engine, uint32_t region) {
     kvlink_tensor tensors[TENSORS];
+    memset(tensors, 0, sizeof tensors);
     for (unsigned t = 0; t < TENSORS; t++) {
         tensors[t].region = region;
         tensors[t].num_blocks = BLOCKS;
@@ -235,7 +236,7 @@ static void check_argument_errors(kvlink_engine *decode) {
                 "region_id is NULL");
 
     kvlink_tensor bad = {.region = 999, .num_blocks = 1, .offset = 0, .block_stride = 64,
-                         .block_bytes = 64};
+                         .block_bytes = 64, .group = 0, .heads_total = 0};
     CHECK_FAILS(kvlink_engine_set_layout(decode, 16, "bf16", &bad, 1), KVLINK_E_INVALID,
                 "not registered");
     CHECK_FAILS(kvlink_engine_set_layout(decode, 16, "bf16", NULL, 1), KVLINK_E_INVALID,
@@ -459,6 +460,105 @@ static void check_messages(kvlink_engine *prefill, kvlink_engine *decode, const 
     kvlink_messages_free(NULL);
 }
 
+#define TP_HEAD_BYTES 64
+#define TP_BLOCKS 8
+
+static uint8_t head_pattern(unsigned tensor, unsigned block, unsigned head, unsigned byte) {
+    return (uint8_t)(tensor * 37u + block * 11u + head * 101u + byte * 3u + 1u);
+}
+
+/* An engine at rank `rank` of a TP group of `size`, with two tensors of 2 KV heads over all
+ * ranks (head-major blocks), tensor 0 in block group 0 and tensor 1 in block group 1. Its
+ * memory holds `head_pattern` of each global head when `fill` is set. */
+static kvlink_engine *tp_engine(const char *name, uint32_t rank, uint32_t size, int fill,
+                                uint8_t **mem) {
+    kvlink_config cfg;
+    CHECK(kvlink_config_default(&cfg));
+    cfg.engine_id = name;
+    cfg.transport = KVLINK_TRANSPORT_TCP;
+    cfg.tp_rank = rank;
+    cfg.tp_size = size;
+    kvlink_engine *engine = NULL;
+    CHECK(kvlink_engine_start(&cfg, &engine));
+    uint32_t local = 2 / size, block = local * TP_HEAD_BYTES, region = 0;
+    CHECK(kvlink_engine_allocate_host(engine, 2ull * TP_BLOCKS * block, false, &region, mem));
+    kvlink_tensor t[2];
+    memset(t, 0, sizeof t);
+    for (unsigned i = 0; i < 2; i++) {
+        t[i].region = region;
+        t[i].num_blocks = TP_BLOCKS;
+        t[i].offset = (uint64_t)i * TP_BLOCKS * block;
+        t[i].block_stride = block;
+        t[i].block_bytes = block;
+        t[i].group = i;
+        t[i].heads_total = 2;
+        t[i].heads_local = local;
+        t[i].head_runs = 1;
+        for (unsigned b = 0; fill && b < TP_BLOCKS; b++) {
+            for (unsigned h = 0; h < local; h++) {
+                for (unsigned k = 0; k < TP_HEAD_BYTES; k++) {
+                    (*mem)[t[i].offset + b * block + h * TP_HEAD_BYTES + k] =
+                        head_pattern(i, b, rank * local + h, k);
+                }
+            }
+        }
+    }
+    CHECK(kvlink_engine_set_layout(engine, 16, "bf16", t, 2));
+    return engine;
+}
+
+/* A prefill of TP 1 read by a decode of TP 2 (each rank its own head of every block), with
+ * block ids per block group; every byte checked, and the prefill's send finishes once both
+ * decode ranks confirmed. */
+static void check_tp_and_groups(void) {
+    uint32_t first = 9, count = 9;
+    CHECK(kvlink_tp_sources(1, 2, 1, &first, &count));
+    EXPECT(first == 0 && count == 1);
+    CHECK(kvlink_tp_sources(0, 1, 4, &first, &count));
+    EXPECT(first == 0 && count == 4);
+    CHECK_FAILS(kvlink_tp_sources(0, 3, 2, &first, &count), KVLINK_E_INVALID, "multiple");
+
+    uint8_t *p_mem = NULL, *d_mem[2] = {NULL, NULL};
+    kvlink_engine *prefill = tp_engine("c-tp-prefill", 0, 1, 1, &p_mem);
+    kvlink_engine *decode[2] = {tp_engine("c-tp-decode0", 0, 2, 0, &d_mem[0]),
+                                tp_engine("c-tp-decode1", 1, 2, 0, &d_mem[1])};
+    char addr[KVLINK_ADDRESS_MAX];
+    CHECK(kvlink_engine_handshake_address(prefill, addr, sizeof addr));
+    const char *peers[1] = {addr};
+    const uint32_t l0[2] = {1, 2}, l1[1] = {3}, r0[2] = {5, 0}, r1[1] = {7};
+    const uint32_t *local[2] = {l0, l1}, *remote[2] = {r0, r1};
+    const size_t counts[2] = {2, 1};
+    CHECK(kvlink_engine_hold_groups(prefill, "c-tp", remote, counts, 2, NULL, 30000));
+    CHECK_FAILS(kvlink_engine_hold_groups(prefill, "c-tp-one", remote, counts, 1, NULL, 0),
+                KVLINK_E_INVALID, "block groups");
+    CHECK_FAILS(kvlink_engine_read(decode[0], "x", NULL, peers, 1, 2, local, remote, counts, 2),
+                KVLINK_E_INVALID, "tp_group");
+    for (unsigned d = 0; d < 2; d++) {
+        CHECK(kvlink_engine_read(decode[d], "c-tp", NULL, peers, 1, 1, local, remote, counts, 2));
+    }
+    for (unsigned d = 0; d < 2; d++) {
+        kvlink_finished *f = wait_for(decode[d], KVLINK_RECEIVING, "c-tp", "tp decode");
+        kvlink_finished_free(f);
+        for (unsigned t = 0; t < 2; t++) {
+            for (unsigned k = 0; k < counts[t]; k++) {
+                const uint8_t *got = d_mem[d] + (uint64_t)t * TP_BLOCKS * TP_HEAD_BYTES +
+                                     local[t][k] * TP_HEAD_BYTES;
+                for (unsigned i = 0; i < TP_HEAD_BYTES; i++) {
+                    if (got[i] != head_pattern(t, remote[t][k], d, i)) {
+                        fail(__LINE__, "decode rank %u tensor %u block %u byte %u", d, t,
+                             local[t][k], i);
+                    }
+                }
+            }
+        }
+    }
+    kvlink_finished *sent = wait_for(prefill, KVLINK_SENDING, "c-tp", "tp prefill");
+    kvlink_finished_free(sent);
+    kvlink_engine_free(decode[0]);
+    kvlink_engine_free(decode[1]);
+    kvlink_engine_free(prefill);
+}
+
 int main(void) {
     EXPECT(kvlink_version() != NULL && kvlink_version()[0] != '\0');
     kvlink_engine *prefill = start_engine("c-prefill");
@@ -559,6 +659,7 @@ int main(void) {
     check_messages(prefill, decode, peer);
     check_cancel(decode);
     check_event_publisher();
+    check_tp_and_groups();
     check_aggregator(received);
     kvlink_finished_free(received);
 

@@ -51,7 +51,10 @@ fn _kvlink(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// smaller. Raises `InvalidArgument` when neither size is a multiple of the other.
 #[pyfunction]
 fn tp_sources(decode_rank: u32, decode_size: u32, prefill_size: u32) -> PyResult<Vec<u32>> {
-    kvlink_core::tp_sources(kvlink_core::TpRank::new(decode_rank, decode_size), prefill_size)
-        .map(|r| r.collect())
-        .map_err(crate::error::to_py)
+    kvlink_core::tp_sources(
+        kvlink_core::TpRank::new(decode_rank, decode_size),
+        prefill_size,
+    )
+    .map(|r| r.collect())
+    .map_err(crate::error::to_py)
 }

@@ -1,0 +1,182 @@
+//! Reads and holds with block ids per block group, reads from a prefill's TP group, and the
+//! TP pairing rule (`kvlink_tp_sources`).
+
+use std::ffi::{c_char, c_int};
+
+use kvlink::{BlockId, ReadFrom, ReadRequest, RequestId, TpRank, MAX_GROUPS};
+
+use crate::args::{millis, opt_str_arg, ref_arg, slice_arg, str_arg, write_out};
+use crate::engine::kvlink_engine;
+use crate::guard::guard;
+use crate::status::{invalid, FfiResult};
+
+/// `groups` block lists, list `g` holding `counts[g]` ids at `lists[g]`.
+///
+/// # Safety
+/// `lists` and `counts` are NULL or point to `groups` readable elements; each `lists[g]` is
+/// NULL or points to `counts[g]` readable `uint32_t`s.
+unsafe fn groups_arg(
+    lists: *const *const u32,
+    counts: *const usize,
+    groups: usize,
+    what: &str,
+) -> FfiResult<Vec<Vec<BlockId>>> {
+    if groups == 0 || groups > MAX_GROUPS {
+        return Err(invalid(format!(
+            "{what}: {groups} block groups (1 to {MAX_GROUPS})"
+        )));
+    }
+    // SAFETY: the caller promised `groups` readable pointers or NULL.
+    let lists = unsafe { slice_arg(lists, groups, what) }?;
+    // SAFETY: the caller promised `groups` readable counts or NULL.
+    let counts = unsafe { slice_arg(counts, groups, "counts") }?;
+    lists
+        .iter()
+        .zip(counts)
+        .enumerate()
+        .map(|(g, (&p, &n))| {
+            // SAFETY: the caller promised `counts[g]` readable ids at `lists[g]`, or NULL.
+            unsafe { slice_arg(p, n, &format!("{what}[{g}]")) }.map(<[u32]>::to_vec)
+        })
+        .collect()
+}
+
+/// Starts a read with block ids per block group (`groups` lists: `local[g]` and `remote[g]`
+/// hold `counts[g]` ids each, paired one to one), from one engine or from a prefill's TP
+/// group. With `tp_group` 0, `peers` holds one handshake address and that engine is read
+/// whatever its TP rank (it must hold every KV head this engine needs). With `tp_group` 1,
+/// `peers` holds the prefill's `num_peers` handshake addresses in rank order and this engine
+/// reads the ranks `kvlink_tp_sources` names: its share of one rank's heads, or the heads of
+/// several ranks side by side (the TP sizes must be multiples of one another). The read is
+/// reported once, when every rank read delivered its part or one failed.
+///
+/// `remote_request_id` is the prefill's id for the request (NULL: `request_id`). Everything is
+/// only read during the call. Returns `KVLINK_OK` or an immediate refusal: `KVLINK_E_INVALID`
+/// (bad ids or block lists, TP sizes that cannot pair, no layout, request id already in
+/// flight) or `KVLINK_E_SHUTDOWN`; everything later ends as a failed entry.
+///
+/// # Safety
+/// `engine` is NULL or a live engine; `request_id` and `remote_request_id` are NULL or
+/// NUL-terminated; `peers` is NULL or points to `num_peers` NULL or NUL-terminated strings;
+/// `local`, `remote` and `counts` are NULL or point to `groups` readable elements, and each
+/// `local[g]` and `remote[g]` is NULL or points to `counts[g]` readable `uint32_t`s.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvlink_engine_read(
+    engine: *mut kvlink_engine,
+    request_id: *const c_char,
+    remote_request_id: *const c_char,
+    peers: *const *const c_char,
+    num_peers: usize,
+    tp_group: c_int,
+    local: *const *const u32,
+    remote: *const *const u32,
+    counts: *const usize,
+    groups: usize,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live engine or NULL.
+        let e = unsafe { ref_arg(engine, "engine") }?;
+        // SAFETY: the caller promised NUL-terminated strings or NULL.
+        let id = unsafe { str_arg(request_id, "request_id") }?;
+        // SAFETY: as above.
+        let remote_id = unsafe { opt_str_arg(remote_request_id, "remote_request_id") }?;
+        // SAFETY: the caller promised `num_peers` readable pointers or NULL.
+        let peer_ptrs = unsafe { slice_arg(peers, num_peers, "peers") }?;
+        let peers = peer_ptrs
+            .iter()
+            .enumerate()
+            // SAFETY: the caller promised each is NULL or NUL-terminated.
+            .map(|(i, &p)| unsafe { str_arg(p, &format!("peers[{i}]")) }.map(str::to_string))
+            .collect::<FfiResult<Vec<String>>>()?;
+        let from = match (tp_group, peers.len()) {
+            (0, 1) => ReadFrom::Engine(peers.into_iter().next().expect("one peer")),
+            (0, n) => {
+                return Err(invalid(format!(
+                    "{n} peers without tp_group; give one engine, or set tp_group to 1 for the \
+                     prefill's TP group"
+                )))
+            }
+            (1, _) => ReadFrom::TpGroup(peers),
+            (other, _) => return Err(invalid(format!("tp_group is {other}, not 0 or 1"))),
+        };
+        // SAFETY: the caller promised `groups` lists of `counts[g]` ids, or NULL.
+        let local = unsafe { groups_arg(local, counts, groups, "local") }?;
+        // SAFETY: as above.
+        let remote = unsafe { groups_arg(remote, counts, groups, "remote") }?;
+        let id = RequestId::from(id);
+        e.engine.read(ReadRequest {
+            remote_id: remote_id.map_or_else(|| id.clone(), RequestId::from),
+            id,
+            from,
+            local,
+            remote,
+        })?;
+        Ok(())
+    })
+}
+
+/// `kvlink_engine_hold_blocks` with block ids per block group: list `g` holds `counts[g]` ids
+/// at `blocks[g]`, for the layout's `groups` block groups. The readers are the decode ranks
+/// that read this rank (several when the decode's TP size is a multiple of this one's); the
+/// send finishes once every one confirmed. `reader` (NULL: any) and `abort_timeout_ms` (0: the
+/// engine's) as for `kvlink_engine_hold_blocks`. Returns `KVLINK_OK` or `KVLINK_E_INVALID`.
+///
+/// # Safety
+/// `engine` is NULL or a live engine; `request_id` and `reader` are NULL or NUL-terminated;
+/// `blocks` and `counts` are NULL or point to `groups` readable elements, each `blocks[g]`
+/// NULL or pointing to `counts[g]` readable `uint32_t`s.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_engine_hold_groups(
+    engine: *mut kvlink_engine,
+    request_id: *const c_char,
+    blocks: *const *const u32,
+    counts: *const usize,
+    groups: usize,
+    reader: *const c_char,
+    abort_timeout_ms: u64,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live engine or NULL.
+        let e = unsafe { ref_arg(engine, "engine") }?;
+        // SAFETY: the caller promised a NUL-terminated string or NULL.
+        let id = unsafe { str_arg(request_id, "request_id") }?;
+        // SAFETY: the caller promised `groups` lists of `counts[g]` ids, or NULL.
+        let blocks = unsafe { groups_arg(blocks, counts, groups, "blocks") }?;
+        // SAFETY: the caller promised a NUL-terminated string or NULL.
+        let reader = unsafe { opt_str_arg(reader, "reader") }?;
+        let timeout = match abort_timeout_ms {
+            0 => None,
+            ms => Some(millis(ms, "abort_timeout_ms")?),
+        };
+        e.engine.hold_groups_for(id, &blocks, reader, timeout)?;
+        Ok(())
+    })
+}
+
+/// The prefill ranks that rank `decode_rank` of a decode's TP group of `decode_size` reads
+/// from a prefill of `prefill_size` ranks: `*count` ranks from `*first` on (one when the decode
+/// is the same size or larger, `prefill_size / decode_size` when it is smaller). Returns
+/// `KVLINK_OK`, or `KVLINK_E_INVALID` when neither size is a multiple of the other.
+///
+/// # Safety
+/// `first` and `count` are NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvlink_tp_sources(
+    decode_rank: u32,
+    decode_size: u32,
+    prefill_size: u32,
+    first: *mut u32,
+    count: *mut u32,
+) -> c_int {
+    guard(|| {
+        crate::args::check_out(first, "first")?;
+        crate::args::check_out(count, "count")?;
+        let r = kvlink::tp_sources(TpRank::new(decode_rank, decode_size), prefill_size)?;
+        // SAFETY: checked above; the caller promised writable memory.
+        unsafe { write_out(first, r.start) };
+        // SAFETY: as above.
+        unsafe { write_out(count, r.end - r.start) };
+        Ok(())
+    })
+}
