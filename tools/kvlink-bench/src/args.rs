@@ -40,7 +40,17 @@ options:
   --seed N            fill pattern of the prefill cache                 [1]
   --listen ADDR       serve: handshake listen address                   [0.0.0.0:7400]
   --advertise HOST    serve: address readers should use                 [127.0.0.1]
-  --peer ADDR         read: the serve engine's handshake address
+  --peer ADDR         read: the serve engine's handshake address; with --prefill-tp N,
+                      the N serve ranks' addresses, comma-separated, in rank order
+  --prefill-tp N      TP size of the prefill: loopback runs every rank of both sides in this
+                      process; `serve` is rank --tp-rank of it               [1]
+  --decode-tp M       TP size of the decode (N and M multiples of one another): each decode
+                      rank reads its share of the KV heads of one prefill rank, or gathers
+                      several prefill ranks; `read` is rank --tp-rank of it  [1]
+  --tp-rank R         serve / read: this process's rank in its TP group      [0]
+  --head-layout L     per-head blocks: nhd (token-major) or hnd (head-major) [nhd]
+  --groups G          block groups (layers dealt round-robin, block ids per group, as vLLM's
+                      hybrid KV cache groups)                                [1]
   --param P           sweep: message-bytes, tokens, concurrency, qps or streams
   --values LIST       sweep: comma-separated values (K/M suffixes for sizes)
   --out PREFIX        sweep: output files <PREFIX>.csv and <PREFIX>.png    [kvlink-sweep]
@@ -95,6 +105,13 @@ pub(crate) struct Args {
     pub(crate) out: String,
     pub(crate) memory: Memory,
     pub(crate) gpu: i32,
+    pub(crate) prefill_tp: u32,
+    pub(crate) decode_tp: u32,
+    pub(crate) tp_rank: u32,
+    pub(crate) head_major: bool,
+    pub(crate) groups: u32,
+    /// Whether --prefill-tp, --decode-tp or --groups was given (the multi-rank driver runs).
+    pub(crate) tp_given: bool,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -145,6 +162,12 @@ pub(crate) fn parse_args() -> Result<Args, String> {
         out: "kvlink-sweep".into(),
         memory: Memory::Host,
         gpu: 0,
+        prefill_tp: 1,
+        decode_tp: 1,
+        tp_rank: 0,
+        head_major: false,
+        groups: 1,
+        tp_given: false,
     };
     let mut block_tokens: Option<u32> = None;
     let mut block_bytes: Option<u64> = None;
@@ -186,6 +209,34 @@ pub(crate) fn parse_args() -> Result<Args, String> {
                 }
             }
             Long("gpu") => a.gpu = val(&mut p)?.parse().map_err(|e| format!("--gpu: {e}"))?,
+            Long("prefill-tp") => {
+                a.tp_given = true;
+                a.prefill_tp = val(&mut p)?
+                    .parse()
+                    .map_err(|e| format!("--prefill-tp: {e}"))?
+            }
+            Long("decode-tp") => {
+                a.tp_given = true;
+                a.decode_tp = val(&mut p)?
+                    .parse()
+                    .map_err(|e| format!("--decode-tp: {e}"))?
+            }
+            Long("tp-rank") => {
+                a.tp_rank = val(&mut p)?
+                    .parse()
+                    .map_err(|e| format!("--tp-rank: {e}"))?
+            }
+            Long("groups") => {
+                a.tp_given = true;
+                a.groups = val(&mut p)?.parse().map_err(|e| format!("--groups: {e}"))?
+            }
+            Long("head-layout") => {
+                a.head_major = match val(&mut p)?.as_str() {
+                    "nhd" => false,
+                    "hnd" => true,
+                    l => return Err(format!("unknown head layout {l:?} (nhd, hnd)")),
+                }
+            }
             Long("block-bytes") => block_bytes = Some(parse_size(&val(&mut p)?)?),
             Long("tensors") => {
                 tensors = val(&mut p)?
@@ -280,6 +331,37 @@ pub(crate) fn parse_args() -> Result<Args, String> {
             dtype: "u8",
         };
     }
+    kvlink::tp_sources(kvlink::TpRank::new(0, a.decode_tp.max(1)), a.prefill_tp).map_err(|e| {
+        format!(
+            "--prefill-tp {} --decode-tp {}: {e}",
+            a.prefill_tp, a.decode_tp
+        )
+    })?;
+    let own = if a.mode == Mode::Serve {
+        a.prefill_tp
+    } else {
+        a.decode_tp
+    };
+    if a.tp_rank >= own {
+        return Err(format!(
+            "--tp-rank {} is not a rank of a TP group of {own}",
+            a.tp_rank
+        ));
+    }
+    if a.groups == 0 || a.groups > a.shape.layers.min(64) {
+        return Err(format!(
+            "--groups {} (1 to {}: at most one per layer)",
+            a.groups,
+            a.shape.layers.min(64)
+        ));
+    }
+    if a.shape.kv_heads > 0 {
+        for size in [a.prefill_tp, a.decode_tp] {
+            a.shape
+                .rank_bytes_per_token(size)
+                .map_err(|e| format!("{e}; pick TP sizes that divide the model's heads"))?;
+        }
+    }
     if let Some(t) = block_tokens {
         if t == 0 || block_bytes.is_some() {
             return Err(
@@ -311,6 +393,11 @@ pub(crate) fn parse_args() -> Result<Args, String> {
 }
 
 impl Args {
+    /// Whether the run takes the TP-group driver (TP sizes or block groups given, even 1).
+    pub(crate) fn tp_run(&self) -> bool {
+        self.tp_given || self.prefill_tp != 1 || self.decode_tp != 1 || self.groups != 1
+    }
+
     pub(crate) fn blocks_per_request(&self) -> u32 {
         self.tokens.div_ceil(self.shape.tokens_per_block)
     }
@@ -322,6 +409,12 @@ impl Args {
 
     pub(crate) fn config(&self, listen: &str, advertise: Option<String>) -> EngineConfig {
         EngineConfig {
+            tp_rank: self.tp_rank,
+            tp_size: if self.mode == Mode::Serve {
+                self.prefill_tp
+            } else {
+                self.decode_tp
+            },
             listen: listen.to_string(),
             advertise_host: advertise,
             tcp_streams: self.streams,

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
-use kvlink::{BlockId, Engine, KvLayout, Region, RequestId, TransferReport};
+use kvlink::{BlockId, Engine, KvLayout, Region, RequestId, TpRank, TransferReport};
 
 use crate::args::{Args, Memory, Mode, Pattern};
 use crate::report::{fmt_bytes, report, sweep};
@@ -24,7 +24,7 @@ pub(crate) struct Outcome {
 }
 
 /// CPU time (user + system) of this process so far, in seconds, from /proc/self/stat.
-fn cpu_seconds() -> f64 {
+pub(crate) fn cpu_seconds() -> f64 {
     let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
         return 0.0;
     };
@@ -167,8 +167,8 @@ pub(crate) fn loopback(args: &Args, rng: &mut Rng) -> Result<Outcome, String> {
     let prefill = Engine::start(args.config("127.0.0.1:0", None)).map_err(|e| e.to_string())?;
     let decode = Engine::start(args.config("127.0.0.1:0", None)).map_err(|e| e.to_string())?;
     eprintln!("kvlink-bench: {}", prefill.capabilities().summary());
-    let remote = make_cache(&prefill, args, blocks, args.seed)?;
-    let local = make_cache(&decode, args, blocks, !args.seed)?;
+    let remote = make_cache(&prefill, args, blocks, args.seed, TpRank::SOLO)?;
+    let local = make_cache(&decode, args, blocks, !args.seed, TpRank::SOLO)?;
     let peer = prefill.handshake_address().to_string();
     let reference = match args.memory {
         Memory::Host => None,
@@ -207,7 +207,11 @@ pub(crate) fn run(args: Args) -> Result<(), String> {
     let mut rng = Rng(0x5EED ^ args.seed);
     match args.mode {
         Mode::Loopback => {
-            let o = loopback(&args, &mut rng)?;
+            let o = if args.tp_run() {
+                crate::tp::loopback_tp(&args, &mut rng)?
+            } else {
+                loopback(&args, &mut rng)?
+            };
             report(&args, "loopback", &o);
         }
         Mode::Sweep => sweep(&args)?,
@@ -219,11 +223,12 @@ pub(crate) fn run(args: Args) -> Result<(), String> {
                 ..args.config(&args.listen, Some(args.advertise.clone()))
             };
             let engine = Engine::start(config).map_err(|e| e.to_string())?;
-            let _cache = make_cache(&engine, &args, blocks, args.seed)?;
+            let tp = TpRank::new(args.tp_rank, args.prefill_tp);
+            let seed = crate::tp::prefill_seed(&args, tp.rank);
+            let _cache = make_cache(&engine, &args, blocks, seed, tp)?;
             eprintln!(
-                "kvlink-bench serve: {} with {blocks} blocks per tensor, seed {}; readers use --peer {}",
+                "kvlink-bench serve: {} ({tp}) with {blocks} blocks per tensor, seed {seed}; readers use --peer {}",
                 args.shape.name,
-                args.seed,
                 engine.handshake_address()
             );
             let mut last = engine.stats();
@@ -241,11 +246,22 @@ pub(crate) fn run(args: Args) -> Result<(), String> {
                 }
             }
         }
+        Mode::Read if args.tp_run() => {
+            let peers = args
+                .peer
+                .clone()
+                .expect("checked in parse_args")
+                .split(',')
+                .map(|p| p.trim().to_string())
+                .collect();
+            let o = crate::tp::read_tp(&args, peers, &mut rng)?;
+            report(&args, "read", &o);
+        }
         Mode::Read => {
             let peer = args.peer.clone().expect("checked in parse_args");
             let engine = Engine::start(args.config("0.0.0.0:0", Some(args.advertise.clone())))
                 .map_err(|e| e.to_string())?;
-            let local = make_cache(&engine, &args, blocks, !args.seed)?;
+            let local = make_cache(&engine, &args, blocks, !args.seed, TpRank::SOLO)?;
             let theirs = engine
                 .connect(&peer, Duration::from_secs(10))
                 .map_err(|e| e.to_string())?;

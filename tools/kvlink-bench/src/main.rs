@@ -12,6 +12,7 @@ mod args;
 mod chart;
 mod drive;
 mod report;
+mod tp;
 mod workload;
 
 use std::process::ExitCode;

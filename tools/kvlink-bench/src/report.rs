@@ -50,12 +50,13 @@ pub(crate) fn report(args: &Args, mode: &str, o: &Outcome) {
     let transport = o.reports.first().map(|r| r.transport).unwrap_or("tcp");
     if args.json {
         println!(
-            "{{\"mode\":\"{mode}\",\"transport\":\"{transport}\",\"preset\":\"{}\",\"tokens\":{},\"pattern\":\"{pattern}\",\"requests\":{},\"concurrency\":{},\"streams\":{},\"qps\":{},\"batch_bytes\":{},\"bytes\":{bytes},\"seconds\":{secs:.6},\"gb_per_s\":{gbps:.4},\"bytes_per_request\":{per_bytes},\"segments_per_request\":{},\"pieces_per_request\":{pieces},\"segments_per_s\":{:.1},\"work_requests_per_s\":{:.1},\"cpu_seconds\":{:.3},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"verified_bytes\":{},\"memory\":\"{}\",\"reference_gb_per_s\":{},\"bytes_staged_out\":{},\"bytes_staged_in\":{}}}",
+            "{{\"mode\":\"{mode}\",\"transport\":\"{transport}\",\"preset\":\"{}\",\"tokens\":{},\"pattern\":\"{pattern}\",\"requests\":{},\"concurrency\":{},\"streams\":{},\"qps\":{},\"batch_bytes\":{},\"bytes\":{bytes},\"seconds\":{secs:.6},\"gb_per_s\":{gbps:.4},\"bytes_per_request\":{per_bytes},\"segments_per_request\":{},\"pieces_per_request\":{pieces},\"segments_per_s\":{:.1},\"work_requests_per_s\":{:.1},\"cpu_seconds\":{:.3},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"verified_bytes\":{},\"memory\":\"{}\",\"reference_gb_per_s\":{},\"bytes_staged_out\":{},\"bytes_staged_in\":{},\"prefill_tp\":{},\"decode_tp\":{},\"groups\":{},\"head_layout\":\"{}\"}}",
             args.shape.name, args.tokens, o.reports.len(), args.concurrency, args.streams, args.qps, args.batch_bytes,
             segments / n, segments as f64 / secs, wrs as f64 / secs, o.cpu,
             p50.as_secs_f64() * 1e3, p99.as_secs_f64() * 1e3, max.as_secs_f64() * 1e3, o.verified,
             memory_name(args.memory), o.reference_gbps.map_or("null".to_string(), |r| format!("{r:.4}")),
-            o.staged.0, o.staged.1
+            o.staged.0, o.staged.1, args.prefill_tp, args.decode_tp, args.groups,
+            if args.head_major { "hnd" } else { "nhd" }
         );
         return;
     }
@@ -68,6 +69,25 @@ pub(crate) fn report(args: &Args, mode: &str, o: &Outcome) {
         args.blocks_per_request(),
         fmt_bytes(per_bytes as f64),
     );
+    if args.tp_run() {
+        println!(
+            "  tp         prefill TP {} -> decode TP {}{}, {} block group{}, {} blocks: each request read by every decode rank; bandwidth and requests count all decode ranks",
+            args.prefill_tp,
+            args.decode_tp,
+            if args.mode == crate::args::Mode::Read {
+                format!(" (this process: decode rank {})", args.tp_rank)
+            } else {
+                String::new()
+            },
+            args.groups,
+            if args.groups == 1 { "" } else { "s" },
+            if args.head_major {
+                "head-major (HND)"
+            } else {
+                "token-major (NHD)"
+            },
+        );
+    }
     let path = if transport == "rdma" {
         format!("{} queue pairs", args.qps)
     } else {

@@ -1,7 +1,7 @@
 //! What a run moves: the KV caches (registered memory, filled and laid out as the model's
 //! blocks) and the block ids of each request, drawn by pattern from a deterministic generator.
 
-use kvlink::{BlockId, Engine, KvLayout, Region};
+use kvlink::{BlockId, Engine, KvLayout, Region, TpRank};
 
 use crate::args::{Args, Memory, Pattern};
 
@@ -12,14 +12,20 @@ pub(crate) struct Cache {
     _emulated: Option<Box<[u8]>>,
 }
 
+/// The KV cache of rank `tp` (its share of the model's KV heads, declared so that ranks of
+/// other TP sizes can read it; layers dealt round-robin over `--groups` block groups), filled
+/// with the pattern of `seed`.
 pub(crate) fn make_cache(
     engine: &Engine,
     args: &Args,
     blocks: u32,
     seed: u64,
+    tp: TpRank,
 ) -> Result<Cache, String> {
     let shape = &args.shape;
-    let bytes = shape.region_bytes(blocks);
+    let bytes = shape
+        .region_bytes_tp(blocks, tp.size)
+        .map_err(|e| e.to_string())?;
     let mut emulated = None;
     let region = match args.memory {
         Memory::Host => engine.allocate_host(bytes, false),
@@ -38,7 +44,12 @@ pub(crate) fn make_cache(
     .map_err(|e| e.to_string())?;
     // Fill (this also faults every page in, so the run measures transfers, not page faults).
     kvlink::verify::fill(&region, seed).map_err(|e| e.to_string())?;
-    let layout = shape.layout(region.id(), blocks);
+    let mut layout = shape
+        .layout_tp(region.id(), blocks, tp, args.head_major)
+        .map_err(|e| e.to_string())?;
+    for (i, t) in layout.tensors.iter_mut().enumerate() {
+        t.group = (i as u32 / shape.tensors_per_layer) % args.groups;
+    }
     engine
         .set_layout(layout.clone())
         .map_err(|e| e.to_string())?;
