@@ -177,3 +177,50 @@ fn unpairable_sizes_and_partial_sources_are_refused_with_the_reason() {
         .to_string();
     assert!(err.contains("neither is a multiple"), "{err}");
 }
+
+#[test]
+fn one_prefill_rank_failing_fails_the_read_names_it_and_every_rank_hears() {
+    let shape = ModelShape::QWEN25_7B;
+    let p: Vec<_> = (0..2)
+        .map(|r| {
+            rank(
+                &shape,
+                TpRank::new(r, 2),
+                16,
+                Some(9 + u64::from(r)),
+                true,
+                false,
+                tcp(),
+            )
+        })
+        .collect();
+    let d = rank(&shape, TpRank::SOLO, 16, None, true, false, tcp());
+    let addrs: Vec<String> = p
+        .iter()
+        .map(|r| r.engine.handshake_address().to_string())
+        .collect();
+    // Only rank 1 holds the request: rank 0 refuses its part.
+    let blocks: Vec<u32> = (0..16).collect();
+    p[1].engine.hold_blocks("half-held", &blocks).unwrap();
+    d.engine
+        .read(ReadRequest {
+            id: RequestId::from("half-held"),
+            remote_id: RequestId::from("half-held"),
+            from: ReadFrom::TpGroup(addrs),
+            local: vec![blocks.clone()],
+            remote: vec![blocks],
+        })
+        .unwrap();
+    let f = collect(&d.engine, Duration::from_secs(20), |f| !f.failed.is_empty());
+    let reason = &f.failed[0].reason;
+    assert!(
+        reason.contains("prefill rank 0") && reason.contains("not held"),
+        "{reason}"
+    );
+    // Rank 1 hears how its part ended (done, or aborted if it was still being read) at once,
+    // not at its abort timeout.
+    let sent = collect(&p[1].engine, Duration::from_secs(10), |f| !f.is_empty());
+    assert_eq!(sent.sending.len() + sent.failed.len(), 1, "{sent:?}");
+    assert_eq!(p[1].engine.in_flight(), (0, 0));
+    assert_eq!(d.engine.in_flight(), (0, 0));
+}

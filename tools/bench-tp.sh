@@ -68,5 +68,5 @@ print("| prefill -> decode | GB/s (median) | vs same TP (1 -> 1, same model) | r
 print("|---|---|---|---|")
 for name, m, vals in med:
     base = ref["mla"] if name.startswith("mla") else ref[""]
-    print(f"| {name} | {m:.2f} | {m / base:.2f}x | {', '.join(f'{v:.2f}' for v in vals)} |")
+    print(f"| {name} | {m:.3g} | {m / base:.2f}x | {', '.join(f'{v:.3g}' for v in vals)} |")
 PY

@@ -17,7 +17,7 @@ set -euo pipefail
 
 # Fewer tests than these, run for real (skips excluded), fail the part.
 MIN_HOST=160
-MIN_KEYED=15
+MIN_KEYED=23
 MIN_PYTHON=45
 MIN_VM=16
 MIN_VLLM=20
@@ -124,7 +124,7 @@ echo "test: cargo test with a deployment key (KVLINK_AUTH_KEY; transfer suites)"
 klog=$(mktemp)
 set +e
 KVLINK_AUTH_KEY=test-suite-deployment-key-0123456789 cargo test -p kvlink --no-fail-fast \
-  --test e2e_tcp --test two_process --test gpu 2>&1 | tee "$klog"
+  --test e2e_tcp --test two_process --test gpu --test hetero_tp 2>&1 | tee "$klog"
 key_rc=${PIPESTATUS[0]}
 set -e
 tally_cargo "$klog" "$key_rc" "$MIN_KEYED" "keyed host"

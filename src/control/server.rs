@@ -249,7 +249,10 @@ async fn session(
             what: "sending the descriptor".into(),
             after: timeouts.handshake,
         })??;
-    tracing::info!(%peer, engine = %theirs.engine_id, rank = theirs.tp_rank, "handshake accepted");
+    tracing::info!(
+        %peer, engine = %theirs.engine_id, rank = theirs.tp_rank, tp = %ours.tp_relation(&theirs),
+        "handshake accepted"
+    );
 
     // Notices, keep-alives and queue-pair exchanges until the reader goes away or falls silent.
     let idle = timeouts.keepalive * 3;

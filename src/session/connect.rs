@@ -34,6 +34,14 @@ async fn connect(shared: &Arc<EngineState>, peer: &str, generation: u64) -> Resu
         shared.control_timeouts(),
     )
     .await?;
+    if theirs.tp_size != ours.tp_size {
+        tracing::info!(
+            peer,
+            rank = theirs.tp_rank,
+            "TP relation: {}",
+            ours.tp_relation(&theirs)
+        );
+    }
     let transport: Box<dyn Transport> = match (&shared.rdma, theirs.rdma(), cfg.transport) {
         (Some(dev), Some((their_dev, regions)), choice) if choice != TransportChoice::Tcp => {
             let (prepared, qps) = RdmaConnection::prepare(dev, cfg.rdma.qps).map_err(rdma_setup)?;

@@ -247,10 +247,9 @@ async fn read_to_end(
                 },
             ),
         };
-        let secondary = matches!(e, Error::Cancelled(_));
         let better = match &first_err {
             None => true,
-            Some((_, _, prev)) => matches!(prev, Error::Cancelled(_)) && !secondary,
+            Some((_, _, prev)) => stopped_by_another(prev) && !stopped_by_another(&e),
         };
         if better {
             first_err = Some((i, expired, e));
@@ -358,6 +357,16 @@ async fn read_to_end(
             };
             shared.with_tracker(|t| t.recv_failed(&job.id, cause, reason));
         }
+    }
+}
+
+/// Whether `e` only says the source was stopped (cancelled), as happens to the other sources
+/// when one fails: the failing source's own error says more.
+fn stopped_by_another(e: &Error) -> bool {
+    match e {
+        Error::Cancelled(_) => true,
+        Error::Rdma(r) => r.kind == crate::error::RdmaErrorKind::Cancelled,
+        _ => false,
     }
 }
 
