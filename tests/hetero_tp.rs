@@ -164,6 +164,26 @@ fn unpairable_sizes_and_partial_sources_are_refused_with_the_reason() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("neither is a multiple"), "{err}");
+    // One engine that this rank does not pair with (decode rank 1 of 2 and prefill rank 0 of
+    // 2): refused with the reason, as the prefill would not admit it as a reader.
+    let d1 = rank(&mla, TpRank::new(1, 2), 2, None, false, false, tcp());
+    pm.engine.hold_blocks("unpaired", &[0]).unwrap();
+    d1.engine
+        .read_blocks(
+            &pm.engine.handshake_address().to_string(),
+            "unpaired",
+            &[1],
+            &[0],
+        )
+        .unwrap();
+    let f = collect(&d1.engine, Duration::from_secs(20), |f| {
+        !f.failed.is_empty()
+    });
+    assert!(
+        f.failed[0].reason.contains("does not read"),
+        "{:?}",
+        f.failed
+    );
     // A group of sizes that cannot pair is refused at once.
     let err = e3
         .read(ReadRequest {

@@ -71,7 +71,12 @@ impl Held {
         admit: bool,
     ) -> std::result::Result<Option<usize>, String> {
         let who = &reader.engine;
-        if let Some(i) = self.readers.iter().position(|r| &r.engine == who) {
+        // The same engine at the same rank (a named reader at any rank) is the same reader.
+        if let Some(i) = self
+            .readers
+            .iter()
+            .position(|r| &r.engine == who && (self.named.is_some() || r.rank == reader.tp.rank))
+        {
             return Ok(Some(i));
         }
         if let Some(n) = &self.named {

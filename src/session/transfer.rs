@@ -16,7 +16,7 @@ use crate::ids::{BlockId, RequestId};
 use crate::memory::RegionSpan;
 use crate::plan::{plan_read, tensor_reads, PlanOptions};
 use crate::state::EngineState;
-use crate::tp::TpRank;
+use crate::tp::{self, TpRank};
 use crate::transport::{ReadCancel, ReadOp, RequestCtl};
 
 /// One engine a read draws on.
@@ -109,8 +109,6 @@ pub(crate) fn run_read(
 struct SourceOutcome {
     /// The session the read used (its control connection carries the notice).
     conn: Option<Arc<PeerConn>>,
-    /// The control of the last attempt (waited on before the read is reported).
-    ctl: Arc<RequestCtl>,
     /// What the read came to; `Err` when the transport did not stop by the backstop.
     result: std::result::Result<Result<SourceReport>, tokio::time::error::Elapsed>,
 }
@@ -175,7 +173,6 @@ async fn read_source(
     let conn = used.or_else(|| sessions.ready_conn(&source.peer));
     SourceOutcome {
         conn,
-        ctl,
         result: outcome,
     }
 }
@@ -199,16 +196,20 @@ async fn read_sources(
     }
     let mut out: Vec<Option<SourceOutcome>> = job.sources.iter().map(|_| None).collect();
     while let Some(done) = tasks.join_next().await {
-        // A source task only ends early when the runtime stops (the guard reports that).
-        if let Ok((i, o)) = done {
-            out[i] = Some(o);
+        match done {
+            Ok((i, o)) => out[i] = Some(o),
+            // A source task that panicked (or the runtime stopping): the other sources stop,
+            // and the read waits for every attempt's writes before it is reported.
+            Err(e) => {
+                tracing::error!(id = %job.id, error = %e, "a source of a read ended without a result");
+                cancel.stop();
+            }
         }
     }
     out.into_iter()
         .map(|o| {
             o.unwrap_or_else(|| SourceOutcome {
                 conn: None,
-                ctl: cancel.attempt(),
                 result: Ok(Err(Error::ConnectionLost {
                     peer: String::new(),
                     reason: "the source's task ended without a result".into(),
@@ -287,13 +288,16 @@ async fn read_to_end(
             e
         }
     });
+    // A failed read is reported only once no attempt of any source writes into its blocks.
+    if failure.is_some() {
+        for ctl in cancel.attempts() {
+            ctl.cancel_async(shared.config.io_timeout).await;
+        }
+    }
     // Each source hears how its part ended: done when all its bytes are here (and the caller
     // did not cancel), else aborted with the read's reason.
     for (s, o) in job.sources.iter().zip(&outcomes) {
         let part_done = matches!(o.result, Ok(Ok(_))) && !by_caller;
-        if !part_done {
-            o.ctl.cancel_async(shared.config.io_timeout).await;
-        }
         let msg = match (part_done, &reason) {
             (true, _) | (false, None) => Message::Done {
                 request_id: job.remote_id.clone(),
@@ -397,6 +401,7 @@ async fn read_once(
     *used = Some(conn.clone());
     let d = &conn.descriptor;
     let theirs = TpRank::new(d.tp_rank, d.tp_size);
+    let ours = TpRank::new(shared.config.tp_rank, shared.config.tp_size);
     let range = match &source.rank {
         Some((want, range)) => {
             if *want != theirs {
@@ -408,12 +413,20 @@ async fn read_once(
             }
             range.clone()
         }
+        // One engine: it must be a rank this one pairs with, as its hold admits only those.
+        None if !tp::reads(ours, theirs) => {
+            return Err(Error::invalid(format!(
+                "the engine at {} is prefill {theirs}, which this engine ({ours}) does not read: \
+                 a decode rank reads the prefill ranks tp_sources names (read from the whole \
+                 prefill TP group to have them chosen)",
+                source.peer
+            )))
+        }
         None => theirs.rank..theirs.rank + 1,
     };
     let local_layout = shared
         .layout()
         .ok_or_else(|| Error::invalid("this engine's KV layout was removed"))?;
-    let ours = TpRank::new(shared.config.tp_rank, shared.config.tp_size);
     let reads = tensor_reads(&local_layout, ours, &d.layout, theirs, range)?;
     let opts = PlanOptions {
         max_segment_bytes: shared.config.batch_bytes,

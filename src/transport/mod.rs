@@ -134,6 +134,11 @@ impl ReadCancel {
         }
     }
 
+    /// Every attempt's control so far.
+    pub(crate) fn attempts(&self) -> Vec<std::sync::Arc<RequestCtl>> {
+        self.attempts.lock().clone()
+    }
+
     /// Whether the caller cancelled the read.
     pub(crate) fn by_caller(&self) -> bool {
         self.by_caller.load(Ordering::Acquire)

@@ -399,8 +399,11 @@ def test_hybrid_kv_cache_groups_full_and_sliding_window(prefill_tp, decode_tp):
         prefill.wait_ready()
         decode.wait_ready()
         rng = random.Random(5)
-        # Long prompts: the window (48 tokens) sees only the last few blocks.
-        prompts = {f"w{i}": [rng.randrange(10, 1000) for _ in range(rng.randrange(60, 220))] for i in range(5)}
+        # Long prompts: the window (48 tokens) sees only the last few blocks. The last two are
+        # prefilled in chunks of 256 tokens (513: a last chunk of one token, after which the
+        # prefill has freed the blocks its window left behind).
+        lengths = [rng.randrange(60, 220) for _ in range(3)] + [300, 513]
+        prompts = {f"w{i}": [rng.randrange(10, 1000) for _ in range(n)] for i, n in enumerate(lengths)}
         params = run_prefill(prefill, prompts)
         for rid, prompt in prompts.items():
             groups = params[rid]["remote_block_ids"]

@@ -611,7 +611,9 @@ class _WorkerSide:
                 self.load_errors.update(spec.all_local())
                 self.failed_now.add(rid)
                 self.stats.record_failure("refused")
-                self._reject(spec.remote_addresses, spec.remote_request_id, f"read refused by the decode: {e}")
+                # This rank's own sources: a prefill rank read by several decode ranks waits
+                # for each of them.
+                self._reject(spec.remote_addresses, spec.remote_request_id, f"read refused by the decode: {e}", own=True)
                 continue
             self.reading[rid] = spec.all_local()
         for rid in meta.cancels:
@@ -620,14 +622,15 @@ class _WorkerSide:
         for addresses, remote_id, reason in meta.rejects:
             self._reject(addresses, remote_id, reason)
 
-    def _reject(self, addresses: List[str], remote_id: str, reason: str) -> None:
-        """Tells the prefill ranks this rank reads that a request will not be read (when
-        several decode ranks read one prefill rank, the first of them tells it); with TP sizes
-        that cannot pair, rank 0 tells every prefill rank."""
+    def _reject(self, addresses: List[str], remote_id: str, reason: str, own: bool = False) -> None:
+        """Tells the prefill ranks this rank reads that a request will not be read. For the
+        scheduler's rejects (every rank gets them) the first of several decode ranks reading
+        one prefill rank tells it; ``own`` (this rank alone gave up) tells this rank's sources
+        whatever its place. With TP sizes that cannot pair, rank 0 tells every prefill rank."""
         p, d = len(addresses), self.tp_size
         try:
             targets = [addresses[r] for r in kvlink.tp_sources(self.tp_rank, d, p)]
-            if d > p and self.tp_rank % (d // p) != 0:
+            if d > p and self.tp_rank % (d // p) != 0 and not own:
                 targets = []
         except kvlink.InvalidArgument:
             targets = list(addresses) if self.tp_rank == 0 else []
@@ -716,15 +719,14 @@ class _Producing:
     """Per KV cache group, the block at each position of the prompt (0 where none is sent)."""
 
 
-def _group_tails(kv_cache_config: Optional["KVCacheConfig"], block_size: int) -> List[int]:
-    """Per KV cache group, how many trailing blocks of a prompt are sent (0: all). A
-    sliding-window group sends only the blocks its window can still see (as the prefill frees
-    the others); an SSM state group is refused."""
+def _group_windows(kv_cache_config: Optional["KVCacheConfig"]) -> List[int]:
+    """Per KV cache group, its sliding window in tokens (0: full attention). An SSM state
+    group is refused."""
     if kv_cache_config is None:
         return [0]
     from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
-    tails = []
+    windows = []
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
@@ -733,11 +735,8 @@ def _group_tails(kv_cache_config: Optional["KVCacheConfig"], block_size: int) ->
                 "which kvlink does not transfer yet; attention groups (full, sliding window) are "
                 "supported"
             )
-        if isinstance(spec, SlidingWindowSpec):
-            tails.append(math.ceil(spec.sliding_window / spec.block_size) + 1)
-        else:
-            tails.append(0)
-    return tails
+        windows.append(spec.sliding_window if isinstance(spec, SlidingWindowSpec) else 0)
+    return windows
 
 
 def _clip(ids: List[int], tail: int) -> List[int]:
@@ -753,7 +752,10 @@ class _SchedulerSide:
     def __init__(self, owner: KvlinkConnector, kv_cache_config: Optional["KVCacheConfig"]):
         self.owner = owner
         self.block_size = owner._block_size
-        self.tails = _group_tails(kv_cache_config, self.block_size)
+        self.windows = _group_windows(kv_cache_config)
+        # The prefill holds a sliding-window group's last blocks, one more than the window
+        # spans (it may not be aligned with the blocks).
+        self.tails = [math.ceil(w / self.block_size) + 1 if w else 0 for w in self.windows]
         self.addresses: Optional[List[str]] = None
         self.producing: Dict[str, _Producing] = {}
         self.local_hits: Dict[str, int] = {}
@@ -842,10 +844,15 @@ class _SchedulerSide:
             return
         assert not isinstance(remote, str), remote  # checked by matched_tokens
         first = local_hit // self.block_size
-        end = math.ceil((local_hit + num_external_tokens) / self.block_size)
+        total = local_hit + num_external_tokens
+        end = math.ceil(total / self.block_size)
         local_groups, remote_groups = [], []
         refused = ""
         for g, (local_all, theirs) in enumerate(zip(blocks.get_block_ids(), remote.blocks)):
+            # A sliding window's group needs only the blocks of its last tokens: vLLM skips
+            # the tokens before ``total - window + 1`` (and the prefill may have freed them).
+            w = self.windows[g]
+            need = max(first, max(0, total - w + 1) // self.block_size) if w else first
             if end > len(theirs) or end > len(local_all):
                 # matched_tokens bounds the count by the remote blocks; this cannot happen
                 # unless vLLM allocated fewer blocks than the tokens need. Fail the read,
@@ -855,8 +862,7 @@ class _SchedulerSide:
                     f"{len(theirs)}, {len(local_all)} are allocated"
                 )
                 break
-            mine = _clip(list(local_all[:end]), self.tails[g])
-            pairs = [(mine[i], theirs[i]) for i in range(first, end) if mine[i]]
+            pairs = [(local_all[i], theirs[i]) for i in range(need, end) if local_all[i]]
             if any(r == 0 for _, r in pairs):
                 refused = f"the prefill sent no block for a position this engine needs in KV cache group {g}"
                 break
