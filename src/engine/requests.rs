@@ -16,9 +16,11 @@ use crate::tp::{self, TpRank};
 /// Where a read takes its blocks from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReadFrom {
-    /// One engine, at its handshake address, whatever its TP rank: it must hold every KV head
-    /// this engine needs (the same TP size and the paired rank, a prefill of TP 1, or a layout
-    /// without heads such as MLA's).
+    /// One engine, at its handshake address: a prefill rank this engine pairs with
+    /// ([`tp_sources`]; with the same TP size, the same rank), refused otherwise once its
+    /// descriptor is known, and it must hold every KV head this engine needs (a prefill of the
+    /// same or a smaller TP size does; so does any rank for a layout without heads, such as
+    /// MLA's).
     Engine(String),
     /// Every rank of the prefill's TP group, by handshake address in rank order. This engine
     /// reads the ranks its own rank needs (`tp_sources`): one rank when the decode's TP size

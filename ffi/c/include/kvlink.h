@@ -700,8 +700,9 @@ int kvlink_engine_wait_finished(struct kvlink_engine *engine,
 /**
  * Starts a read with block ids per block group (`groups` lists: `local[g]` and `remote[g]`
  * hold `counts[g]` ids each, paired one to one), from one engine or from a prefill's TP
- * group. With `tp_group` 0, `peers` holds one handshake address and that engine is read
- * whatever its TP rank (it must hold every KV head this engine needs). With `tp_group` 1,
+ * group. With `tp_group` 0, `peers` holds one handshake address and that engine is read: it
+ * must be a prefill rank this engine pairs with (`kvlink_tp_sources`) and hold every KV head
+ * this engine needs. With `tp_group` 1,
  * `peers` holds the prefill's `num_peers` handshake addresses in rank order and this engine
  * reads the ranks `kvlink_tp_sources` names: its share of one rank's heads, or the heads of
  * several ranks side by side (the TP sizes must be multiples of one another). The read is
