@@ -137,7 +137,7 @@ class Engine:
         )
         config.cache_config.num_gpu_blocks = num_blocks
         # TP ranks live in this one process (no torch.distributed on CPU): each rank's
-        # worker-side connector is made while kvlink.vllm._tp_rank answers that rank.
+        # worker-side connector is made while kvlink.vllm.worker._tp_rank answers that rank.
         config.parallel_config.tensor_parallel_size = tp
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         self.heads = KV_HEADS // tp  # this engine's heads per rank
@@ -164,17 +164,17 @@ class Engine:
             structured_output_manager=StructuredOutputManager(config),
             block_size=BLOCK_SIZE,
         )
-        import kvlink.vllm as kv_vllm
+        import kvlink.vllm.worker as kv_worker
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
-        rank_of = kv_vllm._tp_rank
+        rank_of = kv_worker._tp_rank
         self.workers = []
         try:
             for r in range(tp):
-                kv_vllm._tp_rank = lambda r=r: r
+                kv_worker._tp_rank = lambda r=r: r
                 self.workers.append(KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config))
         finally:
-            kv_vllm._tp_rank = rank_of
+            kv_worker._tp_rank = rank_of
         # vLLM's own combination of the ranks' transfer results (a request is finished once
         # every rank reported it).
         self.aggregator = KVOutputAggregator.from_connector(self.workers[0], tp)

@@ -464,7 +464,7 @@ def test_head_runs_agree_across_tp_sizes():
     head included), so ranks of different TP sizes can pair."""
     import torch
 
-    from kvlink.vllm import _head_split
+    from kvlink.vllm.layout import _head_split
 
     for heads in (4, 2, 1):
         nhd = torch.zeros(16, heads, 8)

@@ -538,26 +538,6 @@ int kvlink_engine_register_device(struct kvlink_engine *engine,
 int kvlink_engine_deregister(struct kvlink_engine *engine, uint32_t region_id);
 
 /**
- * Sets the KV layout (validated against the registered regions) and publishes it to peers.
- *
- * `tensors` points to `count` tensors (1 to 16384) in the order both engines agree on
- * (layer-major, K before V); they are named `t0`, `t1`, ... in logs. `dtype` is the element
- * type tag (`"bf16"`, `"fp8_e4m3"`, ...), 1 to 32 bytes; peers must agree on it and on
- * `tokens_per_block`. Both are only read during the call.
- *
- * Returns `KVLINK_OK` or `KVLINK_E_INVALID` (the last error names the offending tensor).
- *
- * # Safety
- * `engine` is NULL or a live engine; `dtype` is NULL or NUL-terminated; `tensors` is NULL or
- * points to `count` valid `kvlink_tensor`s.
- */
-int kvlink_engine_set_layout(struct kvlink_engine *engine,
-                             uint32_t tokens_per_block,
-                             const char *dtype,
-                             const struct kvlink_tensor *tensors,
-                             size_t count);
-
-/**
  * Connects to the engine at `peer` (its handshake address), or reuses the cached connection,
  * waiting up to `timeout_ms`; optional, as `kvlink_engine_read_blocks` connects on first use.
  * Stores the number of blocks of the peer's cache in `*peer_blocks` unless it is NULL.
@@ -696,6 +676,26 @@ int kvlink_engine_hold_blocks(struct kvlink_engine *engine,
 int kvlink_engine_wait_finished(struct kvlink_engine *engine,
                                 uint64_t timeout_ms,
                                 struct kvlink_finished **out);
+
+/**
+ * Sets the KV layout (validated against the registered regions) and publishes it to peers.
+ *
+ * `tensors` points to `count` tensors (1 to 16384) in the order both engines agree on
+ * (layer-major, K before V); they are named `t0`, `t1`, ... in logs. `dtype` is the element
+ * type tag (`"bf16"`, `"fp8_e4m3"`, ...), 1 to 32 bytes; peers must agree on it and on
+ * `tokens_per_block`. Both are only read during the call.
+ *
+ * Returns `KVLINK_OK` or `KVLINK_E_INVALID` (the last error names the offending tensor).
+ *
+ * # Safety
+ * `engine` is NULL or a live engine; `dtype` is NULL or NUL-terminated; `tensors` is NULL or
+ * points to `count` valid `kvlink_tensor`s.
+ */
+int kvlink_engine_set_layout(struct kvlink_engine *engine,
+                             uint32_t tokens_per_block,
+                             const char *dtype,
+                             const struct kvlink_tensor *tensors,
+                             size_t count);
 
 /**
  * Starts a read with block ids per block group (`groups` lists: `local[g]` and `remote[g]`

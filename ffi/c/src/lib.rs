@@ -29,6 +29,8 @@ mod config;
 
 mod engine;
 
+mod layout;
+
 mod tp;
 
 mod messages;
@@ -51,8 +53,7 @@ pub use crate::engine::{
     kvlink_engine, kvlink_engine_allocate_host, kvlink_engine_capabilities, kvlink_engine_connect,
     kvlink_engine_deregister, kvlink_engine_free, kvlink_engine_handshake_address,
     kvlink_engine_hold_blocks, kvlink_engine_read_blocks, kvlink_engine_register_device,
-    kvlink_engine_register_host, kvlink_engine_set_layout, kvlink_engine_start,
-    kvlink_engine_wait_finished, kvlink_tensor,
+    kvlink_engine_register_host, kvlink_engine_start, kvlink_engine_wait_finished,
 };
 pub use crate::events::{
     kvlink_event_batch, kvlink_event_batch_all_cleared, kvlink_event_batch_block_removed,
@@ -67,6 +68,7 @@ pub use crate::finished::{
     kvlink_finished_reason, kvlink_finished_report_peer, kvlink_finished_side,
 };
 pub use crate::guard::{kvlink_last_error, kvlink_version};
+pub use crate::layout::{kvlink_engine_set_layout, kvlink_tensor};
 pub use crate::messages::{
     kvlink_engine_send_message, kvlink_engine_take_messages, kvlink_messages,
     kvlink_messages_count, kvlink_messages_free, kvlink_messages_get,

@@ -41,17 +41,18 @@ pub(crate) fn request_id(obj: &Bound<'_, PyAny>) -> PyResult<RequestId> {
     Ok(id)
 }
 
-pub(crate) fn block_ids(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    // numpy arrays (and tensors) convert to a list in one C call, far faster than extracting
-    // element by element.
-    let list;
-    let obj = if !obj.is_instance_of::<PyList>() && obj.hasattr("tolist")? {
-        list = obj.call_method0("tolist")?;
-        &list
+/// `obj` as a list when it is an array (numpy arrays and tensors convert to a list in one C
+/// call, far faster than extracting element by element), else `obj` itself.
+fn listed<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    if !obj.is_instance_of::<PyList>() && obj.hasattr("tolist")? {
+        obj.call_method0("tolist")
     } else {
-        obj
-    };
-    obj.extract::<Vec<u32>>().map_err(|_| {
+        Ok(obj.clone())
+    }
+}
+
+pub(crate) fn block_ids(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    listed(obj)?.extract::<Vec<u32>>().map_err(|_| {
         InvalidArgument::new_err(format!(
             "{name} must be a sequence of non-negative block ids below 2**32"
         ))
@@ -61,13 +62,7 @@ pub(crate) fn block_ids(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>
 /// Block ids per block group: a flat sequence of ids (one group), or a sequence of such
 /// sequences (one per group of the layout).
 pub(crate) fn block_groups(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
-    let list;
-    let obj = if !obj.is_instance_of::<PyList>() && obj.hasattr("tolist")? {
-        list = obj.call_method0("tolist")?;
-        &list
-    } else {
-        obj
-    };
+    let obj = listed(obj)?;
     if let Ok(flat) = obj.extract::<Vec<u32>>() {
         return Ok(vec![flat]);
     }

@@ -1,0 +1,321 @@
+"""The connector's scheduler side: what each worker must hold, read, cancel or reject per
+step, per KV cache group, and the validation of the transfer parameters a client relays."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+from vllm.logger import init_logger
+
+import kvlink
+
+from .metadata import KvlinkConnectorMetadata, KvlinkHandshakeMetadata, ReadSpec
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from . import KvlinkConnector
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _Producing:
+    request: "Request"
+    held: Optional[List[List[int]]] = None
+    """Per KV cache group, the block at each position of the prompt (0 where none is sent)."""
+
+
+def _group_windows(kv_cache_config: Optional["KVCacheConfig"]) -> List[int]:
+    """Per KV cache group, its sliding window in tokens (0: full attention). An SSM state
+    group is refused."""
+    if kv_cache_config is None:
+        return [0]
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    windows = []
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            raise ValueError(
+                f"KvlinkConnector: KV cache group {g} holds SSM state ({type(spec).__name__}), "
+                "which kvlink does not transfer yet; attention groups (full, sliding window) are "
+                "supported"
+            )
+        windows.append(spec.sliding_window if isinstance(spec, SlidingWindowSpec) else 0)
+    return windows
+
+
+def _clip(ids: List[int], tail: int) -> List[int]:
+    """A group's blocks with the positions before its last ``tail`` set to 0 (not sent)."""
+    if not tail or len(ids) <= tail:
+        return list(ids)
+    return [0] * (len(ids) - tail) + list(ids[-tail:])
+
+
+class _SchedulerSide:
+    """The scheduler's view: what each worker must hold, read, cancel or reject per step."""
+
+    def __init__(self, owner: KvlinkConnector, kv_cache_config: Optional["KVCacheConfig"]):
+        self.owner = owner
+        self.block_size = owner._block_size
+        self.windows = _group_windows(kv_cache_config)
+        # The prefill holds a sliding-window group's last blocks, one more than the window
+        # spans (it may not be aligned with the blocks).
+        self.tails = [math.ceil(w / self.block_size) + 1 if w else 0 for w in self.windows]
+        self.addresses: Optional[List[str]] = None
+        self.producing: Dict[str, _Producing] = {}
+        self.local_hits: Dict[str, int] = {}
+        self.meta = KvlinkConnectorMetadata()
+        # Decode: reads handed to the workers and not reported finished yet.
+        self.reading: Set[str] = set()
+        # Requests whose unusable parameters were already logged.
+        self.warned: Set[str] = set()
+
+    def set_addresses(self, metadata: Dict[int, KVConnectorHandshakeMetadata]) -> None:
+        ranks = sorted(metadata)
+        if ranks != list(range(len(ranks))):
+            raise ValueError(f"KvlinkConnector: handshake metadata for TP ranks {ranks}")
+        addresses = []
+        for r in ranks:
+            m = metadata[r]
+            if not isinstance(m, KvlinkHandshakeMetadata):
+                raise TypeError(f"KvlinkConnector: rank {r} sent {type(m).__name__}, not KvlinkHandshakeMetadata")
+            addresses.append(m.address)
+        self.addresses = addresses
+        logger.info("KvlinkConnector: prefill addresses per TP rank: %s", addresses)
+
+    # -- decode side --
+
+    def _usable(self, remote: "_Remote") -> Optional[str]:
+        """Why this engine cannot read from the prefill the parameters name, if it cannot."""
+        tp = self.owner._tp_size
+        try:
+            kvlink.tp_sources(0, tp, len(remote.addresses))
+        except kvlink.InvalidArgument:
+            return (
+                f"the prefill has {len(remote.addresses)} TP ranks and this engine {tp}; one "
+                "must be a multiple of the other"
+            )
+        if len(remote.blocks) != len(self.tails):
+            return (
+                f"the prefill sent blocks of {len(remote.blocks)} KV cache groups; this engine "
+                f"has {len(self.tails)}"
+            )
+        return None
+
+    def matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params:
+            return 0, False
+        if params.get("do_remote_decode"):
+            self.producing.setdefault(request.request_id, _Producing(request))
+            return 0, False
+        if not params.get("do_remote_prefill"):
+            return 0, False
+        remote = _remote(params, self.block_size)
+        if not isinstance(remote, str):
+            why = self._usable(remote)
+            if why is not None:
+                remote = why
+        if isinstance(remote, str):
+            # Malformed or unusable parameters come from a client: compute locally, and let
+            # after_alloc tell whatever prefill the parameters name.
+            if request.request_id not in self.warned:
+                self.warned.add(request.request_id)
+                logger.warning("KvlinkConnector: %s: %s; computing it locally", request.request_id, remote)
+            return 0, False
+        # Only what the prefill can deliver counts: its tokens, within the blocks it offered.
+        offered = min(len(g) for g in remote.blocks) * self.block_size
+        available = min(remote.num_tokens, offered, request.num_prompt_tokens)
+        count = available - num_computed_tokens
+        self.local_hits[request.request_id] = num_computed_tokens
+        if count > 0:
+            return count, True
+        return 0, False
+
+    def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False
+        rid = request.request_id
+        local_hit = self.local_hits.pop(rid, 0)
+        self.warned.discard(rid)
+        remote = _remote(params, self.block_size)
+        if num_external_tokens <= 0:
+            # Nothing to read (a local hit, or parameters this engine cannot use): the
+            # prefill may free its blocks now.
+            if not isinstance(remote, str):
+                self.meta.rejects.append((remote.addresses, remote.request_id, "nothing to read from this prefill"))
+            return
+        assert not isinstance(remote, str), remote  # checked by matched_tokens
+        first = local_hit // self.block_size
+        total = local_hit + num_external_tokens
+        end = math.ceil(total / self.block_size)
+        local_groups, remote_groups = [], []
+        refused = ""
+        for g, (local_all, theirs) in enumerate(zip(blocks.get_block_ids(), remote.blocks)):
+            # A sliding window's group needs only the blocks of its last tokens: vLLM skips
+            # the tokens before ``total - window + 1`` (and the prefill may have freed them).
+            w = self.windows[g]
+            need = max(first, max(0, total - w + 1) // self.block_size) if w else first
+            if end > len(theirs) or end > len(local_all):
+                # matched_tokens bounds the count by the remote blocks; this cannot happen
+                # unless vLLM allocated fewer blocks than the tokens need. Fail the read,
+                # never read less.
+                refused = (
+                    f"blocks up to {end} are needed in KV cache group {g}; the prefill offered "
+                    f"{len(theirs)}, {len(local_all)} are allocated"
+                )
+                break
+            pairs = [(local_all[i], theirs[i]) for i in range(need, end) if local_all[i]]
+            if any(r == 0 for _, r in pairs):
+                refused = f"the prefill sent no block for a position this engine needs in KV cache group {g}"
+                break
+            local_groups.append([l for l, _ in pairs])
+            remote_groups.append([r for _, r in pairs])
+        if refused:
+            logger.error("KvlinkConnector: %s: %s", rid, refused)
+            local_groups = [list(ids) for ids in blocks.get_block_ids()]
+            remote_groups = [[] for _ in local_groups]
+        self.meta.reads[rid] = ReadSpec(
+            remote_addresses=remote.addresses,
+            remote_request_id=remote.request_id,
+            local_blocks=local_groups,
+            remote_blocks=remote_groups,
+            refused=refused,
+        )
+        self.reading.add(rid)
+
+    def update_output(self, output: "KVConnectorOutput") -> None:
+        for rid in output.finished_recving or ():
+            self.reading.discard(rid)
+
+    # -- both --
+
+    def build_meta(self, so: "SchedulerOutput") -> KvlinkConnectorMetadata:
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            p = self.producing.get(rid)
+            if p is not None and p.held is not None:
+                self.meta.releases.append(rid)
+                self.meta.holds.pop(rid, None)
+                p.held = None
+        for rid, n in so.num_scheduled_tokens.items():
+            p = self.producing.get(rid)
+            if p is None or p.held is not None:
+                continue
+            req = p.request
+            if req.num_computed_tokens + n < req.num_prompt_tokens:
+                continue  # the prompt is not complete after this step
+            manager = self.owner._kv_cache_manager
+            if manager is None:
+                raise RuntimeError("KvlinkConnector: the scheduler did not bind its KV cache manager")
+            needed = math.ceil(req.num_prompt_tokens / self.block_size)
+            held = [
+                _clip(list(ids[:needed]), tail)
+                for ids, tail in zip(manager.get_block_ids(rid), self.tails)
+            ]
+            # Held in this step, before its output (and the request's transfer parameters)
+            # can reach the decode; vLLM's null block (0) is never held.
+            self.meta.holds[rid] = [[b for b in ids if b] for ids in held]
+            p.held = held
+        meta, self.meta = self.meta, KvlinkConnectorMetadata()
+        return meta
+
+    def request_finished(self, request: "Request") -> Tuple[bool, Optional[Dict[str, Any]]]:
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        params = request.kv_transfer_params
+        self.local_hits.pop(rid, None)
+        p = self.producing.pop(rid, None)
+        if p is not None:
+            normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+            if p.held is None:
+                self.meta.holds.pop(rid, None)
+                return False, None
+            if not normal or self.addresses is None:
+                if self.addresses is None:
+                    logger.error("KvlinkConnector: no handshake metadata from the workers; %s is not offered to a decode", rid)
+                self.meta.holds.pop(rid, None)
+                self.meta.releases.append(rid)
+                return False, None
+            return True, {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_addresses": list(self.addresses),
+                "remote_request_id": rid,
+                # One list per KV cache group (a flat list when there is one group).
+                "remote_block_ids": [list(g) for g in p.held] if len(p.held) > 1 else list(p.held[0]),
+                "remote_num_tokens": request.num_prompt_tokens,
+                "remote_engine_id": self.owner._kv_transfer_config.engine_id,
+                "tp_size": len(self.addresses),
+            }
+        self.warned.discard(rid)
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # Finished (aborted, refused) before its blocks were allocated: never read.
+            params["do_remote_prefill"] = False
+            remote = _remote(params, self.block_size)
+            if not isinstance(remote, str):
+                self.meta.rejects.append((remote.addresses, remote.request_id, "request finished before its read started"))
+        elif rid in self.reading:
+            # Aborted while its read is in flight: vLLM keeps the blocks until the worker
+            # reports the read finished, which the cancel brings about at once.
+            self.meta.cancels.append(rid)
+        return False, None
+
+
+@dataclass
+class _Remote:
+    addresses: List[str]
+    request_id: str
+    blocks: List[List[int]]
+    """Per KV cache group, the prefill's block at each position (0: none sent)."""
+    num_tokens: int
+
+
+def _block_list(blocks: Any) -> bool:
+    return isinstance(blocks, (list, tuple)) and all(
+        isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 2**32 for b in blocks
+    )
+
+
+def _remote(params: Dict[str, Any], block_size: int):
+    """The prefill side of ``kv_transfer_params``, validated (they come from a client through
+    the proxy), or why they are unusable."""
+    try:
+        addresses = params["remote_addresses"]
+        rid = params["remote_request_id"]
+        blocks = params["remote_block_ids"]
+    except KeyError as e:
+        return f"kv_transfer_params lack {e.args[0]!r}"
+    if not isinstance(addresses, (list, tuple)) or not addresses or not all(isinstance(a, str) for a in addresses):
+        return "remote_addresses must be a non-empty list of 'host:port' strings"
+    if not isinstance(rid, str) or not rid:
+        return "remote_request_id must be a non-empty string"
+    if _block_list(blocks):
+        groups = [list(blocks)]
+    elif isinstance(blocks, (list, tuple)) and blocks and len(blocks) <= 64 and all(_block_list(g) for g in blocks):
+        groups = [list(g) for g in blocks]
+    else:
+        return (
+            "remote_block_ids must be a list of block ids (integers 0 to 2^32-1), or one such "
+            "list per KV cache group"
+        )
+    tokens = params.get("remote_num_tokens")
+    if tokens is None:
+        tokens = min(len(g) for g in groups) * block_size
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        return "remote_num_tokens must be a non-negative integer"
+    return _Remote(list(addresses), rid, groups, tokens)
+

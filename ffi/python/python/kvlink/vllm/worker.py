@@ -1,0 +1,264 @@
+"""The connector's worker side: one TP rank's kvlink engine, the holds it keeps and the reads
+it runs, as the scheduler's metadata asks each step."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
+
+import torch
+
+from vllm.logger import init_logger
+
+import kvlink
+
+from .layout import _dtype_name, _kv_heads, kv_cache_tensors
+from .metadata import KvlinkConnectorMetadata, KvlinkConnectorStats, KvlinkHandshakeMetadata
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from . import KvlinkConnector
+
+logger = init_logger(__name__)
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_rank()
+    return 0
+
+
+class _WorkerSide:
+    """One TP rank: its kvlink engine, the holds it keeps and the reads it runs."""
+
+    def __init__(self, owner: KvlinkConnector, kv_cache_config: Optional["KVCacheConfig"]):
+        s = owner._settings
+        self.tp_rank = _tp_rank()
+        self.tp_size = owner._tp_size
+        self.block_size = owner._block_size
+        self.kv_layout = owner._kv_layout
+        self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
+        # Each layer's KV cache group: a block group of the kvlink layout.
+        self.groups: Dict[str, int] = {}
+        if kv_cache_config is not None:
+            for g, spec in enumerate(kv_cache_config.kv_cache_groups):
+                for name in spec.layer_names:
+                    self.groups[name] = g
+        self.kv_heads = _kv_heads(owner._vllm_config, self.tp_size)
+        keyed = s.auth_key is not None or bool(os.environ.get("KVLINK_AUTH_KEY") or os.environ.get("KVLINK_AUTH_KEY_FILE"))
+        host = s.host
+        if host is None:
+            host = _node_address() if keyed else "127.0.0.1"
+        # Each data-parallel engine's ranks take the next tp_size ports.
+        port = s.port + owner._dp_rank * self.tp_size + self.tp_rank if s.port else 0
+        self.engine = kvlink.Engine(
+            f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+            transport=s.transport,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            request_timeout=s.request_timeout,
+            abort_timeout=s.abort_timeout,
+            rdma_device=s.rdma_device,
+            auth_key=s.auth_key,
+        )
+        logger.info(
+            "KvlinkConnector worker rank %d/%d: engine %s at %s (%s)",
+            self.tp_rank,
+            self.tp_size,
+            self.engine.engine_id,
+            self.engine.handshake_address,
+            "RDMA on " + self.engine.rdma_device if self.engine.rdma_device else f"TCP; RDMA: {self.engine.rdma_unavailable_reason}",
+        )
+        self.registered = False
+        # Prefill: requests held (granted), and sends that ended before the scheduler listed
+        # the request as finished (vLLM wants finished sends only for requests it finished).
+        self.held: Set[str] = set()
+        self.scheduler_finished: Set[str] = set()
+        self.sends_ended: Set[str] = set()
+        # Decode: reads in flight, request id -> local blocks (for load errors).
+        self.reading: Dict[str, List[int]] = {}
+        # Reads refused before they started, reported failed at the next poll.
+        self.failed_now: Set[str] = set()
+        # Reads cancelled at the scheduler's request (their request was aborted).
+        self.cancelled: Set[str] = set()
+        self.load_errors: Set[int] = set()
+        self.stats = KvlinkConnectorStats()
+
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        if self.registered:
+            raise RuntimeError("KvlinkConnector: register_kv_caches called twice")
+        first = next(iter(kv_caches.values()))
+        if isinstance(first, (list, tuple)):
+            first = first[0]
+        num_blocks = self.num_blocks
+        if num_blocks is None:
+            num_blocks = first.shape[1] if first.shape[0] == 2 else first.shape[0]
+        if self.groups:
+            unknown = sorted(set(kv_caches) - set(self.groups))
+            if unknown:
+                raise ValueError(f"KvlinkConnector: KV caches {unknown} are in no KV cache group")
+        memory, layout = kv_cache_tensors(kv_caches, num_blocks, self.groups, self.kv_heads)
+        regions = [
+            self.engine.register_memory(addr, size, device=owner.device.type != "cpu", owner=owner)
+            for addr, size, owner in memory
+        ]
+        tensors = [(regions[i], off, stride, nbytes, blocks, group, heads) for i, off, stride, nbytes, blocks, group, heads in layout]
+        dtype = _dtype_name(first) + (f"/{self.kv_layout}" if self.kv_layout else "")
+        self.engine.set_layout(tensors, self.block_size, dtype)
+        self.registered = True
+        total = sum(size for _, size, _ in memory)
+        with_heads = sum(1 for t in tensors if t[6] is not None)
+        logger.info(
+            "KvlinkConnector rank %d: registered %d KV tensors (%d blocks, %.1f MiB, %s, %s; "
+            "%d KV cache groups; %d tensors declare their KV heads%s)",
+            self.tp_rank, len(tensors), num_blocks, total / 2**20, _dtype_name(first),
+            "GPU" if first.device.type != "cpu" else "host", len({t[5] for t in tensors}),
+            with_heads, f" ({self.kv_heads[1]} of {self.kv_heads[0]} per rank)" if self.kv_heads else "",
+        )
+
+    def handshake_metadata(self) -> KvlinkHandshakeMetadata:
+        return KvlinkHandshakeMetadata(
+            address=self.engine.handshake_address,
+            engine_id=self.engine.engine_id,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+        )
+
+    def apply(self, meta: KvlinkConnectorMetadata) -> None:
+        """Does what the scheduler asked for this step. Nothing here raises: a failure to hold
+        leaves the request unread (the decode's read is refused and recomputed), a read that
+        cannot start is reported failed at the next poll and its prefill told."""
+        for rid in meta.releases:
+            if rid in self.held:
+                self.held.discard(rid)
+                self._guard("release", rid, self.engine.release, rid)
+            self.sends_ended.discard(rid)
+        for rid, blocks in meta.holds.items():
+            if rid in self.held:  # held again after a preemption: the blocks may differ
+                self.engine.release(rid)
+                self.held.discard(rid)
+            if self._guard("hold", rid, self.engine.hold_blocks, rid, blocks):
+                self.held.add(rid)
+        for rid, spec in meta.reads.items():
+            try:
+                if spec.refused:
+                    raise kvlink.InvalidArgument(spec.refused)
+                # The prefill's whole TP group: kvlink reads the ranks this rank pairs with
+                # (its share of one rank's heads, or several ranks' heads side by side).
+                self.engine.read_blocks(
+                    list(spec.remote_addresses),
+                    rid,
+                    spec.local_blocks,
+                    spec.remote_blocks,
+                    remote_request_id=spec.remote_request_id,
+                )
+            except Exception as e:  # noqa: BLE001 - every refusal ends as a failed read
+                # Refused at once: it ends like a failed read (vLLM recomputes or fails it),
+                # and the prefill frees its blocks now rather than at its abort timeout.
+                logger.error("KvlinkConnector: read of %s refused: %s", rid, e)
+                self.load_errors.update(spec.all_local())
+                self.failed_now.add(rid)
+                self.stats.record_failure("refused")
+                # This rank's own sources: a prefill rank read by several decode ranks waits
+                # for each of them.
+                self._reject(spec.remote_addresses, spec.remote_request_id, f"read refused by the decode: {e}", own=True)
+                continue
+            self.reading[rid] = spec.all_local()
+        for rid in meta.cancels:
+            if rid in self.reading and self._guard("cancel", rid, self.engine.cancel, rid):
+                self.cancelled.add(rid)
+        for addresses, remote_id, reason in meta.rejects:
+            self._reject(addresses, remote_id, reason)
+
+    def _reject(self, addresses: List[str], remote_id: str, reason: str, own: bool = False) -> None:
+        """Tells the prefill ranks this rank reads that a request will not be read. For the
+        scheduler's rejects (every rank gets them) the first of several decode ranks reading
+        one prefill rank tells it; ``own`` (this rank alone gave up) tells this rank's sources
+        whatever its place. With TP sizes that cannot pair, rank 0 tells every prefill rank."""
+        p, d = len(addresses), self.tp_size
+        try:
+            targets = [addresses[r] for r in kvlink.tp_sources(self.tp_rank, d, p)]
+            if d > p and self.tp_rank % (d // p) != 0 and not own:
+                targets = []
+        except kvlink.InvalidArgument:
+            targets = list(addresses) if self.tp_rank == 0 else []
+        for peer in targets:
+            self._guard("reject", remote_id, self.engine.reject, str(peer), remote_id, reason)
+
+    def _guard(self, what: str, rid: str, fn, *args) -> bool:
+        try:
+            return fn(*args) is not False
+        except Exception as e:  # noqa: BLE001 - a worker step must not die of one request
+            logger.error("KvlinkConnector: %s of %s failed: %s", what, rid, e)
+            return False
+
+    def poll(self, finished_req_ids: Set[str]) -> Tuple[Set[str], Set[str], Set[str]]:
+        """Finished sends, finished receives (failed ones included), failed receives."""
+        self.scheduler_finished |= set(finished_req_ids or ())
+        f = self.engine.get_finished()
+        recving: Set[str] = set()
+        failed: Set[str] = set()
+        for rid in f.sending:
+            if rid in self.held:
+                self.held.discard(rid)
+                self.sends_ended.add(rid)
+        for report in f.reports:
+            self.reading.pop(report["id"], None)
+            self.cancelled.discard(report["id"])
+            recving.add(report["id"])
+            self.stats.record_read(report)
+        for failure in f.failures:
+            rid = failure["id"]
+            self.stats.record_failure(failure["cause"])
+            if failure["side"] == "send":
+                if rid in self.held:
+                    logger.warning("KvlinkConnector: send of %s ended without a read: %s", rid, failure["reason"])
+                    self.held.discard(rid)
+                    self.sends_ended.add(rid)
+                continue
+            blocks = self.reading.pop(rid, None)
+            if blocks is None:
+                continue
+            recving.add(rid)
+            if rid in self.cancelled:
+                self.cancelled.discard(rid)
+            else:
+                # Any other failure (a cancel this connector did not ask for included) leaves
+                # blocks vLLM must not trust.
+                logger.warning("KvlinkConnector: read of %s failed (%s): %s", rid, failure["cause"], failure["reason"])
+                failed.add(rid)
+                self.load_errors.update(blocks)
+        recving |= self.failed_now
+        failed |= self.failed_now
+        self.failed_now = set()
+        sending = self.sends_ended & self.scheduler_finished
+        self.sends_ended -= sending
+        self.scheduler_finished -= sending
+        # Finished requests with no send pending need no memory of their id.
+        self.scheduler_finished &= self.held | self.sends_ended
+        return sending, recving, failed
+
+    def take_load_errors(self) -> Set[int]:
+        out, self.load_errors = self.load_errors, set()
+        return out
+
+    def take_stats(self) -> Optional[KvlinkConnectorStats]:
+        if self.stats.is_empty():
+            return None
+        out, self.stats = self.stats, KvlinkConnectorStats()
+        return out
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _node_address() -> str:
+    try:
+        from vllm.utils.network_utils import get_ip
+    except ImportError:  # pragma: no cover - older vLLM
+        from vllm.utils import get_ip  # type: ignore[no-redef]
+    return get_ip()
+

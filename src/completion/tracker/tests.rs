@@ -1,0 +1,272 @@
+//! Tests of `crate::completion::tracker`.
+
+use super::*;
+
+fn rd(engine: &str) -> Reader {
+    Reader {
+        engine: engine.into(),
+        tp: TpRank::SOLO,
+    }
+}
+
+fn report(id: &str) -> TransferReport {
+    TransferReport {
+        id: id.into(),
+        peer: "127.0.0.1:1".into(),
+        bytes: 1,
+        segments: 1,
+        blocks: 1,
+        work_requests: 1,
+        transport: "tcp",
+        elapsed: Duration::ZERO,
+    }
+}
+
+#[test]
+fn recv_lifecycle_reports_each_id_once() {
+    let t0 = Instant::now();
+    let mut t = CompletionTracker::new();
+    t.start_recv("a".into(), t0).unwrap();
+    t.start_recv("b".into(), t0).unwrap();
+    assert!(t.start_recv("a".into(), t0).is_err());
+    assert!(t.recv_done(report("a")));
+    assert!(!t.recv_done(report("a")));
+    assert!(t.recv_failed(&"b".into(), FailureCause::Expired, "deadline".into()));
+    assert!(!t.recv_failed(&"b".into(), FailureCause::Other, "late".into()));
+    let f = t.take_finished();
+    assert_eq!(f.receiving, vec![RequestId::from("a")]);
+    assert_eq!(f.failed.len(), 1);
+    assert!(f.failed[0].expired && f.failed[0].side == Side::Recv);
+    assert!(t.take_finished().is_empty());
+    // The id may be reused once finished.
+    t.start_recv("a".into(), t0).unwrap();
+}
+
+fn grant() -> Arc<Grant> {
+    let l = crate::layout::ModelShape::LLAMA3_8B.layout(crate::ids::RegionId(1), 4);
+    Arc::new(Grant::new(Arc::new(l), &[[0, 1]]).unwrap())
+}
+
+fn hold(t: &mut CompletionTracker, id: &str, reader: Option<&str>, now: Instant) {
+    t.hold_send(
+        id.into(),
+        grant(),
+        reader.map(Into::into),
+        now,
+        Duration::from_secs(5),
+    )
+    .unwrap();
+}
+
+#[test]
+fn release_ends_a_hold_silently_and_totals_count_outcomes() {
+    let t0 = Instant::now();
+    let mut t = CompletionTracker::new();
+    hold(&mut t, "r", None, t0);
+    let g = t.grant_for(&"r".into(), None).unwrap();
+    assert!(t.release(&"r".into()));
+    assert!(g.is_ended(), "the grant ends with the hold");
+    assert!(!t.release(&"r".into()));
+    assert!(t.take_finished().is_empty(), "a release reports nothing");
+    assert_eq!(t.totals(), Totals::default());
+    // One of each outcome.
+    hold(&mut t, "done", None, t0);
+    hold(&mut t, "aborted", None, t0);
+    hold(&mut t, "expired", None, t0);
+    t.handle_notice(&"done".into(), &rd("e"), SendNotice::Done)
+        .unwrap();
+    t.handle_notice(&"aborted".into(), &rd("e"), SendNotice::Aborted("x".into()))
+        .unwrap();
+    t.poll(t0 + Duration::from_secs(6));
+    for id in ["ok", "failed", "cancelled", "late"] {
+        t.start_recv(id.into(), t0).unwrap();
+    }
+    t.recv_done(report("ok"));
+    t.recv_failed(&"failed".into(), FailureCause::Connection, "x".into());
+    t.recv_failed(&"cancelled".into(), FailureCause::Cancelled, "x".into());
+    t.recv_failed(&"late".into(), FailureCause::Expired, "x".into());
+    let want = Totals {
+        reads_done: 1,
+        reads_failed: 3,
+        reads_expired: 1,
+        reads_cancelled: 1,
+        bytes_read: 1,
+        sends_done: 1,
+        sends_failed: 2,
+        sends_expired: 1,
+    };
+    assert_eq!(t.totals(), want);
+}
+
+#[test]
+fn held_send_finishes_on_notice_or_expires() {
+    let t0 = Instant::now();
+    let mut t = CompletionTracker::new();
+    hold(&mut t, "x", None, t0);
+    hold(&mut t, "y", None, t0);
+    hold(&mut t, "z", None, t0);
+    assert!(t
+        .hold_send("x".into(), grant(), None, t0, Duration::from_secs(1))
+        .is_err());
+    assert_eq!(t.next_deadline(), Some(t0 + Duration::from_secs(5)));
+    t.handle_notice(&"x".into(), &rd("d"), SendNotice::Done)
+        .unwrap();
+    t.handle_notice(
+        &"z".into(),
+        &rd("d"),
+        SendNotice::Aborted("decode OOM".into()),
+    )
+    .unwrap();
+    t.poll(t0 + Duration::from_secs(4));
+    let f = t.take_finished();
+    assert_eq!(f.sending, vec![RequestId::from("x")]);
+    assert!(f.failed[0].reason.contains("decode OOM"));
+    t.poll(t0 + Duration::from_secs(5));
+    let f = t.take_finished();
+    assert_eq!(f.failed.len(), 1);
+    assert!(f.failed[0].expired && f.failed[0].id.as_str() == "y");
+    assert_eq!(t.holding(), 0);
+    assert_eq!(t.next_deadline(), None);
+}
+
+#[test]
+fn notices_for_requests_never_held_are_refused_not_stored() {
+    let t0 = Instant::now();
+    let mut t = CompletionTracker::new();
+    let e = t
+        .handle_notice(&"e".into(), &rd("d"), SendNotice::Done)
+        .unwrap_err();
+    assert!(e.contains("not held"), "{e}");
+    hold(&mut t, "e", None, t0);
+    assert!(
+        t.take_finished().is_empty(),
+        "the refused notice was not kept"
+    );
+    assert_eq!(t.holding(), 1);
+    assert!(t.grant_for(&"nope".into(), None).is_err());
+}
+
+#[test]
+fn only_the_requests_reader_reads_and_confirms() {
+    let t0 = Instant::now();
+    let mut t = CompletionTracker::new();
+    // Named at hold time.
+    hold(&mut t, "a", Some("decode-1"), t0);
+    assert!(t.grant_for(&"a".into(), Some(&rd("decode-2"))).is_err());
+    assert!(t
+        .handle_notice(
+            &"a".into(),
+            &rd("decode-2"),
+            SendNotice::Aborted("x".into())
+        )
+        .unwrap_err()
+        .contains("another reader"));
+    assert_eq!(t.holding(), 1, "the foreign abort changed nothing");
+    assert!(t
+        .grant_for(&"a".into(), Some(&rd("decode-1")))
+        .unwrap()
+        .has(0, 1));
+    t.handle_notice(&"a".into(), &rd("decode-1"), SendNotice::Done)
+        .unwrap();
+    // Claimed by the first engine whose read was served, or whose notice was applied.
+    hold(&mut t, "b", None, t0);
+    let g = t.grant_for(&"b".into(), Some(&rd("decode-3"))).unwrap();
+    assert!(
+        t.grant_for(&"b".into(), None).is_ok(),
+        "anonymous reads claim nothing"
+    );
+    assert!(
+        t.grant_for(&"b".into(), Some(&rd("decode-4"))).is_ok(),
+        "not claimed yet"
+    );
+    t.claim(&"b".into(), &rd("decode-3"));
+    let e = t.grant_for(&"b".into(), Some(&rd("decode-4"))).unwrap_err();
+    assert!(e.contains("not held for this reader"), "{e}");
+    assert!(t
+        .handle_notice(&"b".into(), &rd("decode-4"), SendNotice::Done)
+        .is_err());
+    assert!(!g.is_ended());
+    t.handle_notice(&"b".into(), &rd("decode-3"), SendNotice::Done)
+        .unwrap();
+    assert!(g.is_ended(), "the grant ends with its hold");
+    let f = t.take_finished();
+    assert_eq!(f.sending, vec![RequestId::from("a"), RequestId::from("b")]);
+    assert!(f.failed.is_empty());
+}
+
+fn at(engine: &str, rank: u32, size: u32) -> Reader {
+    Reader {
+        engine: engine.into(),
+        tp: TpRank::new(rank, size),
+    }
+}
+
+#[test]
+fn a_prefill_rank_read_by_several_decode_ranks_waits_for_each() {
+    let t0 = Instant::now();
+    // Prefill rank 1 of 2; a decode of TP 4 reads it from ranks 2 and 3.
+    let mut t = CompletionTracker::with_tp(TpRank::new(1, 2));
+    hold(&mut t, "r", None, t0);
+    // Decode rank 0 reads prefill rank 0, not this one.
+    let e = t
+        .handle_notice(&"r".into(), &at("d0", 0, 4), SendNotice::Done)
+        .unwrap_err();
+    assert!(e.contains("does not read"), "{e}");
+    t.handle_notice(&"r".into(), &at("d2", 2, 4), SendNotice::Done)
+        .unwrap();
+    // The same notice again changes nothing.
+    t.handle_notice(&"r".into(), &at("d2", 2, 4), SendNotice::Done)
+        .unwrap();
+    assert_eq!(t.holding(), 1, "one of two readers confirmed");
+    // Another decode size, or another engine at a rank already taken, is refused.
+    assert!(t
+        .handle_notice(&"r".into(), &at("x", 1, 2), SendNotice::Done)
+        .unwrap_err()
+        .contains("TP 4"));
+    assert!(t
+        .handle_notice(&"r".into(), &at("x", 2, 4), SendNotice::Done)
+        .unwrap_err()
+        .contains("another reader"));
+    assert!(t.grant_for(&"r".into(), Some(&at("d3", 3, 4))).is_ok());
+    assert!(t.grant_for(&"r".into(), Some(&at("d1", 1, 4))).is_err());
+    t.handle_notice(&"r".into(), &at("d3", 3, 4), SendNotice::Done)
+        .unwrap();
+    assert_eq!(t.take_finished().sending, vec![RequestId::from("r")]);
+
+    // One abort fails the send at once and names the reader; a late notice is refused.
+    hold(&mut t, "a", None, t0);
+    t.claim(&"a".into(), &at("d2", 2, 4));
+    t.handle_notice(
+        &"a".into(),
+        &at("d3", 3, 4),
+        SendNotice::Aborted("oom".into()),
+    )
+    .unwrap();
+    let f = t.take_finished();
+    assert!(f.failed[0].reason.contains("oom") && f.failed[0].reason.contains("\"d3\""));
+    assert!(t
+        .handle_notice(&"a".into(), &at("d2", 2, 4), SendNotice::Done)
+        .is_err());
+
+    // Expiry says how many confirmed.
+    hold(&mut t, "e", None, t0);
+    t.handle_notice(&"e".into(), &at("d2", 2, 4), SendNotice::Done)
+        .unwrap();
+    t.poll(t0 + Duration::from_secs(6));
+    let f = t.take_finished();
+    assert!(
+        f.failed[0].reason.contains("only 1 of 2"),
+        "{}",
+        f.failed[0].reason
+    );
+
+    // A decode with the smaller TP: one reader per prefill rank.
+    let mut t = CompletionTracker::with_tp(TpRank::new(3, 4));
+    hold(&mut t, "s", None, t0);
+    assert!(t
+        .handle_notice(&"s".into(), &at("d0", 0, 2), SendNotice::Done)
+        .is_err());
+    t.handle_notice(&"s".into(), &at("d1", 1, 2), SendNotice::Done)
+        .unwrap();
+    assert_eq!(t.take_finished().sending.len(), 1);
+}
