@@ -207,11 +207,12 @@ async fn read_sources(
         }
     }
     out.into_iter()
-        .map(|o| {
+        .zip(&job.sources)
+        .map(|(o, s)| {
             o.unwrap_or_else(|| SourceOutcome {
                 conn: None,
                 result: Ok(Err(Error::ConnectionLost {
-                    peer: String::new(),
+                    peer: s.peer.clone(),
                     reason: "the source's task ended without a result".into(),
                 })),
             })

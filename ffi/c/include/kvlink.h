@@ -595,10 +595,10 @@ int kvlink_engine_read_blocks(struct kvlink_engine *engine,
 
 /**
  * `kvlink_engine_read_blocks` of a request the prefill holds under another id:
- * `remote_request_id` is the prefill's id (its grant, the done and abort notices),
- * `request_id` this engine's own (finished entries, reports, `kvlink_engine_cancel`). Lets a
- * decode keep its scheduler's ids while the prefill keeps its own. Same returns as
- * `kvlink_engine_read_blocks`.
+ * `remote_request_id` is the prefill's id (its grant, the done and abort notices; NULL: the
+ * same as `request_id`), `request_id` this engine's own (finished entries, reports,
+ * `kvlink_engine_cancel`). Lets a decode keep its scheduler's ids while the prefill keeps its
+ * own. Same returns as `kvlink_engine_read_blocks`.
  *
  * # Safety
  * As `kvlink_engine_read_blocks`; `remote_request_id` is NULL or NUL-terminated.
@@ -640,13 +640,14 @@ int kvlink_engine_reject(struct kvlink_engine *engine,
                          const char *reason);
 
 /**
- * Holds the `count` blocks at `blocks` of request `request_id` (1 to 256 bytes) for a reader
- * (prefill side) and grants them to it: over TCP the reader may read those blocks, and only
- * those, under this request id. `reader` is NULL (the first engine that reads or confirms the
- * request becomes its only reader) or the reader's engine id (only that engine may read and
- * confirm). The request finishes sending when the reader confirms its read, and fails when
- * the reader aborts or after `abort_timeout_ms` (0 for the engine's `abort_timeout_ms`; at
- * most 7 days).
+ * Holds the `count` blocks at `blocks` of request `request_id` (1 to 256 bytes) for its
+ * readers (prefill side) and grants them to them: over TCP they may read those blocks, and
+ * only those, under this request id; `kvlink_engine_hold_groups` with one block group.
+ * `reader` is NULL (the decode ranks that pair with this rank become the readers as they read
+ * or confirm: one, or several when the decode's TP size is a multiple of this one's) or the
+ * reader's engine id (only that engine may read and confirm). The request finishes sending
+ * when every reader confirmed, and fails when one aborts or after `abort_timeout_ms` (0 for
+ * the engine's `abort_timeout_ms`; at most 7 days).
  *
  * Returns `KVLINK_OK` or `KVLINK_E_INVALID` (bad id, no block or a block outside the KV
  * cache, id already held, bad reader or timeout).

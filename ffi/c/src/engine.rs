@@ -5,11 +5,12 @@ use std::ffi::{c_char, c_int, c_void};
 use kvlink::{DeviceMemory, Engine, EngineConfig, ExternalMemory, RegionId};
 
 use crate::aggregator::kvlink_aggregator;
-use crate::args::{check_out, millis, opt_str_arg, ref_arg, slice_arg, str_arg, write_out};
+use crate::args::{check_out, millis, opt_str_arg, ref_arg, str_arg, write_out};
 use crate::config::{engine_config, kvlink_config};
 use crate::finished::kvlink_finished;
 use crate::guard::guard;
 use crate::status::{invalid, FfiResult};
+use crate::tp::{kvlink_engine_hold_groups, kvlink_engine_read};
 
 // The handles are documented as usable from several threads at once.
 const _: () = {
@@ -386,10 +387,10 @@ pub unsafe extern "C" fn kvlink_engine_read_blocks(
 }
 
 /// `kvlink_engine_read_blocks` of a request the prefill holds under another id:
-/// `remote_request_id` is the prefill's id (its grant, the done and abort notices),
-/// `request_id` this engine's own (finished entries, reports, `kvlink_engine_cancel`). Lets a
-/// decode keep its scheduler's ids while the prefill keeps its own. Same returns as
-/// `kvlink_engine_read_blocks`.
+/// `remote_request_id` is the prefill's id (its grant, the done and abort notices; NULL: the
+/// same as `request_id`), `request_id` this engine's own (finished entries, reports,
+/// `kvlink_engine_cancel`). Lets a decode keep its scheduler's ids while the prefill keeps its
+/// own. Same returns as `kvlink_engine_read_blocks`.
 ///
 /// # Safety
 /// As `kvlink_engine_read_blocks`; `remote_request_id` is NULL or NUL-terminated.
@@ -403,23 +404,24 @@ pub unsafe extern "C" fn kvlink_engine_read_blocks_as(
     remote: *const u32,
     count: usize,
 ) -> c_int {
-    guard(|| {
-        // SAFETY: the caller promised a live engine or NULL.
-        let e = unsafe { ref_arg(engine, "engine") }?;
-        // SAFETY: the caller promised NUL-terminated strings or NULL.
-        let peer = unsafe { str_arg(peer, "peer") }?;
-        // SAFETY: as above.
-        let id = unsafe { str_arg(request_id, "request_id") }?;
-        // SAFETY: as above.
-        let remote_id = unsafe { str_arg(remote_request_id, "remote_request_id") }?;
-        // SAFETY: the caller promised `count` readable ids or NULL.
-        let local = unsafe { slice_arg(local, count, "local") }?;
-        // SAFETY: as above.
-        let remote = unsafe { slice_arg(remote, count, "remote") }?;
-        e.engine
-            .read_blocks_as(peer, id, remote_id, local, remote)?;
-        Ok(())
-    })
+    let (peers, local, remote, counts) = ([peer], [local], [remote], [count]);
+    // SAFETY: one engine and one block group: each array above holds one element, and the
+    // caller's promises about `peer`, `local`, `remote` and `count` are the ones
+    // `kvlink_engine_read` asks of its elements.
+    unsafe {
+        kvlink_engine_read(
+            engine,
+            request_id,
+            remote_request_id,
+            peers.as_ptr(),
+            1,
+            0,
+            local.as_ptr(),
+            remote.as_ptr(),
+            counts.as_ptr(),
+            1,
+        )
+    }
 }
 
 /// Prefill side: drops the hold of request `request_id` (aborted or preempted before its reader
@@ -481,13 +483,14 @@ pub unsafe extern "C" fn kvlink_engine_reject(
     })
 }
 
-/// Holds the `count` blocks at `blocks` of request `request_id` (1 to 256 bytes) for a reader
-/// (prefill side) and grants them to it: over TCP the reader may read those blocks, and only
-/// those, under this request id. `reader` is NULL (the first engine that reads or confirms the
-/// request becomes its only reader) or the reader's engine id (only that engine may read and
-/// confirm). The request finishes sending when the reader confirms its read, and fails when
-/// the reader aborts or after `abort_timeout_ms` (0 for the engine's `abort_timeout_ms`; at
-/// most 7 days).
+/// Holds the `count` blocks at `blocks` of request `request_id` (1 to 256 bytes) for its
+/// readers (prefill side) and grants them to them: over TCP they may read those blocks, and
+/// only those, under this request id; `kvlink_engine_hold_groups` with one block group.
+/// `reader` is NULL (the decode ranks that pair with this rank become the readers as they read
+/// or confirm: one, or several when the decode's TP size is a multiple of this one's) or the
+/// reader's engine id (only that engine may read and confirm). The request finishes sending
+/// when every reader confirmed, and fails when one aborts or after `abort_timeout_ms` (0 for
+/// the engine's `abort_timeout_ms`; at most 7 days).
 ///
 /// Returns `KVLINK_OK` or `KVLINK_E_INVALID` (bad id, no block or a block outside the KV
 /// cache, id already held, bad reader or timeout).
@@ -504,22 +507,20 @@ pub unsafe extern "C" fn kvlink_engine_hold_blocks(
     reader: *const c_char,
     abort_timeout_ms: u64,
 ) -> c_int {
-    guard(|| {
-        // SAFETY: the caller promised a live engine or NULL.
-        let e = unsafe { ref_arg(engine, "engine") }?;
-        // SAFETY: the caller promised a NUL-terminated string or NULL.
-        let id = unsafe { str_arg(request_id, "request_id") }?;
-        // SAFETY: the caller promised `count` readable ids or NULL.
-        let blocks = unsafe { slice_arg(blocks, count, "blocks") }?;
-        // SAFETY: the caller promised a NUL-terminated string or NULL.
-        let reader = unsafe { opt_str_arg(reader, "reader") }?;
-        let timeout = match abort_timeout_ms {
-            0 => None,
-            ms => Some(millis(ms, "abort_timeout_ms")?),
-        };
-        e.engine.hold_blocks_for(id, blocks, reader, timeout)?;
-        Ok(())
-    })
+    let (blocks, counts) = ([blocks], [count]);
+    // SAFETY: one block group: each array above holds one element, and the caller's promises
+    // about `blocks` and `count` are the ones `kvlink_engine_hold_groups` asks of its elements.
+    unsafe {
+        kvlink_engine_hold_groups(
+            engine,
+            request_id,
+            blocks.as_ptr(),
+            counts.as_ptr(),
+            1,
+            reader,
+            abort_timeout_ms,
+        )
+    }
 }
 
 /// Waits up to `timeout_ms` (0 to poll, at most 7 days) until some request finishes, then

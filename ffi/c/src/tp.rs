@@ -35,8 +35,13 @@ unsafe fn groups_arg(
         .zip(counts)
         .enumerate()
         .map(|(g, (&p, &n))| {
+            let name = if groups == 1 {
+                what.to_string()
+            } else {
+                format!("{what}[{g}]")
+            };
             // SAFETY: the caller promised `counts[g]` readable ids at `lists[g]`, or NULL.
-            unsafe { slice_arg(p, n, &format!("{what}[{g}]")) }.map(<[u32]>::to_vec)
+            unsafe { slice_arg(p, n, &name) }.map(<[u32]>::to_vec)
         })
         .collect()
 }

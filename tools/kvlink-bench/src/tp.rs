@@ -43,154 +43,162 @@ pub(crate) struct Source {
 /// Block ids per block group for one request.
 type Groups = Vec<Vec<BlockId>>;
 
-/// Runs `count` requests, `concurrency` in flight, from the prefill group at `peers` to every
-/// decode rank of `decode`. `holders` are the prefill engines in this process (they hold each
-/// request before it is read); without them the prefill serves open reads.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn drive_tp(
-    args: &Args,
-    decode: &[DecodeRank<'_>],
-    holders: &[&Engine],
-    peers: &[String],
-    sources: &[Source],
-    count: usize,
-    tag: &str,
-    rng: &mut Rng,
-) -> Result<Outcome, String> {
-    let per = args.blocks_per_request();
-    let layout = &decode[0].cache.layout;
-    let groups = layout.num_groups();
-    let span = (0..groups)
-        .map(|g| layout.group_blocks(g))
-        .min()
-        .unwrap_or(0)
-        / args.concurrency as u32;
-    let remote_blocks = (0..groups)
-        .map(|g| sources[0].layout.group_blocks(g))
-        .min()
-        .unwrap_or(0);
-    if span < per || remote_blocks < per {
-        return Err(format!(
+/// The engines of a run: every decode rank of `decode` reads from the prefill group at
+/// `peers`; `holders` are the prefill engines in this process (they hold each request before
+/// it is read; without them the prefill serves open reads); `sources` verify what arrived.
+pub(crate) struct TpRun<'a> {
+    pub(crate) args: &'a Args,
+    pub(crate) decode: &'a [DecodeRank<'a>],
+    pub(crate) holders: &'a [&'a Engine],
+    pub(crate) peers: &'a [String],
+    pub(crate) sources: &'a [Source],
+}
+
+/// Sizes of a run's requests: blocks per request, local blocks per slot, remote blocks, block
+/// groups.
+type Sizes = (u32, u32, u32, usize);
+
+impl TpRun<'_> {
+    /// Runs `count` requests, `--concurrency` in flight.
+    pub(crate) fn drive(&self, count: usize, tag: &str, rng: &mut Rng) -> Result<Outcome, String> {
+        let TpRun {
+            args,
+            decode,
+            sources,
+            ..
+        } = *self;
+        let per = args.blocks_per_request();
+        let layout = &decode[0].cache.layout;
+        let groups = layout.num_groups();
+        let span = (0..groups)
+            .map(|g| layout.group_blocks(g))
+            .min()
+            .unwrap_or(0)
+            / args.concurrency as u32;
+        let remote_blocks = (0..groups)
+            .map(|g| sources[0].layout.group_blocks(g))
+            .min()
+            .unwrap_or(0);
+        if span < per || remote_blocks < per {
+            return Err(format!(
             "caches too small: {per} blocks per request, {span} local blocks per slot, {remote_blocks} remote blocks (raise --blocks)"
         ));
-    }
-    // Each decode engine's finished reads, through a channel: one waiting thread per engine.
-    let (tx, rx) = mpsc::channel();
-    let mut out = Outcome::default();
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    std::thread::scope(|scope| {
-        for (i, d) in decode.iter().enumerate() {
-            let (tx, stop) = (tx.clone(), &stop);
-            scope.spawn(move || {
-                while !stop.load(std::sync::atomic::Ordering::Acquire) {
-                    let f = d.engine.wait_finished(Duration::from_millis(200));
-                    if !f.is_empty() && tx.send((i, f)).is_err() {
-                        break;
-                    }
-                }
-            });
         }
-        let result = run_requests(
+        // Each decode engine's finished reads, through a channel: one waiting thread per engine.
+        let (tx, rx) = mpsc::channel();
+        let mut out = Outcome::default();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            for (i, d) in decode.iter().enumerate() {
+                let (tx, stop) = (tx.clone(), &stop);
+                scope.spawn(move || {
+                    while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                        let f = d.engine.wait_finished(Duration::from_millis(200));
+                        if !f.is_empty() && tx.send((i, f)).is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
+            let result = self.requests(
+                count,
+                tag,
+                rng,
+                (per, span, remote_blocks, groups),
+                &rx,
+                &mut out,
+            );
+            stop.store(true, std::sync::atomic::Ordering::Release);
+            result
+        })?;
+        Ok(out)
+    }
+
+    fn requests(
+        &self,
+        count: usize,
+        tag: &str,
+        rng: &mut Rng,
+        (per, span, remote_blocks, groups): Sizes,
+        rx: &mpsc::Receiver<(usize, kvlink::Finished)>,
+        out: &mut Outcome,
+    ) -> Result<(), String> {
+        let TpRun {
             args,
             decode,
             holders,
             peers,
             sources,
-            count,
-            tag,
-            rng,
-            (per, span, remote_blocks, groups),
-            &rx,
-            &mut out,
-        );
-        stop.store(true, std::sync::atomic::Ordering::Release);
-        result
-    })?;
-    Ok(out)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn run_requests(
-    args: &Args,
-    decode: &[DecodeRank<'_>],
-    holders: &[&Engine],
-    peers: &[String],
-    sources: &[Source],
-    count: usize,
-    tag: &str,
-    rng: &mut Rng,
-    (per, span, remote_blocks, groups): (u32, u32, u32, usize),
-    rx: &mpsc::Receiver<(usize, kvlink::Finished)>,
-    out: &mut Outcome,
-) -> Result<(), String> {
-    let mut free_slots: Vec<u32> = (0..args.concurrency as u32).rev().collect();
-    // Request -> (slot, block ids, decode ranks still reading).
-    let mut in_flight: HashMap<RequestId, (u32, Groups, Groups, usize)> = HashMap::new();
-    let mut submitted = 0;
-    let mut done = 0;
-    let t0 = Instant::now();
-    let cpu0 = cpu_seconds();
-    while done < count {
-        while submitted < count {
-            let Some(slot) = free_slots.pop() else { break };
-            let (mut l, mut r) = (Vec::new(), Vec::new());
-            for _ in 0..groups {
-                let (lg, rg) = pick(rng, args.pattern, per, slot * span, span, remote_blocks);
-                l.push(lg);
-                r.push(rg);
+        } = *self;
+        let mut free_slots: Vec<u32> = (0..args.concurrency as u32).rev().collect();
+        // Request -> (slot, block ids, decode ranks still reading).
+        let mut in_flight: HashMap<RequestId, (u32, Groups, Groups, usize)> = HashMap::new();
+        let mut submitted = 0;
+        let mut done = 0;
+        let t0 = Instant::now();
+        let cpu0 = cpu_seconds();
+        while done < count {
+            while submitted < count {
+                let Some(slot) = free_slots.pop() else { break };
+                let (mut l, mut r) = (Vec::new(), Vec::new());
+                for _ in 0..groups {
+                    let (lg, rg) = pick(rng, args.pattern, per, slot * span, span, remote_blocks);
+                    l.push(lg);
+                    r.push(rg);
+                }
+                let id = RequestId::from(format!("{tag}-{submitted}"));
+                for h in holders {
+                    h.hold_groups(id.clone(), &r).map_err(|e| e.to_string())?;
+                }
+                for d in decode {
+                    d.engine
+                        .read(ReadRequest {
+                            id: id.clone(),
+                            remote_id: id.clone(),
+                            from: ReadFrom::TpGroup(peers.to_vec()),
+                            local: l.clone(),
+                            remote: r.clone(),
+                        })
+                        .map_err(|e| e.to_string())?;
+                }
+                in_flight.insert(id, (slot, l, r, decode.len()));
+                submitted += 1;
             }
-            let id = RequestId::from(format!("{tag}-{submitted}"));
+            let (rank, f) = rx
+                .recv_timeout(Duration::from_secs(130))
+                .map_err(|_| "no decode rank reported anything for 130 s".to_string())?;
             for h in holders {
-                h.hold_groups(id.clone(), &r).map_err(|e| e.to_string())?;
+                if let Some(fr) = h.get_finished().failed.first() {
+                    return Err(format!("sending {} failed: {}", fr.id, fr.reason));
+                }
             }
-            for d in decode {
-                d.engine
-                    .read(ReadRequest {
-                        id: id.clone(),
-                        remote_id: id.clone(),
-                        from: ReadFrom::TpGroup(peers.to_vec()),
-                        local: l.clone(),
-                        remote: r.clone(),
-                    })
-                    .map_err(|e| e.to_string())?;
+            if let Some(fr) = f.failed.first() {
+                return Err(format!(
+                    "request {} failed at decode {}: {}",
+                    fr.id, decode[rank].tp, fr.reason
+                ));
             }
-            in_flight.insert(id, (slot, l, r, decode.len()));
-            submitted += 1;
+            for rep in f.reports {
+                let entry = in_flight
+                    .get_mut(&rep.id)
+                    .ok_or("unknown request finished")?;
+                entry.3 -= 1;
+                if args.verify {
+                    out.verified += verify(&decode[rank], sources, &entry.1, &entry.2)
+                        .map_err(|e| format!("verification failed for {}: {e}", rep.id))?;
+                }
+                if entry.3 == 0 {
+                    let (slot, ..) = in_flight.remove(&rep.id).expect("present");
+                    free_slots.push(slot);
+                    done += 1;
+                }
+                out.reports.push(rep);
+            }
         }
-        let (rank, f) = rx
-            .recv_timeout(Duration::from_secs(130))
-            .map_err(|_| "no decode rank reported anything for 130 s".to_string())?;
-        for h in holders {
-            if let Some(fr) = h.get_finished().failed.first() {
-                return Err(format!("sending {} failed: {}", fr.id, fr.reason));
-            }
-        }
-        if let Some(fr) = f.failed.first() {
-            return Err(format!(
-                "request {} failed at decode {}: {}",
-                fr.id, decode[rank].tp, fr.reason
-            ));
-        }
-        for rep in f.reports {
-            let entry = in_flight
-                .get_mut(&rep.id)
-                .ok_or("unknown request finished")?;
-            entry.3 -= 1;
-            if args.verify {
-                out.verified += verify(&decode[rank], sources, &entry.1, &entry.2)
-                    .map_err(|e| format!("verification failed for {}: {e}", rep.id))?;
-            }
-            if entry.3 == 0 {
-                let (slot, ..) = in_flight.remove(&rep.id).expect("present");
-                free_slots.push(slot);
-                done += 1;
-            }
-            out.reports.push(rep);
-        }
+        out.wall = t0.elapsed();
+        out.cpu = cpu_seconds() - cpu0;
+        Ok(())
     }
-    out.wall = t0.elapsed();
-    out.cpu = cpu_seconds() - cpu0;
-    Ok(())
 }
 
 fn verify(d: &DecodeRank<'_>, sources: &[Source], l: &Groups, r: &Groups) -> kvlink::Result<u64> {
@@ -271,28 +279,16 @@ pub(crate) fn loopback_tp(args: &Args, rng: &mut Rng) -> Result<Outcome, String>
         })
         .collect();
     let holders: Vec<&Engine> = prefill.iter().collect();
-    let out = drive_tp(
+    let run = TpRun {
         args,
-        &ranks,
-        &holders,
-        &peers,
-        &sources,
-        args.warmup,
-        "warmup",
-        rng,
-    )
-    .and_then(|_| {
-        drive_tp(
-            args,
-            &ranks,
-            &holders,
-            &peers,
-            &sources,
-            args.requests,
-            "req",
-            rng,
-        )
-    });
+        decode: &ranks,
+        holders: &holders,
+        peers: &peers,
+        sources: &sources,
+    };
+    let out = run
+        .drive(args.warmup, "warmup", rng)
+        .and_then(|_| run.drive(args.requests, "req", rng));
     drop(ranks);
     drop(decode);
     drop(prefill);
@@ -334,27 +330,16 @@ pub(crate) fn read_tp(args: &Args, peers: Vec<String>, rng: &mut Rng) -> Result<
         cache: &cache,
         tp,
     }];
-    drive_tp(
+    let run = TpRun {
         args,
-        &ranks,
-        &[],
-        &peers,
-        &sources,
-        args.warmup,
-        "warmup",
-        rng,
-    )?;
+        decode: &ranks,
+        holders: &[],
+        peers: &peers,
+        sources: &sources,
+    };
+    run.drive(args.warmup, "warmup", rng)?;
     let staged0 = engine.stats().bytes_staged_in;
-    let mut o = drive_tp(
-        args,
-        &ranks,
-        &[],
-        &peers,
-        &sources,
-        args.requests,
-        "req",
-        rng,
-    )?;
+    let mut o = run.drive(args.requests, "req", rng)?;
     o.staged = (0, engine.stats().bytes_staged_in - staged0);
     Ok(o)
 }
