@@ -12,7 +12,9 @@ use crate::transport::tcp;
 /// Which transport an engine may use for reading from peers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TransportChoice {
-    /// RDMA when both engines have it, TCP otherwise (logged per peer, with the reason).
+    /// The same-host path when both engines share a host and this engine's memory can be
+    /// shared; else RDMA when both engines have it; else TCP (logged per peer, with the
+    /// reason).
     #[default]
     Auto,
     /// TCP only; RDMA is not even probed.
@@ -20,6 +22,9 @@ pub enum TransportChoice {
     /// RDMA only: the engine fails to start without a usable device, and a read from a peer
     /// without RDMA fails with `Error::RdmaUnavailable`.
     Rdma,
+    /// The same-host path only: a read from a peer on another host, or into memory that
+    /// cannot be shared, fails with the reason. RDMA is not probed.
+    Local,
 }
 
 /// The longest duration any setting accepts.

@@ -44,6 +44,8 @@ mod log_limit;
 mod memory;
 mod plan;
 mod session;
+#[allow(unsafe_code)]
+mod shm;
 mod state;
 mod tp;
 mod transport;

@@ -18,7 +18,7 @@ use crate::config::EngineConfig;
 use crate::control::messages::{Descriptor, TransportInfo};
 use crate::control::{frame::PROTOCOL_VERSION, ControlHandler, ControlTimeouts};
 use crate::error::{Error, Result};
-use crate::gpu::Runtimes;
+use crate::gpu::{DeviceRuntime, GpuApi, Runtimes};
 use crate::grant::Grant;
 use crate::ids::{BlockId, RegionId, RequestId};
 use crate::inbox::{Inbox, PeerMessage, Refused};
@@ -50,6 +50,8 @@ pub(crate) struct EngineState {
     pub(crate) engine_id: String,
     generation: u64,
     pub(crate) data_addr: SocketAddr,
+    /// This host's id and the same-host socket's name, when the same-host path is served.
+    pub(crate) local: Option<(String, String)>,
     // Drop order matters: the RDMA device (which holds the memory registrations) before the
     // regions themselves. Sessions, which hold RDMA connections, live above this state and go
     // first.
@@ -87,6 +89,7 @@ impl EngineState {
         engine_id: String,
         generation: u64,
         data_addr: SocketAddr,
+        local: Option<(String, String)>,
         rdma: Option<Arc<RdmaDevice>>,
         rdma_unavailable: Option<String>,
         rdma_fault: RdmaFault,
@@ -96,6 +99,7 @@ impl EngineState {
             engine_id,
             generation,
             data_addr,
+            local,
             rdma,
             rdma_unavailable,
             rdma_fault_budget: Arc::new(AtomicU32::new(rdma_fault.requests)),
@@ -251,6 +255,26 @@ impl EngineState {
         Ok(())
     }
 
+    /// Why this engine's memory cannot be shared with a peer of this host, if it cannot: every
+    /// region must be host memory kvlink allocated or GPU memory its runtime can export.
+    pub(crate) fn unshareable(&self) -> Option<String> {
+        let regions: Vec<Arc<Region>> = self.regions.read().values().cloned().collect();
+        regions.iter().find_map(|r| r.export_local().err())
+    }
+
+    /// Whether any region is CUDA or HIP memory.
+    pub(crate) fn has_gpu_memory(&self) -> bool {
+        self.regions.read().values().any(|r| {
+            matches!(
+                r.kind(),
+                crate::memory::MemoryKind::Device {
+                    api: GpuApi::Cuda | GpuApi::Hip,
+                    ..
+                }
+            )
+        })
+    }
+
     fn region_infos(&self) -> Vec<RegionInfo> {
         let mut v: Vec<RegionInfo> = self
             .regions
@@ -270,6 +294,12 @@ impl EngineState {
             addr: self.data_addr.to_string(),
             streams: self.config.tcp_streams,
         }];
+        if let Some((host, socket)) = &self.local {
+            v.push(TransportInfo::Local {
+                host: host.clone(),
+                socket: socket.clone(),
+            });
+        }
         if let Some(dev) = &self.rdma {
             v.push(TransportInfo::Rdma {
                 device: dev.name().to_string(),
@@ -399,6 +429,24 @@ impl ControlHandler for EngineState {
 impl RegionLookup for EngineState {
     fn region(&self, id: RegionId) -> Option<Arc<Region>> {
         EngineState::region(self, id)
+    }
+
+    fn device_runtime(&self, api: GpuApi) -> Option<(Arc<dyn DeviceRuntime>, i32)> {
+        let rt = self.gpus.get(api).ok()?;
+        // The GPU of this engine's first region of that runtime (an engine drives one GPU).
+        let ordinal = self
+            .regions
+            .read()
+            .values()
+            .filter_map(|r| match r.kind() {
+                crate::memory::MemoryKind::Device { api: a, ordinal } if a == api => {
+                    Some((r.id(), ordinal))
+                }
+                _ => None,
+            })
+            .min()
+            .map_or(0, |(_, o)| o);
+        Some((rt, ordinal))
     }
 
     fn staging(&self) -> &Arc<StagingPool> {

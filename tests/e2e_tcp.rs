@@ -8,6 +8,15 @@ use std::time::Duration;
 use common::*;
 use kvlink::{EngineConfig, Error, ModelShape, RequestId, Side as Dir};
 
+/// The default configuration with TCP for reads (both engines share this host, where the
+/// default would take the same-host path: tests/local.rs covers it).
+fn tcp_config() -> EngineConfig {
+    EngineConfig {
+        transport: kvlink::TransportChoice::Tcp,
+        ..EngineConfig::default()
+    }
+}
+
 fn run_transfer(
     shape: ModelShape,
     prefill_blocks: u32,
@@ -16,8 +25,8 @@ fn run_transfer(
     per: usize,
 ) {
     let seed = 0xC0FFEE ^ u64::from(shape.layers);
-    let prefill = side(&shape, prefill_blocks, Some(seed), EngineConfig::default());
-    let decode = side(&shape, decode_blocks, None, EngineConfig::default());
+    let prefill = side(&shape, prefill_blocks, Some(seed), tcp_config());
+    let decode = side(&shape, decode_blocks, None, tcp_config());
     let peer = prefill.engine.handshake_address().to_string();
     let mut rng = Rng(42);
     let reqs = random_requests(&mut rng, decode_blocks, prefill_blocks, requests, per);
@@ -73,8 +82,8 @@ fn deepseek_mla_random_blocks_concurrent() {
 #[test]
 fn immediate_refusals_name_the_problem() {
     let shape = ModelShape::LLAMA3_8B;
-    let prefill = side(&shape, 8, Some(1), EngineConfig::default());
-    let decode = side(&shape, 8, None, EngineConfig::default());
+    let prefill = side(&shape, 8, Some(1), tcp_config());
+    let decode = side(&shape, 8, None, tcp_config());
     let peer = prefill.engine.handshake_address().to_string();
     let e = decode
         .engine
@@ -107,7 +116,7 @@ fn immediate_refusals_name_the_problem() {
         .engine
         .read_blocks(&peer, long.as_str(), &[1], &[1])
         .is_err());
-    let bare = kvlink::Engine::start(EngineConfig::default()).unwrap();
+    let bare = kvlink::Engine::start(tcp_config()).unwrap();
     let e = bare.read_blocks(&peer, "a", &[1], &[1]).unwrap_err();
     assert!(e.to_string().contains("set a KV layout"), "{e}");
 
@@ -162,12 +171,7 @@ fn immediate_refusals_name_the_problem() {
 
 #[test]
 fn held_blocks_expire_when_never_read() {
-    let prefill = side(
-        &ModelShape::DEEPSEEK_V3_MLA,
-        4,
-        Some(3),
-        EngineConfig::default(),
-    );
+    let prefill = side(&ModelShape::DEEPSEEK_V3_MLA, 4, Some(3), tcp_config());
     prefill
         .engine
         .hold_blocks_for("never-read", &[0], None, Some(Duration::from_millis(200)))
@@ -193,10 +197,10 @@ fn held_blocks_expire_when_never_read() {
 
 #[test]
 fn incompatible_peer_fails_every_waiter_after_one_handshake() {
-    let prefill = side(&ModelShape::LLAMA3_8B, 8, Some(5), EngineConfig::default());
+    let prefill = side(&ModelShape::LLAMA3_8B, 8, Some(5), tcp_config());
     let mut other = ModelShape::LLAMA3_8B;
     other.tokens_per_block = 32;
-    let decode = side(&other, 8, None, EngineConfig::default());
+    let decode = side(&other, 8, None, tcp_config());
     let peer = prefill.engine.handshake_address().to_string();
     for i in 0..6u32 {
         decode
@@ -231,7 +235,7 @@ fn caller_owned_memory_is_served_and_deregistration_waits_for_it() {
     // The prefill cache is a plain Vec owned by the test (as an engine's KV cache would be).
     let mut cache = vec![0u8; shape.region_bytes(blocks) as usize];
     kvlink::verify::pattern_into(17, 0, &mut cache);
-    let prefill = kvlink::Engine::start(EngineConfig::default()).unwrap();
+    let prefill = kvlink::Engine::start(tcp_config()).unwrap();
     // SAFETY: `cache` outlives the engine (dropped after it at the end of this function) and
     // is not touched by the test while registered.
     let mem =
@@ -240,7 +244,7 @@ fn caller_owned_memory_is_served_and_deregistration_waits_for_it() {
     assert_eq!(region.kind(), kvlink::MemoryKind::HostExternal);
     let layout = shape.layout(region.id(), blocks);
     prefill.set_layout(layout.clone()).unwrap();
-    let decode = side(&shape, blocks, None, EngineConfig::default());
+    let decode = side(&shape, blocks, None, tcp_config());
     let peer = prefill.handshake_address().to_string();
     prefill.hold_blocks("ext", &[5, 1, 6]).unwrap();
     decode
@@ -311,7 +315,7 @@ fn close_ends_reads_in_flight_and_closes_the_ports() {
     // A peer that accepts and never answers keeps the read in flight.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let silent_addr = silent.local_addr().unwrap().to_string();
-    let decode = side(&shape, 4, None, EngineConfig::default());
+    let decode = side(&shape, 4, None, tcp_config());
     decode
         .engine
         .read_blocks(&silent_addr, "in-flight", &[0], &[0])
@@ -345,7 +349,7 @@ fn a_cancelled_read_fails_at_once_and_its_id_is_free_again() {
     // whose reason differs) can end the read.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let silent_addr = silent.local_addr().unwrap().to_string();
-    let decode = side(&shape, 4, None, EngineConfig::default());
+    let decode = side(&shape, 4, None, tcp_config());
     assert!(!decode.engine.cancel("never-started"));
     for round in 0..2 {
         decode
@@ -366,8 +370,8 @@ fn a_cancelled_read_fails_at_once_and_its_id_is_free_again() {
 #[test]
 fn a_decode_reads_under_its_own_id_and_rejects_or_releases_free_a_hold() {
     let shape = ModelShape::LLAMA3_8B;
-    let prefill = side(&shape, 8, Some(11), EngineConfig::default());
-    let decode = side(&shape, 8, None, EngineConfig::default());
+    let prefill = side(&shape, 8, Some(11), tcp_config());
+    let decode = side(&shape, 8, None, tcp_config());
     let peer = prefill.engine.handshake_address().to_string();
     // The prefill holds under its id, the decode tracks, reports and cancels under its own.
     prefill.engine.hold_blocks("prefill-1", &[5, 2]).unwrap();
@@ -439,8 +443,8 @@ fn take_messages(engine: &kvlink::Engine, n: usize, limit: Duration) -> Vec<kvli
 #[test]
 fn application_messages_arrive_in_order_both_ways_with_the_senders_engine_id() {
     let shape = ModelShape::LLAMA3_8B;
-    let a = side(&shape, 4, None, EngineConfig::default());
-    let b = side(&shape, 4, None, EngineConfig::default());
+    let a = side(&shape, 4, None, tcp_config());
+    let b = side(&shape, 4, None, tcp_config());
     let (a_addr, b_addr) = (
         a.engine.handshake_address().to_string(),
         b.engine.handshake_address().to_string(),

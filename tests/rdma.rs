@@ -217,8 +217,15 @@ fn rdma_transport_negotiation() {
     auto.transport = TransportChoice::Auto;
     let prefill = side(&shape, 8, Some(8), auto.clone());
     let peer = prefill.engine.handshake_address().to_string();
-    // Both have RDMA: auto picks it.
-    let decode = side(&shape, 8, None, auto);
+    // Both have RDMA and share this host: auto takes the same-host path for memory it can
+    // share (host memory kvlink allocated), RDMA for memory it cannot (registered from a
+    // pointer).
+    let decode = side(&shape, 8, None, auto.clone());
+    prefill.engine.hold_blocks("a0", &[2]).unwrap();
+    decode.engine.read_blocks(&peer, "a0", &[1], &[2]).unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert_eq!(f.reports[0].transport, "local");
+    let decode = side_in(Mem::Emulated, &shape, 8, None, auto);
     prefill.engine.hold_blocks("a", &[2]).unwrap();
     decode.engine.read_blocks(&peer, "a", &[1], &[2]).unwrap();
     let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());

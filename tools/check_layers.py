@@ -28,6 +28,7 @@ LAYERS = {
     "log_limit": 0,
     "auth": 1.6,
     "gpu": 1,
+    "shm": 0.5,
     "ids": 0,
     "tp": 0,
     "inbox": 0,

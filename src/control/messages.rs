@@ -40,6 +40,13 @@ pub enum TransportInfo {
         /// Keys and addresses of the exported regions.
         regions: Vec<RdmaRegionInfo>,
     },
+    /// The same-host path: a Unix socket in the abstract namespace.
+    Local {
+        /// The host's id (its kernel's boot id): a reader with the same id shares the host.
+        host: String,
+        /// The socket's abstract name.
+        socket: String,
+    },
 }
 
 /// What one engine tells a peer about itself: identity, KV layout, exported memory, transports.
@@ -107,6 +114,12 @@ impl Descriptor {
                         return bad(format!("tcp streams {streams} (1 to 64 allowed)"));
                     }
                 }
+                TransportInfo::Local { host, socket } => {
+                    if host.is_empty() || host.len() > 64 || socket.is_empty() || socket.len() > 100
+                    {
+                        return bad("same-host id or socket name of the wrong length".into());
+                    }
+                }
                 TransportInfo::Rdma {
                     device, regions, ..
                 } => {
@@ -172,6 +185,14 @@ impl Descriptor {
     pub fn tcp(&self) -> Option<(SocketAddr, u16)> {
         self.transports.iter().find_map(|t| match t {
             TransportInfo::Tcp { addr, streams } => addr.parse().ok().map(|a| (a, *streams)),
+            _ => None,
+        })
+    }
+
+    /// The same-host path (host id, socket name), if offered.
+    pub fn local(&self) -> Option<(&str, &str)> {
+        self.transports.iter().find_map(|t| match t {
+            TransportInfo::Local { host, socket } => Some((host.as_str(), socket.as_str())),
             _ => None,
         })
     }

@@ -68,6 +68,19 @@ fn generation_nonce() -> u64 {
     h.finish()
 }
 
+/// Binds the same-host socket (abstract namespace) inside the engine's runtime.
+fn bind_local(
+    runtime: &tokio::runtime::Runtime,
+    name: &str,
+) -> std::io::Result<tokio::net::UnixListener> {
+    use std::os::linux::net::SocketAddrExt;
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
+    let l = std::os::unix::net::UnixListener::bind_addr(&addr)?;
+    l.set_nonblocking(true)?;
+    let _guard = runtime.enter();
+    tokio::net::UnixListener::from_std(l)
+}
+
 impl Engine {
     /// Starts an engine: binds the handshake service and the data server and starts its
     /// runtime. Register memory and set a layout before peers can read from it.
@@ -87,9 +100,16 @@ impl Engine {
         }
         config.insecure |= std::env::var("KVLINK_INSECURE").is_ok_and(|v| v == "1");
         let (rdma, rdma_unavailable) = match config.transport {
-            TransportChoice::Tcp => (
+            TransportChoice::Tcp | TransportChoice::Local => (
                 None,
-                Some("disabled by configuration (transport: tcp)".to_string()),
+                Some(format!(
+                    "disabled by configuration (transport: {})",
+                    if config.transport == TransportChoice::Tcp {
+                        "tcp"
+                    } else {
+                        "local"
+                    }
+                )),
             ),
             choice => match rdma::probe(&config.rdma) {
                 Ok(dev) => (Some(dev), None),
@@ -122,6 +142,24 @@ impl Engine {
             }
             tracing::warn!(%listen, "listening beyond loopback WITHOUT authentication (insecure): any host that reaches these ports can read the exported KV cache");
         }
+        // The same-host socket, in the abstract namespace of this network namespace.
+        let nonce = generation_nonce();
+        let local = match crate::shm::host_id() {
+            Some(host) => {
+                let name = crate::transport::local::socket_name(nonce);
+                match bind_local(&runtime, &name) {
+                    Ok(l) => Some((host, name, l)),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "no same-host path: binding its socket failed");
+                        None
+                    }
+                }
+            }
+            None => {
+                tracing::warn!("no same-host path: this host has no boot id to recognise it by");
+                None
+            }
+        };
         let (control, data) = runtime.block_on(async {
             let control = tokio::net::TcpListener::bind(listen)
                 .await
@@ -160,8 +198,9 @@ impl Engine {
         let shared = Arc::new(EngineState::new(
             config,
             engine_id.clone(),
-            generation_nonce(),
+            nonce,
             data_addr,
+            local.as_ref().map(|(h, n, _)| (h.clone(), n.clone())),
             rdma,
             rdma_unavailable,
             rdma_fault,
@@ -176,6 +215,13 @@ impl Engine {
         };
         runtime.spawn(control::serve(control, shared.clone(), timeouts, per_ip));
         runtime.spawn(tcp::serve(data, shared.clone(), limits));
+        if let Some((_, _, listener)) = local {
+            runtime.spawn(crate::transport::local::serve(
+                listener,
+                shared.clone(),
+                limits,
+            ));
+        }
         if shared.config.open_reads {
             tracing::warn!(
                 "open_reads is on: the data server serves any exported byte without a hold \
@@ -219,6 +265,11 @@ impl Engine {
                 "data server {}, {} streams per peer",
                 sh.data_addr, sh.config.tcp_streams
             ),
+            local: sh
+                .local
+                .as_ref()
+                .map(|(_, socket)| format!("abstract Unix socket @{socket}"))
+                .ok_or_else(|| "no same-host socket (see the log at start)".to_string()),
             gpu: sh.gpus.report(),
         }
     }
@@ -313,11 +364,6 @@ impl Engine {
     /// runtime (for benchmarks and tests; engines register their own KV caches). Freed when the
     /// region is deregistered and no transfer holds it.
     pub fn allocate_device(&self, api: GpuApi, ordinal: i32, len: u64) -> Result<Arc<Region>> {
-        if api == GpuApi::Emulated {
-            return Err(Error::invalid(
-                "emulated device memory is registered, not allocated",
-            ));
-        }
         let rt = self
             .shared
             .gpus

@@ -44,6 +44,8 @@ pub struct Capabilities {
     pub rdma: std::result::Result<String, String>,
     /// The TCP data server (always available).
     pub tcp: String,
+    /// The same-host path (its socket), or why there is none.
+    pub local: std::result::Result<String, String>,
     /// The GPU runtimes found (device memory), or why each is missing.
     pub gpu: GpuReport,
 }
@@ -58,6 +60,10 @@ impl Capabilities {
         transports.push("tcp".to_string());
         let mut memory = vec!["host".to_string()];
         let mut missing = Vec::new();
+        match &self.local {
+            Ok(_) => transports.push("local (same host)".to_string()),
+            Err(why) => missing.push(format!("local: {why}")),
+        }
         if let Err(why) = &self.rdma {
             missing.push(format!("rdma: {why}"));
         }

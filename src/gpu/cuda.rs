@@ -19,7 +19,8 @@ use cudarc::driver::sys;
 use parking_lot::Mutex;
 
 use super::{
-    export_candidates, DeviceRuntime, DmaBuf, GpuApi, GpuError, PointerKind, StreamOps, StreamPool,
+    export_candidates, CopyKind, DeviceRuntime, DmaBuf, GpuApi, GpuError, IpcExport, PointerKind,
+    StreamOps, StreamPool,
 };
 
 /// Driver symbols kvlink calls; all exist since CUDA 11.0.
@@ -45,6 +46,10 @@ const REQUIRED: &[&str] = &[
     "cuMemAlloc_v2",
     "cuMemFree_v2",
     "cuGetErrorString",
+    "cuIpcGetMemHandle",
+    "cuIpcOpenMemHandle_v2",
+    "cuIpcCloseMemHandle",
+    "cuMemcpyDtoDAsync_v2",
 ];
 
 /// `cuMemHostRegister` flag: pinned for all contexts.
@@ -490,5 +495,139 @@ impl DeviceRuntime for Cuda {
         if let Err(e) = r {
             tracing::warn!("freeing device memory: {e}");
         }
+    }
+
+    fn ipc_export(&self, ordinal: i32, ptr: u64, len: u64) -> Result<IpcExport, GpuError> {
+        self.in_context(ordinal, || {
+            let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+            // SAFETY: out-pointers to live locals; the driver checks ptr.
+            check(
+                unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) },
+                "cuMemGetAddressRange",
+            )?;
+            if ptr.saturating_add(len) > base + size as u64 {
+                return Err(GpuError::from(format!(
+                    "{len} bytes at {ptr:#x} run past their allocation"
+                )));
+            }
+            // SAFETY: the handle is plain data the driver fills in.
+            let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+            // SAFETY: out-pointer to a live local; base is the allocation's start.
+            check(
+                unsafe { sys::cuIpcGetMemHandle(&mut h, base) },
+                "cuIpcGetMemHandle (memory from cuMemAlloc/cudaMalloc only, not VMM or pool \
+                 allocations)",
+            )?;
+            Ok(IpcExport {
+                handle: h.reserved.iter().map(|&b| b as u8).collect(),
+                fd: None,
+                offset: ptr - base,
+            })
+        })
+    }
+
+    fn ipc_open(
+        &self,
+        ordinal: i32,
+        handle: &[u8],
+        _fd: Option<OwnedFd>,
+    ) -> Result<(u64, u64), GpuError> {
+        // SAFETY: the handle is plain data.
+        let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        if handle.len() != h.reserved.len() {
+            return Err(GpuError::from(format!(
+                "a CUDA IPC handle is {} bytes, not {}",
+                h.reserved.len(),
+                handle.len()
+            )));
+        }
+        for (d, s) in h.reserved.iter_mut().zip(handle) {
+            *d = *s as std::ffi::c_char;
+        }
+        self.in_context(ordinal, || {
+            let mut p: sys::CUdeviceptr = 0;
+            // SAFETY: out-pointer to a live local; the driver validates the handle's bytes.
+            check(
+                unsafe {
+                    sys::cuIpcOpenMemHandle_v2(
+                        &mut p,
+                        h,
+                        sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                    )
+                },
+                "cuIpcOpenMemHandle",
+            )?;
+            let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+            // SAFETY: out-pointers to live locals.
+            let r = check(
+                unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, p) },
+                "cuMemGetAddressRange",
+            );
+            match r {
+                Ok(()) => Ok((p, size as u64 - (p - base))),
+                Err(e) => {
+                    // SAFETY: p was opened just above and is not used.
+                    let _ = unsafe { sys::cuIpcCloseMemHandle(p) };
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    unsafe fn ipc_close(&self, ordinal: i32, base: u64) {
+        let r = self.in_context(ordinal, || {
+            // SAFETY: base came from ipc_open and is unused (caller's contract).
+            check(
+                unsafe { sys::cuIpcCloseMemHandle(base) },
+                "cuIpcCloseMemHandle",
+            )
+        });
+        if let Err(e) = r {
+            tracing::warn!("closing a peer's device memory: {e}");
+        }
+    }
+
+    unsafe fn copy_many(
+        &self,
+        ordinal: i32,
+        kind: CopyKind,
+        pieces: &[(u64, u64, usize)],
+    ) -> Result<(), GpuError> {
+        self.on_stream(ordinal, "cuMemcpyAsync (batch)", |stream| {
+            for &(dst, src, len) in pieces {
+                // SAFETY: each piece's ranges are valid for its direction (caller's contract);
+                // the stream is synchronised before returning, so the host buffers outlive the
+                // copies.
+                let r = unsafe {
+                    match kind {
+                        CopyKind::ToHost => {
+                            sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, len, stream)
+                        }
+                        CopyKind::FromHost => {
+                            sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, len, stream)
+                        }
+                        CopyKind::Device => sys::cuMemcpyDtoDAsync_v2(dst, src, len, stream),
+                    }
+                };
+                if r != sys::CUresult::CUDA_SUCCESS {
+                    return r;
+                }
+            }
+            sys::CUresult::CUDA_SUCCESS
+        })
+    }
+
+    unsafe fn copy_device(
+        &self,
+        ordinal: i32,
+        dst: u64,
+        src: u64,
+        len: usize,
+    ) -> Result<(), GpuError> {
+        self.on_stream(ordinal, "cuMemcpyDtoDAsync", |stream| {
+            // SAFETY: both ranges are live device memory reachable from this context (caller's
+            // contract); the stream is synchronised before returning.
+            unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, stream) }
+        })
     }
 }

@@ -16,7 +16,8 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use libloading::Library;
 
 use super::{
-    export_candidates, DeviceRuntime, DmaBuf, GpuApi, GpuError, PointerKind, StreamOps, StreamPool,
+    export_candidates, DeviceRuntime, DmaBuf, GpuApi, GpuError, IpcExport, PointerKind, StreamOps,
+    StreamPool,
 };
 
 type HipError = c_int;
@@ -42,6 +43,18 @@ struct PointerAttributes {
     _spare: [u64; 8],
 }
 
+/// `hipIpcMemHandle_t`: 64 opaque bytes, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct IpcHandle {
+    reserved: [c_char; 64],
+}
+
+/// `hipIpcMemLazyEnablePeerAccess`.
+const IPC_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
+/// `hipMemcpyDeviceToDevice`.
+const MEMCPY_DEVICE_TO_DEVICE: c_int = 3;
+
 /// The entry points used, copied out of the library (which lives in `Hip::_lib`).
 struct Fns {
     init: unsafe extern "C" fn(c_uint) -> HipError,
@@ -61,6 +74,9 @@ struct Fns {
     malloc: unsafe extern "C" fn(*mut *mut c_void, usize) -> HipError,
     free: unsafe extern "C" fn(*mut c_void) -> HipError,
     error_string: unsafe extern "C" fn(HipError) -> *const c_char,
+    ipc_get: unsafe extern "C" fn(*mut IpcHandle, *mut c_void) -> HipError,
+    ipc_open: unsafe extern "C" fn(*mut *mut c_void, IpcHandle, c_uint) -> HipError,
+    ipc_close: unsafe extern "C" fn(*mut c_void) -> HipError,
     /// `hipMemGetHandleForAddressRange`: dma-buf export (new in ROCm 7.0).
     dmabuf: Option<unsafe extern "C" fn(*mut c_void, u64, usize, c_int, c_ulonglong) -> HipError>,
 }
@@ -161,6 +177,9 @@ impl Hip {
                 malloc: sym(&lib, "hipMalloc")?,
                 free: sym(&lib, "hipFree")?,
                 error_string: sym(&lib, "hipGetErrorString")?,
+                ipc_get: sym(&lib, "hipIpcGetMemHandle")?,
+                ipc_open: sym(&lib, "hipIpcOpenMemHandle")?,
+                ipc_close: sym(&lib, "hipIpcCloseMemHandle")?,
                 dmabuf: sym(&lib, "hipMemGetHandleForAddressRange").ok(),
             }
         };
@@ -483,6 +502,107 @@ impl DeviceRuntime for Hip {
         if let Err(e) = r {
             tracing::warn!("freeing device memory: {e}");
         }
+    }
+
+    fn ipc_export(&self, ordinal: i32, ptr: u64, len: u64) -> Result<IpcExport, GpuError> {
+        self.on_device(ordinal, || {
+            let (mut base, mut size) = (0u64, 0usize);
+            // SAFETY: out-pointers to live locals.
+            self.check(
+                unsafe { (self.fns.address_range)(&mut base, &mut size, ptr) },
+                "hipMemGetAddressRange",
+            )?;
+            if ptr.saturating_add(len) > base + size as u64 {
+                return Err(GpuError::from(format!(
+                    "{len} bytes at {ptr:#x} run past their allocation"
+                )));
+            }
+            let mut h = IpcHandle { reserved: [0; 64] };
+            // SAFETY: out-pointer to a live local; base is the allocation's start.
+            self.check(
+                unsafe { (self.fns.ipc_get)(&mut h, base as *mut c_void) },
+                "hipIpcGetMemHandle",
+            )?;
+            Ok(IpcExport {
+                handle: h.reserved.iter().map(|&b| b as u8).collect(),
+                fd: None,
+                offset: ptr - base,
+            })
+        })
+    }
+
+    fn ipc_open(
+        &self,
+        ordinal: i32,
+        handle: &[u8],
+        _fd: Option<OwnedFd>,
+    ) -> Result<(u64, u64), GpuError> {
+        let mut h = IpcHandle { reserved: [0; 64] };
+        if handle.len() != h.reserved.len() {
+            return Err(GpuError::from(format!(
+                "a HIP IPC handle is 64 bytes, not {}",
+                handle.len()
+            )));
+        }
+        for (d, s) in h.reserved.iter_mut().zip(handle) {
+            *d = *s as c_char;
+        }
+        self.on_device(ordinal, || {
+            let mut p: *mut c_void = std::ptr::null_mut();
+            // SAFETY: out-pointer to a live local; the runtime validates the handle.
+            self.check(
+                unsafe { (self.fns.ipc_open)(&mut p, h, IPC_LAZY_ENABLE_PEER_ACCESS) },
+                "hipIpcOpenMemHandle",
+            )?;
+            let (mut base, mut size) = (0u64, 0usize);
+            // SAFETY: out-pointers to live locals.
+            let r = self.check(
+                unsafe { (self.fns.address_range)(&mut base, &mut size, p as u64) },
+                "hipMemGetAddressRange",
+            );
+            match r {
+                Ok(()) => Ok((p as u64, size as u64 - (p as u64 - base))),
+                Err(e) => {
+                    // SAFETY: opened just above, unused.
+                    let _ = unsafe { (self.fns.ipc_close)(p) };
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    unsafe fn ipc_close(&self, ordinal: i32, base: u64) {
+        let r = self.on_device(ordinal, || {
+            // SAFETY: base came from ipc_open and is unused (caller's contract).
+            self.check(
+                unsafe { (self.fns.ipc_close)(base as *mut c_void) },
+                "hipIpcCloseMemHandle",
+            )
+        });
+        if let Err(e) = r {
+            tracing::warn!("closing a peer's device memory: {e}");
+        }
+    }
+
+    unsafe fn copy_device(
+        &self,
+        ordinal: i32,
+        dst: u64,
+        src: u64,
+        len: usize,
+    ) -> Result<(), GpuError> {
+        self.on_stream(ordinal, "hipMemcpyAsync(DeviceToDevice)", |stream| {
+            // SAFETY: ranges guaranteed by the caller; on_stream waits for the stream.
+            unsafe {
+                (self.fns.memcpy_async)(
+                    dst as *mut c_void,
+                    src as *const c_void,
+                    len,
+                    MEMCPY_DEVICE_TO_DEVICE,
+                    stream,
+                )
+            }
+        })
     }
 }
 

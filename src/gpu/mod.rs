@@ -205,7 +205,101 @@ pub(crate) trait DeviceRuntime: Send + Sync + std::fmt::Debug + 'static {
     /// # Safety
     /// `ptr` came from `alloc` on this runtime and nothing uses it any more.
     unsafe fn free(&self, ordinal: i32, ptr: u64);
+
+    /// An IPC export of the allocation holding `[ptr, ptr + len)`, for another process of this
+    /// host to open with [`ipc_open`](DeviceRuntime::ipc_open) (CUDA/HIP IPC handles).
+    fn ipc_export(&self, _ordinal: i32, _ptr: u64, _len: u64) -> Result<IpcExport, GpuError> {
+        Err(format!("{} memory has no IPC export", self.api()).into())
+    }
+
+    /// Opens a peer process's export on GPU `ordinal` (peer access enabled when it lives on
+    /// another GPU): the opened allocation's address here and its length. The handle bytes and
+    /// descriptor come from a peer: the runtime checks them.
+    fn ipc_open(
+        &self,
+        _ordinal: i32,
+        _handle: &[u8],
+        _fd: Option<OwnedFd>,
+    ) -> Result<(u64, u64), GpuError> {
+        Err(format!(
+            "{} memory cannot be opened from another process",
+            self.api()
+        )
+        .into())
+    }
+
+    /// Closes what [`ipc_open`](DeviceRuntime::ipc_open) opened.
+    ///
+    /// # Safety
+    /// `base` came from `ipc_open` on this runtime and nothing uses it any more.
+    unsafe fn ipc_close(&self, _ordinal: i32, _base: u64) {}
+
+    /// Copies `len` bytes between two device ranges reachable from GPU `ordinal` (its own
+    /// memory, or memory opened with `ipc_open`), returning when the bytes are in place.
+    ///
+    /// # Safety
+    /// Both ranges lie inside live device allocations reachable from `ordinal`'s context.
+    unsafe fn copy_device(
+        &self,
+        _ordinal: i32,
+        _dst: u64,
+        _src: u64,
+        _len: usize,
+    ) -> Result<(), GpuError> {
+        Err(format!("{} has no device-to-device copy", self.api()).into())
+    }
+
+    /// Copies every `(dst, src, len)` piece in `kind`'s direction, returning when all are in
+    /// place. Runtimes queue them on one stream and wait once (a GPU copy costs microseconds
+    /// to wait for, whatever its size); the default copies one at a time.
+    ///
+    /// # Safety
+    /// Each piece's ranges are valid as the single copy of `kind` requires.
+    unsafe fn copy_many(
+        &self,
+        ordinal: i32,
+        kind: CopyKind,
+        pieces: &[(u64, u64, usize)],
+    ) -> Result<(), GpuError> {
+        for &(dst, src, len) in pieces {
+            // SAFETY: the caller's contract, piece by piece.
+            unsafe {
+                match kind {
+                    CopyKind::ToHost => self.copy_to_host(ordinal, dst as *mut u8, src, len),
+                    CopyKind::FromHost => self.copy_from_host(ordinal, dst, src as *const u8, len),
+                    CopyKind::Device => self.copy_device(ordinal, dst, src, len),
+                }
+            }?;
+        }
+        Ok(())
+    }
 }
+
+/// The direction of a batch of copies ([`DeviceRuntime::copy_many`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CopyKind {
+    /// Device to host: `dst` is a host address.
+    ToHost,
+    /// Host to device: `src` is a host address.
+    FromHost,
+    /// Device to device.
+    Device,
+}
+
+/// What a process hands another process of this host so that it can open a device allocation.
+#[derive(Debug)]
+pub(crate) struct IpcExport {
+    /// The runtime's handle (64 bytes for CUDA and HIP; the allocation's length for the
+    /// emulated runtime).
+    pub(crate) handle: Vec<u8>,
+    /// A descriptor that goes with the handle (the emulated runtime's memfd).
+    pub(crate) fd: Option<OwnedFd>,
+    /// The exported range starts this far into the allocation the handle opens.
+    pub(crate) offset: u64,
+}
+
+/// Longest IPC handle a peer may send.
+pub(crate) const MAX_IPC_HANDLE: usize = 64;
 
 /// The operations of one API's copy streams, for [`StreamPool::run`]. Handles are the API's
 /// opaque stream pointers, carried as addresses.

@@ -1,13 +1,12 @@
-//! Host memory: regions allocated by kvlink (anonymous `mmap`, huge pages on request) and
+//! Host memory: regions allocated by kvlink (a sealed memfd, huge pages on request) and
 //! caller-owned memory registered through [`ExternalMemory`].
 
 use std::ptr::NonNull;
 
-use memmap2::MmapOptions;
-
 use super::{Backing, MemoryKind, Region};
 use crate::error::{Error, Result};
 use crate::ids::RegionId;
+use crate::shm::SharedMap;
 
 /// Host memory owned by the caller (an inference engine's KV cache), vouched for by the caller
 /// through [`ExternalMemory::new`]'s safety contract. Registered with `Engine::register_host`.
@@ -42,53 +41,30 @@ impl ExternalMemory {
 }
 
 impl Region {
-    /// Allocates `len` bytes of zeroed host memory. With `huge_pages`, asks for 2 MiB huge pages
-    /// (`MAP_HUGETLB`) and, when the system has none reserved, falls back to regular pages with
-    /// transparent huge pages advised; the result's [`kind`](Region::kind) says which happened.
+    /// Allocates `len` bytes of zeroed host memory, shareable with another process of this host
+    /// (a sealed memfd: see [`Region::share_fd`]). With `huge_pages`, asks for 2 MiB huge pages
+    /// and, when the system has none reserved, falls back to regular pages with transparent huge
+    /// pages advised; the result's [`kind`](Region::kind) says which happened.
     pub(crate) fn allocate(id: RegionId, len: u64, huge_pages: bool) -> Result<Region> {
         if len == 0 {
             return Err(Error::invalid("cannot allocate an empty region"));
         }
         let size = usize::try_from(len)
             .map_err(|_| Error::invalid(format!("region length {len} does not fit in memory")))?;
-        let mut kind = MemoryKind::HostMapped;
-        let map = if huge_pages {
-            let huge_len = size.div_ceil(2 << 20) * (2 << 20);
-            match MmapOptions::new().len(huge_len).huge(Some(21)).map_anon() {
-                Ok(m) => {
-                    kind = MemoryKind::HostHugePages;
-                    m
-                }
-                Err(e) => {
-                    tracing::warn!(
-                        error = %e,
-                        "huge pages unavailable (reserve some with /proc/sys/vm/nr_hugepages); \
-                         falling back to regular pages with transparent huge pages advised"
-                    );
-                    let m = MmapOptions::new()
-                        .len(size)
-                        .map_anon()
-                        .map_err(|e| Error::Memory(format!("mmap of {size} bytes failed: {e}")))?;
-                    let _ = m.advise(memmap2::Advice::HugePage);
-                    m
-                }
-            }
+        let map = SharedMap::create(&format!("kvlink-region-{}", id.0), size, huge_pages)
+            .map_err(|e| Error::Memory(format!("shared memory of {size} bytes: {e}")))?;
+        let kind = if map.is_huge() {
+            MemoryKind::HostHugePages
         } else {
-            MmapOptions::new()
-                .len(size)
-                .map_anon()
-                .map_err(|e| Error::Memory(format!("mmap of {size} bytes failed: {e}")))?
+            MemoryKind::HostMapped
         };
-        // Fault every page in now rather than during the first transfer into it.
-        let _ = map.advise(memmap2::Advice::PopulateWrite);
-        let mut map = map;
-        let ptr = NonNull::new(map.as_mut_ptr()).expect("mmap never returns null");
+        let ptr = NonNull::new(map.as_ptr()).expect("mmap never returns null");
         Ok(Region {
             id,
             ptr,
             len,
             kind,
-            _backing: Backing::Mapped(map),
+            _backing: Backing::Shared(map),
         })
     }
 

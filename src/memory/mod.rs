@@ -5,7 +5,7 @@
 //! into byte slices for the kernel's vectored I/O. Everything above works with [`RegionSpan`]s,
 //! which are bounds-checked when made.
 //!
-//! Memory is either allocated here (anonymous `mmap`, huge pages on request) or registered by
+//! Memory is either allocated here (a sealed memfd mapping, huge pages on request) or registered by
 //! the caller from a pointer it owns (a KV cache allocated by the inference engine). GPU memory
 //! regions hold their runtime and are reached only through its copies (`read_at`, `write_at`,
 //! staging buffers), never by the CPU or the kernel directly.
@@ -13,7 +13,6 @@
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use memmap2::MmapMut;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -22,17 +21,20 @@ use crate::ids::RegionId;
 
 mod device;
 mod host;
+mod peer;
 mod span;
 
 pub use device::DeviceMemory;
 pub(crate) use device::StagingBuf;
 pub use host::ExternalMemory;
+pub(crate) use peer::PeerMemory;
 pub(crate) use span::{readv, writev, RegionSpan};
 
 /// What backs a region, and keeps it alive while registered.
 enum Backing {
-    /// Anonymous mapping owned by the region; unmapped on drop.
-    Mapped(#[allow(dead_code)] MmapMut),
+    /// A memfd mapping owned by the region (shareable with another process); unmapped on
+    /// drop.
+    Shared(crate::shm::SharedMap),
     /// Caller-owned host memory; the caller promised it stays valid while registered.
     External,
     /// GPU memory, reached only through its runtime's copies (never dereferenced on the CPU).

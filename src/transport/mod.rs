@@ -1,13 +1,14 @@
 //! Data transports behind one trait. A transport takes the planner's segments, already resolved
 //! to local registered spans, and reads the peer's bytes into them.
 
+pub(crate) mod local;
 #[allow(unsafe_code)]
 pub(crate) mod rdma;
 pub(crate) mod tcp;
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use crate::error::Result;
 use crate::ids::{RegionId, RequestId};
@@ -30,6 +31,11 @@ pub(crate) struct RequestCtl {
     write_guard: parking_lot::Mutex<()>,
     /// Wakes transports waiting on the request when it is cancelled.
     woken: tokio::sync::Notify,
+    /// Copies another process is making into the request's memory (the same-host transport's
+    /// server writes the reader's blocks): a cancel waits for them too.
+    remote: AtomicUsize,
+    /// Wakes a cancel waiting for `remote` to reach zero.
+    drained: tokio::sync::Notify,
 }
 
 impl RequestCtl {
@@ -50,16 +56,48 @@ impl RequestCtl {
     ) -> bool {
         self.mark_cancelled();
         let me = self.clone();
-        let waited =
-            tokio::time::timeout(wait, tokio::task::spawn_blocking(move || me.cancel())).await;
+        let waited = tokio::time::timeout(wait, async {
+            let _ = tokio::task::spawn_blocking(move || me.cancel()).await;
+            self.remote_drained().await;
+        })
+        .await;
         if waited.is_err() {
             tracing::error!(
                 ?wait,
-                "a copy into a cancelled request's memory is still running (hung GPU copy?); \
-                 the request is reported failed, but its blocks may still be written"
+                "a copy into a cancelled request's memory is still running (hung GPU copy, or \
+                 a same-host peer still copying?); the request is reported failed, but its \
+                 blocks may still be written"
             );
         }
         waited.is_ok()
+    }
+
+    /// A peer process starts a copy into the request's memory; [`remote_end`] when it
+    /// answered (or its connection closed, which it does only once its copies ended).
+    ///
+    /// [`remote_end`]: RequestCtl::remote_end
+    pub(crate) fn remote_begin(&self) {
+        self.remote.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A copy begun with [`remote_begin`](RequestCtl::remote_begin) ended.
+    pub(crate) fn remote_end(&self) {
+        if self.remote.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.drained.notify_waiters();
+        }
+    }
+
+    /// Resolves once no peer process copies into the request's memory.
+    async fn remote_drained(&self) {
+        loop {
+            let woken = self.drained.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            if self.remote.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            woken.await;
+        }
     }
 
     /// Stops new writes into the request's memory without waiting for one in progress.

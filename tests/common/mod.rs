@@ -43,6 +43,9 @@ pub enum Mem {
     Host,
     /// Host memory registered as emulated device memory (the staging paths, no GPU needed).
     Emulated,
+    /// Emulated device memory allocated by the engine (a memfd: its IPC works between
+    /// processes, as CUDA's does).
+    EmulatedAlloc,
     /// CUDA device memory on GPU 0 (only where CUDA is loaded).
     Cuda,
 }
@@ -85,6 +88,9 @@ pub fn side_on(
             emulated = Some(buf);
             r
         }
+        Mem::EmulatedAlloc => engine
+            .allocate_device(kvlink::GpuApi::Emulated, 0, bytes)
+            .unwrap(),
         Mem::Cuda => engine
             .allocate_device(kvlink::GpuApi::Cuda, 0, bytes)
             .unwrap(),
@@ -178,9 +184,11 @@ pub fn collect(engine: &Engine, limit: Duration, done: impl Fn(&Finished) -> boo
     acc
 }
 
-/// An engine configuration with short deadlines for fault tests.
+/// An engine configuration with short deadlines for fault tests. Reads go over TCP (the
+/// engines of a test share a host; tests/local.rs covers the same-host path).
 pub fn quick_config() -> EngineConfig {
     EngineConfig {
+        transport: kvlink::TransportChoice::Tcp,
         connect_timeout: Duration::from_secs(2),
         handshake_timeout: Duration::from_millis(500),
         request_timeout: Duration::from_secs(20),
@@ -206,11 +214,12 @@ pub fn prefill_child_main() {
     let seed: u64 = p[2].parse().unwrap();
     let held: usize = p[3].parse().unwrap();
     let mut config = quick_config();
+    let mem = if p[4] == "cuda" { Mem::Cuda } else { Mem::Host };
     if p[4] == "rdma" {
         config.transport = kvlink::TransportChoice::Rdma;
         config.rdma.device = std::env::var("KVLINK_RDMA_DEVICE").ok();
     }
-    let prefill = side(&shape, blocks, Some(seed), config);
+    let prefill = side_in(mem, &shape, blocks, Some(seed), config);
     // The parent picks the blocks: every block is granted to each held request.
     let all: Vec<u32> = (0..blocks).collect();
     for i in 0..held {

@@ -86,7 +86,8 @@
 #define KVLINK_E_GPU -10
 
 /**
- * `kvlink_config.transport`: RDMA when both engines have it, TCP otherwise.
+ * `kvlink_config.transport`: the same-host path when the engines share a host and the memory
+ * can be shared, else RDMA when both engines have it, else TCP.
  */
 #define KVLINK_TRANSPORT_AUTO 0
 
@@ -99,6 +100,12 @@
  * `kvlink_config.transport`: RDMA only; starting fails without a usable RDMA device.
  */
 #define KVLINK_TRANSPORT_RDMA 2
+
+/**
+ * `kvlink_config.transport`: the same-host path only (shared memfd, GPU IPC); reads from a
+ * peer on another host, or into memory that cannot be shared, fail with the reason.
+ */
+#define KVLINK_TRANSPORT_LOCAL 3
 
 /**
  * Kind of entry in a `kvlink_finished`: sends confirmed by the reading peer (the blocks may be
@@ -231,7 +238,8 @@ typedef struct kvlink_config {
      */
     uint32_t tp_size;
     /**
-     * `KVLINK_TRANSPORT_AUTO`, `KVLINK_TRANSPORT_TCP` or `KVLINK_TRANSPORT_RDMA`.
+     * `KVLINK_TRANSPORT_AUTO`, `KVLINK_TRANSPORT_TCP`, `KVLINK_TRANSPORT_RDMA` or
+     * `KVLINK_TRANSPORT_LOCAL`.
      */
     uint32_t transport;
     /**

@@ -32,12 +32,16 @@ pub const KVLINK_E_INTERNAL: c_int = -9;
 /// runtime, the call and what to install or load.
 pub const KVLINK_E_GPU: c_int = -10;
 
-/// `kvlink_config.transport`: RDMA when both engines have it, TCP otherwise.
+/// `kvlink_config.transport`: the same-host path when the engines share a host and the memory
+/// can be shared, else RDMA when both engines have it, else TCP.
 pub const KVLINK_TRANSPORT_AUTO: u32 = 0;
 /// `kvlink_config.transport`: TCP only; RDMA is not probed.
 pub const KVLINK_TRANSPORT_TCP: u32 = 1;
 /// `kvlink_config.transport`: RDMA only; starting fails without a usable RDMA device.
 pub const KVLINK_TRANSPORT_RDMA: u32 = 2;
+/// `kvlink_config.transport`: the same-host path only (shared memfd, GPU IPC); reads from a
+/// peer on another host, or into memory that cannot be shared, fail with the reason.
+pub const KVLINK_TRANSPORT_LOCAL: u32 = 3;
 
 /// Kind of entry in a `kvlink_finished`: sends confirmed by the reading peer (the blocks may be
 /// freed).

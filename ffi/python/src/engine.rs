@@ -80,9 +80,10 @@ impl Engine {
                 "auto" => TransportChoice::Auto,
                 "tcp" => TransportChoice::Tcp,
                 "rdma" => TransportChoice::Rdma,
+                "local" => TransportChoice::Local,
                 t => {
                     return Err(InvalidArgument::new_err(format!(
-                        "transport must be 'auto', 'tcp' or 'rdma', got {t:?}"
+                        "transport must be 'auto', 'tcp', 'rdma' or 'local', got {t:?}"
                     )))
                 }
             },

@@ -560,12 +560,15 @@ async fn receive_pieces(
 
 /// The reader's side of the data server's session challenge: reads its nonce, answers with the
 /// session id and the session's proof over it.
-async fn prove_session(
-    s: &mut TcpStream,
+pub(crate) async fn prove_session<S>(
+    s: &mut S,
     session: &SessionSecret,
-    peer: SocketAddr,
+    peer: impl std::fmt::Display,
     limit: Duration,
-) -> Result<()> {
+) -> Result<()>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let what = format!("proving the session to the data server {peer}");
     let mut nonce = [0u8; wire::AUTH_NONCE];

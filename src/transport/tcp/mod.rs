@@ -7,12 +7,14 @@
 //! GPU memory is staged through pinned host buffers, chunked and pipelined (see `staging`). How
 //! a read is cut into batches is decided without I/O (`batch`, with its tests).
 
-mod batch;
+pub(crate) mod batch;
 mod client;
 mod server;
 mod staging;
 pub mod wire;
 
-pub(crate) use client::TcpTransport;
-pub(crate) use server::{serve, DataSession, RegionLookup, ServeLimits};
+pub(crate) use client::{prove_session, TcpTransport};
+pub(crate) use server::{
+    check_session_proof, resolve, serve, still_granted, DataSession, RegionLookup, ServeLimits,
+};
 pub(crate) use staging::StagingPool;

@@ -14,6 +14,7 @@ use super::wire::{self, Entry};
 use crate::auth::{self, SessionSecret};
 use crate::conn_limit::{ConnLimit, MAX_CONNECTIONS};
 use crate::error::{Error, Result};
+use crate::gpu::{DeviceRuntime, GpuApi};
 use crate::grant::Grant;
 use crate::ids::{RegionId, RequestId};
 use crate::log_limit::{warn_limited, LogLimit};
@@ -51,6 +52,8 @@ pub(crate) trait RegionLookup: Send + Sync + 'static {
     fn served(&self, bytes: Option<u64>);
     /// The staging buffers for device memory.
     fn staging(&self) -> &Arc<StagingPool>;
+    /// The loaded runtime of `api` and the GPU to open a same-host reader's device memory on.
+    fn device_runtime(&self, api: GpuApi) -> Option<(Arc<dyn DeviceRuntime>, i32)>;
 }
 
 /// The data server's limits.
@@ -119,7 +122,7 @@ fn timed_out(what: &str, after: Duration) -> Error {
 
 /// Resolves every entry to an exported span inside the request's grant (when there is one),
 /// or says which one is refused and why. The reason names only what the reader asked for.
-fn resolve(
+pub(crate) fn resolve(
     regions: &dyn RegionLookup,
     grant: Option<&Grant>,
     entries: impl Iterator<Item = Entry>,
@@ -161,7 +164,7 @@ async fn connection(
     let mut engine: Option<Arc<Reader>> = None;
     if regions.auth_required() {
         // Nothing is served before the connection proves an authenticated control session.
-        match prove_session(&mut stream, &*regions, io_timeout).await {
+        match check_session_proof(&mut stream, &*regions, io_timeout).await {
             Ok(e) => engine = Some(e),
             Err(e) => {
                 regions.served(None);
@@ -262,7 +265,7 @@ async fn read_entries(
 
 /// Stops a response whose grant ended (its hold finished, failed or expired) while it was
 /// being sent: the blocks may be reused from then on.
-fn still_granted(live: Option<&Grant>) -> Result<()> {
+pub(crate) fn still_granted(live: Option<&Grant>) -> Result<()> {
     match live {
         Some(g) if g.is_ended() => Err(Error::Protocol(
             "the request's hold ended while its blocks were being sent".into(),
@@ -361,11 +364,14 @@ const PROOF_DEADLINE: Duration = Duration::from_secs(5);
 /// The data server's side of the session proof: sends a fresh nonce, expects the session id and
 /// the session's proof over the nonce (`wire::AUTH_REPLY` bytes) within a few seconds. Returns
 /// the reader the session declared.
-async fn prove_session(
-    stream: &mut TcpStream,
+pub(crate) async fn check_session_proof<S>(
+    stream: &mut S,
     regions: &dyn RegionLookup,
     io_timeout: Duration,
-) -> Result<Arc<Reader>> {
+) -> Result<Arc<Reader>>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     use tokio::io::AsyncWriteExt;
     let deadline = PROOF_DEADLINE.min(io_timeout);
     let nonce = auth::nonce()?;

@@ -16,7 +16,9 @@ modes:
                       <out>.csv and a chart <out>.png (bandwidth against the parameter)
 
 options:
-  --transport T       auto (RDMA when both engines have it), tcp or rdma [auto]
+  --transport T       auto (same-host path when the engines share a host and
+                      their memory can be shared, else RDMA when both have it,
+                      else TCP), tcp, rdma or local (same host only)     [auto]
   --preset NAME       llama-3-8b, llama-3-70b-tp8, deepseek-v3-mla, qwen2.5-7b [llama-3-8b]
   --block-bytes N     custom layout instead of a preset: blocks of N bytes (K/M suffixes),
                       one token per block, so --tokens counts blocks
@@ -196,7 +198,8 @@ pub(crate) fn parse_args() -> Result<Args, String> {
                     "auto" => TransportChoice::Auto,
                     "tcp" => TransportChoice::Tcp,
                     "rdma" => TransportChoice::Rdma,
-                    t => return Err(format!("unknown transport {t:?} (auto, tcp, rdma)")),
+                    "local" => TransportChoice::Local,
+                    t => return Err(format!("unknown transport {t:?} (auto, tcp, rdma, local)")),
                 }
             }
             Long("memory") => {

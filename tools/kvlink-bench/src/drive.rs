@@ -5,7 +5,9 @@ use std::collections::HashMap;
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
-use kvlink::{BlockId, Engine, KvLayout, Region, RequestId, TpRank, TransferReport};
+use kvlink::{
+    BlockId, Engine, KvLayout, Region, RequestId, TpRank, TransferReport, TransportChoice,
+};
 
 use crate::args::{Args, Memory, Mode, Pattern};
 use crate::report::{fmt_bytes, report, sweep};
@@ -143,9 +145,9 @@ fn drive(
     Ok(out)
 }
 
-/// The reference for staged runs, measured in the same run: one plain copy of the whole
-/// prefill cache out of its memory into an ordinary host buffer, in 64 MiB pieces (for GPU
-/// memory, the runtime's device-to-host copy).
+/// The reference for staged and same-host runs, measured in the same run: one plain copy
+/// (one thread) of the whole prefill cache out of its memory into an ordinary host buffer, in
+/// 64 MiB pieces (for GPU memory, the runtime's device-to-host copy).
 fn copy_out_reference(region: &Region) -> Result<f64, String> {
     let mut buf = vec![0u8; (64 << 20).min(region.len() as usize)];
     buf.fill(1); // fault the pages in before timing
@@ -170,8 +172,9 @@ pub(crate) fn loopback(args: &Args, rng: &mut Rng) -> Result<Outcome, String> {
     let remote = make_cache(&prefill, args, blocks, args.seed, TpRank::SOLO)?;
     let local = make_cache(&decode, args, blocks, !args.seed, TpRank::SOLO)?;
     let peer = prefill.handshake_address().to_string();
-    let reference = match args.memory {
-        Memory::Host => None,
+    // Staged runs and same-host runs are compared with one plain copy of the same bytes.
+    let reference = match (args.memory, args.transport) {
+        (Memory::Host, TransportChoice::Tcp | TransportChoice::Rdma) => None,
         _ => Some(copy_out_reference(&remote.region)?),
     };
     let out = {

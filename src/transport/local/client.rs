@@ -1,0 +1,348 @@
+//! The reader's side of the same-host transport: shares its destination regions with the
+//! engine it reads from (once per region per session), then asks for copies in batches, several
+//! in flight, and waits for each answer.
+//!
+//! The peer writes the reader's memory, so a request's control counts every batch in flight
+//! ([`RequestCtl::remote_begin`]): a cancel or a deadline returns only once each was answered,
+//! or the connection closed (the server closes it only once its copies ended).
+
+use std::collections::{HashMap, HashSet};
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::net::UnixStream;
+use tokio::sync::oneshot;
+use tokio::time::timeout;
+
+use super::server::{send_all, MAX_INFLIGHT};
+use super::wire;
+use crate::auth::SessionSecret;
+use crate::error::{Error, Result};
+use crate::ids::{RegionId, RequestId};
+use crate::transport::tcp::{batch, prove_session};
+use crate::transport::{ReadFuture, ReadOp, RequestCtl, Transport};
+
+/// An answer the reader waits for, and the request whose memory the copy writes.
+struct Waiter {
+    done: oneshot::Sender<Result<()>>,
+    ctl: Option<Arc<RequestCtl>>,
+}
+
+struct Shared {
+    peer: String,
+    pending: Mutex<HashMap<u64, Waiter>>,
+    broken: AtomicBool,
+    reason: Mutex<Option<String>>,
+}
+
+impl Shared {
+    fn lost(&self) -> Error {
+        Error::ConnectionLost {
+            peer: self.peer.clone(),
+            reason: self
+                .reason
+                .lock()
+                .clone()
+                .unwrap_or_else(|| "same-host connection closed".into()),
+        }
+    }
+
+    /// The connection ended: every waiter hears it, and every request it counted is told its
+    /// copies ended (the server closes only after its last copy).
+    fn fail_all(&self, why: String) {
+        self.reason.lock().get_or_insert(why);
+        self.broken.store(true, Ordering::Release);
+        let waiters: Vec<Waiter> = self.pending.lock().drain().map(|(_, w)| w).collect();
+        for w in waiters {
+            if let Some(ctl) = &w.ctl {
+                ctl.remote_end();
+            }
+            let _ = w.done.send(Err(self.lost()));
+        }
+    }
+}
+
+/// A session's same-host data path.
+pub(crate) struct LocalTransport {
+    stream: Arc<UnixStream>,
+    shared: Arc<Shared>,
+    /// One frame is written at a time.
+    send: tokio::sync::Mutex<()>,
+    /// Regions this session shared with the peer already.
+    mapped: Mutex<HashSet<RegionId>>,
+    next_tag: AtomicU64,
+    batch_bytes: u64,
+    io_timeout: Duration,
+    replies: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for LocalTransport {
+    fn drop(&mut self) {
+        self.replies.abort();
+    }
+}
+
+impl LocalTransport {
+    /// Connects to the peer's same-host socket `name` (abstract namespace) and proves the
+    /// session when the engines have a deployment key.
+    pub(crate) async fn connect(
+        name: &str,
+        peer: &str,
+        session: Option<&SessionSecret>,
+        connect_timeout: Duration,
+        io_timeout: Duration,
+        batch_bytes: u64,
+    ) -> Result<LocalTransport> {
+        use std::os::linux::net::SocketAddrExt;
+        let what = format!("connecting to the same-host socket of {peer}");
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+            .map_err(|e| Error::io(&what, &e))?;
+        // Connecting to an abstract socket does not block: it is there or refused at once.
+        let std = std::os::unix::net::UnixStream::connect_addr(&addr)
+            .map_err(|e| Error::io(&what, &e))?;
+        std.set_nonblocking(true)
+            .map_err(|e| Error::io(&what, &e))?;
+        let mut stream = UnixStream::from_std(std).map_err(|e| Error::io(&what, &e))?;
+        if let Some(s) = session {
+            prove_session(&mut stream, s, peer, connect_timeout).await?;
+        }
+        let stream = Arc::new(stream);
+        let shared = Arc::new(Shared {
+            peer: peer.to_string(),
+            pending: Mutex::new(HashMap::new()),
+            broken: AtomicBool::new(false),
+            reason: Mutex::new(None),
+        });
+        let replies = tokio::spawn(replies(stream.clone(), shared.clone()));
+        Ok(LocalTransport {
+            stream,
+            shared,
+            send: tokio::sync::Mutex::new(()),
+            mapped: Mutex::new(HashSet::new()),
+            next_tag: AtomicU64::new(1),
+            batch_bytes: batch_bytes.max(1),
+            io_timeout,
+            replies,
+        })
+    }
+
+    /// Sends a frame (with a descriptor) and returns the receiver of its answer.
+    async fn request(
+        &self,
+        frame: impl FnOnce(u64) -> Vec<u8>,
+        fd: Option<std::os::fd::BorrowedFd<'_>>,
+        ctl: Option<&Arc<RequestCtl>>,
+    ) -> Result<oneshot::Receiver<Result<()>>> {
+        let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        if let Some(c) = ctl {
+            c.remote_begin();
+        }
+        self.shared.pending.lock().insert(
+            tag,
+            Waiter {
+                done: tx,
+                ctl: ctl.cloned(),
+            },
+        );
+        if self.shared.broken.load(Ordering::Acquire) {
+            // fail_all may have run before the insert: make sure this waiter hears it.
+            self.shared.fail_all("same-host connection closed".into());
+            return Err(self.shared.lost());
+        }
+        let bytes = frame(tag);
+        let _one = self.send.lock().await;
+        if let Err(e) = send_all(&self.stream, &bytes, fd, self.io_timeout).await {
+            // A frame cut in the middle leaves the stream unusable.
+            self.shared.fail_all(e.to_string());
+            return Err(self.shared.lost());
+        }
+        Ok(rx)
+    }
+
+    /// Shares `region`'s memory with the peer unless this session did already.
+    async fn share(&self, region: &Arc<crate::memory::Region>) -> Result<()> {
+        if self.mapped.lock().contains(&region.id()) {
+            return Ok(());
+        }
+        let export = region.export_local().map_err(Error::InvalidArgument)?;
+        let m = wire::Map {
+            region: region.id(),
+            api: export.api,
+            offset: export.offset,
+            len: export.len,
+            handle: export.handle,
+        };
+        let fd = export.fd.as_ref().map(|f| f.as_fd());
+        let rx = self
+            .request(
+                |tag| {
+                    let mut b = Vec::new();
+                    wire::encode_map(tag, &m, &mut b);
+                    b
+                },
+                fd,
+                None,
+            )
+            .await?;
+        self.answer(rx).await?;
+        self.mapped.lock().insert(region.id());
+        Ok(())
+    }
+
+    async fn answer(&self, rx: oneshot::Receiver<Result<()>>) -> Result<()> {
+        match timeout(self.io_timeout, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(self.shared.lost()),
+            Err(_) => Err(Error::Timeout {
+                what: format!("waiting for the same-host copy from {}", self.shared.peer),
+                after: self.io_timeout,
+            }),
+        }
+    }
+
+    async fn run(&self, id: &RequestId, ops: Vec<ReadOp>, ctl: Arc<RequestCtl>) -> Result<u64> {
+        if self.is_broken() {
+            return Err(self.shared.lost());
+        }
+        let mut seen = HashSet::new();
+        for op in &ops {
+            if seen.insert(op.local.region().id()) {
+                self.share(op.local.region()).await?;
+            }
+        }
+        let batches = batch::batches(
+            ops,
+            |op| op.local.len(),
+            self.batch_bytes,
+            wire::MAX_ENTRIES as usize,
+        );
+        let n = batches.len();
+        let mut inflight = std::collections::VecDeque::new();
+        for ops in batches {
+            if inflight.len() >= MAX_INFLIGHT {
+                self.answer(inflight.pop_front().expect("in flight"))
+                    .await?;
+            }
+            if ctl.is_cancelled() {
+                return Err(Error::Cancelled(format!(
+                    "reading from {}",
+                    self.shared.peer
+                )));
+            }
+            let entries = ops.iter().map(|op| wire::Entry {
+                src_region: op.remote_region,
+                dst_region: op.local.region().id(),
+                src_offset: op.remote_offset,
+                dst_offset: op.local.offset(),
+                len: op.local.len(),
+            });
+            let rx = self
+                .request(
+                    |tag| {
+                        let mut b = Vec::new();
+                        wire::encode_read(tag, id.as_str(), entries, &mut b);
+                        b
+                    },
+                    None,
+                    Some(&ctl),
+                )
+                .await?;
+            inflight.push_back(rx);
+        }
+        while let Some(rx) = inflight.pop_front() {
+            self.answer(rx).await?;
+        }
+        Ok(n as u64)
+    }
+}
+
+/// Reads answers until the connection ends, handing each to its waiter.
+async fn replies(stream: Arc<UnixStream>, shared: Arc<Shared>) {
+    let mut buf: Vec<u8> = Vec::new();
+    let why = loop {
+        // Parse what arrived.
+        if buf.len() >= wire::REPLY_HEADER {
+            let h: [u8; wire::REPLY_HEADER] = buf[..wire::REPLY_HEADER].try_into().expect("hdr");
+            match wire::decode_reply_header(&h) {
+                Err(e) => break e.to_string(),
+                Ok((tag, refused, n)) if buf.len() >= wire::REPLY_HEADER + n => {
+                    let reason =
+                        String::from_utf8_lossy(&buf[wire::REPLY_HEADER..][..n]).into_owned();
+                    buf.drain(..wire::REPLY_HEADER + n);
+                    let Some(w) = shared.pending.lock().remove(&tag) else {
+                        break format!("an answer to unknown request tag {tag}");
+                    };
+                    if let Some(ctl) = &w.ctl {
+                        ctl.remote_end();
+                    }
+                    let r = if refused {
+                        Err(Error::Refused {
+                            peer: shared.peer.clone(),
+                            message: reason,
+                        })
+                    } else {
+                        Ok(())
+                    };
+                    let _ = w.done.send(r);
+                    continue;
+                }
+                Ok(_) => {}
+            }
+        }
+        if let Err(e) = stream.readable().await {
+            break e.to_string();
+        }
+        let start = buf.len();
+        buf.resize(start + 4096, 0);
+        match stream.try_read(&mut buf[start..]) {
+            Ok(0) => break "the peer closed the same-host connection".into(),
+            Ok(n) => buf.truncate(start + n),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => buf.truncate(start),
+            Err(e) => break e.to_string(),
+        }
+    };
+    shared.fail_all(why);
+}
+
+impl Transport for LocalTransport {
+    fn name(&self) -> &'static str {
+        "local"
+    }
+
+    fn read<'a>(
+        &'a self,
+        id: &'a RequestId,
+        ops: Vec<ReadOp>,
+        ctl: Arc<RequestCtl>,
+        deadline: tokio::time::Instant,
+    ) -> ReadFuture<'a> {
+        let started = tokio::time::Instant::now();
+        Box::pin(async move {
+            let run = tokio::time::timeout_at(deadline, self.run(id, ops, ctl.clone()));
+            let r = tokio::select! {
+                r = run => match r {
+                    Ok(r) => r,
+                    Err(_) => Err(Error::Timeout {
+                        what: format!("reading from {} (request deadline)", self.shared.peer),
+                        after: started.elapsed(),
+                    }),
+                },
+                _ = ctl.cancelled() => Err(Error::Cancelled(format!("reading from {}", self.shared.peer))),
+            };
+            if r.is_err() {
+                // The peer may still be copying batches already asked for: wait them out
+                // before reporting, so no byte lands after the request ended.
+                ctl.cancel_async(self.io_timeout).await;
+            }
+            r
+        })
+    }
+
+    fn is_broken(&self) -> bool {
+        self.shared.broken.load(Ordering::Acquire)
+    }
+}

@@ -1,0 +1,378 @@
+//! The same-host server: opens the regions a reader shares (`MAP`) and copies granted bytes of
+//! this engine's regions into them (`READ`), with the TCP data server's checks: the
+//! connection proves an authenticated control session first, every source range must be
+//! exported and inside the request's grant, every destination inside what the reader mapped.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::Interest;
+use tokio::net::{UnixListener, UnixStream};
+use tokio::task::JoinSet;
+use tokio::time::timeout;
+
+use super::wire::{self, Entry};
+use crate::error::{Error, Result};
+use crate::grant::Grant;
+use crate::log_limit::{warn_limited, LogLimit};
+use crate::memory::{PeerMemory, RegionSpan};
+use crate::shm;
+use crate::tp::Reader;
+use crate::transport::tcp::{self, RegionLookup, ServeLimits};
+
+/// Most regions one connection may open.
+const MAX_MAPS: usize = 256;
+/// Most copies one connection runs at once (more requests wait in the socket).
+pub(crate) const MAX_INFLIGHT: usize = 4;
+/// Most connections at once.
+const MAX_CONNECTIONS: usize = 256;
+
+static REFUSED: LogLimit = LogLimit::new(Duration::from_secs(1));
+static DROPPED: LogLimit = LogLimit::new(Duration::from_secs(1));
+
+/// Accepts same-host connections until the task is dropped.
+pub(crate) async fn serve(
+    listener: UnixListener,
+    regions: Arc<dyn RegionLookup>,
+    limits: ServeLimits,
+) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                let Ok(permit) = slots.clone().try_acquire_owned() else {
+                    warn_limited!(
+                        DROPPED,
+                        "refusing a same-host connection: {MAX_CONNECTIONS} open"
+                    );
+                    continue;
+                };
+                let regions = regions.clone();
+                tokio::spawn(async move {
+                    let _permit = permit;
+                    let pid = stream.peer_cred().ok().and_then(|c| c.pid());
+                    match connection(stream, regions, limits).await {
+                        Ok(()) => tracing::debug!(?pid, "same-host connection closed"),
+                        Err(e) => {
+                            warn_limited!(DROPPED, ?pid, error = %e, "same-host connection dropped")
+                        }
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting a same-host connection failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Bytes (and descriptors) arriving on a connection, parsed into frames. Cancel-safe: what
+/// arrived stays here between calls.
+struct Incoming {
+    buf: Vec<u8>,
+    fds: VecDeque<OwnedFd>,
+}
+
+/// One frame: kind, tag, body.
+type Frame = (u8, u64, Vec<u8>);
+
+impl Incoming {
+    fn parse(&mut self) -> Result<Option<Frame>> {
+        if self.buf.len() < wire::HEADER {
+            return Ok(None);
+        }
+        let h: [u8; wire::HEADER] = self.buf[..wire::HEADER].try_into().expect("header");
+        let (kind, tag, body) = wire::decode_header(&h)?;
+        if self.buf.len() < wire::HEADER + body {
+            return Ok(None);
+        }
+        let frame = self.buf[wire::HEADER..wire::HEADER + body].to_vec();
+        self.buf.drain(..wire::HEADER + body);
+        Ok(Some((kind, tag, frame)))
+    }
+
+    /// The next frame; `None` at end of stream or after `idle` without one starting. A frame
+    /// that started must complete within `io`.
+    async fn next(
+        &mut self,
+        s: &UnixStream,
+        idle: Duration,
+        io: Duration,
+    ) -> Result<Option<Frame>> {
+        const PIECE: usize = 64 << 10;
+        loop {
+            if let Some(f) = self.parse()? {
+                return Ok(Some(f));
+            }
+            let wait = if self.buf.is_empty() { idle } else { io };
+            match timeout(wait, s.readable()).await {
+                Err(_) if self.buf.is_empty() => return Ok(None),
+                Err(_) => {
+                    return Err(Error::Timeout {
+                        what: "reading a same-host frame".into(),
+                        after: io,
+                    })
+                }
+                Ok(r) => r.map_err(|e| Error::io("reading a same-host frame", &e))?,
+            }
+            // The buffer grows by what arrived, never ahead of it.
+            let start = self.buf.len();
+            self.buf.resize(start + PIECE, 0);
+            let got = s.try_io(Interest::READABLE, || {
+                shm::recv_with_fd(s.as_raw_fd(), &mut self.buf[start..])
+            });
+            match got {
+                Ok((0, _)) => {
+                    self.buf.truncate(start);
+                    return if start == 0 {
+                        Ok(None)
+                    } else {
+                        Err(Error::Protocol("same-host frame cut short".into()))
+                    };
+                }
+                Ok((n, fds)) => {
+                    self.buf.truncate(start + n);
+                    self.fds.extend(fds);
+                    if self.fds.len() > 2 {
+                        return Err(Error::Protocol(
+                            "descriptors sent without MAP frames to use them".into(),
+                        ));
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => self.buf.truncate(start),
+                Err(e) => return Err(Error::io("reading a same-host frame", &e)),
+            }
+        }
+    }
+}
+
+/// Writes all of `data` within `io`.
+pub(crate) async fn send_all(
+    s: &UnixStream,
+    mut data: &[u8],
+    mut fd: Option<std::os::fd::BorrowedFd<'_>>,
+    io: Duration,
+) -> Result<()> {
+    let what = "writing to a same-host connection";
+    timeout(io, async {
+        while !data.is_empty() {
+            s.writable().await.map_err(|e| Error::io(what, &e))?;
+            match s.try_io(Interest::WRITABLE, || {
+                shm::send_with_fd(s.as_raw_fd(), data, fd)
+            }) {
+                Ok(n) => {
+                    data = &data[n..];
+                    fd = None;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(Error::io(what, &e)),
+            }
+        }
+        Ok(())
+    })
+    .await
+    .map_err(|_| Error::Timeout {
+        what: what.into(),
+        after: io,
+    })?
+}
+
+/// A granted copy, checked and ready to run on a blocking thread.
+struct Copy {
+    pieces: Vec<(RegionSpan, Arc<PeerMemory>, u64)>,
+    grant: Option<Arc<Grant>>,
+}
+
+impl Copy {
+    /// Copies the pieces, consecutive pieces into one region together, checking before each
+    /// run of them that the request's hold has not ended.
+    fn run(self) -> Result<u64> {
+        let mut total = 0;
+        let mut run: Vec<(u64, RegionSpan)> = Vec::new();
+        let mut pieces = self.pieces.into_iter().peekable();
+        while let Some((src, dst, at)) = pieces.next() {
+            total += src.len();
+            run.push((at, src));
+            let same_next = pieces.peek().is_some_and(|(_, d, _)| Arc::ptr_eq(d, &dst));
+            if !same_next {
+                tcp::still_granted(self.grant.as_deref())?;
+                dst.write_many(&run)?;
+                run.clear();
+            }
+        }
+        Ok(total)
+    }
+}
+
+async fn connection(
+    mut stream: UnixStream,
+    regions: Arc<dyn RegionLookup>,
+    limits: ServeLimits,
+) -> Result<()> {
+    let mut reader: Option<Arc<Reader>> = None;
+    if regions.auth_required() {
+        // Nothing is opened or copied before the connection proves an authenticated session.
+        match tcp::check_session_proof(&mut stream, &*regions, limits.io_timeout).await {
+            Ok(r) => reader = Some(r),
+            Err(e) => {
+                regions.served(None);
+                return Err(e);
+            }
+        }
+    }
+    let mut incoming = Incoming {
+        buf: Vec::new(),
+        fds: VecDeque::new(),
+    };
+    let mut maps: HashMap<u32, Arc<PeerMemory>> = HashMap::new();
+    let mut copies: JoinSet<(u64, Result<u64>)> = JoinSet::new();
+    let ended = loop {
+        tokio::select! {
+            Some(done) = copies.join_next(), if !copies.is_empty() => {
+                let (tag, r) = done.unwrap_or_else(|e| (0, Err(Error::Protocol(format!("copy task: {e}")))));
+                if let Err(e) = reply(&stream, &*regions, tag, r.map(Some), limits.io_timeout).await {
+                    break Err(e);
+                }
+            }
+            f = incoming.next(&stream, limits.idle_timeout, limits.io_timeout), if copies.len() < MAX_INFLIGHT => {
+                let (kind, tag, body) = match f {
+                    Ok(Some(f)) => f,
+                    Ok(None) => break Ok(()),
+                    Err(e) => break Err(e),
+                };
+                let r = match kind {
+                    wire::KIND_MAP => {
+                        open(&*regions, &mut maps, &mut incoming.fds, &body).map(|()| None)
+                    }
+                    _ => match prepare(&*regions, reader.as_deref(), &maps, &body) {
+                        Ok(copy) => {
+                            copies.spawn_blocking(move || (tag, copy.run()));
+                            continue;
+                        }
+                        Err(e) => Err(e),
+                    },
+                };
+                if let Err(e) = reply(&stream, &*regions, tag, r, limits.io_timeout).await {
+                    break Err(e);
+                }
+            }
+        }
+    };
+    // The socket closes only once no copy writes into the reader's memory: the reader counts on
+    // it (a closed connection tells it its request's memory is its own again).
+    while let Some(done) = copies.join_next().await {
+        if ended.is_ok() {
+            if let Ok((tag, r)) = done {
+                let _ = reply(&stream, &*regions, tag, r.map(Some), limits.io_timeout).await;
+            }
+        }
+    }
+    ended
+}
+
+/// Answers a frame: done, or refused with the reason (the connection goes on; only I/O errors
+/// end it). `Ok(Some(bytes))` is a served copy, `Ok(None)` an opened region.
+async fn reply(
+    s: &UnixStream,
+    regions: &dyn RegionLookup,
+    tag: u64,
+    r: Result<Option<u64>>,
+    io: Duration,
+) -> Result<()> {
+    let msg = match &r {
+        Ok(served) => {
+            if let Some(bytes) = served {
+                regions.served(Some(*bytes));
+            }
+            wire::encode_reply(tag, None)
+        }
+        Err(e) => {
+            regions.served(None);
+            let reason = e.to_string();
+            warn_limited!(REFUSED, tag, %reason, "refused a same-host request");
+            wire::encode_reply(tag, Some(&reason))
+        }
+    };
+    send_all(s, &msg, None, io).await
+}
+
+/// Opens a region the reader shares.
+fn open(
+    regions: &dyn RegionLookup,
+    maps: &mut HashMap<u32, Arc<PeerMemory>>,
+    fds: &mut VecDeque<OwnedFd>,
+    body: &[u8],
+) -> Result<()> {
+    let m = wire::decode_map(body)?;
+    // The descriptor sent with this frame, if any, is this frame's: never a later one's.
+    let fd = fds.pop_front();
+    if maps.len() >= MAX_MAPS && !maps.contains_key(&m.region.0) {
+        return Err(Error::invalid(format!(
+            "more than {MAX_MAPS} regions opened on one connection"
+        )));
+    }
+    let mem = match m.api {
+        None => {
+            let fd = fd.ok_or_else(|| Error::invalid("a host region comes with its memfd"))?;
+            if m.offset != 0 {
+                return Err(Error::invalid("a host region starts at its memfd's start"));
+            }
+            PeerMemory::open_host(fd, m.len)
+        }
+        Some(api) => {
+            let (rt, ordinal) = regions.device_runtime(api).ok_or_else(|| {
+                Error::invalid(format!(
+                    "this engine has no {api} runtime to open the reader's device memory"
+                ))
+            })?;
+            PeerMemory::open_device(rt, ordinal, &m.handle, fd, m.offset, m.len)
+        }
+    }
+    .map_err(|why| Error::invalid(format!("opening the reader's {}: {why}", m.region)))?;
+    maps.insert(m.region.0, Arc::new(mem));
+    Ok(())
+}
+
+/// Checks a `READ`: the grant, every source range (exported, granted), every destination range
+/// (inside an opened region).
+fn prepare(
+    regions: &dyn RegionLookup,
+    reader: Option<&Reader>,
+    maps: &HashMap<u32, Arc<PeerMemory>>,
+    body: &[u8],
+) -> Result<Copy> {
+    let (id, entries) = wire::decode_read(body)?;
+    let grant = regions.grant(&id, reader).map_err(Error::InvalidArgument)?;
+    let sources = entries.iter().map(|e: &Entry| tcp::wire::Entry {
+        region: e.src_region,
+        offset: e.src_offset,
+        len: e.len,
+    });
+    let (spans, _) = tcp::resolve(regions, grant.as_deref(), sources)?;
+    let mut pieces = Vec::with_capacity(spans.len());
+    for (i, (span, e)) in spans.into_iter().zip(&entries).enumerate() {
+        let dst = maps.get(&e.dst_region.0).ok_or_else(|| {
+            Error::invalid(format!(
+                "entry {i}: the reader's {} is not opened",
+                e.dst_region
+            ))
+        })?;
+        if e.dst_offset
+            .checked_add(e.len)
+            .is_none_or(|end| end > dst.len())
+        {
+            return Err(Error::invalid(format!(
+                "entry {i}: {} bytes at {} run past the reader's {}",
+                e.len, e.dst_offset, e.dst_region
+            )));
+        }
+        pieces.push((span, dst.clone(), e.dst_offset));
+    }
+    if let (Some(_), Some(r)) = (&grant, reader) {
+        regions.claim(&id, r);
+    }
+    Ok(Copy { pieces, grant })
+}

@@ -1,0 +1,269 @@
+//! The same-host path: engines of one host read through a shared memfd (host memory) or an
+//! IPC handle (device memory; the emulated runtime's memfd here, CUDA's where a GPU is), in
+//! one process and across two; every byte checked. The serving engine enforces the grants as
+//! its TCP server does; memory that cannot be shared falls back to TCP (auto) or is refused
+//! with the reason (local).
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kvlink::{EngineConfig, ModelShape, RequestId, TransportChoice};
+
+fn config(transport: TransportChoice) -> EngineConfig {
+    EngineConfig {
+        transport,
+        ..quick_config()
+    }
+}
+
+/// Reads `requests` random block lists from a prefill in `from` into a decode in `into`, and
+/// checks every byte, the transport used and the bytes the prefill served.
+fn run(from: Mem, into: Mem, transport: TransportChoice, want: &str) {
+    let shape = ModelShape::LLAMA3_8B;
+    let seed = 0x10CA1;
+    let prefill = side_in(from, &shape, 40, Some(seed), config(TransportChoice::Tcp));
+    let decode = side_in(into, &shape, 48, None, config(transport));
+    let peer = prefill.engine.handshake_address().to_string();
+    let reqs = random_requests(&mut Rng(7), 48, 40, 6, 7);
+    for (i, (_, r)) in reqs.iter().enumerate() {
+        prefill.engine.hold_blocks(format!("req-{i}"), r).unwrap();
+    }
+    for (i, (l, r)) in reqs.iter().enumerate() {
+        decode
+            .engine
+            .read_blocks(&peer, format!("req-{i}"), l, r)
+            .unwrap();
+    }
+    let got = collect(&decode.engine, Duration::from_secs(60), |f| {
+        f.receiving.len() + f.failed.len() == reqs.len()
+    });
+    assert!(got.failed.is_empty(), "failed: {:?}", got.failed);
+    for (l, r) in &reqs {
+        verify(&decode, &prefill.layout, seed, l, r);
+    }
+    assert!(
+        got.reports.iter().all(|r| r.transport == want),
+        "{:?}",
+        got.reports.iter().map(|r| r.transport).collect::<Vec<_>>()
+    );
+    let bytes: u64 = got.reports.iter().map(|r| r.bytes).sum();
+    assert_eq!(bytes, 42 * shape.region_bytes(1));
+    assert_eq!(prefill.engine.stats().bytes_served, bytes);
+    let sent = collect(&prefill.engine, Duration::from_secs(10), |f| {
+        f.sending.len() == reqs.len()
+    });
+    assert_eq!(sent.sending.len(), reqs.len());
+}
+
+#[test]
+fn host_memory_is_read_through_the_shared_memfd() {
+    run(Mem::Host, Mem::Host, TransportChoice::Auto, "local");
+}
+
+#[test]
+fn device_memory_is_read_through_ipc_in_every_direction() {
+    // Emulated device memory allocated by the engines: its IPC is a memfd, so the device
+    // branches (device to device, host to device, device to host) run without a GPU.
+    run(
+        Mem::EmulatedAlloc,
+        Mem::EmulatedAlloc,
+        TransportChoice::Local,
+        "local",
+    );
+    run(
+        Mem::Host,
+        Mem::EmulatedAlloc,
+        TransportChoice::Local,
+        "local",
+    );
+    run(
+        Mem::EmulatedAlloc,
+        Mem::Host,
+        TransportChoice::Local,
+        "local",
+    );
+}
+
+#[test]
+fn memory_that_cannot_be_shared_falls_back_to_tcp_or_is_refused() {
+    // Emulated device memory registered from a pointer has no descriptor to share.
+    run(Mem::Host, Mem::Emulated, TransportChoice::Auto, "tcp");
+    let shape = ModelShape::LLAMA3_8B;
+    let prefill = side(&shape, 8, Some(1), config(TransportChoice::Tcp));
+    let decode = side_in(
+        Mem::Emulated,
+        &shape,
+        8,
+        None,
+        config(TransportChoice::Local),
+    );
+    prefill.engine.hold_blocks("r", &[0, 1]).unwrap();
+    let peer = prefill.engine.handshake_address().to_string();
+    decode
+        .engine
+        .read_blocks(&peer, "r", &[0, 1], &[0, 1])
+        .unwrap();
+    let got = collect(&decode.engine, Duration::from_secs(20), |f| {
+        !f.failed.is_empty()
+    });
+    let reason = &got.failed[0].reason;
+    assert!(
+        reason.contains("no same-host path") && reason.contains("no IPC export"),
+        "{reason}"
+    );
+}
+
+#[test]
+fn the_serving_engine_enforces_its_grants() {
+    let shape = ModelShape::LLAMA3_8B;
+    let prefill = side(&shape, 16, Some(3), config(TransportChoice::Tcp));
+    let decode = side(&shape, 16, None, config(TransportChoice::Local));
+    let peer = prefill.engine.handshake_address().to_string();
+    prefill.engine.hold_blocks("held", &[1, 2]).unwrap();
+    prefill.engine.hold_blocks("good", &[1, 2]).unwrap();
+    // Blocks the hold does not cover, then a request that is not held at all.
+    decode
+        .engine
+        .read_blocks(&peer, "held", &[0, 1], &[2, 3])
+        .unwrap();
+    decode
+        .engine
+        .read_blocks(&peer, "other", &[4], &[1])
+        .unwrap();
+    let got = collect(&decode.engine, Duration::from_secs(20), |f| {
+        f.failed.len() == 2
+    });
+    assert_eq!(got.failed.len(), 2, "{got:?}");
+    for f in &got.failed {
+        assert!(f.reason.contains("refused"), "{}", f.reason);
+    }
+    let stats = prefill.engine.stats();
+    assert_eq!(stats.bytes_served, 0);
+    assert!(stats.data_requests_refused >= 2, "{stats:?}");
+    // The refused reads wrote nothing: the decode's blocks are still zero.
+    let mut buf = vec![0u8; 64];
+    decode.region.read_at(0, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 0));
+    // The connection survives refusals: blocks held for another request still arrive.
+    decode
+        .engine
+        .read_blocks(&peer, "good", &[5, 6], &[1, 2])
+        .unwrap();
+    let got = collect(&decode.engine, Duration::from_secs(20), |f| {
+        !f.receiving.is_empty()
+    });
+    assert!(got.receiving.contains(&RequestId::from("good")), "{got:?}");
+    verify(&decode, &prefill.layout, 3, &[5, 6], &[1, 2]);
+}
+
+#[test]
+fn with_a_deployment_key_only_a_proven_session_is_served() {
+    let key = kvlink::AuthKey::new(vec![7u8; 32]).unwrap();
+    let keyed = |t| EngineConfig {
+        auth_key: Some(key.clone()),
+        ..config(t)
+    };
+    let shape = ModelShape::LLAMA3_8B;
+    let prefill = side(&shape, 8, Some(5), keyed(TransportChoice::Tcp));
+    let decode = side(&shape, 8, None, keyed(TransportChoice::Local));
+    prefill.engine.hold_blocks("k", &[3]).unwrap();
+    let peer = prefill.engine.handshake_address().to_string();
+    decode.engine.read_blocks(&peer, "k", &[0], &[3]).unwrap();
+    let got = collect(&decode.engine, Duration::from_secs(20), |f| !f.is_empty());
+    assert!(got.receiving.contains(&RequestId::from("k")), "{got:?}");
+    assert_eq!(got.reports[0].transport, "local");
+    verify(&decode, &prefill.layout, 5, &[0], &[3]);
+}
+
+#[test]
+fn two_processes_share_host_memory_and_survive_the_prefill_dying() {
+    let shape = ModelShape::LLAMA3_8B;
+    let child = ChildPrefill::spawn(shape.name, 32, 11, 4, "tcp");
+    let decode = side(&shape, 32, None, config(TransportChoice::Local));
+    let blocks: Vec<u32> = (0..32).rev().collect();
+    let local: Vec<u32> = (0..32).collect();
+    decode
+        .engine
+        .read_blocks(&child.addr, "req-3", &local, &blocks)
+        .unwrap();
+    let got = collect(&decode.engine, Duration::from_secs(30), |f| !f.is_empty());
+    assert!(got.failed.is_empty(), "{got:?}");
+    assert_eq!(got.reports[0].transport, "local");
+    verify(
+        &decode,
+        &shape.layout(kvlink::RegionId(1), 32),
+        11,
+        &local,
+        &blocks,
+    );
+    assert_eq!(
+        child
+            .wait_lines("KVLINK_SENT", 1, Duration::from_secs(10))
+            .len(),
+        1
+    );
+
+    // The prefill process dies while reads are in flight: every request ends, none hangs.
+    let mut child = child;
+    let (f, took) =
+        kill_peer_mid_transfer(&decode, &mut child, &blocks, 3, Duration::from_secs(30));
+    assert_eq!(
+        f.receiving.len() + f.failed.len(),
+        3,
+        "{f:?} after {took:?}"
+    );
+    assert_eq!(decode.engine.in_flight(), (0, 0));
+}
+
+fn cuda_loaded(test: &str) -> bool {
+    let e = kvlink::Engine::start(quick_config()).unwrap();
+    match e.capabilities().gpu.cuda {
+        Ok(_) => true,
+        Err(why) => {
+            use std::io::Write;
+            // One write of the whole line (tools/test.sh counts these lines).
+            let line = format!("{test}: skipped: no CUDA ({why})\n");
+            let _ = std::io::stderr().lock().write_all(line.as_bytes());
+            false
+        }
+    }
+}
+
+#[test]
+fn cuda_ipc_between_two_processes_every_byte_checked() {
+    if !cuda_loaded("cuda_ipc_between_two_processes_every_byte_checked") {
+        return;
+    }
+    // CUDA IPC opens only another process's memory: the prefill runs in a child. Device to
+    // device (the prefill opens the decode's allocation and copies on its GPU), host to device
+    // and device to host.
+    let shape = ModelShape::LLAMA3_8B;
+    for (prefill, into) in [("cuda", Mem::Cuda), ("tcp", Mem::Cuda), ("cuda", Mem::Host)] {
+        let child = ChildPrefill::spawn(shape.name, 64, 21, 1, prefill);
+        let decode = side_in(into, &shape, 64, None, config(TransportChoice::Local));
+        let blocks: Vec<u32> = (0..64).rev().collect();
+        let local: Vec<u32> = (0..64).collect();
+        decode
+            .engine
+            .read_blocks(&child.addr, "req-0", &local, &blocks)
+            .unwrap();
+        let got = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+        assert!(got.failed.is_empty(), "{prefill} into {into:?}: {got:?}");
+        assert_eq!(got.reports[0].transport, "local");
+        verify(
+            &decode,
+            &shape.layout(kvlink::RegionId(1), 64),
+            21,
+            &local,
+            &blocks,
+        );
+    }
+}
+
+#[test]
+#[ignore = "helper: the prefill process of the two-process tests"]
+fn prefill_child() {
+    prefill_child_main();
+}
