@@ -92,10 +92,15 @@ pub mod internal {
 
     use crate::{Engine, EngineConfig, RdmaSettings, Result};
 
-    /// Opens the RDMA device `settings` name (or the first usable one) and returns its name,
-    /// or says why none can be used.
+    /// Opens the RDMA devices `settings` name (or the first usable one) and returns their
+    /// names, comma-separated, or says why none can be used.
     pub fn probe_rdma(settings: &RdmaSettings) -> std::result::Result<String, String> {
-        crate::transport::rdma::probe(settings).map(|d| d.name().to_string())
+        crate::transport::rdma::probe(settings).map(|d| {
+            d.iter()
+                .map(|d| d.name().to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        })
     }
 
     /// Starts an engine whose RDMA connections inject `fault` (tests of the RDMA error paths).

@@ -25,6 +25,7 @@ use crate::inbox::{Inbox, PeerMessage, Refused};
 use crate::layout::KvLayout;
 use crate::memory::{Region, RegionInfo};
 use crate::tp::{Reader, TpRank};
+use crate::transport::rails::RailBook;
 use crate::transport::rdma::{self, RdmaDevice, RdmaFault, ServerQps};
 use crate::transport::tcp::{DataSession, RegionLookup, StagingPool};
 use crate::transport::ReadCancel;
@@ -55,8 +56,10 @@ pub(crate) struct EngineState {
     // Drop order matters: the RDMA device (which holds the memory registrations) before the
     // regions themselves. Sessions, which hold RDMA connections, live above this state and go
     // first.
-    pub(crate) rdma: Option<Arc<RdmaDevice>>,
+    pub(crate) rdma: Vec<Arc<RdmaDevice>>,
     pub(crate) rdma_unavailable: Option<String>,
+    /// Health of RDMA device pairs towards peers, and bytes per device.
+    pub(crate) rails: Arc<RailBook>,
     /// Test-only fault injection for RDMA connections (see `internal::start_with_rdma_fault`).
     pub(crate) rdma_fault: RdmaFault,
     pub(crate) rdma_fault_budget: Arc<AtomicU32>,
@@ -90,7 +93,7 @@ impl EngineState {
         generation: u64,
         data_addr: SocketAddr,
         local: Option<(String, String)>,
-        rdma: Option<Arc<RdmaDevice>>,
+        rdma: Vec<Arc<RdmaDevice>>,
         rdma_unavailable: Option<String>,
         rdma_fault: RdmaFault,
         gpus: Runtimes,
@@ -102,6 +105,7 @@ impl EngineState {
             local,
             rdma,
             rdma_unavailable,
+            rails: Arc::new(RailBook::new(config.rdma.cooldown)),
             rdma_fault_budget: Arc::new(AtomicU32::new(rdma_fault.requests)),
             rdma_fault,
             regions: RwLock::new(HashMap::new()),
@@ -190,8 +194,13 @@ impl EngineState {
     /// Registers `region` with the RDMA device (when there is one), exports it and publishes
     /// the new descriptor.
     pub(crate) fn add_region(&self, region: Region) -> Result<Arc<Region>> {
-        if let Some(dev) = &self.rdma {
-            dev.register(&region).map_err(Error::Memory)?;
+        for (i, dev) in self.rdma.iter().enumerate() {
+            if let Err(e) = dev.register(&region) {
+                for done in &self.rdma[..i] {
+                    done.deregister(region.id());
+                }
+                return Err(Error::Memory(format!("{}: {e}", dev.name())));
+            }
         }
         let region = Arc::new(region);
         self.regions.write().insert(region.id(), region.clone());
@@ -215,17 +224,21 @@ impl EngineState {
             .write()
             .remove(&id)
             .ok_or(Error::UnknownRegion(id))?;
-        let mrs = self.rdma.as_ref().and_then(|dev| {
-            let m = dev.region_mrs(id);
-            dev.deregister(id);
-            m
-        });
+        let mrs: Vec<_> = self
+            .rdma
+            .iter()
+            .filter_map(|dev| {
+                let m = dev.region_mrs(id);
+                dev.deregister(id);
+                m
+            })
+            .collect();
         self.rebuild_descriptor();
         // Transfers hold the region (and its registrations) while they use them.
         let limit = Instant::now() + self.config.request_timeout + Duration::from_secs(10);
         loop {
             let users = Arc::strong_count(&region) - 1
-                + mrs.as_ref().map_or(0, |m| Arc::strong_count(m) - 1);
+                + mrs.iter().map(|m| Arc::strong_count(m) - 1).sum::<usize>();
             if users == 0 {
                 return Ok(());
             }
@@ -300,7 +313,7 @@ impl EngineState {
                 socket: socket.clone(),
             });
         }
-        if let Some(dev) = &self.rdma {
+        for dev in &self.rdma {
             v.push(TransportInfo::Rdma {
                 device: dev.name().to_string(),
                 gid: dev.gid().octets(),
@@ -398,12 +411,19 @@ impl ControlHandler for EngineState {
     fn rdma_accept(
         &self,
         peer: SocketAddr,
+        device: u32,
         qps: &[rdma::QpEndpoint],
     ) -> std::result::Result<(Vec<rdma::QpEndpoint>, Box<dyn std::any::Any + Send>), String> {
-        let dev = self.rdma.as_ref().ok_or_else(|| {
-            format!(
+        if self.rdma.is_empty() {
+            return Err(format!(
                 "this engine has no RDMA device ({})",
                 self.rdma_unavailable.as_deref().unwrap_or("disabled")
+            ));
+        }
+        let dev = self.rdma.get(device as usize).ok_or_else(|| {
+            format!(
+                "RDMA device {device} asked for, this engine has {}",
+                self.rdma.len()
             )
         })?;
         let (guard, ours) = ServerQps::accept(dev, qps)?;

@@ -17,9 +17,9 @@ set -euo pipefail
 
 # Fewer tests than these, run for real (skips excluded), fail the part.
 MIN_HOST=160
-MIN_KEYED=23
+MIN_KEYED=29
 MIN_PYTHON=45
-MIN_VM=16
+MIN_VM=17
 MIN_VLLM=20
 MIN_SGLANG=22
 MIN_ENGINE_EVENTS=6
@@ -124,7 +124,7 @@ echo "test: cargo test with a deployment key (KVLINK_AUTH_KEY; transfer suites)"
 klog=$(mktemp)
 set +e
 KVLINK_AUTH_KEY=test-suite-deployment-key-0123456789 cargo test -p kvlink --no-fail-fast \
-  --test e2e_tcp --test two_process --test gpu --test hetero_tp 2>&1 | tee "$klog"
+  --test e2e_tcp --test two_process --test gpu --test hetero_tp --test local 2>&1 | tee "$klog"
 key_rc=${PIPESTATUS[0]}
 set -e
 tally_cargo "$klog" "$key_rc" "$MIN_KEYED" "keyed host"
@@ -247,16 +247,19 @@ if [ "${KVLINK_SKIP_VM:-0}" = 1 ]; then
   vm_line="SoftRoCE VM: skipped (KVLINK_SKIP_VM=1; the RDMA tests did not run for real)"
 else
   echo "test: RDMA tests inside the SoftRoCE VM"
-  bin=$(cargo test --test rdma --no-run --message-format=json 2>/dev/null | python3 -c '
+  # The one-device tests and the two-device (striping, failover) tests, in one VM boot.
+  bins=$(cargo test --test rdma --test rdma_rails --no-run --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:
     d = json.loads(line)
-    if d.get("reason") == "compiler-artifact" and d.get("executable") and d["target"]["name"] == "rdma":
+    if d.get("reason") == "compiler-artifact" and d.get("executable") and d["target"]["name"] in ("rdma", "rdma_rails"):
         print(d["executable"])')
-  [ -n "$bin" ] || { echo "test: could not build the rdma test binary" >&2; exit 1; }
+  [ "$(printf '%s\n' "$bins" | grep -c .)" = 2 ] || { echo "test: could not build the rdma test binaries" >&2; exit 1; }
   vmlog=$(mktemp)
+  vmcmd=$(mktemp -p target vm-rdma.XXXXXX.sh)
+  { echo 'rc=0'; for b in $bins; do echo "\"$b\" --test-threads=1 || rc=1"; done; echo 'exit $rc'; } >"$vmcmd"
   set +e
-  tools/softroce/run.sh -- "$bin" --test-threads=1 2>&1 | tee "$vmlog"
+  tools/softroce/run.sh -- bash "$vmcmd" 2>&1 | tee "$vmlog"
   vm_rc=${PIPESTATUS[0]}
   set -e
   read -r vm_ran vm_failed _ < <(cargo_counts "$vmlog")

@@ -197,14 +197,17 @@ impl Descriptor {
         })
     }
 
-    /// The RDMA transport's registration keys, if offered.
-    pub fn rdma(&self) -> Option<(&str, &[RdmaRegionInfo])> {
-        self.transports.iter().find_map(|t| match t {
-            TransportInfo::Rdma {
-                device, regions, ..
-            } => Some((device.as_str(), regions.as_slice())),
-            _ => None,
-        })
+    /// The RDMA devices offered, in order, with their registration keys.
+    pub fn rdma(&self) -> Vec<(&str, &[RdmaRegionInfo])> {
+        self.transports
+            .iter()
+            .filter_map(|t| match t {
+                TransportInfo::Rdma {
+                    device, regions, ..
+                } => Some((device.as_str(), regions.as_slice())),
+                _ => None,
+            })
+            .collect()
     }
 }
 
@@ -256,6 +259,8 @@ pub enum Message {
     RdmaConnect {
         /// The reader's session generation.
         generation: u64,
+        /// Which of the server's RDMA devices (its `Rdma` transports, in descriptor order).
+        device: u32,
         /// The reader's queue pairs.
         qps: Vec<QpEndpoint>,
     },

@@ -21,6 +21,9 @@ use crate::tp::{Reader, TpRank};
 use crate::transport::rdma::QpEndpoint;
 
 /// What the handshake service needs from the engine.
+/// Most RDMA connects (one per device pair) one control connection may make.
+const MAX_RDMA_CONNECTS: usize = 16;
+
 pub(crate) trait ControlHandler: Send + Sync + 'static {
     /// This engine's descriptor; `None` until a KV layout is set.
     fn descriptor(&self) -> Option<Arc<Descriptor>>;
@@ -48,6 +51,7 @@ pub(crate) trait ControlHandler: Send + Sync + 'static {
     fn rdma_accept(
         &self,
         peer: SocketAddr,
+        device: u32,
         qps: &[QpEndpoint],
     ) -> std::result::Result<(Vec<QpEndpoint>, Box<dyn std::any::Any + Send>), String>;
     /// The deployment key readers must prove; `None` serves readers without authentication.
@@ -256,7 +260,9 @@ async fn session(
 
     // Notices, keep-alives and queue-pair exchanges until the reader goes away or falls silent.
     let idle = timeouts.keepalive * 3;
-    let mut _rdma_qps: Option<Box<dyn std::any::Any + Send>> = None;
+    // Queue pairs made for this reader, one set per RDMA device it connects (kept alive with
+    // the control connection).
+    let mut rdma_qps: Vec<Box<dyn std::any::Any + Send>> = Vec::new();
     let mut bad_notices = 0u64;
     // Notices the engine refused (not held, or held for another reader): one line per
     // interval for the whole engine, with the count; the session goes on.
@@ -312,25 +318,42 @@ async fn session(
                     warn_limited!(REFUSED, %peer, engine = from, %why, "refused a peer's message");
                 }
             }
-            Ok(Message::RdmaConnect { generation, qps }) => match handler.rdma_accept(peer, &qps) {
-                Ok((ours, guard)) => {
-                    _rdma_qps = Some(guard);
-                    let reply = frame::encode(&Message::RdmaAccept {
-                        generation,
-                        qps: ours,
-                    })?;
-                    timeout(timeouts.handshake, write_frame(&mut stream, &reply))
-                        .await
-                        .map_err(|_| Error::Timeout {
-                            what: "answering an RDMA connect".into(),
-                            after: timeouts.handshake,
-                        })??;
-                    tracing::info!(%peer, generation, "RDMA queue pairs connected");
+            Ok(Message::RdmaConnect {
+                generation,
+                device,
+                qps,
+            }) if rdma_qps.len() < MAX_RDMA_CONNECTS => {
+                match handler.rdma_accept(peer, device, &qps) {
+                    Ok((ours, guard)) => {
+                        rdma_qps.push(guard);
+                        let reply = frame::encode(&Message::RdmaAccept {
+                            generation,
+                            qps: ours,
+                        })?;
+                        timeout(timeouts.handshake, write_frame(&mut stream, &reply))
+                            .await
+                            .map_err(|_| Error::Timeout {
+                                what: "answering an RDMA connect".into(),
+                                after: timeouts.handshake,
+                            })??;
+                        tracing::info!(%peer, generation, "RDMA queue pairs connected");
+                    }
+                    // One device pair that cannot connect leaves the session and its other
+                    // devices alone: the reader hears why and goes on without it.
+                    Err(e) => {
+                        tracing::warn!(%peer, device, error = %e, "RDMA connect refused");
+                        let answer = frame::encode(&Message::Error {
+                            message: format!("RDMA connect refused: {e}"),
+                        })?;
+                        timeout(timeouts.handshake, write_frame(&mut stream, &answer))
+                            .await
+                            .map_err(|_| Error::Timeout {
+                                what: "refusing an RDMA connect".into(),
+                                after: timeouts.handshake,
+                            })??;
+                    }
                 }
-                Err(e) => {
-                    return Err(refuse(&mut stream, format!("RDMA connect refused: {e}")).await)
-                }
-            },
+            }
             Ok(Message::Ping { nonce }) => {
                 let pong = frame::encode(&Message::Pong { nonce })?;
                 timeout(timeouts.handshake, write_frame(&mut stream, &pong))

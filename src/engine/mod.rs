@@ -101,7 +101,7 @@ impl Engine {
         config.insecure |= std::env::var("KVLINK_INSECURE").is_ok_and(|v| v == "1");
         let (rdma, rdma_unavailable) = match config.transport {
             TransportChoice::Tcp | TransportChoice::Local => (
-                None,
+                Vec::new(),
                 Some(format!(
                     "disabled by configuration (transport: {})",
                     if config.transport == TransportChoice::Tcp {
@@ -112,11 +112,11 @@ impl Engine {
                 )),
             ),
             choice => match rdma::probe(&config.rdma) {
-                Ok(dev) => (Some(dev), None),
+                Ok(devs) => (devs, None),
                 Err(why) if choice == TransportChoice::Rdma => {
                     return Err(Error::RdmaUnavailable(why))
                 }
-                Err(why) => (None, Some(why)),
+                Err(why) => (Vec::new(), Some(why)),
             },
         };
         let gpus = Runtimes::probe(config.gpu);
@@ -247,12 +247,28 @@ impl Engine {
         self.control_addr
     }
 
-    /// The RDMA device in use (`Ok(name)`), or why RDMA is not used (`Err(reason)`).
+    /// The RDMA devices in use (`Ok(names)`, comma-separated), or why RDMA is not used
+    /// (`Err(reason)`).
     pub fn rdma_status(&self) -> std::result::Result<String, String> {
-        match (&self.shared.rdma, &self.shared.rdma_unavailable) {
-            (Some(d), _) => Ok(d.name().to_string()),
-            (None, why) => Err(why.clone().unwrap_or_else(|| "unknown".into())),
+        let devs = &self.shared.rdma;
+        if devs.is_empty() {
+            return Err(self
+                .shared
+                .rdma_unavailable
+                .clone()
+                .unwrap_or_else(|| "unknown".into()));
         }
+        Ok(devs
+            .iter()
+            .map(|d| d.name().to_string())
+            .collect::<Vec<_>>()
+            .join(","))
+    }
+
+    /// Bytes this engine read through each of its RDMA devices, by device name (several
+    /// devices share a read in proportion to what each delivers).
+    pub fn rdma_device_bytes(&self) -> Vec<(String, u64)> {
+        self.shared.rails.device_bytes()
     }
 
     /// The transports and memory kinds this engine found, and why any is missing (also logged

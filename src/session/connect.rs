@@ -13,6 +13,7 @@ use crate::control::ControlClient;
 use crate::error::{Error, RdmaError, RdmaErrorKind, Result};
 use crate::state::EngineState;
 use crate::transport::local::LocalTransport;
+use crate::transport::rails::{Rail, Rails, TcpConnect};
 use crate::transport::rdma::RdmaConnection;
 use crate::transport::tcp::TcpTransport;
 use crate::transport::Transport;
@@ -134,81 +135,175 @@ async fn network(
     secret: Option<&SessionSecret>,
 ) -> Result<Box<dyn Transport>> {
     let cfg = &shared.config;
-    let transport: Box<dyn Transport> = match (&shared.rdma, theirs.rdma(), cfg.transport) {
-        (Some(dev), Some((their_dev, regions)), choice) if choice != TransportChoice::Tcp => {
-            let (prepared, qps) = RdmaConnection::prepare(dev, cfg.rdma.qps).map_err(rdma_setup)?;
-            let reply = hs
-                .request(&Message::RdmaConnect { generation, qps })
-                .await?;
-            let conn = match reply {
-                Message::RdmaAccept { generation: g, qps } if g == generation => prepared
-                    .connect(
-                        peer,
-                        &qps,
-                        regions.to_vec(),
-                        shared.rdma_fault,
-                        shared.rdma_fault_budget.clone(),
-                    )
-                    .map_err(rdma_setup)?,
-                Message::RdmaAccept { generation: g, .. } => {
-                    return Err(Error::Handshake {
-                        peer: peer.to_string(),
-                        reason: format!(
-                            "stale RDMA answer for generation {g}, expected {generation}"
-                        ),
-                    })
-                }
-                other => {
-                    return Err(Error::Handshake {
-                        peer: peer.to_string(),
-                        reason: format!("unexpected answer to RdmaConnect: {other:?}"),
-                    })
-                }
-            };
+    let their_rdma = theirs.rdma();
+    let why_not = if cfg.transport == TransportChoice::Tcp {
+        Some("tcp forced by configuration".to_string())
+    } else if shared.rdma.is_empty() {
+        Some(format!(
+            "this engine has no RDMA ({})",
+            shared.rdma_unavailable.as_deref().unwrap_or("unknown")
+        ))
+    } else if their_rdma.is_empty() {
+        Some("the peer offers no RDMA".to_string())
+    } else {
+        None
+    };
+    let fallback = tcp_fallback(shared, theirs, peer, secret)?;
+    if let Some(why) = why_not {
+        if cfg.transport == TransportChoice::Rdma {
+            return Err(Error::RdmaUnavailable(format!("to {peer}: {why}")));
+        }
+        let t = fallback().await?;
+        tracing::info!(peer, streams = cfg.tcp_streams, reason = %why, "transport tcp");
+        return Ok(Box::new(t));
+    }
+    // Device pairs: this engine's i-th device with the peer's i-th, as many as the engine with
+    // fewer devices has.
+    let pairs = shared.rdma.len().min(their_rdma.len());
+    let key = |i: usize| format!("{peer} {}>{}", shared.rdma[i].name(), their_rdma[i].0);
+    let now = std::time::Instant::now();
+    let paused: Vec<Option<std::time::Instant>> = {
+        let h = shared.rails.health.lock();
+        (0..pairs).map(|i| h.paused_until(&key(i), now)).collect()
+    };
+    // RDMA only, and every pair paused: try them all rather than fail without trying.
+    let try_paused = cfg.transport == TransportChoice::Rdma && paused.iter().all(Option::is_some);
+    let mut resume_at: Option<std::time::Instant> = None;
+    let mut later = |t: std::time::Instant| resume_at = Some(resume_at.map_or(t, |r| r.min(t)));
+    let mut rails = Vec::new();
+    let mut last = None;
+    for i in 0..pairs {
+        let dev = &shared.rdma[i];
+        let (their_dev, regions) = their_rdma[i];
+        if let (Some(until), false) = (paused[i], try_paused) {
             tracing::info!(
                 peer,
                 local = dev.name(),
                 remote = their_dev,
-                qps = cfg.rdma.qps,
-                "transport rdma: both engines have RDMA"
+                "RDMA device pair paused: not used until its cool-down ends"
             );
-            Box::new(conn)
+            later(until);
+            continue;
         }
-        (ours_dev, their_rdma, choice) => {
-            let why = match (ours_dev, their_rdma) {
-                _ if choice == TransportChoice::Tcp => "tcp forced by configuration".to_string(),
-                (None, _) => format!(
-                    "this engine has no RDMA ({})",
-                    shared.rdma_unavailable.as_deref().unwrap_or("unknown")
-                ),
-                _ => "the peer offers no RDMA".to_string(),
-            };
-            if choice == TransportChoice::Rdma {
-                return Err(Error::RdmaUnavailable(format!("to {peer}: {why}")));
+        match rail(shared, hs, i, regions, peer, generation).await? {
+            Ok(conn) => rails.push(Rail::new(key(i), dev.name().to_string(), conn)),
+            Err(why) => {
+                let pause = shared.rails.health.lock().failed(&key(i), now);
+                later(now + pause);
+                tracing::warn!(peer, local = dev.name(), remote = their_dev, %why, ?pause, "RDMA device pair failed to connect: paused");
+                last = Some(why);
             }
-            let (data_addr, _) = theirs.tcp().ok_or_else(|| Error::Handshake {
-                peer: peer.to_string(),
-                reason: "the peer offers no transport this engine can use".into(),
-            })?;
-            let t = TcpTransport::connect(
-                data_addr,
-                usize::from(cfg.tcp_streams),
-                cfg.connect_timeout,
-                cfg.io_timeout,
-                cfg.batch_bytes,
-                shared.staging.clone(),
-                secret,
-            )
-            .await?;
-            tracing::info!(peer, streams = cfg.tcp_streams, reason = %why, "transport tcp");
-            Box::new(t)
         }
-    };
-    Ok(transport)
+    }
+    let fallback = (cfg.transport == TransportChoice::Auto).then_some(fallback);
+    if rails.is_empty() && fallback.is_none() {
+        return Err(Error::Rdma(RdmaError::new(
+            RdmaErrorKind::Setup,
+            format!(
+                "no RDMA device pair to {peer} could connect: {}",
+                last.unwrap_or_else(|| "every pair is paused".into())
+            ),
+        )));
+    }
+    let names: Vec<String> = rails.iter().map(|r| r.device.clone()).collect();
+    tracing::info!(
+        peer,
+        devices = %names.join(","),
+        pairs,
+        qps = cfg.rdma.qps,
+        "transport rdma: both engines have RDMA"
+    );
+    Ok(Box::new(Rails::new(
+        peer.to_string(),
+        rails,
+        shared.rails.clone(),
+        fallback,
+        resume_at,
+    )))
 }
 
-fn rdma_setup(why: String) -> Error {
-    Error::Rdma(RdmaError::new(RdmaErrorKind::Setup, why))
+/// Connects this engine's `i`-th RDMA device to the peer's `i`-th. The outer error ends the
+/// session (the control connection failed); the inner one only this device pair.
+async fn rail(
+    shared: &Arc<EngineState>,
+    hs: &mut crate::control::Handshake,
+    i: usize,
+    regions: &[crate::transport::rdma::RdmaRegionInfo],
+    peer: &str,
+    generation: u64,
+) -> Result<std::result::Result<RdmaConnection, String>> {
+    let dev = &shared.rdma[i];
+    let (prepared, qps) = match RdmaConnection::prepare(dev, shared.config.rdma.qps) {
+        Ok(p) => p,
+        Err(why) => return Ok(Err(why)),
+    };
+    let reply = hs
+        .request(&Message::RdmaConnect {
+            generation,
+            device: i as u32,
+            qps,
+        })
+        .await?;
+    Ok(match reply {
+        Message::RdmaAccept { generation: g, qps } if g == generation => prepared.connect(
+            peer,
+            &qps,
+            regions.to_vec(),
+            shared.rdma_fault,
+            shared.rdma_fault_budget.clone(),
+        ),
+        Message::RdmaAccept { generation: g, .. } => {
+            return Err(Error::Handshake {
+                peer: peer.to_string(),
+                reason: format!("stale RDMA answer for generation {g}, expected {generation}"),
+            })
+        }
+        Message::Error { message } => Err(message),
+        other => {
+            return Err(Error::Handshake {
+                peer: peer.to_string(),
+                reason: format!("unexpected answer to RdmaConnect: {other:?}"),
+            })
+        }
+    })
+}
+
+/// How to connect the peer's TCP data server (now, or later as RDMA's failover).
+fn tcp_fallback(
+    shared: &Arc<EngineState>,
+    theirs: &Descriptor,
+    peer: &str,
+    secret: Option<&SessionSecret>,
+) -> Result<TcpConnect> {
+    let cfg = &shared.config;
+    let (data_addr, _) = theirs.tcp().ok_or_else(|| Error::Handshake {
+        peer: peer.to_string(),
+        reason: "the peer offers no transport this engine can use".into(),
+    })?;
+    let (streams, connect_timeout, io_timeout, batch) = (
+        usize::from(cfg.tcp_streams),
+        cfg.connect_timeout,
+        cfg.io_timeout,
+        cfg.batch_bytes,
+    );
+    let staging = shared.staging.clone();
+    let secret = secret.cloned();
+    Ok(Box::new(move || {
+        let staging = staging.clone();
+        let secret = secret.clone();
+        Box::pin(async move {
+            TcpTransport::connect(
+                data_addr,
+                streams,
+                connect_timeout,
+                io_timeout,
+                batch,
+                staging,
+                secret.as_ref(),
+            )
+            .await
+        })
+    }))
 }
 
 /// Sessions over the network: name lookup, handshake, then RDMA or TCP.

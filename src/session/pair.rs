@@ -249,7 +249,7 @@ fn engine(name: &str, seed: Option<u8>) -> Arc<EngineState> {
         7,
         "127.0.0.1:9".parse().expect("address"),
         None,
-        None,
+        Vec::new(),
         Some("not in the pair harness".into()),
         RdmaFault::default(),
         Runtimes::probe(false),

@@ -2,8 +2,10 @@
 //! to local registered spans, and reads the peer's bytes into them.
 
 pub(crate) mod local;
+pub(crate) mod rails;
 #[allow(unsafe_code)]
 pub(crate) mod rdma;
+pub(crate) mod stripe;
 pub(crate) mod tcp;
 
 use std::future::Future;

@@ -32,7 +32,7 @@ pub struct Side {
     pub engine: Engine,
     pub region: Arc<Region>,
     pub layout: KvLayout,
-    /// Host memory behind an emulated device region; dropped after the engine.
+    /// Host memory behind an emulated device or external region; dropped after the engine.
     _emulated: Option<Box<[u8]>>,
 }
 
@@ -43,6 +43,9 @@ pub enum Mem {
     Host,
     /// Host memory registered as emulated device memory (the staging paths, no GPU needed).
     Emulated,
+    /// Host memory registered from a pointer (as engines register their caches): it cannot
+    /// be shared with another process, so the same-host path does not take it.
+    External,
     /// Emulated device memory allocated by the engine (a memfd: its IPC works between
     /// processes, as CUDA's does).
     EmulatedAlloc,
@@ -85,6 +88,14 @@ pub fn side_on(
             // SAFETY: the buffer lives in the returned Side, which drops it after the engine.
             let m = unsafe { kvlink::ExternalMemory::new(buf.as_mut_ptr(), bytes) }.unwrap();
             let r = engine.register_emulated_device(m).unwrap();
+            emulated = Some(buf);
+            r
+        }
+        Mem::External => {
+            let mut buf = vec![0u8; bytes as usize].into_boxed_slice();
+            // SAFETY: the buffer lives in the returned Side, which drops it after the engine.
+            let m = unsafe { kvlink::ExternalMemory::new(buf.as_mut_ptr(), bytes) }.unwrap();
+            let r = engine.register_host(m).unwrap();
             emulated = Some(buf);
             r
         }

@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# SoftRoCE VM harness: run a command next to a real `rxe0` verbs device.
+# SoftRoCE VM harness: run a command next to real `rxe0` and `rxe1` verbs devices.
 #
 # The host kernel has no InfiniBand support, so the SoftRoCE driver (rdma_rxe) cannot load
 # here. This script boots a stock Debian kernel in a small emulated VM with virtme-ng (`vng`),
 # which shares the host's root file system (read-only) with the guest: binaries built on the
 # host under target/ run unchanged inside the VM. Inside, it loads rdma_rxe, creates rxe0 on a
-# dummy network device (10.200.0.1, which exists only inside the VM) and runs the command.
+# dummy network device dummy0 (10.200.0.1) and rxe1 on a second one, dummy1 (10.201.0.1); both
+# addresses exist only inside the VM. Then it runs the command.
 #
 # Usage: tools/softroce/run.sh [--] CMD [ARGS...]
 #
-# CMD runs in the repository root with KVLINK_SOFTROCE=1, KVLINK_RDMA_DEVICE=rxe0 and the
-# SOFTROCE_* variables below exported; the script exits with CMD's exit status, or with 125
-# when the VM or the rxe0 setup failed (124 when the time limit was hit).
+# CMD runs in the repository root with KVLINK_SOFTROCE=1, KVLINK_RDMA_DEVICE=rxe0,
+# KVLINK_RDMA_DEVICES=rxe0,rxe1 and the SOFTROCE_* variables below exported; the script exits
+# with CMD's exit status, or with 125 when the VM or the rxe0 setup failed (124 when the time
+# limit was hit). rxe1 is optional: when its setup fails the script logs why and runs CMD with
+# rxe0 only, without KVLINK_RDMA_DEVICES.
 #
 # Must run as root (it installs Debian packages and puts the guest kernel's modules under
 # /lib/modules). Everything else is cached under <repo>/.vm (git-ignored); a second run only
@@ -40,10 +43,14 @@ VM_CPUS=${SOFTROCE_CPUS:-2}
 VM_TIMEOUT=${SOFTROCE_TIMEOUT:-1200}
 VNG_VERSION=${SOFTROCE_VNG_VERSION:-1.42}
 
-# The guest side of the RoCE setup. GID index 1 is the IPv4-mapped RoCE v2 GID of RXE_ADDR.
+# The guest side of the RoCE setup: one rxe device per dummy netdev. GID index 1 is the
+# IPv4-mapped RoCE v2 GID of the device's address. rxe0 is required, rxe1 is optional.
 RXE_DEVICE=rxe0
 RXE_NETDEV=dummy0
 RXE_ADDR=10.200.0.1
+RXE1_DEVICE=rxe1
+RXE1_NETDEV=dummy1
+RXE1_ADDR=10.201.0.1
 RXE_GID_INDEX=1
 
 # Exit status when the harness itself (not the command) failed.
@@ -291,28 +298,48 @@ host_main() {
 # Guest side (run inside the VM by host_main through `vng --exec`)
 # ---------------------------------------------------------------------------------------------
 
-setup_rxe() {
-    modprobe rdma_rxe || { log "modprobe rdma_rxe failed"; return 1; }
-    ip link add "$RXE_NETDEV" type dummy
-    ip addr add "$RXE_ADDR/24" dev "$RXE_NETDEV"
-    ip link set "$RXE_NETDEV" up
-    rdma link add "$RXE_DEVICE" type rxe netdev "$RXE_NETDEV" || { log "rdma link add failed"; return 1; }
+# Creates rxe device DEVICE on a new dummy netdev NETDEV with address ADDR/24 and waits until
+# it is usable. Logs why and returns 1 when a step fails.
+add_rxe() {
+    local dev=$1 netdev=$2 addr=$3
+    ip link add "$netdev" type dummy || { log "ip link add $netdev type dummy failed"; return 1; }
+    ip addr add "$addr/24" dev "$netdev" || { log "ip addr add $addr/24 dev $netdev failed"; return 1; }
+    ip link set "$netdev" up || { log "ip link set $netdev up failed"; return 1; }
+    rdma link add "$dev" type rxe netdev "$netdev" \
+        || { log "rdma link add $dev type rxe netdev $netdev failed"; return 1; }
 
     # The IPv4-mapped GID shows up shortly after the link is created.
-    local gid_file=/sys/class/infiniband/$RXE_DEVICE/ports/1/gids/$RXE_GID_INDEX gid="" i
+    local gid_file=/sys/class/infiniband/$dev/ports/1/gids/$RXE_GID_INDEX gid="" i
     for ((i = 0; i < 100; i++)); do
         gid=$(cat "$gid_file" 2>/dev/null || true)
         [[ -n $gid && $gid != 0000:0000:0000:0000:0000:0000:0000:0000 ]] && break
         gid=""
         sleep 0.1
     done
-    [[ -n $gid ]] || { log "$RXE_DEVICE has no GID at index $RXE_GID_INDEX"; return 1; }
+    [[ -n $gid ]] || { log "$dev has no GID at index $RXE_GID_INDEX"; return 1; }
     # Fails when the user-space rxe provider (ibverbs-providers) is missing.
-    ibv_devinfo -d "$RXE_DEVICE" >/dev/null || { log "ibv_devinfo cannot open $RXE_DEVICE"; return 1; }
+    ibv_devinfo -d "$dev" >/dev/null || { log "ibv_devinfo cannot open $dev"; return 1; }
 
     local uptime
     read -r uptime _ </proc/uptime
-    log "$RXE_DEVICE up (gid $gid, index $RXE_GID_INDEX, $RXE_ADDR on $RXE_NETDEV; guest up ${uptime}s)"
+    log "$dev up (gid $gid, index $RXE_GID_INDEX, $addr on $netdev; guest up ${uptime}s)"
+}
+
+# rxe0 (required). Returns 1 when it cannot be set up.
+setup_rxe() {
+    modprobe rdma_rxe || { log "modprobe rdma_rxe failed"; return 1; }
+    add_rxe "$RXE_DEVICE" "$RXE_NETDEV" "$RXE_ADDR"
+}
+
+# rxe1 (optional): exports KVLINK_RDMA_DEVICES when it is up; otherwise logs why and unsets it
+# (a value passed in from the host would name a device that is not there).
+setup_rxe1() {
+    if add_rxe "$RXE1_DEVICE" "$RXE1_NETDEV" "$RXE1_ADDR"; then
+        export KVLINK_RDMA_DEVICES=$RXE_DEVICE,$RXE1_DEVICE
+    else
+        log "$RXE1_DEVICE setup failed (see above); going on with $RXE_DEVICE only, KVLINK_RDMA_DEVICES not set"
+        unset KVLINK_RDMA_DEVICES
+    fi
 }
 
 guest_main() {
@@ -324,6 +351,7 @@ guest_main() {
         echo setup-failed >"$run_dir/status"
         exit "$EXIT_HARNESS"
     fi
+    setup_rxe1
     # shellcheck source=/dev/null
     source "$run_dir/cmd.sh"   # defines GUEST_CMD
     cd "$REPO"

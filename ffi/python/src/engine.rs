@@ -397,10 +397,14 @@ impl Engine {
         out.set_item("num_blocks", d.layout.num_blocks())?;
         out.set_item("groups", d.layout.num_groups())?;
         out.set_item("tensors", d.layout.tensors.len())?;
-        let transports: Vec<&str> = [d.tcp().map(|_| "tcp"), d.rdma().map(|_| "rdma")]
-            .into_iter()
-            .flatten()
-            .collect();
+        let transports: Vec<&str> = [
+            d.tcp().map(|_| "tcp"),
+            (!d.rdma().is_empty()).then_some("rdma"),
+            d.local().map(|_| "local"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
         out.set_item("transports", transports)?;
         Ok(out.unbind())
     }

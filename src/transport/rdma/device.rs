@@ -26,7 +26,9 @@ use crate::memory::Region;
 /// RDMA settings of an engine.
 #[derive(Debug, Clone)]
 pub struct RdmaSettings {
-    /// Device name (e.g. `mlx5_0`, `rxe0`); the first device with an active port when `None`.
+    /// Device names (e.g. `mlx5_0`, `rxe0`), comma-separated for several (`mlx5_0,mlx5_1`),
+    /// or `all` for every device with an active port (those on this process's NUMA node
+    /// only, when any is). The first device with an active port when `None`.
     pub device: Option<String>,
     /// GID index; when `None`, a RoCE v2 GID is preferred, IPv4-mapped first.
     pub gid_index: Option<u32>,
@@ -36,6 +38,9 @@ pub struct RdmaSettings {
     pub max_mr_bytes: u64,
     /// Largest RDMA READ work request.
     pub max_wr_bytes: u64,
+    /// How long a device that failed towards a peer is left unused before it is tried again;
+    /// doubled each time it fails again soon after, up to ten times this.
+    pub cooldown: std::time::Duration,
 }
 
 impl Default for RdmaSettings {
@@ -46,6 +51,7 @@ impl Default for RdmaSettings {
             qps: 4,
             max_mr_bytes: (2 << 30) - (64 << 10),
             max_wr_bytes: 1 << 20,
+            cooldown: std::time::Duration::from_secs(30),
         }
     }
 }
@@ -105,10 +111,10 @@ pub(crate) fn mtu_from_bytes(b: u32) -> Option<Mtu> {
     })
 }
 
-/// Opens the RDMA device the settings name (or the first usable one), or says why none can be
+/// Opens the RDMA devices the settings name (or the first usable one), or says why none can be
 /// used: no verbs library, no device, no active port, no usable GID. Never panics: probing runs
 /// under `catch_unwind` because the verbs bindings panic on values they do not know.
-pub(crate) fn probe(settings: &RdmaSettings) -> Result<Arc<RdmaDevice>, String> {
+pub(crate) fn probe(settings: &RdmaSettings) -> Result<Vec<Arc<RdmaDevice>>, String> {
     match std::panic::catch_unwind(|| open(settings)) {
         Ok(r) => r,
         Err(p) => {
@@ -122,35 +128,116 @@ pub(crate) fn probe(settings: &RdmaSettings) -> Result<Arc<RdmaDevice>, String> 
     }
 }
 
-fn open(settings: &RdmaSettings) -> Result<Arc<RdmaDevice>, String> {
+/// Which devices the settings ask for.
+#[derive(Debug, PartialEq, Eq)]
+enum Wanted {
+    /// The first usable one.
+    First,
+    /// Every usable one (NUMA-local ones only, when any is).
+    All,
+    /// These, in this order.
+    Named(Vec<String>),
+}
+
+fn wanted(device: Option<&str>) -> Wanted {
+    match device.map(str::trim) {
+        None | Some("") => Wanted::First,
+        Some("all") => Wanted::All,
+        Some(list) => Wanted::Named(
+            list.split(',')
+                .map(|n| n.trim().to_string())
+                .filter(|n| !n.is_empty())
+                .collect(),
+        ),
+    }
+}
+
+/// The NUMA node of a device's PCI function, when the system says (virtual devices such as
+/// rxe have none).
+fn numa_node(name: &str) -> Option<i32> {
+    std::fs::read_to_string(format!("/sys/class/infiniband/{name}/device/numa_node"))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .filter(|n: &i32| *n >= 0)
+}
+
+/// The NUMA node of the CPU this thread runs on.
+fn this_numa_node() -> Option<i32> {
+    // SAFETY: sched_getcpu takes no arguments and only reads the current CPU.
+    let cpu = unsafe { libc::sched_getcpu() };
+    if cpu < 0 {
+        return None;
+    }
+    let dir = std::fs::read_dir(format!("/sys/devices/system/cpu/cpu{cpu}")).ok()?;
+    dir.filter_map(|e| e.ok())
+        .find_map(|e| e.file_name().to_str()?.strip_prefix("node")?.parse().ok())
+}
+
+fn open(settings: &RdmaSettings) -> Result<Vec<Arc<RdmaDevice>>, String> {
     let list = DeviceList::new().map_err(|e| {
         format!("no RDMA verbs library or kernel support ({e}; install libibverbs1 and a provider such as ibverbs-providers)")
     })?;
     if list.is_empty() {
         return Err("no RDMA device found (ibv_get_device_list returned none)".into());
     }
+    let names: Vec<String> = list.iter().map(|d| d.name()).collect();
     let mut reasons = Vec::new();
-    for dev in list.iter() {
-        let name = dev.name();
-        if let Some(want) = &settings.device {
-            if &name != want {
-                continue;
+    let mut opened = Vec::new();
+    match wanted(settings.device.as_deref()) {
+        Wanted::First => {
+            for dev in list.iter() {
+                let name = dev.name();
+                match open_device(&dev, &name, settings) {
+                    Ok(d) => return Ok(vec![d]),
+                    Err(e) => reasons.push(format!("{name}: {e}")),
+                }
             }
         }
-        match open_device(&dev, &name, settings) {
-            Ok(d) => return Ok(d),
-            Err(e) => reasons.push(format!("{name}: {e}")),
+        Wanted::Named(want) => {
+            for name in &want {
+                match list.iter().find(|d| &d.name() == name) {
+                    None => reasons.push(format!(
+                        "RDMA device {name:?} not found (present: {})",
+                        names.join(", ")
+                    )),
+                    Some(dev) => match open_device(&dev, name, settings) {
+                        Ok(d) if opened.iter().any(|o: &Arc<RdmaDevice>| o.name == d.name) => {}
+                        Ok(d) => opened.push(d),
+                        Err(e) => reasons.push(format!("{name}: {e}")),
+                    },
+                }
+            }
+        }
+        Wanted::All => {
+            for dev in list.iter() {
+                let name = dev.name();
+                match open_device(&dev, &name, settings) {
+                    Ok(d) => opened.push(d),
+                    Err(e) => reasons.push(format!("{name}: {e}")),
+                }
+            }
+            // Devices on this process's NUMA node only, when there are any: a NIC across the
+            // socket interconnect halves what it delivers.
+            if let Some(here) = this_numa_node() {
+                if opened.iter().any(|d| numa_node(&d.name) == Some(here)) {
+                    opened.retain(|d| {
+                        let local = numa_node(&d.name).is_none_or(|n| n == here);
+                        if !local {
+                            tracing::info!(device = %d.name, node = here, "RDMA device skipped: on another NUMA node");
+                        }
+                        local
+                    });
+                }
+            }
         }
     }
-    if reasons.is_empty() {
-        let names: Vec<String> = list.iter().map(|d| d.name()).collect();
-        return Err(format!(
-            "RDMA device {:?} not found (present: {})",
-            settings.device.as_deref().unwrap_or(""),
-            names.join(", ")
-        ));
+    if opened.is_empty() {
+        return Err(reasons.join("; "));
     }
-    Err(reasons.join("; "))
+    if !reasons.is_empty() {
+        tracing::warn!("RDMA devices not used: {}", reasons.join("; "));
+    }
+    Ok(opened)
 }
 
 fn open_device(
@@ -470,5 +557,21 @@ fn peer_memory_hint(api: GpuApi) -> String {
         }
         GpuApi::Hip => "the amdgpu kernel driver is not loaded".into(),
         _ => "no peer-memory driver applies".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_lists_are_read_from_the_setting() {
+        assert_eq!(wanted(None), Wanted::First);
+        assert_eq!(wanted(Some(" ")), Wanted::First);
+        assert_eq!(wanted(Some("all")), Wanted::All);
+        assert_eq!(
+            wanted(Some("mlx5_0, mlx5_1,,")),
+            Wanted::Named(vec!["mlx5_0".into(), "mlx5_1".into()])
+        );
     }
 }

@@ -31,7 +31,9 @@ options:
   --concurrency N     requests in flight                                [2]
   --streams N         TCP streams per peer                              [4]
   --qps N             RDMA queue pairs per peer                         [4]
-  --rdma-device NAME  RDMA device (first active one by default)
+  --rdma-device NAME  RDMA device (first active one by default); repeat it, or give
+                      a comma-separated list, to stripe over several; `all` for
+                      every active device on this NUMA node
   --batch-bytes N     bytes per pipelined TCP request (K/M suffixes)    [4M]
   --blocks N          blocks per tensor in each cache        [2 x blocks/request x concurrency]
   --memory M          where both KV caches live: host, cuda, hip, or emulated (host memory
@@ -247,7 +249,14 @@ pub(crate) fn parse_args() -> Result<Args, String> {
                     .map_err(|e| format!("--tensors: {e}"))?
             }
             Long("qps") => a.qps = val(&mut p)?.parse().map_err(|e| format!("--qps: {e}"))?,
-            Long("rdma-device") => a.rdma_device = Some(val(&mut p)?),
+            // Repeated: several devices, striped.
+            Long("rdma-device") => {
+                let d = val(&mut p)?;
+                a.rdma_device = Some(match a.rdma_device.take() {
+                    Some(prev) => format!("{prev},{d}"),
+                    None => d,
+                });
+            }
             Long("block-tokens") => {
                 block_tokens = Some(
                     val(&mut p)?

@@ -15,7 +15,9 @@ Settings (``kv_connector_extra_config``):
     listens on ``port + d * tp_size + r``. Default: the node's address (``127.0.0.1`` without
     an authentication key) and an ephemeral port.
 ``transport``
-    ``auto`` (RDMA when a device is usable, else TCP), ``tcp`` or ``rdma``.
+    ``auto`` (the same-host path when prefill and decode share a machine and the cache can be
+    shared, GPU memory through CUDA IPC; else RDMA when a device is usable; else TCP), ``tcp``,
+    ``rdma`` or ``local``.
 ``abort_timeout``
     Seconds the prefill holds a request's blocks for a decode that never reads them (480).
 ``request_timeout``
@@ -249,8 +251,10 @@ class _Settings:
                 raise ValueError(f"KvlinkConnector: listen must be 'host:port', got {listen!r}")
             host, port = host.strip("[]") or None, int(p)
         transport = str(extra.get("transport", "auto"))
-        if transport not in ("auto", "tcp", "rdma"):
-            raise ValueError(f"KvlinkConnector: transport must be auto, tcp or rdma, got {transport!r}")
+        if transport not in ("auto", "tcp", "rdma", "local"):
+            raise ValueError(
+                f"KvlinkConnector: transport must be auto, tcp, rdma or local, got {transport!r}"
+            )
         key: Optional[bytes] = None
         if extra.get("auth_key"):
             key = str(extra["auth_key"]).encode()
