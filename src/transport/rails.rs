@@ -169,7 +169,7 @@ impl Rails {
             if live.is_empty() {
                 let why = last.unwrap_or_else(|| Error::ConnectionLost {
                     peer: self.peer.clone(),
-                    reason: "every RDMA device pair is paused".into(),
+                    reason: "every RDMA device pair towards the peer failed or is paused".into(),
                 });
                 return Ok(work_requests + self.over_tcp(id, pending, ctl, deadline, why).await?);
             }

@@ -58,9 +58,9 @@ pub(crate) fn is_path_error(e: &Error) -> bool {
     match e {
         Error::ConnectionLost { .. } => true,
         Error::Rdma(r) => match r.kind {
-            // IBV_WC_WR_FLUSH_ERR, _BAD_RESP_ERR, _RETRY_EXC_ERR, _RNR_RETRY_EXC_ERR,
-            // _GENERAL_ERR.
-            RdmaErrorKind::WorkCompletion { status } => matches!(status, 5 | 7 | 12 | 13 | 21),
+            // IBV_WC_LOC_QP_OP_ERR (what SoftRoCE reports once its port went down),
+            // _WR_FLUSH_ERR, _BAD_RESP_ERR, _RETRY_EXC_ERR, _RNR_RETRY_EXC_ERR, _GENERAL_ERR.
+            RdmaErrorKind::WorkCompletion { status } => matches!(status, 2 | 5 | 7 | 12 | 13 | 21),
             RdmaErrorKind::Post
             | RdmaErrorKind::Poll
             | RdmaErrorKind::ConnectionBroken
@@ -213,6 +213,10 @@ mod tests {
         };
         assert!(is_path_error(&wc(12)), "retry exceeded");
         assert!(is_path_error(&wc(5)), "flushed");
+        assert!(
+            is_path_error(&wc(2)),
+            "local QP operation error: a port that went down"
+        );
         assert!(
             !is_path_error(&wc(10)),
             "remote access: the request is wrong"

@@ -148,7 +148,13 @@ impl ConnShared {
         let ok = status == WorkCompletionStatus::Success as u32;
         let why = (!ok).then(|| {
             let name = status_name(status);
-            tracing::warn!(peer = %self.peer, qp = idx, seq, status = %name, "RDMA work completion error");
+            // Flushed work requests follow a queue pair's first error, logged at warn already:
+            // one line per request in flight would drown it.
+            if status == WorkCompletionStatus::WorkRequestFlushedError as u32 {
+                tracing::debug!(peer = %self.peer, qp = idx, seq, status = %name, "RDMA work request flushed");
+            } else {
+                tracing::warn!(peer = %self.peer, qp = idx, seq, status = %name, "RDMA work completion error");
+            }
             RdmaError::new(
                 RdmaErrorKind::WorkCompletion { status },
                 format!("RDMA READ from {} failed: {name}", self.peer),
