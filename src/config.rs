@@ -25,6 +25,9 @@ pub enum TransportChoice {
     /// The same-host path only: a read from a peer on another host, or into memory that
     /// cannot be shared, fails with the reason. RDMA is not probed.
     Local,
+    /// The network paths only: RDMA when both engines have it, else TCP (and TCP when every
+    /// RDMA device fails), never the same-host path, even towards an engine of this host.
+    Network,
 }
 
 /// The longest duration any setting accepts.

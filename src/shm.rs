@@ -25,7 +25,8 @@ const SIZE_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
 pub(crate) struct SharedMap {
     ptr: NonNull<u8>,
     len: usize,
-    fd: OwnedFd,
+    /// The memfd, kept by the owner (to hand to peers); a peer's mapping closes it at once.
+    fd: Option<OwnedFd>,
     huge: bool,
 }
 
@@ -126,7 +127,24 @@ impl SharedMap {
                 st.st_size
             ));
         }
-        Self::map(fd, len).map_err(|e| format!("mmap of {len} bytes: {e}"))
+        // Huge-page files can lose pages to hole punching (a seal against shrinking does not
+        // stop it), and their mappings need whole huge pages: not taken from peers.
+        // SAFETY: fstatfs writes into the zeroed struct we pass; the descriptor is ours.
+        let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { libc::fstatfs(fd.as_raw_fd(), &mut fs) } != 0 {
+            return Err(format!("fstatfs: {}", io::Error::last_os_error()));
+        }
+        // `f_type`'s integer type differs between targets.
+        #[allow(clippy::unnecessary_cast)]
+        let hugetlbfs = fs.f_type as i64 == libc::HUGETLBFS_MAGIC as i64;
+        if hugetlbfs {
+            return Err("huge-page memory files are not mapped from peers".into());
+        }
+        let mut m = Self::map(fd, len).map_err(|e| format!("mmap of {len} bytes: {e}"))?;
+        // The mapping holds the pages: the descriptor is not needed any more.
+        m.fd = None;
+        Ok(m)
     }
 
     fn map(fd: OwnedFd, len: usize) -> io::Result<SharedMap> {
@@ -148,7 +166,7 @@ impl SharedMap {
         Ok(SharedMap {
             ptr: NonNull::new(p.cast()).expect("mmap never returns null on success"),
             len,
-            fd,
+            fd: Some(fd),
             huge: false,
         })
     }
@@ -168,9 +186,9 @@ impl SharedMap {
         self.huge
     }
 
-    /// The memfd, for handing to a peer.
-    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
+    /// The memfd, for handing to a peer (`None` for a peer's memory mapped here).
+    pub(crate) fn fd(&self) -> Option<BorrowedFd<'_>> {
+        self.fd.as_ref().map(|f| f.as_fd())
     }
 }
 
@@ -272,6 +290,16 @@ pub(crate) fn recv_with_fd(sock: RawFd, buf: &mut [u8]) -> io::Result<(usize, Ve
     Ok((n as usize, fds))
 }
 
+/// Shuts down the sending side of a socket: the peer reads end of stream once it has read what
+/// was sent.
+pub(crate) fn shutdown_write(sock: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: a plain syscall on a live descriptor.
+    if unsafe { libc::shutdown(sock.as_raw_fd(), libc::SHUT_WR) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// This host's identity for the same-host check: the kernel's boot id, which every process
 /// under one running kernel shares (containers included) and no other host has.
 pub(crate) fn host_id() -> Option<String> {
@@ -294,7 +322,7 @@ mod tests {
         s1.set_nonblocking(true).unwrap();
         s2.set_nonblocking(true).unwrap();
         assert_eq!(
-            send_with_fd(s1.as_raw_fd(), b"map", Some(a.fd())).unwrap(),
+            send_with_fd(s1.as_raw_fd(), b"map", Some(a.fd().unwrap())).unwrap(),
             3
         );
         let mut buf = [0u8; 8];
@@ -303,6 +331,7 @@ mod tests {
         let fd = fds.pop().unwrap();
         let dup = fd.try_clone().unwrap();
         let b = SharedMap::open_peer(fd, 10_000).unwrap();
+        assert!(b.fd().is_none(), "a peer's mapping keeps no descriptor");
         // SAFETY: inside both live mappings of the same pages.
         unsafe {
             assert_eq!(b.as_ptr().add(9_999).read(), 7);

@@ -111,7 +111,7 @@ fn rdma_two_devices_stripe_fail_over_and_come_back() {
     let Some(devs) = two_devices("rdma_two_devices_stripe_fail_over_and_come_back") else {
         return;
     };
-    let cooldown = Duration::from_secs(3);
+    let cooldown = Duration::from_secs(8);
     let config = EngineConfig {
         transport: TransportChoice::Auto,
         rdma: RdmaSettings {
@@ -138,6 +138,29 @@ fn rdma_two_devices_stripe_fail_over_and_come_back() {
     );
     assert!(a0 > 0 && b0 > 0, "striped over both: rxe0 {a0}, rxe1 {b0}");
 
+    // A cancelled read breaks the queue pairs it had reads on: no device is paused for it,
+    // and the next read runs over RDMA again (a new session), not over TCP.
+    let peer = prefill.engine.handshake_address().to_string();
+    let all: Vec<u32> = (0..48).collect();
+    prefill.engine.hold_blocks("c", &all).unwrap();
+    decode.engine.read_blocks(&peer, "c", &all, &all).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    decode.engine.cancel("c");
+    collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    let served = prefill.engine.stats().bytes_served;
+    reads(&prefill, &decode, 100, 2, 16, seed, || {});
+    assert_eq!(
+        decode.engine.stats().rdma_pairs_paused,
+        0,
+        "a cancel pauses no device"
+    );
+    assert_eq!(
+        prefill.engine.stats().bytes_served,
+        served,
+        "nothing went over TCP"
+    );
+    let a0 = bytes_on(&decode.engine, "rxe0");
+
     // rxe1's link goes down while reads are in flight: they all finish on rxe0.
     reads(&prefill, &decode, 4, 8, 8, seed, || link("rxe1", false));
     let (a1, b1) = (
@@ -145,13 +168,21 @@ fn rdma_two_devices_stripe_fail_over_and_come_back() {
         bytes_on(&decode.engine, "rxe1"),
     );
     assert!(a1 > a0, "rxe0 carried the reads");
-    // While rxe1 is paused, reads go to rxe0 only.
+    let paused = decode.engine.stats().rdma_pairs_paused;
+    assert!(paused >= 1, "rxe1 was paused");
+    // While rxe1 is paused, reads go to rxe0 only: rxe1 is not even tried (a try on its down
+    // link would fail and pause it again).
     reads(&prefill, &decode, 12, 2, 16, seed, || {});
-    assert_eq!(bytes_on(&decode.engine, "rxe1"), b1, "rxe1 is paused");
+    assert_eq!(bytes_on(&decode.engine, "rxe1"), b1, "rxe1 carried nothing");
+    assert_eq!(
+        decode.engine.stats().rdma_pairs_paused,
+        paused,
+        "rxe1 was not tried"
+    );
 
     // Its link back, and its cool-down over: rxe1 carries reads again.
     link("rxe1", true);
-    std::thread::sleep(cooldown * 2);
+    std::thread::sleep(cooldown + Duration::from_secs(2));
     let b2 = bytes_on(&decode.engine, "rxe1");
     let t0 = Instant::now();
     while bytes_on(&decode.engine, "rxe1") == b2 && t0.elapsed() < Duration::from_secs(60) {

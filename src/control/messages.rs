@@ -16,6 +16,9 @@ use crate::transport::rdma::{QpEndpoint, RdmaRegionInfo};
 /// Most regions a descriptor may list.
 pub const MAX_REGIONS: usize = 4096;
 
+/// Most transports a descriptor lists: TCP, the same-host path and one per RDMA device.
+pub const MAX_TRANSPORTS: usize = 2 + crate::transport::rdma::MAX_DEVICES;
+
 /// A transport an engine offers, with where to reach it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
@@ -98,9 +101,9 @@ impl Descriptor {
         {
             return bad(format!("{} listed twice", r.id));
         }
-        if self.transports.is_empty() || self.transports.len() > 8 {
+        if self.transports.is_empty() || self.transports.len() > MAX_TRANSPORTS {
             return bad(format!(
-                "{} transports (1 to 8 allowed)",
+                "{} transports (1 to {MAX_TRANSPORTS} allowed)",
                 self.transports.len()
             ));
         }

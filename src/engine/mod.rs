@@ -506,6 +506,7 @@ impl Engine {
             messages_refused: get(&c.messages_refused),
             messages_sent: get(&c.messages_sent),
             messages_unsent: get(&c.messages_unsent),
+            rdma_pairs_paused: self.shared.rails.pauses(),
             totals: self.shared.tracker.lock().totals(),
         }
     }

@@ -32,6 +32,9 @@ pub struct EngineStats {
     pub messages_sent: u64,
     /// Application messages that could not be sent (peer unreachable, its queue full).
     pub messages_unsent: u64,
+    /// Times an RDMA device pair towards a peer was paused after its path failed (reads then
+    /// go to the other devices, or to TCP).
+    pub rdma_pairs_paused: u64,
     /// Requests finished on each side since the engine started, by outcome.
     pub totals: Totals,
 }

@@ -610,6 +610,10 @@ impl DeviceRuntime for Cuda {
                     }
                 };
                 if r != sys::CUresult::CUDA_SUCCESS {
+                    // Copies queued before this one may still run: wait for them before the
+                    // failure is reported (their memory is released after it).
+                    // SAFETY: the stream is ours and live.
+                    let _ = unsafe { sys::cuStreamSynchronize(stream) };
                     return r;
                 }
             }

@@ -105,6 +105,7 @@ impl DeviceRuntime for Emulated {
         })?;
         let fd = m
             .fd()
+            .ok_or_else(|| GpuError::from("the allocation's memfd is closed"))?
             .try_clone_to_owned()
             .map_err(|e| GpuError::from(format!("duplicating the memfd: {e}")))?;
         Ok(IpcExport {

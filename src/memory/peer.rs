@@ -34,11 +34,16 @@ impl Region {
     /// shared (host memory registered from a caller's pointer has no descriptor to hand over).
     pub(crate) fn export_local(&self) -> std::result::Result<LocalExport, String> {
         match &self._backing {
+            Backing::Shared(map) if map.is_huge() => Err(format!(
+                "{} is huge-page host memory, which is not shared with another process",
+                self.id
+            )),
             Backing::Shared(map) => Ok(LocalExport {
                 api: None,
                 handle: Vec::new(),
                 fd: Some(
                     map.fd()
+                        .ok_or("the region's memfd is closed")?
                         .try_clone_to_owned()
                         .map_err(|e| format!("duplicating the region's memfd: {e}"))?,
                 ),

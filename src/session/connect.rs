@@ -195,7 +195,11 @@ async fn network(
             }
         }
     }
-    let fallback = (cfg.transport == TransportChoice::Auto).then_some(fallback);
+    let fallback = matches!(
+        cfg.transport,
+        TransportChoice::Auto | TransportChoice::Network
+    )
+    .then_some(fallback);
     if rails.is_empty() && fallback.is_none() {
         return Err(Error::Rdma(RdmaError::new(
             RdmaErrorKind::Setup,

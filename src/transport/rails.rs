@@ -22,7 +22,7 @@ use super::rdma::RdmaConnection;
 use super::stripe::{self, HealthBook};
 use super::tcp::TcpTransport;
 use super::{ReadFuture, ReadOp, RequestCtl, Transport};
-use crate::error::{Error, Result};
+use crate::error::{Error, RdmaErrorKind, Result};
 use crate::ids::RequestId;
 
 /// What an engine keeps across sessions about its device pairs: their health and the bytes
@@ -31,6 +31,8 @@ use crate::ids::RequestId;
 pub(crate) struct RailBook {
     pub(crate) health: Mutex<HealthBook>,
     bytes: Mutex<HashMap<String, u64>>,
+    /// Device pairs paused after a path failure, ever.
+    paused: std::sync::atomic::AtomicU64,
 }
 
 impl RailBook {
@@ -39,7 +41,13 @@ impl RailBook {
         RailBook {
             health: Mutex::new(HealthBook::new(cooldown)),
             bytes: Mutex::new(HashMap::new()),
+            paused: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// How many times a device pair was paused after a path failure.
+    pub(crate) fn pauses(&self) -> u64 {
+        self.paused.load(Ordering::Relaxed)
     }
 
     /// Bytes read through each of this engine's RDMA devices, by name.
@@ -123,6 +131,7 @@ impl Rails {
         }
         let now = Instant::now();
         let pause = self.book.health.lock().failed(&rail.key, now);
+        self.book.paused.fetch_add(1, Ordering::Relaxed);
         let mut r = self.resume_at.lock();
         *r = Some(r.map_or(now + pause, |t| t.min(now + pause)));
         tracing::warn!(peer = %self.peer, device = %rail.device, error = %e, ?pause,
@@ -208,7 +217,7 @@ impl Rails {
             let mut again = Vec::new();
             let mut fatal = None;
             for (rail, part, bytes, took, r) in results {
-                match r {
+                let e = match r {
                     Ok(n) => {
                         work_requests += n;
                         self.book.health.lock().delivered(&rail.key, bytes, took);
@@ -218,15 +227,28 @@ impl Rails {
                             .lock()
                             .entry(rail.device.clone())
                             .or_default() += bytes;
+                        continue;
                     }
-                    Err(e) if stripe::is_path_error(&e) && !ctl.is_cancelled() => {
-                        self.fail(rail, &e);
-                        again.extend(part);
-                        last = Some(e);
-                    }
-                    Err(e) => {
-                        fatal.get_or_insert(e);
-                    }
+                    Err(e) => e,
+                };
+                let first = rail.conn.first_error();
+                let ours =
+                    ctl.is_cancelled() || matches!(e, Error::Timeout { .. } | Error::Cancelled(_));
+                if !ours && stripe::is_path_failure(first.as_ref(), &e) {
+                    // The device pair's path is down: paused, its part read elsewhere.
+                    self.fail(rail, &e);
+                    again.extend(part);
+                    last = Some(e);
+                } else if !ours
+                    && rail.conn.is_broken()
+                    && matches!(&first, Some(f) if f.kind == RdmaErrorKind::ConnectionBroken)
+                {
+                    // Broken under this request by another one's cancel or deadline: read the
+                    // part elsewhere; the session is rebuilt for later requests (is_broken).
+                    again.extend(part);
+                    last = Some(e);
+                } else {
+                    fatal.get_or_insert(e);
                 }
             }
             if let Some(e) = fatal {
@@ -234,6 +256,10 @@ impl Rails {
             }
             if again.is_empty() {
                 return Ok(work_requests);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                // No time left to read the failed part elsewhere: the failure is the answer.
+                return Err(last.take().expect("a failed part has its error"));
             }
             pending = again;
         }
@@ -286,6 +312,15 @@ impl Transport for Rails {
 
     fn is_broken(&self) -> bool {
         if self.resume_at.lock().is_some_and(|t| Instant::now() >= t) {
+            return true;
+        }
+        // A pair broken without a path failure (a cancel, a deadline, a bad key): rebuilt at
+        // once, as a single connection was before.
+        if self
+            .rails
+            .iter()
+            .any(|r| !r.failed.load(Ordering::Acquire) && r.conn.is_broken())
+        {
             return true;
         }
         if self.rails.iter().any(Rail::usable) {

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, RdmaErrorKind};
+use crate::error::{Error, RdmaError, RdmaErrorKind};
 
 /// Cuts `lens` (the ops of a read, in order) into one contiguous run per weight, each run's
 /// bytes close to its weight's share of the total. Weights that are all zero (or not finite)
@@ -51,6 +51,17 @@ pub(crate) fn split(lens: &[u64], weights: &[f64]) -> Vec<Range<usize>> {
     runs
 }
 
+/// Whether a device pair's failure says its path is down, judged by the error that broke its
+/// connection first (`first`) when there is one: a queue pair broken by another request's
+/// cancel or deadline, or by a bad key, flushes the reads of every request on it, and those
+/// flushes are no reason to pause the pair.
+pub(crate) fn is_path_failure(first: Option<&RdmaError>, e: &Error) -> bool {
+    match first {
+        Some(first) => is_path_error(&Error::Rdma(first.clone())),
+        None => is_path_error(e),
+    }
+}
+
 /// Whether an error says the path through a device is down (its link, its port, the peer's
 /// NIC), so the read may be re-run on another device or over TCP. Errors that say the request
 /// is wrong (a bad key, an address outside the peer's memory), a deadline or a cancel are not.
@@ -61,11 +72,10 @@ pub(crate) fn is_path_error(e: &Error) -> bool {
             // IBV_WC_LOC_QP_OP_ERR (what SoftRoCE reports once its port went down),
             // _WR_FLUSH_ERR, _BAD_RESP_ERR, _RETRY_EXC_ERR, _RNR_RETRY_EXC_ERR, _GENERAL_ERR.
             RdmaErrorKind::WorkCompletion { status } => matches!(status, 2 | 5 | 7 | 12 | 13 | 21),
-            RdmaErrorKind::Post
-            | RdmaErrorKind::Poll
-            | RdmaErrorKind::ConnectionBroken
-            | RdmaErrorKind::Setup => true,
-            RdmaErrorKind::Cancelled => false,
+            RdmaErrorKind::Post | RdmaErrorKind::Poll | RdmaErrorKind::Setup => true,
+            // Broken by a cancel or a deadline (its first error), or earlier for a cause this
+            // error does not carry: `is_path_failure` looks at that cause.
+            RdmaErrorKind::ConnectionBroken | RdmaErrorKind::Cancelled => false,
         },
         _ => false,
     }
@@ -230,6 +240,13 @@ mod tests {
             reason: "r".into()
         }));
         assert!(!is_path_error(&Error::Cancelled("c".into())));
+        // A flush on a connection another request's deadline broke is no path failure; one
+        // on a connection a port-down error broke is.
+        let deadline = RdmaError::new(RdmaErrorKind::ConnectionBroken, "a deadline passed");
+        let port = RdmaError::new(RdmaErrorKind::WorkCompletion { status: 2 }, "port down");
+        assert!(!is_path_failure(Some(&deadline), &wc(5)));
+        assert!(is_path_failure(Some(&port), &wc(5)));
+        assert!(is_path_failure(None, &wc(12)));
         assert!(!is_path_error(&Error::Timeout {
             what: "w".into(),
             after: Duration::ZERO

@@ -108,6 +108,12 @@
 #define KVLINK_TRANSPORT_LOCAL 3
 
 /**
+ * `kvlink_config.transport`: RDMA when both engines have it, else TCP; never the same-host
+ * path.
+ */
+#define KVLINK_TRANSPORT_NETWORK 4
+
+/**
  * Kind of entry in a `kvlink_finished`: sends confirmed by the reading peer (the blocks may be
  * freed).
  */
@@ -238,8 +244,8 @@ typedef struct kvlink_config {
      */
     uint32_t tp_size;
     /**
-     * `KVLINK_TRANSPORT_AUTO`, `KVLINK_TRANSPORT_TCP`, `KVLINK_TRANSPORT_RDMA` or
-     * `KVLINK_TRANSPORT_LOCAL`.
+     * `KVLINK_TRANSPORT_AUTO`, `KVLINK_TRANSPORT_TCP`, `KVLINK_TRANSPORT_RDMA`,
+     * `KVLINK_TRANSPORT_LOCAL` or `KVLINK_TRANSPORT_NETWORK`.
      */
     uint32_t transport;
     /**

@@ -9,8 +9,8 @@ use kvlink::{AuthKey, EngineConfig, TransportChoice};
 use crate::args::{check_out, millis, opt_str_arg, write_out};
 use crate::guard::guard;
 use crate::status::{
-    invalid, FfiResult, KVLINK_TRANSPORT_AUTO, KVLINK_TRANSPORT_LOCAL, KVLINK_TRANSPORT_RDMA,
-    KVLINK_TRANSPORT_TCP,
+    invalid, FfiResult, KVLINK_TRANSPORT_AUTO, KVLINK_TRANSPORT_LOCAL, KVLINK_TRANSPORT_NETWORK,
+    KVLINK_TRANSPORT_RDMA, KVLINK_TRANSPORT_TCP,
 };
 
 /// Settings of `kvlink_engine_start`. Fill one with `kvlink_config_default`, then change fields.
@@ -32,8 +32,8 @@ pub struct kvlink_config {
     pub tp_rank: u32,
     /// Tensor-parallel size (at least 1).
     pub tp_size: u32,
-    /// `KVLINK_TRANSPORT_AUTO`, `KVLINK_TRANSPORT_TCP`, `KVLINK_TRANSPORT_RDMA` or
-    /// `KVLINK_TRANSPORT_LOCAL`.
+    /// `KVLINK_TRANSPORT_AUTO`, `KVLINK_TRANSPORT_TCP`, `KVLINK_TRANSPORT_RDMA`,
+    /// `KVLINK_TRANSPORT_LOCAL` or `KVLINK_TRANSPORT_NETWORK`.
     pub transport: u32,
     /// TCP streams opened to each peer for data, 1 to 64.
     pub tcp_streams: u32,
@@ -134,10 +134,11 @@ pub(crate) fn engine_config(c: &kvlink_config) -> FfiResult<EngineConfig> {
         KVLINK_TRANSPORT_TCP => TransportChoice::Tcp,
         KVLINK_TRANSPORT_RDMA => TransportChoice::Rdma,
         KVLINK_TRANSPORT_LOCAL => TransportChoice::Local,
+        KVLINK_TRANSPORT_NETWORK => TransportChoice::Network,
         other => {
             return Err(invalid(format!(
-                "config->transport is {other}; use KVLINK_TRANSPORT_AUTO (0), _TCP (1), _RDMA (2) \
-                 or _LOCAL (3)"
+                "config->transport is {other}; use KVLINK_TRANSPORT_AUTO (0), _TCP (1), _RDMA (2), \
+                 _LOCAL (3) or _NETWORK (4)"
             )))
         }
     };

@@ -42,6 +42,9 @@ pub const KVLINK_TRANSPORT_RDMA: u32 = 2;
 /// `kvlink_config.transport`: the same-host path only (shared memfd, GPU IPC); reads from a
 /// peer on another host, or into memory that cannot be shared, fail with the reason.
 pub const KVLINK_TRANSPORT_LOCAL: u32 = 3;
+/// `kvlink_config.transport`: RDMA when both engines have it, else TCP; never the same-host
+/// path.
+pub const KVLINK_TRANSPORT_NETWORK: u32 = 4;
 
 /// Kind of entry in a `kvlink_finished`: sends confirmed by the reading peer (the blocks may be
 /// freed).

@@ -81,9 +81,10 @@ impl Engine {
                 "tcp" => TransportChoice::Tcp,
                 "rdma" => TransportChoice::Rdma,
                 "local" => TransportChoice::Local,
+                "network" => TransportChoice::Network,
                 t => {
                     return Err(InvalidArgument::new_err(format!(
-                        "transport must be 'auto', 'tcp', 'rdma' or 'local', got {t:?}"
+                        "transport must be 'auto', 'network', 'tcp', 'rdma' or 'local', got {t:?}"
                     )))
                 }
             },
@@ -444,7 +445,7 @@ impl Engine {
     /// `bytes_staged_out` (GPU bytes copied out to be sent over TCP), `bytes_staged_in`
     /// (received bytes copied into GPU memory) and `notices_refused` (readers' confirmations
     /// of requests not held, or held for another reader), `messages_received`,
-    /// `messages_refused`, `messages_sent`, `messages_unsent`; then the requests finished since
+    /// `messages_refused`, `messages_sent`, `messages_unsent`, `rdma_pairs_paused`; then the requests finished since
     /// the engine started: `reads_done`, `reads_failed` (of which `reads_expired` and
     /// `reads_cancelled`), `bytes_read`, `sends_done`, `sends_failed` (of which
     /// `sends_expired`). Every value is a monotonic counter.
@@ -463,6 +464,7 @@ impl Engine {
         d.set_item("messages_refused", s.messages_refused)?;
         d.set_item("messages_sent", s.messages_sent)?;
         d.set_item("messages_unsent", s.messages_unsent)?;
+        d.set_item("rdma_pairs_paused", s.rdma_pairs_paused)?;
         let t = s.totals;
         d.set_item("reads_done", t.reads_done)?;
         d.set_item("reads_failed", t.reads_failed)?;

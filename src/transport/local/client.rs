@@ -7,14 +7,14 @@
 //! or the connection closed (the server closes it only once its copies ended).
 
 use std::collections::{HashMap, HashSet};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::net::UnixStream;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::timeout;
 
 use super::server::{send_all, MAX_INFLIGHT};
@@ -22,6 +22,7 @@ use super::wire;
 use crate::auth::SessionSecret;
 use crate::error::{Error, Result};
 use crate::ids::{RegionId, RequestId};
+use crate::shm;
 use crate::transport::tcp::{batch, prove_session};
 use crate::transport::{ReadFuture, ReadOp, RequestCtl, Transport};
 
@@ -33,6 +34,7 @@ struct Waiter {
 
 struct Shared {
     peer: String,
+    stream: Arc<UnixStream>,
     pending: Mutex<HashMap<u64, Waiter>>,
     broken: AtomicBool,
     reason: Mutex<Option<String>>,
@@ -50,8 +52,28 @@ impl Shared {
         }
     }
 
-    /// The connection ended: every waiter hears it, and every request it counted is told its
-    /// copies ended (the server closes only after its last copy).
+    /// A failure this side found while the socket is still open (a send that failed, an answer
+    /// that made no sense): nothing more is sent, and the server, reading end of stream,
+    /// finishes the copies it has and closes; the waiters hear it then (`fail_all`), since
+    /// only the close says that nothing writes their memory any more.
+    fn stop(&self, why: String) {
+        self.reason.lock().get_or_insert(why);
+        self.broken.store(true, Ordering::Release);
+        let _ = shm::shutdown_write(self.stream.as_fd());
+    }
+
+    /// Takes a waiter back (a request that was never sent, or whose future was dropped
+    /// before its frame reached the writer).
+    fn forget(&self, tag: u64) {
+        if let Some(w) = self.pending.lock().remove(&tag) {
+            if let Some(ctl) = &w.ctl {
+                ctl.remote_end();
+            }
+        }
+    }
+
+    /// The connection closed (the server closes only after its last copy): every waiter
+    /// hears it, and every request it counted is told its copies ended.
     fn fail_all(&self, why: String) {
         self.reason.lock().get_or_insert(why);
         self.broken.store(true, Ordering::Release);
@@ -67,21 +89,43 @@ impl Shared {
 
 /// A session's same-host data path.
 pub(crate) struct LocalTransport {
-    stream: Arc<UnixStream>,
     shared: Arc<Shared>,
-    /// One frame is written at a time.
-    send: tokio::sync::Mutex<()>,
-    /// Regions this session shared with the peer already.
-    mapped: Mutex<HashSet<RegionId>>,
+    /// Frames for the writer task, which sends them whole, in order.
+    frames: mpsc::Sender<Frame>,
+    /// Regions this session shared with the peer already; one share at a time.
+    mapped: tokio::sync::Mutex<HashSet<RegionId>>,
     next_tag: AtomicU64,
     batch_bytes: u64,
     io_timeout: Duration,
-    replies: tokio::task::JoinHandle<()>,
+    tasks: [tokio::task::JoinHandle<()>; 2],
 }
 
 impl Drop for LocalTransport {
     fn drop(&mut self) {
-        self.replies.abort();
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// A frame and the descriptor that goes with it.
+struct Frame {
+    bytes: Vec<u8>,
+    fd: Option<OwnedFd>,
+}
+
+/// Undoes a request's registration unless its frame reached the writer.
+struct Registered<'a> {
+    shared: &'a Shared,
+    tag: u64,
+    sent: bool,
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        if !self.sent {
+            self.shared.forget(self.tag);
+        }
     }
 }
 
@@ -109,31 +153,35 @@ impl LocalTransport {
         if let Some(s) = session {
             prove_session(&mut stream, s, peer, connect_timeout).await?;
         }
-        let stream = Arc::new(stream);
         let shared = Arc::new(Shared {
             peer: peer.to_string(),
+            stream: Arc::new(stream),
             pending: Mutex::new(HashMap::new()),
             broken: AtomicBool::new(false),
             reason: Mutex::new(None),
         });
-        let replies = tokio::spawn(replies(stream.clone(), shared.clone()));
+        let (frames, rx) = mpsc::channel(2 * MAX_INFLIGHT + 2);
+        let tasks = [
+            tokio::spawn(replies(shared.clone(), io_timeout)),
+            tokio::spawn(writer(shared.clone(), rx, io_timeout)),
+        ];
         Ok(LocalTransport {
-            stream,
             shared,
-            send: tokio::sync::Mutex::new(()),
-            mapped: Mutex::new(HashSet::new()),
+            frames,
+            mapped: tokio::sync::Mutex::new(HashSet::new()),
             next_tag: AtomicU64::new(1),
             batch_bytes: batch_bytes.max(1),
             io_timeout,
-            replies,
+            tasks,
         })
     }
 
-    /// Sends a frame (with a descriptor) and returns the receiver of its answer.
+    /// Hands a frame (with a descriptor) to the writer and returns the receiver of its answer.
+    /// Cancel-safe: dropped before the writer took the frame, the request is forgotten.
     async fn request(
         &self,
         frame: impl FnOnce(u64) -> Vec<u8>,
-        fd: Option<std::os::fd::BorrowedFd<'_>>,
+        fd: Option<OwnedFd>,
         ctl: Option<&Arc<RequestCtl>>,
     ) -> Result<oneshot::Receiver<Result<()>>> {
         let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
@@ -148,24 +196,27 @@ impl LocalTransport {
                 ctl: ctl.cloned(),
             },
         );
+        let mut registered = Registered {
+            shared: &self.shared,
+            tag,
+            sent: false,
+        };
         if self.shared.broken.load(Ordering::Acquire) {
-            // fail_all may have run before the insert: make sure this waiter hears it.
-            self.shared.fail_all("same-host connection closed".into());
             return Err(self.shared.lost());
         }
         let bytes = frame(tag);
-        let _one = self.send.lock().await;
-        if let Err(e) = send_all(&self.stream, &bytes, fd, self.io_timeout).await {
-            // A frame cut in the middle leaves the stream unusable.
-            self.shared.fail_all(e.to_string());
-            return Err(self.shared.lost());
-        }
+        self.frames
+            .send(Frame { bytes, fd })
+            .await
+            .map_err(|_| self.shared.lost())?;
+        registered.sent = true;
         Ok(rx)
     }
 
     /// Shares `region`'s memory with the peer unless this session did already.
     async fn share(&self, region: &Arc<crate::memory::Region>) -> Result<()> {
-        if self.mapped.lock().contains(&region.id()) {
+        let mut mapped = self.mapped.lock().await;
+        if mapped.contains(&region.id()) {
             return Ok(());
         }
         let export = region.export_local().map_err(Error::InvalidArgument)?;
@@ -176,7 +227,6 @@ impl LocalTransport {
             len: export.len,
             handle: export.handle,
         };
-        let fd = export.fd.as_ref().map(|f| f.as_fd());
         let rx = self
             .request(
                 |tag| {
@@ -184,12 +234,12 @@ impl LocalTransport {
                     wire::encode_map(tag, &m, &mut b);
                     b
                 },
-                fd,
+                export.fd,
                 None,
             )
             .await?;
         self.answer(rx).await?;
-        self.mapped.lock().insert(region.id());
+        mapped.insert(region.id());
         Ok(())
     }
 
@@ -260,21 +310,51 @@ impl LocalTransport {
     }
 }
 
-/// Reads answers until the connection ends, handing each to its waiter.
-async fn replies(stream: Arc<UnixStream>, shared: Arc<Shared>) {
+/// Sends frames whole, in order, until the transport is dropped or a send fails.
+async fn writer(shared: Arc<Shared>, mut rx: mpsc::Receiver<Frame>, io: Duration) {
+    while let Some(f) = rx.recv().await {
+        if shared.broken.load(Ordering::Acquire) {
+            // Its waiter hears of the close (`fail_all`).
+            continue;
+        }
+        if let Err(e) = send_all(
+            &shared.stream,
+            &f.bytes,
+            f.fd.as_ref().map(|f| f.as_fd()),
+            io,
+        )
+        .await
+        {
+            // A frame cut in the middle leaves the stream unusable.
+            shared.stop(e.to_string());
+        }
+    }
+}
+
+/// Reads answers until the connection closes, handing each to its waiter. An answer that makes
+/// no sense stops the connection; what follows is read and dropped until the server closes
+/// (at most `io` after), and only then do the waiters hear it.
+async fn replies(shared: Arc<Shared>, io: Duration) {
+    let stream = shared.stream.clone();
     let mut buf: Vec<u8> = Vec::new();
+    let mut stopped: Option<tokio::time::Instant> = None;
     let why = loop {
-        // Parse what arrived.
-        if buf.len() >= wire::REPLY_HEADER {
+        if stopped.is_none() && buf.len() >= wire::REPLY_HEADER {
             let h: [u8; wire::REPLY_HEADER] = buf[..wire::REPLY_HEADER].try_into().expect("hdr");
             match wire::decode_reply_header(&h) {
-                Err(e) => break e.to_string(),
+                Err(e) => {
+                    shared.stop(e.to_string());
+                    stopped = Some(tokio::time::Instant::now() + io);
+                    continue;
+                }
                 Ok((tag, refused, n)) if buf.len() >= wire::REPLY_HEADER + n => {
                     let reason =
                         String::from_utf8_lossy(&buf[wire::REPLY_HEADER..][..n]).into_owned();
                     buf.drain(..wire::REPLY_HEADER + n);
                     let Some(w) = shared.pending.lock().remove(&tag) else {
-                        break format!("an answer to unknown request tag {tag}");
+                        shared.stop(format!("an answer to unknown request tag {tag}"));
+                        stopped = Some(tokio::time::Instant::now() + io);
+                        continue;
                     };
                     if let Some(ctl) = &w.ctl {
                         ctl.remote_end();
@@ -293,7 +373,20 @@ async fn replies(stream: Arc<UnixStream>, shared: Arc<Shared>) {
                 Ok(_) => {}
             }
         }
-        if let Err(e) = stream.readable().await {
+        if stopped.is_some() {
+            buf.clear();
+        }
+        let readable = match stopped {
+            Some(until) => match tokio::time::timeout_at(until, stream.readable()).await {
+                Ok(r) => r,
+                Err(_) => {
+                    tracing::error!(peer = %shared.peer, "the same-host server did not close its connection after it was stopped; its copies may still be running");
+                    break "the same-host server did not close its connection".into();
+                }
+            },
+            None => stream.readable().await,
+        };
+        if let Err(e) = readable {
             break e.to_string();
         }
         let start = buf.len();

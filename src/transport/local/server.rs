@@ -15,6 +15,7 @@ use tokio::time::timeout;
 
 use super::wire::{self, Entry};
 use crate::error::{Error, Result};
+use crate::gpu::GpuApi;
 use crate::grant::Grant;
 use crate::log_limit::{warn_limited, LogLimit};
 use crate::memory::{PeerMemory, RegionSpan};
@@ -23,11 +24,13 @@ use crate::tp::Reader;
 use crate::transport::tcp::{self, RegionLookup, ServeLimits};
 
 /// Most regions one connection may open.
-const MAX_MAPS: usize = 256;
+const MAX_MAPS: usize = 64;
+/// Most bytes one connection may map (address space, not memory: the pages are the reader's).
+const MAX_MAP_BYTES: u64 = 1 << 40;
 /// Most copies one connection runs at once (more requests wait in the socket).
 pub(crate) const MAX_INFLIGHT: usize = 4;
 /// Most connections at once.
-const MAX_CONNECTIONS: usize = 256;
+const MAX_CONNECTIONS: usize = 64;
 
 static REFUSED: LogLimit = LogLimit::new(Duration::from_secs(1));
 static DROPPED: LogLimit = LogLimit::new(Duration::from_secs(1));
@@ -223,6 +226,9 @@ async fn connection(
             }
         }
     }
+    // Every copy holds the socket open: the reader takes its close to mean that nothing
+    // writes its memory any more, even when this task is dropped (the engine closing).
+    let stream = Arc::new(stream);
     let mut incoming = Incoming {
         buf: Vec::new(),
         fds: VecDeque::new(),
@@ -249,7 +255,17 @@ async fn connection(
                     }
                     _ => match prepare(&*regions, reader.as_deref(), &maps, &body) {
                         Ok(copy) => {
-                            copies.spawn_blocking(move || (tag, copy.run()));
+                            let open = stream.clone();
+                            copies.spawn_blocking(move || {
+                                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(
+                                    || copy.run(),
+                                ))
+                                .unwrap_or_else(|_| {
+                                    Err(Error::Protocol("the copy panicked".into()))
+                                });
+                                drop(open);
+                                (tag, r)
+                            });
                             continue;
                         }
                         Err(e) => Err(e),
@@ -307,11 +323,25 @@ fn open(
     body: &[u8],
 ) -> Result<()> {
     let m = wire::decode_map(body)?;
-    // The descriptor sent with this frame, if any, is this frame's: never a later one's.
-    let fd = fds.pop_front();
+    // Host and emulated device memory come with a memfd (descriptors arrive in frame order);
+    // CUDA and HIP handles with none.
+    let fd = match m.api {
+        None | Some(GpuApi::Emulated) => fds.pop_front(),
+        Some(_) => None,
+    };
     if maps.len() >= MAX_MAPS && !maps.contains_key(&m.region.0) {
         return Err(Error::invalid(format!(
             "more than {MAX_MAPS} regions opened on one connection"
+        )));
+    }
+    let mapped: u64 = maps
+        .iter()
+        .filter(|(r, _)| **r != m.region.0)
+        .map(|(_, p)| p.len())
+        .sum();
+    if mapped.saturating_add(m.len) > MAX_MAP_BYTES {
+        return Err(Error::invalid(format!(
+            "more than {MAX_MAP_BYTES} bytes opened on one connection"
         )));
     }
     let mem = match m.api {

@@ -542,3 +542,11 @@ impl Transport for RdmaConnection {
         self.shared.broken.load(Ordering::Acquire)
     }
 }
+
+impl RdmaConnection {
+    /// The error that broke the connection first, once it is broken: later requests see
+    /// flushes and "broken earlier", which say nothing of the cause.
+    pub(crate) fn first_error(&self) -> Option<RdmaError> {
+        self.shared.reason.lock().clone()
+    }
+}

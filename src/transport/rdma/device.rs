@@ -234,6 +234,14 @@ fn open(settings: &RdmaSettings) -> Result<Vec<Arc<RdmaDevice>>, String> {
     if opened.is_empty() {
         return Err(reasons.join("; "));
     }
+    if opened.len() > super::MAX_DEVICES {
+        tracing::warn!(
+            "{} RDMA devices usable; using the first {}",
+            opened.len(),
+            super::MAX_DEVICES
+        );
+        opened.truncate(super::MAX_DEVICES);
+    }
     if !reasons.is_empty() {
         tracing::warn!("RDMA devices not used: {}", reasons.join("; "));
     }

@@ -26,6 +26,9 @@ mod wr;
 use serde::{Deserialize, Serialize};
 
 pub(crate) use conn::RdmaConnection;
+
+/// Most RDMA devices one engine opens.
+pub(crate) const MAX_DEVICES: usize = 16;
 pub use device::RdmaSettings;
 pub(crate) use device::{probe, RdmaDevice};
 pub(crate) use qp::ServerQps;

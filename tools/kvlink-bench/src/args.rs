@@ -16,9 +16,10 @@ modes:
                       <out>.csv and a chart <out>.png (bandwidth against the parameter)
 
 options:
-  --transport T       auto (same-host path when the engines share a host and
-                      their memory can be shared, else RDMA when both have it,
-                      else TCP), tcp, rdma or local (same host only)     [auto]
+  --transport T       network (RDMA when both engines have it, else TCP), auto
+                      (the same-host path first when the engines share a host
+                      and their memory can be shared), tcp, rdma or local
+                      (same host only)                                  [network]
   --preset NAME       llama-3-8b, llama-3-70b-tp8, deepseek-v3-mla, qwen2.5-7b [llama-3-8b]
   --block-bytes N     custom layout instead of a preset: blocks of N bytes (K/M suffixes),
                       one token per block, so --tokens counts blocks
@@ -158,7 +159,7 @@ pub(crate) fn parse_args() -> Result<Args, String> {
         listen: "0.0.0.0:7400".into(),
         advertise: "127.0.0.1".into(),
         peer: None,
-        transport: TransportChoice::Auto,
+        transport: TransportChoice::Network,
         qps: 4,
         rdma_device: None,
         param: None,
@@ -198,10 +199,15 @@ pub(crate) fn parse_args() -> Result<Args, String> {
             Long("transport") => {
                 a.transport = match val(&mut p)?.as_str() {
                     "auto" => TransportChoice::Auto,
+                    "network" => TransportChoice::Network,
                     "tcp" => TransportChoice::Tcp,
                     "rdma" => TransportChoice::Rdma,
                     "local" => TransportChoice::Local,
-                    t => return Err(format!("unknown transport {t:?} (auto, tcp, rdma, local)")),
+                    t => {
+                        return Err(format!(
+                            "unknown transport {t:?} (network, auto, tcp, rdma, local)"
+                        ))
+                    }
                 }
             }
             Long("memory") => {

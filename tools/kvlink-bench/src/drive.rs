@@ -199,7 +199,7 @@ pub(crate) fn loopback(args: &Args, rng: &mut Rng) -> Result<Outcome, String> {
             Ok(o)
         })
     };
-    // The engines go before the caches: emulated device memory must outlive its registration.
+    // The engines go before the caches.
     drop(decode);
     drop(prefill);
     out

@@ -8,8 +8,6 @@ use crate::args::{Args, Memory, Pattern};
 pub(crate) struct Cache {
     pub(crate) region: std::sync::Arc<Region>,
     pub(crate) layout: KvLayout,
-    /// Host memory behind an emulated device region (declared last: dropped after the region).
-    _emulated: Option<Box<[u8]>>,
 }
 
 /// The KV cache of rank `tp` (its share of the model's KV heads, declared so that ranks of
@@ -26,20 +24,12 @@ pub(crate) fn make_cache(
     let bytes = shape
         .region_bytes_tp(blocks, tp.size)
         .map_err(|e| e.to_string())?;
-    let mut emulated = None;
     let region = match args.memory {
         Memory::Host => engine.allocate_host(bytes, false),
         Memory::Gpu(api) => engine.allocate_device(api, args.gpu, bytes),
-        Memory::Emulated => {
-            let mut buf = vec![0u8; bytes as usize].into_boxed_slice();
-            // SAFETY: the buffer is kept in the returned Cache, which callers drop after the
-            // engine (declared after it), so it outlives the registration.
-            let mem = unsafe { kvlink::ExternalMemory::new(buf.as_mut_ptr(), bytes) }
-                .map_err(|e| e.to_string())?;
-            let r = engine.register_emulated_device(mem);
-            emulated = Some(buf);
-            r
-        }
+        // Emulated device memory the engine allocates (a memfd): the device paths of every
+        // transport, the same-host path's IPC included.
+        Memory::Emulated => engine.allocate_device(kvlink::GpuApi::Emulated, 0, bytes),
     }
     .map_err(|e| e.to_string())?;
     // Fill (this also faults every page in, so the run measures transfers, not page faults).
@@ -53,11 +43,7 @@ pub(crate) fn make_cache(
     engine
         .set_layout(layout.clone())
         .map_err(|e| e.to_string())?;
-    Ok(Cache {
-        region,
-        layout,
-        _emulated: emulated,
-    })
+    Ok(Cache { region, layout })
 }
 
 /// A tiny deterministic generator for block ids.
