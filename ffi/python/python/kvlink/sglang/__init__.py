@@ -15,7 +15,7 @@ multiprocessing starts by re-importing the main module, install again on import.
 Settings (environment): ``KVLINK_HOST`` (the address the engines listen on; defaults to
 loopback, or to the node's address when a key is set), ``KVLINK_AUTH_KEY`` /
 ``KVLINK_AUTH_KEY_FILE`` (the deployment key; without one kvlink serves loopback only),
-``KVLINK_TRANSPORT`` (``auto``, ``tcp``, ``rdma``, ``local``), ``KVLINK_RDMA_DEVICE`` (else SGLang's
+``KVLINK_TRANSPORT`` (``auto``, ``network``, ``tcp``, ``rdma``, ``local``), ``KVLINK_RDMA_DEVICE`` (else SGLang's
 ``--disaggregation-ib-device``), ``KVLINK_REQUEST_TIMEOUT``, ``KVLINK_ABORT_TIMEOUT``.
 """
 

@@ -16,8 +16,8 @@ Settings (``kv_connector_extra_config``):
     an authentication key) and an ephemeral port.
 ``transport``
     ``auto`` (the same-host path when prefill and decode share a machine and the cache can be
-    shared, GPU memory through CUDA IPC; else RDMA when a device is usable; else TCP), ``tcp``,
-    ``rdma`` or ``local``.
+    shared, GPU memory through CUDA IPC; else RDMA when a device is usable; else TCP),
+    ``network`` (RDMA or TCP only), ``tcp``, ``rdma`` or ``local``.
 ``abort_timeout``
     Seconds the prefill holds a request's blocks for a decode that never reads them (480).
 ``request_timeout``
@@ -251,9 +251,10 @@ class _Settings:
                 raise ValueError(f"KvlinkConnector: listen must be 'host:port', got {listen!r}")
             host, port = host.strip("[]") or None, int(p)
         transport = str(extra.get("transport", "auto"))
-        if transport not in ("auto", "tcp", "rdma", "local"):
+        if transport not in ("auto", "network", "tcp", "rdma", "local"):
             raise ValueError(
-                f"KvlinkConnector: transport must be auto, tcp, rdma or local, got {transport!r}"
+                "KvlinkConnector: transport must be auto, network, tcp, rdma or local, "
+                f"got {transport!r}"
             )
         key: Optional[bytes] = None
         if extra.get("auth_key"):
