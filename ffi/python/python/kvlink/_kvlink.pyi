@@ -42,7 +42,7 @@ class Finished:
     ``"rdma"``, ``"gpu"``, ``"cancelled"`` or ``"other"``."""
     reports: List[Dict[str, Any]]
     """One per request in ``receiving``: ``id``, ``peer``, ``bytes``, ``segments``, ``blocks``,
-    ``work_requests``, ``transport`` (``"tcp"`` or ``"rdma"``) and ``seconds`` (from
+    ``work_requests``, ``transport`` (``"tcp"``, ``"rdma"`` or ``"local"``) and ``seconds`` (from
     ``read_blocks`` to the last byte). Empty for sets built by ``TpAggregator``."""
     def is_empty(self) -> bool: ...
 
