@@ -205,3 +205,33 @@ fn rdma_two_devices_stripe_fail_over_and_come_back() {
         "the prefill's TCP server served the failed-over reads"
     );
 }
+
+#[test]
+fn rdma_a_reader_with_fewer_devices_pairs_with_the_first() {
+    let Some(devs) = two_devices("rdma_a_reader_with_fewer_devices_pairs_with_the_first") else {
+        return;
+    };
+    let config = |device: &str| EngineConfig {
+        transport: TransportChoice::Rdma,
+        rdma: RdmaSettings {
+            device: Some(device.to_string()),
+            qps: 2,
+            ..RdmaSettings::default()
+        },
+        ..quick_config()
+    };
+    let shape = ModelShape::DEEPSEEK_V3_MLA;
+    let seed = 0xFE;
+    // The prefill offers two devices; the decode has one: one pair, rxe0 with rxe0.
+    let prefill = side(&shape, 64, Some(seed), config(&devs));
+    let decode = side_in(Mem::External, &shape, 64, None, config("rxe0"));
+    assert_eq!(prefill.engine.rdma_status().unwrap(), "rxe0,rxe1");
+    reads(&prefill, &decode, 0, 2, 16, seed, || {});
+    assert!(bytes_on(&decode.engine, "rxe0") > 0);
+    // And the other way round: a decode with two devices reading a prefill with one.
+    let prefill = side(&shape, 64, Some(seed), config("rxe0"));
+    let decode = side_in(Mem::External, &shape, 64, None, config(&devs));
+    reads(&prefill, &decode, 0, 2, 16, seed, || {});
+    assert!(bytes_on(&decode.engine, "rxe0") > 0);
+    assert_eq!(bytes_on(&decode.engine, "rxe1"), 0, "no pair for rxe1");
+}
