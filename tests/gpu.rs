@@ -229,21 +229,6 @@ fn device_to_host_over_tcp_through_staging() {
     staged(Mem::Emulated, Mem::Host);
 }
 
-fn cuda_loaded(test: &str) -> bool {
-    let e = Engine::start(quick_config()).unwrap();
-    match e.capabilities().gpu.cuda {
-        Ok(_) => true,
-        Err(why) => {
-            use std::io::Write;
-            // One write of the whole line, so that parallel tests cannot interleave inside it
-            // (tools/test.sh counts these lines).
-            let line = format!("{test}: skipped: no CUDA ({why})\n");
-            let _ = std::io::stderr().lock().write_all(line.as_bytes());
-            false
-        }
-    }
-}
-
 #[test]
 fn cuda_device_memory_over_tcp_every_byte_checked() {
     if !cuda_loaded("cuda_device_memory_over_tcp_every_byte_checked") {

@@ -217,20 +217,6 @@ fn two_processes_share_host_memory_and_survive_the_prefill_dying() {
     assert_eq!(decode.engine.in_flight(), (0, 0));
 }
 
-fn cuda_loaded(test: &str) -> bool {
-    let e = kvlink::Engine::start(quick_config()).unwrap();
-    match e.capabilities().gpu.cuda {
-        Ok(_) => true,
-        Err(why) => {
-            use std::io::Write;
-            // One write of the whole line (tools/test.sh counts these lines).
-            let line = format!("{test}: skipped: no CUDA ({why})\n");
-            let _ = std::io::stderr().lock().write_all(line.as_bytes());
-            false
-        }
-    }
-}
-
 #[test]
 fn cuda_ipc_between_two_processes_every_byte_checked() {
     if !cuda_loaded("cuda_ipc_between_two_processes_every_byte_checked") {

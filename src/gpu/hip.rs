@@ -15,6 +15,8 @@ use std::os::fd::{FromRawFd, OwnedFd};
 
 use libloading::Library;
 
+mod ipc;
+
 use super::{
     export_candidates, DeviceRuntime, DmaBuf, GpuApi, GpuError, IpcExport, PointerKind, StreamOps,
     StreamPool,
@@ -505,83 +507,21 @@ impl DeviceRuntime for Hip {
     }
 
     fn ipc_export(&self, ordinal: i32, ptr: u64, len: u64) -> Result<IpcExport, GpuError> {
-        self.on_device(ordinal, || {
-            let (mut base, mut size) = (0u64, 0usize);
-            // SAFETY: out-pointers to live locals.
-            self.check(
-                unsafe { (self.fns.address_range)(&mut base, &mut size, ptr) },
-                "hipMemGetAddressRange",
-            )?;
-            if ptr.saturating_add(len) > base + size as u64 {
-                return Err(GpuError::from(format!(
-                    "{len} bytes at {ptr:#x} run past their allocation"
-                )));
-            }
-            let mut h = IpcHandle { reserved: [0; 64] };
-            // SAFETY: out-pointer to a live local; base is the allocation's start.
-            self.check(
-                unsafe { (self.fns.ipc_get)(&mut h, base as *mut c_void) },
-                "hipIpcGetMemHandle",
-            )?;
-            Ok(IpcExport {
-                handle: h.reserved.iter().map(|&b| b as u8).collect(),
-                fd: None,
-                offset: ptr - base,
-            })
-        })
+        self.export_ipc(ordinal, ptr, len)
     }
 
     fn ipc_open(
         &self,
         ordinal: i32,
         handle: &[u8],
-        _fd: Option<OwnedFd>,
+        fd: Option<OwnedFd>,
     ) -> Result<(u64, u64), GpuError> {
-        let mut h = IpcHandle { reserved: [0; 64] };
-        if handle.len() != h.reserved.len() {
-            return Err(GpuError::from(format!(
-                "a HIP IPC handle is 64 bytes, not {}",
-                handle.len()
-            )));
-        }
-        for (d, s) in h.reserved.iter_mut().zip(handle) {
-            *d = *s as c_char;
-        }
-        self.on_device(ordinal, || {
-            let mut p: *mut c_void = std::ptr::null_mut();
-            // SAFETY: out-pointer to a live local; the runtime validates the handle.
-            self.check(
-                unsafe { (self.fns.ipc_open)(&mut p, h, IPC_LAZY_ENABLE_PEER_ACCESS) },
-                "hipIpcOpenMemHandle",
-            )?;
-            let (mut base, mut size) = (0u64, 0usize);
-            // SAFETY: out-pointers to live locals.
-            let r = self.check(
-                unsafe { (self.fns.address_range)(&mut base, &mut size, p as u64) },
-                "hipMemGetAddressRange",
-            );
-            match r {
-                Ok(()) => Ok((p as u64, size as u64 - (p as u64 - base))),
-                Err(e) => {
-                    // SAFETY: opened just above, unused.
-                    let _ = unsafe { (self.fns.ipc_close)(p) };
-                    Err(e)
-                }
-            }
-        })
+        self.open_ipc(ordinal, handle, fd)
     }
 
     unsafe fn ipc_close(&self, ordinal: i32, base: u64) {
-        let r = self.on_device(ordinal, || {
-            // SAFETY: base came from ipc_open and is unused (caller's contract).
-            self.check(
-                unsafe { (self.fns.ipc_close)(base as *mut c_void) },
-                "hipIpcCloseMemHandle",
-            )
-        });
-        if let Err(e) = r {
-            tracing::warn!("closing a peer's device memory: {e}");
-        }
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.close_ipc(ordinal, base) }
     }
 
     unsafe fn copy_device(
@@ -591,18 +531,8 @@ impl DeviceRuntime for Hip {
         src: u64,
         len: usize,
     ) -> Result<(), GpuError> {
-        self.on_stream(ordinal, "hipMemcpyAsync(DeviceToDevice)", |stream| {
-            // SAFETY: ranges guaranteed by the caller; on_stream waits for the stream.
-            unsafe {
-                (self.fns.memcpy_async)(
-                    dst as *mut c_void,
-                    src as *const c_void,
-                    len,
-                    MEMCPY_DEVICE_TO_DEVICE,
-                    stream,
-                )
-            }
-        })
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.copy_on_device(ordinal, dst, src, len) }
     }
 }
 

@@ -190,6 +190,36 @@ impl ReadCancel {
     }
 }
 
+/// Runs `transfer` (a transport's read of one request) until it ends, `deadline` passes or the
+/// request is cancelled. In the last two cases the request's memory is made its own again first
+/// (`cancel_async`: no transport, and no same-host peer, writes into it any more, or `wait` has
+/// passed), then the deadline or the cancel is reported.
+pub(crate) async fn bounded(
+    transfer: impl Future<Output = Result<u64>>,
+    ctl: &std::sync::Arc<RequestCtl>,
+    deadline: tokio::time::Instant,
+    wait: std::time::Duration,
+    peer: &(dyn std::fmt::Display + Sync),
+) -> Result<u64> {
+    let started = tokio::time::Instant::now();
+    tokio::select! {
+        r = tokio::time::timeout_at(deadline, transfer) => match r {
+            Ok(r) => r,
+            Err(_) => {
+                ctl.cancel_async(wait).await;
+                Err(crate::error::Error::Timeout {
+                    what: format!("reading from {peer} (request deadline)"),
+                    after: started.elapsed(),
+                })
+            }
+        },
+        _ = ctl.cancelled() => {
+            ctl.cancel_async(wait).await;
+            Err(crate::error::Error::Cancelled(format!("reading from {peer}")))
+        }
+    }
+}
+
 /// A boxed transfer future; it yields the number of work requests (RDMA work requests, or TCP
 /// read requests) the transfer took.
 pub(crate) type ReadFuture<'a> = Pin<Box<dyn Future<Output = Result<u64>> + Send + 'a>>;

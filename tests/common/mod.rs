@@ -195,6 +195,22 @@ pub fn collect(engine: &Engine, limit: Duration, done: impl Fn(&Finished) -> boo
     acc
 }
 
+/// Whether CUDA is loaded here; when it is not, says "`test`: skipped: no CUDA (why)" on
+/// stderr, the line tools/test.sh counts as a skip.
+pub fn cuda_loaded(test: &str) -> bool {
+    let e = Engine::start(quick_config()).unwrap();
+    match e.capabilities().gpu.cuda {
+        Ok(_) => true,
+        Err(why) => {
+            use std::io::Write;
+            // One write of the whole line, so that parallel tests cannot interleave inside it.
+            let line = format!("{test}: skipped: no CUDA ({why})\n");
+            let _ = std::io::stderr().lock().write_all(line.as_bytes());
+            false
+        }
+    }
+}
+
 /// An engine configuration with short deadlines for fault tests. Reads go over TCP (the
 /// engines of a test share a host; tests/local.rs covers the same-host path).
 pub fn quick_config() -> EngineConfig {

@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::ids::{RegionId, RequestId};
 use crate::shm;
 use crate::transport::tcp::{batch, prove_session};
-use crate::transport::{ReadFuture, ReadOp, RequestCtl, Transport};
+use crate::transport::{bounded, ReadFuture, ReadOp, RequestCtl, Transport};
 
 /// An answer the reader waits for, and the request whose memory the copy writes.
 struct Waiter {
@@ -413,25 +413,12 @@ impl Transport for LocalTransport {
         ctl: Arc<RequestCtl>,
         deadline: tokio::time::Instant,
     ) -> ReadFuture<'a> {
-        let started = tokio::time::Instant::now();
+        // On a deadline or a cancel, the copies the peer was asked for are waited out before
+        // the request is reported (the request's control counts them); on another failure the
+        // transfer does the same before it reports (`session::transfer`).
         Box::pin(async move {
-            let run = tokio::time::timeout_at(deadline, self.run(id, ops, ctl.clone()));
-            let r = tokio::select! {
-                r = run => match r {
-                    Ok(r) => r,
-                    Err(_) => Err(Error::Timeout {
-                        what: format!("reading from {} (request deadline)", self.shared.peer),
-                        after: started.elapsed(),
-                    }),
-                },
-                _ = ctl.cancelled() => Err(Error::Cancelled(format!("reading from {}", self.shared.peer))),
-            };
-            if r.is_err() {
-                // The peer may still be copying batches already asked for: wait them out
-                // before reporting, so no byte lands after the request ended.
-                ctl.cancel_async(self.io_timeout).await;
-            }
-            r
+            let run = self.run(id, ops, ctl.clone());
+            bounded(run, &ctl, deadline, self.io_timeout, &self.shared.peer).await
         })
     }
 

@@ -23,7 +23,7 @@ use crate::auth::SessionSecret;
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::memory::{self, RegionSpan};
-use crate::transport::{ReadFuture, ReadOp, RequestCtl, Transport};
+use crate::transport::{bounded, ReadFuture, ReadOp, RequestCtl, Transport};
 
 /// Requests in flight per stream (bounds memory and queueing towards a slow peer).
 const PIPELINE: usize = 16;
@@ -203,28 +203,11 @@ impl Transport for TcpTransport {
         ctl: Arc<RequestCtl>,
         deadline: tokio::time::Instant,
     ) -> ReadFuture<'a> {
-        let started = tokio::time::Instant::now();
+        // Cancelled or past its deadline: batches still on the wire are received and discarded
+        // by the streams; no write into the request's memory once this returns.
         Box::pin(async move {
-            let run = tokio::time::timeout_at(deadline, self.run(id, ops, ctl.clone()));
-            tokio::select! {
-                r = run => match r {
-                    Ok(r) => r,
-                    Err(_) => {
-                        // Stop writes into the request's memory before reporting.
-                        ctl.cancel_async(self.io_timeout).await;
-                        Err(Error::Timeout {
-                            what: format!("reading from {} (request deadline)", self.peer),
-                            after: started.elapsed(),
-                        })
-                    }
-                },
-                // Cancelled (by the caller): batches still on the wire are received and
-                // discarded by the streams; no write into the request's memory after this.
-                _ = ctl.cancelled() => {
-                    ctl.cancel_async(self.io_timeout).await;
-                    Err(Error::Cancelled(format!("reading from {}", self.peer)))
-                }
-            }
+            let run = self.run(id, ops, ctl.clone());
+            bounded(run, &ctl, deadline, self.io_timeout, &self.peer).await
         })
     }
 
