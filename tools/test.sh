@@ -20,7 +20,7 @@ MIN_HOST=160
 MIN_KEYED=29
 MIN_PYTHON=45
 MIN_VM=18
-MIN_VLLM=20
+MIN_VLLM=30
 MIN_SGLANG=22
 MIN_ENGINE_EVENTS=6
 # The vLLM release the connector is tested against (0.33.0 needs a newer certifi than PyPI

@@ -1,20 +1,24 @@
 """One vLLM engine for the connector tests, in its own process: vLLM's real scheduler
-(``AsyncScheduler`` by default, as vLLM picks; CPU, a local model config, no weights) with
-kvlink's connector loaded by vLLM's own factory in both roles, one worker-side connector per TP
-rank, and a stand-in for the model runner that does what each GPU worker does around the
-connector every step (bind metadata, forward, start loads, collect transfer results), the
+(``AsyncScheduler`` by default, as vLLM picks; CPU, a real model's ``config.json``, no weights)
+with kvlink's connector loaded by vLLM's own factory in both roles, one worker-side connector
+per TP rank, and a stand-in for the model runner that does what each GPU worker does around
+the connector every step (bind metadata, forward, start loads, collect transfer results), the
 ranks' results combined by vLLM's ``KVOutputAggregator``.
 
-The forward writes, for every token it computes, bytes that are a function of the token id,
-its position, the layer, K or V and the KV head (``token_bytes``; MLA's latent has no head)
-into the token's slot of the request's blocks, each TP rank for the heads it holds. A decode
-can therefore check every byte it received without knowing the prefill's block ids or TP size:
-at the step a request is first scheduled after its load, each of its computed positions must
-hold exactly ``token_bytes`` of its token, head by head.
+The KV caches are vLLM's own: each layer's KV cache spec derived from the model's config as
+vLLM's attention layers derive it (the one thing stubbed: the model itself, which the
+connector never sees), the KV cache config computed by vLLM (``get_kv_cache_configs``), the
+layout resolved by vLLM (``resolve_kv_cache_layout``: the connector's preference, or
+``VLLM_KV_CACHE_LAYOUT``) and the caches allocated by ``allocate_kv_cache``, the path the GPU
+model runner takes: one backing allocation, a ``[blocks, heads, tokens, K|V]`` view per layer.
 
-``hybrid`` puts the second layer in a sliding-window KV cache group of its own (vLLM's hybrid
-KV cache manager, as for Gemma-style models): its blocks have their own ids, and only the
-blocks its window still sees are sent and checked.
+The forward writes, for every token it computes, bytes that are a function of the token id,
+its position, the layer and the KV head (``token_bytes``; MLA's latent has one head) into the
+token's slot of the request's blocks, each TP rank for the heads it holds. A decode can
+therefore check every byte it received without knowing the prefill's block ids or TP size:
+at the step a request is first scheduled after its load, each of its computed positions must
+hold exactly ``token_bytes`` of its token, head by head (in a sliding-window group, the
+positions its window still sees).
 
 The test process drives it through a ``multiprocessing`` pipe (``serve``): add requests,
 step, abort, report state.
@@ -22,79 +26,74 @@ step, abort, report state.
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 import traceback
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
 
-LAYERS = 2
-# KV heads of the model, over all TP ranks (each of TP 1, 2 or 4 ranks holds its share).
-KV_HEADS = 4
-HEAD_DIM = 16
+HERE = os.path.dirname(os.path.abspath(__file__))
 BLOCK_SIZE = 16
-EOS = 2
-MLA_DIM = 576
-# The sliding window of the hybrid configuration's second layer, in tokens.
-WINDOW = 48
 
 
-def _hnd(n: int, heads: int) -> torch.Tensor:
-    """FlashAttention's cache with head-major blocks: allocated ``[2, n, heads, block, dim]``
-    and handed over as the ``[2, n, block, heads, dim]`` view vLLM's HND layout gives."""
-    return torch.zeros(2, n, heads, BLOCK_SIZE, HEAD_DIM, dtype=torch.bfloat16).permute(0, 1, 3, 2, 4)
+def model_dir(model: str) -> str:
+    """The folder of a model configuration shipped with the tests (``models/README.md``)."""
+    return os.path.join(HERE, "models", model)
 
 
-# The KV cache layouts vLLM's attention backends hand to register_kv_caches, per layer:
-# (cache for n blocks and this rank's heads, K/V planes). MLA's latent is one plane; uint8
-# stands for fp8.
-LAYOUTS = {
-    "flash": (lambda n, h: torch.zeros(2, n, BLOCK_SIZE, h, HEAD_DIM, dtype=torch.bfloat16), 2),
-    "flash_hnd": (_hnd, 2),
-    "flashinfer": (lambda n, h: torch.zeros(n, 2, BLOCK_SIZE, h, HEAD_DIM, dtype=torch.float16), 2),
-    "mla": (lambda n, h: torch.zeros(n, BLOCK_SIZE, MLA_DIM, dtype=torch.uint8), 1),
-}
+def token_bytes(token: int, pos: int, layer: int, heads: np.ndarray, size: int) -> np.ndarray:
+    """What the stand-in forward writes for one token: ``size`` bytes per KV head in
+    ``heads`` (global head numbers), one row per head."""
+    base = (token * 7 + pos * 13 + layer * 29 + heads.astype(np.int64) * 97) % 251
+    return ((np.arange(size, dtype=np.int64)[None, :] * 131 + base[:, None]) % 251 + 1).astype(np.uint8)
 
 
-def token_bytes(token: int, pos: int, layer: int, kv: int, head: int, size: int) -> np.ndarray:
-    """What the stand-in forward writes for one token and KV head: ``size`` bytes."""
-    base = (token * 7 + pos * 13 + layer * 29 + kv * 53 + head * 97) % 251
-    return ((np.arange(size, dtype=np.int64) * 131 + base) % 251 + 1).astype(np.uint8)
+def layer_specs(model_config, tp: int, block_size: int) -> Dict[str, Any]:
+    """Each attention layer's KV cache spec, as vLLM's attention layers make it from the
+    model's config: MLA's latent (one head), sliding-window layers, full attention."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
-
-def model_dir() -> str:
-    """A local model directory with a small Llama config (no weights, no tokenizer)."""
-    d = os.path.join(tempfile.gettempdir(), "kvlink-vllm-test-model")
-    os.makedirs(d, exist_ok=True)
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": KV_HEADS * HEAD_DIM * 2,
-        "num_attention_heads": KV_HEADS * 2,
-        "num_key_value_heads": KV_HEADS,
-        "head_dim": HEAD_DIM,
-        "num_hidden_layers": LAYERS,
-        "intermediate_size": 128,
-        "vocab_size": 1024,
-        "max_position_embeddings": 4096,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 1,
-        "eos_token_id": EOS,
-        "rms_norm_eps": 1e-5,
-    }
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return d
+    hf = model_config.hf_text_config
+    head = model_config.get_head_size()
+    dtype = torch.bfloat16
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(hf.num_hidden_layers)]
+    if model_config.use_mla:
+        return {n: MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=head, dtype=dtype) for n in names}
+    heads = max(1, model_config.get_total_num_kv_heads() // tp)
+    types = getattr(hf, "layer_types", None) or ["full_attention"] * len(names)
+    specs: Dict[str, Any] = {}
+    for n, kind in zip(names, types):
+        if kind == "sliding_attention":
+            specs[n] = SlidingWindowSpec(
+                block_size=block_size, num_kv_heads=heads, head_size=head, dtype=dtype, sliding_window=hf.sliding_window
+            )
+        else:
+            specs[n] = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head, dtype=dtype)
+    return specs
 
 
 class Engine:
-    """A vLLM scheduler, the worker-side connector and the KV caches of one engine."""
+    """A vLLM scheduler, the worker-side connectors and the KV caches of one engine.
+
+    ``model``: a folder of ``models/``; ``layout``: ``None`` lets vLLM resolve the layout
+    (the connector's preference among what the backends support), a name forces it as
+    ``VLLM_KV_CACHE_LAYOUT`` does; ``kernel_block``: a kernel block size smaller than the
+    block size (vLLM's kernel block splitting); ``dp_index``: the engine's data-parallel
+    index, as vLLM sets it."""
 
     def __init__(
-        self, name: str, num_blocks: int, extra: Dict[str, Any], layout: str, asynchronous: bool, tp: int = 1, hybrid: bool = False
+        self,
+        name: str,
+        num_blocks: int,
+        extra: Dict[str, Any],
+        model: str,
+        asynchronous: bool,
+        tp: int = 1,
+        block_size: int = BLOCK_SIZE,
+        kernel_block: Optional[int] = None,
+        dp_index: int = 0,
+        supported: Optional[List[str]] = None,
     ):
         from vllm.config import (
             CacheConfig,
@@ -107,17 +106,21 @@ class Engine:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import init_none_hash
+        from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs, init_none_hash
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+        from vllm.v1.kv_cache_layout import KVCacheLayout
         from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.v1.worker.utils import allocate_kv_cache
 
         init_none_hash(sha256)
         self.name = name
-        model = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=2048)
+        self.block_size = block_size
+        mc = ModelConfig(model=model_dir(model), skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=2048)
         config = VllmConfig(
-            model_config=model,
+            model_config=mc,
             scheduler_config=SchedulerConfig(
                 max_num_seqs=16,
                 max_num_batched_tokens=256,
@@ -125,7 +128,7 @@ class Engine:
                 enable_chunked_prefill=True,
                 is_encoder_decoder=False,
             ),
-            cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KvlinkConnector",
                 kv_connector_module_path="kvlink.vllm",
@@ -135,25 +138,31 @@ class Engine:
             ),
             device_config=DeviceConfig("cpu"),
         )
-        config.cache_config.num_gpu_blocks = num_blocks
         # TP ranks live in this one process (no torch.distributed on CPU): each rank's
         # worker-side connector is made while kvlink.vllm.worker._tp_rank answers that rank.
         config.parallel_config.tensor_parallel_size = tp
-        self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-        self.heads = KV_HEADS // tp  # this engine's heads per rank
-        full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=self.heads, head_size=HEAD_DIM, dtype=torch.bfloat16)
-        if hybrid:
-            sliding = SlidingWindowSpec(
-                block_size=BLOCK_SIZE, num_kv_heads=self.heads, head_size=HEAD_DIM, dtype=torch.bfloat16, sliding_window=WINDOW
-            )
-            groups = [KVCacheGroupSpec(self.layer_names[:1], full), KVCacheGroupSpec(self.layer_names[1:], sliding)]
-        else:
-            groups = [KVCacheGroupSpec(self.layer_names, full)]
-        # Which KV cache group each layer is in, and how many trailing blocks of a prompt a
-        # group keeps (0: all).
+        config.parallel_config.data_parallel_index = dp_index
+        # vLLM turns its hybrid KV cache manager off on platforms without GPU support, CPU
+        # included; on a GPU it stays on with a connector that supports it (kvlink's does):
+        # what a GPU platform decides, set here.
+        config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        specs = layer_specs(mc, tp, block_size)
+        # As the engine core does: the layout from what the backends support (all six when
+        # none declares), the connector's preference and VLLM_KV_CACHE_LAYOUT.
+        supported = supported or [l.name for l in KVCacheLayout]
+        self.kv_layout = resolve_kv_cache_layout(config, [supported], specs.values())
+        per_block = sum(spec.page_size_bytes for spec in specs.values())
+        (kv_cache_config,) = get_kv_cache_configs(config, [specs], [num_blocks * per_block])
+        kv_cache_config.kv_cache_layout = self.kv_layout.name
+        num_blocks = kv_cache_config.num_blocks
+        config.cache_config.num_gpu_blocks = num_blocks
+        groups = kv_cache_config.kv_cache_groups
+        self.layer_names = list(specs)
         self.group_of = {n: g for g, spec in enumerate(groups) for n in spec.layer_names}
-        self.tails = [0] + ([-(-WINDOW // BLOCK_SIZE) + 1] if hybrid else [])
-        kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+        # Per group, the sliding window in tokens (0: full attention).
+        self.windows = [g.kv_cache_spec.sliding_window if isinstance(g.kv_cache_spec, SlidingWindowSpec) else 0 for g in groups]
+        self.mla = mc.use_mla
+        self.total_heads = 1 if self.mla else mc.get_total_num_kv_heads()
         # vLLM turns asynchronous scheduling on by default (for this config too); the
         # synchronous scheduler is what it uses otherwise.
         config.scheduler_config.async_scheduling = asynchronous
@@ -162,7 +171,7 @@ class Engine:
             kv_cache_config=kv_cache_config,
             log_stats=True,
             structured_output_manager=StructuredOutputManager(config),
-            block_size=BLOCK_SIZE,
+            block_size=block_size,
         )
         import kvlink.vllm.worker as kv_worker
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -178,10 +187,8 @@ class Engine:
         # vLLM's own combination of the ranks' transfer results (a request is finished once
         # every rank reported it).
         self.aggregator = KVOutputAggregator.from_connector(self.workers[0], tp)
-        # The layouts vLLM's attention backends hand to register_kv_caches, per rank.
-        self.layout = layout
-        make, self.planes = LAYOUTS[layout]
-        self.caches = [{n: make(num_blocks, self.heads) for n in self.layer_names} for _ in range(tp)]
+        kernel = [kernel_block] * len(groups) if kernel_block else None
+        self.caches = [allocate_kv_cache(kv_cache_config, torch.device("cpu"), self.kv_layout, kernel) for _ in range(tp)]
         for w, caches in zip(self.workers, self.caches):
             w.register_kv_caches(caches)
         # As vLLM's EngineCore does with what every worker returned, keyed (pp rank, tp rank).
@@ -202,15 +209,15 @@ class Engine:
 
     # -- the stand-in model runner --
 
-    def _slots(self, rank: int, layer: str, kv: int, block: int, offset: int):
-        """The bytes of one token's slot, per global KV head it holds on ``rank`` (one slot
-        with head 0 for MLA's latent, which every rank holds whole)."""
-        t = self.caches[rank][layer]
-        if self.layout == "mla":
-            return [(0, t[block, offset].view(torch.uint8))]
-        s = t[kv, block, offset] if self.layout in ("flash", "flash_hnd") else t[block, kv, offset]
-        first = rank * self.heads
-        return [(first + j, s[j].view(torch.uint8)) for j in range(self.heads)]
+    def _slot(self, rank: int, layer: str, block: int, offset: int):
+        """One token's slot in a layer's cache on ``rank``: its bytes per head held there,
+        ``(heads, bytes)``, and the global numbers of those heads."""
+        v = self.caches[rank][layer]
+        per = v.shape[2]  # tokens per kernel block
+        kernel = block * (v.shape[0] // self.num_blocks) + offset // per
+        held = v.shape[1]
+        first = 0 if self.mla else rank * held * self.total_heads // max(self.total_heads, held * len(self.workers))
+        return v[kernel, :, offset % per].view(torch.uint8), np.arange(first, first + held)
 
     def _blocks(self, rid: str, layer: str):
         return self.scheduler.kv_cache_manager.get_block_ids(rid)[self.group_of[layer]]
@@ -221,35 +228,34 @@ class Engine:
         # before, which the scheduler has not seen yet: its id is unknown here, so its KV is
         # not written (no test reads it).
         for pos in range(start, min(end, len(tokens))):
-            off = pos % BLOCK_SIZE
             for li, layer in enumerate(self.layer_names):
-                b = self._blocks(req.request_id, layer)[pos // BLOCK_SIZE]
+                b = self._blocks(req.request_id, layer)[pos // self.block_size]
                 if b == 0:
                     continue  # vLLM's null block: a position a sliding window no longer keeps
                 for rank in range(len(self.workers)):
-                    for kv in range(self.planes):
-                        for head, slot in self._slots(rank, layer, kv, b, off):
-                            slot.copy_(torch.from_numpy(token_bytes(tokens[pos], pos, li, kv, head, slot.numel())))
+                    slot, heads = self._slot(rank, layer, b, pos % self.block_size)
+                    slot.copy_(torch.from_numpy(token_bytes(tokens[pos], pos, li, heads, slot.shape[1])))
 
     def _verify(self, req, upto: int) -> None:
         """Every position below ``upto`` holds its token's bytes, head by head (in a sliding
-        window's group, the positions the window still sees)."""
+        window's group, the positions the window still sees: vLLM's null block anywhere else
+        is a failure)."""
         tokens = req.all_token_ids
         for pos in range(upto):
-            off = pos % BLOCK_SIZE
             for li, layer in enumerate(self.layer_names):
-                if self.tails[self.group_of[layer]] and pos <= upto - WINDOW:
+                window = self.windows[self.group_of[layer]]
+                b = self._blocks(req.request_id, layer)[pos // self.block_size]
+                # A sliding window's group: positions before the window are not kept, and vLLM
+                # frees the block of the window's first position when the next token is
+                # computed (its null block then stands there).
+                if window and (pos <= upto - window or (b == 0 and pos == upto - window + 1)):
                     continue
-                b = self._blocks(req.request_id, layer)[pos // BLOCK_SIZE]
                 for rank in range(len(self.workers)):
-                    for kv in range(self.planes):
-                        for head, slot in self._slots(rank, layer, kv, b, off):
-                            got = slot.numpy()
-                            if b == 0 or not np.array_equal(got, token_bytes(tokens[pos], pos, li, kv, head, got.size)):
-                                self.bad.append(
-                                    f"{req.request_id} rank {rank} position {pos} layer {li} kv {kv} head {head} block {b}"
-                                )
-                                return
+                    slot, heads = self._slot(rank, layer, b, pos % self.block_size)
+                    got = slot.numpy()
+                    if b == 0 or not np.array_equal(got, token_bytes(tokens[pos], pos, li, heads, got.shape[1])):
+                        self.bad.append(f"{req.request_id} rank {rank} position {pos} of {upto} layer {li} block {b} in {self._blocks(req.request_id, layer)}")
+                        return
         self.verified.append(req.request_id)
 
     def step(self) -> Dict[str, Any]:
@@ -336,7 +342,7 @@ class Engine:
             sampling_params=sp,
             pooling_params=None,
             mm_features=None,
-            block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+            block_hasher=get_request_block_hasher(self.block_size, sha256),
         )
         req.kv_transfer_params = dict(params) if params else None
         self.scheduler.add_request(req)
@@ -361,6 +367,8 @@ class Engine:
             "in_flight": in_flight,
             "engine_stats": stats,
             "addresses": [e.handshake_address for e in engines],
+            "layout": self.kv_layout.name,
+            "num_blocks": self.num_blocks,
             "verified": list(self.verified),
             "bad": list(self.bad),
             "reads": dict(self.reads),
@@ -369,12 +377,13 @@ class Engine:
         }
 
 
-def serve(
-    conn, name: str, num_blocks: int, extra: Dict[str, Any], layout: str, asynchronous: bool, tp: int, hybrid: bool = False
-) -> None:
+def serve(conn, name: str, num_blocks: int, extra: Dict[str, Any], options: Dict[str, Any]) -> None:
     """Process entry point: builds the engine, then answers commands until ``("exit",)``."""
     try:
-        engine = Engine(name, num_blocks, extra, layout, asynchronous, tp, hybrid)
+        layout = options.pop("layout", None)
+        if layout is not None:
+            os.environ["VLLM_KV_CACHE_LAYOUT"] = layout  # as a user forces one
+        engine = Engine(name, num_blocks, extra, **options)
         conn.send(("ok", engine.state()))
     except Exception:
         conn.send(("error", traceback.format_exc()))

@@ -1,7 +1,8 @@
 """kvlink's vLLM connector driven through two real vLLM Schedulers in two processes (prefill
-and decode, CPU tensors): vLLM's factory loads ``kvlink.vllm.KvlinkConnector`` in both roles,
-the prefill's ``request_finished`` makes the transfer parameters the decode consumes, and
-every byte the decode receives is checked. Run by tools/test.sh in a venv with vLLM."""
+and decode), on KV caches vLLM itself computed and allocated for real model configurations
+(``models/``): vLLM's factory loads ``kvlink.vllm.KvlinkConnector`` in both roles, the
+prefill's ``request_finished`` makes the transfer parameters the decode consumes, and every
+byte the decode receives is checked. Run by tools/test.sh in a venv with vLLM."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ sys.path.insert(0, HERE)
 import engine_process  # noqa: E402
 
 BLOCKS = 400
+LLAMA = "llama-3.1-8b"
+GPT_OSS = "gpt-oss-20b"
+DEEPSEEK = "deepseek-v2-lite"
 # Long enough that only the tests' own reject/cancel/abort paths free a hold in time.
 ABORT_TIMEOUT = 300.0
 
@@ -28,19 +32,14 @@ ABORT_TIMEOUT = 300.0
 class Proc:
     """An engine process and its command pipe."""
 
-    def __init__(
-        self,
-        name: str,
-        extra: Optional[Dict[str, Any]] = None,
-        layout: str = "flash",
-        asynchronous: bool = True,
-        tp: int = 1,
-        hybrid: bool = False,
-    ):
+    def __init__(self, name: str, extra: Optional[Dict[str, Any]] = None, model: str = LLAMA, asynchronous: bool = True, **options: Any):
+        """``options``: ``engine_process.Engine``'s (``tp``, ``layout``, ``kernel_block``,
+        ``block_size``, ``dp_index``, ``supported``)."""
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         extra = {"abort_timeout": ABORT_TIMEOUT, "request_timeout": 20.0, **(extra or {})}
-        self.proc = ctx.Process(target=engine_process.serve, args=(child, name, BLOCKS, extra, layout, asynchronous, tp, hybrid), daemon=True)
+        options = dict(options, model=model, asynchronous=asynchronous)
+        self.proc = ctx.Process(target=engine_process.serve, args=(child, name, BLOCKS, extra, options), daemon=True)
         self.proc.start()
         self.name = name
         self.ready: Optional[Dict[str, Any]] = None
@@ -296,157 +295,205 @@ def test_dead_prefill_leads_to_recompute(pair):
     assert_no_leak([decode])
 
 
-@pytest.mark.parametrize("layout", ["flashinfer", "mla"])
-def test_other_kv_cache_layouts_with_the_synchronous_scheduler(layout):
-    """FlashInfer's [num_blocks, 2, ...] (bf16) and MLA's [num_blocks, block_size, 576] (one
-    byte per element, as fp8) end to end, with vLLM's synchronous Scheduler (the other tests
+def transfer(prefill: Proc, decode: Proc, count: int, seed: int, lengths=(20, 200), tokens: int = 2) -> Dict[str, Any]:
+    """Prefills ``count`` random prompts, decodes them, checks every byte and that nothing
+    leaked; returns the decode's state."""
+    prefill.wait_ready()
+    decode.wait_ready()
+    rng = random.Random(seed)
+    prompts = {f"r{seed}-{i}": [rng.randrange(10, 1000) for _ in range(rng.randrange(*lengths))] for i in range(count)}
+    params = run_prefill(prefill, prompts)
+    for rid, prompt in prompts.items():
+        decode.call("add", "d-" + rid, prompt, tokens, params[rid])
+    step_until([decode, prefill], lambda f: sum(x["engine"] == decode.name for x in f) == count, what=decode.name)
+    s = decode.call("state")
+    assert s["bad"] == [] and len(s["verified"]) == count, s
+    assert_no_leak([prefill, decode])
+    return s
+
+
+def pair_of(name: str, prefill: Dict[str, Any], decode: Dict[str, Any]):
+    return Proc(name + "-prefill", **prefill), Proc(name + "-decode", **decode)
+
+
+def close(*procs: Proc) -> None:
+    for p in procs:
+        p.close()
+
+
+@pytest.mark.parametrize(
+    "model, layout",
+    [(LLAMA, "LBNHC"), (LLAMA, "BLHNC"), (LLAMA, "BLNHC"), (DEEPSEEK, None)],
+)
+def test_layouts_on_vllms_memory_with_the_synchronous_scheduler(model, layout):
+    """Every block-dense layout vLLM allocates (the connector's LBHNC is the other tests'
+    default) and MLA's latent, end to end with vLLM's synchronous Scheduler (the other tests
     use its default, the AsyncScheduler)."""
-    prefill = Proc("fi-prefill", layout=layout, asynchronous=False)
-    decode = Proc("fi-decode", layout=layout, asynchronous=False)
+    opts = dict(model=model, layout=layout, asynchronous=False)
+    prefill, decode = pair_of(f"layout-{layout}", opts, opts)
     try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        prompts = {f"fi{i}": list(range(10 + i, 10 + i + 17 * (i + 1))) for i in range(4)}
-        params = run_prefill(prefill, prompts)
-        for rid, prompt in prompts.items():
-            decode.call("add", "d-" + rid, prompt, 2, params[rid])
-        step_until([decode, prefill], lambda f: sum(x["engine"] == "fi-decode" for x in f) == 4, what="flashinfer decode")
-        s = decode.call("state")
-        assert s["bad"] == [] and len(s["verified"]) == 4, s
-        assert_no_leak([prefill, decode])
+        s = transfer(prefill, decode, 4, seed=3)
+        assert layout is None or s["layout"] == layout
     finally:
-        prefill.close()
-        decode.close()
+        close(prefill, decode)
+
+
+def test_connector_asks_for_head_major_blocks_and_vllm_takes_it():
+    """With backends that prefer a per-head-split layout (ROCm's attention lists LHBNC first),
+    vLLM resolves the connector's LBHNC; MLA models state no preference."""
+    prefill, decode = pair_of("prefer", dict(supported=["LHBNC", "LBHNC"]), dict(model=DEEPSEEK, supported=["BLNHC", "LBNHC"]))
+    try:
+        assert prefill.wait_ready()["layout"] == "LBHNC"
+        assert decode.wait_ready()["layout"] == "BLNHC"  # MLA: the backend's own choice
+    finally:
+        close(prefill, decode)
+
+
+@pytest.mark.parametrize("layout", ["LHBNC", "BHLNC"])
+def test_per_head_split_layouts_are_refused_at_start_with_what_to_set(layout):
+    """A user forcing a layout whose blocks are one piece per head: the worker refuses to
+    start, naming the layouts that work."""
+    p = Proc(f"split-{layout}", layout=layout)
+    try:
+        with pytest.raises(AssertionError, match=f"{layout} stores each block as one piece per KV head"):
+            p.wait_ready()
+    finally:
+        p.close()
 
 
 def test_two_tp_ranks_each_read_their_peer_rank():
     """TP 2 on both sides: each decode rank reads its peer prefill rank's blocks (the ranks'
     bytes differ), vLLM's aggregator releases a request once both ranks reported it, and the
     prefill frees its blocks only when both ranks' reads were confirmed."""
-    prefill, decode = Proc("tp2-prefill", tp=2), Proc("tp2-decode", tp=2)
+    prefill, decode = pair_of("tp2", dict(tp=2), dict(tp=2))
     try:
-        prefill.wait_ready()
-        decode.wait_ready()
+        s = transfer(prefill, decode, 6, seed=77, tokens=3)
         assert len(set(prefill.ready["addresses"])) == 2
-        rng = random.Random(77)
-        prompts = {f"t{i}": [rng.randrange(10, 1000) for _ in range(rng.randrange(20, 200))] for i in range(6)}
-        params = run_prefill(prefill, prompts)
-        for rid, prompt in prompts.items():
-            assert params[rid]["remote_addresses"] == prefill.ready["addresses"]
-            decode.call("add", "d-" + rid, prompt, 3, params[rid])
-        step_until([decode, prefill], lambda f: sum(x["engine"] == "tp2-decode" for x in f) == 6, what="TP 2 decode")
-        s = decode.call("state")
-        assert s["bad"] == [] and len(s["verified"]) == 6, s
         assert s["engine_stats"]["reads_done"] == 12, s["engine_stats"]
-        assert_no_leak([prefill, decode])
         p = prefill.call("state")
         assert p["engine_stats"]["sends_done"] == 12 and p["finished_sending"] == 6, p
     finally:
-        prefill.close()
-        decode.close()
+        close(prefill, decode)
 
 
 @pytest.mark.parametrize(
-    "prefill_tp, decode_tp, layout",
-    [(1, 2, "flash"), (2, 1, "flash_hnd"), (1, 4, "flashinfer"), (2, 1, "mla")],
+    "prefill_tp, decode_tp, model, prefill_layout, decode_layout",
+    [
+        (1, 2, LLAMA, None, None),
+        (2, 1, LLAMA, None, "BLHNC"),
+        (1, 4, LLAMA, "LBNHC", "BLNHC"),
+        (4, 1, LLAMA, "BLNHC", "LBNHC"),
+        (2, 1, DEEPSEEK, None, None),
+        (1, 2, DEEPSEEK, None, None),
+    ],
 )
-def test_heterogeneous_tp_every_head_of_every_byte(prefill_tp, decode_tp, layout):
-    """A prefill and a decode of different TP sizes: each decode rank reads its share of a
-    prefill rank's KV heads (decode larger), or gathers the heads of several prefill ranks into
-    its blocks (prefill larger); MLA's latent is read whole. Every head of every position is
-    checked, and each prefill rank frees its blocks only once every decode rank reading it
-    confirmed."""
-    name = f"tp{prefill_tp}to{decode_tp}-{layout}"
-    prefill = Proc(name + "-prefill", layout=layout, tp=prefill_tp)
-    decode = Proc(name + "-decode", layout=layout, tp=decode_tp)
+def test_heterogeneous_tp_every_head_of_every_byte(prefill_tp, decode_tp, model, prefill_layout, decode_layout):
+    """A prefill and a decode of different TP sizes on vLLM's memory: each decode rank reads
+    its share of a prefill rank's KV heads (decode larger), or gathers the heads of several
+    prefill ranks into its blocks (prefill larger); MLA's latent is read whole. The layer may
+    sit inside or outside the block on either side (LB.. and BL.. layouts). Every head of
+    every position is checked, and each prefill rank frees its blocks only once every decode
+    rank reading it confirmed."""
+    name = f"tp{prefill_tp}to{decode_tp}-{model}"
+    prefill, decode = pair_of(
+        name, dict(model=model, tp=prefill_tp, layout=prefill_layout), dict(model=model, tp=decode_tp, layout=decode_layout)
+    )
     try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        rng = random.Random(prefill_tp * 10 + decode_tp)
-        prompts = {f"h{i}": [rng.randrange(10, 1000) for _ in range(rng.randrange(20, 150))] for i in range(5)}
-        params = run_prefill(prefill, prompts)
-        for rid, prompt in prompts.items():
-            assert params[rid]["tp_size"] == prefill_tp
-            decode.call("add", "d-" + rid, prompt, 2, params[rid])
-        step_until([decode, prefill], lambda f: sum(x["engine"] == decode.name for x in f) == 5, what=name)
-        s = decode.call("state")
-        assert s["bad"] == [] and len(s["verified"]) == 5, s
+        s = transfer(prefill, decode, 5, seed=prefill_tp * 10 + decode_tp, lengths=(20, 150))
         # Each decode rank read each request once, from as many prefill ranks as it pairs with.
         assert s["engine_stats"]["reads_done"] == 5 * decode_tp, s["engine_stats"]
-        assert_no_leak([prefill, decode])
         p = prefill.call("state")
         assert p["engine_stats"]["sends_done"] == 5 * prefill_tp and p["finished_sending"] == 5, p
     finally:
-        prefill.close()
-        decode.close()
+        close(prefill, decode)
+
+
+@pytest.mark.parametrize("layout, decode_tp", [("LBNHC", 1), (None, 1), ("LBNHC", 2)])
+def test_kernel_block_splitting(layout, decode_tp):
+    """64-token blocks that the attention backend splits into 16-token kernel blocks (vLLM
+    makes the view's first dimension four times the blocks): a block is read as the four
+    kernel blocks it is, with the same TP and a decode of another TP size."""
+    opts = dict(block_size=64, kernel_block=16, layout=layout)
+    prefill, decode = pair_of(f"kernel-{layout}-{decode_tp}", opts, dict(opts, tp=decode_tp))
+    try:
+        transfer(prefill, decode, 4, seed=11, lengths=(60, 300))
+    finally:
+        close(prefill, decode)
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 1), (1, 2)])
 def test_hybrid_kv_cache_groups_full_and_sliding_window(prefill_tp, decode_tp):
-    """vLLM's hybrid KV cache manager left on (the connector subclasses SupportsHMA): a
-    full-attention group and a sliding-window group, each with block ids of its own. The
-    decode reads both groups' blocks (the sliding window's only as far as it still sees), and
-    every kept position is checked, with the same and with another TP size."""
+    """gpt-oss (sliding-window and full-attention layers) with vLLM's hybrid KV cache manager
+    left on (the connector subclasses SupportsHMA): two KV cache groups, each with block ids
+    of its own, overlaid in one backing allocation. The decode reads both groups' blocks (the
+    sliding window's only as far as it still sees), and every kept position is checked, with
+    the same and with another TP size."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
 
     import kvlink.vllm
 
     assert supports_hma(kvlink.vllm.KvlinkConnector)
-    name = f"hybrid{prefill_tp}{decode_tp}"
-    prefill = Proc(name + "-prefill", tp=prefill_tp, hybrid=True)
-    decode = Proc(name + "-decode", tp=decode_tp, hybrid=True)
+    prefill, decode = pair_of(f"hybrid{prefill_tp}{decode_tp}", dict(model=GPT_OSS, tp=prefill_tp), dict(model=GPT_OSS, tp=decode_tp))
     try:
         prefill.wait_ready()
         decode.wait_ready()
         rng = random.Random(5)
-        # Long prompts: the window (48 tokens) sees only the last few blocks. The last two are
-        # prefilled in chunks of 256 tokens (513: a last chunk of one token, after which the
-        # prefill has freed the blocks its window left behind).
-        lengths = [rng.randrange(60, 220) for _ in range(3)] + [300, 513]
+        # Long prompts: the window (128 tokens) sees only the last few blocks. The last two
+        # are prefilled in chunks of 256 tokens (513: a last chunk of one token, after which
+        # the prefill has freed the blocks its window left behind).
+        lengths = [rng.randrange(200, 250) for _ in range(3)] + [300, 513]
         prompts = {f"w{i}": [rng.randrange(10, 1000) for _ in range(n)] for i, n in enumerate(lengths)}
         params = run_prefill(prefill, prompts)
         for rid, prompt in prompts.items():
             groups = params[rid]["remote_block_ids"]
             assert len(groups) == 2 and len(groups[0]) == len(groups[1]), groups
             # The sliding window's group sends only its last blocks.
-            assert 0 < sum(1 for b in groups[1] if b) < sum(1 for b in groups[0] if b), groups
+            sent = sorted(sum(1 for b in g if b) for g in groups)
+            assert 0 < sent[0] < sent[1], groups
             decode.call("add", "d-" + rid, prompt, 2, params[rid])
-        step_until([decode, prefill], lambda f: sum(x["engine"] == decode.name for x in f) == 5, what=name)
+        step_until([decode, prefill], lambda f: sum(x["engine"] == decode.name for x in f) == 5, what="hybrid")
         s = decode.call("state")
         assert s["bad"] == [] and len(s["verified"]) == 5, s
         assert_no_leak([prefill, decode])
     finally:
-        prefill.close()
-        decode.close()
+        close(prefill, decode)
 
 
-def test_kv_cache_tensors_maps_vllm_layouts():
-    import torch
+def test_failed_read_on_a_hybrid_model_recomputes_without_raising():
+    """vLLM raises when a connector reports block-level load errors under several KV cache
+    groups; the connector reports the failed request alone, and vLLM recomputes it."""
+    decode = Proc("hybrid-dead-decode", model=GPT_OSS)
+    doomed = Proc("hybrid-doomed-prefill", model=GPT_OSS)
+    try:
+        doomed.wait_ready()
+        decode.wait_ready()
+        prompt = list(range(200, 400))
+        params = run_prefill(doomed, {"hd-1": prompt})
+        doomed.proc.kill()
+        doomed.proc.join(10)
+        decode.call("add", "d-hd-1", prompt, 2, params["hd-1"])
+        finished = step_until([decode], lambda f: any(x["id"] == "d-hd-1" for x in f), what="hybrid recompute")
+        assert finished[-1]["reason"] == "length", finished
+        assert decode.call("state")["engine_stats"]["reads_failed"] == 1
+        assert_no_leak([decode])
+    finally:
+        close(decode, doomed)
 
-    from kvlink.vllm import kv_cache_tensors
 
-    nb = 10
-    fa = torch.zeros(2, nb, 16, 4, 8, dtype=torch.bfloat16)
-    fi = torch.zeros(nb, 2, 16, 4, 8, dtype=torch.float16)
-    mla = torch.zeros(nb, 16, 576, dtype=torch.uint8)  # fp8 caches are one byte per element
-    # HND through a permuted view: blocks stay dense.
-    hnd = torch.zeros(2, nb, 4, 16, 8, dtype=torch.bfloat16).permute(0, 1, 3, 2, 4)
-    memory, layout = kv_cache_tensors({"fa": fa, "fi": fi, "mla": mla, "hnd": hnd}, nb, {"mla": 1}, (8, 4))
-    assert len(memory) == 4
-    block = 16 * 4 * 8 * 2
-    # Token-major blocks repeat their 4 heads once per token (16 runs), FlashInfer's twice as
-    # often (K and V in one block), head-major ones once; MLA's latent declares no heads.
-    assert layout[0] == (0, 0, block, block, nb, 0, (8, 4, 16))
-    assert layout[1] == (0, nb * block, block, block, nb, 0, (8, 4, 16))
-    assert layout[2] == (1, 0, 2 * block, 2 * block, nb, 0, (8, 4, 32))
-    assert layout[3] == (2, 0, 16 * 576, 16 * 576, nb, 1, None)
-    assert layout[4][2:] == (block, block, nb, 0, (8, 4, 1)) and layout[5][1] == nb * block
-    # Without head counts (MLA models), nothing declares heads.
-    assert all(t[6] is None for t in kv_cache_tensors({"fa": fa}, nb)[1])
-    with pytest.raises(ValueError, match="block index"):
-        kv_cache_tensors({"bad": torch.zeros(3, 4)}, nb)
-    with pytest.raises(ValueError, match="not dense"):
-        kv_cache_tensors({"strided": torch.zeros(nb, 16, 8)[:, ::2]}, nb)
+def test_data_parallel_engines_take_their_own_ports():
+    """vLLM resets data_parallel_rank to 0 in each engine of a dense model and keeps the
+    engine's index in data_parallel_index: rank r of engine d listens on port + d * tp + r."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        base = probe.getsockname()[1] + 100
+    engines = [Proc(f"dp{d}", extra={"listen": f"127.0.0.1:{base}"}, tp=2, dp_index=d) for d in range(2)]
+    try:
+        ports = [int(a.rsplit(":", 1)[1]) for e in engines for a in e.wait_ready()["addresses"]]
+        assert ports == [base, base + 1, base + 2, base + 3], ports
+    finally:
+        close(*engines)
 
 
 def test_loaded_by_vllms_factory():
@@ -457,21 +504,3 @@ def test_loaded_by_vllms_factory():
 
     cfg = KVTransferConfig(kv_connector="KvlinkConnector", kv_connector_module_path="kvlink.vllm", kv_role="kv_both")
     assert KVConnectorFactory.get_connector_class(cfg) is kvlink.vllm.KvlinkConnector
-
-
-def test_head_runs_agree_across_tp_sizes():
-    """A block's runs of heads are the same whatever the number of heads a rank holds (one
-    head included), so ranks of different TP sizes can pair."""
-    import torch
-
-    from kvlink.vllm.layout import _head_split
-
-    for heads in (4, 2, 1):
-        nhd = torch.zeros(16, heads, 8)
-        fi = torch.zeros(2, 16, heads, 8)
-        hnd = torch.zeros(heads, 16, 8).permute(1, 0, 2)
-        fi_hnd = torch.zeros(2, heads, 16, 8).permute(0, 2, 1, 3)
-        assert _head_split(nhd, (4, heads)) == (4, heads, 16)
-        assert _head_split(fi, (4, heads)) == (4, heads, 32)
-        assert _head_split(hnd, (4, heads)) == (4, heads, 1)
-        assert _head_split(fi_hnd, (4, heads)) == (4, heads, 2)

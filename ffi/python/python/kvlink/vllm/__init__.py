@@ -12,7 +12,7 @@ Settings (``kv_connector_extra_config``):
 
 ``listen``
     ``host:port`` of TP rank 0's kvlink engine; rank ``r`` of data-parallel engine ``d``
-    listens on ``port + d * tp_size + r``. Default: the node's address (``127.0.0.1`` without
+    (vLLM's ``data_parallel_index``) listens on ``port + d * tp_size + r``. Default: the node's address (``127.0.0.1`` without
     an authentication key) and an ephemeral port.
 ``transport``
     ``auto`` (the same-host path when prefill and decode share a machine and the cache can be
@@ -27,6 +27,12 @@ Settings (``kv_connector_extra_config``):
     ``KVLINK_AUTH_KEY_FILE``). Without one, engines listen on loopback only.
 ``rdma_device``
     The RDMA device to use (default: the first usable one).
+``kv_cache_layout``
+    The KV cache layout the connector asks vLLM for (``get_required_kvcache_layout``):
+    ``LBHNC`` by default (head-major blocks: a decode of another TP size reads one piece per
+    block and layer), any of ``LBHNC``, ``LBNHC``, ``BLHNC``, ``BLNHC``, or ``auto`` (the
+    attention backend's choice). ``VLLM_KV_CACHE_LAYOUT`` overrides it; ``LHBNC`` and
+    ``BHLNC`` (blocks split into one piece per head) are refused at start.
 
 Flow. The proxy sends the prompt to the prefill with ``kv_transfer_params =
 {"do_remote_decode": true}`` and ``max_tokens = 1``. In the step that completes the prompt,
@@ -48,10 +54,12 @@ cache group's blocks travel with their own block ids (full-attention groups whol
 sliding-window groups only the blocks their window still sees; SSM state groups are refused);
 a prefill and a decode of different TP sizes when one is a multiple of the other (each decode
 rank reads its share of a prefill rank's KV heads, or gathers the heads of several prefill
-ranks; MLA latents are read whole); KV caches laid out with the block index outermost
-(FlashAttention ``[2, num_blocks, ...]``, FlashInfer ``[num_blocks, 2, ...]``, MLA
-``[num_blocks, block_size, dim]``) in GPU or host memory, head-major (HND) or token-major
-(NHD) blocks, any dtype (both sides must agree).
+ranks; MLA latents are read whole); the KV caches vLLM allocates (one backing allocation, a
+``[blocks, heads, tokens, K|V]`` view per layer) in the block-dense layouts ``LBHNC``,
+``LBNHC``, ``BLHNC``, ``BLNHC`` (a prefill and a decode may differ in where the layer sits,
+not in the order inside a block), kernel block splitting, per-group block sizes, layers that
+reuse another layer's cache (skipped: vLLM aliases them), GPU or host memory, any dtype (both
+sides must agree).
 """
 
 
@@ -71,7 +79,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import kvlink
 
-from .layout import kv_cache_tensors
+from .layout import PREFERRED_LAYOUT, is_head_major, kv_cache_tensors, layout_name
 from .metadata import KvlinkConnectorMetadata, KvlinkConnectorStats, KvlinkHandshakeMetadata, ReadSpec
 from .scheduler import _SchedulerSide
 from .worker import _WorkerSide
@@ -119,10 +127,10 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._block_size = vllm_config.cache_config.block_size
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self._dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
-        # NHD and HND blocks have the same size and different byte orders: the layout joins
-        # the dtype in what both sides must agree on.
-        self._kv_layout = getattr(vllm_config.cache_config, "kv_cache_layout", None)
+        # The engine's index among data-parallel engines: vLLM resets data_parallel_rank to 0
+        # in each engine of a dense model and keeps the index in data_parallel_index.
+        pc = vllm_config.parallel_config
+        self._dp_index = int(getattr(pc, "data_parallel_index", None) or getattr(pc, "data_parallel_rank", 0) or 0)
         self._settings = _Settings.parse(extra)
         self._num_groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         if role == KVConnectorRole.SCHEDULER:
@@ -212,6 +220,24 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> Tuple[bool, Optional[Dict[str, Any]]]:
         return self._need_scheduler().request_finished(request)
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> Optional[str]:
+        """The KV cache layout the connector asks vLLM for: ``LBHNC`` (head-major blocks) for
+        per-head caches unless ``kv_cache_layout`` in ``kv_connector_extra_config`` says
+        otherwise (``auto``: vLLM's choice); none for MLA. ``VLLM_KV_CACHE_LAYOUT`` overrides
+        it (vLLM's rule); the two layouts whose blocks are split per head are refused at
+        registration."""
+        model = getattr(vllm_config, "model_config", None)
+        if model is None or getattr(model, "use_mla", False):
+            return None
+        ktc = vllm_config.kv_transfer_config
+        extra = (ktc.kv_connector_extra_config or {}) if ktc is not None else {}
+        wanted = str(extra.get("kv_cache_layout", PREFERRED_LAYOUT))
+        if wanted.lower() == "auto":
+            return None
+        is_head_major(wanted)  # refuses unknown and per-head-split layouts
+        return layout_name(wanted)
+
     # ---- helpers -----------------------------------------------------------------------
 
     def _need_worker(self) -> "_WorkerSide":
@@ -238,7 +264,10 @@ class _Settings:
 
     @staticmethod
     def parse(extra: Dict[str, Any]) -> "_Settings":
-        known = {"listen", "transport", "abort_timeout", "request_timeout", "auth_key", "auth_key_file", "rdma_device"}
+        known = {
+            "listen", "transport", "abort_timeout", "request_timeout", "auth_key", "auth_key_file", "rdma_device",
+            "kv_cache_layout",
+        }
         unknown = sorted(set(extra) - known)
         if unknown:
             logger.warning("KvlinkConnector: ignoring unknown kv_connector_extra_config keys %s", unknown)

@@ -1,108 +1,177 @@
-"""vLLM's KV caches as kvlink memory and layout: each layer's tensors, their KV cache groups
-(block groups) and, for per-head caches, the heads tensor parallelism splits."""
+"""vLLM's KV caches as kvlink memory and layout.
+
+What vLLM (0.32 and later) hands ``register_kv_caches``: one backing int8 allocation for every
+layer, and per layer a 4-D view ``[B, H, N, C]`` of it (blocks, KV heads, tokens per kernel
+block, K and V packed in C), whose physical order is the resolved ``KVCacheLayout``
+(``LBHNC``, ``LBNHC``, ``LHBNC``, ``BLHNC``, ``BLNHC``, ``BHLNC``). Kernel block splitting
+makes ``B`` a multiple of the scheduler's blocks: a scheduler block is then ``B / blocks``
+kernel blocks side by side.
+
+kvlink maps that as one registered region (the backing allocation) and one tensor per layer,
+whose block is the scheduler block: in the four block-dense layouts a block of a layer is one
+contiguous piece of ``H * N * C`` elements, head-major (``..HNC``) or token-major (``..NHC``).
+In ``LHBNC`` and ``BHLNC`` a block is split into one piece per head; the connector asks vLLM
+for ``LBHNC`` (``get_required_kvcache_layout``) and refuses those two at registration with
+what to set instead (see docs/integration.md for why).
+"""
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+# The legacy names vLLM still accepts for VLLM_KV_CACHE_LAYOUT.
+_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+# Block-dense layouts: whether a block is head-major (``HNC``) or token-major (``NHC``).
+_DENSE = {"LBHNC": True, "BLHNC": True, "LBNHC": False, "BLNHC": False}
+# Layouts whose blocks are one piece per head, strided apart.
+_SPLIT = ("LHBNC", "BHLNC")
+
+# The layout the connector asks vLLM for when the user does not choose: head-major blocks, so
+# that a decode of another TP size reads one piece per block and layer for its heads.
+PREFERRED_LAYOUT = "LBHNC"
+
+Tensor = Tuple[int, int, int, int, int, int, Optional[Tuple[int, int, int]]]
+
+
+def layout_name(name: Any) -> str:
+    """The ``KVCacheLayout`` name of ``name`` (an enum member, a name, or a legacy alias)."""
+    text = str(getattr(name, "name", name)).upper()
+    return _ALIASES.get(text, text)
+
+
+def is_head_major(name: Any) -> bool:
+    """Whether a block of layout ``name`` is head-major; refuses the layouts kvlink cannot
+    read as one piece per block, saying what to set instead."""
+    n = layout_name(name)
+    if n in _DENSE:
+        return _DENSE[n]
+    if n in _SPLIT:
+        raise ValueError(
+            f"KvlinkConnector: the KV cache layout {n} stores each block as one piece per KV "
+            "head, which kvlink does not transfer; the connector asks vLLM for "
+            f"{PREFERRED_LAYOUT}, so unset VLLM_KV_CACHE_LAYOUT (or set it to LBHNC, LBNHC, "
+            "BLHNC or BLNHC)"
+        )
+    raise ValueError(f"KvlinkConnector: unknown KV cache layout {name!r}")
+
+
+def layout_tag(dtype: torch.dtype, head_major: bool, mla: bool) -> str:
+    """What both sides must agree on beyond block sizes: the element type, and how a block
+    orders heads and tokens (the layer's place outside the block does not matter; MLA's
+    latent has one head, so its order does not either)."""
+    arrangement = "latent" if mla else ("HNC" if head_major else "NHC")
+    return f"{str(dtype).removeprefix('torch.')}/{arrangement}"
+
 
 def kv_cache_tensors(
     kv_caches: Dict[str, Any],
+    layers: Sequence[Tuple[str, int]],
     num_blocks: int,
-    groups: Optional[Dict[str, int]] = None,
+    head_major: bool,
     kv_heads: Optional[Tuple[int, int]] = None,
-) -> Tuple[List[Tuple[int, int, torch.Tensor]], List[Tuple[int, int, int, int, int, int, Any]]]:
-    """Maps vLLM's KV caches to kvlink memory and layout.
+) -> Tuple[List[Tuple[int, int, torch.Tensor]], List[Tensor]]:
+    """Maps vLLM's per-layer ``[B, H, N, C]`` views to kvlink memory and layout.
 
-    Returns the memory to register, ``(address, bytes, owner)`` per distinct storage, and the
+    ``layers`` are ``(layer name, KV cache group)`` in the order both sides agree on (group by
+    group, each group's layers in vLLM's order). Returns the memory to register, ``(address,
+    bytes, owner)`` per distinct storage (one for vLLM's shared backing allocation), and the
     layout, ``(storage index, offset, block stride, block bytes, blocks, group, heads)`` per
-    tensor in layer order (K before V where a layer has both). A tensor's block index is its
-    first dimension of size ``num_blocks`` among the first two (``[2, num_blocks, ...]`` is
-    split into K and V); the rest of a block must be dense in memory (any order of its
-    dimensions: HND and NHD both qualify). A layer with several state tensors (a list, as SSM
-    layers have) gives one tensor each.
-
-    ``groups`` maps a layer to its KV cache group (default 0). ``kv_heads`` is ``(total, this
-    rank's)``: tensors whose blocks hold that many heads in their second-to-last dimension
-    declare them, as ``(total, local, runs)`` (``runs``: how many times the heads repeat in a
-    block, 1 when they are its outermost dimension), so that a decode of another TP size reads
-    its own heads; ``None`` (MLA, or no TP split) declares none.
+    layer. ``kv_heads`` is ``(total, this rank's)``; with it each tensor declares ``(total,
+    local, runs)``: a scheduler block is ``runs`` repetitions of the rank's heads (the kernel
+    blocks it is made of, times the tokens of each when blocks are token-major). ``None``
+    (MLA) declares none.
     """
     storages: Dict[int, int] = {}
     memory: List[Tuple[int, int, torch.Tensor]] = []
-    layout: List[Tuple[int, int, int, int, int, int, Any]] = []
-    for name, value in kv_caches.items():
-        group = (groups or {}).get(name, 0)
-        for t in value if isinstance(value, (list, tuple)) else [value]:
-            if t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks and t.shape[0] != num_blocks:
-                views = [t[0], t[1]]
-            elif t.dim() >= 1 and t.shape[0] == num_blocks:
-                views = [t]
-            else:
+    layout: List[Tensor] = []
+    for name, group in layers:
+        v = kv_caches[name]
+        if isinstance(v, (list, tuple)) or v.dim() != 4:
+            shape = [tuple(t.shape) for t in v] if isinstance(v, (list, tuple)) else tuple(v.shape)
+            raise ValueError(
+                f"KvlinkConnector: KV cache {name!r} has shape {shape}; expected vLLM's 4-D "
+                "[blocks, heads, tokens, K|V] view (vLLM 0.32 or later)"
+            )
+        if v.shape[0] % num_blocks:
+            raise ValueError(
+                f"KvlinkConnector: KV cache {name!r} has {v.shape[0]} kernel blocks, not a "
+                f"multiple of the {num_blocks} blocks of the KV cache config"
+            )
+        ratio = v.shape[0] // num_blocks
+        blocks = v.unflatten(0, (num_blocks, ratio))  # [blocks, kernel blocks, H, N, C]
+        inner = blocks[0]
+        span = 1 + sum((s - 1) * st for s, st in zip(inner.shape, inner.stride()) if s > 0)
+        if span != inner.numel():
+            raise ValueError(
+                f"KvlinkConnector: a block of KV cache {name!r} is not dense in memory "
+                f"(shape {tuple(inner.shape)}, strides {inner.stride()})"
+            )
+        storage = v.untyped_storage()
+        base = storage.data_ptr()
+        if base not in storages:
+            storages[base] = len(memory)
+            memory.append((base, storage.nbytes(), v))
+        esize = v.element_size()
+        heads = None
+        if kv_heads is not None:
+            total, local = kv_heads
+            if v.shape[1] != local:
                 raise ValueError(
-                    f"kvlink: KV cache {name!r} has shape {tuple(t.shape)}; expected the block "
-                    f"index ({num_blocks} blocks) first, or second after a K/V dimension of 2"
+                    f"KvlinkConnector: KV cache {name!r} holds {v.shape[1]} KV heads; this rank "
+                    f"should hold {local} of {total}"
                 )
-            storage = t.untyped_storage()
-            base = storage.data_ptr()
-            if base not in storages:
-                storages[base] = len(memory)
-                memory.append((base, storage.nbytes(), t))
-            index = storages[base]
-            esize = t.element_size()
-            for v in views:
-                inner = v[0]
-                span = 1 + sum((s - 1) * st for s, st in zip(inner.shape, inner.stride()) if s > 0)
-                if span != inner.numel():
-                    raise ValueError(
-                        f"kvlink: a block of KV cache {name!r} is not dense in memory "
-                        f"(shape {tuple(inner.shape)}, strides {inner.stride()})"
-                    )
-                layout.append(
-                    (
-                        index,
-                        v.data_ptr() - base,
-                        v.stride(0) * esize,
-                        inner.numel() * esize,
-                        v.shape[0],
-                        group,
-                        _head_split(inner, kv_heads),
-                    )
-                )
+            heads = (total, local, ratio * (1 if head_major else v.shape[2]))
+        layout.append(
+            (
+                storages[base],
+                v.data_ptr() - base,
+                blocks.stride(0) * esize,
+                inner.numel() * esize,
+                num_blocks,
+                group,
+                heads,
+            )
+        )
     return memory, layout
 
 
-def _head_split(block: torch.Tensor, kv_heads: Optional[Tuple[int, int]]) -> Optional[Tuple[int, int, int]]:
-    """``(total, local, runs)`` for a dense block whose second-to-last dimension holds this
-    rank's heads, or None: ``runs`` is the product of the sizes of the dimensions laid out
-    outside the heads (token-major blocks repeat their heads once per token)."""
-    if kv_heads is None or block.dim() < 2:
-        return None
-    total, local = kv_heads
-    h = block.dim() - 2
-    if block.shape[h] != local:
-        return None
-    # Dimensions laid out inside the heads, and outside them. A stride equal to the heads'
-    # (a dimension of size 1 on either side) counts as laid out as in a contiguous block:
-    # outside when it comes first.
-    sh = block.stride(h)
-    dims = [(i, n, st) for i, (n, st) in enumerate(zip(block.shape, block.stride())) if i != h]
-    inner = [n for i, n, st in dims if st < sh or (st == sh and i > h)]
-    outer = [n for i, n, st in dims if st > sh or (st == sh and i < h)]
-    if math.prod(inner) != sh:
-        return None  # the heads are not laid out as runs of whole heads
-    return (total, local, math.prod(outer))
+def connector_layers(kv_caches: Dict[str, Any], kv_cache_config: Any) -> Tuple[List[Tuple[str, int]], List[str]]:
+    """The layers to transfer, ``(name, group)`` group by group in vLLM's order, and the
+    layers skipped because they reuse another layer's cache (cross-layer KV sharing: vLLM
+    adds them to ``kv_caches`` as aliases after building the KV cache config). A layer that is
+    in no group and aliases nothing is refused."""
+    if kv_cache_config is None:
+        return [(name, 0) for name in kv_caches], []
+    layers = [(n, g) for g, spec in enumerate(kv_cache_config.kv_cache_groups) for n in spec.layer_names]
+    missing = [n for n, _ in layers if n not in kv_caches]
+    if missing:
+        raise ValueError(f"KvlinkConnector: no KV cache for layers {missing} of the KV cache config")
+    owned = {_address(kv_caches[n]) for n, _ in layers}
+    known = {n for n, _ in layers}
+    shared, unknown = [], []
+    for name, value in kv_caches.items():
+        if name not in known:
+            (shared if _address(value) in owned else unknown).append(name)
+    if unknown:
+        raise ValueError(
+            f"KvlinkConnector: KV caches {sorted(unknown)} are in no KV cache group and share no "
+            "other layer's cache"
+        )
+    return layers, shared
+
+
+def _address(value: Any) -> Tuple[int, Tuple[int, ...]]:
+    t = value[0] if isinstance(value, (list, tuple)) else value
+    return t.data_ptr(), tuple(t.stride())
 
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
-
 
 
 def _kv_heads(vllm_config: "VllmConfig", tp_size: int) -> Optional[Tuple[int, int]]:
@@ -119,4 +188,3 @@ def _kv_heads(vllm_config: "VllmConfig", tp_size: int) -> Optional[Tuple[int, in
     if total <= 0 or local != (total // tp_size if tp_size <= total else 1):
         return None
     return total, local
-

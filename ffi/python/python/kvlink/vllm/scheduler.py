@@ -33,11 +33,12 @@ class _Producing:
     """Per KV cache group, the block at each position of the prompt (0 where none is sent)."""
 
 
-def _group_windows(kv_cache_config: Optional["KVCacheConfig"]) -> List[int]:
-    """Per KV cache group, its sliding window in tokens (0: full attention). An SSM state
+def _group_specs(kv_cache_config: Optional["KVCacheConfig"], block_size: int) -> List[Tuple[int, int]]:
+    """Per KV cache group, its sliding window in tokens (0: full attention) and its block size
+    (the hybrid manager may raise some groups' block size to unify page sizes). An SSM state
     group is refused."""
     if kv_cache_config is None:
-        return [0]
+        return [(0, block_size)]
     from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
     windows = []
@@ -49,7 +50,8 @@ def _group_windows(kv_cache_config: Optional["KVCacheConfig"]) -> List[int]:
                 "which kvlink does not transfer yet; attention groups (full, sliding window) are "
                 "supported"
             )
-        windows.append(spec.sliding_window if isinstance(spec, SlidingWindowSpec) else 0)
+        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else 0
+        windows.append((window, int(getattr(spec, "block_size", block_size))))
     return windows
 
 
@@ -66,10 +68,12 @@ class _SchedulerSide:
     def __init__(self, owner: KvlinkConnector, kv_cache_config: Optional["KVCacheConfig"]):
         self.owner = owner
         self.block_size = owner._block_size
-        self.windows = _group_windows(kv_cache_config)
+        specs = _group_specs(kv_cache_config, self.block_size)
+        self.windows = [w for w, _ in specs]
+        self.block_sizes = [b for _, b in specs]
         # The prefill holds a sliding-window group's last blocks, one more than the window
         # spans (it may not be aligned with the blocks).
-        self.tails = [math.ceil(w / self.block_size) + 1 if w else 0 for w in self.windows]
+        self.tails = [math.ceil(w / b) + 1 if w else 0 for w, b in specs]
         self.addresses: Optional[List[str]] = None
         self.producing: Dict[str, _Producing] = {}
         self.local_hits: Dict[str, int] = {}
@@ -120,7 +124,7 @@ class _SchedulerSide:
             return 0, False
         if not params.get("do_remote_prefill"):
             return 0, False
-        remote = _remote(params, self.block_size)
+        remote = _remote(params, self.block_sizes)
         if not isinstance(remote, str):
             why = self._usable(remote)
             if why is not None:
@@ -133,7 +137,7 @@ class _SchedulerSide:
                 logger.warning("KvlinkConnector: %s: %s; computing it locally", request.request_id, remote)
             return 0, False
         # Only what the prefill can deliver counts: its tokens, within the blocks it offered.
-        offered = min(len(g) for g in remote.blocks) * self.block_size
+        offered = min(len(g) * b for g, b in zip(remote.blocks, self.block_sizes))
         available = min(remote.num_tokens, offered, request.num_prompt_tokens)
         count = available - num_computed_tokens
         self.local_hits[request.request_id] = num_computed_tokens
@@ -149,7 +153,7 @@ class _SchedulerSide:
         rid = request.request_id
         local_hit = self.local_hits.pop(rid, 0)
         self.warned.discard(rid)
-        remote = _remote(params, self.block_size)
+        remote = _remote(params, self.block_sizes)
         if num_external_tokens <= 0:
             # Nothing to read (a local hit, or parameters this engine cannot use): the
             # prefill may free its blocks now.
@@ -157,16 +161,15 @@ class _SchedulerSide:
                 self.meta.rejects.append((remote.addresses, remote.request_id, "nothing to read from this prefill"))
             return
         assert not isinstance(remote, str), remote  # checked by matched_tokens
-        first = local_hit // self.block_size
         total = local_hit + num_external_tokens
-        end = math.ceil(total / self.block_size)
         local_groups, remote_groups = [], []
         refused = ""
         for g, (local_all, theirs) in enumerate(zip(blocks.get_block_ids(), remote.blocks)):
             # A sliding window's group needs only the blocks of its last tokens: vLLM skips
             # the tokens before ``total - window + 1`` (and the prefill may have freed them).
-            w = self.windows[g]
-            need = max(first, max(0, total - w + 1) // self.block_size) if w else first
+            w, size = self.windows[g], self.block_sizes[g]
+            first, end = local_hit // size, math.ceil(total / size)
+            need = max(first, max(0, total - w + 1) // size) if w else first
             if end > len(theirs) or end > len(local_all):
                 # matched_tokens bounds the count by the remote blocks; this cannot happen
                 # unless vLLM allocated fewer blocks than the tokens need. Fail the read,
@@ -218,10 +221,9 @@ class _SchedulerSide:
             manager = self.owner._kv_cache_manager
             if manager is None:
                 raise RuntimeError("KvlinkConnector: the scheduler did not bind its KV cache manager")
-            needed = math.ceil(req.num_prompt_tokens / self.block_size)
             held = [
-                _clip(list(ids[:needed]), tail)
-                for ids, tail in zip(manager.get_block_ids(rid), self.tails)
+                _clip(list(ids[: math.ceil(req.num_prompt_tokens / size)]), tail)
+                for ids, tail, size in zip(manager.get_block_ids(rid), self.tails, self.block_sizes)
             ]
             # Held in this step, before its output (and the request's transfer parameters)
             # can reach the decode; vLLM's null block (0) is never held.
@@ -265,7 +267,7 @@ class _SchedulerSide:
         if params.get("do_remote_prefill"):
             # Finished (aborted, refused) before its blocks were allocated: never read.
             params["do_remote_prefill"] = False
-            remote = _remote(params, self.block_size)
+            remote = _remote(params, self.block_sizes)
             if not isinstance(remote, str):
                 self.meta.rejects.append((remote.addresses, remote.request_id, "request finished before its read started"))
         elif rid in self.reading:
@@ -290,7 +292,7 @@ def _block_list(blocks: Any) -> bool:
     )
 
 
-def _remote(params: Dict[str, Any], block_size: int):
+def _remote(params: Dict[str, Any], block_sizes: List[int]):
     """The prefill side of ``kv_transfer_params``, validated (they come from a client through
     the proxy), or why they are unusable."""
     try:
@@ -314,7 +316,7 @@ def _remote(params: Dict[str, Any], block_size: int):
         )
     tokens = params.get("remote_num_tokens")
     if tokens is None:
-        tokens = min(len(g) for g in groups) * block_size
+        tokens = min(len(g) * b for g, b in zip(groups, block_sizes))
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
         return "remote_num_tokens must be a non-negative integer"
     return _Remote(list(addresses), rid, groups, tokens)

@@ -12,8 +12,8 @@ from vllm.logger import init_logger
 
 import kvlink
 
-from .layout import _dtype_name, _kv_heads, kv_cache_tensors
-from .metadata import KvlinkConnectorMetadata, KvlinkConnectorStats, KvlinkHandshakeMetadata
+from .layout import _dtype_name, _kv_heads, connector_layers, is_head_major, kv_cache_tensors, layout_name, layout_tag
+from .metadata import KvlinkConnectorMetadata, KvlinkConnectorStats, KvlinkHandshakeMetadata, ReadSpec
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -39,21 +39,20 @@ class _WorkerSide:
         self.tp_rank = _tp_rank()
         self.tp_size = owner._tp_size
         self.block_size = owner._block_size
-        self.kv_layout = owner._kv_layout
+        self.cache_config = owner._vllm_config.cache_config
+        self.kv_cache_config = kv_cache_config
         self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
-        # Each layer's KV cache group: a block group of the kvlink layout.
-        self.groups: Dict[str, int] = {}
-        if kv_cache_config is not None:
-            for g, spec in enumerate(kv_cache_config.kv_cache_groups):
-                for name in spec.layer_names:
-                    self.groups[name] = g
+        # vLLM's block ids are unique only within a KV cache group: with several groups a
+        # failed read is reported by request (failed_recving), never by block.
+        num_groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        self.block_errors = num_groups <= 1
         self.kv_heads = _kv_heads(owner._vllm_config, self.tp_size)
         keyed = s.auth_key is not None or bool(os.environ.get("KVLINK_AUTH_KEY") or os.environ.get("KVLINK_AUTH_KEY_FILE"))
         host = s.host
         if host is None:
             host = _node_address() if keyed else "127.0.0.1"
         # Each data-parallel engine's ranks take the next tp_size ports.
-        port = s.port + owner._dp_rank * self.tp_size + self.tp_rank if s.port else 0
+        port = s.port + owner._dp_index * self.tp_size + self.tp_rank if s.port else 0
         self.engine = kvlink.Engine(
             f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
             transport=s.transport,
@@ -78,8 +77,9 @@ class _WorkerSide:
         self.held: Set[str] = set()
         self.scheduler_finished: Set[str] = set()
         self.sends_ended: Set[str] = set()
-        # Decode: reads in flight, request id -> local blocks (for load errors).
-        self.reading: Dict[str, List[int]] = {}
+        # Decode: reads in flight, request id -> the read (its local blocks for load errors,
+        # its prefill to tell when it fails).
+        self.reading: Dict[str, ReadSpec] = {}
         # Reads refused before they started, reported failed at the next poll.
         self.failed_now: Set[str] = set()
         # Reads cancelled at the scheduler's request (their request was aborted).
@@ -90,34 +90,38 @@ class _WorkerSide:
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         if self.registered:
             raise RuntimeError("KvlinkConnector: register_kv_caches called twice")
-        first = next(iter(kv_caches.values()))
+        layers, shared = connector_layers(kv_caches, self.kv_cache_config)
+        first = kv_caches[layers[0][0]]
         if isinstance(first, (list, tuple)):
             first = first[0]
-        num_blocks = self.num_blocks
-        if num_blocks is None:
-            num_blocks = first.shape[1] if first.shape[0] == 2 else first.shape[0]
-        if self.groups:
-            unknown = sorted(set(kv_caches) - set(self.groups))
-            if unknown:
-                raise ValueError(f"KvlinkConnector: KV caches {unknown} are in no KV cache group")
-        memory, layout = kv_cache_tensors(kv_caches, num_blocks, self.groups, self.kv_heads)
+        num_blocks = self.num_blocks if self.num_blocks is not None else first.shape[0]
+        name = self._resolved_layout()
+        head_major = is_head_major(name)
+        memory, layout = kv_cache_tensors(kv_caches, layers, num_blocks, head_major, self.kv_heads)
         regions = [
             self.engine.register_memory(addr, size, device=owner.device.type != "cpu", owner=owner)
             for addr, size, owner in memory
         ]
         tensors = [(regions[i], off, stride, nbytes, blocks, group, heads) for i, off, stride, nbytes, blocks, group, heads in layout]
-        dtype = _dtype_name(first) + (f"/{self.kv_layout}" if self.kv_layout else "")
-        self.engine.set_layout(tensors, self.block_size, dtype)
+        self.engine.set_layout(tensors, self.block_size, layout_tag(first.dtype, head_major, self.kv_heads is None))
         self.registered = True
         total = sum(size for _, size, _ in memory)
-        with_heads = sum(1 for t in tensors if t[6] is not None)
         logger.info(
-            "KvlinkConnector rank %d: registered %d KV tensors (%d blocks, %.1f MiB, %s, %s; "
-            "%d KV cache groups; %d tensors declare their KV heads%s)",
-            self.tp_rank, len(tensors), num_blocks, total / 2**20, _dtype_name(first),
-            "GPU" if first.device.type != "cpu" else "host", len({t[5] for t in tensors}),
-            with_heads, f" ({self.kv_heads[1]} of {self.kv_heads[0]} per rank)" if self.kv_heads else "",
+            "KvlinkConnector rank %d: registered %d layers (%d blocks, %.1f MiB in %d allocation(s), "
+            "%s, %s, layout %s; %d KV cache groups; %s%s)",
+            self.tp_rank, len(tensors), num_blocks, total / 2**20, len(memory), _dtype_name(first),
+            "GPU" if first.device.type != "cpu" else "host", name, len({t[5] for t in tensors}),
+            f"{self.kv_heads[1]} of {self.kv_heads[0]} KV heads per rank" if self.kv_heads else "no head split (MLA)",
+            f"; {len(shared)} layers reuse another layer's cache and are not sent" if shared else "",
         )
+
+    def _resolved_layout(self) -> str:
+        """The KV cache layout vLLM resolved (the engine core records it in the KV cache
+        config and on every worker before the caches are allocated)."""
+        name = getattr(self.kv_cache_config, "kv_cache_layout", None) or self.cache_config.kv_cache_layout
+        if name is None:
+            raise RuntimeError("KvlinkConnector: vLLM has not resolved the KV cache layout before register_kv_caches")
+        return layout_name(name)
 
     def handshake_metadata(self) -> KvlinkHandshakeMetadata:
         return KvlinkHandshakeMetadata(
@@ -142,6 +146,11 @@ class _WorkerSide:
                 self.held.discard(rid)
             if self._guard("hold", rid, self.engine.hold_blocks, rid, blocks):
                 self.held.add(rid)
+            else:
+                # vLLM keeps the blocks until every rank reports the send finished: this rank
+                # has nothing to send (its reader is refused and recomputes), so it reports the
+                # send ended as soon as the scheduler finishes the request.
+                self.sends_ended.add(rid)
         for rid, spec in meta.reads.items():
             try:
                 if spec.refused:
@@ -159,14 +168,14 @@ class _WorkerSide:
                 # Refused at once: it ends like a failed read (vLLM recomputes or fails it),
                 # and the prefill frees its blocks now rather than at its abort timeout.
                 logger.error("KvlinkConnector: read of %s refused: %s", rid, e)
-                self.load_errors.update(spec.all_local())
+                self._load_failed(spec)
                 self.failed_now.add(rid)
                 self.stats.record_failure("refused")
                 # This rank's own sources: a prefill rank read by several decode ranks waits
                 # for each of them.
                 self._reject(spec.remote_addresses, spec.remote_request_id, f"read refused by the decode: {e}", own=True)
                 continue
-            self.reading[rid] = spec.all_local()
+            self.reading[rid] = spec
         for rid in meta.cancels:
             if rid in self.reading and self._guard("cancel", rid, self.engine.cancel, rid):
                 self.cancelled.add(rid)
@@ -219,18 +228,21 @@ class _WorkerSide:
                     self.held.discard(rid)
                     self.sends_ended.add(rid)
                 continue
-            blocks = self.reading.pop(rid, None)
-            if blocks is None:
+            spec = self.reading.pop(rid, None)
+            if spec is None:
                 continue
             recving.add(rid)
             if rid in self.cancelled:
                 self.cancelled.discard(rid)
             else:
                 # Any other failure (a cancel this connector did not ask for included) leaves
-                # blocks vLLM must not trust.
+                # blocks vLLM must not trust; the prefill may still hold them (a read refused
+                # at its handshake never reached it): tell it, so it frees them now.
                 logger.warning("KvlinkConnector: read of %s failed (%s): %s", rid, failure["cause"], failure["reason"])
                 failed.add(rid)
-                self.load_errors.update(blocks)
+                self._load_failed(spec)
+                reason = f"read failed on the decode ({failure['cause']}): {failure['reason']}"
+                self._reject(spec.remote_addresses, spec.remote_request_id, reason[:512], own=True)
         recving |= self.failed_now
         failed |= self.failed_now
         self.failed_now = set()
@@ -240,6 +252,13 @@ class _WorkerSide:
         # Finished requests with no send pending need no memory of their id.
         self.scheduler_finished &= self.held | self.sends_ended
         return sending, recving, failed
+
+    def _load_failed(self, spec: ReadSpec) -> None:
+        """Records the blocks of a failed read as load errors, where vLLM can take them: with
+        one KV cache group (its block ids are unique only within a group; with several, vLLM
+        raises on block errors and recomputes from ``failed_recving`` alone)."""
+        if self.block_errors:
+            self.load_errors.update(spec.all_local())
 
     def take_load_errors(self) -> Set[int]:
         out, self.load_errors = self.load_errors, set()
