@@ -12,8 +12,8 @@ Settings (``kv_connector_extra_config``):
 
 ``listen``
     ``host:port`` of TP rank 0's kvlink engine; rank ``r`` of data-parallel engine ``d``
-    (vLLM's ``data_parallel_index``) listens on ``port + d * tp_size + r``. Default: the node's address (``127.0.0.1`` without
-    an authentication key) and an ephemeral port.
+    (vLLM's ``data_parallel_index``) listens on ``port + d * tp_size + r``. Default: the
+    node's address (``127.0.0.1`` without an authentication key) and an ephemeral port.
 ``transport``
     ``auto`` (the same-host path when prefill and decode share a machine and the cache can be
     shared, GPU memory through CUDA IPC; else RDMA when a device is usable; else TCP),

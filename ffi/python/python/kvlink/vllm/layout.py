@@ -65,7 +65,7 @@ def layout_tag(dtype: torch.dtype, head_major: bool, mla: bool) -> str:
     orders heads and tokens (the layer's place outside the block does not matter; MLA's
     latent has one head, so its order does not either)."""
     arrangement = "latent" if mla else ("HNC" if head_major else "NHC")
-    return f"{str(dtype).removeprefix('torch.')}/{arrangement}"
+    return f"{_dtype_name(dtype)}/{arrangement}"
 
 
 def kv_cache_tensors(
@@ -170,8 +170,8 @@ def _address(value: Any) -> Tuple[int, Tuple[int, ...]]:
     return t.data_ptr(), tuple(t.stride())
 
 
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _kv_heads(vllm_config: "VllmConfig", tp_size: int) -> Optional[Tuple[int, int]]:

@@ -44,8 +44,7 @@ class _WorkerSide:
         self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
         # vLLM's block ids are unique only within a KV cache group: with several groups a
         # failed read is reported by request (failed_recving), never by block.
-        num_groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
-        self.block_errors = num_groups <= 1
+        self.block_errors = owner._num_groups <= 1
         self.kv_heads = _kv_heads(owner._vllm_config, self.tp_size)
         keyed = s.auth_key is not None or bool(os.environ.get("KVLINK_AUTH_KEY") or os.environ.get("KVLINK_AUTH_KEY_FILE"))
         host = s.host
@@ -109,7 +108,7 @@ class _WorkerSide:
         logger.info(
             "KvlinkConnector rank %d: registered %d layers (%d blocks, %.1f MiB in %d allocation(s), "
             "%s, %s, layout %s; %d KV cache groups; %s%s)",
-            self.tp_rank, len(tensors), num_blocks, total / 2**20, len(memory), _dtype_name(first),
+            self.tp_rank, len(tensors), num_blocks, total / 2**20, len(memory), _dtype_name(first.dtype),
             "GPU" if first.device.type != "cpu" else "host", name, len({t[5] for t in tensors}),
             f"{self.kv_heads[1]} of {self.kv_heads[0]} KV heads per rank" if self.kv_heads else "no head split (MLA)",
             f"; {len(shared)} layers reuse another layer's cache and are not sent" if shared else "",
