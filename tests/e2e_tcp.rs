@@ -203,6 +203,7 @@ fn incompatible_peer_fails_every_waiter_after_one_handshake() {
     let decode = side(&other, 8, None, tcp_config());
     let peer = prefill.engine.handshake_address().to_string();
     for i in 0..6u32 {
+        prefill.engine.hold_blocks(format!("m{i}"), &[i]).unwrap();
         decode
             .engine
             .read_blocks(&peer, format!("m{i}"), &[i], &[i])
@@ -220,10 +221,20 @@ fn incompatible_peer_fails_every_waiter_after_one_handshake() {
         );
         assert!(!fr.expired);
     }
+    // The refused reads still free the prefill's blocks now, not at its abort timeout: their
+    // aborts go out on a connection of their own, which the prefill refuses the same way.
+    let sent = collect(&prefill.engine, Duration::from_secs(10), |f| {
+        f.failed.len() == 6
+    });
+    assert_eq!(sent.failed.len(), 6, "{sent:?}");
+    for fr in &sent.failed {
+        assert!(!fr.expired && fr.side == Dir::Send, "{fr:?}");
+        assert!(fr.reason.contains("handshake was refused"), "{fr:?}");
+    }
     let s = prefill.engine.stats();
     assert_eq!(
         (s.handshakes_accepted, s.handshakes_refused),
-        (0, 1),
+        (0, 2),
         "{s:?}"
     );
 }

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -176,70 +177,8 @@ impl ControlClient {
         key: Option<&AuthKey>,
         timeouts: ControlTimeouts,
     ) -> Result<(Handshake, Descriptor, Option<SessionSecret>)> {
-        let stream = timeout(timeouts.connect, TcpStream::connect(peer))
-            .await
-            .map_err(|_| Error::Timeout {
-                what: format!("connecting to {peer}"),
-                after: timeouts.connect,
-            })?
-            .map_err(|e| handshake_err(peer, format!("connect: {e}")))?;
-        let _ = stream.set_nodelay(true);
-        let mut hs = Handshake {
-            stream,
-            peer,
-            timeouts,
-        };
-        // With a key: prove it both ways before any descriptor moves (docs/security.md).
-        let (hello, secret) = match key {
-            None => (
-                Message::Hello {
-                    descriptor: Box::new(ours.clone()),
-                },
-                None,
-            ),
-            Some(key) => {
-                let client_nonce = auth::nonce()?;
-                let (server_nonce, server_proof) =
-                    match hs.request(&Message::AuthHello { client_nonce }).await {
-                        Ok(Message::AuthChallenge {
-                            server_nonce,
-                            server_proof,
-                        }) => (server_nonce, server_proof),
-                        Ok(other) => {
-                            return Err(handshake_err(
-                                peer,
-                                format!("unexpected answer to the authentication hello: {other:?}"),
-                            ))
-                        }
-                        Err(Error::Timeout { after, .. }) => {
-                            return Err(Error::Timeout {
-                                what: format!("waiting for the authentication challenge of {peer}"),
-                                after,
-                            })
-                        }
-                        Err(e) => return Err(e),
-                    };
-                if !auth::server_proof_checks(key, &client_nonce, &server_nonce, &server_proof) {
-                    return Err(handshake_err(
-                        peer,
-                        "the peer failed to prove the deployment key (a different \
-                         KVLINK_AUTH_KEY, or not a kvlink engine)"
-                            .to_string(),
-                    ));
-                }
-                hs.send(&Message::AuthProof {
-                    client_proof: auth::client_proof(key, &client_nonce, &server_nonce),
-                })
-                .await?;
-                (
-                    Message::Hello {
-                        descriptor: Box::new(ours.clone()),
-                    },
-                    Some(SessionSecret::derive(key, &client_nonce, &server_nonce)),
-                )
-            }
-        };
-        let theirs = match hs.request(&hello).await {
+        let (hs, reply, secret) = hello(peer, ours, key, timeouts).await?;
+        let theirs = match reply {
             Ok(Message::Descriptor(d)) => *d,
             Ok(other) => return Err(handshake_err(peer, format!("unexpected reply {other:?}"))),
             Err(Error::Timeout { after, .. }) => {
@@ -263,6 +202,28 @@ impl ControlClient {
         Ok((hs, theirs, secret))
     }
 
+    /// Sends `aborts` (`Abort` notices) to `peer` on a connection of their own, whatever the
+    /// answer to our Hello: a peer that refuses this engine's layout still takes the aborts of
+    /// the reads it refused, so it frees their blocks now rather than at its abort timeout.
+    /// Returns once they are written and the connection is closed.
+    pub(crate) async fn send_aborts(
+        peer: SocketAddr,
+        ours: &Descriptor,
+        key: Option<&AuthKey>,
+        timeouts: ControlTimeouts,
+        aborts: &[Message],
+    ) -> Result<()> {
+        let (mut hs, reply, _) = hello(peer, ours, key, timeouts).await?;
+        if let Err(e) = reply {
+            tracing::debug!(%peer, error = %e, "sending aborts after a refused handshake");
+        }
+        for m in aborts {
+            hs.send(m).await?;
+        }
+        let _ = timeout(timeouts.handshake, hs.stream.shutdown()).await;
+        Ok(())
+    }
+
     /// Whether the connection has died.
     pub(crate) fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
@@ -283,4 +244,80 @@ impl ControlClient {
             }
         }
     }
+}
+
+/// Connects to `peer`, proves `key` both ways when there is one, and sends our descriptor.
+/// Returns the connection, the peer's answer to the Hello (its refusal as `Err`), and the
+/// session's secret.
+async fn hello(
+    peer: SocketAddr,
+    ours: &Descriptor,
+    key: Option<&AuthKey>,
+    timeouts: ControlTimeouts,
+) -> Result<(Handshake, Result<Message>, Option<SessionSecret>)> {
+    let stream = timeout(timeouts.connect, TcpStream::connect(peer))
+        .await
+        .map_err(|_| Error::Timeout {
+            what: format!("connecting to {peer}"),
+            after: timeouts.connect,
+        })?
+        .map_err(|e| handshake_err(peer, format!("connect: {e}")))?;
+    let _ = stream.set_nodelay(true);
+    let mut hs = Handshake {
+        stream,
+        peer,
+        timeouts,
+    };
+    // With a key: prove it both ways before any descriptor moves (docs/security.md).
+    let (hello, secret) = match key {
+        None => (
+            Message::Hello {
+                descriptor: Box::new(ours.clone()),
+            },
+            None,
+        ),
+        Some(key) => {
+            let client_nonce = auth::nonce()?;
+            let (server_nonce, server_proof) =
+                match hs.request(&Message::AuthHello { client_nonce }).await {
+                    Ok(Message::AuthChallenge {
+                        server_nonce,
+                        server_proof,
+                    }) => (server_nonce, server_proof),
+                    Ok(other) => {
+                        return Err(handshake_err(
+                            peer,
+                            format!("unexpected answer to the authentication hello: {other:?}"),
+                        ))
+                    }
+                    Err(Error::Timeout { after, .. }) => {
+                        return Err(Error::Timeout {
+                            what: format!("waiting for the authentication challenge of {peer}"),
+                            after,
+                        })
+                    }
+                    Err(e) => return Err(e),
+                };
+            if !auth::server_proof_checks(key, &client_nonce, &server_nonce, &server_proof) {
+                return Err(handshake_err(
+                    peer,
+                    "the peer failed to prove the deployment key (a different \
+                 KVLINK_AUTH_KEY, or not a kvlink engine)"
+                        .to_string(),
+                ));
+            }
+            hs.send(&Message::AuthProof {
+                client_proof: auth::client_proof(key, &client_nonce, &server_nonce),
+            })
+            .await?;
+            (
+                Message::Hello {
+                    descriptor: Box::new(ours.clone()),
+                },
+                Some(SessionSecret::derive(key, &client_nonce, &server_nonce)),
+            )
+        }
+    };
+    let reply = hs.request(&hello).await;
+    Ok((hs, reply, secret))
 }

@@ -126,6 +126,43 @@ async fn refuse_handshake(
     refuse(stream, message).await
 }
 
+/// Most `Abort` notices a refused reader may send on its refused connection.
+const MAX_REFUSED_ABORTS: usize = crate::inbox::OUTBOX_MESSAGES;
+
+/// After refusing a reader whose layout does not match (it proved the key, when there is one,
+/// and its descriptor is valid), takes its `Abort` notices for a while: reads refused here
+/// still tell this engine to free the blocks it holds for them, instead of at their abort
+/// timeout. Only aborts: anything else, an invalid id, or silence for the handshake deadline
+/// ends it; no data connection is ever accepted for this reader.
+async fn aborts_after_refusal(
+    stream: &mut TcpStream,
+    peer: SocketAddr,
+    reader: &Reader,
+    handler: &dyn ControlHandler,
+    timeouts: ControlTimeouts,
+) {
+    static REFUSED: LogLimit = LogLimit::new(Duration::from_secs(1));
+    for _ in 0..MAX_REFUSED_ABORTS {
+        let Ok(Ok(Some(f))) = timeout(timeouts.handshake, read_frame(stream)).await else {
+            return;
+        };
+        let Ok(Message::Abort { request_id, reason }) = frame::decode::<Message>(f.0, &f.1) else {
+            return;
+        };
+        if request_id.validate().is_err() {
+            return;
+        }
+        let reason = format!(
+            "the reader's handshake was refused: {}",
+            reason.chars().take(1024).collect::<String>()
+        );
+        let id = request_id.clone();
+        if let Err(why) = handler.notice(peer, reader, request_id, SendNotice::Aborted(reason)) {
+            warn_limited!(REFUSED, %peer, engine = %reader.engine, %id, %why, "refused a refused reader's abort");
+        }
+    }
+}
+
 async fn connection(
     stream: TcpStream,
     peer: SocketAddr,
@@ -226,9 +263,13 @@ async fn session(
         )
         .await);
     };
+    let reader = Reader {
+        engine: theirs.engine_id.clone(),
+        tp: TpRank::new(theirs.tp_rank, theirs.tp_size),
+    };
     let diffs = ours.differences(&theirs);
     if !diffs.is_empty() {
-        return Err(refuse_handshake(
+        let refused = refuse_handshake(
             &mut stream,
             &**handler,
             format!(
@@ -237,15 +278,13 @@ async fn session(
                 diffs.join("; ")
             ),
         )
-        .await);
+        .await;
+        aborts_after_refusal(&mut stream, peer, &reader, &**handler, timeouts).await;
+        return Err(refused);
     }
     let reply = frame::encode(&Message::Descriptor(Box::new((*ours).clone())))?;
     handler.handshake(true);
     // Data connections of this session are accepted while it lives.
-    let reader = Reader {
-        engine: theirs.engine_id.clone(),
-        tp: TpRank::new(theirs.tp_rank, theirs.tp_size),
-    };
     let _session = secret.map(|s| SessionGuard::open(handler.clone(), s, reader.clone()));
     timeout(timeouts.handshake, write_frame(&mut stream, &reply))
         .await

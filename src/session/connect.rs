@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use super::{ConnectFuture, Connector, PeerConn};
+use super::{ConnectFuture, Connector, NoticeFuture, PeerConn};
 use crate::auth::SessionSecret;
 use crate::config::TransportChoice;
 use crate::control::messages::Descriptor;
@@ -18,19 +18,29 @@ use crate::transport::rdma::RdmaConnection;
 use crate::transport::tcp::TcpTransport;
 use crate::transport::Transport;
 
-async fn connect(shared: &Arc<EngineState>, peer: &str, generation: u64) -> Result<PeerConn> {
-    let cfg = &shared.config;
-    let addr: SocketAddr = match peer.parse() {
-        Ok(a) => a,
+/// The address of `peer` (an address, or a name to look up).
+async fn resolve(peer: &str) -> Result<SocketAddr> {
+    match peer.parse() {
+        Ok(a) => Ok(a),
         Err(_) => tokio::net::lookup_host(peer)
             .await
             .map_err(|e| Error::invalid(format!("peer address {peer:?}: {e}")))?
             .next()
-            .ok_or_else(|| Error::invalid(format!("peer address {peer:?} resolves to nothing")))?,
-    };
-    let ours = shared.descriptor().ok_or_else(|| {
-        Error::invalid("set a KV layout on this engine before reading from peers")
-    })?;
+            .ok_or_else(|| Error::invalid(format!("peer address {peer:?} resolves to nothing"))),
+    }
+}
+
+/// This engine's descriptor, which a reader needs before it greets a peer.
+fn our_descriptor(shared: &EngineState) -> Result<Arc<Descriptor>> {
+    shared
+        .descriptor()
+        .ok_or_else(|| Error::invalid("set a KV layout on this engine before reading from peers"))
+}
+
+async fn connect(shared: &Arc<EngineState>, peer: &str, generation: u64) -> Result<PeerConn> {
+    let cfg = &shared.config;
+    let addr = resolve(peer).await?;
+    let ours = our_descriptor(shared)?;
     let (mut hs, theirs, secret) = ControlClient::handshake(
         addr,
         &ours,
@@ -321,5 +331,19 @@ impl Connector for Network {
         generation: u64,
     ) -> ConnectFuture<'a> {
         Box::pin(connect(state, peer, generation))
+    }
+
+    fn send_aborts<'a>(
+        &'a self,
+        state: &'a Arc<EngineState>,
+        peer: &'a str,
+        aborts: Vec<Message>,
+    ) -> NoticeFuture<'a> {
+        Box::pin(async move {
+            let addr = resolve(peer).await?;
+            let ours = our_descriptor(state)?;
+            let key = state.config.auth_key.as_ref();
+            ControlClient::send_aborts(addr, &ours, key, state.control_timeouts(), &aborts).await
+        })
     }
 }

@@ -51,6 +51,10 @@ impl ControlLink for ControlClient {
 pub(crate) type ConnectFuture<'a> =
     std::pin::Pin<Box<dyn std::future::Future<Output = Result<PeerConn>> + Send + 'a>>;
 
+/// A future that sends notices.
+pub(crate) type NoticeFuture<'a> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<()>> + Send + 'a>>;
+
 /// How sessions are made: [`connect::Network`] (handshake, then RDMA or TCP) in production; the
 /// pair harness joins engines in memory.
 pub(crate) trait Connector: Send + Sync {
@@ -61,6 +65,16 @@ pub(crate) trait Connector: Send + Sync {
         peer: &'a str,
         generation: u64,
     ) -> ConnectFuture<'a>;
+
+    /// Sends `aborts` to `peer` on a connection of their own: for a peer that refused this
+    /// engine's session (an incompatible layout), which still takes the aborts of the reads it
+    /// refused and frees their blocks.
+    fn send_aborts<'a>(
+        &'a self,
+        state: &'a Arc<EngineState>,
+        peer: &'a str,
+        aborts: Vec<Message>,
+    ) -> NoticeFuture<'a>;
 }
 
 /// A live session with one remote engine.
@@ -89,6 +103,16 @@ enum Slot {
 
 /// How long a failed connect is remembered.
 const FAILURE_MEMORY: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// How long aborts for a peer that refused this engine's session are gathered before they go
+/// out together.
+const ABORT_GATHER: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Whether a connect failed in its handshake (the peer refused the session, its layout does
+/// not match ours, or the connection was refused) rather than by silence or a lost link.
+fn refused_by_peer(e: &Error) -> bool {
+    matches!(e, Error::Handshake { .. } | Error::Incompatible { .. })
+}
 
 /// The cache of sessions, keyed by the peer's handshake address as the caller gave it.
 pub(crate) struct Sessions {
@@ -157,19 +181,53 @@ impl Sessions {
             // `get` bounds the whole connect itself.
             rt.spawn(async move {
                 let conn = sessions.get(&peer).await;
+                if conn.as_ref().is_err_and(refused_by_peer) {
+                    // The aborts of reads refused together go out on one connection.
+                    tokio::time::sleep(ABORT_GATHER).await;
+                }
                 // Handed over under the lock: a later call waits, and so goes out after these.
-                let mut waiting = sessions.outbox.lock();
-                let queued = waiting.remove(&peer).unwrap_or_default();
-                let n = queued.len();
-                for m in queued {
-                    sessions.hand_over(conn.as_ref().ok(), m);
+                let mut aborts = Vec::new();
+                {
+                    let mut waiting = sessions.outbox.lock();
+                    let queued = waiting.remove(&peer).unwrap_or_default();
+                    for m in queued {
+                        match (&conn, m) {
+                            (Err(_), m @ Message::Abort { .. }) => aborts.push(m),
+                            (c, m) => sessions.hand_over(c.as_ref().ok(), m),
+                        }
+                    }
                 }
                 if let Err(e) = conn {
-                    tracing::warn!(%peer, messages = n, error = %e, "could not send control messages (notices, application messages): no session to the peer");
+                    sessions.abort_without_session(&peer, &e, aborts).await;
                 }
             });
         }
         Ok(())
+    }
+
+    /// Sends the aborts that waited for a session to `peer` that could not be made (`why`). A
+    /// peer that answered and refused the session still takes them on a connection of their
+    /// own (bounded like a connect); anything else that waited is dropped with a log line.
+    async fn abort_without_session(&self, peer: &str, why: &Error, aborts: Vec<Message>) {
+        if refused_by_peer(why) && !aborts.is_empty() {
+            let cfg = &self.state.config;
+            let limit = cfg.connect_timeout + cfg.handshake_timeout * 3;
+            let send = self.connector.send_aborts(&self.state, peer, aborts);
+            match tokio::time::timeout(limit, send).await {
+                Ok(Ok(())) => return,
+                Ok(Err(e)) => {
+                    tracing::warn!(peer, error = %e, "could not send aborts to a peer that refused this engine's session; it frees those blocks at its abort timeout")
+                }
+                Err(_) => {
+                    tracing::warn!(
+                        peer,
+                        ?limit,
+                        "sending aborts to a peer that refused this engine's session timed out"
+                    )
+                }
+            }
+        }
+        tracing::warn!(peer, error = %why, "could not send control messages (notices, application messages): no session to the peer");
     }
 
     /// Queues `msg` on `conn` (none: it cannot be sent); application messages are counted.

@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::{run_read, ConnectFuture, Connector, ControlLink, PeerConn, ReadJob, Sessions};
+use super::{
+    run_read, ConnectFuture, Connector, ControlLink, NoticeFuture, PeerConn, ReadJob, Sessions,
+};
 use crate::completion::{FailureCause, Finished, SendNotice, Side};
 use crate::config::{EngineConfig, TransportChoice};
 use crate::control::messages::Message;
@@ -50,8 +52,12 @@ struct Script {
     fail_connects: u32,
     /// Whether connects never finish.
     hang_connects: bool,
+    /// Whether connects are refused by the prefill (as for an incompatible layout).
+    refuse_connects: bool,
     /// Connects attempted.
     connects: u32,
+    /// Aborts sent on connections of their own (`Connector::send_aborts`).
+    aborts_sent: u32,
 }
 
 /// The prefill's control server, in memory: notices go straight to its tracker.
@@ -197,6 +203,12 @@ impl Connector for MemConnector {
             if hang {
                 std::future::pending::<()>().await;
             }
+            if self.script.lock().refuse_connects {
+                return Err(Error::Handshake {
+                    peer: peer.to_string(),
+                    reason: "refused: incompatible (injected)".into(),
+                });
+            }
             if fail {
                 return Err(Error::ConnectionLost {
                     peer: peer.to_string(),
@@ -218,6 +230,26 @@ impl Connector for MemConnector {
                 }),
                 generation,
             })
+        })
+    }
+
+    fn send_aborts<'a>(
+        &'a self,
+        _state: &'a Arc<EngineState>,
+        _peer: &'a str,
+        aborts: Vec<Message>,
+    ) -> NoticeFuture<'a> {
+        Box::pin(async move {
+            // Delivered as the control server takes a refused reader's aborts.
+            let control = MemControl {
+                prefill: self.prefill.clone(),
+                closed: AtomicBool::new(false),
+            };
+            for m in aborts {
+                self.script.lock().aborts_sent += 1;
+                control.notify(m);
+            }
+            Ok(())
         })
     }
 }
@@ -517,6 +549,40 @@ async fn a_failed_connect_is_remembered_for_500_ms_then_retried() {
     p.read("r3", &[2], &[2]).await;
     assert_eq!(p.decode_finished().receiving.len(), 1);
     assert_eq!(p.connects(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refused_session_still_frees_the_prefills_blocks() {
+    let p = Pair::new(&[]);
+    p.script.lock().refuse_connects = true;
+    p.read("r1", &[0], &[0]).await;
+    p.read("r2", &[1], &[1]).await;
+    let d = p.decode_finished();
+    assert_eq!(d.failed.len(), 2, "{d:?}");
+    assert!(
+        d.failed.iter().all(|f| f.reason.contains("refused")),
+        "{d:?}"
+    );
+    // The aborts go out together on a connection of their own, once gathered (20 ms).
+    tokio::time::sleep(Duration::from_millis(25)).await;
+    assert_eq!(p.script.lock().aborts_sent, 2);
+    let f = p.prefill_finished();
+    assert_eq!(f.failed.len(), 2, "the prefill frees both holds now: {f:?}");
+    assert!(f.failed.iter().all(|r| !r.expired), "{f:?}");
+    assert_eq!(p.prefill.tracker.lock().holding(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_connect_tells_no_one_but_spends_no_connect() {
+    let p = Pair::new(&[]);
+    p.script.lock().fail_connects = 1;
+    p.read("r1", &[0], &[0]).await;
+    tokio::time::sleep(Duration::from_millis(25)).await;
+    // Unanswered: no connection of its own is tried, and the remembered failure spares a
+    // second connect; the prefill frees the blocks at its abort timeout.
+    assert_eq!(p.script.lock().aborts_sent, 0);
+    assert_eq!(p.connects(), 1);
+    assert_eq!(p.prefill.tracker.lock().holding(), 1);
 }
 
 #[tokio::test(start_paused = true)]

@@ -312,17 +312,13 @@ async fn read_to_end(
             Some(c) => {
                 c.control.notify(msg);
             }
-            // Not connected yet when the read was cancelled (by the caller, or as another
-            // source failed): the prefill is told once the session is up (within the connect
-            // timeout), so it frees its blocks now rather than at its timeout.
-            None if matches!(&o.result, Ok(Err(Error::Cancelled(_)))) && !closing => {
-                let (sessions, peer) = (sessions.clone(), s.peer.clone());
-                let wait = shared.config.connect_timeout + shared.config.handshake_timeout;
-                tokio::spawn(async move {
-                    if let Ok(Ok(c)) = tokio::time::timeout(wait, sessions.get(&peer)).await {
-                        c.control.notify(msg);
-                    }
-                });
+            // No session: the read was cancelled before it connected (by the caller, or as
+            // another source failed), or the connect failed or was refused. The prefill is told
+            // once a session is up, or on a connection of its own when it refused this
+            // engine's (`Sessions::post`), so it frees its blocks now rather than at its
+            // timeout.
+            None if !closing => {
+                let _ = sessions.post(&tokio::runtime::Handle::current(), &s.peer, msg);
             }
             None => {}
         }

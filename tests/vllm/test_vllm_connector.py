@@ -480,6 +480,28 @@ def test_failed_read_on_a_hybrid_model_recomputes_without_raising():
         close(decode, doomed)
 
 
+def test_read_refused_at_the_handshake_frees_the_prefill_at_once():
+    """A decode whose blocks order heads and tokens otherwise (LBNHC against the prefill's
+    LBHNC): the prefill refuses its handshake, the decode recomputes, and the prefill frees the
+    blocks at once (the abort travels on a connection of its own), not at abort_timeout."""
+    prefill, decode = pair_of("refused", dict(layout="LBHNC"), dict(layout="LBNHC"))
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        prompt = list(range(300, 420))
+        params = run_prefill(prefill, {"rf-1": prompt})
+        decode.call("add", "d-rf-1", prompt, 2, params["rf-1"])
+        finished = step_until([decode], lambda f: any(x["id"] == "d-rf-1" for x in f), what="recompute after a refusal")
+        assert finished[-1]["reason"] == "length", finished
+        assert decode.call("state")["engine_stats"]["reads_failed"] == 1
+        # Far below the prefill's abort timeout (300 s).
+        assert_no_leak([prefill, decode], limit=10.0)
+        p = prefill.call("state")["engine_stats"]
+        assert p["sends_failed"] == 1 and p["sends_expired"] == 0 and p["handshakes_refused"] >= 1, p
+    finally:
+        close(prefill, decode)
+
+
 def test_data_parallel_engines_take_their_own_ports():
     """vLLM resets data_parallel_rank to 0 in each engine of a dense model and keeps the
     engine's index in data_parallel_index: rank r of engine d listens on port + d * tp + r."""
