@@ -192,6 +192,7 @@ fn grant_layout() -> KvLayout {
         num_blocks: 8,
         group: 0,
         heads: None,
+        token_runs: None,
     };
     KvLayout {
         tokens_per_block: 16,

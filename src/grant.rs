@@ -211,6 +211,7 @@ mod tests {
             num_blocks: n,
             group: 0,
             heads: None,
+            token_runs: None,
         }
     }
 

@@ -68,9 +68,92 @@ pub struct TensorLayout {
     /// tensor whole (MLA's latent) or when the TP sizes of both sides are the same.
     #[serde(default)]
     pub heads: Option<HeadSplit>,
+    /// How a block holds its tokens: `token_runs` stretches side by side, each with every
+    /// token of the block in order, all tokens' bytes alike. 1 when tokens are the block's
+    /// outer axis (`[tokens, ...]`, MLA's latent, token-major `[tokens, heads, dim]`), 2 for
+    /// `[2, tokens, heads, dim]`, and for head-major blocks (`[heads, tokens, dim]`) the local
+    /// heads times that. Needed only to read between layouts of different `tokens_per_block`
+    /// (a block is then read token range by token range); `None` refuses such reads.
+    #[serde(default)]
+    pub token_runs: Option<u32>,
+}
+
+/// What one block of a tensor is, token by token: `parts` stretches (K and V, say) of
+/// `tokens` tokens, each token `heads` heads of `head_bytes`; the heads sit inside each token
+/// (token-major) or each head holds all the stretch's tokens (head-major).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenShape {
+    /// Stretches of the block's tokens that are not heads (1, or 2 for K and V).
+    pub parts: u64,
+    /// Whether heads are outside the tokens (`[heads, tokens, dim]`).
+    pub head_major: bool,
+    /// Heads per stretch in this block (1 without heads).
+    pub heads: u64,
+    /// Tokens per block.
+    pub tokens: u64,
+    /// Bytes of one head of one token.
+    pub head_bytes: u64,
+}
+
+impl TokenShape {
+    /// Bytes from one part to the next.
+    pub fn part_bytes(&self) -> u64 {
+        self.heads * self.tokens * self.head_bytes
+    }
+
+    /// `self` and `other` with one orientation: a block of one head is head-major and
+    /// token-major at once, so it takes the other side's.
+    pub fn aligned(mut self, mut other: TokenShape) -> (TokenShape, TokenShape) {
+        if self.head_major != other.head_major {
+            if self.heads == 1 {
+                self.head_major = other.head_major;
+            } else if other.heads == 1 {
+                other.head_major = self.head_major;
+            }
+        }
+        (self, other)
+    }
 }
 
 impl TensorLayout {
+    /// How a block of this tensor holds `tokens_per_block` tokens, from
+    /// [`token_runs`](Self::token_runs) and the heads it declares; `Err` says what does not fit.
+    pub fn token_shape(&self, tokens_per_block: u32) -> std::result::Result<TokenShape, String> {
+        let runs = self.token_runs.ok_or(
+            "declares no token runs (token_runs), which reads between different block sizes need",
+        )?;
+        let (runs, tokens) = (u64::from(runs), u64::from(tokens_per_block));
+        if runs == 0 || tokens == 0 || !self.block_bytes.is_multiple_of(runs * tokens) {
+            return Err(format!(
+                "a block of {} bytes is not {runs} token runs of {tokens} tokens",
+                self.block_bytes
+            ));
+        }
+        // Bytes of one token in one run: every head of it, or (head-major) one.
+        let per_token = self.block_bytes / (runs * tokens);
+        let shape = |parts, head_major, heads: u64, head_bytes| TokenShape {
+            parts,
+            head_major,
+            heads,
+            tokens,
+            head_bytes,
+        };
+        let Some(h) = self.heads else {
+            return Ok(shape(runs, false, 1, per_token));
+        };
+        let (hr, local) = (u64::from(h.runs), u64::from(h.local));
+        if hr == runs * tokens && per_token.is_multiple_of(local) {
+            Ok(shape(runs, false, local, per_token / local))
+        } else if hr * local == runs {
+            Ok(shape(hr, true, local, per_token))
+        } else {
+            Err(format!(
+                "{runs} token runs do not fit {} runs of {local} heads in a block of {tokens} tokens",
+                h.runs
+            ))
+        }
+    }
+
     /// Byte offset of block `b` within the tensor's region (no bounds check).
     #[inline]
     pub fn block_offset(&self, b: BlockId) -> u64 {
@@ -126,6 +209,7 @@ impl KvLayout {
                         num_blocks,
                         group: 0,
                         heads: None,
+                        token_runs: None,
                     },
                 )
                 .collect(),
@@ -229,6 +313,10 @@ impl KvLayout {
                     )));
                 }
             }
+            if t.token_runs.is_some() {
+                t.token_shape(self.tokens_per_block)
+                    .map_err(|why| Error::invalid(format!("{}: {why}", what())))?;
+            }
             if t.name.len() > 128 {
                 return Err(Error::invalid(format!(
                     "{}: name longer than 128 bytes",
@@ -305,10 +393,11 @@ impl KvLayout {
     /// may not.
     pub fn differences(&self, theirs: &KvLayout) -> Vec<String> {
         let mut diffs = Vec::new();
-        if self.tokens_per_block != theirs.tokens_per_block {
+        let (a, b) = (self.tokens_per_block, theirs.tokens_per_block);
+        let resized = a != b && a.max(b) % a.min(b) == 0;
+        if a != b && !resized {
             diffs.push(format!(
-                "tokens_per_block {} vs {}",
-                self.tokens_per_block, theirs.tokens_per_block
+                "tokens_per_block {a} vs {b} (neither a multiple of the other)"
             ));
         }
         if self.dtype != theirs.dtype {
@@ -324,7 +413,12 @@ impl KvLayout {
         let mut mismatched = 0;
         let mut first = String::new();
         for (i, (a, b)) in self.tensors.iter().zip(&theirs.tensors).enumerate() {
-            let Some(why) = tensor_difference(a, b) else {
+            let why = if resized {
+                token_difference(a, self.tokens_per_block, b, theirs.tokens_per_block)
+            } else {
+                tensor_difference(a, b)
+            };
+            let Some(why) = why else {
                 continue;
             };
             if mismatched == 0 {
@@ -373,6 +467,48 @@ fn tensor_difference(a: &TensorLayout, b: &TensorLayout) -> Option<String> {
         (Some(_), None) => Some("declares its KV heads here but not at the peer".into()),
         (None, Some(_)) => Some("declares its KV heads at the peer but not here".into()),
     }
+}
+
+/// What makes tensor `b` (theirs, blocks of `tb` tokens) unusable with `a` (ours, `ta`) when
+/// the block sizes differ, if anything: another block group, heads declared on one side only or
+/// of another count, or another shape per token ([`TokenShape`]: parts, head-major or not,
+/// bytes per head and token).
+pub(crate) fn token_difference(
+    a: &TensorLayout,
+    ta: u32,
+    b: &TensorLayout,
+    tb: u32,
+) -> Option<String> {
+    if a.group != b.group {
+        return Some(format!("block group {} vs {}", a.group, b.group));
+    }
+    match (&a.heads, &b.heads) {
+        (Some(x), Some(y)) if x.total != y.total => {
+            return Some(format!("KV heads {} vs {}", x.total, y.total))
+        }
+        (Some(_), None) => return Some("declares its KV heads here but not at the peer".into()),
+        (None, Some(_)) => return Some("declares its KV heads at the peer but not here".into()),
+        _ => {}
+    }
+    let (x, y) = match (a.token_shape(ta), b.token_shape(tb)) {
+        (Ok(x), Ok(y)) => x.aligned(y),
+        (Err(e), _) => return Some(format!("here {e}")),
+        (_, Err(e)) => return Some(format!("at the peer {e}")),
+    };
+    let per = |s: &TokenShape| (s.parts, s.head_major, s.head_bytes);
+    (per(&x) != per(&y)).then(|| {
+        format!(
+            "per token: {} parts of {} heads of {} bytes{} vs {} parts of {} of {}{}",
+            x.parts,
+            x.heads,
+            x.head_bytes,
+            if x.head_major { ", head-major" } else { "" },
+            y.parts,
+            y.heads,
+            y.head_bytes,
+            if y.head_major { ", head-major" } else { "" },
+        )
+    })
 }
 
 /// Shapes of common models, for benchmarks, tests and examples.
@@ -485,6 +621,7 @@ impl ModelShape {
                     num_blocks,
                     group: 0,
                     heads: None,
+                    token_runs: Some(1),
                 });
             }
         }
@@ -544,6 +681,7 @@ impl ModelShape {
             };
             for t in &mut layout.tensors {
                 t.heads = Some(split);
+                t.token_runs = Some(if head_major { split.local } else { 1 });
             }
         }
         Ok(layout)

@@ -62,7 +62,9 @@ pub use error::{Error, RdmaError, RdmaErrorKind, Result};
 pub use gpu::{GpuApi, GpuError, GpuReport, PointerKind};
 pub use ids::{BlockId, RegionId, RequestId, MAX_REQUEST_ID_LEN};
 pub use inbox::{PeerMessage, MAX_MESSAGE_BYTES};
-pub use layout::{HeadSplit, KvLayout, ModelShape, TensorLayout, MAX_GROUPS, MAX_TENSORS};
+pub use layout::{
+    HeadSplit, KvLayout, ModelShape, TensorLayout, TokenShape, MAX_GROUPS, MAX_TENSORS,
+};
 pub use memory::{DeviceMemory, ExternalMemory, MemoryKind, Region, RegionInfo};
 pub use tp::TpRank;
 pub use transport::rdma::RdmaSettings;
@@ -83,8 +85,8 @@ pub mod internal {
         pub use crate::fuzzing::*;
     }
     pub use crate::plan::{
-        check_blocks, check_local_blocks, plan, plan_read, tensor_reads, whole_reads, Plan,
-        PlanOptions, Segment, TensorRead,
+        check_blocks, check_local_blocks, plan, plan_read, plan_read_from, tensor_reads,
+        whole_reads, Plan, PlanOptions, Resize, Segment, TensorRead,
     };
     pub use crate::tp::{heads, heads_per_rank, readers, reads, sources, Reader, Relation};
     pub use crate::transport::rdma::RdmaFault;

@@ -13,11 +13,16 @@
 //! Reads between TP groups of different sizes take heads: [`tensor_reads`] says, per tensor,
 //! which of a prefill rank's heads land where in our blocks, and the planner emits one piece per
 //! run of heads in a block (one per block for head-major blocks). Block groups each pair their
-//! own block lists.
+//! own block lists. Layouts whose blocks hold different numbers of tokens pair token ranges
+//! instead of blocks (`resize.rs`).
+
+mod resize;
+
+pub use resize::Resize;
 
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, RegionId};
-use crate::layout::KvLayout;
+use crate::layout::{token_difference, KvLayout, TensorLayout};
 use crate::tp::{self, TpRank};
 
 /// One contiguous read: `len` bytes from the peer's `remote_region` at `remote_offset` into our
@@ -119,6 +124,23 @@ pub fn tensor_reads(
     let mut out = Vec::with_capacity(local.tensors.len());
     for (i, (l, r)) in local.tensors.iter().zip(&remote.tensors).enumerate() {
         let read = match (&l.heads, &r.heads) {
+            _ if local.tokens_per_block != remote.tokens_per_block => {
+                let (lt, rt) = (local.tokens_per_block, remote.tokens_per_block);
+                if let Some(why) = token_difference(l, lt, r, rt) {
+                    return Err(Error::invalid(format!("tensor {i}: {why}")));
+                }
+                match (&l.heads, &r.heads) {
+                    (Some(lh), Some(rh)) => head_read(
+                        i,
+                        lh.total,
+                        (local_tp, lh.local),
+                        (remote_tp, rh.local),
+                        &sources,
+                    )?,
+                    _ if i as u64 * shares / n == share => TensorRead::Whole,
+                    _ => TensorRead::Skip,
+                }
+            }
             (None, None) => {
                 if l.block_bytes != r.block_bytes {
                     return Err(Error::invalid(format!(
@@ -140,50 +162,13 @@ pub fn tensor_reads(
                         lh.total, lh.runs, rh.total, rh.runs
                     )));
                 }
-                let total = lh.total;
-                let ours = tp::heads(local_tp, total);
-                let theirs = tp::heads(remote_tp, total);
-                if ours.len() as u32 != lh.local || theirs.len() as u32 != rh.local {
-                    return Err(Error::invalid(format!(
-                        "tensor {i}: {} and {} heads declared for {local_tp} and {remote_tp} of {total} KV heads",
-                        lh.local, rh.local
-                    )));
-                }
-                // The first source holding head g provides it.
-                let provider = |g: u32| {
-                    sources
-                        .clone()
-                        .find(|&p| tp::heads(TpRank::new(p, remote_tp.size), total).contains(&g))
-                };
-                if let Some(g) = ours.clone().find(|&g| provider(g).is_none()) {
-                    return Err(Error::invalid(format!(
-                        "tensor {i}: KV head {g} of this engine ({local_tp}) is on none of the \
-                         prefill ranks {sources:?} read (of TP {}); read from the whole prefill \
-                         TP group",
-                        remote_tp.size
-                    )));
-                }
-                let from = ours.start.max(theirs.start);
-                let to = ours.end.min(theirs.end);
-                if from < to && provider(from) == Some(remote_tp.rank) {
-                    let count = to - from;
-                    let (local_first, remote_first) = (from - ours.start, from - theirs.start);
-                    if local_first == 0
-                        && remote_first == 0
-                        && count == lh.local
-                        && count == rh.local
-                    {
-                        TensorRead::Whole
-                    } else {
-                        TensorRead::Heads {
-                            local_first,
-                            remote_first,
-                            count,
-                        }
-                    }
-                } else {
-                    TensorRead::Skip
-                }
+                head_read(
+                    i,
+                    lh.total,
+                    (local_tp, lh.local),
+                    (remote_tp, rh.local),
+                    &sources,
+                )?
             }
             _ => {
                 return Err(Error::invalid(format!(
@@ -194,6 +179,54 @@ pub fn tensor_reads(
         out.push(read);
     }
     Ok(out)
+}
+
+/// What tensor `i` (of `total` KV heads, `local.1` and `remote.1` of them declared on each
+/// side) takes from the prefill rank `remote.0`, one of `sources`.
+fn head_read(
+    i: usize,
+    total: u32,
+    (local_tp, local_heads): (TpRank, u32),
+    (remote_tp, remote_heads): (TpRank, u32),
+    sources: &std::ops::Range<u32>,
+) -> Result<TensorRead> {
+    let ours = tp::heads(local_tp, total);
+    let theirs = tp::heads(remote_tp, total);
+    if ours.len() as u32 != local_heads || theirs.len() as u32 != remote_heads {
+        return Err(Error::invalid(format!(
+            "tensor {i}: {local_heads} and {remote_heads} heads declared for {local_tp} and {remote_tp} of {total} KV heads"
+        )));
+    }
+    // The first source holding head g provides it.
+    let provider = |g: u32| {
+        sources
+            .clone()
+            .find(|&p| tp::heads(TpRank::new(p, remote_tp.size), total).contains(&g))
+    };
+    if let Some(g) = ours.clone().find(|&g| provider(g).is_none()) {
+        return Err(Error::invalid(format!(
+            "tensor {i}: KV head {g} of this engine ({local_tp}) is on none of the \
+             prefill ranks {sources:?} read (of TP {}); read from the whole prefill \
+             TP group",
+            remote_tp.size
+        )));
+    }
+    let from = ours.start.max(theirs.start);
+    let to = ours.end.min(theirs.end);
+    if from >= to || provider(from) != Some(remote_tp.rank) {
+        return Ok(TensorRead::Skip);
+    }
+    let count = to - from;
+    let (local_first, remote_first) = (from - ours.start, from - theirs.start);
+    if local_first == 0 && remote_first == 0 && count == local_heads && count == remote_heads {
+        Ok(TensorRead::Whole)
+    } else {
+        Ok(TensorRead::Heads {
+            local_first,
+            remote_first,
+            count,
+        })
+    }
 }
 
 /// A run of tensors that behaves as one tensor on both sides, read whole or by heads.
@@ -210,6 +243,24 @@ struct Run {
     /// For head reads: (runs, our run bytes, their run bytes, our first byte in a run, theirs,
     /// bytes per run read).
     heads: Option<HeadRuns>,
+}
+
+impl Run {
+    /// One tensor on its own, read whole (only its regions matter to [`push_piece`]).
+    fn single(l: &TensorLayout, r: &TensorLayout) -> Run {
+        Run {
+            local_region: l.region,
+            local_offset: l.offset,
+            local_stride: l.block_stride,
+            remote_region: r.region,
+            remote_offset: r.offset,
+            remote_stride: r.block_stride,
+            bytes: l.block_bytes,
+            tensors: 1,
+            group: l.group as usize,
+            heads: None,
+        }
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -280,13 +331,18 @@ fn runs(local: &KvLayout, remote: &KvLayout, reads: &[TensorRead]) -> Vec<Run> {
 }
 
 /// Checks the local half of a request: one block list per block group of the layout, list
-/// lengths, local block ids in range, and no local block named twice in a group (two reads
-/// into the same destination).
+/// lengths (one to one, or covering each other per `resize` when the peer's blocks hold
+/// another number of tokens), local block ids in range, and no local block named twice in a
+/// group (two reads into the same destination).
 pub fn check_local_blocks<L: AsRef<[BlockId]>, R: AsRef<[BlockId]>>(
     local: &KvLayout,
     local_blocks: &[L],
     remote_blocks: &[R],
+    resize: Option<Resize>,
 ) -> Result<()> {
+    if let Some(r) = &resize {
+        r.check()?;
+    }
     let groups = local.num_groups();
     if local_blocks.len() != groups || remote_blocks.len() != groups {
         return Err(Error::invalid(format!(
@@ -305,12 +361,18 @@ pub fn check_local_blocks<L: AsRef<[BlockId]>, R: AsRef<[BlockId]>>(
                 what
             }
         };
-        if lb.len() != rb.len() {
-            return Err(Error::invalid(in_group(format!(
-                "{} local block ids but {} remote block ids; they pair one to one",
-                lb.len(),
-                rb.len()
-            ))));
+        match &resize {
+            Some(r) if r.ratio() > 1 => r
+                .check_lengths(lb.len(), rb.len())
+                .map_err(|why| Error::invalid(in_group(why)))?,
+            _ if lb.len() != rb.len() => {
+                return Err(Error::invalid(in_group(format!(
+                    "{} local block ids but {} remote block ids; they pair one to one",
+                    lb.len(),
+                    rb.len()
+                ))))
+            }
+            _ => {}
         }
         let ln = local.group_blocks(g);
         if let Some(b) = lb.iter().find(|&&b| b >= ln) {
@@ -332,16 +394,23 @@ pub fn check_local_blocks<L: AsRef<[BlockId]>, R: AsRef<[BlockId]>>(
     Ok(())
 }
 
-/// Checks a request's block lists against both layouts: [`check_local_blocks`], remote block
-/// ids in range, and layouts with the same tensors and block groups (sizes are checked by
-/// [`tensor_reads`]).
+/// Checks a request's block lists against both layouts: [`check_local_blocks`] (with the
+/// layouts' block sizes, the read starting `first_token` tokens into each group's first remote
+/// block), remote block ids in range, and layouts with the same tensors and block groups (sizes
+/// are checked by [`tensor_reads`]).
 pub fn check_blocks<L: AsRef<[BlockId]>, R: AsRef<[BlockId]>>(
     local: &KvLayout,
     remote: &KvLayout,
     local_blocks: &[L],
     remote_blocks: &[R],
+    first_token: u32,
 ) -> Result<()> {
-    check_local_blocks(local, local_blocks, remote_blocks)?;
+    let resize = Resize {
+        local_tokens: local.tokens_per_block,
+        remote_tokens: remote.tokens_per_block,
+        first_token,
+    };
+    check_local_blocks(local, local_blocks, remote_blocks, Some(resize))?;
     if local.tensors.len() != remote.tensors.len() {
         return Err(Error::invalid(format!(
             "layouts differ in tensor count ({} vs {})",
@@ -399,6 +468,15 @@ pub fn plan(
 
 /// Every tensor read whole (the same TP rank on both sides), once the layouts agree on sizes.
 pub fn whole_reads(local: &KvLayout, remote: &KvLayout) -> Result<Vec<TensorRead>> {
+    let (lt, rt) = (local.tokens_per_block, remote.tokens_per_block);
+    if lt != rt {
+        for (i, (l, r)) in local.tensors.iter().zip(&remote.tensors).enumerate() {
+            if let Some(why) = token_difference(l, lt, r, rt) {
+                return Err(Error::invalid(format!("tensor {i}: {why}")));
+            }
+        }
+        return Ok(vec![TensorRead::Whole; local.tensors.len()]);
+    }
     if let Some((i, (l, r))) = local
         .tensors
         .iter()
@@ -415,7 +493,8 @@ pub fn whole_reads(local: &KvLayout, remote: &KvLayout) -> Result<Vec<TensorRead
 }
 
 /// Plans the reads of one source: block pairs per block group (`local_blocks[g]` with
-/// `remote_blocks[g]`), each tensor read as `reads` says ([`tensor_reads`]).
+/// `remote_blocks[g]`), each tensor read as `reads` says ([`tensor_reads`]). Layouts of
+/// different block sizes pair token ranges ([`Resize`]), from the start of each first block.
 pub fn plan_read<L: AsRef<[BlockId]>, R: AsRef<[BlockId]>>(
     local: &KvLayout,
     remote: &KvLayout,
@@ -424,7 +503,22 @@ pub fn plan_read<L: AsRef<[BlockId]>, R: AsRef<[BlockId]>>(
     remote_blocks: &[R],
     opts: PlanOptions,
 ) -> Result<Plan> {
-    check_blocks(local, remote, local_blocks, remote_blocks)?;
+    plan_read_from(local, remote, reads, local_blocks, remote_blocks, 0, opts)
+}
+
+/// [`plan_read`] of a read that starts `first_token` tokens into each group's first remote
+/// block (a reader with smaller blocks than the peer whose cached prefix ends inside one of
+/// the peer's blocks; see [`Resize`]).
+pub fn plan_read_from<L: AsRef<[BlockId]>, R: AsRef<[BlockId]>>(
+    local: &KvLayout,
+    remote: &KvLayout,
+    reads: &[TensorRead],
+    local_blocks: &[L],
+    remote_blocks: &[R],
+    first_token: u32,
+    opts: PlanOptions,
+) -> Result<Plan> {
+    check_blocks(local, remote, local_blocks, remote_blocks, first_token)?;
     if reads.len() != local.tensors.len() {
         return Err(Error::invalid(format!(
             "{} tensor reads for {} tensors",
@@ -436,6 +530,19 @@ pub fn plan_read<L: AsRef<[BlockId]>, R: AsRef<[BlockId]>>(
         return Err(Error::invalid("max_segment_bytes is 0"));
     }
     let cap = opts.max_segment_bytes;
+    if local.tokens_per_block != remote.tokens_per_block {
+        let lists: Vec<(&[BlockId], &[BlockId])> = local_blocks
+            .iter()
+            .zip(remote_blocks)
+            .map(|(l, r)| (l.as_ref(), r.as_ref()))
+            .collect();
+        let resize = Resize {
+            local_tokens: local.tokens_per_block,
+            remote_tokens: remote.tokens_per_block,
+            first_token,
+        };
+        return resize::plan_resized(local, remote, reads, &lists, resize, cap);
+    }
     let pairs: Vec<Vec<(BlockId, BlockId)>> = local_blocks
         .iter()
         .zip(remote_blocks)

@@ -93,6 +93,69 @@ pub fn check_blocks(
     Ok(checked)
 }
 
+/// Checks a read between engines of the same TP size whose blocks hold different numbers of
+/// tokens, token by token, without the planner: token `p` of the `count` read sits at token
+/// `p % n` of local block `local[p / n]` (`n`: our tokens per block) and at token
+/// `(p + first_token) % m` of remote block `remote[(p + first_token) / m]` of a peer filled
+/// with `seed` (`m`: its tokens per block); every part and head of it must hold the same bytes
+/// on both sides (tensors declare their token runs, [`TensorLayout::token_shape`]). Returns the
+/// bytes checked, or an error naming the first difference.
+///
+/// [`TensorLayout::token_shape`]: crate::layout::TensorLayout::token_shape
+pub fn check_tokens(
+    region: &Region,
+    ours: &KvLayout,
+    theirs: &KvLayout,
+    seed: u64,
+    (local, remote): (&[BlockId], &[BlockId]),
+    first_token: u32,
+    count: u64,
+) -> Result<u64> {
+    let (n, m) = (
+        u64::from(ours.tokens_per_block),
+        u64::from(theirs.tokens_per_block),
+    );
+    let mut checked = 0u64;
+    for (t, (lt, rt)) in ours.tensors.iter().zip(&theirs.tensors).enumerate() {
+        let bad = |why: String| Error::invalid(format!("tensor {t} ({}): {why}", lt.name));
+        let ls = lt.token_shape(ours.tokens_per_block).map_err(&bad)?;
+        let rs = rt.token_shape(theirs.tokens_per_block).map_err(&bad)?;
+        let (mut got, mut want) = (
+            vec![0u8; ls.head_bytes as usize],
+            vec![0u8; ls.head_bytes as usize],
+        );
+        for p in 0..count {
+            let q = p + u64::from(first_token);
+            let (lb, rb) = (local[(p / n) as usize], remote[(q / m) as usize]);
+            for k in 0..ls.parts {
+                for j in 0..ls.heads {
+                    let lo = lt.block_offset(lb) + token_offset(&ls, k, p % n, j);
+                    let ro = rt.block_offset(rb) + token_offset(&rs, k, q % m, j);
+                    region.read_at(lo, &mut got)?;
+                    pattern_into(seed, ro, &mut want);
+                    if got != want {
+                        return Err(bad(format!(
+                            "token {p} (local block {lb}, remote block {rb}), part {k}, head {j} differs"
+                        )));
+                    }
+                    checked += ls.head_bytes;
+                }
+            }
+        }
+    }
+    Ok(checked)
+}
+
+/// Where head `j` of token `s` of part `k` starts in a block of `shape`.
+fn token_offset(shape: &crate::layout::TokenShape, k: u64, s: u64, j: u64) -> u64 {
+    let (n, h, hb) = (shape.tokens, shape.heads, shape.head_bytes);
+    if shape.head_major {
+        ((k * h + j) * n + s) * hb
+    } else {
+        ((k * n + s) * h + j) * hb
+    }
+}
+
 /// Reads a prefill rank's memory: fills `out` with the bytes at `offset` of `region`.
 pub type ReadMemory = dyn Fn(RegionId, u64, &mut [u8]) -> Result<()>;
 

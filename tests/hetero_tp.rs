@@ -131,6 +131,8 @@ fn unpairable_sizes_and_partial_sources_are_refused_with_the_reason() {
             from: ReadFrom::TpGroup(swapped),
             local: vec![vec![0]],
             remote: vec![vec![1]],
+            remote_tokens_per_block: None,
+            first_token: 0,
         })
         .unwrap();
     let f = collect(&d.engine, Duration::from_secs(20), |f| !f.failed.is_empty());
@@ -192,6 +194,8 @@ fn unpairable_sizes_and_partial_sources_are_refused_with_the_reason() {
             from: ReadFrom::TpGroup(vec![pm.engine.handshake_address().to_string(); 2]),
             local: vec![vec![0]],
             remote: vec![vec![0]],
+            remote_tokens_per_block: None,
+            first_token: 0,
         })
         .unwrap_err()
         .to_string();
@@ -229,6 +233,8 @@ fn one_prefill_rank_failing_fails_the_read_names_it_and_every_rank_hears() {
             from: ReadFrom::TpGroup(addrs),
             local: vec![blocks.clone()],
             remote: vec![blocks],
+            remote_tokens_per_block: None,
+            first_token: 0,
         })
         .unwrap();
     let f = collect(&d.engine, Duration::from_secs(20), |f| !f.failed.is_empty());

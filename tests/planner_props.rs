@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use kvlink::internal::{
-    heads, heads_per_rank, plan, plan_read, sources, tensor_reads, PlanOptions,
+    heads, heads_per_rank, plan, plan_read, plan_read_from, sources, tensor_reads, PlanOptions,
 };
 use kvlink::{HeadSplit, KvLayout, RegionId, TensorLayout, TpRank};
 use proptest::prelude::*;
@@ -56,6 +56,7 @@ fn build(bytes: &[u64], num_blocks: u32, mode: u8, pad: u64, base_region: u32) -
             num_blocks,
             group: 0,
             heads: None,
+            token_runs: None,
         });
     }
     Side {
@@ -186,6 +187,7 @@ fn rank_layout(model: &[ModelTensor], tp: TpRank, num_blocks: u32, pad: u64) -> 
             num_blocks,
             group: m.group,
             heads,
+            token_runs: None,
         });
         cursor += (bytes + pad) * u64::from(num_blocks);
     }
@@ -335,5 +337,202 @@ proptest! {
         }
         prop_assert_eq!(moved, needed, "bytes moved vs bytes the blocks hold");
         prop_assert!(got == want, "planned copy differs from the naive per-head copy");
+    }
+}
+
+/// One tensor of a model for the block-size property test: `parts` stretches of tokens,
+/// `heads` KV heads over all ranks (0: none, every rank holds the tensor whole) of `hb` bytes
+/// per token, head-major or token-major.
+#[derive(Debug, Clone, Copy)]
+struct TokenTensor {
+    parts: u32,
+    heads: u32,
+    head_major: bool,
+    hb: u64,
+}
+
+impl TokenTensor {
+    /// Heads in a block of rank `tp` (1 without heads).
+    fn local(&self, tp: TpRank) -> u32 {
+        if self.heads == 0 {
+            1
+        } else {
+            heads_per_rank(self.heads, tp.size).unwrap()
+        }
+    }
+
+    /// Where byte `i` of local head `j` of token `s` of part `k` lies in a block of `n` tokens
+    /// holding `h` heads.
+    fn at(&self, n: u64, h: u64, k: u32, s: u64, j: u32, i: u64) -> u64 {
+        let (k, j) = (u64::from(k), u64::from(j));
+        if self.head_major {
+            ((k * h + j) * n + s) * self.hb + i
+        } else {
+            ((k * n + s) * h + j) * self.hb + i
+        }
+    }
+}
+
+/// The byte `i` of global head `g`, part `k`, of the token at position `pos` of the read, in
+/// tensor `t`. Never 255, the decode's untouched fill.
+fn token_byte(t: usize, pos: u64, k: u32, g: u32, i: u64) -> u8 {
+    ((t as u64 * 131 + pos * 31 + u64::from(k) * 7 + u64::from(g) * 17 + i * 3) % 255) as u8
+}
+
+/// Rank `tp`'s layout of the model with blocks of `tokens` tokens, tensors one after the other.
+fn token_layout(model: &[TokenTensor], tp: TpRank, tokens: u32, blocks: u32) -> (KvLayout, u64) {
+    let mut tensors = Vec::new();
+    let mut cursor = 0;
+    for (i, m) in model.iter().enumerate() {
+        let h = m.local(tp);
+        let bytes = u64::from(m.parts * h * tokens) * m.hb;
+        let heads = (m.heads > 0).then_some(HeadSplit {
+            total: m.heads,
+            local: h,
+            runs: if m.head_major {
+                m.parts
+            } else {
+                m.parts * tokens
+            },
+        });
+        let token_runs = if m.head_major && m.heads > 0 {
+            m.parts * h
+        } else {
+            m.parts
+        };
+        tensors.push(TensorLayout {
+            name: format!("t{i}"),
+            region: RegionId(0),
+            offset: cursor,
+            block_stride: bytes,
+            block_bytes: bytes,
+            num_blocks: blocks,
+            group: 0,
+            heads,
+            token_runs: Some(token_runs),
+        });
+        cursor += bytes * u64::from(blocks);
+    }
+    let layout = KvLayout {
+        tokens_per_block: tokens,
+        dtype: "x".into(),
+        tensors,
+    };
+    (layout, cursor)
+}
+
+/// Writes, for every token `pos` in `0..count` of the run the blocks `list` hold from token
+/// `first` of the first block on, the model's bytes of the heads rank `tp` holds.
+fn write_tokens(
+    mem: &mut [u8],
+    model: &[TokenTensor],
+    layout: &KvLayout,
+    tp: TpRank,
+    list: &[u32],
+    first: u64,
+    count: u64,
+) {
+    let n = u64::from(layout.tokens_per_block);
+    for (t, (m, lt)) in model.iter().zip(&layout.tensors).enumerate() {
+        let h = m.local(tp);
+        let g0 = if m.heads == 0 {
+            0
+        } else {
+            heads(tp, m.heads).start
+        };
+        for pos in 0..count {
+            let q = pos + first;
+            let base = lt.offset + u64::from(list[(q / n) as usize]) * lt.block_stride;
+            for k in 0..m.parts {
+                for j in 0..h {
+                    for i in 0..m.hb {
+                        let at = base + m.at(n, u64::from(h), k, q % n, j, i);
+                        mem[at as usize] = token_byte(t, pos, k, g0 + j, i);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn token_model() -> impl Strategy<Value = Vec<TokenTensor>> {
+    let tensor = (
+        1u32..3,
+        prop::sample::select(vec![0u32, 1, 2, 4, 8]),
+        any::<bool>(),
+        1u64..5,
+    )
+        .prop_map(|(parts, heads, head_major, hb)| TokenTensor {
+            parts,
+            heads,
+            head_major,
+            hb,
+        });
+    prop::collection::vec(tensor, 1..4)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    /// A decode whose blocks hold more or fewer tokens than the prefill's (one a multiple of
+    /// the other, either side the larger, from any token of the first prefill block when the
+    /// decode's are the smaller), of the same or another TP size: every token it reads lands
+    /// at its own position in the decode's blocks, head by head, and nothing else is written.
+    #[test]
+    fn reads_between_block_sizes_move_every_token_to_its_place(
+        model in token_model(),
+        sizes in (0u32..3, 0u32..3),
+        decode_rank in 0u32..4,
+        (small, ratio, decode_small) in (prop::sample::select(vec![1u32, 2, 4]),
+            prop::sample::select(vec![1u32, 2, 4]), any::<bool>()),
+        units in 0u64..12,
+        skip in 0u32..4,
+        order in Just(()).prop_perturb(|_, mut rng| {
+            let mut ids: Vec<u32> = (0..16).collect();
+            for i in (1..ids.len()).rev() {
+                ids.swap(i, rng.random_range(0..=i));
+            }
+            ids
+        }),
+        cap in 1u64..64,
+    ) {
+        let large = small * ratio;
+        let (dt, pt) = if decode_small { (small, large) } else { (large, small) };
+        let skip = if decode_small { skip % ratio } else { 0 };
+        let first_token = skip * small;
+        let (p_size, d_size) = (1u32 << sizes.0, 1u32 << sizes.1);
+        let decode = TpRank::new(decode_rank % d_size, d_size);
+        let (dl, dlen) = token_layout(&model, decode, dt, 16);
+        // The run of tokens read: `units` blocks of the smaller size.
+        let count = units * u64::from(small);
+        let blocks = |tokens: u32, first: u64| (first + count).div_ceil(u64::from(tokens)) as usize;
+        let local: Vec<u32> = order[..blocks(dt, 0)].to_vec();
+        let remote: Vec<u32> = order[16 - blocks(pt, u64::from(first_token))..].to_vec();
+        let mut got = vec![255u8; dlen as usize];
+        let mut moved = 0;
+        let sources = sources(decode, p_size).unwrap();
+        for p in sources.clone() {
+            let at = TpRank::new(p, p_size);
+            let (pl, plen) = token_layout(&model, at, pt, 16);
+            // The prefill's blocks, every token of them, the run's tokens at their positions.
+            let mut mem: Vec<u8> = (0..plen).map(|i| (i % 251) as u8).collect();
+            write_tokens(&mut mem, &model, &pl, at, &remote, u64::from(first_token), count);
+            let reads = tensor_reads(&dl, decode, &pl, at, sources.clone()).unwrap();
+            let plan = plan_read_from(&dl, &pl, &reads, &[&local], &[&remote], first_token,
+                PlanOptions { max_segment_bytes: cap }).unwrap();
+            for s in &plan.segments {
+                prop_assert!(s.len > 0 && s.len <= cap);
+                let (lo, ro, n) = (s.local_offset as usize, s.remote_offset as usize, s.len as usize);
+                got[lo..lo + n].copy_from_slice(&mem[ro..ro + n]);
+            }
+            moved += plan.bytes;
+        }
+        let mut want = vec![255u8; dlen as usize];
+        write_tokens(&mut want, &model, &dl, decode, &local, 0, count);
+        let needed: u64 = model
+            .iter()
+            .map(|m| count * u64::from(m.parts * m.local(decode)) * m.hb)
+            .sum();
+        prop_assert_eq!(moved, needed, "bytes moved vs bytes of the tokens read");
+        prop_assert!(got == want, "planned copy differs from the token-by-token copy");
     }
 }

@@ -23,9 +23,10 @@ MIN_VM=18
 MIN_VLLM=30
 MIN_SGLANG=22
 MIN_ENGINE_EVENTS=6
-# The vLLM release the connector is tested against (0.33.0 needs a newer certifi than PyPI
-# mirrors here carry).
-VLLM_PIN="vllm==0.32.0"
+# The vLLM releases the connector is tested against: the newest (in .venv-vllm33) and the one
+# before it (in .venv-vllm, where the SGLang backend's tests also run).
+VLLM_PIN="vllm==0.33.0"
+VLLM_OLD_PIN="vllm==0.32.0"
 # The SGLang release the transfer backend is tested against. Its wheel goes into .venv-vllm
 # without its dependencies (it pins another torch than vLLM 0.32), plus the few its
 # disaggregation code imports that vLLM does not bring.
@@ -162,35 +163,55 @@ set -e
 tally_pytest "$pylog" "$py_rc" "$MIN_PYTHON" Python
 py_passed=$part_passed py_failed=$part_failed py_skipped=$part_skipped py_why=$part_why
 
-# vLLM's own Scheduler drives kvlink's connector (kvlink.vllm) in two processes. vLLM and torch
-# (about 8 GB) go into a venv of their own; the kvlink wheel built above is installed into it
-# as a user would, without Rust.
-echo "test: the vLLM connector through vLLM's real Scheduler ($VLLM_PIN in .venv-vllm)"
-vl_passed=0; vl_failed=0; vl_skipped=0; vl_why=""
-vllm_ready=1
-if ! .venv-vllm/bin/python -c "import sys, vllm; sys.exit(vllm.__version__ != '${VLLM_PIN#vllm==}')" 2>/dev/null; then
-  rm -rf .venv-vllm
+# vLLM's own Scheduler drives kvlink's connector (kvlink.vllm) in two processes, against each
+# supported vLLM release. vLLM and torch (about 8 GB) go into a venv per release; the kvlink
+# wheel built above is installed into it as a user would, without Rust.
+# Makes venv $1 hold vLLM pin $2 (fresh when it holds anything else); fails, saying why, when
+# it cannot.
+vllm_venv() {
+  local venv=$1 pin=$2
+  if "$venv/bin/python" -c "import sys, vllm; sys.exit(vllm.__version__ != '${pin#vllm==}')" 2>/dev/null; then
+    return 0
+  fi
+  rm -rf "$venv"
+  local free_gb
   free_gb=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
   if [ "$free_gb" -lt 12 ]; then
-    echo "test: $VLLM_PIN needs about 9 GB and $free_gb GB are free here: the vLLM connector tests cannot run" >&2
-    vllm_ready=0
-  elif ! { python3 -m venv .venv-vllm && .venv-vllm/bin/pip install -q --disable-pip-version-check "$VLLM_PIN" pytest; }; then
-    echo "test: installing $VLLM_PIN from the package registry failed (output above): the vLLM connector tests cannot run" >&2
-    vllm_ready=0
+    echo "test: $pin needs about 9 GB and $free_gb GB are free here: its vLLM connector tests cannot run" >&2
+    return 1
   fi
-fi
-if [ "$vllm_ready" = 1 ]; then
-  .venv-vllm/bin/pip install -q --disable-pip-version-check --force-reinstall --no-deps target/wheels/kvlink-*.whl
+  if ! { python3 -m venv "$venv" && "$venv/bin/pip" install -q --disable-pip-version-check "$pin" pytest; }; then
+    echo "test: installing $pin from the package registry failed (output above): its vLLM connector tests cannot run" >&2
+    return 1
+  fi
+}
+# Runs the connector suite in venv $1 (vLLM pin $2); sets vl_passed/failed/skipped/why.
+vllm_suite() {
+  local venv=$1 pin=$2
+  echo "test: the vLLM connector through vLLM's real Scheduler ($pin in $venv)"
+  vl_passed=0; vl_failed=0; vl_skipped=0; vl_why=""
+  if ! vllm_venv "$venv" "$pin"; then
+    vl_failed=1
+    return 1
+  fi
+  "$venv/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps target/wheels/kvlink-*.whl
+  local vllog vl_rc
   vllog=$(mktemp)
   set +e
-  (cd tests/vllm && ../../.venv-vllm/bin/python -m pytest -q -rs -p no:cacheprovider) 2>&1 | tee "$vllog"
+  (cd tests/vllm && "../../$venv/bin/python" -m pytest -q -rs -p no:cacheprovider) 2>&1 | tee "$vllog"
   vl_rc=${PIPESTATUS[0]}
   set -e
-  tally_pytest "$vllog" "$vl_rc" "$MIN_VLLM" vLLM
+  tally_pytest "$vllog" "$vl_rc" "$MIN_VLLM" "vLLM ($pin)"
   vl_passed=$part_passed vl_failed=$part_failed vl_skipped=$part_skipped vl_why=$part_why
-else
-  vl_failed=1
-fi
+}
+vllm_ready=1
+set +e
+vllm_suite .venv-vllm33 "$VLLM_PIN"
+set -e
+v33_passed=$vl_passed v33_failed=$vl_failed v33_skipped=$vl_skipped v33_why=$vl_why
+set +e
+vllm_suite .venv-vllm "$VLLM_OLD_PIN" || vllm_ready=0
+set -e
 
 # SGLang's own queues (prefill bootstrap and inflight, decode prealloc and transfer) drive
 # kvlink's backend (kvlink.sglang) in two processes, loaded by SGLang's plugin loader.
@@ -212,11 +233,14 @@ else
 fi
 
 # kvlink's KV events through the engines' own event structs, msgspec encoders and decoders:
-# vLLM 0.32 and SGLang (installed above) and vLLM 0.33, whose kv_events.py alone is taken from
-# its wheel (0.33 itself does not install here) and runs on the installed vLLM 0.32.
+# vLLM 0.32 and SGLang (installed above) and vLLM 0.33, whose kv_events.py (from its venv, or
+# its wheel when that venv is missing) runs beside the installed vLLM 0.32.
 echo "test: KV events against vLLM 0.33, vLLM 0.32 and SGLang's own event code"
 ee_passed=0; ee_failed=0; ee_skipped=0; ee_why=""
 v33=.venv-vllm/vllm-0.33.0-kv_events.py
+for f in .venv-vllm33/lib/python3*/site-packages/vllm/distributed/kv_events.py; do
+  if [ "$vllm_ready" = 1 ] && [ -s "$f" ]; then cp "$f" "$v33"; fi
+done
 if [ "$vllm_ready" = 1 ] && [ ! -s "$v33" ]; then
   v33dir=$(mktemp -d)
   if .venv-vllm/bin/pip download -q --disable-pip-version-check --no-deps vllm==0.33.0 -d "$v33dir"; then
@@ -285,9 +309,10 @@ echo "test summary:"
 echo "  host: $host_passed passed, $host_failed failed, $host_skipped skipped$host_why; $host_helpers ignored (child-process helpers of the two-process tests, and the fuzz seed writer), not counted"
 echo "  host, every engine keyed: $key_passed passed, $key_failed failed, $key_skipped skipped$key_why"
 echo "  python: $py_passed passed, $py_failed failed, $py_skipped skipped$py_why"
-echo "  vLLM connector ($VLLM_PIN): $vl_passed passed, $vl_failed failed, $vl_skipped skipped$vl_why"
-echo "  SGLang backend ($SGLANG_PIN, no deps, beside $VLLM_PIN): $sg_passed passed, $sg_failed failed, $sg_skipped skipped$sg_why"
+echo "  vLLM connector ($VLLM_PIN): $v33_passed passed, $v33_failed failed, $v33_skipped skipped$v33_why"
+echo "  vLLM connector ($VLLM_OLD_PIN): $vl_passed passed, $vl_failed failed, $vl_skipped skipped$vl_why"
+echo "  SGLang backend ($SGLANG_PIN, no deps, beside $VLLM_OLD_PIN): $sg_passed passed, $sg_failed failed, $sg_skipped skipped$sg_why"
 echo "  KV events against the engines' code (vLLM 0.33 and 0.32, SGLang): $ee_passed passed, $ee_failed failed, $ee_skipped skipped$ee_why"
 echo "  $vm_line"
-echo "tests: $((host_passed + key_passed + py_passed + vl_passed + sg_passed + ee_passed + vm_passed)) passed, $((host_failed + key_failed + py_failed + vl_failed + sg_failed + ee_failed + vm_failed)) failed, $((host_skipped + key_skipped + py_skipped + vl_skipped + sg_skipped + ee_skipped + vm_skipped)) skipped"
-[ "$host_failed" -eq 0 ] && [ "$key_failed" -eq 0 ] && [ "$py_failed" -eq 0 ] && [ "$vl_failed" -eq 0 ] && [ "$sg_failed" -eq 0 ] && [ "$ee_failed" -eq 0 ] && [ "$vm_failed" -eq 0 ]
+echo "tests: $((host_passed + key_passed + py_passed + v33_passed + vl_passed + sg_passed + ee_passed + vm_passed)) passed, $((host_failed + key_failed + py_failed + v33_failed + vl_failed + sg_failed + ee_failed + vm_failed)) failed, $((host_skipped + key_skipped + py_skipped + v33_skipped + vl_skipped + sg_skipped + ee_skipped + vm_skipped)) skipped"
+[ "$host_failed" -eq 0 ] && [ "$key_failed" -eq 0 ] && [ "$py_failed" -eq 0 ] && [ "$v33_failed" -eq 0 ] && [ "$vl_failed" -eq 0 ] && [ "$sg_failed" -eq 0 ] && [ "$ee_failed" -eq 0 ] && [ "$vm_failed" -eq 0 ]

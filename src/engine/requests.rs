@@ -43,8 +43,19 @@ pub struct ReadRequest {
     pub from: ReadFrom,
     /// This engine's block ids, one list per block group of its layout.
     pub local: Vec<Vec<BlockId>>,
-    /// The prefill's block ids, paired one to one with `local`, group by group.
+    /// The prefill's block ids, paired one to one with `local`, group by group (or covering
+    /// the same tokens, when its blocks hold another number of tokens).
     pub remote: Vec<Vec<BlockId>>,
+    /// Tokens per block of the prefill when they differ from this engine's (one a multiple of
+    /// the other): `local` and `remote` then list the blocks of the same run of tokens, each in
+    /// its own size, and each prefill block is read token range by token range (a unit of
+    /// the smaller size at a time). `None`: the same size as this engine's; a prefill of
+    /// another size is then refused.
+    pub remote_tokens_per_block: Option<u32>,
+    /// Tokens of each group's first prefill block before the first one read: 0, or, when this
+    /// engine's blocks are the smaller, a multiple of its block size (its own cached prefix
+    /// ends inside that prefill block).
+    pub first_token: u32,
 }
 
 impl ReadRequest {
@@ -63,6 +74,8 @@ impl ReadRequest {
             from: ReadFrom::Engine(peer.into()),
             local: vec![local.to_vec()],
             remote: vec![remote.to_vec()],
+            remote_tokens_per_block: None,
+            first_token: 0,
         }
     }
 }
@@ -122,6 +135,8 @@ impl Engine {
             from,
             local,
             remote,
+            remote_tokens_per_block,
+            first_token,
         } = req;
         id.validate().map_err(Error::InvalidArgument)?;
         remote_id
@@ -131,7 +146,13 @@ impl Engine {
             .shared
             .layout()
             .ok_or_else(|| Error::invalid("set a KV layout before reading blocks"))?;
-        plan::check_local_blocks(&layout, &local, &remote)?;
+        let remote_tokens = remote_tokens_per_block.unwrap_or(layout.tokens_per_block);
+        let resize = plan::Resize {
+            local_tokens: layout.tokens_per_block,
+            remote_tokens,
+            first_token,
+        };
+        plan::check_local_blocks(&layout, &local, &remote, Some(resize))?;
         let ours = TpRank::new(self.shared.config.tp_rank, self.shared.config.tp_size);
         let sources = match from {
             ReadFrom::Engine(peer) => vec![Source { peer, rank: None }],
@@ -157,7 +178,14 @@ impl Engine {
         };
         for s in &sources {
             if let Some(conn) = self.sessions.ready_conn(&s.peer) {
-                plan::check_blocks(&layout, &conn.descriptor.layout, &local, &remote)?;
+                session::check_block_size(&conn.descriptor.layout, remote_tokens)?;
+                plan::check_blocks(
+                    &layout,
+                    &conn.descriptor.layout,
+                    &local,
+                    &remote,
+                    first_token,
+                )?;
             }
         }
         let now = Instant::now();
@@ -171,6 +199,8 @@ impl Engine {
             remote_id,
             local,
             remote,
+            remote_tokens,
+            first_token,
             started: now,
             deadline: tokio::time::Instant::from_std(now + self.shared.config.request_timeout),
         };

@@ -43,6 +43,7 @@ fn block_major_layout_merges_across_tensors() {
                 num_blocks: 8,
                 group: 0,
                 heads: None,
+                token_runs: None,
             })
             .collect(),
     };

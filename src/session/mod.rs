@@ -10,7 +10,7 @@ mod connect;
 mod pair;
 mod transfer;
 
-pub(crate) use transfer::{run_read, ReadJob, Source};
+pub(crate) use transfer::{check_block_size, run_read, ReadJob, Source};
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -347,6 +347,8 @@ impl Pair {
             remote_id: RequestId::from(id),
             local: vec![local.to_vec()],
             remote: vec![remote.to_vec()],
+            remote_tokens: SHAPE.tokens_per_block,
+            first_token: 0,
             started: now,
             deadline: tokio::time::Instant::now() + state.config.request_timeout,
         };

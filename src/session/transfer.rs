@@ -13,8 +13,9 @@ use crate::completion::{FailureCause, TransferReport};
 use crate::control::messages::Message;
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, RequestId};
+use crate::layout::KvLayout;
 use crate::memory::RegionSpan;
-use crate::plan::{plan_read, tensor_reads, PlanOptions};
+use crate::plan::{plan_read_from, tensor_reads, PlanOptions};
 use crate::state::EngineState;
 use crate::tp::{self, TpRank};
 use crate::transport::{ReadCancel, ReadOp, RequestCtl};
@@ -42,6 +43,11 @@ pub(crate) struct ReadJob {
     pub(crate) local: Vec<Vec<BlockId>>,
     /// Remote block ids per block group, paired with `local`.
     pub(crate) remote: Vec<Vec<BlockId>>,
+    /// Tokens per block the read expects of the prefill (`ReadRequest::remote_tokens_per_block`,
+    /// or this engine's own).
+    pub(crate) remote_tokens: u32,
+    /// Where the read starts in each group's first remote block, in tokens.
+    pub(crate) first_token: u32,
     pub(crate) started: Instant,
     pub(crate) deadline: tokio::time::Instant,
 }
@@ -377,6 +383,18 @@ fn peers(job: &ReadJob) -> String {
     all.join(",")
 }
 
+/// Checks that the peer's blocks hold the tokens a read's block ids were given for.
+pub(crate) fn check_block_size(theirs: &KvLayout, expected: u32) -> Result<()> {
+    if theirs.tokens_per_block == expected {
+        return Ok(());
+    }
+    Err(Error::invalid(format!(
+        "the peer's blocks hold {} tokens, but the read gives its block ids for blocks of \
+         {expected} (set the prefill's tokens per block on the read)",
+        theirs.tokens_per_block
+    )))
+}
+
 /// Reads one source once; `used` gets the session as soon as there is one.
 async fn read_once(
     sessions: &Arc<Sessions>,
@@ -424,16 +442,18 @@ async fn read_once(
     let local_layout = shared
         .layout()
         .ok_or_else(|| Error::invalid("this engine's KV layout was removed"))?;
+    check_block_size(&d.layout, job.remote_tokens)?;
     let reads = tensor_reads(&local_layout, ours, &d.layout, theirs, range)?;
     let opts = PlanOptions {
         max_segment_bytes: shared.config.batch_bytes,
     };
-    let plan = plan_read(
+    let plan = plan_read_from(
         &local_layout,
         &d.layout,
         &reads,
         &job.local,
         &job.remote,
+        job.first_token,
         opts,
     )?;
     let mut ops = Vec::with_capacity(plan.segments.len());

@@ -171,6 +171,8 @@ pub fn run(case: &Case) -> Ran {
                     from: ReadFrom::TpGroup(addrs.clone()),
                     local: l.clone(),
                     remote: r.clone(),
+                    remote_tokens_per_block: None,
+                    first_token: 0,
                 })
                 .unwrap();
         }

@@ -49,11 +49,29 @@ def token_bytes(token: int, pos: int, layer: int, heads: np.ndarray, size: int) 
     return ((np.arange(size, dtype=np.int64)[None, :] * 131 + base[:, None]) % 251 + 1).astype(np.uint8)
 
 
-def layer_specs(model_config, tp: int, block_size: int) -> Dict[str, Any]:
-    """Each attention layer's KV cache spec, as vLLM's attention layers make it from the
-    model's config: MLA's latent (one head), sliding-window layers, full attention."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+def kv_sharing(hf) -> Dict[str, str]:
+    """Layers that reuse an earlier layer's KV cache, and that layer, as vLLM's Gemma 3n
+    attention derives them from ``num_kv_shared_layers``: each of the last
+    ``num_kv_shared_layers`` layers reads the last full-attention layer before them (1 back)
+    or the last sliding-window one (2 back)."""
+    shared = getattr(hf, "num_kv_shared_layers", 0) or 0
+    first = hf.num_hidden_layers - shared
+    out = {}
+    for i in range(first, hf.num_hidden_layers):
+        back = 2 if hf.layer_types[i] == "sliding_attention" else 1
+        if first - back >= 0:
+            out[f"model.layers.{i}.self_attn.attn"] = f"model.layers.{first - back}.self_attn.attn"
+    return out
 
+
+def layer_specs(config, tp: int, block_size: int) -> Dict[str, Any]:
+    """Each layer's KV cache spec, as vLLM's layers make it from the model's config: MLA's
+    latent (one head), sliding-window layers, full attention, and a hybrid's Mamba layers
+    (their state shapes and dtypes from the model class vLLM resolves, as its Mamba layers
+    take them)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    model_config = config.model_config
     hf = model_config.hf_text_config
     head = model_config.get_head_size()
     dtype = torch.bfloat16
@@ -63,8 +81,20 @@ def layer_specs(model_config, tp: int, block_size: int) -> Dict[str, Any]:
     heads = max(1, model_config.get_total_num_kv_heads() // tp)
     types = getattr(hf, "layer_types", None) or ["full_attention"] * len(names)
     specs: Dict[str, Any] = {}
+    shared = kv_sharing(hf)
     for n, kind in zip(names, types):
-        if kind == "sliding_attention":
+        if n in shared:
+            continue  # vLLM's attention layer makes no spec for a layer that reuses a cache
+        if kind in ("mamba", "linear_attention"):
+            from vllm.model_executor.models import ModelRegistry
+
+            cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config)
+            specs[n] = MambaSpec(
+                shapes=tuple(cls.get_mamba_state_shape_from_config(config)),
+                dtypes=tuple(cls.get_mamba_state_dtype_from_config(config)),
+                block_size=config.cache_config.mamba_block_size or block_size,
+            )
+        elif kind == "sliding_attention":
             specs[n] = SlidingWindowSpec(
                 block_size=block_size, num_kv_heads=heads, head_size=head, dtype=dtype, sliding_window=hf.sliding_window
             )
@@ -107,7 +137,14 @@ class Engine:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
         from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs, init_none_hash
+        from vllm.v1.core.kv_cache_utils import init_none_hash
+
+        try:  # vLLM 0.33 moved the planning out of kv_cache_utils, grouping first
+            from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+        except ImportError:
+            from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+            get_global_kv_cache_groups = None
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import SlidingWindowSpec
@@ -146,13 +183,18 @@ class Engine:
         # included; on a GPU it stays on with a connector that supports it (kvlink's does):
         # what a GPU platform decides, set here.
         config.scheduler_config.disable_hybrid_kv_cache_manager = False
-        specs = layer_specs(mc, tp, block_size)
+        specs = layer_specs(config, tp, block_size)
         # As the engine core does: the layout from what the backends support (all six when
         # none declares), the connector's preference and VLLM_KV_CACHE_LAYOUT.
         supported = supported or [l.name for l in KVCacheLayout]
         self.kv_layout = resolve_kv_cache_layout(config, [supported], specs.values())
         per_block = sum(spec.page_size_bytes for spec in specs.values())
-        (kv_cache_config,) = get_kv_cache_configs(config, [specs], [num_blocks * per_block])
+        memory = [num_blocks * per_block]
+        if get_global_kv_cache_groups is None:  # vLLM 0.32
+            (kv_cache_config,) = get_kv_cache_configs(config, [specs], memory)
+        else:  # vLLM 0.33, as its engine core calls them
+            groups = get_global_kv_cache_groups(config, [specs])
+            (kv_cache_config,) = get_kv_cache_configs(config, [specs], memory, groups)
         kv_cache_config.kv_cache_layout = self.kv_layout.name
         num_blocks = kv_cache_config.num_blocks
         config.cache_config.num_gpu_blocks = num_blocks
@@ -189,6 +231,11 @@ class Engine:
         self.aggregator = KVOutputAggregator.from_connector(self.workers[0], tp)
         kernel = [kernel_block] * len(groups) if kernel_block else None
         self.caches = [allocate_kv_cache(kv_cache_config, torch.device("cpu"), self.kv_layout, kernel) for _ in range(tp)]
+        # Cross-layer KV sharing, as the GPU model runner sets it up after allocating: the
+        # layers that reuse another layer's cache are added to kv_caches as its aliases.
+        for caches in self.caches:
+            for layer, target in kv_sharing(mc.hf_text_config).items():
+                caches[layer] = caches[target]
         for w, caches in zip(self.workers, self.caches):
             w.register_kv_caches(caches)
         # As vLLM's EngineCore does with what every worker returned, keyed (pp rank, tp rank).

@@ -25,6 +25,8 @@ BLOCKS = 400
 LLAMA = "llama-3.1-8b"
 GPT_OSS = "gpt-oss-20b"
 DEEPSEEK = "deepseek-v2-lite"
+GRANITE_H = "granite-4.0-h-tiny"
+GEMMA_3N = "gemma-3n-e2b"
 # Long enough that only the tests' own reject/cancel/abort paths free a hold in time.
 ABORT_TIMEOUT = 300.0
 
@@ -356,6 +358,32 @@ def test_per_head_split_layouts_are_refused_at_start_with_what_to_set(layout):
     p = Proc(f"split-{layout}", layout=layout)
     try:
         with pytest.raises(AssertionError, match=f"{layout} stores each block as one piece per KV head"):
+            p.wait_ready()
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("decode_tp", [1, 2])
+def test_cross_layer_kv_sharing(decode_tp):
+    """Gemma 3n (its last layers reuse earlier layers' caches, and sliding-window and full
+    groups): vLLM hands the connector the shared layers as aliases of their targets, outside
+    the KV cache config; the connector sends each cache once, and every byte of every layer
+    that owns a cache arrives, with the same and another TP size."""
+    prefill, decode = pair_of(f"kvshare{decode_tp}", dict(model=GEMMA_3N), dict(model=GEMMA_3N, tp=decode_tp))
+    try:
+        s = transfer(prefill, decode, 4, seed=19)
+        assert s["engine_stats"]["reads_done"] == 4 * decode_tp, s["engine_stats"]
+    finally:
+        close(prefill, decode)
+
+
+def test_mamba_hybrid_is_refused_at_start_by_name():
+    """Granite 4.0-H (Mamba-2 and attention layers): vLLM gives the SSM state a KV cache group
+    of its own; the connector refuses it when vLLM creates the scheduler, naming the group's
+    kind, instead of sending state blocks as if they were attention blocks."""
+    p = Proc("mamba", model=GRANITE_H)
+    try:
+        with pytest.raises(AssertionError, match="holds SSM state of kind MambaSpec"):
             p.wait_ready()
     finally:
         p.close()

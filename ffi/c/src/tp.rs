@@ -117,6 +117,8 @@ pub unsafe extern "C" fn kvlink_engine_read(
             from,
             local,
             remote,
+            remote_tokens_per_block: None,
+            first_token: 0,
         })?;
         Ok(())
     })

@@ -252,7 +252,13 @@ impl Engine {
     ///
     /// `remote_request_id` is the id the prefill holds the request under when it differs from
     /// `request_id`, this engine's own id (the one get_finished() and cancel() use).
-    #[pyo3(signature = (peer, request_id, local_blocks, remote_blocks, remote_request_id = None))]
+    ///
+    /// `remote_tokens_per_block`: the prefill's tokens per block when they differ from this
+    /// engine's (one a multiple of the other); the block lists then cover the same tokens, each
+    /// in its own size. `first_token`: tokens of the prefill's first block (of each group)
+    /// before the first one read, when this engine's blocks are the smaller.
+    #[pyo3(signature = (peer, request_id, local_blocks, remote_blocks, remote_request_id = None, remote_tokens_per_block = None, first_token = 0))]
+    #[allow(clippy::too_many_arguments)]
     fn read_blocks(
         &self,
         peer: &Bound<'_, PyAny>,
@@ -260,6 +266,8 @@ impl Engine {
         local_blocks: &Bound<'_, PyAny>,
         remote_blocks: &Bound<'_, PyAny>,
         remote_request_id: Option<&Bound<'_, PyAny>>,
+        remote_tokens_per_block: Option<u32>,
+        first_token: u32,
     ) -> PyResult<()> {
         let id = self::request_id(request_id)?;
         let remote_id = match remote_request_id {
@@ -285,6 +293,8 @@ impl Engine {
                 from,
                 local,
                 remote,
+                remote_tokens_per_block,
+                first_token,
             })
             .map_err(to_py)
     }
@@ -486,16 +496,18 @@ impl Engine {
 }
 
 /// Tensor `i` of `set_layout`: `(region, offset, block_stride, block_bytes, num_blocks[, group[,
-/// heads]])`, `heads` being `None` or `(total, local, runs)`.
+/// heads[, token_runs]]])`, `heads` being `None` or `(total, local, runs)`, `token_runs` `None` or
+/// how many stretches of all the block's tokens a block holds side by side.
 fn tensor_layout(i: usize, t: &Bound<'_, PyAny>) -> PyResult<TensorLayout> {
     let bad = || {
         InvalidArgument::new_err(format!(
             "tensor {i} must be (region, offset, block_stride, block_bytes, num_blocks[, group[, \
-             (total_heads, local_heads, runs) or None]]) with non-negative integers"
+             (total_heads, local_heads, runs) or None[, token_runs or None]]]) with \
+             non-negative integers"
         ))
     };
     let items: Vec<Bound<'_, PyAny>> = t.extract().map_err(|_| bad())?;
-    if !(5..=7).contains(&items.len()) {
+    if !(5..=8).contains(&items.len()) {
         return Err(bad());
     }
     let int = |k: usize| items[k].extract::<u64>().map_err(|_| bad());
@@ -517,5 +529,9 @@ fn tensor_layout(i: usize, t: &Bound<'_, PyAny>) -> PyResult<TensorLayout> {
         num_blocks: small(4)?,
         group,
         heads,
+        token_runs: match items.get(7) {
+            Some(r) if !r.is_none() => Some(small(7)?),
+            _ => None,
+        },
     })
 }

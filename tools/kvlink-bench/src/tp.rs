@@ -158,6 +158,8 @@ impl TpRun<'_> {
                             from: ReadFrom::TpGroup(peers.to_vec()),
                             local: l.clone(),
                             remote: r.clone(),
+                            remote_tokens_per_block: None,
+                            first_token: 0,
                         })
                         .map_err(|e| e.to_string())?;
                 }

@@ -221,6 +221,13 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         return self._need_scheduler().request_finished(request)
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """False (vLLM 0.33 asks, and refuses to start with ``enable_sleep_mode``): kvlink
+        registers the KV cache once, and sleep mode frees and remaps that memory, after which
+        reads would move stale pages."""
+        return False
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> Optional[str]:
         """The KV cache layout the connector asks vLLM for: ``LBHNC`` (head-major blocks) for
         per-head caches unless ``kv_cache_layout`` in ``kv_connector_extra_config`` says

@@ -35,22 +35,33 @@ class _Producing:
 
 def _group_specs(kv_cache_config: Optional["KVCacheConfig"], block_size: int) -> List[Tuple[int, int]]:
     """Per KV cache group, its sliding window in tokens (0: full attention) and its block size
-    (the hybrid manager may raise some groups' block size to unify page sizes). An SSM state
-    group is refused."""
+    (the hybrid manager may raise some groups' block size to unify page sizes). Only groups
+    whose blocks kvlink knows how to send are taken (full attention, MLA, sliding window);
+    any other kind (SSM state, chunked local attention, circular buffers, ...) is refused at
+    start, by name, rather than sent as if it were full attention."""
     if kv_cache_config is None:
         return [(0, block_size)]
-    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
+    known = {FullAttentionSpec: False, MLAAttentionSpec: False, SlidingWindowSpec: True}
+    try:
+        from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
+
+        known[SlidingWindowMLASpec] = True
+    except ImportError:
+        pass
     windows = []
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
-        if isinstance(spec, MambaSpec):
+        kind = type(spec)
+        if kind not in known:
+            what = "SSM state" if "Mamba" in kind.__name__ else "blocks"
             raise ValueError(
-                f"KvlinkConnector: KV cache group {g} holds SSM state ({type(spec).__name__}), "
-                "which kvlink does not transfer yet; attention groups (full, sliding window) are "
-                "supported"
+                f"KvlinkConnector: KV cache group {g} holds {what} of kind {kind.__name__}, "
+                "which kvlink does not transfer; supported: full attention, MLA and sliding "
+                "window groups"
             )
-        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else 0
+        window = spec.sliding_window if known[kind] else 0
         windows.append((window, int(getattr(spec, "block_size", block_size))))
     return windows
 
