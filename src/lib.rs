@@ -85,7 +85,7 @@ pub mod internal {
         pub use crate::fuzzing::*;
     }
     pub use crate::plan::{
-        check_blocks, check_local_blocks, plan, plan_read, plan_read_from, tensor_reads,
+        check_blocks, check_local_blocks, plan, plan_read, plan_read_from, resizes, tensor_reads,
         whole_reads, Plan, PlanOptions, Resize, Segment, TensorRead,
     };
     pub use crate::tp::{heads, heads_per_rank, readers, reads, sources, Reader, Relation};

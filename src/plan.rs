@@ -330,19 +330,45 @@ fn runs(local: &KvLayout, remote: &KvLayout, reads: &[TensorRead]) -> Vec<Run> {
     out
 }
 
+/// How each block group of a read pairs its lists: this engine's and the peer's tokens per
+/// block, and where the read starts in each group's first remote block (`first_tokens`, one
+/// per group, or none for 0 everywhere). Refuses sizes that do not divide and starts that do
+/// not fit ([`Resize::check`]).
+pub fn resizes(
+    local_tokens: u32,
+    remote_tokens: u32,
+    first_tokens: &[u32],
+    groups: usize,
+) -> Result<Vec<Resize>> {
+    if !first_tokens.is_empty() && first_tokens.len() != groups {
+        return Err(Error::invalid(format!(
+            "{} first tokens for a layout of {groups} block groups; give one per group, or none",
+            first_tokens.len()
+        )));
+    }
+    (0..groups)
+        .map(|g| {
+            let r = Resize {
+                local_tokens,
+                remote_tokens,
+                first_token: first_tokens.get(g).copied().unwrap_or(0),
+            };
+            r.check().map(|()| r)
+        })
+        .collect()
+}
+
 /// Checks the local half of a request: one block list per block group of the layout, list
-/// lengths (one to one, or covering each other per `resize` when the peer's blocks hold
-/// another number of tokens), local block ids in range, and no local block named twice in a
-/// group (two reads into the same destination).
+/// lengths (one to one, or covering each other when the peer's blocks, of `remote_tokens`
+/// tokens, hold another number of tokens than ours: see [`resizes`]), local block ids in range,
+/// and no local block named twice in a group (two reads into the same destination).
 pub fn check_local_blocks<L: AsRef<[BlockId]>, R: AsRef<[BlockId]>>(
     local: &KvLayout,
     local_blocks: &[L],
     remote_blocks: &[R],
-    resize: Option<Resize>,
+    remote_tokens: u32,
+    first_tokens: &[u32],
 ) -> Result<()> {
-    if let Some(r) = &resize {
-        r.check()?;
-    }
     let groups = local.num_groups();
     if local_blocks.len() != groups || remote_blocks.len() != groups {
         return Err(Error::invalid(format!(
@@ -352,6 +378,7 @@ pub fn check_local_blocks<L: AsRef<[BlockId]>, R: AsRef<[BlockId]>>(
             remote_blocks.len()
         )));
     }
+    let resizes = resizes(local.tokens_per_block, remote_tokens, first_tokens, groups)?;
     for (g, (lb, rb)) in local_blocks.iter().zip(remote_blocks).enumerate() {
         let (lb, rb) = (lb.as_ref(), rb.as_ref());
         let in_group = |what: String| {
@@ -361,8 +388,8 @@ pub fn check_local_blocks<L: AsRef<[BlockId]>, R: AsRef<[BlockId]>>(
                 what
             }
         };
-        match &resize {
-            Some(r) if r.ratio() > 1 => r
+        match &resizes[g] {
+            r if r.ratio() > 1 => r
                 .check_lengths(lb.len(), rb.len())
                 .map_err(|why| Error::invalid(in_group(why)))?,
             _ if lb.len() != rb.len() => {
@@ -395,22 +422,18 @@ pub fn check_local_blocks<L: AsRef<[BlockId]>, R: AsRef<[BlockId]>>(
 }
 
 /// Checks a request's block lists against both layouts: [`check_local_blocks`] (with the
-/// layouts' block sizes, the read starting `first_token` tokens into each group's first remote
-/// block), remote block ids in range, and layouts with the same tensors and block groups (sizes
-/// are checked by [`tensor_reads`]).
+/// layouts' block sizes, the read starting `first_tokens[g]` tokens into group `g`'s first
+/// remote block), remote block ids in range, and layouts with the same tensors and block groups
+/// (sizes are checked by [`tensor_reads`]).
 pub fn check_blocks<L: AsRef<[BlockId]>, R: AsRef<[BlockId]>>(
     local: &KvLayout,
     remote: &KvLayout,
     local_blocks: &[L],
     remote_blocks: &[R],
-    first_token: u32,
+    first_tokens: &[u32],
 ) -> Result<()> {
-    let resize = Resize {
-        local_tokens: local.tokens_per_block,
-        remote_tokens: remote.tokens_per_block,
-        first_token,
-    };
-    check_local_blocks(local, local_blocks, remote_blocks, Some(resize))?;
+    let tokens = remote.tokens_per_block;
+    check_local_blocks(local, local_blocks, remote_blocks, tokens, first_tokens)?;
     if local.tensors.len() != remote.tensors.len() {
         return Err(Error::invalid(format!(
             "layouts differ in tensor count ({} vs {})",
@@ -503,22 +526,22 @@ pub fn plan_read<L: AsRef<[BlockId]>, R: AsRef<[BlockId]>>(
     remote_blocks: &[R],
     opts: PlanOptions,
 ) -> Result<Plan> {
-    plan_read_from(local, remote, reads, local_blocks, remote_blocks, 0, opts)
+    plan_read_from(local, remote, reads, local_blocks, remote_blocks, &[], opts)
 }
 
-/// [`plan_read`] of a read that starts `first_token` tokens into each group's first remote
-/// block (a reader with smaller blocks than the peer whose cached prefix ends inside one of
-/// the peer's blocks; see [`Resize`]).
+/// [`plan_read`] of a read that starts `first_tokens[g]` tokens into group `g`'s first remote
+/// block (a reader with smaller blocks than the peer whose cached prefix, or sliding window,
+/// starts inside one of the peer's blocks; see [`Resize`]); none: 0 everywhere.
 pub fn plan_read_from<L: AsRef<[BlockId]>, R: AsRef<[BlockId]>>(
     local: &KvLayout,
     remote: &KvLayout,
     reads: &[TensorRead],
     local_blocks: &[L],
     remote_blocks: &[R],
-    first_token: u32,
+    first_tokens: &[u32],
     opts: PlanOptions,
 ) -> Result<Plan> {
-    check_blocks(local, remote, local_blocks, remote_blocks, first_token)?;
+    check_blocks(local, remote, local_blocks, remote_blocks, first_tokens)?;
     if reads.len() != local.tensors.len() {
         return Err(Error::invalid(format!(
             "{} tensor reads for {} tensors",
@@ -536,12 +559,9 @@ pub fn plan_read_from<L: AsRef<[BlockId]>, R: AsRef<[BlockId]>>(
             .zip(remote_blocks)
             .map(|(l, r)| (l.as_ref(), r.as_ref()))
             .collect();
-        let resize = Resize {
-            local_tokens: local.tokens_per_block,
-            remote_tokens: remote.tokens_per_block,
-            first_token,
-        };
-        return resize::plan_resized(local, remote, reads, &lists, resize, cap);
+        let (lt, rt) = (local.tokens_per_block, remote.tokens_per_block);
+        let resizes = resizes(lt, rt, first_tokens, lists.len())?;
+        return resize::plan_resized(local, remote, reads, &lists, &resizes, cap);
     }
     let pairs: Vec<Vec<(BlockId, BlockId)>> = local_blocks
         .iter()

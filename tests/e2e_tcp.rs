@@ -271,7 +271,7 @@ fn resized_read(prefill_tokens: u32, decode_tokens: u32, first: u32, count: u64,
         .engine
         .read(kvlink::ReadRequest {
             remote_tokens_per_block: Some(prefill_tokens),
-            first_token: first,
+            first_tokens: vec![first],
             ..kvlink::ReadRequest::blocks(
                 prefill.engine.handshake_address().to_string(),
                 "resized",

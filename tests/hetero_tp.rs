@@ -132,7 +132,7 @@ fn unpairable_sizes_and_partial_sources_are_refused_with_the_reason() {
             local: vec![vec![0]],
             remote: vec![vec![1]],
             remote_tokens_per_block: None,
-            first_token: 0,
+            first_tokens: Vec::new(),
         })
         .unwrap();
     let f = collect(&d.engine, Duration::from_secs(20), |f| !f.failed.is_empty());
@@ -195,7 +195,7 @@ fn unpairable_sizes_and_partial_sources_are_refused_with_the_reason() {
             local: vec![vec![0]],
             remote: vec![vec![0]],
             remote_tokens_per_block: None,
-            first_token: 0,
+            first_tokens: Vec::new(),
         })
         .unwrap_err()
         .to_string();
@@ -234,7 +234,7 @@ fn one_prefill_rank_failing_fails_the_read_names_it_and_every_rank_hears() {
             local: vec![blocks.clone()],
             remote: vec![blocks],
             remote_tokens_per_block: None,
-            first_token: 0,
+            first_tokens: Vec::new(),
         })
         .unwrap();
     let f = collect(&d.engine, Duration::from_secs(20), |f| !f.failed.is_empty());

@@ -517,7 +517,7 @@ proptest! {
             let mut mem: Vec<u8> = (0..plen).map(|i| (i % 251) as u8).collect();
             write_tokens(&mut mem, &model, &pl, at, &remote, u64::from(first_token), count);
             let reads = tensor_reads(&dl, decode, &pl, at, sources.clone()).unwrap();
-            let plan = plan_read_from(&dl, &pl, &reads, &[&local], &[&remote], first_token,
+            let plan = plan_read_from(&dl, &pl, &reads, &[&local], &[&remote], &[first_token],
                 PlanOptions { max_segment_bytes: cap }).unwrap();
             for s in &plan.segments {
                 prop_assert!(s.len > 0 && s.len <= cap);

@@ -52,10 +52,11 @@ pub struct ReadRequest {
     /// the smaller size at a time). `None`: the same size as this engine's; a prefill of
     /// another size is then refused.
     pub remote_tokens_per_block: Option<u32>,
-    /// Tokens of each group's first prefill block before the first one read: 0, or, when this
-    /// engine's blocks are the smaller, a multiple of its block size (its own cached prefix
-    /// ends inside that prefill block).
-    pub first_token: u32,
+    /// Per block group, the tokens of its first prefill block before the first one read: 0,
+    /// or, when this engine's blocks are the smaller, a multiple of its block size (its own
+    /// cached prefix, or a sliding window, starts inside that prefill block). Empty: 0 for
+    /// every group.
+    pub first_tokens: Vec<u32>,
 }
 
 impl ReadRequest {
@@ -75,7 +76,7 @@ impl ReadRequest {
             local: vec![local.to_vec()],
             remote: vec![remote.to_vec()],
             remote_tokens_per_block: None,
-            first_token: 0,
+            first_tokens: Vec::new(),
         }
     }
 }
@@ -136,7 +137,7 @@ impl Engine {
             local,
             remote,
             remote_tokens_per_block,
-            first_token,
+            first_tokens,
         } = req;
         id.validate().map_err(Error::InvalidArgument)?;
         remote_id
@@ -147,12 +148,7 @@ impl Engine {
             .layout()
             .ok_or_else(|| Error::invalid("set a KV layout before reading blocks"))?;
         let remote_tokens = remote_tokens_per_block.unwrap_or(layout.tokens_per_block);
-        let resize = plan::Resize {
-            local_tokens: layout.tokens_per_block,
-            remote_tokens,
-            first_token,
-        };
-        plan::check_local_blocks(&layout, &local, &remote, Some(resize))?;
+        plan::check_local_blocks(&layout, &local, &remote, remote_tokens, &first_tokens)?;
         let ours = TpRank::new(self.shared.config.tp_rank, self.shared.config.tp_size);
         let sources = match from {
             ReadFrom::Engine(peer) => vec![Source { peer, rank: None }],
@@ -184,7 +180,7 @@ impl Engine {
                     &conn.descriptor.layout,
                     &local,
                     &remote,
-                    first_token,
+                    &first_tokens,
                 )?;
             }
         }
@@ -200,7 +196,7 @@ impl Engine {
             local,
             remote,
             remote_tokens,
-            first_token,
+            first_tokens,
             started: now,
             deadline: tokio::time::Instant::from_std(now + self.shared.config.request_timeout),
         };

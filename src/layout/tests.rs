@@ -30,11 +30,18 @@ fn block_sizes_that_divide_pair_token_by_token() {
         ..ModelShape::LLAMA3_8B
     };
     for head_major in [false, true] {
-        let a = shape(16).layout_tp(RegionId(0), 4, solo, head_major).unwrap();
-        let b = shape(64).layout_tp(RegionId(1), 4, solo, head_major).unwrap();
+        let a = shape(16)
+            .layout_tp(RegionId(0), 4, solo, head_major)
+            .unwrap();
+        let b = shape(64)
+            .layout_tp(RegionId(1), 4, solo, head_major)
+            .unwrap();
         assert!(a.differences(&b).is_empty(), "{:?}", a.differences(&b));
         let s = b.tensors[0].token_shape(64).unwrap();
-        assert_eq!((s.parts, s.head_major, s.heads, s.head_bytes), (1, head_major, 8, 256));
+        assert_eq!(
+            (s.parts, s.head_major, s.heads, s.head_bytes),
+            (1, head_major, 8, 256)
+        );
     }
     // Head-major against token-major, and a tensor that does not say how it holds tokens.
     let a = shape(16).layout_tp(RegionId(0), 4, solo, true).unwrap();

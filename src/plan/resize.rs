@@ -5,8 +5,8 @@
 //! A read then pairs *units* of the smaller block size: unit `u` is the whole `u`-th block of
 //! the side with the smaller blocks and token range `(u + first) % ratio` of block
 //! `(u + first) / ratio` of the other side's list, `first` being the units of that side's
-//! first block that are not read (a decode with smaller blocks whose own cached prefix ends
-//! inside a prefill block). Each tensor's token range is cut per its [`TokenShape`]: one piece
+//! first block that are not read (a decode with smaller blocks whose own cached prefix, or a
+//! sliding window, starts inside a prefill block; per block group). Each tensor's token range is cut per its [`TokenShape`]: one piece
 //! per part of token-major blocks, one per part and head of head-major blocks, one per part
 //! and token when a decode of another TP size takes some of a token-major block's heads.
 
@@ -195,10 +195,11 @@ pub(super) fn plan_resized(
     remote: &KvLayout,
     reads: &[TensorRead],
     pairs: &[(&[BlockId], &[BlockId])],
-    resize: Resize,
+    resizes: &[Resize],
     cap: u64,
 ) -> Result<Plan> {
-    let n = u64::from(resize.local_tokens.min(resize.remote_tokens));
+    let (lt, rt) = (local.tokens_per_block, remote.tokens_per_block);
+    let n = u64::from(lt.min(rt));
     let mut segments: Vec<Segment> = Vec::new();
     let (mut bytes, mut pieces) = (0u64, 0usize);
     for (i, ((l, r), read)) in local
@@ -208,19 +209,15 @@ pub(super) fn plan_resized(
         .zip(reads)
         .enumerate()
     {
-        let (ls, rs) = shape(l, resize.local_tokens, i, "here")?.aligned(shape(
-            r,
-            resize.remote_tokens,
-            i,
-            "at the peer",
-        )?);
+        let (ls, rs) = shape(l, lt, i, "here")?.aligned(shape(r, rt, i, "at the peer")?);
         let Some(heads) = heads_read(*read, &ls) else {
             continue;
         };
         let c = cut(&ls, &rs, n, heads);
         let run = Run::single(l, r);
-        let (lb, rb) = pairs[l.group as usize];
-        for ((lblk, lu), (rblk, ru)) in resize.units(lb, rb) {
+        let g = l.group as usize;
+        let (lb, rb) = pairs[g];
+        for ((lblk, lu), (rblk, ru)) in resizes[g].units(lb, rb) {
             let lo = l.block_offset(lblk) + c.local.first + lu * c.local.unit_step;
             let ro = r.block_offset(rblk) + c.remote.first + ru * c.remote.unit_step;
             for a in 0..c.count_a {

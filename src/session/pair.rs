@@ -348,7 +348,7 @@ impl Pair {
             local: vec![local.to_vec()],
             remote: vec![remote.to_vec()],
             remote_tokens: SHAPE.tokens_per_block,
-            first_token: 0,
+            first_tokens: Vec::new(),
             started: now,
             deadline: tokio::time::Instant::now() + state.config.request_timeout,
         };

@@ -46,8 +46,8 @@ pub(crate) struct ReadJob {
     /// Tokens per block the read expects of the prefill (`ReadRequest::remote_tokens_per_block`,
     /// or this engine's own).
     pub(crate) remote_tokens: u32,
-    /// Where the read starts in each group's first remote block, in tokens.
-    pub(crate) first_token: u32,
+    /// Where the read starts in each group's first remote block, in tokens (empty: 0).
+    pub(crate) first_tokens: Vec<u32>,
     pub(crate) started: Instant,
     pub(crate) deadline: tokio::time::Instant,
 }
@@ -453,7 +453,7 @@ async fn read_once(
         &reads,
         &job.local,
         &job.remote,
-        job.first_token,
+        &job.first_tokens,
         opts,
     )?;
     let mut ops = Vec::with_capacity(plan.segments.len());

@@ -172,7 +172,7 @@ pub fn run(case: &Case) -> Ran {
                     local: l.clone(),
                     remote: r.clone(),
                     remote_tokens_per_block: None,
-                    first_token: 0,
+                    first_tokens: Vec::new(),
                 })
                 .unwrap();
         }

@@ -291,7 +291,7 @@ typedef struct kvlink_config {
  * One tensor of the KV cache for `kvlink_engine_set_layout`: `num_blocks` blocks of
  * `block_bytes` bytes, block `b` starting at byte `offset + b * block_stride` of region
  * `region`. Zero the struct before filling it: the fields after `block_bytes` default to
- * block group 0 and no KV heads.
+ * block group 0, no KV heads and no token runs.
  */
 typedef struct kvlink_tensor {
     /**
@@ -335,6 +335,17 @@ typedef struct kvlink_tensor {
      * (`[heads, tokens, dim]`), the tokens per block for token-major ones.
      */
     uint32_t head_runs;
+    /**
+     * How a block holds its tokens: that many stretches of all the block's tokens side by
+     * side (1 for `[tokens, ...]` blocks, the local heads for head-major ones, twice that with
+     * K and V in one block); 0: not declared. Needed to read between engines whose blocks hold
+     * different numbers of tokens (`kvlink_engine_read_resized`).
+     */
+    uint32_t token_runs;
+    /**
+     * Zero.
+     */
+    uint32_t reserved;
 } kvlink_tensor;
 
 /**
@@ -744,6 +755,34 @@ int kvlink_engine_read(struct kvlink_engine *engine,
                        const uint32_t *const *remote,
                        const size_t *counts,
                        size_t groups);
+
+/**
+ * `kvlink_engine_read` from a prefill whose blocks hold another number of tokens than this
+ * engine's (one a multiple of the other): `local[g]` holds `local_counts[g]` ids of this
+ * engine's blocks and `remote[g]` `remote_counts[g]` ids of the prefill's blocks of
+ * `remote_tokens_per_block` tokens, both lists covering the same run of tokens, from token
+ * `first_tokens[g]` of the first prefill block of group `g` (0, or, when this engine's blocks
+ * are the smaller, a multiple of its block size below the prefill's: its own cached prefix,
+ * or a sliding window, starts inside that prefill block; NULL: 0 for every group). Both
+ * layouts must declare `token_runs`. Returns as `kvlink_engine_read`.
+ *
+ * # Safety
+ * As `kvlink_engine_read`, with `local_counts` and `remote_counts` for `counts`;
+ * `first_tokens` is NULL or points to `groups` readable `uint32_t`s.
+ */
+int kvlink_engine_read_resized(struct kvlink_engine *engine,
+                               const char *request_id,
+                               const char *remote_request_id,
+                               const char *const *peers,
+                               size_t num_peers,
+                               int tp_group,
+                               const uint32_t *const *local,
+                               const size_t *local_counts,
+                               const uint32_t *const *remote,
+                               const size_t *remote_counts,
+                               size_t groups,
+                               uint32_t remote_tokens_per_block,
+                               const uint32_t *first_tokens);
 
 /**
  * `kvlink_engine_hold_blocks` with block ids per block group: list `g` holds `counts[g]` ids

@@ -13,7 +13,7 @@ use crate::status::invalid;
 /// One tensor of the KV cache for `kvlink_engine_set_layout`: `num_blocks` blocks of
 /// `block_bytes` bytes, block `b` starting at byte `offset + b * block_stride` of region
 /// `region`. Zero the struct before filling it: the fields after `block_bytes` default to
-/// block group 0 and no KV heads.
+/// block group 0, no KV heads and no token runs.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct kvlink_tensor {
@@ -40,9 +40,16 @@ pub struct kvlink_tensor {
     /// How many times this rank's heads repeat in a block: 1 for head-major blocks
     /// (`[heads, tokens, dim]`), the tokens per block for token-major ones.
     pub head_runs: u32,
+    /// How a block holds its tokens: that many stretches of all the block's tokens side by
+    /// side (1 for `[tokens, ...]` blocks, the local heads for head-major ones, twice that with
+    /// K and V in one block); 0: not declared. Needed to read between engines whose blocks hold
+    /// different numbers of tokens (`kvlink_engine_read_resized`).
+    pub token_runs: u32,
+    /// Zero.
+    pub reserved: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<kvlink_tensor>() == 48);
+const _: () = assert!(std::mem::size_of::<kvlink_tensor>() == 56);
 const _: () = assert!(std::mem::align_of::<kvlink_tensor>() == 8);
 const _: () = assert!(std::mem::offset_of!(kvlink_tensor, region) == 0);
 const _: () = assert!(std::mem::offset_of!(kvlink_tensor, num_blocks) == 4);
@@ -53,6 +60,7 @@ const _: () = assert!(std::mem::offset_of!(kvlink_tensor, group) == 32);
 const _: () = assert!(std::mem::offset_of!(kvlink_tensor, heads_total) == 36);
 const _: () = assert!(std::mem::offset_of!(kvlink_tensor, heads_local) == 40);
 const _: () = assert!(std::mem::offset_of!(kvlink_tensor, head_runs) == 44);
+const _: () = assert!(std::mem::offset_of!(kvlink_tensor, token_runs) == 48);
 
 /// Sets the KV layout (validated against the registered regions) and publishes it to peers.
 ///
@@ -106,6 +114,7 @@ pub unsafe extern "C" fn kvlink_engine_set_layout(
                 local: t.heads_local,
                 runs: t.head_runs,
             });
+            out.token_runs = (t.token_runs > 0).then_some(t.token_runs);
         }
         e.engine.set_layout(layout)?;
         Ok(())

@@ -83,45 +83,121 @@ pub unsafe extern "C" fn kvlink_engine_read(
     guard(|| {
         // SAFETY: the caller promised a live engine or NULL.
         let e = unsafe { ref_arg(engine, "engine") }?;
-        // SAFETY: the caller promised NUL-terminated strings or NULL.
-        let id = unsafe { str_arg(request_id, "request_id") }?;
-        // SAFETY: as above.
-        let remote_id = unsafe { opt_str_arg(remote_request_id, "remote_request_id") }?;
-        // SAFETY: the caller promised `num_peers` readable pointers or NULL.
-        let peer_ptrs = unsafe { slice_arg(peers, num_peers, "peers") }?;
-        let peers = peer_ptrs
-            .iter()
-            .enumerate()
-            // SAFETY: the caller promised each is NULL or NUL-terminated.
-            .map(|(i, &p)| unsafe { str_arg(p, &format!("peers[{i}]")) }.map(str::to_string))
-            .collect::<FfiResult<Vec<String>>>()?;
-        let from = match (tp_group, peers.len()) {
-            (0, 1) => ReadFrom::Engine(peers.into_iter().next().expect("one peer")),
-            (0, n) => {
-                return Err(invalid(format!(
-                    "{n} peers without tp_group; give one engine, or set tp_group to 1 for the \
-                     prefill's TP group"
-                )))
-            }
-            (1, _) => ReadFrom::TpGroup(peers),
-            (other, _) => return Err(invalid(format!("tp_group is {other}, not 0 or 1"))),
-        };
+        // SAFETY: the caller's promises on `request_id`, `remote_request_id` and `peers`.
+        let (id, remote_id, from) =
+            unsafe { read_args(request_id, remote_request_id, peers, num_peers, tp_group) }?;
         // SAFETY: the caller promised `groups` lists of `counts[g]` ids, or NULL.
         let local = unsafe { groups_arg(local, counts, groups, "local") }?;
         // SAFETY: as above.
         let remote = unsafe { groups_arg(remote, counts, groups, "remote") }?;
-        let id = RequestId::from(id);
         e.engine.read(ReadRequest {
-            remote_id: remote_id.map_or_else(|| id.clone(), RequestId::from),
+            remote_id,
             id,
             from,
             local,
             remote,
             remote_tokens_per_block: None,
-            first_token: 0,
+            first_tokens: Vec::new(),
         })?;
         Ok(())
     })
+}
+
+/// `kvlink_engine_read` from a prefill whose blocks hold another number of tokens than this
+/// engine's (one a multiple of the other): `local[g]` holds `local_counts[g]` ids of this
+/// engine's blocks and `remote[g]` `remote_counts[g]` ids of the prefill's blocks of
+/// `remote_tokens_per_block` tokens, both lists covering the same run of tokens, from token
+/// `first_tokens[g]` of the first prefill block of group `g` (0, or, when this engine's blocks
+/// are the smaller, a multiple of its block size below the prefill's: its own cached prefix,
+/// or a sliding window, starts inside that prefill block; NULL: 0 for every group). Both
+/// layouts must declare `token_runs`. Returns as `kvlink_engine_read`.
+///
+/// # Safety
+/// As `kvlink_engine_read`, with `local_counts` and `remote_counts` for `counts`;
+/// `first_tokens` is NULL or points to `groups` readable `uint32_t`s.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvlink_engine_read_resized(
+    engine: *mut kvlink_engine,
+    request_id: *const c_char,
+    remote_request_id: *const c_char,
+    peers: *const *const c_char,
+    num_peers: usize,
+    tp_group: c_int,
+    local: *const *const u32,
+    local_counts: *const usize,
+    remote: *const *const u32,
+    remote_counts: *const usize,
+    groups: usize,
+    remote_tokens_per_block: u32,
+    first_tokens: *const u32,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller promised a live engine or NULL.
+        let e = unsafe { ref_arg(engine, "engine") }?;
+        // SAFETY: the caller's promises on `request_id`, `remote_request_id` and `peers`.
+        let (id, remote_id, from) =
+            unsafe { read_args(request_id, remote_request_id, peers, num_peers, tp_group) }?;
+        // SAFETY: the caller promised `groups` lists of `local_counts[g]` ids, or NULL.
+        let local = unsafe { groups_arg(local, local_counts, groups, "local") }?;
+        // SAFETY: the caller promised `groups` lists of `remote_counts[g]` ids, or NULL.
+        let remote = unsafe { groups_arg(remote, remote_counts, groups, "remote") }?;
+        e.engine.read(ReadRequest {
+            remote_id,
+            id,
+            from,
+            local,
+            remote,
+            remote_tokens_per_block: Some(remote_tokens_per_block),
+            first_tokens: if first_tokens.is_null() {
+                Vec::new()
+            } else {
+                // SAFETY: the caller promised `groups` readable ids at `first_tokens`.
+                unsafe { slice_arg(first_tokens, groups, "first_tokens") }?.to_vec()
+            },
+        })?;
+        Ok(())
+    })
+}
+
+/// The ids and the source of a read.
+///
+/// # Safety
+/// `request_id` and `remote_request_id` are NULL or NUL-terminated; `peers` is NULL or points
+/// to `num_peers` NULL or NUL-terminated strings.
+unsafe fn read_args(
+    request_id: *const c_char,
+    remote_request_id: *const c_char,
+    peers: *const *const c_char,
+    num_peers: usize,
+    tp_group: c_int,
+) -> FfiResult<(RequestId, RequestId, ReadFrom)> {
+    // SAFETY: the caller promised NUL-terminated strings or NULL.
+    let id = unsafe { str_arg(request_id, "request_id") }?;
+    // SAFETY: as above.
+    let remote_id = unsafe { opt_str_arg(remote_request_id, "remote_request_id") }?;
+    // SAFETY: the caller promised `num_peers` readable pointers or NULL.
+    let peer_ptrs = unsafe { slice_arg(peers, num_peers, "peers") }?;
+    let peers = peer_ptrs
+        .iter()
+        .enumerate()
+        // SAFETY: the caller promised each is NULL or NUL-terminated.
+        .map(|(i, &p)| unsafe { str_arg(p, &format!("peers[{i}]")) }.map(str::to_string))
+        .collect::<FfiResult<Vec<String>>>()?;
+    let from = match (tp_group, peers.len()) {
+        (0, 1) => ReadFrom::Engine(peers.into_iter().next().expect("one peer")),
+        (0, n) => {
+            return Err(invalid(format!(
+                "{n} peers without tp_group; give one engine, or set tp_group to 1 for the \
+                 prefill's TP group"
+            )))
+        }
+        (1, _) => ReadFrom::TpGroup(peers),
+        (other, _) => return Err(invalid(format!("tp_group is {other}, not 0 or 1"))),
+    };
+    let id = RequestId::from(id);
+    let remote_id = remote_id.map_or_else(|| id.clone(), RequestId::from);
+    Ok((id, remote_id, from))
 }
 
 /// `kvlink_engine_hold_blocks` with block ids per block group: list `g` holds `counts[g]` ids

@@ -559,6 +559,70 @@ static void check_tp_and_groups(void) {
     kvlink_engine_free(prefill);
 }
 
+#define RS_TOKEN_BYTES 8
+#define RS_BLOCKS 8
+
+/* An engine with one tensor of `tokens`-token blocks (`[tokens, bytes]`, one token run) whose
+ * token `s` of block `b` holds `(b * tokens + s) % 251` in each byte when `fill` is set. */
+static kvlink_engine *resized_engine(const char *name, uint32_t tokens, int fill, uint8_t **mem) {
+    kvlink_config cfg;
+    CHECK(kvlink_config_default(&cfg));
+    cfg.engine_id = name;
+    cfg.transport = KVLINK_TRANSPORT_TCP;
+    kvlink_engine *engine = NULL;
+    CHECK(kvlink_engine_start(&cfg, &engine));
+    uint32_t block = tokens * RS_TOKEN_BYTES, region = 0;
+    CHECK(kvlink_engine_allocate_host(engine, (uint64_t)RS_BLOCKS * block, false, &region, mem));
+    for (unsigned i = 0; fill && i < RS_BLOCKS * block; i++) {
+        (*mem)[i] = (uint8_t)((i / RS_TOKEN_BYTES) % 251);
+    }
+    kvlink_tensor t;
+    memset(&t, 0, sizeof t);
+    t.region = region;
+    t.num_blocks = RS_BLOCKS;
+    t.block_stride = block;
+    t.block_bytes = block;
+    t.token_runs = 1;
+    CHECK(kvlink_engine_set_layout(engine, tokens, "bf16", &t, 1));
+    return engine;
+}
+
+/* A decode of 16-token blocks reads 24 tokens of a prefill of 4-token blocks (6 blocks into
+ * 2), token by token in place; the prefill's send finishes. */
+static void check_resized(void) {
+    uint8_t *p_mem = NULL, *d_mem = NULL;
+    kvlink_engine *prefill = resized_engine("c-rs-prefill", 4, 1, &p_mem);
+    kvlink_engine *decode = resized_engine("c-rs-decode", 16, 0, &d_mem);
+    char addr[KVLINK_ADDRESS_MAX];
+    CHECK(kvlink_engine_handshake_address(prefill, addr, sizeof addr));
+    const char *peers[1] = {addr};
+    const uint32_t r0[6] = {7, 2, 5, 0, 3, 6}, l0[2] = {4, 1};
+    const uint32_t *local[1] = {l0}, *remote[1] = {r0};
+    const size_t local_counts[1] = {2}, remote_counts[1] = {6}, wrong[1] = {3};
+    CHECK(kvlink_engine_hold_blocks(prefill, "c-rs", r0, 6, NULL, 30000));
+    CHECK_FAILS(kvlink_engine_read_resized(decode, "c-rs", NULL, peers, 1, 0, local, wrong,
+                                           remote, remote_counts, 1, 4, NULL),
+                KVLINK_E_INVALID, "need");
+    CHECK(kvlink_engine_read_resized(decode, "c-rs", NULL, peers, 1, 0, local, local_counts,
+                                     remote, remote_counts, 1, 4, NULL));
+    kvlink_finished *f = wait_for(decode, KVLINK_RECEIVING, "c-rs", "resized decode");
+    kvlink_finished_free(f);
+    for (unsigned p = 0; p < 24; p++) {
+        unsigned want = (r0[p / 4] * 4 + p % 4) % 251;
+        const uint8_t *got = d_mem + (uint64_t)l0[p / 16] * 16 * RS_TOKEN_BYTES +
+                             (p % 16) * RS_TOKEN_BYTES;
+        for (unsigned i = 0; i < RS_TOKEN_BYTES; i++) {
+            if (got[i] != want) {
+                fail(__LINE__, "token %u byte %u: %u, not %u", p, i, got[i], want);
+            }
+        }
+    }
+    kvlink_finished *sent = wait_for(prefill, KVLINK_SENDING, "c-rs", "resized prefill");
+    kvlink_finished_free(sent);
+    kvlink_engine_free(decode);
+    kvlink_engine_free(prefill);
+}
+
 int main(void) {
     EXPECT(kvlink_version() != NULL && kvlink_version()[0] != '\0');
     kvlink_engine *prefill = start_engine("c-prefill");
@@ -660,6 +724,7 @@ int main(void) {
     check_cancel(decode);
     check_event_publisher();
     check_tp_and_groups();
+    check_resized();
     check_aggregator(received);
     kvlink_finished_free(received);
 

@@ -255,9 +255,9 @@ impl Engine {
     ///
     /// `remote_tokens_per_block`: the prefill's tokens per block when they differ from this
     /// engine's (one a multiple of the other); the block lists then cover the same tokens, each
-    /// in its own size. `first_token`: tokens of the prefill's first block (of each group)
-    /// before the first one read, when this engine's blocks are the smaller.
-    #[pyo3(signature = (peer, request_id, local_blocks, remote_blocks, remote_request_id = None, remote_tokens_per_block = None, first_token = 0))]
+    /// in its own size. `first_tokens`: per block group, the tokens of the prefill's first block
+    /// before the first one read (when this engine's blocks are the smaller); `None`: 0.
+    #[pyo3(signature = (peer, request_id, local_blocks, remote_blocks, remote_request_id = None, remote_tokens_per_block = None, first_tokens = None))]
     #[allow(clippy::too_many_arguments)]
     fn read_blocks(
         &self,
@@ -267,7 +267,7 @@ impl Engine {
         remote_blocks: &Bound<'_, PyAny>,
         remote_request_id: Option<&Bound<'_, PyAny>>,
         remote_tokens_per_block: Option<u32>,
-        first_token: u32,
+        first_tokens: Option<Vec<u32>>,
     ) -> PyResult<()> {
         let id = self::request_id(request_id)?;
         let remote_id = match remote_request_id {
@@ -294,7 +294,7 @@ impl Engine {
                 local,
                 remote,
                 remote_tokens_per_block,
-                first_token,
+                first_tokens: first_tokens.unwrap_or_default(),
             })
             .map_err(to_py)
     }

@@ -25,6 +25,10 @@ options:
                       one token per block, so --tokens counts blocks
   --tensors N         custom layout: tensors per block                   [1]
   --block-tokens N    tokens per block of a preset                      [16]
+  --prefill-block-tokens N
+                      loopback: the prefill's tokens per block, when it differs from
+                      --block-tokens (one a multiple of the other): each prefill block
+                      is read token range by token range       [--block-tokens]
   --tokens N          tokens per request                                [4096]
   --pattern P         block ids: random, contiguous or fragmented       [random]
   --requests N        measured requests                                 [16]
@@ -117,6 +121,8 @@ pub(crate) struct Args {
     pub(crate) groups: u32,
     /// Whether --prefill-tp, --decode-tp or --groups was given (the multi-rank driver runs).
     pub(crate) tp_given: bool,
+    /// The prefill's tokens per block when they differ from the decode's (`shape`'s).
+    pub(crate) prefill_block_tokens: Option<u32>,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -173,6 +179,7 @@ pub(crate) fn parse_args() -> Result<Args, String> {
         head_major: false,
         groups: 1,
         tp_given: false,
+        prefill_block_tokens: None,
     };
     let mut block_tokens: Option<u32> = None;
     let mut block_bytes: Option<u64> = None;
@@ -268,6 +275,13 @@ pub(crate) fn parse_args() -> Result<Args, String> {
                     val(&mut p)?
                         .parse()
                         .map_err(|e| format!("--block-tokens: {e}"))?,
+                )
+            }
+            Long("prefill-block-tokens") => {
+                a.prefill_block_tokens = Some(
+                    val(&mut p)?
+                        .parse()
+                        .map_err(|e| format!("--prefill-block-tokens: {e}"))?,
                 )
             }
             Long("param") => a.param = Some(val(&mut p)?),
@@ -389,6 +403,7 @@ pub(crate) fn parse_args() -> Result<Args, String> {
         }
         a.shape.tokens_per_block = t;
     }
+    check_block_sizes(&a, block_bytes.is_some())?;
     if a.mode == Mode::Sweep {
         match a.param.as_deref() {
             Some("message-bytes" | "tokens" | "concurrency" | "qps" | "streams") => {}
@@ -410,7 +425,39 @@ pub(crate) fn parse_args() -> Result<Args, String> {
     Ok(a)
 }
 
+/// `--prefill-block-tokens`: loopback runs of a preset on one TP rank each, one block size a
+/// multiple of the other.
+fn check_block_sizes(a: &Args, custom: bool) -> Result<(), String> {
+    let Some(p) = a.prefill_block_tokens else {
+        return Ok(());
+    };
+    let d = a.shape.tokens_per_block;
+    if custom || a.mode != Mode::Loopback || a.tp_run() {
+        return Err(
+            "--prefill-block-tokens applies to loopback runs of a preset without TP sizes or groups"
+                .into(),
+        );
+    }
+    if p == 0 || p.max(d) % p.min(d) != 0 {
+        return Err(format!(
+            "--prefill-block-tokens {p} and --block-tokens {d}: one must be a multiple of the other"
+        ));
+    }
+    Ok(())
+}
+
 impl Args {
+    /// The prefill's tokens per block.
+    pub(crate) fn prefill_tokens(&self) -> u32 {
+        self.prefill_block_tokens
+            .unwrap_or(self.shape.tokens_per_block)
+    }
+
+    /// Prefill blocks per request.
+    pub(crate) fn prefill_blocks_per_request(&self) -> u32 {
+        self.tokens.div_ceil(self.prefill_tokens())
+    }
+
     /// Whether the run takes the TP-group driver (TP sizes or block groups given, even 1).
     pub(crate) fn tp_run(&self) -> bool {
         self.tp_given || self.prefill_tp != 1 || self.decode_tp != 1 || self.groups != 1

@@ -6,12 +6,13 @@ use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
 use kvlink::{
-    BlockId, Engine, KvLayout, Region, RequestId, TpRank, TransferReport, TransportChoice,
+    BlockId, Engine, KvLayout, ReadRequest, Region, RequestId, TpRank, TransferReport,
+    TransportChoice,
 };
 
 use crate::args::{Args, Memory, Mode, Pattern};
 use crate::report::{fmt_bytes, report, sweep};
-use crate::workload::{make_cache, pick, Cache, Rng};
+use crate::workload::{make_cache, make_cache_of, pick, Cache, Rng};
 
 #[derive(Default)]
 pub(crate) struct Outcome {
@@ -65,12 +66,17 @@ fn drive(
         peer,
     } = *rd;
     let per = args.blocks_per_request();
+    // The prefill's blocks of the same tokens (its block size may differ).
+    let per_r = if remote_layout.tokens_per_block == local.layout.tokens_per_block {
+        per
+    } else {
+        args.prefill_blocks_per_request()
+    };
     let span = local.layout.num_blocks() / args.concurrency as u32;
     let remote_blocks = remote_layout.num_blocks();
-    let runs = per.div_ceil(4);
-    let fragmented_short =
-        args.pattern == Pattern::Fragmented && (span / 4 < runs || remote_blocks / 4 < runs);
-    if span < per || remote_blocks < per || fragmented_short {
+    let fragmented_short = args.pattern == Pattern::Fragmented
+        && (span / 4 < per.div_ceil(4) || remote_blocks / 4 < per_r.div_ceil(4));
+    if span < per || remote_blocks < per_r || fragmented_short {
         return Err(format!(
             "caches too small: {per} blocks per request, {span} local blocks per slot, {remote_blocks} remote blocks (raise --blocks)"
         ));
@@ -97,13 +103,23 @@ fn drive(
         }
         while submitted < count {
             let Some(slot) = free_slots.pop() else { break };
-            let (l, r) = pick(rng, args.pattern, per, slot * span, span, remote_blocks);
+            let (l, r) = pick(
+                rng,
+                args.pattern,
+                (per, per_r),
+                slot * span,
+                span,
+                remote_blocks,
+            );
             let id = RequestId::from(format!("{tag}-{submitted}"));
             if let Some(h) = holder {
                 h.hold_blocks(id.clone(), &r).map_err(|e| e.to_string())?;
             }
             engine
-                .read_blocks(peer, id.clone(), &l, &r)
+                .read(ReadRequest {
+                    remote_tokens_per_block: Some(remote_layout.tokens_per_block),
+                    ..ReadRequest::blocks(peer, id.clone(), &l, &r)
+                })
                 .map_err(|e| e.to_string())?;
             in_flight.insert(id, (slot, l, r));
             submitted += 1;
@@ -123,15 +139,8 @@ fn drive(
                 .remove(&rep.id)
                 .ok_or("unknown request finished")?;
             if args.verify {
-                out.verified += kvlink::verify::check_blocks(
-                    &local.region,
-                    &local.layout,
-                    remote_layout,
-                    args.seed,
-                    &l,
-                    &r,
-                )
-                .map_err(|e| format!("verification failed for {}: {e}", rep.id))?;
+                out.verified += verify(args, local, remote_layout, &l, &r)
+                    .map_err(|e| format!("verification failed for {}: {e}", rep.id))?;
             }
             free_slots.push(slot);
             out.reports.push(rep);
@@ -143,6 +152,36 @@ fn drive(
         let _ = write!(std::io::stderr(), "\r{}\r", " ".repeat(70));
     }
     Ok(out)
+}
+
+/// Checks one request's bytes: block by block, or token by token when the prefill's blocks
+/// hold another number of tokens.
+fn verify(
+    args: &Args,
+    local: &Cache,
+    remote_layout: &KvLayout,
+    l: &[BlockId],
+    r: &[BlockId],
+) -> kvlink::Result<u64> {
+    if remote_layout.tokens_per_block == local.layout.tokens_per_block {
+        return kvlink::verify::check_blocks(
+            &local.region,
+            &local.layout,
+            remote_layout,
+            args.seed,
+            l,
+            r,
+        );
+    }
+    kvlink::verify::check_tokens(
+        &local.region,
+        &local.layout,
+        remote_layout,
+        args.seed,
+        (l, r),
+        0,
+        u64::from(args.tokens),
+    )
 }
 
 /// The reference for staged and same-host runs, measured in the same run: one plain copy
@@ -169,7 +208,21 @@ pub(crate) fn loopback(args: &Args, rng: &mut Rng) -> Result<Outcome, String> {
     let prefill = Engine::start(args.config("127.0.0.1:0", None)).map_err(|e| e.to_string())?;
     let decode = Engine::start(args.config("127.0.0.1:0", None)).map_err(|e| e.to_string())?;
     eprintln!("kvlink-bench: {}", prefill.capabilities().summary());
-    let remote = make_cache(&prefill, args, blocks, args.seed, TpRank::SOLO)?;
+    // The prefill's cache holds as many tokens as the decode's, in blocks of its own size.
+    let shape = kvlink::ModelShape {
+        tokens_per_block: args.prefill_tokens(),
+        ..args.shape.clone()
+    };
+    let remote_blocks = (u64::from(blocks) * u64::from(args.shape.tokens_per_block))
+        .div_ceil(u64::from(shape.tokens_per_block)) as u32;
+    let remote = make_cache_of(
+        &prefill,
+        args,
+        &shape,
+        remote_blocks,
+        args.seed,
+        TpRank::SOLO,
+    )?;
     let local = make_cache(&decode, args, blocks, !args.seed, TpRank::SOLO)?;
     let peer = prefill.handshake_address().to_string();
     // Staged runs and same-host runs are compared with one plain copy of the same bytes.

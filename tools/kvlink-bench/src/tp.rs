@@ -142,7 +142,14 @@ impl TpRun<'_> {
                 let Some(slot) = free_slots.pop() else { break };
                 let (mut l, mut r) = (Vec::new(), Vec::new());
                 for _ in 0..groups {
-                    let (lg, rg) = pick(rng, args.pattern, per, slot * span, span, remote_blocks);
+                    let (lg, rg) = pick(
+                        rng,
+                        args.pattern,
+                        (per, per),
+                        slot * span,
+                        span,
+                        remote_blocks,
+                    );
                     l.push(lg);
                     r.push(rg);
                 }
@@ -159,7 +166,7 @@ impl TpRun<'_> {
                             local: l.clone(),
                             remote: r.clone(),
                             remote_tokens_per_block: None,
-                            first_token: 0,
+                            first_tokens: Vec::new(),
                         })
                         .map_err(|e| e.to_string())?;
                 }

@@ -20,7 +20,18 @@ pub(crate) fn make_cache(
     seed: u64,
     tp: TpRank,
 ) -> Result<Cache, String> {
-    let shape = &args.shape;
+    make_cache_of(engine, args, &args.shape, blocks, seed, tp)
+}
+
+/// [`make_cache`] of `shape` (the prefill's, when its blocks hold other numbers of tokens).
+pub(crate) fn make_cache_of(
+    engine: &Engine,
+    args: &Args,
+    shape: &kvlink::ModelShape,
+    blocks: u32,
+    seed: u64,
+    tp: TpRank,
+) -> Result<Cache, String> {
     let bytes = shape
         .region_bytes_tp(blocks, tp.size)
         .map_err(|e| e.to_string())?;
@@ -75,42 +86,42 @@ impl Rng {
     }
 }
 
-/// Block ids for one request: `per` local ids inside `[base, base + span)`, `per` remote ids
-/// inside `[0, remote_blocks)`.
+/// Block ids for one request: `per.0` local ids inside `[base, base + span)`, `per.1` remote
+/// ids inside `[0, remote_blocks)` (the same count, unless the sides' blocks hold different
+/// numbers of tokens).
 pub(crate) fn pick(
     rng: &mut Rng,
     pattern: Pattern,
-    per: u32,
+    (per_l, per_r): (u32, u32),
     base: u32,
     span: u32,
     remote_blocks: u32,
 ) -> (Vec<BlockId>, Vec<BlockId>) {
     match pattern {
         Pattern::Contiguous => {
-            let l0 = base + rng.below(span - per + 1);
-            let r0 = rng.below(remote_blocks - per + 1);
-            ((l0..l0 + per).collect(), (r0..r0 + per).collect())
+            let l0 = base + rng.below(span - per_l + 1);
+            let r0 = rng.below(remote_blocks - per_r + 1);
+            ((l0..l0 + per_l).collect(), (r0..r0 + per_r).collect())
         }
         Pattern::Random => {
             let l = rng
-                .sample(span, per)
+                .sample(span, per_l)
                 .into_iter()
                 .map(|b| b + base)
                 .collect();
-            (l, rng.sample(remote_blocks, per))
+            (l, rng.sample(remote_blocks, per_r))
         }
         Pattern::Fragmented => {
             // Runs of 4 consecutive blocks at random places on both sides.
-            let runs = per.div_ceil(4);
-            let expand = |starts: Vec<u32>, off: u32| -> Vec<u32> {
+            let expand = |starts: Vec<u32>, off: u32, per: u32| -> Vec<u32> {
                 starts
                     .into_iter()
                     .flat_map(|s| (0..4).map(move |i| off + s * 4 + i))
                     .take(per as usize)
                     .collect()
             };
-            let l = expand(rng.sample(span / 4, runs), base);
-            let r = expand(rng.sample(remote_blocks / 4, runs), 0);
+            let l = expand(rng.sample(span / 4, per_l.div_ceil(4)), base, per_l);
+            let r = expand(rng.sample(remote_blocks / 4, per_r.div_ceil(4)), 0, per_r);
             (l, r)
         }
     }

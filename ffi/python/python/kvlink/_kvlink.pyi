@@ -97,12 +97,15 @@ class Engine:
         """Stops exporting a region once no transfer uses it (GIL released while waiting)."""
     def set_layout(self, tensors: Sequence[Tuple[Any, ...]], tokens_per_block: int, dtype: str) -> None:
         """Tensors as ``(region, offset, block_stride, block_bytes, num_blocks[, group[,
-        heads]])``, in agreed order. ``group``: the tensor's block group (block-id space, from
-        0; default 0). ``heads``: ``(total, local, runs)`` when TP splits the tensor's KV heads
-        (``total`` over all ranks, ``local`` on this rank, a block being ``runs`` repetitions
-        of the local heads: 1 for head-major ``[heads, tokens, dim]`` blocks, the tokens per
-        block for token-major ones); ``None`` (default) when every rank holds it whole (MLA).
-        Declared heads let engines of other TP sizes read each other."""
+        heads[, token_runs]]])``, in agreed order. ``group``: the tensor's block group (block-id
+        space, from 0; default 0). ``heads``: ``(total, local, runs)`` when TP splits the
+        tensor's KV heads (``total`` over all ranks, ``local`` on this rank, a block being
+        ``runs`` repetitions of the local heads: 1 for head-major ``[heads, tokens, dim]``
+        blocks, the tokens per block for token-major ones); ``None`` (default) when every rank
+        holds it whole (MLA). Declared heads let engines of other TP sizes read each other.
+        ``token_runs``: how many stretches of all the block's tokens a block holds side by side
+        (1 for ``[tokens, ...]`` blocks, the local heads for head-major ones); declared, it lets
+        engines of other block sizes read each other; ``None`` (default): not declared."""
     def register_kv_caches(self, arrays: List[Any], tokens_per_block: int, dtype: str) -> List[int]:
         """Registers per-tensor caches (first axis = blocks) and sets the layout in that order;
         returns the region ids. On error, the regions it registered are deregistered again."""
@@ -113,6 +116,8 @@ class Engine:
         local_blocks: Union[Sequence[int], Sequence[Sequence[int]]],
         remote_blocks: Union[Sequence[int], Sequence[Sequence[int]]],
         remote_request_id: Optional[str] = None,
+        remote_tokens_per_block: Optional[int] = None,
+        first_tokens: Optional[Sequence[int]] = None,
     ) -> None:
         """Starts reading ``remote_blocks`` of ``peer`` into ``local_blocks``; returns at once.
         ``peer``: one engine's handshake address, or the prefill TP group's addresses in rank
@@ -120,7 +125,11 @@ class Engine:
         rank, or the heads of several side by side; TP sizes must divide one another). Block
         lists: one list, or one list per block group of the layout. ``remote_request_id``: the
         id the prefill holds the request under, when it differs from ``request_id`` (this
-        engine's own, used by get_finished() and cancel())."""
+        engine's own, used by get_finished() and cancel()). ``remote_tokens_per_block``: the
+        prefill's tokens per block when they differ from this engine's (one a multiple of the
+        other; both layouts declare token runs): the lists then cover the same run of tokens,
+        each in its own block size. ``first_tokens``: per block group, the tokens of the
+        prefill's first block before the first one read (this engine's blocks the smaller)."""
     def release(self, request_id: str) -> bool:
         """Prefill side: drops the hold of ``request_id`` (aborted or preempted before its
         reader was told); the grant ends at once and nothing is reported for it. Returns whether
