@@ -474,8 +474,8 @@ fn token_model() -> impl Strategy<Value = Vec<TokenTensor>> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
     /// A decode whose blocks hold more or fewer tokens than the prefill's (one a multiple of
-    /// the other, either side the larger, from any token of the first prefill block when the
-    /// decode's are the smaller), of the same or another TP size: every token it reads lands
+    /// the other, either side the larger, from any token of the first block of the larger
+    /// size), of the same or another TP size: every token it reads lands
     /// at its own position in the decode's blocks, head by head, and nothing else is written.
     #[test]
     fn reads_between_block_sizes_move_every_token_to_its_place(
@@ -497,7 +497,7 @@ proptest! {
     ) {
         let large = small * ratio;
         let (dt, pt) = if decode_small { (small, large) } else { (large, small) };
-        let skip = if decode_small { skip % ratio } else { 0 };
+        let skip = skip % ratio;
         let first_token = skip * small;
         let (p_size, d_size) = (1u32 << sizes.0, 1u32 << sizes.1);
         let decode = TpRank::new(decode_rank % d_size, d_size);
@@ -505,8 +505,10 @@ proptest! {
         // The run of tokens read: `units` blocks of the smaller size.
         let count = units * u64::from(small);
         let blocks = |tokens: u32, first: u64| (first + count).div_ceil(u64::from(tokens)) as usize;
-        let local: Vec<u32> = order[..blocks(dt, 0)].to_vec();
-        let remote: Vec<u32> = order[16 - blocks(pt, u64::from(first_token))..].to_vec();
+        // The side with the larger blocks may start inside its first one.
+        let (lfirst, rfirst) = if decode_small { (0, first_token) } else { (first_token, 0) };
+        let local: Vec<u32> = order[..blocks(dt, u64::from(lfirst))].to_vec();
+        let remote: Vec<u32> = order[16 - blocks(pt, u64::from(rfirst))..].to_vec();
         let mut got = vec![255u8; dlen as usize];
         let mut moved = 0;
         let sources = sources(decode, p_size).unwrap();
@@ -515,7 +517,7 @@ proptest! {
             let (pl, plen) = token_layout(&model, at, pt, 16);
             // The prefill's blocks, every token of them, the run's tokens at their positions.
             let mut mem: Vec<u8> = (0..plen).map(|i| (i % 251) as u8).collect();
-            write_tokens(&mut mem, &model, &pl, at, &remote, u64::from(first_token), count);
+            write_tokens(&mut mem, &model, &pl, at, &remote, u64::from(rfirst), count);
             let reads = tensor_reads(&dl, decode, &pl, at, sources.clone()).unwrap();
             let plan = plan_read_from(&dl, &pl, &reads, &[&local], &[&remote], &[first_token],
                 PlanOptions { max_segment_bytes: cap }).unwrap();
@@ -527,7 +529,7 @@ proptest! {
             moved += plan.bytes;
         }
         let mut want = vec![255u8; dlen as usize];
-        write_tokens(&mut want, &model, &dl, decode, &local, 0, count);
+        write_tokens(&mut want, &model, &dl, decode, &local, u64::from(lfirst), count);
         let needed: u64 = model
             .iter()
             .map(|m| count * u64::from(m.parts * m.local(decode)) * m.hb)

@@ -52,10 +52,11 @@ pub struct ReadRequest {
     /// the smaller size at a time). `None`: the same size as this engine's; a prefill of
     /// another size is then refused.
     pub remote_tokens_per_block: Option<u32>,
-    /// Per block group, the tokens of its first prefill block before the first one read: 0,
-    /// or, when this engine's blocks are the smaller, a multiple of its block size (its own
-    /// cached prefix, or a sliding window, starts inside that prefill block). Empty: 0 for
-    /// every group.
+    /// Per block group, the tokens of the first block of the side with the larger blocks (the
+    /// prefill's or this engine's) before the first one read: 0, or a multiple of the smaller
+    /// block size (the read starts inside a block of the larger size: this engine's cached
+    /// prefix ends inside a prefill block, or a sliding window starts inside a block). Empty: 0
+    /// for every group.
     pub first_tokens: Vec<u32>,
 }
 

@@ -5,10 +5,12 @@
 //! A read then pairs *units* of the smaller block size: unit `u` is the whole `u`-th block of
 //! the side with the smaller blocks and token range `(u + first) % ratio` of block
 //! `(u + first) / ratio` of the other side's list, `first` being the units of that side's
-//! first block that are not read (a decode with smaller blocks whose own cached prefix, or a
-//! sliding window, starts inside a prefill block; per block group). Each tensor's token range is cut per its [`TokenShape`]: one piece
-//! per part of token-major blocks, one per part and head of head-major blocks, one per part
-//! and token when a decode of another TP size takes some of a token-major block's heads.
+//! first block that are not read (the read starts inside a block of the larger size: a decode
+//! with smaller blocks whose own cached prefix ends inside a prefill block, or a sliding window
+//! whose first needed token is inside one; per block group). Each tensor's token range is cut
+//! per its [`TokenShape`]: one piece per part of token-major blocks, one per part and head of
+//! head-major blocks, one per part and token when a decode of another TP size takes some of a
+//! token-major block's heads.
 
 use super::{push_piece, Plan, Run, Segment, TensorRead};
 use crate::error::{Error, Result};
@@ -22,9 +24,9 @@ pub struct Resize {
     pub local_tokens: u32,
     /// Tokens per block of the peer.
     pub remote_tokens: u32,
-    /// Tokens of the peer's first block (of every block group) before the first one read: a
-    /// multiple of `local_tokens` below `remote_tokens` when this engine's blocks are the
-    /// smaller, else 0.
+    /// Tokens of the first block of the side with the larger blocks (this engine's or the
+    /// peer's) before the first one read: a multiple of the smaller block size, below the
+    /// larger; 0 when the sizes are the same.
     pub first_token: u32,
 }
 
@@ -38,12 +40,12 @@ impl Resize {
                 "blocks of {l} tokens here and {r} at the peer: one size must be a multiple of the other"
             )));
         }
-        let fits = if l < r { f % l == 0 && f < r } else { f == 0 };
-        if !fits {
+        let (small, large) = (l.min(r), l.max(r));
+        if f % small != 0 || f >= large || (l == r && f != 0) {
             return Err(Error::invalid(format!(
-                "a read cannot start {f} tokens into a peer block of {r} tokens with blocks of {l} \
-                 tokens here (a multiple of {l} below {r}, and only when this engine's blocks are \
-                 the smaller)"
+                "a read cannot start {f} tokens into a block of {large} tokens when the other \
+                 side's blocks hold {small} (a multiple of {small} below {large}; 0 for blocks \
+                 of one size)"
             )));
         }
         Ok(())
@@ -80,7 +82,12 @@ impl Resize {
             "{local} local blocks of {ls} tokens and {remote} remote blocks of {rs} tokens{}: \
              {small} blocks of the smaller size need {want} of the larger",
             if self.first_token > 0 {
-                format!(" from token {} of the first remote block", self.first_token)
+                let side = if self.local_small() {
+                    "remote"
+                } else {
+                    "local"
+                };
+                format!(" from token {} of the first {side} block", self.first_token)
             } else {
                 String::new()
             }
@@ -263,11 +270,13 @@ mod tests {
         resize(16, 64, 0).check().unwrap();
         resize(16, 64, 48).check().unwrap();
         resize(64, 16, 0).check().unwrap();
+        resize(64, 16, 16).check().unwrap();
         assert!(resize(16, 48, 0).check().is_ok());
         assert!(resize(16, 40, 0).check().is_err());
         assert!(resize(16, 64, 64).check().is_err());
         assert!(resize(16, 64, 8).check().is_err());
-        assert!(resize(64, 16, 16).check().is_err());
+        assert!(resize(64, 16, 64).check().is_err());
+        assert!(resize(16, 16, 16).check().is_err());
     }
 
     #[test]
@@ -289,6 +298,9 @@ mod tests {
             u,
             vec![((5, 0), (9, 2)), ((6, 0), (9, 3)), ((7, 0), (3, 0))]
         );
+        // A decode of the larger blocks that starts inside its first one (a sliding window).
+        let u: Vec<_> = resize(32, 16, 16).units(&[4, 1], &[8, 2]).collect();
+        assert_eq!(u, vec![((4, 1), (8, 0)), ((1, 0), (2, 0))]);
         let u: Vec<_> = resize(32, 16, 0).units(&[4, 1], &[8, 2, 6]).collect();
         assert_eq!(
             u,

@@ -107,10 +107,11 @@ pub unsafe extern "C" fn kvlink_engine_read(
 /// engine's (one a multiple of the other): `local[g]` holds `local_counts[g]` ids of this
 /// engine's blocks and `remote[g]` `remote_counts[g]` ids of the prefill's blocks of
 /// `remote_tokens_per_block` tokens, both lists covering the same run of tokens, from token
-/// `first_tokens[g]` of the first prefill block of group `g` (0, or, when this engine's blocks
-/// are the smaller, a multiple of its block size below the prefill's: its own cached prefix,
-/// or a sliding window, starts inside that prefill block; NULL: 0 for every group). Both
-/// layouts must declare `token_runs`. Returns as `kvlink_engine_read`.
+/// `first_tokens[g]` of group `g`'s first block of the larger size (the prefill's or this
+/// engine's; 0, or a multiple of the smaller size: the read starts inside that block, as when
+/// this engine's cached prefix ends inside a prefill block or a sliding window starts inside
+/// a block; NULL: 0 for every group). Both layouts must declare `token_runs`. Returns as
+/// `kvlink_engine_read`.
 ///
 /// # Safety
 /// As `kvlink_engine_read`, with `local_counts` and `remote_counts` for `counts`;

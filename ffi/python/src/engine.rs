@@ -255,8 +255,8 @@ impl Engine {
     ///
     /// `remote_tokens_per_block`: the prefill's tokens per block when they differ from this
     /// engine's (one a multiple of the other); the block lists then cover the same tokens, each
-    /// in its own size. `first_tokens`: per block group, the tokens of the prefill's first block
-    /// before the first one read (when this engine's blocks are the smaller); `None`: 0.
+    /// in its own size. `first_tokens`: per block group, the tokens of the first block of the
+    /// larger size (either side's) before the first one read; `None`: 0.
     #[pyo3(signature = (peer, request_id, local_blocks, remote_blocks, remote_request_id = None, remote_tokens_per_block = None, first_tokens = None))]
     #[allow(clippy::too_many_arguments)]
     fn read_blocks(

@@ -128,8 +128,9 @@ class Engine:
         engine's own, used by get_finished() and cancel()). ``remote_tokens_per_block``: the
         prefill's tokens per block when they differ from this engine's (one a multiple of the
         other; both layouts declare token runs): the lists then cover the same run of tokens,
-        each in its own block size. ``first_tokens``: per block group, the tokens of the
-        prefill's first block before the first one read (this engine's blocks the smaller)."""
+        each in its own block size. ``first_tokens``: per block group, the tokens of the first
+        block of the larger size (either side's) before the first one read (a cached prefix or
+        a sliding window that starts inside it)."""
     def release(self, request_id: str) -> bool:
         """Prefill side: drops the hold of ``request_id`` (aborted or preempted before its
         reader was told); the grant ends at once and nothing is reported for it. Returns whether
