@@ -1,6 +1,7 @@
 //! Tests of `crate::layout`.
 
 use super::*;
+use crate::tp::TpRank;
 
 fn region(len: u64) -> Vec<RegionInfo> {
     vec![RegionInfo {

@@ -80,11 +80,14 @@ def kv_cache_tensors(
     ``layers`` are ``(layer name, KV cache group)`` in the order both sides agree on (group by
     group, each group's layers in vLLM's order). Returns the memory to register, ``(address,
     bytes, owner)`` per distinct storage (one for vLLM's shared backing allocation), and the
-    layout, ``(storage index, offset, block stride, block bytes, blocks, group, heads)`` per
-    layer. ``kv_heads`` is ``(total, this rank's)``; with it each tensor declares ``(total,
-    local, runs)``: a scheduler block is ``runs`` repetitions of the rank's heads (the kernel
-    blocks it is made of, times the tokens of each when blocks are token-major). ``None``
-    (MLA) declares none.
+    layout, ``(storage index, offset, block stride, block bytes, blocks, group, heads,
+    token runs)`` per layer. ``kv_heads`` is ``(total, this rank's)``; with it each tensor
+    declares ``(total, local, runs)``: a scheduler block is ``runs`` repetitions of the rank's
+    heads (the kernel blocks it is made of, times the tokens of each when blocks are
+    token-major). ``None`` (MLA) declares none. Token runs (how many stretches of all the
+    block's tokens a block holds, which reads between engines of different block sizes need):
+    1 for token-major blocks and MLA's latent, the heads for head-major ones; ``None`` for
+    head-major blocks split into kernel blocks, whose tokens are not in one stretch per head.
     """
     storages: Dict[int, int] = {}
     memory: List[Tuple[int, int, torch.Tensor]] = []
@@ -126,6 +129,8 @@ def kv_cache_tensors(
                     f"should hold {local} of {total}"
                 )
             heads = (total, local, ratio * (1 if head_major else v.shape[2]))
+        per_head = head_major and kv_heads is not None
+        token_runs = None if per_head and ratio > 1 else (v.shape[1] if per_head else 1)
         layout.append(
             (
                 storages[base],
@@ -135,6 +140,7 @@ def kv_cache_tensors(
                 num_blocks,
                 group,
                 heads,
+                token_runs,
             )
         )
     return memory, layout

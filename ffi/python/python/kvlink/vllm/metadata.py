@@ -36,6 +36,12 @@ class ReadSpec:
     refused: str = ""
     """Why the read cannot be made, when the scheduler found it unusable: it then ends as a
     failed read at once (its blocks reported as load errors)."""
+    remote_block_size: int = 0
+    """The prefill's tokens per block when they differ from this engine's (0: the same): the
+    lists then cover the same tokens, each in its own block size."""
+    first_tokens: List[int] = field(default_factory=list)
+    """Per KV cache group, the tokens of the first block of the larger size before the first
+    one read (empty: 0)."""
 
     def all_local(self) -> List[int]:
         """Every local block of the read (for load errors)."""

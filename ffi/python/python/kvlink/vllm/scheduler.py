@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple, Union
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 from vllm.logger import init_logger
@@ -66,6 +66,34 @@ def _group_specs(kv_cache_config: Optional["KVCacheConfig"], block_size: int) ->
     return windows
 
 
+def _pair_group(
+    local_all: List[int], theirs: List[int], need: int, total: int, sizes: Tuple[int, int]
+) -> Union[Tuple[List[int], List[int], int], str]:
+    """One KV cache group's read of tokens ``[need, total)``: this engine's blocks, the
+    prefill's, and the tokens of the first block of the larger size before the first one read
+    (``sizes``: tokens per block here and at the prefill, one a multiple of the other). The
+    read starts at the block of the smaller size that holds ``need``. Why not, when the blocks
+    are not there."""
+    lsize, rsize = sizes
+    small = min(lsize, rsize)
+    start = need // small * small
+    lo, le = start // lsize, math.ceil(total / lsize)
+    ro, re_ = start // rsize, math.ceil(total / rsize)
+    if le > len(local_all) or re_ > len(theirs):
+        # matched_tokens bounds the count by the remote blocks; this cannot happen unless vLLM
+        # allocated fewer blocks than the tokens need. Fail the read, never read less.
+        return f"blocks up to token {total} are needed; the prefill offered {len(theirs)}, {len(local_all)} are allocated"
+    if lsize == rsize:
+        # One size: pairs by position, this engine's null blocks (none of its window) left out.
+        pairs = [(local_all[i], theirs[i]) for i in range(lo, le) if local_all[i]]
+        local, remote = [l for l, _ in pairs], [r for _, r in pairs]
+    else:
+        local, remote = list(local_all[lo:le]), list(theirs[ro:re_])
+    if 0 in remote or 0 in local:
+        return "the prefill sent no block (or this engine has none) for a position this engine needs"
+    return local, remote, start % max(lsize, rsize)
+
+
 def _clip(ids: List[int], tail: int) -> List[int]:
     """A group's blocks with the positions before its last ``tail`` set to 0 (not sent)."""
     if not tail or len(ids) <= tail:
@@ -124,6 +152,20 @@ class _SchedulerSide:
                 f"the prefill sent blocks of {len(remote.blocks)} KV cache groups; this engine "
                 f"has {len(self.tails)}"
             )
+        if len(remote.block_sizes) != len(remote.blocks):
+            return (
+                f"the prefill sent {len(remote.block_sizes)} block sizes for {len(remote.blocks)} "
+                "KV cache groups"
+            )
+        if remote.block_sizes != self.block_sizes:
+            ours, theirs = set(self.block_sizes), set(remote.block_sizes)
+            a, b = self.block_sizes[0], remote.block_sizes[0]
+            if len(ours) > 1 or len(theirs) > 1 or max(a, b) % min(a, b):
+                return (
+                    f"the prefill's blocks hold {remote.block_sizes} tokens per KV cache group and "
+                    f"this engine's {self.block_sizes}: reads between block sizes need one size per "
+                    "engine, one a multiple of the other"
+                )
         return None
 
     def matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[int, bool]:
@@ -148,7 +190,7 @@ class _SchedulerSide:
                 logger.warning("KvlinkConnector: %s: %s; computing it locally", request.request_id, remote)
             return 0, False
         # Only what the prefill can deliver counts: its tokens, within the blocks it offered.
-        offered = min(len(g) * b for g, b in zip(remote.blocks, self.block_sizes))
+        offered = min(len(g) * b for g, b in zip(remote.blocks, remote.block_sizes))
         available = min(remote.num_tokens, offered, request.num_prompt_tokens)
         count = available - num_computed_tokens
         self.local_hits[request.request_id] = num_computed_tokens
@@ -173,29 +215,21 @@ class _SchedulerSide:
             return
         assert not isinstance(remote, str), remote  # checked by matched_tokens
         total = local_hit + num_external_tokens
-        local_groups, remote_groups = [], []
+        local_groups, remote_groups, first_tokens = [], [], []
         refused = ""
         for g, (local_all, theirs) in enumerate(zip(blocks.get_block_ids(), remote.blocks)):
             # A sliding window's group needs only the blocks of its last tokens: vLLM skips
             # the tokens before ``total - window + 1`` (and the prefill may have freed them).
-            w, size = self.windows[g], self.block_sizes[g]
-            first, end = local_hit // size, math.ceil(total / size)
-            need = max(first, max(0, total - w + 1) // size) if w else first
-            if end > len(theirs) or end > len(local_all):
-                # matched_tokens bounds the count by the remote blocks; this cannot happen
-                # unless vLLM allocated fewer blocks than the tokens need. Fail the read,
-                # never read less.
-                refused = (
-                    f"blocks up to {end} are needed in KV cache group {g}; the prefill offered "
-                    f"{len(theirs)}, {len(local_all)} are allocated"
-                )
+            w = self.windows[g]
+            need = max(local_hit, total - w + 1) if w else local_hit
+            sizes = (self.block_sizes[g], remote.block_sizes[g])
+            paired = _pair_group(list(local_all), theirs, need, total, sizes)
+            if isinstance(paired, str):
+                refused = f"KV cache group {g}: {paired}"
                 break
-            pairs = [(local_all[i], theirs[i]) for i in range(need, end) if local_all[i]]
-            if any(r == 0 for _, r in pairs):
-                refused = f"the prefill sent no block for a position this engine needs in KV cache group {g}"
-                break
-            local_groups.append([l for l, _ in pairs])
-            remote_groups.append([r for _, r in pairs])
+            local_groups.append(paired[0])
+            remote_groups.append(paired[1])
+            first_tokens.append(paired[2])
         if refused:
             logger.error("KvlinkConnector: %s: %s", rid, refused)
             local_groups = [list(ids) for ids in blocks.get_block_ids()]
@@ -206,6 +240,8 @@ class _SchedulerSide:
             local_blocks=local_groups,
             remote_blocks=remote_groups,
             refused=refused,
+            remote_block_size=remote.block_sizes[0] if remote.block_sizes != self.block_sizes else 0,
+            first_tokens=first_tokens if any(first_tokens) and not refused else [],
         )
         self.reading.add(rid)
 
@@ -269,6 +305,9 @@ class _SchedulerSide:
                 # One list per KV cache group (a flat list when there is one group).
                 "remote_block_ids": [list(g) for g in p.held] if len(p.held) > 1 else list(p.held[0]),
                 "remote_num_tokens": request.num_prompt_tokens,
+                # Tokens per block of each KV cache group (a decode of another size reads
+                # token ranges).
+                "remote_block_sizes": list(self.block_sizes),
                 "remote_engine_id": self.owner._kv_transfer_config.engine_id,
                 "tp_size": len(self.addresses),
             }
@@ -295,6 +334,8 @@ class _Remote:
     blocks: List[List[int]]
     """Per KV cache group, the prefill's block at each position (0: none sent)."""
     num_tokens: int
+    block_sizes: List[int]
+    """Per KV cache group, the prefill's tokens per block."""
 
 
 def _block_list(blocks: Any) -> bool:
@@ -325,10 +366,15 @@ def _remote(params: Dict[str, Any], block_sizes: List[int]):
             "remote_block_ids must be a list of block ids (integers 0 to 2^32-1), or one such "
             "list per KV cache group"
         )
+    sizes = params.get("remote_block_sizes")
+    if sizes is None:  # a prefill of an earlier kvlink: this engine's sizes
+        sizes = block_sizes if len(block_sizes) == len(groups) else [block_sizes[0]] * len(groups)
+    if not _block_list(sizes) or not sizes or 0 in sizes:
+        return "remote_block_sizes must be a positive integer per KV cache group"
     tokens = params.get("remote_num_tokens")
     if tokens is None:
-        tokens = min(len(g) * b for g, b in zip(groups, block_sizes))
+        tokens = min(len(g) * b for g, b in zip(groups, sizes))
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
         return "remote_num_tokens must be a non-negative integer"
-    return _Remote(list(addresses), rid, groups, tokens)
+    return _Remote(list(addresses), rid, groups, tokens, list(sizes))
 

@@ -101,7 +101,7 @@ class _WorkerSide:
             self.engine.register_memory(addr, size, device=owner.device.type != "cpu", owner=owner)
             for addr, size, owner in memory
         ]
-        tensors = [(regions[i], off, stride, nbytes, blocks, group, heads) for i, off, stride, nbytes, blocks, group, heads in layout]
+        tensors = [(regions[t[0]], *t[1:]) for t in layout]
         self.engine.set_layout(tensors, self.block_size, layout_tag(first.dtype, head_major, self.kv_heads is None))
         self.registered = True
         total = sum(size for _, size, _ in memory)
@@ -162,6 +162,8 @@ class _WorkerSide:
                     spec.local_blocks,
                     spec.remote_blocks,
                     remote_request_id=spec.remote_request_id,
+                    remote_tokens_per_block=spec.remote_block_size or None,
+                    first_tokens=spec.first_tokens or None,
                 )
             except Exception as e:  # noqa: BLE001 - every refusal ends as a failed read
                 # Refused at once: it ends like a failed read (vLLM recomputes or fails it),

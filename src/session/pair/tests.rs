@@ -1,0 +1,243 @@
+//! The pair harness's tests: completion, retries, failures, cancels, connects and the aborts of
+//! reads without a session, on tokio's paused clock.
+
+use super::*;
+
+#[tokio::test(start_paused = true)]
+async fn a_read_completes_and_the_prefill_side_finishes_sending() {
+    let p = Pair::new(&[]);
+    p.read("r1", &[0, 5, 3], &[9, 1, 15]).await;
+    let d = p.decode_finished();
+    assert_eq!(d.receiving, vec![RequestId::from("r1")], "{d:?}");
+    assert_eq!(d.reports[0].blocks, 3);
+    assert_eq!(d.reports[0].transport, "memory");
+    assert!(p.holds(&[0, 5, 3], &[9, 1, 15]));
+    let s = p.prefill_finished();
+    assert_eq!(s.sending, vec![RequestId::from("r1")], "{s:?}");
+    assert_eq!(p.connects(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lost_connection_is_retried_once_on_a_new_session() {
+    let p = Pair::new(&[Fault::FailAfter(0), Fault::None]);
+    p.read("r1", &[0, 2], &[1, 3]).await;
+    let d = p.decode_finished();
+    assert_eq!(d.receiving, vec![RequestId::from("r1")], "{d:?}");
+    assert_eq!(p.connects(), 2);
+    assert!(p.holds(&[0, 2], &[1, 3]));
+    assert_eq!(p.prefill_finished().sending, vec![RequestId::from("r1")]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_transport_failure_fails_the_read_and_aborts_the_send() {
+    // Lost twice: the first attempt and its one retry.
+    let p = Pair::new(&[Fault::FailAfter(1), Fault::FailAfter(0)]);
+    p.read("r1", &[0, 2, 4], &[1, 3, 5]).await;
+    let d = p.decode_finished();
+    assert!(d.receiving.is_empty(), "{d:?}");
+    let f = &d.failed[0];
+    assert_eq!(
+        (f.side, f.expired, f.cause),
+        (Side::Recv, false, FailureCause::Connection)
+    );
+    assert!(f.reason.contains("injected failure after 1 reads"), "{f:?}");
+    assert!(f.reason.contains("retried once on a new session"), "{f:?}");
+    assert_eq!(p.connects(), 2);
+    // The prefill learns of it at once (not at its abort timeout), with the reason.
+    let s = p.prefill_finished();
+    assert_eq!(s.failed.len(), 1, "{s:?}");
+    assert_eq!(s.failed[0].cause, FailureCause::Peer);
+    assert!(s.failed[0].reason.contains("injected failure"), "{s:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancelled_read_stops_at_once_and_tells_the_prefill() {
+    let p = Arc::new(Pair::new(&[Fault::Delay(Duration::from_secs(5))]));
+    let t0 = tokio::time::Instant::now();
+    let reading = {
+        let p = p.clone();
+        tokio::spawn(async move { p.read("r1", &[0, 1], &[2, 3]).await })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(p.decode.state.cancel_read(&"r1".into()), "in flight");
+    reading.await.unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    let d = p.decode_finished();
+    let f = &d.failed[0];
+    assert_eq!(
+        (f.cause, f.expired),
+        (FailureCause::Cancelled, false),
+        "{f:?}"
+    );
+    assert!(f.reason.contains("cancelled"), "{f:?}");
+    assert!(!p.holds(&[0, 1], &[2, 3]), "nothing was written");
+    let s = p.prefill_finished();
+    assert_eq!(s.failed[0].cause, FailureCause::Peer, "{s:?}");
+    assert!(s.failed[0].reason.contains("cancelled"), "{s:?}");
+    assert!(
+        !p.decode.state.cancel_read(&"r1".into()),
+        "no longer in flight"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hung_transport_expires_the_read_at_its_deadline() {
+    let p = Pair::new(&[Fault::Hang]);
+    let t0 = tokio::time::Instant::now();
+    p.read("r1", &[0], &[1]).await;
+    let took = t0.elapsed();
+    let timeout = p.decode.state.config.request_timeout;
+    assert!(
+        took >= timeout && took < timeout + crate::session::transfer::BACKSTOP,
+        "{took:?}"
+    );
+    let d = p.decode_finished();
+    let f = &d.failed[0];
+    assert!(f.expired && f.cause == FailureCause::Expired, "{f:?}");
+    assert!(f.reason.contains("request timeout of 10s"), "{f:?}");
+    assert!(!p.holds(&[0], &[1]), "nothing was written");
+    let s = p.prefill_finished();
+    assert_eq!(
+        s.failed[0].cause,
+        FailureCause::Peer,
+        "aborted, not left to expire"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_transport_within_the_deadline_completes() {
+    let p = Pair::new(&[Fault::Delay(Duration::from_secs(9))]);
+    let t0 = tokio::time::Instant::now();
+    p.read("r1", &[7], &[8]).await;
+    assert_eq!(t0.elapsed(), Duration::from_secs(9));
+    let d = p.decode_finished();
+    assert_eq!(d.receiving.len(), 1, "{d:?}");
+    assert!(p.holds(&[7], &[8]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_broken_session_is_rebuilt_with_a_new_generation() {
+    // The first read fails on two sessions (its retry included); the next gets a third.
+    let p = Pair::new(&[Fault::FailAfter(0), Fault::FailAfter(0), Fault::None]);
+    p.read("r1", &[0], &[1]).await;
+    assert_eq!(p.decode_finished().failed.len(), 1);
+    let first = p.decode.ready_conn(PEER);
+    assert!(first.is_none(), "a broken session is not handed out");
+    p.read("r2", &[2], &[3]).await;
+    let d = p.decode_finished();
+    assert_eq!(d.receiving, vec![RequestId::from("r2")], "{d:?}");
+    assert_eq!(p.connects(), 3);
+    let conn = p.decode.ready_conn(PEER).unwrap();
+    assert_eq!(conn.generation, 3);
+    assert!(p.holds(&[2], &[3]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn concurrent_first_contacts_share_one_connect() {
+    let p = Arc::new(Pair::new(&[]));
+    let reads: Vec<_> = (0..6u32)
+        .map(|i| {
+            let p = p.clone();
+            tokio::spawn(async move { p.read(&format!("r{i}"), &[i], &[i + 8]).await })
+        })
+        .collect();
+    for r in reads {
+        r.await.unwrap();
+    }
+    assert_eq!(p.decode_finished().receiving.len(), 6);
+    assert_eq!(p.connects(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_connect_is_remembered_for_500_ms_then_retried() {
+    let p = Pair::new(&[]);
+    p.script.lock().fail_connects = 1;
+    p.read("r1", &[0], &[0]).await;
+    tokio::time::sleep(Duration::from_millis(499)).await;
+    p.read("r2", &[1], &[1]).await;
+    let d = p.decode_finished();
+    assert_eq!(d.failed.len(), 2, "{d:?}");
+    assert!(d
+        .failed
+        .iter()
+        .all(|f| f.reason.contains("injected connect failure")));
+    assert_eq!(
+        p.connects(),
+        1,
+        "the second read got the remembered failure"
+    );
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    p.read("r3", &[2], &[2]).await;
+    assert_eq!(p.decode_finished().receiving.len(), 1);
+    assert_eq!(p.connects(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refused_session_still_frees_the_prefills_blocks() {
+    let p = Pair::new(&[]);
+    p.script.lock().refuse_connects = true;
+    p.read("r1", &[0], &[0]).await;
+    p.read("r2", &[1], &[1]).await;
+    let d = p.decode_finished();
+    assert_eq!(d.failed.len(), 2, "{d:?}");
+    assert!(
+        d.failed.iter().all(|f| f.reason.contains("refused")),
+        "{d:?}"
+    );
+    // The aborts go out together on a connection of their own, once gathered (20 ms).
+    tokio::time::sleep(Duration::from_millis(25)).await;
+    assert_eq!(p.script.lock().aborts_sent, 2);
+    let f = p.prefill_finished();
+    assert_eq!(f.failed.len(), 2, "the prefill frees both holds now: {f:?}");
+    assert!(f.failed.iter().all(|r| !r.expired), "{f:?}");
+    assert_eq!(p.prefill.tracker.lock().holding(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_connect_tells_no_one_but_spends_no_connect() {
+    let p = Pair::new(&[]);
+    p.script.lock().fail_connects = 1;
+    p.read("r1", &[0], &[0]).await;
+    tokio::time::sleep(Duration::from_millis(25)).await;
+    // Unanswered: no connection of its own is tried, and the remembered failure spares a
+    // second connect; the prefill frees the blocks at its abort timeout.
+    assert_eq!(p.script.lock().aborts_sent, 0);
+    assert_eq!(p.connects(), 1);
+    assert_eq!(p.prefill.tracker.lock().holding(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_connect_that_never_finishes_fails_within_its_bound() {
+    let p = Pair::new(&[]);
+    p.script.lock().hang_connects = true;
+    let t0 = tokio::time::Instant::now();
+    // The read gives up at its own deadline (10 s)...
+    p.read("r1", &[0], &[0]).await;
+    let cfg = p.decode.state.config.clone();
+    assert_eq!(t0.elapsed(), cfg.request_timeout);
+    let d = p.decode_finished();
+    assert!(d.failed[0].expired, "{d:?}");
+    assert!(
+        d.failed[0].reason.contains("connecting to prefill:1"),
+        "{d:?}"
+    );
+    // ...and the connect itself at its bound (25 s): the next read fails at once with that
+    // reason instead of waiting on a connect that never ends.
+    let bound = cfg.connect_timeout * 2 + cfg.handshake_timeout * 3;
+    tokio::time::sleep_until(t0 + bound).await;
+    tokio::task::yield_now().await;
+    let t1 = tokio::time::Instant::now();
+    p.read("r2", &[1], &[1]).await;
+    assert_eq!(t1.elapsed(), Duration::ZERO);
+    let d = p.decode_finished();
+    assert!(d.failed[0].reason.contains("(all steps)"), "{d:?}");
+    assert!(!d.failed[0].expired, "{d:?}");
+    assert_eq!(p.connects(), 1);
+}
+
+#[test]
+fn region_ids_in_the_harness_match_the_layout() {
+    // The harness relies on both engines numbering their first region 1.
+    let e = engine("x", None);
+    assert_eq!(e.layout().unwrap().tensors[0].region, RegionId(1));
+}

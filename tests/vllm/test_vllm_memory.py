@@ -1,0 +1,246 @@
+"""kvlink's vLLM connector on the KV cache memory vLLM allocates, in two engine processes
+(``harness``): every layout vLLM allocates, the model kinds (dense GQA, MLA, sliding-window
+hybrid, cross-layer KV sharing, a Mamba hybrid refused at start), prefill and decode of other TP
+sizes, kernel block splitting and different block sizes, every byte checked. Run by
+tools/test.sh in a venv with vLLM."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from harness import (  # noqa: E402
+    DEEPSEEK,
+    GEMMA_3N,
+    GPT_OSS,
+    GRANITE_H,
+    LLAMA,
+    Proc,
+    assert_no_leak,
+    close,
+    pair_of,
+    run_prefill,
+    step_until,
+    transfer,
+)
+
+
+@pytest.mark.parametrize(
+    "model, layout",
+    [(LLAMA, "LBNHC"), (LLAMA, "BLHNC"), (LLAMA, "BLNHC"), (DEEPSEEK, None)],
+)
+def test_layouts_on_vllms_memory_with_the_synchronous_scheduler(model, layout):
+    """Every block-dense layout vLLM allocates (the connector's LBHNC is the other tests'
+    default) and MLA's latent, end to end with vLLM's synchronous Scheduler (the other tests
+    use its default, the AsyncScheduler)."""
+    opts = dict(model=model, layout=layout, asynchronous=False)
+    prefill, decode = pair_of(f"layout-{layout}", opts, opts)
+    try:
+        s = transfer(prefill, decode, 4, seed=3)
+        assert layout is None or s["layout"] == layout
+    finally:
+        close(prefill, decode)
+
+
+def test_connector_asks_for_head_major_blocks_and_vllm_takes_it():
+    """With backends that prefer a per-head-split layout (ROCm's attention lists LHBNC first),
+    vLLM resolves the connector's LBHNC; MLA models state no preference."""
+    prefill, decode = pair_of("prefer", dict(supported=["LHBNC", "LBHNC"]), dict(model=DEEPSEEK, supported=["BLNHC", "LBNHC"]))
+    try:
+        assert prefill.wait_ready()["layout"] == "LBHNC"
+        assert decode.wait_ready()["layout"] == "BLNHC"  # MLA: the backend's own choice
+    finally:
+        close(prefill, decode)
+
+
+@pytest.mark.parametrize("layout", ["LHBNC", "BHLNC"])
+def test_per_head_split_layouts_are_refused_at_start_with_what_to_set(layout):
+    """A user forcing a layout whose blocks are one piece per head: the worker refuses to
+    start, naming the layouts that work."""
+    p = Proc(f"split-{layout}", layout=layout)
+    try:
+        with pytest.raises(AssertionError, match=f"{layout} stores each block as one piece per KV head"):
+            p.wait_ready()
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("decode_tp", [1, 2])
+def test_cross_layer_kv_sharing(decode_tp):
+    """Gemma 3n (its last layers reuse earlier layers' caches, and sliding-window and full
+    groups): vLLM hands the connector the shared layers as aliases of their targets, outside
+    the KV cache config; the connector sends each cache once, and every byte of every layer
+    that owns a cache arrives, with the same and another TP size."""
+    prefill, decode = pair_of(f"kvshare{decode_tp}", dict(model=GEMMA_3N), dict(model=GEMMA_3N, tp=decode_tp))
+    try:
+        s = transfer(prefill, decode, 4, seed=19)
+        assert s["engine_stats"]["reads_done"] == 4 * decode_tp, s["engine_stats"]
+    finally:
+        close(prefill, decode)
+
+
+def test_mamba_hybrid_is_refused_at_start_by_name():
+    """Granite 4.0-H (Mamba-2 and attention layers): vLLM gives the SSM state a KV cache group
+    of its own; the connector refuses it when vLLM creates the scheduler, naming the group's
+    kind, instead of sending state blocks as if they were attention blocks."""
+    p = Proc("mamba", model=GRANITE_H)
+    try:
+        with pytest.raises(AssertionError, match="holds SSM state of kind MambaSpec"):
+            p.wait_ready()
+    finally:
+        p.close()
+
+
+def test_two_tp_ranks_each_read_their_peer_rank():
+    """TP 2 on both sides: each decode rank reads its peer prefill rank's blocks (the ranks'
+    bytes differ), vLLM's aggregator releases a request once both ranks reported it, and the
+    prefill frees its blocks only when both ranks' reads were confirmed."""
+    prefill, decode = pair_of("tp2", dict(tp=2), dict(tp=2))
+    try:
+        s = transfer(prefill, decode, 6, seed=77, tokens=3)
+        assert len(set(prefill.ready["addresses"])) == 2
+        assert s["engine_stats"]["reads_done"] == 12, s["engine_stats"]
+        p = prefill.call("state")
+        assert p["engine_stats"]["sends_done"] == 12 and p["finished_sending"] == 6, p
+    finally:
+        close(prefill, decode)
+
+
+@pytest.mark.parametrize(
+    "prefill_tp, decode_tp, model, prefill_layout, decode_layout",
+    [
+        (1, 2, LLAMA, None, None),
+        (2, 1, LLAMA, None, "BLHNC"),
+        (1, 4, LLAMA, "LBNHC", "BLNHC"),
+        (4, 1, LLAMA, "BLNHC", "LBNHC"),
+        (2, 1, DEEPSEEK, None, None),
+        (1, 2, DEEPSEEK, None, None),
+    ],
+)
+def test_heterogeneous_tp_every_head_of_every_byte(prefill_tp, decode_tp, model, prefill_layout, decode_layout):
+    """A prefill and a decode of different TP sizes on vLLM's memory: each decode rank reads
+    its share of a prefill rank's KV heads (decode larger), or gathers the heads of several
+    prefill ranks into its blocks (prefill larger); MLA's latent is read whole. The layer may
+    sit inside or outside the block on either side (LB.. and BL.. layouts). Every head of
+    every position is checked, and each prefill rank frees its blocks only once every decode
+    rank reading it confirmed."""
+    name = f"tp{prefill_tp}to{decode_tp}-{model}"
+    prefill, decode = pair_of(
+        name, dict(model=model, tp=prefill_tp, layout=prefill_layout), dict(model=model, tp=decode_tp, layout=decode_layout)
+    )
+    try:
+        s = transfer(prefill, decode, 5, seed=prefill_tp * 10 + decode_tp, lengths=(20, 150))
+        # Each decode rank read each request once, from as many prefill ranks as it pairs with.
+        assert s["engine_stats"]["reads_done"] == 5 * decode_tp, s["engine_stats"]
+        p = prefill.call("state")
+        assert p["engine_stats"]["sends_done"] == 5 * prefill_tp and p["finished_sending"] == 5, p
+    finally:
+        close(prefill, decode)
+
+
+@pytest.mark.parametrize("layout, decode_tp", [("LBNHC", 1), (None, 1), ("LBNHC", 2)])
+def test_kernel_block_splitting(layout, decode_tp):
+    """64-token blocks that the attention backend splits into 16-token kernel blocks (vLLM
+    makes the view's first dimension four times the blocks): a block is read as the four
+    kernel blocks it is, with the same TP and a decode of another TP size."""
+    opts = dict(block_size=64, kernel_block=16, layout=layout)
+    prefill, decode = pair_of(f"kernel-{layout}-{decode_tp}", opts, dict(opts, tp=decode_tp))
+    try:
+        transfer(prefill, decode, 4, seed=11, lengths=(60, 300))
+    finally:
+        close(prefill, decode)
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 1), (1, 2)])
+def test_hybrid_kv_cache_groups_full_and_sliding_window(prefill_tp, decode_tp):
+    """gpt-oss (sliding-window and full-attention layers) with vLLM's hybrid KV cache manager
+    left on (the connector subclasses SupportsHMA): two KV cache groups, each with block ids
+    of its own, overlaid in one backing allocation. The decode reads both groups' blocks (the
+    sliding window's only as far as it still sees), and every kept position is checked, with
+    the same and with another TP size."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    import kvlink.vllm
+
+    assert supports_hma(kvlink.vllm.KvlinkConnector)
+    prefill, decode = pair_of(f"hybrid{prefill_tp}{decode_tp}", dict(model=GPT_OSS, tp=prefill_tp), dict(model=GPT_OSS, tp=decode_tp))
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        rng = random.Random(5)
+        # Long prompts: the window (128 tokens) sees only the last few blocks. The last two
+        # are prefilled in chunks of 256 tokens (513: a last chunk of one token, after which
+        # the prefill has freed the blocks its window left behind).
+        lengths = [rng.randrange(200, 250) for _ in range(3)] + [300, 513]
+        prompts = {f"w{i}": [rng.randrange(10, 1000) for _ in range(n)] for i, n in enumerate(lengths)}
+        params = run_prefill(prefill, prompts)
+        for rid, prompt in prompts.items():
+            groups = params[rid]["remote_block_ids"]
+            assert len(groups) == 2 and len(groups[0]) == len(groups[1]), groups
+            # The sliding window's group sends only its last blocks.
+            sent = sorted(sum(1 for b in g if b) for g in groups)
+            assert 0 < sent[0] < sent[1], groups
+            decode.call("add", "d-" + rid, prompt, 2, params[rid])
+        step_until([decode, prefill], lambda f: sum(x["engine"] == decode.name for x in f) == 5, what="hybrid")
+        s = decode.call("state")
+        assert s["bad"] == [] and len(s["verified"]) == 5, s
+        assert_no_leak([prefill, decode])
+    finally:
+        close(prefill, decode)
+
+
+@pytest.mark.parametrize(
+    "prefill_bs, decode_bs, layout",
+    [(16, 64, None), (64, 16, None), (16, 64, "LBNHC"), (64, 16, "BLNHC")],
+)
+def test_different_block_sizes_with_prefix_hits(prefill_bs, decode_bs, layout):
+    """A prefill and a decode of different ``--block-size`` (vLLM RFC #26744), head-major
+    (the connector's LBHNC) and token-major: the decode reads each prefill block token range by
+    token range into its own blocks. Half the prompts share a prefix the decode holds after the
+    first of them, so the later ones read only what follows it: with 16-token decode blocks, 48
+    of a 53-token prefix are cached and the read starts at token 48 of a 64-token prefill
+    block; with 64-token decode blocks, 64 of 70 are cached and it starts at the fifth 16-token
+    prefill block. Every position of every request is checked."""
+    opts = dict(layout=layout)
+    prefill, decode = pair_of(f"bs{prefill_bs}to{decode_bs}-{layout}", dict(opts, block_size=prefill_bs), dict(opts, block_size=decode_bs))
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        rng = random.Random(prefill_bs * 7 + decode_bs)
+        shared = [rng.randrange(10, 1000) for _ in range(53 if decode_bs < prefill_bs else 70)]
+        prompts = {}
+        for i in range(9):
+            body = [rng.randrange(10, 1000) for _ in range(rng.randrange(2, 250))]
+            prompts[f"bs{i}"] = (shared + body) if i % 2 == 0 else body
+        ids = list(prompts)
+        for wave in (ids[:1], ids[1:]):
+            params = run_prefill(prefill, {r: prompts[r] for r in wave})
+            for rid in wave:
+                assert params[rid]["remote_block_sizes"] == [prefill_bs], params[rid]
+                decode.call("add", "d-" + rid, prompts[rid], 2, params[rid])
+            step_until([decode, prefill], lambda f: sum(x["engine"] == decode.name for x in f) >= len(wave), what="decode")
+        s = decode.call("state")
+        assert s["bad"] == [] and len(s["verified"]) == len(prompts), s
+        # The shared prompts after the first read only what follows the decode's cached prefix.
+        partial = [r for r in ids[2::2] if s["reads"]["d-" + r] < -(-len(prompts[r]) // decode_bs)]
+        assert len(partial) == 4, (partial, s["reads"])
+        assert_no_leak([prefill, decode])
+    finally:
+        close(prefill, decode)
+
+
+@pytest.mark.parametrize("prefill_bs, decode_bs", [(16, 64), (64, 16)])
+def test_hybrid_groups_between_block_sizes(prefill_bs, decode_bs):
+    """gpt-oss's sliding-window and full groups between block sizes: the sliding window's
+    first needed token falls inside a block of the larger size, and only what the window
+    still sees is read, from the blocks the prefill kept."""
+    prefill, decode = pair_of(f"hybrid-bs{prefill_bs}to{decode_bs}", dict(model=GPT_OSS, block_size=prefill_bs), dict(model=GPT_OSS, block_size=decode_bs))
+    try:
+        transfer(prefill, decode, 4, seed=29, lengths=(150, 400))
+    finally:
+        close(prefill, decode)
