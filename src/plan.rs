@@ -248,7 +248,7 @@ struct Run {
 }
 
 impl Run {
-    /// One tensor on its own, read whole (only its regions matter to [`push_piece`]).
+    /// One tensor on its own, read whole.
     fn single(l: &TensorLayout, r: &TensorLayout) -> Run {
         Run {
             local_region: l.region,
@@ -317,16 +317,8 @@ fn runs(local: &KvLayout, remote: &KvLayout, reads: &[TensorRead]) -> Vec<Run> {
             }
         }
         out.push(Run {
-            local_region: l.region,
-            local_offset: l.offset,
-            local_stride: l.block_stride,
-            remote_region: r.region,
-            remote_offset: r.offset,
-            remote_stride: r.block_stride,
-            bytes: l.block_bytes,
-            tensors: 1,
-            group: l.group as usize,
             heads,
+            ..Run::single(l, r)
         });
     }
     out

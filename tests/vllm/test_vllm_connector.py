@@ -28,6 +28,7 @@ from harness import (  # noqa: E402
     pair_of,
     run_prefill,
     step_until,
+    transfer,
 )
 
 
@@ -249,18 +250,23 @@ def test_read_refused_at_the_handshake_frees_the_prefill_at_once():
 
 def test_data_parallel_engines_take_their_own_ports():
     """vLLM resets data_parallel_rank to 0 in each engine of a dense model and keeps the
-    engine's index in data_parallel_index: rank r of engine d listens on port + d * tp + r."""
+    engine's index in data_parallel_index: rank r of engine d listens on port + d * tp + r.
+    Two DP prefill engines of TP 2 with one configured port then serve one decode engine each,
+    on one host, every byte checked."""
     import socket
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         base = probe.getsockname()[1] + 100
     engines = [Proc(f"dp{d}", extra={"listen": f"127.0.0.1:{base}"}, tp=2, dp_index=d) for d in range(2)]
+    decodes = [Proc(f"dp{d}-decode", tp=2) for d in range(2)]
     try:
         ports = [int(a.rsplit(":", 1)[1]) for e in engines for a in e.wait_ready()["addresses"]]
         assert ports == [base, base + 1, base + 2, base + 3], ports
+        for d, (prefill, decode) in enumerate(zip(engines, decodes)):
+            transfer(prefill, decode, 3, seed=40 + d)
     finally:
-        close(*engines)
+        close(*engines, *decodes)
 
 
 def test_loaded_by_vllms_factory():
