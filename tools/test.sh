@@ -20,7 +20,7 @@ MIN_HOST=160
 MIN_KEYED=29
 MIN_PYTHON=45
 MIN_VM=18
-MIN_VLLM=30
+MIN_VLLM=40
 MIN_SGLANG=22
 MIN_ENGINE_EVENTS=6
 # The vLLM releases the connector is tested against: the newest (in .venv-vllm33) and the one
