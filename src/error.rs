@@ -106,6 +106,18 @@ pub enum Error {
         message: String,
     },
 
+    /// The prefill did not confirm that it held a read's blocks until the read's `Done`
+    /// arrived (its hold ended first: expired, released, or its blocks may have been reused; or
+    /// no confirmation came in time): the bytes read may not be the request's, and the read
+    /// fails.
+    #[error("read from {peer} not confirmed: {reason}")]
+    Unconfirmed {
+        /// The prefill's handshake address.
+        peer: String,
+        /// The prefill's refusal, or why no confirmation came.
+        reason: String,
+    },
+
     /// The connection to a peer was lost (peer process exited, network failure).
     #[error("connection to {peer} lost: {reason}")]
     ConnectionLost {

@@ -337,6 +337,19 @@ fn a_notice_with_an_invalid_id_is_refused_alone() {
         request_id: "req-ok".into(),
     };
     s.write_all(&frame::encode(&ok).unwrap()).unwrap();
+    // A valid Done is answered: held, so confirmed; the same again is refused (no longer held).
+    let confirm = |m: Message| match m {
+        Message::Confirm {
+            request_id,
+            refused,
+        } => (request_id.as_str().to_string(), refused),
+        other => panic!("expected a Confirm, got {other:?}"),
+    };
+    assert_eq!(confirm(read_message(&mut s)), ("req-ok".to_string(), None));
+    s.write_all(&frame::encode(&ok).unwrap()).unwrap();
+    let (id, refused) = confirm(read_message(&mut s));
+    assert_eq!(id, "req-ok");
+    assert!(refused.is_some_and(|why| why.contains("not held")));
     s.write_all(&frame::encode(&Message::Ping { nonce: 9 }).unwrap())
         .unwrap();
     assert!(

@@ -518,3 +518,46 @@ fn rdma_cancel_stops_a_read_in_flight_and_tells_the_prefill() {
     assert_eq!(f.reports[0].transport, "rdma");
     verify(&decode, &prefill.layout, 61, &[1, 3], &[7, 2]);
 }
+
+#[test]
+fn rdma_a_hold_that_ends_mid_read_is_never_reported_received() {
+    if !rdma_available("rdma_a_hold_that_ends_mid_read_is_never_reported_received") {
+        return;
+    }
+    // One-sided reads do not stop when a hold ends: 32 MiB (about a second on the emulated
+    // device) are read while the prefill releases the hold and its blocks are overwritten,
+    // as its scheduler would reuse them. Every byte arrives, but the prefill refuses the Done:
+    // the read fails as unconfirmed, never received.
+    let shape = ModelShape::LLAMA3_8B;
+    let blocks = 16u32;
+    let prefill = side(&shape, blocks, Some(67), rdma_config());
+    let decode = side(&shape, blocks, None, rdma_config());
+    let peer = prefill.engine.handshake_address().to_string();
+    decode
+        .engine
+        .connect(&peer, Duration::from_secs(30))
+        .unwrap();
+    let all: Vec<u32> = (0..blocks).collect();
+    prefill.engine.hold_blocks("stale", &all).unwrap();
+    decode
+        .engine
+        .read_blocks(&peer, "stale", &all, &all)
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(prefill.engine.release("stale"));
+    kvlink::verify::fill(&prefill.region, 99).unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert!(f.receiving.is_empty(), "{f:?}");
+    assert_eq!(f.failed[0].cause, FailureCause::Unconfirmed, "{f:?}");
+    assert!(f.failed[0].reason.contains("no longer held"), "{f:?}");
+    // A read of a live hold is confirmed, over RDMA, every byte right.
+    prefill.engine.hold_blocks("live", &[5, 9]).unwrap();
+    decode
+        .engine
+        .read_blocks(&peer, "live", &[2, 4], &[5, 9])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    assert_eq!(f.reports[0].transport, "rdma");
+    verify(&decode, &prefill.layout, 99, &[2, 4], &[5, 9]);
+}

@@ -64,6 +64,10 @@ pub enum FailureCause {
     },
     /// The caller cancelled it (`Engine::cancel`).
     Cancelled,
+    /// Receive: every byte arrived, but the prefill did not confirm it held the blocks until
+    /// then (its hold ended first, or no confirmation came in time): the bytes may be another
+    /// request's. Recompute the request.
+    Unconfirmed,
     /// Anything else: a local error, the engine shutting down.
     #[default]
     Other,
@@ -71,7 +75,7 @@ pub enum FailureCause {
 
 impl FailureCause {
     /// A stable lowercase name for bindings and metrics: `expired`, `peer`, `connection`,
-    /// `rdma`, `gpu`, `cancelled` or `other`.
+    /// `rdma`, `gpu`, `cancelled`, `unconfirmed` or `other`.
     pub fn name(&self) -> &'static str {
         match self {
             FailureCause::Expired => "expired",
@@ -80,6 +84,7 @@ impl FailureCause {
             FailureCause::Rdma(_) => "rdma",
             FailureCause::Gpu { .. } => "gpu",
             FailureCause::Cancelled => "cancelled",
+            FailureCause::Unconfirmed => "unconfirmed",
             FailureCause::Other => "other",
         }
     }
@@ -99,6 +104,7 @@ impl FailureCause {
             Error::Rdma(e) => FailureCause::Rdma(e.kind),
             Error::Gpu(e) => FailureCause::Gpu { code: e.code },
             Error::Cancelled(_) => FailureCause::Cancelled,
+            Error::Unconfirmed { .. } => FailureCause::Unconfirmed,
             _ => FailureCause::Other,
         }
     }

@@ -1,13 +1,15 @@
 //! The reader's side of the control connection: handshake, then a writer task with a bounded
 //! queue of notices and pings, and a reader task that watches for answers and silence.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use parking_lot::Mutex;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::timeout;
 
@@ -16,10 +18,17 @@ use super::messages::{Descriptor, Message};
 use super::ControlTimeouts;
 use crate::auth::{self, AuthKey, SessionSecret};
 use crate::error::{Error, Result};
+use crate::ids::RequestId;
 
 /// Notices queued towards one peer at most; beyond this they are dropped with a warning
 /// (the peer will expire the request on its own abort timeout).
 const NOTICE_QUEUE: usize = 1024;
+
+/// The prefill's answer to a `Done`: confirmed, or why not.
+pub(crate) type Confirmation = std::result::Result<(), String>;
+
+/// `Done` notices waiting for their `Confirm`, by request (at most one per request).
+type Pending = Arc<Mutex<HashMap<RequestId, oneshot::Sender<Confirmation>>>>;
 
 /// A live control connection to one peer.
 pub(crate) struct ControlClient {
@@ -27,6 +36,7 @@ pub(crate) struct ControlClient {
     closed: Arc<AtomicBool>,
     tasks: [JoinHandle<()>; 2],
     peer: SocketAddr,
+    pending: Pending,
 }
 
 impl Drop for ControlClient {
@@ -130,11 +140,22 @@ impl Handshake {
             writer_closed.store(true, Ordering::Release);
         });
         let reader_closed = closed.clone();
+        let pending: Pending = Arc::default();
+        let confirms = pending.clone();
         let reader = tokio::spawn(async move {
             loop {
                 match timeout(keepalive * 3, read_frame(&mut rd)).await {
                     Ok(Ok(Some((v, body)))) => match frame::decode::<Message>(v, &body) {
                         Ok(Message::Pong { .. }) => {}
+                        Ok(Message::Confirm {
+                            request_id,
+                            refused,
+                        }) => {
+                            // A confirmation nobody waits for (its read gave up) is dropped.
+                            if let Some(tx) = confirms.lock().remove(&request_id) {
+                                let _ = tx.send(refused.map_or(Ok(()), Err));
+                            }
+                        }
                         Ok(Message::Error { message }) => {
                             tracing::warn!(%peer, %message, "peer closed the control connection");
                             break;
@@ -159,12 +180,15 @@ impl Handshake {
                 }
             }
             reader_closed.store(true, Ordering::Release);
+            // Reads still waiting hear that no confirmation will come.
+            confirms.lock().clear();
         });
         ControlClient {
             tx,
             closed,
             tasks: [writer, reader],
             peer,
+            pending,
         }
     }
 }
@@ -222,6 +246,28 @@ impl ControlClient {
         }
         let _ = timeout(timeouts.handshake, hs.stream.shutdown()).await;
         Ok(())
+    }
+
+    /// Sends request `id`'s `Done` and returns where its `Confirm` will arrive; `None` when the
+    /// notice cannot be queued (the connection is gone or its queue full). The receiver fails
+    /// when the connection closes first.
+    pub(crate) fn done(&self, id: RequestId) -> Option<oneshot::Receiver<Confirmation>> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut pending = self.pending.lock();
+            // Reads that stopped waiting (their deadline passed) leave nothing behind.
+            pending.retain(|_, tx| !tx.is_closed());
+            pending.insert(id.clone(), tx);
+        }
+        if self.notify(Message::Done {
+            request_id: id.clone(),
+        }) && !self.is_closed()
+        {
+            Some(rx)
+        } else {
+            self.pending.lock().remove(&id);
+            None
+        }
     }
 
     /// Whether the connection has died.

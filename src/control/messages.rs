@@ -246,9 +246,20 @@ pub enum Message {
     /// Server to reader: who I am.
     Descriptor(Box<Descriptor>),
     /// Reader to server: the request's blocks are all read; the server may free them.
+    /// Answered by `Confirm`.
     Done {
         /// The request.
         request_id: RequestId,
+    },
+    /// Server to reader, the answer to `Done`: whether the request was still held for this
+    /// reader when the `Done` arrived (its blocks were then held for the whole read). Only then
+    /// does the reader report the request received.
+    Confirm {
+        /// The request.
+        request_id: RequestId,
+        /// `None`: held, and the send is done; else why not (not held: expired, released, or
+        /// held for other readers).
+        refused: Option<String>,
     },
     /// Reader to server: the reader gave up on the request; the server may free its blocks.
     Abort {

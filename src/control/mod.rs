@@ -10,7 +10,7 @@ mod server;
 
 use std::time::Duration;
 
-pub(crate) use client::{ControlClient, Handshake};
+pub(crate) use client::{Confirmation, ControlClient, Handshake};
 pub(crate) use server::{serve, ControlHandler};
 
 /// Deadlines of the control plane.

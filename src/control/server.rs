@@ -329,8 +329,20 @@ async fn session(
         };
         match frame::decode::<Message>(frame.0, &frame.1) {
             Ok(Message::Done { request_id }) if request_id.validate().is_ok() => {
+                // Answered either way: the reader reports the request received only once
+                // this engine confirms it still held the blocks for it.
                 let r = handler.notice(peer, &reader, request_id.clone(), SendNotice::Done);
+                let answer = frame::encode(&Message::Confirm {
+                    request_id: request_id.clone(),
+                    refused: r.clone().err(),
+                })?;
                 refused(&request_id, r);
+                timeout(timeouts.handshake, write_frame(&mut stream, &answer))
+                    .await
+                    .map_err(|_| Error::Timeout {
+                        what: "confirming a done notice".into(),
+                        after: timeouts.handshake,
+                    })??;
             }
             Ok(Message::Abort { request_id, reason }) if request_id.validate().is_ok() => {
                 let reason: String = reason.chars().take(1024).collect();

@@ -20,11 +20,13 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 
 use crate::control::messages::{Descriptor, Message};
-use crate::control::ControlClient;
+use crate::control::{Confirmation, ControlClient};
 use crate::error::{Error, Result};
+use crate::ids::RequestId;
 use crate::inbox::OUTBOX_MESSAGES;
 use crate::state::EngineState;
 use crate::transport::Transport;
+use tokio::sync::oneshot;
 
 /// The control connection of a session, as the transfer task uses it: done/abort notices to
 /// the peer, and whether the connection died. [`ControlClient`] in production; the pair harness
@@ -33,6 +35,9 @@ pub(crate) trait ControlLink: Send + Sync {
     /// Queues a notice without waiting; false when it could not be queued (the peer then
     /// expires the request on its abort timeout).
     fn notify(&self, msg: Message) -> bool;
+    /// Sends request `id`'s `Done`; the receiver gets the peer's confirmation (or fails when
+    /// the connection closes first). `None` when it could not be queued.
+    fn done(&self, id: RequestId) -> Option<oneshot::Receiver<Confirmation>>;
     /// Whether the connection has died.
     fn is_closed(&self) -> bool;
 }
@@ -40,6 +45,10 @@ pub(crate) trait ControlLink: Send + Sync {
 impl ControlLink for ControlClient {
     fn notify(&self, msg: Message) -> bool {
         ControlClient::notify(self, msg)
+    }
+
+    fn done(&self, id: RequestId) -> Option<oneshot::Receiver<Confirmation>> {
+        ControlClient::done(self, id)
     }
 
     fn is_closed(&self) -> bool {

@@ -20,6 +20,7 @@ use super::{
 use crate::completion::{FailureCause, Finished, SendNotice, Side};
 use crate::config::{EngineConfig, TransportChoice};
 use crate::control::messages::Message;
+use crate::control::Confirmation;
 use crate::control::ControlHandler;
 use crate::error::{Error, Result};
 use crate::gpu::Runtimes;
@@ -66,13 +67,19 @@ struct MemControl {
     closed: AtomicBool,
 }
 
+/// The decode as the prefill's control server knows it.
+fn reader() -> (SocketAddr, crate::tp::Reader) {
+    let peer = "127.0.0.1:1".parse().expect("address");
+    let reader = crate::tp::Reader {
+        engine: "decode".into(),
+        tp: crate::tp::TpRank::SOLO,
+    };
+    (peer, reader)
+}
+
 impl ControlLink for MemControl {
     fn notify(&self, msg: Message) -> bool {
-        let peer: SocketAddr = "127.0.0.1:1".parse().expect("address");
-        let from = crate::tp::Reader {
-            engine: "decode".into(),
-            tp: crate::tp::TpRank::SOLO,
-        };
+        let (peer, from) = reader();
         let from = &from;
         // A refused notice is dropped, as the control server drops it.
         let _ = match msg {
@@ -87,6 +94,14 @@ impl ControlLink for MemControl {
             other => panic!("unexpected notice {other:?}"),
         };
         true
+    }
+
+    fn done(&self, id: RequestId) -> Option<tokio::sync::oneshot::Receiver<Confirmation>> {
+        // Answered at once, as the control server answers: held for this reader, or why not.
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (peer, from) = reader();
+        let _ = tx.send(self.prefill.notice(peer, &from, id, SendNotice::Done));
+        Some(rx)
     }
 
     fn is_closed(&self) -> bool {

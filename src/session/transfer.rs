@@ -271,6 +271,13 @@ async fn read_to_end(
     } else {
         first_err.map(|(i, expired, e)| (Some(i), expired, e))
     };
+    // Every byte is here: the read counts only once each prefill confirms that it still held
+    // the request when the Done arrived (its blocks were then held for the whole read).
+    let notified = failure.is_none();
+    let failure = match failure {
+        None => confirm(&shared, &job, &outcomes).await,
+        f => f,
+    };
     guard.unregister();
     guard.id = None;
     let closing = shared.closing.load(std::sync::atomic::Ordering::Acquire);
@@ -302,8 +309,9 @@ async fn read_to_end(
         }
     }
     // Each source hears how its part ended: done when all its bytes are here (and the caller
-    // did not cancel), else aborted with the read's reason.
-    for (s, o) in job.sources.iter().zip(&outcomes) {
+    // did not cancel), else aborted with the read's reason. A read that was confirmed (or not)
+    // has told every source already.
+    for (s, o) in job.sources.iter().zip(&outcomes).filter(|_| !notified) {
         let part_done = matches!(o.result, Ok(Ok(_))) && !by_caller;
         let msg = match (part_done, &reason) {
             (true, _) | (false, None) => Message::Done {
@@ -365,6 +373,40 @@ async fn read_to_end(
             shared.with_tracker(|t| t.recv_failed(&job.id, cause, reason));
         }
     }
+}
+
+/// Sends each source its `Done` and waits, at most the handshake timeout, for every prefill to
+/// confirm that it still held the request when the notice arrived. The first source that does
+/// not (its hold ended: expired, released; or no answer) fails the read: the bytes it read may
+/// belong to another request by now.
+async fn confirm(
+    shared: &EngineState,
+    job: &ReadJob,
+    outcomes: &[SourceOutcome],
+) -> Option<(Option<usize>, bool, Error)> {
+    let limit = shared.config.handshake_timeout;
+    let deadline = tokio::time::Instant::now() + limit;
+    let id = &job.remote_id;
+    let waits: Vec<_> = outcomes
+        .iter()
+        .map(|o| o.conn.as_ref().and_then(|c| c.control.done(id.clone())))
+        .collect();
+    for (i, wait) in waits.into_iter().enumerate() {
+        let reason = match wait {
+            None => "the done notice could not be sent (control connection gone)".to_string(),
+            Some(rx) => match tokio::time::timeout_at(deadline, rx).await {
+                Ok(Ok(Ok(()))) => continue,
+                Ok(Ok(Err(refused))) => {
+                    format!("the prefill no longer held the request when it was read: {refused}")
+                }
+                Ok(Err(_)) => "the control connection closed before the prefill confirmed".into(),
+                Err(_) => format!("no confirmation from the prefill within {limit:?}"),
+            },
+        };
+        let peer = job.sources[i].peer.clone();
+        return Some((Some(i), false, Error::Unconfirmed { peer, reason }));
+    }
+    None
 }
 
 /// Whether `e` only says the source was stopped (cancelled), as happens to the other sources

@@ -940,7 +940,9 @@ const char *kvlink_finished_reason(const struct kvlink_finished *finished, size_
 /**
  * Why failed entry `index` of `finished` failed, as a static NUL-terminated name valid for the
  * life of the program: `"expired"`, `"peer"` (the peer aborted or refused it), `"connection"`,
- * `"rdma"`, `"gpu"`, `"cancelled"` or `"other"`; NULL when `finished` is NULL or `index` out
+ * `"rdma"`, `"gpu"`, `"cancelled"`, `"unconfirmed"` (every byte arrived, but the prefill did
+ * not confirm it held the blocks until then: recompute) or `"other"`; NULL when `finished` is
+ * NULL or `index` out
  * of range (see `kvlink_last_error`).
  *
  * # Safety

@@ -240,7 +240,9 @@ pub unsafe extern "C" fn kvlink_finished_reason(
 
 /// Why failed entry `index` of `finished` failed, as a static NUL-terminated name valid for the
 /// life of the program: `"expired"`, `"peer"` (the peer aborted or refused it), `"connection"`,
-/// `"rdma"`, `"gpu"`, `"cancelled"` or `"other"`; NULL when `finished` is NULL or `index` out
+/// `"rdma"`, `"gpu"`, `"cancelled"`, `"unconfirmed"` (every byte arrived, but the prefill did
+/// not confirm it held the blocks until then: recompute) or `"other"`; NULL when `finished` is
+/// NULL or `index` out
 /// of range (see `kvlink_last_error`).
 ///
 /// # Safety
@@ -269,6 +271,7 @@ pub(crate) fn cause_name(cause: &FailureCause) -> &'static std::ffi::CStr {
         FailureCause::Rdma(_) => c"rdma",
         FailureCause::Gpu { .. } => c"gpu",
         FailureCause::Cancelled => c"cancelled",
+        FailureCause::Unconfirmed => c"unconfirmed",
         // `FailureCause` is non-exhaustive: a cause added later reads "other" here until named.
         _ => c"other",
     }

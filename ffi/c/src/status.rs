@@ -101,7 +101,8 @@ pub(crate) fn status_of(e: &Error) -> c_int {
         Error::Handshake { .. }
         | Error::Refused { .. }
         | Error::Protocol(_)
-        | Error::ConnectionLost { .. } => KVLINK_E_CONNECTION,
+        | Error::ConnectionLost { .. }
+        | Error::Unconfirmed { .. } => KVLINK_E_CONNECTION,
         Error::Rdma(_) | Error::RdmaUnavailable(_) => KVLINK_E_RDMA,
         Error::Memory(_) => KVLINK_E_MEMORY,
         Error::Gpu(_) => KVLINK_E_GPU,

@@ -174,6 +174,7 @@ fn cause_names_match_the_core() {
         FailureCause::Rdma(RdmaErrorKind::Post),
         FailureCause::Gpu { code: None },
         FailureCause::Cancelled,
+        FailureCause::Unconfirmed,
         FailureCause::Other,
     ];
     for c in all {

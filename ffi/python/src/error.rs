@@ -56,6 +56,7 @@ pub(crate) fn to_py(e: Error) -> PyErr {
         | Error::Refused { .. }
         | Error::Protocol(_)
         | Error::ConnectionLost { .. }
+        | Error::Unconfirmed { .. }
         | Error::Rdma(_) => PeerError::new_err(msg),
         _ => KvlinkError::new_err(msg),
     }

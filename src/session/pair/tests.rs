@@ -116,6 +116,37 @@ async fn a_slow_transport_within_the_deadline_completes() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_read_whose_hold_ended_mid_read_fails_unconfirmed_never_received() {
+    // The transport delivers every byte (as an RDMA read does, which no grant stops), but the
+    // prefill released the hold while the read was in flight: its blocks may hold another
+    // request's KV by then. The prefill refuses the Done, and the read fails.
+    let p = Arc::new(Pair::new(&[Fault::Delay(Duration::from_secs(4))]));
+    let read = {
+        let p = p.clone();
+        tokio::spawn(async move { p.read("r1", &[7], &[8]).await })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(p
+        .prefill
+        .with_tracker(|t| t.release(&RequestId::from("r1"))));
+    read.await.unwrap();
+    let d = p.decode_finished();
+    assert!(d.receiving.is_empty(), "{d:?}");
+    assert_eq!(d.failed.len(), 1, "{d:?}");
+    assert_eq!(d.failed[0].cause, FailureCause::Unconfirmed, "{d:?}");
+    assert!(d.failed[0].reason.contains("no longer held"), "{d:?}");
+    assert!(!d.failed[0].expired);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_confirmed_read_is_received_and_the_send_done() {
+    let p = Pair::new(&[]);
+    p.read("r1", &[3], &[4]).await;
+    assert_eq!(p.decode_finished().receiving.len(), 1);
+    assert_eq!(p.prefill_finished().sending.len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_broken_session_is_rebuilt_with_a_new_generation() {
     // The first read fails on two sessions (its retry included); the next gets a third.
     let p = Pair::new(&[Fault::FailAfter(0), Fault::FailAfter(0), Fault::None]);

@@ -39,7 +39,8 @@ class Finished:
     failures: List[Dict[str, Any]]
     """The entries of ``failed`` as dicts: ``id``, ``side``, ``expired``, ``reason`` and
     ``cause``: ``"expired"``, ``"peer"`` (the peer aborted or refused it), ``"connection"``,
-    ``"rdma"``, ``"gpu"``, ``"cancelled"`` or ``"other"``."""
+    ``"rdma"``, ``"gpu"``, ``"cancelled"``, ``"unconfirmed"`` (every byte arrived, but the
+    prefill did not confirm it held the blocks until then: recompute) or ``"other"``."""
     reports: List[Dict[str, Any]]
     """One per request in ``receiving``: ``id``, ``peer``, ``bytes``, ``segments``, ``blocks``,
     ``work_requests``, ``transport`` (``"tcp"``, ``"rdma"`` or ``"local"``) and ``seconds`` (from
