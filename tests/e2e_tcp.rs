@@ -65,7 +65,7 @@ fn run_transfer(
         stats.handshakes_accepted, 1,
         "single-flight handshake: {stats:?}"
     );
-    assert_eq!(stats.bytes_served, bytes);
+    assert_eq!(served(&prefill.engine, bytes), bytes);
     assert_eq!(decode.engine.in_flight(), (0, 0));
 }
 
@@ -499,4 +499,25 @@ fn application_messages_arrive_in_order_both_ways_with_the_senders_engine_id() {
         std::thread::sleep(Duration::from_millis(10));
     }
     assert_eq!(a.engine.stats().messages_unsent, 1);
+}
+
+#[test]
+fn open_reads_are_confirmed_without_a_hold() {
+    // Benchmarks serve any exported byte without a hold (`kvlink-bench serve`): a read of a
+    // request never held is still confirmed, so it is reported received.
+    let shape = ModelShape::LLAMA3_8B;
+    let open = EngineConfig {
+        open_reads: true,
+        ..tcp_config()
+    };
+    let prefill = side(&shape, 8, Some(3), open);
+    let decode = side(&shape, 8, None, tcp_config());
+    let peer = prefill.engine.handshake_address().to_string();
+    decode
+        .engine
+        .read_blocks(&peer, "open", &[1, 2], &[5, 6])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(20), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    verify(&decode, &prefill.layout, 3, &[1, 2], &[5, 6]);
 }

@@ -50,7 +50,7 @@ fn run(from: Mem, into: Mem, transport: TransportChoice, want: &str) {
     );
     let bytes: u64 = got.reports.iter().map(|r| r.bytes).sum();
     assert_eq!(bytes, 42 * shape.region_bytes(1));
-    assert_eq!(prefill.engine.stats().bytes_served, bytes);
+    assert_eq!(served(&prefill.engine, bytes), bytes);
     let sent = collect(&prefill.engine, Duration::from_secs(10), |f| {
         f.sending.len() == reqs.len()
     });

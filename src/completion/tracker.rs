@@ -389,6 +389,11 @@ impl CompletionTracker {
     pub fn holding(&self) -> usize {
         self.held.len()
     }
+
+    /// Whether request `id` is held.
+    pub fn is_holding(&self, id: &RequestId) -> bool {
+        self.held.contains_key(id)
+    }
 }
 
 #[cfg(test)]

@@ -211,6 +211,16 @@ pub fn cuda_loaded(test: &str) -> bool {
     }
 }
 
+/// The engine's `bytes_served` once it reaches `want` (or after 5 s): a server counts a
+/// response when its write returned, which its reader may see after reporting the read.
+pub fn served(engine: &Engine, want: u64) -> u64 {
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    while engine.stats().bytes_served < want && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    engine.stats().bytes_served
+}
+
 /// An engine configuration with short deadlines for fault tests. Reads go over TCP (the
 /// engines of a test share a host; tests/local.rs covers the same-host path).
 pub fn quick_config() -> EngineConfig {
