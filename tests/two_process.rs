@@ -93,7 +93,9 @@ fn prefill_killed_mid_transfer_fails_requests_then_a_new_peer_works() {
             r.contains("lost")
                 || r.contains("closed")
                 || r.contains("reset")
-                || r.contains("connection refused"),
+                || r.contains("connection refused")
+                // A read whose bytes had all arrived: the dead prefill never confirmed it.
+                || fr.cause == kvlink::FailureCause::Unconfirmed,
             "{fr:?}"
         );
     }
