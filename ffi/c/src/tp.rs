@@ -84,20 +84,15 @@ pub unsafe extern "C" fn kvlink_engine_read(
         // SAFETY: the caller promised a live engine or NULL.
         let e = unsafe { ref_arg(engine, "engine") }?;
         // SAFETY: the caller's promises on `request_id`, `remote_request_id` and `peers`.
-        let (id, remote_id, from) =
-            unsafe { read_args(request_id, remote_request_id, peers, num_peers, tp_group) }?;
+        let req = unsafe { read_args(request_id, remote_request_id, peers, num_peers, tp_group) }?;
         // SAFETY: the caller promised `groups` lists of `counts[g]` ids, or NULL.
         let local = unsafe { groups_arg(local, counts, groups, "local") }?;
         // SAFETY: as above.
         let remote = unsafe { groups_arg(remote, counts, groups, "remote") }?;
         e.engine.read(ReadRequest {
-            remote_id,
-            id,
-            from,
             local,
             remote,
-            remote_tokens_per_block: None,
-            first_tokens: Vec::new(),
+            ..req
         })?;
         Ok(())
     })
@@ -137,16 +132,12 @@ pub unsafe extern "C" fn kvlink_engine_read_resized(
         // SAFETY: the caller promised a live engine or NULL.
         let e = unsafe { ref_arg(engine, "engine") }?;
         // SAFETY: the caller's promises on `request_id`, `remote_request_id` and `peers`.
-        let (id, remote_id, from) =
-            unsafe { read_args(request_id, remote_request_id, peers, num_peers, tp_group) }?;
+        let req = unsafe { read_args(request_id, remote_request_id, peers, num_peers, tp_group) }?;
         // SAFETY: the caller promised `groups` lists of `local_counts[g]` ids, or NULL.
         let local = unsafe { groups_arg(local, local_counts, groups, "local") }?;
         // SAFETY: the caller promised `groups` lists of `remote_counts[g]` ids, or NULL.
         let remote = unsafe { groups_arg(remote, remote_counts, groups, "remote") }?;
         e.engine.read(ReadRequest {
-            remote_id,
-            id,
-            from,
             local,
             remote,
             remote_tokens_per_block: Some(remote_tokens_per_block),
@@ -156,12 +147,13 @@ pub unsafe extern "C" fn kvlink_engine_read_resized(
                 // SAFETY: the caller promised `groups` readable ids at `first_tokens`.
                 unsafe { slice_arg(first_tokens, groups, "first_tokens") }?.to_vec()
             },
+            ..req
         })?;
         Ok(())
     })
 }
 
-/// The ids and the source of a read.
+/// A read's ids and source, without block lists (same block size, reading from token 0).
 ///
 /// # Safety
 /// `request_id` and `remote_request_id` are NULL or NUL-terminated; `peers` is NULL or points
@@ -172,7 +164,7 @@ unsafe fn read_args(
     peers: *const *const c_char,
     num_peers: usize,
     tp_group: c_int,
-) -> FfiResult<(RequestId, RequestId, ReadFrom)> {
+) -> FfiResult<ReadRequest> {
     // SAFETY: the caller promised NUL-terminated strings or NULL.
     let id = unsafe { str_arg(request_id, "request_id") }?;
     // SAFETY: as above.
@@ -198,7 +190,15 @@ unsafe fn read_args(
     };
     let id = RequestId::from(id);
     let remote_id = remote_id.map_or_else(|| id.clone(), RequestId::from);
-    Ok((id, remote_id, from))
+    Ok(ReadRequest {
+        id,
+        remote_id,
+        from,
+        local: Vec::new(),
+        remote: Vec::new(),
+        remote_tokens_per_block: None,
+        first_tokens: Vec::new(),
+    })
 }
 
 /// `kvlink_engine_hold_blocks` with block ids per block group: list `g` holds `counts[g]` ids
