@@ -58,8 +58,14 @@ pub struct EngineConfig {
     pub handshake_timeout: Duration,
     /// Deadline of a whole `read_blocks` request, from the call to the last byte.
     pub request_timeout: Duration,
-    /// How long a send is held for its reader before it expires (prefill side).
+    /// How long a send is held for its reader before it expires (prefill side): the bound for
+    /// a reader that never comes.
     pub abort_timeout: Duration,
+    /// How long a send stays held once its reader is gone (prefill side): a reader engine
+    /// that had control sessions to this engine and lost them all (closed, or silent for three
+    /// keep-alive intervals) and does not connect again within the lease has its holds end
+    /// then, rather than at `abort_timeout`.
+    pub lease: Duration,
     /// Longest silence tolerated on a data stream with a request outstanding; also bounds each
     /// GPU staging copy, the wait for a staging buffer, and the wait for a copy in progress when
     /// a request is cancelled.
@@ -119,6 +125,7 @@ impl Default for EngineConfig {
             handshake_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(60),
             abort_timeout: Duration::from_secs(480),
+            lease: crate::completion::DEFAULT_LEASE,
             io_timeout: Duration::from_secs(30),
             keepalive: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(60),
@@ -166,6 +173,7 @@ impl EngineConfig {
             ("handshake_timeout", self.handshake_timeout),
             ("request_timeout", self.request_timeout),
             ("abort_timeout", self.abort_timeout),
+            ("lease", self.lease),
             ("io_timeout", self.io_timeout),
             ("keepalive", self.keepalive),
             ("idle_timeout", self.idle_timeout),

@@ -112,10 +112,10 @@ impl EngineState {
             next_region: AtomicU32::new(1),
             layout: RwLock::new(None),
             descriptor: RwLock::new(None),
-            tracker: Mutex::new(CompletionTracker::with_tp(TpRank::new(
-                config.tp_rank,
-                config.tp_size,
-            ))),
+            tracker: Mutex::new(
+                CompletionTracker::with_tp(TpRank::new(config.tp_rank, config.tp_size))
+                    .with_lease(config.lease),
+            ),
             finished: Condvar::new(),
             counters: Counters::default(),
             gpus,
@@ -451,6 +451,21 @@ impl ControlHandler for EngineState {
 
     fn session_closed(&self, id: [u8; 16]) {
         self.data_sessions.lock().remove(&id);
+    }
+
+    fn reader_connected(&self, reader: &Reader) {
+        self.with_tracker(|t| t.reader_connected(&reader.engine));
+    }
+
+    fn reader_disconnected(&self, reader: &Reader) {
+        self.with_tracker(|t| t.reader_disconnected(&reader.engine, Instant::now()));
+    }
+
+    fn reading(&self, from: &Reader, id: &RequestId) -> std::result::Result<(), String> {
+        if self.config.open_reads {
+            return Ok(());
+        }
+        self.with_tracker(|t| t.claim_checked(id, from))
     }
 }
 

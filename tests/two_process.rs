@@ -126,3 +126,88 @@ fn prefill_killed_mid_transfer_fails_requests_then_a_new_peer_works() {
         1
     );
 }
+
+/// Names the decode child's task: "<prefill handshake address> <request to read first>".
+const DECODE_ENV: &str = "KVLINK_TEST_DECODE";
+
+/// The decode worker of the lease test (engine id `decode-child`). A helper, not a test: it
+/// reads one request from the prefill in its parent (so it has a control session there), says
+/// `KVLINK_READ`, then waits to be killed.
+#[test]
+#[ignore = "helper: run as a child process by the two-process tests"]
+fn decode_child() {
+    let Ok(spec) = std::env::var(DECODE_ENV) else {
+        return;
+    };
+    let (addr, id) = spec.split_once(' ').expect("address and request");
+    let config = kvlink::EngineConfig {
+        engine_id: Some("decode-child".into()),
+        ..quick_config()
+    };
+    let decode = side(&ModelShape::LLAMA3_8B, 8, None, config);
+    decode
+        .engine
+        .read_blocks(addr, id, &[1, 2], &[3, 4])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(30), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    println!("KVLINK_READ {id}");
+    std::thread::sleep(Duration::from_secs(120));
+}
+
+#[test]
+fn a_decode_killed_with_sigkill_gives_its_blocks_back_within_the_lease() {
+    let lease = Duration::from_secs(2);
+    let config = kvlink::EngineConfig {
+        lease,
+        ..quick_config()
+    };
+    let prefill = side(&ModelShape::LLAMA3_8B, 8, Some(3), config);
+    let e = &prefill.engine;
+    e.hold_blocks("warm", &[3, 4]).unwrap();
+    e.hold_blocks_for("for-the-decode", &[5, 6], Some("decode-child"), None)
+        .unwrap();
+    e.hold_blocks_for("for-another", &[7], Some("another-decode"), None)
+        .unwrap();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["decode_child", "--exact", "--ignored", "--nocapture"])
+        .env(DECODE_ENV, format!("{} warm", e.handshake_address()))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let read = std::io::BufRead::lines(out)
+        .map_while(Result::ok)
+        .find(|l| l.contains("KVLINK_READ warm"));
+    assert!(read.is_some(), "the decode child read its request");
+    let f = collect(e, Duration::from_secs(10), |f| !f.sending.is_empty());
+    assert_eq!(f.sending, ["warm".into()], "{f:?}");
+
+    child.kill().unwrap();
+    let killed = std::time::Instant::now();
+    child.wait().unwrap();
+    let f = collect(e, lease + Duration::from_secs(5), |f| !f.failed.is_empty());
+    let took = killed.elapsed();
+    assert_eq!(f.failed.len(), 1, "{f:?}");
+    let fr = &f.failed[0];
+    assert_eq!(fr.id.as_str(), "for-the-decode");
+    assert!(
+        fr.expired && fr.cause == kvlink::FailureCause::Expired,
+        "{fr:?}"
+    );
+    assert!(fr.reason.contains("lease"), "{}", fr.reason);
+    // Not before the lease (less the moment the prefill saw the connection close), and well
+    // before the 480 s abort timeout.
+    assert!(
+        took >= lease - Duration::from_millis(100),
+        "expired after {took:?}"
+    );
+    assert!(
+        took < lease + Duration::from_secs(3),
+        "expired after {took:?}"
+    );
+    let t = e.stats().totals;
+    assert_eq!((t.sends_lease_expired, t.sends_expired), (1, 1));
+    // The hold for an engine that never connected waits for it.
+    assert_eq!(e.in_flight().1, 1, "for-another is still held");
+}

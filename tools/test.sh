@@ -166,31 +166,15 @@ py_passed=$part_passed py_failed=$part_failed py_skipped=$part_skipped py_why=$p
 # vLLM's own Scheduler drives kvlink's connector (kvlink.vllm) in two processes, against each
 # supported vLLM release. vLLM and torch (about 8 GB) go into a venv per release; the kvlink
 # wheel built above is installed into it as a user would, without Rust.
-# Makes venv $1 hold vLLM pin $2 (fresh when it holds anything else); fails, saying why, when
-# it cannot.
-vllm_venv() {
-  local venv=$1 pin=$2
-  if "$venv/bin/python" -c "import sys, vllm; sys.exit(vllm.__version__ != '${pin#vllm==}')" 2>/dev/null; then
-    return 0
-  fi
-  rm -rf "$venv"
-  local free_gb
-  free_gb=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
-  if [ "$free_gb" -lt 12 ]; then
-    echo "test: $pin needs about 9 GB and $free_gb GB are free here: its vLLM connector tests cannot run" >&2
-    return 1
-  fi
-  if ! { python3 -m venv "$venv" && "$venv/bin/pip" install -q --disable-pip-version-check "$pin" pytest; }; then
-    echo "test: installing $pin from the package registry failed (output above): its vLLM connector tests cannot run" >&2
-    return 1
-  fi
-}
-# Runs the connector suite in venv $1 (vLLM pin $2); sets vl_passed/failed/skipped/why.
+# vllm_venv: one venv per vLLM release, the second layered on the first.
+source tools/vllm-venv.sh
+# Runs the connector suite in venv $1 (vLLM pin $2, layered on venv $3 if given); sets
+# vl_passed/failed/skipped/why.
 vllm_suite() {
-  local venv=$1 pin=$2
+  local venv=$1 pin=$2 base=${3:-}
   echo "test: the vLLM connector through vLLM's real Scheduler ($pin in $venv)"
   vl_passed=0; vl_failed=0; vl_skipped=0; vl_why=""
-  if ! vllm_venv "$venv" "$pin"; then
+  if ! vllm_venv "$venv" "$pin" "$base"; then
     vl_failed=1
     return 1
   fi
@@ -210,7 +194,7 @@ vllm_suite .venv-vllm33 "$VLLM_PIN"
 set -e
 v33_passed=$vl_passed v33_failed=$vl_failed v33_skipped=$vl_skipped v33_why=$vl_why
 set +e
-vllm_suite .venv-vllm "$VLLM_OLD_PIN" || vllm_ready=0
+vllm_suite .venv-vllm "$VLLM_OLD_PIN" .venv-vllm33 || vllm_ready=0
 set -e
 
 # SGLang's own queues (prefill bootstrap and inflight, decode prealloc and transfer) drive
@@ -218,8 +202,8 @@ set -e
 echo "test: the SGLang backend through SGLang's own queues ($SGLANG_PIN in .venv-vllm)"
 sg_passed=0; sg_failed=0; sg_skipped=0; sg_why=""
 if [ "$vllm_ready" = 1 ] && { .venv-vllm/bin/python -c "import sys; from importlib.metadata import version; sys.exit(version('sglang') != '${SGLANG_PIN#sglang==}')" 2>/dev/null \
-    || .venv-vllm/bin/pip install -q --disable-pip-version-check --no-deps "$SGLANG_PIN"; } \
-    && .venv-vllm/bin/pip install -q --disable-pip-version-check $SGLANG_EXTRAS; then
+    || PIP_NO_CACHE_DIR=1 .venv-vllm/bin/pip install -q --disable-pip-version-check --no-deps "$SGLANG_PIN"; } \
+    && PIP_NO_CACHE_DIR=1 .venv-vllm/bin/pip install -q --disable-pip-version-check $SGLANG_EXTRAS; then
   sglog=$(mktemp)
   set +e
   (cd tests/sglang && ../../.venv-vllm/bin/python -m pytest -q -rs -p no:cacheprovider -p no:warnings) 2>&1 | tee "$sglog"

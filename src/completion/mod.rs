@@ -4,6 +4,7 @@
 //! tensor-parallel rank for the scheduler. Both are plain state machines: time is passed in.
 
 mod aggregator;
+mod presence;
 mod tracker;
 
 use std::time::Duration;
@@ -14,6 +15,7 @@ use crate::error::{Error, RdmaErrorKind};
 use crate::ids::RequestId;
 
 pub use aggregator::TpAggregator;
+pub(crate) use presence::DEFAULT_LEASE;
 pub use tracker::{CompletionTracker, SendNotice};
 
 /// Which side of a transfer a request is on, from this worker's point of view.
@@ -149,8 +151,11 @@ pub struct Totals {
     pub sends_done: u64,
     /// Sends aborted by their reader or expired.
     pub sends_failed: u64,
-    /// Sends that expired (also counted in `sends_failed`).
+    /// Sends that expired (also counted in `sends_failed`), their lease's end included.
     pub sends_expired: u64,
+    /// Sends that expired because their reader was gone (no control session) for the whole
+    /// lease (also counted in `sends_expired`).
+    pub sends_lease_expired: u64,
 }
 
 /// What finished since the last call, each request exactly once.

@@ -3,12 +3,15 @@
 //! Receive side: `reading` until the transfer driver reports done or failed (the driver enforces
 //! the request deadline and reports expiry as a failure with `expired = true`).
 //! Send side: `held` until the reading peer's done or abort notice arrives, or until the abort
-//! timeout passes, checked in [`poll`](CompletionTracker::poll).
+//! timeout passes, checked in [`poll`](CompletionTracker::poll). A hold whose reader engine is
+//! gone (it had control sessions to this engine and lost them all) ends sooner: when that
+//! reader's lease ends, unless it comes back first.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::presence::Presence;
 use super::{FailedRequest, FailureCause, Finished, Side, Totals, TransferReport};
 use crate::error::{Error, Result};
 use crate::grant::Grant;
@@ -28,6 +31,8 @@ pub enum SendNotice {
 struct Held {
     deadline: Instant,
     timeout: Duration,
+    /// When the lease of a gone reader ends (the earliest, with several readers gone).
+    lease_end: Option<Instant>,
     grant: Arc<Grant>,
     /// The only engine allowed to read and confirm, when the holder named one.
     named: Option<String>,
@@ -54,6 +59,27 @@ impl Held {
             (None, Some(size)) => tp::readers(own, size).unwrap_or(1),
             _ => 1,
         }
+    }
+
+    /// Whether engine `e` is this hold's reader (named, or admitted).
+    fn involves(&self, e: &str) -> bool {
+        self.named.as_deref() == Some(e) || self.readers.iter().any(|r| r.engine == e)
+    }
+
+    /// When the hold ends unless confirmed: its abort timeout, or sooner its lease.
+    fn ends(&self) -> Instant {
+        self.lease_end
+            .map_or(self.deadline, |l| l.min(self.deadline))
+    }
+
+    /// The lease end of the earliest gone reader among this hold's, if any is gone.
+    fn gone_readers_lease(&self, presence: &Presence) -> Option<Instant> {
+        let named = self.named.iter();
+        let admitted = self.readers.iter().map(|r| &r.engine);
+        named
+            .chain(admitted)
+            .filter_map(|e| presence.lease_end(e))
+            .min()
     }
 
     fn confirmed(&self) -> u32 {
@@ -128,6 +154,8 @@ pub struct CompletionTracker {
     totals: Totals,
     /// This worker's TP rank: which decode ranks read its held requests, and how many.
     tp: TpRank,
+    /// Which reader engines have control sessions here; the lease of those that lost them.
+    presence: Presence,
 }
 
 impl Default for CompletionTracker {
@@ -150,6 +178,37 @@ impl CompletionTracker {
             out: Finished::default(),
             totals: Totals::default(),
             tp,
+            presence: Presence::new(super::DEFAULT_LEASE),
+        }
+    }
+
+    /// The same tracker with readers' holds on a lease of `lease` (30 s by default).
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.presence = Presence::new(lease);
+        self
+    }
+
+    /// A control session of reader engine `engine` began: if the engine was gone, its holds'
+    /// leases stop and they wait for it again (up to their abort timeout).
+    pub fn reader_connected(&mut self, engine: &str) {
+        if !self.presence.opened(engine) {
+            return;
+        }
+        let presence = &self.presence;
+        for h in self.held.values_mut().filter(|h| h.involves(engine)) {
+            h.lease_end = h.gone_readers_lease(presence);
+        }
+    }
+
+    /// A control session of reader engine `engine` ended at `now`. When it was the engine's
+    /// last, each hold it reads (named or admitted) ends at `now` plus the lease, unless the
+    /// engine connects again before then.
+    pub fn reader_disconnected(&mut self, engine: &str, now: Instant) {
+        let Some(end) = self.presence.closed(engine, now) else {
+            return;
+        };
+        for h in self.held.values_mut().filter(|h| h.involves(engine)) {
+            h.lease_end = Some(h.lease_end.map_or(end, |l| l.min(end)));
         }
     }
 
@@ -213,11 +272,17 @@ impl CompletionTracker {
                 "request {id} is already held for sending"
             )));
         }
+        // A hold for a reader that is gone gives it a whole lease from now to come back.
+        let lease_end = reader
+            .as_deref()
+            .and_then(|r| self.presence.lease_end(r))
+            .map(|_| now + self.presence.lease());
         self.held.insert(
             id,
             Held {
                 deadline: now + abort_timeout,
                 timeout: abort_timeout,
+                lease_end,
                 grant,
                 named: reader,
                 readers: Vec::new(),
@@ -252,10 +317,27 @@ impl CompletionTracker {
     /// `reader` read request `id` (every check passed): it becomes one of the request's
     /// readers.
     pub fn claim(&mut self, id: &RequestId, reader: &Reader) {
+        let _ = self.claim_checked(id, reader);
+    }
+
+    /// Like [`claim`](Self::claim), saying why not when `reader` may not read request `id`
+    /// (not held, or held for other readers): a reader announcing a read (RDMA reads reach no
+    /// CPU here) becomes one of its readers, so the hold lives on its lease from then on.
+    pub fn claim_checked(
+        &mut self,
+        id: &RequestId,
+        reader: &Reader,
+    ) -> std::result::Result<(), String> {
         let own = self.tp;
-        if let Some(h) = self.held.get_mut(id) {
-            let _ = h.admit(own, id, reader, true);
+        let h = self
+            .held
+            .get_mut(id)
+            .ok_or_else(|| format!("request {id} is not held by this engine"))?;
+        h.admit(own, id, reader, true)?;
+        if h.lease_end.is_none() {
+            h.lease_end = h.gone_readers_lease(&self.presence);
         }
+        Ok(())
     }
 
     /// Applies notice `notice` about send `id` from `reader`. Refuses (and stores nothing for)
@@ -328,41 +410,63 @@ impl CompletionTracker {
         }
     }
 
-    /// Expires held sends whose abort timeout passed.
+    /// Expires held sends whose abort timeout, or whose gone reader's lease, passed.
     pub fn poll(&mut self, now: Instant) {
         let expired: Vec<RequestId> = self
             .held
             .iter()
-            .filter(|(_, h)| h.deadline <= now)
+            .filter(|(_, h)| h.ends() <= now)
             .map(|(id, _)| id.clone())
             .collect();
         for id in expired {
             let h = self.held.remove(&id).expect("listed above");
             h.grant.end();
+            let reason = self.expiry_reason(&h, now);
+            tracing::warn!(%id, %reason, "held request expired");
             self.totals.sends_failed += 1;
             self.totals.sends_expired += 1;
-            let (confirmed, expected) = (h.confirmed(), h.expected(self.tp));
-            let who = if confirmed == 0 {
-                "no reader confirmed".to_string()
-            } else {
-                format!("only {confirmed} of {expected} readers confirmed")
-            };
             self.out.failed.push(FailedRequest {
                 id,
                 side: Side::Send,
                 expired: true,
-                reason: format!(
-                    "{who} within the abort timeout of {:?}; the blocks may be freed",
-                    h.timeout
-                ),
+                reason,
                 cause: FailureCause::Expired,
             });
         }
+        self.presence.prune(now);
+    }
+
+    /// Why hold `h` expired at `now` (counting lease expiries).
+    fn expiry_reason(&mut self, h: &Held, now: Instant) -> String {
+        let (confirmed, expected) = (h.confirmed(), h.expected(self.tp));
+        let who = if confirmed == 0 {
+            "no reader confirmed".to_string()
+        } else {
+            format!("only {confirmed} of {expected} readers confirmed")
+        };
+        if h.lease_end.is_some_and(|l| l <= now && l < h.deadline) {
+            self.totals.sends_lease_expired += 1;
+            let gone: Vec<&str> = h
+                .named
+                .iter()
+                .chain(h.readers.iter().map(|r| &r.engine))
+                .filter(|e| self.presence.lease_end(e).is_some_and(|l| l <= now))
+                .map(String::as_str)
+                .collect();
+            return format!(
+                "{who}: reader {gone:?} lost its control connection and did not come back                  within the lease of {:?}; the blocks may be freed",
+                self.presence.lease()
+            );
+        }
+        format!(
+            "{who} within the abort timeout of {:?}; the blocks may be freed",
+            h.timeout
+        )
     }
 
     /// The earliest moment at which [`poll`](Self::poll) has work to do.
     pub fn next_deadline(&self) -> Option<Instant> {
-        self.held.values().map(|h| h.deadline).min()
+        self.held.values().map(Held::ends).min()
     }
 
     /// Whether anything finished since the last [`take_finished`](Self::take_finished).

@@ -245,6 +245,14 @@ pub enum Message {
     },
     /// Server to reader: who I am.
     Descriptor(Box<Descriptor>),
+    /// Reader to server, as a read of the request starts: I am reading it. Not answered; the
+    /// server admits the reader to the request's hold (as a TCP read does), so the hold ends on
+    /// the reader's lease if the reader goes away. Over RDMA nothing else tells the server who
+    /// reads.
+    Reading {
+        /// The request.
+        request_id: RequestId,
+    },
     /// Reader to server: the request's blocks are all read; the server may free them.
     /// Answered by `Confirm`.
     Done {

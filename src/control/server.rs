@@ -61,6 +61,14 @@ pub(crate) trait ControlHandler: Send + Sync + 'static {
     fn session_opened(&self, secret: SessionSecret, reader: Reader);
     /// That session ended: its secret no longer opens data connections.
     fn session_closed(&self, id: [u8; 16]);
+    /// An accepted control session of `reader` began (authenticated, where there is a key).
+    fn reader_connected(&self, reader: &Reader);
+    /// That session ended, for whatever reason: the reader's holds go on a lease once it has
+    /// no session left.
+    fn reader_disconnected(&self, reader: &Reader);
+    /// `from` announces it is reading request `id`; refused, with the reason, when the
+    /// request is not held for it.
+    fn reading(&self, from: &Reader, id: &RequestId) -> std::result::Result<(), String>;
 }
 
 /// Accepts control connections until the task is dropped: at most [`MAX_CONNECTIONS`] at once,
@@ -284,8 +292,10 @@ async fn session(
     }
     let reply = frame::encode(&Message::Descriptor(Box::new((*ours).clone())))?;
     handler.handshake(true);
-    // Data connections of this session are accepted while it lives.
+    // Data connections of this session are accepted while it lives; the reader's holds are
+    // on a lease while it has no session.
     let _session = secret.map(|s| SessionGuard::open(handler.clone(), s, reader.clone()));
+    let _present = Presence::open(handler.clone(), reader.clone());
     timeout(timeouts.handshake, write_frame(&mut stream, &reply))
         .await
         .map_err(|_| Error::Timeout {
@@ -344,6 +354,10 @@ async fn session(
                         after: timeouts.handshake,
                     })??;
             }
+            Ok(Message::Reading { request_id }) if request_id.validate().is_ok() => {
+                let r = handler.reading(&reader, &request_id);
+                refused(&request_id, r);
+            }
             Ok(Message::Abort { request_id, reason }) if request_id.validate().is_ok() => {
                 let reason: String = reason.chars().take(1024).collect();
                 let r = handler.notice(
@@ -356,7 +370,11 @@ async fn session(
             }
             // A notice naming an invalid id (empty, too long) is refused alone: the session and
             // the other requests on it go on.
-            Ok(Message::Done { request_id } | Message::Abort { request_id, .. }) => {
+            Ok(
+                Message::Done { request_id }
+                | Message::Abort { request_id, .. }
+                | Message::Reading { request_id },
+            ) => {
                 bad_notices += 1;
                 if bad_notices == 1 {
                     tracing::warn!(%peer, len = request_id.as_str().len(), "notice with an invalid request id ignored (further ones on this connection are counted, not logged)");
@@ -444,6 +462,25 @@ impl SessionGuard {
 impl Drop for SessionGuard {
     fn drop(&mut self) {
         self.handler.session_closed(self.id);
+    }
+}
+
+/// Tells the engine a reader's accepted session began, and ended (on every path out).
+struct Presence {
+    handler: Arc<dyn ControlHandler>,
+    reader: Reader,
+}
+
+impl Presence {
+    fn open(handler: Arc<dyn ControlHandler>, reader: Reader) -> Presence {
+        handler.reader_connected(&reader);
+        Presence { handler, reader }
+    }
+}
+
+impl Drop for Presence {
+    fn drop(&mut self) {
+        self.handler.reader_disconnected(&self.reader);
     }
 }
 

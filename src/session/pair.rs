@@ -91,6 +91,7 @@ impl ControlLink for MemControl {
                 self.prefill
                     .notice(peer, from, request_id, SendNotice::Aborted(reason))
             }
+            Message::Reading { request_id } => self.prefill.reading(from, &request_id),
             other => panic!("unexpected notice {other:?}"),
         };
         true

@@ -456,6 +456,11 @@ async fn read_once(
         _ = ctl.cancelled() => return Err(Error::Cancelled("while connecting".into())),
     };
     *used = Some(conn.clone());
+    // The prefill learns who reads (RDMA reads reach no CPU there): its hold then ends on
+    // this engine's lease should this engine go away. Best effort: the Done says the rest.
+    conn.control.notify(Message::Reading {
+        request_id: job.remote_id.clone(),
+    });
     let d = &conn.descriptor;
     let theirs = TpRank::new(d.tp_rank, d.tp_size);
     let ours = TpRank::new(shared.config.tp_rank, shared.config.tp_size);

@@ -425,6 +425,31 @@ def test_reject_and_release_free_a_hold_at_once():
     assert prefill.get_finished().is_empty()
 
 
+def test_a_gone_readers_hold_ends_after_its_lease():
+    prefill = kvlink.Engine(lease=0.5)
+    prefill.register_kv_caches(make_caches(2, 8, 256, 9), 16, "bf16")
+    decode = kvlink.Engine()
+    decode.register_kv_caches(make_caches(2, 8, 256, 0), 16, "bf16")
+    prefill.hold_blocks("first", [1])
+    prefill.hold_blocks("second", [2, 3], reader=decode.engine_id)
+    decode.read_blocks(prefill.handshake_address, "first", [0], [1])
+    _until(decode, lambda f: f.receiving)
+    _until(prefill, lambda f: f.sending)
+    # The decode goes away before reading the second request: its control connection closes.
+    decode.close()
+    gone = time.monotonic()
+    f, _ = _until(prefill, lambda f: f.failed, limit=10.0)
+    took = time.monotonic() - gone
+    (failure,) = f.failures
+    assert failure["id"] == "second" and failure["cause"] == "expired", failure
+    assert "lease" in failure["reason"] and decode.engine_id in failure["reason"], failure
+    assert 0.4 < took < 5.0, took
+    s = prefill.stats()
+    assert (s["sends_expired"], s["sends_lease_expired"]) == (1, 1), s
+    with pytest.raises(kvlink.InvalidArgument, match="lease"):
+        kvlink.Engine(lease=0.0)
+
+
 def test_failures_carry_a_cause_and_counters_add_up():
     prefill, decode = _pair()
     # Nothing listens on this port: the read fails for its connection.

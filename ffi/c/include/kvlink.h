@@ -285,6 +285,12 @@ typedef struct kvlink_config {
      * 1 to allow listening beyond loopback without a key (logged as a warning), 0 otherwise.
      */
     uint32_t insecure;
+    /**
+     * How long a held send stays held once its reader engine lost every control connection
+     * to this one, in milliseconds (1 ms to 7 days; default 30 s); `abort_timeout_ms` bounds
+     * a reader that never comes.
+     */
+    uint64_t lease_ms;
 } kvlink_config;
 
 /**
@@ -425,7 +431,7 @@ const char *kvlink_version(void);
 
 /**
  * Fills `*config` with the defaults: listen on `"127.0.0.1:0"`, rank 0 of 1, automatic
- * transport, 4 TCP streams, a 60 s request timeout and a 480 s abort timeout.
+ * transport, 4 TCP streams, a 60 s request timeout, a 480 s abort timeout and a 30 s lease.
  *
  * Returns `KVLINK_OK`, or `KVLINK_E_INVALID` when `config` is NULL.
  *

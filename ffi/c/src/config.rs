@@ -56,11 +56,15 @@ pub struct kvlink_config {
     pub auth_key: *const c_char,
     /// 1 to allow listening beyond loopback without a key (logged as a warning), 0 otherwise.
     pub insecure: u32,
+    /// How long a held send stays held once its reader engine lost every control connection
+    /// to this one, in milliseconds (1 ms to 7 days; default 30 s); `abort_timeout_ms` bounds
+    /// a reader that never comes.
+    pub lease_ms: u64,
 }
 
 #[cfg(target_pointer_width = "64")]
 const _: () = {
-    assert!(std::mem::size_of::<kvlink_config>() == 88);
+    assert!(std::mem::size_of::<kvlink_config>() == 96);
     assert!(std::mem::align_of::<kvlink_config>() == 8);
     assert!(std::mem::offset_of!(kvlink_config, listen) == 0);
     assert!(std::mem::offset_of!(kvlink_config, advertise_host) == 8);
@@ -76,12 +80,13 @@ const _: () = {
     assert!(std::mem::offset_of!(kvlink_config, staging_chunk_bytes) == 64);
     assert!(std::mem::offset_of!(kvlink_config, auth_key) == 72);
     assert!(std::mem::offset_of!(kvlink_config, insecure) == 80);
+    assert!(std::mem::offset_of!(kvlink_config, lease_ms) == 88);
 };
 
 const DEFAULT_LISTEN: &CStr = c"127.0.0.1:0";
 
 /// Fills `*config` with the defaults: listen on `"127.0.0.1:0"`, rank 0 of 1, automatic
-/// transport, 4 TCP streams, a 60 s request timeout and a 480 s abort timeout.
+/// transport, 4 TCP streams, a 60 s request timeout, a 480 s abort timeout and a 30 s lease.
 ///
 /// Returns `KVLINK_OK`, or `KVLINK_E_INVALID` when `config` is NULL.
 ///
@@ -108,6 +113,7 @@ pub unsafe extern "C" fn kvlink_config_default(config: *mut kvlink_config) -> c_
             staging_chunk_bytes: d.staging_chunk_bytes,
             auth_key: std::ptr::null(),
             insecure: 0,
+            lease_ms: ms(d.lease),
         };
         // SAFETY: checked above; the caller promised writable memory.
         unsafe { write_out(config, c) };
@@ -150,6 +156,7 @@ pub(crate) fn engine_config(c: &kvlink_config) -> FfiResult<EngineConfig> {
     })?;
     config.request_timeout = millis(c.request_timeout_ms, "config->request_timeout_ms")?;
     config.abort_timeout = millis(c.abort_timeout_ms, "config->abort_timeout_ms")?;
+    config.lease = millis(c.lease_ms, "config->lease_ms")?;
     config.gpu = match c.gpu {
         0 => false,
         1 => true,

@@ -17,7 +17,12 @@ use crate::error::{to_py, InvalidArgument};
 ///
 /// Engine(listen="127.0.0.1:0", *, transport="auto", tp_rank=0, tp_size=1, request_timeout=60.0,
 /// abort_timeout=480.0, handshake_timeout=5.0, tcp_streams=4, rdma_device=None, engine_id=None,
-/// gpu=True, staging_chunk_bytes=2 MiB, staging_buffers=32, auth_key=None, insecure=False)
+/// gpu=True, staging_chunk_bytes=2 MiB, staging_buffers=32, auth_key=None, insecure=False,
+/// lease=30.0)
+///
+/// `lease` (seconds): a held request whose reader engine lost every control connection to this
+/// one ends this long after, unless the reader comes back (`abort_timeout` bounds a reader that
+/// never comes).
 ///
 /// `auth_key` (str or bytes, at least 16 bytes) is the deployment key every engine shares; None
 /// reads KVLINK_AUTH_KEY or KVLINK_AUTH_KEY_FILE. Without a key the engine only listens on
@@ -35,7 +40,7 @@ impl Engine {
     #[pyo3(signature = (listen = "127.0.0.1:0", *, transport = "auto", tp_rank = 0, tp_size = 1,
         request_timeout = 60.0, abort_timeout = 480.0, handshake_timeout = 5.0, tcp_streams = 4,
         rdma_device = None, engine_id = None, gpu = true, staging_chunk_bytes = 2 << 20,
-        staging_buffers = 32, auth_key = None, insecure = false))]
+        staging_buffers = 32, auth_key = None, insecure = false, lease = 30.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -54,6 +59,7 @@ impl Engine {
         staging_buffers: usize,
         auth_key: Option<&Bound<'_, PyAny>>,
         insecure: bool,
+        lease: f64,
     ) -> PyResult<Self> {
         let auth_key = match auth_key {
             None => None,
@@ -75,6 +81,7 @@ impl Engine {
             tcp_streams,
             request_timeout: seconds("request_timeout", request_timeout)?,
             abort_timeout: seconds("abort_timeout", abort_timeout)?,
+            lease: seconds("lease", lease)?,
             handshake_timeout: seconds("handshake_timeout", handshake_timeout)?,
             transport: match transport {
                 "auto" => TransportChoice::Auto,
@@ -458,7 +465,8 @@ impl Engine {
     /// `messages_refused`, `messages_sent`, `messages_unsent`, `rdma_pairs_paused`; then the requests finished since
     /// the engine started: `reads_done`, `reads_failed` (of which `reads_expired` and
     /// `reads_cancelled`), `bytes_read`, `sends_done`, `sends_failed` (of which
-    /// `sends_expired`). Every value is a monotonic counter.
+    /// `sends_expired`, of which `sends_lease_expired`: the reader was gone for its whole lease).
+    /// Every value is a monotonic counter.
     fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -484,6 +492,7 @@ impl Engine {
         d.set_item("sends_done", t.sends_done)?;
         d.set_item("sends_failed", t.sends_failed)?;
         d.set_item("sends_expired", t.sends_expired)?;
+        d.set_item("sends_lease_expired", t.sends_lease_expired)?;
         Ok(d.unbind())
     }
 }

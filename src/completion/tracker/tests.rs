@@ -94,6 +94,7 @@ fn release_ends_a_hold_silently_and_totals_count_outcomes() {
         sends_done: 1,
         sends_failed: 2,
         sends_expired: 1,
+        sends_lease_expired: 0,
     };
     assert_eq!(t.totals(), want);
 }
@@ -269,4 +270,147 @@ fn a_prefill_rank_read_by_several_decode_ranks_waits_for_each() {
     t.handle_notice(&"s".into(), &at("d1", 1, 2), SendNotice::Done)
         .unwrap();
     assert_eq!(t.take_finished().sending.len(), 1);
+}
+
+/// A hold with a 480 s abort timeout on a tracker whose readers get a lease of 30 s.
+fn leased(readers: &[&str]) -> (CompletionTracker, Instant) {
+    let t0 = Instant::now();
+    let mut t = CompletionTracker::new().with_lease(Duration::from_secs(30));
+    for r in readers {
+        t.reader_connected(r);
+    }
+    (t, t0)
+}
+
+fn hold_for(t: &mut CompletionTracker, id: &str, reader: Option<&str>, now: Instant) {
+    t.hold_send(
+        id.into(),
+        grant(),
+        reader.map(str::to_string),
+        now,
+        Duration::from_secs(480),
+    )
+    .unwrap();
+}
+
+#[test]
+fn a_gone_readers_hold_ends_when_its_lease_ends_to_the_instant() {
+    let (mut t, t0) = leased(&["d"]);
+    let s = Duration::from_secs;
+    hold_for(&mut t, "named", Some("d"), t0);
+    hold_for(&mut t, "claimed", None, t0);
+    hold_for(&mut t, "unread", None, t0);
+    t.claim_checked(&"claimed".into(), &rd("d")).unwrap();
+    assert_eq!(t.next_deadline(), Some(t0 + s(480)));
+    t.reader_disconnected("d", t0 + s(10));
+    assert_eq!(t.next_deadline(), Some(t0 + s(40)), "10 s plus the lease");
+    t.poll(t0 + s(40) - Duration::from_nanos(1));
+    assert!(
+        t.take_finished().is_empty(),
+        "held until the lease's last instant"
+    );
+    t.poll(t0 + s(40));
+    let f = t.take_finished();
+    let mut ids: Vec<&str> = f.failed.iter().map(|f| f.id.as_str()).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, ["claimed", "named"], "a hold nobody read waits on");
+    for f in &f.failed {
+        assert!(f.expired && f.cause == FailureCause::Expired);
+        assert!(
+            f.reason.contains("lease of 30s") && f.reason.contains("\"d\""),
+            "{}",
+            f.reason
+        );
+    }
+    assert_eq!(t.totals().sends_lease_expired, 2);
+    assert_eq!(t.totals().sends_expired, 2);
+    assert_eq!(t.next_deadline(), Some(t0 + s(480)));
+    t.poll(t0 + s(480));
+    assert!(t.take_finished().failed[0]
+        .reason
+        .contains("abort timeout of 480s"));
+    assert_eq!(
+        t.totals().sends_lease_expired,
+        2,
+        "an abort timeout is no lease"
+    );
+}
+
+#[test]
+fn a_reader_back_within_its_lease_keeps_its_holds() {
+    let (mut t, t0) = leased(&["d"]);
+    let s = Duration::from_secs;
+    hold_for(&mut t, "r", Some("d"), t0);
+    t.reader_disconnected("d", t0 + s(1));
+    assert_eq!(t.next_deadline(), Some(t0 + s(31)));
+    t.reader_connected("d");
+    assert_eq!(
+        t.next_deadline(),
+        Some(t0 + s(480)),
+        "renewed: back on the abort timeout"
+    );
+    t.poll(t0 + s(100));
+    assert!(t.take_finished().is_empty());
+    // Lost again: a fresh lease from then.
+    t.reader_disconnected("d", t0 + s(200));
+    assert_eq!(t.next_deadline(), Some(t0 + s(230)));
+    t.handle_notice(&"r".into(), &rd("d"), SendNotice::Done)
+        .unwrap();
+    assert_eq!(
+        t.take_finished().sending.len(),
+        1,
+        "a confirmation within the lease"
+    );
+}
+
+#[test]
+fn one_of_several_sessions_ending_leaves_the_lease_alone() {
+    let (mut t, t0) = leased(&["d", "d"]);
+    hold_for(&mut t, "r", Some("d"), t0);
+    t.reader_disconnected("d", t0);
+    assert_eq!(t.next_deadline(), Some(t0 + Duration::from_secs(480)));
+    t.reader_disconnected("d", t0);
+    assert_eq!(t.next_deadline(), Some(t0 + Duration::from_secs(30)));
+}
+
+#[test]
+fn with_two_readers_the_first_gone_sets_the_lease_until_it_is_back() {
+    // A prefill of TP 1 read by a decode of TP 2: both ranks must confirm.
+    let (mut t, t0) = leased(&["a", "b"]);
+    let s = Duration::from_secs;
+    let at = |rank| Reader {
+        engine: ["a", "b"][rank as usize].into(),
+        tp: TpRank::new(rank, 2),
+    };
+    hold_for(&mut t, "r", None, t0);
+    t.claim_checked(&"r".into(), &at(0)).unwrap();
+    t.claim_checked(&"r".into(), &at(1)).unwrap();
+    t.reader_disconnected("a", t0 + s(1));
+    t.reader_disconnected("b", t0 + s(5));
+    assert_eq!(t.next_deadline(), Some(t0 + s(31)), "the earlier lease");
+    t.reader_connected("a");
+    assert_eq!(t.next_deadline(), Some(t0 + s(35)), "b is still gone");
+    t.reader_connected("b");
+    assert_eq!(t.next_deadline(), Some(t0 + s(480)));
+}
+
+#[test]
+fn a_hold_for_a_gone_reader_gives_it_a_whole_lease_and_a_claim_may_be_refused() {
+    let (mut t, t0) = leased(&["d"]);
+    let s = Duration::from_secs;
+    t.reader_disconnected("d", t0);
+    hold_for(&mut t, "late", Some("d"), t0 + s(20));
+    assert_eq!(
+        t.next_deadline(),
+        Some(t0 + s(50)),
+        "20 s plus a whole lease"
+    );
+    let e = t.claim_checked(&"late".into(), &rd("x")).unwrap_err();
+    assert!(e.contains("another reader"), "{e}");
+    assert!(t.claim_checked(&"nothing".into(), &rd("d")).is_err());
+    // Once the engine's lease passed it is forgotten: new holds for it wait the abort timeout.
+    t.poll(t0 + s(50));
+    assert_eq!(t.take_finished().failed.len(), 1);
+    hold_for(&mut t, "later", Some("d"), t0 + s(60));
+    assert_eq!(t.next_deadline(), Some(t0 + s(540)));
 }

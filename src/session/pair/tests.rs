@@ -272,3 +272,36 @@ fn region_ids_in_the_harness_match_the_layout() {
     let e = engine("x", None);
     assert_eq!(e.layout().unwrap().tensors[0].region, RegionId(1));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_read_names_its_reader_so_the_hold_ends_on_that_readers_lease() {
+    // An unnamed hold learns its reader from the read itself (a `Reading` notice: over RDMA
+    // nothing else reaches the prefill). The decode's control session then ends and it does
+    // not come back: the hold ends at the lease, and the read, whose bytes arrive later, is
+    // refused its confirmation.
+    let p = Arc::new(Pair::new(&[Fault::Delay(Duration::from_secs(4))]));
+    p.prefill.with_tracker(|t| t.reader_connected("decode"));
+    let read = {
+        let p = p.clone();
+        tokio::spawn(async move { p.read("r1", &[7], &[8]).await })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let gone = std::time::Instant::now();
+    let lease = p.prefill.config.lease;
+    p.prefill.with_tracker(|t| {
+        t.reader_disconnected("decode", gone);
+        assert_eq!(
+            t.next_deadline(),
+            Some(gone + lease),
+            "admitted by its Reading"
+        );
+        t.poll(gone + lease);
+    });
+    let s = p.prefill_finished();
+    assert_eq!(s.failed.len(), 1, "{s:?}");
+    assert!(s.failed[0].reason.contains("lease"), "{s:?}");
+    read.await.unwrap();
+    let d = p.decode_finished();
+    assert!(d.receiving.is_empty(), "{d:?}");
+    assert_eq!(d.failed[0].cause, FailureCause::Unconfirmed, "{d:?}");
+}

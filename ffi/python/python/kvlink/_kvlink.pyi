@@ -73,6 +73,7 @@ class Engine:
         staging_buffers: int = 32,
         auth_key: Union[str, bytes, None] = None,
         insecure: bool = False,
+        lease: float = 30.0,
     ) -> None: ...
     @property
     def handshake_address(self) -> str:

@@ -16,7 +16,7 @@ Settings (environment): ``KVLINK_HOST`` (the address the engines listen on; defa
 loopback, or to the node's address when a key is set), ``KVLINK_AUTH_KEY`` /
 ``KVLINK_AUTH_KEY_FILE`` (the deployment key; without one kvlink serves loopback only),
 ``KVLINK_TRANSPORT`` (``auto``, ``network``, ``tcp``, ``rdma``, ``local``), ``KVLINK_RDMA_DEVICE`` (else SGLang's
-``--disaggregation-ib-device``), ``KVLINK_REQUEST_TIMEOUT``, ``KVLINK_ABORT_TIMEOUT``.
+``--disaggregation-ib-device``), ``KVLINK_REQUEST_TIMEOUT``, ``KVLINK_ABORT_TIMEOUT``, ``KVLINK_LEASE``.
 """
 
 from __future__ import annotations

@@ -100,6 +100,7 @@ class KvlinkKVManager(BaseKVManager):
             tp_size=self.tp_size,
             request_timeout=float(os.environ.get("KVLINK_REQUEST_TIMEOUT", 60)),
             abort_timeout=float(os.environ.get("KVLINK_ABORT_TIMEOUT", 480)),
+            lease=float(os.environ.get("KVLINK_LEASE", 30)),
             rdma_device=(getattr(args, "ib_device", None) or os.environ.get("KVLINK_RDMA_DEVICE")) or None,
         )
         # One engine per index space: block ids of one read index every tensor of its layout.

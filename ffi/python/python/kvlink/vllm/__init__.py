@@ -20,6 +20,9 @@ Settings (``kv_connector_extra_config``):
     ``network`` (RDMA or TCP only), ``tcp``, ``rdma`` or ``local``.
 ``abort_timeout``
     Seconds the prefill holds a request's blocks for a decode that never reads them (480).
+``lease``
+    Seconds the prefill keeps a request's blocks once the decode reading them lost every control
+    connection to it (closed, or silent for three keep-alives), unless it connects again (30).
 ``request_timeout``
     Seconds a decode read may take before it fails and vLLM recomputes (60).
 ``auth_key`` / ``auth_key_file``
@@ -265,6 +268,7 @@ class _Settings:
     port: int
     transport: str
     abort_timeout: float
+    lease: float
     request_timeout: float
     auth_key: Optional[bytes]
     rdma_device: Optional[str]
@@ -272,7 +276,7 @@ class _Settings:
     @staticmethod
     def parse(extra: Dict[str, Any]) -> "_Settings":
         known = {
-            "listen", "transport", "abort_timeout", "request_timeout", "auth_key", "auth_key_file", "rdma_device",
+            "listen", "transport", "abort_timeout", "lease", "request_timeout", "auth_key", "auth_key_file", "rdma_device",
             "kv_cache_layout",
         }
         unknown = sorted(set(extra) - known)
@@ -303,6 +307,7 @@ class _Settings:
             port=port,
             transport=transport,
             abort_timeout=float(extra.get("abort_timeout", 480.0)),
+            lease=float(extra.get("lease", 30.0)),
             request_timeout=float(extra.get("request_timeout", 60.0)),
             auth_key=key,
             rdma_device=extra.get("rdma_device"),

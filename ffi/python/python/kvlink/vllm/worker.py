@@ -59,6 +59,7 @@ class _WorkerSide:
             tp_size=self.tp_size,
             request_timeout=s.request_timeout,
             abort_timeout=s.abort_timeout,
+            lease=s.lease,
             rdma_device=s.rdma_device,
             auth_key=s.auth_key,
         )
