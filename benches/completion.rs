@@ -61,11 +61,13 @@ fn bench_tracker(c: &mut Criterion) {
                     None,
                     now,
                     Duration::from_secs(480),
+                    1,
                 )
                 .unwrap();
             }
             for id in &ids {
-                t.handle_notice(id, &reader, SendNotice::Done).unwrap();
+                t.handle_notice(id, &reader, SendNotice::Done, Some(1))
+                    .unwrap();
             }
             t.poll(now);
             black_box(t.take_finished())

@@ -57,7 +57,9 @@ pub use completion::{
 };
 pub use config::{EngineConfig, TransportChoice};
 pub use control::messages::{Descriptor, TransportInfo};
-pub use engine::{tp_sources, Capabilities, Engine, EngineStats, ReadFrom, ReadRequest};
+pub use engine::{
+    tp_sources, Capabilities, Engine, EngineStats, HoldRequest, ReadFrom, ReadRequest,
+};
 pub use error::{Error, RdmaError, RdmaErrorKind, Result};
 pub use gpu::{GpuApi, GpuError, GpuReport, PointerKind};
 pub use ids::{BlockId, RegionId, RequestId, MAX_REQUEST_ID_LEN};

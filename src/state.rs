@@ -82,6 +82,8 @@ pub(crate) struct EngineState {
     data_sessions: Mutex<HashMap<[u8; 16], DataSession>>,
     /// Application messages from peers, not yet taken (`Engine::take_messages`).
     pub(crate) inbox: Mutex<Inbox>,
+    /// The token of the next hold made without one.
+    next_token: AtomicU64,
 }
 
 impl EngineState {
@@ -124,6 +126,7 @@ impl EngineState {
             inbox: Mutex::new(Inbox::default()),
             closing: std::sync::atomic::AtomicBool::new(false),
             reads: Mutex::new(HashMap::new()),
+            next_token: AtomicU64::new(generation.rotate_left(32)),
             config,
         }
     }
@@ -146,14 +149,16 @@ impl EngineState {
 
     /// Holds request `id`'s `blocks` (one list per block group) for its readers (`reader`,
     /// when given, is the only engine allowed to read and confirm them) until their notices
-    /// or `abort_timeout`.
+    /// or `abort_timeout`, under hold token `token` (non-zero), or a new one when `None`.
+    /// Returns the token.
     pub(crate) fn hold<B: AsRef<[BlockId]>>(
         &self,
         id: RequestId,
         blocks: &[B],
         reader: Option<String>,
         abort_timeout: Duration,
-    ) -> Result<()> {
+        token: Option<u64>,
+    ) -> Result<u64> {
         id.validate().map_err(Error::InvalidArgument)?;
         if let Some(r) = &reader {
             crate::config::check_engine_id(r)
@@ -163,7 +168,20 @@ impl EngineState {
             .layout()
             .ok_or_else(|| Error::invalid("set a KV layout before holding blocks"))?;
         let grant = Arc::new(Grant::new(layout, blocks)?);
-        self.with_tracker(|t| t.hold_send(id, grant, reader, Instant::now(), abort_timeout))
+        let token = match token {
+            Some(0) => return Err(Error::invalid("a hold token is never 0")),
+            Some(t) => t,
+            // Distinct for every hold of this engine's life, and unlikely to repeat across its
+            // restarts (the start's generation is its offset).
+            None => match self.next_token.fetch_add(1, Ordering::Relaxed) {
+                0 => self.next_token.fetch_add(1, Ordering::Relaxed),
+                t => t,
+            },
+        };
+        self.with_tracker(|t| {
+            t.hold_send(id, grant, reader, Instant::now(), abort_timeout, token)
+        })?;
+        Ok(token)
     }
 
     pub(crate) fn region(&self, id: RegionId) -> Option<Arc<Region>> {
@@ -354,6 +372,7 @@ impl ControlHandler for EngineState {
         from: &Reader,
         id: RequestId,
         notice: SendNotice,
+        hold: Option<u64>,
     ) -> std::result::Result<(), String> {
         tracing::debug!(%peer, %id, ?notice, "send notice");
         let done = matches!(notice, SendNotice::Done);
@@ -363,7 +382,7 @@ impl ControlHandler for EngineState {
             if done && self.config.open_reads && !t.is_holding(&id) {
                 return Ok(());
             }
-            t.handle_notice(&id, from, notice)
+            t.handle_notice(&id, from, notice, hold)
         });
         if r.is_err() {
             self.counters
@@ -461,11 +480,16 @@ impl ControlHandler for EngineState {
         self.with_tracker(|t| t.reader_disconnected(&reader.engine, Instant::now()));
     }
 
-    fn reading(&self, from: &Reader, id: &RequestId) -> std::result::Result<(), String> {
+    fn reading(
+        &self,
+        from: &Reader,
+        id: &RequestId,
+        hold: Option<u64>,
+    ) -> std::result::Result<(), String> {
         if self.config.open_reads {
             return Ok(());
         }
-        self.with_tracker(|t| t.claim_checked(id, from))
+        self.with_tracker(|t| t.claim_checked(id, from, hold))
     }
 }
 

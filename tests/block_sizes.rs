@@ -36,10 +36,11 @@ fn resized_read(prefill_tokens: u32, decode_tokens: u32, first: u32, count: u64,
     };
     let remote = blocks(prefill_tokens, u64::from(first), &[9, 2, 14, 5, 11, 0, 7]);
     let local = blocks(decode_tokens, 0, &[3, 12, 6, 1, 15, 8, 10]);
-    prefill.engine.hold_blocks("resized", &remote).unwrap();
+    let hold = prefill.engine.hold_blocks("resized", &remote).unwrap();
     decode
         .engine
         .read(kvlink::ReadRequest {
+            hold: Some(hold),
             remote_tokens_per_block: Some(prefill_tokens),
             first_tokens: vec![first],
             ..kvlink::ReadRequest::blocks(

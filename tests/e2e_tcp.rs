@@ -411,7 +411,10 @@ fn a_decode_reads_under_its_own_id_and_rejects_or_releases_free_a_hold() {
         .engine
         .hold_blocks_for("prefill-2", &[1], None, Some(Duration::from_secs(300)))
         .unwrap();
-    decode.engine.reject(&peer, "prefill-2", "refused").unwrap();
+    decode
+        .engine
+        .reject(&peer, "prefill-2", None, "refused")
+        .unwrap();
     let f = collect(&prefill.engine, Duration::from_secs(10), |f| {
         !f.failed.is_empty()
     });

@@ -331,10 +331,12 @@ fn a_notice_with_an_invalid_id_is_refused_alone() {
     // A 300-byte id is over the limit: that notice is dropped, the session goes on.
     let long = Message::Done {
         request_id: "x".repeat(300).into(),
+        hold: None,
     };
     s.write_all(&frame::encode(&long).unwrap()).unwrap();
     let ok = Message::Done {
         request_id: "req-ok".into(),
+        hold: None,
     };
     s.write_all(&frame::encode(&ok).unwrap()).unwrap();
     // A valid Done is answered: held, so confirmed; the same again is refused (no longer held).

@@ -101,12 +101,18 @@ fn write_seeds() {
         },
         hello.clone(),
         Message::Ping { nonce: 9 },
+        Message::Reading {
+            request_id: "req-1".into(),
+            hold: Some(7),
+        },
         Message::Done {
             request_id: "req-1".into(),
+            hold: Some(7),
         },
         Message::Abort {
             request_id: "req-2".into(),
             reason: "decode OOM".into(),
+            hold: None,
         },
     ];
     let stream = frames(&session);

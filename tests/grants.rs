@@ -232,6 +232,7 @@ fn a_response_stops_when_its_hold_ends() {
     c.read_exact(&mut body).unwrap();
     let done = Message::Done {
         request_id: "slow".into(),
+        hold: None,
     };
     c.write_all(&frame::encode(&done).unwrap()).unwrap();
     let s = collect(&prefill.engine, Duration::from_secs(10), |f| !f.is_empty());

@@ -133,6 +133,7 @@ fn unpairable_sizes_and_partial_sources_are_refused_with_the_reason() {
             remote: vec![vec![1]],
             remote_tokens_per_block: None,
             first_tokens: Vec::new(),
+            hold: None,
         })
         .unwrap();
     let f = collect(&d.engine, Duration::from_secs(20), |f| !f.failed.is_empty());
@@ -196,6 +197,7 @@ fn unpairable_sizes_and_partial_sources_are_refused_with_the_reason() {
             remote: vec![vec![0]],
             remote_tokens_per_block: None,
             first_tokens: Vec::new(),
+            hold: None,
         })
         .unwrap_err()
         .to_string();
@@ -235,6 +237,7 @@ fn one_prefill_rank_failing_fails_the_read_names_it_and_every_rank_hears() {
             remote: vec![blocks],
             remote_tokens_per_block: None,
             first_tokens: Vec::new(),
+            hold: None,
         })
         .unwrap();
     let f = collect(&d.engine, Duration::from_secs(20), |f| !f.failed.is_empty());

@@ -166,7 +166,7 @@ py_passed=$part_passed py_failed=$part_failed py_skipped=$part_skipped py_why=$p
 # vLLM's own Scheduler drives kvlink's connector (kvlink.vllm) in two processes, against each
 # supported vLLM release. vLLM and torch (about 8 GB) go into a venv per release; the kvlink
 # wheel built above is installed into it as a user would, without Rust.
-# vllm_venv: one venv per vLLM release, the second layered on the first.
+# vllm_venv: one venv per vLLM release, the newest layered on the one before.
 source tools/vllm-venv.sh
 # Runs the connector suite in venv $1 (vLLM pin $2, layered on venv $3 if given); sets
 # vl_passed/failed/skipped/why.
@@ -190,11 +190,7 @@ vllm_suite() {
 }
 vllm_ready=1
 set +e
-vllm_suite .venv-vllm33 "$VLLM_PIN"
-set -e
-v33_passed=$vl_passed v33_failed=$vl_failed v33_skipped=$vl_skipped v33_why=$vl_why
-set +e
-vllm_suite .venv-vllm "$VLLM_OLD_PIN" .venv-vllm33 || vllm_ready=0
+vllm_suite .venv-vllm "$VLLM_OLD_PIN" || vllm_ready=0
 set -e
 
 # SGLang's own queues (prefill bootstrap and inflight, decode prealloc and transfer) drive
@@ -215,6 +211,13 @@ else
   echo "test: $SGLANG_PIN could not be installed into .venv-vllm (output above): the SGLang backend tests cannot run" >&2
   sg_failed=1
 fi
+
+# The newest vLLM release, in a venv layered on .venv-vllm (SGLang included, so that what the
+# layer sees stays the same from run to run).
+set +e
+vllm_suite .venv-vllm33 "$VLLM_PIN" .venv-vllm
+set -e
+v33_passed=$vl_passed v33_failed=$vl_failed v33_skipped=$vl_skipped v33_why=$vl_why
 
 # kvlink's KV events through the engines' own event structs, msgspec encoders and decoders:
 # vLLM 0.32 and SGLang (installed above) and vLLM 0.33, whose kv_events.py (from its venv, or

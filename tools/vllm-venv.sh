@@ -13,6 +13,11 @@ vllm_venv() {
   if [ -n "$base" ] && ! "$base/bin/python" -c "import vllm" 2>/dev/null; then
     base=""
   fi
+  # pip takes a package whose path starts with the venv's own path, as a string, for one of
+  # the venv's own and uninstalls it: layering .venv-vllm on .venv-vllm33 would empty the base.
+  case "$(cd "$base" 2>/dev/null && pwd)" in
+    "$(pwd)/${venv#./}"*) [ -n "$base" ] && echo "test: $venv cannot be layered on $base (its path starts with $venv's); installing it whole" >&2; base="" ;;
+  esac
   stamp="$pin"
   if [ -n "$base" ]; then
     stamp="$pin on $(cd "$base"/lib/python3*/site-packages && ls -d ./*.dist-info | grep -v "^./kvlink-" | sha256sum | cut -c1-16)"

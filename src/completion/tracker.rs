@@ -34,6 +34,9 @@ struct Held {
     /// When the lease of a gone reader ends (the earliest, with several readers gone).
     lease_end: Option<Instant>,
     grant: Arc<Grant>,
+    /// The hold's token: readers that name it are matched to this hold only, not to an
+    /// earlier or later hold of the same request id.
+    token: u64,
     /// The only engine allowed to read and confirm, when the holder named one.
     named: Option<String>,
     /// The readers admitted so far (engines that read or confirmed the request), one per
@@ -258,7 +261,8 @@ impl CompletionTracker {
     /// engine allowed to read and confirm it. Otherwise the decode ranks that read this rank
     /// (one, or several when the decode has the larger TP size: `tp::readers`) are its
     /// readers, admitted as they read or confirm. The send finishes when every reader
-    /// confirmed, fails when one aborts, and fails when `abort_timeout` passes first.
+    /// confirmed, fails when one aborts, and fails when `abort_timeout` passes first. `token`
+    /// tells this hold from other holds of the same id (see [`held`](Self::held)).
     pub fn hold_send(
         &mut self,
         id: RequestId,
@@ -266,6 +270,7 @@ impl CompletionTracker {
         reader: Option<String>,
         now: Instant,
         abort_timeout: Duration,
+        token: u64,
     ) -> Result<()> {
         if self.held.contains_key(&id) {
             return Err(Error::invalid(format!(
@@ -284,6 +289,7 @@ impl CompletionTracker {
                 timeout: abort_timeout,
                 lease_end,
                 grant,
+                token,
                 named: reader,
                 readers: Vec::new(),
                 reader_size: None,
@@ -317,7 +323,7 @@ impl CompletionTracker {
     /// `reader` read request `id` (every check passed): it becomes one of the request's
     /// readers.
     pub fn claim(&mut self, id: &RequestId, reader: &Reader) {
-        let _ = self.claim_checked(id, reader);
+        let _ = self.claim_checked(id, reader, None);
     }
 
     /// Like [`claim`](Self::claim), saying why not when `reader` may not read request `id`
@@ -327,12 +333,10 @@ impl CompletionTracker {
         &mut self,
         id: &RequestId,
         reader: &Reader,
+        hold: Option<u64>,
     ) -> std::result::Result<(), String> {
         let own = self.tp;
-        let h = self
-            .held
-            .get_mut(id)
-            .ok_or_else(|| format!("request {id} is not held by this engine"))?;
+        let h = Self::held(&mut self.held, id, hold)?;
         h.admit(own, id, reader, true)?;
         if h.lease_end.is_none() {
             h.lease_end = h.gone_readers_lease(&self.presence);
@@ -340,7 +344,26 @@ impl CompletionTracker {
         Ok(())
     }
 
-    /// Applies notice `notice` about send `id` from `reader`. Refuses (and stores nothing for)
+    /// The hold of request `id`, when it is the one `hold` names (any hold of that id when
+    /// `hold` is `None`): a read of an earlier hold of a reused request id can neither confirm
+    /// nor abort a later one.
+    fn held<'a>(
+        held: &'a mut HashMap<RequestId, Held>,
+        id: &RequestId,
+        hold: Option<u64>,
+    ) -> std::result::Result<&'a mut Held, String> {
+        match held.get_mut(id) {
+            Some(h) if hold.is_none_or(|t| t == h.token) => Ok(h),
+            Some(_) => Err(format!(
+                "request {id} is held again under another hold than the one read (hold {}): \
+                 that hold ended",
+                hold.unwrap_or_default()
+            )),
+            None => Err(format!("request {id} is not held by this engine")),
+        }
+    }
+
+    /// Applies notice `notice` about send `id` from `reader` (`hold`: the hold it names). Refuses (and stores nothing for)
     /// a request that is not held, or that is held for other readers. A done notice finishes
     /// the send once every reader confirmed; an abort fails it at once.
     pub fn handle_notice(
@@ -348,12 +371,10 @@ impl CompletionTracker {
         id: &RequestId,
         reader: &Reader,
         notice: SendNotice,
+        hold: Option<u64>,
     ) -> std::result::Result<(), String> {
         let own = self.tp;
-        let held = self
-            .held
-            .get_mut(id)
-            .ok_or_else(|| format!("request {id} is not held by this engine"))?;
+        let held = Self::held(&mut self.held, id, hold)?;
         let slot = held.admit(own, id, reader, true)?.expect("admitted");
         let expected = held.expected(own);
         let notice = match notice {

@@ -251,7 +251,11 @@ impl ControlClient {
     /// Sends request `id`'s `Done` and returns where its `Confirm` will arrive; `None` when the
     /// notice cannot be queued (the connection is gone or its queue full). The receiver fails
     /// when the connection closes first.
-    pub(crate) fn done(&self, id: RequestId) -> Option<oneshot::Receiver<Confirmation>> {
+    pub(crate) fn done(
+        &self,
+        id: RequestId,
+        hold: Option<u64>,
+    ) -> Option<oneshot::Receiver<Confirmation>> {
         let (tx, rx) = oneshot::channel();
         {
             let mut pending = self.pending.lock();
@@ -261,6 +265,7 @@ impl ControlClient {
         }
         if self.notify(Message::Done {
             request_id: id.clone(),
+            hold,
         }) && !self.is_closed()
         {
             Some(rx)

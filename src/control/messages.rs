@@ -252,12 +252,18 @@ pub enum Message {
     Reading {
         /// The request.
         request_id: RequestId,
+        /// The hold read (its token, from the transfer parameters), when the reader knows it.
+        #[serde(default)]
+        hold: Option<u64>,
     },
     /// Reader to server: the request's blocks are all read; the server may free them.
     /// Answered by `Confirm`.
     Done {
         /// The request.
         request_id: RequestId,
+        /// The hold read, when the reader knows it: only that hold is confirmed.
+        #[serde(default)]
+        hold: Option<u64>,
     },
     /// Server to reader, the answer to `Done`: whether the request was still held for this
     /// reader when the `Done` arrived (its blocks were then held for the whole read). Only then
@@ -275,6 +281,9 @@ pub enum Message {
         request_id: RequestId,
         /// Why, for the server's logs and its failed list.
         reason: String,
+        /// The hold given up, when the reader knows it: only that hold ends.
+        #[serde(default)]
+        hold: Option<u64>,
     },
     /// Reader to server, after the handshake: connect these queue pairs to yours. Answered by
     /// `RdmaAccept` or `Error`. The generation tells answers to old exchanges apart.

@@ -35,6 +35,7 @@ pub(crate) trait ControlHandler: Send + Sync + 'static {
         from: &Reader,
         id: RequestId,
         notice: SendNotice,
+        hold: Option<u64>,
     ) -> std::result::Result<(), String>;
     /// An application message from reader engine `from` (after its handshake); refused, with
     /// the reason, when too large or when the inbox is full.
@@ -66,9 +67,14 @@ pub(crate) trait ControlHandler: Send + Sync + 'static {
     /// That session ended, for whatever reason: the reader's holds go on a lease once it has
     /// no session left.
     fn reader_disconnected(&self, reader: &Reader);
-    /// `from` announces it is reading request `id`; refused, with the reason, when the
-    /// request is not held for it.
-    fn reading(&self, from: &Reader, id: &RequestId) -> std::result::Result<(), String>;
+    /// `from` announces it is reading request `id` (under hold `hold`, when named); refused,
+    /// with the reason, when the request is not held for it.
+    fn reading(
+        &self,
+        from: &Reader,
+        id: &RequestId,
+        hold: Option<u64>,
+    ) -> std::result::Result<(), String>;
 }
 
 /// Accepts control connections until the task is dropped: at most [`MAX_CONNECTIONS`] at once,
@@ -154,7 +160,12 @@ async fn aborts_after_refusal(
         let Ok(Ok(Some(f))) = timeout(timeouts.handshake, read_frame(stream)).await else {
             return;
         };
-        let Ok(Message::Abort { request_id, reason }) = frame::decode::<Message>(f.0, &f.1) else {
+        let Ok(Message::Abort {
+            request_id,
+            reason,
+            hold,
+        }) = frame::decode::<Message>(f.0, &f.1)
+        else {
             return;
         };
         if request_id.validate().is_err() {
@@ -165,7 +176,8 @@ async fn aborts_after_refusal(
             reason.chars().take(1024).collect::<String>()
         );
         let id = request_id.clone();
-        if let Err(why) = handler.notice(peer, reader, request_id, SendNotice::Aborted(reason)) {
+        let aborted = SendNotice::Aborted(reason);
+        if let Err(why) = handler.notice(peer, reader, request_id, aborted, hold) {
             warn_limited!(REFUSED, %peer, engine = %reader.engine, %id, %why, "refused a refused reader's abort");
         }
     }
@@ -338,10 +350,10 @@ async fn session(
             Ok(Err(e)) => return Err(refuse(&mut stream, e.to_string()).await),
         };
         match frame::decode::<Message>(frame.0, &frame.1) {
-            Ok(Message::Done { request_id }) if request_id.validate().is_ok() => {
+            Ok(Message::Done { request_id, hold }) if request_id.validate().is_ok() => {
                 // Answered either way: the reader reports the request received only once
                 // this engine confirms it still held the blocks for it.
-                let r = handler.notice(peer, &reader, request_id.clone(), SendNotice::Done);
+                let r = handler.notice(peer, &reader, request_id.clone(), SendNotice::Done, hold);
                 let answer = frame::encode(&Message::Confirm {
                     request_id: request_id.clone(),
                     refused: r.clone().err(),
@@ -354,26 +366,26 @@ async fn session(
                         after: timeouts.handshake,
                     })??;
             }
-            Ok(Message::Reading { request_id }) if request_id.validate().is_ok() => {
-                let r = handler.reading(&reader, &request_id);
+            Ok(Message::Reading { request_id, hold }) if request_id.validate().is_ok() => {
+                let r = handler.reading(&reader, &request_id, hold);
                 refused(&request_id, r);
             }
-            Ok(Message::Abort { request_id, reason }) if request_id.validate().is_ok() => {
+            Ok(Message::Abort {
+                request_id,
+                reason,
+                hold,
+            }) if request_id.validate().is_ok() => {
                 let reason: String = reason.chars().take(1024).collect();
-                let r = handler.notice(
-                    peer,
-                    &reader,
-                    request_id.clone(),
-                    SendNotice::Aborted(reason),
-                );
+                let aborted = SendNotice::Aborted(reason);
+                let r = handler.notice(peer, &reader, request_id.clone(), aborted, hold);
                 refused(&request_id, r);
             }
             // A notice naming an invalid id (empty, too long) is refused alone: the session and
             // the other requests on it go on.
             Ok(
-                Message::Done { request_id }
+                Message::Done { request_id, .. }
                 | Message::Abort { request_id, .. }
-                | Message::Reading { request_id },
+                | Message::Reading { request_id, .. },
             ) => {
                 bad_notices += 1;
                 if bad_notices == 1 {

@@ -7,7 +7,7 @@ mod report;
 mod requests;
 
 pub use report::{Capabilities, EngineStats};
-pub use requests::{tp_sources, ReadFrom, ReadRequest};
+pub use requests::{tp_sources, HoldRequest, ReadFrom, ReadRequest};
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};

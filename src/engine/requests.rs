@@ -58,6 +58,44 @@ pub struct ReadRequest {
     /// prefix ends inside a prefill block, or a sliding window starts inside a block). Empty: 0
     /// for every group.
     pub first_tokens: Vec<u32>,
+    /// The token of the prefill's hold (its `hold_*` calls return it; it travels in the
+    /// transfer parameters): the read announces it and its `Done` and `Abort` name it, so only
+    /// that hold confirms the read; a later hold of a reused `remote_id` never does. `None`:
+    /// whichever hold of `remote_id` the prefill has when the notices arrive.
+    pub hold: Option<u64>,
+}
+
+/// One hold (prefill side): a request's blocks kept for its readers. See
+/// [`Engine::hold`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HoldRequest {
+    /// The request id readers name.
+    pub id: RequestId,
+    /// Block ids per block group of this engine's layout.
+    pub blocks: Vec<Vec<BlockId>>,
+    /// The only engine allowed to read and confirm; `None`: the decode ranks that read this
+    /// rank, admitted as they read.
+    pub reader: Option<String>,
+    /// How long to wait for the readers; `None`: the engine's `abort_timeout`.
+    pub abort_timeout: Option<Duration>,
+    /// The hold's token (non-zero), when the caller picks it: a scheduler that holds one
+    /// request on every TP rank gives them all the same one, and sends it in the transfer
+    /// parameters. `None`: the engine picks one, distinct for every hold it makes.
+    pub token: Option<u64>,
+}
+
+impl HoldRequest {
+    /// A hold of `blocks` (one block group) under `id`, for the readers that read this rank,
+    /// with the engine's abort timeout and a token it picks.
+    pub fn blocks(id: impl Into<RequestId>, blocks: &[BlockId]) -> HoldRequest {
+        HoldRequest {
+            id: id.into(),
+            blocks: vec![blocks.to_vec()],
+            reader: None,
+            abort_timeout: None,
+            token: None,
+        }
+    }
 }
 
 impl ReadRequest {
@@ -78,6 +116,7 @@ impl ReadRequest {
             remote: vec![remote.to_vec()],
             remote_tokens_per_block: None,
             first_tokens: Vec::new(),
+            hold: None,
         }
     }
 }
@@ -139,6 +178,7 @@ impl Engine {
             remote,
             remote_tokens_per_block,
             first_tokens,
+            hold,
         } = req;
         id.validate().map_err(Error::InvalidArgument)?;
         remote_id
@@ -198,6 +238,7 @@ impl Engine {
             remote,
             remote_tokens,
             first_tokens,
+            hold,
             started: now,
             deadline: tokio::time::Instant::from_std(now + self.shared.config.request_timeout),
         };
@@ -214,7 +255,8 @@ impl Engine {
     /// sending when every reader confirmed, fails when one aborts, and expires after the abort
     /// timeout. Engines become readers as they read or confirm;
     /// [`hold_blocks_for`](Engine::hold_blocks_for) names the one reader instead.
-    pub fn hold_blocks(&self, id: impl Into<RequestId>, blocks: &[BlockId]) -> Result<()> {
+    /// Returns the hold's token (see [`HoldRequest::token`]).
+    pub fn hold_blocks(&self, id: impl Into<RequestId>, blocks: &[BlockId]) -> Result<u64> {
         self.hold_groups(id, &[blocks])
     }
 
@@ -223,9 +265,8 @@ impl Engine {
         &self,
         id: impl Into<RequestId>,
         blocks: &[B],
-    ) -> Result<()> {
-        self.shared
-            .hold(id.into(), blocks, None, self.shared.config.abort_timeout)
+    ) -> Result<u64> {
+        self.hold_groups_for(id, blocks, None, None)
     }
 
     /// [`hold_blocks`](Engine::hold_blocks) with the reader's engine id (`reader`: only that
@@ -236,7 +277,7 @@ impl Engine {
         blocks: &[BlockId],
         reader: Option<&str>,
         abort_timeout: Option<Duration>,
-    ) -> Result<()> {
+    ) -> Result<u64> {
         self.hold_groups_for(id, &[blocks], reader, abort_timeout)
     }
 
@@ -247,11 +288,26 @@ impl Engine {
         blocks: &[B],
         reader: Option<&str>,
         abort_timeout: Option<Duration>,
-    ) -> Result<()> {
-        let timeout = abort_timeout.unwrap_or(self.shared.config.abort_timeout);
+    ) -> Result<u64> {
+        self.hold(HoldRequest {
+            id: id.into(),
+            blocks: blocks.iter().map(|b| b.as_ref().to_vec()).collect(),
+            reader: reader.map(str::to_string),
+            abort_timeout,
+            token: None,
+        })
+    }
+
+    /// Holds a request's blocks for its readers ([`HoldRequest`]; the `hold_*` calls are
+    /// shorthands for it) and returns the hold's token: the caller's, or one the engine picked.
+    /// Readers that name the token ([`ReadRequest::hold`]) are matched to this hold only.
+    pub fn hold(&self, req: HoldRequest) -> Result<u64> {
+        let timeout = req
+            .abort_timeout
+            .unwrap_or(self.shared.config.abort_timeout);
         check_duration("abort_timeout", timeout)?;
         self.shared
-            .hold(id.into(), blocks, reader.map(str::to_string), timeout)
+            .hold(req.id, &req.blocks, req.reader, timeout, req.token)
     }
 
     /// Cancels read `id` (decode side): nothing more is posted or written into its blocks,
@@ -279,8 +335,16 @@ impl Engine {
     /// once; the notice goes out once the session to `peer` is up (within the connect and
     /// handshake timeouts), and is lost, with a log line, if it cannot be (refused at once when
     /// 1,024 messages already wait for that session). A read of that
-    /// request in flight is [`cancel`](Engine::cancel)led instead.
-    pub fn reject(&self, peer: &str, remote_id: impl Into<RequestId>, reason: &str) -> Result<()> {
+    /// request in flight is [`cancel`](Engine::cancel)led instead. `hold` names the hold
+    /// rejected (its token, from the transfer parameters), so a later hold of the same id is
+    /// not touched; `None` ends whichever hold of `remote_id` the prefill has.
+    pub fn reject(
+        &self,
+        peer: &str,
+        remote_id: impl Into<RequestId>,
+        hold: Option<u64>,
+        reason: &str,
+    ) -> Result<()> {
         let remote_id = remote_id.into();
         remote_id.validate().map_err(Error::InvalidArgument)?;
         let rt = self.runtime.read();
@@ -288,6 +352,7 @@ impl Engine {
         let abort = Message::Abort {
             request_id: remote_id,
             reason: format!("rejected by the reader: {reason}"),
+            hold,
         };
         self.sessions.post(rt.handle(), peer, abort)
     }

@@ -37,7 +37,7 @@ pub(crate) trait ControlLink: Send + Sync {
     fn notify(&self, msg: Message) -> bool;
     /// Sends request `id`'s `Done`; the receiver gets the peer's confirmation (or fails when
     /// the connection closes first). `None` when it could not be queued.
-    fn done(&self, id: RequestId) -> Option<oneshot::Receiver<Confirmation>>;
+    fn done(&self, id: RequestId, hold: Option<u64>) -> Option<oneshot::Receiver<Confirmation>>;
     /// Whether the connection has died.
     fn is_closed(&self) -> bool;
 }
@@ -47,8 +47,8 @@ impl ControlLink for ControlClient {
         ControlClient::notify(self, msg)
     }
 
-    fn done(&self, id: RequestId) -> Option<oneshot::Receiver<Confirmation>> {
-        ControlClient::done(self, id)
+    fn done(&self, id: RequestId, hold: Option<u64>) -> Option<oneshot::Receiver<Confirmation>> {
+        ControlClient::done(self, id, hold)
     }
 
     fn is_closed(&self) -> bool {

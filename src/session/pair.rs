@@ -83,25 +83,33 @@ impl ControlLink for MemControl {
         let from = &from;
         // A refused notice is dropped, as the control server drops it.
         let _ = match msg {
-            Message::Done { request_id } => {
+            Message::Done { request_id, hold } => {
                 self.prefill
-                    .notice(peer, from, request_id, SendNotice::Done)
+                    .notice(peer, from, request_id, SendNotice::Done, hold)
             }
-            Message::Abort { request_id, reason } => {
-                self.prefill
-                    .notice(peer, from, request_id, SendNotice::Aborted(reason))
+            Message::Abort {
+                request_id,
+                reason,
+                hold,
+            } => {
+                let aborted = SendNotice::Aborted(reason);
+                self.prefill.notice(peer, from, request_id, aborted, hold)
             }
-            Message::Reading { request_id } => self.prefill.reading(from, &request_id),
+            Message::Reading { request_id, hold } => self.prefill.reading(from, &request_id, hold),
             other => panic!("unexpected notice {other:?}"),
         };
         true
     }
 
-    fn done(&self, id: RequestId) -> Option<tokio::sync::oneshot::Receiver<Confirmation>> {
+    fn done(
+        &self,
+        id: RequestId,
+        hold: Option<u64>,
+    ) -> Option<tokio::sync::oneshot::Receiver<Confirmation>> {
         // Answered at once, as the control server answers: held for this reader, or why not.
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (peer, from) = reader();
-        let _ = tx.send(self.prefill.notice(peer, &from, id, SendNotice::Done));
+        let _ = tx.send(self.prefill.notice(peer, &from, id, SendNotice::Done, hold));
         Some(rx)
     }
 
@@ -347,8 +355,9 @@ impl Pair {
     async fn read(&self, id: &str, local: &[BlockId], remote: &[BlockId]) {
         let now = std::time::Instant::now();
         let abort = Duration::from_secs(60);
-        self.prefill
-            .hold(id.into(), &[remote], None, abort)
+        let token = self
+            .prefill
+            .hold(id.into(), &[remote], None, abort, None)
             .unwrap();
         let state = &self.decode.state;
         state
@@ -365,6 +374,7 @@ impl Pair {
             remote: vec![remote.to_vec()],
             remote_tokens: SHAPE.tokens_per_block,
             first_tokens: Vec::new(),
+            hold: Some(token),
             started: now,
             deadline: tokio::time::Instant::now() + state.config.request_timeout,
         };

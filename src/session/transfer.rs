@@ -48,6 +48,8 @@ pub(crate) struct ReadJob {
     pub(crate) remote_tokens: u32,
     /// Where the read starts in each group's first remote block, in tokens (empty: 0).
     pub(crate) first_tokens: Vec<u32>,
+    /// The prefill's hold token (`ReadRequest::hold`): notices name it.
+    pub(crate) hold: Option<u64>,
     pub(crate) started: Instant,
     pub(crate) deadline: tokio::time::Instant,
 }
@@ -316,10 +318,12 @@ async fn read_to_end(
         let msg = match (part_done, &reason) {
             (true, _) | (false, None) => Message::Done {
                 request_id: job.remote_id.clone(),
+                hold: job.hold,
             },
             (false, Some(reason)) => Message::Abort {
                 request_id: job.remote_id.clone(),
                 reason: reason.clone(),
+                hold: job.hold,
             },
         };
         match &o.conn {
@@ -389,7 +393,10 @@ async fn confirm(
     let id = &job.remote_id;
     let waits: Vec<_> = outcomes
         .iter()
-        .map(|o| o.conn.as_ref().and_then(|c| c.control.done(id.clone())))
+        .map(|o| {
+            let conn = o.conn.as_ref();
+            conn.and_then(|c| c.control.done(id.clone(), job.hold))
+        })
         .collect();
     for (i, wait) in waits.into_iter().enumerate() {
         let reason = match wait {
@@ -460,6 +467,7 @@ async fn read_once(
     // this engine's lease should this engine go away. Best effort: the Done says the rest.
     conn.control.notify(Message::Reading {
         request_id: job.remote_id.clone(),
+        hold: job.hold,
     });
     let d = &conn.descriptor;
     let theirs = TpRank::new(d.tp_rank, d.tp_size);

@@ -157,9 +157,20 @@ pub fn run(case: &Case) -> Ran {
             })
             .collect()
     };
+    // Every prefill rank holds a request under the same token, as a scheduler hands it out;
+    // the reads name it.
+    let token = |i: usize| 1000 + i as u64;
     for (i, (_, r)) in reqs.iter().enumerate() {
         for p in &prefill {
-            p.engine.hold_groups(format!("req-{i}"), r).unwrap();
+            let held = p
+                .engine
+                .hold(kvlink::HoldRequest {
+                    token: Some(token(i)),
+                    blocks: r.clone(),
+                    ..kvlink::HoldRequest::blocks(format!("req-{i}"), &[])
+                })
+                .unwrap();
+            assert_eq!(held, token(i));
         }
     }
     for (i, (l, r)) in reqs.iter().enumerate() {
@@ -173,6 +184,7 @@ pub fn run(case: &Case) -> Ran {
                     remote: r.clone(),
                     remote_tokens_per_block: None,
                     first_tokens: Vec::new(),
+                    hold: Some(token(i)),
                 })
                 .unwrap();
         }

@@ -450,6 +450,27 @@ def test_a_gone_readers_hold_ends_after_its_lease():
         kvlink.Engine(lease=0.0)
 
 
+def test_a_reused_request_id_never_confirms_a_read_of_its_earlier_hold():
+    prefill, decode = _pair()
+    first = prefill.hold_blocks("reused", [2])
+    assert isinstance(first, int) and first != 0
+    assert prefill.release("reused")
+    second = prefill.hold_blocks("reused", [2], token=first + 100)
+    assert second == first + 100
+    # A read made for the first hold: its bytes are served (the id is held again, over the same
+    # blocks), but only the hold it names could confirm it, and that one ended.
+    decode.read_blocks(prefill.handshake_address, "reused", [0], [2], hold=first)
+    f, _ = _until(decode, lambda f: f.receiving or f.failed)
+    assert not f.receiving, f
+    assert f.failures[0]["cause"] == "unconfirmed" and "another hold" in f.failures[0]["reason"], f.failures
+    assert prefill.in_flight() == (0, 1), "the new hold is untouched"
+    decode.read_blocks(prefill.handshake_address, "reused", [0], [2], hold=second)
+    f, _ = _until(decode, lambda f: f.receiving or f.failed)
+    assert f.receiving == ["reused"], f.failures
+    with pytest.raises(kvlink.InvalidArgument, match="never 0"):
+        prefill.hold_blocks("zero", [3], token=0)
+
+
 def test_failures_carry_a_cause_and_counters_add_up():
     prefill, decode = _pair()
     # Nothing listens on this port: the read fails for its connection.

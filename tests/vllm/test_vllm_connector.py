@@ -186,6 +186,32 @@ def test_prefill_abort_leaks_nothing(pair):
     assert_no_leak([prefill, decode])
 
 
+def test_a_stale_read_is_recomputed_and_never_fed_to_the_decode(pair):
+    """A read made for an earlier hold of a request id (its transfer parameters name that
+    hold's token) while the prefill holds the id again for someone else: the bytes arrive (the
+    id is held, over these blocks), but the prefill refuses to confirm a hold that ended, so the
+    decode recomputes the prompt and never decodes from those bytes; the current hold is
+    untouched and its own read then completes."""
+    prefill, decode = pair
+    prompt = list(range(500, 600))
+    params = run_prefill(prefill, {"st-1": prompt})["st-1"]
+    assert isinstance(params["remote_hold"], int) and params["remote_hold"] > 0, params
+    stale = dict(params, remote_hold=params["remote_hold"] ^ 1)
+    p0, d0 = prefill.call("state")["engine_stats"], decode.call("state")["engine_stats"]
+    decode.call("add", "d-st-stale", prompt, 2, stale)
+    finished = step_until([decode, prefill], lambda f: any(x["id"] == "d-st-stale" for x in f), what="recompute of a stale read")
+    assert finished[-1]["reason"] == "length", finished
+    p1, d1 = prefill.call("state")["engine_stats"], decode.call("state")["engine_stats"]
+    assert d1["reads_failed"] == d0["reads_failed"] + 1 and d1["reads_done"] == d0["reads_done"], (d0, d1)
+    assert p1["notices_refused"] > p0["notices_refused"], (p0, p1)
+    assert prefill.call("state")["in_flight"][1] == 1, "the current hold is untouched"
+    decode.call("add", "d-st-1", prompt, 2, params)
+    step_until([decode, prefill], lambda f: any(x["id"] == "d-st-1" for x in f), what="the current hold's read")
+    s = decode.call("state")
+    assert "d-st-1" in s["verified"] and "d-st-stale" not in s["verified"] and s["bad"] == [], s
+    assert_no_leak([prefill, decode], limit=20.0)
+
+
 def test_dead_prefill_leads_to_recompute(pair):
     _, decode = pair
     doomed = Proc("doomed-prefill")

@@ -658,8 +658,9 @@ int kvlink_engine_release(struct kvlink_engine *engine, const char *request_id, 
  * `remote_request_id`, so it frees the blocks now rather than at its abort timeout (for a
  * request rejected or aborted before its read started; a read in flight is cancelled with
  * `kvlink_engine_cancel` instead). `reason` (NULL for none) is passed along. Returns at once
- * (`KVLINK_OK`); the notice leaves once the session to `peer` is up. `KVLINK_E_INVALID` for a
- * bad id, `KVLINK_E_SHUTDOWN` after close.
+ * (`KVLINK_OK`); the notice leaves once the session to `peer` is up. `hold` is the token of
+ * the hold rejected (from the transfer parameters; 0: whichever hold of that id the prefill
+ * has). `KVLINK_E_INVALID` for a bad id, `KVLINK_E_SHUTDOWN` after close.
  *
  * # Safety
  * `engine` is NULL or a live engine; `peer`, `remote_request_id` and `reason` are NULL or
@@ -668,6 +669,7 @@ int kvlink_engine_release(struct kvlink_engine *engine, const char *request_id, 
 int kvlink_engine_reject(struct kvlink_engine *engine,
                          const char *peer,
                          const char *remote_request_id,
+                         uint64_t hold,
                          const char *reason);
 
 /**
@@ -678,21 +680,27 @@ int kvlink_engine_reject(struct kvlink_engine *engine,
  * or confirm: one, or several when the decode's TP size is a multiple of this one's) or the
  * reader's engine id (only that engine may read and confirm). The request finishes sending
  * when every reader confirmed, and fails when one aborts or after `abort_timeout_ms` (0 for
- * the engine's `abort_timeout_ms`; at most 7 days).
+ * the engine's `abort_timeout_ms`; at most 7 days). `token` is NULL (the engine picks the
+ * hold's token), or points to a token: 0 to have the engine pick one and write it there, or
+ * the caller's own (non-zero; a scheduler gives every TP rank's hold of a request the same
+ * one). The token travels with the request's transfer parameters to the reader, whose reads
+ * name it (`kvlink_engine_read`): a reused request id then never confirms an earlier read.
  *
  * Returns `KVLINK_OK` or `KVLINK_E_INVALID` (bad id, no block or a block outside the KV
  * cache, id already held, bad reader or timeout).
  *
  * # Safety
  * `engine` is NULL or a live engine; `request_id` and `reader` are NULL or NUL-terminated;
- * `blocks` is NULL or points to `count` readable `uint32_t`s.
+ * `blocks` is NULL or points to `count` readable `uint32_t`s; `token` is NULL or points to a
+ * readable and writable `uint64_t`.
  */
 int kvlink_engine_hold_blocks(struct kvlink_engine *engine,
                               const char *request_id,
                               const uint32_t *blocks,
                               size_t count,
                               const char *reader,
-                              uint64_t abort_timeout_ms);
+                              uint64_t abort_timeout_ms,
+                              uint64_t *token);
 
 /**
  * Waits up to `timeout_ms` (0 to poll, at most 7 days) until some request finishes, then
@@ -740,8 +748,10 @@ int kvlink_engine_set_layout(struct kvlink_engine *engine,
  * several ranks side by side (the TP sizes must be multiples of one another). The read is
  * reported once, when every rank read delivered its part or one failed.
  *
- * `remote_request_id` is the prefill's id for the request (NULL: `request_id`). Everything is
- * only read during the call. Returns `KVLINK_OK` or an immediate refusal: `KVLINK_E_INVALID`
+ * `remote_request_id` is the prefill's id for the request (NULL: `request_id`). `hold` is the
+ * token of the prefill's hold (from its `kvlink_engine_hold_*`, sent with the request's
+ * transfer parameters; 0: none): only that hold confirms the read, never a later hold of a
+ * reused id. Everything is only read during the call. Returns `KVLINK_OK` or an immediate refusal: `KVLINK_E_INVALID`
  * (bad ids or block lists, TP sizes that cannot pair, no layout, request id already in
  * flight) or `KVLINK_E_SHUTDOWN`; everything later ends as a failed entry.
  *
@@ -760,7 +770,8 @@ int kvlink_engine_read(struct kvlink_engine *engine,
                        const uint32_t *const *local,
                        const uint32_t *const *remote,
                        const size_t *counts,
-                       size_t groups);
+                       size_t groups,
+                       uint64_t hold);
 
 /**
  * `kvlink_engine_read` from a prefill whose blocks hold another number of tokens than this
@@ -770,8 +781,8 @@ int kvlink_engine_read(struct kvlink_engine *engine,
  * `first_tokens[g]` of group `g`'s first block of the larger size (the prefill's or this
  * engine's; 0, or a multiple of the smaller size: the read starts inside that block, as when
  * this engine's cached prefix ends inside a prefill block or a sliding window starts inside
- * a block; NULL: 0 for every group). Both layouts must declare `token_runs`. Returns as
- * `kvlink_engine_read`.
+ * a block; NULL: 0 for every group). Both layouts must declare `token_runs`. `hold` as for
+ * `kvlink_engine_read`. Returns as `kvlink_engine_read`.
  *
  * # Safety
  * As `kvlink_engine_read`, with `local_counts` and `remote_counts` for `counts`;
@@ -789,19 +800,22 @@ int kvlink_engine_read_resized(struct kvlink_engine *engine,
                                const size_t *remote_counts,
                                size_t groups,
                                uint32_t remote_tokens_per_block,
-                               const uint32_t *first_tokens);
+                               const uint32_t *first_tokens,
+                               uint64_t hold);
 
 /**
  * `kvlink_engine_hold_blocks` with block ids per block group: list `g` holds `counts[g]` ids
  * at `blocks[g]`, for the layout's `groups` block groups. The readers are the decode ranks
  * that read this rank (several when the decode's TP size is a multiple of this one's); the
- * send finishes once every one confirmed. `reader` (NULL: any) and `abort_timeout_ms` (0: the
- * engine's) as for `kvlink_engine_hold_blocks`. Returns `KVLINK_OK` or `KVLINK_E_INVALID`.
+ * send finishes once every one confirmed. `reader` (NULL: any), `abort_timeout_ms` (0: the
+ * engine's) and `token` as for `kvlink_engine_hold_blocks`. Returns `KVLINK_OK` or
+ * `KVLINK_E_INVALID`.
  *
  * # Safety
  * `engine` is NULL or a live engine; `request_id` and `reader` are NULL or NUL-terminated;
  * `blocks` and `counts` are NULL or point to `groups` readable elements, each `blocks[g]`
- * NULL or pointing to `counts[g]` readable `uint32_t`s.
+ * NULL or pointing to `counts[g]` readable `uint32_t`s; `token` is NULL or points to a
+ * readable and writable `uint64_t`.
  */
 int kvlink_engine_hold_groups(struct kvlink_engine *engine,
                               const char *request_id,
@@ -809,7 +823,8 @@ int kvlink_engine_hold_groups(struct kvlink_engine *engine,
                               const size_t *counts,
                               size_t groups,
                               const char *reader,
-                              uint64_t abort_timeout_ms);
+                              uint64_t abort_timeout_ms,
+                              uint64_t *token);
 
 /**
  * The prefill ranks that rank `decode_rank` of a decode's TP group of `decode_size` reads

@@ -420,6 +420,7 @@ pub unsafe extern "C" fn kvlink_engine_read_blocks_as(
             remote.as_ptr(),
             counts.as_ptr(),
             1,
+            0,
         )
     }
 }
@@ -455,8 +456,9 @@ pub unsafe extern "C" fn kvlink_engine_release(
 /// `remote_request_id`, so it frees the blocks now rather than at its abort timeout (for a
 /// request rejected or aborted before its read started; a read in flight is cancelled with
 /// `kvlink_engine_cancel` instead). `reason` (NULL for none) is passed along. Returns at once
-/// (`KVLINK_OK`); the notice leaves once the session to `peer` is up. `KVLINK_E_INVALID` for a
-/// bad id, `KVLINK_E_SHUTDOWN` after close.
+/// (`KVLINK_OK`); the notice leaves once the session to `peer` is up. `hold` is the token of
+/// the hold rejected (from the transfer parameters; 0: whichever hold of that id the prefill
+/// has). `KVLINK_E_INVALID` for a bad id, `KVLINK_E_SHUTDOWN` after close.
 ///
 /// # Safety
 /// `engine` is NULL or a live engine; `peer`, `remote_request_id` and `reason` are NULL or
@@ -466,6 +468,7 @@ pub unsafe extern "C" fn kvlink_engine_reject(
     engine: *mut kvlink_engine,
     peer: *const c_char,
     remote_request_id: *const c_char,
+    hold: u64,
     reason: *const c_char,
 ) -> c_int {
     guard(|| {
@@ -477,8 +480,12 @@ pub unsafe extern "C" fn kvlink_engine_reject(
         let id = unsafe { str_arg(remote_request_id, "remote_request_id") }?;
         // SAFETY: as above.
         let reason = unsafe { opt_str_arg(reason, "reason") }?;
-        e.engine
-            .reject(peer, id, reason.unwrap_or("no reason given"))?;
+        e.engine.reject(
+            peer,
+            id,
+            (hold != 0).then_some(hold),
+            reason.unwrap_or("no reason given"),
+        )?;
         Ok(())
     })
 }
@@ -490,14 +497,19 @@ pub unsafe extern "C" fn kvlink_engine_reject(
 /// or confirm: one, or several when the decode's TP size is a multiple of this one's) or the
 /// reader's engine id (only that engine may read and confirm). The request finishes sending
 /// when every reader confirmed, and fails when one aborts or after `abort_timeout_ms` (0 for
-/// the engine's `abort_timeout_ms`; at most 7 days).
+/// the engine's `abort_timeout_ms`; at most 7 days). `token` is NULL (the engine picks the
+/// hold's token), or points to a token: 0 to have the engine pick one and write it there, or
+/// the caller's own (non-zero; a scheduler gives every TP rank's hold of a request the same
+/// one). The token travels with the request's transfer parameters to the reader, whose reads
+/// name it (`kvlink_engine_read`): a reused request id then never confirms an earlier read.
 ///
 /// Returns `KVLINK_OK` or `KVLINK_E_INVALID` (bad id, no block or a block outside the KV
 /// cache, id already held, bad reader or timeout).
 ///
 /// # Safety
 /// `engine` is NULL or a live engine; `request_id` and `reader` are NULL or NUL-terminated;
-/// `blocks` is NULL or points to `count` readable `uint32_t`s.
+/// `blocks` is NULL or points to `count` readable `uint32_t`s; `token` is NULL or points to a
+/// readable and writable `uint64_t`.
 #[no_mangle]
 pub unsafe extern "C" fn kvlink_engine_hold_blocks(
     engine: *mut kvlink_engine,
@@ -506,6 +518,7 @@ pub unsafe extern "C" fn kvlink_engine_hold_blocks(
     count: usize,
     reader: *const c_char,
     abort_timeout_ms: u64,
+    token: *mut u64,
 ) -> c_int {
     let (blocks, counts) = ([blocks], [count]);
     // SAFETY: one block group: each array above holds one element, and the caller's promises
@@ -519,6 +532,7 @@ pub unsafe extern "C" fn kvlink_engine_hold_blocks(
             1,
             reader,
             abort_timeout_ms,
+            token,
         )
     }
 }

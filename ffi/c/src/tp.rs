@@ -3,7 +3,7 @@
 
 use std::ffi::{c_char, c_int};
 
-use kvlink::{BlockId, ReadFrom, ReadRequest, RequestId, TpRank, MAX_GROUPS};
+use kvlink::{BlockId, HoldRequest, ReadFrom, ReadRequest, RequestId, TpRank, MAX_GROUPS};
 
 use crate::args::{millis, opt_str_arg, ref_arg, slice_arg, str_arg, write_out};
 use crate::engine::kvlink_engine;
@@ -56,8 +56,10 @@ unsafe fn groups_arg(
 /// several ranks side by side (the TP sizes must be multiples of one another). The read is
 /// reported once, when every rank read delivered its part or one failed.
 ///
-/// `remote_request_id` is the prefill's id for the request (NULL: `request_id`). Everything is
-/// only read during the call. Returns `KVLINK_OK` or an immediate refusal: `KVLINK_E_INVALID`
+/// `remote_request_id` is the prefill's id for the request (NULL: `request_id`). `hold` is the
+/// token of the prefill's hold (from its `kvlink_engine_hold_*`, sent with the request's
+/// transfer parameters; 0: none): only that hold confirms the read, never a later hold of a
+/// reused id. Everything is only read during the call. Returns `KVLINK_OK` or an immediate refusal: `KVLINK_E_INVALID`
 /// (bad ids or block lists, TP sizes that cannot pair, no layout, request id already in
 /// flight) or `KVLINK_E_SHUTDOWN`; everything later ends as a failed entry.
 ///
@@ -79,12 +81,17 @@ pub unsafe extern "C" fn kvlink_engine_read(
     remote: *const *const u32,
     counts: *const usize,
     groups: usize,
+    hold: u64,
 ) -> c_int {
     guard(|| {
         // SAFETY: the caller promised a live engine or NULL.
         let e = unsafe { ref_arg(engine, "engine") }?;
         // SAFETY: the caller's promises on `request_id`, `remote_request_id` and `peers`.
         let req = unsafe { read_args(request_id, remote_request_id, peers, num_peers, tp_group) }?;
+        let req = ReadRequest {
+            hold: (hold != 0).then_some(hold),
+            ..req
+        };
         // SAFETY: the caller promised `groups` lists of `counts[g]` ids, or NULL.
         let local = unsafe { groups_arg(local, counts, groups, "local") }?;
         // SAFETY: as above.
@@ -105,8 +112,8 @@ pub unsafe extern "C" fn kvlink_engine_read(
 /// `first_tokens[g]` of group `g`'s first block of the larger size (the prefill's or this
 /// engine's; 0, or a multiple of the smaller size: the read starts inside that block, as when
 /// this engine's cached prefix ends inside a prefill block or a sliding window starts inside
-/// a block; NULL: 0 for every group). Both layouts must declare `token_runs`. Returns as
-/// `kvlink_engine_read`.
+/// a block; NULL: 0 for every group). Both layouts must declare `token_runs`. `hold` as for
+/// `kvlink_engine_read`. Returns as `kvlink_engine_read`.
 ///
 /// # Safety
 /// As `kvlink_engine_read`, with `local_counts` and `remote_counts` for `counts`;
@@ -127,6 +134,7 @@ pub unsafe extern "C" fn kvlink_engine_read_resized(
     groups: usize,
     remote_tokens_per_block: u32,
     first_tokens: *const u32,
+    hold: u64,
 ) -> c_int {
     guard(|| {
         // SAFETY: the caller promised a live engine or NULL.
@@ -141,6 +149,7 @@ pub unsafe extern "C" fn kvlink_engine_read_resized(
             local,
             remote,
             remote_tokens_per_block: Some(remote_tokens_per_block),
+            hold: (hold != 0).then_some(hold),
             first_tokens: if first_tokens.is_null() {
                 Vec::new()
             } else {
@@ -198,19 +207,22 @@ unsafe fn read_args(
         remote: Vec::new(),
         remote_tokens_per_block: None,
         first_tokens: Vec::new(),
+        hold: None,
     })
 }
 
 /// `kvlink_engine_hold_blocks` with block ids per block group: list `g` holds `counts[g]` ids
 /// at `blocks[g]`, for the layout's `groups` block groups. The readers are the decode ranks
 /// that read this rank (several when the decode's TP size is a multiple of this one's); the
-/// send finishes once every one confirmed. `reader` (NULL: any) and `abort_timeout_ms` (0: the
-/// engine's) as for `kvlink_engine_hold_blocks`. Returns `KVLINK_OK` or `KVLINK_E_INVALID`.
+/// send finishes once every one confirmed. `reader` (NULL: any), `abort_timeout_ms` (0: the
+/// engine's) and `token` as for `kvlink_engine_hold_blocks`. Returns `KVLINK_OK` or
+/// `KVLINK_E_INVALID`.
 ///
 /// # Safety
 /// `engine` is NULL or a live engine; `request_id` and `reader` are NULL or NUL-terminated;
 /// `blocks` and `counts` are NULL or point to `groups` readable elements, each `blocks[g]`
-/// NULL or pointing to `counts[g]` readable `uint32_t`s.
+/// NULL or pointing to `counts[g]` readable `uint32_t`s; `token` is NULL or points to a
+/// readable and writable `uint64_t`.
 #[no_mangle]
 pub unsafe extern "C" fn kvlink_engine_hold_groups(
     engine: *mut kvlink_engine,
@@ -220,6 +232,7 @@ pub unsafe extern "C" fn kvlink_engine_hold_groups(
     groups: usize,
     reader: *const c_char,
     abort_timeout_ms: u64,
+    token: *mut u64,
 ) -> c_int {
     guard(|| {
         // SAFETY: the caller promised a live engine or NULL.
@@ -234,7 +247,22 @@ pub unsafe extern "C" fn kvlink_engine_hold_groups(
             0 => None,
             ms => Some(millis(ms, "abort_timeout_ms")?),
         };
-        e.engine.hold_groups_for(id, &blocks, reader, timeout)?;
+        // SAFETY: the caller promised a readable token or NULL.
+        let given = match unsafe { token.as_ref() } {
+            Some(&t) if t != 0 => Some(t),
+            _ => None,
+        };
+        let t = e.engine.hold(HoldRequest {
+            id: id.into(),
+            blocks,
+            reader: reader.map(str::to_string),
+            abort_timeout: timeout,
+            token: given,
+        })?;
+        if !token.is_null() {
+            // SAFETY: checked non-NULL; the caller promised it writable.
+            unsafe { write_out(token, t) };
+        }
         Ok(())
     })
 }

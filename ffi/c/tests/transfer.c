@@ -119,6 +119,28 @@ static kvlink_finished *wait_for(kvlink_engine *engine, int kind, const char *id
     return NULL;
 }
 
+/* Waits for request `id` to fail on `engine` with cause `cause`. */
+static void expect_failed(kvlink_engine *engine, const char *id, const char *cause) {
+    double deadline = now_s() + DEADLINE_S;
+    while (now_s() < deadline) {
+        kvlink_finished *f = NULL;
+        CHECK(kvlink_engine_wait_finished(engine, 200, &f));
+        for (size_t i = 0; i < kvlink_finished_count(f, KVLINK_FAILED); i++) {
+            if (strcmp(kvlink_finished_id(f, KVLINK_FAILED, i), id) == 0) {
+                if (strcmp(kvlink_finished_cause(f, i), cause) != 0) {
+                    fail(__LINE__, "%s failed as %s, not %s: %s", id, kvlink_finished_cause(f, i),
+                         cause, kvlink_finished_reason(f, i));
+                }
+                kvlink_finished_free(f);
+                return;
+            }
+        }
+        EXPECT(kvlink_finished_count(f, KVLINK_RECEIVING) == 0);
+        kvlink_finished_free(f);
+    }
+    fail(__LINE__, "%s did not fail within %.0f s", id, DEADLINE_S);
+}
+
 /* kvlink_engine_cancel: an id not in flight, then a read held up by a peer that accepts and
  * never answers, cancelled: it fails at once with a reason that says so. */
 static void check_cancel(kvlink_engine *decode) {
@@ -322,7 +344,7 @@ static void check_aggregator(const kvlink_finished *rank0) {
 static void check_local_ids(kvlink_engine *prefill, kvlink_engine *decode, const char *peer) {
     const uint32_t remote[2] = {9, 4};
     const uint32_t local[2] = {40, 41};
-    CHECK(kvlink_engine_hold_blocks(prefill, "c-prefill-id", remote, 2, NULL, 30000));
+    CHECK(kvlink_engine_hold_blocks(prefill, "c-prefill-id", remote, 2, NULL, 30000, NULL));
     CHECK(kvlink_engine_read_blocks_as(decode, peer, "c-decode-id", "c-prefill-id", local, remote,
                                        2));
     kvlink_finished *got = wait_for(decode, KVLINK_RECEIVING, "c-decode-id", "decode (local id)");
@@ -334,8 +356,8 @@ static void check_local_ids(kvlink_engine *prefill, kvlink_engine *decode, const
                 KVLINK_E_INVALID, "remote request id");
 
     /* Held for 30 s, rejected by the decode: the prefill reports it failed within seconds. */
-    CHECK(kvlink_engine_hold_blocks(prefill, "c-rejected", remote, 2, NULL, 30000));
-    CHECK(kvlink_engine_reject(decode, peer, "c-rejected", "admission refused"));
+    CHECK(kvlink_engine_hold_blocks(prefill, "c-rejected", remote, 2, NULL, 30000, NULL));
+    CHECK(kvlink_engine_reject(decode, peer, "c-rejected", 0, "admission refused"));
     double deadline = now_s() + 10.0;
     int seen = 0;
     while (!seen && now_s() < deadline) {
@@ -354,7 +376,7 @@ static void check_local_ids(kvlink_engine *prefill, kvlink_engine *decode, const
 
     /* Released by the prefill: the grant ends, nothing is reported, a read is refused. */
     int was = -1;
-    CHECK(kvlink_engine_hold_blocks(prefill, "c-released", remote, 2, NULL, 30000));
+    CHECK(kvlink_engine_hold_blocks(prefill, "c-released", remote, 2, NULL, 30000, NULL));
     CHECK(kvlink_engine_release(prefill, "c-released", &was));
     EXPECT(was == 1);
     CHECK(kvlink_engine_release(prefill, "c-released", &was));
@@ -528,13 +550,20 @@ static void check_tp_and_groups(void) {
     const uint32_t l0[2] = {1, 2}, l1[1] = {3}, r0[2] = {5, 0}, r1[1] = {7};
     const uint32_t *local[2] = {l0, l1}, *remote[2] = {r0, r1};
     const size_t counts[2] = {2, 1};
-    CHECK(kvlink_engine_hold_groups(prefill, "c-tp", remote, counts, 2, NULL, 30000));
-    CHECK_FAILS(kvlink_engine_hold_groups(prefill, "c-tp-one", remote, counts, 1, NULL, 0),
+    uint64_t token = 0;
+    CHECK(kvlink_engine_hold_groups(prefill, "c-tp", remote, counts, 2, NULL, 30000, &token));
+    EXPECT(token != 0);
+    CHECK_FAILS(kvlink_engine_hold_groups(prefill, "c-tp-one", remote, counts, 1, NULL, 0, NULL),
                 KVLINK_E_INVALID, "block groups");
-    CHECK_FAILS(kvlink_engine_read(decode[0], "x", NULL, peers, 1, 2, local, remote, counts, 2),
+    CHECK_FAILS(kvlink_engine_read(decode[0], "x", NULL, peers, 1, 2, local, remote, counts, 2, 0),
                 KVLINK_E_INVALID, "tp_group");
+    /* A read naming another hold of the same id (an earlier one, say) is never confirmed. */
+    CHECK(kvlink_engine_read(decode[0], "c-tp", NULL, peers, 1, 1, local, remote, counts, 2,
+                             token + 1));
+    expect_failed(decode[0], "c-tp", "unconfirmed");
     for (unsigned d = 0; d < 2; d++) {
-        CHECK(kvlink_engine_read(decode[d], "c-tp", NULL, peers, 1, 1, local, remote, counts, 2));
+        CHECK(kvlink_engine_read(decode[d], "c-tp", NULL, peers, 1, 1, local, remote, counts, 2,
+                                 token));
     }
     for (unsigned d = 0; d < 2; d++) {
         kvlink_finished *f = wait_for(decode[d], KVLINK_RECEIVING, "c-tp", "tp decode");
@@ -599,12 +628,12 @@ static void check_resized(void) {
     const uint32_t r0[6] = {7, 2, 5, 0, 3, 6}, l0[2] = {4, 1};
     const uint32_t *local[1] = {l0}, *remote[1] = {r0};
     const size_t local_counts[1] = {2}, remote_counts[1] = {6}, wrong[1] = {3};
-    CHECK(kvlink_engine_hold_blocks(prefill, "c-rs", r0, 6, NULL, 30000));
+    CHECK(kvlink_engine_hold_blocks(prefill, "c-rs", r0, 6, NULL, 30000, NULL));
     CHECK_FAILS(kvlink_engine_read_resized(decode, "c-rs", NULL, peers, 1, 0, local, wrong,
-                                           remote, remote_counts, 1, 4, NULL),
+                                           remote, remote_counts, 1, 4, NULL, 0),
                 KVLINK_E_INVALID, "need");
     CHECK(kvlink_engine_read_resized(decode, "c-rs", NULL, peers, 1, 0, local, local_counts,
-                                     remote, remote_counts, 1, 4, NULL));
+                                     remote, remote_counts, 1, 4, NULL, 0));
     kvlink_finished *f = wait_for(decode, KVLINK_RECEIVING, "c-rs", "resized decode");
     kvlink_finished_free(f);
     for (unsigned p = 0; p < 24; p++) {
@@ -661,13 +690,13 @@ int main(void) {
     const uint32_t remote[NREAD] = {3, 60, 17, 5, 42, 8, 0, 63};
     const uint32_t local[NREAD] = {10, 1, 50, 33, 2, 61, 20, 7};
 
-    CHECK(kvlink_engine_hold_blocks(prefill, REQ, remote, NREAD, NULL, 30000));
-    CHECK_FAILS(kvlink_engine_hold_blocks(prefill, "", remote, NREAD, NULL, 0), KVLINK_E_INVALID,
+    CHECK(kvlink_engine_hold_blocks(prefill, REQ, remote, NREAD, NULL, 30000, NULL));
+    CHECK_FAILS(kvlink_engine_hold_blocks(prefill, "", remote, NREAD, NULL, 0, NULL), KVLINK_E_INVALID,
                 "empty");
-    CHECK_FAILS(kvlink_engine_hold_blocks(prefill, "no-blocks", remote, 0, NULL, 0),
+    CHECK_FAILS(kvlink_engine_hold_blocks(prefill, "no-blocks", remote, 0, NULL, 0, NULL),
                 KVLINK_E_INVALID, "block ids");
     const uint32_t outside[1] = {BLOCKS};
-    CHECK_FAILS(kvlink_engine_hold_blocks(prefill, "outside", outside, 1, NULL, 0),
+    CHECK_FAILS(kvlink_engine_hold_blocks(prefill, "outside", outside, 1, NULL, 0, NULL),
                 KVLINK_E_INVALID, "outside");
 
     /* The error path: a local block id past the end of the cache is refused at once. */

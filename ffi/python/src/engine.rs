@@ -3,8 +3,8 @@
 use std::sync::{Arc, Mutex};
 
 use kvlink_core::{
-    AuthKey, Engine as RsEngine, EngineConfig, HeadSplit, KvLayout, PointerKind, ReadFrom,
-    ReadRequest, RegionId, TensorLayout, TransportChoice,
+    AuthKey, Engine as RsEngine, EngineConfig, HeadSplit, HoldRequest, KvLayout, PointerKind,
+    ReadFrom, ReadRequest, RegionId, TensorLayout, TransportChoice,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -264,7 +264,11 @@ impl Engine {
     /// engine's (one a multiple of the other); the block lists then cover the same tokens, each
     /// in its own size. `first_tokens`: per block group, the tokens of the first block of the
     /// larger size (either side's) before the first one read; `None`: 0.
-    #[pyo3(signature = (peer, request_id, local_blocks, remote_blocks, remote_request_id = None, remote_tokens_per_block = None, first_tokens = None))]
+    ///
+    /// `hold`: the token of the prefill's hold (what its hold_blocks() returned, sent with the
+    /// transfer parameters): only that hold confirms the read, never a later hold of a reused
+    /// request id. `None`: whichever hold of the id the prefill has.
+    #[pyo3(signature = (peer, request_id, local_blocks, remote_blocks, remote_request_id = None, remote_tokens_per_block = None, first_tokens = None, hold = None))]
     #[allow(clippy::too_many_arguments)]
     fn read_blocks(
         &self,
@@ -275,6 +279,7 @@ impl Engine {
         remote_request_id: Option<&Bound<'_, PyAny>>,
         remote_tokens_per_block: Option<u32>,
         first_tokens: Option<Vec<u32>>,
+        hold: Option<u64>,
     ) -> PyResult<()> {
         let id = self::request_id(request_id)?;
         let remote_id = match remote_request_id {
@@ -302,6 +307,7 @@ impl Engine {
                 remote,
                 remote_tokens_per_block,
                 first_tokens: first_tokens.unwrap_or_default(),
+                hold,
             })
             .map_err(to_py)
     }
@@ -316,16 +322,18 @@ impl Engine {
     /// Decode side: tells the prefill at `peer` that this engine will not read its request
     /// `remote_request_id`, so it frees the blocks now rather than at its abort timeout (a
     /// request rejected or aborted before its read started; a read in flight is cancel()led
-    /// instead). Returns at once; the notice leaves once the session to `peer` is up.
-    #[pyo3(signature = (peer, remote_request_id, reason = "rejected"))]
+    /// instead). Returns at once; the notice leaves once the session to `peer` is up. `hold`
+    /// names the hold rejected (its token); `None`: whichever hold of that id the prefill has.
+    #[pyo3(signature = (peer, remote_request_id, reason = "rejected", hold = None))]
     fn reject(
         &self,
         peer: &str,
         remote_request_id: &Bound<'_, PyAny>,
         reason: &str,
+        hold: Option<u64>,
     ) -> PyResult<()> {
         let id = self::request_id(remote_request_id)?;
-        self.inner.reject(peer, id, reason).map_err(to_py)
+        self.inner.reject(peer, id, hold, reason).map_err(to_py)
     }
 
     /// Sends `body` (bytes, at most 64 KiB) to the engine at `peer` over the authenticated
@@ -355,21 +363,33 @@ impl Engine {
     /// finishes when the reader confirms, fails when it aborts, and expires after
     /// `abort_timeout` seconds. `reader` names the only engine allowed to read and confirm;
     /// without it, the first engine that does becomes that reader.
-    #[pyo3(signature = (request_id, blocks, reader = None, abort_timeout = None))]
+    ///
+    /// Returns the hold's token (an int): `token` when given (non-zero; a scheduler gives every
+    /// TP rank's hold of one request the same one), else one the engine picks. Send it with the
+    /// transfer parameters; the reader passes it to read_blocks(hold=...), so a reused request
+    /// id never confirms an earlier read.
+    #[pyo3(signature = (request_id, blocks, reader = None, abort_timeout = None, token = None))]
     fn hold_blocks(
         &self,
         request_id: &Bound<'_, PyAny>,
         blocks: &Bound<'_, PyAny>,
         reader: Option<&str>,
         abort_timeout: Option<f64>,
-    ) -> PyResult<()> {
+        token: Option<u64>,
+    ) -> PyResult<u64> {
         let id = self::request_id(request_id)?;
         let blocks = block_groups("blocks", blocks)?;
         let timeout = abort_timeout
             .map(|t| seconds("abort_timeout", t))
             .transpose()?;
         self.inner
-            .hold_groups_for(id, &blocks, reader, timeout)
+            .hold(HoldRequest {
+                id,
+                blocks,
+                reader: reader.map(str::to_string),
+                abort_timeout: timeout,
+                token,
+            })
             .map_err(to_py)
     }
 

@@ -54,6 +54,7 @@ fn hold(t: &mut CompletionTracker, id: &str, reader: Option<&str>, now: Instant)
         reader.map(Into::into),
         now,
         Duration::from_secs(5),
+        1,
     )
     .unwrap();
 }
@@ -73,10 +74,15 @@ fn release_ends_a_hold_silently_and_totals_count_outcomes() {
     hold(&mut t, "done", None, t0);
     hold(&mut t, "aborted", None, t0);
     hold(&mut t, "expired", None, t0);
-    t.handle_notice(&"done".into(), &rd("e"), SendNotice::Done)
+    t.handle_notice(&"done".into(), &rd("e"), SendNotice::Done, None)
         .unwrap();
-    t.handle_notice(&"aborted".into(), &rd("e"), SendNotice::Aborted("x".into()))
-        .unwrap();
+    t.handle_notice(
+        &"aborted".into(),
+        &rd("e"),
+        SendNotice::Aborted("x".into()),
+        None,
+    )
+    .unwrap();
     t.poll(t0 + Duration::from_secs(6));
     for id in ["ok", "failed", "cancelled", "late"] {
         t.start_recv(id.into(), t0).unwrap();
@@ -107,15 +113,16 @@ fn held_send_finishes_on_notice_or_expires() {
     hold(&mut t, "y", None, t0);
     hold(&mut t, "z", None, t0);
     assert!(t
-        .hold_send("x".into(), grant(), None, t0, Duration::from_secs(1))
+        .hold_send("x".into(), grant(), None, t0, Duration::from_secs(1), 2)
         .is_err());
     assert_eq!(t.next_deadline(), Some(t0 + Duration::from_secs(5)));
-    t.handle_notice(&"x".into(), &rd("d"), SendNotice::Done)
+    t.handle_notice(&"x".into(), &rd("d"), SendNotice::Done, None)
         .unwrap();
     t.handle_notice(
         &"z".into(),
         &rd("d"),
         SendNotice::Aborted("decode OOM".into()),
+        None,
     )
     .unwrap();
     t.poll(t0 + Duration::from_secs(4));
@@ -135,7 +142,7 @@ fn notices_for_requests_never_held_are_refused_not_stored() {
     let t0 = Instant::now();
     let mut t = CompletionTracker::new();
     let e = t
-        .handle_notice(&"e".into(), &rd("d"), SendNotice::Done)
+        .handle_notice(&"e".into(), &rd("d"), SendNotice::Done, None)
         .unwrap_err();
     assert!(e.contains("not held"), "{e}");
     hold(&mut t, "e", None, t0);
@@ -158,7 +165,8 @@ fn only_the_requests_reader_reads_and_confirms() {
         .handle_notice(
             &"a".into(),
             &rd("decode-2"),
-            SendNotice::Aborted("x".into())
+            SendNotice::Aborted("x".into()),
+            None,
         )
         .unwrap_err()
         .contains("another reader"));
@@ -167,7 +175,7 @@ fn only_the_requests_reader_reads_and_confirms() {
         .grant_for(&"a".into(), Some(&rd("decode-1")))
         .unwrap()
         .has(0, 1));
-    t.handle_notice(&"a".into(), &rd("decode-1"), SendNotice::Done)
+    t.handle_notice(&"a".into(), &rd("decode-1"), SendNotice::Done, None)
         .unwrap();
     // Claimed by the first engine whose read was served, or whose notice was applied.
     hold(&mut t, "b", None, t0);
@@ -184,10 +192,10 @@ fn only_the_requests_reader_reads_and_confirms() {
     let e = t.grant_for(&"b".into(), Some(&rd("decode-4"))).unwrap_err();
     assert!(e.contains("not held for this reader"), "{e}");
     assert!(t
-        .handle_notice(&"b".into(), &rd("decode-4"), SendNotice::Done)
+        .handle_notice(&"b".into(), &rd("decode-4"), SendNotice::Done, None)
         .is_err());
     assert!(!g.is_ended());
-    t.handle_notice(&"b".into(), &rd("decode-3"), SendNotice::Done)
+    t.handle_notice(&"b".into(), &rd("decode-3"), SendNotice::Done, None)
         .unwrap();
     assert!(g.is_ended(), "the grant ends with its hold");
     let f = t.take_finished();
@@ -210,27 +218,27 @@ fn a_prefill_rank_read_by_several_decode_ranks_waits_for_each() {
     hold(&mut t, "r", None, t0);
     // Decode rank 0 reads prefill rank 0, not this one.
     let e = t
-        .handle_notice(&"r".into(), &at("d0", 0, 4), SendNotice::Done)
+        .handle_notice(&"r".into(), &at("d0", 0, 4), SendNotice::Done, None)
         .unwrap_err();
     assert!(e.contains("does not read"), "{e}");
-    t.handle_notice(&"r".into(), &at("d2", 2, 4), SendNotice::Done)
+    t.handle_notice(&"r".into(), &at("d2", 2, 4), SendNotice::Done, None)
         .unwrap();
     // The same notice again changes nothing.
-    t.handle_notice(&"r".into(), &at("d2", 2, 4), SendNotice::Done)
+    t.handle_notice(&"r".into(), &at("d2", 2, 4), SendNotice::Done, None)
         .unwrap();
     assert_eq!(t.holding(), 1, "one of two readers confirmed");
     // Another decode size, or another engine at a rank already taken, is refused.
     assert!(t
-        .handle_notice(&"r".into(), &at("x", 1, 2), SendNotice::Done)
+        .handle_notice(&"r".into(), &at("x", 1, 2), SendNotice::Done, None)
         .unwrap_err()
         .contains("TP 4"));
     assert!(t
-        .handle_notice(&"r".into(), &at("x", 2, 4), SendNotice::Done)
+        .handle_notice(&"r".into(), &at("x", 2, 4), SendNotice::Done, None)
         .unwrap_err()
         .contains("another reader"));
     assert!(t.grant_for(&"r".into(), Some(&at("d3", 3, 4))).is_ok());
     assert!(t.grant_for(&"r".into(), Some(&at("d1", 1, 4))).is_err());
-    t.handle_notice(&"r".into(), &at("d3", 3, 4), SendNotice::Done)
+    t.handle_notice(&"r".into(), &at("d3", 3, 4), SendNotice::Done, None)
         .unwrap();
     assert_eq!(t.take_finished().sending, vec![RequestId::from("r")]);
 
@@ -241,17 +249,18 @@ fn a_prefill_rank_read_by_several_decode_ranks_waits_for_each() {
         &"a".into(),
         &at("d3", 3, 4),
         SendNotice::Aborted("oom".into()),
+        None,
     )
     .unwrap();
     let f = t.take_finished();
     assert!(f.failed[0].reason.contains("oom") && f.failed[0].reason.contains("\"d3\""));
     assert!(t
-        .handle_notice(&"a".into(), &at("d2", 2, 4), SendNotice::Done)
+        .handle_notice(&"a".into(), &at("d2", 2, 4), SendNotice::Done, None)
         .is_err());
 
     // Expiry says how many confirmed.
     hold(&mut t, "e", None, t0);
-    t.handle_notice(&"e".into(), &at("d2", 2, 4), SendNotice::Done)
+    t.handle_notice(&"e".into(), &at("d2", 2, 4), SendNotice::Done, None)
         .unwrap();
     t.poll(t0 + Duration::from_secs(6));
     let f = t.take_finished();
@@ -265,9 +274,9 @@ fn a_prefill_rank_read_by_several_decode_ranks_waits_for_each() {
     let mut t = CompletionTracker::with_tp(TpRank::new(3, 4));
     hold(&mut t, "s", None, t0);
     assert!(t
-        .handle_notice(&"s".into(), &at("d0", 0, 2), SendNotice::Done)
+        .handle_notice(&"s".into(), &at("d0", 0, 2), SendNotice::Done, None)
         .is_err());
-    t.handle_notice(&"s".into(), &at("d1", 1, 2), SendNotice::Done)
+    t.handle_notice(&"s".into(), &at("d1", 1, 2), SendNotice::Done, None)
         .unwrap();
     assert_eq!(t.take_finished().sending.len(), 1);
 }
@@ -289,6 +298,7 @@ fn hold_for(t: &mut CompletionTracker, id: &str, reader: Option<&str>, now: Inst
         reader.map(str::to_string),
         now,
         Duration::from_secs(480),
+        1,
     )
     .unwrap();
 }
@@ -300,7 +310,7 @@ fn a_gone_readers_hold_ends_when_its_lease_ends_to_the_instant() {
     hold_for(&mut t, "named", Some("d"), t0);
     hold_for(&mut t, "claimed", None, t0);
     hold_for(&mut t, "unread", None, t0);
-    t.claim_checked(&"claimed".into(), &rd("d")).unwrap();
+    t.claim_checked(&"claimed".into(), &rd("d"), None).unwrap();
     assert_eq!(t.next_deadline(), Some(t0 + s(480)));
     t.reader_disconnected("d", t0 + s(10));
     assert_eq!(t.next_deadline(), Some(t0 + s(40)), "10 s plus the lease");
@@ -354,7 +364,7 @@ fn a_reader_back_within_its_lease_keeps_its_holds() {
     // Lost again: a fresh lease from then.
     t.reader_disconnected("d", t0 + s(200));
     assert_eq!(t.next_deadline(), Some(t0 + s(230)));
-    t.handle_notice(&"r".into(), &rd("d"), SendNotice::Done)
+    t.handle_notice(&"r".into(), &rd("d"), SendNotice::Done, None)
         .unwrap();
     assert_eq!(
         t.take_finished().sending.len(),
@@ -383,8 +393,8 @@ fn with_two_readers_the_first_gone_sets_the_lease_until_it_is_back() {
         tp: TpRank::new(rank, 2),
     };
     hold_for(&mut t, "r", None, t0);
-    t.claim_checked(&"r".into(), &at(0)).unwrap();
-    t.claim_checked(&"r".into(), &at(1)).unwrap();
+    t.claim_checked(&"r".into(), &at(0), None).unwrap();
+    t.claim_checked(&"r".into(), &at(1), None).unwrap();
     t.reader_disconnected("a", t0 + s(1));
     t.reader_disconnected("b", t0 + s(5));
     assert_eq!(t.next_deadline(), Some(t0 + s(31)), "the earlier lease");
@@ -405,12 +415,39 @@ fn a_hold_for_a_gone_reader_gives_it_a_whole_lease_and_a_claim_may_be_refused() 
         Some(t0 + s(50)),
         "20 s plus a whole lease"
     );
-    let e = t.claim_checked(&"late".into(), &rd("x")).unwrap_err();
+    let e = t.claim_checked(&"late".into(), &rd("x"), None).unwrap_err();
     assert!(e.contains("another reader"), "{e}");
-    assert!(t.claim_checked(&"nothing".into(), &rd("d")).is_err());
+    assert!(t.claim_checked(&"nothing".into(), &rd("d"), None).is_err());
     // Once the engine's lease passed it is forgotten: new holds for it wait the abort timeout.
     t.poll(t0 + s(50));
     assert_eq!(t.take_finished().failed.len(), 1);
     hold_for(&mut t, "later", Some("d"), t0 + s(60));
     assert_eq!(t.next_deadline(), Some(t0 + s(540)));
+}
+
+#[test]
+fn a_reused_request_id_is_told_apart_by_its_hold_token() {
+    let t0 = Instant::now();
+    let mut t = CompletionTracker::new();
+    let first = |t: &mut CompletionTracker| {
+        t.hold_send("r".into(), grant(), None, t0, Duration::from_secs(5), 7)
+            .unwrap()
+    };
+    first(&mut t);
+    t.release(&"r".into());
+    // The id is held again, under a new hold.
+    t.hold_send("r".into(), grant(), None, t0, Duration::from_secs(5), 8)
+        .unwrap();
+    for notice in [SendNotice::Done, SendNotice::Aborted("late".into())] {
+        let e = t
+            .handle_notice(&"r".into(), &rd("d"), notice, Some(7))
+            .unwrap_err();
+        assert!(e.contains("another hold"), "{e}");
+    }
+    assert!(t.claim_checked(&"r".into(), &rd("d"), Some(7)).is_err());
+    assert_eq!(t.holding(), 1, "the earlier hold's reader changed nothing");
+    t.claim_checked(&"r".into(), &rd("d"), Some(8)).unwrap();
+    t.handle_notice(&"r".into(), &rd("d"), SendNotice::Done, Some(8))
+        .unwrap();
+    assert_eq!(t.take_finished().sending, [RequestId::from("r")]);
 }

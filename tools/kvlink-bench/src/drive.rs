@@ -112,12 +112,14 @@ fn drive(
                 remote_blocks,
             );
             let id = RequestId::from(format!("{tag}-{submitted}"));
-            if let Some(h) = holder {
-                h.hold_blocks(id.clone(), &r).map_err(|e| e.to_string())?;
-            }
+            let hold = match holder {
+                Some(h) => Some(h.hold_blocks(id.clone(), &r).map_err(|e| e.to_string())?),
+                None => None,
+            };
             engine
                 .read(ReadRequest {
                     remote_tokens_per_block: Some(remote_layout.tokens_per_block),
+                    hold,
                     ..ReadRequest::blocks(peer, id.clone(), &l, &r)
                 })
                 .map_err(|e| e.to_string())?;

@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use kvlink::verify::{check_read, PrefillRank, ReadMemory};
-use kvlink::{BlockId, Engine, KvLayout, ReadFrom, ReadRequest, RequestId, TpRank};
+use kvlink::{BlockId, Engine, HoldRequest, KvLayout, ReadFrom, ReadRequest, RequestId, TpRank};
 
 use crate::args::Args;
 use crate::drive::{cpu_seconds, Outcome};
@@ -154,8 +154,17 @@ impl TpRun<'_> {
                     r.push(rg);
                 }
                 let id = RequestId::from(format!("{tag}-{submitted}"));
+                // One token for every prefill rank's hold, as a scheduler hands it out.
+                let token = submitted as u64 + 1;
                 for h in holders {
-                    h.hold_groups(id.clone(), &r).map_err(|e| e.to_string())?;
+                    h.hold(HoldRequest {
+                        id: id.clone(),
+                        blocks: r.clone(),
+                        reader: None,
+                        abort_timeout: None,
+                        token: Some(token),
+                    })
+                    .map_err(|e| e.to_string())?;
                 }
                 for d in decode {
                     d.engine
@@ -167,6 +176,7 @@ impl TpRun<'_> {
                             remote: r.clone(),
                             remote_tokens_per_block: None,
                             first_tokens: Vec::new(),
+                            hold: Some(token),
                         })
                         .map_err(|e| e.to_string())?;
                 }

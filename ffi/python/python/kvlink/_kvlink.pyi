@@ -120,6 +120,7 @@ class Engine:
         remote_request_id: Optional[str] = None,
         remote_tokens_per_block: Optional[int] = None,
         first_tokens: Optional[Sequence[int]] = None,
+        hold: Optional[int] = None,
     ) -> None:
         """Starts reading ``remote_blocks`` of ``peer`` into ``local_blocks``; returns at once.
         ``peer``: one engine's handshake address, or the prefill TP group's addresses in rank
@@ -132,15 +133,19 @@ class Engine:
         other; both layouts declare token runs): the lists then cover the same run of tokens,
         each in its own block size. ``first_tokens``: per block group, the tokens of the first
         block of the larger size (either side's) before the first one read (a cached prefix or
-        a sliding window that starts inside it)."""
+        a sliding window that starts inside it). ``hold``: the token of the prefill's hold
+        (what its ``hold_blocks`` returned): only that hold confirms the read."""
     def release(self, request_id: str) -> bool:
         """Prefill side: drops the hold of ``request_id`` (aborted or preempted before its
         reader was told); the grant ends at once and nothing is reported for it. Returns whether
         it was held."""
-    def reject(self, peer: str, remote_request_id: str, reason: str = "rejected") -> None:
+    def reject(
+        self, peer: str, remote_request_id: str, reason: str = "rejected", hold: Optional[int] = None
+    ) -> None:
         """Decode side: tells the prefill at ``peer`` this engine will not read its request
         ``remote_request_id``, so it frees the blocks now (a request rejected or aborted before
-        its read started). Returns at once."""
+        its read started). ``hold``: the hold's token (else whichever hold of that id). Returns
+        at once."""
     def send_message(self, peer: str, body: bytes) -> None:
         """Sends ``body`` (at most 64 KiB) to the engine at ``peer`` over the authenticated
         control connection, for its application (``messages()``); in call order per peer.
@@ -154,13 +159,15 @@ class Engine:
         blocks: Union[Sequence[int], Sequence[Sequence[int]]],
         reader: Optional[str] = None,
         abort_timeout: Optional[float] = None,
-    ) -> None:
+        token: Optional[int] = None,
+    ) -> int:
         """Prefill side: hold ``blocks`` of a request (one list, or one per block group) and
         grant them to its readers (over TCP they may read those blocks, and only those, under
         this request id) until every reader confirmed, one aborted, or the abort timeout. The
         readers are the decode ranks that read this rank (several when the decode's TP size is
         a multiple of this one's). ``reader`` names the only engine allowed to read and
-        confirm."""
+        confirm. Returns the hold's token (``token``, non-zero, or one the engine picks): the
+        reader passes it to ``read_blocks(hold=...)``."""
     def cancel(self, request_id: str) -> bool:
         """Decode side: cancel a read in flight (it ends in ``failed``, its prefill is told);
         ``False`` when none with that id is in flight. Never blocks."""

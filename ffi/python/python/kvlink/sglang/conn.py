@@ -223,17 +223,17 @@ class KvlinkKVSender(_Room, BaseKVSender):
             part_last = last and n == len(parts) - 1
             rid = f"sgl{room}.{self.want['nonce']:x}.c{self.chunks}"
             self.chunks += 1
-            spaces = []
+            spaces, hold = [], None
             try:
                 if part:
-                    mgr.kv.hold_blocks(rid, part, reader=self.reader)
+                    hold = mgr.kv.hold_blocks(rid, part, reader=self.reader)
                     self._track(rid, "kv")
                     self.bytes += len(part) * sum(int(x) for x in mgr.kv_args.kv_item_lens)
                 if part_last:
                     spaces = self._hold_spaces(state_indices)
             except kvlink.KvlinkError as e:
                 return self._fail(f"holding chunk {self.chunks - 1}: {e}", tell_peer=True)
-            body = wire.chunk(room, self.want["nonce"], rid, first, part, part_last, spaces)
+            body = wire.chunk(room, self.want["nonce"], rid, first, part, part_last, spaces, hold)
             if not mgr.send(self.want["addr"], body):
                 return self._fail(f"could not announce chunk {self.chunks - 1} to the decode", tell_peer=True)
             first += len(part)
@@ -245,10 +245,11 @@ class KvlinkKVSender(_Room, BaseKVSender):
         spaces = []
         if want["aux"] and self.aux_index is not None and mgr.aux is not None:
             rid = f"sgl{room}.{want['nonce']:x}.aux"
-            mgr.aux.hold_blocks(rid, [self.aux_index], reader=want["readers"]["aux"])
+            hold = mgr.aux.hold_blocks(rid, [self.aux_index], reader=want["readers"]["aux"])
             self._track(rid, "aux")
             self.bytes += sum(int(x) for x in mgr.kv_args.aux_item_lens)
-            spaces.append({"space": "aux", "addr": mgr.aux.handshake_address, "id": rid, "indices": [self.aux_index]})
+            spaces.append({"space": "aux", "addr": mgr.aux.handshake_address, "id": rid, "hold": hold,
+                           "indices": [self.aux_index]})
         for i, idx in enumerate(state_indices or []):
             if idx is None or i >= len(want["states"]) or want["states"][i] == 0:
                 continue
@@ -257,9 +258,9 @@ class KvlinkKVSender(_Room, BaseKVSender):
                 raise kvlink.InvalidArgument(f"state type {i} has no buffers on this prefill")
             indices = [int(x) for x in np.asarray(idx).reshape(-1)]
             rid = f"sgl{room}.{want['nonce']:x}.s{i}"
-            engine.hold_blocks(rid, indices, reader=want["readers"]["states"][i])
+            hold = engine.hold_blocks(rid, indices, reader=want["readers"]["states"][i])
             self._track(rid, f"s{i}")
-            spaces.append({"space": i, "addr": engine.handshake_address, "id": rid, "indices": indices})
+            spaces.append({"space": i, "addr": engine.handshake_address, "id": rid, "hold": hold, "indices": indices})
         return spaces
 
     def _progress(self) -> None:
@@ -373,7 +374,7 @@ class KvlinkKVReceiver(_Room, BaseKVReceiver):
             if pages:
                 rid = f"sgl{room}.{self.nonce:x}.c{self.chunks}"
                 mgr.kv.read_blocks(peer, rid, self.local_pages[first:first + len(pages)], pages,
-                                   remote_request_id=m["id"])
+                                   remote_request_id=m["id"], hold=m["hold"])
                 self._track(rid, "kv")
             self.chunks += 1
             self.next_page = first + len(pages)
@@ -394,7 +395,8 @@ class KvlinkKVReceiver(_Room, BaseKVReceiver):
                 if self.aux_index is None or mgr.aux is None or len(s["indices"]) != 1:
                     raise ValueError("an aux row this decode did not ask for")
                 rid = f"sgl{room}.{self.nonce:x}.aux"
-                mgr.aux.read_blocks(s["addr"], rid, [self.aux_index], s["indices"], remote_request_id=s["id"])
+                mgr.aux.read_blocks(s["addr"], rid, [self.aux_index], s["indices"], remote_request_id=s["id"],
+                                    hold=s["hold"])
                 self._track(rid, "aux")
             else:
                 i = s["space"]
@@ -404,7 +406,7 @@ class KvlinkKVReceiver(_Room, BaseKVReceiver):
                     raise ValueError(f"state type {i}: the prefill sent {len(s['indices'])} indices, "
                                      f"this decode expects {0 if local is None else len(local)}")
                 rid = f"sgl{room}.{self.nonce:x}.s{i}"
-                engine.read_blocks(s["addr"], rid, local, s["indices"], remote_request_id=s["id"])
+                engine.read_blocks(s["addr"], rid, local, s["indices"], remote_request_id=s["id"], hold=s["hold"])
                 self._track(rid, f"s{i}")
         if self.aux_index is not None and mgr.aux is not None and not any(s["space"] == "aux" for s in spaces):
             raise ValueError("the prefill sent no aux row")

@@ -15,9 +15,10 @@ touch the new one.
   and grant the aux and state spaces to the engine ids in ``readers``.
 - ``chunk`` (prefill to decode, from each ``KVSender.send``, split into messages of at most
   ``MAX_PAGES_PER_MESSAGE`` pages so each stays under kvlink's 64 KiB): pages ``pages`` of the prefill,
-  held under ``id``, are the request's pages ``[first, first + len(pages))``. The last chunk
-  (``last``) also names the aux row and the state indices, each held under its own id on the
-  prefill's engine for that space (``spaces``: ``[{"space", "addr", "id", "indices"}]``).
+  held under ``id`` (hold token ``hold``), are the request's pages ``[first, first + len(pages))``.
+  The last chunk (``last``) also names the aux row and the state indices, each held under its
+  own id and token on the prefill's engine for that space (``spaces``: ``[{"space", "addr", "id",
+  "hold", "indices"}]``). The decode's reads name the token: only that hold confirms them.
 - ``abort`` (either way): the sender gave up on room ``room``, with ``reason``.
 """
 
@@ -73,9 +74,14 @@ def want(room: int, nonce: int, addr: str, pages: int, prefix: int, aux: bool, s
 
 
 def chunk(room: int, nonce: int, id: str, first: int, pages: List[int], last: bool,
-          spaces: Optional[List[Dict[str, Any]]] = None) -> bytes:
-    return encode({"t": "chunk", "room": room, "nonce": nonce, "id": id, "first": first, "pages": pages,
-                   "last": last, "spaces": spaces or []})
+          spaces: Optional[List[Dict[str, Any]]] = None, hold: Optional[int] = None) -> bytes:
+    return encode({"t": "chunk", "room": room, "nonce": nonce, "id": id, "hold": hold, "first": first,
+                   "pages": pages, "last": last, "spaces": spaces or []})
+
+
+def _hold(d: Dict[str, Any]) -> Optional[int]:
+    """A hold token (absent or null when nothing was held)."""
+    return None if d.get("hold") is None else _int(d, "hold", 1, (1 << 64) - 1)
 
 
 def abort(room: int, nonce: Optional[int], reason: str) -> bytes:
@@ -116,7 +122,7 @@ def decode(body: bytes) -> Dict[str, Any]:
         out["readers"] = {"aux": aux_reader, "states": states}
         return out
     if kind == "chunk":
-        out = {"t": kind, "room": room, "nonce": nonce, "id": _str(d, "id", MAX_ID),
+        out = {"t": kind, "room": room, "nonce": nonce, "id": _str(d, "id", MAX_ID), "hold": _hold(d),
                "first": _int(d, "first", 0, MAX_PAGES),
                "pages": _ints(d.get("pages"), "pages", MAX_PAGES_PER_MESSAGE)}
         if not isinstance(d.get("last"), bool):
@@ -133,7 +139,7 @@ def decode(body: bytes) -> Dict[str, Any]:
             if not (space == "aux" or (type(space) is int and 0 <= space < MAX_STATE_TYPES)):
                 raise BadMessage("space must be \"aux\" or a state type index")
             checked.append({"space": space, "addr": _str(s, "addr", MAX_ADDR),
-                            "id": _str(s, "id", MAX_ID),
+                            "id": _str(s, "id", MAX_ID), "hold": _hold(s),
                             "indices": _ints(s.get("indices"), "indices", MAX_PAGES)})
         if checked and not out["last"]:
             raise BadMessage("only the last chunk names aux and state spaces")

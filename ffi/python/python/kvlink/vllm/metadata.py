@@ -4,7 +4,7 @@ worker, a decode read, the per-step connector metadata, and the transfer statist
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
@@ -42,6 +42,8 @@ class ReadSpec:
     first_tokens: List[int] = field(default_factory=list)
     """Per KV cache group, the tokens of the first block of the larger size before the first
     one read (empty: 0)."""
+    hold: Optional[int] = None
+    """The token of the prefill's hold (``remote_hold``): only that hold confirms the read."""
 
     def all_local(self) -> List[int]:
         """Every local block of the read (for load errors)."""
@@ -54,15 +56,17 @@ class KvlinkConnectorMetadata(KVConnectorMetadata):
 
     holds: Dict[str, List[List[int]]] = field(default_factory=dict)
     """Prefill: request id -> blocks to hold and grant to its readers, per KV cache group."""
+    hold_tokens: Dict[str, int] = field(default_factory=dict)
+    """Prefill: request id -> the token every rank holds it under (its ``remote_hold``)."""
     releases: List[str] = field(default_factory=list)
     """Prefill: holds to drop (request aborted or preempted); no send is reported for them."""
     reads: Dict[str, ReadSpec] = field(default_factory=dict)
     """Decode: request id -> read to start."""
     cancels: List[str] = field(default_factory=list)
     """Decode: reads to cancel (after the reads of this step are started)."""
-    rejects: List[Tuple[List[str], str, str]] = field(default_factory=list)
-    """Decode: ``(remote_addresses, remote_request_id, reason)`` of requests that will not be
-    read: each prefill rank frees the blocks at once."""
+    rejects: List[Tuple[List[str], str, str, Optional[int]]] = field(default_factory=list)
+    """Decode: ``(remote_addresses, remote_request_id, reason, hold token)`` of requests that
+    will not be read: each prefill rank frees the blocks at once."""
 
 
 @dataclass

@@ -4,6 +4,7 @@ step, per KV cache group, and the validation of the transfer parameters a client
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple, Union
 
@@ -31,6 +32,9 @@ class _Producing:
     request: "Request"
     held: Optional[List[List[int]]] = None
     """Per KV cache group, the block at each position of the prompt (0 where none is sent)."""
+    hold: int = 0
+    """The token every worker's hold of the request is made under (sent to the decode as
+    ``remote_hold``: only this hold confirms its reads, never a later one of a reused id)."""
 
 
 def _group_specs(kv_cache_config: Optional["KVCacheConfig"], block_size: int) -> List[Tuple[int, int]]:
@@ -211,7 +215,9 @@ class _SchedulerSide:
             # Nothing to read (a local hit, or parameters this engine cannot use): the
             # prefill may free its blocks now.
             if not isinstance(remote, str):
-                self.meta.rejects.append((remote.addresses, remote.request_id, "nothing to read from this prefill"))
+                self.meta.rejects.append(
+                    (remote.addresses, remote.request_id, "nothing to read from this prefill", remote.hold)
+                )
             return
         assert not isinstance(remote, str), remote  # checked by matched_tokens
         total = local_hit + num_external_tokens
@@ -242,6 +248,7 @@ class _SchedulerSide:
             refused=refused,
             remote_block_size=remote.block_sizes[0] if remote.block_sizes != self.block_sizes else 0,
             first_tokens=first_tokens if any(first_tokens) and not refused else [],
+            hold=remote.hold,
         )
         self.reading.add(rid)
 
@@ -257,6 +264,7 @@ class _SchedulerSide:
             if p is not None and p.held is not None:
                 self.meta.releases.append(rid)
                 self.meta.holds.pop(rid, None)
+                self.meta.hold_tokens.pop(rid, None)
                 p.held = None
         for rid, n in so.num_scheduled_tokens.items():
             p = self.producing.get(rid)
@@ -276,6 +284,8 @@ class _SchedulerSide:
             # can reach the decode; vLLM's null block (0) is never held.
             self.meta.holds[rid] = [[b for b in ids if b] for ids in held]
             p.held = held
+            p.hold = secrets.randbits(63) + 1
+            self.meta.hold_tokens[rid] = p.hold
         meta, self.meta = self.meta, KvlinkConnectorMetadata()
         return meta
 
@@ -290,11 +300,13 @@ class _SchedulerSide:
             normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
             if p.held is None:
                 self.meta.holds.pop(rid, None)
+                self.meta.hold_tokens.pop(rid, None)
                 return False, None
             if not normal or self.addresses is None:
                 if self.addresses is None:
                     logger.error("KvlinkConnector: no handshake metadata from the workers; %s is not offered to a decode", rid)
                 self.meta.holds.pop(rid, None)
+                self.meta.hold_tokens.pop(rid, None)
                 self.meta.releases.append(rid)
                 return False, None
             return True, {
@@ -302,6 +314,7 @@ class _SchedulerSide:
                 "do_remote_decode": False,
                 "remote_addresses": list(self.addresses),
                 "remote_request_id": rid,
+                "remote_hold": p.hold,
                 # One list per KV cache group (a flat list when there is one group).
                 "remote_block_ids": [list(g) for g in p.held] if len(p.held) > 1 else list(p.held[0]),
                 "remote_num_tokens": request.num_prompt_tokens,
@@ -319,7 +332,9 @@ class _SchedulerSide:
             params["do_remote_prefill"] = False
             remote = _remote(params, self.block_sizes)
             if not isinstance(remote, str):
-                self.meta.rejects.append((remote.addresses, remote.request_id, "request finished before its read started"))
+                self.meta.rejects.append(
+                    (remote.addresses, remote.request_id, "request finished before its read started", remote.hold)
+                )
         elif rid in self.reading:
             # Aborted while its read is in flight: vLLM keeps the blocks until the worker
             # reports the read finished, which the cancel brings about at once.
@@ -336,6 +351,8 @@ class _Remote:
     num_tokens: int
     block_sizes: List[int]
     """Per KV cache group, the prefill's tokens per block."""
+    hold: Optional[int] = None
+    """The token of the prefill's hold (None from a prefill of an earlier kvlink)."""
 
 
 def _block_list(blocks: Any) -> bool:
@@ -376,5 +393,8 @@ def _remote(params: Dict[str, Any], block_sizes: List[int]):
         tokens = min(len(g) * b for g, b in zip(groups, sizes))
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
         return "remote_num_tokens must be a non-negative integer"
-    return _Remote(list(addresses), rid, groups, tokens, list(sizes))
+    hold = params.get("remote_hold")
+    if hold is not None and (not isinstance(hold, int) or isinstance(hold, bool) or not 0 < hold < 2**64):
+        return "remote_hold must be an integer from 1 to 2^64-1"
+    return _Remote(list(addresses), rid, groups, tokens, list(sizes), hold)
 

@@ -144,7 +144,8 @@ class _WorkerSide:
             if rid in self.held:  # held again after a preemption: the blocks may differ
                 self.engine.release(rid)
                 self.held.discard(rid)
-            if self._guard("hold", rid, self.engine.hold_blocks, rid, blocks):
+            token = meta.hold_tokens.get(rid)
+            if self._guard("hold", rid, self.engine.hold_blocks, rid, blocks, None, None, token):
                 self.held.add(rid)
             else:
                 # vLLM keeps the blocks until every rank reports the send finished: this rank
@@ -165,6 +166,7 @@ class _WorkerSide:
                     remote_request_id=spec.remote_request_id,
                     remote_tokens_per_block=spec.remote_block_size or None,
                     first_tokens=spec.first_tokens or None,
+                    hold=spec.hold,
                 )
             except Exception as e:  # noqa: BLE001 - every refusal ends as a failed read
                 # Refused at once: it ends like a failed read (vLLM recomputes or fails it),
@@ -175,16 +177,19 @@ class _WorkerSide:
                 self.stats.record_failure("refused")
                 # This rank's own sources: a prefill rank read by several decode ranks waits
                 # for each of them.
-                self._reject(spec.remote_addresses, spec.remote_request_id, f"read refused by the decode: {e}", own=True)
+                why = f"read refused by the decode: {e}"
+                self._reject(spec.remote_addresses, spec.remote_request_id, why, spec.hold, own=True)
                 continue
             self.reading[rid] = spec
         for rid in meta.cancels:
             if rid in self.reading and self._guard("cancel", rid, self.engine.cancel, rid):
                 self.cancelled.add(rid)
-        for addresses, remote_id, reason in meta.rejects:
-            self._reject(addresses, remote_id, reason)
+        for addresses, remote_id, reason, hold in meta.rejects:
+            self._reject(addresses, remote_id, reason, hold)
 
-    def _reject(self, addresses: List[str], remote_id: str, reason: str, own: bool = False) -> None:
+    def _reject(
+        self, addresses: List[str], remote_id: str, reason: str, hold: Optional[int], own: bool = False
+    ) -> None:
         """Tells the prefill ranks this rank reads that a request will not be read. For the
         scheduler's rejects (every rank gets them) the first of several decode ranks reading
         one prefill rank tells it; ``own`` (this rank alone gave up) tells this rank's sources
@@ -197,7 +202,7 @@ class _WorkerSide:
         except kvlink.InvalidArgument:
             targets = list(addresses) if self.tp_rank == 0 else []
         for peer in targets:
-            self._guard("reject", remote_id, self.engine.reject, str(peer), remote_id, reason)
+            self._guard("reject", remote_id, self.engine.reject, str(peer), remote_id, reason, hold)
 
     def _guard(self, what: str, rid: str, fn, *args) -> bool:
         try:
@@ -244,7 +249,7 @@ class _WorkerSide:
                 failed.add(rid)
                 self._load_failed(spec)
                 reason = f"read failed on the decode ({failure['cause']}): {failure['reason']}"
-                self._reject(spec.remote_addresses, spec.remote_request_id, reason[:512], own=True)
+                self._reject(spec.remote_addresses, spec.remote_request_id, reason[:512], spec.hold, own=True)
         recving |= self.failed_now
         failed |= self.failed_now
         self.failed_now = set()
