@@ -38,6 +38,7 @@ fn bench_tracker(c: &mut Criterion) {
                     work_requests: 1,
                     transport: "tcp",
                     elapsed: Duration::ZERO,
+                    timeline: Default::default(),
                 });
             }
             black_box(t.take_finished())

@@ -373,16 +373,17 @@ impl ControlHandler for EngineState {
         id: RequestId,
         notice: SendNotice,
         hold: Option<u64>,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<Duration, String> {
         tracing::debug!(%peer, %id, ?notice, "send notice");
         let done = matches!(notice, SendNotice::Done);
         let r = self.with_tracker(|t| {
             // With open reads (benchmarks) any exported byte is served without a hold, so a
             // read of a request never held is confirmed; one that is held follows its hold.
             if done && self.config.open_reads && !t.is_holding(&id) {
-                return Ok(());
+                return Ok(Duration::ZERO);
             }
             t.handle_notice(&id, from, notice, hold)
+                .map(|since| since.elapsed())
         });
         if r.is_err() {
             self.counters

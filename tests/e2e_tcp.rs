@@ -55,6 +55,7 @@ fn run_transfer(
         .reports
         .iter()
         .all(|r| r.transport == "tcp" && r.segments > 0));
+    got.reports.iter().for_each(check_timeline);
     // The prefill side hears about every read.
     let sent = collect(&prefill.engine, Duration::from_secs(10), |f| {
         f.sending.len() == requests

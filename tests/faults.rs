@@ -344,6 +344,7 @@ fn a_notice_with_an_invalid_id_is_refused_alone() {
         Message::Confirm {
             request_id,
             refused,
+            ..
         } => (request_id.as_str().to_string(), refused),
         other => panic!("expected a Confirm, got {other:?}"),
     };

@@ -48,6 +48,7 @@ fn run(from: Mem, into: Mem, transport: TransportChoice, want: &str) {
         "{:?}",
         got.reports.iter().map(|r| r.transport).collect::<Vec<_>>()
     );
+    got.reports.iter().for_each(check_timeline);
     let bytes: u64 = got.reports.iter().map(|r| r.bytes).sum();
     assert_eq!(bytes, 42 * shape.region_bytes(1));
     assert_eq!(served(&prefill.engine, bytes), bytes);

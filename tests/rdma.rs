@@ -103,6 +103,7 @@ fn transfer(shape: ModelShape, blocks: u32, requests: usize, per: usize) {
         "{:?}",
         f.reports
     );
+    f.reports.iter().for_each(check_timeline);
     for (l, r) in &reqs {
         verify(&decode, &prefill.layout, seed, l, r);
     }

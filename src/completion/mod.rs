@@ -131,6 +131,26 @@ pub struct TransferReport {
     pub transport: &'static str,
     /// From `read_blocks` to completion.
     pub elapsed: Duration,
+    /// When its steps happened.
+    pub timeline: Timeline,
+}
+
+/// When a receive's steps happened, each measured from the read call (decode side); `None`
+/// for a step that was not seen (no byte to read from a source, say).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Timeline {
+    /// How long the prefill had held the request when this engine's `Done` arrived there (the
+    /// longest over the prefill ranks read): how long its blocks waited for this reader.
+    pub held: Option<Duration>,
+    /// Sessions to every source were up (connected and handshaken, or already up).
+    pub connected: Option<Duration>,
+    /// The first bytes landed in this engine's blocks.
+    pub first_byte: Option<Duration>,
+    /// Every source's bytes were in place.
+    pub last_byte: Option<Duration>,
+    /// Every prefill confirmed that it held the request for the whole read; the request was
+    /// reported received then.
+    pub confirmed: Option<Duration>,
 }
 
 /// Requests finished since a tracker started, by side and outcome: monotonic counters, fit

@@ -365,23 +365,25 @@ impl CompletionTracker {
 
     /// Applies notice `notice` about send `id` from `reader` (`hold`: the hold it names). Refuses (and stores nothing for)
     /// a request that is not held, or that is held for other readers. A done notice finishes
-    /// the send once every reader confirmed; an abort fails it at once.
+    /// the send once every reader confirmed; an abort fails it at once. Returns when the hold
+    /// began.
     pub fn handle_notice(
         &mut self,
         id: &RequestId,
         reader: &Reader,
         notice: SendNotice,
         hold: Option<u64>,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<Instant, String> {
         let own = self.tp;
         let held = Self::held(&mut self.held, id, hold)?;
         let slot = held.admit(own, id, reader, true)?.expect("admitted");
         let expected = held.expected(own);
+        let since = held.deadline - held.timeout;
         let notice = match notice {
             SendNotice::Done => {
                 held.readers[slot].done = true;
                 if held.confirmed() < expected {
-                    return Ok(());
+                    return Ok(since);
                 }
                 SendNotice::Done
             }
@@ -397,7 +399,7 @@ impl CompletionTracker {
             h.grant.end();
         }
         self.finish_send(id.clone(), notice);
-        Ok(())
+        Ok(since)
     }
 
     fn finish_send(&mut self, id: RequestId, notice: SendNotice) {

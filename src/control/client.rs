@@ -24,8 +24,9 @@ use crate::ids::RequestId;
 /// (the peer will expire the request on its own abort timeout).
 const NOTICE_QUEUE: usize = 1024;
 
-/// The prefill's answer to a `Done`: confirmed, or why not.
-pub(crate) type Confirmation = std::result::Result<(), String>;
+/// The prefill's answer to a `Done`: confirmed (how long the request had been held then), or
+/// why not.
+pub(crate) type Confirmation = std::result::Result<std::time::Duration, String>;
 
 /// `Done` notices waiting for their `Confirm`, by request (at most one per request).
 type Pending = Arc<Mutex<HashMap<RequestId, oneshot::Sender<Confirmation>>>>;
@@ -150,10 +151,12 @@ impl Handshake {
                         Ok(Message::Confirm {
                             request_id,
                             refused,
+                            held_us,
                         }) => {
                             // A confirmation nobody waits for (its read gave up) is dropped.
                             if let Some(tx) = confirms.lock().remove(&request_id) {
-                                let _ = tx.send(refused.map_or(Ok(()), Err));
+                                let held = std::time::Duration::from_micros(held_us);
+                                let _ = tx.send(refused.map_or(Ok(held), Err));
                             }
                         }
                         Ok(Message::Error { message }) => {

@@ -274,6 +274,10 @@ pub enum Message {
         /// `None`: held, and the send is done; else why not (not held: expired, released, or
         /// held for other readers).
         refused: Option<String>,
+        /// How long the request had been held when the `Done` arrived, in microseconds (0
+        /// when refused): the reader's timeline shows it.
+        #[serde(default)]
+        held_us: u64,
     },
     /// Reader to server: the reader gave up on the request; the server may free its blocks.
     Abort {

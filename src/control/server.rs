@@ -28,7 +28,7 @@ pub(crate) trait ControlHandler: Send + Sync + 'static {
     /// This engine's descriptor; `None` until a KV layout is set.
     fn descriptor(&self) -> Option<Arc<Descriptor>>;
     /// Reader `from`'s notice about a send; refused (with the reason) when the request is not
-    /// held, or is held for other readers.
+    /// held, or is held for other readers. Returns how long the request had been held.
     fn notice(
         &self,
         peer: SocketAddr,
@@ -36,7 +36,7 @@ pub(crate) trait ControlHandler: Send + Sync + 'static {
         id: RequestId,
         notice: SendNotice,
         hold: Option<u64>,
-    ) -> std::result::Result<(), String>;
+    ) -> std::result::Result<Duration, String>;
     /// An application message from reader engine `from` (after its handshake); refused, with
     /// the reason, when too large or when the inbox is full.
     fn message(
@@ -357,8 +357,9 @@ async fn session(
                 let answer = frame::encode(&Message::Confirm {
                     request_id: request_id.clone(),
                     refused: r.clone().err(),
+                    held_us: r.as_ref().map_or(0, |d| d.as_micros() as u64),
                 })?;
-                refused(&request_id, r);
+                refused(&request_id, r.map(drop));
                 timeout(timeouts.handshake, write_frame(&mut stream, &answer))
                     .await
                     .map_err(|_| Error::Timeout {
@@ -378,7 +379,7 @@ async fn session(
                 let reason: String = reason.chars().take(1024).collect();
                 let aborted = SendNotice::Aborted(reason);
                 let r = handler.notice(peer, &reader, request_id.clone(), aborted, hold);
-                refused(&request_id, r);
+                refused(&request_id, r.map(drop));
             }
             // A notice naming an invalid id (empty, too long) is refused alone: the session and
             // the other requests on it go on.

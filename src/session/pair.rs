@@ -83,17 +83,19 @@ impl ControlLink for MemControl {
         let from = &from;
         // A refused notice is dropped, as the control server drops it.
         let _ = match msg {
-            Message::Done { request_id, hold } => {
-                self.prefill
-                    .notice(peer, from, request_id, SendNotice::Done, hold)
-            }
+            Message::Done { request_id, hold } => self
+                .prefill
+                .notice(peer, from, request_id, SendNotice::Done, hold)
+                .map(drop),
             Message::Abort {
                 request_id,
                 reason,
                 hold,
             } => {
                 let aborted = SendNotice::Aborted(reason);
-                self.prefill.notice(peer, from, request_id, aborted, hold)
+                self.prefill
+                    .notice(peer, from, request_id, aborted, hold)
+                    .map(drop)
             }
             Message::Reading { request_id, hold } => self.prefill.reading(from, &request_id, hold),
             other => panic!("unexpected notice {other:?}"),

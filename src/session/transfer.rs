@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::{PeerConn, Sessions};
-use crate::completion::{FailureCause, TransferReport};
+use crate::completion::{FailureCause, Timeline, TransferReport};
 use crate::control::messages::Message;
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, RequestId};
@@ -128,6 +128,9 @@ struct SourceReport {
     blocks: usize,
     work_requests: u64,
     transport: &'static str,
+    /// When its session was up, and when its bytes were all in place.
+    connected: Instant,
+    done: Instant,
 }
 
 /// Reads one source, retrying once on a new session when its data connection was lost (reads
@@ -276,10 +279,14 @@ async fn read_to_end(
     // Every byte is here: the read counts only once each prefill confirms that it still held
     // the request when the Done arrived (its blocks were then held for the whole read).
     let notified = failure.is_none();
-    let failure = match failure {
-        None => confirm(&shared, &job, &outcomes).await,
-        f => f,
+    let (failure, held) = match failure {
+        None => match confirm(&shared, &job, &outcomes).await {
+            Ok(held) => (None, Some(held)),
+            Err(f) => (Some(f), None),
+        },
+        f => (f, None),
     };
+    let confirmed = Instant::now();
     guard.unregister();
     guard.id = None;
     let closing = shared.closing.load(std::sync::atomic::Ordering::Acquire);
@@ -352,6 +359,19 @@ async fn read_to_end(
                 work_requests: 0,
                 transport: "",
                 elapsed: job.started.elapsed(),
+                timeline: Timeline::default(),
+            };
+            let since = |t: Instant| Some(t.saturating_duration_since(job.started));
+            let first = cancel
+                .attempts()
+                .iter()
+                .filter_map(|c| c.first_data())
+                .min();
+            let mut t = Timeline {
+                held,
+                first_byte: first.and_then(since),
+                confirmed: since(confirmed),
+                ..Timeline::default()
             };
             for o in &outcomes {
                 if let Ok(Ok(r)) = &o.result {
@@ -360,8 +380,11 @@ async fn read_to_end(
                     report.blocks = report.blocks.max(r.blocks);
                     report.work_requests += r.work_requests;
                     report.transport = r.transport;
+                    t.connected = t.connected.max(since(r.connected));
+                    t.last_byte = t.last_byte.max(since(r.done));
                 }
             }
+            report.timeline = t;
             shared.with_tracker(|t| t.recv_done(report));
         }
         (Some((_, expired, e)), reason) => {
@@ -380,14 +403,14 @@ async fn read_to_end(
 }
 
 /// Sends each source its `Done` and waits, at most the handshake timeout, for every prefill to
-/// confirm that it still held the request when the notice arrived. The first source that does
-/// not (its hold ended: expired, released; or no answer) fails the read: the bytes it read may
-/// belong to another request by now.
+/// confirm that it still held the request when the notice arrived, and returns the longest any
+/// had held it then. The first source that does not (its hold ended: expired, released; or no
+/// answer) fails the read: the bytes it read may belong to another request by now.
 async fn confirm(
     shared: &EngineState,
     job: &ReadJob,
     outcomes: &[SourceOutcome],
-) -> Option<(Option<usize>, bool, Error)> {
+) -> std::result::Result<std::time::Duration, (Option<usize>, bool, Error)> {
     let limit = shared.config.handshake_timeout;
     let deadline = tokio::time::Instant::now() + limit;
     let id = &job.remote_id;
@@ -398,11 +421,15 @@ async fn confirm(
             conn.and_then(|c| c.control.done(id.clone(), job.hold))
         })
         .collect();
+    let mut longest = std::time::Duration::ZERO;
     for (i, wait) in waits.into_iter().enumerate() {
         let reason = match wait {
             None => "the done notice could not be sent (control connection gone)".to_string(),
             Some(rx) => match tokio::time::timeout_at(deadline, rx).await {
-                Ok(Ok(Ok(()))) => continue,
+                Ok(Ok(Ok(held))) => {
+                    longest = longest.max(held);
+                    continue;
+                }
                 Ok(Ok(Err(refused))) => {
                     format!("the prefill no longer held the request when it was read: {refused}")
                 }
@@ -411,9 +438,9 @@ async fn confirm(
             },
         };
         let peer = job.sources[i].peer.clone();
-        return Some((Some(i), false, Error::Unconfirmed { peer, reason }));
+        return Err((Some(i), false, Error::Unconfirmed { peer, reason }));
     }
-    None
+    Ok(longest)
 }
 
 /// Whether `e` only says the source was stopped (cancelled), as happens to the other sources
@@ -463,6 +490,7 @@ async fn read_once(
         _ = ctl.cancelled() => return Err(Error::Cancelled("while connecting".into())),
     };
     *used = Some(conn.clone());
+    let connected = Instant::now();
     // The prefill learns who reads (RDMA reads reach no CPU there): its hold then ends on
     // this engine's lease should this engine go away. Best effort: the Done says the rest.
     conn.control.notify(Message::Reading {
@@ -535,5 +563,7 @@ async fn read_once(
         blocks: plan.blocks,
         work_requests,
         transport: conn.transport.name(),
+        connected,
+        done: Instant::now(),
     })
 }

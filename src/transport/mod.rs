@@ -38,6 +38,8 @@ pub(crate) struct RequestCtl {
     remote: AtomicUsize,
     /// Wakes a cancel waiting for `remote` to reach zero.
     drained: tokio::sync::Notify,
+    /// When the first of the request's bytes landed in its memory (for its timeline).
+    first_data: std::sync::OnceLock<std::time::Instant>,
 }
 
 impl RequestCtl {
@@ -131,8 +133,21 @@ impl RequestCtl {
         if self.is_cancelled() {
             discard()
         } else {
-            write()
+            let r = write();
+            self.note_data();
+            r
         }
+    }
+
+    /// Some of the request's bytes landed in its memory (a transport calls it as they do; the
+    /// first call is kept).
+    pub(crate) fn note_data(&self) {
+        let _ = self.first_data.set(std::time::Instant::now());
+    }
+
+    /// When the first bytes landed, if any did.
+    pub(crate) fn first_data(&self) -> Option<std::time::Instant> {
+        self.first_data.get().copied()
     }
 }
 

@@ -195,6 +195,20 @@ pub fn collect(engine: &Engine, limit: Duration, done: impl Fn(&Finished) -> boo
     acc
 }
 
+/// Checks the timeline of a read of one source: every step seen, in order, within the
+/// report's elapsed time, and the prefill's hold seen.
+pub fn check_timeline(r: &kvlink::TransferReport) {
+    let t = r.timeline;
+    let steps = [t.connected, t.first_byte, t.last_byte, t.confirmed];
+    let steps: Vec<Duration> = steps
+        .iter()
+        .map(|s| s.unwrap_or_else(|| panic!("a step not seen: {t:?}")))
+        .collect();
+    assert!(steps.windows(2).all(|w| w[0] <= w[1]), "{t:?}");
+    assert!(steps[3] <= r.elapsed, "{t:?} vs {:?}", r.elapsed);
+    assert!(t.held.is_some(), "{t:?}");
+}
+
 /// Whether CUDA is loaded here; when it is not, says "`test`: skipped: no CUDA (why)" on
 /// stderr, the line tools/test.sh counts as a skip.
 pub fn cuda_loaded(test: &str) -> bool {

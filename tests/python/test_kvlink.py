@@ -399,6 +399,9 @@ def test_decode_local_id_differs_from_the_prefills():
     f, _ = _until(decode, lambda f: f.receiving or f.failed)
     assert f.receiving == ["decode-7"], f.failures
     assert f.reports[0]["id"] == "decode-7" and f.reports[0]["peer"] == prefill.handshake_address
+    t = f.reports[0]["timeline"]
+    assert 0 <= t["connected"] <= t["first_byte"] <= t["last_byte"] <= t["confirmed"] <= f.reports[0]["seconds"], t
+    assert t["held"] is not None and t["held"] >= 0, t
     s, _ = _until(prefill, lambda f: f.sending or f.failed)
     assert s.sending == ["prefill-7"], s.failures
     with pytest.raises(kvlink.InvalidArgument, match="empty"):

@@ -379,9 +379,30 @@ typedef struct kvlink_report {
      */
     uint64_t elapsed_ns;
     /**
-     * `"tcp"` or `"rdma"`: a static string, never NULL.
+     * `"tcp"`, `"rdma"` or `"local"`: a static string, never NULL.
      */
     const char *transport;
+    /**
+     * The read's timeline, in nanoseconds from the read call; `UINT64_MAX` for a step not
+     * seen. How long the prefill had held the request when this engine's done notice arrived.
+     */
+    uint64_t held_ns;
+    /**
+     * Sessions to every source were up.
+     */
+    uint64_t connected_ns;
+    /**
+     * The first bytes landed.
+     */
+    uint64_t first_byte_ns;
+    /**
+     * Every source's bytes were in place.
+     */
+    uint64_t last_byte_ns;
+    /**
+     * Every prefill confirmed it held the request for the whole read.
+     */
+    uint64_t confirmed_ns;
 } kvlink_report;
 
 /**
@@ -905,7 +926,7 @@ void kvlink_messages_free(struct kvlink_messages *messages);
 
 /**
  * Stores in `*out` what receiving entry `index` of `finished` moved (bytes, segments, blocks,
- * work requests, duration, transport).
+ * work requests, duration, transport) and when (its timeline).
  *
  * Returns `KVLINK_OK`, or `KVLINK_E_INVALID` when `finished` or `out` is NULL, `index` is out of
  * range, or the entry carries no report (sets built by `kvlink_aggregator_take` or

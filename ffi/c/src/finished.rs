@@ -103,12 +103,23 @@ pub struct kvlink_report {
     pub work_requests: u64,
     /// Nanoseconds from `kvlink_engine_read_blocks` to the last byte in place.
     pub elapsed_ns: u64,
-    /// `"tcp"` or `"rdma"`: a static string, never NULL.
+    /// `"tcp"`, `"rdma"` or `"local"`: a static string, never NULL.
     pub transport: *const c_char,
+    /// The read's timeline, in nanoseconds from the read call; `UINT64_MAX` for a step not
+    /// seen. How long the prefill had held the request when this engine's done notice arrived.
+    pub held_ns: u64,
+    /// Sessions to every source were up.
+    pub connected_ns: u64,
+    /// The first bytes landed.
+    pub first_byte_ns: u64,
+    /// Every source's bytes were in place.
+    pub last_byte_ns: u64,
+    /// Every prefill confirmed it held the request for the whole read.
+    pub confirmed_ns: u64,
 }
 
 /// Stores in `*out` what receiving entry `index` of `finished` moved (bytes, segments, blocks,
-/// work requests, duration, transport).
+/// work requests, duration, transport) and when (its timeline).
 ///
 /// Returns `KVLINK_OK`, or `KVLINK_E_INVALID` when `finished` or `out` is NULL, `index` is out of
 /// range, or the entry carries no report (sets built by `kvlink_aggregator_take` or
@@ -131,9 +142,21 @@ pub unsafe extern "C" fn kvlink_finished_report(
         let transport: &'static std::ffi::CStr = match r.transport {
             "rdma" => c"rdma",
             "tcp" => c"tcp",
+            "local" => c"local",
             _ => c"other",
         };
+        let ns = |d: Option<std::time::Duration>| {
+            d.map_or(u64::MAX, |d| {
+                u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+            })
+        };
+        let t = &r.timeline;
         let report = kvlink_report {
+            held_ns: ns(t.held),
+            connected_ns: ns(t.connected),
+            first_byte_ns: ns(t.first_byte),
+            last_byte_ns: ns(t.last_byte),
+            confirmed_ns: ns(t.confirmed),
             bytes: r.bytes,
             segments: r.segments as u64,
             blocks: r.blocks as u64,

@@ -719,6 +719,10 @@ int main(void) {
             EXPECT(r.bytes == (uint64_t)NREAD * TENSORS * BLOCK_BYTES);
             EXPECT(r.blocks == NREAD && r.segments >= 1 && r.work_requests >= 1);
             EXPECT(r.elapsed_ns > 0 && strcmp(r.transport, "tcp") == 0);
+            /* Its timeline, in order: connected, first and last byte, confirmed. */
+            EXPECT(r.held_ns != UINT64_MAX && r.connected_ns <= r.first_byte_ns);
+            EXPECT(r.first_byte_ns <= r.last_byte_ns && r.last_byte_ns <= r.confirmed_ns);
+            EXPECT(r.confirmed_ns != UINT64_MAX && r.confirmed_ns <= r.elapsed_ns);
             EXPECT(strcmp(kvlink_finished_report_peer(received, i), peer) == 0);
         }
     }

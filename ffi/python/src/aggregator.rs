@@ -82,6 +82,18 @@ pub(crate) fn finished_to_py(py: Python<'_>, f: &RsFinished) -> PyResult<Finishe
         d.set_item("work_requests", r.work_requests)?;
         d.set_item("transport", r.transport)?;
         d.set_item("seconds", r.elapsed.as_secs_f64())?;
+        let t = &r.timeline;
+        let timeline = pyo3::types::PyDict::new(py);
+        for (k, v) in [
+            ("held", t.held),
+            ("connected", t.connected),
+            ("first_byte", t.first_byte),
+            ("last_byte", t.last_byte),
+            ("confirmed", t.confirmed),
+        ] {
+            timeline.set_item(k, v.map(|d| d.as_secs_f64()))?;
+        }
+        d.set_item("timeline", timeline)?;
         reports.append(d)?;
     }
     Ok(Finished {

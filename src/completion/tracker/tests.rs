@@ -19,6 +19,7 @@ fn report(id: &str) -> TransferReport {
         work_requests: 1,
         transport: "tcp",
         elapsed: Duration::ZERO,
+        timeline: Default::default(),
     }
 }
 

@@ -357,6 +357,9 @@ async fn replies(shared: Arc<Shared>, io: Duration) {
                         continue;
                     };
                     if let Some(ctl) = &w.ctl {
+                        if !refused {
+                            ctl.note_data();
+                        }
                         ctl.remote_end();
                     }
                     let r = if refused {

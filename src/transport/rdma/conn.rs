@@ -470,7 +470,11 @@ impl RdmaConnection {
             }
             if stopped.is_none() {
                 stopped = tokio::select! {
-                    _ = notified.as_mut() => None,
+                    // A chain retired: its bytes landed (or it failed, which fails the read).
+                    _ = notified.as_mut() => {
+                        ctl.note_data();
+                        None
+                    }
                     _ = tokio::time::sleep_until(deadline) => Some(Stop::Deadline),
                     _ = ctl.cancelled() => Some(Stop::Cancelled),
                 };

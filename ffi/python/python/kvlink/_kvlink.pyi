@@ -43,8 +43,11 @@ class Finished:
     prefill did not confirm it held the blocks until then: recompute) or ``"other"``."""
     reports: List[Dict[str, Any]]
     """One per request in ``receiving``: ``id``, ``peer``, ``bytes``, ``segments``, ``blocks``,
-    ``work_requests``, ``transport`` (``"tcp"``, ``"rdma"`` or ``"local"``) and ``seconds`` (from
-    ``read_blocks`` to the last byte). Empty for sets built by ``TpAggregator``."""
+    ``work_requests``, ``transport`` (``"tcp"``, ``"rdma"`` or ``"local"``), ``seconds`` (from
+    ``read_blocks`` to the report) and ``timeline``: seconds from ``read_blocks`` to
+    ``connected``, ``first_byte``, ``last_byte`` and ``confirmed``, and ``held`` (how long the
+    prefill had held the request when the read's done notice arrived); ``None`` for a step not
+    seen. Empty for sets built by ``TpAggregator``."""
     def is_empty(self) -> bool: ...
 
 def tp_sources(decode_rank: int, decode_size: int, prefill_size: int) -> List[int]:
