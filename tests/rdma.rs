@@ -7,48 +7,15 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::rdma::{rdma_available, rdma_config};
 use common::*;
-use kvlink::internal::{probe_rdma as probe, start_with_rdma_fault, RdmaFault};
+use kvlink::internal::{start_with_rdma_fault, RdmaFault};
 use kvlink::{
-    Engine, EngineConfig, Error, FailureCause, ModelShape, RdmaErrorKind, RdmaSettings,
-    TransportChoice,
+    Engine, EngineConfig, Error, FailureCause, ModelShape, RdmaErrorKind, TransportChoice,
 };
 
 /// `ibv_wc_status` of a remote access error (verbs.h).
 const IBV_WC_REM_ACCESS_ERR: u32 = 10;
-
-/// True when an RDMA device is usable; otherwise says why the test is skipped (or fails inside
-/// the VM, where the device must exist).
-fn rdma_available(test: &str) -> bool {
-    let settings = RdmaSettings {
-        device: std::env::var("KVLINK_RDMA_DEVICE").ok(),
-        ..RdmaSettings::default()
-    };
-    match probe(&settings) {
-        Ok(_) => true,
-        Err(why) => {
-            if std::env::var_os("KVLINK_SOFTROCE").is_some() {
-                panic!("{test}: inside the SoftRoCE VM but RDMA is unavailable: {why}");
-            }
-            // Written to the process's stderr directly: libtest does not capture it, so the skip
-            // shows in every run's output.
-            use std::io::Write;
-            // One write of the whole line, so that parallel tests cannot interleave inside it
-            // (tools/test.sh counts these lines).
-            let line = format!("{test}: skipped: no RDMA device ({why})\n");
-            let _ = std::io::stderr().lock().write_all(line.as_bytes());
-            false
-        }
-    }
-}
-
-fn rdma_config() -> EngineConfig {
-    let mut c = quick_config();
-    c.transport = TransportChoice::Rdma;
-    c.rdma.device = std::env::var("KVLINK_RDMA_DEVICE").ok();
-    c.rdma.qps = 2;
-    c
-}
 
 /// The prefill worker of the two-process tests. A helper, not a test: ignored, so that test runs
 /// neither run nor count it; `ChildPrefill::spawn` runs it with `--ignored --exact`.
@@ -488,84 +455,4 @@ fn rdma_device_regions_take_the_device_registration_path() {
     verify(&decode, &prefill.layout, 21, &l, &r);
     assert_eq!(decode.engine.stats().bytes_staged_in, 0);
     assert_eq!(prefill.engine.stats().bytes_staged_out, 0);
-}
-
-#[test]
-fn rdma_cancel_stops_a_read_in_flight_and_tells_the_prefill() {
-    if !rdma_available("rdma_cancel_stops_a_read_in_flight_and_tells_the_prefill") {
-        return;
-    }
-    // 32 MiB over the emulated device takes about a second: the cancel lands mid-transfer.
-    let shape = ModelShape::LLAMA3_8B;
-    let blocks = 16u32;
-    let prefill = side(&shape, blocks, Some(61), rdma_config());
-    let decode = side(&shape, blocks, None, rdma_config());
-    let peer = prefill.engine.handshake_address().to_string();
-    decode
-        .engine
-        .connect(&peer, Duration::from_secs(30))
-        .unwrap();
-    let all: Vec<u32> = (0..blocks).collect();
-    prefill.engine.hold_blocks("rc", &all).unwrap();
-    decode.engine.read_blocks(&peer, "rc", &all, &all).unwrap();
-    std::thread::sleep(Duration::from_millis(200));
-    assert!(decode.engine.cancel("rc"), "still in flight after 200 ms");
-    let f = collect(&decode.engine, Duration::from_secs(30), |f| !f.is_empty());
-    assert_eq!(f.failed[0].cause, FailureCause::Cancelled, "{f:?}");
-    let s = collect(&prefill.engine, Duration::from_secs(30), |f| !f.is_empty());
-    assert_eq!(s.failed[0].cause, FailureCause::Peer, "{s:?}");
-    assert!(s.failed[0].reason.contains("cancelled"), "{s:?}");
-    // The engine reads again afterwards, over RDMA, every byte right.
-    prefill.engine.hold_blocks("after", &[7, 2]).unwrap();
-    decode
-        .engine
-        .read_blocks(&peer, "after", &[1, 3], &[7, 2])
-        .unwrap();
-    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
-    assert_eq!(f.receiving.len(), 1, "{f:?}");
-    assert_eq!(f.reports[0].transport, "rdma");
-    verify(&decode, &prefill.layout, 61, &[1, 3], &[7, 2]);
-}
-
-#[test]
-fn rdma_a_hold_that_ends_mid_read_is_never_reported_received() {
-    if !rdma_available("rdma_a_hold_that_ends_mid_read_is_never_reported_received") {
-        return;
-    }
-    // One-sided reads do not stop when a hold ends: 32 MiB (about a second on the emulated
-    // device) are read while the prefill releases the hold and its blocks are overwritten,
-    // as its scheduler would reuse them. Every byte arrives, but the prefill refuses the Done:
-    // the read fails as unconfirmed, never received.
-    let shape = ModelShape::LLAMA3_8B;
-    let blocks = 16u32;
-    let prefill = side(&shape, blocks, Some(67), rdma_config());
-    let decode = side(&shape, blocks, None, rdma_config());
-    let peer = prefill.engine.handshake_address().to_string();
-    decode
-        .engine
-        .connect(&peer, Duration::from_secs(30))
-        .unwrap();
-    let all: Vec<u32> = (0..blocks).collect();
-    prefill.engine.hold_blocks("stale", &all).unwrap();
-    decode
-        .engine
-        .read_blocks(&peer, "stale", &all, &all)
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(100));
-    assert!(prefill.engine.release("stale"));
-    kvlink::verify::fill(&prefill.region, 99).unwrap();
-    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
-    assert!(f.receiving.is_empty(), "{f:?}");
-    assert_eq!(f.failed[0].cause, FailureCause::Unconfirmed, "{f:?}");
-    assert!(f.failed[0].reason.contains("no longer held"), "{f:?}");
-    // A read of a live hold is confirmed, over RDMA, every byte right.
-    prefill.engine.hold_blocks("live", &[5, 9]).unwrap();
-    decode
-        .engine
-        .read_blocks(&peer, "live", &[2, 4], &[5, 9])
-        .unwrap();
-    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
-    assert_eq!(f.receiving.len(), 1, "{f:?}");
-    assert_eq!(f.reports[0].transport, "rdma");
-    verify(&decode, &prefill.layout, 99, &[2, 4], &[5, 9]);
 }

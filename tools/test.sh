@@ -19,7 +19,7 @@ set -euo pipefail
 MIN_HOST=160
 MIN_KEYED=29
 MIN_PYTHON=45
-MIN_VM=19
+MIN_VM=20
 MIN_VLLM=40
 MIN_SGLANG=22
 MIN_ENGINE_EVENTS=6
@@ -258,14 +258,15 @@ if [ "${KVLINK_SKIP_VM:-0}" = 1 ]; then
   vm_line="SoftRoCE VM: skipped (KVLINK_SKIP_VM=1; the RDMA tests did not run for real)"
 else
   echo "test: RDMA tests inside the SoftRoCE VM"
-  # The one-device tests and the two-device (striping, failover) tests, in one VM boot.
-  bins=$(cargo test --test rdma --test rdma_rails --no-run --message-format=json 2>/dev/null | python3 -c '
+  # The one-device tests, the holds' (confirmations, leases) and the two-device (striping,
+  # failover) tests, in one VM boot.
+  bins=$(cargo test --test rdma --test rdma_holds --test rdma_rails --no-run --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:
     d = json.loads(line)
-    if d.get("reason") == "compiler-artifact" and d.get("executable") and d["target"]["name"] in ("rdma", "rdma_rails"):
+    if d.get("reason") == "compiler-artifact" and d.get("executable") and d["target"]["name"] in ("rdma", "rdma_holds", "rdma_rails"):
         print(d["executable"])')
-  [ "$(printf '%s\n' "$bins" | grep -c .)" = 2 ] || { echo "test: could not build the rdma test binaries" >&2; exit 1; }
+  [ "$(printf '%s\n' "$bins" | grep -c .)" = 3 ] || { echo "test: could not build the rdma test binaries" >&2; exit 1; }
   vmlog=$(mktemp)
   vmcmd=$(mktemp -p target vm-rdma.XXXXXX.sh)
   { echo 'rc=0'; for b in $bins; do echo "\"$b\" --test-threads=1 || rc=1"; done; echo 'exit $rc'; } >"$vmcmd"

@@ -1,0 +1,39 @@
+//! The RDMA tests' device check and engine settings.
+
+use kvlink::internal::probe_rdma as probe;
+use kvlink::{EngineConfig, RdmaSettings, TransportChoice};
+
+use super::quick_config;
+
+/// True when an RDMA device is usable; otherwise says why the test is skipped (or fails inside
+/// the VM, where the device must exist).
+pub fn rdma_available(test: &str) -> bool {
+    let settings = RdmaSettings {
+        device: std::env::var("KVLINK_RDMA_DEVICE").ok(),
+        ..RdmaSettings::default()
+    };
+    match probe(&settings) {
+        Ok(_) => true,
+        Err(why) => {
+            if std::env::var_os("KVLINK_SOFTROCE").is_some() {
+                panic!("{test}: inside the SoftRoCE VM but RDMA is unavailable: {why}");
+            }
+            // Written to the process's stderr directly: libtest does not capture it, so the skip
+            // shows in every run's output.
+            use std::io::Write;
+            // One write of the whole line, so that parallel tests cannot interleave inside it
+            // (tools/test.sh counts these lines).
+            let line = format!("{test}: skipped: no RDMA device ({why})\n");
+            let _ = std::io::stderr().lock().write_all(line.as_bytes());
+            false
+        }
+    }
+}
+
+pub fn rdma_config() -> EngineConfig {
+    let mut c = quick_config();
+    c.transport = TransportChoice::Rdma;
+    c.rdma.device = std::env::var("KVLINK_RDMA_DEVICE").ok();
+    c.rdma.qps = 2;
+    c
+}

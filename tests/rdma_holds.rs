@@ -1,0 +1,152 @@
+//! RDMA reads and the prefill's holds, in the SoftRoCE VM (outside it they print "skipped: no
+//! RDMA device (...)" and pass): one-sided reads do not stop when a hold ends, so what keeps a
+//! decode from wrong bytes is the prefill's confirmation; a cancel tells the prefill; a reader
+//! that vanishes mid-read has its hold end at its lease, which only its `Reading` notice ties it
+//! to (nothing of an RDMA read reaches the prefill's CPU).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::rdma::{rdma_available, rdma_config};
+use common::*;
+use kvlink::{EngineConfig, FailureCause, ModelShape};
+
+#[test]
+fn rdma_cancel_stops_a_read_in_flight_and_tells_the_prefill() {
+    if !rdma_available("rdma_cancel_stops_a_read_in_flight_and_tells_the_prefill") {
+        return;
+    }
+    // 32 MiB over the emulated device takes about a second: the cancel lands mid-transfer.
+    let shape = ModelShape::LLAMA3_8B;
+    let blocks = 16u32;
+    let prefill = side(&shape, blocks, Some(61), rdma_config());
+    let decode = side(&shape, blocks, None, rdma_config());
+    let peer = prefill.engine.handshake_address().to_string();
+    decode
+        .engine
+        .connect(&peer, Duration::from_secs(30))
+        .unwrap();
+    let all: Vec<u32> = (0..blocks).collect();
+    prefill.engine.hold_blocks("rc", &all).unwrap();
+    decode.engine.read_blocks(&peer, "rc", &all, &all).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(decode.engine.cancel("rc"), "still in flight after 200 ms");
+    let f = collect(&decode.engine, Duration::from_secs(30), |f| !f.is_empty());
+    assert_eq!(f.failed[0].cause, FailureCause::Cancelled, "{f:?}");
+    let s = collect(&prefill.engine, Duration::from_secs(30), |f| !f.is_empty());
+    assert_eq!(s.failed[0].cause, FailureCause::Peer, "{s:?}");
+    assert!(s.failed[0].reason.contains("cancelled"), "{s:?}");
+    // The engine reads again afterwards, over RDMA, every byte right.
+    prefill.engine.hold_blocks("after", &[7, 2]).unwrap();
+    decode
+        .engine
+        .read_blocks(&peer, "after", &[1, 3], &[7, 2])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    assert_eq!(f.reports[0].transport, "rdma");
+    verify(&decode, &prefill.layout, 61, &[1, 3], &[7, 2]);
+}
+
+#[test]
+fn rdma_a_hold_that_ends_mid_read_is_never_reported_received() {
+    if !rdma_available("rdma_a_hold_that_ends_mid_read_is_never_reported_received") {
+        return;
+    }
+    // One-sided reads do not stop when a hold ends: 32 MiB (about a second on the emulated
+    // device) are read while the prefill releases the hold and its blocks are overwritten,
+    // as its scheduler would reuse them. Every byte arrives, but the prefill refuses the Done:
+    // the read fails as unconfirmed, never received.
+    let shape = ModelShape::LLAMA3_8B;
+    let blocks = 16u32;
+    let prefill = side(&shape, blocks, Some(67), rdma_config());
+    let decode = side(&shape, blocks, None, rdma_config());
+    let peer = prefill.engine.handshake_address().to_string();
+    decode
+        .engine
+        .connect(&peer, Duration::from_secs(30))
+        .unwrap();
+    let all: Vec<u32> = (0..blocks).collect();
+    prefill.engine.hold_blocks("stale", &all).unwrap();
+    decode
+        .engine
+        .read_blocks(&peer, "stale", &all, &all)
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(prefill.engine.release("stale"));
+    kvlink::verify::fill(&prefill.region, 99).unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert!(f.receiving.is_empty(), "{f:?}");
+    assert_eq!(f.failed[0].cause, FailureCause::Unconfirmed, "{f:?}");
+    assert!(f.failed[0].reason.contains("no longer held"), "{f:?}");
+    // A read of a live hold is confirmed, over RDMA, every byte right.
+    prefill.engine.hold_blocks("live", &[5, 9]).unwrap();
+    decode
+        .engine
+        .read_blocks(&peer, "live", &[2, 4], &[5, 9])
+        .unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    assert_eq!(f.reports[0].transport, "rdma");
+    verify(&decode, &prefill.layout, 99, &[2, 4], &[5, 9]);
+}
+
+#[test]
+fn rdma_a_reader_gone_mid_read_has_its_hold_end_at_its_lease() {
+    if !rdma_available("rdma_a_reader_gone_mid_read_has_its_hold_end_at_its_lease") {
+        return;
+    }
+    // A hold that names no reader learns its reader from the read's Reading notice (the RDMA
+    // reads themselves never reach the prefill's CPU). The decode then vanishes mid-read (its
+    // engine closed: its tasks stop where they are and its connections close, no abort sent):
+    // the hold ends at the decode's lease, not at the 480 s abort timeout.
+    let shape = ModelShape::LLAMA3_8B;
+    let blocks = 16u32;
+    let lease = Duration::from_secs(2);
+    let prefill = side(
+        &shape,
+        blocks,
+        Some(71),
+        EngineConfig {
+            lease,
+            ..rdma_config()
+        },
+    );
+    let decode = side(&shape, blocks, None, rdma_config());
+    let peer = prefill.engine.handshake_address().to_string();
+    decode
+        .engine
+        .connect(&peer, Duration::from_secs(30))
+        .unwrap();
+    let all: Vec<u32> = (0..blocks).collect();
+    prefill.engine.hold_blocks("gone", &all).unwrap();
+    decode
+        .engine
+        .read_blocks(&peer, "gone", &all, &all)
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        decode.engine.in_flight(),
+        (1, 0),
+        "still reading after 200 ms"
+    );
+    decode.engine.close();
+    let closed = Instant::now();
+    let s = collect(&prefill.engine, lease + Duration::from_secs(10), |f| {
+        !f.is_empty()
+    });
+    let took = closed.elapsed();
+    assert_eq!(s.failed.len(), 1, "{s:?}");
+    let f = &s.failed[0];
+    assert!(f.expired && f.cause == FailureCause::Expired, "{f:?}");
+    assert!(
+        f.reason.contains("lease") && f.reason.contains(decode.engine.engine_id()),
+        "{f:?}"
+    );
+    assert!(
+        took >= lease - Duration::from_millis(100) && took < lease + Duration::from_secs(5),
+        "{took:?}"
+    );
+    assert_eq!(prefill.engine.stats().totals.sends_lease_expired, 1);
+}
