@@ -478,7 +478,10 @@ impl ControlHandler for EngineState {
     }
 
     fn reader_disconnected(&self, reader: &Reader) {
-        self.with_tracker(|t| t.reader_disconnected(&reader.engine, Instant::now()));
+        let leased = self.with_tracker(|t| t.reader_disconnected(&reader.engine, Instant::now()));
+        if let Some(holds) = leased {
+            tracing::info!(engine = %reader.engine, holds, lease = ?self.config.lease, "a reader has no control connection left: its holds end after the lease unless it comes back");
+        }
     }
 
     fn reading(

@@ -124,7 +124,8 @@ impl Held {
             }
             if !tp::reads(reader.tp, own) {
                 return Err(format!(
-                    "request {id}: engine {who:?} ({} of a decode) does not read this prefill                      {own} (a decode rank reads the prefill ranks tp::sources names)",
+                    "request {id}: engine {who:?} ({} of a decode) does not read this prefill \
+                     {own} (a decode rank reads the prefill ranks tp::sources names)",
                     reader.tp
                 ));
             }
@@ -205,14 +206,16 @@ impl CompletionTracker {
 
     /// A control session of reader engine `engine` ended at `now`. When it was the engine's
     /// last, each hold it reads (named or admitted) ends at `now` plus the lease, unless the
-    /// engine connects again before then.
-    pub fn reader_disconnected(&mut self, engine: &str, now: Instant) {
-        let Some(end) = self.presence.closed(engine, now) else {
-            return;
-        };
+    /// engine connects again before then. Returns how many holds that put on the lease (`None`
+    /// when the engine has sessions left).
+    pub fn reader_disconnected(&mut self, engine: &str, now: Instant) -> Option<usize> {
+        let end = self.presence.closed(engine, now)?;
+        let mut leased = 0;
         for h in self.held.values_mut().filter(|h| h.involves(engine)) {
             h.lease_end = Some(h.lease_end.map_or(end, |l| l.min(end)));
+            leased += 1;
         }
+        Some(leased)
     }
 
     /// Starts tracking a receive. Refuses an id that is already being received.
@@ -477,7 +480,8 @@ impl CompletionTracker {
                 .map(String::as_str)
                 .collect();
             return format!(
-                "{who}: reader {gone:?} lost its control connection and did not come back                  within the lease of {:?}; the blocks may be freed",
+                "{who}: reader {gone:?} lost its control connection and did not come back \
+                 within the lease of {:?}; the blocks may be freed",
                 self.presence.lease()
             );
         }

@@ -81,6 +81,18 @@ impl Handshake {
     /// Sends `msg` and waits for the answer, within the handshake deadline. A refusal (`Error`)
     /// becomes `Error::Handshake` with the peer's message.
     pub(crate) async fn request(&mut self, msg: &Message) -> Result<Message> {
+        match self.exchange(msg).await? {
+            Message::Error { message } => {
+                Err(handshake_err(self.peer, format!("refused: {message}")))
+            }
+            m => Ok(m),
+        }
+    }
+
+    /// [`request`](Self::request) that returns a refusal as the peer's `Error` message, for
+    /// exchanges whose refusal ends only themselves (an RDMA device pair the peer cannot
+    /// connect: the session goes on without it).
+    pub(crate) async fn exchange(&mut self, msg: &Message) -> Result<Message> {
         let frame = frame::encode(msg)?;
         let peer = self.peer;
         let stream = &mut self.stream;
@@ -96,13 +108,7 @@ impl Handshake {
             })?
             .map_err(|e| handshake_err(peer, e.to_string()))?
             .ok_or_else(|| handshake_err(peer, "the peer closed the connection"))?;
-        match frame::decode::<Message>(reply.0, &reply.1) {
-            Ok(Message::Error { message }) => {
-                Err(handshake_err(peer, format!("refused: {message}")))
-            }
-            Ok(m) => Ok(m),
-            Err(e) => Err(handshake_err(peer, e.to_string())),
-        }
+        frame::decode::<Message>(reply.0, &reply.1).map_err(|e| handshake_err(peer, e.to_string()))
     }
 
     /// Starts the keep-alive and notice tasks.

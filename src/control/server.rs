@@ -368,6 +368,7 @@ async fn session(
                     })??;
             }
             Ok(Message::Reading { request_id, hold }) if request_id.validate().is_ok() => {
+                tracing::debug!(%peer, id = %request_id, ?hold, "reader announced a read");
                 let r = handler.reading(&reader, &request_id, hold);
                 refused(&request_id, r);
             }

@@ -251,8 +251,9 @@ async fn rail(
         Ok(p) => p,
         Err(why) => return Ok(Err(why)),
     };
+    // A refusal (`Error`) ends only this pair: the server goes on with the session.
     let reply = hs
-        .request(&Message::RdmaConnect {
+        .exchange(&Message::RdmaConnect {
             generation,
             device: i as u32,
             qps,

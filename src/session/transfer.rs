@@ -491,12 +491,17 @@ async fn read_once(
     };
     *used = Some(conn.clone());
     let connected = Instant::now();
+    tracing::debug!(id = %job.id, peer = %source.peer, transport = conn.transport.name(), "reading");
     // The prefill learns who reads (RDMA reads reach no CPU there): its hold then ends on
     // this engine's lease should this engine go away. Best effort: the Done says the rest.
     conn.control.notify(Message::Reading {
         request_id: job.remote_id.clone(),
         hold: job.hold,
     });
+    // The writer task that sends it was woken on this worker thread, where it would wait until
+    // this task next yields; posting RDMA reads may not yield for a long time (SoftRoCE posts
+    // in the caller's thread), so let it go out first.
+    tokio::task::yield_now().await;
     let d = &conn.descriptor;
     let theirs = TpRank::new(d.tp_rank, d.tp_size);
     let ours = TpRank::new(shared.config.tp_rank, shared.config.tp_size);

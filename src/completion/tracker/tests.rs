@@ -313,7 +313,11 @@ fn a_gone_readers_hold_ends_when_its_lease_ends_to_the_instant() {
     hold_for(&mut t, "unread", None, t0);
     t.claim_checked(&"claimed".into(), &rd("d"), None).unwrap();
     assert_eq!(t.next_deadline(), Some(t0 + s(480)));
-    t.reader_disconnected("d", t0 + s(10));
+    assert_eq!(
+        t.reader_disconnected("d", t0 + s(10)),
+        Some(2),
+        "named and claimed"
+    );
     assert_eq!(t.next_deadline(), Some(t0 + s(40)), "10 s plus the lease");
     t.poll(t0 + s(40) - Duration::from_nanos(1));
     assert!(
@@ -378,9 +382,9 @@ fn a_reader_back_within_its_lease_keeps_its_holds() {
 fn one_of_several_sessions_ending_leaves_the_lease_alone() {
     let (mut t, t0) = leased(&["d", "d"]);
     hold_for(&mut t, "r", Some("d"), t0);
-    t.reader_disconnected("d", t0);
+    assert_eq!(t.reader_disconnected("d", t0), None, "a session left");
     assert_eq!(t.next_deadline(), Some(t0 + Duration::from_secs(480)));
-    t.reader_disconnected("d", t0);
+    assert_eq!(t.reader_disconnected("d", t0), Some(1));
     assert_eq!(t.next_deadline(), Some(t0 + Duration::from_secs(30)));
 }
 

@@ -45,16 +45,21 @@ struct Pending {
     remaining: AtomicUsize,
     failure: Mutex<Option<RdmaError>>,
     notify: tokio::sync::Notify,
+    /// The request's control: a chain that completes marks its first bytes landed.
+    ctl: Arc<RequestCtl>,
     _keep: (Vec<ReadOp>, Vec<Arc<super::mr::RegionMrs>>),
 }
 
 impl Pending {
     fn finish(&self, failure: Option<&RdmaError>) {
-        if let Some(f) = failure {
-            let mut slot = self.failure.lock();
-            if slot.is_none() {
-                *slot = Some(f.clone());
+        match failure {
+            Some(f) => {
+                let mut slot = self.failure.lock();
+                if slot.is_none() {
+                    *slot = Some(f.clone());
+                }
             }
+            None => self.ctl.note_data(),
         }
         if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.notify.notify_waiters();
@@ -398,6 +403,7 @@ impl RdmaConnection {
             remaining: AtomicUsize::new(chains.len()),
             failure: Mutex::new(None),
             notify: tokio::sync::Notify::new(),
+            ctl: ctl.clone(),
             _keep: (ops, mrs),
         });
         let nq = self.shared.qps.len();
@@ -470,11 +476,7 @@ impl RdmaConnection {
             }
             if stopped.is_none() {
                 stopped = tokio::select! {
-                    // A chain retired: its bytes landed (or it failed, which fails the read).
-                    _ = notified.as_mut() => {
-                        ctl.note_data();
-                        None
-                    }
+                    _ = notified.as_mut() => None,
                     _ = tokio::time::sleep_until(deadline) => Some(Stop::Deadline),
                     _ = ctl.cancelled() => Some(Stop::Cancelled),
                 };
