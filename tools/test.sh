@@ -18,10 +18,10 @@ set -euo pipefail
 # Fewer tests than these, run for real (skips excluded), fail the part.
 MIN_HOST=160
 MIN_KEYED=29
-MIN_PYTHON=45
+MIN_PYTHON=47
 MIN_VM=20
-MIN_VLLM=40
-MIN_SGLANG=22
+MIN_VLLM=42
+MIN_SGLANG=26
 MIN_ENGINE_EVENTS=6
 # The vLLM releases the connector is tested against: the newest (in .venv-vllm33) and the one
 # before it (in .venv-vllm, where the SGLang backend's tests also run).

@@ -428,52 +428,6 @@ def test_reject_and_release_free_a_hold_at_once():
     assert prefill.get_finished().is_empty()
 
 
-def test_a_gone_readers_hold_ends_after_its_lease():
-    prefill = kvlink.Engine(lease=0.5)
-    prefill.register_kv_caches(make_caches(2, 8, 256, 9), 16, "bf16")
-    decode = kvlink.Engine()
-    decode.register_kv_caches(make_caches(2, 8, 256, 0), 16, "bf16")
-    prefill.hold_blocks("first", [1])
-    prefill.hold_blocks("second", [2, 3], reader=decode.engine_id)
-    decode.read_blocks(prefill.handshake_address, "first", [0], [1])
-    _until(decode, lambda f: f.receiving)
-    _until(prefill, lambda f: f.sending)
-    # The decode goes away before reading the second request: its control connection closes.
-    decode.close()
-    gone = time.monotonic()
-    f, _ = _until(prefill, lambda f: f.failed, limit=10.0)
-    took = time.monotonic() - gone
-    (failure,) = f.failures
-    assert failure["id"] == "second" and failure["cause"] == "expired", failure
-    assert "lease" in failure["reason"] and decode.engine_id in failure["reason"], failure
-    assert 0.4 < took < 5.0, took
-    s = prefill.stats()
-    assert (s["sends_expired"], s["sends_lease_expired"]) == (1, 1), s
-    with pytest.raises(kvlink.InvalidArgument, match="lease"):
-        kvlink.Engine(lease=0.0)
-
-
-def test_a_reused_request_id_never_confirms_a_read_of_its_earlier_hold():
-    prefill, decode = _pair()
-    first = prefill.hold_blocks("reused", [2])
-    assert isinstance(first, int) and first != 0
-    assert prefill.release("reused")
-    second = prefill.hold_blocks("reused", [2], token=first + 100)
-    assert second == first + 100
-    # A read made for the first hold: its bytes are served (the id is held again, over the same
-    # blocks), but only the hold it names could confirm it, and that one ended.
-    decode.read_blocks(prefill.handshake_address, "reused", [0], [2], hold=first)
-    f, _ = _until(decode, lambda f: f.receiving or f.failed)
-    assert not f.receiving, f
-    assert f.failures[0]["cause"] == "unconfirmed" and "another hold" in f.failures[0]["reason"], f.failures
-    assert prefill.in_flight() == (0, 1), "the new hold is untouched"
-    decode.read_blocks(prefill.handshake_address, "reused", [0], [2], hold=second)
-    f, _ = _until(decode, lambda f: f.receiving or f.failed)
-    assert f.receiving == ["reused"], f.failures
-    with pytest.raises(kvlink.InvalidArgument, match="never 0"):
-        prefill.hold_blocks("zero", [3], token=0)
-
-
 def test_failures_carry_a_cause_and_counters_add_up():
     prefill, decode = _pair()
     # Nothing listens on this port: the read fails for its connection.

@@ -189,6 +189,7 @@ def run_prefill(plan: Dict[str, Any]) -> None:
                 pool.k_buffer[layer][loc[:n]] = expected_k(spec["room"], positions, layer)
                 pool.v_buffer[layer][loc[:n]] = expected_v(spec["room"], positions, layer)
             r.kv.kv_allocated_len = n_alloc
+            spec["_pages"] = [int(x) // PAGE for x in loc[0:n_alloc:PAGE]]
             computing.append([r, spec, 0])
         for item in list(computing):
             r, spec, pos = item
@@ -198,6 +199,16 @@ def run_prefill(plan: Dict[str, Any]) -> None:
                 item[2] = pos + step
                 r.extend_end = pos + step
                 s.send_kv_chunk(r)
+                if spec.get("rehold_after_first_chunk") and pos == 0:
+                    # The first chunk's hold ends and its id is held again over the same pages
+                    # (a new hold, a new token), before the decode reads what the chunk message
+                    # announced: that read's bytes arrive, but only the old hold could confirm
+                    # it.
+                    sender = r.disagg_kv_sender
+                    (cid,) = [k for k in sender.out if k.endswith(".c0")]
+                    assert mgr.kv.release(cid)
+                    mgr.kv.hold_blocks(cid, spec["_pages"][: step // PAGE], reader=sender.reader)
+                    emit({"reheld": cid})
                 if spec.get("die_after_first_chunk"):
                     emit({"dying": r.rid})
                     os._exit(3)

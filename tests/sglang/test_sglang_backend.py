@@ -121,6 +121,25 @@ def test_aborts_on_either_side_end_both_sides_with_the_reason():
     assert d_sum["receiving"] == 0 and d_sum["free_pages_back"], d_sum
 
 
+def test_a_stale_read_fails_the_room_and_is_never_decoded_from():
+    """The prefill's hold of a chunk ends and the chunk's id is held again (a new hold, a new
+    token) before the decode reads it: the read names the old hold's token, so although its
+    bytes arrive, the prefill refuses its confirmation; the decode fails the room (SGLang's
+    answer to a failed transfer), tells the prefill, and gives its pages back. The other room
+    is untouched."""
+    reqs = [
+        {"rid": "stale", "room": 611, "n": 96, "chunk": 32, "rehold_after_first_chunk": True},
+        {"rid": "fine", "room": 612, "n": 40, "chunk": 16},
+    ]
+    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs)
+    assert d_ends["fine"]["end"] == "ok" and d_ends["fine"]["bytes_ok"], d_ends["fine"]
+    end = d_ends["stale"]["end"]
+    assert end != "ok" and "unconfirmed" in end and "another hold" in end, end
+    assert p_ends["stale"]["end"] != "ok", p_ends["stale"]
+    assert p_sum["held"] == 0 and p_sum["senders"] == 0, p_sum
+    assert d_sum["receiving"] == 0 and d_sum["free_pages_back"], d_sum
+
+
 def test_a_dead_prefill_fails_the_decode_within_its_waiting_timeout():
     reqs = [{"rid": "orphan", "room": 777, "n": 300, "chunk": 32, "die_after_first_chunk": True}]
     start = time.monotonic()
