@@ -9,7 +9,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use kvlink::{EngineConfig, ModelShape, RequestId, TransportChoice};
+use kvlink::{EngineConfig, FailureCause, ModelShape, RequestId, TransportChoice};
 
 fn config(transport: TransportChoice) -> EngineConfig {
     EngineConfig {
@@ -253,4 +253,49 @@ fn cuda_ipc_between_two_processes_every_byte_checked() {
 #[ignore = "helper: the prefill process of the two-process tests"]
 fn prefill_child() {
     prefill_child_main();
+}
+
+/// A hold the prefill releases while its read is in flight, its blocks then overwritten (as its
+/// scheduler would reuse them): the read fails, never reported received. The grant stops TCP
+/// and same-host reads at once; a byte that slipped through would still find its `Done`
+/// refused.
+fn released_mid_read(transport: TransportChoice) {
+    let shape = ModelShape::LLAMA3_8B;
+    let blocks = 512;
+    // One stream of 64 KiB requests: a 1 GiB read takes long enough to be cut.
+    let slow = EngineConfig {
+        tcp_streams: 1,
+        batch_bytes: 64 << 10,
+        ..config(transport)
+    };
+    let prefill = side(&shape, blocks, Some(83), config(transport));
+    let decode = side(&shape, blocks, None, slow);
+    let peer = prefill.engine.handshake_address().to_string();
+    decode
+        .engine
+        .connect(&peer, Duration::from_secs(10))
+        .unwrap();
+    let all: Vec<u32> = (0..blocks).collect();
+    prefill.engine.hold_blocks("released", &all).unwrap();
+    decode
+        .engine
+        .read_blocks(&peer, "released", &all, &all)
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(10));
+    assert_eq!(decode.engine.in_flight().0, 1, "still reading after 10 ms");
+    assert!(prefill.engine.release("released"));
+    kvlink::verify::fill(&prefill.region, 5).unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(30), |f| !f.is_empty());
+    assert!(f.receiving.is_empty(), "{f:?}");
+    let cause = f.failed[0].cause;
+    assert!(
+        matches!(cause, FailureCause::Peer | FailureCause::Unconfirmed),
+        "{f:?}"
+    );
+}
+
+#[test]
+fn a_hold_released_mid_read_is_never_reported_received_tcp_and_same_host() {
+    released_mid_read(TransportChoice::Tcp);
+    released_mid_read(TransportChoice::Local);
 }
