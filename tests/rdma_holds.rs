@@ -12,24 +12,33 @@ use common::rdma::{rdma_available, rdma_config};
 use common::*;
 use kvlink::{EngineConfig, FailureCause, ModelShape};
 
-#[test]
-fn rdma_cancel_stops_a_read_in_flight_and_tells_the_prefill() {
-    if !rdma_available("rdma_cancel_stops_a_read_in_flight_and_tells_the_prefill") {
-        return;
-    }
-    // 32 MiB over the emulated device takes about a second: the cancel lands mid-transfer.
+/// Blocks of the caches the tests read: 32 MiB, about a second over the emulated device.
+const BLOCKS: u32 = 16;
+
+/// A prefill (filled from `seed`, with `config`) and a decode connected to it over RDMA; starts
+/// the read of every block under `id`, held for it, and returns once it is in flight.
+fn reading(seed: u64, config: EngineConfig, id: &str) -> (Side, Side, String) {
     let shape = ModelShape::LLAMA3_8B;
-    let blocks = 16u32;
-    let prefill = side(&shape, blocks, Some(61), rdma_config());
-    let decode = side(&shape, blocks, None, rdma_config());
+    let prefill = side(&shape, BLOCKS, Some(seed), config);
+    let decode = side(&shape, BLOCKS, None, rdma_config());
     let peer = prefill.engine.handshake_address().to_string();
     decode
         .engine
         .connect(&peer, Duration::from_secs(30))
         .unwrap();
-    let all: Vec<u32> = (0..blocks).collect();
-    prefill.engine.hold_blocks("rc", &all).unwrap();
-    decode.engine.read_blocks(&peer, "rc", &all, &all).unwrap();
+    let all: Vec<u32> = (0..BLOCKS).collect();
+    prefill.engine.hold_blocks(id, &all).unwrap();
+    decode.engine.read_blocks(&peer, id, &all, &all).unwrap();
+    (prefill, decode, peer)
+}
+
+#[test]
+fn rdma_cancel_stops_a_read_in_flight_and_tells_the_prefill() {
+    if !rdma_available("rdma_cancel_stops_a_read_in_flight_and_tells_the_prefill") {
+        return;
+    }
+    // The cancel lands mid-transfer.
+    let (prefill, decode, peer) = reading(61, rdma_config(), "rc");
     std::thread::sleep(Duration::from_millis(200));
     assert!(decode.engine.cancel("rc"), "still in flight after 200 ms");
     let f = collect(&decode.engine, Duration::from_secs(30), |f| !f.is_empty());
@@ -58,21 +67,7 @@ fn rdma_a_hold_that_ends_mid_read_is_never_reported_received() {
     // device) are read while the prefill releases the hold and its blocks are overwritten,
     // as its scheduler would reuse them. Every byte arrives, but the prefill refuses the Done:
     // the read fails as unconfirmed, never received.
-    let shape = ModelShape::LLAMA3_8B;
-    let blocks = 16u32;
-    let prefill = side(&shape, blocks, Some(67), rdma_config());
-    let decode = side(&shape, blocks, None, rdma_config());
-    let peer = prefill.engine.handshake_address().to_string();
-    decode
-        .engine
-        .connect(&peer, Duration::from_secs(30))
-        .unwrap();
-    let all: Vec<u32> = (0..blocks).collect();
-    prefill.engine.hold_blocks("stale", &all).unwrap();
-    decode
-        .engine
-        .read_blocks(&peer, "stale", &all, &all)
-        .unwrap();
+    let (prefill, decode, peer) = reading(67, rdma_config(), "stale");
     std::thread::sleep(Duration::from_millis(100));
     assert!(prefill.engine.release("stale"));
     kvlink::verify::fill(&prefill.region, 99).unwrap();
@@ -101,30 +96,12 @@ fn rdma_a_reader_gone_mid_read_has_its_hold_end_at_its_lease() {
     // reads themselves never reach the prefill's CPU). The decode then vanishes mid-read (its
     // engine closed: its tasks stop where they are and its connections close, no abort sent):
     // the hold ends at the decode's lease, not at the 480 s abort timeout.
-    let shape = ModelShape::LLAMA3_8B;
-    let blocks = 16u32;
     let lease = Duration::from_secs(2);
-    let prefill = side(
-        &shape,
-        blocks,
-        Some(71),
-        EngineConfig {
-            lease,
-            ..rdma_config()
-        },
-    );
-    let decode = side(&shape, blocks, None, rdma_config());
-    let peer = prefill.engine.handshake_address().to_string();
-    decode
-        .engine
-        .connect(&peer, Duration::from_secs(30))
-        .unwrap();
-    let all: Vec<u32> = (0..blocks).collect();
-    prefill.engine.hold_blocks("gone", &all).unwrap();
-    decode
-        .engine
-        .read_blocks(&peer, "gone", &all, &all)
-        .unwrap();
+    let config = EngineConfig {
+        lease,
+        ..rdma_config()
+    };
+    let (prefill, decode, _) = reading(71, config, "gone");
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(
         decode.engine.in_flight(),
