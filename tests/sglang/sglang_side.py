@@ -16,6 +16,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 import warnings
 from array import array
@@ -54,7 +55,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def setup(role: str, bootstrap_port: int):
+def setup(role: str, bootstrap_port: int, http_port: int = 30000):
     from sglang.srt.plugins import load_plugins
 
     # What every SGLang process does first: the kvlink entry point registers the backend.
@@ -64,7 +65,8 @@ def setup(role: str, bootstrap_port: int):
     from sglang.test.parallel_groups import publish
 
     sa = ServerArgs(model_path="dummy", disaggregation_mode=role, disaggregation_transfer_backend="kvlink",
-                    disaggregation_bootstrap_port=bootstrap_port, device="cpu", page_size=PAGE)
+                    disaggregation_bootstrap_port=bootstrap_port, device="cpu", page_size=PAGE,
+                    port=http_port)
     publish(sa, role="scheduler")
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(free_port())
@@ -112,6 +114,41 @@ class Outputs:
                 self.ends[r.rid] = getattr(r.finished_reason, "message", type(r.finished_reason).__name__)
 
 
+def recompute_server(port: int, specs: Dict[str, Dict[str, Any]]):
+    """POST /generate on ``port``: a retracted request's body is queued for the prefill's loop
+    (``posted``), or refused with 500 when its spec says ``recompute_fails``."""
+    import queue as q
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    posted: "q.Queue[Dict[str, Any]]" = q.Queue()
+    refused: set = set()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            server.count += 1
+            spec = specs.get(body.get("rid"), {})
+            code = 500 if spec.get("recompute_fails") else 200
+            if code == 200:
+                posted.put(body)
+            else:
+                refused.add(body.get("rid"))
+            data = b"{}"
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server.daemon_threads = True
+    server.count, server.posted, server.refused = 0, posted, refused
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 def emit(d: Dict[str, Any]) -> None:
     print(json.dumps(d), flush=True)
 
@@ -123,7 +160,10 @@ def run_prefill(plan: Dict[str, Any]) -> None:
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     port = plan["bootstrap_port"]
-    sa, group = setup("prefill", port)
+    # The prefill's HTTP API, as far as a retracted request needs it: POST /generate takes the
+    # request back (the backend registers this port with the bootstrap server).
+    generate = recompute_server(free_port(), {s["rid"]: s for s in plan["requests"]})
+    sa, group = setup("prefill", port, generate.server_address[1])
     from sglang.srt.disaggregation.utils import get_kv_class, KVClassType
 
     backend = TransferBackend(sa.disaggregation_transfer_backend)
@@ -162,6 +202,8 @@ def run_prefill(plan: Dict[str, Any]) -> None:
 
     reqs = {}
     for spec in plan["requests"]:
+        if spec.get("rebootstrap"):
+            continue  # comes back through POST /generate
         r = make_req(spec["rid"], spec["n"], spec["room"], port)
         reqs[spec["rid"]] = (r, spec)
         queue.add(r, HEADS)
@@ -169,7 +211,16 @@ def run_prefill(plan: Dict[str, Any]) -> None:
     ended: Dict[str, str] = {}
     aborted = set()
     deadline = time.monotonic() + plan.get("deadline", 60)
-    while len(ended) < len(reqs) and time.monotonic() < deadline:
+    while len(ended) < len(plan["requests"]) and time.monotonic() < deadline:
+        while not generate.posted.empty():
+            body = generate.posted.get()
+            spec = next(s for s in plan["requests"] if s["rid"] == body["rid"])
+            r = make_req(spec["rid"], spec["n"], int(body["bootstrap_room"]), port)
+            reqs[spec["rid"]] = (r, spec)
+            queue.add(r, HEADS)
+        for spec in plan["requests"]:
+            if spec.get("recompute_fails") and spec["rid"] in generate.refused:
+                ended.setdefault(spec["rid"], "refused")
         for rid, (r, spec) in reqs.items():
             # The scheduler's abort of a request still in the bootstrap queue, once its decode asked.
             # (Polled here first, so the abort lands before pop_bootstrapped can take the request.)
@@ -227,11 +278,12 @@ def run_prefill(plan: Dict[str, Any]) -> None:
         for rid, why in out.ends.items():
             ended.setdefault(rid, why)
         time.sleep(0.002)
-    for rid, (r, spec) in reqs.items():
-        emit({"rid": rid, "room": spec["room"], "end": ended.get(rid, "unfinished")})
+    for spec in plan["requests"]:
+        emit({"rid": spec["rid"], "room": spec["room"], "end": ended.get(spec["rid"], "unfinished")})
     held = sum(e.in_flight()[1] for e in mgr.engines)
     emit({"summary": {"held": held, "senders": len(mgr.senders), "bad_messages": mgr.bad_messages,
-                      "stats": mgr.kv.stats()}})
+                      "stats": mgr.kv.stats(), "generate_posts": generate.count}})
+    generate.shutdown()
     # Let the decode read what it was granted before the engines go away.
     time.sleep(plan.get("linger", 0.5))
     mgr.close()
@@ -287,7 +339,9 @@ def run_decode(plan: Dict[str, Any]) -> None:
     for spec in plan["requests"]:
         r = make_req(spec["rid"], spec["n"], spec["room"], port)
         reqs[spec["rid"]] = (r, spec)
-        dq.add(r)
+        # A request the decode retracted: its receiver asks again, and its prefill computes it
+        # again at the decode's request (submit_prefill_recompute).
+        dq.add(r, is_rebootstrap=bool(spec.get("rebootstrap")))
     ended: Dict[str, Dict[str, Any]] = {}
     aborted = set()
     deadline = time.monotonic() + plan.get("deadline", 60)

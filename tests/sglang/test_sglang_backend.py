@@ -140,6 +140,50 @@ def test_a_stale_read_fails_the_room_and_is_never_decoded_from():
     assert d_sum["receiving"] == 0 and d_sum["free_pages_back"], d_sum
 
 
+def test_a_retracted_request_goes_back_to_its_prefill_and_is_read_again():
+    """SGLang's decode retracts a request (``add(req, is_rebootstrap=True)``): its new receiver
+    asks the prefill again and ``submit_prefill_recompute`` posts SGLang's ``/generate`` body to
+    the prefill's HTTP port (registered with the bootstrap server), which computes the prompt
+    again and sends its KV; every byte checked. A prefill that refuses the post fails the room
+    at once, not at the waiting timeout."""
+    reqs = [
+        {"rid": "retracted", "room": 621, "n": 80, "chunk": 32, "rebootstrap": True},
+        {"rid": "refused", "room": 622, "n": 40, "chunk": 16, "rebootstrap": True, "recompute_fails": True},
+        {"rid": "plain", "room": 623, "n": 33, "chunk": 16},
+    ]
+    start = time.monotonic()
+    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs, decode_env={"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"})
+    for rid in ("retracted", "plain"):
+        assert d_ends[rid]["end"] == "ok" and d_ends[rid]["bytes_ok"], d_ends[rid]
+        assert d_ends[rid]["first_token_ok"], d_ends[rid]
+    assert "/generate answered 500" in d_ends["refused"]["end"], d_ends["refused"]
+    assert time.monotonic() - start < 40, "failed at once, not at the 60 s waiting timeout"
+    assert p_sum["generate_posts"] == 2, p_sum
+    assert p_sum["held"] == 0 and p_sum["senders"] == 0, p_sum
+    assert d_sum["receiving"] == 0 and d_sum["free_pages_back"], d_sum
+
+
+def test_a_bootstrap_address_that_does_not_speak_http_answers_nothing():
+    """A wrong bootstrap port (another service answering) is "no answer yet" to the decode's
+    lookups, not an exception in SGLang's scheduler."""
+    import threading
+
+    from kvlink.sglang import bootstrap
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+
+        def answer():
+            c, _ = srv.accept()
+            with c:
+                c.recv(1024)
+                c.sendall(b"SSH-2.0-not-http\r\n")
+
+        threading.Thread(target=answer, daemon=True).start()
+        assert bootstrap.get(f"127.0.0.1:{srv.getsockname()[1]}", "/kvlink/info") is None
+
+
 def test_a_dead_prefill_fails_the_decode_within_its_waiting_timeout():
     reqs = [{"rid": "orphan", "room": 777, "n": 300, "chunk": 32, "die_after_first_chunk": True}]
     start = time.monotonic()

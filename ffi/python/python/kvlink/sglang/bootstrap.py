@@ -9,6 +9,7 @@ to a peer that cannot prove the key, and the read fails with that reason.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import threading
@@ -127,6 +128,12 @@ def _check_entry(d: Any) -> Dict[str, Any]:
         if not isinstance(d[k], str) or not 0 < len(d[k]) <= 256:
             raise ValueError(f"{k} must be a short string")
         out[k] = d[k]
+    # The prefill's HTTP API port, where a decode sends a retracted request back (optional).
+    port = d.get("http_port")
+    if port is not None:
+        if type(port) is not int or not 0 < port < 65536:
+            raise ValueError("http_port out of range")
+        out["http_port"] = port
     return out
 
 
@@ -149,7 +156,7 @@ def register(bootstrap_addr: str, entry: Dict[str, Any], deadline_s: float = 600
                 with urllib.request.urlopen(req, timeout=5) as r:
                     r.read()
                     return
-            except (urllib.error.URLError, OSError, ValueError) as e:
+            except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
                 last = e
                 time.sleep(min(2.0, 0.2 + (time.monotonic() - (end - deadline_s)) / 20))
         logger.error("kvlink: could not register with the bootstrap server at %s for %.0f s: %s; "
@@ -166,5 +173,6 @@ def get(bootstrap_addr: str, path: str, timeout: float = 2.0) -> Optional[Dict[s
         with urllib.request.urlopen(_url(bootstrap_addr, path), timeout=timeout) as r:
             d = json.loads(r.read(MAX_BODY + 1))
             return d if isinstance(d, dict) else None
-    except (urllib.error.URLError, OSError, ValueError):  # ValueError: bad JSON or a bad address
+    # ValueError: bad JSON or a bad address; HTTPException: not HTTP at all (a wrong port).
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
         return None

@@ -6,10 +6,15 @@ and ``KvlinkKVReceiver``, are in ``kvlink.sglang.conn``, whose docstring describ
 
 from __future__ import annotations
 
+import http.client
+import json
 import logging
 import os
 import time
-from collections import OrderedDict
+import urllib.error
+import urllib.request
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional
 
 
@@ -132,6 +137,10 @@ class KvlinkKVManager(BaseKVManager):
         self.routes: Dict[tuple, Dict[str, Any]] = {}
         self.bad_messages = 0
         self.unsent_messages = 0
+        # decode: retracted requests sent back to their prefill (``submit_prefill_recompute``),
+        # and those whose /generate failed, applied on the scheduler thread
+        self.recompute: Optional[ThreadPoolExecutor] = None
+        self.recompute_failed: "deque[tuple]" = deque()
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.register_to_bootstrap()
         logger.info("kvlink %s rank %d: KV engine %s at %s, %d index spaces (%s)", self.mode.value,
@@ -172,6 +181,9 @@ class KvlinkKVManager(BaseKVManager):
         entry = {"dp_rank": 0, "tp_rank": self.engine_rank, "tp_size": self.tp_size, "dp_size": 1,
                  "addr": self.kv.handshake_address, "engine_id": self.kv.engine_id,
                  "page_size": self.page_size, "dtype": self.dtype}
+        http_port = getattr(sa, "port", None)
+        if isinstance(http_port, int) and 0 < http_port < 65536:
+            entry["http_port"] = http_port
         bootstrap.register(f"{host}:{port}", entry)
 
     # -- decode: where the prefill ranks are ---------------------------------------------------
@@ -226,6 +238,9 @@ class KvlinkKVManager(BaseKVManager):
     def pump(self) -> None:
         """Takes every engine's finished transfers and the KV engine's messages, and hands each
         to its room. Called from every poll; never blocks."""
+        while self.recompute_failed:
+            receiver, why = self.recompute_failed.popleft()
+            receiver._fail(why, tell_peer=True)
         for e in self.engines:
             self._finished(e.get_finished())
         for sender_id, body in self.kv.messages():
@@ -320,7 +335,47 @@ class KvlinkKVManager(BaseKVManager):
             else:
                 self._bad(sender_id, f"a {kind} message on a decode")
 
+    # -- decode: retraction ------------------------------------------------------------------
+
+    def submit_prefill_recompute(self, kv_receiver: Any, payload: Dict[str, Any]) -> None:
+        """A retracted request goes back to its prefill: SGLang's decode scheduler has set up a
+        new receiver for it (its ``want`` names the room again) and asks the prefill's HTTP API
+        to compute the prompt again (``payload``, SGLang's ``/generate`` body); the prefill then
+        sends the KV as for any request. Only the first rank posts it (the prefill's server
+        fans it out to its ranks); the post runs off the scheduler thread, and a failure fails
+        the room at the next poll, telling the prefill."""
+        if self.tp_rank != 0:
+            return
+        route = getattr(kv_receiver, "route", None)
+        port = route.get("http_port") if route else None
+        if port is None:
+            kv_receiver._fail("the retracted request cannot go back to its prefill: it registered no HTTP "
+                              "port with the bootstrap server", tell_peer=True)
+            return
+        host = kv_receiver.bootstrap_addr.rsplit(":", 1)[0]
+        url = f"http://{host}:{port}/generate"
+        if self.recompute is None:
+            self.recompute = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-recompute")
+        self.recompute.submit(self._post_recompute, kv_receiver, url, payload)
+
+    def _post_recompute(self, kv_receiver: Any, url: str, payload: Dict[str, Any]) -> None:
+        rid = payload.get("rid")
+        req = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.waiting_timeout) as r:
+                r.read(1 << 20)
+            return
+        except urllib.error.HTTPError as e:
+            why = f"the prefill's /generate answered {e.code} for retracted request {rid}"
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
+            why = f"sending retracted request {rid} back to its prefill ({url}) failed: {e}"
+        logger.error("kvlink: %s", why)
+        self.recompute_failed.append((kv_receiver, why))
+
     def close(self) -> None:
+        if self.recompute is not None:
+            self.recompute.shutdown(wait=False, cancel_futures=True)
         for e in self.engines:
             e.close()
 
