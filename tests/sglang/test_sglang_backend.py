@@ -550,6 +550,26 @@ def test_a_missing_state_type_fails_the_room():
         pair.close()
 
 
+def test_a_kv_layout_name_longer_than_a_kvlink_tag_still_starts():
+    """DeepSeek-V4 names its main and compressed KV layouts (SGLang's ``get_pd_kv_layout``), which
+    with the dtype and page size is over the 32 bytes of a kvlink layout tag: the engine gets a
+    digest of it, and the registry still compares the names in full."""
+    import kvlink.sglang as ks
+    from kvlink.sglang.manager import _layout_tag
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    a, _, _keep = kv_args(4, [], seed=None)
+    a.kv_cache_dtype_str, a.kv_layout = "fp8_e4m3", "v41_fp4_new,c4:v41_fp4_new,c128:v41_fp4_new"
+    sa = NS(host="127.0.0.1", disaggregation_bootstrap_port=free_port(), dp_size=1)
+    m = ks.KvlinkKVManager(a, DisaggregationMode.DECODE, sa)
+    try:
+        assert m.dtype == "fp8_e4m3/v41_fp4_new,c4:v41_fp4_new,c128:v41_fp4_new/p16"
+        assert len(m.tag) == 32 and m.tag == _layout_tag(m.dtype) != _layout_tag(m.dtype + "x")
+    finally:
+        m.close()
+    assert _layout_tag("uint8/default/p16") == "uint8/default/p16"
+
+
 @pytest.mark.parametrize("extra, why", [
     ({"pp_size": 2}, "pipeline parallelism"),
     ({"attn_dp_size": 4}, "DP attention"),

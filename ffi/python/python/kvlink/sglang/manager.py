@@ -6,6 +6,7 @@ and ``KvlinkKVReceiver``, are in ``kvlink.sglang.conn``, whose docstring describ
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import logging
@@ -68,6 +69,14 @@ def _host() -> str:
     return "127.0.0.1"
 
 
+def _layout_tag(desc: str) -> str:
+    """``desc`` as a kvlink layout tag (at most 32 bytes): itself when short enough, else a
+    digest of it (DeepSeek-V4 names its main and compressed KV layouts, well over 32 bytes)."""
+    if len(desc.encode()) <= 32:
+        return desc
+    return "sgl-" + hashlib.blake2b(desc.encode(), digest_size=14).hexdigest()
+
+
 def _attn_tp() -> tuple:
     try:
         from sglang.srt.runtime_context import get_parallel
@@ -96,7 +105,10 @@ class KvlinkKVManager(BaseKVManager):
         self.tp_rank, self.tp_size = _attn_tp()
         self.engine_rank = self.tp_rank
         self.page_size = int(args.page_size)
+        # What prefill and decode must share (compared through the registry, in full), and the
+        # engines' 32-byte tag of it.
         self.dtype = f"{args.kv_cache_dtype_str}/{getattr(args, 'kv_layout', None) or 'default'}/p{self.page_size}"
+        self.tag = _layout_tag(self.dtype)
         host = _host()
         listen = f"[{host}]:0" if ":" in host else f"{host}:0"
         opts = dict(
@@ -110,7 +122,7 @@ class KvlinkKVManager(BaseKVManager):
         )
         # One engine per index space: block ids of one read index every tensor of its layout.
         self.kv = self._engine(listen, opts, args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens,
-                               self.page_size, self.dtype)
+                               self.page_size, self.tag)
         aux_ptrs = list(getattr(args, "aux_data_ptrs", None) or [])
         self.aux = (self._engine(listen, opts, aux_ptrs, args.aux_data_lens, args.aux_item_lens, 1,
                                  "sglang-aux") if aux_ptrs else None)
