@@ -59,6 +59,7 @@ pub use config::{EngineConfig, TransportChoice};
 pub use control::messages::{Descriptor, TransportInfo};
 pub use engine::{
     tp_sources, Capabilities, Engine, EngineStats, HoldRequest, ReadFrom, ReadRequest,
+    SessionState,
 };
 pub use error::{Error, RdmaError, RdmaErrorKind, Result};
 pub use gpu::{GpuApi, GpuError, GpuReport, PointerKind};

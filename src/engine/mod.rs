@@ -29,6 +29,7 @@ use crate::ids::RegionId;
 use crate::inbox::{Body, PeerMessage, MAX_MESSAGE_BYTES};
 use crate::layout::KvLayout;
 use crate::memory::{DeviceMemory, ExternalMemory, Region};
+pub use crate::session::SessionState;
 use crate::session::Sessions;
 use crate::state::EngineState;
 use crate::transport::rdma::{self, RdmaFault};
@@ -456,6 +457,14 @@ impl Engine {
         let rt = rt.as_ref().ok_or(Error::Shutdown)?;
         let msg = Message::AppMessage { body: Body(body) };
         self.sessions.post(rt.handle(), peer, msg)
+    }
+
+    /// What this engine knows of its session with `peer` (a handshake address, as given to
+    /// reads and messages), without waiting or connecting: connectors watch the peers their
+    /// requests wait on, and fail those requests when a peer stays down (a dead prefill is
+    /// then noticed within the keep-alive's three silent periods, not at a request timeout).
+    pub fn session_state(&self, peer: &str) -> SessionState {
+        self.sessions.state(peer)
     }
 
     /// The messages peers sent this engine since the last call, in arrival order: each with

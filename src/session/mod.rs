@@ -123,6 +123,22 @@ fn refused_by_peer(e: &Error) -> bool {
     matches!(e, Error::Handshake { .. } | Error::Incompatible { .. })
 }
 
+/// What an engine knows of its session with a peer ([`Engine::session_state`]).
+///
+/// [`Engine::session_state`]: crate::Engine::session_state
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionState {
+    /// No session was asked for (or none since the engine started).
+    None,
+    /// A connect is under way.
+    Connecting,
+    /// The session is up: its control connection answers keep-alives.
+    Up,
+    /// The last connect failed, or the session ended; the next read or message to the peer
+    /// connects again. The reason says which.
+    Down(String),
+}
+
 /// The cache of sessions, keyed by the peer's handshake address as the caller gave it.
 pub(crate) struct Sessions {
     pub(crate) state: Arc<EngineState>,
@@ -251,6 +267,19 @@ impl Sessions {
                 &c.messages_unsent
             };
             c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// What is known of the session with `peer`, without waiting or connecting.
+    pub(crate) fn state(&self, peer: &str) -> SessionState {
+        match self.map.lock().get(peer) {
+            None => SessionState::None,
+            Some(Slot::Connecting(_)) => SessionState::Connecting,
+            Some(Slot::Ready(c)) if !c.is_broken() => SessionState::Up,
+            Some(Slot::Ready(_)) => SessionState::Down(
+                "the session ended (its connection closed, or the peer fell silent)".into(),
+            ),
+            Some(Slot::Failed(e, _)) => SessionState::Down(e.to_string()),
         }
     }
 

@@ -1,13 +1,16 @@
-"""One side of an SGLang prefill/decode pair, on CPU, run as its own process: SGLang's real
-queues (``PrefillBootstrapQueue``, the prefill mixin's ``send_kv_chunk`` and inflight queue;
-``DecodePreallocQueue``, ``DecodeTransferQueue``), its KV pool, metadata buffers and page
-allocator, with kvlink's backend loaded through SGLang's own plugin loader. Only the model and
-the scheduler loop are stand-ins: the prefill writes each token's K and V as a function of
-(room, position, layer, head, dim) and its first output token as a function of the room; the
-decode checks every byte it got.
+"""One rank of one side of an SGLang prefill/decode pair, on CPU, run as its own process:
+SGLang's real queues (``PrefillBootstrapQueue``, the prefill mixin's ``send_kv_chunk`` and
+inflight queue; ``DecodePreallocQueue``, ``DecodeTransferQueue``), its KV pool (sized by SGLang's
+``ModelConfig`` from a real model's ``config.json``: Llama 3.1 8B's 8 KV heads of 128, cut to 4
+layers), metadata buffers and page allocator, with kvlink's backend loaded through SGLang's own
+plugin loader. Parallel sizes are SGLang's own (``ServerArgs`` with ``tp_size``, ``dp_size``,
+``enable_dp_attention``, published with ``publish``; gloo groups for its all-reduces). Only the
+model's forward and the scheduler loop are stand-ins: the prefill writes each token's K and V as
+a function of (room, position, layer, global head, dim) and its first output token as a function
+of the room; each decode rank checks every byte of its own heads.
 
-Usage: ``python sglang_side.py prefill|decode PLAN_JSON``; prints one JSON line per request
-outcome, then ``{"summary": ...}``.
+Usage: ``python sglang_side.py prefill|decode PLAN_JSON [RANK]``; prints one JSON line per
+request outcome, then ``{"summary": ...}``.
 """
 
 from __future__ import annotations
@@ -29,20 +32,36 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 PAGE = 16
-LAYERS = 2
-HEADS = 2
-HEAD_DIM = 8
 POOL_TOKENS = 8192
+MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vllm", "models", "llama-3.1-8b")
 
 
-def expected_k(room: int, positions: torch.Tensor, layer: int) -> torch.Tensor:
+class Shape:
+    """This rank's KV heads, from SGLang's ModelConfig as its pools are sized."""
+
+    def __init__(self, attn_tp_rank: int, attn_tp_size: int):
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.server_args import ServerArgs
+
+        self.config = ModelConfig.from_server_args(ServerArgs(model_path=MODEL, device="cpu"))
+        self.layers = self.config.num_hidden_layers
+        self.total = self.config.get_total_num_kv_heads()
+        self.heads = self.config.get_num_kv_heads(attn_tp_size)
+        self.head_dim = self.config.head_dim
+        # The global heads this rank holds (replicated when TP outnumbers the heads).
+        self.first = attn_tp_rank * self.total // attn_tp_size if attn_tp_size <= self.total else \
+            attn_tp_rank // (attn_tp_size // self.total)
+
+
+def expected_k(shape: Shape, room: int, positions: torch.Tensor, layer: int) -> torch.Tensor:
     base = (room % 97) * 13 + positions.to(torch.int64) * 7 + layer * 5
-    hd = torch.arange(HEADS * HEAD_DIM, dtype=torch.int64).reshape(HEADS, HEAD_DIM)
+    heads = torch.arange(shape.first, shape.first + shape.heads, dtype=torch.int64)
+    hd = heads[:, None] * shape.head_dim + torch.arange(shape.head_dim, dtype=torch.int64)[None]
     return ((base[:, None, None] + hd[None]) % 2000).to(torch.float16)
 
 
-def expected_v(room: int, positions: torch.Tensor, layer: int) -> torch.Tensor:
-    return -expected_k(room, positions, layer) - 1
+def expected_v(shape: Shape, room: int, positions: torch.Tensor, layer: int) -> torch.Tensor:
+    return -expected_k(shape, room, positions, layer) - 1
 
 
 def first_token(room: int) -> int:
@@ -55,33 +74,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def setup(role: str, bootstrap_port: int, http_port: int = 30000):
+def setup(role: str, plan: Dict[str, Any], rank: int, http_port: int = 30000):
+    """SGLang's server arguments and parallel context for rank ``rank`` of this side (the plan's
+    ``tp`` ranks, ``dp`` of them DP attention ranks), its gloo groups, and its KV shape."""
     from sglang.srt.plugins import load_plugins
 
     # What every SGLang process does first: the kvlink entry point registers the backend.
     load_plugins()
-    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel
     from sglang.srt.server_args import ServerArgs
     from sglang.test.parallel_groups import publish
 
-    sa = ServerArgs(model_path="dummy", disaggregation_mode=role, disaggregation_transfer_backend="kvlink",
-                    disaggregation_bootstrap_port=bootstrap_port, device="cpu", page_size=PAGE,
-                    port=http_port)
-    publish(sa, role="scheduler")
+    side = plan.get(role, {})
+    tp, dp = side.get("tp", 1), side.get("dp", 1)
+    sa = ServerArgs(model_path=MODEL, disaggregation_mode=role, disaggregation_transfer_backend="kvlink",
+                    disaggregation_bootstrap_port=plan["bootstrap_port"], device="cpu", page_size=PAGE,
+                    port=http_port, tp_size=tp, dp_size=dp, enable_dp_attention=dp > 1)
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank))
+    par = get_parallel()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    group = dist.new_group([0], backend="gloo")
-    get_parallel().override_permanently(attn_tp_group=NS(cpu_group=group, rank_in_group=0, world_size=1), dp_rank=0)
-    return sa, group
+    os.environ["MASTER_PORT"] = str(plan["master_ports"][role])
+    dist.init_process_group("gloo", rank=rank, world_size=tp)
+    # Every rank builds every group, in the same order (torch.distributed's rule).
+    singles = [dist.new_group([r], backend="gloo") for r in range(tp)]
+    attn = [dist.new_group(list(range(d * par.attn_tp_size, (d + 1) * par.attn_tp_size)), backend="gloo")
+            for d in range(tp // par.attn_tp_size)]
+    group = attn[rank // par.attn_tp_size]
+    par.override_permanently(attn_tp_group=NS(cpu_group=group, rank_in_group=par.attn_tp_rank,
+                                              world_size=par.attn_tp_size), dp_rank=0)
+    return sa, group, singles[rank], Shape(par.attn_tp_rank, par.attn_tp_size), par.attn_dp_rank, dp
 
 
-def kv_pool():
+def mine(spec: Dict[str, Any], role: str, dp_rank: int, dp: int) -> bool:
+    """Whether a request is this DP rank's: the prefill's by its room (SGLang's
+    follow_bootstrap_room), the decode's by another rule, so rooms cross DP ranks."""
+    if dp == 1:
+        return True
+    return (spec["room"] if role == "prefill" else spec["room"] // 7) % dp == dp_rank
+
+
+def kv_pool(shape: Shape):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    return MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.float16, head_num=HEADS,
-                            head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False,
-                            start_layer=0, end_layer=LAYERS, enable_alt_stream=False)
+    return MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.float16, head_num=shape.heads,
+                            head_dim=shape.head_dim, layer_num=shape.layers, device="cpu",
+                            enable_memory_saver=False, start_layer=0, end_layer=shape.layers,
+                            enable_alt_stream=False)
 
 
 def make_req(rid: str, n: int, room: int, port: int):
@@ -91,15 +129,6 @@ def make_req(rid: str, n: int, room: int, port: int):
     return Req(rid=rid, origin_input_text="", origin_input_ids=array("q", range(1, n + 1)),
                sampling_params=SamplingParams(max_new_tokens=8), bootstrap_host="127.0.0.1",
                bootstrap_port=port, bootstrap_room=room)
-
-
-class Model:
-    hf_text_config = NS()
-    num_hidden_layers = LAYERS
-    num_key_value_heads = HEADS
-
-    def get_total_num_kv_heads(self) -> int:
-        return HEADS
 
 
 class Outputs:
@@ -153,7 +182,7 @@ def emit(d: Dict[str, Any]) -> None:
     print(json.dumps(d), flush=True)
 
 
-def run_prefill(plan: Dict[str, Any]) -> None:
+def run_prefill(plan: Dict[str, Any], rank: int) -> None:
     from sglang.srt.disaggregation import prefill as P
     from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator, TransferBackend
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -163,15 +192,17 @@ def run_prefill(plan: Dict[str, Any]) -> None:
     # The prefill's HTTP API, as far as a retracted request needs it: POST /generate takes the
     # request back (the backend registers this port with the bootstrap server).
     generate = recompute_server(free_port(), {s["rid"]: s for s in plan["requests"]})
-    sa, group = setup("prefill", port, generate.server_address[1])
+    sa, group, single, shape, dp_rank, dp = setup("prefill", plan, rank, generate.server_address[1])
+    requests = [s for s in plan["requests"] if mine(s, "prefill", dp_rank, dp)]
     from sglang.srt.disaggregation.utils import get_kv_class, KVClassType
 
     backend = TransferBackend(sa.disaggregation_transfer_backend)
-    server = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", port)
+    # SGLang starts the bootstrap server beside its first node's tokenizer manager: once.
+    server = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", port) if rank == 0 else None
     # No radix tree on this stand-in: releasing a finished request's pages is the scheduler's.
     P.release_kv_cache = lambda req, tree_cache, checkpoint=False: None
     P.checkpoint_kv_cache = lambda req, cache: None
-    pool = kv_pool()
+    pool = kv_pool(shape)
     alloc = PagedTokenToKVPoolAllocator(POOL_TOKENS, PAGE, torch.float16, "cpu", pool, need_sort=False)
     r2t = ReqToTokenPool(size=32, max_context_len=1024, device="cpu", enable_memory_saver=False)
     out = Outputs()
@@ -182,8 +213,8 @@ def run_prefill(plan: Dict[str, Any]) -> None:
     s = Scheduler()
     s.__dict__.update(
         tp_worker=NS(model_runner=NS(effective_logical_max_total_num_tokens=POOL_TOKENS, kv_cache_dtype_str="auto")),
-        kv_shard_widening=1, token_to_kv_pool_allocator=alloc, rust_server=None, model_config=Model(),
-        server_args=sa, req_to_token_pool=r2t, attn_cp_cpu_group=group, attn_tp_cpu_group=group, pp_group=None,
+        kv_shard_widening=1, token_to_kv_pool_allocator=alloc, rust_server=None, model_config=shape.config,
+        server_args=sa, req_to_token_pool=r2t, attn_cp_cpu_group=single, attn_tp_cpu_group=group, pp_group=None,
         processed_tokens_counter=0, tree_cache=NS(finish=lambda *a: None), output_streamer=out,
         metrics_reporter=NS(enable_metrics=False), scheduler_stage_metrics=None, enable_staging=False,
         enable_overlap=False, kv_checksum_computer=None, disagg_prefill_inflight_queue=[],
@@ -201,24 +232,24 @@ def run_prefill(plan: Dict[str, Any]) -> None:
     emit({"ready": True, "backend": type(mgr).__name__})
 
     reqs = {}
-    for spec in plan["requests"]:
+    for spec in requests:
         if spec.get("rebootstrap"):
             continue  # comes back through POST /generate
         r = make_req(spec["rid"], spec["n"], spec["room"], port)
         reqs[spec["rid"]] = (r, spec)
-        queue.add(r, HEADS)
+        queue.add(r, shape.total)
     computing: List[Any] = []  # (req, spec, next position)
     ended: Dict[str, str] = {}
     aborted = set()
     deadline = time.monotonic() + plan.get("deadline", 60)
-    while len(ended) < len(plan["requests"]) and time.monotonic() < deadline:
+    while len(ended) < len(requests) and time.monotonic() < deadline:
         while not generate.posted.empty():
             body = generate.posted.get()
-            spec = next(s for s in plan["requests"] if s["rid"] == body["rid"])
+            spec = next(s for s in requests if s["rid"] == body["rid"])
             r = make_req(spec["rid"], spec["n"], int(body["bootstrap_room"]), port)
             reqs[spec["rid"]] = (r, spec)
-            queue.add(r, HEADS)
-        for spec in plan["requests"]:
+            queue.add(r, shape.total)
+        for spec in requests:
             if spec.get("recompute_fails") and spec["rid"] in generate.refused:
                 ended.setdefault(spec["rid"], "refused")
         for rid, (r, spec) in reqs.items():
@@ -236,9 +267,9 @@ def run_prefill(plan: Dict[str, Any]) -> None:
             loc = alloc.alloc(n_alloc)
             r2t.write((r.kv.req_pool_idx, slice(0, n_alloc)), loc.to(torch.int32))
             positions = torch.arange(n)
-            for layer in range(LAYERS):
-                pool.k_buffer[layer][loc[:n]] = expected_k(spec["room"], positions, layer)
-                pool.v_buffer[layer][loc[:n]] = expected_v(spec["room"], positions, layer)
+            for layer in range(shape.layers):
+                pool.k_buffer[layer][loc[:n]] = expected_k(shape, spec["room"], positions, layer)
+                pool.v_buffer[layer][loc[:n]] = expected_v(shape, spec["room"], positions, layer)
             r.kv.kv_allocated_len = n_alloc
             spec["_pages"] = [int(x) // PAGE for x in loc[0:n_alloc:PAGE]]
             computing.append([r, spec, 0])
@@ -258,7 +289,7 @@ def run_prefill(plan: Dict[str, Any]) -> None:
                     sender = r.disagg_kv_sender
                     (cid,) = [k for k in sender.out if k.endswith(".c0")]
                     assert mgr.kv.release(cid)
-                    mgr.kv.hold_blocks(cid, spec["_pages"][: step // PAGE], reader=sender.reader)
+                    mgr.kv.hold_blocks(cid, spec["_pages"][: step // PAGE], reader=next(iter(sender.wants)))
                     emit({"reheld": cid})
                 if spec.get("die_after_first_chunk"):
                     emit({"dying": r.rid})
@@ -278,7 +309,7 @@ def run_prefill(plan: Dict[str, Any]) -> None:
         for rid, why in out.ends.items():
             ended.setdefault(rid, why)
         time.sleep(0.002)
-    for spec in plan["requests"]:
+    for spec in requests:
         emit({"rid": spec["rid"], "room": spec["room"], "end": ended.get(spec["rid"], "unfinished")})
     held = sum(e.in_flight()[1] for e in mgr.engines)
     emit({"summary": {"held": held, "senders": len(mgr.senders), "bad_messages": mgr.bad_messages,
@@ -287,10 +318,11 @@ def run_prefill(plan: Dict[str, Any]) -> None:
     # Let the decode read what it was granted before the engines go away.
     time.sleep(plan.get("linger", 0.5))
     mgr.close()
-    server.close()
+    if server is not None:
+        server.close()
 
 
-def run_decode(plan: Dict[str, Any]) -> None:
+def run_decode(plan: Dict[str, Any], rank: int) -> None:
     from sglang.srt.disaggregation import decode as D
     from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator, TransferBackend
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -298,9 +330,9 @@ def run_decode(plan: Dict[str, Any]) -> None:
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
     port = plan["bootstrap_port"]
-    sa, group = setup("decode", port)
+    sa, group, _, shape, dp_rank, dp = setup("decode", plan, rank)
     backend = TransferBackend(sa.disaggregation_transfer_backend)
-    pool = kv_pool()
+    pool = kv_pool(shape)
     alloc = PagedTokenToKVPoolAllocator(POOL_TOKENS, PAGE, torch.float16, "cpu", pool, need_sort=False)
     r2t = D.DecodeReqToTokenPool(size=32, max_context_len=1024, device="cpu", enable_memory_saver=False,
                                  pre_alloc_size=32)
@@ -314,7 +346,7 @@ def run_decode(plan: Dict[str, Any]) -> None:
     s = Scheduler()
     s.__dict__.update(
         tp_worker=NS(model_runner=NS(kv_cache_dtype_str="auto"), is_hybrid_swa=False), random_seed=0,
-        model_config=Model(), server_args=sa, enable_hisparse=False, enable_lora=False,
+        model_config=shape.config, server_args=sa, enable_hisparse=False, enable_lora=False,
         enable_priority_scheduling=False, enable_decode_hicache=False, running_batch=NS(reqs=[]),
         waiting_queue=[], last_batch=None, output_streamer=out, metrics_reporter=NS(enable_metrics=False),
         spec_algorithm=NS(is_none=lambda: True), enable_overlap=False, kv_checksum_computer=None,
@@ -337,6 +369,8 @@ def run_decode(plan: Dict[str, Any]) -> None:
 
     reqs = {}
     for spec in plan["requests"]:
+        if not mine(spec, "decode", dp_rank, dp):
+            continue
         r = make_req(spec["rid"], spec["n"], spec["room"], port)
         reqs[spec["rid"]] = (r, spec)
         # A request the decode retracted: its receiver asks again, and its prefill computes it
@@ -360,10 +394,10 @@ def run_decode(plan: Dict[str, Any]) -> None:
             slots = r2t.req_to_token[r.kv.req_pool_idx, :n].long()
             positions = torch.arange(n)
             bad = []
-            for layer in range(LAYERS):
-                if not torch.equal(pool.k_buffer[layer][slots], expected_k(room, positions, layer)):
+            for layer in range(shape.layers):
+                if not torch.equal(pool.k_buffer[layer][slots], expected_k(shape, room, positions, layer)):
                     bad.append(f"K layer {layer}")
-                if not torch.equal(pool.v_buffer[layer][slots], expected_v(room, positions, layer)):
+                if not torch.equal(pool.v_buffer[layer][slots], expected_v(shape, room, positions, layer)):
                     bad.append(f"V layer {layer}")
             ok_token = list(r.output_ids) == [first_token(room)]
             ended[r.rid] = {"end": "ok", "bytes_ok": not bad, "bad": bad, "first_token_ok": ok_token,
@@ -385,4 +419,4 @@ def run_decode(plan: Dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     role, plan = sys.argv[1], json.loads(sys.argv[2])
-    (run_prefill if role == "prefill" else run_decode)(plan)
+    (run_prefill if role == "prefill" else run_decode)(plan, int(sys.argv[3]) if len(sys.argv) > 3 else 0)

@@ -39,37 +39,69 @@ def lines(text: str) -> List[Dict[str, Any]]:
 
 
 def run_pair(requests: List[Dict[str, Any]], decode_env: Optional[Dict[str, str]] = None,
-             deadline: float = 60) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any], Dict[str, Any], int]:
-    """Runs both sides to the end; returns (prefill ends, prefill summary, decode ends, decode
-    summary, prefill exit code), ends keyed by request id."""
-    port = free_port()
-    plan = json.dumps({"bootstrap_port": port, "requests": requests, "deadline": deadline})
+             deadline: float = 60, prefill: Optional[Dict[str, int]] = None,
+             decode: Optional[Dict[str, int]] = None) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any],
+                                                              Dict[str, Any], int]:
+    """Runs both sides to the end, each ``{"tp": ranks, "dp": DP attention ranks}`` (one rank
+    by default), a process per rank; returns (prefill ends, prefill summary, decode ends,
+    decode summary, prefill rank 0's exit code), ends keyed by request id and merged over the
+    ranks (the first rank's failure wins), summaries added up over the ranks."""
+    prefill, decode = prefill or {"tp": 1}, decode or {"tp": 1}
+    plan = json.dumps({"bootstrap_port": free_port(), "requests": requests, "deadline": deadline,
+                       "prefill": prefill, "decode": decode,
+                       "master_ports": {"prefill": free_port(), "decode": free_port()}})
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    prefill = subprocess.Popen([sys.executable, SIDE, "prefill", plan], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=env)
-    decode = subprocess.Popen([sys.executable, SIDE, "decode", plan], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env={**env, **(decode_env or {})})
+
+    def start(role, rank, extra):
+        return subprocess.Popen([sys.executable, SIDE, role, plan, str(rank)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env={**env, **extra})
+
+    ps = [start("prefill", r, {}) for r in range(prefill["tp"])]
+    ds = [start("decode", r, decode_env or {}) for r in range(decode["tp"])]
     try:
-        d_out, d_err = decode.communicate(timeout=deadline + 60)
-        p_out, p_err = prefill.communicate(timeout=30)
+        d_io = [d.communicate(timeout=deadline + 90) for d in ds]
+        p_io = [p.communicate(timeout=30) for p in ps]
     finally:
-        for p in (prefill, decode):
+        for p in ps + ds:
             if p.poll() is None:
                 p.kill()
-    p_lines, d_lines = lines(p_out), lines(d_out)
-    assert d_lines and d_lines[0].get("ready"), f"decode did not start:\n{d_err[-3000:]}"
-    assert p_lines and p_lines[0].get("ready"), f"prefill did not start:\n{p_err[-3000:]}"
-    assert p_lines[0]["backend"] == d_lines[0]["backend"] == "KvlinkKVManager"
+    for role, io in (("decode", d_io), ("prefill", p_io)):
+        for out, err in io:
+            ls = lines(out)
+            assert ls and ls[0].get("ready"), f"{role} did not start:\n{err[-3000:]}"
+            assert ls[0]["backend"] == "KvlinkKVManager"
+    p_ends, p_sum = merge([lines(out) for out, _ in p_io])
+    d_ends, d_sum = merge([lines(out) for out, _ in d_io])
+    assert d_sum is not None, f"decode did not finish:\n{d_io[0][1][-3000:]}"
+    return p_ends, p_sum, d_ends, d_sum, ps[0].returncode
 
-    def split(ls):
-        ends = {d["rid"]: d for d in ls if "rid" in d}
-        summary = next((d["summary"] for d in ls if "summary" in d), None)
-        return ends, summary
 
-    p_ends, p_sum = split(p_lines)
-    d_ends, d_sum = split(d_lines)
-    assert d_sum is not None, f"decode did not finish:\n{d_err[-3000:]}"
-    return p_ends, p_sum, d_ends, d_sum, prefill.returncode
+def merge(ranks: List[List[Dict[str, Any]]]) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+    """One side's outcomes over its ranks: per request the first rank's failure, else its
+    success (with ``bytes_ok`` and ``first_token_ok`` true only when true on every rank);
+    summaries added up (numbers summed, flags and-ed, stats summed per key)."""
+    ends: Dict[str, Any] = {}
+    summary: Optional[Dict[str, Any]] = None
+    for ls in ranks:
+        for d in ls:
+            if "rid" in d:
+                old = ends.get(d["rid"])
+                if old is None or (old["end"] == "ok" and d["end"] != "ok"):
+                    ends[d["rid"]] = dict(d)
+                elif d["end"] == "ok":
+                    for k in ("bytes_ok", "first_token_ok"):
+                        old[k] = old.get(k, True) and d.get(k, True)
+            elif "summary" in d:
+                summary = d["summary"] if summary is None else _add(summary, d["summary"])
+    return ends, summary
+
+
+def _add(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
+    out = {}
+    for k, v in a.items():
+        w = b.get(k)
+        out[k] = _add(v, w) if isinstance(v, dict) else (v and w) if isinstance(v, bool) else v + w
+    return out
 
 
 def test_chunked_prefill_every_byte_and_the_aux_row_arrive():
@@ -99,6 +131,48 @@ def test_chunked_prefill_every_byte_and_the_aux_row_arrive():
     assert d_sum["stats"]["messages_received"] == p_sum["stats"]["messages_sent"] >= len(reqs) + chunked
     assert p_sum["stats"]["sends_failed"] == d_sum["stats"]["reads_failed"] == 0
     assert d_sum["stats"]["reads_done"] == p_sum["stats"]["sends_done"]
+
+
+def mixed_requests(seed: int, count: int) -> List[Dict[str, Any]]:
+    rng = random.Random(seed)
+    return [{"rid": f"r{i}", "room": 2000 + rng.randint(0, 1 << 30) * 4 + i, "n": rng.randint(1, 400),
+             "chunk": 16 * rng.randint(1, 6)} for i in range(count)]
+
+
+def assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum):
+    for r in reqs:
+        d = d_ends[r["rid"]]
+        assert d["end"] == "ok" and d["bytes_ok"] and d["first_token_ok"], d
+        assert p_ends[r["rid"]]["end"] == "ok", p_ends[r["rid"]]
+    assert p_sum["held"] == 0 and p_sum["senders"] == 0, p_sum
+    assert d_sum["receiving"] == 0 and d_sum["receivers"] == 0 and d_sum["free_pages_back"], d_sum
+    assert p_sum["bad_messages"] == d_sum["bad_messages"] == 0
+    assert p_sum["stats"]["sends_failed"] == d_sum["stats"]["reads_failed"] == 0
+
+
+@pytest.mark.parametrize("prefill,decode", [({"tp": 1}, {"tp": 2}), ({"tp": 2}, {"tp": 1}), ({"tp": 2}, {"tp": 2})],
+                         ids=["tp1-to-tp2", "tp2-to-tp1", "tp2-to-tp2"])
+def test_attention_tp_sizes_pair_by_head(prefill, decode):
+    """Llama 3.1 8B's 8 KV heads: a decode rank of TP 2 reads its 4 heads of the one prefill
+    rank's 8; a decode rank of TP 1 reads 4 heads from each of two prefill ranks, side by side
+    in its pages. Each decode rank checks every byte of its own heads, and the first token
+    (the aux row) arrives on every rank."""
+    reqs = mixed_requests(7, 8)
+    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs, prefill=prefill, decode=decode)
+    assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum)
+    # Every prefill rank's hold was confirmed by each decode rank that read it.
+    assert d_sum["stats"]["reads_done"] * max(1, prefill["tp"] // decode["tp"]) == p_sum["stats"]["sends_done"]
+
+
+@pytest.mark.parametrize("decode", [{"tp": 2, "dp": 2}, {"tp": 1}], ids=["to-dp2", "to-tp1"])
+def test_dp_attention_routes_each_room_to_its_prefill_dp_rank(decode):
+    """A prefill of two DP attention ranks (attention TP 1 each), rooms routed by bootstrap
+    room as SGLang's router does (room % 2): each decode rank finds a room's prefill through
+    the bootstrap server's DP group of it, whichever decode DP rank took it."""
+    reqs = mixed_requests(11, 8)
+    assert {r["room"] % 2 for r in reqs} == {0, 1}
+    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs, prefill={"tp": 2, "dp": 2}, decode=decode)
+    assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum)
 
 
 def test_aborts_on_either_side_end_both_sides_with_the_reason():
@@ -253,7 +327,7 @@ def kv_args(pages: int, states: List[Tuple[int, int]], seed: Optional[int], item
     a.state_data_ptrs = [[b.ctypes.data for b in s] for s in st]
     a.state_data_lens = [[b.nbytes for b in s] for s in st]
     a.state_item_lens = [[item] for _, item in states]
-    a.ib_device, a.system_dp_rank = None, 0
+    a.ib_device, a.gpu_id, a.system_dp_rank = None, 0, 0
     return a, (kv, aux, st), keep
 
 
@@ -385,10 +459,12 @@ def test_malformed_and_foreign_messages_are_dropped_alone():
     (b'{"t":"want","room":1,"nonce":2,"addr":"a:1","pages":-1,"prefix":0,"aux":true,"states":[],"readers":{}}',
      "pages"),
     (b'{"t":"want","room":1,"nonce":2,"addr":"a:1","pages":1,"prefix":0,"aux":1,"states":[],"readers":{}}', "aux"),
-    (b'{"t":"want","room":1,"nonce":2,"addr":"a:1","pages":1,"prefix":0,"aux":true,"states":[],"readers":{}}',
-     "readers.aux"),
+    (b'{"t":"want","room":1,"nonce":2,"addr":"a:1","pages":1,"prefix":0,"aux":true,"states":[],"readers":{},'
+     b'"tp":[0,1]}', "readers.aux"),
     (b'{"t":"want","room":1,"nonce":2,"addr":"a:1","pages":1,"prefix":0,"aux":false,"states":[1],'
-     b'"readers":{"states":[]}}', "readers.states"),
+     b'"readers":{"states":[]},"tp":[0,1]}', "readers.states"),
+    (b'{"t":"want","room":1,"nonce":2,"addr":"a:1","pages":1,"prefix":0,"aux":false,"states":[],'
+     b'"readers":{"states":[]},"tp":[2,2]}', "tp must be"),
     (b'{"t":"want","room":1,"addr":"a:1","pages":1,"prefix":0,"aux":false,"states":[],"readers":{}}', "nonce"),
     (b'{"t":"chunk","room":1,"nonce":2,"id":"i","first":0,"pages":[1.5],"last":true,"spaces":[]}', "pages"),
     (b'{"t":"chunk","room":1,"nonce":2,"id":"i","first":0,"pages":[1],"last":false,'
@@ -424,7 +500,7 @@ def test_wire_round_trips():
 class Pair:
     """A prefill and a decode manager in this process, with a bootstrap server."""
 
-    def __init__(self, pages: int, states=(), item: int = 64, sa_extra=None):
+    def __init__(self, pages: int, states=(), item: int = 64, sa_extra=None, ib_device=None):
         import kvlink.sglang as ks
         from sglang.srt.disaggregation.utils import DisaggregationMode
 
@@ -434,6 +510,7 @@ class Pair:
         sa = NS(host="127.0.0.1", disaggregation_bootstrap_port=port, dp_size=1, **(sa_extra or {}))
         self.pa, (self.p_kv, _, self.p_st), self._pk = kv_args(pages, list(states), seed=5, item=item)
         self.da, (self.d_kv, _, self.d_st), self._dk = kv_args(pages, list(states), seed=None, item=item)
+        self.pa.ib_device = self.da.ib_device = ib_device
         self.pm = ks.KvlinkKVManager(self.pa, DisaggregationMode.PREFILL, sa)
         self.dm = ks.KvlinkKVManager(self.da, DisaggregationMode.DECODE, sa)
         self.addr = f"127.0.0.1:{port}"
@@ -570,17 +647,37 @@ def test_a_kv_layout_name_longer_than_a_kvlink_tag_still_starts():
     assert _layout_tag("uint8/default/p16") == "uint8/default/p16"
 
 
-@pytest.mark.parametrize("extra, why", [
-    ({"pp_size": 2}, "pipeline parallelism"),
-    ({"attn_dp_size": 4}, "DP attention"),
-    ({"disaggregation_decode_allocation_policy": "prefill_complete"}, "prefill_complete"),
-    ({"enable_memory_saver": True}, "memory saver"),
+@pytest.mark.parametrize("parallel, extra, why", [
+    ({"pp_size": 2, "pp_rank": 0}, {}, "pipeline parallelism"),
+    ({"attn_cp_size": 2}, {}, "attention context parallelism"),
+    ({"attn_dp_size": 2, "load_balance_method": "round_robin"}, {}, "round_robin load balance method with 2 DP"),
+    ({}, {"disaggregation_decode_allocation_policy": "prefill_complete"}, "prefill_complete"),
+    ({}, {"enable_memory_saver": True}, "memory saver"),
 ])
-def test_configurations_not_supported_yet_are_refused_at_start(extra, why):
+def test_configurations_not_supported_are_refused_at_start(parallel, extra, why):
+    """Read from SGLang's resolved parallel context (``get_parallel()``), not raw arguments."""
     import kvlink.sglang as ks
     from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.runtime_context import get_parallel
 
     a, _, _keep = kv_args(4, [], seed=None)
-    sa = NS(host="127.0.0.1", disaggregation_bootstrap_port=free_port(), dp_size=1, **extra)
-    with pytest.raises(ValueError, match=why):
-        ks.KvlinkKVManager(a, DisaggregationMode.DECODE, sa)
+    sa = NS(host="127.0.0.1", disaggregation_bootstrap_port=free_port(), **extra)
+    with get_parallel().override(**parallel), pytest.raises(ValueError, match=why):
+        ks.KvlinkKVManager(a, DisaggregationMode.PREFILL, sa)
+
+
+def test_a_parallel_size_sglang_has_not_published_stops_the_backend_at_start():
+    import kvlink.sglang as ks
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.runtime_context import get_parallel
+
+    a, _, _keep = kv_args(4, [], seed=None)
+    sa = NS(host="127.0.0.1", disaggregation_bootstrap_port=free_port())
+    p = get_parallel()
+    saved = dict(p._stamp)
+    p.clear_stamp()
+    try:
+        with pytest.raises(ValueError, match="parallel context has no attn_tp_rank"):
+            ks.KvlinkKVManager(a, DisaggregationMode.DECODE, sa)
+    finally:
+        p.override_permanently(**saved)

@@ -447,6 +447,17 @@ impl Engine {
         Ok(out.unbind())
     }
 
+    /// What this engine knows of its session with `peer`, without waiting or connecting:
+    /// `("none" | "connecting" | "up" | "down", reason or None)`.
+    fn session_state(&self, peer: &str) -> (&'static str, Option<String>) {
+        match self.inner.session_state(peer) {
+            kvlink_core::SessionState::None => ("none", None),
+            kvlink_core::SessionState::Connecting => ("connecting", None),
+            kvlink_core::SessionState::Up => ("up", None),
+            kvlink_core::SessionState::Down(why) => ("down", Some(why)),
+        }
+    }
+
     /// Requests being received and sends being held: `(receiving, holding)`.
     fn in_flight(&self) -> (usize, usize) {
         self.inner.in_flight()

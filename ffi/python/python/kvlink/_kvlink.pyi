@@ -180,6 +180,11 @@ class Engine:
         """Like get_finished(), waiting up to ``timeout`` seconds (GIL released)."""
     def connect(self, peer: str, timeout: float = 10.0) -> Dict[str, Any]:
         """Handshake with ``peer`` (or reuse the session); returns its descriptor summary."""
+    def session_state(self, peer: str) -> Tuple[str, Optional[str]]:
+        """What this engine knows of its session with ``peer``, without waiting or connecting:
+        ``("none" | "connecting" | "up" | "down", reason or None)``. A session is down once its
+        connection closed or stayed silent for three keep-alives, or its last connect failed;
+        the next read or message to the peer connects again."""
     def in_flight(self) -> Tuple[int, int]:
         """``(receiving, holding)``."""
     def close(self) -> None:

@@ -30,9 +30,15 @@ MAX_RANKS = 4096
 
 class KvlinkBootstrapServer(BaseKVBootstrapServer):
     """The registry: ``PUT /kvlink/route`` (a prefill rank's ``dp_rank``, ``tp_rank``,
-    ``tp_size``, ``dp_size``, ``addr``, ``engine_id``, ``page_size``, ``dtype``), ``GET /kvlink/route?dp_rank=&
-    tp_rank=`` (that rank's entry, 404 until registered), ``GET /kvlink/info`` (sizes, and
-    whether every rank registered) and ``GET /health``."""
+    ``tp_size``, ``dp_size``, ``addr``, ``engine_id``, ``page_size``, ``dtype``, ``heads``,
+    optional ``http_port``), ``GET /kvlink/route?dp_rank=&tp_rank=`` (that rank's entry, 404
+    until registered), ``GET /kvlink/group?dp_rank=`` (``{"ranks": [...]}``, the DP group's
+    entries in TP rank order, 404 until all registered), ``GET /kvlink/info`` (sizes, and
+    whether every rank registered) and ``GET /health``.
+
+    Every rank of one prefill shares its sizes and KV layout: a registration that disagrees
+    with those before it starts a new generation (a prefill restarted with other settings),
+    and the entries that disagree with it are dropped, with a warning."""
 
     def __init__(self, host: str, port: int):
         self.ranks: Dict[Tuple[int, int], Dict[str, Any]] = {}
@@ -70,7 +76,7 @@ class KvlinkBootstrapServer(BaseKVBootstrapServer):
                     key = (entry["dp_rank"], entry["tp_rank"])
                     if key not in registry.ranks and len(registry.ranks) >= MAX_RANKS:
                         return self._answer(400, {"error": "too many ranks"})
-                    registry.ranks[key] = entry
+                    registry.admit(key, entry)
                 logger.info("kvlink bootstrap: prefill dp %d tp %d at %s", key[0], key[1], entry["addr"])
                 self._answer(200, {"ok": True})
 
@@ -88,8 +94,17 @@ class KvlinkBootstrapServer(BaseKVBootstrapServer):
                     tp, dp = any_rank["tp_size"], any_rank["dp_size"]
                     return self._answer(200, {"tp_size": tp, "dp_size": dp,
                                               "page_size": any_rank["page_size"],
-                                              "dtype": any_rank["dtype"],
+                                              "dtype": any_rank["dtype"], "heads": any_rank["heads"],
                                               "complete": len(ranks) >= tp * dp})
+                if url.path == "/kvlink/group":
+                    try:
+                        dp = int(q["dp_rank"][0])
+                    except (KeyError, ValueError):
+                        return self._answer(400, {"error": "dp_rank expected"})
+                    group = [e for (d, _), e in sorted(ranks.items()) if d == dp]
+                    if not group or len(group) != group[0]["tp_size"]:
+                        return self._answer(404, {"error": f"prefill DP group {dp} not fully registered"})
+                    return self._answer(200, {"ranks": group})
                 if url.path == "/kvlink/route":
                     try:
                         key = (int(q["dp_rank"][0]), int(q["tp_rank"][0]))
@@ -106,6 +121,21 @@ class KvlinkBootstrapServer(BaseKVBootstrapServer):
         self.thread = threading.Thread(target=self.server.serve_forever, name="kvlink-bootstrap", daemon=True)
         self.thread.start()
         logger.info("kvlink bootstrap server on %s:%d", host, self.port)
+
+    def admit(self, key: Tuple[int, int], entry: Dict[str, Any]) -> None:
+        """Records ``entry`` under ``key`` (the lock held); see the class docstring."""
+        shared = ("tp_size", "dp_size", "page_size", "dtype", "heads")
+        stale = [k for k, e in self.ranks.items() if any(e[f] != entry[f] for f in shared)]
+        if stale:
+            logger.warning("kvlink bootstrap: prefill dp %d tp %d registers %s; dropping %d earlier ranks that "
+                           "registered otherwise", key[0], key[1], {f: entry[f] for f in shared}, len(stale))
+        for k in stale:
+            del self.ranks[k]
+        old = self.ranks.get(key)
+        if old is not None and old["engine_id"] != entry["engine_id"]:
+            logger.info("kvlink bootstrap: prefill dp %d tp %d re-registered (engine %s, was %s)", key[0], key[1],
+                        entry["engine_id"], old["engine_id"])
+        self.ranks[key] = entry
 
     def close(self) -> None:
         self.server.shutdown()
@@ -128,6 +158,7 @@ def _check_entry(d: Any) -> Dict[str, Any]:
         if not isinstance(d[k], str) or not 0 < len(d[k]) <= 256:
             raise ValueError(f"{k} must be a short string")
         out[k] = d[k]
+    out["heads"] = d.get("heads") is True
     # The prefill's HTTP API port, where a decode sends a retracted request back (optional).
     port = d.get("http_port")
     if port is not None:

@@ -25,6 +25,7 @@ kvlink's request and abort timeouts for reads and holds.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import time
@@ -110,15 +111,24 @@ class _Room:
                                   self.reason if local else "failed on another TP rank", is_from_another_rank=not local)
 
 
+def _hold_token(rid: str) -> int:
+    """The hold token of request ``rid``: the same on every prefill rank a decode rank reads
+    (its one read names one token), and ``rid`` names the room, the decode's attempt and the
+    chunk, so no two holds of one engine share it."""
+    return (int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=8).digest(), "little") & ((1 << 63) - 1)) or 1
+
+
 class KvlinkKVSender(_Room, BaseKVSender):
-    """Prefill side of one room: holds each chunk for the decode that asked, and announces it."""
+    """Prefill side of one room: holds each chunk for every decode rank that reads this rank
+    (one, or several when the decode's attention TP is larger), and announces it to each."""
 
     def __init__(self, mgr: KvlinkKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False):
         _Room.__init__(self, mgr, int(bootstrap_room))
         self.bootstrap_addr = bootstrap_addr
-        self.want: Optional[Dict[str, Any]] = None
-        self.reader: Optional[str] = None
+        # decode KV engine id -> its want, and how many decode ranks read this rank
+        self.wants: Dict[str, Dict[str, Any]] = {}
+        self.expected: Optional[int] = None
         self.num_pages: Optional[int] = None
         self.aux_index: Optional[int] = None
         self.sent_pages = 0
@@ -133,21 +143,60 @@ class KvlinkKVSender(_Room, BaseKVSender):
         mgr.senders[room] = self
         # A new attempt at the room: an earlier sender's give-up does not apply to it.
         mgr.aborted.pop(room, None)
-        if room in mgr.early_wants:
-            m, sender_id = mgr.early_wants.pop(room)
+        if mgr.dp_size > 1 and room % mgr.dp_size != mgr.dp_rank:
+            # As SGLang's own backends: a decode looks for the room at DP rank room % DP size.
+            self._fail(f"room {room} reached prefill DP rank {mgr.dp_rank}, but decodes look for it at DP rank "
+                       f"{room % mgr.dp_size} (room % {mgr.dp_size}): route by bootstrap room")
+        for m, sender_id in mgr.early_wants.pop(room, []):
             self._on_want(m, sender_id)
 
+    @property
+    def want(self) -> Optional[Dict[str, Any]]:
+        """The first decode rank's want, once every decode rank reading this rank asked."""
+        return next(iter(self.wants.values())) if self.ready else None
+
+    @property
+    def ready(self) -> bool:
+        return self.expected is not None and len(self.wants) >= self.expected
+
     def _on_want(self, m: Dict[str, Any], sender_id: str) -> None:
-        if self.want is not None or self.outcome is not None:
-            if self.outcome == KVPoll.Failed or self.want["nonce"] != m["nonce"]:
-                why = self.reason if self.outcome == KVPoll.Failed else "another attempt holds the room"
-                self.kv_mgr.send(m["addr"], wire.abort(self.bootstrap_room, m["nonce"], why or "failed"))
+        room, known = self.bootstrap_room, self.wants.get(sender_id)
+        if known is not None and known["nonce"] == m["nonce"] and self.outcome != KVPoll.Failed:
+            return  # the same want again
+        if self.outcome is not None or known is not None or self.ready:
+            why = self.reason if self.outcome == KVPoll.Failed else "another attempt holds the room"
+            self.kv_mgr.send(m["addr"], wire.abort(room, m["nonce"], why or "failed"))
             return
-        self.want, self.reader = m, sender_id
-        self.kv_mgr.req_to_decode_prefix_len[self.bootstrap_room] = m["prefix"]
+        why = self._mismatch(m)
+        if why is not None:
+            self.wants[sender_id] = m
+            return self._fail(why, tell_peer=True)
+        self.wants[sender_id] = m
+        rank, size = m["tp"]
+        self.expected = size // self.kv_mgr.tp_size if size > self.kv_mgr.tp_size else 1
+        self.kv_mgr.req_to_decode_prefix_len[room] = m["prefix"]
+
+    def _mismatch(self, m: Dict[str, Any]) -> Optional[str]:
+        """Why want ``m`` cannot join this room's (a decode rank that does not read this rank,
+        or one that disagrees with the decode ranks that asked before it), or None."""
+        mgr, (rank, size) = self.kv_mgr, m["tp"]
+        try:
+            reads = mgr.tp_rank in kvlink.tp_sources(rank, size, mgr.tp_size)
+        except kvlink.InvalidArgument as e:
+            return f"decode attention TP {size}, prefill {mgr.tp_size}: {e}"
+        if not reads:
+            return f"decode rank {rank} of {size} does not read prefill rank {mgr.tp_rank} of {mgr.tp_size}"
+        if self.num_pages is not None and m["pages"] != self.num_pages:
+            return f"the prefill sends {self.num_pages} pages, the decode expects {m['pages']}"
+        for w in self.wants.values():
+            if (w["tp"][1], w["pages"], w["prefix"]) != (size, m["pages"], m["prefix"]) or w["tp"][0] == rank:
+                return (f"decode ranks disagree on room {self.bootstrap_room}: rank {w['tp'][0]} of {w['tp'][1]} "
+                        f"wants {w['pages']} pages after {w['prefix']}, rank {rank} of {size} {m['pages']} after "
+                        f"{m['prefix']}")
+        return None
 
     def _on_peer_abort(self, reason: str, sender_id: str) -> None:
-        if self.reader is None or sender_id == self.reader:
+        if not self.wants or sender_id in self.wants:
             self._fail(f"decode aborted: {reason}")
 
     def poll(self) -> int:
@@ -155,9 +204,10 @@ class KvlinkKVSender(_Room, BaseKVSender):
         if self.outcome is not None:
             return self.outcome
         now = time.monotonic()
-        if self.want is None:
+        if not self.ready:
             if now - self.created > self.kv_mgr.bootstrap_timeout:
-                self._fail(f"no decode asked for room {self.bootstrap_room} within "
+                asked = f"{len(self.wants)} of {self.expected} decode ranks" if self.wants else "no decode"
+                self._fail(f"{asked} asked for room {self.bootstrap_room} within "
                            f"{self.kv_mgr.bootstrap_timeout:.0f} s (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)",
                            tell_peer=True)
                 return KVPoll.Failed
@@ -183,9 +233,10 @@ class KvlinkKVSender(_Room, BaseKVSender):
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
         self.num_pages = int(num_kv_indices)
         self.aux_index = None if aux_index is None else int(aux_index)
-        if self.want is not None and self.want["pages"] != self.num_pages and self.outcome is None:
-            self._fail(f"the prefill sends {self.num_pages} pages, the decode expects {self.want['pages']}",
-                       tell_peer=True)
+        for w in self.wants.values():
+            if w["pages"] != self.num_pages and self.outcome is None:
+                self._fail(f"the prefill sends {self.num_pages} pages, the decode expects {w['pages']}",
+                           tell_peer=True)
 
     def get_max_transfer_tokens(self) -> Optional[int]:
         return None
@@ -205,7 +256,7 @@ class KvlinkKVSender(_Room, BaseKVSender):
         if event is not None:
             event.synchronize()
             self._early_send_wait_event = None
-        if self.outcome is not None or self.want is None or self.num_pages is None:
+        if self.outcome is not None or not self.ready or self.num_pages is None:
             return
         mgr, room = self.kv_mgr, self.bootstrap_room
         pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
@@ -216,32 +267,46 @@ class KvlinkKVSender(_Room, BaseKVSender):
             return self._fail(f"{self.sent_pages} pages sent, {self.num_pages} announced", tell_peer=True)
         if self.started is None:
             self.started = time.monotonic()
-        # One hold and one message per part: a message names at most MAX_PAGES_PER_MESSAGE pages.
+        # One hold and one message per part and decode rank: a message names at most
+        # MAX_PAGES_PER_MESSAGE pages.
         step = wire.MAX_PAGES_PER_MESSAGE
         parts = [pages[i:i + step] for i in range(0, len(pages), step)] or [[]]
         for n, part in enumerate(parts):
             part_last = last and n == len(parts) - 1
-            rid = f"sgl{room}.{self.want['nonce']:x}.c{self.chunks}"
+            k = self.chunks
             self.chunks += 1
-            spaces, hold = [], None
-            try:
-                if part:
-                    hold = mgr.kv.hold_blocks(rid, part, reader=self.reader)
-                    self._track(rid, "kv")
-                    self.bytes += len(part) * sum(int(x) for x in mgr.kv_args.kv_item_lens)
-                if part_last:
-                    spaces = self._hold_spaces(state_indices)
-            except kvlink.KvlinkError as e:
-                return self._fail(f"holding chunk {self.chunks - 1}: {e}", tell_peer=True)
-            body = wire.chunk(room, self.want["nonce"], rid, first, part, part_last, spaces, hold)
-            if not mgr.send(self.want["addr"], body):
-                return self._fail(f"could not announce chunk {self.chunks - 1} to the decode", tell_peer=True)
+            self.bytes += len(part) * sum(int(x) for x in mgr.kv_args.kv_item_lens)
+            for reader, want in self.wants.items():
+                if not self._announce(reader, want, k, first, part, part_last, state_indices):
+                    return
             first += len(part)
         self.last_sent = last
         self._progress()
 
-    def _hold_spaces(self, state_indices: Optional[List]) -> List[Dict[str, Any]]:
-        mgr, room, want = self.kv_mgr, self.bootstrap_room, self.want
+    def _announce(self, reader: str, want: Dict[str, Any], k: int, first: int, part: List[int], last: bool,
+                  state_indices: Optional[List]) -> bool:
+        """Holds part ``k`` for one decode rank (and with the last part its aux row and state
+        indices) and tells it; False once the room failed."""
+        mgr, room = self.kv_mgr, self.bootstrap_room
+        rid = f"sgl{room}.{want['nonce']:x}.c{k}"
+        spaces, hold = [], None
+        try:
+            if part:
+                hold = mgr.kv.hold_blocks(rid, part, reader=reader, token=_hold_token(rid))
+                self._track(rid, "kv")
+            if last:
+                spaces = self._hold_spaces(want, state_indices)
+        except kvlink.KvlinkError as e:
+            self._fail(f"holding chunk {k}: {e}", tell_peer=True)
+            return False
+        body = wire.chunk(room, want["nonce"], rid, first, part, last, spaces, hold)
+        if not mgr.send(want["addr"], body):
+            self._fail(f"could not announce chunk {k} to decode rank {want['tp'][0]}", tell_peer=True)
+            return False
+        return True
+
+    def _hold_spaces(self, want: Dict[str, Any], state_indices: Optional[List]) -> List[Dict[str, Any]]:
+        mgr, room = self.kv_mgr, self.bootstrap_room
         spaces = []
         if want["aux"] and self.aux_index is not None and mgr.aux is not None:
             rid = f"sgl{room}.{want['nonce']:x}.aux"
@@ -277,9 +342,10 @@ class KvlinkKVSender(_Room, BaseKVSender):
         self.out.clear()
 
     def _tell_peer_abort(self, reason: str) -> None:
-        if self.want is not None:
-            self.kv_mgr.send(self.want["addr"], wire.abort(self.bootstrap_room, self.want["nonce"], reason))
-        else:
+        for want in self.wants.values():
+            self.kv_mgr.send(want["addr"], wire.abort(self.bootstrap_room, want["nonce"], reason))
+        if not self.ready:
+            # Decode ranks that have not asked yet are answered when they do.
             _remember(self.kv_mgr.aborted, self.bootstrap_room, reason)
 
     def failure_exception(self):
@@ -302,8 +368,10 @@ class KvlinkKVSender(_Room, BaseKVSender):
 
 
 class KvlinkKVReceiver(_Room, BaseKVReceiver):
-    """Decode side of one room: asks its prefill rank, then reads every announced chunk into its
-    own pages, and the aux row and state indices into theirs."""
+    """Decode side of one room: asks the prefill ranks it reads (one, or several when the
+    prefill's attention TP is larger), then reads every chunk they all announced into its own
+    pages (its share of their heads), and the aux row and state indices of the first one into
+    theirs."""
 
     def __init__(self, mgr: KvlinkKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
         _Room.__init__(self, mgr, int(bootstrap_room or 0))
@@ -322,6 +390,8 @@ class KvlinkKVReceiver(_Room, BaseKVReceiver):
         # This attempt at the room: echoed by the prefill, part of every request id.
         self.nonce = random.getrandbits(63)
         self.cancelled: List[str] = []
+        # source prefill engine id -> its chunk messages not read yet
+        self.inbox: Dict[str, List[Dict[str, Any]]] = {}
         old = mgr.receivers.get(self.bootstrap_room)
         if old is not None and old is not self:
             old._fail("a new receiver took over the room")
@@ -350,17 +420,40 @@ class KvlinkKVReceiver(_Room, BaseKVReceiver):
         readers = {"aux": mgr.aux.engine_id if mgr.aux is not None else None,
                    "states": [mgr.states[i].engine_id if c else mgr.kv.engine_id for i, c in enumerate(counts)]}
         self.asked_at = time.monotonic()
-        mgr.send(self.route["addr"], wire.want(
-            self.bootstrap_room, self.nonce, mgr.kv.handshake_address, len(self.local_pages), int(decode_prefix_len or 0),
-            self.aux_index is not None and mgr.aux is not None, counts, readers))
+        aux = self.aux_index is not None and mgr.aux is not None
+        self.inbox = {self.route["engine_ids"][s]: [] for s in self.route["sources"]}
+        for j, s in enumerate(self.route["sources"]):
+            # The first source also sends the aux row and the states (whole on every rank).
+            body = wire.want(self.bootstrap_room, self.nonce, mgr.kv.handshake_address, len(self.local_pages),
+                             int(decode_prefix_len or 0), aux and j == 0, counts if j == 0 else [0] * len(counts),
+                             readers, (mgr.tp_rank, mgr.tp_size))
+            if not mgr.send(self.route["addrs"][s], body):
+                return self._fail(f"could not ask prefill rank {s} for the room", tell_peer=True)
 
     def _on_chunk(self, m: Dict[str, Any], sender_id: str) -> None:
         if self.outcome is not None or self.local_pages is None:
             return
-        if sender_id != self.route["engine_id"]:
+        queue = self.inbox.get(sender_id)
+        if queue is None:
             self.kv_mgr._bad(sender_id, f"chunk for room {self.bootstrap_room} from an engine other than "
-                                        f"its prefill {self.route['engine_id']}")
+                                        f"its prefill ranks {sorted(self.inbox)}")
             return
+        queue.append(m)
+        self.chunk_at = time.monotonic()
+        while self.outcome is None and all(self.inbox.values()):
+            heads = [q.pop(0) for q in self.inbox.values()]
+            self._read_chunk(heads)
+
+    def _read_chunk(self, heads: List[Dict[str, Any]]) -> None:
+        """Reads one chunk every source announced (``heads``, in source order): the same pages
+        under the same id and token on each."""
+        m = heads[0]
+        for other in heads[1:]:
+            if (other["id"], other["hold"], other["first"], other["pages"], other["last"]) != (
+                    m["id"], m["hold"], m["first"], m["pages"], m["last"]):
+                return self._fail(f"the prefill ranks announced chunk {self.chunks} differently ({m['id']} "
+                                  f"pages {m['first']}+{len(m['pages'])}, {other['id']} pages {other['first']}+"
+                                  f"{len(other['pages'])})", tell_peer=True)
         pages, first = m["pages"], m["first"]
         if first != self.next_page or first + len(pages) > len(self.local_pages):
             return self._fail(f"chunk {self.chunks} covers pages [{first}, {first + len(pages)}) after "
@@ -368,8 +461,7 @@ class KvlinkKVReceiver(_Room, BaseKVReceiver):
         mgr, room = self.kv_mgr, self.bootstrap_room
         if self.started is None:
             self.started = time.monotonic()
-        self.chunk_at = time.monotonic()
-        peer = self.route["addr"]
+        peer = self.route["addrs"]
         try:
             if pages:
                 rid = f"sgl{room}.{self.nonce:x}.c{self.chunks}"
@@ -416,7 +508,7 @@ class KvlinkKVReceiver(_Room, BaseKVReceiver):
                 raise ValueError(f"the prefill sent no indices of state type {i}")
 
     def _on_peer_abort(self, reason: str, sender_id: str) -> None:
-        if self.route is not None and sender_id == self.route["engine_id"]:
+        if sender_id in self.inbox:
             self._fail(f"prefill aborted: {reason}")
 
     def poll(self) -> int:
@@ -462,7 +554,8 @@ class KvlinkKVReceiver(_Room, BaseKVReceiver):
 
     def _tell_peer_abort(self, reason: str) -> None:
         if self.route is not None:
-            self.kv_mgr.send(self.route["addr"], wire.abort(self.bootstrap_room, self.nonce, reason))
+            for s in self.route["sources"]:
+                self.kv_mgr.send(self.route["addrs"][s], wire.abort(self.bootstrap_room, self.nonce, reason))
 
     def clear(self) -> None:
         """Ends the room; returns once no read of it can write into the decode's pages any more

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 
 
 import kvlink
-from kvlink.sglang import bootstrap, wire
+from kvlink.sglang import bootstrap, nic, wire
 from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
@@ -69,6 +69,21 @@ def _host() -> str:
     return "127.0.0.1"
 
 
+def _gpu_pci(gpu_id: Optional[int]) -> Optional[str]:
+    """The PCI address of CUDA device ``gpu_id`` (``0000:3b:00.0``), when there is one."""
+    if gpu_id is None:
+        return None
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        p = torch.cuda.get_device_properties(int(gpu_id))
+        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+    except Exception:  # noqa: BLE001 - no CUDA, or a torch without PCI ids
+        return None
+
+
 def _layout_tag(desc: str) -> str:
     """``desc`` as a kvlink layout tag (at most 32 bytes): itself when short enough, else a
     digest of it (DeepSeek-V4 names its main and compressed KV layouts, well over 32 bytes)."""
@@ -77,14 +92,82 @@ def _layout_tag(desc: str) -> str:
     return "sgl-" + hashlib.blake2b(desc.encode(), digest_size=14).hexdigest()
 
 
-def _attn_tp() -> tuple:
-    try:
-        from sglang.srt.runtime_context import get_parallel
+_PARALLEL_FIELDS = ("attn_tp_rank", "attn_tp_size", "attn_dp_rank", "attn_dp_size", "attn_cp_size",
+                    "pp_size", "dp_size")
 
-        g = get_parallel().attn_tp_group
-        return int(g.rank_in_group), int(g.world_size)
-    except Exception:  # noqa: BLE001 - no parallel context (a bare test): one rank
-        return 0, 1
+
+def _parallel() -> Dict[str, Any]:
+    """This rank's place as SGLang resolved it (``get_parallel()``: attention TP, DP and CP, PP,
+    system DP), never guessed from raw arguments: ``--dwdp-size`` and context parallelism change
+    them after parsing. A value SGLang has not published is an error at start."""
+    from sglang.srt.runtime_context import get_parallel
+
+    p, out = get_parallel(), {}
+    for name in _PARALLEL_FIELDS:
+        try:
+            v = getattr(p, name)
+        except Exception as e:  # noqa: BLE001 - SGLang raises several kinds for "not published"
+            raise ValueError(f"kvlink: SGLang's parallel context has no {name}: {e}") from None
+        if type(v) is not int or v < 0:
+            raise ValueError(f"kvlink: SGLang's parallel context has {name}={v!r}")
+        out[name] = v
+    for name, default in (("load_balance_method", "follow_bootstrap_room"), ("enable_kv_cache_sharding", False)):
+        try:
+            out[name] = getattr(p, name)
+        except Exception:  # noqa: BLE001 - an SGLang without the option
+            out[name] = default
+    return out
+
+
+def _dp_group(par: Dict[str, Any], args: KVArgs) -> tuple:
+    """``(rank, count)`` of the prefill group a room is routed to, as SGLang's bootstrap keys
+    it: the attention-DP rank, or with system DP (``--dp-size`` without DP attention) the
+    replica's rank."""
+    if par["dp_size"] > 1:
+        return int(getattr(args, "system_dp_rank", 0) or 0), par["dp_size"]
+    return par["attn_dp_rank"], par["attn_dp_size"]
+
+
+def _mha_layout() -> str:
+    """How SGLang's MHA pool lays out a page, chosen as its ``MHATokenToKVPool`` chooses:
+    ``hnd`` (head-major, SGLANG_USE_HND_KVCACHE), AITER's ``vectorized_5d`` (head-major) or
+    ``nhd`` (token-major, the default)."""
+    from sglang.srt.environ import envs
+
+    if envs.SGLANG_USE_HND_KVCACHE.get():
+        return "hnd"
+    try:
+        from sglang.srt.mem_cache import memory_pool
+
+        if getattr(memory_pool, "_use_aiter", False):
+            return envs.SGLANG_AITER_KV_CACHE_LAYOUT.get().lower()
+    except Exception:  # noqa: BLE001 - no AITER setting in this SGLang
+        pass
+    return "nhd"
+
+
+def _kv_heads(args: KVArgs, server_args: Any, attn_tp_size: int, is_mla: bool) -> Optional[tuple]:
+    """``(total, local)`` KV heads when TP splits the KV pages by head (not MLA), from the
+    model's configuration as SGLang's pools size themselves (both sides the same way: a pair
+    declares heads on both engines or on neither); ``None`` when it cannot be told, and then
+    prefill and decode must have the same attention TP size."""
+    if is_mla:
+        return None
+    try:
+        from sglang.srt.configs.model_config import ModelConfig
+
+        mc = ModelConfig.from_server_args(server_args)
+        total, local = int(mc.get_total_num_kv_heads()), int(mc.get_num_kv_heads(attn_tp_size))
+    except Exception as e:  # noqa: BLE001 - no model configuration to read
+        logger.info("kvlink: KV heads unknown (%s): prefill and decode need the same attention TP size", e)
+        return None
+    given = (getattr(args, "total_kv_head_num", None), getattr(args, "kv_head_num", None))
+    if all(isinstance(x, int) for x in given) and given != (total, local):
+        raise ValueError(f"kvlink: SGLang's pool holds {given[1]} of {given[0]} KV heads, the model "
+                         f"configuration says {local} of {total}")
+    if total <= 0 or local <= 0:
+        return None
+    return total, local
 
 
 class KvlinkKVManager(BaseKVManager):
@@ -99,30 +182,41 @@ class KvlinkKVManager(BaseKVManager):
         self.is_mla_backend = bool(is_mla_backend)
         self.bootstrap_timeout = _env_seconds("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300)
         self.waiting_timeout = _env_seconds("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300)
-        _refuse_unsupported(server_args)
+        par = _parallel()
+        _refuse_unsupported(server_args, par, disaggregation_mode)
         # Both sides number ranks inside the attention-TP group (SGLang's prefill passes the
         # global TP rank as engine_rank, its decode the rank in the group).
-        self.tp_rank, self.tp_size = _attn_tp()
+        self.tp_rank, self.tp_size = par["attn_tp_rank"], par["attn_tp_size"]
         self.engine_rank = self.tp_rank
+        self.dp_rank, self.dp_size = _dp_group(par, args)
         self.page_size = int(args.page_size)
+        self.heads = _kv_heads(args, server_args, self.tp_size, self.is_mla_backend)
         # What prefill and decode must share (compared through the registry, in full), and the
-        # engines' 32-byte tag of it.
-        self.dtype = f"{args.kv_cache_dtype_str}/{getattr(args, 'kv_layout', None) or 'default'}/p{self.page_size}"
+        # engines' 32-byte tag of it. A KV layout SGLang names (DeepSeek-V4's) or, for MHA
+        # pools, how a page orders tokens and heads.
+        layout = getattr(args, "kv_layout", None) or ("mla" if self.is_mla_backend else _mha_layout())
+        self.dtype = f"{args.kv_cache_dtype_str}/{layout}/p{self.page_size}"
         self.tag = _layout_tag(self.dtype)
+        # A page repeats the local heads once per token (token-major) or holds each head's
+        # tokens together (head-major).
+        runs = self.page_size if layout == "nhd" else 1
+        kv_heads = (self.heads[0], self.heads[1], runs) if self.heads and layout in ("nhd", "hnd") else None
         host = _host()
         listen = f"[{host}]:0" if ":" in host else f"{host}:0"
         opts = dict(
             transport=os.environ.get("KVLINK_TRANSPORT", "auto"),
-            tp_rank=self.engine_rank,
-            tp_size=self.tp_size,
             request_timeout=float(os.environ.get("KVLINK_REQUEST_TIMEOUT", 60)),
             abort_timeout=float(os.environ.get("KVLINK_ABORT_TIMEOUT", 480)),
             lease=float(os.environ.get("KVLINK_LEASE", 30)),
-            rdma_device=(getattr(args, "ib_device", None) or os.environ.get("KVLINK_RDMA_DEVICE")) or None,
+            rdma_device=nic.choose(os.environ.get("KVLINK_RDMA_DEVICE"), getattr(args, "ib_device", None),
+                                   getattr(args, "gpu_id", None), _gpu_pci(getattr(args, "gpu_id", None))),
         )
         # One engine per index space: block ids of one read index every tensor of its layout.
-        self.kv = self._engine(listen, opts, args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens,
-                               self.page_size, self.tag)
+        # The KV engine is this rank of the attention-TP group (it reads head slices of
+        # prefill ranks of another TP size); the aux and state engines pair one prefill rank
+        # with one decode rank, whole rows.
+        self.kv = self._engine(listen, dict(opts, tp_rank=self.tp_rank, tp_size=self.tp_size), args.kv_data_ptrs,
+                               args.kv_data_lens, args.kv_item_lens, self.page_size, self.tag, kv_heads)
         aux_ptrs = list(getattr(args, "aux_data_ptrs", None) or [])
         self.aux = (self._engine(listen, opts, aux_ptrs, args.aux_data_lens, args.aux_item_lens, 1,
                                  "sglang-aux") if aux_ptrs else None)
@@ -161,7 +255,8 @@ class KvlinkKVManager(BaseKVManager):
                     f"TCP; RDMA: {self.kv.rdma_unavailable_reason}")
 
     def _engine(self, listen: str, opts: Dict[str, Any], ptrs: List[int], lens: List[int],
-                item_lens: List[int], tokens_per_block: int, dtype: str) -> kvlink.Engine:
+                item_lens: List[int], tokens_per_block: int, dtype: str,
+                heads: Optional[tuple] = None) -> kvlink.Engine:
         e = kvlink.Engine(listen, **opts)
         try:
             regions: Dict[int, int] = {}
@@ -172,7 +267,7 @@ class KvlinkKVManager(BaseKVManager):
                     raise kvlink.InvalidArgument(f"buffer at {ptr:#x}: {size} bytes of {item}-byte items")
                 if ptr not in regions:
                     regions[ptr] = e.register_memory(ptr, size)
-                tensors.append((regions[ptr], 0, item, item, size // item))
+                tensors.append((regions[ptr], 0, item, item, size // item, 0, heads))
             e.set_layout(tensors, tokens_per_block, dtype)
         except Exception:
             e.close()
@@ -190,9 +285,9 @@ class KvlinkKVManager(BaseKVManager):
         if ":" in host:
             host = f"[{host}]"
         port = int(getattr(sa, "disaggregation_bootstrap_port", 8998))
-        entry = {"dp_rank": 0, "tp_rank": self.engine_rank, "tp_size": self.tp_size, "dp_size": 1,
-                 "addr": self.kv.handshake_address, "engine_id": self.kv.engine_id,
-                 "page_size": self.page_size, "dtype": self.dtype}
+        entry = {"dp_rank": self.dp_rank, "tp_rank": self.engine_rank, "tp_size": self.tp_size,
+                 "dp_size": self.dp_size, "addr": self.kv.handshake_address, "engine_id": self.kv.engine_id,
+                 "page_size": self.page_size, "dtype": self.dtype, "heads": self.heads is not None}
         http_port = getattr(sa, "port", None)
         if isinstance(http_port, int) and 0 < http_port < 65536:
             entry["http_port"] = http_port
@@ -213,7 +308,7 @@ class KvlinkKVManager(BaseKVManager):
         try:
             self.prefill_info_table[bootstrap_addr] = SimpleNamespace(
                 dp_size=int(info["dp_size"]), tp_size=int(info["tp_size"]), follow_bootstrap_room=True,
-                page_size=info.get("page_size"), dtype=info.get("dtype"))
+                page_size=info.get("page_size"), dtype=info.get("dtype"), heads=info.get("heads") is True)
         except (KeyError, TypeError, ValueError):
             logger.warning("kvlink: the bootstrap server at %s answered %r", bootstrap_addr, info)
             return False
@@ -226,22 +321,41 @@ class KvlinkKVManager(BaseKVManager):
             del self.routes[key]
 
     def route(self, bootstrap_addr: str, dp_rank: int) -> Dict[str, Any]:
-        """The prefill rank this decode rank reads from; raises ``KvlinkTransferError``-ready
-        text (``ValueError``) when it is unknown or incompatible."""
-        key = (bootstrap_addr, dp_rank, self.engine_rank)
+        """The prefill ranks this decode rank reads from: ``addrs`` and ``engine_ids`` of the
+        whole attention-TP group of DP group ``dp_rank`` (rank order, as kvlink's reads take
+        them), ``sources`` (the ranks this one reads: ``kvlink.tp_sources``), ``http_port``.
+        Raises ``ValueError`` with the reason when they are unknown or cannot pair."""
+        key = (bootstrap_addr, dp_rank)
         if key in self.routes:
             return self.routes[key]
         if not self.try_ensure_parallel_info(bootstrap_addr):
             raise ValueError(f"the prefill at {bootstrap_addr} has not registered all its ranks")
         info = self.prefill_info_table[bootstrap_addr]
-        if info.tp_size != self.tp_size:
-            raise ValueError(f"prefill attention TP {info.tp_size}, decode {self.tp_size}: kvlink pairs equal "
-                             "TP sizes only (heterogeneous TP is not supported yet)")
         if info.dtype != self.dtype:
             raise ValueError(f"KV cache {info.dtype!r} on the prefill, {self.dtype!r} here")
-        r = bootstrap.get(bootstrap_addr, f"/kvlink/route?dp_rank={dp_rank}&tp_rank={self.engine_rank}")
-        if not r or not isinstance(r.get("addr"), str) or not isinstance(r.get("engine_id"), str):
-            raise ValueError(f"prefill dp {dp_rank} tp {self.engine_rank} is not registered at {bootstrap_addr}")
+        if not 0 <= dp_rank < info.dp_size:
+            raise ValueError(f"prefill DP rank {dp_rank}: the prefill at {bootstrap_addr} has {info.dp_size}")
+        p, d = info.tp_size, self.tp_size
+        try:
+            sources = kvlink.tp_sources(self.tp_rank, d, p)
+        except kvlink.InvalidArgument as e:
+            raise ValueError(f"prefill attention TP {p}, decode {d}: {e}") from None
+        if p != d:
+            if not self.is_mla_backend and not (self.heads and info.heads):
+                raise ValueError(f"prefill attention TP {p}, decode {d}: the KV heads of this model are not "
+                                 "known on both sides (its configuration could not be read), so pages cannot "
+                                 "be split by head")
+            if any(e is not None for e in self.states):
+                raise ValueError(f"prefill attention TP {p}, decode {d}: kvlink moves state types (mamba, "
+                                 "sliding window, ...) only between equal attention TP sizes")
+        g = bootstrap.get(bootstrap_addr, f"/kvlink/group?dp_rank={dp_rank}")
+        ranks = g.get("ranks") if g else None
+        if (not isinstance(ranks, list) or len(ranks) != p
+                or not all(isinstance(r, dict) and isinstance(r.get("addr"), str)
+                           and isinstance(r.get("engine_id"), str) for r in ranks)):
+            raise ValueError(f"prefill DP group {dp_rank} is not registered at {bootstrap_addr}")
+        r = {"addrs": [x["addr"] for x in ranks], "engine_ids": [x["engine_id"] for x in ranks],
+             "sources": list(sources), "http_port": ranks[0].get("http_port")}
         self.routes[key] = r
         return r
 
@@ -322,16 +436,19 @@ class KvlinkKVManager(BaseKVManager):
                 elif room in self.aborted:
                     self.send(m["addr"], wire.abort(room, nonce, self.aborted[room]))
                 else:
-                    _remember(self.early_wants, room, (m, sender_id))
+                    early = [w for w in self.early_wants.get(room, []) if w[1] != sender_id]
+                    _remember(self.early_wants, room, early[-64:] + [(m, sender_id)])
             elif kind == "abort" and nonce is not None:
-                if sender is not None and sender.want is not None and sender.want["nonce"] == nonce:
+                if sender is not None and any(w["nonce"] == nonce for w in sender.wants.values()):
                     sender._on_peer_abort(m["reason"], sender_id)
-                elif sender is None or sender.want is None:
+                else:
                     # An attempt withdrawn before its want got here: its want will be ignored.
                     _remember(self.withdrawn, (room, nonce), m["reason"])
-                    early = self.early_wants.get(room)
-                    if early is not None and early[0]["nonce"] == nonce:
-                        del self.early_wants[room]
+                    early = [w for w in self.early_wants.get(room, []) if w[0]["nonce"] != nonce]
+                    if early:
+                        self.early_wants[room] = early
+                    else:
+                        self.early_wants.pop(room, None)
             else:
                 self._bad(sender_id, f"a {kind} message on a prefill")
         else:
@@ -395,14 +512,20 @@ class KvlinkKVManager(BaseKVManager):
         self.close()
 
 
-def _refuse_unsupported(sa: Any) -> None:
-    """Configurations this backend does not implement yet fail at start, saying which."""
+def _refuse_unsupported(sa: Any, par: Dict[str, Any], mode: DisaggregationMode) -> None:
+    """Configurations this backend does not implement fail at start, saying which (from the
+    parallel sizes SGLang resolved, ``par``)."""
     why = []
-    for attr, ok, what in (("pp_size", 1, "pipeline parallelism"), ("attn_cp_size", 1, "attention context parallelism"),
-                           ("attn_dp_size", 1, "DP attention"), ("dp_size", 1, "data parallelism")):
-        v = getattr(sa, attr, ok)
-        if isinstance(v, int) and v > ok:
-            why.append(f"{what} ({attr}={v})")
+    for attr, what in (("pp_size", "pipeline parallelism"), ("attn_cp_size", "attention context parallelism")):
+        if par[attr] > 1:
+            why.append(f"{what} ({attr}={par[attr]})")
+    if par["enable_kv_cache_sharding"] is True:
+        why.append("KV cache sharding across attention TP")
+    dp = par["dp_size"] if par["dp_size"] > 1 else par["attn_dp_size"]
+    if (mode == DisaggregationMode.PREFILL and dp > 1
+            and par["load_balance_method"] not in ("follow_bootstrap_room", "auto")):
+        why.append(f"the {par['load_balance_method']} load balance method with {dp} DP ranks (a decode finds "
+                   "the prefill DP rank of a room as room % DP size: follow_bootstrap_room)")
     if getattr(sa, "disaggregation_decode_allocation_policy", "early") not in ("early", None):
         why.append("the prefill_complete decode allocation policy")
     if getattr(sa, "enable_memory_saver", False) is True:
@@ -411,7 +534,7 @@ def _refuse_unsupported(sa: Any) -> None:
         if os.environ.get(env, "").lower() in ("1", "true", "yes"):
             why.append(env)
     if why:
-        raise ValueError("the kvlink transfer backend does not support " + ", ".join(why) + " yet")
+        raise ValueError("the kvlink transfer backend does not support " + ", ".join(why))
 
 
 def _remember(d: "OrderedDict[Any, Any]", room: Any, value: Any) -> None:

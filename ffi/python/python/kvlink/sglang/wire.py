@@ -12,7 +12,9 @@ touch the new one.
 - ``want`` (decode to prefill, from ``KVReceiver.send_metadata``): the decode is ready for room
   ``room``; it expects ``pages`` pages past its own prefix of ``prefix`` tokens, the aux row
   if ``aux``, and ``states[i]`` indices of state type ``i``; reply to ``addr`` (its KV engine),
-  and grant the aux and state spaces to the engine ids in ``readers``.
+  and grant the aux and state spaces to the engine ids in ``readers``. ``tp``: the decode
+  rank's ``[rank, size]`` in its attention-TP group (a prefill rank waits for every decode
+  rank that reads it; a decode rank asks every prefill rank it reads).
 - ``chunk`` (prefill to decode, from each ``KVSender.send``, split into messages of at most
   ``MAX_PAGES_PER_MESSAGE`` pages so each stays under kvlink's 64 KiB): pages ``pages`` of the prefill,
   held under ``id`` (hold token ``hold``), are the request's pages ``[first, first + len(pages))``.
@@ -35,6 +37,7 @@ MAX_STATE_TYPES = 16
 MAX_REASON = 512
 MAX_ID = 256
 MAX_ADDR = 128
+MAX_TP = 4096
 
 
 class BadMessage(ValueError):
@@ -68,9 +71,9 @@ def encode(msg: Dict[str, Any]) -> bytes:
 
 
 def want(room: int, nonce: int, addr: str, pages: int, prefix: int, aux: bool, states: List[int],
-         readers: Dict[str, Any]) -> bytes:
+         readers: Dict[str, Any], tp: tuple = (0, 1)) -> bytes:
     return encode({"t": "want", "room": room, "nonce": nonce, "addr": addr, "pages": pages, "prefix": prefix,
-                   "aux": aux, "states": states, "readers": readers})
+                   "aux": aux, "states": states, "readers": readers, "tp": list(tp)})
 
 
 def chunk(room: int, nonce: int, id: str, first: int, pages: List[int], last: bool,
@@ -106,6 +109,11 @@ def decode(body: bytes) -> Dict[str, Any]:
         if not isinstance(d.get("aux"), bool):
             raise BadMessage("aux must be a boolean")
         out["aux"] = d["aux"]
+        tp = d.get("tp")
+        if not (isinstance(tp, list) and len(tp) == 2 and all(type(x) is int for x in tp)
+                and 0 <= tp[0] < tp[1] <= MAX_TP):
+            raise BadMessage(f"tp must be [rank, size] with rank < size <= {MAX_TP}")
+        out["tp"] = (tp[0], tp[1])
         out["states"] = _ints(d.get("states"), "states", MAX_STATE_TYPES)
         readers = d.get("readers")
         if not isinstance(readers, dict):
