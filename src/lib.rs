@@ -58,8 +58,7 @@ pub use completion::{
 pub use config::{EngineConfig, TransportChoice};
 pub use control::messages::{Descriptor, TransportInfo};
 pub use engine::{
-    tp_sources, Capabilities, Engine, EngineStats, HoldRequest, ReadFrom, ReadRequest,
-    SessionState,
+    tp_sources, Capabilities, Engine, EngineStats, HoldRequest, ReadFrom, ReadRequest, SessionState,
 };
 pub use error::{Error, RdmaError, RdmaErrorKind, Result};
 pub use gpu::{GpuApi, GpuError, GpuReport, PointerKind};

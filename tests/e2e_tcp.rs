@@ -525,3 +525,41 @@ fn open_reads_are_confirmed_without_a_hold() {
     assert_eq!(f.receiving.len(), 1, "{f:?}");
     verify(&decode, &prefill.layout, 3, &[1, 2], &[5, 6]);
 }
+
+#[test]
+fn session_state_follows_a_peer_up_and_down() {
+    use kvlink::SessionState;
+    let shape = ModelShape::LLAMA3_8B;
+    let prefill = side(&shape, 4, None, tcp_config());
+    let decode = side(&shape, 4, None, tcp_config());
+    let peer = prefill.engine.handshake_address().to_string();
+    assert_eq!(decode.engine.session_state(&peer), SessionState::None);
+    decode
+        .engine
+        .connect(&peer, Duration::from_secs(10))
+        .unwrap();
+    assert_eq!(decode.engine.session_state(&peer), SessionState::Up);
+    // The prefill goes away: its connections close, and the decode's session is down, with a
+    // reason, without anyone waiting on it.
+    prefill.engine.close();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let state = loop {
+        let s = decode.engine.session_state(&peer);
+        if matches!(s, SessionState::Down(_)) || std::time::Instant::now() > deadline {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        matches!(&state, SessionState::Down(why) if why.contains("session ended")),
+        "{state:?}"
+    );
+    // A connect that fails says why.
+    assert!(decode
+        .engine
+        .connect(&peer, Duration::from_secs(5))
+        .is_err());
+    assert!(
+        matches!(decode.engine.session_state(&peer), SessionState::Down(why) if !why.is_empty())
+    );
+}

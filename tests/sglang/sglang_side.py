@@ -33,18 +33,21 @@ import torch.distributed as dist  # noqa: E402
 
 PAGE = 16
 POOL_TOKENS = 8192
-MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vllm", "models", "llama-3.1-8b")
+MODELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vllm", "models")
 
 
 class Shape:
-    """This rank's KV heads, from SGLang's ModelConfig as its pools are sized."""
+    """This rank's KV heads (or MLA latent), from SGLang's ModelConfig as its pools are sized."""
 
-    def __init__(self, attn_tp_rank: int, attn_tp_size: int):
-        from sglang.srt.configs.model_config import ModelConfig
+    def __init__(self, model: str, attn_tp_rank: int, attn_tp_size: int):
+        from sglang.srt.configs.model_config import AttentionArch, ModelConfig
         from sglang.srt.server_args import ServerArgs
 
-        self.config = ModelConfig.from_server_args(ServerArgs(model_path=MODEL, device="cpu"))
+        self.config = ModelConfig.from_server_args(ServerArgs(model_path=model, device="cpu"))
         self.layers = self.config.num_hidden_layers
+        self.mla = self.config.attention_arch == AttentionArch.MLA
+        if self.mla:
+            self.latent = (self.config.kv_lora_rank, self.config.qk_rope_head_dim)
         self.total = self.config.get_total_num_kv_heads()
         self.heads = self.config.get_num_kv_heads(attn_tp_size)
         self.head_dim = self.config.head_dim
@@ -62,6 +65,37 @@ def expected_k(shape: Shape, room: int, positions: torch.Tensor, layer: int) -> 
 
 def expected_v(shape: Shape, room: int, positions: torch.Tensor, layer: int) -> torch.Tensor:
     return -expected_k(shape, room, positions, layer) - 1
+
+
+def expected_latent(shape: Shape, room: int, positions: torch.Tensor, layer: int) -> torch.Tensor:
+    base = (room % 89) * 11 + positions.to(torch.int64) * 3 + layer * 7
+    dims = torch.arange(sum(shape.latent), dtype=torch.int64)
+    return ((base[:, None, None] + dims[None, None]) % 1900).to(torch.float16)
+
+
+def write_kv(pool, shape: Shape, room: int, loc: torch.Tensor, positions: torch.Tensor) -> None:
+    """The stand-in forward: every layer's KV of these tokens, as a function of the room."""
+    for layer in range(shape.layers):
+        if shape.mla:
+            pool.kv_buffer[layer][loc] = expected_latent(shape, room, positions, layer)
+        else:
+            pool.k_buffer[layer][loc] = expected_k(shape, room, positions, layer)
+            pool.v_buffer[layer][loc] = expected_v(shape, room, positions, layer)
+
+
+def wrong_kv(pool, shape: Shape, room: int, slots: torch.Tensor, positions: torch.Tensor) -> List[str]:
+    """The layers whose KV in ``slots`` is not what the prefill wrote."""
+    bad = []
+    for layer in range(shape.layers):
+        if shape.mla:
+            if not torch.equal(pool.kv_buffer[layer][slots], expected_latent(shape, room, positions, layer)):
+                bad.append(f"latent layer {layer}")
+            continue
+        if not torch.equal(pool.k_buffer[layer][slots], expected_k(shape, room, positions, layer)):
+            bad.append(f"K layer {layer}")
+        if not torch.equal(pool.v_buffer[layer][slots], expected_v(shape, room, positions, layer)):
+            bad.append(f"V layer {layer}")
+    return bad
 
 
 def first_token(room: int) -> int:
@@ -87,7 +121,8 @@ def setup(role: str, plan: Dict[str, Any], rank: int, http_port: int = 30000):
 
     side = plan.get(role, {})
     tp, dp = side.get("tp", 1), side.get("dp", 1)
-    sa = ServerArgs(model_path=MODEL, disaggregation_mode=role, disaggregation_transfer_backend="kvlink",
+    model = os.path.join(MODELS, plan.get("model", "llama-3.1-8b"))
+    sa = ServerArgs(model_path=model, disaggregation_mode=role, disaggregation_transfer_backend="kvlink",
                     disaggregation_bootstrap_port=plan["bootstrap_port"], device="cpu", page_size=PAGE,
                     port=http_port, tp_size=tp, dp_size=dp, enable_dp_attention=dp > 1)
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank))
@@ -102,7 +137,7 @@ def setup(role: str, plan: Dict[str, Any], rank: int, http_port: int = 30000):
     group = attn[rank // par.attn_tp_size]
     par.override_permanently(attn_tp_group=NS(cpu_group=group, rank_in_group=par.attn_tp_rank,
                                               world_size=par.attn_tp_size), dp_rank=0)
-    return sa, group, singles[rank], Shape(par.attn_tp_rank, par.attn_tp_size), par.attn_dp_rank, dp
+    return sa, group, singles[rank], Shape(model, par.attn_tp_rank, par.attn_tp_size), par.attn_dp_rank, dp
 
 
 def mine(spec: Dict[str, Any], role: str, dp_rank: int, dp: int) -> bool:
@@ -114,8 +149,12 @@ def mine(spec: Dict[str, Any], role: str, dp_rank: int, dp: int) -> bool:
 
 
 def kv_pool(shape: Shape):
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
+    if shape.mla:
+        return MLATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.float16, kv_lora_rank=shape.latent[0],
+                                qk_rope_head_dim=shape.latent[1], layer_num=shape.layers, device="cpu",
+                                enable_memory_saver=False, start_layer=0, end_layer=shape.layers)
     return MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.float16, head_num=shape.heads,
                             head_dim=shape.head_dim, layer_num=shape.layers, device="cpu",
                             enable_memory_saver=False, start_layer=0, end_layer=shape.layers,
@@ -253,6 +292,10 @@ def run_prefill(plan: Dict[str, Any], rank: int) -> None:
             if spec.get("recompute_fails") and spec["rid"] in generate.refused:
                 ended.setdefault(spec["rid"], "refused")
         for rid, (r, spec) in reqs.items():
+            if spec.get("abort_before_want") and rid not in aborted:
+                # Aborted before any decode asked (the decode adds the request later).
+                aborted.add(rid)
+                r.disagg_kv_sender.abort()
             # The scheduler's abort of a request still in the bootstrap queue, once its decode asked.
             # (Polled here first, so the abort lands before pop_bootstrapped can take the request.)
             if (spec.get("abort_in_bootstrap") and rid not in aborted
@@ -266,10 +309,7 @@ def run_prefill(plan: Dict[str, Any], rank: int) -> None:
             n_alloc = (n + PAGE - 1) // PAGE * PAGE
             loc = alloc.alloc(n_alloc)
             r2t.write((r.kv.req_pool_idx, slice(0, n_alloc)), loc.to(torch.int32))
-            positions = torch.arange(n)
-            for layer in range(shape.layers):
-                pool.k_buffer[layer][loc[:n]] = expected_k(shape, spec["room"], positions, layer)
-                pool.v_buffer[layer][loc[:n]] = expected_v(shape, spec["room"], positions, layer)
+            write_kv(pool, shape, spec["room"], loc[:n], torch.arange(n))
             r.kv.kv_allocated_len = n_alloc
             spec["_pages"] = [int(x) // PAGE for x in loc[0:n_alloc:PAGE]]
             computing.append([r, spec, 0])
@@ -294,6 +334,10 @@ def run_prefill(plan: Dict[str, Any], rank: int) -> None:
                 if spec.get("die_after_first_chunk"):
                     emit({"dying": r.rid})
                     os._exit(3)
+                if spec.get("abort_after_first_chunk_sent") and pos == 0:
+                    # The scheduler aborts a request whose first chunk the decode was told of
+                    # (and may be reading): the holds end, and the decode fails the room.
+                    r.disagg_kv_sender.abort()
             else:
                 # The last chunk: process_batch_result_disagg_prefill.
                 computing.remove(item)
@@ -368,6 +412,7 @@ def run_decode(plan: Dict[str, Any], rank: int) -> None:
     free_pages_at_start = alloc.available_size()
 
     reqs = {}
+    later: List[Any] = []  # (when, req, spec): requests the decode gets later than the prefill
     for spec in plan["requests"]:
         if not mine(spec, "decode", dp_rank, dp):
             continue
@@ -375,11 +420,20 @@ def run_decode(plan: Dict[str, Any], rank: int) -> None:
         reqs[spec["rid"]] = (r, spec)
         # A request the decode retracted: its receiver asks again, and its prefill computes it
         # again at the decode's request (submit_prefill_recompute).
+        if spec.get("decode_delay"):
+            later.append((time.monotonic() + spec["decode_delay"], r, spec))
+            continue
         dq.add(r, is_rebootstrap=bool(spec.get("rebootstrap")))
     ended: Dict[str, Dict[str, Any]] = {}
     aborted = set()
     deadline = time.monotonic() + plan.get("deadline", 60)
-    while len(ended) < len(reqs) and time.monotonic() < deadline:
+    while (len(ended) < len(reqs) or tq.has_pending_deferred_releases()) and time.monotonic() < deadline:
+        # As the scheduler's process_decode_queue: failed rooms' pages come back once kvlink
+        # says no cancelled read of them can still write (SGLang's deferred release).
+        tq.resolve_deferred_releases()
+        for item in [x for x in later if x[0] <= time.monotonic()]:
+            later.remove(item)
+            dq.add(item[1])
         good, _failed = dq.pop_preallocated()
         tq.extend(good)
         for d in tq.queue:
@@ -388,17 +442,14 @@ def run_decode(plan: Dict[str, Any], rank: int) -> None:
             if spec.get("abort_after_first_chunk") and d.req.rid not in aborted and d.kv_receiver.chunks > 0:
                 aborted.add(d.req.rid)
                 d.kv_receiver.abort()
+            if spec.get("decode_dies_after_first_chunk") and d.kv_receiver.chunks > 0:
+                emit({"dying": d.req.rid})
+                os._exit(3)
         for r in tq.pop_transferred():
             spec = reqs[r.rid][1]
             n, room = spec["n"], spec["room"]
             slots = r2t.req_to_token[r.kv.req_pool_idx, :n].long()
-            positions = torch.arange(n)
-            bad = []
-            for layer in range(shape.layers):
-                if not torch.equal(pool.k_buffer[layer][slots], expected_k(shape, room, positions, layer)):
-                    bad.append(f"K layer {layer}")
-                if not torch.equal(pool.v_buffer[layer][slots], expected_v(shape, room, positions, layer)):
-                    bad.append(f"V layer {layer}")
+            bad = wrong_kv(pool, shape, room, slots, torch.arange(n))
             ok_token = list(r.output_ids) == [first_token(room)]
             ended[r.rid] = {"end": "ok", "bytes_ok": not bad, "bad": bad, "first_token_ok": ok_token,
                             "pages": (n + PAGE - 1) // PAGE}

@@ -1,240 +1,18 @@
-"""kvlink's SGLang backend driven by SGLang's own queues and state machine (SGLang 0.5.23 from
-PyPI, installed by tools/test.sh): a prefill process and a decode process, each with SGLang's
-real scheduler queues, KV pool and metadata buffers on CPU, the backend loaded by SGLang's
-plugin loader from kvlink's entry point. Every byte the decode receives is checked, and the
-first output token travels in SGLang's aux (metadata) row."""
+"""kvlink's SGLang backend in one process: a prefill and a decode manager over numpy memory
+(``harness.Pair``) driven call by call as SGLang's queues drive them (state payloads, GPU
+events, reused rooms, hostile messages), the wire format, the configurations refused at start
+and the plugin loader."""
 
 from __future__ import annotations
 
-import json
-import os
-import random
 import socket
-import subprocess
-import sys
 import time
 from types import SimpleNamespace as NS
-from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SIDE = os.path.join(HERE, "sglang_side.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def lines(text: str) -> List[Dict[str, Any]]:
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line.startswith("{"):
-            out.append(json.loads(line))
-    return out
-
-
-def run_pair(requests: List[Dict[str, Any]], decode_env: Optional[Dict[str, str]] = None,
-             deadline: float = 60, prefill: Optional[Dict[str, int]] = None,
-             decode: Optional[Dict[str, int]] = None) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any],
-                                                              Dict[str, Any], int]:
-    """Runs both sides to the end, each ``{"tp": ranks, "dp": DP attention ranks}`` (one rank
-    by default), a process per rank; returns (prefill ends, prefill summary, decode ends,
-    decode summary, prefill rank 0's exit code), ends keyed by request id and merged over the
-    ranks (the first rank's failure wins), summaries added up over the ranks."""
-    prefill, decode = prefill or {"tp": 1}, decode or {"tp": 1}
-    plan = json.dumps({"bootstrap_port": free_port(), "requests": requests, "deadline": deadline,
-                       "prefill": prefill, "decode": decode,
-                       "master_ports": {"prefill": free_port(), "decode": free_port()}})
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-
-    def start(role, rank, extra):
-        return subprocess.Popen([sys.executable, SIDE, role, plan, str(rank)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env={**env, **extra})
-
-    ps = [start("prefill", r, {}) for r in range(prefill["tp"])]
-    ds = [start("decode", r, decode_env or {}) for r in range(decode["tp"])]
-    try:
-        d_io = [d.communicate(timeout=deadline + 90) for d in ds]
-        p_io = [p.communicate(timeout=30) for p in ps]
-    finally:
-        for p in ps + ds:
-            if p.poll() is None:
-                p.kill()
-    for role, io in (("decode", d_io), ("prefill", p_io)):
-        for out, err in io:
-            ls = lines(out)
-            assert ls and ls[0].get("ready"), f"{role} did not start:\n{err[-3000:]}"
-            assert ls[0]["backend"] == "KvlinkKVManager"
-    p_ends, p_sum = merge([lines(out) for out, _ in p_io])
-    d_ends, d_sum = merge([lines(out) for out, _ in d_io])
-    assert d_sum is not None, f"decode did not finish:\n{d_io[0][1][-3000:]}"
-    return p_ends, p_sum, d_ends, d_sum, ps[0].returncode
-
-
-def merge(ranks: List[List[Dict[str, Any]]]) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
-    """One side's outcomes over its ranks: per request the first rank's failure, else its
-    success (with ``bytes_ok`` and ``first_token_ok`` true only when true on every rank);
-    summaries added up (numbers summed, flags and-ed, stats summed per key)."""
-    ends: Dict[str, Any] = {}
-    summary: Optional[Dict[str, Any]] = None
-    for ls in ranks:
-        for d in ls:
-            if "rid" in d:
-                old = ends.get(d["rid"])
-                if old is None or (old["end"] == "ok" and d["end"] != "ok"):
-                    ends[d["rid"]] = dict(d)
-                elif d["end"] == "ok":
-                    for k in ("bytes_ok", "first_token_ok"):
-                        old[k] = old.get(k, True) and d.get(k, True)
-            elif "summary" in d:
-                summary = d["summary"] if summary is None else _add(summary, d["summary"])
-    return ends, summary
-
-
-def _add(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
-    out = {}
-    for k, v in a.items():
-        w = b.get(k)
-        out[k] = _add(v, w) if isinstance(v, dict) else (v and w) if isinstance(v, bool) else v + w
-    return out
-
-
-def test_chunked_prefill_every_byte_and_the_aux_row_arrive():
-    rng = random.Random(16)
-    reqs = []
-    for i in range(16):
-        # Page edges first, then random lengths: most are prefilled in several chunks.
-        n = [1, 15, 16, 17][i] if i < 4 else rng.randint(2, 600)
-        reqs.append({"rid": f"r{i}", "room": 1000 + rng.randint(0, 1 << 40) * 8 + i, "n": n,
-                     "chunk": 16 * rng.randint(1, 8)})
-    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs)
-    chunked = 0
-    for r in reqs:
-        d = d_ends[r["rid"]]
-        assert d["end"] == "ok", d
-        assert d["bytes_ok"], d
-        assert d["first_token_ok"], f"the aux row did not carry the first token: {d}"
-        assert p_ends[r["rid"]]["end"] == "ok", p_ends[r["rid"]]
-        chunked += r["n"] > r["chunk"]
-    assert chunked >= 5, "the plan must chunk several prefills"
-    # Nothing held or read any more; the decode's pages all came back.
-    assert p_sum["held"] == 0 and p_sum["senders"] == 0, p_sum
-    assert d_sum["receiving"] == 0 and d_sum["receivers"] == 0 and d_sum["free_pages_back"], d_sum
-    assert p_sum["bad_messages"] == d_sum["bad_messages"] == 0
-    # One want per request, one chunk message per chunk; every hold confirmed.
-    assert p_sum["stats"]["messages_received"] == len(reqs)
-    assert d_sum["stats"]["messages_received"] == p_sum["stats"]["messages_sent"] >= len(reqs) + chunked
-    assert p_sum["stats"]["sends_failed"] == d_sum["stats"]["reads_failed"] == 0
-    assert d_sum["stats"]["reads_done"] == p_sum["stats"]["sends_done"]
-
-
-def mixed_requests(seed: int, count: int) -> List[Dict[str, Any]]:
-    rng = random.Random(seed)
-    return [{"rid": f"r{i}", "room": 2000 + rng.randint(0, 1 << 30) * 4 + i, "n": rng.randint(1, 400),
-             "chunk": 16 * rng.randint(1, 6)} for i in range(count)]
-
-
-def assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum):
-    for r in reqs:
-        d = d_ends[r["rid"]]
-        assert d["end"] == "ok" and d["bytes_ok"] and d["first_token_ok"], d
-        assert p_ends[r["rid"]]["end"] == "ok", p_ends[r["rid"]]
-    assert p_sum["held"] == 0 and p_sum["senders"] == 0, p_sum
-    assert d_sum["receiving"] == 0 and d_sum["receivers"] == 0 and d_sum["free_pages_back"], d_sum
-    assert p_sum["bad_messages"] == d_sum["bad_messages"] == 0
-    assert p_sum["stats"]["sends_failed"] == d_sum["stats"]["reads_failed"] == 0
-
-
-@pytest.mark.parametrize("prefill,decode", [({"tp": 1}, {"tp": 2}), ({"tp": 2}, {"tp": 1}), ({"tp": 2}, {"tp": 2})],
-                         ids=["tp1-to-tp2", "tp2-to-tp1", "tp2-to-tp2"])
-def test_attention_tp_sizes_pair_by_head(prefill, decode):
-    """Llama 3.1 8B's 8 KV heads: a decode rank of TP 2 reads its 4 heads of the one prefill
-    rank's 8; a decode rank of TP 1 reads 4 heads from each of two prefill ranks, side by side
-    in its pages. Each decode rank checks every byte of its own heads, and the first token
-    (the aux row) arrives on every rank."""
-    reqs = mixed_requests(7, 8)
-    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs, prefill=prefill, decode=decode)
-    assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum)
-    # Every prefill rank's hold was confirmed by each decode rank that read it.
-    assert d_sum["stats"]["reads_done"] * max(1, prefill["tp"] // decode["tp"]) == p_sum["stats"]["sends_done"]
-
-
-@pytest.mark.parametrize("decode", [{"tp": 2, "dp": 2}, {"tp": 1}], ids=["to-dp2", "to-tp1"])
-def test_dp_attention_routes_each_room_to_its_prefill_dp_rank(decode):
-    """A prefill of two DP attention ranks (attention TP 1 each), rooms routed by bootstrap
-    room as SGLang's router does (room % 2): each decode rank finds a room's prefill through
-    the bootstrap server's DP group of it, whichever decode DP rank took it."""
-    reqs = mixed_requests(11, 8)
-    assert {r["room"] % 2 for r in reqs} == {0, 1}
-    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs, prefill={"tp": 2, "dp": 2}, decode=decode)
-    assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum)
-
-
-def test_aborts_on_either_side_end_both_sides_with_the_reason():
-    reqs = [
-        {"rid": "ok1", "room": 501, "n": 100, "chunk": 32},
-        {"rid": "prefill-abort", "room": 502, "n": 64, "abort_in_bootstrap": True},
-        {"rid": "decode-abort", "room": 503, "n": 800, "chunk": 16, "abort_after_first_chunk": True},
-        {"rid": "ok2", "room": 504, "n": 33, "chunk": 16},
-    ]
-    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs)
-    for rid in ("ok1", "ok2"):
-        assert d_ends[rid]["end"] == "ok" and d_ends[rid]["bytes_ok"], d_ends[rid]
-    # The prefill aborted in its bootstrap queue: the decode fails it, saying so.
-    assert "Abort" in p_ends["prefill-abort"]["end"], p_ends["prefill-abort"]
-    assert "prefill aborted" in d_ends["prefill-abort"]["end"], d_ends["prefill-abort"]
-    # The decode aborted mid-transfer: its reads stop, the prefill fails the room and frees it.
-    assert "Abort" in d_ends["decode-abort"]["end"], d_ends["decode-abort"]
-    assert "decode aborted" in p_ends["decode-abort"]["end"], p_ends["decode-abort"]
-    assert p_sum["held"] == 0 and p_sum["senders"] == 0, p_sum
-    assert d_sum["receiving"] == 0 and d_sum["free_pages_back"], d_sum
-
-
-def test_a_stale_read_fails_the_room_and_is_never_decoded_from():
-    """The prefill's hold of a chunk ends and the chunk's id is held again (a new hold, a new
-    token) before the decode reads it: the read names the old hold's token, so although its
-    bytes arrive, the prefill refuses its confirmation; the decode fails the room (SGLang's
-    answer to a failed transfer), tells the prefill, and gives its pages back. The other room
-    is untouched."""
-    reqs = [
-        {"rid": "stale", "room": 611, "n": 96, "chunk": 32, "rehold_after_first_chunk": True},
-        {"rid": "fine", "room": 612, "n": 40, "chunk": 16},
-    ]
-    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs)
-    assert d_ends["fine"]["end"] == "ok" and d_ends["fine"]["bytes_ok"], d_ends["fine"]
-    end = d_ends["stale"]["end"]
-    assert end != "ok" and "unconfirmed" in end and "another hold" in end, end
-    assert p_ends["stale"]["end"] != "ok", p_ends["stale"]
-    assert p_sum["held"] == 0 and p_sum["senders"] == 0, p_sum
-    assert d_sum["receiving"] == 0 and d_sum["free_pages_back"], d_sum
-
-
-def test_a_retracted_request_goes_back_to_its_prefill_and_is_read_again():
-    """SGLang's decode retracts a request (``add(req, is_rebootstrap=True)``): its new receiver
-    asks the prefill again and ``submit_prefill_recompute`` posts SGLang's ``/generate`` body to
-    the prefill's HTTP port (registered with the bootstrap server), which computes the prompt
-    again and sends its KV; every byte checked. A prefill that refuses the post fails the room
-    at once, not at the waiting timeout."""
-    reqs = [
-        {"rid": "retracted", "room": 621, "n": 80, "chunk": 32, "rebootstrap": True},
-        {"rid": "refused", "room": 622, "n": 40, "chunk": 16, "rebootstrap": True, "recompute_fails": True},
-        {"rid": "plain", "room": 623, "n": 33, "chunk": 16},
-    ]
-    start = time.monotonic()
-    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs, decode_env={"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"})
-    for rid in ("retracted", "plain"):
-        assert d_ends[rid]["end"] == "ok" and d_ends[rid]["bytes_ok"], d_ends[rid]
-        assert d_ends[rid]["first_token_ok"], d_ends[rid]
-    assert "/generate answered 500" in d_ends["refused"]["end"], d_ends["refused"]
-    assert time.monotonic() - start < 40, "failed at once, not at the 60 s waiting timeout"
-    assert p_sum["generate_posts"] == 2, p_sum
-    assert p_sum["held"] == 0 and p_sum["senders"] == 0, p_sum
-    assert d_sum["receiving"] == 0 and d_sum["free_pages_back"], d_sum
+from harness import Pair, free_port, kv_args, pump_until
 
 
 def test_a_bootstrap_address_that_does_not_speak_http_answers_nothing():
@@ -256,18 +34,6 @@ def test_a_bootstrap_address_that_does_not_speak_http_answers_nothing():
 
         threading.Thread(target=answer, daemon=True).start()
         assert bootstrap.get(f"127.0.0.1:{srv.getsockname()[1]}", "/kvlink/info") is None
-
-
-def test_a_dead_prefill_fails_the_decode_within_its_waiting_timeout():
-    reqs = [{"rid": "orphan", "room": 777, "n": 300, "chunk": 32, "die_after_first_chunk": True}]
-    start = time.monotonic()
-    p_ends, _, d_ends, d_sum, code = run_pair(reqs, decode_env={"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "3"},
-                                              deadline=40)
-    assert code == 3, "the prefill was to die after its first chunk"
-    end = d_ends["orphan"]["end"]
-    assert "no KV chunk" in end or "connection" in end or "peer" in end, end
-    assert time.monotonic() - start < 60
-    assert d_sum["receiving"] == 0 and d_sum["free_pages_back"], d_sum
 
 
 def test_the_backend_is_registered_through_sglangs_plugin_loader():
@@ -298,48 +64,6 @@ def test_the_backend_is_registered_through_sglangs_plugin_loader():
 
 
 # -- In one process: the aux and state index spaces, and hostile messages ----------------------
-
-
-def kv_args(pages: int, states: List[Tuple[int, int]], seed: Optional[int], item: int = 64):
-    """SGLang's KVArgs over numpy buffers: 4 KV buffers (2 layers x K/V) of ``item``-byte pages,
-    3 aux buffers of rows, and one buffer per state type (rows of the given size)."""
-    from sglang.srt.disaggregation.base.conn import KVArgs
-
-    rng = np.random.default_rng(seed)
-
-    def buf(n: int) -> np.ndarray:
-        return rng.integers(0, 256, n, dtype=np.uint8) if seed is not None else np.zeros(n, np.uint8)
-
-    a = KVArgs()
-    keep = []
-    kv = [buf(pages * item) for _ in range(4)]
-    aux = [buf(32 * 8), buf(32 * 4), buf(32 * 16)]
-    st = [[buf(rows * item)] for rows, item in states]
-    keep += kv + aux + [b for s in st for b in s]
-    a.engine_rank, a.page_size, a.kv_cache_dtype_str, a.kv_layout = 0, 16, "uint8", None
-    a.kv_data_ptrs = [b.ctypes.data for b in kv]
-    a.kv_data_lens = [b.nbytes for b in kv]
-    a.kv_item_lens = [item] * 4
-    a.aux_data_ptrs = [b.ctypes.data for b in aux]
-    a.aux_data_lens = [b.nbytes for b in aux]
-    a.aux_item_lens = [8, 4, 16]
-    a.state_types = ["mamba"] * len(states)
-    a.state_data_ptrs = [[b.ctypes.data for b in s] for s in st]
-    a.state_data_lens = [[b.nbytes for b in s] for s in st]
-    a.state_item_lens = [[item] for _, item in states]
-    a.ib_device, a.gpu_id, a.system_dp_rank = None, 0, 0
-    return a, (kv, aux, st), keep
-
-
-def pump_until(cond, polls, limit=20.0):
-    end = time.monotonic() + limit
-    while time.monotonic() < end:
-        for p in polls:
-            p()
-        if cond():
-            return True
-        time.sleep(0.005)
-    return False
 
 
 def test_aux_rows_and_state_indices_move_in_their_own_index_spaces():
@@ -497,43 +221,6 @@ def test_wire_round_trips():
         wire.decode(wire.chunk(5, 1, "i", 0, [1] * (wire.MAX_PAGES_PER_MESSAGE + 1), True))
 
 
-class Pair:
-    """A prefill and a decode manager in this process, with a bootstrap server."""
-
-    def __init__(self, pages: int, states=(), item: int = 64, sa_extra=None, ib_device=None):
-        import kvlink.sglang as ks
-        from sglang.srt.disaggregation.utils import DisaggregationMode
-
-        self.ks = ks
-        port = free_port()
-        self.server = ks.KvlinkBootstrapServer("127.0.0.1", port)
-        sa = NS(host="127.0.0.1", disaggregation_bootstrap_port=port, dp_size=1, **(sa_extra or {}))
-        self.pa, (self.p_kv, _, self.p_st), self._pk = kv_args(pages, list(states), seed=5, item=item)
-        self.da, (self.d_kv, _, self.d_st), self._dk = kv_args(pages, list(states), seed=None, item=item)
-        self.pa.ib_device = self.da.ib_device = ib_device
-        self.pm = ks.KvlinkKVManager(self.pa, DisaggregationMode.PREFILL, sa)
-        self.dm = ks.KvlinkKVManager(self.da, DisaggregationMode.DECODE, sa)
-        self.addr = f"127.0.0.1:{port}"
-        assert pump_until(lambda: self.dm.try_ensure_parallel_info(self.addr), [])
-
-    def start(self, room: int, local_pages, num_pages: Optional[int] = None, state_indices=()):
-        from sglang.srt.disaggregation.base.conn import KVPoll
-
-        s = self.ks.KvlinkKVSender(self.pm, self.addr, room)
-        r = self.ks.KvlinkKVReceiver(self.dm, self.addr, room)
-        r.init(0)
-        r.send_metadata(np.array(local_pages, np.int32), aux_index=0, state_indices=list(state_indices),
-                        decode_prefix_len=0)
-        assert pump_until(lambda: s.poll() == KVPoll.WaitingForInput, [])
-        s.init(len(local_pages) if num_pages is None else num_pages, aux_index=0)
-        return s, r
-
-    def close(self):
-        self.pm.close()
-        self.dm.close()
-        self.server.close()
-
-
 def test_a_chunk_larger_than_one_message_is_announced_in_parts():
     from sglang.srt.disaggregation.base.conn import KVPoll
 
@@ -627,12 +314,106 @@ def test_a_missing_state_type_fails_the_room():
         pair.close()
 
 
+def test_a_chunk_behind_a_gpu_event_is_held_only_once_the_event_completed():
+    """Overlap scheduling hands over a chunk with an event (``_early_send_wait_event``) its KV
+    is still being written behind: nothing is held or announced until the event completed, and
+    the scheduler thread never waits for it."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    class Event:
+        done = False
+        asked = 0
+
+        def query(self):
+            self.asked += 1
+            return self.done
+
+        def synchronize(self):
+            raise AssertionError("the scheduler thread must not wait for the GPU")
+
+    pair = Pair(32)
+    try:
+        s, r = pair.start(8, [1, 2, 3])
+        ev = Event()
+        s._early_send_wait_event = ev
+        s.send(np.array([4, 5], np.int32))
+        s.send(np.array([6], np.int32))  # queued behind the first
+        for _ in range(20):
+            assert s.poll() == KVPoll.WaitingForInput and r.poll() == KVPoll.WaitingForInput
+            time.sleep(0.002)
+        assert pair.pm.kv.in_flight()[1] == 0 and r.chunks == 0 and ev.asked > 1
+        ev.done = True
+        assert pump_until(lambda: r.poll() == KVPoll.Success and s.poll() == KVPoll.Success, [s.poll])
+        for p, d in zip(pair.p_kv, pair.d_kv):
+            for lp, rp in ((1, 4), (2, 5), (3, 6)):
+                assert np.array_equal(d[lp * 64:(lp + 1) * 64], p[rp * 64:(rp + 1) * 64])
+    finally:
+        pair.close()
+
+
+def test_state_payloads_pair_as_sglangs_own_backends_pair_them():
+    """A dsa_tail descriptor moves its request row whole (same ring size); a sliding window
+    one page longer on the decode reads the pages both have (SGLang's 1-page drift); a
+    request_row moves row for row."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    pair = Pair(32, states=[(8, 64, "dsa_tail"), (16, 16, "swa"), (8, 16, "request_row")])
+    try:
+        s, r = pair.start(5, [1, 2], state_indices=[[3, 2, 4, 0, 2, 8], [1, 2, 3], [5]])
+        s.send(np.array([7, 8], np.int32), state_indices=[[6, 2, 4, 0, 2, 8], [10, 11], [2]])
+        assert pump_until(lambda: r.poll() == KVPoll.Success and s.poll() == KVPoll.Success, []), r.reason
+        (tail_p,), (swa_p,), (row_p,) = pair.p_st
+        (tail_d,), (swa_d,), (row_d,) = pair.d_st
+        assert np.array_equal(tail_d[3 * 64:4 * 64], tail_p[6 * 64:7 * 64])
+        assert not tail_d[:3 * 64].any() and not tail_d[4 * 64:].any(), "only the request's row"
+        for dp, pp in ((1, 10), (2, 11)):
+            assert np.array_equal(swa_d[dp * 16:(dp + 1) * 16], swa_p[pp * 16:(pp + 1) * 16])
+        assert not swa_d[3 * 16:4 * 16].any(), "the page only the decode's window has is not written"
+        assert np.array_equal(row_d[5 * 16:6 * 16], row_p[2 * 16:3 * 16])
+        s.clear()
+        r.clear()
+
+        # No live tail tokens on either side: nothing to move for that state.
+        s, r = pair.start(6, [4], state_indices=[[], [5], [6]])
+        s.send(np.array([9], np.int32), state_indices=[[], [12], [3]])
+        assert pump_until(lambda: r.poll() == KVPoll.Success and s.poll() == KVPoll.Success, []), r.reason
+        s.clear()
+        r.clear()
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("decode_states, prefill_states, why", [
+    ([[3, 2, 4, 0, 2, 8], [1], [5]], [[6, 2, 4, 0, 2, 16], [10], [2]], "rings of 16 slots on the prefill and 8"),
+    ([[], [1], [5]], [[], [10], [2, 3]], "request_row state: the prefill sent 2 indices, this decode expects 1"),
+])
+def test_state_payloads_that_cannot_pair_fail_the_room_with_both_values(decode_states, prefill_states, why):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    pair = Pair(32, states=[(8, 64, "dsa_tail"), (16, 16, "swa"), (8, 16, "request_row")])
+    try:
+        s, r = pair.start(7, [1], state_indices=decode_states)
+        s.send(np.array([7], np.int32), state_indices=prefill_states)
+        assert pump_until(lambda: r.poll() == KVPoll.Failed, [s.poll])
+        with pytest.raises(pair.ks.KvlinkTransferError, match=why):
+            r.failure_exception()
+        r.clear()
+        assert pump_until(lambda: s.poll() == KVPoll.Failed, [])
+    finally:
+        pair.close()
+
+
+def test_a_state_type_this_backend_does_not_know_stops_it_at_start():
+    with pytest.raises(ValueError, match=r"does not know SGLang state types \['hologram'\]"):
+        Pair(8, states=[(8, 16, "hologram")])
+
+
 def test_a_kv_layout_name_longer_than_a_kvlink_tag_still_starts():
     """DeepSeek-V4 names its main and compressed KV layouts (SGLang's ``get_pd_kv_layout``), which
     with the dtype and page size is over the 32 bytes of a kvlink layout tag: the engine gets a
     digest of it, and the registry still compares the names in full."""
     import kvlink.sglang as ks
-    from kvlink.sglang.manager import _layout_tag
+    from kvlink.sglang.settings import layout_tag as _layout_tag
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     a, _, _keep = kv_args(4, [], seed=None)

@@ -101,7 +101,7 @@ def test_kvlinks_variable_comes_before_sglangs_flag_and_both_before_the_nearest(
 
 def test_a_map_without_this_ranks_gpu_stops_the_backend_at_start():
     """Through the manager SGLang builds: the map is read from KVArgs.ib_device and gpu_id."""
-    from test_sglang_backend import Pair
+    from harness import Pair
 
     with pytest.raises(ValueError, match="not this rank's GPU 0"):
         Pair(4, ib_device='{"5": "mlx5_0"}')

@@ -15,8 +15,13 @@ multiprocessing starts by re-importing the main module, install again on import.
 Settings (environment): ``KVLINK_HOST`` (the address the engines listen on; defaults to
 loopback, or to the node's address when a key is set), ``KVLINK_AUTH_KEY`` /
 ``KVLINK_AUTH_KEY_FILE`` (the deployment key; without one kvlink serves loopback only),
-``KVLINK_TRANSPORT`` (``auto``, ``network``, ``tcp``, ``rdma``, ``local``), ``KVLINK_RDMA_DEVICE`` (else SGLang's
-``--disaggregation-ib-device``), ``KVLINK_REQUEST_TIMEOUT``, ``KVLINK_ABORT_TIMEOUT``, ``KVLINK_LEASE``.
+``KVLINK_TRANSPORT`` (``auto``, ``network``, ``tcp``, ``rdma``, ``local``), ``KVLINK_RDMA_DEVICE`` (before
+SGLang's ``--disaggregation-ib-device``; see ``kvlink.sglang.nic``), ``KVLINK_REQUEST_TIMEOUT``,
+``KVLINK_ABORT_TIMEOUT``, ``KVLINK_LEASE``, ``KVLINK_PEER_TIMEOUT``.
+
+Modules: ``manager`` (a rank's engines and the rooms' traffic), ``sender`` and ``receiver`` (the
+rooms, on ``room``; ``conn`` re-exports them), ``wire`` (the messages), ``bootstrap`` (the
+registry), ``settings`` (what is read at start), ``states`` (SGLang's state types), ``nic``.
 """
 
 from __future__ import annotations

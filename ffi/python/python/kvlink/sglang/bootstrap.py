@@ -95,6 +95,7 @@ class KvlinkBootstrapServer(BaseKVBootstrapServer):
                     return self._answer(200, {"tp_size": tp, "dp_size": dp,
                                               "page_size": any_rank["page_size"],
                                               "dtype": any_rank["dtype"], "heads": any_rank["heads"],
+                                              "states": any_rank["states"],
                                               "complete": len(ranks) >= tp * dp})
                 if url.path == "/kvlink/group":
                     try:
@@ -124,7 +125,7 @@ class KvlinkBootstrapServer(BaseKVBootstrapServer):
 
     def admit(self, key: Tuple[int, int], entry: Dict[str, Any]) -> None:
         """Records ``entry`` under ``key`` (the lock held); see the class docstring."""
-        shared = ("tp_size", "dp_size", "page_size", "dtype", "heads")
+        shared = ("tp_size", "dp_size", "page_size", "dtype", "heads", "states")
         stale = [k for k, e in self.ranks.items() if any(e[f] != entry[f] for f in shared)]
         if stale:
             logger.warning("kvlink bootstrap: prefill dp %d tp %d registers %s; dropping %d earlier ranks that "
@@ -159,6 +160,11 @@ def _check_entry(d: Any) -> Dict[str, Any]:
             raise ValueError(f"{k} must be a short string")
         out[k] = d[k]
     out["heads"] = d.get("heads") is True
+    kinds = d.get("states", [])
+    if not isinstance(kinds, list) or len(kinds) > 16 or not all(isinstance(k, str) and 0 < len(k) <= 32
+                                                                   for k in kinds):
+        raise ValueError("states must list at most 16 state type names")
+    out["states"] = kinds
     # The prefill's HTTP API port, where a decode sends a retracted request back (optional).
     port = d.get("http_port")
     if port is not None:
@@ -207,3 +213,38 @@ def get(bootstrap_addr: str, path: str, timeout: float = 2.0) -> Optional[Dict[s
     # ValueError: bad JSON or a bad address; HTTPException: not HTTP at all (a wrong port).
     except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
         return None
+
+
+MAX_DP_GROUPS = 256
+
+
+def look_up(bootstrap_addr: str) -> Optional[tuple]:
+    """The prefill behind ``bootstrap_addr`` once all its ranks registered: its shared
+    settings, and each DP group's ranks in TP order; None until then (or when the answers do
+    not hold together). Runs off the scheduler thread."""
+    from types import SimpleNamespace
+
+    info = get(bootstrap_addr, "/kvlink/info")
+    if not info or info.get("complete") is not True:
+        return None
+    try:
+        found = SimpleNamespace(
+            dp_size=int(info["dp_size"]), tp_size=int(info["tp_size"]), follow_bootstrap_room=True,
+            page_size=info.get("page_size"), dtype=info.get("dtype"), heads=info.get("heads") is True,
+            states=info.get("states"))
+    except (KeyError, TypeError, ValueError):
+        logger.warning("kvlink: the bootstrap server at %s answered %r", bootstrap_addr, info)
+        return None
+    if not 0 < found.dp_size <= MAX_DP_GROUPS:
+        logger.warning("kvlink: the prefill at %s has %d DP groups", bootstrap_addr, found.dp_size)
+        return None
+    groups = {}
+    for dp in range(found.dp_size):
+        g = get(bootstrap_addr, f"/kvlink/group?dp_rank={dp}")
+        ranks = g.get("ranks") if g else None
+        if (not isinstance(ranks, list) or len(ranks) != found.tp_size
+                or not all(isinstance(r, dict) and isinstance(r.get("addr"), str)
+                           and isinstance(r.get("engine_id"), str) for r in ranks)):
+            return None
+        groups[dp] = ranks
+    return found, groups

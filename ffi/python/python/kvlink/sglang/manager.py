@@ -6,7 +6,6 @@ and ``KvlinkKVReceiver``, are in ``kvlink.sglang.conn``, whose docstring describ
 
 from __future__ import annotations
 
-import hashlib
 import http.client
 import json
 import logging
@@ -20,13 +19,18 @@ from typing import Any, Dict, List, Optional
 
 
 import kvlink
-from kvlink.sglang import bootstrap, nic, wire
+from kvlink.sglang import bootstrap, nic, settings, states, wire
 from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 logger = logging.getLogger(__name__)
 
 _REMEMBERED_ROOMS = 4096
+# How often the peers that rooms wait on are looked at.
+_PEER_CHECK_S = 1.0
+# SGLang polls every request of a queue in turn, and each poll pumps: within this interval one
+# pump serves them all (a scheduler step's polls take far less).
+_PUMP_INTERVAL_S = 0.001
 # How long clear() waits for the cancelled reads of a room to stop writing (kvlink waits for
 # what is in flight at most its I/O timeout).
 _DRAIN_S = 15.0
@@ -46,133 +50,14 @@ class KvlinkTransferError(Exception):
         return f"kvlink transfer of room {self.bootstrap_room} failed: {self.failure_reason}"
 
 
-def _env_seconds(name: str, default: float) -> float:
-    try:
-        from sglang.srt.environ import envs
-
-        return float(getattr(envs, name).get())
-    except Exception:  # noqa: BLE001 - older SGLang, or the variable unset
-        return float(os.environ.get(name, default))
-
-
-def _host() -> str:
-    host = os.environ.get("KVLINK_HOST")
-    if host:
-        return host
-    if os.environ.get("KVLINK_AUTH_KEY") or os.environ.get("KVLINK_AUTH_KEY_FILE"):
-        try:
-            from sglang.srt.utils.network import get_local_ip_auto
-
-            return get_local_ip_auto()
-        except Exception:  # noqa: BLE001
-            pass
-    return "127.0.0.1"
-
-
-def _gpu_pci(gpu_id: Optional[int]) -> Optional[str]:
-    """The PCI address of CUDA device ``gpu_id`` (``0000:3b:00.0``), when there is one."""
-    if gpu_id is None:
-        return None
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return None
-        p = torch.cuda.get_device_properties(int(gpu_id))
-        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
-    except Exception:  # noqa: BLE001 - no CUDA, or a torch without PCI ids
-        return None
-
-
-def _layout_tag(desc: str) -> str:
-    """``desc`` as a kvlink layout tag (at most 32 bytes): itself when short enough, else a
-    digest of it (DeepSeek-V4 names its main and compressed KV layouts, well over 32 bytes)."""
-    if len(desc.encode()) <= 32:
-        return desc
-    return "sgl-" + hashlib.blake2b(desc.encode(), digest_size=14).hexdigest()
-
-
-_PARALLEL_FIELDS = ("attn_tp_rank", "attn_tp_size", "attn_dp_rank", "attn_dp_size", "attn_cp_size",
-                    "pp_size", "dp_size")
-
-
-def _parallel() -> Dict[str, Any]:
-    """This rank's place as SGLang resolved it (``get_parallel()``: attention TP, DP and CP, PP,
-    system DP), never guessed from raw arguments: ``--dwdp-size`` and context parallelism change
-    them after parsing. A value SGLang has not published is an error at start."""
-    from sglang.srt.runtime_context import get_parallel
-
-    p, out = get_parallel(), {}
-    for name in _PARALLEL_FIELDS:
-        try:
-            v = getattr(p, name)
-        except Exception as e:  # noqa: BLE001 - SGLang raises several kinds for "not published"
-            raise ValueError(f"kvlink: SGLang's parallel context has no {name}: {e}") from None
-        if type(v) is not int or v < 0:
-            raise ValueError(f"kvlink: SGLang's parallel context has {name}={v!r}")
-        out[name] = v
-    for name, default in (("load_balance_method", "follow_bootstrap_room"), ("enable_kv_cache_sharding", False)):
-        try:
-            out[name] = getattr(p, name)
-        except Exception:  # noqa: BLE001 - an SGLang without the option
-            out[name] = default
-    return out
-
-
-def _dp_group(par: Dict[str, Any], args: KVArgs) -> tuple:
-    """``(rank, count)`` of the prefill group a room is routed to, as SGLang's bootstrap keys
-    it: the attention-DP rank, or with system DP (``--dp-size`` without DP attention) the
-    replica's rank."""
-    if par["dp_size"] > 1:
-        return int(getattr(args, "system_dp_rank", 0) or 0), par["dp_size"]
-    return par["attn_dp_rank"], par["attn_dp_size"]
-
-
-def _mha_layout() -> str:
-    """How SGLang's MHA pool lays out a page, chosen as its ``MHATokenToKVPool`` chooses:
-    ``hnd`` (head-major, SGLANG_USE_HND_KVCACHE), AITER's ``vectorized_5d`` (head-major) or
-    ``nhd`` (token-major, the default)."""
-    from sglang.srt.environ import envs
-
-    if envs.SGLANG_USE_HND_KVCACHE.get():
-        return "hnd"
-    try:
-        from sglang.srt.mem_cache import memory_pool
-
-        if getattr(memory_pool, "_use_aiter", False):
-            return envs.SGLANG_AITER_KV_CACHE_LAYOUT.get().lower()
-    except Exception:  # noqa: BLE001 - no AITER setting in this SGLang
-        pass
-    return "nhd"
-
-
-def _kv_heads(args: KVArgs, server_args: Any, attn_tp_size: int, is_mla: bool) -> Optional[tuple]:
-    """``(total, local)`` KV heads when TP splits the KV pages by head (not MLA), from the
-    model's configuration as SGLang's pools size themselves (both sides the same way: a pair
-    declares heads on both engines or on neither); ``None`` when it cannot be told, and then
-    prefill and decode must have the same attention TP size."""
-    if is_mla:
-        return None
-    try:
-        from sglang.srt.configs.model_config import ModelConfig
-
-        mc = ModelConfig.from_server_args(server_args)
-        total, local = int(mc.get_total_num_kv_heads()), int(mc.get_num_kv_heads(attn_tp_size))
-    except Exception as e:  # noqa: BLE001 - no model configuration to read
-        logger.info("kvlink: KV heads unknown (%s): prefill and decode need the same attention TP size", e)
-        return None
-    given = (getattr(args, "total_kv_head_num", None), getattr(args, "kv_head_num", None))
-    if all(isinstance(x, int) for x in given) and given != (total, local):
-        raise ValueError(f"kvlink: SGLang's pool holds {given[1]} of {given[0]} KV heads, the model "
-                         f"configuration says {local} of {total}")
-    if total <= 0 or local <= 0:
-        return None
-    return total, local
-
-
 class KvlinkKVManager(BaseKVManager):
     """One per scheduler rank: kvlink engines for the KV pages, the aux rows and each state type,
     the rooms in flight, and the messages and completions that move them."""
+
+    # SGLang's deferred release of a failed room's pages (SGLANG_DISAGGREGATION_DEFERRED_
+    # DECODE_KV_RELEASE): the decode keeps them until is_abort_release_safe, so clear() then
+    # finds nothing left to wait for instead of blocking the scheduler thread.
+    supports_deferred_decode_kv_release = True
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
                  is_mla_backend: Optional[bool] = False):
@@ -180,28 +65,30 @@ class KvlinkKVManager(BaseKVManager):
         self.mode = disaggregation_mode
         self.server_args = server_args
         self.is_mla_backend = bool(is_mla_backend)
-        self.bootstrap_timeout = _env_seconds("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300)
-        self.waiting_timeout = _env_seconds("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300)
-        par = _parallel()
-        _refuse_unsupported(server_args, par, disaggregation_mode)
+        self.enable_deferred_decode_kv_release = settings.env_flag("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE")
+        self.pumped = 0.0
+        self.bootstrap_timeout = settings.env_seconds("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300)
+        self.waiting_timeout = settings.env_seconds("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300)
+        par = settings.parallel()
+        settings.refuse_unsupported(server_args, par, disaggregation_mode)
         # Both sides number ranks inside the attention-TP group (SGLang's prefill passes the
         # global TP rank as engine_rank, its decode the rank in the group).
         self.tp_rank, self.tp_size = par["attn_tp_rank"], par["attn_tp_size"]
         self.engine_rank = self.tp_rank
-        self.dp_rank, self.dp_size = _dp_group(par, args)
+        self.dp_rank, self.dp_size = settings.dp_group(par, args)
         self.page_size = int(args.page_size)
-        self.heads = _kv_heads(args, server_args, self.tp_size, self.is_mla_backend)
+        self.heads = settings.kv_heads(args, server_args, self.tp_size, self.is_mla_backend)
         # What prefill and decode must share (compared through the registry, in full), and the
         # engines' 32-byte tag of it. A KV layout SGLang names (DeepSeek-V4's) or, for MHA
         # pools, how a page orders tokens and heads.
-        layout = getattr(args, "kv_layout", None) or ("mla" if self.is_mla_backend else _mha_layout())
+        layout = getattr(args, "kv_layout", None) or ("mla" if self.is_mla_backend else settings.mha_layout())
         self.dtype = f"{args.kv_cache_dtype_str}/{layout}/p{self.page_size}"
-        self.tag = _layout_tag(self.dtype)
+        self.tag = settings.layout_tag(self.dtype)
         # A page repeats the local heads once per token (token-major) or holds each head's
         # tokens together (head-major).
         runs = self.page_size if layout == "nhd" else 1
         kv_heads = (self.heads[0], self.heads[1], runs) if self.heads and layout in ("nhd", "hnd") else None
-        host = _host()
+        host = settings.host()
         listen = f"[{host}]:0" if ":" in host else f"{host}:0"
         opts = dict(
             transport=os.environ.get("KVLINK_TRANSPORT", "auto"),
@@ -209,7 +96,7 @@ class KvlinkKVManager(BaseKVManager):
             abort_timeout=float(os.environ.get("KVLINK_ABORT_TIMEOUT", 480)),
             lease=float(os.environ.get("KVLINK_LEASE", 30)),
             rdma_device=nic.choose(os.environ.get("KVLINK_RDMA_DEVICE"), getattr(args, "ib_device", None),
-                                   getattr(args, "gpu_id", None), _gpu_pci(getattr(args, "gpu_id", None))),
+                                   getattr(args, "gpu_id", None), settings.gpu_pci(getattr(args, "gpu_id", None))),
         )
         # One engine per index space: block ids of one read index every tensor of its layout.
         # The KV engine is this rank of the attention-TP group (it reads head slices of
@@ -220,18 +107,27 @@ class KvlinkKVManager(BaseKVManager):
         aux_ptrs = list(getattr(args, "aux_data_ptrs", None) or [])
         self.aux = (self._engine(listen, opts, aux_ptrs, args.aux_data_lens, args.aux_item_lens, 1,
                                  "sglang-aux") if aux_ptrs else None)
+        # Each state type on an engine of its own, tagged with its name (a pair whose types
+        # differ fails at the handshake too).
+        state_ptrs = list(getattr(args, "state_data_ptrs", None) or [])
+        self.state_types = states.check(list(getattr(args, "state_types", None) or [])[:len(state_ptrs)])
+        if len(self.state_types) != len(state_ptrs):
+            raise ValueError(f"kvlink: {len(state_ptrs)} state buffers but {len(self.state_types)} state types")
         self.states: List[Optional[kvlink.Engine]] = []
-        for i, ptrs in enumerate(getattr(args, "state_data_ptrs", None) or []):
+        for i, ptrs in enumerate(state_ptrs):
             self.states.append(self._engine(listen, opts, ptrs, args.state_data_lens[i],
-                                            args.state_item_lens[i], 1, f"sglang-state-{i}")
+                                            args.state_item_lens[i], 1, f"sglang-{self.state_types[i]}")
                                if ptrs else None)
         self.engines = [e for e in [self.kv, self.aux, *self.states] if e is not None]
         # request id -> the sender or receiver it belongs to
         self.owners: Dict[str, Any] = {}
         # decode: cancelled reads whose last writes may still land (request id -> engine)
         self.draining: Dict[str, kvlink.Engine] = {}
-        self.senders: Dict[int, "KvlinkKVSender"] = {}
-        self.receivers: Dict[int, "KvlinkKVReceiver"] = {}
+        # room -> its sender (prefill) or receiver (decode), kvlink.sglang.sender / .receiver
+        self.senders: Dict[int, Any] = {}
+        self.receivers: Dict[int, Any] = {}
+        # prefill: senders with chunks waiting for a GPU event (room -> sender)
+        self.waiting_senders: Dict[int, Any] = {}
         # prefill: wants that came before their sender; rooms a prefill sender gave up on before
         # any want (answered with an abort); attempts a decode aborted before its want came
         self.early_wants: "OrderedDict[int, tuple]" = OrderedDict()
@@ -241,8 +137,18 @@ class KvlinkKVManager(BaseKVManager):
         # decode: what SGLang's decode scheduler reads, and the routes it learned
         self.prefill_info_table: Dict[str, Any] = {}
         self.routes: Dict[tuple, Dict[str, Any]] = {}
+        # decode: registry lookups under way (off the scheduler thread), and the DP groups'
+        # ranks they found
+        self.lookups: Dict[str, Any] = {}
+        self.lookup_pool: Optional[ThreadPoolExecutor] = None
+        self.groups: Dict[tuple, List[Dict[str, Any]]] = {}
         self.bad_messages = 0
         self.unsent_messages = 0
+        # Peers rooms wait on whose session is down: address -> since when. A room fails once
+        # its peer stays down KVLINK_PEER_TIMEOUT seconds.
+        self.peer_timeout = float(os.environ.get("KVLINK_PEER_TIMEOUT", 10))
+        self.peers_down: Dict[str, float] = {}
+        self.peers_checked = 0.0
         # decode: retracted requests sent back to their prefill (``submit_prefill_recompute``),
         # and those whose /generate failed, applied on the scheduler thread
         self.recompute: Optional[ThreadPoolExecutor] = None
@@ -287,7 +193,8 @@ class KvlinkKVManager(BaseKVManager):
         port = int(getattr(sa, "disaggregation_bootstrap_port", 8998))
         entry = {"dp_rank": self.dp_rank, "tp_rank": self.engine_rank, "tp_size": self.tp_size,
                  "dp_size": self.dp_size, "addr": self.kv.handshake_address, "engine_id": self.kv.engine_id,
-                 "page_size": self.page_size, "dtype": self.dtype, "heads": self.heads is not None}
+                 "page_size": self.page_size, "dtype": self.dtype, "heads": self.heads is not None,
+                 "states": self.state_types}
         http_port = getattr(sa, "port", None)
         if isinstance(http_port, int) and 0 < http_port < 65536:
             entry["http_port"] = http_port
@@ -297,28 +204,35 @@ class KvlinkKVManager(BaseKVManager):
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """Decode: whether every prefill rank behind ``bootstrap_addr`` registered (SGLang asks
-        before it initialises receivers, and gives up after some tries)."""
+        before it initialises receivers, once a second, and gives up after some tries). The
+        registry is asked off the scheduler thread: a call starts the lookup, and a later one
+        takes its answer (a bootstrap server that does not answer never stalls the scheduler)."""
         if bootstrap_addr in self.prefill_info_table:
             return True
-        info = bootstrap.get(bootstrap_addr, "/kvlink/info")
-        if not info or info.get("complete") is not True:
+        lookup = self.lookups.get(bootstrap_addr)
+        if lookup is None:
+            if self.lookup_pool is None:
+                self.lookup_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvlink-bootstrap")
+            self.lookups[bootstrap_addr] = self.lookup_pool.submit(bootstrap.look_up, bootstrap_addr)
             return False
-        from types import SimpleNamespace
-
-        try:
-            self.prefill_info_table[bootstrap_addr] = SimpleNamespace(
-                dp_size=int(info["dp_size"]), tp_size=int(info["tp_size"]), follow_bootstrap_room=True,
-                page_size=info.get("page_size"), dtype=info.get("dtype"), heads=info.get("heads") is True)
-        except (KeyError, TypeError, ValueError):
-            logger.warning("kvlink: the bootstrap server at %s answered %r", bootstrap_addr, info)
+        if not lookup.done():
             return False
+        del self.lookups[bootstrap_addr]
+        found = lookup.result()
+        if found is None:
+            return False
+        info, groups = found
+        self.prefill_info_table[bootstrap_addr] = info
+        for dp, ranks in groups.items():
+            self.groups[(bootstrap_addr, dp)] = ranks
         return True
 
     def forget_route(self, bootstrap_addr: str) -> None:
         """Drops what was learned about a prefill (it may have restarted on other ports)."""
         self.prefill_info_table.pop(bootstrap_addr, None)
-        for key in [k for k in self.routes if k[0] == bootstrap_addr]:
-            del self.routes[key]
+        for table in (self.routes, self.groups):
+            for key in [k for k in table if k[0] == bootstrap_addr]:
+                del table[key]
 
     def route(self, bootstrap_addr: str, dp_rank: int) -> Dict[str, Any]:
         """The prefill ranks this decode rank reads from: ``addrs`` and ``engine_ids`` of the
@@ -333,6 +247,8 @@ class KvlinkKVManager(BaseKVManager):
         info = self.prefill_info_table[bootstrap_addr]
         if info.dtype != self.dtype:
             raise ValueError(f"KV cache {info.dtype!r} on the prefill, {self.dtype!r} here")
+        if info.states != self.state_types:
+            raise ValueError(f"state types {info.states} on the prefill, {self.state_types} here")
         if not 0 <= dp_rank < info.dp_size:
             raise ValueError(f"prefill DP rank {dp_rank}: the prefill at {bootstrap_addr} has {info.dp_size}")
         p, d = info.tp_size, self.tp_size
@@ -348,11 +264,8 @@ class KvlinkKVManager(BaseKVManager):
             if any(e is not None for e in self.states):
                 raise ValueError(f"prefill attention TP {p}, decode {d}: kvlink moves state types (mamba, "
                                  "sliding window, ...) only between equal attention TP sizes")
-        g = bootstrap.get(bootstrap_addr, f"/kvlink/group?dp_rank={dp_rank}")
-        ranks = g.get("ranks") if g else None
-        if (not isinstance(ranks, list) or len(ranks) != p
-                or not all(isinstance(r, dict) and isinstance(r.get("addr"), str)
-                           and isinstance(r.get("engine_id"), str) for r in ranks)):
+        ranks = self.groups.get((bootstrap_addr, dp_rank))
+        if ranks is None or len(ranks) != p:
             raise ValueError(f"prefill DP group {dp_rank} is not registered at {bootstrap_addr}")
         r = {"addrs": [x["addr"] for x in ranks], "engine_ids": [x["engine_id"] for x in ranks],
              "sources": list(sources), "http_port": ranks[0].get("http_port")}
@@ -361,12 +274,20 @@ class KvlinkKVManager(BaseKVManager):
 
     # -- progress --------------------------------------------------------------------------
 
-    def pump(self) -> None:
+    def pump(self, force: bool = False) -> None:
         """Takes every engine's finished transfers and the KV engine's messages, and hands each
-        to its room. Called from every poll; never blocks."""
+        to its room. Called from every poll (at most once per ``_PUMP_INTERVAL_S`` unless
+        ``force``); never blocks."""
+        now = time.monotonic()
+        if not force and now - self.pumped < _PUMP_INTERVAL_S:
+            return
+        self.pumped = now
         while self.recompute_failed:
             receiver, why = self.recompute_failed.popleft()
             receiver._fail(why, tell_peer=True)
+        self._watch_peers()
+        for sender in list(self.waiting_senders.values()):
+            sender.flush()
         for e in self.engines:
             self._finished(e.get_finished())
         for sender_id, body in self.kv.messages():
@@ -390,6 +311,61 @@ class KvlinkKVManager(BaseKVManager):
             owner = self.owners.pop(d["id"], None)
             if owner is not None:
                 owner._fail(f"{d['side']} {d['id']} {d['cause']}: {d['reason']}", tell_peer=True)
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
+        """Decode, SGLang's deferred release: whether no cancelled read of the room can still
+        write into its pages (every one was reported). ``required_acks`` is SGLang's count of
+        prefill acknowledgements; kvlink's reader knows of its own reads."""
+        self.pump(force=True)
+        r = self.receivers.get(bootstrap_room)
+        return r is None or not any(rid in self.draining for rid in r.cancelled)
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        """SGLang's deferred release ended for the room (nothing is kept per room)."""
+
+    def _watched(self) -> Dict[str, List[Any]]:
+        """The peers live rooms wait on: for a sender, the decode ranks that asked; for a
+        receiver that asked, the prefill ranks it reads."""
+        out: Dict[str, List[Any]] = {}
+        for s in self.senders.values():
+            if s.outcome is None:
+                for w in s.wants.values():
+                    out.setdefault(w["addr"], []).append(s)
+        for r in self.receivers.values():
+            if r.outcome is None and r.asked_at is not None and r.route is not None:
+                for i in r.route["sources"]:
+                    out.setdefault(r.route["addrs"][i], []).append(r)
+        return out
+
+    def _watch_peers(self) -> None:
+        """Once a second: fails the rooms of a peer whose session with this rank's KV engine
+        stayed down ``peer_timeout`` seconds (its process died, its host or link went away:
+        the engine's keep-alives notice within three silent periods). A peer that is down is
+        pinged, which connects again, so one that is alive comes back up in time."""
+        now = time.monotonic()
+        if now - self.peers_checked < _PEER_CHECK_S:
+            return
+        self.peers_checked = now
+        watched = self._watched()
+        for addr in [a for a in self.peers_down if a not in watched]:
+            del self.peers_down[addr]
+        for addr, rooms in watched.items():
+            state, why = self.kv.session_state(addr)
+            if state in ("up", "connecting") and addr not in self.peers_down:
+                continue
+            if state == "up":
+                del self.peers_down[addr]
+                continue
+            since = self.peers_down.setdefault(addr, now)
+            if now - since < self.peer_timeout:
+                if state != "connecting":
+                    self.send(addr, wire.ping())
+                continue
+            del self.peers_down[addr]
+            peer = "prefill" if self.mode != DisaggregationMode.PREFILL else "decode"
+            for room in rooms:
+                room._fail(f"the {peer} engine at {addr} has been unreachable for {now - since:.0f} s "
+                           f"(KVLINK_PEER_TIMEOUT): {why or state}", tell_peer=True)
 
     def drain(self, rids: List[str]) -> None:
         """Waits until the cancelled reads ``rids`` were reported (their last write landed), at
@@ -426,6 +402,8 @@ class KvlinkKVManager(BaseKVManager):
 
     def _dispatch(self, sender_id: str, m: Dict[str, Any]) -> None:
         room, kind, nonce = m["room"], m["t"], m["nonce"]
+        if kind == "ping":
+            return
         if self.mode == DisaggregationMode.PREFILL:
             sender = self.senders.get(room)
             if kind == "want":
@@ -503,38 +481,14 @@ class KvlinkKVManager(BaseKVManager):
         self.recompute_failed.append((kv_receiver, why))
 
     def close(self) -> None:
-        if self.recompute is not None:
-            self.recompute.shutdown(wait=False, cancel_futures=True)
+        for pool in (self.recompute, self.lookup_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         for e in self.engines:
             e.close()
 
     def teardown(self) -> None:
         self.close()
-
-
-def _refuse_unsupported(sa: Any, par: Dict[str, Any], mode: DisaggregationMode) -> None:
-    """Configurations this backend does not implement fail at start, saying which (from the
-    parallel sizes SGLang resolved, ``par``)."""
-    why = []
-    for attr, what in (("pp_size", "pipeline parallelism"), ("attn_cp_size", "attention context parallelism")):
-        if par[attr] > 1:
-            why.append(f"{what} ({attr}={par[attr]})")
-    if par["enable_kv_cache_sharding"] is True:
-        why.append("KV cache sharding across attention TP")
-    dp = par["dp_size"] if par["dp_size"] > 1 else par["attn_dp_size"]
-    if (mode == DisaggregationMode.PREFILL and dp > 1
-            and par["load_balance_method"] not in ("follow_bootstrap_room", "auto")):
-        why.append(f"the {par['load_balance_method']} load balance method with {dp} DP ranks (a decode finds "
-                   "the prefill DP rank of a room as room % DP size: follow_bootstrap_room)")
-    if getattr(sa, "disaggregation_decode_allocation_policy", "early") not in ("early", None):
-        why.append("the prefill_complete decode allocation policy")
-    if getattr(sa, "enable_memory_saver", False) is True:
-        why.append("the memory saver (KV memory released and remapped)")
-    for env in ("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", "SGLANG_DISAGG_STAGING_BUFFER"):
-        if os.environ.get(env, "").lower() in ("1", "true", "yes"):
-            why.append(env)
-    if why:
-        raise ValueError("the kvlink transfer backend does not support " + ", ".join(why))
 
 
 def _remember(d: "OrderedDict[Any, Any]", room: Any, value: Any) -> None:

@@ -18,10 +18,13 @@ touch the new one.
 - ``chunk`` (prefill to decode, from each ``KVSender.send``, split into messages of at most
   ``MAX_PAGES_PER_MESSAGE`` pages so each stays under kvlink's 64 KiB): pages ``pages`` of the prefill,
   held under ``id`` (hold token ``hold``), are the request's pages ``[first, first + len(pages))``.
-  The last chunk (``last``) also names the aux row and the state indices, each held under its
+  The last chunk (``last``) also names the aux row and the state rows, each held under its
   own id and token on the prefill's engine for that space (``spaces``: ``[{"space", "addr", "id",
-  "hold", "indices"}]``). The decode's reads name the token: only that hold confirms them.
+  "hold", "indices", "ring"}]``; ``ring``: a dsa_tail row's ring size, see
+  ``kvlink.sglang.states``). The decode's reads name the token: only that hold confirms them.
 - ``abort`` (either way): the sender gave up on room ``room``, with ``reason``.
+- ``ping`` (either way, room 0): nothing; sent to a peer whose session is down so that the
+  engine connects again (a peer that is alive comes back up).
 """
 
 from __future__ import annotations
@@ -87,6 +90,10 @@ def _hold(d: Dict[str, Any]) -> Optional[int]:
     return None if d.get("hold") is None else _int(d, "hold", 1, (1 << 64) - 1)
 
 
+def ping() -> bytes:
+    return encode({"t": "ping", "room": 0, "nonce": 0})
+
+
 def abort(room: int, nonce: Optional[int], reason: str) -> bytes:
     """``nonce`` None: every attempt at the room (a prefill that gave up before any want)."""
     return encode({"t": "abort", "room": room, "nonce": nonce, "reason": reason[:MAX_REASON]})
@@ -146,13 +153,18 @@ def decode(body: bytes) -> Dict[str, Any]:
             space = s.get("space")
             if not (space == "aux" or (type(space) is int and 0 <= space < MAX_STATE_TYPES)):
                 raise BadMessage("space must be \"aux\" or a state type index")
+            ring = s.get("ring")
+            if ring is not None and not (type(ring) is int and 0 < ring < 1 << 31):
+                raise BadMessage("ring must be a positive integer")
             checked.append({"space": space, "addr": _str(s, "addr", MAX_ADDR),
                             "id": _str(s, "id", MAX_ID), "hold": _hold(s),
-                            "indices": _ints(s.get("indices"), "indices", MAX_PAGES)})
+                            "indices": _ints(s.get("indices"), "indices", MAX_PAGES), "ring": ring})
         if checked and not out["last"]:
             raise BadMessage("only the last chunk names aux and state spaces")
         out["spaces"] = checked
         return out
+    if kind == "ping":
+        return {"t": kind, "room": room, "nonce": nonce}
     if kind == "abort":
         reason = d.get("reason")
         if not isinstance(reason, str):

@@ -1,0 +1,177 @@
+"""What kvlink's SGLang backend reads at start, before it makes an engine: SGLang's resolved
+parallel layout and the DP group a rank registers under, the KV page layout and heads of the
+model, the configurations it refuses, the address it listens on, its environment settings.
+Read-only helpers; nothing here holds state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import Any, Dict, Optional
+
+from sglang.srt.disaggregation.base.conn import KVArgs
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+logger = logging.getLogger(__name__)
+
+
+def env_seconds(name: str, default: float) -> float:
+    try:
+        from sglang.srt.environ import envs
+
+        return float(getattr(envs, name).get())
+    except Exception:  # noqa: BLE001 - older SGLang, or the variable unset
+        return float(os.environ.get(name, default))
+
+
+def env_flag(name: str) -> bool:
+    try:
+        from sglang.srt.environ import envs
+
+        return bool(getattr(envs, name).get())
+    except Exception:  # noqa: BLE001 - older SGLang, or the variable unset
+        return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+def host() -> str:
+    host = os.environ.get("KVLINK_HOST")
+    if host:
+        return host
+    if os.environ.get("KVLINK_AUTH_KEY") or os.environ.get("KVLINK_AUTH_KEY_FILE"):
+        try:
+            from sglang.srt.utils.network import get_local_ip_auto
+
+            return get_local_ip_auto()
+        except Exception:  # noqa: BLE001
+            pass
+    return "127.0.0.1"
+
+
+def gpu_pci(gpu_id: Optional[int]) -> Optional[str]:
+    """The PCI address of CUDA device ``gpu_id`` (``0000:3b:00.0``), when there is one."""
+    if gpu_id is None:
+        return None
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        p = torch.cuda.get_device_properties(int(gpu_id))
+        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+    except Exception:  # noqa: BLE001 - no CUDA, or a torch without PCI ids
+        return None
+
+
+def layout_tag(desc: str) -> str:
+    """``desc`` as a kvlink layout tag (at most 32 bytes): itself when short enough, else a
+    digest of it (DeepSeek-V4 names its main and compressed KV layouts, well over 32 bytes)."""
+    if len(desc.encode()) <= 32:
+        return desc
+    return "sgl-" + hashlib.blake2b(desc.encode(), digest_size=14).hexdigest()
+
+
+PARALLEL_FIELDS = ("attn_tp_rank", "attn_tp_size", "attn_dp_rank", "attn_dp_size", "attn_cp_size",
+                    "pp_size", "dp_size")
+
+
+def parallel() -> Dict[str, Any]:
+    """This rank's place as SGLang resolved it (``get_parallel()``: attention TP, DP and CP, PP,
+    system DP), never guessed from raw arguments: ``--dwdp-size`` and context parallelism change
+    them after parsing. A value SGLang has not published is an error at start."""
+    from sglang.srt.runtime_context import get_parallel
+
+    p, out = get_parallel(), {}
+    for name in PARALLEL_FIELDS:
+        try:
+            v = getattr(p, name)
+        except Exception as e:  # noqa: BLE001 - SGLang raises several kinds for "not published"
+            raise ValueError(f"kvlink: SGLang's parallel context has no {name}: {e}") from None
+        if type(v) is not int or v < 0:
+            raise ValueError(f"kvlink: SGLang's parallel context has {name}={v!r}")
+        out[name] = v
+    for name, default in (("load_balance_method", "follow_bootstrap_room"), ("enable_kv_cache_sharding", False)):
+        try:
+            out[name] = getattr(p, name)
+        except Exception:  # noqa: BLE001 - an SGLang without the option
+            out[name] = default
+    return out
+
+
+def dp_group(par: Dict[str, Any], args: KVArgs) -> tuple:
+    """``(rank, count)`` of the prefill group a room is routed to, as SGLang's bootstrap keys
+    it: the attention-DP rank, or with system DP (``--dp-size`` without DP attention) the
+    replica's rank."""
+    if par["dp_size"] > 1:
+        return int(getattr(args, "system_dp_rank", 0) or 0), par["dp_size"]
+    return par["attn_dp_rank"], par["attn_dp_size"]
+
+
+def mha_layout() -> str:
+    """How SGLang's MHA pool lays out a page, chosen as its ``MHATokenToKVPool`` chooses:
+    ``hnd`` (head-major, SGLANG_USE_HND_KVCACHE), AITER's ``vectorized_5d`` (head-major) or
+    ``nhd`` (token-major, the default)."""
+    from sglang.srt.environ import envs
+
+    if envs.SGLANG_USE_HND_KVCACHE.get():
+        return "hnd"
+    try:
+        from sglang.srt.mem_cache import memory_pool
+
+        if getattr(memory_pool, "_use_aiter", False):
+            return envs.SGLANG_AITER_KV_CACHE_LAYOUT.get().lower()
+    except Exception:  # noqa: BLE001 - no AITER setting in this SGLang
+        pass
+    return "nhd"
+
+
+def kv_heads(args: KVArgs, server_args: Any, attn_tp_size: int, is_mla: bool) -> Optional[tuple]:
+    """``(total, local)`` KV heads when TP splits the KV pages by head (not MLA), from the
+    model's configuration as SGLang's pools size themselves (both sides the same way: a pair
+    declares heads on both engines or on neither); ``None`` when it cannot be told, and then
+    prefill and decode must have the same attention TP size."""
+    if is_mla:
+        return None
+    try:
+        from sglang.srt.configs.model_config import ModelConfig
+
+        mc = ModelConfig.from_server_args(server_args)
+        total, local = int(mc.get_total_num_kv_heads()), int(mc.get_num_kv_heads(attn_tp_size))
+    except Exception as e:  # noqa: BLE001 - no model configuration to read
+        logger.info("kvlink: KV heads unknown (%s): prefill and decode need the same attention TP size", e)
+        return None
+    given = (getattr(args, "total_kv_head_num", None), getattr(args, "kv_head_num", None))
+    if all(isinstance(x, int) for x in given) and given != (total, local):
+        raise ValueError(f"kvlink: SGLang's pool holds {given[1]} of {given[0]} KV heads, the model "
+                         f"configuration says {local} of {total}")
+    if total <= 0 or local <= 0:
+        return None
+    return total, local
+
+
+
+
+def refuse_unsupported(sa: Any, par: Dict[str, Any], mode: DisaggregationMode) -> None:
+    """Configurations this backend does not implement fail at start, saying which (from the
+    parallel sizes SGLang resolved, ``par``)."""
+    why = []
+    for attr, what in (("pp_size", "pipeline parallelism"), ("attn_cp_size", "attention context parallelism")):
+        if par[attr] > 1:
+            why.append(f"{what} ({attr}={par[attr]})")
+    if par["enable_kv_cache_sharding"] is True:
+        why.append("KV cache sharding across attention TP")
+    dp = par["dp_size"] if par["dp_size"] > 1 else par["attn_dp_size"]
+    if (mode == DisaggregationMode.PREFILL and dp > 1
+            and par["load_balance_method"] not in ("follow_bootstrap_room", "auto")):
+        why.append(f"the {par['load_balance_method']} load balance method with {dp} DP ranks (a decode finds "
+                   "the prefill DP rank of a room as room % DP size: follow_bootstrap_room)")
+    if getattr(sa, "disaggregation_decode_allocation_policy", "early") not in ("early", None):
+        why.append("the prefill_complete decode allocation policy")
+    if getattr(sa, "enable_memory_saver", False) is True:
+        why.append("the memory saver (KV memory released and remapped)")
+    for env in ("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", "SGLANG_DISAGG_STAGING_BUFFER"):
+        if os.environ.get(env, "").lower() in ("1", "true", "yes"):
+            why.append(env)
+    if why:
+        raise ValueError("the kvlink transfer backend does not support " + ", ".join(why))

@@ -1,0 +1,181 @@
+"""kvlink's SGLang backend driven by SGLang's own queues and state machine (SGLang 0.5.23 from
+PyPI, installed by tools/test.sh): prefill and decode sides in processes of their own (one per
+rank), each with SGLang's real scheduler queues, KV pool (sized by SGLang's ModelConfig from a
+real model's config.json) and metadata buffers on CPU, the backend loaded by SGLang's plugin
+loader from kvlink's entry point. Every byte each decode rank receives is checked, and the first
+output token travels in SGLang's aux (metadata) row."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from harness import PEER_GONE, assert_all_arrived, mixed_requests, run_pair
+
+
+def test_chunked_prefill_every_byte_and_the_aux_row_arrive():
+    rng = random.Random(16)
+    reqs = []
+    for i in range(16):
+        # Page edges first, then random lengths: most are prefilled in several chunks.
+        n = [1, 15, 16, 17][i] if i < 4 else rng.randint(2, 600)
+        reqs.append({"rid": f"r{i}", "room": 1000 + rng.randint(0, 1 << 40) * 8 + i, "n": n,
+                     "chunk": 16 * rng.randint(1, 8)})
+    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs)
+    chunked = 0
+    for r in reqs:
+        d = d_ends[r["rid"]]
+        assert d["end"] == "ok", d
+        assert d["bytes_ok"], d
+        assert d["first_token_ok"], f"the aux row did not carry the first token: {d}"
+        assert p_ends[r["rid"]]["end"] == "ok", p_ends[r["rid"]]
+        chunked += r["n"] > r["chunk"]
+    assert chunked >= 5, "the plan must chunk several prefills"
+    # Nothing held or read any more; the decode's pages all came back.
+    assert p_sum["held"] == 0 and p_sum["senders"] == 0, p_sum
+    assert d_sum["receiving"] == 0 and d_sum["receivers"] == 0 and d_sum["free_pages_back"], d_sum
+    assert p_sum["bad_messages"] == d_sum["bad_messages"] == 0
+    # One want per request, one chunk message per chunk; every hold confirmed.
+    assert p_sum["stats"]["messages_received"] == len(reqs)
+    assert d_sum["stats"]["messages_received"] == p_sum["stats"]["messages_sent"] >= len(reqs) + chunked
+    assert p_sum["stats"]["sends_failed"] == d_sum["stats"]["reads_failed"] == 0
+    assert d_sum["stats"]["reads_done"] == p_sum["stats"]["sends_done"]
+
+
+@pytest.mark.parametrize("prefill,decode", [({"tp": 1}, {"tp": 2}), ({"tp": 2}, {"tp": 1}), ({"tp": 2}, {"tp": 2})],
+                         ids=["tp1-to-tp2", "tp2-to-tp1", "tp2-to-tp2"])
+def test_attention_tp_sizes_pair_by_head(prefill, decode):
+    """Llama 3.1 8B's 8 KV heads: a decode rank of TP 2 reads its 4 heads of the one prefill
+    rank's 8; a decode rank of TP 1 reads 4 heads from each of two prefill ranks, side by side
+    in its pages. Each decode rank checks every byte of its own heads, and the first token
+    (the aux row) arrives on every rank."""
+    reqs = mixed_requests(7, 8)
+    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs, prefill=prefill, decode=decode)
+    assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum)
+    # Every prefill rank's hold was confirmed by each decode rank that read it.
+    assert d_sum["stats"]["reads_done"] * max(1, prefill["tp"] // decode["tp"]) == p_sum["stats"]["sends_done"]
+
+
+@pytest.mark.parametrize("prefill,decode", [({"tp": 1}, {"tp": 2}), ({"tp": 2}, {"tp": 1})],
+                         ids=["tp1-to-tp2", "tp2-to-tp1"])
+def test_mla_latents_move_whole_between_attention_tp_sizes(prefill, decode):
+    """DeepSeek-V2-Lite's MLA pool (SGLang's MLATokenToKVPool, a 576-wide latent per token, whole
+    on every rank): each decode rank of TP 2 reads the one prefill rank's pages; a decode rank
+    of TP 1 reads its pages shared out between the two prefill ranks, which both hold them."""
+    reqs = mixed_requests(13, 6)
+    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs, prefill=prefill, decode=decode, model="deepseek-v2-lite")
+    assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum)
+
+
+@pytest.mark.parametrize("decode", [{"tp": 2, "dp": 2}, {"tp": 1}], ids=["to-dp2", "to-tp1"])
+def test_dp_attention_routes_each_room_to_its_prefill_dp_rank(decode):
+    """A prefill of two DP attention ranks (attention TP 1 each), rooms routed by bootstrap
+    room as SGLang's router does (room % 2): each decode rank finds a room's prefill through
+    the bootstrap server's DP group of it, whichever decode DP rank took it."""
+    reqs = mixed_requests(11, 8)
+    assert {r["room"] % 2 for r in reqs} == {0, 1}
+    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs, prefill={"tp": 2, "dp": 2}, decode=decode)
+    assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum)
+
+
+def test_aborts_on_either_side_end_both_sides_with_the_reason():
+    reqs = [
+        {"rid": "ok1", "room": 501, "n": 100, "chunk": 32},
+        {"rid": "prefill-abort", "room": 502, "n": 64, "abort_in_bootstrap": True},
+        {"rid": "decode-abort", "room": 503, "n": 800, "chunk": 16, "abort_after_first_chunk": True},
+        {"rid": "ok2", "room": 504, "n": 33, "chunk": 16},
+        {"rid": "prefill-abort-told", "room": 505, "n": 400, "chunk": 16, "abort_after_first_chunk_sent": True},
+        {"rid": "prefill-abort-early", "room": 506, "n": 40, "abort_before_want": True, "decode_delay": 1.0},
+    ]
+    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs)
+    for rid in ("ok1", "ok2"):
+        assert d_ends[rid]["end"] == "ok" and d_ends[rid]["bytes_ok"], d_ends[rid]
+    # The prefill aborted in its bootstrap queue: the decode fails it, saying so.
+    assert "Abort" in p_ends["prefill-abort"]["end"], p_ends["prefill-abort"]
+    assert "prefill aborted" in d_ends["prefill-abort"]["end"], d_ends["prefill-abort"]
+    # The decode aborted mid-transfer: its reads stop, the prefill fails the room and frees it.
+    assert "Abort" in d_ends["decode-abort"]["end"], d_ends["decode-abort"]
+    # (Told by the decode's abort message, or first by its engine's cancel of the read.)
+    end = p_ends["decode-abort"]["end"]
+    assert "decode aborted" in end or "the reading peer aborted" in end, end
+    # The prefill aborted after the decode was told of a chunk (its read maybe in flight): the
+    # holds end, the decode never reports the room received, and says why.
+    assert "Abort" in p_ends["prefill-abort-told"]["end"], p_ends["prefill-abort-told"]
+    end = d_ends["prefill-abort-told"]["end"]
+    assert end != "ok" and ("prefill aborted" in end or "unconfirmed" in end), end
+    # The prefill aborted before the decode asked: the decode's want is answered with the abort.
+    assert "prefill aborted" in d_ends["prefill-abort-early"]["end"], d_ends["prefill-abort-early"]
+    assert p_sum["held"] == 0 and p_sum["senders"] == 0, p_sum
+    assert d_sum["receiving"] == 0 and d_sum["free_pages_back"], d_sum
+
+
+def test_a_stale_read_fails_the_room_and_is_never_decoded_from():
+    """The prefill's hold of a chunk ends and the chunk's id is held again (a new hold, a new
+    token) before the decode reads it: the read names the old hold's token, so although its
+    bytes arrive, the prefill refuses its confirmation; the decode fails the room (SGLang's
+    answer to a failed transfer), tells the prefill, and gives its pages back. The other room
+    is untouched."""
+    reqs = [
+        {"rid": "stale", "room": 611, "n": 96, "chunk": 32, "rehold_after_first_chunk": True},
+        {"rid": "fine", "room": 612, "n": 40, "chunk": 16},
+    ]
+    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs)
+    assert d_ends["fine"]["end"] == "ok" and d_ends["fine"]["bytes_ok"], d_ends["fine"]
+    end = d_ends["stale"]["end"]
+    assert end != "ok" and "unconfirmed" in end and "another hold" in end, end
+    assert p_ends["stale"]["end"] != "ok", p_ends["stale"]
+    assert p_sum["held"] == 0 and p_sum["senders"] == 0, p_sum
+    assert d_sum["receiving"] == 0 and d_sum["free_pages_back"], d_sum
+
+
+def test_a_retracted_request_goes_back_to_its_prefill_and_is_read_again():
+    """SGLang's decode retracts a request (``add(req, is_rebootstrap=True)``): its new receiver
+    asks the prefill again and ``submit_prefill_recompute`` posts SGLang's ``/generate`` body to
+    the prefill's HTTP port (registered with the bootstrap server), which computes the prompt
+    again and sends its KV; every byte checked. A prefill that refuses the post fails the room
+    at once, not at the waiting timeout."""
+    reqs = [
+        {"rid": "retracted", "room": 621, "n": 80, "chunk": 32, "rebootstrap": True},
+        {"rid": "refused", "room": 622, "n": 40, "chunk": 16, "rebootstrap": True, "recompute_fails": True},
+        {"rid": "plain", "room": 623, "n": 33, "chunk": 16},
+    ]
+    start = time.monotonic()
+    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs, decode_env={"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"})
+    for rid in ("retracted", "plain"):
+        assert d_ends[rid]["end"] == "ok" and d_ends[rid]["bytes_ok"], d_ends[rid]
+        assert d_ends[rid]["first_token_ok"], d_ends[rid]
+    assert "/generate answered 500" in d_ends["refused"]["end"], d_ends["refused"]
+    assert time.monotonic() - start < 40, "failed at once, not at the 60 s waiting timeout"
+    assert p_sum["generate_posts"] == 2, p_sum
+    assert p_sum["held"] == 0 and p_sum["senders"] == 0, p_sum
+    assert d_sum["receiving"] == 0 and d_sum["free_pages_back"], d_sum
+
+
+def test_a_dead_prefill_fails_the_decode_within_seconds():
+    """The prefill dies (SIGKILL-like exit) after its first chunk: the decode's session with it
+    ends, and the room fails after KVLINK_PEER_TIMEOUT (2 s here), long before SGLang's
+    300-second waiting timeout; its pages go back."""
+    reqs = [{"rid": "orphan", "room": 777, "n": 300, "chunk": 32, "die_after_first_chunk": True}]
+    start = time.monotonic()
+    p_ends, _, d_ends, d_sum, code = run_pair(reqs, decode_env=PEER_GONE, deadline=40)
+    assert code == 3, "the prefill was to die after its first chunk"
+    end = d_ends["orphan"]["end"]
+    assert "prefill engine at" in end and "unreachable" in end, end
+    assert time.monotonic() - start < 60
+    assert d_sum["receiving"] == 0 and d_sum["free_pages_back"], d_sum
+
+
+def test_a_dead_decode_fails_the_prefill_within_seconds():
+    """The decode dies once it read the first chunk of a long prefill: the prefill's session
+    with it ends, its room fails after KVLINK_PEER_TIMEOUT and its holds end, instead of
+    waiting out the abort timeout (480 s) or the lease; the other room is untouched until
+    then and ends too (its decode is the same dead one)."""
+    reqs = [{"rid": "widowed", "room": 778, "n": 400, "chunk": 16, "decode_dies_after_first_chunk": True}]
+    start = time.monotonic()
+    p_ends, p_sum, d_ends, _, _ = run_pair(reqs, prefill_env=PEER_GONE, deadline=40, decode_dies=True)
+    end = p_ends["widowed"]["end"]
+    assert "decode engine at" in end and "unreachable" in end, end
+    assert time.monotonic() - start < 60
+    assert p_sum["held"] == 0 and p_sum["senders"] == 0, p_sum
