@@ -1,9 +1,10 @@
 """One rank of one side of an SGLang prefill/decode pair, on CPU, run as its own process:
 SGLang's real queues (``PrefillBootstrapQueue``, the prefill mixin's ``send_kv_chunk`` and
-inflight queue; ``DecodePreallocQueue``, ``DecodeTransferQueue``), its KV pool (sized by SGLang's
-``ModelConfig`` from a real model's ``config.json``: Llama 3.1 8B's 8 KV heads of 128, cut to 4
-layers), metadata buffers and page allocator, with kvlink's backend loaded through SGLang's own
-plugin loader. Parallel sizes are SGLang's own (``ServerArgs`` with ``tp_size``, ``dp_size``,
+inflight queue; ``DecodePreallocQueue``, ``DecodeTransferQueue``), its KV pool and page
+allocator (sized by SGLang's ``ModelConfig`` from a real model's ``config.json`` in
+tests/vllm/models, cut to 4 layers: Llama 3.1 8B's ``MHATokenToKVPool`` with 8 KV heads of 128,
+DeepSeek-V2-Lite's ``MLATokenToKVPool``, gpt-oss-20b's hybrid ``SWAKVPool`` with its SWA
+allocator), metadata buffers, with kvlink's backend loaded through SGLang's own plugin loader. Parallel sizes are SGLang's own (``ServerArgs`` with ``tp_size``, ``dp_size``,
 ``enable_dp_attention``, published with ``publish``; gloo groups for its all-reduces). Only the
 model's forward and the scheduler loop are stand-ins: the prefill writes each token's K and V as
 a function of (room, position, layer, global head, dim) and its first output token as a function
@@ -48,6 +49,10 @@ class Shape:
         self.mla = self.config.attention_arch == AttentionArch.MLA
         if self.mla:
             self.latent = (self.config.kv_lora_rank, self.config.qk_rope_head_dim)
+        # Hybrid sliding-window models (gpt-oss): SGLang's SWAKVPool, the window's pages moved
+        # as SGLang's SWA state.
+        self.swa = bool(getattr(self.config, "is_hybrid_swa", False))
+        self.window = self.config.sliding_window_size if self.swa else None
         self.total = self.config.get_total_num_kv_heads()
         self.heads = self.config.get_num_kv_heads(attn_tp_size)
         self.head_dim = self.config.head_dim
@@ -73,20 +78,47 @@ def expected_latent(shape: Shape, room: int, positions: torch.Tensor, layer: int
     return ((base[:, None, None] + dims[None, None]) % 1900).to(torch.float16)
 
 
-def write_kv(pool, shape: Shape, room: int, loc: torch.Tensor, positions: torch.Tensor) -> None:
+def sub_pool(pool, alloc, shape: Shape, layer: int, loc: torch.Tensor):
+    """The pool, its layer index and the slots of ``loc`` (full-pool slots) for model layer
+    ``layer``: a hybrid pool keeps sliding-window layers in its SWA pool."""
+    if not shape.swa:
+        return pool, layer, loc
+    idx, is_swa = pool.layers_mapping[layer]
+    if is_swa:
+        return pool.swa_kv_pool, idx, alloc.translate_loc_from_full_to_swa(loc)
+    return pool.full_kv_pool, idx, loc
+
+
+def write_kv(pool, alloc, shape: Shape, room: int, loc: torch.Tensor, positions: torch.Tensor) -> None:
     """The stand-in forward: every layer's KV of these tokens, as a function of the room."""
     for layer in range(shape.layers):
-        if shape.mla:
+        if shape.swa:
+            sub, idx, slots = sub_pool(pool, alloc, shape, layer, loc)
+            sub.k_buffer[idx][slots] = expected_k(shape, room, positions, layer)
+            sub.v_buffer[idx][slots] = expected_v(shape, room, positions, layer)
+        elif shape.mla:
             pool.kv_buffer[layer][loc] = expected_latent(shape, room, positions, layer)
         else:
             pool.k_buffer[layer][loc] = expected_k(shape, room, positions, layer)
             pool.v_buffer[layer][loc] = expected_v(shape, room, positions, layer)
 
 
-def wrong_kv(pool, shape: Shape, room: int, slots: torch.Tensor, positions: torch.Tensor) -> List[str]:
-    """The layers whose KV in ``slots`` is not what the prefill wrote."""
+def wrong_kv(pool, alloc, shape: Shape, room: int, slots: torch.Tensor, positions: torch.Tensor) -> List[str]:
+    """The layers whose KV in ``slots`` is not what the prefill wrote (for sliding-window
+    layers, within the window SGLang moves: from the page holding the window's first token)."""
     bad = []
     for layer in range(shape.layers):
+        if shape.swa:
+            sub, idx, mine = sub_pool(pool, alloc, shape, layer, slots)
+            if pool.layers_mapping[layer][1]:
+                start = max(0, len(positions) - shape.window) // PAGE * PAGE
+                mine, pos = mine[start:], positions[start:]
+            else:
+                pos = positions
+            if not (torch.equal(sub.k_buffer[idx][mine], expected_k(shape, room, pos, layer))
+                    and torch.equal(sub.v_buffer[idx][mine], expected_v(shape, room, pos, layer))):
+                bad.append(f"{'SWA' if pool.layers_mapping[layer][1] else 'full'} layer {layer}")
+            continue
         if shape.mla:
             if not torch.equal(pool.kv_buffer[layer][slots], expected_latent(shape, room, positions, layer)):
                 bad.append(f"latent layer {layer}")
@@ -149,6 +181,34 @@ def mine(spec: Dict[str, Any], role: str, dp_rank: int, dp: int) -> bool:
 
 
 def kv_pool(shape: Shape):
+    """SGLang's pool for the model and the allocator over it."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    if shape.swa:
+        c = shape.config
+        pool = SWAKVPool(size=POOL_TOKENS, size_swa=POOL_TOKENS, page_size=PAGE, dtype=torch.float16,
+                         head_num=shape.heads, head_dim=shape.head_dim,
+                         swa_attention_layer_ids=list(c.swa_attention_layer_ids),
+                         full_attention_layer_ids=list(c.full_attention_layer_ids), device="cpu",
+                         enable_memory_saver=False, enable_alt_stream=False)
+        return pool, SWATokenToKVPoolAllocator(POOL_TOKENS, POOL_TOKENS, PAGE, torch.float16, "cpu", pool,
+                                               need_sort=False)
+    pool = _single_pool(shape)
+    return pool, PagedTokenToKVPoolAllocator(POOL_TOKENS, PAGE, torch.float16, "cpu", pool, need_sort=False)
+
+
+def alloc_pages(alloc, shape: Shape, n: int) -> torch.Tensor:
+    """``n`` page-aligned token slots of a new request, as SGLang's scheduler allocates them
+    (the hybrid allocator only by extend: full and SWA slots together, mapped)."""
+    if not shape.swa:
+        return alloc.alloc(n)
+    zero, seq = torch.tensor([0]), torch.tensor([n])
+    return alloc.alloc_extend(zero, zero, seq, seq, torch.tensor([-1], dtype=torch.int64), n)
+
+
+def _single_pool(shape: Shape):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
     if shape.mla:
@@ -224,7 +284,6 @@ def emit(d: Dict[str, Any]) -> None:
 def run_prefill(plan: Dict[str, Any], rank: int) -> None:
     from sglang.srt.disaggregation import prefill as P
     from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator, TransferBackend
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     port = plan["bootstrap_port"]
@@ -241,8 +300,7 @@ def run_prefill(plan: Dict[str, Any], rank: int) -> None:
     # No radix tree on this stand-in: releasing a finished request's pages is the scheduler's.
     P.release_kv_cache = lambda req, tree_cache, checkpoint=False: None
     P.checkpoint_kv_cache = lambda req, cache: None
-    pool = kv_pool(shape)
-    alloc = PagedTokenToKVPoolAllocator(POOL_TOKENS, PAGE, torch.float16, "cpu", pool, need_sort=False)
+    pool, alloc = kv_pool(shape)
     r2t = ReqToTokenPool(size=32, max_context_len=1024, device="cpu", enable_memory_saver=False)
     out = Outputs()
 
@@ -253,6 +311,7 @@ def run_prefill(plan: Dict[str, Any], rank: int) -> None:
     s.__dict__.update(
         tp_worker=NS(model_runner=NS(effective_logical_max_total_num_tokens=POOL_TOKENS, kv_cache_dtype_str="auto")),
         kv_shard_widening=1, token_to_kv_pool_allocator=alloc, rust_server=None, model_config=shape.config,
+        sliding_window_size=shape.window,
         server_args=sa, req_to_token_pool=r2t, attn_cp_cpu_group=single, attn_tp_cpu_group=group, pp_group=None,
         processed_tokens_counter=0, tree_cache=NS(finish=lambda *a: None), output_streamer=out,
         metrics_reporter=NS(enable_metrics=False), scheduler_stage_metrics=None, enable_staging=False,
@@ -307,9 +366,9 @@ def run_prefill(plan: Dict[str, Any], rank: int) -> None:
             r2t.alloc([r])
             n = spec["n"]
             n_alloc = (n + PAGE - 1) // PAGE * PAGE
-            loc = alloc.alloc(n_alloc)
+            loc = alloc_pages(alloc, shape, n_alloc)
             r2t.write((r.kv.req_pool_idx, slice(0, n_alloc)), loc.to(torch.int32))
-            write_kv(pool, shape, spec["room"], loc[:n], torch.arange(n))
+            write_kv(pool, alloc, shape, spec["room"], loc[:n], torch.arange(n))
             r.kv.kv_allocated_len = n_alloc
             spec["_pages"] = [int(x) // PAGE for x in loc[0:n_alloc:PAGE]]
             computing.append([r, spec, 0])
@@ -369,15 +428,13 @@ def run_prefill(plan: Dict[str, Any], rank: int) -> None:
 def run_decode(plan: Dict[str, Any], rank: int) -> None:
     from sglang.srt.disaggregation import decode as D
     from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator, TransferBackend
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
     port = plan["bootstrap_port"]
     sa, group, _, shape, dp_rank, dp = setup("decode", plan, rank)
     backend = TransferBackend(sa.disaggregation_transfer_backend)
-    pool = kv_pool(shape)
-    alloc = PagedTokenToKVPoolAllocator(POOL_TOKENS, PAGE, torch.float16, "cpu", pool, need_sort=False)
+    pool, alloc = kv_pool(shape)
     r2t = D.DecodeReqToTokenPool(size=32, max_context_len=1024, device="cpu", enable_memory_saver=False,
                                  pre_alloc_size=32)
     tree = RadixCache(CacheInitParams(disable=True, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
@@ -389,12 +446,13 @@ def run_decode(plan: Dict[str, Any], rank: int) -> None:
 
     s = Scheduler()
     s.__dict__.update(
-        tp_worker=NS(model_runner=NS(kv_cache_dtype_str="auto"), is_hybrid_swa=False), random_seed=0,
+        tp_worker=NS(model_runner=NS(kv_cache_dtype_str="auto"), is_hybrid_swa=shape.swa), random_seed=0,
         model_config=shape.config, server_args=sa, enable_hisparse=False, enable_lora=False,
         enable_priority_scheduling=False, enable_decode_hicache=False, running_batch=NS(reqs=[]),
         waiting_queue=[], last_batch=None, output_streamer=out, metrics_reporter=NS(enable_metrics=False),
         spec_algorithm=NS(is_none=lambda: True), enable_overlap=False, kv_checksum_computer=None,
-        batch_result_processor=NS(_maybe_update_reasoning_tokens=lambda req, tok: None), sliding_window_size=None,
+        batch_result_processor=NS(_maybe_update_reasoning_tokens=lambda req, tok: None),
+        sliding_window_size=shape.window,
     )
     meta = MetadataBuffers(64, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=16)
     idx = ReqToMetadataIdxAllocator(64)
@@ -449,7 +507,7 @@ def run_decode(plan: Dict[str, Any], rank: int) -> None:
             spec = reqs[r.rid][1]
             n, room = spec["n"], spec["room"]
             slots = r2t.req_to_token[r.kv.req_pool_idx, :n].long()
-            bad = wrong_kv(pool, shape, room, slots, torch.arange(n))
+            bad = wrong_kv(pool, alloc, shape, room, slots, torch.arange(n))
             ok_token = list(r.output_ids) == [first_token(room)]
             ended[r.rid] = {"end": "ok", "bytes_ok": not bad, "bad": bad, "first_token_ok": ok_token,
                             "pages": (n + PAGE - 1) // PAGE}

@@ -69,6 +69,16 @@ def test_mla_latents_move_whole_between_attention_tp_sizes(prefill, decode):
     assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum)
 
 
+def test_a_hybrid_sliding_window_model_moves_its_window_as_sglangs_swa_state():
+    """gpt-oss (sliding-window layers of 128 tokens alternating with full-attention ones): SGLang's
+    SWAKVPool and SWA allocator on both sides; the full layers' pages move as KV, the window's
+    pages of the sliding-window layers as SGLang's SWA state, each in its own index space. The
+    decode checks every full layer whole and every sliding-window layer over the window."""
+    reqs = mixed_requests(17, 6) + [{"rid": "long", "room": 9001, "n": 700, "chunk": 64}]
+    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs, model="gpt-oss-20b")
+    assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum)
+
+
 @pytest.mark.parametrize("decode", [{"tp": 2, "dp": 2}, {"tp": 1}], ids=["to-dp2", "to-tp1"])
 def test_dp_attention_routes_each_room_to_its_prefill_dp_rank(decode):
     """A prefill of two DP attention ranks (attention TP 1 each), rooms routed by bootstrap
