@@ -21,7 +21,7 @@ MIN_KEYED=29
 MIN_PYTHON=47
 MIN_VM=20
 MIN_VLLM=42
-MIN_SGLANG=58
+MIN_SGLANG=59
 MIN_ENGINE_EVENTS=6
 # The vLLM releases the connector is tested against: the newest (in .venv-vllm33) and the one
 # before it (in .venv-vllm, where the SGLang backend's tests also run).

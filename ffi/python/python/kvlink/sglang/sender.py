@@ -261,6 +261,9 @@ class KvlinkKVSender(Room, BaseKVSender):
             self.finished_at = time.monotonic()
 
     def _drop_out(self) -> None:
+        """Ends the room's holds at once. A decode may be reading one (it was told): its read
+        then fails at its confirmation, which only a hold that lasted the whole read gives, so
+        the decode never reports the room received; the abort message tells it why."""
         for rid, space in list(self.out.items()):
             e = self._engine(space)
             if e is not None:
