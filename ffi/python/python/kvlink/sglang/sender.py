@@ -80,7 +80,7 @@ class KvlinkKVSender(Room, BaseKVSender):
             self.wants[sender_id] = m
             return self._fail(why, tell_peer=True)
         self.wants[sender_id] = m
-        rank, size = m["tp"]
+        size = m["tp"][1]
         self.expected = size // self.kv_mgr.tp_size if size > self.kv_mgr.tp_size else 1
         self.kv_mgr.req_to_decode_prefix_len[room] = m["prefix"]
 
@@ -97,7 +97,9 @@ class KvlinkKVSender(Room, BaseKVSender):
         if self.num_pages is not None and m["pages"] != self.num_pages:
             return f"the prefill sends {self.num_pages} pages, the decode expects {m['pages']}"
         for w in self.wants.values():
-            if (w["tp"][1], w["pages"], w["prefix"]) != (size, m["pages"], m["prefix"]) or w["tp"][0] == rank:
+            if w["tp"] == (rank, size):
+                return f"two decode engines ask for room {self.bootstrap_room} as decode rank {rank} of {size}"
+            if (w["tp"][1], w["pages"], w["prefix"]) != (size, m["pages"], m["prefix"]):
                 return (f"decode ranks disagree on room {self.bootstrap_room}: rank {w['tp'][0]} of {w['tp'][1]} "
                         f"wants {w['pages']} pages after {w['prefix']}, rank {rank} of {size} {m['pages']} after "
                         f"{m['prefix']}")
