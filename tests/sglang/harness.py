@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import socket
 import subprocess
 import sys
@@ -57,10 +58,16 @@ def run_pair(requests: List[Dict[str, Any]], decode_env: Optional[Dict[str, str]
                                 stderr=subprocess.PIPE, text=True, env={**env, **extra})
 
     ps = [start("prefill", r, prefill_env or {}) for r in range(prefill["tp"])]
-    ds = [start("decode", r, decode_env or {}) for r in range(decode["tp"])]
+    ds: List[subprocess.Popen] = []
     try:
+        # The decode starts once the prefill is up, as a deployment's would: SGLang's decode
+        # gives a prefill 15 s to register, which a cold start on a busy machine can exceed.
+        firsts = [ready_line(p, 120) for p in ps]
+        ds = [start("decode", r, decode_env or {}) for r in range(decode["tp"])]
         d_io = [d.communicate(timeout=deadline + 90) for d in ds]
-        p_io = [p.communicate(timeout=30) for p in ps]
+        # The prefill ends by its own deadline, saying which requests did not finish.
+        p_io = [(first + out, err) for first, (out, err) in zip(firsts, (p.communicate(timeout=deadline + 30)
+                                                                          for p in ps))]
     finally:
         for p in ps + ds:
             if p.poll() is None:
@@ -75,6 +82,19 @@ def run_pair(requests: List[Dict[str, Any]], decode_env: Optional[Dict[str, str]
     assert d_sum is not None or decode_dies, f"decode did not finish:\n{d_io[0][1][-3000:]}"
     assert p_sum is not None or ps[0].returncode != 0, f"prefill did not finish:\n{p_io[0][1][-3000:]}"
     return p_ends, p_sum, d_ends, d_sum, ps[0].returncode
+
+
+def ready_line(p: subprocess.Popen, limit: float) -> str:
+    """The first line ``p`` prints (its ``ready`` line), or "" once it exits or ``limit``
+    seconds pass."""
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        ready, _, _ = select.select([p.stdout], [], [], 0.5)
+        if ready:
+            return p.stdout.readline()
+        if p.poll() is not None:
+            return ""
+    return ""
 
 
 def merge(ranks: List[List[Dict[str, Any]]]) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:

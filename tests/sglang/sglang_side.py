@@ -413,7 +413,14 @@ def run_prefill(plan: Dict[str, Any], rank: int) -> None:
             ended.setdefault(rid, why)
         time.sleep(0.002)
     for spec in requests:
-        emit({"rid": spec["rid"], "room": spec["room"], "end": ended.get(spec["rid"], "unfinished")})
+        end = ended.get(spec["rid"])
+        if end is None:
+            # Where an unfinished request stands, for the test's failure message.
+            r = reqs.get(spec["rid"], (None,))[0]
+            sender = getattr(r, "disagg_kv_sender", None) if r is not None else None
+            end = "unfinished: " + ("never added" if r is None else repr({
+                k: getattr(sender, k, None) for k in ("outcome", "reason", "expected", "chunks", "last_sent")}))
+        emit({"rid": spec["rid"], "room": spec["room"], "end": end})
     held = sum(e.in_flight()[1] for e in mgr.engines)
     emit({"summary": {"held": held, "senders": len(mgr.senders), "bad_messages": mgr.bad_messages,
                       "stats": mgr.kv.stats(), "generate_posts": generate.count}})
@@ -518,7 +525,10 @@ def run_decode(plan: Dict[str, Any], rank: int) -> None:
             ended.setdefault(rid, {"end": why})
         time.sleep(0.002)
     for rid, (r, spec) in reqs.items():
-        emit({"rid": rid, "room": spec["room"], **ended.get(rid, {"end": "unfinished"})})
+        rcv = mgr.receivers.get(spec["room"])
+        state = repr({k: getattr(rcv, k, None) for k in ("outcome", "reason", "route", "asked_at", "chunks",
+                                                          "last_seen")}) if rcv is not None else "no receiver"
+        emit({"rid": rid, "room": spec["room"], **ended.get(rid, {"end": f"unfinished: {state}"})})
     receiving = sum(e.in_flight()[0] for e in mgr.engines)
     emit({"summary": {"receiving": receiving, "receivers": len(mgr.receivers), "bad_messages": mgr.bad_messages,
                       "free_pages_back": alloc.available_size() == free_pages_at_start,
