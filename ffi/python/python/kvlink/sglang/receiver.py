@@ -16,6 +16,10 @@ from kvlink.sglang.room import Room
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll, KVTransferDestination
 
 
+# Most chunk messages one prefill rank may have announced ahead of the others a rank reads.
+_MAX_QUEUED_CHUNKS = 1024
+
+
 class KvlinkKVReceiver(Room, BaseKVReceiver):
     """Decode side of one room: asks the prefill ranks it reads (one, or several when the
     prefill's attention TP is larger), then reads every chunk they all announced into its own
@@ -94,6 +98,10 @@ class KvlinkKVReceiver(Room, BaseKVReceiver):
             self.kv_mgr._bad(sender_id, f"chunk for room {self.bootstrap_room} from an engine other than "
                                         f"its prefill ranks {sorted(self.inbox)}")
             return
+        if len(queue) >= _MAX_QUEUED_CHUNKS:
+            # A prefill rank far ahead of the others (or a hostile one): the queue stays bounded.
+            return self._fail(f"prefill engine {sender_id} announced {len(queue)} chunks the other prefill ranks "
+                              "have not", tell_peer=True)
         queue.append(m)
         self.chunk_at = time.monotonic()
         while self.outcome is None and all(self.inbox.values()):
