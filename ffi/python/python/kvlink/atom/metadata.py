@@ -1,0 +1,40 @@
+"""What the scheduler side hands every TP rank each step (pickled by ATOM's runner queue)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+from atom.kv_transfer.disaggregation.types import ConnectorMetadata
+
+from .params import Read
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A prefill request's blocks to hold for its readers, and the hold's token."""
+
+    blocks: List[int]
+    token: int
+
+
+class KvlinkMetadata(ConnectorMetadata):
+    """One step's work for the worker side, keyed by ATOM's request id (``seq.id``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: Prefill: hold these requests' blocks (a request held again replaces its hold).
+        self.holds: Dict[int, Hold] = {}
+        #: Prefill: drop these holds (aborted; ATOM already freed their blocks).
+        self.releases: List[int] = []
+        #: Decode: start these reads.
+        self.reads: Dict[int, Read] = {}
+        #: Decode: cancel these reads (the request was aborted while its read ran).
+        self.cancels: List[int] = []
+        #: Decode: tell these prefills a request will not be read:
+        #: ``(addresses, remote id, hold token, reason)``.
+        self.rejects: List[Tuple[List[str], str, int, str]] = []
+
+    def has_work(self) -> bool:
+        """Whether any rank has something to do."""
+        return bool(self.holds or self.releases or self.reads or self.cancels or self.rejects)

@@ -1,0 +1,103 @@
+"""The transfer parameters a kvlink prefill hands ATOM's router and a decode reads back: the
+keys of ATOM's Mooncake connector (so ATOM's router and proxy pass them on unchanged) plus the
+hold's token under ``kvlink_hold``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from .settings import Settings, address, port_offset
+
+
+@dataclass(frozen=True)
+class Read:
+    """A decode rank's read of one request: the prefill TP group's addresses in rank order,
+    block lists, the prefill's id and the hold's token."""
+
+    addresses: List[str]
+    local_blocks: List[int]
+    remote_blocks: List[int]
+    remote_id: str
+    hold: int
+    #: Leading prompt blocks this decode already held (its prefix cache), not read.
+    cached: int = 0
+
+
+class Refused(ValueError):
+    """Transfer parameters a decode will not read; ``addresses`` (when known) lets it tell the
+    prefill at once instead of leaving the hold to expire."""
+
+    def __init__(self, reason: str, addresses: Optional[List[str]] = None, remote_id: str = "", hold: int = 0):
+        super().__init__(reason)
+        self.addresses = addresses or []
+        self.remote_id = remote_id
+        self.hold = hold
+
+
+def prefill_output(seq: Any, s: Settings, host: str, blocks: List[int], token: int) -> Dict[str, Any]:
+    """What a prefill's ``request_finished`` publishes for its decode."""
+    drafts = getattr(seq, "spec_token_ids", None)
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": list(blocks),
+        "remote_engine_id": f"kvlink@{address(host, s.handshake_port)}",
+        "remote_host": host,
+        "remote_port": s.handshake_port,
+        "remote_handshake_port": s.handshake_port,
+        "tp_size": s.tp_size,
+        "dp_rank": s.dp_rank,
+        "remote_dp_size": s.dp_size,
+        "remote_pp_size": 1,
+        "transfer_id": seq.id,
+        "first_token_id": seq.output_tokens[0] if seq.output_tokens else None,
+        "draft_token_ids": [int(x) for x in drafts] if drafts is not None and len(drafts) else [],
+        "prefix_cache_hit_tokens": getattr(seq, "prefix_cache_hit_tokens", 0),
+        "kvlink_hold": token,
+    }
+
+
+def _int(params: Dict[str, Any], key: str, default: Optional[int] = None, low: int = 0) -> int:
+    value = params.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise Refused(f"transfer parameter {key}={value!r} is not an integer >= {low}")
+    return value
+
+
+def read_for(seq: Any, params: Dict[str, Any], s: Settings) -> Read:
+    """The read a decode request's parameters ask for, into ``seq.block_table`` past the blocks
+    this decode already holds (its prefix cache). Raises ``Refused`` with the reason."""
+    host = params.get("remote_host")
+    if not isinstance(host, str) or not host:
+        raise Refused(f"transfer parameter remote_host={host!r} is not a host")
+    port = _int(params, "remote_handshake_port", low=1)
+    tp = _int(params, "remote_tp_size", params.get("tp_size", 1), low=1)
+    dp_rank = _int(params, "remote_dp_rank", params.get("dp_rank", 0))
+    dp_size = _int(params, "remote_dp_size", 1, low=1)
+    if _int(params, "remote_pp_size", 1, low=1) != 1:
+        raise Refused("the prefill runs pipeline parallelism, which kvlink does not read from")
+    addresses = [address(host, port + port_offset(dp_rank, r, tp, dp_size)) for r in range(tp)]
+    if any(not 0 < port + port_offset(dp_rank, r, tp, dp_size) < 65536 for r in range(tp)):
+        raise Refused(f"the prefill's ports from {port} (DP rank {dp_rank}, TP {tp}) leave the port range")
+    remote_id = str(_int(params, "transfer_id"))
+    if "kvlink_hold" not in params:
+        raise Refused("the transfer parameters do not come from a kvlink prefill (no kvlink_hold)", addresses, remote_id)
+    hold = _int(params, "kvlink_hold", low=1)
+    remote = params.get("remote_block_ids")
+    if not isinstance(remote, list) or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in remote):
+        raise Refused(f"transfer parameter remote_block_ids={remote!r} is not a list of block ids", addresses, remote_id, hold)
+    needed = -(-seq.num_prompt_tokens // s.block_size)
+    local = list(seq.block_table)
+    if len(remote) < needed or len(local) < needed:
+        raise Refused(
+            f"{seq.num_prompt_tokens} prompt tokens need {needed} blocks; the prefill holds {len(remote)}, "
+            f"this decode allocated {len(local)}",
+            addresses,
+            remote_id,
+            hold,
+        )
+    # Blocks this decode already holds (a prefix cache hit) are not read; the last prompt block
+    # always is, so a read is never empty.
+    skip = min(seq.num_cached_tokens // s.block_size, needed - 1)
+    return Read(addresses, local[skip:needed], list(remote[skip:needed]), remote_id, hold, skip)

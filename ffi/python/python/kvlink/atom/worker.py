@@ -1,0 +1,158 @@
+"""The connector's worker side, one per ATOM TP rank: its kvlink engine, the holds it keeps and
+the reads it runs, as the scheduler's metadata asks each step."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Set
+
+from atom.kv_transfer.disaggregation.base import KVConnectorBase
+from atom.kv_transfer.disaggregation.types import KVConnectorOutput
+
+import kvlink
+
+from .layout import describe, dtype_name
+from .metadata import KvlinkMetadata
+from .params import Read
+from .settings import Settings, address, advertised_host, port_offset
+
+logger = logging.getLogger("atom")
+
+
+def _parallel_ranks() -> Dict[str, int]:
+    from aiter.dist.parallel_state import get_dp_group, get_tp_group
+
+    tp, dp = get_tp_group(), get_dp_group()
+    return {"tp_rank": tp.rank_in_group, "tp_size": tp.world_size, "dp_rank": dp.rank_in_group, "dp_size": dp.world_size}
+
+
+class KvlinkWorker(KVConnectorBase):
+    """kvlink's worker-side connector for ATOM: one engine per TP rank, listening at ATOM's
+    side-channel port for its (DP, TP) place."""
+
+    def __init__(self, config: Any) -> None:
+        s = Settings.from_config(config)
+        self.settings, self.config = s, config
+        self.is_producer = s.producer
+        r = _parallel_ranks()
+        self.tp_rank, self.tp_size = r["tp_rank"], r["tp_size"]
+        port = s.handshake_port + port_offset(r["dp_rank"], self.tp_rank, self.tp_size, r["dp_size"])
+        self.engine = kvlink.Engine(
+            address(advertised_host(s), port),
+            transport=s.transport,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            request_timeout=s.request_timeout,
+            abort_timeout=s.abort_timeout,
+            lease=s.lease,
+            rdma_device=s.rdma_device,
+        )
+        logger.info(
+            "kvlink worker TP %d/%d DP %d: engine %s at %s (%s)",
+            self.tp_rank,
+            self.tp_size,
+            r["dp_rank"],
+            self.engine.engine_id,
+            self.engine.handshake_address,
+            "RDMA on " + self.engine.rdma_device if self.engine.rdma_device else f"TCP; RDMA: {self.engine.rdma_unavailable_reason}",
+        )
+        self.regions: List[int] = []
+        self.held: Set[int] = set()
+        self.reading: Dict[int, Read] = {}
+        self.sent: Set[int] = set()
+        self.received: Set[int] = set()
+        self.failed: Set[int] = set()
+
+    def register_kv_caches(self, kv_caches: Dict[str, Any], transfer_tensors: Any = None, num_blocks: Any = None) -> None:
+        """Registers every region of ATOM's ``KVTransferTensors`` and declares the layout."""
+        n = int(num_blocks if num_blocks is not None else transfer_tensors.num_blocks)
+        regions = describe(self.config, transfer_tensors, n, self.tp_size)
+        tensors = []
+        for r in regions:
+            rid = self.engine.register_memory(r.base_addr, r.total_bytes, owner=kv_caches)
+            self.regions.append(rid)
+            tensors.append((rid, 0, r.block_bytes, r.block_bytes, r.num_blocks, 0, r.heads))
+        self.engine.set_layout(tensors, self.settings.block_size, dtype_name(self.config))
+        logger.info(
+            "kvlink worker TP %d: %d regions of %d blocks registered (%d bytes a block, heads %s)",
+            self.tp_rank,
+            len(regions),
+            n,
+            sum(r.block_bytes for r in regions),
+            regions[0].heads,
+        )
+
+    def start_load_kv(self, metadata: Any) -> None:
+        """Does what the scheduler asked this step; nothing here raises: a hold that fails ends
+        as sent (its reader is refused), a read that cannot start ends failed."""
+        if not isinstance(metadata, KvlinkMetadata):
+            return
+        for sid, hold in metadata.holds.items():
+            if sid in self.held:  # held again after a preemption: the blocks may differ
+                self.engine.release(str(sid))
+            try:
+                self.engine.hold_blocks(str(sid), hold.blocks, token=hold.token)
+                self.held.add(sid)
+            except kvlink.KvlinkError as e:
+                logger.error("kvlink: hold of request %s refused: %s", sid, e)
+                self.held.discard(sid)
+                self.sent.add(sid)
+        for sid in metadata.releases:  # the scheduler already let ATOM free these
+            if sid in self.held:
+                self.held.discard(sid)
+                self.engine.release(str(sid))
+        for sid, read in metadata.reads.items():
+            self._read(sid, read)
+        for sid in metadata.cancels:
+            if sid in self.reading:
+                self.engine.cancel(str(sid))
+        for addresses, remote_id, hold, reason in metadata.rejects:
+            self._reject(addresses, remote_id, hold, reason)
+
+    def _read(self, sid: int, read: Read) -> None:
+        try:
+            self.engine.read_blocks(
+                list(read.addresses), str(sid), read.local_blocks, read.remote_blocks, remote_request_id=read.remote_id, hold=read.hold
+            )
+            self.reading[sid] = read
+        except kvlink.KvlinkError as e:
+            logger.error("kvlink: read of request %s refused: %s", sid, e)
+            self.failed.add(sid)
+            self._reject(read.addresses, read.remote_id, read.hold, f"read refused by the decode: {e}")
+
+    def _reject(self, addresses: List[str], remote_id: str, hold: int, reason: str) -> None:
+        """Tells the prefill ranks this rank reads that the request will not be read."""
+        try:
+            for r in kvlink.tp_sources(self.tp_rank, self.tp_size, len(addresses)):
+                self.engine.reject(addresses[r], remote_id, reason, hold or None)
+        except kvlink.KvlinkError as e:
+            logger.warning("kvlink: could not tell %s that request %s will not be read: %s", addresses, remote_id, e)
+
+    def get_finished(self) -> KVConnectorOutput:
+        """What ended on this rank since the last call, each request once."""
+        f = self.engine.get_finished()
+        for rid in f.sending:
+            self._sent(int(rid))
+        for rid in f.receiving:
+            self.reading.pop(int(rid), None)
+            self.received.add(int(rid))
+        for rid, side, _expired, reason in f.failed:
+            if side == "send":
+                logger.warning("kvlink: send of request %s ended unread: %s", rid, reason)
+                self._sent(int(rid))
+            else:
+                logger.warning("kvlink: read of request %s failed: %s", rid, reason)
+                self.reading.pop(int(rid), None)
+                self.failed.add(int(rid))
+        out = KVConnectorOutput(finished_sending=self.sent, finished_recving=self.received, failed_recving=self.failed)
+        self.sent, self.received, self.failed = set(), set(), set()
+        return out
+
+    def _sent(self, sid: int) -> None:
+        if sid in self.held:
+            self.held.discard(sid)
+            self.sent.add(sid)
+
+    def close(self) -> None:
+        """Closes the engine (reads in flight fail, holds end)."""
+        self.engine.close()

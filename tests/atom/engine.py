@@ -1,0 +1,109 @@
+"""One ATOM engine for the tests: ATOM's ``CoreManager`` (its EngineCore process, real
+``Scheduler`` and step loop, one worker process per TP rank running ``runner.KvRunner``) with
+the kvlink backend, driven by JSON lines on stdin; events go to stdout as JSON lines.
+
+    python engine.py ROLE MODEL_DIR TP PORT [--prefix-cache]
+
+ROLE is ``kv_producer``, ``kv_consumer`` or ``none`` (no connector: the single-engine
+reference). ``KVLINK_ATOM_KV_CONFIG`` (JSON) adds to the kv_transfer_config,
+``KVLINK_ATOM_BLOCK_SIZE`` sets ATOM's block size (16). Commands: ``{"op": "add", "key", "prompt", "max_tokens", "params"}``,
+``{"op": "abort", "key"}``, ``{"op": "metrics"}``, ``{"op": "quit"}``. Events: ``ready``,
+``added`` (key, id), ``done`` (key, id, tokens, reason, params), ``metrics``.
+
+This is the main module of every process ATOM spawns (spawn re-imports it as
+``__mp_main__``), so the aiter stub and the kvlink backend are registered in each."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import stub  # noqa: E402,F401  (before anything imports atom)
+
+import kvlink.atom  # noqa: E402,F401  (registers "kvlink" with ATOM's factory)
+
+
+def _emit(**event):
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+def _config(role, model, tp, port, prefix):
+    from atom.config import Config
+
+    kv = None
+    if role != "none":
+        kv = {"kv_connector": "kvlink", "kv_role": role, "handshake_port": port}
+        kv.update(json.loads(os.environ.get("KVLINK_ATOM_KV_CONFIG", "{}")))
+    cfg = Config(
+        model=model,
+        kv_cache_block_size=int(os.environ.get("KVLINK_ATOM_BLOCK_SIZE", "16")),
+        max_num_seqs=8,
+        max_num_batched_tokens=1024,
+        enforce_eager=True,
+        enable_prefix_caching=prefix,
+        tensor_parallel_size=tp,
+        runner_qualname="runner.KvRunner",
+        kv_transfer_config=kv,
+    )
+    cfg.eos_token_id = 2
+    return cfg
+
+
+def main():
+    role, model, tp, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    from atom.model_engine.engine_core_mgr import CoreManager
+    from atom.model_engine.sequence import Sequence
+    from atom.sampling_params import SamplingParams
+
+    cfg = _config(role, model, tp, port, "--prefix-cache" in sys.argv)
+    mgr_block_size = cfg.kv_cache_block_size
+    mgr = CoreManager(cfg)
+    keys = {}
+
+    def outputs():
+        while True:
+            seqs = mgr.outputs_queue.get()
+            for s in seqs:
+                _emit(
+                    event="done",
+                    key=keys.get(s.id),
+                    id=s.id,
+                    tokens=list(s.completion_token_ids),
+                    reason=s.leave_reason,
+                    params=getattr(s, "kv_transfer_params_output", None),
+                )
+
+    threading.Thread(target=outputs, daemon=True).start()
+    _emit(event="ready", pid=os.getpid())
+    ids = {}
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "add":
+            sp = SamplingParams(max_tokens=cmd["max_tokens"], ignore_eos=True)
+            seq = Sequence(cmd["prompt"], mgr_block_size, sp, kv_transfer_params=cmd.get("params"))
+            keys[seq.id], ids[cmd["key"]] = cmd["key"], seq.id
+            mgr.add_request([seq])
+            _emit(event="added", key=cmd["key"], id=seq.id)
+        elif op == "abort":
+            mgr.abort_request(ids[cmd["key"]])
+        elif op == "metrics":
+            # The next push (EngineCore pushes its metrics every 5 s), so it postdates the call.
+            before, deadline = mgr.latest_metrics.get(0), time.monotonic() + 15
+            while mgr.latest_metrics.get(0) is before and time.monotonic() < deadline:
+                time.sleep(0.1)
+            _emit(event="metrics", metrics=mgr.latest_metrics.get(0), at=time.time())
+        elif op == "quit":
+            break
+    mgr.close()
+    _emit(event="closed")
+
+
+if __name__ == "__main__":
+    main()

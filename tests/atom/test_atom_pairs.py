@@ -1,0 +1,179 @@
+"""ATOM prefill and decode engines in separate processes, each ATOM's own CoreManager,
+EngineCore (its real Scheduler and step loop) and TP worker processes, moving the KV cache ATOM's
+attention builders allocated through kvlink over TCP. Every decode step checks every KV byte it
+computes from (``kvmodel``), every test ends with ATOM's block pools back to their totals and
+the connector waiting for nothing (ATOM's own metrics)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from contextlib import contextmanager
+
+import pytest
+
+import kvmodel
+from harness import Engine, free_ports, prompt
+
+LLAMA, DEEPSEEK = "llama-3.1-8b", "deepseek-v2-lite"
+
+
+@contextmanager
+def pair(tmp_path, model=LLAMA, ptp=1, dtp=1, prefix=False, penv=None, denv=None, block_size=16):
+    base = free_ports(ptp + dtp + 1)
+    common = {"KVLINK_ATOM_BLOCK_SIZE": str(block_size)}
+    P = Engine(str(tmp_path), "prefill", "kv_producer", model, ptp, base, prefix, {**common, **(penv or {})})
+    D = Engine(str(tmp_path), "decode", "kv_consumer", model, dtp, base + ptp, prefix, {**common, **(denv or {})})
+    try:
+        P.ready()
+        D.ready()
+        P.tp = ptp
+        yield P, D
+    finally:
+        P.close()
+        D.close()
+
+
+def prefill(P, key, tokens, max_tokens=1):
+    """The prefill's half of a request: its parameters, as ATOM's router passes them on."""
+    P.add(key, tokens, max_tokens, {"do_remote_decode": True})
+    r = P.result(key)
+    assert r["reason"] == "max_tokens" and r["tokens"] == kvmodel.expected(tokens, 1), r
+    params = dict(r["params"])
+    # What ATOM's router adds (mesh/src/core/placement/backend/atom.rs, enrich_decode_kv).
+    params.update(remote_dp_size=1, remote_tp_size=P.tp, remote_dp_rank=params["dp_rank"])
+    return params
+
+
+def decode(D, key, tokens, params, max_tokens=6):
+    D.add(key, tokens, max_tokens, params)
+    return D.result(key)
+
+
+def settle(*engines):
+    """Every engine idle: blocks back, nothing pending; no forward saw a wrong KV byte."""
+    metrics = [e.idle() for e in engines]
+    for e in engines:
+        assert e.kv_errors() == [], f"{e.name}: {e.kv_errors()}"
+    return metrics
+
+
+def counters(m):
+    return {k[len("kvlink_"):]: v for k, v in (m.get("offload") or {}).items() if k != "kvlink_pending"}
+
+
+def test_full_transfer_then_prefix_hit_read_incrementally(tmp_path):
+    with pair(tmp_path, prefix=True) as (P, D):
+        prompts = {f"r{i}": prompt(i, n) for i, n in enumerate((70, 33, 16, 129))}
+        params = {k: prefill(P, k, p) for k, p in prompts.items()}
+        for k, p in prompts.items():  # all parked and read at once
+            D.add(k, p, 6, params[k])
+        for k, p in prompts.items():
+            r = D.result(k)
+            assert r["tokens"] == kvmodel.expected(p, 6), (k, r)
+        _, d = settle(P, D)
+        c = counters(d)
+        assert c["reads"] == 4 and c["blocks_read"] == 5 + 3 + 1 + 9 and c["blocks_cached"] == 0, c
+        # The decode now holds r0's first 4 blocks in its prefix cache: a prompt sharing them
+        # reads only its own blocks.
+        shared = prompts["r0"][:64] + prompt(9, 30)
+        r = decode(D, "again", shared, prefill(P, "again", shared))
+        assert r["tokens"] == kvmodel.expected(shared, 6), r
+        _, d = settle(P, D)
+        c2 = counters(d)
+        assert c2["blocks_cached"] == 4 and c2["blocks_read"] - c["blocks_read"] == 2, c2
+
+
+@pytest.mark.parametrize("ptp,dtp,block_size", [(2, 2, 64), (2, 1, 16), (1, 2, 32)])
+def test_tensor_parallel_mixes(tmp_path, ptp, dtp, block_size):
+    """TP ranks through ATOM's KVOutputAggregator; heads split between sizes (kvlink's head
+    slices), scheduler blocks of several physical blocks (block_ratio 4 and 2)."""
+    with pair(tmp_path, ptp=ptp, dtp=dtp, block_size=block_size) as (P, D):
+        for i, n in enumerate((100, 200)):
+            p = prompt(10 + i, n)
+            r = decode(D, f"r{i}", p, prefill(P, f"r{i}", p))
+            assert r["tokens"] == kvmodel.expected(p, 6), r
+        settle(P, D)
+
+
+def test_mla_latents_from_a_larger_prefill(tmp_path):
+    with pair(tmp_path, model=DEEPSEEK, ptp=2, dtp=1) as (P, D):
+        p = prompt(20, 90)
+        r = decode(D, "m", p, prefill(P, "m", p))
+        assert r["tokens"] == kvmodel.expected(p, 6), r
+        settle(P, D)
+
+
+def test_failed_read_falls_back_to_a_local_prefill(tmp_path):
+    """A read the prefill refuses (a hold token that is not its own) fails; ATOM's decode
+    computes the prompt itself instead of crashing on the parked request's blocks."""
+    with pair(tmp_path, penv={"KVLINK_ATOM_KV_CONFIG": json.dumps({"kvlink_abort_timeout": 4.0})}) as (P, D):
+        p = prompt(30, 50)
+        params = prefill(P, "f", p)
+        params["kvlink_hold"] ^= 2
+        r = decode(D, "f", p, params)
+        assert r["tokens"] == kvmodel.expected(p, 6), r
+        # The decode keeps serving transfers afterwards.
+        q = prompt(31, 40)
+        assert decode(D, "ok", q, prefill(P, "ok", q))["tokens"] == kvmodel.expected(q, 6)
+        _, d = settle(P, D)
+        assert counters(d)["fallbacks"] == 1, counters(d)
+
+
+def test_parameters_not_from_kvlink_are_refused_and_the_prefill_told(tmp_path):
+    """Parameters without kvlink's hold (another connector's prefill): computed locally, and
+    the prefill frees its blocks at once (told by the decode) rather than at its abort timeout."""
+    with pair(tmp_path) as (P, D):
+        p = prompt(40, 45)
+        params = prefill(P, "x", p)
+        del params["kvlink_hold"]
+        r = decode(D, "x", p, params)
+        assert r["tokens"] == kvmodel.expected(p, 6), r
+        _, d = settle(P, D)
+        assert counters(d)["refused"] == 1 and counters(d)["reads"] == 0, counters(d)
+
+
+def test_dead_prefill(tmp_path):
+    with pair(tmp_path) as (P, D):
+        p = prompt(50, 60)
+        params = prefill(P, "d", p)
+        P.kill()
+        t = time.monotonic()
+        r = decode(D, "d", p, params)
+        assert r["tokens"] == kvmodel.expected(p, 6), r
+        assert time.monotonic() - t < 30
+        (d,) = settle(D)
+        assert counters(d)["fallbacks"] == 1, counters(d)
+
+
+def test_aborts_on_both_sides(tmp_path):
+    """A decode request aborted while its read waits on a peer that never answers: the read is
+    cancelled and its blocks freed (ATOM frees none of a parked request's). A prefill request
+    aborted mid-forward: its blocks are freed without waiting for a reader."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    with pair(tmp_path, penv={"KVLINK_ATOM_STEP_DELAY": "2"}) as (P, D):
+        p = prompt(60, 64)
+        params = {
+            "do_remote_prefill": True,
+            "remote_host": "127.0.0.1",
+            "remote_handshake_port": silent.getsockname()[1],
+            "remote_block_ids": [0, 1, 2, 3],
+            "transfer_id": 7,
+            "tp_size": 1,
+            "kvlink_hold": 12345,
+        }
+        D.add("a", p, 6, params)
+        time.sleep(0.5)
+        D.abort("a")
+        assert D.result("a")["reason"] == "aborted"
+        P.add("b", p, 8, {"do_remote_decode": True})
+        time.sleep(0.5)
+        P.abort("b")
+        r = P.result("b")
+        assert r["reason"] == "aborted" and r["params"] is None, r
+        _, d = settle(P, D)
+        assert counters(d)["aborted_reads"] == 1, counters(d)
+    silent.close()
