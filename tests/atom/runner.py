@@ -59,10 +59,19 @@ class KvRunner:
         return self.hf.num_hidden_layers
 
     def allocate_kv_cache(self, num_blocks):
-        """``ModelRunner.allocate_kv_cache``'s steps, with ATOM's builder for the model."""
+        """``ModelRunner.allocate_kv_cache``: the caches, then ATOM's ``set_kv_cache_data``
+        (which builds the worker connector and registers them)."""
+        from atom.utils.forward_context import set_kv_cache_data
+
+        tensors = self.kv_tensors(num_blocks)
+        set_kv_cache_data(self.layers, self.config, tensors, num_blocks=num_blocks)
+        return True
+
+    def kv_tensors(self, num_blocks):
+        """``ModelRunner.allocate_kv_cache``'s steps with ATOM's builder for the model: the
+        per-layer caches (``self.layers``) and the ``KVTransferTensors`` it returns."""
         import atom.model_ops.attentions.aiter_attention as mha
         import atom.model_ops.attentions.aiter_mla as mla
-        from atom.utils.forward_context import set_kv_cache_data
 
         mod, cls = (mla, mla.AiterMLAMetadataBuilder) if self.mla else (mha, mha.AiterAttentionMetadataBuilder)
         b = object.__new__(cls)
@@ -84,8 +93,7 @@ class KvRunner:
             mod.torch.zeros = saved
         layers = [NS(base_attention=object(), use_mla=self.mla, k_scale=None, v_scale=None, indexer=None) for _ in range(self.hf.num_hidden_layers)]
         self.layers = {f"layer_{i}": b.build_kv_cache_tensor(i, m) for i, m in enumerate(layers)}
-        set_kv_cache_data(self.layers, self.config, b.get_kv_transfer_tensors(), num_blocks=num_blocks)
-        return True
+        return b.get_kv_transfer_tensors()
 
     def process_kvconnector_output(self, meta):
         from atom.utils.forward_context import get_kvconnector

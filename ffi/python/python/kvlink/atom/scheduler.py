@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import secrets
 import sys
-from typing import Any, Dict, List, Set, Tuple
+from typing import Any, Dict, Set, Tuple
 
 from atom.kv_transfer.disaggregation.base import KVConnectorSchedulerBase
 from atom.kv_transfer.disaggregation.types import KVConnectorOutput
@@ -64,7 +64,7 @@ class KvlinkScheduler(KVConnectorSchedulerBase):
         self._refused: Set[int] = set()
         self._fallback: Set[int] = set()
         self._aborted: Dict[int, Any] = {}
-        self._counts = {"reads": 0, "blocks_read": 0, "blocks_cached": 0, "refused": 0, "fallbacks": 0, "aborted_reads": 0}
+        self._counts = {"reads": 0, "received": 0, "blocks_read": 0, "blocks_cached": 0, "refused": 0, "fallbacks": 0, "aborted_reads": 0}
         self._scheduler = None if self.is_producer else _calling_scheduler()
         if not self.is_producer and self._scheduler is None:
             raise RuntimeError(
@@ -184,6 +184,8 @@ class KvlinkScheduler(KVConnectorSchedulerBase):
                     self._scheduler.block_manager.deallocate(self._aborted.pop(i))
                 elif failed and seq is not None:
                     self._fallback.add(i)
+                elif seq is not None:
+                    self._counts["received"] += 1
         return out
 
     def has_pending_work(self) -> bool:
@@ -194,8 +196,9 @@ class KvlinkScheduler(KVConnectorSchedulerBase):
 
     def get_statistics(self) -> Dict[str, Any]:
         """ATOM publishes this in its engine metrics (under ``offload``): the requests this side
-        waits for, by kind, and counters (reads started, blocks read and found in the prefix
-        cache, reads refused, local prefills after a failed read, reads of aborted requests)."""
+        waits for, by kind, and counters (reads started and completed, blocks read and found in
+        the prefix cache, reads refused, local prefills after a failed read, reads of aborted
+        requests)."""
         pending = {
             "held": sorted(self._held),
             "early": sorted(self._early),

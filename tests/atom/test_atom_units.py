@@ -1,0 +1,144 @@
+"""The ATOM connector's pieces in this process, against ATOM's own code: its factory, its
+attention builders' KV transfer regions (allocated on the CPU by ``runner.KvRunner``), its port
+layout, and what the connector refuses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace as NS
+
+import pytest
+
+import kvlink.atom
+from harness import HERE, MODELS, snapshot_root
+from kvlink.atom.layout import describe
+from kvlink.atom.params import Refused, prefill_output, read_for
+from kvlink.atom.settings import Settings
+
+
+def atom_config(model, tp=1, block_size=16, kv=None):
+    from atom.config import Config
+
+    return Config(
+        model=os.path.join(MODELS, model),
+        kv_cache_block_size=block_size,
+        tensor_parallel_size=tp,
+        enforce_eager=True,
+        kv_transfer_config=kv if kv is not None else {"kv_connector": "kvlink", "kv_role": "kv_consumer", "handshake_port": 7000},
+    )
+
+
+def test_registered_with_atoms_factory_without_pd_staging():
+    from atom.kv_transfer.disaggregation.factory import KVConnectorFactory
+
+    kvlink.atom.register()  # idempotent
+    assert KVConnectorFactory.canonical_name("KVLink") == "kvlink"
+    assert KVConnectorFactory.topology_uses_pd_staging({"kv_connector": "kvlink", "kv_role": "kv_producer"}) is False
+
+
+@pytest.mark.parametrize("tp,block_size", [(1, 16), (2, 64)])
+def test_mha_regions_from_atoms_builder(tp, block_size):
+    from runner import KvRunner
+
+    cfg = atom_config("llama-3.1-8b", tp, block_size)
+    r = KvRunner(0, cfg)
+    tensors = r.kv_tensors(12)
+    regions = describe(cfg, tensors, 12, tp)
+    ratio, heads = block_size // 16, 8 // tp
+    assert len(regions) == 4 * 4  # K, V per layer, then their scales
+    k, scale = regions[0], regions[8]
+    assert k.block_bytes == ratio * heads * 128 * 16 * 2 and k.heads == (8, heads, ratio)
+    assert scale.block_bytes == ratio * heads * 16 * 4 and scale.heads == (8, heads, ratio)
+    # Scheduler block b is physical blocks b*ratio .. b*ratio+ratio-1 of ATOM's own cache view.
+    layer0 = r.layers["layer_0"]
+    for b in (0, 5, 11):
+        assert layer0.k_cache[b * ratio].data_ptr() == k.base_addr + b * k.block_bytes
+        assert r.kv_scale[0, 0][b * ratio].data_ptr() == scale.base_addr + b * scale.block_bytes
+
+
+def test_mla_regions_are_whole_on_every_rank():
+    from runner import KvRunner
+
+    cfg = atom_config("deepseek-v2-lite", 2, 16)
+    r = KvRunner(1, cfg)
+    regions = describe(cfg, r.kv_tensors(10), 10, 2)
+    assert len(regions) == 4 and all(x.heads is None for x in regions)
+    assert regions[0].block_bytes == 16 * 576 * 2
+
+
+def test_slot_state_and_pipeline_parallelism_refused():
+    from atom.kv_transfer.disaggregation.types import KVTransferRegion, KVTransferTensors
+
+    cfg = atom_config("llama-3.1-8b")
+    region = KVTransferRegion(base_addr=4096, total_bytes=1 << 20, unit_bytes=1 << 16)
+    slots = KVTransferTensors(block_regions=[region], slot_regions=[region], num_blocks=16, num_slots=4)
+    with pytest.raises(ValueError, match="DeepSeek-V4"):
+        describe(cfg, slots, 16, 1)
+    v4 = NS(kv_transfer_config={"kv_role": "kv_producer"}, pipeline_parallel_size=1, hf_config=NS(architectures=["DeepseekV4ForCausalLM"]))
+    with pytest.raises(ValueError, match="DeepseekV4ForCausalLM.*mooncake or moriio"):
+        Settings.from_config(v4)
+    pp = NS(kv_transfer_config={}, pipeline_parallel_size=2, hf_config=NS(architectures=[]))
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        Settings.from_config(pp)
+
+
+def _settings(**kw):
+    base = dict(producer=False, handshake_port=7000, host="127.0.0.1", transport="tcp", request_timeout=5.0, abort_timeout=5.0, lease=5.0, rdma_device=None, block_size=16, tp_size=1, dp_size=1, dp_rank=0)
+    base.update(kw)
+    return Settings(**base)
+
+
+def test_read_addresses_follow_atoms_port_layout_and_skip_cached_blocks():
+    from atom.kv_transfer.disaggregation.port_offset import side_channel_port_offset
+
+    seq = NS(id=3, num_prompt_tokens=40, block_table=[7, 8, 9], num_cached_tokens=16)
+    params = {"remote_host": "10.0.0.5", "remote_handshake_port": 7000, "remote_tp_size": 4, "remote_dp_size": 4, "remote_dp_rank": 2,
+              "remote_block_ids": [1, 2, 3], "transfer_id": 11, "kvlink_hold": 99}
+    read = read_for(seq, params, _settings())
+    assert read.addresses == [f"10.0.0.5:{7000 + side_channel_port_offset(2, r, 4, 0, 1, 4)}" for r in range(4)]
+    assert read.addresses[0] == "10.0.0.5:7008"
+    assert (read.local_blocks, read.remote_blocks, read.remote_id, read.hold, read.cached) == ([8, 9], [2, 3], "11", 99, 1)
+    # ATOM's router renames the prefill's dp_rank to remote_dp_rank; either is read.
+    params.pop("remote_dp_rank")
+    params["dp_rank"] = 1
+    assert read_for(seq, params, _settings()).addresses[0] == "10.0.0.5:7004"
+
+
+@pytest.mark.parametrize("change,reason", [
+    ({"kvlink_hold": None}, "kvlink_hold"),
+    ({"remote_block_ids": [1, -2, 3]}, "remote_block_ids"),
+    ({"remote_block_ids": [1, 2]}, "need 3 blocks; the prefill holds 2"),
+    ({"remote_pp_size": 2}, "pipeline parallelism"),
+    ({"remote_handshake_port": 65535, "remote_tp_size": 2}, "port range"),
+    ({"remote_host": ""}, "remote_host"),
+])
+def test_unusable_parameters_are_refused_with_the_reason(change, reason):
+    seq = NS(id=3, num_prompt_tokens=40, block_table=[7, 8, 9], num_cached_tokens=0)
+    params = {"remote_host": "h", "remote_handshake_port": 7000, "tp_size": 1, "remote_block_ids": [1, 2, 3], "transfer_id": 11, "kvlink_hold": 99}
+    params.update(change)
+    if change.get("kvlink_hold", 0) is None:
+        del params["kvlink_hold"]
+    with pytest.raises(Refused, match=reason):
+        read_for(seq, params, _settings())
+
+
+def test_prefill_parameters_carry_atoms_keys_and_the_hold():
+    seq = NS(id=5, output_tokens=[42], spec_token_ids=[6, 7], prefix_cache_hit_tokens=16)
+    out = prefill_output(seq, _settings(producer=True, tp_size=2, dp_rank=1, dp_size=2), "10.0.0.1", [4, 5], 77)
+    mooncake = {"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_host", "remote_port",
+                "remote_handshake_port", "tp_size", "dp_rank", "remote_pp_size", "transfer_id", "first_token_id", "draft_token_ids",
+                "prefix_cache_hit_tokens"}
+    assert mooncake <= set(out)
+    assert (out["first_token_id"], out["draft_token_ids"], out["transfer_id"], out["kvlink_hold"]) == (42, [6, 7], 5, 77)
+    assert (out["tp_size"], out["dp_rank"], out["remote_block_ids"]) == (2, 1, [4, 5])
+
+
+def test_serve_runs_atoms_server_entry_point():
+    """``python -m kvlink.atom.serve`` is ATOM's OpenAI server (its argument parser answers)."""
+    code = "import stub, runpy, sys; sys.argv = ['kvlink.atom.serve', '--help']; runpy.run_module('kvlink.atom.serve', run_name='__main__')"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([snapshot_root(), HERE]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--kv-transfer-config" in out.stdout and "kvlink.atom.serve" in out.stdout
