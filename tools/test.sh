@@ -2,9 +2,10 @@
 # The project's test command (README, CI): format and lint checks, every Rust test on the host,
 # the Python bindings' tests (wheel built with maturin into .venv), the vLLM connector through
 # vLLM's own Scheduler (the same wheel installed into .venv-vllm beside a pinned vLLM), the
-# SGLang backend through SGLang's own queues (a pinned SGLang wheel in the same venv), then
-# the RDMA tests for real inside a SoftRoCE VM (tools/softroce/run.sh). Installs what it needs
-# (tools/deps.sh, PyPI into .venv and .venv-vllm, the VM's packages).
+# SGLang backend through SGLang's own queues (a pinned SGLang wheel in the same venv), the ATOM
+# connector through ATOM's own engine (its pinned snapshot, same venv), then the RDMA tests for
+# real inside a SoftRoCE VM (tools/softroce/run.sh). Installs what it needs (tools/deps.sh,
+# PyPI into .venv and .venv-vllm, the VM's packages).
 #   KVLINK_SKIP_VM=1 tools/test.sh    # host only: the VM part is reported as skipped
 #
 # The closing lines say what ran, per part: passed, failed, and skipped with the reason. A test
@@ -22,6 +23,7 @@ MIN_PYTHON=47
 MIN_VM=20
 MIN_VLLM=42
 MIN_SGLANG=59
+MIN_ATOM=23
 MIN_ENGINE_EVENTS=6
 # The vLLM releases the connector is tested against: the newest (in .venv-vllm33) and the one
 # before it (in .venv-vllm, where the SGLang backend's tests also run).
@@ -32,6 +34,10 @@ VLLM_OLD_PIN="vllm==0.32.0"
 # disaggregation code imports that vLLM does not bring.
 SGLANG_PIN="sglang==0.5.23"
 SGLANG_EXTRAS="orjson==3.13.0 ipython==9.18.1 gguf==0.19.0"
+# ATOM is not on PyPI: its tests run ATOM from the pinned snapshot (tests/atom/harness.py finds
+# it beside the checkout, or at KVLINK_ATOM_SNAPSHOT) in .venv-vllm, plus the one module ATOM's
+# engine imports that vLLM does not bring.
+ATOM_EXTRAS="xxhash==4.1.0"
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
@@ -212,8 +218,25 @@ else
   sg_failed=1
 fi
 
-# The newest vLLM release, in a venv layered on .venv-vllm (SGLang included, so that what the
-# layer sees stays the same from run to run).
+# ATOM's own engine (CoreManager, EngineCore with its Scheduler, TP workers) drives kvlink.atom
+# in two processes.
+echo "test: the ATOM connector through ATOM's own engine (pinned snapshot, in .venv-vllm)"
+at_passed=0; at_failed=0; at_skipped=0; at_why=""
+if [ "$vllm_ready" = 1 ] && PIP_NO_CACHE_DIR=1 .venv-vllm/bin/pip install -q --disable-pip-version-check $ATOM_EXTRAS; then
+  atlog=$(mktemp)
+  set +e
+  (cd tests/atom && ../../.venv-vllm/bin/python -m pytest -q -rs -p no:cacheprovider -p no:warnings) 2>&1 | tee "$atlog"
+  at_rc=${PIPESTATUS[0]}
+  set -e
+  tally_pytest "$atlog" "$at_rc" "$MIN_ATOM" ATOM
+  at_passed=$part_passed at_failed=$part_failed at_skipped=$part_skipped at_why=$part_why
+else
+  echo "test: $ATOM_EXTRAS could not be installed into .venv-vllm, or vLLM is missing (output above): the ATOM connector tests cannot run" >&2
+  at_failed=1
+fi
+
+# The newest vLLM release, in a venv layered on .venv-vllm (SGLang and ATOM's extras included,
+# so that what the layer sees stays the same from run to run).
 set +e
 vllm_suite .venv-vllm33 "$VLLM_PIN" .venv-vllm
 set -e
@@ -300,7 +323,8 @@ echo "  python: $py_passed passed, $py_failed failed, $py_skipped skipped$py_why
 echo "  vLLM connector ($VLLM_PIN): $v33_passed passed, $v33_failed failed, $v33_skipped skipped$v33_why"
 echo "  vLLM connector ($VLLM_OLD_PIN): $vl_passed passed, $vl_failed failed, $vl_skipped skipped$vl_why"
 echo "  SGLang backend ($SGLANG_PIN, no deps, beside $VLLM_OLD_PIN): $sg_passed passed, $sg_failed failed, $sg_skipped skipped$sg_why"
+echo "  ATOM connector (ATOM snapshot ffdf3bb5, beside $VLLM_OLD_PIN): $at_passed passed, $at_failed failed, $at_skipped skipped$at_why"
 echo "  KV events against the engines' code (vLLM 0.33 and 0.32, SGLang): $ee_passed passed, $ee_failed failed, $ee_skipped skipped$ee_why"
 echo "  $vm_line"
-echo "tests: $((host_passed + key_passed + py_passed + v33_passed + vl_passed + sg_passed + ee_passed + vm_passed)) passed, $((host_failed + key_failed + py_failed + v33_failed + vl_failed + sg_failed + ee_failed + vm_failed)) failed, $((host_skipped + key_skipped + py_skipped + v33_skipped + vl_skipped + sg_skipped + ee_skipped + vm_skipped)) skipped"
-[ "$host_failed" -eq 0 ] && [ "$key_failed" -eq 0 ] && [ "$py_failed" -eq 0 ] && [ "$v33_failed" -eq 0 ] && [ "$vl_failed" -eq 0 ] && [ "$sg_failed" -eq 0 ] && [ "$ee_failed" -eq 0 ] && [ "$vm_failed" -eq 0 ]
+echo "tests: $((host_passed + key_passed + py_passed + v33_passed + vl_passed + sg_passed + at_passed + ee_passed + vm_passed)) passed, $((host_failed + key_failed + py_failed + v33_failed + vl_failed + sg_failed + at_failed + ee_failed + vm_failed)) failed, $((host_skipped + key_skipped + py_skipped + v33_skipped + vl_skipped + sg_skipped + at_skipped + ee_skipped + vm_skipped)) skipped"
+[ "$host_failed" -eq 0 ] && [ "$key_failed" -eq 0 ] && [ "$py_failed" -eq 0 ] && [ "$v33_failed" -eq 0 ] && [ "$vl_failed" -eq 0 ] && [ "$sg_failed" -eq 0 ] && [ "$at_failed" -eq 0 ] && [ "$ee_failed" -eq 0 ] && [ "$vm_failed" -eq 0 ]
