@@ -6,7 +6,8 @@ the kvlink backend, driven by JSON lines on stdin; events go to stdout as JSON l
 
 ROLE is ``kv_producer``, ``kv_consumer`` or ``none`` (no connector: the single-engine
 reference). ``KVLINK_ATOM_KV_CONFIG`` (JSON) adds to the kv_transfer_config,
-``KVLINK_ATOM_BLOCK_SIZE`` sets ATOM's block size (16). Commands: ``{"op": "add", "key", "prompt", "max_tokens", "params"}``,
+``KVLINK_ATOM_BLOCK_SIZE`` sets ATOM's block size (16), ``KVLINK_ATOM_DP`` its data-parallel
+size (1). Commands: ``{"op": "add", "key", "prompt", "max_tokens", "params"}``,
 ``{"op": "abort", "key"}``, ``{"op": "metrics"}``, ``{"op": "quit"}``. Events: ``ready``,
 ``added`` (key, id), ``done`` (key, id, tokens, reason, params), ``metrics``.
 
@@ -40,7 +41,15 @@ def _config(role, model, tp, port, prefix):
     if role != "none":
         kv = {"kv_connector": "kvlink", "kv_role": role, "handshake_port": port}
         kv.update(json.loads(os.environ.get("KVLINK_ATOM_KV_CONFIG", "{}")))
+    from atom.config import ParallelConfig
+
+    import socket
+
+    with socket.socket() as s:  # the DP engine cores' torch.distributed rendezvous
+        s.bind(("127.0.0.1", 0))
+        dp_port = s.getsockname()[1]
     cfg = Config(
+        parallel_config=ParallelConfig(data_parallel_size=int(os.environ.get("KVLINK_ATOM_DP", "1")), data_parallel_master_port=dp_port),
         model=model,
         kv_cache_block_size=int(os.environ.get("KVLINK_ATOM_BLOCK_SIZE", "16")),
         max_num_seqs=8,
@@ -62,7 +71,7 @@ def main():
     from atom.sampling_params import SamplingParams
 
     cfg = _config(role, model, tp, port, "--prefix-cache" in sys.argv)
-    mgr_block_size = cfg.kv_cache_block_size
+    mgr_block_size, dp_size = cfg.kv_cache_block_size, cfg.parallel_config.data_parallel_size
     mgr = CoreManager(cfg)
     keys = {}
 
@@ -88,17 +97,19 @@ def main():
         if op == "add":
             sp = SamplingParams(max_tokens=cmd["max_tokens"], ignore_eos=True)
             seq = Sequence(cmd["prompt"], mgr_block_size, sp, kv_transfer_params=cmd.get("params"))
+            if cmd.get("dp_rank") is not None:  # ATOM's routing hint
+                seq.data_parallel_rank = cmd["dp_rank"]
             keys[seq.id], ids[cmd["key"]] = cmd["key"], seq.id
             mgr.add_request([seq])
             _emit(event="added", key=cmd["key"], id=seq.id)
         elif op == "abort":
             mgr.abort_request(ids[cmd["key"]])
         elif op == "metrics":
-            # The next push (EngineCore pushes its metrics every 5 s), so it postdates the call.
-            before, deadline = mgr.latest_metrics.get(0), time.monotonic() + 15
-            while mgr.latest_metrics.get(0) is before and time.monotonic() < deadline:
+            # Each DP rank's next push (every 5 s), so that they postdate the call.
+            before, deadline = dict(mgr.latest_metrics), time.monotonic() + 15
+            while time.monotonic() < deadline and any(mgr.latest_metrics.get(r) is before.get(r) for r in range(dp_size)):
                 time.sleep(0.1)
-            _emit(event="metrics", metrics=mgr.latest_metrics.get(0), at=time.time())
+            _emit(event="metrics", metrics=[mgr.latest_metrics.get(r) for r in range(dp_size)], at=time.time())
         elif op == "quit":
             break
     mgr.close()

@@ -119,8 +119,8 @@ class Engine:
         self._next("ready", None, timeout)
         return self
 
-    def add(self, key: str, prompt: List[int], max_tokens: int, params: Optional[Dict[str, Any]] = None) -> None:
-        self.send(op="add", key=key, prompt=prompt, max_tokens=max_tokens, params=params)
+    def add(self, key: str, prompt: List[int], max_tokens: int, params: Optional[Dict[str, Any]] = None, dp_rank: Optional[int] = None) -> None:
+        self.send(op="add", key=key, prompt=prompt, max_tokens=max_tokens, params=params, dp_rank=dp_rank)
         self.ids[key] = self._next("added", key, 30)["id"]
 
     def result(self, key: str, timeout: float = 60) -> Dict[str, Any]:
@@ -133,17 +133,16 @@ class Engine:
         self.send(op="abort", key=key)
 
     def idle(self, timeout: float = 30) -> Dict[str, Any]:
-        """Waits until ATOM's own metrics show every block free and the connector waiting for
-        nothing; returns them. Fails with the last metrics seen."""
+        """Waits until ATOM's own metrics show, on every DP rank, every block free and the
+        connector waiting for nothing; returns DP rank 0's. Fails with the last ones seen."""
         deadline, last = time.monotonic() + timeout, None
         while time.monotonic() < deadline:
             self.send(op="metrics")
-            m = self._next("metrics", None, 20)["metrics"]
-            if m is not None:
-                last = m
-                pending = any((m.get("offload") or {}).get("kvlink_pending", {}).values())
-                if m["kv_blocks_used"] == 0 and m["kv_blocks_free"] == m["kv_blocks_total"] and not pending and m["requests_parked_kv_load"] == 0:
-                    return m
+            ranks = self._next("metrics", None, 20)["metrics"]
+            if all(m is not None for m in ranks):
+                last = ranks
+                if all(_idle(m) for m in ranks):
+                    return ranks[0]
         raise AssertionError(f"{self.name}: blocks or transfers still held after {timeout} s: {last}\n{self.tail()}")
 
     def kv_errors(self) -> List[str]:
@@ -170,6 +169,11 @@ class Engine:
                 pass
         self.kill()
         self.log.close()
+
+
+def _idle(m: Dict[str, Any]) -> bool:
+    pending = any((m.get("offload") or {}).get("kvlink_pending", {}).values())
+    return m["kv_blocks_used"] == 0 and m["kv_blocks_free"] == m["kv_blocks_total"] and not pending and m["requests_parked_kv_load"] == 0
 
 
 def prompt(seed: int, length: int) -> List[int]:

@@ -114,6 +114,11 @@ class KvRunner:
     def exit(self):
         return None
 
+    def dummy_execution(self):
+        """An idle DP rank's forward, in step with the busy ones (``ModelRunner``'s returns
+        True after a forward that touches no request's KV)."""
+        return True
+
     # -- the forward -----------------------------------------------------------------------
     def forward(self, batch):
         from atom.model_engine.scheduler import ScheduledBatchOutput

@@ -21,10 +21,11 @@ LLAMA, DEEPSEEK = "llama-3.1-8b", "deepseek-v2-lite"
 
 @contextmanager
 def pair(tmp_path, model=LLAMA, ptp=1, dtp=1, prefix=False, penv=None, denv=None, block_size=16):
-    base = free_ports(ptp + dtp + 1)
+    pranks = ptp * int((penv or {}).get("KVLINK_ATOM_DP", "1"))  # one port per (DP, TP) rank
+    base = free_ports(pranks + dtp)
     common = {"KVLINK_ATOM_BLOCK_SIZE": str(block_size)}
     P = Engine(str(tmp_path), "prefill", "kv_producer", model, ptp, base, prefix, {**common, **(penv or {})})
-    D = Engine(str(tmp_path), "decode", "kv_consumer", model, dtp, base + ptp, prefix, {**common, **(denv or {})})
+    D = Engine(str(tmp_path), "decode", "kv_consumer", model, dtp, base + pranks, prefix, {**common, **(denv or {})})
     try:
         P.ready()
         D.ready()
@@ -98,6 +99,20 @@ def test_tensor_parallel_mixes(tmp_path, ptp, dtp, block_size):
             p = prompt(10 + i, n)
             r = decode(D, f"r{i}", p, prefill(P, f"r{i}", p))
             assert r["tokens"] == kvmodel.expected(p, 6), r
+        settle(P, D)
+
+
+def test_prefill_data_parallel_ranks(tmp_path):
+    """A prefill of two DP ranks (two ATOM engine cores): each request is read from the ports
+    of the DP rank that computed it (ATOM's side-channel port layout)."""
+    with pair(tmp_path, penv={"KVLINK_ATOM_DP": "2"}) as (P, D):
+        for rank in (1, 0):
+            p = prompt(70 + rank, 40)
+            P.add(f"r{rank}", p, 1, {"do_remote_decode": True}, dp_rank=rank)
+            params = P.result(f"r{rank}")["params"]
+            assert params["dp_rank"] == rank and params["remote_dp_size"] == 2, params
+            params.update(remote_tp_size=1, remote_dp_rank=rank)
+            assert decode(D, f"r{rank}", p, params)["tokens"] == kvmodel.expected(p, 6)
         settle(P, D)
 
 

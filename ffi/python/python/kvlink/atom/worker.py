@@ -4,7 +4,7 @@ the reads it runs, as the scheduler's metadata asks each step."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Set
+from typing import Any, Dict, List, Set, Tuple
 
 from atom.kv_transfer.disaggregation.base import KVConnectorBase
 from atom.kv_transfer.disaggregation.types import KVConnectorOutput
@@ -19,11 +19,11 @@ from .settings import Settings, address, advertised_host, port_offset
 logger = logging.getLogger("atom")
 
 
-def _parallel_ranks() -> Dict[str, int]:
-    from aiter.dist.parallel_state import get_dp_group, get_tp_group
+def _tp_rank_size() -> Tuple[int, int]:
+    from aiter.dist.parallel_state import get_tp_group
 
-    tp, dp = get_tp_group(), get_dp_group()
-    return {"tp_rank": tp.rank_in_group, "tp_size": tp.world_size, "dp_rank": dp.rank_in_group, "dp_size": dp.world_size}
+    tp = get_tp_group()
+    return tp.rank_in_group, tp.world_size
 
 
 class KvlinkWorker(KVConnectorBase):
@@ -34,9 +34,9 @@ class KvlinkWorker(KVConnectorBase):
         s = Settings.from_config(config)
         self.settings, self.config = s, config
         self.is_producer = s.producer
-        r = _parallel_ranks()
-        self.tp_rank, self.tp_size = r["tp_rank"], r["tp_size"]
-        port = s.handshake_port + port_offset(r["dp_rank"], self.tp_rank, self.tp_size, r["dp_size"])
+        self.tp_rank, self.tp_size = _tp_rank_size()
+        # The DP rank from ATOM's config, as the scheduler side publishes it.
+        port = s.handshake_port + port_offset(s.dp_rank, self.tp_rank, self.tp_size, s.dp_size)
         self.engine = kvlink.Engine(
             address(advertised_host(s), port),
             transport=s.transport,
@@ -51,7 +51,7 @@ class KvlinkWorker(KVConnectorBase):
             "kvlink worker TP %d/%d DP %d: engine %s at %s (%s)",
             self.tp_rank,
             self.tp_size,
-            r["dp_rank"],
+            s.dp_rank,
             self.engine.engine_id,
             self.engine.handshake_address,
             "RDMA on " + self.engine.rdma_device if self.engine.rdma_device else f"TCP; RDMA: {self.engine.rdma_unavailable_reason}",
