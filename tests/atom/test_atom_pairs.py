@@ -141,8 +141,14 @@ def test_failed_read_falls_back_to_a_local_prefill(tmp_path):
 
 def test_parameters_not_from_kvlink_are_refused_and_the_prefill_told(tmp_path):
     """Parameters without kvlink's hold (another connector's prefill): computed locally, and
-    the prefill frees its blocks at once (told by the decode) rather than at its abort timeout."""
+    the prefill frees its blocks at once (told by the decode) rather than at its abort timeout.
+    A request sent to the prefill without ``do_remote_decode`` is never held, and ATOM (which
+    parks every request a producer finishes) frees it too."""
     with pair(tmp_path) as (P, D):
+        plain = prompt(41, 20)
+        P.add("plain", plain, 3)
+        r = P.result("plain")
+        assert r["tokens"] == kvmodel.expected(plain, 3) and r["params"] is None, r
         p = prompt(40, 45)
         params = prefill(P, "x", p)
         del params["kvlink_hold"]
