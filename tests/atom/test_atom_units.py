@@ -142,3 +142,50 @@ def test_serve_runs_atoms_server_entry_point():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--kv-transfer-config" in out.stdout and "kvlink.atom.serve" in out.stdout
+
+
+def test_decode_scheduler_gives_back_the_blocks_of_failed_and_aborted_reads():
+    """ATOM's real Scheduler in this process, building the kvlink decode connector: a failed
+    read falls back to a local prefill without a second allocation on top of the first (ATOM
+    alone asserts there); a request aborted after its read failed, and one aborted while its
+    read runs, give their blocks back (ATOM alone frees neither)."""
+    from atom.kv_transfer.disaggregation.types import KVConnectorOutput
+    from atom.model_engine.scheduler import Scheduler
+    from atom.model_engine.sequence import Sequence, SequenceStatus
+    from atom.sampling_params import SamplingParams
+
+    cfg = atom_config("llama-3.1-8b")
+    cfg.num_kvcache_blocks, cfg.eos_token_id = 16, 2
+    s = Scheduler(cfg)
+    free = lambda: s.block_manager.kv.num_free  # noqa: E731
+    total = free()
+
+    def parked(n):
+        params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_handshake_port": 7000, "tp_size": 1,
+                  "remote_block_ids": list(range(4)), "transfer_id": n, "kvlink_hold": 5}
+        seq = Sequence(list(range(10, 50)), 16, SamplingParams(max_tokens=4, ignore_eos=True), kv_transfer_params=params)
+        s.add(seq)
+        assert list(s.schedule()[0].connector_meta_output.reads) == [seq.id]
+        assert seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS and len(seq.block_table) == 3
+        return seq
+
+    a = parked(1)
+    s._update_from_kv_xfer_finished(KVConnectorOutput(failed_recving={a.id}))
+    batch, seqs = s.schedule()
+    assert list(seqs) == [a.id] and a.status == SequenceStatus.RUNNING
+    assert free() == total - len(a.block_table) == total - 3
+
+    b = parked(2)
+    s._update_from_kv_xfer_finished(KVConnectorOutput(failed_recving={b.id}))
+    b.status = SequenceStatus.ABORTED  # what ATOM's abort_request does
+    s.schedule()
+    assert free() == total - 3
+
+    c = parked(3)
+    c.status = SequenceStatus.ABORTED
+    batch, _ = s.schedule()
+    assert batch.connector_meta_output.cancels == [c.id]
+    assert free() == total - 6  # the read may still be writing into its blocks
+    out = s.kv_connector.process_completions(KVConnectorOutput(failed_recving={c.id}))
+    assert out.failed_recving == set() and free() == total - 3
+    assert not any(s.kv_connector.get_statistics()["kvlink_pending"].values())

@@ -62,7 +62,7 @@ class KvlinkScheduler(KVConnectorSchedulerBase):
         # failed (their blocks are freed at the next admission); parked requests ATOM aborted.
         self._parked: Dict[int, Any] = {}
         self._refused: Set[int] = set()
-        self._fallback: Set[int] = set()
+        self._fallback: Dict[int, Any] = {}
         self._aborted: Dict[int, Any] = {}
         self._counts = {"reads": 0, "received": 0, "blocks_read": 0, "blocks_cached": 0, "refused": 0, "fallbacks": 0, "aborted_reads": 0}
         self._scheduler = None if self.is_producer else _calling_scheduler()
@@ -94,7 +94,7 @@ class KvlinkScheduler(KVConnectorSchedulerBase):
 
     def _fall_back(self, seq: Any) -> None:
         """A failed read: free its blocks so ATOM admits the request for a local prefill."""
-        self._fallback.discard(seq.id)
+        self._fallback.pop(seq.id, None)
         self._counts["fallbacks"] += 1
         self._scheduler.block_manager.deallocate(seq)
         logger.warning("kvlink: request %s falls back to a local prefill after its KV read failed", seq.id)
@@ -140,6 +140,11 @@ class KvlinkScheduler(KVConnectorSchedulerBase):
                 self._aborted[sid] = seq
                 self._meta.cancels.append(sid)
                 self._counts["aborted_reads"] += 1
+        for sid, seq in list(self._fallback.items()):
+            if seq.status in (SequenceStatus.FINISHED, SequenceStatus.ABORTED):
+                # Aborted before ATOM admitted it again: nothing else frees its blocks.
+                del self._fallback[sid]
+                self._scheduler.block_manager.deallocate(seq)
         meta, self._meta = self._meta, KvlinkMetadata()
         return meta
 
@@ -183,7 +188,7 @@ class KvlinkScheduler(KVConnectorSchedulerBase):
                     ids.discard(i)
                     self._scheduler.block_manager.deallocate(self._aborted.pop(i))
                 elif failed and seq is not None:
-                    self._fallback.add(i)
+                    self._fallback[i] = seq
                 elif seq is not None:
                     self._counts["received"] += 1
         return out
