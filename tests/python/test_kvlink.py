@@ -254,6 +254,12 @@ def test_close_and_context_manager():
         socket.create_connection((host, int(port)), timeout=2).close()
 
 
+def test_transport_summary_says_why_not_rdma():
+    with kvlink.Engine(transport="tcp") as e:
+        summary = kvlink.transport_summary(e)
+        assert summary == f"TCP; RDMA: {e.rdma_unavailable_reason}" and e.rdma_unavailable_reason
+
+
 def test_gpu_capabilities_and_absence_paths():
     e = kvlink.Engine(transport="tcp")
     caps = e.capabilities()

@@ -34,4 +34,13 @@ __all__ = [
     "TpAggregator",
     "__version__",
     "tp_sources",
+    "transport_summary",
 ]
+
+
+def transport_summary(engine: Engine) -> str:
+    """How ``engine`` moves bytes, for a start-up log line: ``RDMA on <device>``, or ``TCP``
+    with why RDMA is not used."""
+    if engine.rdma_device:
+        return "RDMA on " + engine.rdma_device
+    return f"TCP; RDMA: {engine.rdma_unavailable_reason}"

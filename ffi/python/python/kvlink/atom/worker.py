@@ -54,7 +54,7 @@ class KvlinkWorker(KVConnectorBase):
             s.dp_rank,
             self.engine.engine_id,
             self.engine.handshake_address,
-            "RDMA on " + self.engine.rdma_device if self.engine.rdma_device else f"TCP; RDMA: {self.engine.rdma_unavailable_reason}",
+            kvlink.transport_summary(self.engine),
         )
         self.regions: List[int] = []
         self.held: Set[int] = set()

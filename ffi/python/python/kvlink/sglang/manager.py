@@ -157,8 +157,7 @@ class KvlinkKVManager(BaseKVManager):
             self.register_to_bootstrap()
         logger.info("kvlink %s rank %d: KV engine %s at %s, %d index spaces (%s)", self.mode.value,
                     self.engine_rank, self.kv.engine_id, self.kv.handshake_address, len(self.engines),
-                    "RDMA on " + self.kv.rdma_device if self.kv.rdma_device else
-                    f"TCP; RDMA: {self.kv.rdma_unavailable_reason}")
+                    kvlink.transport_summary(self.kv))
 
     def _engine(self, listen: str, opts: Dict[str, Any], ptrs: List[int], lens: List[int],
                 item_lens: List[int], tokens_per_block: int, dtype: str,

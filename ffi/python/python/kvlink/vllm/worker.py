@@ -69,7 +69,7 @@ class _WorkerSide:
             self.tp_size,
             self.engine.engine_id,
             self.engine.handshake_address,
-            "RDMA on " + self.engine.rdma_device if self.engine.rdma_device else f"TCP; RDMA: {self.engine.rdma_unavailable_reason}",
+            kvlink.transport_summary(self.engine),
         )
         self.registered = False
         # Prefill: requests held (granted), and sends that ended before the scheduler listed
