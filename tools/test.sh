@@ -23,7 +23,7 @@ MIN_PYTHON=48
 MIN_VM=20
 MIN_VLLM=42
 MIN_SGLANG=59
-MIN_ATOM=25
+MIN_ATOM=27
 MIN_ENGINE_EVENTS=6
 # The vLLM releases the connector is tested against: the newest (in .venv-vllm33) and the one
 # before it (in .venv-vllm, where the SGLang backend's tests also run).

@@ -7,7 +7,7 @@ the kvlink backend, driven by JSON lines on stdin; events go to stdout as JSON l
 ROLE is ``kv_producer``, ``kv_consumer`` or ``none`` (no connector: the single-engine
 reference). ``KVLINK_ATOM_KV_CONFIG`` (JSON) adds to the kv_transfer_config,
 ``KVLINK_ATOM_BLOCK_SIZE`` sets ATOM's block size (16), ``KVLINK_ATOM_DP`` its data-parallel
-size (1). Commands: ``{"op": "add", "key", "prompt", "max_tokens", "params"}``,
+size (1), ``KVLINK_ATOM_KV_DTYPE`` its KV cache dtype (bf16). Commands: ``{"op": "add", "key", "prompt", "max_tokens", "params"}``,
 ``{"op": "abort", "key"}``, ``{"op": "metrics"}``, ``{"op": "quit"}``. Events: ``ready``,
 ``added`` (key, id), ``done`` (key, id, tokens, reason, params), ``metrics``.
 
@@ -52,6 +52,7 @@ def _config(role, model, tp, port, prefix):
         parallel_config=ParallelConfig(data_parallel_size=int(os.environ.get("KVLINK_ATOM_DP", "1")), data_parallel_master_port=dp_port),
         model=model,
         kv_cache_block_size=int(os.environ.get("KVLINK_ATOM_BLOCK_SIZE", "16")),
+        kv_cache_dtype=os.environ.get("KVLINK_ATOM_KV_DTYPE", "bf16"),
         max_num_seqs=8,
         max_num_batched_tokens=1024,
         enforce_eager=True,

@@ -2,7 +2,9 @@
 ATOM's KV cache for a token at a position, and the token it samples from the KV it reads.
 
 Every KV element is ``(token + f(position, layer, K|V, global head, dim)) % 251`` (exact in
-bf16), scales ``token * 1000 + g(...)`` (exact in fp32). A forward reads back the whole
+bf16) or, in an fp8 cache, ``(nibble + f(...)) % 16`` with the token's high nibble in even dims
+and its low one in odd dims (exact in fp8 e4m3); scales are ``token * 1000 + g(...)`` (exact
+in fp32). A forward reads back the whole
 context from the cache (every layer, K, V, scales or latents), recovers each position's token
 from it and checks every element; the sampled token is a function of all of them. So a decode
 generates the same tokens as a single engine only when every byte it computes from is the
@@ -35,6 +37,27 @@ def expected(prompt: List[int], max_tokens: int) -> List[int]:
         out.append(t)
         ctx.append(t)
     return out
+
+
+def modulus(dtype: str) -> int:
+    """The element modulus for a KV cache of ATOM's ``kv_cache_dtype``."""
+    return 16 if dtype == "fp8" else MOD
+
+
+def encode(torch, tok, offsets, mod: int):
+    """KV elements for tokens ``tok`` [n] at ``offsets`` [n, ..., dim]."""
+    t = tok.view(-1, *([1] * (offsets.dim() - 1)))
+    if mod == MOD:
+        return (t + offsets) % MOD
+    d = torch.arange(offsets.shape[-1], dtype=torch.int64)
+    return (torch.where(d % 2 == 0, t >> 4, t & 15) + offsets) % mod
+
+
+def decode(v0, v1, off0, off1, mod: int):
+    """Tokens from the elements of dims 0 and 1 and their offsets (all [n])."""
+    if mod == MOD:
+        return (v0 - off0) % MOD
+    return ((v0 - off0) % mod) * 16 + (v1 - off1) % mod
 
 
 def kv_offsets(torch, pos, layer: int, kv: int, heads, dim: int):

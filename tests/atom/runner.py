@@ -41,6 +41,7 @@ class KvRunner:
 
         self.mla = is_mla(config.hf_config)
         self.is_deepseek_v32 = False
+        self.mod = kvmodel.modulus(config.kv_cache_dtype)
         self.errors = os.environ.get("KVLINK_ATOM_ERRORS")
 
     # -- what ATOM's EngineCore asks of a runner --------------------------------------------
@@ -153,13 +154,13 @@ class KvRunner:
         pb, row = self._slots(table, positions)
         for layer, t in enumerate(self.layers.values()):
             if self.mla:
-                v = (tok[:, None] + kvmodel.latent_offsets(torch, positions, layer, 576)) % kvmodel.MOD
+                v = kvmodel.encode(torch, tok, kvmodel.latent_offsets(torch, positions, layer, 576), self.mod)
                 t.k_cache.view(-1, self.physical_block_size, 576)[pb, row] = v.to(t.k_cache.dtype)
                 continue
             h = self._heads()
             x = t.k_cache.shape[-1]
             for kv, cache in ((0, t.k_cache), (1, t.v_cache)):
-                v = ((tok[:, None, None] + kvmodel.kv_offsets(torch, positions, layer, kv, h, self.hf.head_dim)) % kvmodel.MOD).to(cache.dtype)
+                v = kvmodel.encode(torch, tok, kvmodel.kv_offsets(torch, positions, layer, kv, h, self.hf.head_dim), self.mod).to(cache.dtype)
                 if kv == 0:  # [blocks, H, D/x, rows, x]
                     cache[pb, :, :, row, :] = v.view(len(pb), len(h), -1, x)
                 else:  # [blocks, H, rows/x, D, x]
@@ -172,21 +173,22 @@ class KvRunner:
         pb, row = self._slots(table, positions)
         first = self.layers["layer_0"]
         if self.mla:
-            got = first.k_cache.view(-1, self.physical_block_size, 576)[pb, row, 0].to(torch.int64)
-            tok = (got - positions * 7) % kvmodel.MOD
-        else:
-            got = first.k_cache[pb, 0, 0, row, 0].to(torch.int64)
-            tok = (got - positions * 7 - self._heads()[0] * 3) % kvmodel.MOD
+            got = first.k_cache.view(-1, self.physical_block_size, 576)[pb, row, :2].to(torch.int64)
+            off = kvmodel.latent_offsets(torch, positions, 0, 2)
+        else:  # head 0's dims 0 and 1 (the K cache packs dims by x)
+            got = first.k_cache[pb, 0, 0, row, :2].to(torch.int64)
+            off = kvmodel.kv_offsets(torch, positions, 0, 0, self._heads()[:1], 2)[:, 0]
+        tok = kvmodel.decode(got[:, 0], got[:, 1], off[:, 0], off[:, 1], self.mod)
         for layer, t in enumerate(self.layers.values()):
             if self.mla:
-                want = (tok[:, None] + kvmodel.latent_offsets(torch, positions, layer, 576)) % kvmodel.MOD
+                want = kvmodel.encode(torch, tok, kvmodel.latent_offsets(torch, positions, layer, 576), self.mod)
                 have = t.k_cache.view(-1, self.physical_block_size, 576)[pb, row].to(torch.int64)
                 if not torch.equal(have, want):
                     return None, f"layer {layer} latent"
                 continue
             h = self._heads()
             for kv, cache in ((0, t.k_cache), (1, t.v_cache)):
-                want = (tok[:, None, None] + kvmodel.kv_offsets(torch, positions, layer, kv, h, self.hf.head_dim)) % kvmodel.MOD
+                want = kvmodel.encode(torch, tok, kvmodel.kv_offsets(torch, positions, layer, kv, h, self.hf.head_dim), self.mod)
                 if kv == 0:
                     have = cache[pb, :, :, row, :].reshape(len(pb), len(h), -1)
                 else:

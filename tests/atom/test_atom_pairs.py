@@ -20,10 +20,10 @@ LLAMA, DEEPSEEK = "llama-3.1-8b", "deepseek-v2-lite"
 
 
 @contextmanager
-def pair(tmp_path, model=LLAMA, ptp=1, dtp=1, prefix=False, penv=None, denv=None, block_size=16):
+def pair(tmp_path, model=LLAMA, ptp=1, dtp=1, prefix=False, penv=None, denv=None, block_size=16, dtype="bf16"):
     pranks = ptp * int((penv or {}).get("KVLINK_ATOM_DP", "1"))  # one port per (DP, TP) rank
     base = free_ports(pranks + dtp)
-    common = {"KVLINK_ATOM_BLOCK_SIZE": str(block_size)}
+    common = {"KVLINK_ATOM_BLOCK_SIZE": str(block_size), "KVLINK_ATOM_KV_DTYPE": dtype}
     P = Engine(str(tmp_path), "prefill", "kv_producer", model, ptp, base, prefix, {**common, **(penv or {})})
     D = Engine(str(tmp_path), "decode", "kv_consumer", model, dtp, base + pranks, prefix, {**common, **(denv or {})})
     try:
@@ -90,11 +90,12 @@ def test_full_transfer_then_prefix_hit_read_incrementally(tmp_path):
         assert c2["blocks_cached"] == 4 and c2["blocks_read"] - c["blocks_read"] == 2, c2
 
 
-@pytest.mark.parametrize("ptp,dtp,block_size", [(2, 2, 64), (2, 1, 16), (1, 2, 32)])
-def test_tensor_parallel_mixes(tmp_path, ptp, dtp, block_size):
+@pytest.mark.parametrize("ptp,dtp,block_size,dtype", [(2, 2, 64, "bf16"), (2, 1, 16, "bf16"), (1, 2, 32, "bf16"), (2, 1, 32, "fp8")])
+def test_tensor_parallel_mixes(tmp_path, ptp, dtp, block_size, dtype):
     """TP ranks through ATOM's KVOutputAggregator; heads split between sizes (kvlink's head
-    slices), scheduler blocks of several physical blocks (block_ratio 4 and 2)."""
-    with pair(tmp_path, ptp=ptp, dtp=dtp, block_size=block_size) as (P, D):
+    slices), scheduler blocks of several physical blocks (block_ratio 4 and 2); an fp8 cache
+    with its fp32 scale planes."""
+    with pair(tmp_path, ptp=ptp, dtp=dtp, block_size=block_size, dtype=dtype) as (P, D):
         for i, n in enumerate((100, 200)):
             p = prompt(10 + i, n)
             r = decode(D, f"r{i}", p, prefill(P, f"r{i}", p))

@@ -18,10 +18,11 @@ from kvlink.atom.params import Refused, prefill_output, read_for
 from kvlink.atom.settings import Settings
 
 
-def atom_config(model, tp=1, block_size=16, kv=None):
+def atom_config(model, tp=1, block_size=16, kv=None, dtype="bf16"):
     from atom.config import Config
 
     return Config(
+        kv_cache_dtype=dtype,
         model=os.path.join(MODELS, model),
         kv_cache_block_size=block_size,
         tensor_parallel_size=tp,
@@ -38,18 +39,18 @@ def test_registered_with_atoms_factory_without_pd_staging():
     assert KVConnectorFactory.topology_uses_pd_staging({"kv_connector": "kvlink", "kv_role": "kv_producer"}) is False
 
 
-@pytest.mark.parametrize("tp,block_size", [(1, 16), (2, 64)])
-def test_mha_regions_from_atoms_builder(tp, block_size):
+@pytest.mark.parametrize("tp,block_size,dtype", [(1, 16, "bf16"), (2, 64, "bf16"), (2, 32, "fp8")])
+def test_mha_regions_from_atoms_builder(tp, block_size, dtype):
     from runner import KvRunner
 
-    cfg = atom_config("llama-3.1-8b", tp, block_size)
+    cfg = atom_config("llama-3.1-8b", tp, block_size, dtype=dtype)
     r = KvRunner(0, cfg)
     tensors = r.kv_tensors(12)
     regions = describe(cfg, tensors, 12, tp)
     ratio, heads = block_size // 16, 8 // tp
     assert len(regions) == 4 * 4  # K, V per layer, then their scales
     k, scale = regions[0], regions[8]
-    assert k.block_bytes == ratio * heads * 128 * 16 * 2 and k.heads == (8, heads, ratio)
+    assert k.block_bytes == ratio * heads * 128 * 16 * (1 if dtype == "fp8" else 2) and k.heads == (8, heads, ratio)
     assert scale.block_bytes == ratio * heads * 16 * 4 and scale.heads == (8, heads, ratio)
     # Scheduler block b is physical blocks b*ratio .. b*ratio+ratio-1 of ATOM's own cache view.
     layer0 = r.layers["layer_0"]
