@@ -35,5 +35,8 @@ pub fn rdma_config() -> EngineConfig {
     c.transport = TransportChoice::Rdma;
     c.rdma.device = std::env::var("KVLINK_RDMA_DEVICE").ok();
     c.rdma.qps = 2;
+    // A handshake creates queue pairs, which the VM's two emulated CPUs do slowly when its host
+    // is busy (500 ms, the TCP fault tests' deadline, was once exceeded).
+    c.handshake_timeout = std::time::Duration::from_secs(5);
     c
 }
