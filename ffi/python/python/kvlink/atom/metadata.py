@@ -34,7 +34,3 @@ class KvlinkMetadata(ConnectorMetadata):
         #: Decode: tell these prefills a request will not be read:
         #: ``(addresses, remote id, hold token, reason)``.
         self.rejects: List[Tuple[List[str], str, int, str]] = []
-
-    def has_work(self) -> bool:
-        """Whether any rank has something to do."""
-        return bool(self.holds or self.releases or self.reads or self.cancels or self.rejects)
