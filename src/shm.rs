@@ -141,13 +141,26 @@ impl SharedMap {
         if hugetlbfs {
             return Err("huge-page memory files are not mapped from peers".into());
         }
-        let mut m = Self::map(fd, len).map_err(|e| format!("mmap of {len} bytes: {e}"))?;
+        // A file whose every page exists (a registered cache, filled by its engine) is mapped
+        // with its page table populated, so copies into it do not fault page by page (the
+        // first reads of a session ran at 0.7x of their steady speed). Populating allocates
+        // nothing then; a sparse file is mapped lazily, as a peer must not make this process
+        // allocate memory it never writes.
+        let resident = (st.st_blocks as u64).saturating_mul(512) >= len as u64;
+        let flags = if resident { libc::MAP_POPULATE } else { 0 };
+        let mut m =
+            Self::map_with(fd, len, flags).map_err(|e| format!("mmap of {len} bytes: {e}"))?;
         // The mapping holds the pages: the descriptor is not needed any more.
         m.fd = None;
         Ok(m)
     }
 
     fn map(fd: OwnedFd, len: usize) -> io::Result<SharedMap> {
+        Self::map_with(fd, len, 0)
+    }
+
+    /// [`Self::map`] with extra `mmap` flags (`MAP_POPULATE`).
+    fn map_with(fd: OwnedFd, len: usize, flags: libc::c_int) -> io::Result<SharedMap> {
         // SAFETY: a fresh shared mapping of `len` bytes of a file at least that long (sized by
         // us, or checked and sealed against shrinking); the kernel picks the address.
         let p = unsafe {
@@ -155,7 +168,7 @@ impl SharedMap {
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
+                libc::MAP_SHARED | flags,
                 fd.as_raw_fd(),
                 0,
             )
@@ -351,5 +364,63 @@ mod tests {
             .unwrap_err()
             .contains("sealed"));
         assert!(host_id().is_some());
+    }
+
+    /// Bytes of memory the file behind `fd` holds.
+    fn allocated(fd: BorrowedFd<'_>) -> u64 {
+        // SAFETY: fstat writes into the zeroed struct we pass.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above; the descriptor is open.
+        assert_eq!(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }, 0);
+        st.st_blocks as u64 * 512
+    }
+
+    /// Bytes of the mapping at `at` that are in this process's page table (`/proc/self/smaps`).
+    fn resident(at: *mut u8) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let start = format!("{:x}-", at as usize);
+        let vma = smaps.split_once(&start).expect("the mapping is listed").1;
+        let rss = vma.split_once("\nRss:").unwrap().1.trim_start();
+        let kb: u64 = rss.split_whitespace().next().unwrap().parse().unwrap();
+        kb * 1024
+    }
+
+    #[test]
+    fn a_peers_sparse_file_is_mapped_without_allocating_a_full_one_populated() {
+        const LEN: usize = 64 << 20;
+        // A sealed memfd whose pages were never touched (`create` would populate it).
+        // SAFETY: a C string literal; the new descriptor is owned at once.
+        let sparse = unsafe {
+            OwnedFd::from_raw_fd(libc::memfd_create(
+                c"kvlink-test-sparse".as_ptr(),
+                libc::MFD_ALLOW_SEALING,
+            ))
+        };
+        // SAFETY: plain syscalls on the descriptor we own.
+        unsafe {
+            assert_eq!(libc::ftruncate(sparse.as_raw_fd(), LEN as libc::off_t), 0);
+            assert_eq!(
+                libc::fcntl(sparse.as_raw_fd(), libc::F_ADD_SEALS, SIZE_SEALS),
+                0
+            );
+        }
+        let peer = SharedMap::open_peer(sparse.try_clone().unwrap(), LEN as u64).unwrap();
+        assert_eq!(
+            allocated(sparse.as_fd()),
+            0,
+            "mapping a peer's sparse file allocated its pages"
+        );
+        // SAFETY: inside the live mapping.
+        unsafe { peer.as_ptr().add(LEN - 1).write(1) };
+        assert_eq!(allocated(sparse.as_fd()), 4096, "one page written");
+
+        let full = SharedMap::create("kvlink-test-full", LEN, false).unwrap();
+        // SAFETY: the whole live mapping.
+        unsafe { std::ptr::write_bytes(full.as_ptr(), 3, LEN) };
+        let fd = full.fd().unwrap().try_clone_to_owned().unwrap();
+        let peer = SharedMap::open_peer(fd, LEN as u64).unwrap();
+        assert_eq!(resident(peer.as_ptr()), LEN as u64, "not populated");
+        // SAFETY: inside the live mapping.
+        assert_eq!(unsafe { peer.as_ptr().add(LEN / 2).read() }, 3);
     }
 }

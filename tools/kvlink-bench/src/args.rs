@@ -6,7 +6,7 @@ use std::time::Duration;
 use kvlink::{EngineConfig, GpuApi, ModelShape, TransportChoice};
 
 pub(crate) const USAGE: &str = "\
-usage: kvlink-bench [loopback|serve|read|sweep] [options]
+usage: kvlink-bench [loopback|serve|read|sweep|dump] [options]
 
 modes:
   loopback            prefill and decode engines in this process (default)
@@ -14,6 +14,8 @@ modes:
   read                read from a `serve` engine given by --peer
   sweep               loopback runs over the values of one parameter; writes a table,
                       <out>.csv and a chart <out>.png (bandwidth against the parameter)
+  dump                write the byte ranges a loopback run of these options reads to
+                      --out (for other engines to read the same pieces: bench-peers.sh)
 
 options:
   --transport T       network (RDMA when both engines have it, else TCP), auto
@@ -62,7 +64,8 @@ options:
                       hybrid KV cache groups)                                [1]
   --param P           sweep: message-bytes, tokens, concurrency, qps or streams
   --values LIST       sweep: comma-separated values (K/M suffixes for sizes)
-  --out PREFIX        sweep: output files <PREFIX>.csv and <PREFIX>.png    [kvlink-sweep]
+  --out PREFIX        sweep: output files <PREFIX>.csv and <PREFIX>.png; dump: the file
+                                                                         [kvlink-sweep]
 ";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,6 +74,7 @@ pub(crate) enum Mode {
     Serve,
     Read,
     Sweep,
+    Dump,
 }
 
 /// Where the benchmark's KV caches live.
@@ -147,6 +151,13 @@ fn parse_size(s: &str) -> Result<u64, String> {
 }
 
 pub(crate) fn parse_args() -> Result<Args, String> {
+    parse_from(std::env::args_os().skip(1))
+}
+
+/// [`parse_args`] of these arguments (the program name left out).
+pub(crate) fn parse_from(
+    args: impl IntoIterator<Item = impl Into<std::ffi::OsString>>,
+) -> Result<Args, String> {
     use lexopt::prelude::*;
     let mut a = Args {
         mode: Mode::Loopback,
@@ -184,7 +195,7 @@ pub(crate) fn parse_args() -> Result<Args, String> {
     let mut block_tokens: Option<u32> = None;
     let mut block_bytes: Option<u64> = None;
     let mut tensors: u32 = 1;
-    let mut p = lexopt::Parser::from_env();
+    let mut p = lexopt::Parser::from_args(args);
     let err = |e: lexopt::Error| e.to_string();
     let val = |p: &mut lexopt::Parser| -> Result<String, String> {
         p.value()
@@ -200,6 +211,7 @@ pub(crate) fn parse_args() -> Result<Args, String> {
                     "serve" => Mode::Serve,
                     "read" => Mode::Read,
                     "sweep" => Mode::Sweep,
+                    "dump" => Mode::Dump,
                     other => return Err(format!("unknown mode {other:?}")),
                 }
             }

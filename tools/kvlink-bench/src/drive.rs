@@ -273,6 +273,7 @@ pub(crate) fn run(args: Args) -> Result<(), String> {
             report(&args, "loopback", &o);
         }
         Mode::Sweep => sweep(&args)?,
+        Mode::Dump => crate::dump::dump(&args)?,
         Mode::Serve => {
             // Readers in other processes name requests this engine never held: serve every
             // exported byte (authentication, when a key is set, still applies).

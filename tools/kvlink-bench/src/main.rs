@@ -11,6 +11,7 @@
 mod args;
 mod chart;
 mod drive;
+mod dump;
 mod report;
 mod tp;
 mod workload;
