@@ -144,9 +144,11 @@ impl SharedMap {
         // A file whose every page exists (a registered cache, filled by its engine) is mapped
         // with its page table populated, so copies into it do not fault page by page (the
         // first reads of a session ran at 0.7x of their steady speed). Populating allocates
-        // nothing then; a sparse file is mapped lazily, as a peer must not make this process
-        // allocate memory it never writes.
-        let resident = (st.st_blocks as u64).saturating_mul(512) >= len as u64;
+        // nothing then: the file is exactly the mapping, and its allocated blocks cover it. A
+        // sparse or larger file is mapped lazily: a peer must not make this process allocate
+        // memory it never writes.
+        let resident = st.st_size as u64 == len as u64
+            && (st.st_blocks as u64).saturating_mul(512) >= len as u64;
         let flags = if resident { libc::MAP_POPULATE } else { 0 };
         let mut m =
             Self::map_with(fd, len, flags).map_err(|e| format!("mmap of {len} bytes: {e}"))?;
@@ -399,8 +401,9 @@ mod tests {
         // SAFETY: plain syscalls on the descriptor we own.
         unsafe {
             assert_eq!(libc::ftruncate(sparse.as_raw_fd(), LEN as libc::off_t), 0);
+            let shrink = libc::F_SEAL_SHRINK; // what open_peer asks for; it may still grow
             assert_eq!(
-                libc::fcntl(sparse.as_raw_fd(), libc::F_ADD_SEALS, SIZE_SEALS),
+                libc::fcntl(sparse.as_raw_fd(), libc::F_ADD_SEALS, shrink),
                 0
             );
         }
@@ -413,6 +416,26 @@ mod tests {
         // SAFETY: inside the live mapping.
         unsafe { peer.as_ptr().add(LEN - 1).write(1) };
         assert_eq!(allocated(sparse.as_fd()), 4096, "one page written");
+        drop(peer);
+
+        // Pages allocated past the announced length do not make the announced part populated.
+        // SAFETY: plain syscalls on the descriptor we own; its seal allows growing.
+        unsafe {
+            assert_eq!(
+                libc::ftruncate(sparse.as_raw_fd(), 2 * LEN as libc::off_t),
+                0
+            );
+            let (at, n) = (LEN as libc::off_t, LEN as libc::off_t);
+            assert_eq!(libc::fallocate(sparse.as_raw_fd(), 0, at, n), 0);
+        }
+        let before = allocated(sparse.as_fd());
+        let peer = SharedMap::open_peer(sparse.try_clone().unwrap(), LEN as u64).unwrap();
+        assert_eq!(
+            allocated(sparse.as_fd()),
+            before,
+            "a larger file was populated"
+        );
+        assert_eq!(resident(peer.as_ptr()), 0);
 
         let full = SharedMap::create("kvlink-test-full", LEN, false).unwrap();
         // SAFETY: the whole live mapping.
