@@ -76,11 +76,10 @@ class Mooncake:
     def __init__(self, role, a):
         from mooncake.engine import TransferEngine
         self.te = TransferEngine()
-        rc = self.te.initialize(a.host if role == "target" else a.local_host,
-                                "P2PHANDSHAKE", a.protocol, a.device)
+        self.host = a.host if role == "target" else a.local_host
+        rc = self.te.initialize(self.host, "P2PHANDSHAKE", a.protocol, a.device)
         if rc != 0:
             raise RuntimeError(f"mooncake: initialize({a.protocol}, {a.device!r}) returned {rc}")
-        self.host = a.host if role == "target" else a.local_host
         self.seg = None
 
     def _register(self, cache):

@@ -133,9 +133,8 @@ def initiator(a, head, reqs):
     local = np.zeros(head["local_bytes"], dtype=np.uint8)
     local.view(np.uint64)[::512] = 0  # fault the pages in before timing
     eng = make_engine(a.engine, "initiator", a)
-    laddr = eng.connect(local, info)
+    laddr = np.uint64(eng.connect(local, info))
     raddr = np.uint64(info["addr"])
-    laddr = np.uint64(laddr)
     c, w = head["concurrency"], head["warmup"]
     checked = 0
     for i in range(0, w, c):  # warm-up, each checked on a zeroed cache

@@ -262,7 +262,7 @@ pub(crate) fn loopback(args: &Args, rng: &mut Rng) -> Result<Outcome, String> {
 
 pub(crate) fn run(args: Args) -> Result<(), String> {
     let blocks = args.cache_blocks();
-    let mut rng = Rng(0x5EED ^ args.seed);
+    let mut rng = Rng::for_run(args.seed);
     match args.mode {
         Mode::Loopback => {
             let o = if args.tp_run() {

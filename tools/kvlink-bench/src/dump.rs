@@ -41,7 +41,7 @@ pub(crate) fn dump(args: &Args) -> Result<(), String> {
     let opts = PlanOptions {
         max_segment_bytes: args.batch_bytes,
     };
-    let mut rng = Rng(0x5EED ^ args.seed);
+    let mut rng = Rng::for_run(args.seed);
     let total = args.warmup + args.requests;
     let mut body = Vec::new();
     let mut counts = Vec::with_capacity(total);

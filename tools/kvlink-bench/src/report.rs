@@ -196,7 +196,7 @@ pub(crate) fn sweep(args: &Args) -> Result<(), String> {
             "streams" => a.streams = v as u16,
             _ => unreachable!("checked in parse_args"),
         }
-        let o = loopback(&a, &mut Rng(0x5EED ^ a.seed))?;
+        let o = loopback(&a, &mut Rng::for_run(a.seed))?;
         let bytes: u64 = o.reports.iter().map(|r| r.bytes).sum();
         let gbps = bytes as f64 / o.wall.as_secs_f64().max(1e-9) / 1e9;
         let n = o.reports.len().max(1);

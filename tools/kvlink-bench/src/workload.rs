@@ -61,6 +61,12 @@ pub(crate) fn make_cache_of(
 pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
+    /// The generator a run of fill seed `seed` draws its block ids from (runs, sweeps and
+    /// `dump` alike, so that they pick the same blocks).
+    pub(crate) fn for_run(seed: u64) -> Rng {
+        Rng(0x5EED ^ seed)
+    }
+
     fn next(&mut self) -> u64 {
         self.0 = self
             .0
