@@ -299,6 +299,8 @@ def test_clear_returns_only_when_a_cancelled_read_can_no_longer_write():
 
 
 def test_a_missing_state_type_fails_the_room():
+    """The decode refuses the whole last chunk before reading any of it: a KV read started
+    first would run on, and the prefill would report the room sent."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     pair = Pair(32, states=[(8, 16), (8, 16)])
@@ -308,7 +310,10 @@ def test_a_missing_state_type_fails_the_room():
         assert pump_until(lambda: r.poll() == KVPoll.Failed, [s.poll])
         with pytest.raises(pair.ks.KvlinkTransferError, match="no indices of state type 1"):
             r.failure_exception()
-        r.clear()
+        r.clear()  # returns once every read it cancelled was reported
+        for e in pair.dm.engines:
+            st = e.stats()
+            assert st["reads_done"] + st["reads_failed"] + st["reads_cancelled"] == 0, st
         assert pump_until(lambda: s.poll() == KVPoll.Failed, [])
     finally:
         pair.close()

@@ -122,38 +122,46 @@ class KvlinkKVReceiver(Room, BaseKVReceiver):
         if first != self.next_page or first + len(pages) > len(self.local_pages):
             return self._fail(f"chunk {self.chunks} covers pages [{first}, {first + len(pages)}) after "
                               f"{self.next_page} of {len(self.local_pages)}", tell_peer=True)
-        mgr, room = self.kv_mgr, self.bootstrap_room
         if self.started is None:
             self.started = time.monotonic()
-        peer = self.route["addrs"]
         try:
-            if pages:
-                rid = f"sgl{room}.{self.nonce:x}.c{self.chunks}"
-                mgr.kv.read_blocks(peer, rid, self.local_pages[first:first + len(pages)], pages,
-                                   remote_request_id=m["id"], hold=m["hold"])
-                self._track(rid, "kv")
-            self.chunks += 1
-            self.next_page = first + len(pages)
-            if m["last"]:
-                if self.next_page != len(self.local_pages):
-                    return self._fail(f"the prefill sent {self.next_page} pages, this decode expects "
-                                      f"{len(self.local_pages)}", tell_peer=True)
-                self._read_spaces(m["spaces"])
-                self.last_seen = True
+            # Every read of the chunk is planned (and the message checked) before the first is
+            # issued: a chunk refused halfway would leave reads running that the prefill then
+            # reports sent, for a room this decode has failed.
+            reads = self._plan_chunk(m)
+            for engine, peer, rid, space, mine, theirs, s in reads:
+                engine.read_blocks(peer, rid, mine, theirs, remote_request_id=s["id"], hold=s["hold"])
+                self._track(rid, space)
         except (kvlink.KvlinkError, ValueError) as e:
             return self._fail(f"reading chunk {self.chunks}: {e}", tell_peer=True)
+        self.chunks += 1
+        self.next_page = first + len(pages)
+        self.last_seen = bool(m["last"])
         self._progress()
 
-    def _read_spaces(self, spaces: List[Dict[str, Any]]) -> None:
-        mgr, room = self.kv_mgr, self.bootstrap_room
+    def _plan_chunk(self, m: Dict[str, Any]) -> List[tuple]:
+        """The reads of one chunk: ``(engine, peer, request id, index space, local, remote,
+        announcement)`` each; raises ``ValueError`` for a chunk this decode cannot take."""
+        pages, first = m["pages"], m["first"]
+        tag = f"sgl{self.bootstrap_room}.{self.nonce:x}"
+        reads = []
+        if pages:
+            reads.append((self.kv_mgr.kv, self.route["addrs"], f"{tag}.c{self.chunks}", "kv",
+                          self.local_pages[first:first + len(pages)], pages, m))
+        if m["last"]:
+            if first + len(pages) != len(self.local_pages):
+                raise ValueError(f"the prefill sent {first + len(pages)} pages, this decode expects "
+                                 f"{len(self.local_pages)}")
+            reads += self._plan_spaces(m["spaces"], tag)
+        return reads
+
+    def _plan_spaces(self, spaces: List[Dict[str, Any]], tag: str) -> List[tuple]:
+        mgr, reads = self.kv_mgr, []
         for s in spaces:
             if s["space"] == "aux":
                 if self.aux_index is None or mgr.aux is None or len(s["indices"]) != 1:
                     raise ValueError("an aux row this decode did not ask for")
-                rid = f"sgl{room}.{self.nonce:x}.aux"
-                mgr.aux.read_blocks(s["addr"], rid, [self.aux_index], s["indices"], remote_request_id=s["id"],
-                                    hold=s["hold"])
-                self._track(rid, "aux")
+                reads.append((mgr.aux, s["addr"], f"{tag}.aux", "aux", [self.aux_index], s["indices"], s))
             else:
                 i = s["space"]
                 local, ring = self.state_rows[i] if i < len(self.state_rows) else ([], None)
@@ -164,15 +172,14 @@ class KvlinkKVReceiver(Room, BaseKVReceiver):
                 mine, theirs = states.pair(mgr.state_types[i], s["indices"], local, s["ring"], ring)
                 if not mine:
                     raise ValueError(f"{mgr.state_types[i]} state: the prefill sent no rows to read")
-                rid = f"sgl{room}.{self.nonce:x}.s{i}"
-                engine.read_blocks(s["addr"], rid, mine, theirs, remote_request_id=s["id"], hold=s["hold"])
-                self._track(rid, f"s{i}")
+                reads.append((engine, s["addr"], f"{tag}.s{i}", f"s{i}", mine, theirs, s))
         if self.aux_index is not None and mgr.aux is not None and not any(s["space"] == "aux" for s in spaces):
             raise ValueError("the prefill sent no aux row")
         got = {s["space"] for s in spaces}
         for i, (local, _) in enumerate(self.state_rows):
             if local and i not in got:
                 raise ValueError(f"the prefill sent no indices of state type {i} ({mgr.state_types[i]})")
+        return reads
 
     def _on_peer_abort(self, reason: str, sender_id: str) -> None:
         if sender_id in self.inbox:
