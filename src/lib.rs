@@ -23,7 +23,7 @@
 
 // Layers, top to bottom (each imports only from those below it; docs/architecture.md):
 //   engine (API) > session > state > control, transport, completion > plan, layout, memory, gpu
-//   > config, ids, inbox, tp, error.   events stands apart.
+//   > config, ids, inbox, tp, error.   Events are a crate of their own (src/kvlink-events).
 mod auth;
 mod completion;
 mod config;
@@ -31,8 +31,10 @@ mod conn_limit;
 mod control;
 mod engine;
 mod error;
+/// KV-cache events: the `kvlink-events` crate (`src/kvlink-events`), re-exported.
 #[cfg(feature = "events")]
-pub mod events;
+#[doc(inline)]
+pub use kvlink_events as events;
 mod fuzzing;
 mod gpu;
 mod grant;

@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
+#[cfg(feature = "events")]
 use kvlink::events::{
     encode_batch, BlockHash, BlockRemoved, BlockStored, Encoding, EventBatch, KvEvent,
 };
@@ -67,6 +68,7 @@ fn data_request_corpus() {
     replay("data_request", fuzz::data_request);
 }
 
+#[cfg(feature = "events")]
 #[test]
 fn events_batch_corpus() {
     replay("events_batch", fuzz::events_batch);
@@ -197,6 +199,12 @@ fn write_seeds() {
         write("data_request", name, &out);
     }
 
+    #[cfg(feature = "events")]
+    write_event_seeds();
+}
+
+#[cfg(feature = "events")]
+fn write_event_seeds() {
     let batch = EventBatch {
         ts: 1_795_255_560.149_691_3,
         events: vec![

@@ -23,7 +23,7 @@ if ! "$py" -c 'import zmq, msgspec' 2>/dev/null; then
   [ -x "$repo/.venv/bin/pip" ] || python3 -m venv "$repo/.venv"
   "$repo/.venv/bin/pip" install -q --disable-pip-version-check pyzmq msgspec msgpack
 fi
-cargo build --release -q -p kvlink-events --manifest-path "$repo/Cargo.toml"
+cargo build --release -q -p kvlink-events-cli --manifest-path "$repo/Cargo.toml"
 tool="$repo/target/release/kvlink-events"
 field() { python3 -c "import json,sys; print('%.0f' % json.loads(sys.argv[1])['$1'])" "$2"; }
 

@@ -1,17 +1,25 @@
 #!/usr/bin/env python3
-"""Checks that no module of src/ imports from a layer above it (docs/architecture.md, "Rooms").
+"""Checks the layering of kvlink's two library crates (docs/architecture.md, "Rooms").
 
-Reads every `crate::<module>` path in src/ and compares the importing module's layer with the
-imported one's. `events` stands apart: it may import only itself, and nothing imports it.
-Exits 1, listing each offending file and path, when a module reaches upwards.
+- `kvlink` (src/): no module imports from a layer above it. The events crate is re-exported as
+  `kvlink::events` for users; no module of the transfer engine uses it.
+- `kvlink-events` (src/kvlink-events/src/): the same rule over its own layers.
+- No file of the events crate is over 600 lines.
+
+Reads `crate::<module>` paths everywhere, and `super::<module>` in files directly under a crate's
+root (where `super` is the crate). Exits 1, listing each offence, when one is found.
 """
 import pathlib
 import re
 import sys
 
+REPO = pathlib.Path(__file__).resolve().parent.parent
+EVENTS_DIR = "kvlink-events"
+MAX_EVENTS_LINES = 600
+
 # Higher imports lower, never the reverse. Equal layers may import each other only if listed
-# in SAME_LAYER_OK.
-LAYERS = {
+# in the crate's SAME_LAYER_OK.
+ENGINE_LAYERS = {
     "engine": 9,
     "session": 8,
     "state": 7,
@@ -35,32 +43,70 @@ LAYERS = {
     "verify": 10,
     "fuzzing": 10,
 }
-# Test harnesses above both the transfer engine and events: they may import from either.
+ENGINE_SAME_LAYER_OK = {("plan", "layout"), ("grant", "layout")}
+# Test harnesses above both the transfer engine and the events: they may import from either.
 HARNESSES = {"fuzzing"}
-SAME_LAYER_OK = {("plan", "layout"), ("grant", "layout")}
 
-root = pathlib.Path(__file__).resolve().parent.parent / "src"
-bad = []
-for path in sorted(root.rglob("*.rs")):
-    rel = path.relative_to(root)
-    module = rel.parts[0].removesuffix(".rs")
-    if module == "lib":
-        continue
-    for target in sorted(set(re.findall(r"crate::([a-z_]+)", path.read_text()))):
-        if target == module:
+EVENTS_LAYERS = {
+    "merger": 6,
+    "subscriber": 5,
+    "publisher": 4,
+    "pages": 3,
+    "aggregate": 3,
+    "fanout": 3,
+    "wire": 2,
+    "zmtp": 2,
+    "sequence": 1,
+    "endpoint": 1,
+    "guard": 1,
+    "msgpack": 0,
+}
+
+
+def imports(root: pathlib.Path, path: pathlib.Path, top_level: bool) -> set:
+    """The crate's modules a file names: `crate::x`, and `super::x` in a file under the root
+    (names of items at the root, such as a re-exported function, are not modules)."""
+    text = path.read_text()
+    found = set(re.findall(r"\bcrate::([a-z_]+)", text))
+    if top_level:
+        found |= set(re.findall(r"\bsuper::([a-z_]+)", text))
+    return {m for m in found if m == "events" or (root / f"{m}.rs").exists() or (root / m).is_dir()}
+
+
+def check_crate(root, layers, same_ok, skip_dir=None):
+    bad, files = [], 0
+    for path in sorted(root.rglob("*.rs")):
+        rel = path.relative_to(root)
+        if skip_dir and rel.parts[0] == skip_dir:
             continue
-        if module in HARNESSES:
+        files += 1
+        module = rel.parts[0].removesuffix(".rs")
+        if module == "lib" or module in HARNESSES:
             continue
-        if "events" in (module, target):
-            bad.append(f"{rel}: crate::{target} (events shares nothing with the transfer engine)")
-            continue
-        if target not in LAYERS or module not in LAYERS:
-            bad.append(f"{rel}: crate::{target} (module not in the layer table)")
-            continue
-        mine, theirs = LAYERS[module], LAYERS[target]
-        if theirs > mine or (theirs == mine and (module, target) not in SAME_LAYER_OK):
-            bad.append(f"{rel}: crate::{target} ({module} may not import from {target})")
+        for target in sorted(imports(root, path, len(rel.parts) == 1) - {module}):
+            if target == "events":
+                bad.append(f"{rel}: crate::events (the transfer engine does not use kvlink-events)")
+            elif target not in layers or module not in layers:
+                bad.append(f"{rel}: {target} (module not in the layer table)")
+            elif layers[target] > layers[module] or (
+                layers[target] == layers[module] and (module, target) not in same_ok
+            ):
+                bad.append(f"{rel}: {target} ({module} may not import from {target})")
+        if skip_dir and re.search(r"\bkvlink_events\b", path.read_text()):
+            bad.append(f"{rel}: kvlink_events (only lib.rs re-exports it)")
+    return bad, files
+
+
+src = REPO / "src"
+events_root = src / EVENTS_DIR / "src"
+bad, engine_files = check_crate(src, ENGINE_LAYERS, ENGINE_SAME_LAYER_OK, skip_dir=EVENTS_DIR)
+events_bad, events_files = check_crate(events_root, EVENTS_LAYERS, set())
+bad += [f"{EVENTS_DIR}/src/{b}" for b in events_bad]
+for path in sorted((src / EVENTS_DIR).rglob("*.rs")):
+    lines = len(path.read_text().splitlines())
+    if lines > MAX_EVENTS_LINES:
+        bad.append(f"{path.relative_to(src)}: {lines} lines (at most {MAX_EVENTS_LINES})")
 if bad:
-    print("layers: modules importing from a layer above them:", *bad, sep="\n  ")
+    print("layers: offences:", *bad, sep="\n  ")
     sys.exit(1)
-print(f"layers: ok ({sum(1 for _ in root.rglob('*.rs'))} files)")
+print(f"layers: ok (kvlink {engine_files} files, kvlink-events {events_files} files)")

@@ -110,6 +110,12 @@ tally_pytest() {
 
 echo "test: layers (no module of src/ imports from a layer above it)"
 python3 tools/check_layers.py
+# A router depends on the events crate alone: none of the transfer engine may come with it.
+events_tree=$(cargo tree -p kvlink-events -e normal --prefix none --quiet)
+if engine_deps=$(grep -E '^(kvlink|sideway|rdma-mummy-sys|cudarc|libloading) ' <<<"$events_tree"); then
+  echo "test: kvlink-events depends on the transfer engine: $engine_deps" >&2
+  exit 1
+fi
 echo "test: cargo fmt --check"
 cargo fmt --all -- --check
 echo "test: cargo clippy -D warnings"
@@ -148,7 +154,7 @@ if [ ! -x .venv/bin/pip ]; then
 fi
 .venv/bin/pip install -q --disable-pip-version-check "maturin>=1.5,<2" ziglang numpy pytest pyzmq msgpack msgspec
 # The KV-event interop tests drive this tool against Python peers.
-cargo build -p kvlink-events --quiet
+cargo build -p kvlink-events-cli --quiet
 export KVLINK_EVENTS_BIN="$repo/target/debug/kvlink-events"
 export CARGO_TARGET_DIR="$repo/target/python"
 cargo fmt --manifest-path ffi/python/Cargo.toml -- --check

@@ -41,7 +41,7 @@ def events_bin():
         path = REPO / "target" / build / "kvlink-events"
         if os.access(path, os.X_OK):
             return str(path)
-    pytest.skip("kvlink-events not built: cargo build -p kvlink-events")
+    pytest.skip("kvlink-events not built: cargo build -p kvlink-events-cli")
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 //! Fields kvlink does not model follow under their own names (`"@<index>"` for a legacy
 //! array's positional ones), their msgpack values as JSON (see [`value_to_json`]).
 
-use kvlink::events::{
+use kvlink_events::{
     BlockHash, BlockRemoved, BlockStored, BlockTransferred, EventBatch, ExtraField, FieldKey,
     KvEvent, Resync, Value as MpValue, MAX_EXTRA_POSITION,
 };

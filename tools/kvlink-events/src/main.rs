@@ -16,7 +16,7 @@ use std::io::{BufRead, Write};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use kvlink::events::{
+use kvlink_events::{
     BatchBuilder, BlockHash, BlockStored, BlockStoredRef, Encoding, EventBatch, HashRef, HashesRef,
     KvEvent, Merger, MergerConfig, MergerInput, Publisher, PublisherConfig, ReplayFormat, SubItem,
     Subscriber, SubscriberConfig,

@@ -2,12 +2,12 @@
 //! decoding into a spare batch against decoding afresh.
 
 use super::*;
-use crate::events::msgpack::{decode, Value};
-use crate::events::wire::{encode_batch, BlockRemoved};
-use crate::events::wire::{
+use crate::msgpack::{decode, Value};
+use crate::wire::{encode_batch, BlockRemoved};
+use crate::wire::{
     CLEARED_LEGACY_ORDER, REMOVED_LEGACY_ORDER, STORED_LEGACY_ORDER, TRANSFERRED_LEGACY_ORDER,
 };
-use crate::events::KvEvent;
+use crate::KvEvent;
 use proptest::prelude::*;
 
 /// The decoder's field orders and names are the wire's: each order spells the legacy field
@@ -34,7 +34,7 @@ fn field_orders_match_the_legacy_orders() {
 #[test]
 fn map_keys_in_any_order() {
     let mut buf = Vec::new();
-    let e = KvEvent::BlockStored(crate::events::BlockStored {
+    let e = KvEvent::BlockStored(crate::BlockStored {
         block_hashes: vec![BlockHash::U64(7)],
         token_ids: vec![1, 2, 3],
         block_size: 4,

@@ -8,7 +8,12 @@
 //!   DEALER, on the `zeromq` crate) around them, following vLLM's endpoint rules
 //!   ([`resolve_endpoint`]).
 //!
-//! Compiled with the `events` cargo feature (on by default).
+//! A crate of its own: a router depends on it without the transfer engine (no verbs, GPU or
+//! engine code). `kvlink` re-exports it as `kvlink::events` under its `events` feature (on by
+//! default).
+
+#![deny(unsafe_code)]
+#![warn(missing_docs, unreachable_pub)]
 
 mod aggregate;
 mod endpoint;

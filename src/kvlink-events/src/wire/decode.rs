@@ -3,7 +3,7 @@
 
 use std::mem::take;
 
-use crate::events::msgpack::{self, Cursor, Token, MAX_RESERVE};
+use crate::msgpack::{self, Cursor, Token, MAX_RESERVE};
 
 use super::{
     BatchError, BlockHash, BlockRemoved, BlockStored, BlockTransferred, Decoded, Encoding,

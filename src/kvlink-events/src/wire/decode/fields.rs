@@ -2,7 +2,7 @@
 //! type (for the key a map most likely has next, and the legacy encoding's places), per-type
 //! masks, and the keys and tags as encoders write them, for whole comparisons.
 
-use crate::events::msgpack::Encoded;
+use crate::msgpack::Encoded;
 
 /// The fields kvlink models, by their wire names.
 #[derive(Clone, Copy, PartialEq, Eq)]

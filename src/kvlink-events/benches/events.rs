@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
-use kvlink::events::{
+use kvlink_events::{
     decode_batch, decode_batch_reusing, encode_batch, Encoding, EventBatch, KvEvent, PageHash,
     PageSplitter, Publisher, PublisherConfig, SubItem, Subscriber, SubscriberConfig,
 };

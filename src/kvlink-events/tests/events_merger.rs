@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use events_common::*;
-use kvlink::events::{
+use kvlink_events::{
     encode_batch, llm_d_topic, parse_llm_d_topic, BlockHash, BlockRemoved, Encoding, EventBatch,
     ExtraField, FieldKey, KvEvent, Merger, MergerConfig, MergerInput, Publisher, PublisherConfig,
     SubItem, Subscriber, SubscriberConfig, Value,
@@ -246,6 +246,6 @@ fn the_merger_applies_the_tp_rule() {
                 PublisherConfig::default()
             )
         }),
-        Err(kvlink::events::EventsError::Config(_))
+        Err(kvlink_events::EventsError::Config(_))
     ));
 }

@@ -50,7 +50,7 @@ pub(super) async fn publish_loop(shared: Arc<Shared>, mut socket: PubSocket) -> 
 mod tests {
     use std::time::{Duration, Instant};
 
-    use crate::events::{EventBatch, EventsError, Publisher, PublisherConfig};
+    use crate::{EventBatch, EventsError, Publisher, PublisherConfig};
 
     /// An ipc endpoint of its own: the queue and the send loop serve the `zeromq` crate's
     /// sockets (a bound tcp endpoint is sent to from the caller's thread, with no queue).

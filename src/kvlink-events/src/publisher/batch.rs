@@ -8,17 +8,17 @@ use bytes::Bytes;
 use rmp::encode as w;
 
 use super::pool::BufferPool;
-use crate::events::wire::{encode_event, encode_stored_ref, BlockStoredRef, Encoding, KvEvent};
+use crate::wire::{encode_event, encode_stored_ref, BlockStoredRef, Encoding, KvEvent};
 
 /// Room kept at the front of the buffer for the batch's head: the outer array's marker (1
 /// byte), `ts` as a float64 (9), and the events array's header (at most 5), written once the
 /// events are counted.
 const HEAD: usize = 15;
 
-/// A batch being encoded (from [`crate::events::Publisher::builder`]): events are written as
+/// A batch being encoded (from [`crate::Publisher::builder`]): events are written as
 /// they are pushed, in the publisher's encoding, and the whole is queued by
-/// [`crate::events::Publisher::publish_built`]. The bytes are those
-/// [`crate::events::encode_batch`] writes for the same events.
+/// [`crate::Publisher::publish_built`]. The bytes are those
+/// [`crate::encode_batch`] writes for the same events.
 pub struct BatchBuilder {
     buf: Vec<u8>,
     encoding: Encoding,
@@ -106,9 +106,7 @@ impl std::fmt::Debug for BatchBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::events::wire::{
-        encode_batch, BlockHash, BlockStored, EventBatch, HashRef, HashesRef,
-    };
+    use crate::wire::{encode_batch, BlockHash, BlockStored, EventBatch, HashRef, HashesRef};
 
     /// A builder's payload is byte for byte what `encode_batch` writes for the same events,
     /// whatever the count (each form of the events array's header) and the encoding.

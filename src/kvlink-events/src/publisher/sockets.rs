@@ -4,10 +4,10 @@
 use tokio::task::JoinHandle;
 use zeromq::{PubSocket, Socket};
 
-use crate::events::endpoint::{self, Attach};
-use crate::events::fanout::{Fanout, QueueBound};
-use crate::events::guard::{self, Limits, PrivateDir};
-use crate::events::EventsError;
+use crate::endpoint::{self, Attach};
+use crate::fanout::{Fanout, QueueBound};
+use crate::guard::{self, Limits, PrivateDir};
+use crate::EventsError;
 
 /// The live PUB side: the publisher's own for a bound tcp endpoint ([`Fanout`]: payloads
 /// written from their own memory, sent to from the callers' threads), the `zeromq` crate's PUB

@@ -181,7 +181,7 @@ impl TpAggregator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::events::{BlockHash, BlockRemoved, BlockStored};
+    use crate::{BlockHash, BlockRemoved, BlockStored};
 
     fn stored(h: u64) -> KvEvent {
         KvEvent::BlockStored(BlockStored {
@@ -213,9 +213,9 @@ mod tests {
             ..Default::default()
         };
         let plain = KvEvent::BlockRemoved(removed.clone());
-        removed.extra.push(crate::events::ExtraField {
-            key: crate::events::FieldKey::Name("x".into()),
-            value: crate::events::Value::UInt(1),
+        removed.extra.push(crate::ExtraField {
+            key: crate::FieldKey::Name("x".into()),
+            value: crate::Value::UInt(1),
         });
         assert!(a.add(0, vec![plain]).is_empty());
         assert!(a.add(1, vec![KvEvent::BlockRemoved(removed)]).is_empty());

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use events_common::*;
-use kvlink::events::{Encoding, ReplayFormat, Resync, SubItem, Subscriber, SubscriberConfig};
+use kvlink_events::{Encoding, ReplayFormat, Resync, SubItem, Subscriber, SubscriberConfig};
 
 #[test]
 fn every_batch_arrives_in_order_in_both_encodings() {
@@ -424,7 +424,7 @@ fn raw_zmtp_subscribers_are_served_and_other_sockets_refused() {
     assert_eq!(topic, b"kv@pod@model");
     assert_eq!(seq, 0u64.to_be_bytes());
     assert_eq!(
-        kvlink::events::decode_batch(&payload).unwrap().batch,
+        kvlink_events::decode_batch(&payload).unwrap().batch,
         batch(0)
     );
 

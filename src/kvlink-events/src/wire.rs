@@ -206,7 +206,7 @@ pub enum HashesRef<'a> {
 }
 
 /// A BlockStored given by reference to the publisher's own memory: the fields engines fill on
-/// every store. It is encoded straight into a batch ([`crate::events::BatchBuilder`],
+/// every store. It is encoded straight into a batch ([`crate::BatchBuilder`],
 /// [`encode_stored_ref`]) without building a [`BlockStored`] (no copy of the hashes or the
 /// tokens, no allocation); events with more fields go in as [`KvEvent`]s.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvlink::events::{
+use kvlink_events::{
     BlockHash, BlockRemoved, EventBatch, KvEvent, PageHash, PageSplitter, Publisher,
     PublisherConfig, Resync, SubItem, Subscriber, SubscriberConfig,
 };
