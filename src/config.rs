@@ -30,6 +30,52 @@ pub enum TransportChoice {
     Network,
 }
 
+impl TransportChoice {
+    /// Every choice, in the order the documentation lists them.
+    pub const ALL: [TransportChoice; 5] = [
+        TransportChoice::Auto,
+        TransportChoice::Network,
+        TransportChoice::Tcp,
+        TransportChoice::Rdma,
+        TransportChoice::Local,
+    ];
+
+    /// The choice's name, as settings, command lines and messages spell it (`auto`,
+    /// `network`, `tcp`, `rdma`, `local`); [`str::parse`] reads it back.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            TransportChoice::Auto => "auto",
+            TransportChoice::Network => "network",
+            TransportChoice::Tcp => "tcp",
+            TransportChoice::Rdma => "rdma",
+            TransportChoice::Local => "local",
+        }
+    }
+}
+
+impl std::fmt::Display for TransportChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for TransportChoice {
+    type Err = Error;
+
+    /// A choice by its name (exactly as [`TransportChoice::as_str`] writes it);
+    /// `Error::InvalidArgument` naming every choice otherwise.
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|c| c.as_str() == s)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "transport must be auto, network, tcp, rdma or local, got {s:?}"
+                ))
+            })
+    }
+}
+
 /// The longest duration any setting accepts.
 pub const MAX_DURATION: Duration = Duration::from_secs(7 * 24 * 3600);
 
@@ -228,6 +274,17 @@ pub fn check_duration(name: &str, d: Duration) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn transport_names_read_back() {
+        for c in TransportChoice::ALL {
+            assert_eq!(c.to_string().parse::<TransportChoice>().unwrap(), c);
+        }
+        for bad in ["", "TCP", "rdma ", "ipc"] {
+            let e = bad.parse::<TransportChoice>().unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{bad:?}: {e}");
+        }
+    }
 
     #[test]
     fn default_is_valid() {

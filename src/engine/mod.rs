@@ -105,11 +105,7 @@ impl Engine {
                 Vec::new(),
                 Some(format!(
                     "disabled by configuration (transport: {})",
-                    if config.transport == TransportChoice::Tcp {
-                        "tcp"
-                    } else {
-                        "local"
-                    }
+                    config.transport
                 )),
             ),
             choice => match rdma::probe(&config.rdma) {

@@ -267,8 +267,10 @@ pub fn prefill_child_main() {
     let held: usize = p[3].parse().unwrap();
     let mut config = quick_config();
     let mem = if p[4] == "cuda" { Mem::Cuda } else { Mem::Host };
-    if p[4] == "rdma" {
-        config.transport = kvlink::TransportChoice::Rdma;
+    if p[4] != "cuda" {
+        config.transport = p[4].parse().unwrap();
+    }
+    if config.transport == kvlink::TransportChoice::Rdma {
         config.rdma.device = std::env::var("KVLINK_RDMA_DEVICE").ok();
     }
     let prefill = side_in(mem, &shape, blocks, Some(seed), config);

@@ -254,6 +254,20 @@ def test_close_and_context_manager():
         socket.create_connection((host, int(port)), timeout=2).close()
 
 
+def test_transport_names_are_the_engines():
+    """``kvlink.TRANSPORTS`` is what ``Engine(transport=...)`` reads (connectors check settings
+    against it): each name starts an engine or fails for want of RDMA, anything else is refused
+    naming them all."""
+    assert kvlink.TRANSPORTS == ("auto", "network", "tcp", "rdma", "local")
+    for name in kvlink.TRANSPORTS:
+        try:
+            kvlink.Engine(transport=name).close()
+        except kvlink.RdmaUnavailable:
+            assert name == "rdma"
+    with pytest.raises(kvlink.InvalidArgument, match='auto, network, tcp, rdma or local, got "TCP"'):
+        kvlink.Engine(transport="TCP")
+
+
 def test_transport_summary_says_why_not_rdma():
     with kvlink.Engine(transport="tcp") as e:
         summary = kvlink.transport_summary(e)

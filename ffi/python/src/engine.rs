@@ -83,18 +83,9 @@ impl Engine {
             abort_timeout: seconds("abort_timeout", abort_timeout)?,
             lease: seconds("lease", lease)?,
             handshake_timeout: seconds("handshake_timeout", handshake_timeout)?,
-            transport: match transport {
-                "auto" => TransportChoice::Auto,
-                "tcp" => TransportChoice::Tcp,
-                "rdma" => TransportChoice::Rdma,
-                "local" => TransportChoice::Local,
-                "network" => TransportChoice::Network,
-                t => {
-                    return Err(InvalidArgument::new_err(format!(
-                        "transport must be 'auto', 'network', 'tcp', 'rdma' or 'local', got {t:?}"
-                    )))
-                }
-            },
+            transport: transport
+                .parse::<TransportChoice>()
+                .map_err(|e| InvalidArgument::new_err(e.to_string()))?,
             gpu,
             staging_chunk_bytes,
             staging_buffers,

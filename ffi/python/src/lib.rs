@@ -39,6 +39,12 @@ fn _kvlink(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PeerError", py.get_type::<PeerError>())?;
     m.add("RdmaUnavailable", py.get_type::<RdmaUnavailable>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // The names `Engine(transport=...)` accepts, for connectors that check a setting early.
+    let transports: Vec<&str> = kvlink_core::TransportChoice::ALL
+        .iter()
+        .map(|t| t.as_str())
+        .collect();
+    m.add("TRANSPORTS", pyo3::types::PyTuple::new(py, transports)?)?;
     m.add_function(wrap_pyfunction!(tp_sources, m)?)?;
     Ok(())
 }

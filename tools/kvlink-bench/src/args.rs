@@ -216,18 +216,9 @@ pub(crate) fn parse_from(
                 }
             }
             Long("transport") => {
-                a.transport = match val(&mut p)?.as_str() {
-                    "auto" => TransportChoice::Auto,
-                    "network" => TransportChoice::Network,
-                    "tcp" => TransportChoice::Tcp,
-                    "rdma" => TransportChoice::Rdma,
-                    "local" => TransportChoice::Local,
-                    t => {
-                        return Err(format!(
-                            "unknown transport {t:?} (network, auto, tcp, rdma, local)"
-                        ))
-                    }
-                }
+                a.transport = val(&mut p)?
+                    .parse()
+                    .map_err(|e: kvlink::Error| e.to_string())?
             }
             Long("memory") => {
                 a.memory = match val(&mut p)?.as_str() {
@@ -505,5 +496,25 @@ impl Args {
             },
             ..EngineConfig::default()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transport_names_are_the_engines() {
+        for t in TransportChoice::ALL {
+            let a = parse_from(["--transport", t.as_str()]).unwrap();
+            assert_eq!(a.transport, t);
+        }
+        let none: [&str; 0] = [];
+        assert_eq!(
+            parse_from(none).unwrap().transport,
+            TransportChoice::Network
+        );
+        let e = parse_from(["--transport", "ipc"]).unwrap_err();
+        assert!(e.contains("got \"ipc\""), "{e}");
     }
 }

@@ -18,6 +18,7 @@ from ._kvlink import (
     PeerError,
     RdmaUnavailable,
     TpAggregator,
+    TRANSPORTS,
     __version__,
     tp_sources,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "PeerError",
     "RdmaUnavailable",
     "TpAggregator",
+    "TRANSPORTS",
     "__version__",
     "tp_sources",
     "transport_summary",

@@ -8,6 +8,8 @@ are the ones passed to ``read_blocks`` / ``hold_blocks``.
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 __version__: str
+TRANSPORTS: Tuple[str, ...]
+"""The names ``Engine(transport=...)`` accepts: auto, network, tcp, rdma, local."""
 
 class KvlinkError(Exception):
     """Base class of kvlink errors."""

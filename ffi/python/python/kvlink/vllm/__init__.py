@@ -291,9 +291,9 @@ class _Settings:
                 raise ValueError(f"KvlinkConnector: listen must be 'host:port', got {listen!r}")
             host, port = host.strip("[]") or None, int(p)
         transport = str(extra.get("transport", "auto"))
-        if transport not in ("auto", "network", "tcp", "rdma", "local"):
+        if transport not in kvlink.TRANSPORTS:
             raise ValueError(
-                "KvlinkConnector: transport must be auto, network, tcp, rdma or local, "
+                f"KvlinkConnector: transport must be one of {', '.join(kvlink.TRANSPORTS)}, "
                 f"got {transport!r}"
             )
         key: Optional[bytes] = None
