@@ -5,6 +5,8 @@
   `kvlink::events` for users; no module of the transfer engine uses it.
 - `kvlink-events` (src/kvlink-events/src/): the same rule over its own layers.
 - No file of the events crate is over 600 lines.
+- `kvlink` has at most MAX_STRING_ERRORS `Result<_, String>` (errors as text; lower it as they
+  become named types, never raise it).
 
 Reads `crate::<module>` paths everywhere, and `super::<module>` in files directly under a crate's
 root (where `super` is the crate). Exits 1, listing each offence, when one is found.
@@ -16,6 +18,7 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parent.parent
 EVENTS_DIR = "kvlink-events"
 MAX_EVENTS_LINES = 600
+MAX_STRING_ERRORS = 55
 
 # Higher imports lower, never the reverse. Equal layers may import each other only if listed
 # in the crate's SAME_LAYER_OK.
@@ -73,6 +76,28 @@ def imports(root: pathlib.Path, path: pathlib.Path, top_level: bool) -> set:
     return {m for m in found if m == "events" or (root / f"{m}.rs").exists() or (root / m).is_dir()}
 
 
+def string_errors(text: str) -> int:
+    """How many `Result<T, String>` a file writes (nested generics and tuples read whole)."""
+    n = 0
+    for m in re.finditer(r"\bResult<", text):
+        depth, nest, last_comma, j = 1, 0, None, m.end()
+        while j < len(text) and depth:
+            c = text[j]
+            if c == "<":
+                depth += 1
+            elif c == ">" and text[j - 1] != "-":
+                depth -= 1
+            elif c in "([":
+                nest += 1
+            elif c in ")]":
+                nest -= 1
+            elif c == "," and depth == 1 and not nest:
+                last_comma = j
+            j += 1
+        n += last_comma is not None and text[last_comma + 1 : j - 1].strip() == "String"
+    return n
+
+
 def check_crate(root, layers, same_ok, skip_dir=None):
     bad, files = [], 0
     for path in sorted(root.rglob("*.rs")):
@@ -102,6 +127,11 @@ events_root = src / EVENTS_DIR / "src"
 bad, engine_files = check_crate(src, ENGINE_LAYERS, ENGINE_SAME_LAYER_OK, skip_dir=EVENTS_DIR)
 events_bad, events_files = check_crate(events_root, EVENTS_LAYERS, set())
 bad += [f"{EVENTS_DIR}/src/{b}" for b in events_bad]
+string_results = sum(
+    string_errors(p.read_text()) for p in src.rglob("*.rs") if EVENTS_DIR not in p.parts
+)
+if string_results > MAX_STRING_ERRORS:
+    bad.append(f"{string_results} Result<_, String> in kvlink (at most {MAX_STRING_ERRORS})")
 for path in sorted((src / EVENTS_DIR).rglob("*.rs")):
     lines = len(path.read_text().splitlines())
     if lines > MAX_EVENTS_LINES:
@@ -109,4 +139,7 @@ for path in sorted((src / EVENTS_DIR).rglob("*.rs")):
 if bad:
     print("layers: offences:", *bad, sep="\n  ")
     sys.exit(1)
-print(f"layers: ok (kvlink {engine_files} files, kvlink-events {events_files} files)")
+print(
+    f"layers: ok (kvlink {engine_files} files, kvlink-events {events_files} files; "
+    f"{string_results} Result<_, String> of at most {MAX_STRING_ERRORS})"
+)

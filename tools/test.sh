@@ -108,8 +108,9 @@ tally_pytest() {
   fi
 }
 
-echo "test: layers (no module of src/ imports from a layer above it)"
+echo "test: layers and cycles (no module imports from a layer above it, no two files import each other)"
 python3 tools/check_layers.py
+python3 tools/check_cycles.py
 # A router depends on the events crate alone: none of the transfer engine may come with it.
 events_tree=$(cargo tree -p kvlink-events -e normal --prefix none --quiet)
 if engine_deps=$(grep -E '^(kvlink|sideway|rdma-mummy-sys|cudarc|libloading) ' <<<"$events_tree"); then

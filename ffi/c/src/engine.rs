@@ -4,32 +4,13 @@ use std::ffi::{c_char, c_int, c_void};
 
 use kvlink::{DeviceMemory, Engine, EngineConfig, ExternalMemory, RegionId};
 
-use crate::aggregator::kvlink_aggregator;
 use crate::args::{check_out, millis, opt_str_arg, ref_arg, str_arg, write_out};
 use crate::config::{engine_config, kvlink_config};
 use crate::finished::kvlink_finished;
 use crate::guard::guard;
+use crate::handle::kvlink_engine;
 use crate::status::{invalid, FfiResult};
 use crate::tp::{kvlink_engine_hold_groups, kvlink_engine_read};
-
-// The handles are documented as usable from several threads at once.
-const _: () = {
-    const fn shareable<T: Send + Sync>() {}
-    shareable::<kvlink_engine>();
-    shareable::<kvlink_finished>();
-    shareable::<kvlink_aggregator>();
-    shareable::<crate::events::kvlink_event_publisher>();
-    shareable::<crate::messages::kvlink_messages>();
-};
-
-/// A kvlink engine (one per worker process and tensor-parallel rank). Opaque: create it with
-/// `kvlink_engine_start`, destroy it with `kvlink_engine_free`.
-///
-/// Every function taking an engine may be called from several threads at once, except
-/// `kvlink_engine_free`, which must be the last call on it.
-pub struct kvlink_engine {
-    pub(crate) engine: Engine,
-}
 
 /// Starts an engine: binds its handshake service and data server and starts its threads.
 /// Register memory and set a layout before peers read from it.

@@ -6,8 +6,8 @@ use std::ffi::{c_char, c_int};
 use kvlink::{HeadSplit, KvLayout, RegionId, MAX_TENSORS};
 
 use crate::args::{ref_arg, slice_arg, str_arg};
-use crate::engine::kvlink_engine;
 use crate::guard::guard;
+use crate::handle::kvlink_engine;
 use crate::status::invalid;
 
 /// One tensor of the KV cache for `kvlink_engine_set_layout`: `num_blocks` blocks of

@@ -27,6 +27,8 @@ mod args;
 
 mod config;
 
+mod handle;
+
 mod engine;
 
 mod layout;
@@ -44,13 +46,23 @@ mod events;
 #[cfg(test)]
 mod tests;
 
+// The handles are documented as usable from several threads at once.
+const _: () = {
+    const fn shareable<T: Send + Sync>() {}
+    shareable::<kvlink_engine>();
+    shareable::<kvlink_finished>();
+    shareable::<kvlink_aggregator>();
+    shareable::<kvlink_event_publisher>();
+    shareable::<kvlink_messages>();
+};
+
 pub use crate::aggregator::{
     kvlink_aggregator, kvlink_aggregator_free, kvlink_aggregator_new, kvlink_aggregator_report,
     kvlink_aggregator_take,
 };
 pub use crate::config::{kvlink_config, kvlink_config_default};
 pub use crate::engine::{
-    kvlink_engine, kvlink_engine_allocate_host, kvlink_engine_capabilities, kvlink_engine_connect,
+    kvlink_engine_allocate_host, kvlink_engine_capabilities, kvlink_engine_connect,
     kvlink_engine_deregister, kvlink_engine_free, kvlink_engine_handshake_address,
     kvlink_engine_hold_blocks, kvlink_engine_read_blocks, kvlink_engine_register_device,
     kvlink_engine_register_host, kvlink_engine_start, kvlink_engine_wait_finished,
@@ -68,6 +80,7 @@ pub use crate::finished::{
     kvlink_finished_reason, kvlink_finished_report_peer, kvlink_finished_side,
 };
 pub use crate::guard::{kvlink_last_error, kvlink_version};
+pub use crate::handle::kvlink_engine;
 pub use crate::layout::{kvlink_engine_set_layout, kvlink_tensor};
 pub use crate::messages::{
     kvlink_engine_send_message, kvlink_engine_take_messages, kvlink_messages,

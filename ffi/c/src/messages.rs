@@ -6,8 +6,8 @@ use std::ffi::{c_char, c_int, CString};
 use kvlink::PeerMessage;
 
 use crate::args::{check_out, ref_arg, slice_arg, str_arg, write_out};
-use crate::engine::kvlink_engine;
 use crate::guard::{guard, guard_value, to_cstring};
+use crate::handle::kvlink_engine;
 use crate::status::invalid;
 
 /// Messages taken from an engine's inbox, oldest first. Opaque: made by

@@ -6,8 +6,8 @@ use std::ffi::{c_char, c_int};
 use kvlink::{BlockId, HoldRequest, ReadFrom, ReadRequest, RequestId, TpRank, MAX_GROUPS};
 
 use crate::args::{millis, opt_str_arg, ref_arg, slice_arg, str_arg, write_out};
-use crate::engine::kvlink_engine;
 use crate::guard::guard;
+use crate::handle::kvlink_engine;
 use crate::status::{invalid, FfiResult};
 
 /// `groups` block lists, list `g` holding `counts[g]` ids at `lists[g]`.

@@ -3,11 +3,11 @@
 use std::collections::HashMap;
 use std::net::Ipv6Addr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
 use sideway::ibverbs::address::{Gid, GidType};
-use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel};
+use sideway::ibverbs::completion::BasicCompletionQueue;
 use sideway::ibverbs::device::{DeviceInfo, DeviceList};
 use sideway::ibverbs::device_context::{DeviceContext, LinkLayer, Mtu, PortState};
 use sideway::ibverbs::memory_region::MemoryRegion;
@@ -18,7 +18,7 @@ use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::AccessFlags;
 
 use super::mr::RegionMrs;
-use super::poller::{poll_loop, CqHandler};
+use super::poller::{poll_loop, CqEvents, CqHandler};
 use super::RdmaRegionInfo;
 use crate::ids::RegionId;
 use crate::memory::Region;
@@ -70,9 +70,10 @@ pub(crate) struct RdmaDevice {
     pub(crate) max_sge: u32,
     pub(crate) max_rd_atom: u8,
     pub(crate) settings: RdmaSettings,
-    pub(crate) channel: Arc<CompletionChannel>,
+    /// The completion channel and the connection each completion queue on it belongs to
+    /// (shared with the poller thread, which holds it only while handling a round).
+    events: Arc<CqEvents>,
     mrs: RwLock<HashMap<RegionId, Arc<RegionMrs>>>,
-    pub(super) conns: Mutex<HashMap<u64, Weak<dyn CqHandler>>>,
     next_cq_id: AtomicU64,
     stop: Arc<AtomicBool>,
     poller: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -317,14 +318,13 @@ fn open_device(
         settings: settings.clone(),
         ctx,
         pd,
-        channel,
+        events: Arc::new(CqEvents::new(name, channel)),
         mrs: RwLock::new(HashMap::new()),
-        conns: Mutex::new(HashMap::new()),
         next_cq_id: AtomicU64::new(1),
         stop: Arc::new(AtomicBool::new(false)),
         poller: Mutex::new(None),
     });
-    let weak = Arc::downgrade(&dev);
+    let weak = Arc::downgrade(&dev.events);
     let stop = dev.stop.clone();
     let handle = std::thread::Builder::new()
         .name(format!("kvlink-cq-{name}"))
@@ -522,7 +522,7 @@ impl RdmaDevice {
         let id = self.next_cq_id.fetch_add(1, Ordering::Relaxed);
         let mut b = self.ctx.create_cq_builder();
         b.setup_cqe(cqe)
-            .setup_comp_channel(&self.channel, 0)
+            .setup_comp_channel(self.events.channel(), 0)
             .setup_cq_context(id as usize as *mut std::ffi::c_void);
         let cq = b
             .build()
@@ -532,12 +532,12 @@ impl RdmaDevice {
 
     /// Routes a completion queue's events to a connection.
     pub(crate) fn attach(&self, cq_id: u64, conn: &Arc<dyn CqHandler>) {
-        self.conns.lock().insert(cq_id, Arc::downgrade(conn));
-        conn.arm();
+        self.events.attach(cq_id, conn);
     }
 
+    /// Stops routing a completion queue's events.
     pub(crate) fn detach(&self, cq_id: u64) {
-        self.conns.lock().remove(&cq_id);
+        self.events.detach(cq_id);
     }
 
     /// A completion queue that never receives completions (for passive queue pairs).

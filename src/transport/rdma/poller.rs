@@ -1,15 +1,18 @@
 //! The completion poller: one thread per device blocks on the device's completion channel
 //! (`poll(2)`, no spinning while idle), then drains the completion queue that fired through the
-//! handler registered for it. Connections register as [`CqHandler`]s, so the device never
-//! names a connection type.
+//! handler registered for it. Connections register as [`CqHandler`]s with the device's
+//! [`CqEvents`], so the device never names a connection type and the poller never names the
+//! device.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionQueue, WorkCompletionStatus};
-
-use super::device::RdmaDevice;
+use parking_lot::Mutex;
+use sideway::ibverbs::completion::{
+    BasicCompletionQueue, CompletionChannel, CompletionQueue, WorkCompletionStatus,
+};
 
 /// What the poller drives: the owner of one completion queue.
 pub(crate) trait CqHandler: Send + Sync {
@@ -22,51 +25,41 @@ pub(crate) trait CqHandler: Send + Sync {
     fn tick(&self);
 }
 
-/// The poller: waits on the completion channel (no spinning while idle), then drains the
-/// connection whose queue fired. A 100 ms wake-up also lets connections time out stuck work.
-pub(super) fn poll_loop(dev: Weak<RdmaDevice>, stop: Arc<AtomicBool>) {
-    let fd = match dev.upgrade() {
-        Some(d) => std::os::fd::AsRawFd::as_raw_fd(&*d.channel),
-        None => return,
-    };
-    while !stop.load(Ordering::Acquire) {
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: pfd is a valid pollfd for the duration of the call; fd belongs to the
-        // completion channel, which lives as long as the device (checked by the upgrade below
-        // before any use of the channel).
-        let n = unsafe { libc::poll(&mut pfd, 1, 100) };
-        let Some(d) = dev.upgrade() else { return };
-        // A panic here (the verbs bindings assert when destroying objects) must not stop the
-        // poller: every connection on the device depends on it.
-        let round = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            if n > 0 {
-                d.handle_events();
-            }
-            let conns: Vec<Arc<dyn CqHandler>> =
-                d.conns.lock().values().filter_map(Weak::upgrade).collect();
-            for c in conns {
-                c.tick();
-            }
-        }));
-        if round.is_err() {
-            tracing::error!(
-                device = d.name(),
-                "the completion poller caught a panic; continuing"
-            );
-        }
-        drop(d);
-        if n < 0 {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
+/// A device's completion events: its completion channel, and the handler of each completion
+/// queue made on it (by the id the queue carries as its context).
+pub(crate) struct CqEvents {
+    /// The device's name, for logs.
+    device: String,
+    channel: Arc<CompletionChannel>,
+    handlers: Mutex<HashMap<u64, Weak<dyn CqHandler>>>,
 }
 
-impl RdmaDevice {
-    fn handle_events(&self) {
+impl CqEvents {
+    pub(super) fn new(device: &str, channel: Arc<CompletionChannel>) -> Self {
+        CqEvents {
+            device: device.to_string(),
+            channel,
+            handlers: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The channel completion queues are made on.
+    pub(super) fn channel(&self) -> &Arc<CompletionChannel> {
+        &self.channel
+    }
+
+    /// Routes the events of completion queue `cq_id` to `conn`, and arms the queue.
+    pub(super) fn attach(&self, cq_id: u64, conn: &Arc<dyn CqHandler>) {
+        self.handlers.lock().insert(cq_id, Arc::downgrade(conn));
+        conn.arm();
+    }
+
+    pub(super) fn detach(&self, cq_id: u64) {
+        self.handlers.lock().remove(&cq_id);
+    }
+
+    /// Acknowledges every pending event and drains the queue each one names.
+    fn handle(&self) {
         loop {
             let mut cq: *mut rdma_mummy_sys::ibv_cq = std::ptr::null_mut();
             let mut ctx: *mut std::ffi::c_void = std::ptr::null_mut();
@@ -84,12 +77,65 @@ impl RdmaDevice {
             let id = ctx as usize as u64;
             // Take a strong reference before acknowledging: a CQ is destroyed only after all of
             // its events are acknowledged, so `cq` is valid until the ack below.
-            let conn = self.conns.lock().get(&id).and_then(Weak::upgrade);
+            let conn = self.handlers.lock().get(&id).and_then(Weak::upgrade);
             // SAFETY: `cq` came from ibv_get_cq_event and is not destroyed before this ack.
             unsafe { rdma_mummy_sys::ibv_ack_cq_events(cq, 1) };
             if let Some(c) = conn {
                 c.drain();
             }
+        }
+    }
+
+    /// Every live handler's time-based work.
+    fn tick(&self) {
+        let conns: Vec<Arc<dyn CqHandler>> = self
+            .handlers
+            .lock()
+            .values()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for c in conns {
+            c.tick();
+        }
+    }
+}
+
+/// The poller: waits on the completion channel (no spinning while idle), then drains the
+/// connection whose queue fired. A 100 ms wake-up also lets connections time out stuck work.
+/// Returns once `stop` is set or the device dropped its events.
+pub(super) fn poll_loop(events: Weak<CqEvents>, stop: Arc<AtomicBool>) {
+    let fd = match events.upgrade() {
+        Some(e) => std::os::fd::AsRawFd::as_raw_fd(&*e.channel),
+        None => return,
+    };
+    while !stop.load(Ordering::Acquire) {
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: pfd is a valid pollfd for the duration of the call; fd belongs to the
+        // completion channel, which lives as long as the events (checked by the upgrade below
+        // before any use of the channel).
+        let n = unsafe { libc::poll(&mut pfd, 1, 100) };
+        let Some(e) = events.upgrade() else { return };
+        // A panic here (the verbs bindings assert when destroying objects) must not stop the
+        // poller: every connection on the device depends on it.
+        let round = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            if n > 0 {
+                e.handle();
+            }
+            e.tick();
+        }));
+        if round.is_err() {
+            tracing::error!(
+                device = e.device,
+                "the completion poller caught a panic; continuing"
+            );
+        }
+        drop(e);
+        if n < 0 {
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 }

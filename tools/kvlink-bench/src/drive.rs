@@ -5,39 +5,12 @@ use std::collections::HashMap;
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
-use kvlink::{
-    BlockId, Engine, KvLayout, ReadRequest, Region, RequestId, TpRank, TransferReport,
-    TransportChoice,
-};
+use kvlink::{BlockId, Engine, KvLayout, ReadRequest, Region, RequestId, TpRank, TransportChoice};
 
-use crate::args::{Args, Memory, Mode, Pattern};
-use crate::report::{fmt_bytes, report, sweep};
+use crate::args::{Args, Memory, Pattern};
+use crate::outcome::{cpu_seconds, Outcome};
+use crate::report::fmt_bytes;
 use crate::workload::{make_cache, make_cache_of, pick, Cache, Rng};
-
-#[derive(Default)]
-pub(crate) struct Outcome {
-    pub(crate) reports: Vec<TransferReport>,
-    pub(crate) wall: Duration,
-    pub(crate) cpu: f64,
-    pub(crate) verified: u64,
-    /// GB/s of a plain copy out of the caches' memory (staged runs only).
-    pub(crate) reference_gbps: Option<f64>,
-    /// Bytes staged out (prefill) and in (decode) during the run.
-    pub(crate) staged: (u64, u64),
-}
-
-/// CPU time (user + system) of this process so far, in seconds, from /proc/self/stat.
-pub(crate) fn cpu_seconds() -> f64 {
-    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
-        return 0.0;
-    };
-    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0.0)
-        + f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    ticks / 100.0 // USER_HZ is 100 on Linux
-}
 
 /// The decode side of a run: its engine and cache, and the peer it reads from.
 struct Reader<'a> {
@@ -260,83 +233,61 @@ pub(crate) fn loopback(args: &Args, rng: &mut Rng) -> Result<Outcome, String> {
     out
 }
 
-pub(crate) fn run(args: Args) -> Result<(), String> {
+/// The prefill side in its own process: serves its cache to readers elsewhere until killed,
+/// printing what it served every 5 s when that changed.
+pub(crate) fn serve(args: &Args) -> Result<(), String> {
     let blocks = args.cache_blocks();
-    let mut rng = Rng::for_run(args.seed);
-    match args.mode {
-        Mode::Loopback => {
-            let o = if args.tp_run() {
-                crate::tp::loopback_tp(&args, &mut rng)?
-            } else {
-                loopback(&args, &mut rng)?
-            };
-            report(&args, "loopback", &o);
-        }
-        Mode::Sweep => sweep(&args)?,
-        Mode::Dump => crate::dump::dump(&args)?,
-        Mode::Serve => {
-            // Readers in other processes name requests this engine never held: serve every
-            // exported byte (authentication, when a key is set, still applies).
-            let config = kvlink::EngineConfig {
-                open_reads: true,
-                ..args.config(&args.listen, Some(args.advertise.clone()))
-            };
-            let engine = Engine::start(config).map_err(|e| e.to_string())?;
-            let tp = TpRank::new(args.tp_rank, args.prefill_tp);
-            let seed = crate::tp::prefill_seed(&args, tp.rank);
-            let _cache = make_cache(&engine, &args, blocks, seed, tp)?;
+    // Readers in other processes name requests this engine never held: serve every
+    // exported byte (authentication, when a key is set, still applies).
+    let config = kvlink::EngineConfig {
+        open_reads: true,
+        ..args.config(&args.listen, Some(args.advertise.clone()))
+    };
+    let engine = Engine::start(config).map_err(|e| e.to_string())?;
+    let tp = TpRank::new(args.tp_rank, args.prefill_tp);
+    let seed = crate::tp::prefill_seed(args, tp.rank);
+    let _cache = make_cache(&engine, args, blocks, seed, tp)?;
+    eprintln!(
+        "kvlink-bench serve: {} ({tp}) with {blocks} blocks per tensor, seed {seed}; readers use --peer {}",
+        args.shape.name,
+        engine.handshake_address()
+    );
+    let mut last = engine.stats();
+    loop {
+        std::thread::sleep(Duration::from_secs(5));
+        let s = engine.stats();
+        if s != last {
             eprintln!(
-                "kvlink-bench serve: {} ({tp}) with {blocks} blocks per tensor, seed {seed}; readers use --peer {}",
-                args.shape.name,
-                engine.handshake_address()
+                "served {} requests, {} ({} refused)",
+                s.data_requests_served,
+                fmt_bytes(s.bytes_served as f64),
+                s.data_requests_refused
             );
-            let mut last = engine.stats();
-            loop {
-                std::thread::sleep(Duration::from_secs(5));
-                let s = engine.stats();
-                if s != last {
-                    eprintln!(
-                        "served {} requests, {} ({} refused)",
-                        s.data_requests_served,
-                        fmt_bytes(s.bytes_served as f64),
-                        s.data_requests_refused
-                    );
-                    last = s;
-                }
-            }
-        }
-        Mode::Read if args.tp_run() => {
-            let peers = args
-                .peer
-                .clone()
-                .expect("checked in parse_args")
-                .split(',')
-                .map(|p| p.trim().to_string())
-                .collect();
-            let o = crate::tp::read_tp(&args, peers, &mut rng)?;
-            report(&args, "read", &o);
-        }
-        Mode::Read => {
-            let peer = args.peer.clone().expect("checked in parse_args");
-            let engine = Engine::start(args.config("0.0.0.0:0", Some(args.advertise.clone())))
-                .map_err(|e| e.to_string())?;
-            let local = make_cache(&engine, &args, blocks, !args.seed, TpRank::SOLO)?;
-            let theirs = engine
-                .connect(&peer, Duration::from_secs(10))
-                .map_err(|e| e.to_string())?;
-            let rd = Reader {
-                engine: &engine,
-                holder: None,
-                local: &local,
-                remote_layout: &theirs.layout,
-                peer: &peer,
-            };
-            drive(&args, &rd, args.warmup, "warmup", &mut rng)?;
-            let staged0 = engine.stats().bytes_staged_in;
-            let mut o = drive(&args, &rd, args.requests, "req", &mut rng)?;
-            o.staged = (0, engine.stats().bytes_staged_in - staged0);
-            report(&args, "read", &o);
+            last = s;
         }
     }
-    Ok(())
+}
+
+/// The decode side in its own process: reads from `--peer` as a loopback run does.
+pub(crate) fn read(args: &Args, rng: &mut Rng) -> Result<Outcome, String> {
+    let blocks = args.cache_blocks();
+    let peer = args.peer.clone().expect("checked in parse_args");
+    let engine = Engine::start(args.config("0.0.0.0:0", Some(args.advertise.clone())))
+        .map_err(|e| e.to_string())?;
+    let local = make_cache(&engine, args, blocks, !args.seed, TpRank::SOLO)?;
+    let theirs = engine
+        .connect(&peer, Duration::from_secs(10))
+        .map_err(|e| e.to_string())?;
+    let rd = Reader {
+        engine: &engine,
+        holder: None,
+        local: &local,
+        remote_layout: &theirs.layout,
+        peer: &peer,
+    };
+    drive(args, &rd, args.warmup, "warmup", rng)?;
+    let staged0 = engine.stats().bytes_staged_in;
+    let mut o = drive(args, &rd, args.requests, "req", rng)?;
+    o.staged = (0, engine.stats().bytes_staged_in - staged0);
+    Ok(o)
 }

@@ -8,18 +8,23 @@
 //! kvlink-bench read --peer 10.0.0.5:7400 [options]                          # decode side
 //! ```
 
+// Modules, top to bottom (each uses only those below it): main (the modes) > sweep, dump >
+// drive > tp > report > outcome, chart, workload, args.
 mod args;
 mod chart;
 mod drive;
 mod dump;
+mod outcome;
 mod report;
+mod sweep;
 mod tp;
 mod workload;
 
 use std::process::ExitCode;
 
-use crate::args::{parse_args, USAGE};
-use crate::drive::run;
+use crate::args::{parse_args, Args, Mode, USAGE};
+use crate::report::report;
+use crate::workload::Rng;
 
 fn main() -> ExitCode {
     let level = std::env::var("KVLINK_LOG")
@@ -44,4 +49,36 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Runs the mode `args` chose.
+fn run(args: Args) -> Result<(), String> {
+    let mut rng = Rng::for_run(args.seed);
+    match args.mode {
+        Mode::Loopback => {
+            let o = if args.tp_run() {
+                tp::loopback_tp(&args, &mut rng)?
+            } else {
+                drive::loopback(&args, &mut rng)?
+            };
+            report(&args, "loopback", &o);
+        }
+        Mode::Sweep => sweep::sweep(&args)?,
+        Mode::Dump => dump::dump(&args)?,
+        Mode::Serve => drive::serve(&args)?,
+        Mode::Read => {
+            let o = if args.tp_run() {
+                let peers = args.peer.as_deref().expect("checked in parse_args");
+                tp::read_tp(
+                    &args,
+                    peers.split(',').map(|p| p.trim().to_string()).collect(),
+                    &mut rng,
+                )?
+            } else {
+                drive::read(&args, &mut rng)?
+            };
+            report(&args, "read", &o);
+        }
+    }
+    Ok(())
 }

@@ -13,7 +13,7 @@ use kvlink::verify::{check_read, PrefillRank, ReadMemory};
 use kvlink::{BlockId, Engine, HoldRequest, KvLayout, ReadFrom, ReadRequest, RequestId, TpRank};
 
 use crate::args::Args;
-use crate::drive::{cpu_seconds, Outcome};
+use crate::outcome::{cpu_seconds, Outcome};
 use crate::workload::{make_cache, pick, Cache, Rng};
 
 /// The fill seed of prefill rank `rank`: its own per rank where ranks hold their own heads, the

@@ -1,0 +1,30 @@
+//! What a run measured ([`Outcome`]), and the process's CPU time it is charged with.
+
+use std::time::Duration;
+
+use kvlink::TransferReport;
+
+#[derive(Default)]
+pub(crate) struct Outcome {
+    pub(crate) reports: Vec<TransferReport>,
+    pub(crate) wall: Duration,
+    pub(crate) cpu: f64,
+    pub(crate) verified: u64,
+    /// GB/s of a plain copy out of the caches' memory (staged runs only).
+    pub(crate) reference_gbps: Option<f64>,
+    /// Bytes staged out (prefill) and in (decode) during the run.
+    pub(crate) staged: (u64, u64),
+}
+
+/// CPU time (user + system) of this process so far, in seconds, from /proc/self/stat.
+pub(crate) fn cpu_seconds() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+        + f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    ticks / 100.0 // USER_HZ is 100 on Linux
+}
