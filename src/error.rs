@@ -168,13 +168,34 @@ impl Error {
     }
 }
 
+/// The verbs `ibv_wc_status` values (verbs.h) kvlink tells apart: the `status` of
+/// [`RdmaErrorKind::WorkCompletion`].
+pub mod wc_status {
+    /// `IBV_WC_LOC_QP_OP_ERR`: a local queue pair operation error (what SoftRoCE reports once
+    /// its port went down).
+    pub const LOC_QP_OP_ERR: u32 = 2;
+    /// `IBV_WC_WR_FLUSH_ERR`: flushed, the queue pair was in the error state.
+    pub const WR_FLUSH_ERR: u32 = 5;
+    /// `IBV_WC_BAD_RESP_ERR`: an unexpected response from the peer.
+    pub const BAD_RESP_ERR: u32 = 7;
+    /// `IBV_WC_REM_ACCESS_ERR`: a wrong remote key, or an address outside the peer's
+    /// registered memory.
+    pub const REM_ACCESS_ERR: u32 = 10;
+    /// `IBV_WC_RETRY_EXC_ERR`: the peer stopped answering.
+    pub const RETRY_EXC_ERR: u32 = 12;
+    /// `IBV_WC_RNR_RETRY_EXC_ERR`: the peer was not ready, retries exhausted.
+    pub const RNR_RETRY_EXC_ERR: u32 = 13;
+    /// `IBV_WC_GENERAL_ERR`: an error the device does not name.
+    pub const GENERAL_ERR: u32 = 21;
+}
+
 /// How an RDMA operation failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub enum RdmaErrorKind {
     /// A work completion came back with an error status: `status` is the verbs `ibv_wc_status`
-    /// value (for example 10, `IBV_WC_REM_ACCESS_ERR`: wrong key or address outside the peer's
-    /// registered memory; 12, `IBV_WC_RETRY_EXC_ERR`: the peer stopped answering).
+    /// value (for example [`wc_status::REM_ACCESS_ERR`], 10: wrong key or address outside the
+    /// peer's registered memory; [`wc_status::RETRY_EXC_ERR`], 12: the peer stopped answering).
     WorkCompletion {
         /// The `ibv_wc_status` value.
         status: u32,

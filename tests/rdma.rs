@@ -14,8 +14,7 @@ use kvlink::{
     Engine, EngineConfig, Error, FailureCause, ModelShape, RdmaErrorKind, TransportChoice,
 };
 
-/// `ibv_wc_status` of a remote access error (verbs.h).
-const IBV_WC_REM_ACCESS_ERR: u32 = 10;
+use kvlink::wc_status::REM_ACCESS_ERR as IBV_WC_REM_ACCESS_ERR;
 
 /// The prefill worker of the two-process tests. A helper, not a test: ignored, so that test runs
 /// neither run nor count it; `ChildPrefill::spawn` runs it with `--ignored --exact`.

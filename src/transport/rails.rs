@@ -19,10 +19,10 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::rdma::RdmaConnection;
-use super::stripe::{self, HealthBook};
+use super::stripe::{self, HealthBook, Verdict};
 use super::tcp::TcpTransport;
 use super::{ReadFuture, ReadOp, RequestCtl, Transport};
-use crate::error::{Error, RdmaErrorKind, Result};
+use crate::error::{Error, Result};
 use crate::ids::RequestId;
 
 /// What an engine keeps across sessions about its device pairs: their health and the bytes
@@ -232,24 +232,17 @@ impl Rails {
                     Err(e) => e,
                 };
                 let first = rail.conn.first_error();
-                let ours =
-                    ctl.is_cancelled() || matches!(e, Error::Timeout { .. } | Error::Cancelled(_));
-                if !ours && stripe::is_path_failure(first.as_ref(), &e) {
-                    // The device pair's path is down: paused, its part read elsewhere.
-                    self.fail(rail, &e);
-                    again.extend(part);
-                    last = Some(e);
-                } else if !ours
-                    && rail.conn.is_broken()
-                    && matches!(&first, Some(f) if f.kind == RdmaErrorKind::ConnectionBroken)
-                {
-                    // Broken under this request by another one's cancel or deadline: read the
-                    // part elsewhere; the session is rebuilt for later requests (is_broken).
-                    again.extend(part);
-                    last = Some(e);
-                } else {
-                    fatal.get_or_insert(e);
+                let broken = rail.conn.is_broken();
+                match stripe::judge(&e, first.as_ref(), ctl.is_cancelled(), broken) {
+                    Verdict::Fail => {
+                        fatal.get_or_insert(e);
+                        continue;
+                    }
+                    Verdict::Pause => self.fail(rail, &e),
+                    Verdict::Reroute => {}
                 }
+                again.extend(part);
+                last = Some(e);
             }
             if let Some(e) = fatal {
                 return Err(e);

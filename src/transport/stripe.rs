@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, RdmaError, RdmaErrorKind};
+use crate::error::{wc_status as wc, Error, RdmaError, RdmaErrorKind};
 
 /// Cuts `lens` (the ops of a read, in order) into one contiguous run per weight, each run's
 /// bytes close to its weight's share of the total. Weights that are all zero (or not finite)
@@ -51,6 +51,40 @@ pub(crate) fn split(lens: &[u64], weights: &[f64]) -> Vec<Range<usize>> {
     runs
 }
 
+/// What becomes of the part of a request a device pair failed to read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// The pair's path is down: pause the pair, read the part on another pair or over TCP.
+    Pause,
+    /// The pair's connection was broken under this request by another request's cancel or
+    /// deadline: read the part elsewhere without pausing the pair (its session is rebuilt
+    /// for later requests).
+    Reroute,
+    /// The request itself failed (its deadline, its cancel, a wrong key or address): the
+    /// error is the request's answer.
+    Fail,
+}
+
+/// Judges a device pair's failure `e` of part of a request: `first` is the error that broke
+/// the pair's connection first, `cancelled` whether the request was cancelled, `broken`
+/// whether the connection is broken.
+pub(crate) fn judge(
+    e: &Error,
+    first: Option<&RdmaError>,
+    cancelled: bool,
+    broken: bool,
+) -> Verdict {
+    if cancelled || matches!(e, Error::Timeout { .. } | Error::Cancelled(_)) {
+        Verdict::Fail
+    } else if is_path_failure(first, e) {
+        Verdict::Pause
+    } else if broken && matches!(first, Some(f) if f.kind == RdmaErrorKind::ConnectionBroken) {
+        Verdict::Reroute
+    } else {
+        Verdict::Fail
+    }
+}
+
 /// Whether a device pair's failure says its path is down, judged by the error that broke its
 /// connection first (`first`) when there is one: a queue pair broken by another request's
 /// cancel or deadline, or by a bad key, flushes the reads of every request on it, and those
@@ -69,9 +103,15 @@ pub(crate) fn is_path_error(e: &Error) -> bool {
     match e {
         Error::ConnectionLost { .. } => true,
         Error::Rdma(r) => match r.kind {
-            // IBV_WC_LOC_QP_OP_ERR (what SoftRoCE reports once its port went down),
-            // _WR_FLUSH_ERR, _BAD_RESP_ERR, _RETRY_EXC_ERR, _RNR_RETRY_EXC_ERR, _GENERAL_ERR.
-            RdmaErrorKind::WorkCompletion { status } => matches!(status, 2 | 5 | 7 | 12 | 13 | 21),
+            RdmaErrorKind::WorkCompletion { status } => matches!(
+                status,
+                wc::LOC_QP_OP_ERR
+                    | wc::WR_FLUSH_ERR
+                    | wc::BAD_RESP_ERR
+                    | wc::RETRY_EXC_ERR
+                    | wc::RNR_RETRY_EXC_ERR
+                    | wc::GENERAL_ERR
+            ),
             RdmaErrorKind::Post | RdmaErrorKind::Poll | RdmaErrorKind::Setup => true,
             // Broken by a cancel or a deadline (its first error), or earlier for a cause this
             // error does not carry: `is_path_failure` looks at that cause.
@@ -214,6 +254,66 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_part_is_paused_rerouted_or_the_answer() {
+        let wc = |status| RdmaError::new(RdmaErrorKind::WorkCompletion { status }, "wc");
+        let broken = RdmaError::new(RdmaErrorKind::ConnectionBroken, "another's deadline");
+        let retry = Error::Rdma(wc(wc::RETRY_EXC_ERR));
+        let flush = Error::Rdma(wc(wc::WR_FLUSH_ERR));
+        let access = Error::Rdma(wc(wc::REM_ACCESS_ERR));
+        let timeout = Error::Timeout {
+            what: "read".into(),
+            after: Duration::from_secs(1),
+        };
+        let cases: [(&Error, Option<&RdmaError>, bool, bool, Verdict); 10] = [
+            // The path is down, judged by the first error when there is one.
+            (&retry, None, false, false, Verdict::Pause),
+            (
+                &flush,
+                Some(&wc(wc::LOC_QP_OP_ERR)),
+                false,
+                true,
+                Verdict::Pause,
+            ),
+            // Flushed because another request broke the connection: read elsewhere.
+            (&flush, Some(&broken), false, true, Verdict::Reroute),
+            // ... but only while the connection is broken.
+            (&flush, Some(&broken), false, false, Verdict::Fail),
+            // Flushed after a wrong key broke it: the request is wrong.
+            (
+                &flush,
+                Some(&wc(wc::REM_ACCESS_ERR)),
+                false,
+                true,
+                Verdict::Fail,
+            ),
+            (&access, None, false, false, Verdict::Fail),
+            // This request's own cancel or deadline is its answer, whatever the path did.
+            (&retry, None, true, false, Verdict::Fail),
+            (&timeout, None, false, false, Verdict::Fail),
+            (
+                &Error::Cancelled("c".into()),
+                Some(&broken),
+                false,
+                true,
+                Verdict::Fail,
+            ),
+            (
+                &Error::ConnectionLost {
+                    peer: "p".into(),
+                    reason: "r".into(),
+                },
+                None,
+                false,
+                false,
+                Verdict::Pause,
+            ),
+        ];
+        for (i, (e, first, cancelled, broken, want)) in cases.into_iter().enumerate() {
+            assert_eq!(judge(e, first, cancelled, broken), want, "case {i}: {e}");
+        }
+    }
+
+    #[test]
     fn path_errors_are_told_from_request_errors() {
         let wc = |status| {
             Error::Rdma(RdmaError::new(
@@ -243,7 +343,12 @@ mod tests {
         // A flush on a connection another request's deadline broke is no path failure; one
         // on a connection a port-down error broke is.
         let deadline = RdmaError::new(RdmaErrorKind::ConnectionBroken, "a deadline passed");
-        let port = RdmaError::new(RdmaErrorKind::WorkCompletion { status: 2 }, "port down");
+        let port = RdmaError::new(
+            RdmaErrorKind::WorkCompletion {
+                status: wc::LOC_QP_OP_ERR,
+            },
+            "port down",
+        );
         assert!(!is_path_failure(Some(&deadline), &wc(5)));
         assert!(is_path_failure(Some(&port), &wc(5)));
         assert!(is_path_failure(None, &wc(12)));

@@ -173,3 +173,28 @@ pub(crate) fn status_name(status: u32) -> String {
         .map(|(_, n)| n.to_string())
         .unwrap_or_else(|| format!("work completion status {status}"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::wc_status as wc;
+
+    #[test]
+    fn named_statuses_are_the_verbs_values() {
+        use WorkCompletionStatus as S;
+        for (ours, verbs) in [
+            (wc::LOC_QP_OP_ERR, S::LocalQueuePairOperationError),
+            (wc::WR_FLUSH_ERR, S::WorkRequestFlushedError),
+            (wc::BAD_RESP_ERR, S::BadResponseError),
+            (wc::REM_ACCESS_ERR, S::RemoteAccessError),
+            (wc::RETRY_EXC_ERR, S::RetryCounterExceededError),
+            (
+                wc::RNR_RETRY_EXC_ERR,
+                S::ResponderNotReadyRetryCounterExceededError,
+            ),
+            (wc::GENERAL_ERR, S::GeneralError),
+        ] {
+            assert_eq!(ours, verbs as u32, "{}", status_name(ours));
+        }
+    }
+}
