@@ -17,7 +17,7 @@ use crate::completion::{CompletionTracker, SendNotice};
 use crate::config::EngineConfig;
 use crate::control::messages::{Descriptor, TransportInfo};
 use crate::control::{frame::PROTOCOL_VERSION, ControlHandler, ControlTimeouts};
-use crate::error::{Error, Result};
+use crate::error::{Error, RdmaError, RdmaErrorKind, Result};
 use crate::gpu::{DeviceRuntime, GpuApi, Runtimes};
 use crate::grant::Grant;
 use crate::ids::{BlockId, RegionId, RequestId};
@@ -441,22 +441,23 @@ impl ControlHandler for EngineState {
         peer: SocketAddr,
         device: u32,
         qps: &[rdma::QpEndpoint],
-    ) -> std::result::Result<(Vec<rdma::QpEndpoint>, Box<dyn std::any::Any + Send>), String> {
+    ) -> std::result::Result<(Vec<rdma::QpEndpoint>, ServerQps), RdmaError> {
+        let setup = |why: String| RdmaError::new(RdmaErrorKind::Setup, why);
         if self.rdma.is_empty() {
-            return Err(format!(
+            return Err(setup(format!(
                 "this engine has no RDMA device ({})",
                 self.rdma_unavailable.as_deref().unwrap_or("disabled")
-            ));
+            )));
         }
         let dev = self.rdma.get(device as usize).ok_or_else(|| {
-            format!(
+            setup(format!(
                 "RDMA device {device} asked for, this engine has {}",
                 self.rdma.len()
-            )
+            ))
         })?;
         let (guard, ours) = ServerQps::accept(dev, qps)?;
         tracing::debug!(%peer, qps = ours.len(), "queue pairs created for a reader");
-        Ok((ours, Box::new(guard)))
+        Ok((ours, guard))
     }
 
     fn auth_key(&self) -> Option<&AuthKey> {

@@ -5,13 +5,16 @@
 
 mod client;
 pub mod frame;
+mod handler;
+mod handshake;
 pub mod messages;
 mod server;
 
 use std::time::Duration;
 
 pub(crate) use client::{Confirmation, ControlClient, Handshake};
-pub(crate) use server::{serve, ControlHandler};
+pub(crate) use handler::ControlHandler;
+pub(crate) use server::serve;
 
 /// Deadlines of the control plane.
 #[derive(Debug, Clone, Copy)]

@@ -1,5 +1,6 @@
-//! The handshake service: answers `Hello` with this engine's descriptor, then takes the
-//! reader's done/abort notices for as long as the connection lives.
+//! The handshake service: accepts control connections, runs each one's handshake
+//! (`handshake.rs`), answers an accepted reader with this engine's descriptor, then takes its
+//! notices, messages and queue-pair requests for as long as the connection lives.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -9,73 +10,21 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::time::timeout;
 
 use super::frame::{self, read_frame, write_frame};
-use super::messages::{Descriptor, Message};
+use super::handler::ControlHandler;
+use super::handshake::{handshake, Accepted, Outcome, Refusal};
+use super::messages::Message;
 use super::ControlTimeouts;
-use crate::auth::{self, AuthKey, SessionSecret};
+use crate::auth::SessionSecret;
 use crate::completion::SendNotice;
 use crate::conn_limit::{ConnLimit, MAX_CONNECTIONS};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::log_limit::{warn_limited, LogLimit};
-use crate::tp::{Reader, TpRank};
-use crate::transport::rdma::QpEndpoint;
+use crate::tp::Reader;
+use crate::transport::rdma::{QpEndpoint, ServerQps};
 
-/// What the handshake service needs from the engine.
 /// Most RDMA connects (one per device pair) one control connection may make.
 const MAX_RDMA_CONNECTS: usize = 16;
-
-pub(crate) trait ControlHandler: Send + Sync + 'static {
-    /// This engine's descriptor; `None` until a KV layout is set.
-    fn descriptor(&self) -> Option<Arc<Descriptor>>;
-    /// Reader `from`'s notice about a send; refused (with the reason) when the request is not
-    /// held, or is held for other readers. Returns how long the request had been held.
-    fn notice(
-        &self,
-        peer: SocketAddr,
-        from: &Reader,
-        id: RequestId,
-        notice: SendNotice,
-        hold: Option<u64>,
-    ) -> std::result::Result<Duration, String>;
-    /// An application message from reader engine `from` (after its handshake); refused, with
-    /// the reason, when too large or when the inbox is full.
-    fn message(
-        &self,
-        peer: SocketAddr,
-        from: &str,
-        body: Vec<u8>,
-    ) -> std::result::Result<(), String>;
-    /// A handshake ended: accepted or refused.
-    fn handshake(&self, accepted: bool);
-    /// A reader asks for queue pairs connected to its own. Returns ours and a guard that keeps
-    /// them alive for as long as the control connection lives.
-    fn rdma_accept(
-        &self,
-        peer: SocketAddr,
-        device: u32,
-        qps: &[QpEndpoint],
-    ) -> std::result::Result<(Vec<QpEndpoint>, Box<dyn std::any::Any + Send>), String>;
-    /// The deployment key readers must prove; `None` serves readers without authentication.
-    fn auth_key(&self) -> Option<&AuthKey>;
-    /// An authenticated session of `reader` began: its data connections present this secret's
-    /// proofs.
-    fn session_opened(&self, secret: SessionSecret, reader: Reader);
-    /// That session ended: its secret no longer opens data connections.
-    fn session_closed(&self, id: [u8; 16]);
-    /// An accepted control session of `reader` began (authenticated, where there is a key).
-    fn reader_connected(&self, reader: &Reader);
-    /// That session ended, for whatever reason: the reader's holds go on a lease once it has
-    /// no session left.
-    fn reader_disconnected(&self, reader: &Reader);
-    /// `from` announces it is reading request `id` (under hold `hold`, when named); refused,
-    /// with the reason, when the request is not held for it.
-    fn reading(
-        &self,
-        from: &Reader,
-        id: &RequestId,
-        hold: Option<u64>,
-    ) -> std::result::Result<(), String>;
-}
 
 /// Accepts control connections until the task is dropped: at most [`MAX_CONNECTIONS`] at once,
 /// `per_ip` of them from one address.
@@ -184,162 +133,89 @@ async fn aborts_after_refusal(
 }
 
 async fn connection(
-    stream: TcpStream,
+    mut stream: TcpStream,
     peer: SocketAddr,
     handler: Arc<dyn ControlHandler>,
     timeouts: ControlTimeouts,
 ) -> Result<()> {
-    session(stream, peer, &handler, timeouts).await
+    match handshake(&mut stream, peer, &*handler, timeouts).await {
+        Outcome::Closed => Ok(()),
+        Outcome::Refused(Refusal {
+            reason,
+            aborts_from,
+        }) => {
+            let refused = refuse_handshake(&mut stream, &*handler, reason).await;
+            if let Some(reader) = aborts_from {
+                aborts_after_refusal(&mut stream, peer, &reader, &*handler, timeouts).await;
+            }
+            Err(refused)
+        }
+        Outcome::Accepted(accepted) => {
+            serve_reader(stream, peer, handler, accepted, timeouts).await
+        }
+    }
 }
 
-async fn session(
+/// Writes one message within `within`; `what` names it in the timeout error.
+async fn send(stream: &mut TcpStream, msg: &Message, what: &str, within: Duration) -> Result<()> {
+    let frame = frame::encode(msg)?;
+    timeout(within, write_frame(stream, &frame))
+        .await
+        .map_err(|_| Error::Timeout {
+            what: what.into(),
+            after: within,
+        })?
+}
+
+/// Serves an accepted reader: sends this engine's descriptor, then takes its notices,
+/// keep-alives, messages and queue-pair exchanges until it goes away or falls silent. Its
+/// session (secret and presence) lasts as long as this does.
+async fn serve_reader(
     mut stream: TcpStream,
     peer: SocketAddr,
-    handler: &Arc<dyn ControlHandler>,
+    handler: Arc<dyn ControlHandler>,
+    accepted: Accepted,
     timeouts: ControlTimeouts,
 ) -> Result<()> {
-    // Handshake: the first frame must be a Hello, within the handshake deadline.
-    // Before a peer proves the key, a keyed engine reads at most a small frame from it.
-    let first_limit = match handler.auth_key() {
-        Some(_) => frame::MAX_UNAUTHENTICATED_FRAME_BYTES,
-        None => frame::MAX_FRAME_BYTES,
-    };
-    let first = match timeout(
-        timeouts.handshake,
-        frame::read_frame_up_to(&mut stream, first_limit),
-    )
-    .await
-    {
-        Err(_) => {
-            return Err(refuse_handshake(
-                &mut stream,
-                &**handler,
-                format!("no Hello within {:?}", timeouts.handshake),
-            )
-            .await)
-        }
-        Ok(Ok(None)) => return Ok(()),
-        Ok(Ok(Some(f))) => f,
-        Ok(Err(e)) => {
-            let why = match handler.auth_key() {
-                // Most likely a Hello from an engine without the key: say what to do.
-                Some(_) => format!(
-                    "this engine requires authentication: set the deployment key \
-                     (KVLINK_AUTH_KEY or KVLINK_AUTH_KEY_FILE) on every engine ({e})"
-                ),
-                None => e.to_string(),
-            };
-            return Err(refuse_handshake(&mut stream, &**handler, why).await);
-        }
-    };
-    let first = frame::decode::<Message>(first.0, &first.1);
-    let (theirs, secret) = match (handler.auth_key(), first) {
-        (None, Ok(Message::Hello { descriptor })) => (descriptor, None),
-        (None, Ok(Message::AuthHello { .. })) => {
-            return Err(refuse_handshake(
-                &mut stream,
-                &**handler,
-                "this engine has no authentication key; give every engine the same \
-                 KVLINK_AUTH_KEY, or none"
-                    .into(),
-            )
-            .await)
-        }
-        (Some(key), Ok(Message::AuthHello { client_nonce })) => {
-            match authenticate(&mut stream, peer, key, client_nonce, timeouts).await {
-                Ok(r) => r,
-                Err(why) => return Err(refuse_handshake(&mut stream, &**handler, why).await),
-            }
-        }
-        // Nothing about this engine goes to a peer that has not proved the key.
-        (Some(_), Ok(_)) => {
-            return Err(refuse_handshake(
-                &mut stream,
-                &**handler,
-                "this engine requires authentication: set the deployment key \
-                 (KVLINK_AUTH_KEY or KVLINK_AUTH_KEY_FILE) on every engine"
-                    .into(),
-            )
-            .await)
-        }
-        (None, Ok(other)) => {
-            return Err(refuse_handshake(
-                &mut stream,
-                &**handler,
-                format!("expected Hello first, got {other:?}"),
-            )
-            .await)
-        }
-        (_, Err(e)) => return Err(refuse_handshake(&mut stream, &**handler, e.to_string()).await),
-    };
-    if let Err(e) = theirs.validate() {
-        return Err(refuse_handshake(&mut stream, &**handler, e.to_string()).await);
-    }
-    let Some(ours) = handler.descriptor() else {
-        return Err(refuse_handshake(
-            &mut stream,
-            &**handler,
-            "this engine has no KV layout registered yet; retry once it has".into(),
-        )
-        .await);
-    };
-    let reader = Reader {
-        engine: theirs.engine_id.clone(),
-        tp: TpRank::new(theirs.tp_rank, theirs.tp_size),
-    };
-    let diffs = ours.differences(&theirs);
-    if !diffs.is_empty() {
-        let refused = refuse_handshake(
-            &mut stream,
-            &**handler,
-            format!(
-                "incompatible with engine {} (its value vs yours): {}",
-                ours.engine_id,
-                diffs.join("; ")
-            ),
-        )
-        .await;
-        aborts_after_refusal(&mut stream, peer, &reader, &**handler, timeouts).await;
-        return Err(refused);
-    }
-    let reply = frame::encode(&Message::Descriptor(Box::new((*ours).clone())))?;
+    let Accepted {
+        reader,
+        theirs,
+        ours,
+        secret,
+    } = accepted;
     handler.handshake(true);
     // Data connections of this session are accepted while it lives; the reader's holds are
     // on a lease while it has no session.
     let _session = secret.map(|s| SessionGuard::open(handler.clone(), s, reader.clone()));
     let _present = Presence::open(handler.clone(), reader.clone());
-    timeout(timeouts.handshake, write_frame(&mut stream, &reply))
-        .await
-        .map_err(|_| Error::Timeout {
-            what: "sending the descriptor".into(),
-            after: timeouts.handshake,
-        })??;
+    let reply = Message::Descriptor(Box::new((*ours).clone()));
+    send(
+        &mut stream,
+        &reply,
+        "sending the descriptor",
+        timeouts.handshake,
+    )
+    .await?;
     tracing::info!(
         %peer, engine = %theirs.engine_id, rank = theirs.tp_rank, tp = %ours.tp_relation(&theirs),
         "handshake accepted"
     );
-
-    // Notices, keep-alives and queue-pair exchanges until the reader goes away or falls silent.
-    let idle = timeouts.keepalive * 3;
-    // Queue pairs made for this reader, one set per RDMA device it connects (kept alive with
-    // the control connection).
-    let mut rdma_qps: Vec<Box<dyn std::any::Any + Send>> = Vec::new();
-    let mut bad_notices = 0u64;
-    // Notices the engine refused (not held, or held for another reader): one line per
-    // interval for the whole engine, with the count; the session goes on.
-    static REFUSED: LogLimit = LogLimit::new(Duration::from_secs(1));
-    let from = theirs.engine_id.as_str();
-    let refused = |id: &RequestId, r: std::result::Result<(), String>| {
-        if let Err(why) = r {
-            warn_limited!(REFUSED, %peer, engine = from, %id, %why, "refused a reader's notice");
-        }
+    let mut serving = Serving {
+        stream,
+        peer,
+        handler: &*handler,
+        reader,
+        rdma_qps: Vec::new(),
+        bad_notices: 0,
+        timeouts,
     };
+    let idle = timeouts.keepalive * 3;
     loop {
-        let frame = match timeout(idle, read_frame(&mut stream)).await {
+        let frame = match timeout(idle, read_frame(&mut serving.stream)).await {
             Err(_) => {
                 // The protocol's promise: a refusal is said before the connection closes.
                 let why = format!("no frame from {peer} for {idle:?} (three keep-alive intervals)");
-                refuse(&mut stream, why.clone()).await;
+                refuse(&mut serving.stream, why).await;
                 return Err(Error::Timeout {
                     what: format!("waiting for a frame from {peer}"),
                     after: idle,
@@ -347,109 +223,169 @@ async fn session(
             }
             Ok(Ok(None)) => return Ok(()),
             Ok(Ok(Some(f))) => f,
-            Ok(Err(e)) => return Err(refuse(&mut stream, e.to_string()).await),
+            Ok(Err(e)) => return Err(refuse(&mut serving.stream, e.to_string()).await),
         };
         match frame::decode::<Message>(frame.0, &frame.1) {
-            Ok(Message::Done { request_id, hold }) if request_id.validate().is_ok() => {
+            Ok(msg) => serving.on_message(msg).await?,
+            Err(e) => return Err(refuse(&mut serving.stream, e.to_string()).await),
+        }
+    }
+}
+
+/// An accepted reader's control connection, between messages.
+struct Serving<'a> {
+    stream: TcpStream,
+    peer: SocketAddr,
+    handler: &'a dyn ControlHandler,
+    reader: Reader,
+    /// Queue pairs made for this reader, one set per RDMA device pair it connected (they live
+    /// as long as the control connection).
+    rdma_qps: Vec<ServerQps>,
+    /// Notices naming an invalid request id so far.
+    bad_notices: u64,
+    timeouts: ControlTimeouts,
+}
+
+/// Notices the engine refused (not held, or held for another reader): one line per interval
+/// for the whole engine, with the count; the session goes on.
+static REFUSED_NOTICES: LogLimit = LogLimit::new(Duration::from_secs(1));
+
+impl Serving<'_> {
+    /// Handles one message; an error ends the connection (the reader was told why).
+    async fn on_message(&mut self, msg: Message) -> Result<()> {
+        let peer = self.peer;
+        match msg {
+            Message::Done { request_id, hold } if request_id.validate().is_ok() => {
                 // Answered either way: the reader reports the request received only once
                 // this engine confirms it still held the blocks for it.
-                let r = handler.notice(peer, &reader, request_id.clone(), SendNotice::Done, hold);
-                let answer = frame::encode(&Message::Confirm {
+                let r = self.handler.notice(
+                    peer,
+                    &self.reader,
+                    request_id.clone(),
+                    SendNotice::Done,
+                    hold,
+                );
+                let answer = Message::Confirm {
                     request_id: request_id.clone(),
                     refused: r.clone().err(),
                     held_us: r.as_ref().map_or(0, |d| d.as_micros() as u64),
-                })?;
-                refused(&request_id, r.map(drop));
-                timeout(timeouts.handshake, write_frame(&mut stream, &answer))
-                    .await
-                    .map_err(|_| Error::Timeout {
-                        what: "confirming a done notice".into(),
-                        after: timeouts.handshake,
-                    })??;
+                };
+                self.refused(&request_id, r.map(drop));
+                let within = self.timeouts.handshake;
+                send(
+                    &mut self.stream,
+                    &answer,
+                    "confirming a done notice",
+                    within,
+                )
+                .await?;
             }
-            Ok(Message::Reading { request_id, hold }) if request_id.validate().is_ok() => {
+            Message::Reading { request_id, hold } if request_id.validate().is_ok() => {
                 tracing::debug!(%peer, id = %request_id, ?hold, "reader announced a read");
-                let r = handler.reading(&reader, &request_id, hold);
-                refused(&request_id, r);
+                let r = self.handler.reading(&self.reader, &request_id, hold);
+                self.refused(&request_id, r);
             }
-            Ok(Message::Abort {
+            Message::Abort {
                 request_id,
                 reason,
                 hold,
-            }) if request_id.validate().is_ok() => {
+            } if request_id.validate().is_ok() => {
                 let reason: String = reason.chars().take(1024).collect();
                 let aborted = SendNotice::Aborted(reason);
-                let r = handler.notice(peer, &reader, request_id.clone(), aborted, hold);
-                refused(&request_id, r.map(drop));
+                let r = self
+                    .handler
+                    .notice(peer, &self.reader, request_id.clone(), aborted, hold);
+                self.refused(&request_id, r.map(drop));
             }
             // A notice naming an invalid id (empty, too long) is refused alone: the session and
             // the other requests on it go on.
-            Ok(
-                Message::Done { request_id, .. }
-                | Message::Abort { request_id, .. }
-                | Message::Reading { request_id, .. },
-            ) => {
-                bad_notices += 1;
-                if bad_notices == 1 {
+            Message::Done { request_id, .. }
+            | Message::Abort { request_id, .. }
+            | Message::Reading { request_id, .. } => {
+                self.bad_notices += 1;
+                if self.bad_notices == 1 {
                     tracing::warn!(%peer, len = request_id.as_str().len(), "notice with an invalid request id ignored (further ones on this connection are counted, not logged)");
                 }
             }
             // Refused alone (too large, inbox full): the session goes on; the engine counts and
             // logs it.
-            Ok(Message::AppMessage { body }) => {
-                if let Err(why) = handler.message(peer, from, body.0) {
-                    warn_limited!(REFUSED, %peer, engine = from, %why, "refused a peer's message");
+            Message::AppMessage { body } => {
+                let from = self.reader.engine.as_str();
+                if let Err(why) = self.handler.message(peer, from, body.0) {
+                    warn_limited!(REFUSED_NOTICES, %peer, engine = from, %why, "refused a peer's message");
                 }
             }
-            Ok(Message::RdmaConnect {
+            Message::RdmaConnect {
                 generation,
                 device,
                 qps,
-            }) if rdma_qps.len() < MAX_RDMA_CONNECTS => {
-                match handler.rdma_accept(peer, device, &qps) {
-                    Ok((ours, guard)) => {
-                        rdma_qps.push(guard);
-                        let reply = frame::encode(&Message::RdmaAccept {
-                            generation,
-                            qps: ours,
-                        })?;
-                        timeout(timeouts.handshake, write_frame(&mut stream, &reply))
-                            .await
-                            .map_err(|_| Error::Timeout {
-                                what: "answering an RDMA connect".into(),
-                                after: timeouts.handshake,
-                            })??;
-                        tracing::info!(%peer, generation, "RDMA queue pairs connected");
-                    }
-                    // One device pair that cannot connect leaves the session and its other
-                    // devices alone: the reader hears why and goes on without it.
-                    Err(e) => {
-                        tracing::warn!(%peer, device, error = %e, "RDMA connect refused");
-                        let answer = frame::encode(&Message::Error {
-                            message: format!("RDMA connect refused: {e}"),
-                        })?;
-                        timeout(timeouts.handshake, write_frame(&mut stream, &answer))
-                            .await
-                            .map_err(|_| Error::Timeout {
-                                what: "refusing an RDMA connect".into(),
-                                after: timeouts.handshake,
-                            })??;
-                    }
-                }
+            } if self.rdma_qps.len() < MAX_RDMA_CONNECTS => {
+                self.rdma_connect(generation, device, &qps).await?
             }
-            Ok(Message::Ping { nonce }) => {
-                let pong = frame::encode(&Message::Pong { nonce })?;
-                timeout(timeouts.handshake, write_frame(&mut stream, &pong))
-                    .await
-                    .map_err(|_| Error::Timeout {
-                        what: "answering a ping".into(),
-                        after: timeouts.handshake,
-                    })??;
+            Message::Ping { nonce } => {
+                let within = self.timeouts.handshake;
+                send(
+                    &mut self.stream,
+                    &Message::Pong { nonce },
+                    "answering a ping",
+                    within,
+                )
+                .await?;
             }
-            Ok(other) => {
-                return Err(refuse(&mut stream, format!("unexpected message {other:?}")).await)
+            other => {
+                return Err(refuse(&mut self.stream, format!("unexpected message {other:?}")).await)
             }
-            Err(e) => return Err(refuse(&mut stream, e.to_string()).await),
+        }
+        Ok(())
+    }
+
+    /// Answers a reader's queue pairs on one device with ours, or with why not: one device
+    /// pair that cannot connect leaves the session and its other devices alone.
+    async fn rdma_connect(
+        &mut self,
+        generation: u64,
+        device: u32,
+        qps: &[QpEndpoint],
+    ) -> Result<()> {
+        let (peer, within) = (self.peer, self.timeouts.handshake);
+        match self.handler.rdma_accept(peer, device, qps) {
+            Ok((ours, guard)) => {
+                self.rdma_qps.push(guard);
+                let reply = Message::RdmaAccept {
+                    generation,
+                    qps: ours,
+                };
+                send(
+                    &mut self.stream,
+                    &reply,
+                    "answering an RDMA connect",
+                    within,
+                )
+                .await?;
+                tracing::info!(%peer, generation, "RDMA queue pairs connected");
+            }
+            Err(e) => {
+                tracing::warn!(%peer, device, error = %e, "RDMA connect refused");
+                let answer = Message::Error {
+                    message: format!("RDMA connect refused: {e}"),
+                };
+                send(
+                    &mut self.stream,
+                    &answer,
+                    "refusing an RDMA connect",
+                    within,
+                )
+                .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Logs a refused notice (rate-limited for the whole engine).
+    fn refused(&self, id: &RequestId, r: std::result::Result<(), String>) {
+        if let Err(why) = r {
+            let (peer, engine) = (self.peer, self.reader.engine.as_str());
+            warn_limited!(REFUSED_NOTICES, %peer, engine, %id, %why, "refused a reader's notice");
         }
     }
 }
@@ -495,64 +431,5 @@ impl Presence {
 impl Drop for Presence {
     fn drop(&mut self) {
         self.handler.reader_disconnected(&self.reader);
-    }
-}
-
-/// The server's side of the challenge-response: answers the reader's nonce with its own and its
-/// proof, expects the reader's proof (a small frame), then reads its Hello. The refusal says
-/// only that authentication failed.
-async fn authenticate(
-    stream: &mut TcpStream,
-    peer: SocketAddr,
-    key: &AuthKey,
-    client_nonce: [u8; 32],
-    timeouts: ControlTimeouts,
-) -> std::result::Result<(Box<Descriptor>, Option<SessionSecret>), String> {
-    let server_nonce = auth::nonce().map_err(|e| e.to_string())?;
-    let challenge = frame::encode(&Message::AuthChallenge {
-        server_nonce,
-        server_proof: auth::server_proof(key, &client_nonce, &server_nonce),
-    })
-    .map_err(|e| e.to_string())?;
-    match timeout(timeouts.handshake, write_frame(stream, &challenge)).await {
-        Ok(Ok(())) => {}
-        _ => return Err("could not send the authentication challenge".into()),
-    }
-    let proof = timeout(
-        timeouts.handshake,
-        frame::read_frame_up_to(stream, frame::MAX_UNAUTHENTICATED_FRAME_BYTES),
-    );
-    let frame = match proof.await {
-        Ok(Ok(Some(f))) => f,
-        Err(_) => {
-            return Err(format!(
-                "no answer to the challenge within {:?}",
-                timeouts.handshake
-            ))
-        }
-        Ok(Ok(None)) | Ok(Err(_)) => return Err("authentication failed".into()),
-    };
-    match frame::decode::<Message>(frame.0, &frame.1) {
-        Ok(Message::AuthProof { client_proof })
-            if auth::client_proof_checks(key, &client_nonce, &server_nonce, &client_proof) => {}
-        _ => return Err("authentication failed".into()),
-    }
-    tracing::debug!(%peer, "reader authenticated");
-    // Authenticated: the Hello may be as large as any frame.
-    let frame = match timeout(timeouts.handshake, read_frame(stream)).await {
-        Ok(Ok(Some(f))) => f,
-        Err(_) => return Err(format!("no Hello within {:?}", timeouts.handshake)),
-        Ok(Ok(None)) => return Err("the reader closed before its Hello".into()),
-        Ok(Err(e)) => return Err(e.to_string()),
-    };
-    match frame::decode::<Message>(frame.0, &frame.1) {
-        Ok(Message::Hello { descriptor }) => Ok((
-            descriptor,
-            Some(SessionSecret::derive(key, &client_nonce, &server_nonce)),
-        )),
-        Ok(other) => Err(format!(
-            "expected Hello after authentication, got {other:?}"
-        )),
-        Err(e) => Err(e.to_string()),
     }
 }

@@ -12,6 +12,7 @@ use sideway::ibverbs::AccessFlags;
 
 use super::device::{mtu_bytes, mtu_from_bytes, RdmaDevice};
 use super::QpEndpoint;
+use crate::error::{RdmaError, RdmaErrorKind};
 
 pub(crate) fn random_psn() -> u32 {
     use std::hash::{BuildHasher, Hasher};
@@ -102,20 +103,21 @@ impl ServerQps {
     pub(crate) fn accept(
         dev: &Arc<RdmaDevice>,
         theirs: &[QpEndpoint],
-    ) -> std::result::Result<(ServerQps, Vec<QpEndpoint>), String> {
+    ) -> std::result::Result<(ServerQps, Vec<QpEndpoint>), RdmaError> {
+        let setup = |why: String| RdmaError::new(RdmaErrorKind::Setup, why);
         if theirs.is_empty() || theirs.len() > 64 {
-            return Err(format!(
+            return Err(setup(format!(
                 "{} queue pairs requested (1 to 64 allowed)",
                 theirs.len()
-            ));
+            )));
         }
-        let cq = dev.passive_cq()?;
+        let cq = dev.passive_cq().map_err(setup)?;
         let mut qps = Vec::new();
         let mut eps = Vec::new();
         for t in theirs {
-            let mut qp = create_qp(dev, &cq, &cq, 16)?;
+            let mut qp = create_qp(dev, &cq, &cq, 16).map_err(setup)?;
             let psn = random_psn();
-            connect_qp(dev, &mut qp, psn, t)?;
+            connect_qp(dev, &mut qp, psn, t).map_err(setup)?;
             eps.push(endpoint(dev, &qp, psn));
             qps.push(qp);
         }
