@@ -1,8 +1,8 @@
 //! The state an engine owns: its registered regions, KV layout and descriptor, completion
 //! tracker, RDMA device, staging pool and counters. It sits below the sessions (which read from
 //! it and report into its tracker) and above the transports, the control plane and memory: it
-//! implements the handshake service's [`ControlHandler`] and the data server's
-//! [`RegionLookup`]. It never sees a session.
+//! implements the handshake service's [`ControlHandler`] and the data servers'
+//! [`Exports`] and [`DataServer`]. It never sees a session.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -25,9 +25,10 @@ use crate::inbox::{Inbox, PeerMessage, Refused};
 use crate::layout::KvLayout;
 use crate::memory::{Region, RegionInfo};
 use crate::tp::{Reader, TpRank};
+use crate::transport::access::{DataServer, DataSession, Exports};
 use crate::transport::rails::RailBook;
 use crate::transport::rdma::{self, RdmaDevice, RdmaFault, ServerQps};
-use crate::transport::tcp::{DataSession, RegionLookup, StagingPool};
+use crate::transport::tcp::StagingPool;
 use crate::transport::ReadCancel;
 
 /// What the data and control servers count.
@@ -498,31 +499,9 @@ impl ControlHandler for EngineState {
     }
 }
 
-impl RegionLookup for EngineState {
+impl Exports for EngineState {
     fn region(&self, id: RegionId) -> Option<Arc<Region>> {
         EngineState::region(self, id)
-    }
-
-    fn device_runtime(&self, api: GpuApi) -> Option<(Arc<dyn DeviceRuntime>, i32)> {
-        let rt = self.gpus.get(api).ok()?;
-        // The GPU of this engine's first region of that runtime (an engine drives one GPU).
-        let ordinal = self
-            .regions
-            .read()
-            .values()
-            .filter_map(|r| match r.kind() {
-                crate::memory::MemoryKind::Device { api: a, ordinal } if a == api => {
-                    Some((r.id(), ordinal))
-                }
-                _ => None,
-            })
-            .min()
-            .map_or(0, |(_, o)| o);
-        Some((rt, ordinal))
-    }
-
-    fn staging(&self) -> &Arc<StagingPool> {
-        &self.staging
     }
 
     fn auth_required(&self) -> bool {
@@ -559,5 +538,29 @@ impl RegionLookup for EngineState {
                 c.data_requests_refused.fetch_add(1, Ordering::Relaxed);
             }
         }
+    }
+}
+
+impl DataServer for EngineState {
+    fn device_runtime(&self, api: GpuApi) -> Option<(Arc<dyn DeviceRuntime>, i32)> {
+        let rt = self.gpus.get(api).ok()?;
+        // The GPU of this engine's first region of that runtime (an engine drives one GPU).
+        let ordinal = self
+            .regions
+            .read()
+            .values()
+            .filter_map(|r| match r.kind() {
+                crate::memory::MemoryKind::Device { api: a, ordinal } if a == api => {
+                    Some((r.id(), ordinal))
+                }
+                _ => None,
+            })
+            .min()
+            .map_or(0, |(_, o)| o);
+        Some((rt, ordinal))
+    }
+
+    fn staging(&self) -> &Arc<StagingPool> {
+        &self.staging
     }
 }

@@ -1,6 +1,7 @@
 //! Data transports behind one trait. A transport takes the planner's segments, already resolved
 //! to local registered spans, and reads the peer's bytes into them.
 
+pub(crate) mod access;
 pub(crate) mod local;
 pub(crate) mod rails;
 #[allow(unsafe_code)]

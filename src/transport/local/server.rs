@@ -21,7 +21,10 @@ use crate::log_limit::{warn_limited, LogLimit};
 use crate::memory::{PeerMemory, RegionSpan};
 use crate::shm;
 use crate::tp::Reader;
-use crate::transport::tcp::{self, RegionLookup, ServeLimits};
+use crate::transport::access::{
+    authorize, prove_session, still_granted, DataServer, Exports, Source,
+};
+use crate::transport::tcp::ServeLimits;
 
 /// Most regions one connection may open.
 const MAX_MAPS: usize = 64;
@@ -42,7 +45,7 @@ static DROPPED: LogLimit = LogLimit::new(Duration::from_secs(1));
 /// Accepts same-host connections until the task is dropped.
 pub(crate) async fn serve(
     listener: UnixListener,
-    regions: Arc<dyn RegionLookup>,
+    regions: Arc<dyn DataServer>,
     limits: ServeLimits,
 ) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
@@ -209,7 +212,7 @@ impl Copy {
             run.push((at, src));
             let same_next = pieces.peek().is_some_and(|(_, d, _)| Arc::ptr_eq(d, &dst));
             if !same_next {
-                tcp::still_granted(self.grant.as_deref())?;
+                still_granted(self.grant.as_deref())?;
                 dst.write_many(&run)?;
                 run.clear();
             }
@@ -220,13 +223,13 @@ impl Copy {
 
 async fn connection(
     mut stream: UnixStream,
-    regions: Arc<dyn RegionLookup>,
+    regions: Arc<dyn DataServer>,
     limits: ServeLimits,
 ) -> Result<()> {
     let mut reader: Option<Arc<Reader>> = None;
     if regions.auth_required() {
         // Nothing is opened or copied before the connection proves an authenticated session.
-        match tcp::check_session_proof(&mut stream, &*regions, limits.io_timeout).await {
+        match prove_session(&mut stream, &*regions, limits.io_timeout).await {
             Ok(r) => reader = Some(r),
             Err(e) => {
                 regions.served(None);
@@ -302,7 +305,7 @@ async fn connection(
 /// end it). `Ok(Some(bytes))` is a served copy, `Ok(None)` an opened region.
 async fn reply(
     s: &UnixStream,
-    regions: &dyn RegionLookup,
+    regions: &dyn Exports,
     tag: u64,
     r: Result<Option<u64>>,
     io: Duration,
@@ -326,7 +329,7 @@ async fn reply(
 
 /// Opens a region the reader shares.
 fn open(
-    regions: &dyn RegionLookup,
+    regions: &dyn DataServer,
     maps: &mut HashMap<u32, Arc<PeerMemory>>,
     fds: &mut VecDeque<OwnedFd>,
     body: &[u8],
@@ -378,19 +381,19 @@ fn open(
 /// Checks a `READ`: the grant, every source range (exported, granted), every destination range
 /// (inside an opened region).
 fn prepare(
-    regions: &dyn RegionLookup,
+    regions: &dyn Exports,
     reader: Option<&Reader>,
     maps: &HashMap<u32, Arc<PeerMemory>>,
     body: &[u8],
 ) -> Result<Copy> {
     let (id, entries) = wire::decode_read(body)?;
-    let grant = regions.grant(&id, reader).map_err(Error::InvalidArgument)?;
-    let sources = entries.iter().map(|e: &Entry| tcp::wire::Entry {
+    let sources = entries.iter().map(|e: &Entry| Source {
         region: e.src_region,
         offset: e.src_offset,
         len: e.len,
     });
-    let (spans, _) = tcp::resolve(regions, grant.as_deref(), sources)?;
+    let mut authorized = authorize(regions, &id, reader, sources)?;
+    let spans = std::mem::take(&mut authorized.spans);
     let mut pieces = Vec::with_capacity(spans.len());
     for (i, (span, e)) in spans.into_iter().zip(&entries).enumerate() {
         let dst = maps.get(&e.dst_region.0).ok_or_else(|| {
@@ -410,8 +413,10 @@ fn prepare(
         }
         pieces.push((span, dst.clone(), e.dst_offset));
     }
-    if let (Some(_), Some(r)) = (&grant, reader) {
-        regions.claim(&id, r);
-    }
-    Ok(Copy { pieces, grant })
+    // Only a read that passed every check, its destinations too, claims the request.
+    authorized.claim(regions, &id, reader);
+    Ok(Copy {
+        pieces,
+        grant: authorized.grant,
+    })
 }

@@ -14,7 +14,5 @@ mod staging;
 pub mod wire;
 
 pub(crate) use client::{prove_session, TcpTransport};
-pub(crate) use server::{
-    check_session_proof, resolve, serve, still_granted, DataSession, RegionLookup, ServeLimits,
-};
+pub(crate) use server::{serve, ServeLimits};
 pub(crate) use staging::StagingPool;

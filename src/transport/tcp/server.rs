@@ -1,4 +1,5 @@
-//! The TCP data server: serves reads of exported registered ranges, and nothing else.
+//! The TCP data server: serves reads of exported registered ranges, and nothing else (what a
+//! reader may read is decided in `transport::access`).
 
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
@@ -10,51 +11,19 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::time::timeout;
 
 use super::staging::{group, Group, Outbound, StagingPool};
-use super::wire::{self, Entry};
-use crate::auth::{self, SessionSecret};
+use super::wire;
 use crate::conn_limit::{ConnLimit, MAX_CONNECTIONS};
 use crate::error::{Error, Result};
-use crate::gpu::{DeviceRuntime, GpuApi};
 use crate::grant::Grant;
-use crate::ids::{RegionId, RequestId};
 use crate::log_limit::{warn_limited, LogLimit};
-use crate::memory::{self, Region, RegionSpan};
+use crate::memory::{self, RegionSpan};
 use crate::tp::Reader;
+use crate::transport::access::{
+    authorize, prove_session, still_granted, Authorized, DataServer, Source,
+};
 
 /// Refused data requests: one line per second, with the count.
 static REFUSED: LogLimit = LogLimit::new(Duration::from_secs(1));
-
-/// An authenticated control session, as the data server sees it: its secret and the reader
-/// (engine id and TP rank) its handshake declared.
-pub(crate) type DataSession = (SessionSecret, Arc<Reader>);
-
-/// Where the data server finds exported regions.
-pub(crate) trait RegionLookup: Send + Sync + 'static {
-    /// The exported region with this id, if any.
-    fn region(&self, id: RegionId) -> Option<Arc<Region>>;
-    /// Whether data connections must prove an authenticated control session.
-    fn auth_required(&self) -> bool;
-    /// The authenticated control session with this id, while it lives, and the reader it
-    /// declared.
-    fn data_session(&self, id: &[u8; 16]) -> Option<DataSession>;
-    /// What reads of request `id` may touch: its grant; `None` when the engine serves open
-    /// reads (no hold needed). `reader` is the reading engine, when the data connection proved
-    /// its session. Refused (with the reason) when the request is not held for that reader.
-    fn grant(
-        &self,
-        id: &RequestId,
-        reader: Option<&Reader>,
-    ) -> std::result::Result<Option<Arc<Grant>>, String>;
-    /// A read of request `id` by `reader` was served: it is one of the request's readers from
-    /// now on.
-    fn claim(&self, id: &RequestId, reader: &Reader);
-    /// A request was served (`Some(bytes)`) or refused (`None`).
-    fn served(&self, bytes: Option<u64>);
-    /// The staging buffers for device memory.
-    fn staging(&self) -> &Arc<StagingPool>;
-    /// The loaded runtime of `api` and the GPU to open a same-host reader's device memory on.
-    fn device_runtime(&self, api: GpuApi) -> Option<(Arc<dyn DeviceRuntime>, i32)>;
-}
 
 /// The data server's limits.
 #[derive(Debug, Clone, Copy)]
@@ -71,7 +40,7 @@ pub(crate) struct ServeLimits {
 /// `limits.per_ip` of them from one address.
 pub(crate) async fn serve(
     listener: TcpListener,
-    regions: Arc<dyn RegionLookup>,
+    regions: Arc<dyn DataServer>,
     limits: ServeLimits,
 ) {
     // Peers can trigger these at will: one line per interval, with the count.
@@ -120,43 +89,10 @@ fn timed_out(what: &str, after: Duration) -> Error {
     }
 }
 
-/// Resolves every entry to an exported span inside the request's grant (when there is one),
-/// or says which one is refused and why. The reason names only what the reader asked for.
-pub(crate) fn resolve(
-    regions: &dyn RegionLookup,
-    grant: Option<&Grant>,
-    entries: impl Iterator<Item = Entry>,
-) -> Result<(Vec<RegionSpan>, u64)> {
-    let mut spans = Vec::new();
-    let mut total = 0u64;
-    let mut checker = grant.map(Grant::checker);
-    for (i, e) in entries.enumerate() {
-        // The size cap first: it bounds the grant walk below too.
-        total = total.saturating_add(e.len);
-        if total > wire::MAX_REQUEST_BYTES {
-            return Err(Error::invalid(format!(
-                "request asks for more than {} bytes",
-                wire::MAX_REQUEST_BYTES
-            )));
-        }
-        let region = regions
-            .region(e.region)
-            .ok_or_else(|| Error::invalid(format!("entry {i}: {} is not exported", e.region)))?;
-        let span = RegionSpan::new(region, e.offset, e.len)
-            .map_err(|err| Error::invalid(format!("entry {i}: {err}")))?;
-        if let Some(c) = &mut checker {
-            c.check(e.region, e.offset, e.len)
-                .map_err(|why| Error::invalid(format!("entry {i}: {why}")))?;
-        }
-        spans.push(span);
-    }
-    Ok((spans, total))
-}
-
 async fn connection(
     mut stream: TcpStream,
     peer: SocketAddr,
-    regions: Arc<dyn RegionLookup>,
+    regions: Arc<dyn DataServer>,
     io_timeout: Duration,
     idle_timeout: Duration,
 ) -> Result<()> {
@@ -164,7 +100,7 @@ async fn connection(
     let mut engine: Option<Arc<Reader>> = None;
     if regions.auth_required() {
         // Nothing is served before the connection proves an authenticated control session.
-        match check_session_proof(&mut stream, &*regions, io_timeout).await {
+        match prove_session(&mut stream, &*regions, io_timeout).await {
             Ok(e) => engine = Some(e),
             Err(e) => {
                 regions.served(None);
@@ -207,16 +143,16 @@ async fn connection(
         )
         .await?;
 
-        let granted = regions.grant(&request, engine.as_deref());
-        let resolved = granted.map_err(Error::InvalidArgument).and_then(|g| {
-            resolve(&*regions, g.as_deref(), wire::decode_entries(&body)).map(|r| (g, r))
-        });
-        match resolved {
-            Ok((grant, (spans, total))) => {
-                // Only a read that passed every check claims the request for its engine.
-                if let (Some(_), Some(e)) = (&grant, &engine) {
-                    regions.claim(&request, e);
-                }
+        let sources = wire::decode_entries(&body).map(Source::from);
+        match authorize(&*regions, &request, engine.as_deref(), sources) {
+            Ok(authorized) => {
+                // Every check passed: the read claims the request for its engine.
+                authorized.claim(&*regions, &request, engine.as_deref());
+                let Authorized {
+                    grant,
+                    spans,
+                    total,
+                } = authorized;
                 let live = grant.as_deref();
                 let head = wire::encode_response_header(tag, wire::STATUS_OK, total);
                 if spans.iter().any(RegionSpan::is_device) {
@@ -261,17 +197,6 @@ async fn read_entries(
             .map_err(|e| Error::io("reading data request entries", &e))?;
     }
     Ok(())
-}
-
-/// Stops a response whose grant ended (its hold finished, failed or expired) while it was
-/// being sent: the blocks may be reused from then on.
-pub(crate) fn still_granted(live: Option<&Grant>) -> Result<()> {
-    match live {
-        Some(g) if g.is_ended() => Err(Error::Protocol(
-            "the request's hold ended while its blocks were being sent".into(),
-        )),
-        _ => Ok(()),
-    }
 }
 
 /// Writes `head` then the spans' bytes straight from registered memory (`writev`, no copy),
@@ -356,40 +281,4 @@ async fn flush(stream: &TcpStream, out: &mut Outbound, io_timeout: Duration) -> 
         send_next(stream, out, io_timeout).await?;
     }
     Ok(())
-}
-
-/// How long a new data connection has to prove its session.
-const PROOF_DEADLINE: Duration = Duration::from_secs(5);
-
-/// The data server's side of the session proof: sends a fresh nonce, expects the session id and
-/// the session's proof over the nonce (`wire::AUTH_REPLY` bytes) within a few seconds. Returns
-/// the reader the session declared.
-pub(crate) async fn check_session_proof<S>(
-    stream: &mut S,
-    regions: &dyn RegionLookup,
-    io_timeout: Duration,
-) -> Result<Arc<Reader>>
-where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
-{
-    use tokio::io::AsyncWriteExt;
-    let deadline = PROOF_DEADLINE.min(io_timeout);
-    let nonce = auth::nonce()?;
-    timeout(deadline, stream.write_all(&nonce))
-        .await
-        .map_err(|_| timed_out("sending the session challenge", deadline))?
-        .map_err(|e| Error::io("sending the session challenge", &e))?;
-    let mut reply = [0u8; wire::AUTH_REPLY];
-    timeout(deadline, stream.read_exact(&mut reply))
-        .await
-        .map_err(|_| timed_out("waiting for the session proof", deadline))?
-        .map_err(|e| Error::io("reading the session proof", &e))?;
-    let (id, proof) = reply.split_at(16);
-    let id: [u8; 16] = id.try_into().expect("16 bytes");
-    match regions.data_session(&id) {
-        Some((s, engine)) if s.verify_data(&nonce, proof) => Ok(engine),
-        _ => Err(Error::Protocol(
-            "data connection without a valid session proof".into(),
-        )),
-    }
 }
