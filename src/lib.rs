@@ -96,7 +96,7 @@ pub mod internal {
     pub use crate::transport::rdma::RdmaFault;
     pub use crate::transport::tcp::wire as tcp_wire;
 
-    use crate::{Engine, EngineConfig, RdmaSettings, Result};
+    use crate::{Engine, EngineConfig, ExternalMemory, RdmaSettings, Region, Result};
 
     /// Opens the RDMA devices `settings` name (or the first usable one) and returns their
     /// names, comma-separated, or says why none can be used.
@@ -107,6 +107,16 @@ pub mod internal {
                 .collect::<Vec<_>>()
                 .join(",")
         })
+    }
+
+    /// Registers host memory with `engine` as emulated device memory: every transfer into or
+    /// out of it takes the device paths (TCP staging, device RDMA registration) with `memcpy`
+    /// as the "GPU" copy. For tests of those paths on machines without a GPU.
+    pub fn register_emulated_device(
+        engine: &Engine,
+        mem: ExternalMemory,
+    ) -> Result<std::sync::Arc<Region>> {
+        engine.register_emulated_device(mem)
     }
 
     /// Starts an engine whose RDMA connections inject `fault` (tests of the RDMA error paths).

@@ -12,7 +12,7 @@ pub use requests::{tp_sources, HoldRequest, ReadFrom, ReadRequest};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::RwLock;
 
@@ -31,7 +31,7 @@ use crate::layout::KvLayout;
 use crate::memory::{DeviceMemory, ExternalMemory, Region};
 pub use crate::session::SessionState;
 use crate::session::Sessions;
-use crate::state::EngineState;
+use crate::state::{self, EngineState, Identity};
 use crate::transport::rdma::{self, RdmaFault};
 use crate::transport::tcp;
 
@@ -86,15 +86,16 @@ impl Engine {
     /// Starts an engine: binds the handshake service and the data server and starts its
     /// runtime. Register memory and set a layout before peers can read from it.
     pub fn start(config: EngineConfig) -> Result<Engine> {
-        Engine::start_with_rdma_fault(config, RdmaFault::default())
+        Engine::start_inner(config, None)
     }
 
     /// [`start`](Engine::start) with RDMA fault injection, for the tests of the RDMA error
     /// paths (`kvlink::internal`).
-    pub(crate) fn start_with_rdma_fault(
-        mut config: EngineConfig,
-        rdma_fault: RdmaFault,
-    ) -> Result<Engine> {
+    pub(crate) fn start_with_rdma_fault(config: EngineConfig, fault: RdmaFault) -> Result<Engine> {
+        Engine::start_inner(config, Some(fault))
+    }
+
+    fn start_inner(mut config: EngineConfig, rdma_fault: Option<RdmaFault>) -> Result<Engine> {
         config.validate()?;
         if config.auth_key.is_none() {
             config.auth_key = AuthKey::from_env()?;
@@ -192,22 +193,21 @@ impl Engine {
             .engine_id
             .clone()
             .unwrap_or_else(|| default_engine_id(config.tp_rank));
-        let shared = Arc::new(EngineState::new(
+        let cooldown = config.rdma.cooldown;
+        let id = Identity {
             config,
-            engine_id.clone(),
-            nonce,
+            engine_id: engine_id.clone(),
+            generation: nonce,
             data_addr,
-            local.as_ref().map(|(h, n, _)| (h.clone(), n.clone())),
-            rdma,
-            rdma_unavailable,
-            rdma_fault,
-            gpus,
-        ));
+            local: local.as_ref().map(|(h, n, _)| (h.clone(), n.clone())),
+        };
+        let rdma = state::Rdma::new(rdma, rdma_unavailable, cooldown);
+        let shared = Arc::new(EngineState::new(id, rdma, gpus));
         let timeouts = shared.control_timeouts();
-        let per_ip = shared.config.max_connections_per_ip;
+        let per_ip = shared.config().max_connections_per_ip;
         let limits = tcp::ServeLimits {
-            io_timeout: shared.config.io_timeout,
-            idle_timeout: shared.config.idle_timeout,
+            io_timeout: shared.config().io_timeout,
+            idle_timeout: shared.config().idle_timeout,
             per_ip,
         };
         runtime.spawn(control::serve(control, shared.clone(), timeouts, per_ip));
@@ -219,14 +219,17 @@ impl Engine {
                 limits,
             ));
         }
-        if shared.config.open_reads {
+        if shared.config().open_reads {
             tracing::warn!(
                 "open_reads is on: the data server serves any exported byte without a hold \
                  (benchmarks and debugging only)"
             );
         }
         let engine = Engine {
-            sessions: Arc::new(Sessions::new(shared.clone())),
+            sessions: Arc::new(match rdma_fault {
+                None => Sessions::new(shared.clone()),
+                Some(f) => Sessions::with_rdma_fault(shared.clone(), f),
+            }),
             shared,
             control_addr,
             runtime: RwLock::new(Some(runtime)),
@@ -247,13 +250,13 @@ impl Engine {
     /// The RDMA devices in use (`Ok(names)`, comma-separated), or why RDMA is not used
     /// (`Err(reason)`).
     pub fn rdma_status(&self) -> std::result::Result<String, String> {
-        let devs = &self.shared.rdma;
+        let devs = self.shared.rdma();
         if devs.is_empty() {
             return Err(self
                 .shared
-                .rdma_unavailable
-                .clone()
-                .unwrap_or_else(|| "unknown".into()));
+                .rdma_unavailable()
+                .unwrap_or("unknown")
+                .to_string());
         }
         Ok(devs
             .iter()
@@ -265,7 +268,7 @@ impl Engine {
     /// Bytes this engine read through each of its RDMA devices, by device name (several
     /// devices share a read in proportion to what each delivers).
     pub fn rdma_device_bytes(&self) -> Vec<(String, u64)> {
-        self.shared.rails.device_bytes()
+        self.shared.rails().device_bytes()
     }
 
     /// The transports and memory kinds this engine found, and why any is missing (also logged
@@ -276,14 +279,14 @@ impl Engine {
             rdma: self.rdma_status(),
             tcp: format!(
                 "data server {}, {} streams per peer",
-                sh.data_addr, sh.config.tcp_streams
+                sh.data_addr(),
+                sh.config().tcp_streams
             ),
             local: sh
-                .local
-                .as_ref()
+                .local()
                 .map(|(_, socket)| format!("abstract Unix socket @{socket}"))
                 .ok_or_else(|| "no same-host socket (see the log at start)".to_string()),
-            gpu: sh.gpus.report(),
+            gpu: sh.gpus().report(),
         }
     }
 
@@ -291,7 +294,7 @@ impl Engine {
     /// memory of which GPU. Without a GPU runtime every address is [`PointerKind::Host`].
     pub fn classify_pointer(&self, ptr: u64) -> Result<PointerKind> {
         self.shared
-            .gpus
+            .gpus()
             .classify(ptr)
             .map(|(k, _)| k)
             .map_err(Error::Gpu)
@@ -299,7 +302,7 @@ impl Engine {
 
     /// This engine's id.
     pub fn engine_id(&self) -> &str {
-        &self.shared.engine_id
+        self.shared.engine_id()
     }
 
     /// The descriptor peers receive, once a layout is set.
@@ -351,17 +354,17 @@ impl Engine {
     /// and with [`Error::Memory`] when the RDMA device cannot register it (the message names the
     /// dma-buf and peer-memory attempts; `transport: Tcp` avoids RDMA registration).
     pub fn register_device(&self, mem: DeviceMemory) -> Result<Arc<Region>> {
-        let (kind, rt) = self.shared.gpus.classify(mem.ptr).map_err(Error::Gpu)?;
+        let (kind, rt) = self.shared.gpus().classify(mem.ptr).map_err(Error::Gpu)?;
         match (kind, rt) {
             (PointerKind::Device { ordinal, .. }, Some(rt)) => {
                 self.add_region(Region::device(self.next_region_id(), mem, rt, ordinal))
             }
-            (PointerKind::Host, _) if self.shared.gpus.loaded().next().is_none() => {
+            (PointerKind::Host, _) if self.shared.gpus().loaded().next().is_none() => {
                 Err(Error::Gpu(
                     format!(
                         "cannot register device memory at {:#x}: no GPU runtime is loaded ({})",
                         mem.ptr,
-                        self.shared.gpus.why_none()
+                        self.shared.gpus().why_none()
                     )
                     .into(),
                 ))
@@ -379,7 +382,7 @@ impl Engine {
     pub fn allocate_device(&self, api: GpuApi, ordinal: i32, len: u64) -> Result<Arc<Region>> {
         let rt = self
             .shared
-            .gpus
+            .gpus()
             .get(api)
             .map_err(|why| Error::Gpu(why.context(format!("cannot allocate {api} memory"))))?;
         self.add_region(Region::allocate_device(
@@ -390,16 +393,17 @@ impl Engine {
         )?)
     }
 
-    /// Registers host memory as emulated device memory: every transfer into or out of it takes
-    /// the device paths (TCP staging, device RDMA registration) with `memcpy` as the "GPU" copy.
-    /// For tests of those paths on machines without a GPU.
-    #[doc(hidden)]
-    pub fn register_emulated_device(&self, mem: ExternalMemory) -> Result<Arc<Region>> {
+    /// Registers host memory as emulated device memory (`internal::register_emulated_device`).
+    pub(crate) fn register_emulated_device(&self, mem: ExternalMemory) -> Result<Arc<Region>> {
         let dm = DeviceMemory {
             ptr: mem.ptr.as_ptr() as u64,
             len: mem.len,
         };
-        let rt = self.shared.gpus.get(GpuApi::Emulated).map_err(Error::Gpu)?;
+        let rt = self
+            .shared
+            .gpus()
+            .get(GpuApi::Emulated)
+            .map_err(Error::Gpu)?;
         self.add_region(Region::device(self.next_region_id(), dm, rt, 0))
     }
 
@@ -468,35 +472,23 @@ impl Engine {
     /// messages or 16 MiB; beyond that new ones are refused (counted in `messages_refused`,
     /// logged), so take them every scheduler step. Never blocks.
     pub fn take_messages(&self) -> Vec<PeerMessage> {
-        self.shared.inbox.lock().take()
+        self.shared.take_messages()
     }
 
     /// Everything that finished since the last call, each request once.
     pub fn get_finished(&self) -> Finished {
-        let mut t = self.shared.tracker.lock();
-        t.poll(Instant::now());
-        t.take_finished()
+        self.shared.completions().take_finished()
     }
 
     /// Like [`get_finished`](Engine::get_finished), but waits up to `timeout` for something to
     /// finish (no spinning: it sleeps until a completion or a hold's deadline).
     pub fn wait_finished(&self, timeout: Duration) -> Finished {
-        let deadline = Instant::now() + timeout;
-        let mut t = self.shared.tracker.lock();
-        loop {
-            let now = Instant::now();
-            t.poll(now);
-            if t.has_finished() || now >= deadline {
-                return t.take_finished();
-            }
-            let wake = t.next_deadline().map_or(deadline, |d| d.min(deadline));
-            self.shared.finished.wait_until(&mut t, wake);
-        }
+        self.shared.completions().wait_finished(timeout)
     }
 
     /// Counters of what this engine served and refused.
     pub fn stats(&self) -> EngineStats {
-        let c = &self.shared.counters;
+        let c = &self.shared.counters();
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         EngineStats {
             handshakes_accepted: get(&c.handshakes_accepted),
@@ -504,22 +496,23 @@ impl Engine {
             data_requests_served: get(&c.data_requests_served),
             data_requests_refused: get(&c.data_requests_refused),
             bytes_served: get(&c.bytes_served),
-            bytes_staged_out: self.shared.staging.staged_out(),
-            bytes_staged_in: self.shared.staging.staged_in(),
+            bytes_staged_out: self.shared.staging().staged_out(),
+            bytes_staged_in: self.shared.staging().staged_in(),
             notices_refused: get(&c.notices_refused),
             messages_received: get(&c.messages_received),
             messages_refused: get(&c.messages_refused),
             messages_sent: get(&c.messages_sent),
             messages_unsent: get(&c.messages_unsent),
-            rdma_pairs_paused: self.shared.rails.pauses(),
-            totals: self.shared.tracker.lock().totals(),
+            rdma_pairs_paused: self.shared.rails().pauses(),
+            totals: self.shared.completions().read(|t| t.totals()),
         }
     }
 
     /// Requests being received and sends being held.
     pub fn in_flight(&self) -> (usize, usize) {
-        let t = self.shared.tracker.lock();
-        (t.receiving(), t.holding())
+        self.shared
+            .completions()
+            .read(|t| (t.receiving(), t.holding()))
     }
 }
 
@@ -531,11 +524,11 @@ impl Engine {
     /// Waits for calls in progress on other threads (a [`connect`](Engine::connect) up to its
     /// timeout), then at most a second for the engine's tasks to stop.
     pub fn close(&self) {
-        self.shared.closing.store(true, Ordering::Release);
+        self.shared.close();
         let rt = self.runtime.write().take();
         if let Some(rt) = rt {
             rt.shutdown_timeout(Duration::from_secs(1));
-            tracing::info!(engine = %self.shared.engine_id, "kvlink engine closed");
+            tracing::info!(engine = %self.shared.engine_id(), "kvlink engine closed");
         }
     }
 

@@ -190,7 +190,7 @@ impl Engine {
             .ok_or_else(|| Error::invalid("set a KV layout before reading blocks"))?;
         let remote_tokens = remote_tokens_per_block.unwrap_or(layout.tokens_per_block);
         plan::check_local_blocks(&layout, &local, &remote, remote_tokens, &first_tokens)?;
-        let ours = TpRank::new(self.shared.config.tp_rank, self.shared.config.tp_size);
+        let ours = TpRank::new(self.shared.config().tp_rank, self.shared.config().tp_size);
         let sources = match from {
             ReadFrom::Engine(peer) => vec![Source { peer, rank: None }],
             ReadFrom::TpGroup(peers) => {
@@ -229,7 +229,8 @@ impl Engine {
         let rt = self.runtime.read();
         let rt = rt.as_ref().ok_or(Error::Shutdown)?;
         self.shared
-            .with_tracker(|t| t.start_recv(id.clone(), now))?;
+            .completions()
+            .update(|t| t.start_recv(id.clone(), now))?;
         let job = ReadJob {
             sources,
             id,
@@ -240,7 +241,7 @@ impl Engine {
             first_tokens,
             hold,
             started: now,
-            deadline: tokio::time::Instant::from_std(now + self.shared.config.request_timeout),
+            deadline: tokio::time::Instant::from_std(now + self.shared.config().request_timeout),
         };
         rt.spawn(session::run_read(self.sessions.clone(), job));
         Ok(())
@@ -304,7 +305,7 @@ impl Engine {
     pub fn hold(&self, req: HoldRequest) -> Result<u64> {
         let timeout = req
             .abort_timeout
-            .unwrap_or(self.shared.config.abort_timeout);
+            .unwrap_or(self.shared.config().abort_timeout);
         check_duration("abort_timeout", timeout)?;
         self.shared
             .hold(req.id, &req.blocks, req.reader, timeout, req.token)
@@ -326,7 +327,7 @@ impl Engine {
     /// whether it was held.
     pub fn release(&self, id: impl Into<RequestId>) -> bool {
         let id = id.into();
-        self.shared.with_tracker(|t| t.release(&id))
+        self.shared.completions().update(|t| t.release(&id))
     }
 
     /// Decode side: tells the prefill at `peer` that this engine will not read request

@@ -2,6 +2,7 @@
 //! have it and the configuration allows, TCP otherwise) and the queue-pair exchange.
 
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
 use super::{ConnectFuture, Connector, NoticeFuture, PeerConn};
@@ -14,7 +15,7 @@ use crate::error::{Error, RdmaError, RdmaErrorKind, Result};
 use crate::state::EngineState;
 use crate::transport::local::LocalTransport;
 use crate::transport::rails::{Rail, Rails, TcpConnect};
-use crate::transport::rdma::RdmaConnection;
+use crate::transport::rdma::{RdmaConnection, RdmaFault};
 use crate::transport::tcp::TcpTransport;
 use crate::transport::Transport;
 
@@ -37,8 +38,13 @@ fn our_descriptor(shared: &EngineState) -> Result<Arc<Descriptor>> {
         .ok_or_else(|| Error::invalid("set a KV layout on this engine before reading from peers"))
 }
 
-async fn connect(shared: &Arc<EngineState>, peer: &str, generation: u64) -> Result<PeerConn> {
-    let cfg = &shared.config;
+async fn connect(
+    shared: &Arc<EngineState>,
+    peer: &str,
+    generation: u64,
+    faults: Option<&FaultPlan>,
+) -> Result<PeerConn> {
+    let cfg = shared.config();
     let addr = resolve(peer).await?;
     let ours = our_descriptor(shared)?;
     let (mut hs, theirs, secret) = ControlClient::handshake(
@@ -57,7 +63,8 @@ async fn connect(shared: &Arc<EngineState>, peer: &str, generation: u64) -> Resu
         );
     }
     let local = same_host(shared, &theirs, peer, secret.as_ref()).await;
-    let transport: Box<dyn Transport> = match (local, &shared.rdma, theirs.rdma(), cfg.transport) {
+    let transport: Box<dyn Transport> = match (local, &shared.rdma(), theirs.rdma(), cfg.transport)
+    {
         (Ok(t), ..) => t,
         (Err(why), ..) if cfg.transport == TransportChoice::Local => {
             return Err(Error::invalid(format!(
@@ -68,7 +75,8 @@ async fn connect(shared: &Arc<EngineState>, peer: &str, generation: u64) -> Resu
             if cfg.transport == TransportChoice::Auto {
                 tracing::debug!(peer, reason = %why, "no same-host path");
             }
-            network(shared, &mut hs, &theirs, peer, generation, secret.as_ref()).await?
+            let secret = secret.as_ref();
+            network(shared, &mut hs, &theirs, peer, generation, secret, faults).await?
         }
     };
     tracing::info!(
@@ -95,7 +103,7 @@ async fn same_host(
     peer: &str,
     secret: Option<&SessionSecret>,
 ) -> std::result::Result<Box<dyn Transport>, String> {
-    let cfg = &shared.config;
+    let cfg = shared.config();
     if !matches!(
         cfg.transport,
         TransportChoice::Auto | TransportChoice::Local
@@ -105,7 +113,7 @@ async fn same_host(
     let Some((host, socket)) = theirs.local() else {
         return Err("the peer offers no same-host path".into());
     };
-    match &shared.local {
+    match &shared.local() {
         Some((ours, _)) if ours == host => {}
         Some(_) => return Err("the peer runs on another host".into()),
         None => return Err("this engine has no same-host path".into()),
@@ -143,15 +151,16 @@ async fn network(
     peer: &str,
     generation: u64,
     secret: Option<&SessionSecret>,
+    faults: Option<&FaultPlan>,
 ) -> Result<Box<dyn Transport>> {
-    let cfg = &shared.config;
+    let cfg = shared.config();
     let their_rdma = theirs.rdma();
     let why_not = if cfg.transport == TransportChoice::Tcp {
         Some("tcp forced by configuration".to_string())
-    } else if shared.rdma.is_empty() {
+    } else if shared.rdma().is_empty() {
         Some(format!(
             "this engine has no RDMA ({})",
-            shared.rdma_unavailable.as_deref().unwrap_or("unknown")
+            shared.rdma_unavailable().unwrap_or("unknown")
         ))
     } else if their_rdma.is_empty() {
         Some("the peer offers no RDMA".to_string())
@@ -169,11 +178,11 @@ async fn network(
     }
     // Device pairs: this engine's i-th device with the peer's i-th, as many as the engine with
     // fewer devices has.
-    let pairs = shared.rdma.len().min(their_rdma.len());
-    let key = |i: usize| format!("{peer} {}>{}", shared.rdma[i].name(), their_rdma[i].0);
+    let pairs = shared.rdma().len().min(their_rdma.len());
+    let key = |i: usize| format!("{peer} {}>{}", shared.rdma()[i].name(), their_rdma[i].0);
     let now = std::time::Instant::now();
     let paused: Vec<Option<std::time::Instant>> = {
-        let h = shared.rails.health.lock();
+        let h = shared.rails().health.lock();
         (0..pairs).map(|i| h.paused_until(&key(i), now)).collect()
     };
     // RDMA only, and every pair paused: try them all rather than fail without trying.
@@ -183,7 +192,7 @@ async fn network(
     let mut rails = Vec::new();
     let mut last = None;
     for i in 0..pairs {
-        let dev = &shared.rdma[i];
+        let dev = &shared.rdma()[i];
         let (their_dev, regions) = their_rdma[i];
         if let (Some(until), false) = (paused[i], try_paused) {
             tracing::info!(
@@ -195,10 +204,10 @@ async fn network(
             later(until);
             continue;
         }
-        match rail(shared, hs, i, regions, peer, generation).await? {
+        match rail(shared, hs, i, regions, peer, generation, faults).await? {
             Ok(conn) => rails.push(Rail::new(key(i), dev.name().to_string(), conn)),
             Err(why) => {
-                let pause = shared.rails.health.lock().failed(&key(i), now);
+                let pause = shared.rails().health.lock().failed(&key(i), now);
                 later(now + pause);
                 tracing::warn!(peer, local = dev.name(), remote = their_dev, %why, ?pause, "RDMA device pair failed to connect: paused");
                 last = Some(why);
@@ -230,7 +239,7 @@ async fn network(
     Ok(Box::new(Rails::new(
         peer.to_string(),
         rails,
-        shared.rails.clone(),
+        shared.rails().clone(),
         fallback,
         resume_at,
     )))
@@ -245,9 +254,10 @@ async fn rail(
     regions: &[crate::transport::rdma::RdmaRegionInfo],
     peer: &str,
     generation: u64,
+    faults: Option<&FaultPlan>,
 ) -> Result<std::result::Result<RdmaConnection, String>> {
-    let dev = &shared.rdma[i];
-    let (prepared, qps) = match RdmaConnection::prepare(dev, shared.config.rdma.qps) {
+    let dev = &shared.rdma()[i];
+    let (prepared, qps) = match RdmaConnection::prepare(dev, shared.config().rdma.qps) {
         Ok(p) => p,
         Err(why) => return Ok(Err(why)),
     };
@@ -264,8 +274,8 @@ async fn rail(
             peer,
             &qps,
             regions.to_vec(),
-            shared.rdma_fault,
-            shared.rdma_fault_budget.clone(),
+            faults.map_or_else(RdmaFault::default, |f| f.fault),
+            faults.map_or_else(|| Arc::new(AtomicU32::new(0)), |f| f.budget.clone()),
         ),
         Message::RdmaAccept { generation: g, .. } => {
             return Err(Error::Handshake {
@@ -290,7 +300,7 @@ fn tcp_fallback(
     peer: &str,
     secret: Option<&SessionSecret>,
 ) -> Result<TcpConnect> {
-    let cfg = &shared.config;
+    let cfg = shared.config();
     let (data_addr, _) = theirs.tcp().ok_or_else(|| Error::Handshake {
         peer: peer.to_string(),
         reason: "the peer offers no transport this engine can use".into(),
@@ -301,7 +311,7 @@ fn tcp_fallback(
         cfg.io_timeout,
         cfg.batch_bytes,
     );
-    let staging = shared.staging.clone();
+    let staging = shared.staging().clone();
     let secret = secret.cloned();
     Ok(Box::new(move || {
         let staging = staging.clone();
@@ -322,7 +332,28 @@ fn tcp_fallback(
 }
 
 /// Sessions over the network: name lookup, handshake, then RDMA or TCP.
-pub(crate) struct Network;
+#[derive(Default)]
+pub(crate) struct Network {
+    /// RDMA fault injection, for the tests of the verbs error paths only.
+    faults: Option<FaultPlan>,
+}
+
+impl Network {
+    /// Sessions whose RDMA connections corrupt what they post as `fault` says, for its first
+    /// `fault.requests` requests of the engine (`internal::start_with_rdma_fault`).
+    pub(crate) fn with_rdma_fault(fault: RdmaFault) -> Network {
+        let budget = Arc::new(AtomicU32::new(fault.requests));
+        Network {
+            faults: Some(FaultPlan { fault, budget }),
+        }
+    }
+}
+
+/// An RDMA fault and how many of the engine's requests it still corrupts.
+struct FaultPlan {
+    fault: RdmaFault,
+    budget: Arc<AtomicU32>,
+}
 
 impl Connector for Network {
     fn connect<'a>(
@@ -331,7 +362,7 @@ impl Connector for Network {
         peer: &'a str,
         generation: u64,
     ) -> ConnectFuture<'a> {
-        Box::pin(connect(state, peer, generation))
+        Box::pin(connect(state, peer, generation, self.faults.as_ref()))
     }
 
     fn send_aborts<'a>(
@@ -343,7 +374,7 @@ impl Connector for Network {
         Box::pin(async move {
             let addr = resolve(peer).await?;
             let ours = our_descriptor(state)?;
-            let key = state.config.auth_key.as_ref();
+            let key = state.config().auth_key.as_ref();
             ControlClient::send_aborts(addr, &ours, key, state.control_timeouts(), &aborts).await
         })
     }

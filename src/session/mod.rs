@@ -25,6 +25,7 @@ use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::inbox::OUTBOX_MESSAGES;
 use crate::state::EngineState;
+use crate::transport::rdma::RdmaFault;
 use crate::transport::Transport;
 use tokio::sync::oneshot;
 
@@ -152,7 +153,13 @@ pub(crate) struct Sessions {
 impl Sessions {
     /// An empty cache reading from `state`, connecting over the network.
     pub(crate) fn new(state: Arc<EngineState>) -> Sessions {
-        Sessions::with_connector(state, Box::new(connect::Network))
+        Sessions::with_connector(state, Box::new(connect::Network::default()))
+    }
+
+    /// [`new`](Sessions::new), its RDMA connections corrupting what they post as `fault`
+    /// says (the tests of the verbs error paths).
+    pub(crate) fn with_rdma_fault(state: Arc<EngineState>, fault: RdmaFault) -> Sessions {
+        Sessions::with_connector(state, Box::new(connect::Network::with_rdma_fault(fault)))
     }
 
     /// An empty cache reading from `state`, making sessions with `connector`.
@@ -235,7 +242,7 @@ impl Sessions {
     /// own (bounded like a connect); anything else that waited is dropped with a log line.
     async fn abort_without_session(&self, peer: &str, why: &Error, aborts: Vec<Message>) {
         if refused_by_peer(why) && !aborts.is_empty() {
-            let cfg = &self.state.config;
+            let cfg = &self.state.config();
             let limit = cfg.connect_timeout + cfg.handshake_timeout * 3;
             let send = self.connector.send_aborts(&self.state, peer, aborts);
             match tokio::time::timeout(limit, send).await {
@@ -260,7 +267,7 @@ impl Sessions {
         let app = matches!(msg, Message::AppMessage { .. });
         let sent = conn.is_some_and(|c| c.control.notify(msg));
         if app {
-            let c = &self.state.counters;
+            let c = &self.state.counters();
             let c = if sent {
                 &c.messages_sent
             } else {
@@ -318,7 +325,7 @@ impl Sessions {
                     let peer = peer.to_string();
                     tokio::spawn(async move {
                         let state = &sessions.state;
-                        let cfg = &state.config;
+                        let cfg = &state.config();
                         // The whole connect (name lookup, handshake, queue pairs or streams) is
                         // bounded, so a slot never stays "connecting" for ever.
                         let limit = cfg.connect_timeout * 2 + cfg.handshake_timeout * 3;

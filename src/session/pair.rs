@@ -27,8 +27,7 @@ use crate::gpu::Runtimes;
 use crate::ids::{BlockId, RegionId, RequestId};
 use crate::layout::ModelShape;
 use crate::memory::Region;
-use crate::state::EngineState;
-use crate::transport::rdma::RdmaFault;
+use crate::state::{EngineState, Identity, Rdma};
 use crate::transport::{ReadFuture, ReadOp, RequestCtl, Transport};
 
 /// What a connection's transport does.
@@ -301,17 +300,16 @@ fn engine(name: &str, seed: Option<u8>) -> Arc<EngineState> {
         request_timeout: Duration::from_secs(10),
         ..EngineConfig::default()
     };
-    let state = Arc::new(EngineState::new(
+    let cooldown = config.rdma.cooldown;
+    let id = Identity {
         config,
-        name.into(),
-        7,
-        "127.0.0.1:9".parse().expect("address"),
-        None,
-        Vec::new(),
-        Some("not in the pair harness".into()),
-        RdmaFault::default(),
-        Runtimes::probe(false),
-    ));
+        engine_id: name.into(),
+        generation: 7,
+        data_addr: "127.0.0.1:9".parse().expect("address"),
+        local: None,
+    };
+    let rdma = Rdma::new(Vec::new(), Some("not in the pair harness".into()), cooldown);
+    let state = Arc::new(EngineState::new(id, rdma, Runtimes::probe(false)));
     let region =
         Region::allocate(state.next_region_id(), SHAPE.region_bytes(BLOCKS), false).unwrap();
     if let Some(seed) = seed {
@@ -363,7 +361,8 @@ impl Pair {
             .unwrap();
         let state = &self.decode.state;
         state
-            .with_tracker(|t| t.start_recv(id.into(), now))
+            .completions()
+            .update(|t| t.start_recv(id.into(), now))
             .unwrap();
         let job = ReadJob {
             sources: vec![super::Source {
@@ -378,17 +377,20 @@ impl Pair {
             first_tokens: Vec::new(),
             hold: Some(token),
             started: now,
-            deadline: tokio::time::Instant::now() + state.config.request_timeout,
+            deadline: tokio::time::Instant::now() + state.config().request_timeout,
         };
         run_read(self.decode.clone(), job).await;
     }
 
     fn decode_finished(&self) -> Finished {
-        self.decode.state.tracker.lock().take_finished()
+        self.decode
+            .state
+            .completions()
+            .update(|t| t.take_finished())
     }
 
     fn prefill_finished(&self) -> Finished {
-        self.prefill.tracker.lock().take_finished()
+        self.prefill.completions().update(|t| t.take_finished())
     }
 
     fn connects(&self) -> u32 {

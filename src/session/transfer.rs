@@ -73,10 +73,7 @@ impl ReportGuard {
     /// already belong to a new read).
     fn unregister(&mut self) {
         if let Some((id, cancel)) = self.registered.take() {
-            let mut reads = self.shared.reads.lock();
-            if reads.get(&id).is_some_and(|c| Arc::ptr_eq(c, &cancel)) {
-                reads.remove(&id);
-            }
+            self.shared.unregister_read(&id, &cancel);
         }
     }
 }
@@ -85,7 +82,7 @@ impl Drop for ReportGuard {
     fn drop(&mut self) {
         self.unregister();
         if let Some(id) = self.id.take() {
-            self.shared.with_tracker(|t| {
+            self.shared.completions().update(|t| {
                 t.recv_failed(&id, FailureCause::Other, "the transfer task ended without a result (engine shutting down or internal error)".into())
             });
         }
@@ -100,11 +97,7 @@ pub(crate) fn run_read(
 ) -> impl std::future::Future<Output = ()> + Send {
     // Registered before the task first runs, so `Engine::cancel` finds it at once.
     let cancel = Arc::new(ReadCancel::default());
-    sessions
-        .state
-        .reads
-        .lock()
-        .insert(job.id.clone(), cancel.clone());
+    sessions.state.register_read(job.id.clone(), cancel.clone());
     let guard = ReportGuard {
         shared: sessions.state.clone(),
         id: Some(job.id.clone()),
@@ -153,11 +146,11 @@ async fn read_source(
     // peer restarting): the read runs once more on a new session, within the same deadline,
     // once the first attempt has stopped writing.
     if let Ok(Err(first @ Error::ConnectionLost { reason, .. })) = &outcome {
-        let closing = shared.closing.load(std::sync::atomic::Ordering::Acquire);
+        let closing = shared.is_closing();
         if !closing
             && !cancel.is_stopped()
             && tokio::time::Instant::now() < job.deadline
-            && ctl.cancel_async(shared.config.io_timeout).await
+            && ctl.cancel_async(shared.config().io_timeout).await
         {
             tracing::info!(id = %job.id, peer = %source.peer, error = %first, "retrying a read once on a new session");
             let first = reason.clone();
@@ -289,7 +282,7 @@ async fn read_to_end(
     let confirmed = Instant::now();
     guard.unregister();
     guard.id = None;
-    let closing = shared.closing.load(std::sync::atomic::Ordering::Acquire);
+    let closing = shared.is_closing();
     let reason = failure.as_ref().map(|(at, expired, e)| {
         // With several sources, the reason names the one that failed.
         let e = match at {
@@ -314,7 +307,7 @@ async fn read_to_end(
     // A failed read is reported only once no attempt of any source writes into its blocks.
     if failure.is_some() {
         for ctl in cancel.attempts() {
-            ctl.cancel_async(shared.config.io_timeout).await;
+            ctl.cancel_async(shared.config().io_timeout).await;
         }
     }
     // Each source hears how its part ended: done when all its bytes are here (and the caller
@@ -385,7 +378,7 @@ async fn read_to_end(
                 }
             }
             report.timeline = t;
-            shared.with_tracker(|t| t.recv_done(report));
+            shared.completions().update(|t| t.recv_done(report));
         }
         (Some((_, expired, e)), reason) => {
             let reason = reason.unwrap_or_default();
@@ -397,7 +390,9 @@ async fn read_to_end(
             } else {
                 FailureCause::of(&e)
             };
-            shared.with_tracker(|t| t.recv_failed(&job.id, cause, reason));
+            shared
+                .completions()
+                .update(|t| t.recv_failed(&job.id, cause, reason));
         }
     }
 }
@@ -411,7 +406,7 @@ async fn confirm(
     job: &ReadJob,
     outcomes: &[SourceOutcome],
 ) -> std::result::Result<std::time::Duration, (Option<usize>, bool, Error)> {
-    let limit = shared.config.handshake_timeout;
+    let limit = shared.config().handshake_timeout;
     let deadline = tokio::time::Instant::now() + limit;
     let id = &job.remote_id;
     let waits: Vec<_> = outcomes
@@ -504,7 +499,7 @@ async fn read_once(
     tokio::task::yield_now().await;
     let d = &conn.descriptor;
     let theirs = TpRank::new(d.tp_rank, d.tp_size);
-    let ours = TpRank::new(shared.config.tp_rank, shared.config.tp_size);
+    let ours = TpRank::new(shared.config().tp_rank, shared.config().tp_size);
     let range = match &source.rank {
         Some((want, range)) => {
             if *want != theirs {
@@ -533,7 +528,7 @@ async fn read_once(
     check_block_size(&d.layout, job.remote_tokens)?;
     let reads = tensor_reads(&local_layout, ours, &d.layout, theirs, range)?;
     let opts = PlanOptions {
-        max_segment_bytes: shared.config.batch_bytes,
+        max_segment_bytes: shared.config().batch_bytes,
     };
     let plan = plan_read_from(
         &local_layout,

@@ -88,7 +88,7 @@ pub fn side_on(
             let mut buf = vec![0u8; bytes as usize].into_boxed_slice();
             // SAFETY: the buffer lives in the returned Side, which drops it after the engine.
             let m = unsafe { kvlink::ExternalMemory::new(buf.as_mut_ptr(), bytes) }.unwrap();
-            let r = engine.register_emulated_device(m).unwrap();
+            let r = kvlink::internal::register_emulated_device(&engine, m).unwrap();
             emulated = Some(buf);
             r
         }

@@ -86,7 +86,7 @@ async fn a_hung_transport_expires_the_read_at_its_deadline() {
     let t0 = tokio::time::Instant::now();
     p.read("r1", &[0], &[1]).await;
     let took = t0.elapsed();
-    let timeout = p.decode.state.config.request_timeout;
+    let timeout = p.decode.state.config().request_timeout;
     assert!(
         took >= timeout && took < timeout + crate::session::transfer::BACKSTOP,
         "{took:?}"
@@ -128,7 +128,8 @@ async fn a_read_whose_hold_ended_mid_read_fails_unconfirmed_never_received() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(p
         .prefill
-        .with_tracker(|t| t.release(&RequestId::from("r1"))));
+        .completions()
+        .update(|t| t.release(&RequestId::from("r1"))));
     read.await.unwrap();
     let d = p.decode_finished();
     assert!(d.receiving.is_empty(), "{d:?}");
@@ -221,7 +222,7 @@ async fn a_refused_session_still_frees_the_prefills_blocks() {
     let f = p.prefill_finished();
     assert_eq!(f.failed.len(), 2, "the prefill frees both holds now: {f:?}");
     assert!(f.failed.iter().all(|r| !r.expired), "{f:?}");
-    assert_eq!(p.prefill.tracker.lock().holding(), 0);
+    assert_eq!(p.prefill.completions().read(|t| t.holding()), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -234,7 +235,7 @@ async fn a_failed_connect_tells_no_one_but_spends_no_connect() {
     // second connect; the prefill frees the blocks at its abort timeout.
     assert_eq!(p.script.lock().aborts_sent, 0);
     assert_eq!(p.connects(), 1);
-    assert_eq!(p.prefill.tracker.lock().holding(), 1);
+    assert_eq!(p.prefill.completions().read(|t| t.holding()), 1);
 }
 
 #[tokio::test(start_paused = true)]
@@ -244,7 +245,7 @@ async fn a_connect_that_never_finishes_fails_within_its_bound() {
     let t0 = tokio::time::Instant::now();
     // The read gives up at its own deadline (10 s)...
     p.read("r1", &[0], &[0]).await;
-    let cfg = p.decode.state.config.clone();
+    let cfg = p.decode.state.config().clone();
     assert_eq!(t0.elapsed(), cfg.request_timeout);
     let d = p.decode_finished();
     assert!(d.failed[0].expired, "{d:?}");
@@ -280,15 +281,17 @@ async fn a_read_names_its_reader_so_the_hold_ends_on_that_readers_lease() {
     // not come back: the hold ends at the lease, and the read, whose bytes arrive later, is
     // refused its confirmation.
     let p = Arc::new(Pair::new(&[Fault::Delay(Duration::from_secs(4))]));
-    p.prefill.with_tracker(|t| t.reader_connected("decode"));
+    p.prefill
+        .completions()
+        .update(|t| t.reader_connected("decode"));
     let read = {
         let p = p.clone();
         tokio::spawn(async move { p.read("r1", &[7], &[8]).await })
     };
     tokio::time::sleep(Duration::from_secs(1)).await;
     let gone = std::time::Instant::now();
-    let lease = p.prefill.config.lease;
-    p.prefill.with_tracker(|t| {
+    let lease = p.prefill.config().lease;
+    p.prefill.completions().update(|t| {
         t.reader_disconnected("decode", gone);
         assert_eq!(
             t.next_deadline(),

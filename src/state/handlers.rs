@@ -1,0 +1,218 @@
+//! What the engine's servers call into: the handshake service's [`ControlHandler`] and the
+//! data servers' [`Exports`] and [`DataServer`].
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::EngineState;
+use crate::auth::{AuthKey, SessionSecret};
+use crate::completion::SendNotice;
+use crate::control::messages::Descriptor;
+use crate::control::ControlHandler;
+use crate::error::{RdmaError, RdmaErrorKind};
+use crate::gpu::{DeviceRuntime, GpuApi};
+use crate::grant::Grant;
+use crate::ids::{RegionId, RequestId};
+use crate::inbox::{PeerMessage, Refused};
+use crate::memory::Region;
+use crate::tp::Reader;
+use crate::transport::access::{DataServer, DataSession, Exports};
+use crate::transport::rdma::{self, ServerQps};
+use crate::transport::tcp::StagingPool;
+
+impl ControlHandler for EngineState {
+    fn descriptor(&self) -> Option<Arc<Descriptor>> {
+        EngineState::descriptor(self)
+    }
+
+    fn notice(
+        &self,
+        peer: SocketAddr,
+        from: &Reader,
+        id: RequestId,
+        notice: SendNotice,
+        hold: Option<u64>,
+    ) -> std::result::Result<Duration, String> {
+        tracing::debug!(%peer, %id, ?notice, "send notice");
+        let done = matches!(notice, SendNotice::Done);
+        let r = self.completions.update(|t| {
+            // With open reads (benchmarks) any exported byte is served without a hold, so a
+            // read of a request never held is confirmed; one that is held follows its hold.
+            if done && self.id.config.open_reads && !t.is_holding(&id) {
+                return Ok(Duration::ZERO);
+            }
+            t.handle_notice(&id, from, notice, hold)
+                .map(|since| since.elapsed())
+        });
+        if r.is_err() {
+            self.counters
+                .notices_refused
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn message(
+        &self,
+        peer: SocketAddr,
+        from: &str,
+        body: Vec<u8>,
+    ) -> std::result::Result<(), String> {
+        let len = body.len();
+        let m = PeerMessage {
+            from: from.to_string(),
+            peer,
+            body,
+        };
+        let r = self.inbox.lock().push(m);
+        let c = &self.counters;
+        match r {
+            Ok(()) => {
+                c.messages_received.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(why) => {
+                c.messages_refused.fetch_add(1, Ordering::Relaxed);
+                Err(match why {
+                    Refused::TooLarge => format!(
+                        "message of {len} bytes is over the {} byte limit",
+                        crate::inbox::MAX_MESSAGE_BYTES
+                    ),
+                    Refused::Full => "inbox full: the application does not take its messages \
+                                      (Engine::take_messages)"
+                        .to_string(),
+                })
+            }
+        }
+    }
+
+    fn handshake(&self, accepted: bool) {
+        let c = if accepted {
+            &self.counters.handshakes_accepted
+        } else {
+            &self.counters.handshakes_refused
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn rdma_accept(
+        &self,
+        peer: SocketAddr,
+        device: u32,
+        qps: &[rdma::QpEndpoint],
+    ) -> std::result::Result<(Vec<rdma::QpEndpoint>, ServerQps), RdmaError> {
+        let setup = |why: String| RdmaError::new(RdmaErrorKind::Setup, why);
+        if self.rdma().is_empty() {
+            return Err(setup(format!(
+                "this engine has no RDMA device ({})",
+                self.rdma_unavailable().unwrap_or("disabled")
+            )));
+        }
+        let dev = self.rdma().get(device as usize).ok_or_else(|| {
+            setup(format!(
+                "RDMA device {device} asked for, this engine has {}",
+                self.rdma().len()
+            ))
+        })?;
+        let (guard, ours) = ServerQps::accept(dev, qps)?;
+        tracing::debug!(%peer, qps = ours.len(), "queue pairs created for a reader");
+        Ok((ours, guard))
+    }
+
+    fn auth_key(&self) -> Option<&AuthKey> {
+        self.id.config.auth_key.as_ref()
+    }
+
+    fn session_opened(&self, secret: SessionSecret, reader: Reader) {
+        self.data_sessions
+            .lock()
+            .insert(secret.id, (secret, Arc::new(reader)));
+    }
+
+    fn session_closed(&self, id: [u8; 16]) {
+        self.data_sessions.lock().remove(&id);
+    }
+
+    fn reader_connected(&self, reader: &Reader) {
+        self.completions
+            .update(|t| t.reader_connected(&reader.engine));
+    }
+
+    fn reader_disconnected(&self, reader: &Reader) {
+        let leased = self
+            .completions
+            .update(|t| t.reader_disconnected(&reader.engine, Instant::now()));
+        if let Some(holds) = leased {
+            tracing::info!(engine = %reader.engine, holds, lease = ?self.id.config.lease, "a reader has no control connection left: its holds end after the lease unless it comes back");
+        }
+    }
+
+    fn reading(
+        &self,
+        from: &Reader,
+        id: &RequestId,
+        hold: Option<u64>,
+    ) -> std::result::Result<(), String> {
+        if self.id.config.open_reads {
+            return Ok(());
+        }
+        self.completions.update(|t| t.claim_checked(id, from, hold))
+    }
+}
+
+impl Exports for EngineState {
+    fn region(&self, id: RegionId) -> Option<Arc<Region>> {
+        EngineState::region(self, id)
+    }
+
+    fn auth_required(&self) -> bool {
+        self.id.config.auth_key.is_some()
+    }
+
+    fn data_session(&self, id: &[u8; 16]) -> Option<DataSession> {
+        self.data_sessions.lock().get(id).cloned()
+    }
+
+    fn grant(
+        &self,
+        id: &RequestId,
+        reader: Option<&Reader>,
+    ) -> std::result::Result<Option<Arc<Grant>>, String> {
+        if self.id.config.open_reads {
+            return Ok(None);
+        }
+        self.completions
+            .update(|t| t.grant_for(id, reader))
+            .map(Some)
+    }
+
+    fn claim(&self, id: &RequestId, reader: &Reader) {
+        self.completions.update(|t| t.claim(id, reader));
+    }
+
+    fn served(&self, bytes: Option<u64>) {
+        let c = &self.counters;
+        match bytes {
+            Some(b) => {
+                c.data_requests_served.fetch_add(1, Ordering::Relaxed);
+                c.bytes_served.fetch_add(b, Ordering::Relaxed);
+            }
+            None => {
+                c.data_requests_refused.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+impl DataServer for EngineState {
+    fn device_runtime(&self, api: GpuApi) -> Option<(Arc<dyn DeviceRuntime>, i32)> {
+        let rt = self.gpus.get(api).ok()?;
+        Some((rt, self.gpu_ordinal(api)))
+    }
+
+    fn staging(&self) -> &Arc<StagingPool> {
+        EngineState::staging(self)
+    }
+}
