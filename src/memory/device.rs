@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use memmap2::{MmapMut, MmapOptions};
 
-use super::{Backing, MemoryKind, Region};
+use super::{Backing, MemoryKind, OnDrop, Region};
 use crate::error::{Error, Result};
 use crate::gpu::DeviceRuntime;
 use crate::ids::RegionId;
@@ -64,6 +64,7 @@ impl Region {
                 ordinal,
                 owned: false,
             },
+            on_drop: OnDrop::default(),
         }
     }
 
@@ -95,6 +96,7 @@ impl Region {
                 ordinal,
                 owned: true,
             },
+            on_drop: OnDrop::default(),
         })
     }
 }

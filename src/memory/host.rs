@@ -3,7 +3,7 @@
 
 use std::ptr::NonNull;
 
-use super::{Backing, MemoryKind, Region};
+use super::{Backing, MemoryKind, OnDrop, Region};
 use crate::error::{Error, Result};
 use crate::ids::RegionId;
 use crate::shm::SharedMap;
@@ -65,6 +65,7 @@ impl Region {
             len,
             kind,
             _backing: Backing::Shared(map),
+            on_drop: OnDrop::default(),
         })
     }
 
@@ -76,6 +77,7 @@ impl Region {
             len: mem.len,
             kind: MemoryKind::HostExternal,
             _backing: Backing::External,
+            on_drop: OnDrop::default(),
         }
     }
 }

@@ -22,12 +22,14 @@ use crate::ids::RegionId;
 mod device;
 mod host;
 mod peer;
+mod release;
 mod span;
 
 pub use device::DeviceMemory;
 pub(crate) use device::StagingBuf;
 pub use host::ExternalMemory;
 pub(crate) use peer::PeerMemory;
+pub(crate) use release::{OnDrop, Release};
 pub(crate) use span::{readv, writev, RegionSpan};
 
 /// What backs a region, and keeps it alive while registered.
@@ -91,6 +93,9 @@ pub struct Region {
     len: u64,
     kind: MemoryKind,
     _backing: Backing,
+    /// Counted out of a deregistration's wait when the region drops (after its memory was
+    /// freed, for memory kvlink allocated).
+    on_drop: OnDrop,
 }
 
 // SAFETY: a Region is a (pointer, length) to memory that is valid for the region's lifetime
@@ -100,7 +105,7 @@ pub struct Region {
 #[allow(unsafe_code)]
 unsafe impl Send for Region {}
 // SAFETY: see Send; shared access performs no unsynchronised Rust-level reads or writes of
-// Region's own fields (they are immutable after construction).
+// Region's own fields (immutable after construction, but `on_drop`, which is behind a mutex).
 #[allow(unsafe_code)]
 unsafe impl Sync for Region {}
 
@@ -116,6 +121,11 @@ impl std::fmt::Debug for Region {
 }
 
 impl Region {
+    /// Counts this region in `release` until it drops.
+    pub(crate) fn release_into(&self, release: &Arc<Release>) {
+        self.on_drop.arm(release);
+    }
+
     /// The GPU runtime and device of a device region; `None` for host memory.
     pub(crate) fn device_runtime(&self) -> Option<(&Arc<dyn DeviceRuntime>, i32)> {
         match &self._backing {

@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::gpu::GpuApi;
 use crate::ids::RegionId;
 use crate::layout::KvLayout;
-use crate::memory::{Region, RegionInfo};
+use crate::memory::{Region, RegionInfo, Release};
 
 /// Registered regions, the layout and the descriptor made of them.
 pub(super) struct Memory {
@@ -101,21 +101,24 @@ impl EngineState {
             })
             .collect();
         self.rebuild_descriptor();
-        // Transfers hold the region (and its registrations) while they use them.
+        // Transfers hold the region (and its registrations) while they use them: each is
+        // counted out as it drops, the last one waking this wait.
+        let release = Release::new();
+        region.release_into(&release);
+        for m in &mrs {
+            m.release_into(&release);
+        }
+        drop((region, mrs));
         let limit = Instant::now() + self.id.config.request_timeout + Duration::from_secs(10);
-        loop {
-            let users = Arc::strong_count(&region) - 1
-                + mrs.iter().map(|m| Arc::strong_count(m) - 1).sum::<usize>();
-            if users == 0 {
-                return Ok(());
+        match release.wait_until(limit) {
+            0 => Ok(()),
+            left => {
+                tracing::error!(region = %id, left, "deregistered region still in use");
+                Err(Error::Memory(format!(
+                    "{id} is no longer exported but transfers still hold it ({left} of the \
+                     region and its registrations); do not free its memory"
+                )))
             }
-            if Instant::now() >= limit {
-                tracing::error!(region = %id, users, "deregistered region still in use");
-                return Err(Error::Memory(format!(
-                    "{id} is no longer exported but {users} transfers still use it; do not free its memory"
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(5));
         }
     }
 

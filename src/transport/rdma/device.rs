@@ -423,6 +423,7 @@ impl RdmaDevice {
                 len: region.len(),
                 chunk,
                 mrs,
+                on_drop: crate::memory::OnDrop::default(),
             }),
         );
         Ok(())

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use sideway::ibverbs::memory_region::MemoryRegion;
 
 use super::wr::LocalKeys;
+use crate::memory::{OnDrop, Release};
 
 /// Memory registrations of one region, in equal chunks (the last may be shorter).
 pub(crate) struct RegionMrs {
@@ -13,9 +14,16 @@ pub(crate) struct RegionMrs {
     pub(crate) len: u64,
     pub(crate) chunk: u64,
     pub(crate) mrs: Vec<Arc<MemoryRegion>>,
+    /// Counted out of a deregistration's wait when the registrations drop.
+    pub(crate) on_drop: OnDrop,
 }
 
 impl RegionMrs {
+    /// Counts these registrations in `release` until they drop.
+    pub(crate) fn release_into(&self, release: &Arc<Release>) {
+        self.on_drop.arm(release);
+    }
+
     /// Local key covering `offset`, and how many bytes from there stay inside its chunk.
     pub(crate) fn lkey(&self, offset: u64) -> (u32, u64) {
         let i = (offset / self.chunk) as usize;
