@@ -1,9 +1,15 @@
 //! What validating a peer's descriptor costs: a real one (Llama-3-8B layout, TCP) and the
-//! hostile ones a raw-socket peer can send in a `Hello` (`internal::fuzz::hostile_descriptors`),
-//! which must be refused in time linear in their size.
+//! hostile ones a raw-socket peer can send in a `Hello` (`hostile_descriptors` of the fuzz
+//! targets), which must be refused in time linear in their size.
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
-use kvlink::internal::fuzz::{example_descriptor, hostile_descriptors};
+
+// The fuzz targets' descriptors (only those are used here).
+#[allow(dead_code)]
+#[path = "../tests/fuzz/targets.rs"]
+mod fuzz;
+
+use fuzz::{example_descriptor, hostile_descriptors};
 
 fn bench_validate(c: &mut Criterion) {
     let mut g = c.benchmark_group("descriptor_validate");

@@ -35,7 +35,6 @@ mod error;
 #[cfg(feature = "events")]
 #[doc(inline)]
 pub use kvlink_events as events;
-mod fuzzing;
 mod gpu;
 mod grant;
 mod ids;
@@ -84,16 +83,12 @@ pub mod internal {
     pub use crate::grant::Grant;
     pub use crate::inbox::Body as MessageBody;
 
-    /// Fuzzing entry points (cargo-fuzz targets and corpus tests).
-    pub mod fuzz {
-        pub use crate::fuzzing::*;
-    }
     pub use crate::plan::{
         check_blocks, check_local_blocks, plan, plan_read, plan_read_from, resizes, tensor_reads,
         whole_reads, Plan, PlanOptions, Resize, Segment, TensorRead,
     };
     pub use crate::tp::{heads, heads_per_rank, readers, reads, sources, Reader, Relation};
-    pub use crate::transport::rdma::RdmaFault;
+    pub use crate::transport::rdma::{RdmaFault, RdmaRegionInfo};
     pub use crate::transport::tcp::wire as tcp_wire;
 
     use crate::{Engine, EngineConfig, ExternalMemory, RdmaSettings, Region, Result};

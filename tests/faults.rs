@@ -4,6 +4,10 @@
 //! keeps serving well-behaved peers.
 
 mod common;
+// The fuzz targets' descriptors: the hostile ones are sent to a live engine here.
+#[allow(dead_code)]
+#[path = "fuzz/targets.rs"]
+mod fuzz;
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -371,7 +375,7 @@ fn crafted_descriptors_are_refused_and_serving_goes_on() {
     let shape = ModelShape::DEEPSEEK_V3_MLA;
     let prefill = side(&shape, 8, Some(12), quick_config());
     let addr = prefill.engine.handshake_address().to_string();
-    for (what, d) in kvlink::internal::fuzz::hostile_descriptors() {
+    for (what, d) in fuzz::hostile_descriptors() {
         let hello = frame::encode(&Message::Hello {
             descriptor: Box::new(d),
         })

@@ -1,15 +1,20 @@
 //! The fuzz targets' corpora (tests/fuzz/corpus/<target>/), replayed as ordinary tests: every
 //! stored input, the seeds and whatever the fuzzer kept, runs through the same entry point the
-//! cargo-fuzz target calls (`kvlink::internal::fuzz`). A finding committed to the corpus thus
+//! cargo-fuzz target calls (`tests/fuzz/targets.rs`). A finding committed to the corpus thus
 //! stays a regression test. `write_seeds` (ignored) regenerates the seeds.
 
 use std::path::{Path, PathBuf};
+
+// The fuzz targets' entry points, shared with the cargo-fuzz crate (tests/fuzz); the hostile
+// descriptors are for tests/faults.rs and the descriptor bench.
+#[allow(dead_code)]
+#[path = "fuzz/targets.rs"]
+mod fuzz;
 
 #[cfg(feature = "events")]
 use kvlink::events::{
     encode_batch, BlockHash, BlockRemoved, BlockStored, Encoding, EventBatch, KvEvent,
 };
-use kvlink::internal::fuzz;
 use kvlink::internal::messages::Message;
 use kvlink::internal::{frame, tcp_wire as wire};
 use kvlink::RegionId;

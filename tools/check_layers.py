@@ -44,11 +44,8 @@ ENGINE_LAYERS = {
     "tp": 0,
     "inbox": 0,
     "verify": 10,
-    "fuzzing": 10,
 }
 ENGINE_SAME_LAYER_OK = {("plan", "layout"), ("grant", "layout")}
-# Test harnesses above both the transfer engine and the events: they may import from either.
-HARNESSES = {"fuzzing"}
 
 EVENTS_LAYERS = {
     "merger": 6,
@@ -106,7 +103,7 @@ def check_crate(root, layers, same_ok, skip_dir=None):
             continue
         files += 1
         module = rel.parts[0].removesuffix(".rs")
-        if module == "lib" or module in HARNESSES:
+        if module == "lib":
             continue
         for target in sorted(imports(root, path, len(rel.parts) == 1) - {module}):
             if target == "events":

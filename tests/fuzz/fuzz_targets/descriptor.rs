@@ -1,3 +1,3 @@
 #![no_main]
-// See kvlink::internal::fuzz::descriptor for what this target checks.
-libfuzzer_sys::fuzz_target!(|data: &[u8]| kvlink::internal::fuzz::descriptor(data));
+// See tests/fuzz/targets.rs, `descriptor`, for what this target checks.
+libfuzzer_sys::fuzz_target!(|data: &[u8]| kvlink_fuzz::descriptor(data));

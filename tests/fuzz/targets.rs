@@ -9,13 +9,13 @@ use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, ReadBuf};
 
-use crate::control::frame::{self, MAX_UNAUTHENTICATED_FRAME_BYTES, PROTOCOL_VERSION};
-use crate::control::messages::{Descriptor, Message, TransportInfo};
-use crate::grant::Grant;
-use crate::ids::RegionId;
-use crate::layout::{KvLayout, ModelShape, TensorLayout};
-use crate::memory::RegionInfo;
-use crate::transport::tcp::wire;
+use kvlink::internal::frame::{self, MAX_UNAUTHENTICATED_FRAME_BYTES, PROTOCOL_VERSION};
+use kvlink::internal::messages::{Descriptor, Message, TransportInfo};
+use kvlink::internal::tcp_wire as wire;
+use kvlink::internal::Grant;
+use kvlink::RegionId;
+use kvlink::RegionInfo;
+use kvlink::{KvLayout, ModelShape, TensorLayout};
 
 fn runtime() -> &'static tokio::runtime::Runtime {
     static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
@@ -150,13 +150,13 @@ pub fn hostile_descriptors() -> Vec<(&'static str, Descriptor)> {
         });
     }
     let last = RegionId(4096);
-    let key = |rkeys: Vec<u32>| crate::transport::rdma::RdmaRegionInfo {
+    let key = |rkeys: Vec<u32>| kvlink::internal::RdmaRegionInfo {
         id: last,
         addr: 1 << 40,
         chunk_bytes: 4096,
         rkeys,
     };
-    let with_keys = |keys: Vec<crate::transport::rdma::RdmaRegionInfo>| {
+    let with_keys = |keys: Vec<kvlink::internal::RdmaRegionInfo>| {
         let mut d = base.clone();
         d.regions = regions.clone();
         d.transports.push(TransportInfo::Rdma {
@@ -260,7 +260,7 @@ pub fn data_request(data: &[u8]) {
 pub fn events_batch(data: &[u8]) {
     #[cfg(feature = "events")]
     {
-        use crate::events::{decode_batch, encode_batch, Encoding, FieldKey, KvEvent};
+        use kvlink::events::{decode_batch, encode_batch, Encoding, FieldKey, KvEvent};
         let Ok(decoded) = decode_batch(data) else {
             return;
         };
