@@ -168,6 +168,53 @@ impl Error {
     }
 }
 
+/// A request or message refused, with the reason its sender is told: the text is what goes on
+/// the wire and into the logs, unchanged; code tells a refusal from other failures by its type.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal(pub String);
+
+impl Refusal {
+    /// The reason, as the sender is told it.
+    pub fn reason(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Refusal {}
+
+impl std::ops::Deref for Refusal {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<String> for Refusal {
+    fn from(reason: String) -> Self {
+        Refusal(reason)
+    }
+}
+
+impl From<&str> for Refusal {
+    fn from(reason: &str) -> Self {
+        Refusal(reason.to_string())
+    }
+}
+
+impl From<Refusal> for Error {
+    /// A refusal returned to the caller: an invalid argument, with the reason.
+    fn from(r: Refusal) -> Self {
+        Error::InvalidArgument(r.0)
+    }
+}
+
 /// The verbs `ibv_wc_status` values (verbs.h) kvlink tells apart: the `status` of
 /// [`RdmaErrorKind::WorkCompletion`].
 pub mod wc_status {

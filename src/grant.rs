@@ -9,7 +9,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Refusal, Result};
 use crate::ids::{BlockId, RegionId};
 use crate::layout::KvLayout;
 
@@ -104,7 +104,7 @@ impl Grant {
         region: RegionId,
         offset: u64,
         len: u64,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), Refusal> {
         self.checker().check(region, offset, len)
     }
 
@@ -139,7 +139,7 @@ impl Checker<'_> {
         region: RegionId,
         offset: u64,
         len: u64,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), Refusal> {
         let layout = self.layout;
         let end = offset
             .checked_add(len)
@@ -169,8 +169,11 @@ impl Checker<'_> {
                 return Err(match held_elsewhere {
                     Some(block) => format!(
                         "block {block} (byte {at} of {region}) is not held for this request"
-                    ),
-                    None => format!("byte {at} of {region} is not in a block of the KV layout"),
+                    )
+                    .into(),
+                    None => {
+                        format!("byte {at} of {region} is not in a block of the KV layout").into()
+                    }
                 });
             };
             self.last = i;

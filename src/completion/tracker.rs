@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use super::presence::Presence;
 use super::{FailedRequest, FailureCause, Finished, Side, Totals, TransferReport};
-use crate::error::{Error, Result};
+use crate::error::{Error, Refusal, Result};
 use crate::grant::Grant;
 use crate::ids::RequestId;
 use crate::tp::{self, Reader, TpRank};
@@ -98,7 +98,7 @@ impl Held {
         id: &RequestId,
         reader: &Reader,
         admit: bool,
-    ) -> std::result::Result<Option<usize>, String> {
+    ) -> std::result::Result<Option<usize>, Refusal> {
         let who = &reader.engine;
         // The same engine at the same rank (a named reader at any rank) is the same reader.
         if let Some(i) = self
@@ -110,9 +110,9 @@ impl Held {
         }
         if let Some(n) = &self.named {
             if n != who {
-                return Err(format!(
-                    "request {id} is held for another reader engine, not {who:?}"
-                ));
+                return Err(
+                    format!("request {id} is held for another reader engine, not {who:?}").into(),
+                );
             }
         } else {
             if self.reader_size.is_some_and(|s| s != reader.tp.size) {
@@ -120,20 +120,23 @@ impl Held {
                     "request {id} is held for a decode of TP {}; engine {who:?} is {}",
                     self.reader_size.unwrap_or(0),
                     reader.tp
-                ));
+                )
+                .into());
             }
             if !tp::reads(reader.tp, own) {
                 return Err(format!(
                     "request {id}: engine {who:?} ({} of a decode) does not read this prefill \
                      {own} (a decode rank reads the prefill ranks tp::sources names)",
                     reader.tp
-                ));
+                )
+                .into());
             }
             if self.readers.iter().any(|r| r.rank == reader.tp.rank) {
                 return Err(format!(
                     "request {id} is held for another reader engine at decode rank {}, not {who:?}",
                     reader.tp.rank
-                ));
+                )
+                .into());
             }
         }
         if !admit {
@@ -308,7 +311,7 @@ impl CompletionTracker {
         &mut self,
         id: &RequestId,
         reader: Option<&Reader>,
-    ) -> std::result::Result<Arc<Grant>, String> {
+    ) -> std::result::Result<Arc<Grant>, Refusal> {
         let own = self.tp;
         if let Some(h) = self.held.get_mut(id) {
             match reader {
@@ -320,7 +323,8 @@ impl CompletionTracker {
         Err(format!(
             "request {id} is not held for this reader (the prefill holds a request with \
              hold_blocks, granted to its readers, before they read)"
-        ))
+        )
+        .into())
     }
 
     /// `reader` read request `id` (every check passed): it becomes one of the request's
@@ -337,7 +341,7 @@ impl CompletionTracker {
         id: &RequestId,
         reader: &Reader,
         hold: Option<u64>,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), Refusal> {
         let own = self.tp;
         let h = Self::held(&mut self.held, id, hold)?;
         h.admit(own, id, reader, true)?;
@@ -354,15 +358,16 @@ impl CompletionTracker {
         held: &'a mut HashMap<RequestId, Held>,
         id: &RequestId,
         hold: Option<u64>,
-    ) -> std::result::Result<&'a mut Held, String> {
+    ) -> std::result::Result<&'a mut Held, Refusal> {
         match held.get_mut(id) {
             Some(h) if hold.is_none_or(|t| t == h.token) => Ok(h),
             Some(_) => Err(format!(
                 "request {id} is held again under another hold than the one read (hold {}): \
                  that hold ended",
                 hold.unwrap_or_default()
-            )),
-            None => Err(format!("request {id} is not held by this engine")),
+            )
+            .into()),
+            None => Err(format!("request {id} is not held by this engine").into()),
         }
     }
 
@@ -376,7 +381,7 @@ impl CompletionTracker {
         reader: &Reader,
         notice: SendNotice,
         hold: Option<u64>,
-    ) -> std::result::Result<Instant, String> {
+    ) -> std::result::Result<Instant, Refusal> {
         let own = self.tp;
         let held = Self::held(&mut self.held, id, hold)?;
         let slot = held.admit(own, id, reader, true)?.expect("admitted");

@@ -17,7 +17,7 @@ use super::frame::{self, read_frame, write_frame};
 use super::messages::{Descriptor, Message};
 use super::ControlTimeouts;
 use crate::auth::{self, AuthKey, SessionSecret};
-use crate::error::{Error, Result};
+use crate::error::{Error, Refusal, Result};
 use crate::ids::RequestId;
 
 /// Notices queued towards one peer at most; beyond this they are dropped with a warning
@@ -26,7 +26,7 @@ const NOTICE_QUEUE: usize = 1024;
 
 /// The prefill's answer to a `Done`: confirmed (how long the request had been held then), or
 /// why not.
-pub(crate) type Confirmation = std::result::Result<std::time::Duration, String>;
+pub(crate) type Confirmation = std::result::Result<std::time::Duration, Refusal>;
 
 /// `Done` notices waiting for their `Confirm`, by request (at most one per request).
 type Pending = Arc<Mutex<HashMap<RequestId, oneshot::Sender<Confirmation>>>>;
@@ -162,7 +162,7 @@ impl Handshake {
                             // A confirmation nobody waits for (its read gave up) is dropped.
                             if let Some(tx) = confirms.lock().remove(&request_id) {
                                 let held = std::time::Duration::from_micros(held_us);
-                                let _ = tx.send(refused.map_or(Ok(held), Err));
+                                let _ = tx.send(refused.map_or(Ok(held), |r| Err(Refusal(r))));
                             }
                         }
                         Ok(Message::Error { message }) => {

@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::messages::Descriptor;
 use crate::auth::{AuthKey, SessionSecret};
 use crate::completion::SendNotice;
-use crate::error::RdmaError;
+use crate::error::{RdmaError, Refusal};
 use crate::ids::RequestId;
 use crate::tp::Reader;
 use crate::transport::rdma::{QpEndpoint, ServerQps};
@@ -26,7 +26,7 @@ pub(crate) trait ControlHandler: Send + Sync + 'static {
         id: RequestId,
         notice: SendNotice,
         hold: Option<u64>,
-    ) -> std::result::Result<Duration, String>;
+    ) -> std::result::Result<Duration, Refusal>;
     /// An application message from reader engine `from` (after its handshake); refused, with
     /// the reason, when too large or when the inbox is full.
     fn message(
@@ -34,7 +34,7 @@ pub(crate) trait ControlHandler: Send + Sync + 'static {
         peer: SocketAddr,
         from: &str,
         body: Vec<u8>,
-    ) -> std::result::Result<(), String>;
+    ) -> std::result::Result<(), Refusal>;
     /// A handshake ended: accepted or refused.
     fn handshake(&self, accepted: bool);
     /// A reader asks for queue pairs connected to its own. Returns ours and a guard that keeps
@@ -64,5 +64,5 @@ pub(crate) trait ControlHandler: Send + Sync + 'static {
         from: &Reader,
         id: &RequestId,
         hold: Option<u64>,
-    ) -> std::result::Result<(), String>;
+    ) -> std::result::Result<(), Refusal>;
 }

@@ -14,6 +14,7 @@ use super::handler::ControlHandler;
 use super::messages::{Descriptor, Message};
 use super::ControlTimeouts;
 use crate::auth::{self, AuthKey, SessionSecret};
+use crate::error::Refusal;
 use crate::tp::{Reader, TpRank};
 
 /// How a handshake ended.
@@ -21,7 +22,7 @@ pub(super) enum Outcome {
     /// The reader is to be served.
     Accepted(Accepted),
     /// Refused: the reader is told why, nothing else.
-    Refused(Refusal),
+    Refused(Refused),
     /// The peer closed the connection before its first frame.
     Closed,
 }
@@ -38,14 +39,20 @@ pub(super) struct Accepted {
 /// A refused handshake: the reason the reader is told and, for a reader refused only for its
 /// layout (it proved the key, where there is one, and its descriptor is valid), that reader:
 /// its `Abort` notices are still taken for a while (`server::aborts_after_refusal`).
-pub(super) struct Refusal {
-    pub(super) reason: String,
+pub(super) struct Refused {
+    pub(super) reason: Refusal,
     pub(super) aborts_from: Option<Reader>,
 }
 
-impl From<String> for Refusal {
+impl From<String> for Refused {
     fn from(reason: String) -> Self {
-        Refusal {
+        Refusal(reason).into()
+    }
+}
+
+impl From<Refusal> for Refused {
+    fn from(reason: Refusal) -> Self {
+        Refused {
             reason,
             aborts_from: None,
         }
@@ -84,12 +91,13 @@ pub(super) async fn handshake(
     };
     let diffs = ours.differences(&theirs);
     if !diffs.is_empty() {
-        return Outcome::Refused(Refusal {
+        return Outcome::Refused(Refused {
             reason: format!(
                 "incompatible with engine {} (its value vs yours): {}",
                 ours.engine_id,
                 diffs.join("; ")
-            ),
+            )
+            .into(),
             aborts_from: Some(reader),
         });
     }
@@ -108,7 +116,7 @@ async fn hello(
     peer: SocketAddr,
     key: Option<&AuthKey>,
     timeouts: ControlTimeouts,
-) -> std::result::Result<Option<Hello>, String> {
+) -> std::result::Result<Option<Hello>, Refusal> {
     let first_limit = match key {
         Some(_) => frame::MAX_UNAUTHENTICATED_FRAME_BYTES,
         None => frame::MAX_FRAME_BYTES,
@@ -119,12 +127,12 @@ async fn hello(
     )
     .await
     {
-        Err(_) => return Err(format!("no Hello within {:?}", timeouts.handshake)),
+        Err(_) => return Err(format!("no Hello within {:?}", timeouts.handshake).into()),
         Ok(Ok(None)) => return Ok(None),
         Ok(Ok(Some(f))) => f,
         // With a key, most likely a Hello from an engine without it: say what to do.
-        Ok(Err(e)) if key.is_some() => return Err(format!("{KEY_REQUIRED} ({e})")),
-        Ok(Err(e)) => return Err(e.to_string()),
+        Ok(Err(e)) if key.is_some() => return Err(format!("{KEY_REQUIRED} ({e})").into()),
+        Ok(Err(e)) => return Err(e.to_string().into()),
     };
     match (key, frame::decode::<Message>(first.0, &first.1)) {
         (None, Ok(Message::Hello { descriptor })) => Ok(Some((descriptor, None))),
@@ -140,8 +148,8 @@ async fn hello(
         }
         // Nothing about this engine goes to a peer that has not proved the key.
         (Some(_), Ok(_)) => Err(KEY_REQUIRED.into()),
-        (None, Ok(other)) => Err(format!("expected Hello first, got {other:?}")),
-        (_, Err(e)) => Err(e.to_string()),
+        (None, Ok(other)) => Err(format!("expected Hello first, got {other:?}").into()),
+        (_, Err(e)) => Err(e.to_string().into()),
     }
 }
 
@@ -161,7 +169,7 @@ async fn authenticate(
     key: &AuthKey,
     client_nonce: [u8; 32],
     timeouts: ControlTimeouts,
-) -> std::result::Result<Hello, String> {
+) -> std::result::Result<Hello, Refusal> {
     let server_nonce = auth::nonce().map_err(|e| e.to_string())?;
     let challenge = frame::encode(&Message::AuthChallenge {
         server_nonce,
@@ -179,10 +187,9 @@ async fn authenticate(
     let frame = match proof.await {
         Ok(Ok(Some(f))) => f,
         Err(_) => {
-            return Err(format!(
-                "no answer to the challenge within {:?}",
-                timeouts.handshake
-            ))
+            return Err(
+                format!("no answer to the challenge within {:?}", timeouts.handshake).into(),
+            )
         }
         Ok(Ok(None)) | Ok(Err(_)) => return Err("authentication failed".into()),
     };
@@ -195,18 +202,16 @@ async fn authenticate(
     // Authenticated: the Hello may be as large as any frame.
     let frame = match timeout(timeouts.handshake, read_frame(stream)).await {
         Ok(Ok(Some(f))) => f,
-        Err(_) => return Err(format!("no Hello within {:?}", timeouts.handshake)),
+        Err(_) => return Err(format!("no Hello within {:?}", timeouts.handshake).into()),
         Ok(Ok(None)) => return Err("the reader closed before its Hello".into()),
-        Ok(Err(e)) => return Err(e.to_string()),
+        Ok(Err(e)) => return Err(e.to_string().into()),
     };
     match frame::decode::<Message>(frame.0, &frame.1) {
         Ok(Message::Hello { descriptor }) => Ok((
             descriptor,
             Some(SessionSecret::derive(key, &client_nonce, &server_nonce)),
         )),
-        Ok(other) => Err(format!(
-            "expected Hello after authentication, got {other:?}"
-        )),
-        Err(e) => Err(e.to_string()),
+        Ok(other) => Err(format!("expected Hello after authentication, got {other:?}").into()),
+        Err(e) => Err(e.to_string().into()),
     }
 }

@@ -11,13 +11,13 @@ use tokio::time::timeout;
 
 use super::frame::{self, read_frame, write_frame};
 use super::handler::ControlHandler;
-use super::handshake::{handshake, Accepted, Outcome, Refusal};
+use super::handshake::{handshake, Accepted, Outcome, Refused};
 use super::messages::Message;
 use super::ControlTimeouts;
 use crate::auth::SessionSecret;
 use crate::completion::SendNotice;
 use crate::conn_limit::{ConnLimit, MAX_CONNECTIONS};
-use crate::error::{Error, Result};
+use crate::error::{Error, Refusal, Result};
 use crate::ids::RequestId;
 use crate::log_limit::{warn_limited, LogLimit};
 use crate::tp::Reader;
@@ -140,11 +140,11 @@ async fn connection(
 ) -> Result<()> {
     match handshake(&mut stream, peer, &*handler, timeouts).await {
         Outcome::Closed => Ok(()),
-        Outcome::Refused(Refusal {
+        Outcome::Refused(Refused {
             reason,
             aborts_from,
         }) => {
-            let refused = refuse_handshake(&mut stream, &*handler, reason).await;
+            let refused = refuse_handshake(&mut stream, &*handler, reason.0).await;
             if let Some(reader) = aborts_from {
                 aborts_after_refusal(&mut stream, peer, &reader, &*handler, timeouts).await;
             }
@@ -267,7 +267,7 @@ impl Serving<'_> {
                 );
                 let answer = Message::Confirm {
                     request_id: request_id.clone(),
-                    refused: r.clone().err(),
+                    refused: r.clone().err().map(|r| r.0),
                     held_us: r.as_ref().map_or(0, |d| d.as_micros() as u64),
                 };
                 self.refused(&request_id, r.map(drop));
@@ -382,7 +382,7 @@ impl Serving<'_> {
     }
 
     /// Logs a refused notice (rate-limited for the whole engine).
-    fn refused(&self, id: &RequestId, r: std::result::Result<(), String>) {
+    fn refused(&self, id: &RequestId, r: std::result::Result<(), Refusal>) {
         if let Err(why) = r {
             let (peer, engine) = (self.peer, self.reader.engine.as_str());
             warn_limited!(REFUSED_NOTICES, %peer, engine, %id, %why, "refused a reader's notice");

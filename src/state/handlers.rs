@@ -11,7 +11,7 @@ use crate::auth::{AuthKey, SessionSecret};
 use crate::completion::SendNotice;
 use crate::control::messages::Descriptor;
 use crate::control::ControlHandler;
-use crate::error::{RdmaError, RdmaErrorKind};
+use crate::error::{RdmaError, RdmaErrorKind, Refusal};
 use crate::gpu::{DeviceRuntime, GpuApi};
 use crate::grant::Grant;
 use crate::ids::{RegionId, RequestId};
@@ -34,7 +34,7 @@ impl ControlHandler for EngineState {
         id: RequestId,
         notice: SendNotice,
         hold: Option<u64>,
-    ) -> std::result::Result<Duration, String> {
+    ) -> std::result::Result<Duration, Refusal> {
         tracing::debug!(%peer, %id, ?notice, "send notice");
         let done = matches!(notice, SendNotice::Done);
         let r = self.completions.update(|t| {
@@ -59,7 +59,7 @@ impl ControlHandler for EngineState {
         peer: SocketAddr,
         from: &str,
         body: Vec<u8>,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), Refusal> {
         let len = body.len();
         let m = PeerMessage {
             from: from.to_string(),
@@ -79,10 +79,11 @@ impl ControlHandler for EngineState {
                     Refused::TooLarge => format!(
                         "message of {len} bytes is over the {} byte limit",
                         crate::inbox::MAX_MESSAGE_BYTES
-                    ),
+                    )
+                    .into(),
                     Refused::Full => "inbox full: the application does not take its messages \
                                       (Engine::take_messages)"
-                        .to_string(),
+                        .into(),
                 })
             }
         }
@@ -154,7 +155,7 @@ impl ControlHandler for EngineState {
         from: &Reader,
         id: &RequestId,
         hold: Option<u64>,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), Refusal> {
         if self.id.config.open_reads {
             return Ok(());
         }
@@ -179,7 +180,7 @@ impl Exports for EngineState {
         &self,
         id: &RequestId,
         reader: Option<&Reader>,
-    ) -> std::result::Result<Option<Arc<Grant>>, String> {
+    ) -> std::result::Result<Option<Arc<Grant>>, Refusal> {
         if self.id.config.open_reads {
             return Ok(None);
         }

@@ -15,7 +15,7 @@ use tokio::time::timeout;
 
 use super::tcp::wire::{Entry, AUTH_REPLY, MAX_REQUEST_BYTES};
 use crate::auth::{self, SessionSecret};
-use crate::error::{Error, Result};
+use crate::error::{Error, Refusal, Result};
 use crate::gpu::{DeviceRuntime, GpuApi};
 use crate::grant::Grant;
 use crate::ids::{RegionId, RequestId};
@@ -43,7 +43,7 @@ pub(crate) trait Exports: Send + Sync + 'static {
         &self,
         id: &RequestId,
         reader: Option<&Reader>,
-    ) -> std::result::Result<Option<Arc<Grant>>, String>;
+    ) -> std::result::Result<Option<Arc<Grant>>, Refusal>;
     /// A read of request `id` by `reader` was served: it is one of the request's readers from
     /// now on.
     fn claim(&self, id: &RequestId, reader: &Reader);
@@ -113,7 +113,7 @@ pub(crate) fn authorize(
     reader: Option<&Reader>,
     sources: impl Iterator<Item = Source>,
 ) -> Result<Authorized> {
-    let grant = exports.grant(id, reader).map_err(Error::InvalidArgument)?;
+    let grant = exports.grant(id, reader)?;
     let (spans, total) = resolve(exports, grant.as_deref(), sources)?;
     Ok(Authorized {
         grant,
@@ -264,11 +264,11 @@ mod tests {
             &self,
             id: &RequestId,
             reader: Option<&Reader>,
-        ) -> std::result::Result<Option<Arc<Grant>>, String> {
+        ) -> std::result::Result<Option<Arc<Grant>>, Refusal> {
             match id.as_str() {
                 "open" => Ok(None),
                 "held" if reader.is_none_or(|r| r.engine == "dec") => Ok(Some(self.grant.clone())),
-                _ => Err(format!("{id} is not held for this reader")),
+                _ => Err(format!("{id} is not held for this reader").into()),
             }
         }
         fn claim(&self, id: &RequestId, reader: &Reader) {
