@@ -208,6 +208,13 @@ impl From<&str> for Refusal {
     }
 }
 
+impl From<crate::tp::TpError> for Error {
+    /// TP sizes or a rank the caller gave that cannot pair: an invalid argument.
+    fn from(e: crate::tp::TpError) -> Self {
+        Error::InvalidArgument(e.to_string())
+    }
+}
+
 impl From<Refusal> for Error {
     /// A refusal returned to the caller: an invalid argument, with the reason.
     fn from(r: Refusal) -> Self {

@@ -69,7 +69,7 @@ pub use layout::{
     HeadSplit, KvLayout, ModelShape, TensorLayout, TokenShape, MAX_GROUPS, MAX_TENSORS,
 };
 pub use memory::{DeviceMemory, ExternalMemory, MemoryKind, Region, RegionInfo};
-pub use tp::TpRank;
+pub use tp::{TpError, TpRank};
 pub use transport::rdma::RdmaSettings;
 
 /// Internals for kvlink's own tests, benchmarks, fuzzing and bindings: the planner, the

@@ -37,6 +37,49 @@ impl fmt::Display for TpRank {
     }
 }
 
+/// Why two TP groups cannot pair, or a rank is not one of its group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TpError {
+    /// A group of size 0.
+    ZeroSize {
+        /// The prefill's size.
+        prefill: u32,
+        /// The decode's size.
+        decode: u32,
+    },
+    /// Neither size is a multiple of the other.
+    NotMultiples {
+        /// The prefill's size.
+        prefill: u32,
+        /// The decode's size.
+        decode: u32,
+    },
+    /// A rank outside its group (or in a group of size 0).
+    BadRank {
+        /// The rank.
+        rank: u32,
+        /// Its group's size.
+        size: u32,
+    },
+}
+
+impl std::fmt::Display for TpError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TpError::ZeroSize { prefill, decode } => {
+                write!(f, "TP sizes {prefill} and {decode}: a size is 0")
+            }
+            TpError::NotMultiples { prefill, decode } => write!(
+                f,
+                "TP sizes {prefill} and {decode}: neither is a multiple of the other"
+            ),
+            TpError::BadRank { rank, size } => write!(f, "TP rank {rank} of size {size}"),
+        }
+    }
+}
+
+impl std::error::Error for TpError {}
+
 /// How a prefill group and a decode group of given sizes pair up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Relation {
@@ -57,9 +100,9 @@ pub enum Relation {
 impl Relation {
     /// The relation of a prefill of `prefill` ranks and a decode of `decode` ranks, or why they
     /// cannot pair (zero, or neither size a multiple of the other).
-    pub fn of(prefill: u32, decode: u32) -> Result<Relation, String> {
+    pub fn of(prefill: u32, decode: u32) -> Result<Relation, TpError> {
         if prefill == 0 || decode == 0 {
-            return Err(format!("TP sizes {prefill} and {decode}: a size is 0"));
+            return Err(TpError::ZeroSize { prefill, decode });
         }
         if prefill == decode {
             Ok(Relation::Same)
@@ -72,15 +115,13 @@ impl Relation {
                 ratio: prefill / decode,
             })
         } else {
-            Err(format!(
-                "TP sizes {prefill} and {decode}: neither is a multiple of the other"
-            ))
+            Err(TpError::NotMultiples { prefill, decode })
         }
     }
 
     /// The relation between two engines whose roles are not known yet (a handshake): either
     /// may be the prefill. States it in words, or says why the sizes cannot pair.
-    pub fn describe(a: u32, b: u32) -> Result<String, String> {
+    pub fn describe(a: u32, b: u32) -> Result<String, TpError> {
         let (small, large) = (a.min(b), a.max(b));
         Ok(match Relation::of(small, large)? {
             Relation::Same => format!("same TP size {a}"),
@@ -94,7 +135,7 @@ impl Relation {
 }
 
 /// The prefill ranks decode rank `decode` reads from a prefill of `prefill_size` ranks.
-pub fn sources(decode: TpRank, prefill_size: u32) -> Result<Range<u32>, String> {
+pub fn sources(decode: TpRank, prefill_size: u32) -> Result<Range<u32>, TpError> {
     check(decode)?;
     Ok(match Relation::of(prefill_size, decode.size)? {
         Relation::Same => decode.rank..decode.rank + 1,
@@ -107,7 +148,7 @@ pub fn sources(decode: TpRank, prefill_size: u32) -> Result<Range<u32>, String> 
 }
 
 /// How many ranks of a decode of `decode_size` read prefill rank `prefill`.
-pub fn readers(prefill: TpRank, decode_size: u32) -> Result<u32, String> {
+pub fn readers(prefill: TpRank, decode_size: u32) -> Result<u32, TpError> {
     check(prefill)?;
     Ok(match Relation::of(prefill.size, decode_size)? {
         Relation::DecodeLarger { ratio } => ratio,
@@ -144,9 +185,12 @@ pub fn heads(at: TpRank, total: u32) -> Range<u32> {
     }
 }
 
-fn check(at: TpRank) -> Result<(), String> {
+fn check(at: TpRank) -> Result<(), TpError> {
     if at.size == 0 || at.rank >= at.size {
-        Err(format!("TP rank {} of size {}", at.rank, at.size))
+        Err(TpError::BadRank {
+            rank: at.rank,
+            size: at.size,
+        })
     } else {
         Ok(())
     }
@@ -171,8 +215,22 @@ mod tests {
         assert_eq!(Relation::of(2, 2), Ok(Relation::Same));
         assert_eq!(Relation::of(1, 4), Ok(Relation::DecodeLarger { ratio: 4 }));
         assert_eq!(Relation::of(4, 2), Ok(Relation::PrefillLarger { ratio: 2 }));
-        assert!(Relation::of(2, 3).unwrap_err().contains("multiple"));
-        assert!(Relation::of(0, 3).is_err());
+        assert_eq!(
+            Relation::of(2, 3),
+            Err(TpError::NotMultiples {
+                prefill: 2,
+                decode: 3
+            })
+        );
+        assert!(Relation::of(2, 3)
+            .unwrap_err()
+            .to_string()
+            .contains("multiple"));
+        assert!(matches!(Relation::of(0, 3), Err(TpError::ZeroSize { .. })));
+        assert!(matches!(
+            sources(TpRank::new(4, 4), 2),
+            Err(TpError::BadRank { rank: 4, size: 4 })
+        ));
         // Decode 4 from prefill 2: ranks 0, 1 read 0; 2, 3 read 1.
         let got: Vec<_> = (0..4)
             .map(|d| sources(TpRank::new(d, 4), 2).unwrap())

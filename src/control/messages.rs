@@ -181,7 +181,7 @@ impl Descriptor {
 
     /// How this engine's TP group pairs with `theirs`', in words (for logs).
     pub fn tp_relation(&self, theirs: &Descriptor) -> String {
-        Relation::describe(self.tp_size, theirs.tp_size).unwrap_or_else(|why| why)
+        Relation::describe(self.tp_size, theirs.tp_size).unwrap_or_else(|why| why.to_string())
     }
 
     /// The TCP data server, if offered.

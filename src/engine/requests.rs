@@ -125,7 +125,7 @@ impl ReadRequest {
 /// `prefill_size` ranks (what [`ReadFrom::TpGroup`] reads), or why the sizes cannot pair (one
 /// must be a multiple of the other).
 pub fn tp_sources(decode: TpRank, prefill_size: u32) -> Result<std::ops::Range<u32>> {
-    tp::sources(decode, prefill_size).map_err(Error::InvalidArgument)
+    Ok(tp::sources(decode, prefill_size)?)
 }
 
 impl Engine {
