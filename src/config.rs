@@ -189,10 +189,13 @@ impl Default for EngineConfig {
     }
 }
 
-/// Checks an engine id as peers do: 1 to 256 bytes.
-pub(crate) fn check_engine_id(id: &str) -> std::result::Result<(), String> {
+/// Checks an engine id as peers do: 1 to 256 bytes. `what` names it in the error.
+pub(crate) fn check_engine_id(what: &str, id: &str) -> Result<()> {
     if id.is_empty() || id.len() > 256 {
-        return Err(format!("must be 1 to 256 bytes, got {}", id.len()));
+        return Err(Error::invalid(format!(
+            "{what} must be 1 to 256 bytes, got {}",
+            id.len()
+        )));
     }
     Ok(())
 }
@@ -203,7 +206,7 @@ impl EngineConfig {
     pub fn validate(&self) -> Result<()> {
         if let Some(id) = &self.engine_id {
             // Peers refuse a descriptor whose id is empty or longer (every handshake would fail).
-            check_engine_id(id).map_err(|e| Error::invalid(format!("engine_id {e}")))?;
+            check_engine_id("engine_id", id)?;
         }
         if !(1..=4096).contains(&self.max_connections_per_ip) {
             return Err(Error::invalid("max_connections_per_ip must be 1 to 4096"));

@@ -293,3 +293,18 @@ impl std::fmt::Display for RdmaError {
 }
 
 impl std::error::Error for RdmaError {}
+
+impl From<String> for RdmaError {
+    /// A failure described by its text alone is a setup failure (opening a device,
+    /// registering memory, making or connecting queue pairs).
+    fn from(message: String) -> Self {
+        RdmaError::new(RdmaErrorKind::Setup, message)
+    }
+}
+
+impl From<&str> for RdmaError {
+    /// As `From<String>`: a setup failure.
+    fn from(message: &str) -> Self {
+        RdmaError::new(RdmaErrorKind::Setup, message)
+    }
+}

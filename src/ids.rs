@@ -31,6 +31,7 @@ impl RequestId {
     }
 
     /// Checks the id is usable: non-empty and at most [`MAX_REQUEST_ID_LEN`] bytes.
+    // A String error kept: public; callers wrap the reason into their own error.
     pub fn validate(&self) -> Result<(), String> {
         if self.0.is_empty() {
             return Err("request id is empty".into());

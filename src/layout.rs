@@ -118,6 +118,7 @@ impl TokenShape {
 impl TensorLayout {
     /// How a block of this tensor holds `tokens_per_block` tokens, from
     /// [`token_runs`](Self::token_runs) and the heads it declares; `Err` says what does not fit.
+    // A String error kept: public; `validate` wraps the reason with the tensor it names.
     pub fn token_shape(&self, tokens_per_block: u32) -> std::result::Result<TokenShape, String> {
         let runs = self.token_runs.ok_or(
             "declares no token runs (token_runs), which reads between different block sizes need",

@@ -95,13 +95,16 @@ pub mod internal {
 
     /// Opens the RDMA devices `settings` name (or the first usable one) and returns their
     /// names, comma-separated, or says why none can be used.
+    // A String error kept: a test helper's report (device names, or why none).
     pub fn probe_rdma(settings: &RdmaSettings) -> std::result::Result<String, String> {
-        crate::transport::rdma::probe(settings).map(|d| {
-            d.iter()
-                .map(|d| d.name().to_string())
-                .collect::<Vec<_>>()
-                .join(",")
-        })
+        crate::transport::rdma::probe(settings)
+            .map(|d| {
+                d.iter()
+                    .map(|d| d.name().to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+            .map_err(|e| e.to_string())
     }
 
     /// Registers host memory with `engine` as emulated device memory: every transfer into or

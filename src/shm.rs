@@ -17,6 +17,29 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
 
+/// Why memory cannot be shared with, or mapped from, another process of this host: the text
+/// says what is wrong, for the logs and for the reader that asked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ShareError(pub(crate) String);
+
+impl std::fmt::Display for ShareError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<String> for ShareError {
+    fn from(why: String) -> Self {
+        ShareError(why)
+    }
+}
+
+impl From<&str> for ShareError {
+    fn from(why: &str) -> Self {
+        ShareError(why.to_string())
+    }
+}
+
 /// Seals every shared mapping carries: its size is fixed.
 const SIZE_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
 
@@ -102,7 +125,7 @@ impl SharedMap {
     /// Maps `len` bytes of a descriptor a peer handed over, once it passed every check: a
     /// memfd (a regular file that takes seals) sealed against shrinking, at least `len` bytes
     /// long. The reason names what failed.
-    pub(crate) fn open_peer(fd: OwnedFd, len: u64) -> Result<SharedMap, String> {
+    pub(crate) fn open_peer(fd: OwnedFd, len: u64) -> Result<SharedMap, ShareError> {
         let len = usize::try_from(len).map_err(|_| format!("{len} bytes do not fit in memory"))?;
         if len == 0 {
             return Err("an empty mapping".into());
@@ -111,7 +134,7 @@ impl SharedMap {
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-            return Err(format!("fstat: {}", io::Error::last_os_error()));
+            return Err(format!("fstat: {}", io::Error::last_os_error()).into());
         }
         if st.st_mode & libc::S_IFMT != libc::S_IFREG {
             return Err("the descriptor is not a memory file (memfd)".into());
@@ -125,7 +148,8 @@ impl SharedMap {
             return Err(format!(
                 "the memory file holds {} bytes, {len} were announced",
                 st.st_size
-            ));
+            )
+            .into());
         }
         // Huge-page files can lose pages to hole punching (a seal against shrinking does not
         // stop it), and their mappings need whole huge pages: not taken from peers.
@@ -133,7 +157,7 @@ impl SharedMap {
         let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
         if unsafe { libc::fstatfs(fd.as_raw_fd(), &mut fs) } != 0 {
-            return Err(format!("fstatfs: {}", io::Error::last_os_error()));
+            return Err(format!("fstatfs: {}", io::Error::last_os_error()).into());
         }
         // `f_type`'s integer type differs between targets.
         #[allow(clippy::unnecessary_cast)]
@@ -355,15 +379,18 @@ mod tests {
         }
         assert!(SharedMap::open_peer(dup, 10_001)
             .unwrap_err()
+            .0
             .contains("10001 were announced"));
         // A pipe is no memory; an unsealed file is refused.
         let (r, _w) = std::io::pipe().unwrap();
         assert!(SharedMap::open_peer(r.into(), 1)
             .unwrap_err()
+            .0
             .contains("not a memory file"));
         let f = std::fs::File::open("/proc/self/exe").unwrap();
         assert!(SharedMap::open_peer(f.into(), 1)
             .unwrap_err()
+            .0
             .contains("sealed"));
         assert!(host_id().is_some());
     }

@@ -112,9 +112,9 @@ impl Engine {
             choice => match rdma::probe(&config.rdma) {
                 Ok(devs) => (devs, None),
                 Err(why) if choice == TransportChoice::Rdma => {
-                    return Err(Error::RdmaUnavailable(why))
+                    return Err(Error::RdmaUnavailable(why.to_string()))
                 }
-                Err(why) => (Vec::new(), Some(why)),
+                Err(why) => (Vec::new(), Some(why.to_string())),
             },
         };
         let gpus = Runtimes::probe(config.gpu);
@@ -249,6 +249,7 @@ impl Engine {
 
     /// The RDMA devices in use (`Ok(names)`, comma-separated), or why RDMA is not used
     /// (`Err(reason)`).
+    // A String error kept: the devices in use or why none, for people; public (Python).
     pub fn rdma_status(&self) -> std::result::Result<String, String> {
         let devs = self.shared.rdma();
         if devs.is_empty() {

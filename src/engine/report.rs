@@ -44,10 +44,12 @@ pub struct EngineStats {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Capabilities {
     /// The RDMA device in use, or why RDMA is not used.
+    // A String error kept: a report for people (what is used, or why not), public since 0.1.
     pub rdma: std::result::Result<String, String>,
     /// The TCP data server (always available).
     pub tcp: String,
     /// The same-host path (its socket), or why there is none.
+    // A String error kept: a report for people, as `rdma`.
     pub local: std::result::Result<String, String>,
     /// The GPU runtimes found (device memory), or why each is missing.
     pub gpu: GpuReport,
@@ -90,6 +92,7 @@ impl Capabilities {
 
 impl std::fmt::Display for Capabilities {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // A String error kept: prints the two reports above.
         let line = |r: &std::result::Result<String, String>| match r {
             Ok(s) => format!("yes: {s}"),
             Err(why) => format!("no: {why}"),

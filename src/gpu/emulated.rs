@@ -126,7 +126,7 @@ impl DeviceRuntime for Emulated {
             .map_err(|_| GpuError::from("an emulated IPC handle is 8 bytes"))?;
         let len = u64::from_le_bytes(len);
         let fd = fd.ok_or_else(|| GpuError::from("an emulated IPC handle comes with a memfd"))?;
-        let m = SharedMap::open_peer(fd, len).map_err(GpuError::from)?;
+        let m = SharedMap::open_peer(fd, len).map_err(|why| GpuError::from(why.0))?;
         let p = m.as_ptr() as u64;
         OPENED.lock().get_or_insert_with(HashMap::new).insert(p, m);
         Ok((p, len))

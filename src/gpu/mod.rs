@@ -386,8 +386,10 @@ pub(crate) fn export_candidates(base: u64, size: u64, ptr: u64, len: u64) -> Vec
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuReport {
     /// `Ok(description)` (driver version, devices) or `Err(why it is unavailable)`.
+    // A String error kept: a report for people (found, or why not), public; Python reads it.
     pub cuda: Result<String, String>,
     /// `Ok(description)` (runtime version, devices) or `Err(why it is unavailable)`.
+    // A String error kept: as `cuda`.
     pub hip: Result<String, String>,
 }
 

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use super::{Backing, Region, RegionSpan};
 use crate::error::{Error, Result};
 use crate::gpu::{CopyKind, DeviceRuntime, GpuApi};
-use crate::shm::SharedMap;
+use crate::shm::{ShareError, SharedMap};
 
 /// What a peer needs to open a region for writing.
 #[derive(Debug)]
@@ -32,12 +32,13 @@ pub(crate) struct LocalExport {
 impl Region {
     /// What a peer of this host needs to open this region for writing, or why it cannot be
     /// shared (host memory registered from a caller's pointer has no descriptor to hand over).
-    pub(crate) fn export_local(&self) -> std::result::Result<LocalExport, String> {
+    pub(crate) fn export_local(&self) -> std::result::Result<LocalExport, ShareError> {
         match &self._backing {
             Backing::Shared(map) if map.is_huge() => Err(format!(
                 "{} is huge-page host memory, which is not shared with another process",
                 self.id
-            )),
+            )
+            .into()),
             Backing::Shared(map) => Ok(LocalExport {
                 api: None,
                 handle: Vec::new(),
@@ -54,7 +55,8 @@ impl Region {
                 "{} is host memory registered from a pointer, which cannot be shared with \
                  another process (allocate it with allocate_host, or register GPU memory)",
                 self.id
-            )),
+            )
+            .into()),
             Backing::Device { rt, ordinal, .. } => {
                 let e = rt
                     .ipc_export(*ordinal, self.ptr.as_ptr() as u64, self.len)
@@ -95,7 +97,7 @@ pub(crate) struct PeerMemory {
 
 impl PeerMemory {
     /// Opens a peer's host region from its memfd (checked: sealed, long enough).
-    pub(crate) fn open_host(fd: OwnedFd, len: u64) -> std::result::Result<PeerMemory, String> {
+    pub(crate) fn open_host(fd: OwnedFd, len: u64) -> std::result::Result<PeerMemory, ShareError> {
         let map = SharedMap::open_peer(fd, len)?;
         Ok(PeerMemory {
             start: map.as_ptr() as u64,
@@ -113,7 +115,7 @@ impl PeerMemory {
         fd: Option<OwnedFd>,
         offset: u64,
         len: u64,
-    ) -> std::result::Result<PeerMemory, String> {
+    ) -> std::result::Result<PeerMemory, ShareError> {
         let (base, size) = rt
             .ipc_open(ordinal, handle, fd)
             .map_err(|e| e.to_string())?;
@@ -127,7 +129,8 @@ impl PeerMemory {
             return Err(format!(
                 "{len} bytes at offset {offset} do not fit the {size}-byte allocation the \
                  handle opens"
-            ));
+            )
+            .into());
         }
         Ok(mem)
     }

@@ -67,6 +67,7 @@ impl Resize {
 
     /// Checks one block group's lists: the larger side's blocks cover the smaller side's
     /// (after the skipped units) exactly.
+    // A String error kept: the planner wraps the reason with the argument it names.
     pub fn check_lengths(&self, local: usize, remote: usize) -> std::result::Result<(), String> {
         let (small, large) = if self.local_small() {
             (local, remote)

@@ -12,6 +12,7 @@ use crate::control::messages::Descriptor;
 use crate::control::messages::Message;
 use crate::control::ControlClient;
 use crate::error::{Error, RdmaError, RdmaErrorKind, Result};
+use crate::shm::ShareError;
 use crate::state::EngineState;
 use crate::transport::local::LocalTransport;
 use crate::transport::rails::{Rail, Rails, TcpConnect};
@@ -102,7 +103,7 @@ async fn same_host(
     theirs: &Descriptor,
     peer: &str,
     secret: Option<&SessionSecret>,
-) -> std::result::Result<Box<dyn Transport>, String> {
+) -> std::result::Result<Box<dyn Transport>, ShareError> {
     let cfg = shared.config();
     if !matches!(
         cfg.transport,
@@ -119,7 +120,7 @@ async fn same_host(
         None => return Err("this engine has no same-host path".into()),
     }
     if let Some(why) = shared.unshareable() {
-        return Err(why);
+        return Err(why.into());
     }
     // CUDA and HIP open only another process's allocations through IPC.
     if socket.starts_with(&format!("kvlink-{}-", std::process::id())) && shared.has_gpu_memory() {
@@ -255,7 +256,7 @@ async fn rail(
     peer: &str,
     generation: u64,
     faults: Option<&FaultPlan>,
-) -> Result<std::result::Result<RdmaConnection, String>> {
+) -> Result<std::result::Result<RdmaConnection, RdmaError>> {
     let dev = &shared.rdma()[i];
     let (prepared, qps) = match RdmaConnection::prepare(dev, shared.config().rdma.qps) {
         Ok(p) => p,
@@ -283,7 +284,7 @@ async fn rail(
                 reason: format!("stale RDMA answer for generation {g}, expected {generation}"),
             })
         }
-        Message::Error { message } => Err(message),
+        Message::Error { message } => Err(message.into()),
         other => {
             return Err(Error::Handshake {
                 peer: peer.to_string(),

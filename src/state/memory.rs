@@ -142,7 +142,9 @@ impl EngineState {
     /// region must be host memory kvlink allocated or GPU memory its runtime can export.
     pub(crate) fn unshareable(&self) -> Option<String> {
         let regions: Vec<Arc<Region>> = self.memory.regions.read().values().cloned().collect();
-        regions.iter().find_map(|r| r.export_local().err())
+        regions
+            .iter()
+            .find_map(|r| r.export_local().err().map(|why| why.0))
     }
 
     /// Whether any region is CUDA or HIP memory.

@@ -209,8 +209,7 @@ impl EngineState {
     ) -> Result<u64> {
         id.validate().map_err(Error::InvalidArgument)?;
         if let Some(r) = &reader {
-            crate::config::check_engine_id(r)
-                .map_err(|e| Error::invalid(format!("reader: {e}")))?;
+            crate::config::check_engine_id("reader", r)?;
         }
         let layout = self
             .layout()

@@ -219,7 +219,9 @@ impl LocalTransport {
         if mapped.contains(&region.id()) {
             return Ok(());
         }
-        let export = region.export_local().map_err(Error::InvalidArgument)?;
+        let export = region
+            .export_local()
+            .map_err(|why| Error::InvalidArgument(why.0))?;
         let m = wire::Map {
             region: region.id(),
             api: export.api,

@@ -311,7 +311,7 @@ impl RdmaConnection {
             })?;
             builder
                 .add(&*mrs, loff, rinfo, op.remote_offset, op.local.len())
-                .map_err(Error::invalid)?;
+                .map_err(|e| Error::invalid(e.to_string()))?;
             if !keep.iter().any(|k| Arc::ptr_eq(k, &mrs)) {
                 keep.push(mrs);
             }

@@ -20,6 +20,7 @@ use sideway::ibverbs::AccessFlags;
 use super::mr::RegionMrs;
 use super::poller::{poll_loop, CqEvents, CqHandler};
 use super::RdmaRegionInfo;
+use crate::error::RdmaError;
 use crate::ids::RegionId;
 use crate::memory::Region;
 
@@ -115,7 +116,7 @@ pub(crate) fn mtu_from_bytes(b: u32) -> Option<Mtu> {
 /// Opens the RDMA devices the settings name (or the first usable one), or says why none can be
 /// used: no verbs library, no device, no active port, no usable GID. Never panics: probing runs
 /// under `catch_unwind` because the verbs bindings panic on values they do not know.
-pub(crate) fn probe(settings: &RdmaSettings) -> Result<Vec<Arc<RdmaDevice>>, String> {
+pub(crate) fn probe(settings: &RdmaSettings) -> Result<Vec<Arc<RdmaDevice>>, RdmaError> {
     match std::panic::catch_unwind(|| open(settings)) {
         Ok(r) => r,
         Err(p) => {
@@ -124,7 +125,7 @@ pub(crate) fn probe(settings: &RdmaSettings) -> Result<Vec<Arc<RdmaDevice>>, Str
                 .cloned()
                 .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_default();
-            Err(format!("probing RDMA devices failed: {what}"))
+            Err(format!("probing RDMA devices failed: {what}").into())
         }
     }
 }
@@ -174,7 +175,7 @@ fn this_numa_node() -> Option<i32> {
         .find_map(|e| e.file_name().to_str()?.strip_prefix("node")?.parse().ok())
 }
 
-fn open(settings: &RdmaSettings) -> Result<Vec<Arc<RdmaDevice>>, String> {
+fn open(settings: &RdmaSettings) -> Result<Vec<Arc<RdmaDevice>>, RdmaError> {
     let list = DeviceList::new().map_err(|e| {
         format!("no RDMA verbs library or kernel support ({e}; install libibverbs1 and a provider such as ibverbs-providers)")
     })?;
@@ -233,7 +234,7 @@ fn open(settings: &RdmaSettings) -> Result<Vec<Arc<RdmaDevice>>, String> {
         }
     }
     if opened.is_empty() {
-        return Err(reasons.join("; "));
+        return Err(reasons.join("; ").into());
     }
     if opened.len() > super::MAX_DEVICES {
         tracing::warn!(
@@ -253,7 +254,7 @@ fn open_device(
     dev: &sideway::ibverbs::device::Device<'_>,
     name: &str,
     settings: &RdmaSettings,
-) -> Result<Arc<RdmaDevice>, String> {
+) -> Result<Arc<RdmaDevice>, RdmaError> {
     let ctx = dev.open().map_err(|e| format!("open: {e}"))?;
     let attr = ctx
         .query_device()
@@ -367,7 +368,7 @@ impl RdmaDevice {
     /// is registered through dma-buf when the GPU runtime can export it, else with plain
     /// `ibv_reg_mr` (which works when a peer-memory driver such as nvidia-peermem is loaded),
     /// else the error names both attempts.
-    pub(crate) fn register(&self, region: &Region) -> Result<(), String> {
+    pub(crate) fn register(&self, region: &Region) -> Result<(), RdmaError> {
         let chunk = self.settings.max_mr_bytes.max(4096);
         let mut mrs = Vec::new();
         let mut off = 0u64;
@@ -443,7 +444,7 @@ impl RdmaDevice {
         flags: AccessFlags,
         dmabuf: &mut Option<DmaBuf>,
         dmabuf_err: &mut Option<String>,
-    ) -> Result<(Arc<MemoryRegion>, &'static str), String> {
+    ) -> Result<(Arc<MemoryRegion>, &'static str), RdmaError> {
         let cached = dmabuf.as_ref().is_some_and(|d| d.covers(addr, n));
         if !cached {
             *dmabuf = None;
@@ -488,7 +489,8 @@ impl RdmaDevice {
                 rt.api(),
                 self.name,
                 peer_memory_hint(rt.api())
-            )),
+            )
+            .into()),
         }
     }
 
@@ -519,7 +521,10 @@ impl RdmaDevice {
     }
 
     /// Makes a completion queue on the device's channel, for one connection; returns its id.
-    pub(crate) fn create_cq(&self, cqe: u32) -> Result<(u64, Arc<BasicCompletionQueue>), String> {
+    pub(crate) fn create_cq(
+        &self,
+        cqe: u32,
+    ) -> Result<(u64, Arc<BasicCompletionQueue>), RdmaError> {
         let id = self.next_cq_id.fetch_add(1, Ordering::Relaxed);
         let mut b = self.ctx.create_cq_builder();
         b.setup_cqe(cqe)
@@ -542,11 +547,11 @@ impl RdmaDevice {
     }
 
     /// A completion queue that never receives completions (for passive queue pairs).
-    pub(crate) fn passive_cq(&self) -> Result<Arc<BasicCompletionQueue>, String> {
+    pub(crate) fn passive_cq(&self) -> Result<Arc<BasicCompletionQueue>, RdmaError> {
         let b = self.ctx.create_cq_builder();
         let mut b = b;
         b.setup_cqe(16);
-        b.build().map_err(|e| format!("create CQ: {e}"))
+        Ok(b.build().map_err(|e| format!("create CQ: {e}"))?)
     }
 }
 

@@ -26,7 +26,7 @@ pub(crate) fn create_qp(
     send_cq: &Arc<BasicCompletionQueue>,
     recv_cq: &Arc<BasicCompletionQueue>,
     max_send_wr: u32,
-) -> std::result::Result<BasicQueuePair, String> {
+) -> std::result::Result<BasicQueuePair, RdmaError> {
     let mut b = dev.pd.create_qp_builder();
     b.setup_max_send_wr(max_send_wr)
         .setup_max_recv_wr(1)
@@ -60,7 +60,7 @@ pub(crate) fn connect_qp(
     qp: &mut BasicQueuePair,
     my_psn: u32,
     theirs: &QpEndpoint,
-) -> std::result::Result<(), String> {
+) -> std::result::Result<(), RdmaError> {
     let mtu = mtu_from_bytes(theirs.mtu.min(mtu_bytes(dev.mtu)))
         .ok_or_else(|| format!("peer MTU {} is not a verbs MTU", theirs.mtu))?;
     let mut ah = AddressHandleAttribute::new();
@@ -111,13 +111,13 @@ impl ServerQps {
                 theirs.len()
             )));
         }
-        let cq = dev.passive_cq().map_err(setup)?;
+        let cq = dev.passive_cq()?;
         let mut qps = Vec::new();
         let mut eps = Vec::new();
         for t in theirs {
-            let mut qp = create_qp(dev, &cq, &cq, 16).map_err(setup)?;
+            let mut qp = create_qp(dev, &cq, &cq, 16)?;
             let psn = random_psn();
-            connect_qp(dev, &mut qp, psn, t).map_err(setup)?;
+            connect_qp(dev, &mut qp, psn, t)?;
             eps.push(endpoint(dev, &qp, psn));
             qps.push(qp);
         }

@@ -6,6 +6,7 @@
 //! `max_sge` entries; local pieces contiguous under the same key merge into one entry).
 
 use super::RdmaRegionInfo;
+use crate::error::RdmaError;
 
 /// Test-only corruption of what is posted, to exercise the verbs error paths.
 #[derive(Debug, Clone, Copy, Default)]
@@ -84,12 +85,9 @@ impl WrBuilder {
         remote: &RdmaRegionInfo,
         remote_offset: u64,
         len: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), RdmaError> {
         if remote.chunk_bytes == 0 {
-            return Err(format!(
-                "the peer's keys for {} have no chunk size",
-                remote.id
-            ));
+            return Err(format!("the peer's keys for {} have no chunk size", remote.id).into());
         }
         let (mut loff, mut roff, mut left) = (local_offset, remote_offset, len);
         while left > 0 {
@@ -107,7 +105,7 @@ impl WrBuilder {
             let rroom = (ri + 1) * remote.chunk_bytes - roff;
             let n = left.min(lroom).min(rroom).min(self.max_wr);
             if n == 0 {
-                return Err(format!("local offset {loff} is past its registration"));
+                return Err(format!("local offset {loff} is past its registration").into());
             }
             self.pieces.push(Piece {
                 rkey: rkey ^ self.fault.rkey_xor,
@@ -242,7 +240,7 @@ mod tests {
         let r = remote(64 << 10, 64 << 10);
         let mut b = WrBuilder::new(1 << 20, 4, RdmaFault::default());
         let e = b.add(&local, 0, &r, 60 << 10, 8 << 10).unwrap_err();
-        assert!(e.contains("past its registration"), "{e}");
+        assert!(e.to_string().contains("past its registration"), "{e}");
     }
 
     #[test]

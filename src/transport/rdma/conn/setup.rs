@@ -9,6 +9,7 @@ use sideway::ibverbs::completion::BasicCompletionQueue;
 use sideway::ibverbs::queue_pair::BasicQueuePair;
 
 use super::{ConnShared, QpSlot, QpState, RdmaConnection};
+use crate::error::RdmaError;
 use crate::transport::rdma::device::RdmaDevice;
 use crate::transport::rdma::ledger::QpLedger;
 use crate::transport::rdma::poller::CqHandler;
@@ -30,7 +31,7 @@ impl RdmaConnection {
     pub(crate) fn prepare(
         dev: &Arc<RdmaDevice>,
         count: u16,
-    ) -> std::result::Result<(PreparedConn, Vec<QpEndpoint>), String> {
+    ) -> std::result::Result<(PreparedConn, Vec<QpEndpoint>), RdmaError> {
         let count = u32::from(count.clamp(1, 64));
         let max_send_wr = dev.max_qp_wr.min(512);
         let (cq_id, cq) = dev.create_cq(count * max_send_wr)?;
@@ -64,13 +65,14 @@ impl PreparedConn {
         remote: Vec<RdmaRegionInfo>,
         fault: RdmaFault,
         fault_budget: Arc<std::sync::atomic::AtomicU32>,
-    ) -> std::result::Result<RdmaConnection, String> {
+    ) -> std::result::Result<RdmaConnection, RdmaError> {
         if theirs.len() != self.qps.len() {
             return Err(format!(
                 "peer answered with {} queue pairs for our {}",
                 theirs.len(),
                 self.qps.len()
-            ));
+            )
+            .into());
         }
         let mut slots = Vec::new();
         for ((mut qp, psn), t) in self.qps.into_iter().zip(theirs) {
