@@ -74,6 +74,11 @@ impl ConnLimit {
         })
     }
 
+    /// Connections open now.
+    pub(crate) fn open_now(&self) -> usize {
+        self.open.lock().0
+    }
+
     /// Connections open now: in all, and from `ip`.
     #[cfg(test)]
     fn open(&self, ip: IpAddr) -> (usize, usize) {

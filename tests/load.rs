@@ -38,6 +38,21 @@ fn fd_limit() -> usize {
 
 const MIB: u64 = 1 << 20;
 
+/// Resident memory once it stopped moving: three samples 20 ms apart within 64 KiB of each
+/// other (at most 10 s).
+fn settled_rss() -> u64 {
+    let end = Instant::now() + Duration::from_secs(10);
+    let mut last = [rss(), u64::MAX, 0];
+    loop {
+        std::thread::sleep(Duration::from_millis(20));
+        last = [rss(), last[0], last[1]];
+        let (lo, hi) = (last.iter().min().unwrap(), last.iter().max().unwrap());
+        if hi - lo <= 64 << 10 || Instant::now() > end {
+            return last[0];
+        }
+    }
+}
+
 #[test]
 fn a_partial_frame_flood_stays_under_its_memory_bound() {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -68,8 +83,10 @@ fn a_partial_frame_flood_stays_under_its_memory_bound() {
         s.write_all(&vec![0x5a; len as usize - 1]).unwrap();
         flood.push(s);
     }
-    std::thread::sleep(Duration::from_millis(500));
-    let during = rss();
+    eventually("every flooding connection admitted", || {
+        prefill.engine.stats().control_connections == conns as u64
+    });
+    let during = settled_rss();
     let sent = conns as u64 * 4099;
     let growth = during.saturating_sub(before);
     eprintln!(
@@ -87,8 +104,10 @@ fn a_partial_frame_flood_stays_under_its_memory_bound() {
     assert!(growth < bound, "RSS grew {growth} bytes, bound {bound}");
     assert_eq!(prefill.engine.stats().handshakes_accepted, 0);
     drop(flood);
-    std::thread::sleep(Duration::from_millis(500));
-    let after = rss();
+    eventually("every flooding connection closed", || {
+        prefill.engine.stats().control_connections == 0
+    });
+    let after = settled_rss();
     eprintln!(
         "flood: after the connections closed, RSS {:.1} MiB",
         after as f64 / MIB as f64

@@ -16,7 +16,7 @@ use super::messages::Message;
 use super::ControlTimeouts;
 use crate::auth::SessionSecret;
 use crate::completion::SendNotice;
-use crate::conn_limit::{ConnLimit, MAX_CONNECTIONS};
+use crate::conn_limit::ConnLimit;
 use crate::error::{Error, Refusal, Result};
 use crate::ids::RequestId;
 use crate::log_limit::{warn_limited, LogLimit};
@@ -26,18 +26,17 @@ use crate::transport::rdma::{QpEndpoint, ServerQps};
 /// Most RDMA connects (one per device pair) one control connection may make.
 const MAX_RDMA_CONNECTS: usize = 16;
 
-/// Accepts control connections until the task is dropped: at most [`MAX_CONNECTIONS`] at once,
-/// `per_ip` of them from one address.
+/// Accepts control connections until the task is dropped, each admitted by `slots` (at most
+/// [`MAX_CONNECTIONS`](crate::conn_limit::MAX_CONNECTIONS) at once, a share per address).
 pub(crate) async fn serve(
     listener: TcpListener,
     handler: Arc<dyn ControlHandler>,
     timeouts: ControlTimeouts,
-    per_ip: usize,
+    slots: Arc<ConnLimit>,
 ) {
     // Peers can trigger these at will: one line per interval, with the count.
     static FULL: LogLimit = LogLimit::new(Duration::from_secs(10));
     static CLOSED: LogLimit = LogLimit::new(Duration::from_secs(1));
-    let slots = ConnLimit::new(MAX_CONNECTIONS, per_ip);
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {

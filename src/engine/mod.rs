@@ -204,14 +204,14 @@ impl Engine {
         let rdma = state::Rdma::new(rdma, rdma_unavailable, cooldown);
         let shared = Arc::new(EngineState::new(id, rdma, gpus));
         let timeouts = shared.control_timeouts();
-        let per_ip = shared.config().max_connections_per_ip;
         let limits = tcp::ServeLimits {
             io_timeout: shared.config().io_timeout,
             idle_timeout: shared.config().idle_timeout,
-            per_ip,
         };
-        runtime.spawn(control::serve(control, shared.clone(), timeouts, per_ip));
-        runtime.spawn(tcp::serve(data, shared.clone(), limits));
+        let slots = shared.control_slots().clone();
+        runtime.spawn(control::serve(control, shared.clone(), timeouts, slots));
+        let slots = shared.data_slots().clone();
+        runtime.spawn(tcp::serve(data, shared.clone(), limits, slots));
         if let Some((_, _, listener)) = local {
             runtime.spawn(crate::transport::local::serve(
                 listener,
@@ -505,6 +505,8 @@ impl Engine {
             messages_sent: get(&c.messages_sent),
             messages_unsent: get(&c.messages_unsent),
             rdma_pairs_paused: self.shared.rails().pauses(),
+            control_connections: self.shared.control_slots().open_now() as u64,
+            data_connections: self.shared.data_slots().open_now() as u64,
             totals: self.shared.completions().read(|t| t.totals()),
         }
     }

@@ -35,6 +35,10 @@ pub struct EngineStats {
     /// Times an RDMA device pair towards a peer was paused after its path failed (reads then
     /// go to the other devices, or to TCP).
     pub rdma_pairs_paused: u64,
+    /// Control connections open now (a gauge, not a count).
+    pub control_connections: u64,
+    /// TCP data connections open now (a gauge).
+    pub data_connections: u64,
     /// Requests finished on each side since the engine started, by outcome.
     pub totals: Totals,
 }

@@ -23,6 +23,7 @@ pub(crate) use completions::Completions;
 
 use crate::completion::CompletionTracker;
 use crate::config::EngineConfig;
+use crate::conn_limit::{ConnLimit, MAX_CONNECTIONS};
 use crate::control::ControlTimeouts;
 use crate::error::{Error, Result};
 use crate::gpu::Runtimes;
@@ -111,6 +112,9 @@ pub(crate) struct EngineState {
     inbox: Mutex<Inbox>,
     /// The token of the next hold made without one.
     next_token: AtomicU64,
+    /// Admission of control and of TCP data connections (their gauges are in the stats).
+    control_slots: Arc<ConnLimit>,
+    data_slots: Arc<ConnLimit>,
 }
 
 impl EngineState {
@@ -131,6 +135,8 @@ impl EngineState {
             closing: AtomicBool::new(false),
             reads: Mutex::new(HashMap::new()),
             next_token: AtomicU64::new(id.generation.rotate_left(32)),
+            control_slots: ConnLimit::new(MAX_CONNECTIONS, config.max_connections_per_ip),
+            data_slots: ConnLimit::new(MAX_CONNECTIONS, config.max_connections_per_ip),
             id,
         }
     }
@@ -184,6 +190,16 @@ impl EngineState {
     /// The staging buffers for device memory.
     pub(crate) fn staging(&self) -> &Arc<StagingPool> {
         &self.staging
+    }
+
+    /// Admission of control connections.
+    pub(crate) fn control_slots(&self) -> &Arc<ConnLimit> {
+        &self.control_slots
+    }
+
+    /// Admission of TCP data connections.
+    pub(crate) fn data_slots(&self) -> &Arc<ConnLimit> {
+        &self.data_slots
     }
 
     pub(crate) fn control_timeouts(&self) -> ControlTimeouts {

@@ -438,3 +438,12 @@ impl Dialer {
         s
     }
 }
+
+/// Waits (up to 10 s) until `f` holds, checking every few milliseconds; fails naming `what`.
+pub fn eventually(what: &str, f: impl Fn() -> bool) {
+    let end = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < end, "never happened: {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}

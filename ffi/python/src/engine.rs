@@ -505,6 +505,8 @@ impl Engine {
         d.set_item("messages_sent", s.messages_sent)?;
         d.set_item("messages_unsent", s.messages_unsent)?;
         d.set_item("rdma_pairs_paused", s.rdma_pairs_paused)?;
+        d.set_item("control_connections", s.control_connections)?;
+        d.set_item("data_connections", s.data_connections)?;
         let t = s.totals;
         d.set_item("reads_done", t.reads_done)?;
         d.set_item("reads_failed", t.reads_failed)?;

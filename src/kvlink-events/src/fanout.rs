@@ -145,6 +145,20 @@ impl Fanout {
         Fanout { shared, accept }
     }
 
+    /// Connected peers that subscribed to something.
+    pub(crate) fn subscribers(&self) -> usize {
+        let peers = self.shared.peers.lock().clone();
+        peers
+            .iter()
+            .filter(|p| {
+                p.subscriptions
+                    .lock()
+                    .as_ref()
+                    .is_some_and(|s| !s.is_empty())
+            })
+            .count()
+    }
+
     /// Queues the message `[topic, seq, payload]` toward every subscriber whose subscriptions
     /// match `topic`; never waits. Returns how many subscribers lost it to a full queue.
     pub(crate) fn send(&self, topic: &[u8], seq: u64, payload: Bytes) -> u64 {

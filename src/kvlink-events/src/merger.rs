@@ -226,6 +226,11 @@ impl Merger {
         self.groups.iter().map(|g| g.lock().stats()).collect()
     }
 
+    /// How many peers subscribed to the merged stream ([`Publisher::subscribers`]).
+    pub fn subscribers(&self) -> Option<usize> {
+        self.publisher.subscribers()
+    }
+
     /// The output's counters and each input's state.
     pub fn stats(&self) -> (PublisherStats, Vec<InputStats>) {
         (

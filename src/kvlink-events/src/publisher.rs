@@ -509,6 +509,14 @@ impl Publisher {
         }
     }
 
+    /// How many peers of a bound tcp endpoint (the publisher's own PUB side) are connected
+    /// and subscribed to something; `None` for ipc and connected endpoints, whose PUB socket
+    /// does not say.
+    pub fn subscribers(&self) -> Option<usize> {
+        let direct = self.shared.direct.as_ref()?;
+        direct.lock().as_ref().map(|d| d.fanout.subscribers())
+    }
+
     /// Stops taking batches and hands what is queued to the PUB socket (waiting up to
     /// `timeout`). The sockets stay open, so subscribers can still drain and replay, until
     /// the publisher is dropped.

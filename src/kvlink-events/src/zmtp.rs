@@ -189,6 +189,11 @@ pub(crate) struct Subscriptions {
 }
 
 impl Subscriptions {
+    /// Whether no prefix was subscribed yet.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.prefixes.is_empty()
+    }
+
     /// Adds a prefix; fails past [`MAX_SUBSCRIPTIONS`] or [`MAX_SUBSCRIPTION_BYTES`].
     pub(crate) fn subscribe(&mut self, prefix: &[u8]) -> Result<(), String> {
         if self.prefixes.len() >= MAX_SUBSCRIPTIONS {

@@ -13,15 +13,15 @@ use kvlink_events::{
     SubItem, Subscriber, SubscriberConfig, Value,
 };
 
-/// A merger over `inputs` (settings adjusted by `f`) and a subscriber to it, once every input
-/// is connected.
+/// A merger over the ranks' publishers (each with its `dp_rank`; settings adjusted by `f`) and
+/// a subscriber to it, once the merger subscribed to every rank and the subscriber to it.
 fn merger_over(
-    inputs: Vec<MergerInput>,
+    ranks: &[(&Publisher, i64)],
     f: impl FnOnce(&mut MergerConfig),
 ) -> (Merger, Subscriber, tokio::runtime::Runtime) {
     let rt = rt();
     let mut cfg = MergerConfig::new(
-        inputs,
+        ranks.iter().map(|(p, dp)| input_of(p, *dp)).collect(),
         PublisherConfig {
             endpoint: "tcp://*:0".into(),
             replay_endpoint: Some("tcp://*:0".into()),
@@ -36,12 +36,17 @@ fn merger_over(
             ..SubscriberConfig::new(local(merger.endpoint()))
         }))
         .unwrap();
-    let end = Instant::now() + LIMIT;
-    while !merger.stats().1.iter().all(|i| i.connected) {
-        assert!(Instant::now() < end);
-        std::thread::sleep(Duration::from_millis(20));
+    for (p, _) in ranks {
+        wait_subscribed(p, 1);
     }
-    std::thread::sleep(Duration::from_millis(300));
+    let end = Instant::now() + LIMIT;
+    while merger.subscribers() != Some(1) {
+        assert!(
+            Instant::now() < end,
+            "the subscriber never subscribed to the merger"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
     (merger, sub, rt)
 }
 
@@ -71,7 +76,7 @@ fn merger_renumbers_ranks_and_clears_a_restarted_rank() {
         port(rank1.endpoint()),
         port(rank1.replay_endpoint().unwrap()),
     );
-    let (merger, mut sub, rt) = merger_over(vec![input_of(&rank0, 0), input_of(&rank1, 1)], |_| {});
+    let (merger, mut sub, rt) = merger_over(&[(&rank0, 0), (&rank1, 1)], |_| {});
     let tagged = |i: u64, dp: i64| EventBatch {
         dp_rank: Some(dp),
         ..batch(i)
@@ -144,7 +149,7 @@ fn merger_renumbers_ranks_and_clears_a_restarted_rank() {
 fn the_merger_keeps_unknown_fields_and_input_topics() {
     let a = publisher(|c| c.topic = llm_d_topic("pod-a", "llama"));
     let b = publisher(|c| c.topic = llm_d_topic("pod-b", "llama"));
-    let (_m, mut sub, rt) = merger_over(vec![input_of(&a, 0), input_of(&b, 0)], |c| {
+    let (_m, mut sub, rt) = merger_over(&[(&a, 0), (&b, 0)], |c| {
         c.topic = "kv@".into();
         c.keep_input_topics = true;
     });
@@ -212,7 +217,7 @@ fn the_merger_keeps_unknown_fields_and_input_topics() {
 fn the_merger_applies_the_tp_rule() {
     let w0 = publisher(|_| {});
     let w1 = publisher(|_| {});
-    let (m, mut sub, rt) = merger_over(vec![input_of(&w0, 0), input_of(&w1, 0)], |c| c.tp_size = 2);
+    let (m, mut sub, rt) = merger_over(&[(&w0, 0), (&w1, 0)], |c| c.tp_size = 2);
     let ev = |h: u64| {
         KvEvent::BlockRemoved(BlockRemoved {
             block_hashes: vec![BlockHash::U64(h)],
@@ -224,10 +229,26 @@ fn the_merger_applies_the_tp_rule() {
         events: hs.iter().map(|h| ev(*h)).collect(),
         dp_rank: Some(0),
     };
+    // Each batch reaches the merger before the next is published: the rule's outcome depends
+    // on the order.
+    let forwarded = |m: &Merger, want: u64| {
+        let end = Instant::now() + LIMIT;
+        while m
+            .stats()
+            .1
+            .iter()
+            .map(|i| i.batches + i.dropped)
+            .sum::<u64>()
+            < want
+        {
+            assert!(Instant::now() < end, "the merger took {:?}", m.stats().1);
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
     w0.publish(b(&[1, 2, 3])).unwrap();
-    std::thread::sleep(Duration::from_millis(200));
+    forwarded(&m, 1);
     w1.publish(b(&[2, 9])).unwrap();
-    std::thread::sleep(Duration::from_millis(200));
+    forwarded(&m, 2);
     w1.publish(b(&[1])).unwrap();
     let got = batch_items(&rt.block_on(take_until(&mut sub, |g| batches(g) >= 2)));
     let events: Vec<KvEvent> = got.into_iter().flat_map(|(_, b)| b.events).collect();

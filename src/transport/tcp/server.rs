@@ -12,7 +12,7 @@ use tokio::time::timeout;
 
 use super::staging::{group, Group, Outbound, StagingPool};
 use super::wire;
-use crate::conn_limit::{ConnLimit, MAX_CONNECTIONS};
+use crate::conn_limit::ConnLimit;
 use crate::error::{Error, Result};
 use crate::grant::Grant;
 use crate::log_limit::{warn_limited, LogLimit};
@@ -32,16 +32,15 @@ pub(crate) struct ServeLimits {
     pub(crate) io_timeout: Duration,
     /// Most time a stream waits for its next request.
     pub(crate) idle_timeout: Duration,
-    /// Most connections from one IP address.
-    pub(crate) per_ip: usize,
 }
 
-/// Accepts data connections until the task is dropped: at most [`MAX_CONNECTIONS`] at once,
-/// `limits.per_ip` of them from one address.
+/// Accepts data connections until the task is dropped, each admitted by `slots` (at most
+/// [`MAX_CONNECTIONS`](crate::conn_limit::MAX_CONNECTIONS) at once, a share per address).
 pub(crate) async fn serve(
     listener: TcpListener,
     regions: Arc<dyn DataServer>,
     limits: ServeLimits,
+    slots: Arc<ConnLimit>,
 ) {
     // Peers can trigger these at will: one line per interval, with the count.
     static FULL: LogLimit = LogLimit::new(Duration::from_secs(10));
@@ -49,9 +48,7 @@ pub(crate) async fn serve(
     let ServeLimits {
         io_timeout,
         idle_timeout,
-        per_ip,
     } = limits;
-    let slots = ConnLimit::new(MAX_CONNECTIONS, per_ip);
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {

@@ -74,6 +74,25 @@ pub fn batch(i: u64) -> EventBatch {
     }
 }
 
+/// Waits (up to `LIMIT`) until `n` peers of `p`'s bound tcp endpoint have subscribed: what a
+/// test waits for before publishing what a subscriber must see live.
+pub fn wait_subscribed(p: &Publisher, n: usize) {
+    let end = Instant::now() + LIMIT;
+    loop {
+        let got = p
+            .subscribers()
+            .expect("a bound tcp endpoint counts its subscribers");
+        if got >= n {
+            return;
+        }
+        assert!(
+            Instant::now() < end,
+            "{got} of {n} subscribers after {LIMIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 /// Publishes batches `range` and waits (up to `LIMIT`) until the publisher has sent them all.
 pub fn publish_all(p: &Publisher, range: std::ops::Range<u64>) {
     let want = range.end;
