@@ -5,24 +5,21 @@
 
 mod report;
 mod requests;
+mod start;
 
 pub use report::{Capabilities, EngineStats};
 pub use requests::{tp_sources, HoldRequest, ReadFrom, ReadRequest};
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::RwLock;
 
-use crate::auth::AuthKey;
 use crate::completion::Finished;
-use crate::config::{EngineConfig, TransportChoice};
-use crate::control::{
-    self,
-    messages::{Descriptor, Message},
-};
+use crate::config::EngineConfig;
+use crate::control::messages::{Descriptor, Message};
 use crate::error::{Error, Result};
 use crate::gpu::{GpuApi, PointerKind, Runtimes};
 use crate::ids::RegionId;
@@ -32,8 +29,7 @@ use crate::memory::{DeviceMemory, ExternalMemory, Region};
 pub use crate::session::SessionState;
 use crate::session::Sessions;
 use crate::state::{self, EngineState, Identity};
-use crate::transport::rdma::{self, RdmaFault};
-use crate::transport::tcp;
+use crate::transport::rdma::RdmaFault;
 
 /// A kvlink engine: see the crate docs for the life of a transfer.
 pub struct Engine {
@@ -44,42 +40,6 @@ pub struct Engine {
     control_addr: SocketAddr,
     /// `None` once closed.
     runtime: RwLock<Option<tokio::runtime::Runtime>>,
-}
-
-/// `host-pid-rankN-xxxxxxxx`, the suffix random: engines of one process, or of containers that
-/// share a hostname and a pid, never share an id (grants name readers by engine id).
-fn default_engine_id(rank: u32) -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .unwrap_or_else(|_| "host".into());
-    let suffix = generation_nonce() as u32;
-    format!("{host}-{}-rank{rank}-{suffix:08x}", std::process::id())
-}
-
-fn generation_nonce() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    h.write_u32(std::process::id());
-    h.finish()
-}
-
-/// Binds the same-host socket (abstract namespace) inside the engine's runtime.
-fn bind_local(
-    runtime: &tokio::runtime::Runtime,
-    name: &str,
-) -> std::io::Result<tokio::net::UnixListener> {
-    use std::os::linux::net::SocketAddrExt;
-    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
-    let l = std::os::unix::net::UnixListener::bind_addr(&addr)?;
-    l.set_nonblocking(true)?;
-    let _guard = runtime.enter();
-    tokio::net::UnixListener::from_std(l)
 }
 
 impl Engine {
@@ -95,28 +55,9 @@ impl Engine {
         Engine::start_inner(config, Some(fault))
     }
 
-    fn start_inner(mut config: EngineConfig, rdma_fault: Option<RdmaFault>) -> Result<Engine> {
-        config.validate()?;
-        if config.auth_key.is_none() {
-            config.auth_key = AuthKey::from_env()?;
-        }
-        config.insecure |= std::env::var("KVLINK_INSECURE").is_ok_and(|v| v == "1");
-        let (rdma, rdma_unavailable) = match config.transport {
-            TransportChoice::Tcp | TransportChoice::Local => (
-                Vec::new(),
-                Some(format!(
-                    "disabled by configuration (transport: {})",
-                    config.transport
-                )),
-            ),
-            choice => match rdma::probe(&config.rdma) {
-                Ok(devs) => (devs, None),
-                Err(why) if choice == TransportChoice::Rdma => {
-                    return Err(Error::RdmaUnavailable(why.to_string()))
-                }
-                Err(why) => (Vec::new(), Some(why.to_string())),
-            },
-        };
+    fn start_inner(config: EngineConfig, rdma_fault: Option<RdmaFault>) -> Result<Engine> {
+        let config = start::settle(config)?;
+        let (rdma, rdma_unavailable) = start::open_rdma(&config)?;
         let gpus = Runtimes::probe(config.gpu);
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.runtime_threads.max(1))
@@ -124,107 +65,28 @@ impl Engine {
             .enable_all()
             .build()
             .map_err(|e| Error::io("starting the engine runtime", &e))?;
-        let listen: SocketAddr = config
-            .listen
-            .parse()
-            .map_err(|e| Error::invalid(format!("listen address {:?}: {e}", config.listen)))?;
-        // Protected mode: without a key, only this host can reach the engine.
-        if config.auth_key.is_none() && !listen.ip().is_loopback() {
-            if !config.insecure {
-                return Err(Error::invalid(format!(
-                    "refusing to listen on {listen} without authentication: set the deployment \
-                     key (KVLINK_AUTH_KEY, KVLINK_AUTH_KEY_FILE or auth_key), the same on every \
-                     engine, or opt in to serving anyone who can reach this address with \
-                     insecure=true (KVLINK_INSECURE=1)"
-                )));
-            }
-            tracing::warn!(%listen, "listening beyond loopback WITHOUT authentication (insecure): any host that reaches these ports can read the exported KV cache");
-        }
-        // The same-host socket, in the abstract namespace of this network namespace.
-        let nonce = generation_nonce();
-        let local = match crate::shm::host_id() {
-            Some(host) => {
-                let name = crate::transport::local::socket_name(nonce);
-                match bind_local(&runtime, &name) {
-                    Ok(l) => Some((host, name, l)),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "no same-host path: binding its socket failed");
-                        None
-                    }
-                }
-            }
-            None => {
-                tracing::warn!("no same-host path: this host has no boot id to recognise it by");
-                None
-            }
-        };
-        let (control, data) = runtime.block_on(async {
-            let control = tokio::net::TcpListener::bind(listen)
-                .await
-                .map_err(|e| Error::io(format!("binding the handshake service to {listen}"), &e))?;
-            let data = tokio::net::TcpListener::bind(SocketAddr::new(listen.ip(), 0))
-                .await
-                .map_err(|e| {
-                    Error::io(format!("binding the data server on {}", listen.ip()), &e)
-                })?;
-            Ok::<_, Error>((control, data))
-        })?;
-        let advertise_ip: IpAddr = match &config.advertise_host {
-            Some(h) => h
-                .parse()
-                .map_err(|e| Error::invalid(format!("advertise_host {h:?}: {e}")))?,
-            None if listen.ip().is_unspecified() => {
-                tracing::warn!(
-                    "listening on a wildcard address without advertise_host; advertising 127.0.0.1"
-                );
-                IpAddr::V4(Ipv4Addr::LOCALHOST)
-            }
-            None => listen.ip(),
-        };
-        let local_control = control
-            .local_addr()
-            .map_err(|e| Error::io("control address", &e))?;
-        let local_data = data
-            .local_addr()
-            .map_err(|e| Error::io("data address", &e))?;
-        let control_addr = SocketAddr::new(advertise_ip, local_control.port());
-        let data_addr = SocketAddr::new(advertise_ip, local_data.port());
+        let listen = start::listen_addr(&config)?;
+        let generation = start::generation_nonce();
+        let local = start::bind_same_host(&runtime, generation);
+        let (control, data) = start::bind_servers(&runtime, listen)?;
+        let advertise = start::advertise_ip(&config, listen)?;
+        let control_addr = SocketAddr::new(advertise, start::port(&control, "control")?);
+        let data_addr = SocketAddr::new(advertise, start::port(&data, "data")?);
         let engine_id = config
             .engine_id
             .clone()
-            .unwrap_or_else(|| default_engine_id(config.tp_rank));
+            .unwrap_or_else(|| start::default_engine_id(config.tp_rank));
         let cooldown = config.rdma.cooldown;
         let id = Identity {
             config,
             engine_id: engine_id.clone(),
-            generation: nonce,
+            generation,
             data_addr,
             local: local.as_ref().map(|(h, n, _)| (h.clone(), n.clone())),
         };
         let rdma = state::Rdma::new(rdma, rdma_unavailable, cooldown);
         let shared = Arc::new(EngineState::new(id, rdma, gpus));
-        let timeouts = shared.control_timeouts();
-        let limits = tcp::ServeLimits {
-            io_timeout: shared.config().io_timeout,
-            idle_timeout: shared.config().idle_timeout,
-        };
-        let slots = shared.control_slots().clone();
-        runtime.spawn(control::serve(control, shared.clone(), timeouts, slots));
-        let slots = shared.data_slots().clone();
-        runtime.spawn(tcp::serve(data, shared.clone(), limits, slots));
-        if let Some((_, _, listener)) = local {
-            runtime.spawn(crate::transport::local::serve(
-                listener,
-                shared.clone(),
-                limits,
-            ));
-        }
-        if shared.config().open_reads {
-            tracing::warn!(
-                "open_reads is on: the data server serves any exported byte without a hold \
-                 (benchmarks and debugging only)"
-            );
-        }
+        start::spawn_servers(&runtime, &shared, control, data, local.map(|(_, _, l)| l));
         let engine = Engine {
             sessions: Arc::new(match rdma_fault {
                 None => Sessions::new(shared.clone()),
