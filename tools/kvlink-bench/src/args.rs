@@ -1,6 +1,7 @@
 //! Command-line options of kvlink-bench: the usage text, the modes, where the caches live,
 //! block-id patterns, model presets and custom layouts, and what the options derive.
 
+use std::str::FromStr;
 use std::time::Duration;
 
 use kvlink::{EngineConfig, GpuApi, ModelShape, TransportChoice};
@@ -154,205 +155,247 @@ pub(crate) fn parse_args() -> Result<Args, String> {
     parse_from(std::env::args_os().skip(1))
 }
 
+impl Default for Args {
+    fn default() -> Self {
+        Args {
+            mode: Mode::Loopback,
+            shape: ModelShape::LLAMA3_8B,
+            tokens: 4096,
+            pattern: Pattern::Random,
+            requests: 16,
+            warmup: 2,
+            concurrency: 2,
+            streams: 4,
+            batch_bytes: 4 << 20,
+            blocks: None,
+            verify: false,
+            json: false,
+            seed: 1,
+            listen: "0.0.0.0:7400".into(),
+            advertise: "127.0.0.1".into(),
+            peer: None,
+            transport: TransportChoice::Network,
+            qps: 4,
+            rdma_device: None,
+            param: None,
+            values: Vec::new(),
+            out: "kvlink-sweep".into(),
+            memory: Memory::Host,
+            gpu: 0,
+            prefill_tp: 1,
+            decode_tp: 1,
+            tp_rank: 0,
+            head_major: false,
+            groups: 1,
+            tp_given: false,
+            prefill_block_tokens: None,
+        }
+    }
+}
+
+impl FromStr for Mode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "loopback" => Mode::Loopback,
+            "serve" => Mode::Serve,
+            "read" => Mode::Read,
+            "sweep" => Mode::Sweep,
+            "dump" => Mode::Dump,
+            other => return Err(format!("unknown mode {other:?}")),
+        })
+    }
+}
+
+impl FromStr for Memory {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "host" => Memory::Host,
+            "cuda" => Memory::Gpu(GpuApi::Cuda),
+            "hip" => Memory::Gpu(GpuApi::Hip),
+            "emulated" => Memory::Emulated,
+            m => return Err(format!("unknown memory {m:?} (host, cuda, hip, emulated)")),
+        })
+    }
+}
+
+impl FromStr for Pattern {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "random" => Pattern::Random,
+            "contiguous" => Pattern::Contiguous,
+            "fragmented" => Pattern::Fragmented,
+            p => {
+                return Err(format!(
+                    "unknown pattern {p:?} (random, contiguous, fragmented)"
+                ))
+            }
+        })
+    }
+}
+
+/// Options that shape the cache together, applied once every option is read.
+#[derive(Default)]
+struct ShapeOptions {
+    block_tokens: Option<u32>,
+    block_bytes: Option<u64>,
+    tensors: Option<u32>,
+}
+
+/// An option's value as a string.
+fn val(p: &mut lexopt::Parser) -> Result<String, String> {
+    use lexopt::ValueExt;
+    p.value()
+        .map_err(|e| e.to_string())?
+        .string()
+        .map_err(|_| "an option value is not valid UTF-8".to_string())
+}
+
+/// An option's value parsed; a bad one is named by its option (`--flag: why`).
+fn num<T: FromStr>(p: &mut lexopt::Parser, flag: &str) -> Result<T, String>
+where
+    T::Err: std::fmt::Display,
+{
+    val(p)?.parse().map_err(|e| format!("--{flag}: {e}"))
+}
+
 /// [`parse_args`] of these arguments (the program name left out).
 pub(crate) fn parse_from(
     args: impl IntoIterator<Item = impl Into<std::ffi::OsString>>,
 ) -> Result<Args, String> {
     use lexopt::prelude::*;
-    let mut a = Args {
-        mode: Mode::Loopback,
-        shape: ModelShape::LLAMA3_8B,
-        tokens: 4096,
-        pattern: Pattern::Random,
-        requests: 16,
-        warmup: 2,
-        concurrency: 2,
-        streams: 4,
-        batch_bytes: 4 << 20,
-        blocks: None,
-        verify: false,
-        json: false,
-        seed: 1,
-        listen: "0.0.0.0:7400".into(),
-        advertise: "127.0.0.1".into(),
-        peer: None,
-        transport: TransportChoice::Network,
-        qps: 4,
-        rdma_device: None,
-        param: None,
-        values: Vec::new(),
-        out: "kvlink-sweep".into(),
-        memory: Memory::Host,
-        gpu: 0,
-        prefill_tp: 1,
-        decode_tp: 1,
-        tp_rank: 0,
-        head_major: false,
-        groups: 1,
-        tp_given: false,
-        prefill_block_tokens: None,
-    };
-    let mut block_tokens: Option<u32> = None;
-    let mut block_bytes: Option<u64> = None;
-    let mut tensors: u32 = 1;
+    let mut a = Args::default();
+    let mut shape = ShapeOptions::default();
     let mut p = lexopt::Parser::from_args(args);
-    let err = |e: lexopt::Error| e.to_string();
-    let val = |p: &mut lexopt::Parser| -> Result<String, String> {
-        p.value()
-            .map_err(err)?
-            .string()
-            .map_err(|_| "an option value is not valid UTF-8".to_string())
-    };
-    while let Some(arg) = p.next().map_err(err)? {
+    while let Some(arg) = p.next().map_err(|e| e.to_string())? {
         match arg {
-            Value(v) => {
-                a.mode = match v.to_string_lossy().as_ref() {
-                    "loopback" => Mode::Loopback,
-                    "serve" => Mode::Serve,
-                    "read" => Mode::Read,
-                    "sweep" => Mode::Sweep,
-                    "dump" => Mode::Dump,
-                    other => return Err(format!("unknown mode {other:?}")),
-                }
-            }
-            Long("transport") => {
-                a.transport = val(&mut p)?
-                    .parse()
-                    .map_err(|e: kvlink::Error| e.to_string())?
-            }
-            Long("memory") => {
-                a.memory = match val(&mut p)?.as_str() {
-                    "host" => Memory::Host,
-                    "cuda" => Memory::Gpu(GpuApi::Cuda),
-                    "hip" => Memory::Gpu(GpuApi::Hip),
-                    "emulated" => Memory::Emulated,
-                    m => return Err(format!("unknown memory {m:?} (host, cuda, hip, emulated)")),
-                }
-            }
-            Long("gpu") => a.gpu = val(&mut p)?.parse().map_err(|e| format!("--gpu: {e}"))?,
-            Long("prefill-tp") => {
-                a.tp_given = true;
-                a.prefill_tp = val(&mut p)?
-                    .parse()
-                    .map_err(|e| format!("--prefill-tp: {e}"))?
-            }
-            Long("decode-tp") => {
-                a.tp_given = true;
-                a.decode_tp = val(&mut p)?
-                    .parse()
-                    .map_err(|e| format!("--decode-tp: {e}"))?
-            }
-            Long("tp-rank") => {
-                a.tp_rank = val(&mut p)?
-                    .parse()
-                    .map_err(|e| format!("--tp-rank: {e}"))?
-            }
-            Long("groups") => {
-                a.tp_given = true;
-                a.groups = val(&mut p)?.parse().map_err(|e| format!("--groups: {e}"))?
-            }
-            Long("head-layout") => {
-                a.head_major = match val(&mut p)?.as_str() {
-                    "nhd" => false,
-                    "hnd" => true,
-                    l => return Err(format!("unknown head layout {l:?} (nhd, hnd)")),
-                }
-            }
-            Long("block-bytes") => block_bytes = Some(parse_size(&val(&mut p)?)?),
-            Long("tensors") => {
-                tensors = val(&mut p)?
-                    .parse()
-                    .map_err(|e| format!("--tensors: {e}"))?
-            }
-            Long("qps") => a.qps = val(&mut p)?.parse().map_err(|e| format!("--qps: {e}"))?,
-            // Repeated: several devices, striped.
-            Long("rdma-device") => {
-                let d = val(&mut p)?;
-                a.rdma_device = Some(match a.rdma_device.take() {
-                    Some(prev) => format!("{prev},{d}"),
-                    None => d,
-                });
-            }
-            Long("block-tokens") => {
-                block_tokens = Some(
-                    val(&mut p)?
-                        .parse()
-                        .map_err(|e| format!("--block-tokens: {e}"))?,
-                )
-            }
-            Long("prefill-block-tokens") => {
-                a.prefill_block_tokens = Some(
-                    val(&mut p)?
-                        .parse()
-                        .map_err(|e| format!("--prefill-block-tokens: {e}"))?,
-                )
-            }
-            Long("param") => a.param = Some(val(&mut p)?),
-            Long("values") => {
-                a.values = val(&mut p)?
-                    .split(',')
-                    .map(|v| parse_size(v.trim()))
-                    .collect::<Result<_, _>>()?
-            }
-            Long("out") => a.out = val(&mut p)?,
-            Long("preset") => {
-                let name = val(&mut p)?;
-                a.shape = ModelShape::preset(&name).ok_or_else(|| {
-                    let names: Vec<&str> = ModelShape::PRESETS.iter().map(|p| p.name).collect();
-                    format!("unknown preset {name:?}; known: {}", names.join(", "))
-                })?;
-            }
-            Long("tokens") => {
-                a.tokens = val(&mut p)?.parse().map_err(|e| format!("--tokens: {e}"))?
-            }
-            Long("pattern") => {
-                a.pattern = match val(&mut p)?.as_str() {
-                    "random" => Pattern::Random,
-                    "contiguous" => Pattern::Contiguous,
-                    "fragmented" => Pattern::Fragmented,
-                    p => {
-                        return Err(format!(
-                            "unknown pattern {p:?} (random, contiguous, fragmented)"
-                        ))
-                    }
-                }
-            }
-            Long("requests") => {
-                a.requests = val(&mut p)?
-                    .parse()
-                    .map_err(|e| format!("--requests: {e}"))?
-            }
-            Long("warmup") => {
-                a.warmup = val(&mut p)?.parse().map_err(|e| format!("--warmup: {e}"))?
-            }
-            Long("concurrency") => {
-                a.concurrency = val(&mut p)?
-                    .parse()
-                    .map_err(|e| format!("--concurrency: {e}"))?
-            }
-            Long("streams") => {
-                a.streams = val(&mut p)?
-                    .parse()
-                    .map_err(|e| format!("--streams: {e}"))?
-            }
-            Long("batch-bytes") => a.batch_bytes = parse_size(&val(&mut p)?)?,
-            Long("blocks") => {
-                a.blocks = Some(val(&mut p)?.parse().map_err(|e| format!("--blocks: {e}"))?)
-            }
-            Long("verify") => a.verify = true,
-            Long("json") => a.json = true,
-            Long("seed") => a.seed = val(&mut p)?.parse().map_err(|e| format!("--seed: {e}"))?,
-            Long("listen") => a.listen = val(&mut p)?,
-            Long("advertise") => a.advertise = val(&mut p)?,
-            Long("peer") => a.peer = Some(val(&mut p)?),
+            Value(v) => a.mode = v.to_string_lossy().parse()?,
             Short('h') | Long("help") => {
                 print!("{USAGE}");
                 std::process::exit(0);
             }
+            Long(flag) => {
+                let flag = flag.to_string();
+                let taken = workload_option(&mut a, &mut shape, &flag, &mut p)?
+                    || engine_option(&mut a, &flag, &mut p)?
+                    || output_option(&mut a, &flag, &mut p)?;
+                if !taken {
+                    return Err(Long(&flag).unexpected().to_string());
+                }
+            }
             _ => return Err(arg.unexpected().to_string()),
         }
     }
-    if let Some(b) = block_bytes {
+    settle_shape(&mut a, shape)?;
+    check(&a)?;
+    Ok(a)
+}
+
+/// The model, the requests and their blocks: whether `flag` is one of these (then read).
+fn workload_option(
+    a: &mut Args,
+    shape: &mut ShapeOptions,
+    flag: &str,
+    p: &mut lexopt::Parser,
+) -> Result<bool, String> {
+    match flag {
+        "preset" => {
+            let name = val(p)?;
+            a.shape = ModelShape::preset(&name).ok_or_else(|| {
+                let names: Vec<&str> = ModelShape::PRESETS.iter().map(|p| p.name).collect();
+                format!("unknown preset {name:?}; known: {}", names.join(", "))
+            })?;
+        }
+        "tokens" => a.tokens = num(p, flag)?,
+        "pattern" => a.pattern = val(p)?.parse()?,
+        "requests" => a.requests = num(p, flag)?,
+        "warmup" => a.warmup = num(p, flag)?,
+        "concurrency" => a.concurrency = num(p, flag)?,
+        "blocks" => a.blocks = Some(num(p, flag)?),
+        "seed" => a.seed = num(p, flag)?,
+        "verify" => a.verify = true,
+        "groups" => {
+            a.tp_given = true;
+            a.groups = num(p, flag)?;
+        }
+        "head-layout" => {
+            a.head_major = match val(p)?.as_str() {
+                "nhd" => false,
+                "hnd" => true,
+                l => return Err(format!("unknown head layout {l:?} (nhd, hnd)")),
+            }
+        }
+        "block-bytes" => shape.block_bytes = Some(parse_size(&val(p)?)?),
+        "tensors" => shape.tensors = Some(num(p, flag)?),
+        "block-tokens" => shape.block_tokens = Some(num(p, flag)?),
+        "prefill-block-tokens" => a.prefill_block_tokens = Some(num(p, flag)?),
+        _ => return Ok(false),
+    }
+    Ok(true)
+}
+
+/// The engines, their memory and their TP ranks: whether `flag` is one of these (then read).
+fn engine_option(a: &mut Args, flag: &str, p: &mut lexopt::Parser) -> Result<bool, String> {
+    match flag {
+        "transport" => a.transport = val(p)?.parse().map_err(|e: kvlink::Error| e.to_string())?,
+        "memory" => a.memory = val(p)?.parse()?,
+        "gpu" => a.gpu = num(p, flag)?,
+        "qps" => a.qps = num(p, flag)?,
+        // Repeated: several devices, striped.
+        "rdma-device" => {
+            let d = val(p)?;
+            a.rdma_device = Some(match a.rdma_device.take() {
+                Some(prev) => format!("{prev},{d}"),
+                None => d,
+            });
+        }
+        "streams" => a.streams = num(p, flag)?,
+        "batch-bytes" => a.batch_bytes = parse_size(&val(p)?)?,
+        "listen" => a.listen = val(p)?,
+        "advertise" => a.advertise = val(p)?,
+        "peer" => a.peer = Some(val(p)?),
+        "prefill-tp" => {
+            a.tp_given = true;
+            a.prefill_tp = num(p, flag)?;
+        }
+        "decode-tp" => {
+            a.tp_given = true;
+            a.decode_tp = num(p, flag)?;
+        }
+        "tp-rank" => a.tp_rank = num(p, flag)?,
+        _ => return Ok(false),
+    }
+    Ok(true)
+}
+
+/// What the run writes: whether `flag` is one of these (then read).
+fn output_option(a: &mut Args, flag: &str, p: &mut lexopt::Parser) -> Result<bool, String> {
+    match flag {
+        "param" => a.param = Some(val(p)?),
+        "values" => {
+            a.values = val(p)?
+                .split(',')
+                .map(|v| parse_size(v.trim()))
+                .collect::<Result<_, _>>()?
+        }
+        "out" => a.out = val(p)?,
+        "json" => a.json = true,
+        _ => return Ok(false),
+    }
+    Ok(true)
+}
+
+/// Applies the shape options: `--block-bytes` (with `--tensors`) makes a custom shape; the
+/// TP sizes, groups and heads are checked against the shape; `--block-tokens` sets a
+/// preset's block size.
+fn settle_shape(a: &mut Args, shape: ShapeOptions) -> Result<(), String> {
+    if let Some(b) = shape.block_bytes {
+        let tensors = shape.tensors.unwrap_or(1);
         if b == 0 || tensors == 0 {
             return Err("--block-bytes and --tensors must be at least 1".into());
         }
@@ -366,6 +409,22 @@ pub(crate) fn parse_from(
             dtype: "u8",
         };
     }
+    check_tp(a)?;
+    if let Some(t) = shape.block_tokens {
+        if t == 0 || shape.block_bytes.is_some() {
+            return Err(
+                "--block-tokens must be at least 1 and applies to presets, not --block-bytes"
+                    .into(),
+            );
+        }
+        a.shape.tokens_per_block = t;
+    }
+    check_block_sizes(a, shape.block_bytes.is_some())
+}
+
+/// The TP sizes pair, the rank is one of its group's, the groups fit the layers, and the
+/// model's heads spread over both TP sizes.
+fn check_tp(a: &Args) -> Result<(), String> {
     kvlink::tp_sources(kvlink::TpRank::new(0, a.decode_tp.max(1)), a.prefill_tp).map_err(|e| {
         format!(
             "--prefill-tp {} --decode-tp {}: {e}",
@@ -397,16 +456,12 @@ pub(crate) fn parse_from(
                 .map_err(|e| format!("{e}; pick TP sizes that divide the model's heads"))?;
         }
     }
-    if let Some(t) = block_tokens {
-        if t == 0 || block_bytes.is_some() {
-            return Err(
-                "--block-tokens must be at least 1 and applies to presets, not --block-bytes"
-                    .into(),
-            );
-        }
-        a.shape.tokens_per_block = t;
-    }
-    check_block_sizes(&a, block_bytes.is_some())?;
+    Ok(())
+}
+
+/// What each mode needs: a sweep its parameter and values, a read its peer; and nothing
+/// empty.
+fn check(a: &Args) -> Result<(), String> {
     if a.mode == Mode::Sweep {
         match a.param.as_deref() {
             Some("message-bytes" | "tokens" | "concurrency" | "qps" | "streams") => {}
@@ -425,7 +480,7 @@ pub(crate) fn parse_from(
             "read needs --peer HOST:PORT (the address `kvlink-bench serve` printed)".into(),
         );
     }
-    Ok(a)
+    Ok(())
 }
 
 /// `--prefill-block-tokens`: loopback runs of a preset on one TP rank each, one block size a
@@ -516,5 +571,192 @@ mod tests {
         );
         let e = parse_from(["--transport", "ipc"]).unwrap_err();
         assert!(e.contains("got \"ipc\""), "{e}");
+    }
+
+    #[test]
+    fn defaults() {
+        let none: [&str; 0] = [];
+        let a = parse_from(none).unwrap();
+        assert_eq!(a.mode, Mode::Loopback);
+        assert_eq!(a.shape.name, "llama-3-8b");
+        assert_eq!(
+            (a.tokens, a.requests, a.warmup, a.concurrency),
+            (4096, 16, 2, 2)
+        );
+        assert_eq!(
+            (a.streams, a.qps, a.batch_bytes, a.seed),
+            (4, 4, 4 << 20, 1)
+        );
+        assert_eq!((a.pattern, a.memory), (Pattern::Random, Memory::Host));
+        assert_eq!(
+            (a.listen.as_str(), a.advertise.as_str()),
+            ("0.0.0.0:7400", "127.0.0.1")
+        );
+        assert_eq!(
+            (a.prefill_tp, a.decode_tp, a.tp_rank, a.groups),
+            (1, 1, 0, 1)
+        );
+        assert!(!a.tp_given && !a.verify && !a.json && !a.head_major);
+        assert_eq!(a.out, "kvlink-sweep");
+    }
+
+    #[test]
+    fn every_option_lands_in_its_field() {
+        let a = parse_from([
+            "sweep",
+            "--preset",
+            "qwen2.5-7b",
+            "--tokens",
+            "512",
+            "--pattern",
+            "fragmented",
+            "--requests",
+            "3",
+            "--warmup",
+            "0",
+            "--concurrency",
+            "5",
+            "--streams",
+            "6",
+            "--batch-bytes",
+            "2MiB",
+            "--blocks",
+            "99",
+            "--verify",
+            "--json",
+            "--seed",
+            "7",
+            "--listen",
+            "1.2.3.4:5",
+            "--advertise",
+            "9.9.9.9",
+            "--peer",
+            "p:1",
+            "--qps",
+            "3",
+            "--rdma-device",
+            "mlx5_0",
+            "--rdma-device",
+            "mlx5_1",
+            "--param",
+            "tokens",
+            "--values",
+            "64,1K",
+            "--out",
+            "o",
+            "--memory",
+            "emulated",
+            "--gpu",
+            "2",
+            "--decode-tp",
+            "2",
+            "--tp-rank",
+            "1",
+            "--groups",
+            "2",
+            "--head-layout",
+            "hnd",
+            "--block-tokens",
+            "32",
+        ])
+        .unwrap();
+        assert_eq!(a.mode, Mode::Sweep);
+        assert_eq!(a.shape.name, "qwen2.5-7b");
+        assert_eq!(a.shape.tokens_per_block, 32);
+        assert_eq!((a.tokens, a.pattern), (512, Pattern::Fragmented));
+        assert_eq!(
+            (a.requests, a.warmup, a.concurrency, a.streams),
+            (3, 0, 5, 6)
+        );
+        assert_eq!((a.batch_bytes, a.blocks, a.seed), (2 << 20, Some(99), 7));
+        assert!(a.verify && a.json && a.head_major && a.tp_given);
+        assert_eq!(
+            (a.listen.as_str(), a.advertise.as_str()),
+            ("1.2.3.4:5", "9.9.9.9")
+        );
+        assert_eq!((a.peer.as_deref(), a.qps), (Some("p:1"), 3));
+        assert_eq!(a.rdma_device.as_deref(), Some("mlx5_0,mlx5_1"));
+        assert_eq!(
+            (a.param.as_deref(), a.values.clone()),
+            (Some("tokens"), vec![64, 1024])
+        );
+        assert_eq!(
+            (a.out.as_str(), a.memory, a.gpu),
+            ("o", Memory::Emulated, 2)
+        );
+        assert_eq!(
+            (a.prefill_tp, a.decode_tp, a.tp_rank, a.groups),
+            (1, 2, 1, 2)
+        );
+        let c = parse_from(["--block-bytes", "4K", "--tensors", "3", "--memory", "cuda"]).unwrap();
+        assert_eq!(
+            (c.shape.name, c.shape.layers, c.shape.bytes_per_token),
+            ("custom", 3, 4096)
+        );
+        assert_eq!(c.memory, Memory::Gpu(GpuApi::Cuda));
+        let d = parse_from(["--prefill-block-tokens", "32"]).unwrap();
+        assert_eq!((d.prefill_tokens(), d.shape.tokens_per_block), (32, 16));
+    }
+
+    #[test]
+    fn each_mistake_is_named() {
+        let cases: &[(&[&str], &str)] = &[
+            (&["fly"], "unknown mode \"fly\""),
+            (&["--memory", "disk"], "unknown memory \"disk\""),
+            (&["--pattern", "x"], "unknown pattern \"x\""),
+            (&["--head-layout", "x"], "unknown head layout \"x\""),
+            (&["--preset", "x"], "unknown preset \"x\""),
+            (&["--tokens", "x"], "--tokens: "),
+            (&["--batch-bytes", "2X"], "size \"2X\""),
+            (&["--bogus"], "invalid option '--bogus'"),
+            (
+                &["--prefill-tp", "3", "--decode-tp", "2"],
+                "--prefill-tp 3 --decode-tp 2: ",
+            ),
+            (
+                &["--tp-rank", "1"],
+                "--tp-rank 1 is not a rank of a TP group of 1",
+            ),
+            (&["--groups", "0"], "--groups 0 (1 to 32"),
+            (
+                &["--decode-tp", "3"],
+                "pick TP sizes that divide the model's heads",
+            ),
+            (
+                &["--block-bytes", "0"],
+                "--block-bytes and --tensors must be at least 1",
+            ),
+            (
+                &["--block-tokens", "0"],
+                "--block-tokens must be at least 1",
+            ),
+            (
+                &["--block-bytes", "1K", "--block-tokens", "4"],
+                "applies to presets",
+            ),
+            (
+                &["--prefill-block-tokens", "24"],
+                "one must be a multiple of the other",
+            ),
+            (
+                &["--prefill-block-tokens", "32", "--groups", "2"],
+                "applies to loopback runs",
+            ),
+            (&["sweep"], "sweep needs --param and --values"),
+            (
+                &["sweep", "--param", "x", "--values", "1"],
+                "unknown sweep parameter \"x\"",
+            ),
+            (
+                &["sweep", "--param", "qps", "--values", "0"],
+                "positive numbers",
+            ),
+            (&["--tokens", "0"], "must be at least 1"),
+            (&["read"], "read needs --peer"),
+        ];
+        for (args, want) in cases {
+            let e = parse_from(args.iter().copied()).unwrap_err();
+            assert!(e.contains(want), "{args:?}: {e}");
+        }
     }
 }
