@@ -406,21 +406,46 @@ impl RdmaConnection {
             ctl: ctl.clone(),
             _keep: (ops, mrs),
         });
+        let (stopped, unposted) = self.post_chains(&chains, &pending, &ctl, deadline).await;
+        // Chains never posted end here, with the reason they were not.
+        if let Some((first_unposted, why)) = unposted {
+            for _ in first_unposted..chains.len() {
+                pending.finish(Some(&why));
+            }
+        }
+        let stopped = self.wait_retired(&pending, stopped, &ctl, deadline).await;
+        match stopped {
+            Some(Stop::Deadline) => Err(Error::Timeout {
+                what: format!("RDMA READs from {} (request deadline)", self.shared.peer),
+                after: started.elapsed(),
+            }),
+            Some(Stop::Cancelled) => Err(Error::Rdma(Stop::Cancelled.error(&self.shared.peer))),
+            None => match pending.failure.lock().take() {
+                Some(why) => Err(Error::Rdma(why)),
+                None => Ok(work_requests),
+            },
+        }
+    }
+
+    /// Posts the chains round-robin over the queue pairs, waiting for credits, until all are
+    /// posted or the request stops (its deadline, a cancel) or fails. Returns why it stopped,
+    /// and the first chain not posted with the reason.
+    async fn post_chains(
+        &self,
+        chains: &[&[Wr]],
+        pending: &Arc<Pending>,
+        ctl: &RequestCtl,
+        deadline: tokio::time::Instant,
+    ) -> (Option<Stop>, Option<(usize, RdmaError)>) {
         let nq = self.shared.qps.len();
         let start = self.next.fetch_add(chains.len(), Ordering::Relaxed);
-        // Why the request stops early: its deadline passed or it was cancelled.
-        let mut stopped: Option<Stop> = None;
-        // Index of the first chain that will not be posted, and why.
-        let mut unposted: Option<(usize, RdmaError)> = None;
-        'chains: for (i, chain) in chains.iter().enumerate() {
+        for (i, chain) in chains.iter().enumerate() {
             if ctl.is_cancelled() {
-                stopped = Some(Stop::Cancelled);
-                unposted = Some((i, Stop::Cancelled.error(&self.shared.peer)));
-                break;
+                let why = Stop::Cancelled.error(&self.shared.peer);
+                return (Some(Stop::Cancelled), Some((i, why)));
             }
             if let Some(why) = pending.failure.lock().clone() {
-                unposted = Some((i, why));
-                break;
+                return (None, Some((i, why)));
             }
             let qi = (start + i) % nq;
             loop {
@@ -428,13 +453,10 @@ impl RdmaConnection {
                 let notified = slot.credit.notified();
                 tokio::pin!(notified);
                 notified.as_mut().enable();
-                match self.post_chain(qi, chain, &pending) {
+                match self.post_chain(qi, chain, pending) {
                     Ok(PostOutcome::Posted) => break,
-                    Ok(PostOutcome::Failed(why)) => {
-                        // This chain is accounted (its completions or the flush retire it).
-                        unposted = Some((i + 1, why));
-                        break 'chains;
-                    }
+                    // This chain is accounted (its completions or the flush retire it).
+                    Ok(PostOutcome::Failed(why)) => return (None, Some((i + 1, why))),
                     Ok(PostOutcome::NoCredits) => {
                         let stop = tokio::select! {
                             _ = &mut notified => None,
@@ -442,37 +464,36 @@ impl RdmaConnection {
                             _ = ctl.cancelled() => Some(Stop::Cancelled),
                         };
                         if let Some(stop) = stop {
-                            stopped = Some(stop);
-                            unposted = Some((i, stop.error(&self.shared.peer)));
-                            break 'chains;
+                            return (Some(stop), Some((i, stop.error(&self.shared.peer))));
                         }
                     }
-                    Err(why) => {
-                        unposted = Some((i, why));
-                        break 'chains;
-                    }
+                    Err(why) => return (None, Some((i, why))),
                 }
             }
         }
-        // Chains never posted end here, with the reason they were not.
-        if let Some((first_unposted, why)) = unposted {
-            for _ in first_unposted..chains.len() {
-                pending.finish(Some(&why));
-            }
-        }
-        // Wait for every posted chain to complete, fail or flush. At the deadline or on
-        // cancellation the connection is flushed (queue pairs to the error state) so the NIC
-        // stops writing into this request's memory; flushed chains then retire by completion
-        // or, a grace period after a confirmed flush, by the poller's tick. Queue pairs that
-        // cannot be flushed are destroyed. The request is reported only when no work request of
-        // it can write any more.
+        (None, None)
+    }
+
+    /// Waits for every posted chain to complete, fail or flush. At the deadline or on
+    /// cancellation the connection is flushed (queue pairs to the error state) so the NIC
+    /// stops writing into this request's memory; flushed chains then retire by completion
+    /// or, a grace period after a confirmed flush, by the poller's tick. Queue pairs that
+    /// cannot be flushed are destroyed. Returns only when no work request of the request can
+    /// write any more, with why it stopped early, if it did.
+    async fn wait_retired(
+        &self,
+        pending: &Pending,
+        mut stopped: Option<Stop>,
+        ctl: &RequestCtl,
+        deadline: tokio::time::Instant,
+    ) -> Option<Stop> {
         let mut flushed = false;
         loop {
             let notified = pending.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             if pending.remaining.load(Ordering::Acquire) == 0 {
-                break;
+                return stopped;
             }
             if stopped.is_none() {
                 stopped = tokio::select! {
@@ -502,17 +523,6 @@ impl RdmaConnection {
                 tracing::error!(peer = %self.shared.peer, "RDMA reads still outstanding after the flush grace; destroying the queue pairs");
                 self.shared.tear_down();
             }
-        }
-        match stopped {
-            Some(Stop::Deadline) => Err(Error::Timeout {
-                what: format!("RDMA READs from {} (request deadline)", self.shared.peer),
-                after: started.elapsed(),
-            }),
-            Some(Stop::Cancelled) => Err(Error::Rdma(Stop::Cancelled.error(&self.shared.peer))),
-            None => match pending.failure.lock().take() {
-                Some(why) => Err(Error::Rdma(why)),
-                None => Ok(work_requests),
-            },
         }
     }
 
