@@ -5,6 +5,8 @@
   `kvlink::events` for users; no module of the transfer engine uses it.
 - `kvlink-events` (src/kvlink-events/src/): the same rule over its own layers.
 - No file of the events crate is over 600 lines.
+- No function of the crates and tools is over MAX_FUNCTION_LINES lines without its reason in a
+  `// Long: ...` comment among the lines just above it.
 - `kvlink` has at most MAX_STRING_ERRORS `Result<_, String>` (errors as text; lower it as they
   become named types, never raise it), each with its reason on the line above
   (`// A String error kept: ...`).
@@ -20,6 +22,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 EVENTS_DIR = "kvlink-events"
 MAX_EVENTS_LINES = 600
 MAX_STRING_ERRORS = 10
+MAX_FUNCTION_LINES = 110
+FUNCTION_ROOTS = ["src", "ffi/c/src", "ffi/python/src", "tools/kvlink-bench/src", "tools/kvlink-events/src"]
 
 # Higher imports lower, never the reverse. Equal layers may import each other only if listed
 # in the crate's SAME_LAYER_OK.
@@ -101,6 +105,30 @@ def string_errors(text: str) -> tuple:
     return n, unexplained
 
 
+def long_functions(path: pathlib.Path) -> list:
+    """`(name, line, length)` of each function over MAX_FUNCTION_LINES lines with no
+    `// Long:` reason among the comment, doc and attribute lines right above it."""
+    lines = path.read_text().split("\n")
+    out = []
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\s*)(pub(\([^)]*\))? )?(async )?(unsafe )?(extern \"C\" )?fn (\w+)", line)
+        if not m:
+            continue
+        indent, j = m.group(1), i
+        while j < len(lines) and not lines[j].rstrip().endswith(("{", ";")):
+            j += 1
+        if j == len(lines) or lines[j].rstrip().endswith(";"):
+            continue
+        end = next((k for k in range(j + 1, len(lines)) if lines[k] == indent + "}"), j)
+        k = i - 1
+        while k >= 0 and lines[k].strip().startswith(("//", "#[")):
+            k -= 1
+        reasoned = any("// Long:" in lines[x] for x in range(k + 1, i))
+        if end - i + 1 > MAX_FUNCTION_LINES and not reasoned:
+            out.append((m.group(7), i + 1, end - i + 1))
+    return out
+
+
 def check_crate(root, layers, same_ok, skip_dir=None):
     bad, files = [], 0
     for path in sorted(root.rglob("*.rs")):
@@ -140,6 +168,10 @@ for p in sorted(src.rglob("*.rs")):
         bad.append(f"{p.relative_to(src)}: {unexplained} Result<_, String> without a reason above")
 if string_results > MAX_STRING_ERRORS:
     bad.append(f"{string_results} Result<_, String> in kvlink (at most {MAX_STRING_ERRORS})")
+for r in FUNCTION_ROOTS:
+    for path in sorted((REPO / r).rglob("*.rs")):
+        for name, line, n in long_functions(path):
+            bad.append(f"{path.relative_to(REPO)}:{line}: fn {name} is {n} lines (a `// Long:` reason, or split it)")
 for path in sorted((src / EVENTS_DIR).rglob("*.rs")):
     lines = len(path.read_text().splitlines())
     if lines > MAX_EVENTS_LINES:
