@@ -182,6 +182,7 @@ fn cause_names_match_the_core() {
     }
 }
 
+// Long: one scenario, start to stats, step by step through the C calls.
 #[test]
 fn the_c_event_publisher_is_read_by_the_subscriber() {
     use kvlink::events::{KvEvent, SubItem, Subscriber, SubscriberConfig};

@@ -19,6 +19,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
@@ -248,100 +249,7 @@ async fn serve(tcp: TcpStream, peer: &Peer, limits: Limits, shared: &Shared) -> 
         .await
         .map_err(|_| "the greeting could not be sent in time".to_string())?
         .map_err(|e| e.to_string())?;
-    let inbound = async {
-        let mut check = Check::new(limits);
-        let mut parser = Parser::default();
-        let mut buf = vec![0u8; 4096];
-        let deadline = tokio::time::Instant::now() + limits.handshake;
-        let mut ready = false;
-        let mut in_message = false;
-        loop {
-            let n = if ready {
-                rd.read(&mut buf).await
-            } else {
-                tokio::time::timeout_at(deadline, rd.read(&mut buf))
-                    .await
-                    .map_err(|_| format!("no ZMTP handshake within {:?}", limits.handshake))?
-            }
-            .map_err(|e| e.to_string())?;
-            if n == 0 {
-                return Ok(());
-            }
-            check.feed(&buf[..n])?;
-            parser.feed(&buf[..n]);
-            while let Some(unit) = parser.next()? {
-                // A frame is a whole message when it starts one and ends it.
-                let whole = !in_message && matches!(unit, Incoming::Frame { more: false, .. });
-                if let Incoming::Frame { more, .. } = unit {
-                    in_message = more;
-                }
-                match &unit {
-                    Incoming::Greeting {
-                        major, mechanism, ..
-                    } => {
-                        if *major < 3 || mechanism != b"NULL" {
-                            return Err(format!(
-                                "ZMTP {major} with mechanism {:?} (3 with NULL expected)",
-                                String::from_utf8_lossy(mechanism)
-                            ));
-                        }
-                    }
-                    Incoming::Command { name, .. } if name == b"READY" && ready => {
-                        return Err("a second READY".into());
-                    }
-                    Incoming::Command { name, data } if name == b"READY" => {
-                        let props = zmtp::properties(data)?;
-                        let ty = props
-                            .iter()
-                            .find(|(k, _)| k.eq_ignore_ascii_case(b"Socket-Type"))
-                            .map(|(_, v)| v.as_slice());
-                        if !matches!(ty, Some(b"SUB" | b"XSUB")) {
-                            return Err(format!(
-                                "a {:?} socket connected to a PUB",
-                                ty.map(String::from_utf8_lossy)
-                            ));
-                        }
-                        ready = true;
-                        *peer.subscriptions.lock() = Some(Subscriptions::default());
-                    }
-                    _ if !ready => return Err("a frame before READY".into()),
-                    Incoming::Command { name, data } if name == b"PING" => {
-                        // PING: TTL (2 bytes), then a context of at most 16 bytes, echoed in
-                        // the PONG. At most one PONG waits: a peer that pings and reads nothing
-                        // grows no memory here.
-                        let context = data.get(2..).unwrap_or_default();
-                        if context.len() > zmtp::MAX_PING_CONTEXT {
-                            return Err(format!(
-                                "a PING context of {} bytes (at most {})",
-                                context.len(),
-                                zmtp::MAX_PING_CONTEXT
-                            ));
-                        }
-                        if !peer.pong_queued.swap(true, Ordering::AcqRel)
-                            && !peer.push(Out::Command(Bytes::from(zmtp::pong(context))))
-                        {
-                            peer.pong_queued.store(false, Ordering::Release);
-                        }
-                    }
-                    Incoming::Command { name, .. } if name == b"PONG" => {}
-                    Incoming::Command { name, .. } if name == b"ERROR" => {
-                        return Err("the subscriber sent ERROR".into());
-                    }
-                    Incoming::Command { name, .. } if name != b"SUBSCRIBE" && name != b"CANCEL" => {
-                        return Err(format!(
-                            "an unexpected command {:?}",
-                            String::from_utf8_lossy(name)
-                        ));
-                    }
-                    _ => {
-                        if let Some(subs) = peer.subscriptions.lock().as_mut() {
-                            subs.apply(&unit, whole)?;
-                        }
-                    }
-                }
-            }
-        }
-    };
+    let inbound = read_loop(&mut rd, peer, limits);
     let outbound = write_loop(&mut wr, peer, limits.stall, shared);
     let closed = async {
         loop {
@@ -358,6 +266,110 @@ async fn serve(tcp: TcpStream, peer: &Peer, limits: Limits, shared: &Shared) -> 
         r = outbound => r,
         _ = closed => Ok(()),
     }
+}
+
+/// Reads what the subscriber sends, checked by the frame guard, until it closes or breaks a
+/// rule: its greeting and READY within the handshake time, then commands and (un)subscriptions.
+async fn read_loop(rd: &mut OwnedReadHalf, peer: &Peer, limits: Limits) -> Result<(), String> {
+    let mut check = Check::new(limits);
+    let mut parser = Parser::default();
+    let mut buf = vec![0u8; 4096];
+    let deadline = tokio::time::Instant::now() + limits.handshake;
+    let mut ready = false;
+    let mut in_message = false;
+    loop {
+        let n = if ready {
+            rd.read(&mut buf).await
+        } else {
+            tokio::time::timeout_at(deadline, rd.read(&mut buf))
+                .await
+                .map_err(|_| format!("no ZMTP handshake within {:?}", limits.handshake))?
+        }
+        .map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Ok(());
+        }
+        check.feed(&buf[..n])?;
+        parser.feed(&buf[..n]);
+        while let Some(unit) = parser.next()? {
+            // A frame is a whole message when it starts one and ends it.
+            let whole = !in_message && matches!(unit, Incoming::Frame { more: false, .. });
+            if let Incoming::Frame { more, .. } = unit {
+                in_message = more;
+            }
+            on_unit(&unit, whole, &mut ready, peer)?;
+        }
+    }
+}
+
+/// One unit the subscriber sent: its greeting, its READY (`ready` from then on), a PING
+/// (answered), a subscription or its cancel; anything else ends the connection.
+fn on_unit(unit: &Incoming, whole: bool, ready: &mut bool, peer: &Peer) -> Result<(), String> {
+    match unit {
+        Incoming::Greeting {
+            major, mechanism, ..
+        } => {
+            if *major < 3 || mechanism != b"NULL" {
+                return Err(format!(
+                    "ZMTP {major} with mechanism {:?} (3 with NULL expected)",
+                    String::from_utf8_lossy(mechanism)
+                ));
+            }
+        }
+        Incoming::Command { name, .. } if name == b"READY" && *ready => {
+            return Err("a second READY".into());
+        }
+        Incoming::Command { name, data } if name == b"READY" => {
+            let props = zmtp::properties(data)?;
+            let ty = props
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(b"Socket-Type"))
+                .map(|(_, v)| v.as_slice());
+            if !matches!(ty, Some(b"SUB" | b"XSUB")) {
+                return Err(format!(
+                    "a {:?} socket connected to a PUB",
+                    ty.map(String::from_utf8_lossy)
+                ));
+            }
+            *ready = true;
+            *peer.subscriptions.lock() = Some(Subscriptions::default());
+        }
+        _ if !*ready => return Err("a frame before READY".into()),
+        Incoming::Command { name, data } if name == b"PING" => {
+            // PING: TTL (2 bytes), then a context of at most 16 bytes, echoed in
+            // the PONG. At most one PONG waits: a peer that pings and reads nothing
+            // grows no memory here.
+            let context = data.get(2..).unwrap_or_default();
+            if context.len() > zmtp::MAX_PING_CONTEXT {
+                return Err(format!(
+                    "a PING context of {} bytes (at most {})",
+                    context.len(),
+                    zmtp::MAX_PING_CONTEXT
+                ));
+            }
+            if !peer.pong_queued.swap(true, Ordering::AcqRel)
+                && !peer.push(Out::Command(Bytes::from(zmtp::pong(context))))
+            {
+                peer.pong_queued.store(false, Ordering::Release);
+            }
+        }
+        Incoming::Command { name, .. } if name == b"PONG" => {}
+        Incoming::Command { name, .. } if name == b"ERROR" => {
+            return Err("the subscriber sent ERROR".into());
+        }
+        Incoming::Command { name, .. } if name != b"SUBSCRIBE" && name != b"CANCEL" => {
+            return Err(format!(
+                "an unexpected command {:?}",
+                String::from_utf8_lossy(name)
+            ));
+        }
+        _ => {
+            if let Some(subs) = peer.subscriptions.lock().as_mut() {
+                subs.apply(unit, whole)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Writes what is queued toward the subscriber, up to [`WRITE_BATCH`] messages per vectored

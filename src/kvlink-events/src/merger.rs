@@ -261,6 +261,9 @@ fn clear_batch(dp_rank: Option<i64>) -> EventBatch {
     }
 }
 
+/// One input's life: connect (again after a failure, with backoff), then forward each item.
+// Long: each item is forwarded under its TP group's send lock, taken in the aggregation and
+// held until the batch is queued; kept in one function so the guard's span stays visible.
 async fn run_input(
     index: usize,
     input: MergerInput,

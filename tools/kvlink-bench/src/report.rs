@@ -25,27 +25,77 @@ pub(crate) fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[idx]
 }
 
+/// What a run's reports add up to.
+struct Summary {
+    bytes: u64,
+    segments: usize,
+    wrs: u64,
+    /// Requests (at least 1, to divide by).
+    n: usize,
+    per_bytes: u64,
+    secs: f64,
+    gbps: f64,
+    p50: Duration,
+    p99: Duration,
+    max: Duration,
+    pieces: u64,
+    pattern: String,
+    transport: &'static str,
+}
+
+impl Summary {
+    fn of(args: &Args, o: &Outcome) -> Summary {
+        let bytes: u64 = o.reports.iter().map(|r| r.bytes).sum();
+        let n = o.reports.len().max(1);
+        let secs = o.wall.as_secs_f64().max(1e-9);
+        let mut lat: Vec<Duration> = o.reports.iter().map(|r| r.elapsed).collect();
+        lat.sort();
+        Summary {
+            bytes,
+            segments: o.reports.iter().map(|r| r.segments).sum(),
+            wrs: o.reports.iter().map(|r| r.work_requests).sum(),
+            n,
+            per_bytes: bytes / n as u64,
+            secs,
+            gbps: bytes as f64 / secs / 1e9,
+            p50: percentile(&lat, 0.5),
+            p99: percentile(&lat, 0.99),
+            max: lat.last().copied().unwrap_or_default(),
+            pieces: u64::from(args.blocks_per_request())
+                * (args.shape.layers * args.shape.tensors_per_layer) as u64,
+            pattern: format!("{:?}", args.pattern).to_lowercase(),
+            transport: o.reports.first().map(|r| r.transport).unwrap_or("tcp"),
+        }
+    }
+}
+
+/// Prints a run's report: one JSON line with `--json`, else a table for people.
 pub(crate) fn report(args: &Args, mode: &str, o: &Outcome) {
-    let bytes: u64 = o.reports.iter().map(|r| r.bytes).sum();
-    let segments: usize = o.reports.iter().map(|r| r.segments).sum();
-    let wrs: u64 = o.reports.iter().map(|r| r.work_requests).sum();
-    let n = o.reports.len().max(1);
-    let per_bytes = bytes / n as u64;
-    let secs = o.wall.as_secs_f64().max(1e-9);
-    let gbps = bytes as f64 / secs / 1e9;
-    let mut lat: Vec<Duration> = o.reports.iter().map(|r| r.elapsed).collect();
-    lat.sort();
-    let (p50, p99, max) = (
-        percentile(&lat, 0.5),
-        percentile(&lat, 0.99),
-        lat.last().copied().unwrap_or_default(),
-    );
-    let pieces = u64::from(args.blocks_per_request())
-        * (args.shape.layers * args.shape.tensors_per_layer) as u64;
-    let pattern = format!("{:?}", args.pattern).to_lowercase();
-    let transport = o.reports.first().map(|r| r.transport).unwrap_or("tcp");
+    let sum = Summary::of(args, o);
     if args.json {
-        println!(
+        print_json(args, mode, o, &sum);
+    } else {
+        print_text(args, mode, o, &sum);
+    }
+}
+
+fn print_json(args: &Args, mode: &str, o: &Outcome, sum: &Summary) {
+    let Summary {
+        bytes,
+        segments,
+        wrs,
+        n,
+        per_bytes,
+        secs,
+        gbps,
+        p50,
+        p99,
+        max,
+        pieces,
+        ref pattern,
+        transport,
+    } = *sum;
+    println!(
             "{{\"mode\":\"{mode}\",\"transport\":\"{transport}\",\"preset\":\"{}\",\"tokens\":{},\"pattern\":\"{pattern}\",\"requests\":{},\"concurrency\":{},\"streams\":{},\"qps\":{},\"batch_bytes\":{},\"bytes\":{bytes},\"seconds\":{secs:.6},\"gb_per_s\":{gbps:.4},\"bytes_per_request\":{per_bytes},\"segments_per_request\":{},\"pieces_per_request\":{pieces},\"segments_per_s\":{:.1},\"work_requests_per_s\":{:.1},\"cpu_seconds\":{:.3},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"verified_bytes\":{},\"memory\":\"{}\",\"reference_gb_per_s\":{},\"bytes_staged_out\":{},\"bytes_staged_in\":{},\"prefill_tp\":{},\"decode_tp\":{},\"groups\":{},\"head_layout\":\"{}\"}}",
             args.shape.name, args.tokens, o.reports.len(), args.concurrency, args.streams, args.qps, args.batch_bytes,
             segments / n, segments as f64 / secs, wrs as f64 / secs, o.cpu,
@@ -54,8 +104,25 @@ pub(crate) fn report(args: &Args, mode: &str, o: &Outcome) {
             o.staged.0, o.staged.1, args.prefill_tp, args.decode_tp, args.groups,
             if args.head_major { "hnd" } else { "nhd" }
         );
-        return;
-    }
+}
+
+// Long: one println per line of the report, in the order they print.
+fn print_text(args: &Args, mode: &str, o: &Outcome, sum: &Summary) {
+    let Summary {
+        bytes,
+        segments,
+        wrs,
+        n,
+        per_bytes,
+        secs,
+        gbps,
+        p50,
+        p99,
+        max,
+        pieces,
+        ref pattern,
+        transport,
+    } = *sum;
     println!(
         "kvlink-bench {mode}: {transport}, {} ({} tensors, {} per block per tensor), {} tokens/request ({} blocks, {}), pattern {pattern}",
         args.shape.name,
