@@ -79,30 +79,17 @@ pub(crate) fn report(args: &Args, mode: &str, o: &Outcome) {
     }
 }
 
-fn print_json(args: &Args, mode: &str, o: &Outcome, sum: &Summary) {
-    let Summary {
-        bytes,
-        segments,
-        wrs,
-        n,
-        per_bytes,
-        secs,
-        gbps,
-        p50,
-        p99,
-        max,
-        pieces,
-        ref pattern,
-        transport,
-    } = *sum;
+fn print_json(args: &Args, mode: &str, o: &Outcome, s: &Summary) {
     println!(
             "{{\"mode\":\"{mode}\",\"transport\":\"{transport}\",\"preset\":\"{}\",\"tokens\":{},\"pattern\":\"{pattern}\",\"requests\":{},\"concurrency\":{},\"streams\":{},\"qps\":{},\"batch_bytes\":{},\"bytes\":{bytes},\"seconds\":{secs:.6},\"gb_per_s\":{gbps:.4},\"bytes_per_request\":{per_bytes},\"segments_per_request\":{},\"pieces_per_request\":{pieces},\"segments_per_s\":{:.1},\"work_requests_per_s\":{:.1},\"cpu_seconds\":{:.3},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"verified_bytes\":{},\"memory\":\"{}\",\"reference_gb_per_s\":{},\"bytes_staged_out\":{},\"bytes_staged_in\":{},\"prefill_tp\":{},\"decode_tp\":{},\"groups\":{},\"head_layout\":\"{}\"}}",
             args.shape.name, args.tokens, o.reports.len(), args.concurrency, args.streams, args.qps, args.batch_bytes,
-            segments / n, segments as f64 / secs, wrs as f64 / secs, o.cpu,
-            p50.as_secs_f64() * 1e3, p99.as_secs_f64() * 1e3, max.as_secs_f64() * 1e3, o.verified,
+            s.segments / s.n, s.segments as f64 / s.secs, s.wrs as f64 / s.secs, o.cpu,
+            s.p50.as_secs_f64() * 1e3, s.p99.as_secs_f64() * 1e3, s.max.as_secs_f64() * 1e3, o.verified,
             memory_name(args.memory), o.reference_gbps.map_or("null".to_string(), |r| format!("{r:.4}")),
             o.staged.0, o.staged.1, args.prefill_tp, args.decode_tp, args.groups,
-            if args.head_major { "hnd" } else { "nhd" }
+            if args.head_major { "hnd" } else { "nhd" },
+            transport = s.transport, pattern = s.pattern, bytes = s.bytes, secs = s.secs,
+            gbps = s.gbps, per_bytes = s.per_bytes, pieces = s.pieces,
         );
 }
 
