@@ -35,9 +35,7 @@ fn two_devices(test: &str) -> Option<String> {
     match why {
         None => Some(devs),
         Some(why) => {
-            use std::io::Write;
-            let line = format!("{test}: skipped: fewer than two RDMA devices ({why})\n");
-            let _ = std::io::stderr().lock().write_all(line.as_bytes());
+            skip(test, "fewer than two RDMA devices", &why);
             None
         }
     }

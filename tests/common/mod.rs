@@ -210,17 +210,23 @@ pub fn check_timeline(r: &kvlink::TransferReport) {
     assert!(t.held.is_some(), "{t:?}");
 }
 
-/// Whether CUDA is loaded here; when it is not, says "`test`: skipped: no CUDA (why)" on
-/// stderr, the line tools/test.sh counts as a skip.
+/// Says "`test`: skipped: `reason` (`detail`)", the line tools/test.sh counts as a skip: the
+/// one way a test of these suites says it did not run. Written to the process's stderr
+/// directly (libtest does not capture that, so the skip shows in every run's output), in one
+/// write, so that parallel tests cannot interleave inside it.
+pub fn skip(test: &str, reason: &str, detail: &str) {
+    use std::io::Write;
+    let line = format!("{test}: skipped: {reason} ({detail})\n");
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+}
+
+/// Whether CUDA is loaded here; when it is not, the test is skipped ("no CUDA").
 pub fn cuda_loaded(test: &str) -> bool {
     let e = Engine::start(quick_config()).unwrap();
     match e.capabilities().gpu.cuda {
         Ok(_) => true,
         Err(why) => {
-            use std::io::Write;
-            // One write of the whole line, so that parallel tests cannot interleave inside it.
-            let line = format!("{test}: skipped: no CUDA ({why})\n");
-            let _ = std::io::stderr().lock().write_all(line.as_bytes());
+            skip(test, "no CUDA", &why);
             false
         }
     }

@@ -18,13 +18,7 @@ pub fn rdma_available(test: &str) -> bool {
             if std::env::var_os("KVLINK_SOFTROCE").is_some() {
                 panic!("{test}: inside the SoftRoCE VM but RDMA is unavailable: {why}");
             }
-            // Written to the process's stderr directly: libtest does not capture it, so the skip
-            // shows in every run's output.
-            use std::io::Write;
-            // One write of the whole line, so that parallel tests cannot interleave inside it
-            // (tools/test.sh counts these lines).
-            let line = format!("{test}: skipped: no RDMA device ({why})\n");
-            let _ = std::io::stderr().lock().write_all(line.as_bytes());
+            super::skip(test, "no RDMA device", &why);
             false
         }
     }
