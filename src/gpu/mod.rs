@@ -17,6 +17,7 @@ mod cuda;
 mod emulated;
 #[allow(unsafe_code)]
 mod hip;
+mod report;
 
 use std::os::fd::OwnedFd;
 
@@ -25,6 +26,7 @@ use std::sync::{Arc, OnceLock};
 use serde::{Deserialize, Serialize};
 
 pub(crate) use emulated::Emulated;
+pub use report::GpuReport;
 
 /// A GPU runtime failure: the runtime involved, the error code its call returned, and a
 /// message that names the call and, for a missing piece, what to install or load.
@@ -379,18 +381,6 @@ pub(crate) fn export_candidates(base: u64, size: u64, ptr: u64, len: u64) -> Vec
         v.push((around.1, around.0));
     }
     v
-}
-
-/// Which GPU runtimes this process found, or why each is missing. Reported by
-/// `Engine::capabilities` and logged when an engine starts.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GpuReport {
-    /// `Ok(description)` (driver version, devices) or `Err(why it is unavailable)`.
-    // A String error kept: a report for people (found, or why not), public; Python reads it.
-    pub cuda: Result<String, String>,
-    /// `Ok(description)` (runtime version, devices) or `Err(why it is unavailable)`.
-    // A String error kept: as `cuda`.
-    pub hip: Result<String, String>,
 }
 
 type Probe = Result<Arc<dyn DeviceRuntime>, GpuError>;

@@ -6,10 +6,10 @@
 
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::{PeerConn, Sessions};
-use crate::completion::{FailureCause, Timeline, TransferReport};
+use crate::completion::FailureCause;
 use crate::control::messages::Message;
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, RequestId};
@@ -19,6 +19,10 @@ use crate::plan::{plan_read_from, tensor_reads, PlanOptions};
 use crate::state::EngineState;
 use crate::tp::{self, TpRank};
 use crate::transport::{ReadCancel, ReadOp, RequestCtl};
+
+mod outcome;
+
+use outcome::{confirm, done_report, failure_reason, first_failure, tell_sources, Failure};
 
 /// One engine a read draws on.
 #[derive(Debug, Clone)]
@@ -224,15 +228,6 @@ async fn read_sources(
         .collect()
 }
 
-/// Why a read failed: the source that failed (`None`: the read as a whole, as when the caller
-/// cancelled it), whether it ran out of time, and the error.
-#[derive(Debug)]
-struct Failure {
-    source: Option<usize>,
-    expired: bool,
-    error: Error,
-}
-
 /// Reads every source, confirms the read with each prefill when all its bytes are here, tells
 /// each source how its part ended, and reports the read done or failed.
 async fn read_to_end(
@@ -314,190 +309,6 @@ async fn read_to_end(
                 .update(|t| t.recv_failed(&job.id, cause, reason));
         }
     }
-}
-
-/// The first real failure among the sources' outcomes (a source stopped because another failed
-/// says only that, so another's error is preferred); `late`: the read's deadline has passed.
-fn first_failure(outcomes: &[SourceOutcome], late: bool) -> Option<Failure> {
-    let mut first: Option<Failure> = None;
-    for (i, o) in outcomes.iter().enumerate() {
-        let (expired, e) = match &o.result {
-            Ok(Ok(_)) => continue,
-            Ok(Err(e)) => (late && matches!(e, Error::Timeout { .. }), e.clone()),
-            Err(_) => (
-                true,
-                Error::Timeout {
-                    what: "the transport to stop after the request deadline".into(),
-                    after: BACKSTOP,
-                },
-            ),
-        };
-        let better = first
-            .as_ref()
-            .is_none_or(|prev| stopped_by_another(&prev.error) && !stopped_by_another(&e));
-        if better {
-            first = Some(Failure {
-                source: Some(i),
-                expired,
-                error: e,
-            });
-        }
-    }
-    first
-}
-
-/// What the caller and the prefills are told of a failed read: with several sources, the one
-/// that failed; the engine closing, or the request timeout, when either is why.
-fn failure_reason(f: &Failure, job: &ReadJob, closing: bool, timeout: Duration) -> String {
-    let e = match f.source {
-        Some(i) if job.sources.len() > 1 => {
-            let s = &job.sources[i];
-            let rank = s.rank.as_ref().map_or(i as u32, |(r, _)| r.rank);
-            format!("prefill rank {rank} ({}): {}", s.peer, f.error)
-        }
-        _ => f.error.to_string(),
-    };
-    if closing {
-        format!("engine shutting down ({e})")
-    } else if f.expired {
-        format!(
-            "not complete within the request timeout of {timeout:?} (peer {}): {e}",
-            peers(job)
-        )
-    } else {
-        e
-    }
-}
-
-/// Tells each source how its part ended: done when all its bytes are here (and the caller did
-/// not cancel), else aborted with the read's `reason`.
-fn tell_sources(
-    sessions: &Arc<Sessions>,
-    job: &ReadJob,
-    outcomes: &[SourceOutcome],
-    by_caller: bool,
-    reason: Option<&str>,
-    closing: bool,
-) {
-    for (s, o) in job.sources.iter().zip(outcomes) {
-        let part_done = matches!(o.result, Ok(Ok(_))) && !by_caller;
-        let msg = match (part_done, reason) {
-            (true, _) | (false, None) => Message::Done {
-                request_id: job.remote_id.clone(),
-                hold: job.hold,
-            },
-            (false, Some(reason)) => Message::Abort {
-                request_id: job.remote_id.clone(),
-                reason: reason.to_string(),
-                hold: job.hold,
-            },
-        };
-        match &o.conn {
-            Some(c) => {
-                c.control.notify(msg);
-            }
-            // No session: the read was cancelled before it connected (by the caller, or as
-            // another source failed), or the connect failed or was refused. The prefill is told
-            // once a session is up, or on a connection of its own when it refused this
-            // engine's (`Sessions::post`), so it frees its blocks now rather than at its
-            // timeout.
-            None if !closing => {
-                let _ = sessions.post(&tokio::runtime::Handle::current(), &s.peer, msg);
-            }
-            None => {}
-        }
-    }
-}
-
-/// The report of a confirmed read: its sources' bytes, pieces and work requests summed, and
-/// its timeline (`held`: the longest a prefill had held it when the Done arrived).
-fn done_report(
-    job: &ReadJob,
-    outcomes: &[SourceOutcome],
-    cancel: &ReadCancel,
-    held: Option<Duration>,
-    confirmed: Instant,
-) -> TransferReport {
-    let since = |t: Instant| Some(t.saturating_duration_since(job.started));
-    let first = cancel
-        .attempts()
-        .iter()
-        .filter_map(|c| c.first_data())
-        .min();
-    let mut report = TransferReport {
-        id: job.id.clone(),
-        peer: peers(job),
-        bytes: 0,
-        segments: 0,
-        blocks: 0,
-        work_requests: 0,
-        transport: "",
-        elapsed: job.started.elapsed(),
-        timeline: Timeline {
-            held,
-            first_byte: first.and_then(since),
-            confirmed: since(confirmed),
-            ..Timeline::default()
-        },
-    };
-    for r in outcomes
-        .iter()
-        .filter_map(|o| o.result.as_ref().ok()?.as_ref().ok())
-    {
-        report.bytes += r.bytes;
-        report.segments += r.segments;
-        report.blocks = report.blocks.max(r.blocks);
-        report.work_requests += r.work_requests;
-        report.transport = r.transport;
-        report.timeline.connected = report.timeline.connected.max(since(r.connected));
-        report.timeline.last_byte = report.timeline.last_byte.max(since(r.done));
-    }
-    report
-}
-
-/// Sends each source its `Done` and waits, at most the handshake timeout, for every prefill to
-/// confirm that it still held the request when the notice arrived, and returns the longest any
-/// had held it then. The first source that does not (its hold ended: expired, released; or no
-/// answer) fails the read: the bytes it read may belong to another request by now.
-async fn confirm(
-    shared: &EngineState,
-    job: &ReadJob,
-    outcomes: &[SourceOutcome],
-) -> std::result::Result<Duration, Failure> {
-    let limit = shared.config().handshake_timeout;
-    let deadline = tokio::time::Instant::now() + limit;
-    let id = &job.remote_id;
-    let waits: Vec<_> = outcomes
-        .iter()
-        .map(|o| {
-            let conn = o.conn.as_ref();
-            conn.and_then(|c| c.control.done(id.clone(), job.hold))
-        })
-        .collect();
-    let mut longest = Duration::ZERO;
-    for (i, wait) in waits.into_iter().enumerate() {
-        let reason = match wait {
-            None => "the done notice could not be sent (control connection gone)".to_string(),
-            Some(rx) => match tokio::time::timeout_at(deadline, rx).await {
-                Ok(Ok(Ok(held))) => {
-                    longest = longest.max(held);
-                    continue;
-                }
-                Ok(Ok(Err(refused))) => {
-                    format!("the prefill no longer held the request when it was read: {refused}")
-                }
-                Ok(Err(_)) => "the control connection closed before the prefill confirmed".into(),
-                Err(_) => format!("no confirmation from the prefill within {limit:?}"),
-            },
-        };
-        let peer = job.sources[i].peer.clone();
-        return Err(Failure {
-            source: Some(i),
-            expired: false,
-            error: Error::Unconfirmed { peer, reason },
-        });
-    }
-    Ok(longest)
 }
 
 /// Whether `e` only says the source was stopped (cancelled), as happens to the other sources
@@ -631,114 +442,4 @@ async fn read_once(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn outcome(result: Result<()>) -> SourceOutcome {
-        SourceOutcome {
-            conn: None,
-            result: Ok(result.map(|()| SourceReport {
-                bytes: 1,
-                segments: 1,
-                blocks: 1,
-                work_requests: 1,
-                transport: "tcp",
-                connected: Instant::now(),
-                done: Instant::now(),
-            })),
-        }
-    }
-
-    fn lost(peer: &str) -> Error {
-        Error::ConnectionLost {
-            peer: peer.into(),
-            reason: "reset".into(),
-        }
-    }
-
-    fn job(peers: &[&str]) -> ReadJob {
-        ReadJob {
-            sources: peers
-                .iter()
-                .enumerate()
-                .map(|(i, p)| Source {
-                    peer: p.to_string(),
-                    rank: Some((TpRank::new(i as u32, peers.len() as u32), 0..1)),
-                })
-                .collect(),
-            id: "r".into(),
-            remote_id: "r".into(),
-            local: vec![],
-            remote: vec![],
-            remote_tokens: 16,
-            first_tokens: vec![],
-            hold: None,
-            started: Instant::now(),
-            deadline: tokio::time::Instant::now(),
-        }
-    }
-
-    #[test]
-    fn the_first_failure_is_the_one_that_says_most() {
-        assert!(first_failure(&[outcome(Ok(())), outcome(Ok(()))], false).is_none());
-        // A source stopped because another failed says only that: the other's error wins.
-        let stopped = Error::Cancelled("stopped".into());
-        let f = first_failure(
-            &[
-                outcome(Ok(())),
-                outcome(Err(stopped)),
-                outcome(Err(lost("b"))),
-            ],
-            false,
-        )
-        .unwrap();
-        assert_eq!((f.source, f.expired), (Some(2), false));
-        assert!(matches!(f.error, Error::ConnectionLost { .. }));
-        // A timeout is an expiry only once the read's deadline passed.
-        let timeout = || Error::Timeout {
-            what: "x".into(),
-            after: Duration::from_secs(1),
-        };
-        assert!(
-            !first_failure(&[outcome(Err(timeout()))], false)
-                .unwrap()
-                .expired
-        );
-        assert!(
-            first_failure(&[outcome(Err(timeout()))], true)
-                .unwrap()
-                .expired
-        );
-    }
-
-    #[test]
-    fn the_reason_names_the_failed_rank_and_why_it_ended() {
-        let f = |source, expired| Failure {
-            source,
-            expired,
-            error: lost("b:1"),
-        };
-        let two = job(&["a:1", "b:1"]);
-        let r = failure_reason(&f(Some(1), false), &two, false, Duration::from_secs(9));
-        assert!(
-            r.starts_with("prefill rank 1 (b:1): connection to b:1 lost"),
-            "{r}"
-        );
-        let one = job(&["a:1"]);
-        let r = failure_reason(&f(Some(0), false), &one, false, Duration::from_secs(9));
-        assert!(
-            r.starts_with("connection to b:1 lost"),
-            "one source is not named: {r}"
-        );
-        let r = failure_reason(&f(Some(0), true), &one, false, Duration::from_secs(9));
-        assert!(
-            r.starts_with("not complete within the request timeout of 9s (peer a:1)"),
-            "{r}"
-        );
-        let r = failure_reason(&f(None, true), &one, true, Duration::from_secs(9));
-        assert!(
-            r.starts_with("engine shutting down ("),
-            "closing says so first: {r}"
-        );
-    }
-}
+mod tests;
