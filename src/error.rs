@@ -168,45 +168,81 @@ impl Error {
     }
 }
 
-/// A request or message refused, with the reason its sender is told: the text is what goes on
-/// the wire and into the logs, unchanged; code tells a refusal from other failures by its type.
+/// A request or message refused: its kind, for code that branches on it, and the reason its
+/// sender is told (the text is what goes on the wire and into the logs; the wire carries no
+/// kind, so a refusal received from a peer is [`RefusalKind::Remote`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Refusal(pub String);
+pub struct Refusal {
+    kind: RefusalKind,
+    reason: String,
+}
+
+/// Why a request or message was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RefusalKind {
+    /// The request is not held here: never held, released, expired, or held again under
+    /// another hold than the one named.
+    NotHeld,
+    /// The request is held for other readers: another engine, or another engine at the same
+    /// decode rank.
+    OtherReader,
+    /// The reader's TP place does not fit the hold: a decode of another TP size than its
+    /// first reader's, or a decode rank that does not read this prefill rank.
+    WrongTp,
+    /// A range in a block the hold does not grant, or an empty or overflowing range.
+    OutOfGrant,
+    /// Bytes this engine does not export: a region it has not registered, a range past a
+    /// region's end, bytes in no block of the KV layout (padding between blocks).
+    NotExported,
+    /// The peer did not authenticate: no key where one is required, a wrong proof.
+    Unauthenticated,
+    /// A message that fails validation or comes out of order.
+    Malformed,
+    /// No message within the handshake timeout, or the peer closed before sending one.
+    Silent,
+    /// A message over its size limit, or for an inbox that is full.
+    Limit,
+    /// The reader's engine is incompatible with this one (its descriptor differs).
+    Incompatible,
+    /// This engine cannot serve yet: no KV layout is registered.
+    NotReady,
+    /// Received from a peer, which gave only its reason.
+    Remote,
+}
 
 impl Refusal {
+    /// A refusal of this kind, with the reason its sender is told.
+    pub fn new(kind: RefusalKind, reason: impl Into<String>) -> Self {
+        Refusal {
+            kind,
+            reason: reason.into(),
+        }
+    }
+
+    /// Why it was refused.
+    pub fn kind(&self) -> RefusalKind {
+        self.kind
+    }
+
     /// The reason, as the sender is told it.
     pub fn reason(&self) -> &str {
-        &self.0
+        &self.reason
+    }
+
+    /// The reason, to send.
+    pub fn into_reason(self) -> String {
+        self.reason
     }
 }
 
 impl std::fmt::Display for Refusal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(&self.reason)
     }
 }
 
 impl std::error::Error for Refusal {}
-
-impl std::ops::Deref for Refusal {
-    type Target = str;
-
-    fn deref(&self) -> &str {
-        &self.0
-    }
-}
-
-impl From<String> for Refusal {
-    fn from(reason: String) -> Self {
-        Refusal(reason)
-    }
-}
-
-impl From<&str> for Refusal {
-    fn from(reason: &str) -> Self {
-        Refusal(reason.to_string())
-    }
-}
 
 impl From<crate::tp::TpError> for Error {
     /// TP sizes or a rank the caller gave that cannot pair: an invalid argument.
@@ -218,7 +254,7 @@ impl From<crate::tp::TpError> for Error {
 impl From<Refusal> for Error {
     /// A refusal returned to the caller: an invalid argument, with the reason.
     fn from(r: Refusal) -> Self {
-        Error::InvalidArgument(r.0)
+        Error::InvalidArgument(r.reason)
     }
 }
 

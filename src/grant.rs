@@ -9,7 +9,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use crate::error::{Error, Refusal, Result};
+use crate::error::{Error, Refusal, RefusalKind, Result};
 use crate::ids::{BlockId, RegionId};
 use crate::layout::KvLayout;
 
@@ -143,9 +143,9 @@ impl Checker<'_> {
         let layout = self.layout;
         let end = offset
             .checked_add(len)
-            .ok_or_else(|| format!("range at {offset} of {len} bytes overflows"))?;
+            .ok_or_else(|| outside(format!("range at {offset} of {len} bytes overflows")))?;
         if len == 0 {
-            return Err("empty range".into());
+            return Err(outside("empty range"));
         }
         let n = layout.tensors.len();
         let mut at = offset;
@@ -167,13 +167,13 @@ impl Checker<'_> {
             }
             let Some((i, block_end)) = hit else {
                 return Err(match held_elsewhere {
-                    Some(block) => format!(
+                    Some(block) => outside(format!(
                         "block {block} (byte {at} of {region}) is not held for this request"
-                    )
-                    .into(),
-                    None => {
-                        format!("byte {at} of {region} is not in a block of the KV layout").into()
-                    }
+                    )),
+                    None => Refusal::new(
+                        RefusalKind::NotExported,
+                        format!("byte {at} of {region} is not in a block of the KV layout"),
+                    ),
                 });
             };
             self.last = i;
@@ -181,6 +181,11 @@ impl Checker<'_> {
         }
         Ok(())
     }
+}
+
+/// A range the grant does not cover, refused with `reason`.
+fn outside(reason: impl Into<String>) -> Refusal {
+    Refusal::new(RefusalKind::OutOfGrant, reason)
 }
 
 /// The block of tensor `i` that holds byte `at` of `region`, and one past its last byte.
@@ -237,9 +242,13 @@ mod tests {
         assert!(g.check(r, 512 + 128, 100).is_ok(), "block 2 of t1");
         assert!(g.check(r, 768 + 10, 50).is_ok(), "inside block 3");
         let e = g.check(r, 0, 100).unwrap_err();
-        assert!(e.contains("block 0") && e.contains("not held"), "{e}");
+        assert_eq!(e.kind(), RefusalKind::OutOfGrant, "block 0: {e}");
         let e = g.check(r, 512, 101).unwrap_err();
-        assert!(e.contains("not in a block"), "padding after the block: {e}");
+        assert_eq!(
+            e.kind(),
+            RefusalKind::NotExported,
+            "padding after the block: {e}"
+        );
         assert!(g.check(r, 512, 256).is_err(), "spans into the other tensor");
         assert!(g.check(RegionId(2), 512, 10).is_err(), "other region");
         assert!(g.check(r, 512, 0).is_err(), "empty");

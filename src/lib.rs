@@ -61,7 +61,7 @@ pub use control::messages::{Descriptor, TransportInfo};
 pub use engine::{
     tp_sources, Capabilities, Engine, EngineStats, HoldRequest, ReadFrom, ReadRequest, SessionState,
 };
-pub use error::{wc_status, Error, RdmaError, RdmaErrorKind, Refusal, Result};
+pub use error::{wc_status, Error, RdmaError, RdmaErrorKind, Refusal, RefusalKind, Result};
 pub use gpu::{GpuApi, GpuError, GpuReport, PointerKind};
 pub use ids::{BlockId, RegionId, RequestId, MAX_REQUEST_ID_LEN};
 pub use inbox::{PeerMessage, MAX_MESSAGE_BYTES};

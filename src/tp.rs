@@ -222,10 +222,10 @@ mod tests {
                 decode: 3
             })
         );
-        assert!(Relation::of(2, 3)
-            .unwrap_err()
-            .to_string()
-            .contains("multiple"));
+        assert!(matches!(
+            Relation::of(2, 3),
+            Err(TpError::NotMultiples { .. })
+        ));
         assert!(matches!(Relation::of(0, 3), Err(TpError::ZeroSize { .. })));
         assert!(matches!(
             sources(TpRank::new(4, 4), 2),

@@ -96,6 +96,7 @@ fn a_different_key_fails_on_both_sides() {
         .read_blocks(&addr, "wrong-key", &[0], &[0])
         .unwrap();
     let f = collect(&decode.engine, Duration::from_secs(20), |f| !f.is_empty());
+    assert_eq!(f.failed[0].cause, FailureCause::Connection, "{f:?}");
     assert!(
         f.failed[0]
             .reason
@@ -142,6 +143,7 @@ fn without_a_key_only_loopback_is_served_unless_insecure() {
         ..quick_config()
     };
     let e = Engine::start(wildcard.clone()).err().expect("refused");
+    assert!(matches!(e, kvlink::Error::InvalidArgument(_)), "{e}");
     let msg = e.to_string();
     assert!(
         msg.contains("KVLINK_AUTH_KEY") && msg.contains("insecure"),

@@ -116,6 +116,7 @@ fn a_read_that_misstates_the_prefills_block_size_fails_with_the_sizes() {
         })
         .unwrap();
     let f = collect(&decode.engine, Duration::from_secs(10), |f| !f.is_empty());
+    assert_eq!(f.failed[0].cause, kvlink::FailureCause::Other, "{f:?}");
     assert!(
         f.failed[0]
             .reason

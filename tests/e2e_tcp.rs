@@ -99,19 +99,26 @@ fn immediate_refusals_name_the_problem() {
         .read_blocks(&peer, "a", &[8], &[1])
         .unwrap_err();
     assert!(
-        e.to_string().contains("local block id 8 is out of range"),
+        matches!(e, Error::InvalidArgument(_))
+            && e.to_string().contains("local block id 8 is out of range"),
         "{e}"
     );
     let e = decode
         .engine
         .read_blocks(&peer, "a", &[1, 1], &[1, 2])
         .unwrap_err();
-    assert!(e.to_string().contains("twice"), "{e}");
+    assert!(
+        matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("twice"),
+        "{e}"
+    );
     let e = decode
         .engine
         .read_blocks(&peer, "", &[1], &[1])
         .unwrap_err();
-    assert!(e.to_string().contains("empty"), "{e}");
+    assert!(
+        matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("empty"),
+        "{e}"
+    );
     let long = "x".repeat(300);
     assert!(decode
         .engine
@@ -119,7 +126,10 @@ fn immediate_refusals_name_the_problem() {
         .is_err());
     let bare = kvlink::Engine::start(tcp_config()).unwrap();
     let e = bare.read_blocks(&peer, "a", &[1], &[1]).unwrap_err();
-    assert!(e.to_string().contains("set a KV layout"), "{e}");
+    assert!(
+        matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("set a KV layout"),
+        "{e}"
+    );
 
     // Remote ids are checked after the handshake: the request fails with the reason, and the
     // prefill side, holding that request, hears the abort.
@@ -128,6 +138,7 @@ fn immediate_refusals_name_the_problem() {
     let f = collect(&decode.engine, Duration::from_secs(10), |f| {
         !f.failed.is_empty()
     });
+    assert_eq!(f.failed[0].cause, kvlink::FailureCause::Other, "{f:?}");
     assert!(
         f.failed[0]
             .reason
@@ -162,7 +173,10 @@ fn immediate_refusals_name_the_problem() {
         .engine
         .read_blocks(&silent_addr, "dup", &[2], &[2])
         .unwrap_err();
-    assert!(e.to_string().contains("already being received"), "{e}");
+    assert!(
+        matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("already being received"),
+        "{e}"
+    );
     let f = collect(&decode.engine, Duration::from_secs(60), |f| {
         !f.failed.is_empty()
     });
@@ -231,6 +245,7 @@ fn incompatible_peer_fails_every_waiter_after_one_handshake() {
     assert_eq!(sent.failed.len(), 6, "{sent:?}");
     for fr in &sent.failed {
         assert!(!fr.expired && fr.side == Dir::Send, "{fr:?}");
+        assert_eq!(fr.cause, kvlink::FailureCause::Peer, "{fr:?}");
         assert!(fr.reason.contains("handshake was refused"), "{fr:?}");
     }
     let s = prefill.engine.stats();
@@ -269,7 +284,10 @@ fn caller_owned_memory_is_served_and_deregistration_waits_for_it() {
     verify(&decode, &layout, 17, &[0, 7, 3], &[5, 1, 6]);
     // The layout's region cannot go; an extra region can, once unused.
     let e = prefill.deregister(region.id()).unwrap_err();
-    assert!(e.to_string().contains("used by the KV layout"), "{e}");
+    assert!(
+        matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("used by the KV layout"),
+        "{e}"
+    );
     // Deregistration waits while a user (here the handle, as a transfer holds it) remains.
     let prefill = std::sync::Arc::new(prefill);
     let extra = prefill.allocate_host(4096, false).unwrap();
@@ -338,6 +356,7 @@ fn close_ends_reads_in_flight_and_closes_the_ports() {
     assert!(decode.engine.is_closed());
     let f = collect(&decode.engine, Duration::from_secs(10), |f| !f.is_empty());
     assert_eq!(f.failed.len(), 1, "{f:?}");
+    assert_eq!(f.failed[0].cause, kvlink::FailureCause::Other, "{f:?}");
     assert!(f.failed[0].reason.contains("shutting down"), "{f:?}");
     assert!(matches!(
         decode.engine.read_blocks(&silent_addr, "late", &[1], &[1]),
@@ -434,6 +453,7 @@ fn a_decode_reads_under_its_own_id_and_rejects_or_releases_free_a_hold() {
     let f = collect(&decode.engine, Duration::from_secs(10), |f| {
         !f.failed.is_empty()
     });
+    assert_eq!(f.failed[0].cause, kvlink::FailureCause::Peer, "{f:?}");
     assert!(f.failed[0].reason.contains("not held"), "{f:?}");
     assert!(prefill.engine.get_finished().is_empty());
     let totals = prefill.engine.stats().totals;

@@ -40,6 +40,7 @@ fn silent_handshake_peer_fails_at_the_deadline() {
         !f.failed.is_empty()
     });
     assert_eq!(f.failed.len(), 1, "{f:?}");
+    assert_eq!(f.failed[0].cause, kvlink::FailureCause::Connection);
     assert!(
         f.failed[0].reason.contains("timed out"),
         "{:?}",

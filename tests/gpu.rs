@@ -231,7 +231,7 @@ fn device_to_host_over_tcp_through_staging() {
 
 #[test]
 fn cuda_device_memory_over_tcp_every_byte_checked() {
-    if !cuda_loaded("cuda_device_memory_over_tcp_every_byte_checked") {
+    if !cuda_loaded() {
         return;
     }
     let seed = 0xC0DA;

@@ -69,6 +69,7 @@ fn a_key_holder_reads_only_what_is_held_for_it() {
         .unwrap();
     let f = collect(&a.engine, Duration::from_secs(20), |f| !f.is_empty());
     let why = &f.failed[0].reason;
+    assert_eq!(f.failed[0].cause, FailureCause::Peer, "{why}");
     assert!(why.contains("block 4") && why.contains("not held"), "{why}");
     // That reader's own abort does end the request.
     let s = collect(&prefill.engine, Duration::from_secs(10), |f| !f.is_empty());
@@ -79,6 +80,7 @@ fn a_key_holder_reads_only_what_is_held_for_it() {
     let before = prefill.engine.stats().notices_refused;
     b.engine.read_blocks(&peer, "ghost", &[1], &[1]).unwrap();
     let f = collect(&b.engine, Duration::from_secs(20), |f| !f.is_empty());
+    assert_eq!(f.failed[0].cause, FailureCause::Peer, "{f:?}");
     assert!(f.failed[0].reason.contains("not held"), "{f:?}");
     eventually("the ghost abort refused", || {
         prefill.engine.stats().notices_refused > before

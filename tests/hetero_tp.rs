@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use common::tp::{rank, run, Case};
 use common::*;
-use kvlink::{EngineConfig, ModelShape, ReadFrom, ReadRequest, RequestId, TpRank};
+use kvlink::{
+    EngineConfig, Error, FailureCause, ModelShape, ReadFrom, ReadRequest, RequestId, TpRank,
+};
 
 fn tcp() -> EngineConfig {
     EngineConfig {
@@ -99,8 +101,11 @@ fn unpairable_sizes_and_partial_sources_are_refused_with_the_reason() {
         .layout_tp(region.id(), 2, TpRank::SOLO, false)
         .unwrap();
     bad.tensors.truncate(2);
-    let err = e.set_layout(bad).unwrap_err().to_string();
-    assert!(err.contains("TP 3"), "{err}");
+    let err = e.set_layout(bad).unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidArgument(_)) && err.to_string().contains("TP 3"),
+        "{err}"
+    );
 
     let p: Vec<_> = (0..2)
         .map(|r| rank(&shape, TpRank::new(r, 2), 8, Some(7), false, false, tcp()))
@@ -117,6 +122,7 @@ fn unpairable_sizes_and_partial_sources_are_refused_with_the_reason() {
     // One prefill rank of two lacks half of the decode's heads.
     d.engine.read_blocks(&addrs[1], "half", &[0], &[1]).unwrap();
     let f = collect(&d.engine, Duration::from_secs(20), |f| !f.failed.is_empty());
+    assert_eq!(f.failed[0].cause, FailureCause::Other, "{:?}", f.failed);
     assert!(
         f.failed[0].reason.contains("KV head 0") && f.failed[0].reason.contains("whole prefill"),
         "{:?}",
@@ -137,6 +143,7 @@ fn unpairable_sizes_and_partial_sources_are_refused_with_the_reason() {
         })
         .unwrap();
     let f = collect(&d.engine, Duration::from_secs(20), |f| !f.failed.is_empty());
+    assert_eq!(f.failed[0].cause, FailureCause::Other, "{:?}", f.failed);
     assert!(f.failed[0].reason.contains("rank order"), "{:?}", f.failed);
     // Each prefill rank read heard the abort and freed the request at once (rank 0 was not
     // read for "half": its hold is released).
@@ -164,9 +171,11 @@ fn unpairable_sizes_and_partial_sources_are_refused_with_the_reason() {
             &pm.engine.handshake_address().to_string(),
             Duration::from_secs(10),
         )
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("neither is a multiple"), "{err}");
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::Handshake { .. }) && err.to_string().contains("neither is a multiple"),
+        "{err}"
+    );
     // One engine that this rank does not pair with (decode rank 1 of 2 and prefill rank 0 of
     // 2): refused with the reason, as the prefill would not admit it as a reader.
     let d1 = rank(&mla, TpRank::new(1, 2), 2, None, false, false, tcp());
@@ -182,6 +191,7 @@ fn unpairable_sizes_and_partial_sources_are_refused_with_the_reason() {
     let f = collect(&d1.engine, Duration::from_secs(20), |f| {
         !f.failed.is_empty()
     });
+    assert_eq!(f.failed[0].cause, FailureCause::Other, "{:?}", f.failed);
     assert!(
         f.failed[0].reason.contains("does not read"),
         "{:?}",
@@ -199,9 +209,12 @@ fn unpairable_sizes_and_partial_sources_are_refused_with_the_reason() {
             first_tokens: Vec::new(),
             hold: None,
         })
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("neither is a multiple"), "{err}");
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidArgument(_))
+            && err.to_string().contains("neither is a multiple"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -242,6 +255,7 @@ fn one_prefill_rank_failing_fails_the_read_names_it_and_every_rank_hears() {
         .unwrap();
     let f = collect(&d.engine, Duration::from_secs(20), |f| !f.failed.is_empty());
     let reason = &f.failed[0].reason;
+    assert_eq!(f.failed[0].cause, FailureCause::Peer, "{reason}");
     assert!(
         reason.contains("prefill rank 0") && reason.contains("not held"),
         "{reason}"

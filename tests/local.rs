@@ -110,6 +110,7 @@ fn memory_that_cannot_be_shared_falls_back_to_tcp_or_is_refused() {
         !f.failed.is_empty()
     });
     let reason = &got.failed[0].reason;
+    assert_eq!(got.failed[0].cause, kvlink::FailureCause::Other, "{reason}");
     assert!(
         reason.contains("no same-host path") && reason.contains("no IPC export"),
         "{reason}"
@@ -138,6 +139,7 @@ fn the_serving_engine_enforces_its_grants() {
     });
     assert_eq!(got.failed.len(), 2, "{got:?}");
     for f in &got.failed {
+        assert_eq!(f.cause, kvlink::FailureCause::Peer, "{}", f.reason);
         assert!(f.reason.contains("refused"), "{}", f.reason);
     }
     let stats = prefill.engine.stats();
@@ -220,7 +222,7 @@ fn two_processes_share_host_memory_and_survive_the_prefill_dying() {
 
 #[test]
 fn cuda_ipc_between_two_processes_every_byte_checked() {
-    if !cuda_loaded("cuda_ipc_between_two_processes_every_byte_checked") {
+    if !cuda_loaded() {
         return;
     }
     // CUDA IPC opens only another process's memory: the prefill runs in a child. Device to

@@ -107,7 +107,7 @@ fn tp_transfer(shape: ModelShape, prefill: u32, decode: u32, head_major: bool, g
 
 #[test]
 fn rdma_one_prefill_rank_read_by_two_and_four_decode_ranks() {
-    if rdma_available("rdma_one_prefill_rank_read_by_two_and_four_decode_ranks") {
+    if rdma_available() {
         tp_transfer(ModelShape::QWEN25_7B, 1, 2, false, false);
         tp_transfer(ModelShape::QWEN25_7B, 1, 4, true, false);
     }
@@ -115,7 +115,7 @@ fn rdma_one_prefill_rank_read_by_two_and_four_decode_ranks() {
 
 #[test]
 fn rdma_two_and_four_prefill_ranks_gathered_by_one_decode_rank() {
-    if rdma_available("rdma_two_and_four_prefill_ranks_gathered_by_one_decode_rank") {
+    if rdma_available() {
         tp_transfer(ModelShape::QWEN25_7B, 2, 1, true, false);
         tp_transfer(ModelShape::QWEN25_7B, 4, 1, false, false);
     }
@@ -123,7 +123,7 @@ fn rdma_two_and_four_prefill_ranks_gathered_by_one_decode_rank() {
 
 #[test]
 fn rdma_mla_across_tp_sizes() {
-    if rdma_available("rdma_mla_across_tp_sizes") {
+    if rdma_available() {
         tp_transfer(ModelShape::DEEPSEEK_V3_MLA, 1, 2, false, false);
         tp_transfer(ModelShape::DEEPSEEK_V3_MLA, 2, 1, false, false);
     }
@@ -131,7 +131,7 @@ fn rdma_mla_across_tp_sizes() {
 
 #[test]
 fn rdma_block_groups_with_their_own_block_ids() {
-    if rdma_available("rdma_block_groups_with_their_own_block_ids") {
+    if rdma_available() {
         tp_transfer(ModelShape::QWEN25_7B, 1, 1, false, true);
         tp_transfer(ModelShape::QWEN25_7B, 2, 1, true, true);
     }
@@ -139,21 +139,21 @@ fn rdma_block_groups_with_their_own_block_ids() {
 
 #[test]
 fn rdma_llama3_8b_random_blocks_concurrent() {
-    if rdma_available("rdma_llama3_8b_random_blocks_concurrent") {
+    if rdma_available() {
         transfer(ModelShape::LLAMA3_8B, 32, 6, 2);
     }
 }
 
 #[test]
 fn rdma_deepseek_mla_random_blocks_concurrent() {
-    if rdma_available("rdma_deepseek_mla_random_blocks_concurrent") {
+    if rdma_available() {
         transfer(ModelShape::DEEPSEEK_V3_MLA, 96, 8, 8);
     }
 }
 
 #[test]
 fn rdma_regions_split_into_chunks_still_transfer() {
-    if !rdma_available("rdma_regions_split_into_chunks_still_transfer") {
+    if !rdma_available() {
         return;
     }
     // 1 MiB registrations and 64 KiB work requests: segments cross chunk boundaries on both
@@ -176,7 +176,7 @@ fn rdma_regions_split_into_chunks_still_transfer() {
 
 #[test]
 fn rdma_transport_negotiation() {
-    if !rdma_available("rdma_transport_negotiation") {
+    if !rdma_available() {
         return;
     }
     let shape = ModelShape::DEEPSEEK_V3_MLA;
@@ -217,12 +217,13 @@ fn rdma_transport_negotiation() {
         .read_blocks(&tcp_peer, "c", &[1], &[2])
         .unwrap();
     let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert_eq!(f.failed[0].cause, kvlink::FailureCause::Connection, "{f:?}");
     assert!(f.failed[0].reason.contains("offers no RDMA"), "{f:?}");
 }
 
 #[test]
 fn rdma_with_authentication_keys_go_only_to_key_holders() {
-    if !rdma_available("rdma_with_authentication_keys_go_only_to_key_holders") {
+    if !rdma_available() {
         return;
     }
     let shape = ModelShape::DEEPSEEK_V3_MLA;
@@ -273,6 +274,7 @@ fn rdma_with_authentication_keys_go_only_to_key_holders() {
     let decode = side(&shape, 8, None, rdma_config());
     decode.engine.read_blocks(&peer, "n", &[1], &[2]).unwrap();
     let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert_eq!(f.failed[0].cause, kvlink::FailureCause::Connection, "{f:?}");
     assert!(
         f.failed[0].reason.contains("requires authentication"),
         "{f:?}"
@@ -324,7 +326,7 @@ fn faulty_read(fault: RdmaFault, expect: &str, status: u32) {
 
 #[test]
 fn rdma_wrong_remote_key_fails_with_the_verbs_error() {
-    if rdma_available("rdma_wrong_remote_key_fails_with_the_verbs_error") {
+    if rdma_available() {
         let fault = RdmaFault {
             rkey_xor: 0x00ab_cd00,
             addr_add: 0,
@@ -336,7 +338,7 @@ fn rdma_wrong_remote_key_fails_with_the_verbs_error() {
 
 #[test]
 fn rdma_out_of_range_remote_address_fails_with_the_verbs_error() {
-    if rdma_available("rdma_out_of_range_remote_address_fails_with_the_verbs_error") {
+    if rdma_available() {
         let fault = RdmaFault {
             rkey_xor: 0,
             addr_add: 1 << 40,
@@ -348,7 +350,7 @@ fn rdma_out_of_range_remote_address_fails_with_the_verbs_error() {
 
 #[test]
 fn rdma_two_process_llama3_8b() {
-    if !rdma_available("rdma_two_process_llama3_8b") {
+    if !rdma_available() {
         return;
     }
     let shape = ModelShape::LLAMA3_8B;
@@ -382,7 +384,7 @@ fn rdma_two_process_llama3_8b() {
 
 #[test]
 fn rdma_peer_killed_mid_transfer_then_a_new_peer_works() {
-    if !rdma_available("rdma_peer_killed_mid_transfer_then_a_new_peer_works") {
+    if !rdma_available() {
         return;
     }
     let shape = ModelShape::LLAMA3_8B;
@@ -434,7 +436,7 @@ fn rdma_peer_killed_mid_transfer_then_a_new_peer_works() {
 
 #[test]
 fn rdma_device_regions_take_the_device_registration_path() {
-    if !rdma_available("rdma_device_regions_take_the_device_registration_path") {
+    if !rdma_available() {
         return;
     }
     // Emulated device memory on both sides: registration goes through the device branch

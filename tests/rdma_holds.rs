@@ -34,7 +34,7 @@ fn reading(seed: u64, config: EngineConfig, id: &str) -> (Side, Side, String) {
 
 #[test]
 fn rdma_cancel_stops_a_read_in_flight_and_tells_the_prefill() {
-    if !rdma_available("rdma_cancel_stops_a_read_in_flight_and_tells_the_prefill") {
+    if !rdma_available() {
         return;
     }
     // The cancel lands mid-transfer.
@@ -60,7 +60,7 @@ fn rdma_cancel_stops_a_read_in_flight_and_tells_the_prefill() {
 
 #[test]
 fn rdma_a_hold_that_ends_mid_read_is_never_reported_received() {
-    if !rdma_available("rdma_a_hold_that_ends_mid_read_is_never_reported_received") {
+    if !rdma_available() {
         return;
     }
     // One-sided reads do not stop when a hold ends: 32 MiB (about a second on the emulated
@@ -89,7 +89,7 @@ fn rdma_a_hold_that_ends_mid_read_is_never_reported_received() {
 
 #[test]
 fn rdma_a_reader_gone_mid_read_has_its_hold_end_at_its_lease() {
-    if !rdma_available("rdma_a_reader_gone_mid_read_has_its_hold_end_at_its_lease") {
+    if !rdma_available() {
         return;
     }
     // A hold that names no reader learns its reader from the read's Reading notice (the RDMA

@@ -16,7 +16,7 @@ use kvlink::{EngineConfig, ModelShape, RdmaSettings, TransportChoice};
 /// The netdev under each device (tools/softroce/run.sh).
 const LINKS: [(&str, &str); 2] = [("rxe0", "dummy0"), ("rxe1", "dummy1")];
 
-fn two_devices(test: &str) -> Option<String> {
+fn two_devices() -> Option<String> {
     let devs = std::env::var("KVLINK_RDMA_DEVICES").unwrap_or_default();
     let n = devs.split(',').filter(|d| !d.is_empty()).count();
     let why = if n < 2 {
@@ -35,7 +35,7 @@ fn two_devices(test: &str) -> Option<String> {
     match why {
         None => Some(devs),
         Some(why) => {
-            skip(test, "fewer than two RDMA devices", &why);
+            skip("fewer than two RDMA devices", &why);
             None
         }
     }
@@ -106,7 +106,7 @@ fn reads(
 
 #[test]
 fn rdma_two_devices_stripe_fail_over_and_come_back() {
-    let Some(devs) = two_devices("rdma_two_devices_stripe_fail_over_and_come_back") else {
+    let Some(devs) = two_devices() else {
         return;
     };
     let cooldown = Duration::from_secs(8);
@@ -206,7 +206,7 @@ fn rdma_two_devices_stripe_fail_over_and_come_back() {
 
 #[test]
 fn rdma_a_reader_with_fewer_devices_pairs_with_the_first() {
-    let Some(devs) = two_devices("rdma_a_reader_with_fewer_devices_pairs_with_the_first") else {
+    let Some(devs) = two_devices() else {
         return;
     };
     let config = |device: &str| EngineConfig {

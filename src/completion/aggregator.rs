@@ -309,6 +309,7 @@ mod tests {
         assert!(a.take_finished().is_empty());
         a.poll(t0 + Duration::from_secs(10));
         let f = a.take_finished();
+        assert_eq!(f.failed[0].cause, FailureCause::Expired);
         assert!(
             f.failed[0].reason.contains("ranks [1, 3] never reported"),
             "{:?}",

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use super::presence::Presence;
 use super::{FailedRequest, FailureCause, Finished, Side, Totals, TransferReport};
-use crate::error::{Error, Refusal, Result};
+use crate::error::{Error, Refusal, RefusalKind, Result};
 use crate::grant::Grant;
 use crate::ids::RequestId;
 use crate::tp::{self, Reader, TpRank};
@@ -110,33 +110,40 @@ impl Held {
         }
         if let Some(n) = &self.named {
             if n != who {
-                return Err(
-                    format!("request {id} is held for another reader engine, not {who:?}").into(),
-                );
+                return Err(Refusal::new(
+                    RefusalKind::OtherReader,
+                    format!("request {id} is held for another reader engine, not {who:?}"),
+                ));
             }
         } else {
             if self.reader_size.is_some_and(|s| s != reader.tp.size) {
-                return Err(format!(
-                    "request {id} is held for a decode of TP {}; engine {who:?} is {}",
-                    self.reader_size.unwrap_or(0),
-                    reader.tp
-                )
-                .into());
+                return Err(Refusal::new(
+                    RefusalKind::WrongTp,
+                    format!(
+                        "request {id} is held for a decode of TP {}; engine {who:?} is {}",
+                        self.reader_size.unwrap_or(0),
+                        reader.tp
+                    ),
+                ));
             }
             if !tp::reads(reader.tp, own) {
-                return Err(format!(
-                    "request {id}: engine {who:?} ({} of a decode) does not read this prefill \
+                return Err(Refusal::new(
+                    RefusalKind::WrongTp,
+                    format!(
+                        "request {id}: engine {who:?} ({} of a decode) does not read this prefill \
                      {own} (a decode rank reads the prefill ranks tp::sources names)",
-                    reader.tp
-                )
-                .into());
+                        reader.tp
+                    ),
+                ));
             }
             if self.readers.iter().any(|r| r.rank == reader.tp.rank) {
-                return Err(format!(
+                return Err(Refusal::new(
+                    RefusalKind::OtherReader,
+                    format!(
                     "request {id} is held for another reader engine at decode rank {}, not {who:?}",
                     reader.tp.rank
-                )
-                .into());
+                    ),
+                ));
             }
         }
         if !admit {
@@ -313,18 +320,21 @@ impl CompletionTracker {
         reader: Option<&Reader>,
     ) -> std::result::Result<Arc<Grant>, Refusal> {
         let own = self.tp;
-        if let Some(h) = self.held.get_mut(id) {
-            match reader {
+        let kind = match self.held.get_mut(id) {
+            Some(h) => match reader {
                 None => return Ok(h.grant.clone()),
                 Some(r) if h.admit(own, id, r, false).is_ok() => return Ok(h.grant.clone()),
-                Some(_) => {}
-            }
-        }
-        Err(format!(
-            "request {id} is not held for this reader (the prefill holds a request with \
-             hold_blocks, granted to its readers, before they read)"
-        )
-        .into())
+                Some(_) => RefusalKind::OtherReader,
+            },
+            None => RefusalKind::NotHeld,
+        };
+        Err(Refusal::new(
+            kind,
+            format!(
+                "request {id} is not held for this reader (the prefill holds a request with \
+                 hold_blocks, granted to its readers, before they read)"
+            ),
+        ))
     }
 
     /// `reader` read request `id` (every check passed): it becomes one of the request's
@@ -361,13 +371,18 @@ impl CompletionTracker {
     ) -> std::result::Result<&'a mut Held, Refusal> {
         match held.get_mut(id) {
             Some(h) if hold.is_none_or(|t| t == h.token) => Ok(h),
-            Some(_) => Err(format!(
-                "request {id} is held again under another hold than the one read (hold {}): \
-                 that hold ended",
-                hold.unwrap_or_default()
-            )
-            .into()),
-            None => Err(format!("request {id} is not held by this engine").into()),
+            Some(_) => Err(Refusal::new(
+                RefusalKind::NotHeld,
+                format!(
+                    "request {id} is held again under another hold than the one read (hold {}): \
+                     that hold ended",
+                    hold.unwrap_or_default()
+                ),
+            )),
+            None => Err(Refusal::new(
+                RefusalKind::NotHeld,
+                format!("request {id} is not held by this engine"),
+            )),
         }
     }
 

@@ -17,7 +17,7 @@ use super::frame::{self, read_frame, write_frame};
 use super::messages::{Descriptor, Message};
 use super::ControlTimeouts;
 use crate::auth::{self, AuthKey, SessionSecret};
-use crate::error::{Error, Refusal, Result};
+use crate::error::{Error, Refusal, RefusalKind, Result};
 use crate::ids::RequestId;
 
 /// Notices queued towards one peer at most; beyond this they are dropped with a warning
@@ -162,7 +162,9 @@ impl Handshake {
                             // A confirmation nobody waits for (its read gave up) is dropped.
                             if let Some(tx) = confirms.lock().remove(&request_id) {
                                 let held = std::time::Duration::from_micros(held_us);
-                                let _ = tx.send(refused.map_or(Ok(held), |r| Err(Refusal(r))));
+                                let _ = tx.send(refused.map_or(Ok(held), |r| {
+                                    Err(Refusal::new(RefusalKind::Remote, r))
+                                }));
                             }
                         }
                         Ok(Message::Error { message }) => {

@@ -14,7 +14,7 @@ use super::handler::ControlHandler;
 use super::messages::{Descriptor, Message};
 use super::ControlTimeouts;
 use crate::auth::{self, AuthKey, SessionSecret};
-use crate::error::Refusal;
+use crate::error::{Refusal, RefusalKind};
 use crate::tp::{Reader, TpRank};
 
 /// How a handshake ended.
@@ -44,12 +44,6 @@ pub(super) struct Refused {
     pub(super) aborts_from: Option<Reader>,
 }
 
-impl From<String> for Refused {
-    fn from(reason: String) -> Self {
-        Refusal(reason).into()
-    }
-}
-
 impl From<Refusal> for Refused {
     fn from(reason: Refusal) -> Self {
         Refused {
@@ -76,13 +70,15 @@ pub(super) async fn handshake(
     };
     let (theirs, secret) = hello;
     if let Err(e) = theirs.validate() {
-        return Outcome::Refused(e.to_string().into());
+        return Outcome::Refused(Refusal::new(RefusalKind::Malformed, e.to_string()).into());
     }
     let Some(ours) = handler.descriptor() else {
         return Outcome::Refused(
-            "this engine has no KV layout registered yet; retry once it has"
-                .to_string()
-                .into(),
+            Refusal::new(
+                RefusalKind::NotReady,
+                "this engine has no KV layout registered yet; retry once it has",
+            )
+            .into(),
         );
     };
     let reader = Reader {
@@ -92,12 +88,14 @@ pub(super) async fn handshake(
     let diffs = ours.differences(&theirs);
     if !diffs.is_empty() {
         return Outcome::Refused(Refused {
-            reason: format!(
-                "incompatible with engine {} (its value vs yours): {}",
-                ours.engine_id,
-                diffs.join("; ")
-            )
-            .into(),
+            reason: Refusal::new(
+                RefusalKind::Incompatible,
+                format!(
+                    "incompatible with engine {} (its value vs yours): {}",
+                    ours.engine_id,
+                    diffs.join("; ")
+                ),
+            ),
             aborts_from: Some(reader),
         });
     }
@@ -127,30 +125,43 @@ async fn hello(
     )
     .await
     {
-        Err(_) => return Err(format!("no Hello within {:?}", timeouts.handshake).into()),
+        Err(_) => return Err(silent(format!("no Hello within {:?}", timeouts.handshake))),
         Ok(Ok(None)) => return Ok(None),
         Ok(Ok(Some(f))) => f,
         // With a key, most likely a Hello from an engine without it: say what to do.
-        Ok(Err(e)) if key.is_some() => return Err(format!("{KEY_REQUIRED} ({e})").into()),
-        Ok(Err(e)) => return Err(e.to_string().into()),
+        Ok(Err(e)) if key.is_some() => {
+            return Err(unauthenticated(format!("{KEY_REQUIRED} ({e})")))
+        }
+        Ok(Err(e)) => return Err(malformed(e.to_string())),
     };
     match (key, frame::decode::<Message>(first.0, &first.1)) {
         (None, Ok(Message::Hello { descriptor })) => Ok(Some((descriptor, None))),
-        (None, Ok(Message::AuthHello { .. })) => Err(
+        (None, Ok(Message::AuthHello { .. })) => Err(unauthenticated(
             "this engine has no authentication key; give every engine the same \
-             KVLINK_AUTH_KEY, or none"
-                .into(),
-        ),
+             KVLINK_AUTH_KEY, or none",
+        )),
         (Some(key), Ok(Message::AuthHello { client_nonce })) => {
             authenticate(stream, peer, key, client_nonce, timeouts)
                 .await
                 .map(Some)
         }
         // Nothing about this engine goes to a peer that has not proved the key.
-        (Some(_), Ok(_)) => Err(KEY_REQUIRED.into()),
-        (None, Ok(other)) => Err(format!("expected Hello first, got {other:?}").into()),
-        (_, Err(e)) => Err(e.to_string().into()),
+        (Some(_), Ok(_)) => Err(unauthenticated(KEY_REQUIRED)),
+        (None, Ok(other)) => Err(malformed(format!("expected Hello first, got {other:?}"))),
+        (_, Err(e)) => Err(malformed(e.to_string())),
     }
+}
+
+fn silent(reason: impl Into<String>) -> Refusal {
+    Refusal::new(RefusalKind::Silent, reason)
+}
+
+fn unauthenticated(reason: impl Into<String>) -> Refusal {
+    Refusal::new(RefusalKind::Unauthenticated, reason)
+}
+
+fn malformed(reason: impl Into<String>) -> Refusal {
+    Refusal::new(RefusalKind::Malformed, reason)
 }
 
 /// What a keyed engine tells a peer that did not prove the key.
@@ -170,15 +181,15 @@ async fn authenticate(
     client_nonce: [u8; 32],
     timeouts: ControlTimeouts,
 ) -> std::result::Result<Hello, Refusal> {
-    let server_nonce = auth::nonce().map_err(|e| e.to_string())?;
+    let server_nonce = auth::nonce().map_err(|e| unauthenticated(e.to_string()))?;
     let challenge = frame::encode(&Message::AuthChallenge {
         server_nonce,
         server_proof: auth::server_proof(key, &client_nonce, &server_nonce),
     })
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| unauthenticated(e.to_string()))?;
     match timeout(timeouts.handshake, write_frame(stream, &challenge)).await {
         Ok(Ok(())) => {}
-        _ => return Err("could not send the authentication challenge".into()),
+        _ => return Err(silent("could not send the authentication challenge")),
     }
     let proof = timeout(
         timeouts.handshake,
@@ -187,31 +198,34 @@ async fn authenticate(
     let frame = match proof.await {
         Ok(Ok(Some(f))) => f,
         Err(_) => {
-            return Err(
-                format!("no answer to the challenge within {:?}", timeouts.handshake).into(),
-            )
+            return Err(silent(format!(
+                "no answer to the challenge within {:?}",
+                timeouts.handshake
+            )))
         }
-        Ok(Ok(None)) | Ok(Err(_)) => return Err("authentication failed".into()),
+        Ok(Ok(None)) | Ok(Err(_)) => return Err(unauthenticated("authentication failed")),
     };
     match frame::decode::<Message>(frame.0, &frame.1) {
         Ok(Message::AuthProof { client_proof })
             if auth::client_proof_checks(key, &client_nonce, &server_nonce, &client_proof) => {}
-        _ => return Err("authentication failed".into()),
+        _ => return Err(unauthenticated("authentication failed")),
     }
     tracing::debug!(%peer, "reader authenticated");
     // Authenticated: the Hello may be as large as any frame.
     let frame = match timeout(timeouts.handshake, read_frame(stream)).await {
         Ok(Ok(Some(f))) => f,
-        Err(_) => return Err(format!("no Hello within {:?}", timeouts.handshake).into()),
-        Ok(Ok(None)) => return Err("the reader closed before its Hello".into()),
-        Ok(Err(e)) => return Err(e.to_string().into()),
+        Err(_) => return Err(silent(format!("no Hello within {:?}", timeouts.handshake))),
+        Ok(Ok(None)) => return Err(silent("the reader closed before its Hello")),
+        Ok(Err(e)) => return Err(malformed(e.to_string())),
     };
     match frame::decode::<Message>(frame.0, &frame.1) {
         Ok(Message::Hello { descriptor }) => Ok((
             descriptor,
             Some(SessionSecret::derive(key, &client_nonce, &server_nonce)),
         )),
-        Ok(other) => Err(format!("expected Hello after authentication, got {other:?}").into()),
-        Err(e) => Err(e.to_string().into()),
+        Ok(other) => Err(malformed(format!(
+            "expected Hello after authentication, got {other:?}"
+        ))),
+        Err(e) => Err(malformed(e.to_string())),
     }
 }

@@ -143,7 +143,7 @@ async fn connection(
             reason,
             aborts_from,
         }) => {
-            let refused = refuse_handshake(&mut stream, &*handler, reason.0).await;
+            let refused = refuse_handshake(&mut stream, &*handler, reason.into_reason()).await;
             if let Some(reader) = aborts_from {
                 aborts_after_refusal(&mut stream, peer, &reader, &*handler, timeouts).await;
             }
@@ -266,7 +266,7 @@ impl Serving<'_> {
                 );
                 let answer = Message::Confirm {
                     request_id: request_id.clone(),
-                    refused: r.clone().err().map(|r| r.0),
+                    refused: r.clone().err().map(Refusal::into_reason),
                     held_us: r.as_ref().map_or(0, |d| d.as_micros() as u64),
                 };
                 self.refused(&request_id, r.map(drop));

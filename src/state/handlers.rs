@@ -11,7 +11,7 @@ use crate::auth::{AuthKey, SessionSecret};
 use crate::completion::SendNotice;
 use crate::control::messages::Descriptor;
 use crate::control::ControlHandler;
-use crate::error::{RdmaError, RdmaErrorKind, Refusal};
+use crate::error::{RdmaError, RdmaErrorKind, Refusal, RefusalKind};
 use crate::gpu::{DeviceRuntime, GpuApi};
 use crate::grant::Grant;
 use crate::ids::{RegionId, RequestId};
@@ -75,16 +75,16 @@ impl ControlHandler for EngineState {
             }
             Err(why) => {
                 c.messages_refused.fetch_add(1, Ordering::Relaxed);
-                Err(match why {
+                let reason = match why {
                     Refused::TooLarge => format!(
                         "message of {len} bytes is over the {} byte limit",
                         crate::inbox::MAX_MESSAGE_BYTES
-                    )
-                    .into(),
+                    ),
                     Refused::Full => "inbox full: the application does not take its messages \
                                       (Engine::take_messages)"
-                        .into(),
-                })
+                        .to_string(),
+                };
+                Err(Refusal::new(RefusalKind::Limit, reason))
             }
         }
     }

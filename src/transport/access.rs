@@ -15,7 +15,7 @@ use tokio::time::timeout;
 
 use super::tcp::wire::{Entry, AUTH_REPLY, MAX_REQUEST_BYTES};
 use crate::auth::{self, SessionSecret};
-use crate::error::{Error, Refusal, Result};
+use crate::error::{Error, Refusal, RefusalKind, Result};
 use crate::gpu::{DeviceRuntime, GpuApi};
 use crate::grant::Grant;
 use crate::ids::{RegionId, RequestId};
@@ -112,7 +112,7 @@ pub(crate) fn authorize(
     id: &RequestId,
     reader: Option<&Reader>,
     sources: impl Iterator<Item = Source>,
-) -> Result<Authorized> {
+) -> std::result::Result<Authorized, Refusal> {
     let grant = exports.grant(id, reader)?;
     let (spans, total) = resolve(exports, grant.as_deref(), sources)?;
     Ok(Authorized {
@@ -128,7 +128,7 @@ fn resolve(
     exports: &dyn Exports,
     grant: Option<&Grant>,
     sources: impl Iterator<Item = Source>,
-) -> Result<(Vec<RegionSpan>, u64)> {
+) -> std::result::Result<(Vec<RegionSpan>, u64), Refusal> {
     let mut spans = Vec::new();
     let mut total = 0u64;
     let mut checker = grant.map(Grant::checker);
@@ -136,18 +136,20 @@ fn resolve(
         // The size cap first: it bounds the grant walk below too.
         total = total.saturating_add(s.len);
         if total > MAX_REQUEST_BYTES {
-            return Err(Error::invalid(format!(
-                "request asks for more than {MAX_REQUEST_BYTES} bytes"
-            )));
+            return Err(Refusal::new(
+                RefusalKind::Limit,
+                format!("request asks for more than {MAX_REQUEST_BYTES} bytes"),
+            ));
         }
+        let not_exported = |why: String| Refusal::new(RefusalKind::NotExported, why);
         let region = exports
             .region(s.region)
-            .ok_or_else(|| Error::invalid(format!("entry {i}: {} is not exported", s.region)))?;
+            .ok_or_else(|| not_exported(format!("entry {i}: {} is not exported", s.region)))?;
         let span = RegionSpan::new(region, s.offset, s.len)
-            .map_err(|err| Error::invalid(format!("entry {i}: {err}")))?;
+            .map_err(|err| not_exported(format!("entry {i}: {err}")))?;
         if let Some(c) = &mut checker {
             c.check(s.region, s.offset, s.len)
-                .map_err(|why| Error::invalid(format!("entry {i}: {why}")))?;
+                .map_err(|why| Refusal::new(why.kind(), format!("entry {i}: {why}")))?;
         }
         spans.push(span);
     }
@@ -268,7 +270,10 @@ mod tests {
             match id.as_str() {
                 "open" => Ok(None),
                 "held" if reader.is_none_or(|r| r.engine == "dec") => Ok(Some(self.grant.clone())),
-                _ => Err(format!("{id} is not held for this reader").into()),
+                _ => Err(Refusal::new(
+                    RefusalKind::NotHeld,
+                    format!("{id} is not held for this reader"),
+                )),
             }
         }
         fn claim(&self, id: &RequestId, reader: &Reader) {
@@ -286,11 +291,17 @@ mod tests {
         }
     }
 
-    fn refusal(f: &Fake, id: &str, reader: Option<&Reader>, sources: &[Source]) -> String {
+    /// Why `authorize` refuses, and what it says.
+    fn refusal(
+        f: &Fake,
+        id: &str,
+        reader: Option<&Reader>,
+        sources: &[Source],
+    ) -> (RefusalKind, String) {
         let id = RequestId::from(id);
         match authorize(f, &id, reader, sources.iter().copied()) {
             Ok(a) => panic!("authorized {:?}", a.spans.len()),
-            Err(e) => e.to_string(),
+            Err(e) => (e.kind(), e.to_string()),
         }
     }
 
@@ -321,30 +332,33 @@ mod tests {
         let f = fake();
         let r = Some(dec());
         let held = |s: &[Source]| refusal(&f, "held", r.as_ref(), s);
-        assert!(
-            held(&[src(0, 100)]).contains("entry 0") && held(&[src(0, 100)]).contains("not held")
-        );
-        assert!(
-            held(&[src(256, 100), src(256, 101)]).contains("entry 1"),
-            "padding"
-        );
+        // Each names the entry it refuses (the kind says why).
+        let (kind, text) = held(&[src(0, 100)]);
+        assert_eq!(kind, RefusalKind::OutOfGrant, "{text}");
+        assert!(text.starts_with("entry 0:"), "{text}");
+        let (kind, text) = held(&[src(256, 100), src(256, 101)]);
+        assert_eq!(kind, RefusalKind::NotExported, "padding: {text}");
+        assert!(text.starts_with("entry 1:"), "{text}");
         let other = Source {
             region: RegionId(9),
             ..src(0, 1)
         };
-        assert!(held(&[other]).contains("is not exported"));
-        assert!(
-            held(&[src(1000, 100)]).contains("entry 0"),
-            "past the region's end"
+        assert_eq!(held(&[other]).0, RefusalKind::NotExported);
+        let (kind, text) = held(&[src(1000, 100)]);
+        assert_eq!(
+            kind,
+            RefusalKind::NotExported,
+            "past the region's end: {text}"
         );
         let over = [src(256, 100), src(0, MAX_REQUEST_BYTES)];
-        assert!(held(&over).contains(&format!("more than {MAX_REQUEST_BYTES}")));
+        assert_eq!(held(&over).0, RefusalKind::Limit);
         let stranger = Reader {
             engine: "other".into(),
             tp: TpRank::SOLO,
         };
-        assert!(refusal(&f, "held", Some(&stranger), &[src(256, 1)]).contains("not held"));
-        assert!(refusal(&f, "unknown", None, &[src(256, 1)]).contains("not held"));
+        let refused = |id, r: Option<&Reader>| refusal(&f, id, r, &[src(256, 1)]).0;
+        assert_eq!(refused("held", Some(&stranger)), RefusalKind::NotHeld);
+        assert_eq!(refused("unknown", None), RefusalKind::NotHeld);
     }
 
     #[test]
@@ -355,7 +369,10 @@ mod tests {
         assert!(a.grant.is_none());
         a.claim(&f, &id, Some(&dec()));
         assert!(f.claimed.lock().unwrap().is_empty());
-        assert!(refusal(&f, "open", None, &[src(0, 1025)]).contains("entry 0"));
+        assert_eq!(
+            refusal(&f, "open", None, &[src(0, 1025)]).0,
+            RefusalKind::NotExported
+        );
     }
 
     #[test]
@@ -365,6 +382,6 @@ mod tests {
         assert!(still_granted(None).is_ok());
         f.grant.end();
         let e = still_granted(Some(&f.grant)).unwrap_err();
-        assert!(e.to_string().contains("hold ended"), "{e}");
+        assert!(matches!(e, Error::Protocol(_)), "{e}");
     }
 }

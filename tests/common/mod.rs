@@ -210,23 +210,50 @@ pub fn check_timeline(r: &kvlink::TransferReport) {
     assert!(t.held.is_some(), "{t:?}");
 }
 
-/// Says "`test`: skipped: `reason` (`detail`)", the line tools/test.sh counts as a skip: the
-/// one way a test of these suites says it did not run. Written to the process's stderr
-/// directly (libtest does not capture that, so the skip shows in every run's output), in one
-/// write, so that parallel tests cannot interleave inside it.
-pub fn skip(test: &str, reason: &str, detail: &str) {
+/// Says that the running test did not run for real, and why: the one way a test of these
+/// suites says so. Two lines: "`test`: skipped: `reason` (`detail`)" for people, and the
+/// record the test command's tally counts (tools/test/tally.py),
+/// `kvlink-skip {"test":…,"reason":…,"detail":…}`. The test's name is its thread's: libtest
+/// runs each test on a thread named after it. Written to the process's stderr directly
+/// (libtest does not capture that, so the skip shows in every run's output), in one write, so
+/// that parallel tests cannot interleave inside it.
+pub fn skip(reason: &str, detail: &str) {
     use std::io::Write;
-    let line = format!("{test}: skipped: {reason} ({detail})\n");
-    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    let thread = std::thread::current();
+    let test = thread.name().unwrap_or("a test off its own thread");
+    let record = format!(
+        "{{\"test\":{},\"reason\":{},\"detail\":{}}}",
+        json_string(test),
+        json_string(reason),
+        json_string(detail)
+    );
+    let lines = format!("{test}: skipped: {reason} ({detail})\nkvlink-skip {record}\n");
+    let _ = std::io::stderr().lock().write_all(lines.as_bytes());
+}
+
+/// `s` as a JSON string literal.
+fn json_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
 }
 
 /// Whether CUDA is loaded here; when it is not, the test is skipped ("no CUDA").
-pub fn cuda_loaded(test: &str) -> bool {
+pub fn cuda_loaded() -> bool {
     let e = Engine::start(quick_config()).unwrap();
     match e.capabilities().gpu.cuda {
         Ok(_) => true,
         Err(why) => {
-            skip(test, "no CUDA", &why);
+            skip("no CUDA", &why);
             false
         }
     }

@@ -7,7 +7,7 @@ use super::quick_config;
 
 /// True when an RDMA device is usable; otherwise says why the test is skipped (or fails inside
 /// the VM, where the device must exist).
-pub fn rdma_available(test: &str) -> bool {
+pub fn rdma_available() -> bool {
     let settings = RdmaSettings {
         device: std::env::var("KVLINK_RDMA_DEVICE").ok(),
         ..RdmaSettings::default()
@@ -16,9 +16,9 @@ pub fn rdma_available(test: &str) -> bool {
         Ok(_) => true,
         Err(why) => {
             if std::env::var_os("KVLINK_SOFTROCE").is_some() {
-                panic!("{test}: inside the SoftRoCE VM but RDMA is unavailable: {why}");
+                panic!("inside the SoftRoCE VM but RDMA is unavailable: {why}");
             }
-            super::skip(test, "no RDMA device", &why);
+            super::skip("no RDMA device", &why);
             false
         }
     }

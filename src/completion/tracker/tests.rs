@@ -1,6 +1,7 @@
 //! Tests of `crate::completion::tracker`.
 
 use super::*;
+use crate::error::RefusalKind;
 
 fn rd(engine: &str) -> Reader {
     Reader {
@@ -129,6 +130,7 @@ fn held_send_finishes_on_notice_or_expires() {
     t.poll(t0 + Duration::from_secs(4));
     let f = t.take_finished();
     assert_eq!(f.sending, vec![RequestId::from("x")]);
+    assert_eq!(f.failed[0].cause, FailureCause::Peer);
     assert!(f.failed[0].reason.contains("decode OOM"));
     t.poll(t0 + Duration::from_secs(5));
     let f = t.take_finished();
@@ -145,7 +147,7 @@ fn notices_for_requests_never_held_are_refused_not_stored() {
     let e = t
         .handle_notice(&"e".into(), &rd("d"), SendNotice::Done, None)
         .unwrap_err();
-    assert!(e.contains("not held"), "{e}");
+    assert_eq!(e.kind(), RefusalKind::NotHeld, "{e}");
     hold(&mut t, "e", None, t0);
     assert!(
         t.take_finished().is_empty(),
@@ -162,15 +164,17 @@ fn only_the_requests_reader_reads_and_confirms() {
     // Named at hold time.
     hold(&mut t, "a", Some("decode-1"), t0);
     assert!(t.grant_for(&"a".into(), Some(&rd("decode-2"))).is_err());
-    assert!(t
-        .handle_notice(
+    assert_eq!(
+        t.handle_notice(
             &"a".into(),
             &rd("decode-2"),
             SendNotice::Aborted("x".into()),
             None,
         )
         .unwrap_err()
-        .contains("another reader"));
+        .kind(),
+        RefusalKind::OtherReader
+    );
     assert_eq!(t.holding(), 1, "the foreign abort changed nothing");
     assert!(t
         .grant_for(&"a".into(), Some(&rd("decode-1")))
@@ -191,7 +195,7 @@ fn only_the_requests_reader_reads_and_confirms() {
     );
     t.claim(&"b".into(), &rd("decode-3"));
     let e = t.grant_for(&"b".into(), Some(&rd("decode-4"))).unwrap_err();
-    assert!(e.contains("not held for this reader"), "{e}");
+    assert_eq!(e.kind(), RefusalKind::OtherReader, "{e}");
     assert!(t
         .handle_notice(&"b".into(), &rd("decode-4"), SendNotice::Done, None)
         .is_err());
@@ -221,7 +225,7 @@ fn a_prefill_rank_read_by_several_decode_ranks_waits_for_each() {
     let e = t
         .handle_notice(&"r".into(), &at("d0", 0, 4), SendNotice::Done, None)
         .unwrap_err();
-    assert!(e.contains("does not read"), "{e}");
+    assert_eq!(e.kind(), RefusalKind::WrongTp, "{e}");
     t.handle_notice(&"r".into(), &at("d2", 2, 4), SendNotice::Done, None)
         .unwrap();
     // The same notice again changes nothing.
@@ -229,14 +233,14 @@ fn a_prefill_rank_read_by_several_decode_ranks_waits_for_each() {
         .unwrap();
     assert_eq!(t.holding(), 1, "one of two readers confirmed");
     // Another decode size, or another engine at a rank already taken, is refused.
-    assert!(t
+    let e = t
         .handle_notice(&"r".into(), &at("x", 1, 2), SendNotice::Done, None)
-        .unwrap_err()
-        .contains("TP 4"));
-    assert!(t
+        .unwrap_err();
+    assert_eq!(e.kind(), RefusalKind::WrongTp, "{e}");
+    let e = t
         .handle_notice(&"r".into(), &at("x", 2, 4), SendNotice::Done, None)
-        .unwrap_err()
-        .contains("another reader"));
+        .unwrap_err();
+    assert_eq!(e.kind(), RefusalKind::OtherReader, "{e}");
     assert!(t.grant_for(&"r".into(), Some(&at("d3", 3, 4))).is_ok());
     assert!(t.grant_for(&"r".into(), Some(&at("d1", 1, 4))).is_err());
     t.handle_notice(&"r".into(), &at("d3", 3, 4), SendNotice::Done, None)
@@ -254,6 +258,7 @@ fn a_prefill_rank_read_by_several_decode_ranks_waits_for_each() {
     )
     .unwrap();
     let f = t.take_finished();
+    assert_eq!(f.failed[0].cause, FailureCause::Peer);
     assert!(f.failed[0].reason.contains("oom") && f.failed[0].reason.contains("\"d3\""));
     assert!(t
         .handle_notice(&"a".into(), &at("d2", 2, 4), SendNotice::Done, None)
@@ -265,6 +270,7 @@ fn a_prefill_rank_read_by_several_decode_ranks_waits_for_each() {
         .unwrap();
     t.poll(t0 + Duration::from_secs(6));
     let f = t.take_finished();
+    assert_eq!(f.failed[0].cause, FailureCause::Expired);
     assert!(
         f.failed[0].reason.contains("only 1 of 2"),
         "{}",
@@ -341,9 +347,9 @@ fn a_gone_readers_hold_ends_when_its_lease_ends_to_the_instant() {
     assert_eq!(t.totals().sends_expired, 2);
     assert_eq!(t.next_deadline(), Some(t0 + s(480)));
     t.poll(t0 + s(480));
-    assert!(t.take_finished().failed[0]
-        .reason
-        .contains("abort timeout of 480s"));
+    let f = t.take_finished();
+    assert_eq!(f.failed[0].cause, FailureCause::Expired);
+    assert!(f.failed[0].reason.contains("abort timeout of 480s"));
     assert_eq!(
         t.totals().sends_lease_expired,
         2,
@@ -421,8 +427,11 @@ fn a_hold_for_a_gone_reader_gives_it_a_whole_lease_and_a_claim_may_be_refused() 
         "20 s plus a whole lease"
     );
     let e = t.claim_checked(&"late".into(), &rd("x"), None).unwrap_err();
-    assert!(e.contains("another reader"), "{e}");
-    assert!(t.claim_checked(&"nothing".into(), &rd("d"), None).is_err());
+    assert_eq!(e.kind(), RefusalKind::OtherReader, "{e}");
+    let e = t
+        .claim_checked(&"nothing".into(), &rd("d"), None)
+        .unwrap_err();
+    assert_eq!(e.kind(), RefusalKind::NotHeld, "{e}");
     // Once the engine's lease passed it is forgotten: new holds for it wait the abort timeout.
     t.poll(t0 + s(50));
     assert_eq!(t.take_finished().failed.len(), 1);
@@ -447,7 +456,7 @@ fn a_reused_request_id_is_told_apart_by_its_hold_token() {
         let e = t
             .handle_notice(&"r".into(), &rd("d"), notice, Some(7))
             .unwrap_err();
-        assert!(e.contains("another hold"), "{e}");
+        assert_eq!(e.kind(), RefusalKind::NotHeld, "{e}");
     }
     assert!(t.claim_checked(&"r".into(), &rd("d"), Some(7)).is_err());
     assert_eq!(t.holding(), 1, "the earlier hold's reader changed nothing");

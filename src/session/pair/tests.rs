@@ -192,7 +192,8 @@ async fn a_failed_connect_is_remembered_for_500_ms_then_retried() {
     assert!(d
         .failed
         .iter()
-        .all(|f| f.reason.contains("injected connect failure")));
+        .all(|f| f.cause == FailureCause::Connection
+            && f.reason.contains("injected connect failure")));
     assert_eq!(
         p.connects(),
         1,
@@ -213,7 +214,9 @@ async fn a_refused_session_still_frees_the_prefills_blocks() {
     let d = p.decode_finished();
     assert_eq!(d.failed.len(), 2, "{d:?}");
     assert!(
-        d.failed.iter().all(|f| f.reason.contains("refused")),
+        d.failed
+            .iter()
+            .all(|f| f.cause == FailureCause::Connection && f.reason.contains("refused")),
         "{d:?}"
     );
     // The aborts go out together on a connection of their own, once gathered (20 ms).
@@ -249,6 +252,7 @@ async fn a_connect_that_never_finishes_fails_within_its_bound() {
     assert_eq!(t0.elapsed(), cfg.request_timeout);
     let d = p.decode_finished();
     assert!(d.failed[0].expired, "{d:?}");
+    assert_eq!(d.failed[0].cause, FailureCause::Expired, "{d:?}");
     assert!(
         d.failed[0].reason.contains("connecting to prefill:1"),
         "{d:?}"
@@ -262,6 +266,7 @@ async fn a_connect_that_never_finishes_fails_within_its_bound() {
     p.read("r2", &[1], &[1]).await;
     assert_eq!(t1.elapsed(), Duration::ZERO);
     let d = p.decode_finished();
+    assert_eq!(d.failed[0].cause, FailureCause::Connection, "{d:?}");
     assert!(d.failed[0].reason.contains("(all steps)"), "{d:?}");
     assert!(!d.failed[0].expired, "{d:?}");
     assert_eq!(p.connects(), 1);
@@ -302,6 +307,8 @@ async fn a_read_names_its_reader_so_the_hold_ends_on_that_readers_lease() {
     });
     let s = p.prefill_finished();
     assert_eq!(s.failed.len(), 1, "{s:?}");
+    assert!(s.failed[0].expired, "{s:?}");
+    assert_eq!(s.failed[0].cause, FailureCause::Expired, "{s:?}");
     assert!(s.failed[0].reason.contains("lease"), "{s:?}");
     read.await.unwrap();
     let d = p.decode_finished();

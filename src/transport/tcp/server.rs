@@ -162,7 +162,8 @@ async fn connection(
             }
             Err(e) => {
                 regions.served(None);
-                let reason = e.to_string();
+                // What the reader is told, as every refusal of a read reads.
+                let reason = Error::from(e).to_string();
                 warn_limited!(REFUSED, %peer, tag, %reason, "refused a data request");
                 let mut msg =
                     wire::encode_response_header(tag, wire::STATUS_REFUSED, reason.len() as u64)

@@ -1,5 +1,5 @@
-# Sourced by tools/test.sh. vllm_venv VENV PIN [BASE] makes VENV hold the vLLM release PIN
-# (vllm==X.Y.Z) and pytest, or fails saying why.
+# Sourced by the test command's vLLM parts (tools/test/vllm.sh). vllm_venv VENV PIN [BASE] makes
+# VENV hold the vLLM release PIN (vllm==X.Y.Z) and pytest, or fails saying why.
 #
 # A vLLM release with its torch and CUDA libraries takes about 9 GB. With BASE (a venv made by
 # this function for another release), VENV is layered on it: a .pth file appends BASE's

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Test command part "atom": ATOM's own engine (CoreManager, EngineCore with its Scheduler, TP
+# workers), from its pinned snapshot, drives kvlink.atom in two processes, in .venv-vllm.
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+MIN_ATOM=27
+
+label="ATOM connector (ATOM snapshot ffdf3bb5, beside $VLLM_OLD_PIN)"
+echo "test: the ATOM connector through ATOM's own engine (pinned snapshot, in .venv-vllm)"
+# shellcheck disable=SC2086 # the extras are several requirements
+if old_vllm_ready && PIP_NO_CACHE_DIR=1 .venv-vllm/bin/pip install -q --disable-pip-version-check $ATOM_EXTRAS; then
+  pytest_part atom "$label" "$MIN_ATOM" atom "$repo/.venv-vllm/bin/python" \
+    -p no:cacheprovider -p no:warnings
+else
+  tally fail --part atom --label "$label" \
+    --why "$ATOM_EXTRAS could not be installed into .venv-vllm, or $VLLM_OLD_PIN is missing there (output above)"
+fi

@@ -1,0 +1,67 @@
+# Sourced by each part of the test command (tools/test.sh): the pinned releases, and the
+# helpers that run a suite and record it in the one tally (tally.py, file $KVLINK_TALLY).
+
+# The vLLM releases the connector is tested against: the newest (in .venv-vllm33) and the one
+# before it (in .venv-vllm, where the SGLang backend's and ATOM connector's tests also run).
+VLLM_PIN="vllm==0.33.0"
+VLLM_OLD_PIN="vllm==0.32.0"
+# The SGLang release the transfer backend is tested against. Its wheel goes into .venv-vllm
+# without its dependencies (it pins another torch than vLLM 0.32), plus the few its
+# disaggregation code imports that vLLM does not bring.
+SGLANG_PIN="sglang==0.5.23"
+SGLANG_EXTRAS="orjson==3.13.0 ipython==9.18.1 gguf==0.19.0"
+# ATOM is not on PyPI: its tests run ATOM from the pinned snapshot (tests/atom/harness.py finds
+# it beside the checkout, or at KVLINK_ATOM_SNAPSHOT) in .venv-vllm, plus the one module ATOM's
+# engine imports that vLLM does not bring.
+ATOM_EXTRAS="xxhash==4.1.0"
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$repo"
+export KVLINK_TALLY=${KVLINK_TALLY:-$repo/target/test-tally.jsonl}
+
+tally() { python3 "$repo/tools/test/tally.py" "$@"; }
+
+# cargo_part PART LABEL MIN SKIPS NOTE COMMAND...: runs a cargo test COMMAND, its output shown
+# and kept, and records it. SKIPS is "count" (a skip is reported) or "fail" (a skip fails).
+cargo_part() {
+  local part=$1 label=$2 min=$3 skips=$4 note=$5 log rc
+  shift 5
+  log=$(mktemp)
+  set +e
+  "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  tally add --part "$part" --label "$label" --kind cargo --log "$log" --rc "$rc" --min "$min" \
+    --skips "$skips" --note "$note"
+}
+
+# pytest_part PART LABEL MIN DIR PYTHON [PYTEST ARGS...]: runs pytest on tests/DIR with the
+# interpreter PYTHON and records its JUnit report. A skip fails: the test command installs
+# everything these suites need. -rs still lists each skip with its reason for people.
+pytest_part() {
+  local part=$1 label=$2 min=$3 dir=$4 python=$5 junit rc
+  shift 5
+  junit=$(mktemp -u --suffix=.xml)
+  set +e
+  (cd "tests/$dir" && "$python" -m pytest -q -rs --junitxml="$junit" "$@")
+  rc=$?
+  set -e
+  tally add --part "$part" --label "$label" --kind pytest --junit "$junit" --rc "$rc" \
+    --min "$min" --skips fail
+}
+
+# True when .venv-vllm holds the older vLLM release (the vllm32 part made it): the SGLang,
+# ATOM and engine-event parts run there.
+old_vllm_ready() {
+  .venv-vllm/bin/python -c "import sys; from importlib.metadata import version; sys.exit(version('vllm') != '${VLLM_OLD_PIN#vllm==}')" 2>/dev/null
+}
+
+# The wheel the python part built: the engine parts install it as a user would, without Rust.
+built_wheel() {
+  local w
+  for w in target/wheels/kvlink-*.whl; do
+    [ -f "$w" ] && { echo "$w"; return 0; }
+  done
+  echo "test: no kvlink wheel in target/wheels (the python part builds it)" >&2
+  return 1
+}

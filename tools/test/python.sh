@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Test command part "python": the Python bindings' wheel (maturin, abi3, manylinux_2_17) built
+# into target/wheels and installed into .venv, then their tests.
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+MIN_PYTHON=49
+
+echo "test: Python bindings (maturin wheel into .venv, pytest)"
+if [ ! -x .venv/bin/pip ]; then
+  rm -rf .venv
+  if ! python3 -m venv .venv; then
+    rm -rf .venv
+    tools/deps.sh python3-venv
+    python3 -m venv .venv
+  fi
+fi
+.venv/bin/pip install -q --disable-pip-version-check "maturin>=1.5,<2" ziglang numpy pytest pyzmq msgpack msgspec
+# The KV-event interop tests drive this tool against Python peers.
+cargo build -p kvlink-events-cli --quiet
+export KVLINK_EVENTS_BIN="$repo/target/debug/kvlink-events"
+export CARGO_TARGET_DIR="$repo/target/python"
+cargo fmt --manifest-path ffi/python/Cargo.toml -- --check
+cargo clippy --manifest-path ffi/python/Cargo.toml --quiet -- -D warnings
+rm -rf target/wheels
+# The wheel users install: abi3, linked by zig against glibc 2.17 so that it passes maturin's
+# manylinux_2_17 (manylinux2014) check, the oldest policy Rust's standard library supports.
+(cd ffi/python && PATH="$repo/.venv/bin:$PATH" ../../.venv/bin/maturin build --release --quiet \
+  --zig --compatibility manylinux_2_17 -o "$repo/target/wheels")
+unset CARGO_TARGET_DIR
+.venv/bin/pip install -q --disable-pip-version-check --force-reinstall target/wheels/kvlink-*.whl
+pytest_part python python "$MIN_PYTHON" python "$repo/.venv/bin/python"

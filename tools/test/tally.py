@@ -1,0 +1,243 @@
+#!/usr/bin/env python3
+"""The test command's one tally: every part's results, cargo and pytest alike, in one file.
+
+Each part of tools/test.sh records what ran with `add` (or `fail` when it could not run, or
+`skip` when it was left out on purpose); `summary` prints the closing lines and sets the exit
+status. Records are JSON lines in the file named by $KVLINK_TALLY (or --tally).
+
+Counts come from the test runners themselves:
+- cargo: libtest's "test result:" lines; a skip is a test that passed after writing
+  `kvlink-skip {"test": ..., "reason": ..., "detail": ...}` (tests/common's `skip`), so it is
+  taken out of the passed count. Ignored tests are the two-process tests' child helpers.
+- pytest: its JUnit XML report (--junitxml): one testcase each, passed, failed (a failure or
+  an error) or skipped with its message.
+
+A part fails when a test failed, when its runner exited non-zero without reporting a failure
+(a build or collection error), when fewer tests than its minimum passed, or, where skips are
+not allowed (--skips fail: the command installed everything those tests need), on any skip.
+
+  tally.py add --part host --label host --kind cargo --log LOG --rc 0 --min 160
+  tally.py add --part python --label python --kind pytest --junit X.xml --rc 0 --min 49 --skips fail
+  tally.py fail --part sglang --label "SGLang backend" --why "sglang could not be installed"
+  tally.py skip --part vm --label "SoftRoCE VM" --why "KVLINK_SKIP_VM=1"
+  tally.py summary
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+import xml.etree.ElementTree as ET
+from collections import Counter
+
+SKIP_MARK = "kvlink-skip "
+CARGO_RESULT = re.compile(r"^test result: \w+\. (\d+) passed; (\d+) failed; (\d+) ignored;")
+
+
+def cargo_counts(text):
+    """(ran, failed, ignored) summed over every "test result:" line of a cargo test log."""
+    ran = failed = ignored = 0
+    for line in text.splitlines():
+        m = CARGO_RESULT.match(line)
+        if m:
+            ran += int(m.group(1))
+            failed += int(m.group(2))
+            ignored += int(m.group(3))
+    return ran, failed, ignored
+
+
+def cargo_skips(text):
+    """The skips a cargo test log reports, as a set of (test, reason).
+
+    A skip record may start mid-line: with one test thread libtest has already written
+    "test name ... " when the test writes its skip to stderr.
+    """
+    decoder = json.JSONDecoder()
+    skips = set()
+    for line in text.splitlines():
+        at = line.find(SKIP_MARK)
+        if at < 0:
+            continue
+        try:
+            record, _ = decoder.raw_decode(line, at + len(SKIP_MARK))
+            skips.add((str(record["test"]), str(record["reason"])))
+        except (ValueError, KeyError, TypeError):
+            skips.add(("?", "an unreadable skip record"))
+    return skips
+
+
+def pytest_counts(xml_text):
+    """(passed, failed, skipped reasons) from a pytest JUnit XML report."""
+    root = ET.fromstring(xml_text)
+    passed = failed = 0
+    skipped = []
+    for case in root.iter("testcase"):
+        kinds = {child.tag for child in case}
+        if kinds & {"failure", "error"}:
+            failed += 1
+        elif "skipped" in kinds:
+            why = case.find("skipped").get("message", "")
+            skipped.append(why.removeprefix("Skipped: ").strip() or "no reason given")
+        else:
+            passed += 1
+    return passed, failed, skipped
+
+
+def tally_cargo(text, rc):
+    """A record's counts from a cargo test log and its exit status."""
+    ran, failed, ignored = cargo_counts(text)
+    skips = sorted(cargo_skips(text))
+    problems = []
+    if rc != 0 and failed == 0:
+        problems.append(f"cargo test exited {rc} before reporting a failure (build error?)")
+    return {
+        "passed": ran - len(skips),
+        "failed": failed,
+        "skipped": len(skips),
+        "reasons": dict(Counter(reason for _, reason in skips)),
+        "ignored": ignored,
+        "problems": problems,
+    }
+
+
+def tally_pytest(xml_text, rc):
+    """A record's counts from a pytest JUnit report (None: there is none) and its exit status."""
+    if xml_text is None:
+        return {"passed": 0, "failed": 0, "skipped": 0, "reasons": {}, "ignored": 0,
+                "problems": [f"pytest exited {rc} and wrote no report"]}
+    passed, failed, skipped = pytest_counts(xml_text)
+    problems = []
+    if rc != 0 and failed == 0:
+        problems.append(f"pytest exited {rc} before reporting a failure")
+    return {
+        "passed": passed,
+        "failed": failed,
+        "skipped": len(skipped),
+        "reasons": dict(Counter(skipped)),
+        "ignored": 0,
+        "problems": problems,
+    }
+
+
+def judge(record, minimum, skips_fail):
+    """Adds to a record's problems what its part's rules forbid: too few passed, any skip."""
+    if skips_fail and record["skipped"]:
+        record["problems"].append(
+            f"{record['skipped']} skipped; this command installs what they need, so a skip is a failure")
+    if record["passed"] < minimum:
+        record["problems"].append(f"only {record['passed']} passed; at least {minimum} expected")
+    return record
+
+
+def reasons_text(reasons):
+    """ " (2 no CUDA, 1 no RDMA device)" or ""."""
+    if not reasons:
+        return ""
+    ordered = sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))
+    return " (" + ", ".join(f"{n} {why}" for why, n in ordered) + ")"
+
+
+def failed_count(record):
+    """Failed tests, plus one for each problem of the part's own (a build error, too few run)."""
+    return record["failed"] + len(record["problems"])
+
+
+def line(record):
+    """One part's closing line."""
+    if record.get("left_out"):
+        return f"  {record['label']}: not run ({record['left_out']})"
+    text = (f"  {record['label']}: {record['passed']} passed, {failed_count(record)} failed, "
+            f"{record['skipped']} skipped{reasons_text(record['reasons'])}")
+    if record.get("ignored"):
+        text += f"; {record['ignored']} ignored, not counted"
+    if record.get("note"):
+        text += f"; {record['note']}"
+    for problem in record["problems"]:
+        text += f"\n    failed: {problem}"
+    return text
+
+
+def summary(records):
+    """The closing lines and whether the whole run passed."""
+    lines = ["test summary:"] + [line(r) for r in records]
+    counted = [r for r in records if not r.get("left_out")]
+    passed = sum(r["passed"] for r in counted)
+    failed = sum(failed_count(r) for r in counted)
+    skipped = sum(r["skipped"] for r in counted)
+    lines.append(f"tests: {passed} passed, {failed} failed, {skipped} skipped")
+    ok = bool(counted) and failed == 0
+    if not counted:
+        lines.append("test: no part recorded a result")
+    return lines, ok
+
+
+def read_records(path):
+    """Every record in the tally file (none when it does not exist)."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def append(path, record):
+    """Adds a record to the tally file and says its problems on stderr."""
+    for problem in record["problems"]:
+        print(f"test: {record['label']}: {problem}", file=sys.stderr)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_text(path):
+    """A file's text, or None when it does not exist."""
+    if not path or not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def main(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tally", default=os.environ.get("KVLINK_TALLY", "target/test-tally.jsonl"))
+    sub = p.add_subparsers(dest="cmd", required=True)
+    add = sub.add_parser("add", help="record a test run")
+    add.add_argument("--kind", choices=["cargo", "pytest"], required=True)
+    add.add_argument("--log", help="cargo: the run's output")
+    add.add_argument("--junit", help="pytest: its --junitxml report")
+    add.add_argument("--rc", type=int, required=True)
+    add.add_argument("--min", type=int, required=True)
+    add.add_argument("--skips", choices=["count", "fail"], default="count")
+    add.add_argument("--note", default="")
+    for name in ("fail", "skip"):
+        q = sub.add_parser(name, help=f"record a part that {'could not run' if name == 'fail' else 'was left out'}")
+        q.add_argument("--why", required=True)
+    for q in (add, sub.choices["fail"], sub.choices["skip"]):
+        q.add_argument("--part", required=True)
+        q.add_argument("--label", required=True)
+    sub.add_parser("summary", help="print the closing lines; exit 1 unless every part passed")
+    args = p.parse_args(argv)
+
+    if args.cmd == "add":
+        if args.kind == "cargo":
+            record = tally_cargo(read_text(args.log) or "", args.rc)
+        else:
+            record = tally_pytest(read_text(args.junit), args.rc)
+        record = judge(record, args.min, args.skips == "fail")
+        record.update(part=args.part, label=args.label, note=args.note)
+        append(args.tally, record)
+    elif args.cmd == "fail":
+        append(args.tally, {"part": args.part, "label": args.label, "passed": 0, "failed": 0,
+                            "skipped": 0, "reasons": {}, "ignored": 0, "problems": [args.why]})
+    elif args.cmd == "skip":
+        append(args.tally, {"part": args.part, "label": args.label, "passed": 0, "failed": 0,
+                            "skipped": 0, "reasons": {}, "ignored": 0, "problems": [],
+                            "left_out": args.why})
+    else:
+        lines, ok = summary(read_records(args.tally))
+        print("\n".join(lines))
+        return 0 if ok else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
