@@ -18,6 +18,7 @@ ROOTS = [
     "ffi/c/src",
     "ffi/python/src",
     "tools/kvlink-bench/src",
+    "tools/kvlink-soak/src",
     "tools/kvlink-events/src",
 ]
 # The kvlink crate's root holds the events crate's directory, which is a crate of its own.

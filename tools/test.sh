@@ -4,6 +4,7 @@
 # non-zero unless every part passed:
 #   checks         layers, cycles, format, lint (a failure stops the command at once)
 #   host           every Rust test on this machine, then the transfer suites with a key
+#   soak           a 60-second fault soak on this host (tools/soak.sh)
 #   python         the Python wheel (maturin, into .venv) and its tests
 #   vllm32         the vLLM connector through vLLM 0.32's own Scheduler (.venv-vllm)
 #   sglang         the SGLang backend through SGLang's own queues (.venv-vllm)
@@ -24,7 +25,7 @@
 # minimum (MIN_* in its file) fails too: a build that produced no tests must not look green.
 set -euo pipefail
 
-ALL_PARTS="checks host python vllm32 sglang atom vllm33 engine-events vm"
+ALL_PARTS="checks host soak python vllm32 sglang atom vllm33 engine-events vm"
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
 parts=${KVLINK_TEST_PARTS:-$ALL_PARTS}

@@ -7,8 +7,9 @@ source "$(dirname "$0")/lib.sh"
 echo "test: layers and cycles (no module imports from a layer above it, no two files import each other)"
 python3 tools/check_layers.py
 python3 tools/check_cycles.py
-echo "test: the test command's tally (tools/test/test_tally.py)"
+echo "test: the test command's tally and the soak's checks (tools/test, tools/soak)"
 python3 -m unittest discover -q -s tools/test
+python3 -m unittest discover -q -s tools/soak
 # A router depends on the events crate alone: none of the transfer engine may come with it.
 events_tree=$(cargo tree -p kvlink-events -e normal --prefix none --quiet)
 if engine_deps=$(grep -E '^(kvlink|sideway|rdma-mummy-sys|cudarc|libloading) ' <<<"$events_tree"); then

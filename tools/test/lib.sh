@@ -21,18 +21,24 @@ export KVLINK_TALLY=${KVLINK_TALLY:-$repo/target/test-tally.jsonl}
 
 tally() { python3 "$repo/tools/test/tally.py" "$@"; }
 
-# cargo_part PART LABEL MIN SKIPS NOTE COMMAND...: runs a cargo test COMMAND, its output shown
-# and kept, and records it. SKIPS is "count" (a skip is reported) or "fail" (a skip fails).
-cargo_part() {
-  local part=$1 label=$2 min=$3 skips=$4 note=$5 log rc
-  shift 5
+# logged_part KIND PART LABEL MIN SKIPS NOTE COMMAND...: runs COMMAND, its output shown and
+# kept, and records it as a run of KIND (cargo: a cargo test run; soak: tools/soak.sh). SKIPS
+# is "count" (a skip is reported) or "fail" (a skip fails).
+logged_part() {
+  local kind=$1 part=$2 label=$3 min=$4 skips=$5 note=$6 log rc
+  shift 6
   log=$(mktemp)
   set +e
   "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   set -e
-  tally add --part "$part" --label "$label" --kind cargo --log "$log" --rc "$rc" --min "$min" \
-    --skips "$skips" --note "$note"
+  tally add --part "$part" --label "$label" --kind "$kind" --log "$log" --rc "$rc" \
+    --min "$min" --skips "$skips" --note "$note"
+}
+
+# cargo_part PART LABEL MIN SKIPS NOTE COMMAND...: a cargo test run (logged_part cargo).
+cargo_part() {
+  logged_part cargo "$@"
 }
 
 # pytest_part PART LABEL MIN DIR PYTHON [PYTEST ARGS...]: runs pytest on tests/DIR with the

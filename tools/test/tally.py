@@ -11,6 +11,7 @@ Counts come from the test runners themselves:
   taken out of the passed count. Ignored tests are the two-process tests' child helpers.
 - pytest: its JUnit XML report (--junitxml): one testcase each, passed, failed (a failure or
   an error) or skipped with its message.
+- soak: tools/soak.sh's verdict lines, `soak: PASS ...` or `soak: FAIL ...`, one test each.
 
 A part fails when a test failed, when its runner exited non-zero without reporting a failure
 (a build or collection error), when fewer tests than its minimum passed, or, where skips are
@@ -99,6 +100,16 @@ def tally_cargo(text, rc):
         "ignored": ignored,
         "problems": problems,
     }
+
+
+def tally_soak(text, rc):
+    """A record's counts from the verdict lines of soak runs and the exit status."""
+    verdicts = re.findall(r"^soak: (PASS|FAIL)\b", text, re.M)
+    problems = []
+    if rc != 0 and "FAIL" not in verdicts:
+        problems.append(f"the soak exited {rc} without a verdict")
+    return {"passed": verdicts.count("PASS"), "failed": verdicts.count("FAIL"), "skipped": 0,
+            "reasons": {}, "ignored": 0, "problems": problems}
 
 
 def tally_pytest(xml_text, rc):
@@ -201,8 +212,8 @@ def main(argv):
     p.add_argument("--tally", default=os.environ.get("KVLINK_TALLY", "target/test-tally.jsonl"))
     sub = p.add_subparsers(dest="cmd", required=True)
     add = sub.add_parser("add", help="record a test run")
-    add.add_argument("--kind", choices=["cargo", "pytest"], required=True)
-    add.add_argument("--log", help="cargo: the run's output")
+    add.add_argument("--kind", choices=["cargo", "pytest", "soak"], required=True)
+    add.add_argument("--log", help="cargo, soak: the run's output")
     add.add_argument("--junit", help="pytest: its --junitxml report")
     add.add_argument("--rc", type=int, required=True)
     add.add_argument("--min", type=int, required=True)
@@ -220,6 +231,8 @@ def main(argv):
     if args.cmd == "add":
         if args.kind == "cargo":
             record = tally_cargo(read_text(args.log) or "", args.rc)
+        elif args.kind == "soak":
+            record = tally_soak(read_text(args.log) or "", args.rc)
         else:
             record = tally_pytest(read_text(args.junit), args.rc)
         record = judge(record, args.min, args.skips == "fail")

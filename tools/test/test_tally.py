@@ -59,6 +59,20 @@ class Cargo(unittest.TestCase):
         self.assertIn("build error", r["problems"][0])
 
 
+class Soak(unittest.TestCase):
+    def test_verdict_lines_count(self):
+        log = "soak: seed 5\nsoak: PASS seed=5 minutes=1\nsoak:  12.0 s  kill_decode D1\n"
+        r = tally.tally_soak(log, 0)
+        self.assertEqual((r["passed"], r["failed"], r["problems"]), (1, 0, []))
+        r = tally.tally_soak(log + "soak: FAIL seed=6 minutes=1\n", 1)
+        self.assertEqual((r["passed"], r["failed"], r["problems"]), (1, 1, []))
+
+    def test_an_exit_without_a_verdict_is_a_problem(self):
+        r = tally.tally_soak("soak: seed 5\nTraceback\n", 1)
+        self.assertEqual(r["passed"] + r["failed"], 0)
+        self.assertIn("without a verdict", r["problems"][0])
+
+
 class Pytest(unittest.TestCase):
     def test_each_testcase_counts_once(self):
         passed, failed, skipped = tally.pytest_counts(JUNIT)

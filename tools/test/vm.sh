@@ -1,28 +1,44 @@
 #!/usr/bin/env bash
-# Test command part "vm": the RDMA tests for real inside the SoftRoCE VM
-# (tools/softroce/run.sh): the one-device tests, the holds' (confirmations, leases) and the
-# two-device ones (striping, failover), in one boot. Inside the VM a skip fails: it has the
-# devices. KVLINK_SKIP_VM=1 leaves the part out, and the summary says so.
+# Test command part "vm": inside the SoftRoCE VM (tools/softroce/run.sh), in one boot, the RDMA
+# tests for real (the one-device tests, the holds' (confirmations, leases) and the two-device
+# ones (striping, failover)), then a 60-second fault soak over RDMA on rxe0 and rxe1 with their
+# links taken down and up (tools/soak). Inside the VM a skip fails: it has the devices.
+# KVLINK_SKIP_VM=1 leaves the part out, and the summary says so.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 MIN_VM=20
 
 label="SoftRoCE VM (RDMA)"
+soak_label="fault soak, SoftRoCE VM (60 s, RDMA)"
 if [ "${KVLINK_SKIP_VM:-0}" = 1 ]; then
   tally skip --part vm --label "$label" --why "KVLINK_SKIP_VM=1; the RDMA tests did not run for real"
   exit 0
 fi
-echo "test: RDMA tests inside the SoftRoCE VM"
+echo "test: RDMA tests and a fault soak inside the SoftRoCE VM"
 bins=$(cargo test --test rdma --test rdma_holds --test rdma_rails --no-run --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:
     d = json.loads(line)
     if d.get("reason") == "compiler-artifact" and d.get("executable") and d["target"]["name"] in ("rdma", "rdma_holds", "rdma_rails"):
         print(d["executable"])')
-if [ "$(printf '%s\n' "$bins" | grep -c .)" != 3 ]; then
-  tally fail --part vm --label "$label" --why "the three rdma test binaries could not be built"
+if [ "$(printf '%s\n' "$bins" | grep -c .)" != 3 ] || ! cargo build -p kvlink-soak --quiet; then
+  tally fail --part vm --label "$label" --why "the three rdma test binaries or kvlink-soak could not be built"
   exit 0
 fi
+soak_out=target/soak-vm
+mkdir -p "$soak_out"
 vmcmd=$(mktemp -p target vm-rdma.XXXXXX.sh)
-{ echo 'rc=0'; for b in $bins; do echo "\"$b\" --test-threads=1 || rc=1"; done; echo 'exit $rc'; } >"$vmcmd"
-cargo_part vm "$label" "$MIN_VM" fail "" tools/softroce/run.sh -- bash "$vmcmd"
+{
+  echo 'rc=0'
+  for b in $bins; do echo "\"$b\" --test-threads=1 || rc=1"; done
+  # The soak's verdict is its own line (`soak: PASS|FAIL`), tallied apart from the tests.
+  echo "python3 tools/soak/soak.py --vm --binary \"$repo/target/debug/kvlink-soak\" --minutes 1 --quiet 4 --out $soak_out --decodes network,network || echo \"soak: exited \$?\""
+  echo 'exit $rc'
+} >"$vmcmd"
+log=$(mktemp)
+set +e
+SOFTROCE_RWDIRS="$repo/$soak_out" tools/softroce/run.sh -- bash "$vmcmd" 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+set -e
+tally add --part vm --label "$label" --kind cargo --log "$log" --rc "$rc" --min "$MIN_VM" --skips fail
+tally add --part vm-soak --label "$soak_label" --kind soak --log "$log" --rc 0 --min 1

@@ -1,0 +1,100 @@
+"""The soak's report: requests, bytes, failures by cause, faults and how fast throughput came
+back after each, resource slopes per worker life, violations, and the verdict."""
+
+import statistics
+
+from checks import recovery, slope
+
+# A worker life shorter than this is too short to judge its resources.
+MIN_LIFE_S = 20.0
+# Growth allowed between the second and the last quarter of a life (medians): a leak grows
+# without bound, noise does not.
+LIMITS = {"fds": 8, "threads": 8, "rss_anon_kib": 16 * 1024, "qps": 8, "mr_bytes": 1 << 20}
+# Throughput must be back to this share of the rate before a fault within twice the quiet
+# window after it.
+RECOVERED = 0.9
+
+
+def resources(samples, warmup):
+    """Per worker life: slope per minute and growth of each figure, and whether it is flat."""
+    out = []
+    for (name, life), series in sorted(samples.items()):
+        series = [(t, s) for t, s in series if t >= warmup]
+        if not series or series[-1][0] - series[0][0] < MIN_LIFE_S:
+            continue
+        row = {"worker": f"{name}.{life}", "seconds": round(series[-1][0] - series[0][0], 1)}
+        q = len(series) // 4
+        flat = True
+        for key, limit in LIMITS.items():
+            if key not in series[0][1]:
+                continue  # QPs and registered bytes: only inside the VM
+            points = [(t / 60, s[key]) for t, s in series]
+            growth = (statistics.median(v for _, v in points[-q:]) -
+                      statistics.median(v for _, v in points[q:2 * q])) if q else 0
+            row[key] = {"per_min": round(slope(points), 2), "growth": growth,
+                        "first": points[0][1], "last": points[-1][1]}
+            flat = flat and growth <= limit
+        # The VM's totals rise as sessions first connect and dip while a worker is down: they
+        # are reported, and each worker's own figures are judged.
+        row["flat"] = flat or name == "VM"
+        out.append(row)
+    return out
+
+
+def recoveries(faults, rates, quiet):
+    """Per fault: the rate before it and seconds until throughput was back."""
+    out = []
+    for f in faults:
+        before = [r for t, r in rates if f["start"] - quiet <= t < f["start"]]
+        baseline = statistics.mean(before) if before else 0.0
+        end = f["end"] if f["end"] is not None else f["start"]
+        back = recovery(rates, end, baseline, RECOVERED) if baseline > 0 else None
+        ok = baseline == 0 or (back is not None and back <= 2 * quiet)
+        out.append({**{k: f[k] for k in ("kind", "target", "detail", "start", "end")},
+                    "baseline_mb_s": round(baseline / 1e6, 1), "recovery_s": back, "ok": ok})
+    return out
+
+
+def report(soak):
+    """(text, summary dict, whether the soak passed)."""
+    ledger, traffic = soak.ledger, soak.traffic
+    rates = traffic.rates(window=3)
+    res = resources(soak.samples, soak.o.warmup)
+    rec = recoveries(soak.faults.log, rates, soak.o.quiet)
+    kinds = {}
+    for f in soak.faults.log:
+        kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
+    seconds = max(1.0, soak.now())
+    summary = {
+        "seed": soak.o.seed, "minutes": soak.o.minutes, "requests": traffic.issued,
+        "received": ledger.received, "bytes_verified": ledger.bytes_verified,
+        "mb_per_s": round(ledger.bytes_verified / seconds / 1e6, 1),
+        "failures": dict(sorted(ledger.failures.items())), "faults": kinds,
+        "recoveries": rec, "resources": res,
+        "violations": [{"t": round(t, 2), "kind": k, "what": w} for t, k, w in ledger.violations],
+    }
+    ok = not ledger.violations and all(r["ok"] for r in rec) and all(r["flat"] for r in res)
+    return text(summary), summary, ok
+
+
+def text(s):
+    lines = [
+        f"requests {s['requests']}, received and verified {s['received']} "
+        f"({s['bytes_verified'] / 1e9:.2f} GB, {s['mb_per_s']} MB/s)",
+        "failed by cause: " + (", ".join(f"{k} {n}" for k, n in s["failures"].items()) or "none"),
+        "faults: " + (", ".join(f"{k} {n}" for k, n in sorted(s["faults"].items())) or "none"),
+    ]
+    for r in s["recoveries"]:
+        back = "n/a" if r["recovery_s"] is None else f"{r['recovery_s']:.0f} s"
+        lines.append(f"  {r['start']:7.1f} s {r['kind']:<16} {r['target'] or '':<7} "
+                     f"before {r['baseline_mb_s']:>7} MB/s, back in {back}"
+                     f"{'' if r['ok'] else '  NOT RECOVERED'}")
+    lines.append("resources (per minute; growth from the 2nd to the last quarter):")
+    for r in s["resources"]:
+        parts = [f"{k} {r[k]['per_min']:+}/min ({r[k]['first']} -> {r[k]['last']})"
+                 for k in LIMITS if k in r]
+        lines.append(f"  {r['worker']:<6} {r['seconds']:>6} s  " + ", ".join(parts)
+                     + ("" if r["flat"] else "  GROWING"))
+    for v in s["violations"][:20]:
+        lines.append(f"VIOLATION {v['t']:.1f} s {v['kind']}: {v['what']}")
+    return "\n".join(lines)

@@ -1,0 +1,176 @@
+"""Tests of the soak's invariants and report arithmetic (python3 -m unittest discover -s
+tools/soak), on event sequences written by hand: each violation the ledger must catch, and
+what it must let pass."""
+
+import unittest
+
+from checks import BACKSTOP, Ledger, recovery, slope
+from report import recoveries, resources
+
+
+def ledger():
+    return Ledger(request_timeout=10.0, lease=3.0, keepalive=0.5, slack=2.0)
+
+
+def request(l, rid="r1", t=0.0, abort=20.0, expected=100):
+    l.issue(rid, "P1", "D1", expected, t, abort)
+    l.held(rid, t + 0.01)
+    l.read_sent(rid, t + 0.02)
+
+
+def kinds(l):
+    return [k for _, k, _ in l.violations]
+
+
+class Outcomes(unittest.TestCase):
+    def test_a_confirmed_read_passes(self):
+        l = ledger()
+        request(l)
+        l.on_received("r1", 0.1, 100, 100)
+        l.on_sent("r1", 0.1)
+        l.check_deadlines(1000)
+        self.assertEqual(l.violations, [])
+        self.assertEqual((l.received, l.bytes_verified), (1, 100))
+
+    def test_bytes_not_all_verified_are_a_violation(self):
+        l = ledger()
+        request(l)
+        l.on_received("r1", 0.1, 100, 96)
+        self.assertEqual(kinds(l), ["bytes"])
+        l = ledger()
+        request(l)
+        l.on_corrupt("r1", 0.1, "tensor 0 differs")
+        self.assertEqual(kinds(l), ["bytes"])
+
+    def test_received_from_a_hold_that_failed_is_caught_in_either_order(self):
+        l = ledger()
+        request(l)
+        l.on_hold_end("r1", 0.5, "expired")
+        l.on_received("r1", 0.6, 100, 100)
+        self.assertEqual(kinds(l), ["unconfirmed"])
+        l = ledger()
+        request(l)
+        l.on_received("r1", 0.6, 100, 100)
+        l.on_hold_end("r1", 0.7, "peer")
+        self.assertEqual(kinds(l), ["unconfirmed"])
+
+    def test_a_prefill_that_died_voids_its_hold(self):
+        l = ledger()
+        request(l)
+        l.died("P1", 0.3)
+        l.on_received("r1", 0.4, 100, 100)
+        l.check_deadlines(1000)
+        self.assertEqual(l.violations, [])
+
+    def test_a_prefill_that_died_before_its_hold_began_ends_the_request(self):
+        l = ledger()
+        l.issue("r1", "P1", "D1", 100, 0.0, 20.0)
+        l.died("P1", 0.1)
+        self.assertEqual(l.open_requests(), [])
+
+    def test_a_failed_read_is_counted_by_cause(self):
+        l = ledger()
+        request(l)
+        l.on_read_failed("r1", 0.2, "unconfirmed")
+        l.on_hold_end("r1", 0.3, "expired")
+        self.assertEqual(l.failures, {"read:unconfirmed": 1, "hold:expired": 1})
+        self.assertEqual(l.violations, [])
+
+    def test_an_outcome_twice_or_for_no_request(self):
+        l = ledger()
+        request(l)
+        l.on_read_failed("r1", 0.2, "peer")
+        l.on_received("r1", 0.3, 100, 100)
+        l.on_sent("nobody", 0.3)
+        self.assertEqual(kinds(l), ["twice", "unknown"])
+
+    def test_an_ended_request_leaves_the_open_ones(self):
+        l = ledger()
+        request(l)
+        l.on_received("r1", 0.1, 100, 100)
+        self.assertEqual(len(l.open_requests()), 1, "its hold is still open")
+        l.on_sent("r1", 0.1)
+        self.assertEqual(l.open_requests(), [])
+        l.on_sent("r1", 0.2)
+        self.assertEqual(kinds(l), ["twice"])
+
+
+class Deadlines(unittest.TestCase):
+    def test_an_open_read_past_its_deadline(self):
+        l = ledger()
+        request(l)
+        bound = 0.02 + 10.0 + BACKSTOP + 2.0
+        l.check_deadlines(bound - 0.1)
+        self.assertEqual(l.violations, [])
+        l.check_deadlines(bound + 0.1)
+        self.assertIn("read-deadline", kinds(l))
+
+    def test_a_hold_that_never_began(self):
+        l = ledger()
+        l.issue("r1", "P1", "D1", 100, 0.0, 20.0)
+        l.check_deadlines(4.9)
+        self.assertEqual(l.violations, [])
+        l.check_deadlines(5.1)
+        self.assertEqual(kinds(l), ["hold-deadline"])
+        self.assertEqual(l.open_requests(), [])
+
+    def test_a_stopped_decode_extends_its_reads(self):
+        l = ledger()
+        request(l)
+        l.stop("D1", 1.0)
+        l.resume("D1", 5.0)
+        l.on_sent("r1", 0.5)
+        l.check_deadlines(0.02 + 10.0 + BACKSTOP + 2.0 + 3.9)
+        self.assertEqual(l.violations, [])
+
+    def test_a_hold_ends_within_the_lease_after_its_reader_died(self):
+        l = ledger()
+        request(l, abort=20.0)
+        l.died("D1", 1.0)
+        l.on_hold_end("r1", 1.0 + 3.0 + 1.5 + 1.9, "expired")
+        self.assertEqual(l.violations, [])
+        l = ledger()
+        request(l, abort=20.0)
+        l.died("D1", 1.0)
+        l.on_hold_end("r1", 1.0 + 3.0 + 1.5 + 2.1, "expired")
+        self.assertEqual(kinds(l), ["hold-deadline"])
+
+    def test_a_prefill_that_did_not_poll_may_report_late(self):
+        l = ledger()
+        request(l, abort=0.3)
+        l.stop("P1", 0.1)
+        l.resume("P1", 3.0)
+        l.on_hold_end("r1", 3.1, "expired")
+        self.assertEqual(l.violations, [])
+
+
+class Arithmetic(unittest.TestCase):
+    def test_slope_and_recovery(self):
+        self.assertAlmostEqual(slope([(0, 1), (1, 3), (2, 5)]), 2.0)
+        self.assertEqual(slope([(1, 1)]), 0.0)
+        rates = [(10.0, 100.0), (11.0, 20.0), (12.0, 50.0), (13.0, 95.0)]
+        self.assertEqual(recovery(rates, 11.0, 100.0), 2.0)
+        self.assertIsNone(recovery(rates, 11.0, 200.0))
+
+    def test_a_fault_must_be_recovered_from_within_twice_the_quiet_window(self):
+        rates = [(float(t), 100.0) for t in range(0, 10)] + [(10.0, 0.0), (11.0, 0.0)]
+        rates += [(float(t), 100.0) for t in range(12, 30)]
+        fault = {"kind": "kill_decode", "target": "D1", "detail": "", "start": 10.0, "end": 10.5}
+        (r,) = recoveries([fault], rates, quiet=6.0)
+        self.assertTrue(r["ok"])
+        self.assertEqual(r["recovery_s"], 1.5)
+        slow = [(t, 0.0 if 10 <= t < 25 else r_) for t, r_ in rates]
+        self.assertFalse(recoveries([fault], slow, quiet=6.0)[0]["ok"])
+
+    def test_a_growing_life_is_not_flat(self):
+        flat = [(float(t), {"fds": 30, "threads": 9, "rss_anon_kib": 9000}) for t in range(60)]
+        grow = [(t, dict(s, fds=30 + int(t))) for t, s in flat]
+        out = resources({("D0", 1): flat, ("P0", 1): grow, ("P1", 2): flat[:5]}, warmup=0)
+        self.assertEqual([r["worker"] for r in out], ["D0.1", "P0.1"], "a 5 s life is not judged")
+        self.assertTrue(out[0]["flat"])
+        self.assertFalse(out[1]["flat"])
+        self.assertAlmostEqual(out[1]["fds"]["per_min"], 60.0, places=0)
+
+
+if __name__ == "__main__":
+    unittest.main()
