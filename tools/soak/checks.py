@@ -134,14 +134,14 @@ class Ledger:
         self.received += 1
         self.bytes_verified += verified
         if not (verified == nbytes == r.expected):
-            self._violate(t, "bytes", f"{rid}: {verified} verified of {nbytes} reported, {r.expected} held")
+            self.violate(t, "bytes", f"{rid}: {verified} verified of {nbytes} reported, {r.expected} held")
         if r.hold_outcome is not None and r.hold_outcome not in ("sent", "void"):
-            self._violate(t, "unconfirmed", f"{rid} received, but its hold ended {r.hold_outcome}")
+            self.violate(t, "unconfirmed", f"{rid} received, but its hold ended {r.hold_outcome}")
         self._settle(r)
 
     def on_corrupt(self, rid, t, error):
         r = self._open_read(rid, t, "corrupt")
-        self._violate(t, "bytes", f"{rid}: bytes differ from the hold's: {error}")
+        self.violate(t, "bytes", f"{rid}: bytes differ from the hold's: {error}")
         self._settle(r)
 
     def on_read_failed(self, rid, t, cause):
@@ -154,7 +154,7 @@ class Ledger:
         r = self._close_hold(rid, t, "sent")
         if r is not None and r.read_outcome is not None and r.read_outcome.startswith("failed"):
             # The reader confirmed and then failed its read: it never reports such a read.
-            self._violate(t, "confirmed-failed", f"{rid}: hold sent, but its read {r.read_outcome}")
+            self.violate(t, "confirmed-failed", f"{rid}: hold sent, but its read {r.read_outcome}")
         self._settle(r)
 
     def on_hold_end(self, rid, t, cause):
@@ -163,7 +163,7 @@ class Ledger:
             return
         self._count("hold", cause)
         if r.read_outcome == "received":
-            self._violate(t, "unconfirmed", f"{rid} received, but its hold ended failed:{cause}")
+            self.violate(t, "unconfirmed", f"{rid} received, but its hold ended failed:{cause}")
         self._settle(r)
 
     # -- deadlines -----------------------------------------------------------------------------
@@ -195,13 +195,13 @@ class Ledger:
                 r.hold_end, r.hold_outcome = now, "overdue"
                 if r.read_end is None:
                     r.read_end, r.read_outcome = now, "overdue"
-                self._violate(now, "hold-deadline", f"{r.id}: hold asked at {r.issued:.1f} s never began")
+                self.violate(now, "hold-deadline", f"{r.id}: hold asked at {r.issued:.1f} s never began")
             if r.read_at is not None and r.read_end is None and now > self.read_deadline(r, now):
                 r.read_end, r.read_outcome = now, "overdue"
-                self._violate(now, "read-deadline", f"{r.id}: read from {r.read_at:.1f} s still open")
+                self.violate(now, "read-deadline", f"{r.id}: read from {r.read_at:.1f} s still open")
             if r.held is not None and r.hold_end is None and now > self.hold_deadline(r, now):
                 r.hold_end, r.hold_outcome = now, "overdue"
-                self._violate(now, "hold-deadline", f"{r.id}: hold from {r.held:.1f} s still open")
+                self.violate(now, "hold-deadline", f"{r.id}: hold from {r.held:.1f} s still open")
             self._settle(r)
 
     def open_requests(self):
@@ -217,9 +217,9 @@ class Ledger:
 
     def _missing(self, rid, t, what):
         if rid in self.finished:
-            self._violate(t, "twice", f"{rid}: {what} after the request ended")
+            self.violate(t, "twice", f"{rid}: {what} after the request ended")
         else:
-            self._violate(t, "unknown", f"{what} for a request never issued: {rid}")
+            self.violate(t, "unknown", f"{what} for a request never issued: {rid}")
 
     def _open_read(self, rid, t, outcome):
         r = self.requests.get(rid)
@@ -228,7 +228,7 @@ class Ledger:
             return None
         if r.read_end is not None:
             if r.read_outcome != "void":
-                self._violate(t, "twice", f"{rid}: read ended {r.read_outcome}, then {outcome}")
+                self.violate(t, "twice", f"{rid}: read ended {r.read_outcome}, then {outcome}")
             return None
         r.read_end, r.read_outcome = t, outcome
         return r
@@ -240,10 +240,10 @@ class Ledger:
             return None
         if r.hold_end is not None:
             if r.hold_outcome != "void":
-                self._violate(t, "twice", f"{rid}: hold ended {r.hold_outcome}, then {outcome}")
+                self.violate(t, "twice", f"{rid}: hold ended {r.hold_outcome}, then {outcome}")
             return None
         if r.held is not None and t > self.hold_deadline(r, t):
-            self._violate(t, "hold-deadline", f"{rid}: hold from {r.held:.1f} s ended {outcome} at {t:.1f} s")
+            self.violate(t, "hold-deadline", f"{rid}: hold from {r.held:.1f} s ended {outcome} at {t:.1f} s")
         r.hold_end, r.hold_outcome = t, outcome
         return r
 
@@ -251,7 +251,8 @@ class Ledger:
         key = f"{side}:{cause}"
         self.failures[key] = self.failures.get(key, 0) + 1
 
-    def _violate(self, t, kind, what):
+    def violate(self, t, kind, what):
+        """Records a broken invariant (the traffic and the faults report theirs here too)."""
         self.violations.append((t, kind, what))
 
 

@@ -176,7 +176,7 @@ class Faults:
             self.intruder.close()
             soak.by_name.pop("X", None)
             if fault["refused"] is None:
-                soak.ledger._violate(soak.now(), "wrong-key", "the intruder's connect never ended")
+                soak.ledger.violate(soak.now(), "wrong-key", "the intruder's connect never ended")
             self._end(fault)
         self._later(3.0, done)
 
@@ -202,6 +202,6 @@ class Faults:
             return
         fault["refused"] = ev.get("error")
         if ev.get("error") is None:
-            self.soak.ledger._violate(self.soak.now(), "wrong-key", "a peer with the wrong key was accepted")
+            self.soak.ledger.violate(self.soak.now(), "wrong-key", "a peer with the wrong key was accepted")
         else:
             fault["detail"] = f"refused: {ev['error'][:90]}"

@@ -130,7 +130,7 @@ class Soak:
         for w in self.all_workers():
             if w.proc is not None and not w.alive() and not w.killed:
                 code = w.proc.returncode
-                self.ledger._violate(self.now(), "crash", f"{w.name}.{w.life} exited {code} "
+                self.ledger.violate(self.now(), "crash", f"{w.name}.{w.life} exited {code} "
                                      f"(log: {self.o.out}/{w.name}.{w.life}.log)")
                 self.traffic.worker_died(w)
                 w.start()

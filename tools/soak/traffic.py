@@ -123,11 +123,11 @@ class Traffic:
             return
         f = self.flights.get(ev.get("id"))
         if f is None:
-            self.ledger._violate(t, "unknown", f"{name}: {ev}")
+            self.ledger.violate(t, "unknown", f"{name}: {ev}")
             return
         handler = getattr(self, f"_on_{kind}", None)
         if handler is None:
-            self.ledger._violate(t, "unexpected", f"{name}: {ev}")
+            self.ledger.violate(t, "unexpected", f"{name}: {ev}")
             return
         handler(t, f, name, life, ev)
 
@@ -173,7 +173,7 @@ class Traffic:
 
     def _on_refused(self, t, f, name, life, ev):
         """A hold or read the engine refused at once: the request ends there."""
-        self.ledger._violate(t, "refused", f"{name} refused {ev.get('op')} {f.id}: {ev.get('error')}")
+        self.ledger.violate(t, "refused", f"{name} refused {ev.get('op')} {f.id}: {ev.get('error')}")
         self.ledger.void(f.id, t)
         self._prefill_done(f)
         self._decode_done(f)
