@@ -79,6 +79,10 @@ impl std::str::FromStr for TransportChoice {
 /// The longest duration any setting accepts.
 pub const MAX_DURATION: Duration = Duration::from_secs(7 * 24 * 3600);
 
+/// How long a session stays open unused unless configured otherwise
+/// ([`EngineConfig::session_idle`]).
+pub(crate) const DEFAULT_SESSION_IDLE: Duration = Duration::from_secs(120);
+
 /// How an engine is set up. `EngineConfig::default()` listens on loopback with ephemeral ports.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -121,6 +125,13 @@ pub struct EngineConfig {
     /// How long the data server keeps a data stream open with no request on it (readers
     /// reconnect after; a stream serving a request is never idle).
     pub idle_timeout: Duration,
+    /// How long a session to a peer (its control connection, and its TCP streams or RDMA
+    /// queue pairs) stays open with no read or message using it. Past that it closes in order:
+    /// the peer is told, so its holds for this engine keep their abort timeouts, and the next
+    /// read or message to that peer opens a new session (one handshake). Bounds what an engine
+    /// holds to the peers it used within this time, whatever the fleet size. Zero keeps
+    /// sessions open until they break.
+    pub session_idle: Duration,
     /// Worker threads of the engine's runtime.
     pub runtime_threads: usize,
     /// Transports to use.
@@ -175,6 +186,7 @@ impl Default for EngineConfig {
             io_timeout: Duration::from_secs(30),
             keepalive: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(60),
+            session_idle: DEFAULT_SESSION_IDLE,
             runtime_threads: 2,
             transport: TransportChoice::Auto,
             rdma: RdmaSettings::default(),
@@ -229,6 +241,12 @@ impl EngineConfig {
         ];
         for (name, d) in durations {
             check_duration(name, d)?;
+        }
+        if self.session_idle > MAX_DURATION {
+            return Err(Error::invalid(format!(
+                "session_idle must be at most 7 days (zero: never closed), got {:?}",
+                self.session_idle
+            )));
         }
         let r = &self.rdma;
         if r.qps == 0 || r.qps > 64 {
@@ -292,6 +310,11 @@ mod tests {
     #[test]
     fn default_is_valid() {
         EngineConfig::default().validate().unwrap();
+        let never = EngineConfig {
+            session_idle: Duration::ZERO,
+            ..EngineConfig::default()
+        };
+        never.validate().expect("zero: sessions never closed idle");
     }
 
     #[test]
@@ -302,6 +325,7 @@ mod tests {
             (|c| c.tp_size = 0, "tp_size 0"),
             (|c| c.request_timeout = Duration::ZERO, "request_timeout"),
             (|c| c.keepalive = MAX_DURATION * 2, "keepalive"),
+            (|c| c.session_idle = MAX_DURATION * 2, "session_idle"),
             (|c| c.rdma.qps = 65, "rdma.qps"),
             (|c| c.rdma.max_wr_bytes = 100, "rdma.max_wr_bytes"),
             (|c| c.rdma.gid_index = Some(256), "rdma.gid_index"),

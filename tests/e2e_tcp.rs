@@ -583,3 +583,56 @@ fn session_state_follows_a_peer_up_and_down() {
         matches!(decode.engine.session_state(&peer), SessionState::Down(why) if !why.is_empty())
     );
 }
+
+#[test]
+fn an_idle_session_closes_in_order_and_the_readers_holds_keep_their_abort_timeout() {
+    use kvlink::SessionState;
+    let shape = ModelShape::LLAMA3_8B;
+    let lease = Duration::from_millis(500);
+    let prefill = side(
+        &shape,
+        8,
+        Some(3),
+        EngineConfig {
+            lease,
+            ..tcp_config()
+        },
+    );
+    let decode_config = EngineConfig {
+        engine_id: Some("idle-decode".into()),
+        session_idle: Duration::from_millis(300),
+        ..tcp_config()
+    };
+    let decode = side(&shape, 8, None, decode_config);
+    let (p, d) = (&prefill.engine, &decode.engine);
+    let peer = p.handshake_address().to_string();
+    p.hold_blocks_for("first", &[1, 2], Some("idle-decode"), None)
+        .unwrap();
+    d.read_blocks(&peer, "first", &[1, 2], &[1, 2]).unwrap();
+    let f = collect(d, Duration::from_secs(20), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    assert_eq!((d.stats().sessions, d.stats().sessions_opened), (1, 1));
+    p.hold_blocks_for("later", &[3], Some("idle-decode"), None)
+        .unwrap();
+    eventually("the idle session closed", || {
+        d.stats().sessions_closed_idle == 1
+    });
+    assert_eq!(d.stats().sessions, 0);
+    assert_eq!(d.session_state(&peer), SessionState::None);
+    eventually("the prefill's control connection closed", || {
+        p.stats().control_connections == 0
+    });
+    // Closed in order, the reader is not gone: its hold outlives the lease many times over.
+    std::thread::sleep(lease * 4);
+    let f = p.get_finished();
+    assert!(f.failed.is_empty(), "no lease for an idle close: {f:?}");
+    assert_eq!(p.in_flight().1, 1, "later is still held");
+    // The next read opens a new session.
+    d.read_blocks(&peer, "later", &[3], &[3]).unwrap();
+    let f = collect(d, Duration::from_secs(20), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    verify(&decode, &prefill.layout, 3, &[3], &[3]);
+    assert_eq!(d.stats().sessions_opened, 2, "rebuilt on demand");
+    let f = collect(p, Duration::from_secs(10), |f| !f.sending.is_empty());
+    assert_eq!(f.sending, ["later".into()], "{f:?}");
+}

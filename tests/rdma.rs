@@ -175,6 +175,44 @@ fn rdma_regions_split_into_chunks_still_transfer() {
 }
 
 #[test]
+fn rdma_queue_pairs_are_counted_and_an_idle_session_gives_them_back() {
+    if !rdma_available() {
+        return;
+    }
+    let shape = ModelShape::LLAMA3_8B;
+    let prefill = side(&shape, 4, Some(5), rdma_config());
+    let mut config = rdma_config();
+    config.session_idle = Duration::from_millis(500);
+    let decode = side(&shape, 4, None, config.clone());
+    let (p, d) = (&prefill.engine, &decode.engine);
+    assert_eq!((p.stats().queue_pairs, d.stats().queue_pairs), (0, 0));
+    let peer = p.handshake_address().to_string();
+    p.hold_blocks("q", &[2, 3]).unwrap();
+    d.read_blocks(&peer, "q", &[0, 1], &[2, 3]).unwrap();
+    let f = collect(d, Duration::from_secs(60), |f| !f.is_empty());
+    assert_eq!(f.reports[0].transport, "rdma", "{f:?}");
+    verify(&decode, &prefill.layout, 5, &[0, 1], &[2, 3]);
+    // One set per device pair on each side.
+    let devices = d.rdma_status().unwrap().split(',').count() as u64;
+    let qps = u64::from(config.rdma.qps) * devices;
+    assert_eq!((d.stats().queue_pairs, p.stats().queue_pairs), (qps, qps));
+    assert_eq!(d.stats().sessions, 1);
+    eventually("the idle session closed", || {
+        d.stats().sessions_closed_idle == 1
+    });
+    eventually("both sides' queue pairs destroyed", || {
+        (d.stats().queue_pairs, p.stats().queue_pairs) == (0, 0)
+    });
+    // Rebuilt on demand, with new queue pairs.
+    p.hold_blocks("q2", &[1]).unwrap();
+    d.read_blocks(&peer, "q2", &[3], &[1]).unwrap();
+    let f = collect(d, Duration::from_secs(60), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    assert_eq!(d.stats().sessions_opened, 2);
+    assert_eq!(p.stats().queue_pairs, qps);
+}
+
+#[test]
 fn rdma_transport_negotiation() {
     if !rdma_available() {
         return;

@@ -52,6 +52,22 @@ impl Presence {
         Some(end)
     }
 
+    /// A control session of `engine` ended in order (the reader said `Bye`: it closed an idle
+    /// session and will open another when it reads again). When that was its last session
+    /// the engine is neither present nor gone: its holds wait for it up to their abort timeout,
+    /// as for a reader not seen yet. Returns whether it was its last.
+    pub(crate) fn left(&mut self, engine: &str) -> bool {
+        let Some(n) = self.live.get_mut(engine) else {
+            return false;
+        };
+        *n -= 1;
+        if *n > 0 {
+            return false;
+        }
+        self.live.remove(engine);
+        true
+    }
+
     /// When `engine`'s lease ends, if it is gone.
     pub(crate) fn lease_end(&self, engine: &str) -> Option<Instant> {
         self.gone.get(engine).copied()
@@ -94,5 +110,24 @@ mod tests {
         assert!(p.lease_end("d").is_some());
         p.prune(t0 + Duration::from_secs(30));
         assert_eq!(p.lease_end("d"), None, "forgotten once its lease ended");
+    }
+
+    #[test]
+    fn an_engine_that_leaves_in_order_is_not_gone() {
+        let t0 = Instant::now();
+        let mut p = Presence::new(Duration::from_secs(30));
+        assert!(!p.left("d"), "no session to leave");
+        p.opened("d");
+        p.opened("d");
+        assert!(!p.left("d"), "one session left");
+        assert!(p.left("d"), "its last session");
+        assert_eq!(p.live(), 0);
+        assert_eq!(p.lease_end("d"), None, "no lease: it is not gone");
+        assert!(!p.opened("d"), "back, but it was never gone");
+        assert_eq!(
+            p.closed("d", t0),
+            Some(t0 + Duration::from_secs(30)),
+            "a later loss still starts the lease"
+        );
     }
 }

@@ -228,6 +228,13 @@ impl CompletionTracker {
         Some(leased)
     }
 
+    /// A control session of reader engine `engine` ended in order: the reader closed it idle
+    /// (`Bye`). Its holds keep waiting for it up to their abort timeout; none goes on a lease.
+    /// Returns whether that was the engine's last session.
+    pub fn reader_left(&mut self, engine: &str) -> bool {
+        self.presence.left(engine)
+    }
+
     /// Starts tracking a receive. Refuses an id that is already being received.
     pub fn start_recv(&mut self, id: RequestId, now: Instant) -> Result<()> {
         if self.reading.contains_key(&id) {

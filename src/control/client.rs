@@ -9,7 +9,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::timeout;
 
@@ -35,6 +35,9 @@ type Pending = Arc<Mutex<HashMap<RequestId, oneshot::Sender<Confirmation>>>>;
 pub(crate) struct ControlClient {
     tx: mpsc::Sender<Message>,
     closed: Arc<AtomicBool>,
+    /// How the writer task ended, once it has: `Some(true)` after writing a `Bye`,
+    /// `Some(false)` otherwise (the connection lost, or the client dropped).
+    writer_ended: watch::Receiver<Option<bool>>,
     tasks: [JoinHandle<()>; 2],
     peer: SocketAddr,
     pending: Pending,
@@ -123,10 +126,12 @@ impl Handshake {
         let (tx, mut rx) = mpsc::channel::<Message>(NOTICE_QUEUE);
         let writer_closed = closed.clone();
         let keepalive = timeouts.keepalive;
+        let (ended_tx, writer_ended) = watch::channel(None);
         let writer = tokio::spawn(async move {
             let mut tick = tokio::time::interval(keepalive);
             tick.tick().await;
             let mut nonce = 0u64;
+            let mut bye = false;
             loop {
                 let msg = tokio::select! {
                     m = rx.recv() => match m { Some(m) => m, None => break },
@@ -143,8 +148,15 @@ impl Handshake {
                     tracing::warn!(%peer, "control connection lost while writing");
                     break;
                 }
+                if matches!(msg, Message::Bye) {
+                    // Nothing follows a Bye: the server ends the session on it.
+                    let _ = timeout(keepalive, wr.shutdown()).await;
+                    bye = true;
+                    break;
+                }
             }
             writer_closed.store(true, Ordering::Release);
+            let _ = ended_tx.send(Some(bye));
         });
         let reader_closed = closed.clone();
         let pending: Pending = Arc::default();
@@ -177,7 +189,10 @@ impl Handshake {
                         }
                     },
                     Ok(Ok(None)) => {
-                        tracing::info!(%peer, "peer closed the control connection");
+                        // After our Bye (the writer has ended) the close is the expected one.
+                        if !reader_closed.load(Ordering::Acquire) {
+                            tracing::info!(%peer, "peer closed the control connection");
+                        }
                         break;
                     }
                     Ok(Err(e)) => {
@@ -197,6 +212,7 @@ impl Handshake {
         ControlClient {
             tx,
             closed,
+            writer_ended,
             tasks: [writer, reader],
             peer,
             pending,
@@ -284,6 +300,22 @@ impl ControlClient {
             self.pending.lock().remove(&id);
             None
         }
+    }
+
+    /// Closes the connection in order: queues a `Bye` after whatever is queued (so every
+    /// notice before it goes out) and waits, up to `within`, for the writer to have written
+    /// it. Returns whether it was written; the connection is closed either way once the client
+    /// is dropped.
+    pub(crate) async fn close(&self, within: std::time::Duration) -> bool {
+        if self.is_closed() || self.tx.try_send(Message::Bye).is_err() {
+            return false;
+        }
+        let mut ended = self.writer_ended.clone();
+        let told = match timeout(within, ended.wait_for(Option::is_some)).await {
+            Ok(Ok(end)) => *end == Some(true),
+            _ => false,
+        };
+        told
     }
 
     /// Whether the connection has died.

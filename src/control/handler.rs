@@ -54,9 +54,12 @@ pub(crate) trait ControlHandler: Send + Sync + 'static {
     fn session_closed(&self, id: [u8; 16]);
     /// An accepted control session of `reader` began (authenticated, where there is a key).
     fn reader_connected(&self, reader: &Reader);
-    /// That session ended, for whatever reason: the reader's holds go on a lease once it has
-    /// no session left.
+    /// That session ended, for whatever reason but a `Bye`: the reader's holds go on a lease
+    /// once it has no session left.
     fn reader_disconnected(&self, reader: &Reader);
+    /// That session ended in order (the reader said `Bye`, closing it idle): its holds keep
+    /// their abort timeouts.
+    fn reader_left(&self, reader: &Reader);
     /// `from` announces it is reading request `id` (under hold `hold`, when named); refused,
     /// with the reason, when the request is not held for it.
     fn reading(

@@ -313,6 +313,11 @@ pub enum Message {
         /// The application's bytes.
         body: Body,
     },
+    /// Reader to server: this session closes in order (it was idle past the reader's
+    /// `session_idle`); nothing follows on the connection. Not answered. The reader is not
+    /// gone: holds it is known to keep their abort timeouts rather than start its lease, and
+    /// its next read opens a new session.
+    Bye,
     /// Keep-alive probe.
     Ping {
         /// Echoed in the answer.

@@ -186,7 +186,7 @@ async fn serve_reader(
     // Data connections of this session are accepted while it lives; the reader's holds are
     // on a lease while it has no session.
     let _session = secret.map(|s| SessionGuard::open(handler.clone(), s, reader.clone()));
-    let _present = Presence::open(handler.clone(), reader.clone());
+    let mut present = Presence::open(handler.clone(), reader.clone());
     let reply = Message::Descriptor(Box::new((*ours).clone()));
     send(
         &mut stream,
@@ -225,6 +225,11 @@ async fn serve_reader(
             Ok(Err(e)) => return Err(refuse(&mut serving.stream, e.to_string()).await),
         };
         match frame::decode::<Message>(frame.0, &frame.1) {
+            Ok(Message::Bye) => {
+                tracing::debug!(%peer, engine = %theirs.engine_id, "reader closed its idle session");
+                present.left_in_order();
+                return Ok(());
+            }
             Ok(msg) => serving.on_message(msg).await?,
             Err(e) => return Err(refuse(&mut serving.stream, e.to_string()).await),
         }
@@ -414,21 +419,36 @@ impl Drop for SessionGuard {
     }
 }
 
-/// Tells the engine a reader's accepted session began, and ended (on every path out).
+/// Tells the engine a reader's accepted session began, and ended (on every path out): in order
+/// after its `Bye`, else as a loss.
 struct Presence {
     handler: Arc<dyn ControlHandler>,
     reader: Reader,
+    in_order: bool,
 }
 
 impl Presence {
     fn open(handler: Arc<dyn ControlHandler>, reader: Reader) -> Presence {
         handler.reader_connected(&reader);
-        Presence { handler, reader }
+        Presence {
+            handler,
+            reader,
+            in_order: false,
+        }
+    }
+
+    /// The reader said `Bye`: the session ends in order.
+    fn left_in_order(&mut self) {
+        self.in_order = true;
     }
 }
 
 impl Drop for Presence {
     fn drop(&mut self) {
-        self.handler.reader_disconnected(&self.reader);
+        if self.in_order {
+            self.handler.reader_left(&self.reader);
+        } else {
+            self.handler.reader_disconnected(&self.reader);
+        }
     }
 }

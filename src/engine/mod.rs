@@ -96,6 +96,9 @@ impl Engine {
             control_addr,
             runtime: RwLock::new(Some(runtime)),
         };
+        if let Some(rt) = &*engine.runtime.read() {
+            engine.sessions.spawn_reaper(rt.handle());
+        }
         let caps = engine.capabilities();
         tracing::info!(
             engine = %engine_id, control = %control_addr, data = %data_addr,
@@ -369,6 +372,10 @@ impl Engine {
             rdma_pairs_paused: self.shared.rails().pauses(),
             control_connections: self.shared.control_slots().open_now() as u64,
             data_connections: self.shared.data_slots().open_now() as u64,
+            sessions: self.sessions.up() as u64,
+            sessions_opened: get(&c.sessions_opened),
+            sessions_closed_idle: get(&c.sessions_closed_idle),
+            queue_pairs: self.shared.rdma().iter().map(|d| d.queue_pairs()).sum(),
             totals: self.shared.completions().read(|t| t.totals()),
         }
     }

@@ -39,6 +39,16 @@ pub struct EngineStats {
     pub control_connections: u64,
     /// TCP data connections open now (a gauge).
     pub data_connections: u64,
+    /// Sessions this engine has open to peers now (a gauge): each a control connection, plus
+    /// TCP streams or RDMA queue pairs, or a same-host socket.
+    pub sessions: u64,
+    /// Sessions this engine made to peers since it started (one handshake each).
+    pub sessions_opened: u64,
+    /// Sessions closed because no read or message used them for `session_idle`.
+    pub sessions_closed_idle: u64,
+    /// RDMA queue pairs this engine holds now (a gauge): its sessions' and those it made for
+    /// its readers, on every device.
+    pub queue_pairs: u64,
     /// Requests finished on each side since the engine started, by outcome.
     pub totals: Totals,
 }

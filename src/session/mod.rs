@@ -6,15 +6,19 @@
 //! configuration and report into its completion tracker. The engine API owns the session cache.
 
 mod connect;
+mod idle;
 #[cfg(test)]
 mod pair;
 mod transfer;
 
 pub(crate) use transfer::{check_block_size, run_read, ReadJob, Source};
 
+use idle::IdleClock;
+
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::sync::watch;
@@ -41,9 +45,20 @@ pub(crate) trait ControlLink: Send + Sync {
     fn done(&self, id: RequestId, hold: Option<u64>) -> Option<oneshot::Receiver<Confirmation>>;
     /// Whether the connection has died.
     fn is_closed(&self) -> bool;
+    /// Closes the connection in order (`Bye`, after whatever is queued), waiting up to
+    /// `within`; true when the peer was told.
+    fn close(&self, within: std::time::Duration) -> CloseFuture<'_>;
 }
 
+/// A future that closes a control connection in order.
+pub(crate) type CloseFuture<'a> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send + 'a>>;
+
 impl ControlLink for ControlClient {
+    fn close(&self, within: std::time::Duration) -> CloseFuture<'_> {
+        Box::pin(ControlClient::close(self, within))
+    }
+
     fn notify(&self, msg: Message) -> bool {
         ControlClient::notify(self, msg)
     }
@@ -105,10 +120,19 @@ type Outcome = Option<Result<Arc<PeerConn>>>;
 
 enum Slot {
     Connecting(watch::Receiver<Outcome>),
-    Ready(Arc<PeerConn>),
+    /// Up, with how long it has been idle (the reaper closes it past `session_idle`).
+    Ready(Arc<PeerConn>, IdleClock),
     /// A recent failure, returned to callers until the instant passes (so a burst of requests
     /// to a bad peer costs one handshake, and a dead peer is not hammered).
     Failed(Error, tokio::time::Instant),
+}
+
+/// A session the reaper took out of the cache.
+struct Unused {
+    peer: String,
+    conn: Arc<PeerConn>,
+    /// Broken (else idle past the limit).
+    broken: bool,
 }
 
 /// How long a failed connect is remembered.
@@ -282,20 +306,105 @@ impl Sessions {
         match self.map.lock().get(peer) {
             None => SessionState::None,
             Some(Slot::Connecting(_)) => SessionState::Connecting,
-            Some(Slot::Ready(c)) if !c.is_broken() => SessionState::Up,
-            Some(Slot::Ready(_)) => SessionState::Down(
+            Some(Slot::Ready(c, _)) if !c.is_broken() => SessionState::Up,
+            Some(Slot::Ready(..)) => SessionState::Down(
                 "the session ended (its connection closed, or the peer fell silent)".into(),
             ),
             Some(Slot::Failed(e, _)) => SessionState::Down(e.to_string()),
         }
     }
 
-    /// The cached session if it is ready and healthy.
+    /// The cached session if it is ready and healthy (a use: its idle wait starts again).
     pub(crate) fn ready_conn(&self, peer: &str) -> Option<Arc<PeerConn>> {
-        match self.map.lock().get(peer) {
-            Some(Slot::Ready(c)) if !c.is_broken() => Some(c.clone()),
+        match self.map.lock().get_mut(peer) {
+            Some(Slot::Ready(c, idle)) if !c.is_broken() => {
+                idle.touch();
+                Some(c.clone())
+            }
             _ => None,
         }
+    }
+
+    /// Sessions up now (healthy, in the cache).
+    pub(crate) fn up(&self) -> usize {
+        let map = self.map.lock();
+        map.values()
+            .filter(|s| matches!(s, Slot::Ready(c, _) if !c.is_broken()))
+            .count()
+    }
+
+    /// Takes out of the cache, as of a reaper tick at `now`, every session nothing but the
+    /// cache holds that is broken (its next use would rebuild it anyway), or healthy and unused
+    /// for `limit` (see [`IdleClock`]; never when `limit` is zero).
+    fn take_unused(&self, now: tokio::time::Instant, limit: Duration) -> Vec<Unused> {
+        let mut map = self.map.lock();
+        let unused: Vec<(String, bool)> = map
+            .iter_mut()
+            .filter_map(|(peer, slot)| match slot {
+                Slot::Ready(c, clock) => {
+                    // The map's own reference is the only one while nothing uses it; a use
+                    // clones it under this lock, so none can start unseen.
+                    let in_use = Arc::strong_count(c) > 1;
+                    let broken = c.is_broken();
+                    let close = match (broken, limit.is_zero()) {
+                        (true, _) => !in_use,
+                        (false, true) => false,
+                        (false, false) => clock.tick(now, in_use, limit),
+                    };
+                    close.then(|| (peer.clone(), broken))
+                }
+                _ => None,
+            })
+            .collect();
+        unused
+            .into_iter()
+            .filter_map(|(peer, broken)| match map.remove(&peer) {
+                Some(Slot::Ready(conn, _)) => Some(Unused { peer, conn, broken }),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Closes, in order, the sessions nothing uses that are broken or idle past `limit`: each
+    /// peer is told (`Bye`, after any notice queued before it) and keeps this engine's holds
+    /// on their abort timeouts; the next read or message to it opens a new session.
+    pub(crate) async fn close_unused(&self, limit: Duration) {
+        let unused = self.take_unused(tokio::time::Instant::now(), limit);
+        let within = self.state.config().handshake_timeout;
+        for Unused { peer, conn, broken } in unused {
+            let told = conn.control.close(within).await;
+            let generation = conn.generation;
+            if broken {
+                tracing::debug!(%peer, generation, told, "broken session nothing uses: closed");
+            } else {
+                let counters = self.state.counters();
+                counters
+                    .sessions_closed_idle
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::info!(%peer, generation, told, ?limit, "session idle: closed (the next read opens a new one)");
+            }
+        }
+    }
+
+    /// Runs [`close_unused`](Self::close_unused) on `rt` for as long as the cache exists: every
+    /// quarter of `session_idle` (50 ms to 5 s), or every 5 s when it is zero (broken sessions
+    /// only).
+    pub(crate) fn spawn_reaper(self: &Arc<Self>, rt: &tokio::runtime::Handle) {
+        let limit = self.state.config().session_idle;
+        let period = match limit.is_zero() {
+            true => idle::MAX_TICK,
+            false => idle::tick_period(limit),
+        };
+        let sessions = Arc::downgrade(self);
+        rt.spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(s) = sessions.upgrade() else { break };
+                s.close_unused(limit).await;
+            }
+        });
     }
 
     /// The session to `peer`, connecting once however many callers ask at the same time. A
@@ -303,15 +412,18 @@ impl Sessions {
     pub(crate) async fn get(self: &Arc<Self>, peer: &str) -> Result<Arc<PeerConn>> {
         let mut rx = {
             let mut map = self.map.lock();
-            match map.get(peer) {
-                Some(Slot::Ready(c)) if !c.is_broken() => return Ok(c.clone()),
+            match map.get_mut(peer) {
+                Some(Slot::Ready(c, idle)) if !c.is_broken() => {
+                    idle.touch();
+                    return Ok(c.clone());
+                }
                 Some(Slot::Connecting(rx)) => rx.clone(),
                 Some(Slot::Failed(e, until)) if tokio::time::Instant::now() < *until => {
                     return Err(e.clone())
                 }
                 other => {
                     let generation = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
-                    if let Some(Slot::Ready(old)) = other {
+                    if let Some(Slot::Ready(old, _)) = other {
                         tracing::warn!(
                             peer,
                             old_generation = old.generation,
@@ -345,7 +457,12 @@ impl Sessions {
                             let mut map = sessions.map.lock();
                             match &result {
                                 Ok(c) => {
-                                    map.insert(peer.clone(), Slot::Ready(c.clone()));
+                                    let opened = &state.counters().sessions_opened;
+                                    opened.fetch_add(1, Ordering::Relaxed);
+                                    map.insert(
+                                        peer.clone(),
+                                        Slot::Ready(c.clone(), IdleClock::default()),
+                                    );
                                 }
                                 Err(e) => {
                                     tracing::warn!(%peer, error = %e, "connecting to peer failed");

@@ -58,12 +58,15 @@ struct Script {
     connects: u32,
     /// Aborts sent on connections of their own (`Connector::send_aborts`).
     aborts_sent: u32,
+    /// Sessions closed in order (`Bye`).
+    byes: u32,
 }
 
 /// The prefill's control server, in memory: notices go straight to its tracker.
 struct MemControl {
     prefill: Arc<EngineState>,
     closed: AtomicBool,
+    script: Arc<Mutex<Script>>,
 }
 
 /// The decode as the prefill's control server knows it.
@@ -116,6 +119,15 @@ impl ControlLink for MemControl {
 
     fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
+    }
+
+    fn close(&self, _within: Duration) -> super::CloseFuture<'_> {
+        // The control server's part of a Bye: the reader leaves in order.
+        let (_, from) = reader();
+        self.prefill.reader_left(&from);
+        self.closed.store(true, Ordering::Release);
+        self.script.lock().byes += 1;
+        Box::pin(std::future::ready(true))
     }
 }
 
@@ -246,6 +258,7 @@ impl Connector for MemConnector {
                 control: Box::new(MemControl {
                     prefill: self.prefill.clone(),
                     closed: AtomicBool::new(false),
+                    script: self.script.clone(),
                 }),
                 transport: Box::new(MemTransport {
                     prefill: self.prefill.clone(),
@@ -269,6 +282,7 @@ impl Connector for MemConnector {
             let control = MemControl {
                 prefill: self.prefill.clone(),
                 closed: AtomicBool::new(false),
+                script: self.script.clone(),
             };
             for m in aborts {
                 self.script.lock().aborts_sent += 1;

@@ -150,6 +150,13 @@ impl ControlHandler for EngineState {
         }
     }
 
+    fn reader_left(&self, reader: &Reader) {
+        let last = self.completions.update(|t| t.reader_left(&reader.engine));
+        if last {
+            tracing::debug!(engine = %reader.engine, "a reader closed its idle session in order: its holds keep their abort timeouts");
+        }
+    }
+
     fn reading(
         &self,
         from: &Reader,

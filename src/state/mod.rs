@@ -50,6 +50,10 @@ pub(crate) struct Counters {
     pub(crate) messages_refused: AtomicU64,
     pub(crate) messages_sent: AtomicU64,
     pub(crate) messages_unsent: AtomicU64,
+    /// Sessions this engine made to peers (each a handshake it asked for).
+    pub(crate) sessions_opened: AtomicU64,
+    /// Sessions this engine closed because they were idle past `session_idle`.
+    pub(crate) sessions_closed_idle: AtomicU64,
 }
 
 /// Who an engine is and where peers reach it.

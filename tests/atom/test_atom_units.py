@@ -86,7 +86,7 @@ def test_slot_state_and_pipeline_parallelism_refused():
 
 
 def _settings(**kw):
-    base = dict(producer=False, handshake_port=7000, host="127.0.0.1", transport="tcp", request_timeout=5.0, abort_timeout=5.0, lease=5.0, rdma_device=None, block_size=16, tp_size=1, dp_size=1, dp_rank=0)
+    base = dict(producer=False, handshake_port=7000, host="127.0.0.1", transport="tcp", request_timeout=5.0, abort_timeout=5.0, lease=5.0, session_idle=120.0, rdma_device=None, block_size=16, tp_size=1, dp_size=1, dp_rank=0)
     base.update(kw)
     return Settings(**base)
 

@@ -492,6 +492,31 @@ def test_metrics_render_and_serve():
         server.shutdown()
 
 
+def test_an_idle_session_closes_and_the_next_read_opens_another():
+    from kvlink import metrics
+
+    prefill = kvlink.Engine()
+    prefill.register_kv_caches(make_caches(2, 8, 256, 9), 16, "bf16")
+    decode = kvlink.Engine(session_idle=0.3)
+    decode.register_kv_caches(make_caches(2, 8, 256, 0), 16, "bf16")
+    for rid, block in (("i1", 1), ("i2", 2)):
+        prefill.hold_blocks(rid, [block])
+        decode.read_blocks(prefill.handshake_address, rid, [block], [block])
+        _until(decode, lambda f: f.receiving)
+        assert decode.stats()["sessions"] == 1
+        end = time.monotonic() + 10
+        while decode.stats()["sessions"] and time.monotonic() < end:
+            time.sleep(0.05)
+        s = decode.stats()
+        assert s["sessions"] == 0, s
+    assert (s["sessions_opened"], s["sessions_closed_idle"]) == (2, 2), s
+    text = metrics.render(decode)
+    assert f'kvlink_sessions_closed_idle_total{{engine_id="{decode.engine_id}"}} 2' in text
+    assert "# TYPE kvlink_queue_pairs gauge" in text
+    with pytest.raises(kvlink.InvalidArgument):
+        kvlink.Engine(session_idle=-1.0)
+
+
 def test_messages_arrive_in_order_with_the_senders_engine_id():
     a, b = kvlink.Engine(), kvlink.Engine()
     for e in (a, b):

@@ -18,11 +18,15 @@ use crate::error::{to_py, InvalidArgument};
 /// Engine(listen="127.0.0.1:0", *, transport="auto", tp_rank=0, tp_size=1, request_timeout=60.0,
 /// abort_timeout=480.0, handshake_timeout=5.0, tcp_streams=4, rdma_device=None, engine_id=None,
 /// gpu=True, staging_chunk_bytes=2 MiB, staging_buffers=32, auth_key=None, insecure=False,
-/// lease=30.0)
+/// lease=30.0, session_idle=120.0)
 ///
 /// `lease` (seconds): a held request whose reader engine lost every control connection to this
 /// one ends this long after, unless the reader comes back (`abort_timeout` bounds a reader that
 /// never comes).
+///
+/// `session_idle` (seconds): a session to a peer that no read or message used for this long
+/// closes in order (the peer keeps this engine's holds on their abort timeouts), and the next
+/// read to that peer opens a new one; 0 keeps sessions open.
 ///
 /// `auth_key` (str or bytes, at least 16 bytes) is the deployment key every engine shares; None
 /// reads KVLINK_AUTH_KEY or KVLINK_AUTH_KEY_FILE. Without a key the engine only listens on
@@ -40,7 +44,8 @@ impl Engine {
     #[pyo3(signature = (listen = "127.0.0.1:0", *, transport = "auto", tp_rank = 0, tp_size = 1,
         request_timeout = 60.0, abort_timeout = 480.0, handshake_timeout = 5.0, tcp_streams = 4,
         rdma_device = None, engine_id = None, gpu = true, staging_chunk_bytes = 2 << 20,
-        staging_buffers = 32, auth_key = None, insecure = false, lease = 30.0))]
+        staging_buffers = 32, auth_key = None, insecure = false, lease = 30.0,
+        session_idle = 120.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -60,6 +65,7 @@ impl Engine {
         auth_key: Option<&Bound<'_, PyAny>>,
         insecure: bool,
         lease: f64,
+        session_idle: f64,
     ) -> PyResult<Self> {
         let auth_key = match auth_key {
             None => None,
@@ -82,6 +88,10 @@ impl Engine {
             request_timeout: seconds("request_timeout", request_timeout)?,
             abort_timeout: seconds("abort_timeout", abort_timeout)?,
             lease: seconds("lease", lease)?,
+            session_idle: match session_idle {
+                0.0 => std::time::Duration::ZERO,
+                v => seconds("session_idle", v)?,
+            },
             handshake_timeout: seconds("handshake_timeout", handshake_timeout)?,
             transport: transport
                 .parse::<TransportChoice>()
@@ -487,8 +497,11 @@ impl Engine {
     /// `messages_refused`, `messages_sent`, `messages_unsent`, `rdma_pairs_paused`; then the requests finished since
     /// the engine started: `reads_done`, `reads_failed` (of which `reads_expired` and
     /// `reads_cancelled`), `bytes_read`, `sends_done`, `sends_failed` (of which
-    /// `sends_expired`, of which `sends_lease_expired`: the reader was gone for its whole lease).
-    /// Every value is a monotonic counter.
+    /// `sends_expired`, of which `sends_lease_expired`: the reader was gone for its whole lease),
+    /// `sessions_opened` and `sessions_closed_idle` (sessions to peers made, and closed after
+    /// `session_idle` unused). Those are monotonic counters; `control_connections`,
+    /// `data_connections` (served now), `sessions` (open to peers now) and `queue_pairs` (RDMA
+    /// queue pairs held now) are gauges.
     fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -507,6 +520,10 @@ impl Engine {
         d.set_item("rdma_pairs_paused", s.rdma_pairs_paused)?;
         d.set_item("control_connections", s.control_connections)?;
         d.set_item("data_connections", s.data_connections)?;
+        d.set_item("sessions", s.sessions)?;
+        d.set_item("sessions_opened", s.sessions_opened)?;
+        d.set_item("sessions_closed_idle", s.sessions_closed_idle)?;
+        d.set_item("queue_pairs", s.queue_pairs)?;
         let t = s.totals;
         d.set_item("reads_done", t.reads_done)?;
         d.set_item("reads_failed", t.reads_failed)?;

@@ -465,3 +465,29 @@ fn a_reused_request_id_is_told_apart_by_its_hold_token() {
         .unwrap();
     assert_eq!(t.take_finished().sending, [RequestId::from("r")]);
 }
+
+#[test]
+fn a_reader_that_leaves_in_order_keeps_its_holds_on_the_abort_timeout() {
+    let (mut t, t0) = leased(&["d"]);
+    let s = Duration::from_secs;
+    hold_for(&mut t, "named", Some("d"), t0);
+    hold_for(&mut t, "claimed", None, t0);
+    t.claim_checked(&"claimed".into(), &rd("d"), None).unwrap();
+    assert!(t.reader_left("d"), "its only session");
+    assert_eq!(
+        t.next_deadline(),
+        Some(t0 + s(480)),
+        "no lease: an idle session closed in order is no dead reader"
+    );
+    hold_for(&mut t, "later", Some("d"), t0 + s(10));
+    assert_eq!(t.next_deadline(), Some(t0 + s(480)), "nor for a new hold");
+    t.poll(t0 + s(479));
+    assert!(t.take_finished().is_empty());
+    // Back on a new session, then lost: the lease applies as ever.
+    t.reader_connected("d");
+    t.reader_disconnected("d", t0 + s(100));
+    assert_eq!(t.next_deadline(), Some(t0 + s(130)));
+    t.poll(t0 + s(130));
+    assert_eq!(t.take_finished().failed.len(), 3);
+    assert_eq!(t.totals().sends_lease_expired, 3);
+}

@@ -315,3 +315,115 @@ async fn a_read_names_its_reader_so_the_hold_ends_on_that_readers_lease() {
     assert!(d.receiving.is_empty(), "{d:?}");
     assert_eq!(d.failed[0].cause, FailureCause::Unconfirmed, "{d:?}");
 }
+
+/// The pair's decode as the prefill's control server sees it: one session accepted (the
+/// harness connects in memory, so the test opens it).
+fn session_seen_by_prefill(p: &Pair) {
+    p.prefill
+        .completions()
+        .update(|t| t.reader_connected("decode"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_idle_session_closes_in_order_and_the_next_read_opens_another() {
+    let p = Pair::new(&[]);
+    let limit = Duration::from_secs(10);
+    session_seen_by_prefill(&p);
+    p.read("r1", &[0], &[1]).await;
+    assert_eq!(p.decode.up(), 1);
+    // A hold the decode will read later, after its session closed.
+    let made = std::time::Instant::now();
+    let abort = Duration::from_secs(60);
+    p.prefill
+        .hold("r2".into(), &[[2]], Some("decode".into()), abort, None)
+        .unwrap();
+    p.decode.close_unused(limit).await;
+    tokio::time::advance(limit - Duration::from_millis(1)).await;
+    p.decode.close_unused(limit).await;
+    assert_eq!(p.decode.up(), 1, "not yet idle for the whole limit");
+    tokio::time::advance(Duration::from_millis(1)).await;
+    p.decode.close_unused(limit).await;
+    assert_eq!(p.decode.up(), 0, "closed");
+    assert_eq!(p.decode.state(PEER), crate::SessionState::None);
+    assert_eq!(p.script.lock().byes, 1, "the prefill was told");
+    let closed = &p.decode.state.counters().sessions_closed_idle;
+    assert_eq!(closed.load(Ordering::Relaxed), 1);
+    // Told in order, the prefill keeps the hold on its abort timeout, not the 30 s lease.
+    let deadline = p.prefill.completions().read(|t| t.next_deadline()).unwrap();
+    assert!(
+        deadline >= made + abort,
+        "no lease (30 s) for an idle close: {:?}",
+        deadline - made
+    );
+    // The next read opens a new session and goes through.
+    p.read("r3", &[4], &[5]).await;
+    assert_eq!(p.connects(), 2, "rebuilt on demand");
+    let d = p.decode_finished();
+    assert_eq!(d.receiving.len(), 2, "{d:?}");
+    assert!(p.holds(&[4], &[5]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_session_a_read_holds_is_never_idle() {
+    let p = Arc::new(Pair::new(&[Fault::Delay(Duration::from_secs(8))]));
+    let limit = Duration::from_secs(2);
+    let reading = {
+        let p = p.clone();
+        tokio::spawn(async move { p.read("r1", &[0], &[1]).await })
+    };
+    for _ in 0..14 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        p.decode.close_unused(limit).await;
+        assert_eq!(p.decode.up(), 1, "the read holds it");
+    }
+    reading.await.unwrap();
+    assert_eq!(p.decode_finished().receiving.len(), 1);
+    assert_eq!(p.script.lock().byes, 0);
+    // Idle from the first tick after the read ended: closed a whole limit later.
+    p.decode.close_unused(limit).await;
+    tokio::time::advance(limit).await;
+    p.decode.close_unused(limit).await;
+    assert_eq!(p.decode.up(), 0);
+    assert_eq!(p.script.lock().byes, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_reaper_closes_idle_sessions_on_its_own() {
+    let p = Pair::new(&[]);
+    let limit = p.decode.state.config().session_idle;
+    assert_eq!(limit, Duration::from_secs(120), "the default");
+    p.decode.spawn_reaper(&tokio::runtime::Handle::current());
+    p.read("r1", &[0], &[1]).await;
+    tokio::time::sleep(limit).await;
+    assert_eq!(p.decode.up(), 1, "within a tick of the limit");
+    tokio::time::sleep(crate::session::idle::tick_period(limit) * 2).await;
+    assert_eq!(p.decode.up(), 0);
+    assert_eq!(p.script.lock().byes, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_broken_session_nothing_uses_is_closed_at_the_next_tick() {
+    // Lost on both attempts: the read fails and its session stays broken in the cache.
+    let p = Pair::new(&[Fault::FailAfter(0), Fault::FailAfter(0)]);
+    p.read("r1", &[0], &[1]).await;
+    assert_eq!(p.decode_finished().failed.len(), 1);
+    assert!(matches!(p.decode.state(PEER), crate::SessionState::Down(_)));
+    // Closed at once, whatever the idle limit (zero: none), and not counted as idle.
+    p.decode.close_unused(Duration::ZERO).await;
+    assert_eq!(p.decode.state(PEER), crate::SessionState::None);
+    assert_eq!(p.script.lock().byes, 1, "told in order");
+    let closed = &p.decode.state.counters().sessions_closed_idle;
+    assert_eq!(closed.load(Ordering::Relaxed), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_an_idle_limit_a_healthy_session_stays() {
+    let p = Pair::new(&[]);
+    p.read("r1", &[0], &[1]).await;
+    for _ in 0..10 {
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        p.decode.close_unused(Duration::ZERO).await;
+    }
+    assert_eq!(p.decode.up(), 1);
+    assert_eq!(p.script.lock().byes, 0);
+}

@@ -18,13 +18,14 @@ use sideway::ibverbs::completion::{
     BasicCompletionQueue, PollCompletionQueueError, WorkCompletionStatus,
 };
 use sideway::ibverbs::queue_pair::{
-    BasicQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState,
-    SetScatterGatherEntry, WorkRequestFlags,
+    PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState, SetScatterGatherEntry,
+    WorkRequestFlags,
 };
 
 use super::device::RdmaDevice;
 use super::ledger::{split_wr_id, wr_id, QpLedger, Refusal};
 use super::poller::{arm, status_name, CqHandler};
+use super::qp::Qp;
 use super::wr::{RdmaFault, Wr, WrBuilder};
 use super::RdmaRegionInfo;
 use crate::error::{Error, RdmaError, RdmaErrorKind, Result};
@@ -69,7 +70,7 @@ impl Pending {
 
 struct QpState {
     /// `None` once torn down.
-    qp: Option<BasicQueuePair>,
+    qp: Option<Qp>,
     ledger: QpLedger<Arc<Pending>>,
 }
 

@@ -76,6 +76,8 @@ pub(crate) struct RdmaDevice {
     events: Arc<CqEvents>,
     mrs: RwLock<HashMap<RegionId, Arc<RegionMrs>>>,
     next_cq_id: AtomicU64,
+    /// Queue pairs of this device that exist now (each [`Qp`](super::qp::Qp) counts itself).
+    pub(crate) live_qps: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     poller: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
@@ -322,6 +324,7 @@ fn open_device(
         events: Arc::new(CqEvents::new(name, channel)),
         mrs: RwLock::new(HashMap::new()),
         next_cq_id: AtomicU64::new(1),
+        live_qps: Arc::default(),
         stop: Arc::new(AtomicBool::new(false)),
         poller: Mutex::new(None),
     });
@@ -352,6 +355,11 @@ impl RdmaDevice {
     /// The device's name.
     pub(crate) fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Queue pairs of this device that exist now: its readers' and its own sessions'.
+    pub(crate) fn queue_pairs(&self) -> u64 {
+        self.live_qps.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The active MTU in bytes.

@@ -2,6 +2,8 @@
 //! the peer's endpoint, and the passive side's queue pairs that answer a reader's.
 
 use std::net::Ipv6Addr;
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -21,12 +23,37 @@ pub(crate) fn random_psn() -> u32 {
     (h.finish() as u32) & 0x00ff_ffff
 }
 
+/// A queue pair, counted by its device while it exists ([`RdmaDevice::queue_pairs`]).
+pub(crate) struct Qp {
+    qp: BasicQueuePair,
+    live: Arc<AtomicU64>,
+}
+
+impl Deref for Qp {
+    type Target = BasicQueuePair;
+    fn deref(&self) -> &BasicQueuePair {
+        &self.qp
+    }
+}
+
+impl DerefMut for Qp {
+    fn deref_mut(&mut self) -> &mut BasicQueuePair {
+        &mut self.qp
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        self.live.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 pub(crate) fn create_qp(
     dev: &RdmaDevice,
     send_cq: &Arc<BasicCompletionQueue>,
     recv_cq: &Arc<BasicCompletionQueue>,
     max_send_wr: u32,
-) -> std::result::Result<BasicQueuePair, RdmaError> {
+) -> std::result::Result<Qp, RdmaError> {
     let mut b = dev.pd.create_qp_builder();
     b.setup_max_send_wr(max_send_wr)
         .setup_max_recv_wr(1)
@@ -34,7 +61,12 @@ pub(crate) fn create_qp(
         .setup_max_recv_sge(1)
         .setup_send_cq(send_cq.clone())
         .setup_recv_cq(recv_cq.clone());
-    let mut qp = b.build().map_err(|e| format!("create queue pair: {e}"))?;
+    let qp = b.build().map_err(|e| format!("create queue pair: {e}"))?;
+    dev.live_qps.fetch_add(1, Ordering::Relaxed);
+    let mut qp = Qp {
+        qp,
+        live: dev.live_qps.clone(),
+    };
     let mut attr = QueuePairAttribute::new();
     attr.setup_state(QueuePairState::Init)
         .setup_pkey_index(0)
@@ -95,7 +127,7 @@ pub(crate) fn connect_qp(
 
 /// The passive side's queue pairs for one reader; they live as long as its control connection.
 pub(crate) struct ServerQps {
-    _qps: Vec<BasicQueuePair>,
+    _qps: Vec<Qp>,
 }
 
 impl ServerQps {

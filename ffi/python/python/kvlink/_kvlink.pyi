@@ -79,6 +79,7 @@ class Engine:
         auth_key: Union[str, bytes, None] = None,
         insecure: bool = False,
         lease: float = 30.0,
+        session_idle: float = 120.0,
     ) -> None: ...
     @property
     def handshake_address(self) -> str:
@@ -199,7 +200,9 @@ class Engine:
         """Monotonic counters: handshakes_accepted/refused, data_requests_served/refused,
         bytes_served, bytes_staged_out/in (GPU memory moved through TCP staging buffers),
         notices_refused, messages_received/refused/sent/unsent, reads_done/failed/expired/cancelled, bytes_read,
-        sends_done/failed/expired (``kvlink.metrics.render`` exports them)."""
+        sends_done/failed/expired/lease_expired, sessions_opened, sessions_closed_idle; gauges:
+        control_connections, data_connections, sessions, queue_pairs
+        (``kvlink.metrics.render`` exports them)."""
 
 class TpAggregator:
     """Releases a request once every TP rank reported it; a failure on any rank fails it."""

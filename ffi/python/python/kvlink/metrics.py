@@ -1,8 +1,8 @@
 """Prometheus exposition of kvlink engines' counters.
 
 ``render(engines)`` returns the text format (version 0.0.4) of every counter ``Engine.stats()``
-reports, one sample per engine labelled with its engine id and TP rank, plus two gauges (reads
-and holds in flight). ``serve(engines, port)`` answers ``GET /metrics`` with it from a daemon
+reports, one sample per engine labelled with its engine id and TP rank, and its gauges (sessions,
+connections and RDMA queue pairs open now, reads and holds in flight). ``serve(engines, port)`` answers ``GET /metrics`` with it from a daemon
 thread, for deployments that scrape workers directly; an engine's own exporter can call
 ``render`` instead.
 """
@@ -38,6 +38,16 @@ _COUNTERS: Dict[str, Tuple[str, str]] = {
     "messages_refused": ("kvlink_messages_refused_total", "Peers' application messages refused (too large, inbox full)."),
     "messages_sent": ("kvlink_messages_sent_total", "Application messages handed to a peer's control connection."),
     "messages_unsent": ("kvlink_messages_unsent_total", "Application messages that could not be sent."),
+    "sessions_opened": ("kvlink_sessions_opened_total", "Sessions to peers made (one handshake each)."),
+    "sessions_closed_idle": ("kvlink_sessions_closed_idle_total", "Sessions to peers closed after session_idle unused."),
+}
+
+# name in stats() -> (metric name, help). Each is a gauge: what is open now.
+_GAUGES: Dict[str, Tuple[str, str]] = {
+    "sessions": ("kvlink_sessions", "Sessions open to peers now."),
+    "queue_pairs": ("kvlink_queue_pairs", "RDMA queue pairs held now (own sessions' and readers')."),
+    "control_connections": ("kvlink_control_connections", "Readers' control connections served now."),
+    "data_connections": ("kvlink_data_connections", "Readers' TCP data connections served now."),
 }
 
 
@@ -57,6 +67,11 @@ def render(engines: Union[Engine, Iterable[Engine]]) -> str:
     for key, (name, text) in _COUNTERS.items():
         out.append(f"# HELP {name} {text}")
         out.append(f"# TYPE {name} counter")
+        for labels, stats, _ in rows:
+            out.append(f"{name}{{{labels}}} {int(stats.get(key, 0))}")
+    for key, (name, text) in _GAUGES.items():
+        out.append(f"# HELP {name} {text}")
+        out.append(f"# TYPE {name} gauge")
         for labels, stats, _ in rows:
             out.append(f"{name}{{{labels}}} {int(stats.get(key, 0))}")
     for index, (name, text) in enumerate(

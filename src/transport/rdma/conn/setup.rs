@@ -6,14 +6,13 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use sideway::ibverbs::completion::BasicCompletionQueue;
-use sideway::ibverbs::queue_pair::BasicQueuePair;
 
 use super::{ConnShared, QpSlot, QpState, RdmaConnection};
 use crate::error::RdmaError;
 use crate::transport::rdma::device::RdmaDevice;
 use crate::transport::rdma::ledger::QpLedger;
 use crate::transport::rdma::poller::CqHandler;
-use crate::transport::rdma::qp::{connect_qp, create_qp, endpoint, random_psn};
+use crate::transport::rdma::qp::{connect_qp, create_qp, endpoint, random_psn, Qp};
 use crate::transport::rdma::wr::RdmaFault;
 use crate::transport::rdma::{QpEndpoint, RdmaRegionInfo};
 
@@ -22,7 +21,7 @@ pub(crate) struct PreparedConn {
     dev: Arc<RdmaDevice>,
     cq_id: u64,
     cq: Arc<BasicCompletionQueue>,
-    qps: Vec<(BasicQueuePair, u32)>,
+    qps: Vec<(Qp, u32)>,
     max_send_wr: u32,
 }
 

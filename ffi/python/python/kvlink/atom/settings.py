@@ -22,6 +22,7 @@ _KNOWN = {
     "kvlink_request_timeout",
     "kvlink_abort_timeout",
     "kvlink_lease",
+    "kvlink_session_idle",
     "ib_device",
 }
 
@@ -37,6 +38,7 @@ class Settings:
     request_timeout: float
     abort_timeout: float
     lease: float
+    session_idle: float
     rdma_device: Optional[str]
     block_size: int
     tp_size: int
@@ -69,6 +71,7 @@ class Settings:
             request_timeout=float(kv.get("kvlink_request_timeout", 60.0)),
             abort_timeout=float(kv.get("kvlink_abort_timeout", 480.0)),
             lease=float(kv.get("kvlink_lease", 30.0)),
+            session_idle=float(kv.get("kvlink_session_idle", 120.0)),
             rdma_device=kv.get("ib_device") or os.environ.get("KVLINK_RDMA_DEVICE") or None,
             block_size=int(config.kv_cache_block_size),
             tp_size=int(config.tensor_parallel_size),

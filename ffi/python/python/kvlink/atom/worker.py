@@ -45,6 +45,7 @@ class KvlinkWorker(KVConnectorBase):
             request_timeout=s.request_timeout,
             abort_timeout=s.abort_timeout,
             lease=s.lease,
+            session_idle=s.session_idle,
             rdma_device=s.rdma_device,
         )
         logger.info(

@@ -95,6 +95,7 @@ class KvlinkKVManager(BaseKVManager):
             request_timeout=float(os.environ.get("KVLINK_REQUEST_TIMEOUT", 60)),
             abort_timeout=float(os.environ.get("KVLINK_ABORT_TIMEOUT", 480)),
             lease=float(os.environ.get("KVLINK_LEASE", 30)),
+            session_idle=float(os.environ.get("KVLINK_SESSION_IDLE", 120)),
             rdma_device=nic.choose(os.environ.get("KVLINK_RDMA_DEVICE"), getattr(args, "ib_device", None),
                                    getattr(args, "gpu_id", None), settings.gpu_pci(getattr(args, "gpu_id", None))),
         )

@@ -25,6 +25,10 @@ Settings (``kv_connector_extra_config``):
     connection to it (closed, or silent for three keep-alives), unless it connects again (30).
 ``request_timeout``
     Seconds a decode read may take before it fails and vLLM recomputes (60).
+``session_idle``
+    Seconds a session to a peer stays open with no read or message using it; then it closes in
+    order (the peer keeps this engine's holds) and the next read opens a new one (120; 0 keeps
+    sessions open).
 ``auth_key`` / ``auth_key_file``
     The deployment key every engine shares (also read from ``KVLINK_AUTH_KEY`` /
     ``KVLINK_AUTH_KEY_FILE``). Without one, engines listen on loopback only.
@@ -270,13 +274,15 @@ class _Settings:
     abort_timeout: float
     lease: float
     request_timeout: float
+    session_idle: float
     auth_key: Optional[bytes]
     rdma_device: Optional[str]
 
     @staticmethod
     def parse(extra: Dict[str, Any]) -> "_Settings":
         known = {
-            "listen", "transport", "abort_timeout", "lease", "request_timeout", "auth_key", "auth_key_file", "rdma_device",
+            "listen", "transport", "abort_timeout", "lease", "request_timeout", "session_idle", "auth_key",
+            "auth_key_file", "rdma_device",
             "kv_cache_layout",
         }
         unknown = sorted(set(extra) - known)
@@ -309,6 +315,7 @@ class _Settings:
             abort_timeout=float(extra.get("abort_timeout", 480.0)),
             lease=float(extra.get("lease", 30.0)),
             request_timeout=float(extra.get("request_timeout", 60.0)),
+            session_idle=float(extra.get("session_idle", 120.0)),
             auth_key=key,
             rdma_device=extra.get("rdma_device"),
         )

@@ -60,6 +60,7 @@ class _WorkerSide:
             request_timeout=s.request_timeout,
             abort_timeout=s.abort_timeout,
             lease=s.lease,
+            session_idle=s.session_idle,
             rdma_device=s.rdma_device,
             auth_key=s.auth_key,
         )
