@@ -4,14 +4,15 @@
 # non-zero unless every part passed:
 #   checks         layers, cycles, format, lint (a failure stops the command at once)
 #   host           every Rust test on this machine, then the transfer suites with a key
-#   soak           a 60-second fault soak on this host (tools/soak.sh)
+#   soak           a 60-second fault soak and a 16 x 16 fleet run on this host (tools/soak.sh)
 #   python         the Python wheel (maturin, into .venv) and its tests
 #   vllm32         the vLLM connector through vLLM 0.32's own Scheduler (.venv-vllm)
 #   sglang         the SGLang backend through SGLang's own queues (.venv-vllm)
 #   atom           the ATOM connector through ATOM's own engine, pinned snapshot (.venv-vllm)
 #   vllm33         the vLLM connector through vLLM 0.33 (.venv-vllm33, layered on .venv-vllm)
 #   engine-events  KV events through vLLM 0.33's, 0.32's and SGLang's own event code
-#   vm             the RDMA tests for real inside a SoftRoCE VM (tools/softroce/run.sh)
+#   vm             the RDMA tests for real inside a SoftRoCE VM (tools/softroce/run.sh), then a
+#                  60-second fault soak and a 4 x 4 fleet run over RDMA in the same boot
 # It installs what it needs (tools/deps.sh, PyPI into the venvs, the VM's packages).
 #
 #   tools/test.sh                                # everything (CI)

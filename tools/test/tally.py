@@ -12,6 +12,7 @@ Counts come from the test runners themselves:
 - pytest: its JUnit XML report (--junitxml): one testcase each, passed, failed (a failure or
   an error) or skipped with its message.
 - soak: tools/soak.sh's verdict lines, `soak: PASS ...` or `soak: FAIL ...`, one test each.
+- fleet: the fleet run's (tools/soak.sh --fleet), `fleet: PASS ...` or `fleet: FAIL ...`.
 
 A part fails when a test failed, when its runner exited non-zero without reporting a failure
 (a build or collection error), when fewer tests than its minimum passed, or, where skips are
@@ -102,12 +103,13 @@ def tally_cargo(text, rc):
     }
 
 
-def tally_soak(text, rc):
-    """A record's counts from the verdict lines of soak runs and the exit status."""
-    verdicts = re.findall(r"^soak: (PASS|FAIL)\b", text, re.M)
+def tally_soak(text, rc, word="soak"):
+    """A record's counts from the verdict lines of soak runs (`word` "soak") or fleet runs
+    ("fleet") and the exit status."""
+    verdicts = re.findall(rf"^{word}: (PASS|FAIL)\b", text, re.M)
     problems = []
     if rc != 0 and "FAIL" not in verdicts:
-        problems.append(f"the soak exited {rc} without a verdict")
+        problems.append(f"the {word} run exited {rc} without a verdict")
     return {"passed": verdicts.count("PASS"), "failed": verdicts.count("FAIL"), "skipped": 0,
             "reasons": {}, "ignored": 0, "problems": problems}
 
@@ -212,7 +214,7 @@ def main(argv):
     p.add_argument("--tally", default=os.environ.get("KVLINK_TALLY", "target/test-tally.jsonl"))
     sub = p.add_subparsers(dest="cmd", required=True)
     add = sub.add_parser("add", help="record a test run")
-    add.add_argument("--kind", choices=["cargo", "pytest", "soak"], required=True)
+    add.add_argument("--kind", choices=["cargo", "pytest", "soak", "fleet"], required=True)
     add.add_argument("--log", help="cargo, soak: the run's output")
     add.add_argument("--junit", help="pytest: its --junitxml report")
     add.add_argument("--rc", type=int, required=True)
@@ -231,8 +233,8 @@ def main(argv):
     if args.cmd == "add":
         if args.kind == "cargo":
             record = tally_cargo(read_text(args.log) or "", args.rc)
-        elif args.kind == "soak":
-            record = tally_soak(read_text(args.log) or "", args.rc)
+        elif args.kind in ("soak", "fleet"):
+            record = tally_soak(read_text(args.log) or "", args.rc, args.kind)
         else:
             record = tally_pytest(read_text(args.junit), args.rc)
         record = judge(record, args.min, args.skips == "fail")

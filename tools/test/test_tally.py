@@ -67,6 +67,14 @@ class Soak(unittest.TestCase):
         r = tally.tally_soak(log + "soak: FAIL seed=6 minutes=1\n", 1)
         self.assertEqual((r["passed"], r["failed"], r["problems"]), (1, 1, []))
 
+    def test_fleet_verdicts_are_counted_apart_from_the_soaks(self):
+        log = "soak: PASS seed=5 minutes=1\nfleet: 4 prefills\nfleet: PASS 4x4 sessions=16\n"
+        r = tally.tally_soak(log, 0, "fleet")
+        self.assertEqual((r["passed"], r["failed"]), (1, 0))
+        r = tally.tally_soak("fleet: up: D1 holds 0 sessions\nfleet: FAIL 4x4\n", 1, "fleet")
+        self.assertEqual((r["passed"], r["failed"], r["problems"]), (0, 1, []))
+        self.assertEqual(tally.tally_soak(log, 0)["passed"], 1, "the soak's own line")
+
     def test_an_exit_without_a_verdict_is_a_problem(self):
         r = tally.tally_soak("soak: seed 5\nTraceback\n", 1)
         self.assertEqual(r["passed"] + r["failed"], 0)

@@ -2,11 +2,12 @@
 # Test command part "vm": inside the SoftRoCE VM (tools/softroce/run.sh), in one boot, the RDMA
 # tests for real (the one-device tests, the holds' (confirmations, leases) and the two-device
 # ones (striping, failover)), then a 60-second fault soak over RDMA on rxe0 and rxe1 with their
-# links taken down and up (tools/soak). Inside the VM a skip fails: it has the devices.
+# links taken down and up, then a fleet run of 4 prefills x 4 decodes over RDMA (tools/soak).
+# Inside the VM a skip fails: it has the devices.
 # KVLINK_SKIP_VM=1 leaves the part out, and the summary says so.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
-MIN_VM=20
+MIN_VM=21
 
 label="SoftRoCE VM (RDMA)"
 soak_label="fault soak, SoftRoCE VM (60 s, RDMA)"
@@ -26,19 +27,23 @@ if [ "$(printf '%s\n' "$bins" | grep -c .)" != 3 ] || ! cargo build -p kvlink-so
   exit 0
 fi
 soak_out=target/soak-vm
-mkdir -p "$soak_out"
+fleet_out=target/fleet-vm
+mkdir -p "$soak_out" "$fleet_out"
 vmcmd=$(mktemp -p target vm-rdma.XXXXXX.sh)
 {
   echo 'rc=0'
   for b in $bins; do echo "\"$b\" --test-threads=1 || rc=1"; done
   # The soak's verdict is its own line (`soak: PASS|FAIL`), tallied apart from the tests.
   echo "python3 tools/soak/soak.py --vm --binary \"$repo/target/debug/kvlink-soak\" --minutes 1 --quiet 4 --out $soak_out --decodes network,network || echo \"soak: exited \$?\""
+  # Then a fleet: 4 prefills x 4 decodes over RDMA on both devices (tools/soak/fleet.py).
+  echo "python3 tools/soak/fleet.py --vm --binary \"$repo/target/debug/kvlink-soak\" --fleet 4,4 --out $fleet_out || echo \"fleet: exited \$?\""
   echo 'exit $rc'
 } >"$vmcmd"
 log=$(mktemp)
 set +e
-SOFTROCE_RWDIRS="$repo/$soak_out" tools/softroce/run.sh -- bash "$vmcmd" 2>&1 | tee "$log"
+SOFTROCE_RWDIRS="$repo/$soak_out $repo/$fleet_out" tools/softroce/run.sh -- bash "$vmcmd" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e
 tally add --part vm --label "$label" --kind cargo --log "$log" --rc "$rc" --min "$MIN_VM" --skips fail
 tally add --part vm-soak --label "$soak_label" --kind soak --log "$log" --rc 0 --min 1
+tally add --part vm-fleet --label "fleet run, SoftRoCE VM (4 x 4, RDMA)" --kind fleet --log "$log" --rc 0 --min 1

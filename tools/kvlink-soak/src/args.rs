@@ -27,6 +27,7 @@ options:
   --abort-ms N           hold deadline                                  [20000]
   --io-ms N              TCP I/O deadline                               [3000]
   --idle-ms N            idle TCP data stream closed after              [5000]
+  --session-idle-ms N    idle session closed after (0: never)           [120000]
   --cooldown-ms N        pause of a failed RDMA device pair             [3000]
 ";
 
@@ -126,6 +127,7 @@ fn set(o: &mut Options, name: &str, v: &str) -> Result<(), String> {
         "abort-ms" => c.abort_timeout = ms()?,
         "io-ms" => c.io_timeout = ms()?,
         "idle-ms" => c.idle_timeout = ms()?,
+        "session-idle-ms" => c.session_idle = ms()?,
         "cooldown-ms" => c.rdma.cooldown = ms()?,
         _ => return Err(format!("unknown option --{name}")),
     }
@@ -157,6 +159,7 @@ mod tests {
     fn options_land_where_they_belong() {
         let o = args(
             "--transport tcp --engine-id d0 --blocks 32 --lease-ms 1500 --qps 3 \
+             --session-idle-ms 0 \
              --key 0123456789abcdef0123 --rdma-device rxe0,rxe1 --groups 1",
         )
         .unwrap()
@@ -165,6 +168,7 @@ mod tests {
         assert_eq!(o.config.engine_id.as_deref(), Some("d0"));
         assert_eq!((o.blocks, o.groups, o.config.rdma.qps), (32, 1, 3));
         assert_eq!(o.config.lease, Duration::from_millis(1500));
+        assert_eq!(o.config.session_idle, Duration::ZERO);
         assert!(o.config.auth_key.is_some());
         assert_eq!(o.config.rdma.device.as_deref(), Some("rxe0,rxe1"));
     }

@@ -186,6 +186,14 @@ pub struct Stats {
     pub receiving: u64,
     /// Holds in place.
     pub holding: u64,
+    /// Sessions open to peers.
+    pub sessions: u64,
+    /// Sessions made to peers since the start.
+    pub sessions_opened: u64,
+    /// Sessions closed idle since the start.
+    pub sessions_closed_idle: u64,
+    /// RDMA queue pairs held.
+    pub queue_pairs: u64,
 }
 
 /// One event as a line (without its newline).

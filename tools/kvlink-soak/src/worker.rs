@@ -276,6 +276,10 @@ impl Worker {
             bytes_served: s.bytes_served,
             receiving: receiving as u64,
             holding: holding as u64,
+            sessions: s.sessions,
+            sessions_opened: s.sessions_opened,
+            sessions_closed_idle: s.sessions_closed_idle,
+            queue_pairs: s.queue_pairs,
         }
     }
 }
