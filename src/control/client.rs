@@ -3,11 +3,12 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 use tokio::io::AsyncWriteExt;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
@@ -23,6 +24,12 @@ use crate::ids::RequestId;
 /// Notices queued towards one peer at most; beyond this they are dropped with a warning
 /// (the peer will expire the request on its own abort timeout).
 const NOTICE_QUEUE: usize = 1024;
+
+/// A connection is dead once no frame arrived for three keep-alive intervals and at least this
+/// many of our pings went unanswered meanwhile. A process that was itself stopped (its pings
+/// not sent, its timer overdue when it resumes) so does not blame its peer for the silence, and
+/// a dead peer is still found: pings go on being written every interval.
+const SILENT_AFTER_PINGS: u32 = 2;
 
 /// The prefill's answer to a `Done`: confirmed (how long the request had been held then), or
 /// why not.
@@ -121,101 +128,149 @@ impl Handshake {
             peer,
             timeouts,
         } = self;
-        let (mut rd, mut wr) = stream.into_split();
-        let closed = Arc::new(AtomicBool::new(false));
-        let (tx, mut rx) = mpsc::channel::<Message>(NOTICE_QUEUE);
-        let writer_closed = closed.clone();
-        let keepalive = timeouts.keepalive;
+        let (rd, wr) = stream.into_split();
+        let link = Link {
+            peer,
+            keepalive: timeouts.keepalive,
+            closed: Arc::default(),
+            unanswered: Arc::default(),
+        };
+        let (tx, rx) = mpsc::channel::<Message>(NOTICE_QUEUE);
         let (ended_tx, writer_ended) = watch::channel(None);
-        let writer = tokio::spawn(async move {
-            let mut tick = tokio::time::interval(keepalive);
-            tick.tick().await;
-            let mut nonce = 0u64;
-            let mut bye = false;
-            loop {
-                let msg = tokio::select! {
-                    m = rx.recv() => match m { Some(m) => m, None => break },
-                    _ = tick.tick() => { nonce += 1; Message::Ping { nonce } }
-                };
-                let ok = match frame::encode(&msg) {
-                    Ok(f) => matches!(
-                        timeout(keepalive * 3, write_frame(&mut wr, &f)).await,
-                        Ok(Ok(()))
-                    ),
-                    Err(_) => false,
-                };
-                if !ok {
-                    tracing::warn!(%peer, "control connection lost while writing");
-                    break;
-                }
-                if matches!(msg, Message::Bye) {
-                    // Nothing follows a Bye: the server ends the session on it.
-                    let _ = timeout(keepalive, wr.shutdown()).await;
-                    bye = true;
-                    break;
-                }
-            }
-            writer_closed.store(true, Ordering::Release);
-            let _ = ended_tx.send(Some(bye));
-        });
-        let reader_closed = closed.clone();
         let pending: Pending = Arc::default();
-        let confirms = pending.clone();
-        let reader = tokio::spawn(async move {
-            loop {
-                match timeout(keepalive * 3, read_frame(&mut rd)).await {
-                    Ok(Ok(Some((v, body)))) => match frame::decode::<Message>(v, &body) {
-                        Ok(Message::Pong { .. }) => {}
-                        Ok(Message::Confirm {
-                            request_id,
-                            refused,
-                            held_us,
-                        }) => {
-                            // A confirmation nobody waits for (its read gave up) is dropped.
-                            if let Some(tx) = confirms.lock().remove(&request_id) {
-                                let held = std::time::Duration::from_micros(held_us);
-                                let _ = tx.send(refused.map_or(Ok(held), |r| {
-                                    Err(Refusal::new(RefusalKind::Remote, r))
-                                }));
-                            }
-                        }
-                        Ok(Message::Error { message }) => {
-                            tracing::warn!(%peer, %message, "peer closed the control connection");
-                            break;
-                        }
-                        other => {
-                            tracing::warn!(%peer, ?other, "unexpected control message");
-                            break;
-                        }
-                    },
-                    Ok(Ok(None)) => {
-                        // After our Bye (the writer has ended) the close is the expected one.
-                        if !reader_closed.load(Ordering::Acquire) {
-                            tracing::info!(%peer, "peer closed the control connection");
-                        }
-                        break;
-                    }
-                    Ok(Err(e)) => {
-                        tracing::warn!(%peer, error = %e, "control connection failed");
-                        break;
-                    }
-                    Err(_) => {
-                        tracing::warn!(%peer, "control connection silent for {:?}", keepalive * 3);
-                        break;
-                    }
-                }
-            }
-            reader_closed.store(true, Ordering::Release);
-            // Reads still waiting hear that no confirmation will come.
-            confirms.lock().clear();
-        });
+        let writer = tokio::spawn(write_loop(wr, rx, link.clone(), ended_tx));
+        let reader = tokio::spawn(read_loop(rd, link.clone(), pending.clone()));
         ControlClient {
             tx,
-            closed,
+            closed: link.closed,
             writer_ended,
             tasks: [writer, reader],
             peer,
             pending,
+        }
+    }
+}
+
+/// What the writer and reader tasks of one control connection share.
+#[derive(Clone)]
+struct Link {
+    peer: SocketAddr,
+    keepalive: std::time::Duration,
+    /// Set by whichever task ends first (and by both).
+    closed: Arc<AtomicBool>,
+    /// Pings written since the last frame from the peer.
+    unanswered: Arc<AtomicU32>,
+}
+
+/// The writer task: queued notices in order, a ping every keep-alive interval, nothing after a
+/// `Bye`. Says how it ended on `ended` (`Some(true)`: after writing a `Bye`).
+async fn write_loop(
+    mut wr: OwnedWriteHalf,
+    mut rx: mpsc::Receiver<Message>,
+    link: Link,
+    ended: watch::Sender<Option<bool>>,
+) {
+    let (peer, keepalive) = (link.peer, link.keepalive);
+    let mut tick = tokio::time::interval(keepalive);
+    // After a stall, one ping rather than a burst of the missed ones.
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    tick.tick().await;
+    let mut nonce = 0u64;
+    let mut bye = false;
+    loop {
+        let msg = tokio::select! {
+            m = rx.recv() => match m { Some(m) => m, None => break },
+            _ = tick.tick() => { nonce += 1; Message::Ping { nonce } }
+        };
+        let ok = match frame::encode(&msg) {
+            Ok(f) => matches!(
+                timeout(keepalive * 3, write_frame(&mut wr, &f)).await,
+                Ok(Ok(()))
+            ),
+            Err(_) => false,
+        };
+        if !ok {
+            tracing::warn!(%peer, "control connection lost while writing");
+            break;
+        }
+        if matches!(msg, Message::Ping { .. }) {
+            link.unanswered.fetch_add(1, Ordering::AcqRel);
+        }
+        if matches!(msg, Message::Bye) {
+            // Nothing follows a Bye: the server ends the session on it.
+            let _ = timeout(keepalive, wr.shutdown()).await;
+            bye = true;
+            break;
+        }
+    }
+    link.closed.store(true, Ordering::Release);
+    let _ = ended.send(Some(bye));
+}
+
+/// The reader task: confirmations to the reads waiting for them, until the peer closes, refuses
+/// or falls silent (three intervals without a frame, with [`SILENT_AFTER_PINGS`] of our pings
+/// unanswered).
+async fn read_loop(mut rd: OwnedReadHalf, link: Link, confirms: Pending) {
+    let (peer, keepalive) = (link.peer, link.keepalive);
+    loop {
+        match timeout(keepalive * 3, read_frame(&mut rd)).await {
+            Ok(Ok(Some((v, body)))) => {
+                link.unanswered.store(0, Ordering::Release);
+                if !on_frame(peer, frame::decode::<Message>(v, &body), &confirms) {
+                    break;
+                }
+            }
+            Ok(Ok(None)) => {
+                // After our Bye (the writer has ended) the close is the expected one.
+                if !link.closed.load(Ordering::Acquire) {
+                    tracing::info!(%peer, "peer closed the control connection");
+                }
+                break;
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(%peer, error = %e, "control connection failed");
+                break;
+            }
+            Err(_) => {
+                let pings = link.unanswered.load(Ordering::Acquire);
+                if pings < SILENT_AFTER_PINGS {
+                    tracing::debug!(%peer, pings, "no frame for three keep-alive intervals, but this process sent too few pings meanwhile (it was stalled): waiting on");
+                    continue;
+                }
+                tracing::warn!(%peer, pings, "control connection silent for {:?}", keepalive * 3);
+                break;
+            }
+        }
+    }
+    link.closed.store(true, Ordering::Release);
+    // Reads still waiting hear that no confirmation will come.
+    confirms.lock().clear();
+}
+
+/// Handles one frame from the peer; false when the connection ends on it.
+fn on_frame(peer: SocketAddr, msg: Result<Message>, confirms: &Pending) -> bool {
+    match msg {
+        Ok(Message::Pong { .. }) => true,
+        Ok(Message::Confirm {
+            request_id,
+            refused,
+            held_us,
+        }) => {
+            // A confirmation nobody waits for (its read gave up) is dropped.
+            if let Some(tx) = confirms.lock().remove(&request_id) {
+                let held = std::time::Duration::from_micros(held_us);
+                let _ = tx
+                    .send(refused.map_or(Ok(held), |r| Err(Refusal::new(RefusalKind::Remote, r))));
+            }
+            true
+        }
+        Ok(Message::Error { message }) => {
+            tracing::warn!(%peer, %message, "peer closed the control connection");
+            false
+        }
+        other => {
+            tracing::warn!(%peer, ?other, "unexpected control message");
+            false
         }
     }
 }
@@ -415,3 +470,6 @@ async fn hello(
     let reply = hs.request(&hello).await;
     Ok((hs, reply, secret))
 }
+
+#[cfg(test)]
+mod tests;

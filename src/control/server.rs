@@ -210,7 +210,13 @@ async fn serve_reader(
     };
     let idle = timeouts.keepalive * 3;
     loop {
-        let frame = match timeout(idle, read_frame(&mut serving.stream)).await {
+        let mut read = timeout(idle, read_frame(&mut serving.stream)).await;
+        if read.is_err() {
+            // This process may have been stalled, its timer overdue before it saw the pings
+            // already waiting in the socket: one short look more before the reader is silent.
+            read = timeout(SILENCE_GRACE, read_frame(&mut serving.stream)).await;
+        }
+        let frame = match read {
             Err(_) => {
                 // The protocol's promise: a refusal is said before the connection closes.
                 let why = format!("no frame from {peer} for {idle:?} (three keep-alive intervals)");
@@ -249,6 +255,10 @@ struct Serving<'a> {
     bad_notices: u64,
     timeouts: ControlTimeouts,
 }
+
+/// How long a reader's control connection gets, once three keep-alive intervals passed without a
+/// frame, for frames that already arrived to be read.
+const SILENCE_GRACE: Duration = Duration::from_millis(20);
 
 /// Notices the engine refused (not held, or held for another reader): one line per interval
 /// for the whole engine, with the count; the session goes on.

@@ -367,23 +367,27 @@ impl Sessions {
 
     /// Closes, in order, the sessions nothing uses that are broken or idle past `limit`: each
     /// peer is told (`Bye`, after any notice queued before it) and keeps this engine's holds
-    /// on their abort timeouts; the next read or message to it opens a new session.
+    /// on their abort timeouts; the next read or message to it opens a new session. The closes
+    /// run at once, each bounded by the handshake timeout, so a stalled peer delays no other.
     pub(crate) async fn close_unused(&self, limit: Duration) {
         let unused = self.take_unused(tokio::time::Instant::now(), limit);
         let within = self.state.config().handshake_timeout;
+        let mut closing = tokio::task::JoinSet::new();
         for Unused { peer, conn, broken } in unused {
-            let told = conn.control.close(within).await;
-            let generation = conn.generation;
-            if broken {
-                tracing::debug!(%peer, generation, told, "broken session nothing uses: closed");
-            } else {
-                let counters = self.state.counters();
-                counters
-                    .sessions_closed_idle
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::info!(%peer, generation, told, ?limit, "session idle: closed (the next read opens a new one)");
-            }
+            let state = self.state.clone();
+            closing.spawn(async move {
+                let told = conn.control.close(within).await;
+                let generation = conn.generation;
+                if broken {
+                    tracing::debug!(%peer, generation, told, "broken session nothing uses: closed");
+                } else {
+                    let closed = &state.counters().sessions_closed_idle;
+                    closed.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(%peer, generation, told, ?limit, "session idle: closed (the next read opens a new one)");
+                }
+            });
         }
+        while closing.join_next().await.is_some() {}
     }
 
     /// Runs [`close_unused`](Self::close_unused) on `rt` for as long as the cache exists: every
