@@ -45,6 +45,8 @@ pub(crate) struct ControlClient {
     /// How the writer task ended, once it has: `Some(true)` after writing a `Bye`,
     /// `Some(false)` otherwise (the connection lost, or the client dropped).
     writer_ended: watch::Receiver<Option<bool>>,
+    /// Becomes true once either task has ended: the connection is gone.
+    gone: watch::Receiver<bool>,
     tasks: [JoinHandle<()>; 2],
     peer: SocketAddr,
     pending: Pending,
@@ -129,10 +131,12 @@ impl Handshake {
             timeouts,
         } = self;
         let (rd, wr) = stream.into_split();
+        let (gone_tx, gone) = watch::channel(false);
         let link = Link {
             peer,
             keepalive: timeouts.keepalive,
             closed: Arc::default(),
+            gone: Arc::new(gone_tx),
             unanswered: Arc::default(),
         };
         let (tx, rx) = mpsc::channel::<Message>(NOTICE_QUEUE);
@@ -144,6 +148,7 @@ impl Handshake {
             tx,
             closed: link.closed,
             writer_ended,
+            gone,
             tasks: [writer, reader],
             peer,
             pending,
@@ -156,10 +161,20 @@ impl Handshake {
 struct Link {
     peer: SocketAddr,
     keepalive: std::time::Duration,
-    /// Set by whichever task ends first (and by both).
+    /// Set by whichever task ends first (and by both), through [`Link::end`].
     closed: Arc<AtomicBool>,
+    /// Told when `closed` is set.
+    gone: Arc<watch::Sender<bool>>,
     /// Pings written since the last frame from the peer.
     unanswered: Arc<AtomicU32>,
+}
+
+impl Link {
+    /// One of the connection's tasks ended: the connection is gone.
+    fn end(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.gone.send_replace(true);
+    }
 }
 
 /// The writer task: queued notices in order, a ping every keep-alive interval, nothing after a
@@ -203,7 +218,7 @@ async fn write_loop(
             break;
         }
     }
-    link.closed.store(true, Ordering::Release);
+    link.end();
     let _ = ended.send(Some(bye));
 }
 
@@ -242,7 +257,7 @@ async fn read_loop(mut rd: OwnedReadHalf, link: Link, confirms: Pending) {
             }
         }
     }
-    link.closed.store(true, Ordering::Release);
+    link.end();
     // Reads still waiting hear that no confirmation will come.
     confirms.lock().clear();
 }
@@ -371,6 +386,13 @@ impl ControlClient {
             _ => false,
         };
         told
+    }
+
+    /// Resolves once the connection is gone (closed, refused, silent, or after a `Bye`).
+    pub(crate) async fn gone(&self) {
+        let mut gone = self.gone.clone();
+        // An error means both tasks ended and dropped the sender: gone as well.
+        let _ = gone.wait_for(|g| *g).await;
     }
 
     /// Whether the connection has died.

@@ -48,7 +48,13 @@ pub(crate) trait ControlLink: Send + Sync {
     /// Closes the connection in order (`Bye`, after whatever is queued), waiting up to
     /// `within`; true when the peer was told.
     fn close(&self, within: std::time::Duration) -> CloseFuture<'_>;
+    /// Resolves once the connection is gone: no confirmation can come after that.
+    fn gone(&self) -> GoneFuture<'_>;
 }
+
+/// A future that resolves once a control connection is gone.
+pub(crate) type GoneFuture<'a> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'a>>;
 
 /// A future that closes a control connection in order.
 pub(crate) type CloseFuture<'a> =
@@ -57,6 +63,10 @@ pub(crate) type CloseFuture<'a> =
 impl ControlLink for ControlClient {
     fn close(&self, within: std::time::Duration) -> CloseFuture<'_> {
         Box::pin(ControlClient::close(self, within))
+    }
+
+    fn gone(&self) -> GoneFuture<'_> {
+        Box::pin(ControlClient::gone(self))
     }
 
     fn notify(&self, msg: Message) -> bool {

@@ -66,6 +66,8 @@ struct Script {
 struct MemControl {
     prefill: Arc<EngineState>,
     closed: AtomicBool,
+    /// Wakes `gone` when `closed` is set.
+    gone: tokio::sync::Notify,
     script: Arc<Mutex<Script>>,
 }
 
@@ -121,11 +123,26 @@ impl ControlLink for MemControl {
         self.closed.load(Ordering::Acquire)
     }
 
+    fn gone(&self) -> super::GoneFuture<'_> {
+        Box::pin(async move {
+            loop {
+                let woken = self.gone.notified();
+                tokio::pin!(woken);
+                woken.as_mut().enable();
+                if self.is_closed() {
+                    return;
+                }
+                woken.await;
+            }
+        })
+    }
+
     fn close(&self, _within: Duration) -> super::CloseFuture<'_> {
         // The control server's part of a Bye: the reader leaves in order.
         let (_, from) = reader();
         self.prefill.reader_left(&from);
         self.closed.store(true, Ordering::Release);
+        self.gone.notify_waiters();
         self.script.lock().byes += 1;
         Box::pin(std::future::ready(true))
     }
@@ -258,6 +275,7 @@ impl Connector for MemConnector {
                 control: Box::new(MemControl {
                     prefill: self.prefill.clone(),
                     closed: AtomicBool::new(false),
+                    gone: tokio::sync::Notify::new(),
                     script: self.script.clone(),
                 }),
                 transport: Box::new(MemTransport {
@@ -282,6 +300,7 @@ impl Connector for MemConnector {
             let control = MemControl {
                 prefill: self.prefill.clone(),
                 closed: AtomicBool::new(false),
+                gone: tokio::sync::Notify::new(),
                 script: self.script.clone(),
             };
             for m in aborts {

@@ -426,9 +426,7 @@ async fn read_once(
     let work_requests = if ops.is_empty() {
         0
     } else {
-        conn.transport
-            .read(&job.remote_id, ops, ctl, job.deadline)
-            .await?
+        read_while_connected(&conn, &source.peer, job, ops, ctl).await?
     };
     Ok(SourceReport {
         bytes: plan.bytes,
@@ -439,6 +437,38 @@ async fn read_once(
         connected,
         done: Instant::now(),
     })
+}
+
+/// The transport's read of `ops`, stopped as soon as the session's control connection is gone:
+/// no confirmation can come after that (the prefill restarted, went away, or counted this
+/// engine silent and dropped its queue pairs, whose reads may then never complete). The
+/// attempt is cancelled, the transport returns once nothing writes into the blocks any more, and
+/// the read fails as a lost connection, which the caller retries once on a new session.
+async fn read_while_connected(
+    conn: &PeerConn,
+    peer: &str,
+    job: &ReadJob,
+    ops: Vec<ReadOp>,
+    ctl: Arc<RequestCtl>,
+) -> Result<u64> {
+    let read = conn
+        .transport
+        .read(&job.remote_id, ops, ctl.clone(), job.deadline);
+    tokio::pin!(read);
+    tokio::select! {
+        biased;
+        r = &mut read => r,
+        () = conn.control.gone() => {
+            ctl.mark_cancelled();
+            let _ = read.await;
+            Err(Error::ConnectionLost {
+                peer: peer.to_string(),
+                reason: "the control connection closed while reading (the prefill restarted, \
+                         went away, or counted this engine silent): no confirmation can come"
+                    .into(),
+            })
+        }
+    }
 }
 
 #[cfg(test)]

@@ -427,3 +427,30 @@ async fn without_an_idle_limit_a_healthy_session_stays() {
     assert_eq!(p.decode.up(), 1);
     assert_eq!(p.script.lock().byes, 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_read_stops_when_its_control_connection_goes_and_is_retried_on_a_new_session() {
+    // The first session's transport would take 5 s; its control connection goes after 1 s.
+    let p = Arc::new(Pair::new(&[
+        Fault::Delay(Duration::from_secs(5)),
+        Fault::None,
+    ]));
+    let t0 = tokio::time::Instant::now();
+    let reading = {
+        let p = p.clone();
+        tokio::spawn(async move { p.read("r1", &[0, 1], &[2, 3]).await })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let first = p.decode.ready_conn(PEER).expect("the first session is up");
+    assert!(first.control.close(Duration::from_secs(1)).await);
+    reading.await.unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(2),
+        "stopped at once, not at the first transport's 5 s: {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(p.connects(), 2, "retried on a new session");
+    let d = p.decode_finished();
+    assert_eq!(d.receiving, vec![RequestId::from("r1")], "{d:?}");
+    assert!(p.holds(&[0, 1], &[2, 3]));
+}
