@@ -291,6 +291,13 @@ typedef struct kvlink_config {
      * a reader that never comes.
      */
     uint64_t lease_ms;
+    /**
+     * How long a session to a peer may go unused before it is closed in order (the peer keeps
+     * this engine's holds on their abort timeouts, and the next read opens a new session), in
+     * milliseconds (at most 7 days; default 120 s; 0 keeps sessions open until they break).
+     * Bounds the connections and queue pairs an engine holds to the peers it used lately.
+     */
+    uint64_t session_idle_ms;
 } kvlink_config;
 
 /**
@@ -452,7 +459,8 @@ const char *kvlink_version(void);
 
 /**
  * Fills `*config` with the defaults: listen on `"127.0.0.1:0"`, rank 0 of 1, automatic
- * transport, 4 TCP streams, a 60 s request timeout, a 480 s abort timeout and a 30 s lease.
+ * transport, 4 TCP streams, a 60 s request timeout, a 480 s abort timeout, a 30 s lease and
+ * sessions closed after 120 s unused.
  *
  * Returns `KVLINK_OK`, or `KVLINK_E_INVALID` when `config` is NULL.
  *

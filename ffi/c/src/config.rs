@@ -60,11 +60,16 @@ pub struct kvlink_config {
     /// to this one, in milliseconds (1 ms to 7 days; default 30 s); `abort_timeout_ms` bounds
     /// a reader that never comes.
     pub lease_ms: u64,
+    /// How long a session to a peer may go unused before it is closed in order (the peer keeps
+    /// this engine's holds on their abort timeouts, and the next read opens a new session), in
+    /// milliseconds (at most 7 days; default 120 s; 0 keeps sessions open until they break).
+    /// Bounds the connections and queue pairs an engine holds to the peers it used lately.
+    pub session_idle_ms: u64,
 }
 
 #[cfg(target_pointer_width = "64")]
 const _: () = {
-    assert!(std::mem::size_of::<kvlink_config>() == 96);
+    assert!(std::mem::size_of::<kvlink_config>() == 104);
     assert!(std::mem::align_of::<kvlink_config>() == 8);
     assert!(std::mem::offset_of!(kvlink_config, listen) == 0);
     assert!(std::mem::offset_of!(kvlink_config, advertise_host) == 8);
@@ -81,12 +86,14 @@ const _: () = {
     assert!(std::mem::offset_of!(kvlink_config, auth_key) == 72);
     assert!(std::mem::offset_of!(kvlink_config, insecure) == 80);
     assert!(std::mem::offset_of!(kvlink_config, lease_ms) == 88);
+    assert!(std::mem::offset_of!(kvlink_config, session_idle_ms) == 96);
 };
 
 const DEFAULT_LISTEN: &CStr = c"127.0.0.1:0";
 
 /// Fills `*config` with the defaults: listen on `"127.0.0.1:0"`, rank 0 of 1, automatic
-/// transport, 4 TCP streams, a 60 s request timeout, a 480 s abort timeout and a 30 s lease.
+/// transport, 4 TCP streams, a 60 s request timeout, a 480 s abort timeout, a 30 s lease and
+/// sessions closed after 120 s unused.
 ///
 /// Returns `KVLINK_OK`, or `KVLINK_E_INVALID` when `config` is NULL.
 ///
@@ -114,6 +121,7 @@ pub unsafe extern "C" fn kvlink_config_default(config: *mut kvlink_config) -> c_
             auth_key: std::ptr::null(),
             insecure: 0,
             lease_ms: ms(d.lease),
+            session_idle_ms: ms(d.session_idle),
         };
         // SAFETY: checked above; the caller promised writable memory.
         unsafe { write_out(config, c) };
@@ -157,6 +165,7 @@ pub(crate) fn engine_config(c: &kvlink_config) -> FfiResult<EngineConfig> {
     config.request_timeout = millis(c.request_timeout_ms, "config->request_timeout_ms")?;
     config.abort_timeout = millis(c.abort_timeout_ms, "config->abort_timeout_ms")?;
     config.lease = millis(c.lease_ms, "config->lease_ms")?;
+    config.session_idle = millis(c.session_idle_ms, "config->session_idle_ms")?;
     config.gpu = match c.gpu {
         0 => false,
         1 => true,

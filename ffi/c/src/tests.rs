@@ -8,6 +8,7 @@ use kvlink::{Error, RegionId};
 
 use super::*;
 use crate::args::{opt_str_arg, str_arg};
+use crate::config::engine_config;
 use crate::guard::{guard, guard_value, to_cstring};
 use crate::status::{invalid, status_of};
 
@@ -84,6 +85,38 @@ fn string_arguments_are_checked() {
     assert_eq!(e.message, "s is NULL");
     // SAFETY: NULL is allowed.
     assert_eq!(unsafe { opt_str_arg(std::ptr::null(), "s") }.unwrap(), None);
+}
+
+#[test]
+fn the_durations_reach_the_engine_config() {
+    let mut config = std::mem::MaybeUninit::<kvlink_config>::uninit();
+    // SAFETY: writable memory for a kvlink_config.
+    let rc = unsafe { kvlink_config_default(config.as_mut_ptr()) };
+    assert_eq!(rc, KVLINK_OK);
+    // SAFETY: initialised by kvlink_config_default.
+    let config = unsafe { config.assume_init() };
+    let d = kvlink::EngineConfig::default();
+    assert_eq!(config.session_idle_ms, 120_000);
+    assert_eq!(engine_config(&config).unwrap().session_idle, d.session_idle);
+    let set = kvlink_config {
+        session_idle_ms: 0,
+        lease_ms: 2_500,
+        ..config
+    };
+    let converted = engine_config(&set).unwrap();
+    assert_eq!(converted.session_idle, Duration::ZERO);
+    assert_eq!(converted.lease, Duration::from_millis(2_500));
+    let too_long = kvlink_config {
+        session_idle_ms: KVLINK_TIMEOUT_MAX_MS + 1,
+        ..config
+    };
+    let err = engine_config(&too_long).unwrap_err();
+    assert_eq!(err.code, KVLINK_E_INVALID);
+    assert!(
+        err.message.contains("config->session_idle_ms"),
+        "{}",
+        err.message
+    );
 }
 
 #[test]
