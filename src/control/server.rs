@@ -210,13 +210,7 @@ async fn serve_reader(
     };
     let idle = timeouts.keepalive * 3;
     loop {
-        let mut read = timeout(idle, read_frame(&mut serving.stream)).await;
-        if read.is_err() {
-            // This process may have been stalled, its timer overdue before it saw the pings
-            // already waiting in the socket: one short look more before the reader is silent.
-            read = timeout(SILENCE_GRACE, read_frame(&mut serving.stream)).await;
-        }
-        let frame = match read {
+        let frame = match next_frame(&mut serving.stream, idle).await {
             Err(_) => {
                 // The protocol's promise: a refusal is said before the connection closes.
                 let why = format!("no frame from {peer} for {idle:?} (three keep-alive intervals)");
@@ -256,9 +250,17 @@ struct Serving<'a> {
     timeouts: ControlTimeouts,
 }
 
-/// How long a reader's control connection gets, once three keep-alive intervals passed without a
-/// frame, for frames that already arrived to be read.
-const SILENCE_GRACE: Duration = Duration::from_millis(20);
+/// The next frame on a reader's control connection (`Ok(None)` when it closed), or `Err` once it
+/// was silent for `idle`. A server stalled past `idle` (a stopped process) does not count a
+/// reader silent whose frames arrived meanwhile: on resume the runtime takes the socket's
+/// readiness in the same turn as the overdue deadline, and `timeout` polls the read first
+/// (`tests.rs` checks it, and fails for a wait that looks at its deadline first).
+async fn next_frame(
+    stream: &mut TcpStream,
+    idle: Duration,
+) -> std::result::Result<Result<Option<(u16, Vec<u8>)>>, tokio::time::error::Elapsed> {
+    timeout(idle, read_frame(stream)).await
+}
 
 /// Notices the engine refused (not held, or held for another reader): one line per interval
 /// for the whole engine, with the count; the session goes on.
@@ -462,3 +464,6 @@ impl Drop for Presence {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
