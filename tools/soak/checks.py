@@ -15,6 +15,7 @@ stalled when, and says what went wrong:
   prefill died after the read was received.
 """
 
+import statistics
 from dataclasses import dataclass, field
 
 # A read is reported at most this long after its deadline (the engine's backstop).
@@ -276,3 +277,16 @@ def recovery(rates, fault_end, baseline, fraction=0.9):
         if t >= fault_end and r >= fraction * baseline:
             return t - fault_end
     return None
+
+
+def baseline(per_second, start, busy, lookback=30.0):
+    """The rate before a fault that starts at `start`: the median of the per-second rates (a
+    list of (t, bytes verified in the second from t)) over the `lookback` seconds before it,
+    leaving out the seconds that overlap `busy` (earlier faults and their quiet windows, as
+    (from, to)). A median over
+    many seconds, so that a peak just before the fault does not raise the bar: on 2 cores the
+    rate moves by 15% from one second to the next. 0.0 when no second qualifies."""
+    quiet = [r for t, r in per_second
+             if start - lookback <= t and t + 1 <= start
+             and not any(t + 1 > a and t < b for a, b in busy)]
+    return statistics.median(quiet) if quiet else 0.0

@@ -3,7 +3,7 @@ back after each, resource slopes per worker life, violations, and the verdict.""
 
 import statistics
 
-from checks import recovery, slope
+from checks import baseline, recovery, slope
 
 # A worker life shorter than this is too short to judge its resources.
 MIN_LIFE_S = 20.0
@@ -13,6 +13,9 @@ LIMITS = {"fds": 8, "threads": 8, "rss_anon_kib": 16 * 1024, "qps": 8, "mr_bytes
 # Throughput must be back to this share of the rate before a fault within twice the quiet
 # window after it.
 RECOVERED = 0.9
+# The rate before a fault is the median over this many seconds before it (away from earlier
+# faults).
+BASELINE_S = 30.0
 
 
 def resources(samples, warmup):
@@ -41,17 +44,19 @@ def resources(samples, warmup):
     return out
 
 
-def recoveries(faults, rates, quiet):
-    """Per fault: the rate before it and seconds until throughput was back."""
+def recoveries(faults, rates, per_second, quiet):
+    """Per fault: the rate before it (`checks.baseline` over the per-second rates, away from
+    earlier faults) and seconds until throughput, over the windows of `rates`, was back."""
     out = []
+    busy = []
     for f in faults:
-        before = [r for t, r in rates if f["start"] - quiet <= t < f["start"]]
-        baseline = statistics.mean(before) if before else 0.0
         end = f["end"] if f["end"] is not None else f["start"]
-        back = recovery(rates, end, baseline, RECOVERED) if baseline > 0 else None
-        ok = baseline == 0 or (back is not None and back <= 2 * quiet)
+        before = baseline(per_second, f["start"], busy, BASELINE_S)
+        busy.append((f["start"], end + quiet))
+        back = recovery(rates, end, before, RECOVERED) if before > 0 else None
+        ok = before == 0 or (back is not None and back <= 2 * quiet)
         out.append({**{k: f[k] for k in ("kind", "target", "detail", "start", "end")},
-                    "baseline_mb_s": round(baseline / 1e6, 1), "recovery_s": back, "ok": ok})
+                    "baseline_mb_s": round(before / 1e6, 1), "recovery_s": back, "ok": ok})
     return out
 
 
@@ -60,7 +65,7 @@ def report(soak):
     ledger, traffic = soak.ledger, soak.traffic
     rates = traffic.rates(window=3)
     res = resources(soak.samples, soak.o.warmup)
-    rec = recoveries(soak.faults.log, rates, soak.o.quiet)
+    rec = recoveries(soak.faults.log, rates, traffic.rates(window=1), soak.o.quiet)
     kinds = {}
     for f in soak.faults.log:
         kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1

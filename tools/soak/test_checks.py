@@ -4,7 +4,7 @@ what it must let pass."""
 
 import unittest
 
-from checks import BACKSTOP, Ledger, recovery, slope
+from checks import BACKSTOP, Ledger, baseline, recovery, slope
 from report import recoveries, resources
 
 
@@ -156,11 +156,35 @@ class Arithmetic(unittest.TestCase):
         rates = [(float(t), 100.0) for t in range(0, 10)] + [(10.0, 0.0), (11.0, 0.0)]
         rates += [(float(t), 100.0) for t in range(12, 30)]
         fault = {"kind": "kill_decode", "target": "D1", "detail": "", "start": 10.0, "end": 10.5}
-        (r,) = recoveries([fault], rates, quiet=6.0)
+        (r,) = recoveries([fault], rates, rates, quiet=6.0)
         self.assertTrue(r["ok"])
         self.assertEqual(r["recovery_s"], 1.5)
         slow = [(t, 0.0 if 10 <= t < 25 else r_) for t, r_ in rates]
-        self.assertFalse(recoveries([fault], slow, quiet=6.0)[0]["ok"])
+        self.assertFalse(recoveries([fault], slow, slow, quiet=6.0)[0]["ok"])
+        # Back, but only to 85% of the rate before: not recovered.
+        lower = [(t, 85.0 if t >= 10 else r_) for t, r_ in rates]
+        self.assertFalse(recoveries([fault], lower, lower, quiet=6.0)[0]["ok"])
+
+    def test_a_peak_just_before_a_fault_does_not_raise_the_bar(self):
+        # The rate moves around 100 with a peak of 140 in the 3 s before the fault (the
+        # rehearsal's 60-second soak failed a wrong_key fault on such a peak).
+        per_second = [(float(t), 140.0 if 27 <= t < 30 else 100.0) for t in range(1, 45)]
+        self.assertEqual(baseline(per_second, 30.0, []), 100.0)
+        fault = {"kind": "wrong_key", "target": "P0", "detail": "", "start": 30.0, "end": 33.0}
+        rate = dict(per_second)
+        windows = [(float(t), sum(rate[t - k] for k in range(3)) / 3) for t in range(3, 45)]
+        (r,) = recoveries([fault], windows, per_second, quiet=5.0)
+        self.assertTrue(r["ok"], r)
+
+    def test_the_rate_before_leaves_out_earlier_faults_and_the_fault_itself(self):
+        per_second = [(float(t), 0.0 if 10 <= t < 16 else 100.0) for t in range(1, 40)]
+        # The dip of the fault at 10 s is left out of the next fault's rate before.
+        self.assertEqual(baseline(per_second, 30.0, [(10.0, 16.0)]), 100.0)
+        self.assertEqual(baseline(per_second, 30.0, []), 100.0)
+        self.assertEqual(baseline(per_second, 16.0, [(10.0, 16.0)], lookback=6.0), 0.0)
+        # Only seconds wholly before the start count: the second from 30 does not.
+        spike = per_second[:29] + [(30.0, 1e9)]
+        self.assertEqual(baseline(spike, 30.5, []), 100.0)
 
     def test_a_growing_life_is_not_flat(self):
         flat = [(float(t), {"fds": 30, "threads": 9, "rss_anon_kib": 9000}) for t in range(60)]
