@@ -279,13 +279,13 @@ def recovery(rates, fault_end, baseline, fraction=0.9):
     return None
 
 
-def baseline(per_second, start, busy, lookback=30.0):
+def baseline(per_second, start, busy, lookback):
     """The rate before a fault that starts at `start`: the median of the per-second rates (a
     list of (t, bytes verified in the second from t)) over the `lookback` seconds before it,
     leaving out the seconds that overlap `busy` (earlier faults and their quiet windows, as
-    (from, to)). A median over
-    many seconds, so that a peak just before the fault does not raise the bar: on 2 cores the
-    rate moves by 15% from one second to the next. 0.0 when no second qualifies."""
+    (from, to)). A median over many seconds, so that a peak just before the fault does not
+    raise the bar: on 2 cores the rate moves by 15% from one second to the next. 0.0 when no
+    second qualifies."""
     quiet = [r for t, r in per_second
              if start - lookback <= t and t + 1 <= start
              and not any(t + 1 > a and t < b for a, b in busy)]

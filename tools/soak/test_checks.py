@@ -169,7 +169,7 @@ class Arithmetic(unittest.TestCase):
         # The rate moves around 100 with a peak of 140 in the 3 s before the fault (the
         # rehearsal's 60-second soak failed a wrong_key fault on such a peak).
         per_second = [(float(t), 140.0 if 27 <= t < 30 else 100.0) for t in range(1, 45)]
-        self.assertEqual(baseline(per_second, 30.0, []), 100.0)
+        self.assertEqual(baseline(per_second, 30.0, [], 30.0), 100.0)
         fault = {"kind": "wrong_key", "target": "P0", "detail": "", "start": 30.0, "end": 33.0}
         rate = dict(per_second)
         windows = [(float(t), sum(rate[t - k] for k in range(3)) / 3) for t in range(3, 45)]
@@ -179,12 +179,12 @@ class Arithmetic(unittest.TestCase):
     def test_the_rate_before_leaves_out_earlier_faults_and_the_fault_itself(self):
         per_second = [(float(t), 0.0 if 10 <= t < 16 else 100.0) for t in range(1, 40)]
         # The dip of the fault at 10 s is left out of the next fault's rate before.
-        self.assertEqual(baseline(per_second, 30.0, [(10.0, 16.0)]), 100.0)
-        self.assertEqual(baseline(per_second, 30.0, []), 100.0)
+        self.assertEqual(baseline(per_second, 30.0, [(10.0, 16.0)], 30.0), 100.0)
+        self.assertEqual(baseline(per_second, 30.0, [], 30.0), 100.0)
         self.assertEqual(baseline(per_second, 16.0, [(10.0, 16.0)], lookback=6.0), 0.0)
         # Only seconds wholly before the start count: the second from 30 does not.
         spike = per_second[:29] + [(30.0, 1e9)]
-        self.assertEqual(baseline(spike, 30.5, []), 100.0)
+        self.assertEqual(baseline(spike, 30.5, [], 30.0), 100.0)
 
     def test_a_growing_life_is_not_flat(self):
         flat = [(float(t), {"fds": 30, "threads": 9, "rss_anon_kib": 9000}) for t in range(60)]

@@ -1,6 +1,6 @@
-//! How the server waits for a reader's next frame on a runtime of one thread, so that blocking it
-//! stalls the server as a stopped process would: frames that arrived during its own stall are read,
-//! and a reader that sent nothing is silent once its window passed.
+//! How the server waits for a reader's next frame, with the thread that runs the wait blocked as a
+//! stopped process would be: frames that arrived during the server's own stall are read, and a
+//! reader that sent nothing is silent once its window passed.
 
 use std::future::Future;
 use std::io::Write;
@@ -89,7 +89,7 @@ fn a_reader_that_sends_nothing_is_silent_after_its_window() {
     assert!(read.is_err(), "silent reader not found: {read:?}");
     let took = start.elapsed();
     assert!(took >= IDLE, "{took:?}");
-    // The window and the grace, and a little more on a loaded machine.
+    // The window, and a little more on a loaded machine.
     assert!(took < IDLE * 5, "{took:?}");
 }
 
