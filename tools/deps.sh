@@ -56,8 +56,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo=sudo
   aptlog=$(mktemp)
-  if ! { $sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q \
-      --no-install-recommends "${missing[@]}"; } >"$aptlog" 2>&1; then
+  # Another apt-get (the VM's installs, in the test command's background) may hold the lock.
+  if ! { $sudo apt-get update -q -o DPkg::Lock::Timeout=600 && DEBIAN_FRONTEND=noninteractive \
+      $sudo apt-get install -y -q -o DPkg::Lock::Timeout=600 --no-install-recommends "${missing[@]}"; } \
+      >"$aptlog" 2>&1; then
     tail -n 20 "$aptlog" >&2
     log "error: apt-get could not install ${missing[*]} (log: $aptlog)"
     exit 1

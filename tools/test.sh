@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The project's test command (README, CI). It runs the parts in tools/test/ in order, each
-# recording its results in one tally (tools/test/tally.py), then prints the summary and exits
-# non-zero unless every part passed:
+# The project's test command (README, CI). It runs the parts in tools/test/, each recording its
+# results in one tally (tools/test/tally.py), then prints the summary, each part's wall time
+# and the total, and exits non-zero unless every part passed:
 #   checks         layers, cycles, format, lint (a failure stops the command at once)
 #   host           every Rust test on this machine, then the transfer suites with a key
 #   soak           a 60-second fault soak and a 16 x 16 fleet run on this host (tools/soak.sh)
@@ -13,17 +13,20 @@
 #   engine-events  KV events through vLLM 0.33's, 0.32's and SGLang's own event code
 #   vm             the RDMA tests for real inside a SoftRoCE VM (tools/softroce/run.sh), then a
 #                  60-second fault soak and a 4 x 4 fleet run over RDMA in the same boot
-# It installs what it needs (tools/deps.sh, PyPI into the venvs, the VM's packages).
+# It installs what it needs: tools/deps.sh first, then everything else (PyPI into the venvs,
+# the VM's packages and kernel) in the background (tools/test/prepare.sh) while the Rust parts
+# build and run; a part that needs an install waits for it (lib.sh's `prepared`).
 #
 #   tools/test.sh                                # everything (CI)
 #   KVLINK_SKIP_VM=1 tools/test.sh               # all but the VM, reported as not run
 #   KVLINK_TEST_PARTS="checks host" tools/test.sh  # some parts; the others are reported as not run
 #
-# Each part's line says passed, failed and skipped with the reasons. Rust tests that lack
-# hardware here report a structured skip (tests/common's `skip`) and count as skipped; pytest
-# suites are tallied from their JUnit reports, and a skip there fails (the command installs
-# what they need), as does any skip inside the VM. A part that passed fewer tests than its
-# minimum (MIN_* in its file) fails too: a build that produced no tests must not look green.
+# Each part's line says passed, failed and skipped with the reasons, and names each failed
+# test with why. Rust tests that lack hardware here report a structured skip (tests/common's
+# `skip`) and count as skipped; pytest suites are tallied from their JUnit reports, and a skip
+# there fails (the command installs what they need), as does any skip inside the VM. A part
+# that ran fewer tests than its minimum (MIN_* in its file) fails too: a build that produced
+# no tests must not look green.
 set -euo pipefail
 
 ALL_PARTS="checks host soak python vllm32 sglang atom vllm33 engine-events vm"
@@ -36,6 +39,8 @@ for part in $parts; do
     *) echo "test: no part \"$part\" (parts: $ALL_PARTS)" >&2; exit 2 ;;
   esac
 done
+started=$SECONDS
+has() { case " $parts " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 tools/deps.sh
 export KVLINK_TALLY="$repo/target/test-tally.jsonl"
@@ -43,18 +48,35 @@ mkdir -p target
 : >"$KVLINK_TALLY"
 tally() { python3 tools/test/tally.py "$@"; }
 
-for part in $ALL_PARTS; do
-  case " $parts " in
-    *" $part "*) ;;
-    *) tally skip --part "$part" --label "$part" --why "left out by KVLINK_TEST_PARTS"; continue ;;
-  esac
+# The background installs: the venvs every Python part shares (vllm33's is layered on the
+# others', so it is made after them whichever of them run), the VM's boot.
+stages=""
+for part in python vllm32 sglang atom vllm33 engine-events; do
+  if has "$part"; then stages="venv vllm-old vllm-new kv-events"; fi
+done
+if has vm && [ "${KVLINK_SKIP_VM:-0}" != 1 ]; then stages="$stages vm"; fi
+rm -rf target/prepare
+mkdir -p target/prepare
+prepare_pid=""
+if [ -n "$stages" ]; then
+  # shellcheck disable=SC2086 # the stages are several words
+  bash tools/test/prepare.sh $stages >target/prepare/all.log 2>&1 &
+  prepare_pid=$!
+  export KVLINK_PREPARE_PID=$prepare_pid
+fi
+stop_prepare() { [ -n "$prepare_pid" ] && kill "$prepare_pid" 2>/dev/null; return 0; }
+trap stop_prepare EXIT
+
+# run_part PART: runs its script, records its wall time, and a failure of the script itself.
+run_part() {
+  local part=$1 from=$((SECONDS - started)) t0=$SECONDS rc=0 run
   case $part in
     vllm32) run=(tools/test/vllm.sh old) ;;
     vllm33) run=(tools/test/vllm.sh new) ;;
     *) run=("tools/test/$part.sh") ;;
   esac
-  rc=0
   bash "${run[@]}" || rc=$?
+  tally time --part "$part" --seconds $((SECONDS - t0)) --started "$from"
   if [ "$rc" -ne 0 ]; then
     if [ "$part" = checks ]; then
       echo "test: the checks failed (output above)" >&2
@@ -62,5 +84,20 @@ for part in $ALL_PARTS; do
     fi
     tally fail --part "$part" --label "$part" --why "its script stopped (exit $rc; output above)"
   fi
+}
+
+for part in $ALL_PARTS; do
+  if has "$part"; then
+    run_part "$part"
+  else
+    tally skip --part "$part" --label "$part" --why "left out by KVLINK_TEST_PARTS"
+  fi
 done
-tally summary
+wait_prepare=$SECONDS
+[ -n "$prepare_pid" ] && wait "$prepare_pid" 2>/dev/null
+for mark in target/prepare/*; do
+  case $mark in *.log) continue ;; esac
+  [ -f "$mark" ] && echo "test: install stage $(basename "$mark"): $(tr '\n' ' ' <"$mark")"
+done
+[ $((SECONDS - wait_prepare)) -gt 1 ] && echo "test: waited $((SECONDS - wait_prepare)) s for the background installs at the end"
+tally summary --total $((SECONDS - started))

@@ -6,13 +6,16 @@ and the helpers around them."""
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import random
 import select
 import socket
 import subprocess
 import sys
+import threading
 import time
+from multiprocessing.connection import Connection
 from types import SimpleNamespace as NS
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -21,6 +24,100 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIDE = os.path.join(HERE, "sglang_side.py")
+sys.path.insert(0, HERE)
+# Every side process is forked from one server process that has imported torch and the SGLang
+# modules a side uses (multiprocessing's forkserver): each side still gets a process of its
+# own, fresh from those imports, without paying them again. The server imports nothing of
+# kvlink, loads no plugin and makes no process group: all of that happens after the fork, as
+# it did in a process of its own. SGLang reads its settings (``envs``) when it uses them, so
+# each side's environment, set after the fork, is what it sees. A module missing from a
+# release is skipped by the server's import.
+PRELOAD = [
+    "sglang_side",
+    "sglang.srt.server_args",
+    "sglang.srt.configs.model_config",
+    "sglang.srt.disaggregation.prefill",
+    "sglang.srt.disaggregation.decode",
+    "sglang.srt.disaggregation.utils",
+    "sglang.srt.mem_cache.memory_pool",
+    "sglang.srt.mem_cache.radix_cache",
+    "sglang.srt.managers.schedule_batch",
+    "sglang.srt.runtime_context",
+]
+
+
+def _context() -> Any:
+    """The forkserver context, preloading ``PRELOAD`` (once per test process)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _side_main(role: str, plan: str, rank: int, env: Dict[str, str], out: Connection, err: Connection) -> None:
+    """A side process: its output to the pipes it was given, its environment, then
+    ``sglang_side``'s prefill or decode, as ``python sglang_side.py ROLE PLAN RANK`` runs it."""
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    out.close()
+    err.close()
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [SIDE, role, plan, str(rank)]
+    import sglang_side
+
+    try:
+        (sglang_side.run_prefill if role == "prefill" else sglang_side.run_decode)(json.loads(plan), rank)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+class Side:
+    """One side's process, forked from the preloaded server, read as a ``subprocess.Popen``
+    with text pipes is: ``stdout``, ``poll``, ``communicate``, ``kill``, ``returncode``."""
+
+    def __init__(self, role: str, plan: str, rank: int, env: Dict[str, str]):
+        r_out, w_out = os.pipe()
+        r_err, w_err = os.pipe()
+        out, err = Connection(w_out), Connection(w_err)
+        try:
+            self.proc = _context().Process(target=_side_main, args=(role, plan, rank, env, out, err))
+            self.proc.start()
+        finally:
+            out.close()
+            err.close()
+        self.stdout = os.fdopen(r_out, "r")
+        self.stderr = os.fdopen(r_err, "r")
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self.proc.exitcode
+
+    def poll(self) -> Optional[int]:
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def communicate(self, timeout: float) -> Tuple[str, str]:
+        """Everything the process writes until it exits, as ``Popen.communicate`` returns it;
+        ``subprocess.TimeoutExpired`` when its pipes are still open after ``timeout``."""
+        texts: Dict[str, str] = {}
+
+        def drain(name: str, f: Any) -> None:
+            texts[name] = f.read()
+
+        readers = [threading.Thread(target=drain, args=(n, f), daemon=True)
+                   for n, f in (("out", self.stdout), ("err", self.stderr))]
+        for t in readers:
+            t.start()
+        end = time.monotonic() + timeout
+        for t in readers:
+            t.join(max(0.0, end - time.monotonic()))
+        if any(t.is_alive() for t in readers):
+            raise subprocess.TimeoutExpired(SIDE, timeout)
+        self.proc.join(max(1.0, end - time.monotonic()))
+        return texts["out"], texts["err"]
 
 
 def free_port() -> int:
@@ -54,11 +151,10 @@ def run_pair(requests: List[Dict[str, Any]], decode_env: Optional[Dict[str, str]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
     def start(role, rank, extra):
-        return subprocess.Popen([sys.executable, SIDE, role, plan, str(rank)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env={**env, **extra})
+        return Side(role, plan, rank, {**env, **extra})
 
     ps = [start("prefill", r, prefill_env or {}) for r in range(prefill["tp"])]
-    ds: List[subprocess.Popen] = []
+    ds: List[Side] = []
     try:
         # The decode starts once the prefill is up, as a deployment's would: SGLang's decode
         # gives a prefill 15 s to register, which a cold start on a busy machine can exceed.
@@ -84,7 +180,7 @@ def run_pair(requests: List[Dict[str, Any]], decode_env: Optional[Dict[str, str]
     return p_ends, p_sum, d_ends, d_sum, ps[0].returncode
 
 
-def ready_line(p: subprocess.Popen, limit: float) -> str:
+def ready_line(p: Side, limit: float) -> str:
     """The first line ``p`` prints (its ``ready`` line), or "" once it exits or ``limit``
     seconds pass."""
     end = time.monotonic() + limit

@@ -279,6 +279,30 @@ def recovery(rates, fault_end, baseline, fraction=0.9):
     return None
 
 
+def stretch_median(per_second, start, end, busy):
+    """The median of the per-second rates (a list of (t, bytes verified in the second from t))
+    of the whole seconds within [start, end) that do not overlap `busy` ((from, to) spans), and
+    how many seconds it is over: (median or 0.0, count)."""
+    quiet = [r for t, r in per_second
+             if start <= t and t + 1 <= end and not any(t + 1 > a and t < b for a, b in busy)]
+    return (statistics.median(quiet) if quiet else 0.0), len(quiet)
+
+
+def pace(control, before, after, busy, least):
+    """How fast the machine ran after a fault against before it, as a pair of workers no fault
+    touches shows it (`control`, per-second rates): the median over the span `after` divided
+    by the median over the span `before`, both away from `busy`, at most 1.0. 1.0 when either
+    span has fewer than `least` seconds, or the pair moved nothing before: a machine that went
+    no slower, or a run too short to tell, leaves the bar where it was. Only a slowdown the
+    untouched pair shows too lowers the bar, so a fault that left its own workers slower
+    still fails."""
+    was, n_before = stretch_median(control, before[0], before[1], busy)
+    now, n_after = stretch_median(control, after[0], after[1], busy)
+    if n_before < least or n_after < least or was <= 0:
+        return 1.0
+    return min(1.0, now / was)
+
+
 def baseline(per_second, start, busy, lookback):
     """The rate before a fault that starts at `start`: the median of the per-second rates (a
     list of (t, bytes verified in the second from t)) over the `lookback` seconds before it,
@@ -286,7 +310,4 @@ def baseline(per_second, start, busy, lookback):
     (from, to)). A median over many seconds, so that a peak just before the fault does not
     raise the bar: on 2 cores the rate moves by 15% from one second to the next. 0.0 when no
     second qualifies."""
-    quiet = [r for t, r in per_second
-             if start - lookback <= t and t + 1 <= start
-             and not any(t + 1 > a and t < b for a, b in busy)]
-    return statistics.median(quiet) if quiet else 0.0
+    return stretch_median(per_second, start - lookback, start, busy)[0]

@@ -24,13 +24,24 @@ def tick_period(idle):
     return min(max(idle / 4, 0.05), 5.0)
 
 
-def rotation_bound(idle, step):
+def rotation_bound(idle, step, lag=0.0):
     """The most sessions a decode holds at once when it reads from one prefill at a time, each
     read starting `step` seconds after the last one ended. A session closes between `idle`
     and `idle` plus one reaper tick after its last read; reads end at least `step` apart, so
     at most floor((idle + tick) / step) + 1 sessions are up at any instant, the one in use
-    among them (while one is in use the previous read ended `step` ago at least)."""
-    return math.floor((idle + tick_period(idle)) / step) + 1
+    among them (while one is in use the previous read ended `step` ago at least). `lag`: how
+    late the decode's timers ran (`timer_lag`), by which its reaper's tick may come late too
+    on a machine busier than the run: 0 on an idle one."""
+    return math.floor((idle + tick_period(idle) + lag) / step) + 1
+
+
+def timer_lag(times, period, start, end):
+    """How late a timer that fires every `period` seconds ran between `start` and `end`, from
+    the times it was seen to fire (`times`, ascending): the longest gap between two firings in
+    that span less the period, 0.0 when none was late (or fewer than two firings)."""
+    seen = [t for t in times if start <= t <= end]
+    gaps = [b - a for a, b in zip(seen, seen[1:])]
+    return max([0.0] + [g - period for g in gaps])
 
 
 def per_session(base, up, sessions):

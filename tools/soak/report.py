@@ -3,7 +3,7 @@ back after each, resource slopes per worker life, violations, and the verdict.""
 
 import statistics
 
-from checks import baseline, recovery, slope
+from checks import baseline, pace, recovery, slope
 
 # A worker life shorter than this is too short to judge its resources.
 MIN_LIFE_S = 20.0
@@ -16,6 +16,9 @@ RECOVERED = 0.9
 # The rate before a fault is the median over this many seconds before it (away from earlier
 # faults).
 BASELINE_S = 30.0
+# The machine's pace after a fault (checks.pace) is judged on at least this many seconds of
+# the untouched pair's traffic, before and after.
+PACE_LEAST_S = 5
 
 
 def resources(samples, warmup):
@@ -44,19 +47,32 @@ def resources(samples, warmup):
     return out
 
 
-def recoveries(faults, rates, per_second, quiet):
+def recoveries(faults, rates, per_second, quiet, control=(), run_end=None):
     """Per fault: the rate before it (`checks.baseline` over the per-second rates, away from
-    earlier faults) and seconds until throughput, over the windows of `rates`, was back."""
+    earlier faults), the machine's pace after it (`checks.pace` on `control`, the per-second
+    rates of the pair of workers no fault touches, from the end of its recovery window to the
+    next fault or `run_end`) and seconds until throughput, over the windows of `rates`, was
+    back to `RECOVERED` of the rate before times the pace. A fault whose recovery window the
+    run's end cut short and that was not back yet is judged on what the run could observe:
+    not failed, and marked `cut` with the seconds it had."""
     out = []
     busy = []
-    for f in faults:
+    for i, f in enumerate(faults):
         end = f["end"] if f["end"] is not None else f["start"]
+        window = 2 * quiet
         before = baseline(per_second, f["start"], busy, BASELINE_S)
+        later = faults[i + 1]["start"] if i + 1 < len(faults) else run_end
+        after = (end + window, later if later is not None else end + window)
+        speed = pace(control, (f["start"] - BASELINE_S, f["start"]), after,
+                     busy + [(f["start"], end + quiet)], PACE_LEAST_S)
         busy.append((f["start"], end + quiet))
-        back = recovery(rates, end, before, RECOVERED) if before > 0 else None
-        ok = before == 0 or (back is not None and back <= 2 * quiet)
+        back = recovery(rates, end, before * speed, RECOVERED) if before > 0 else None
+        seen = window if run_end is None else max(0.0, min(window, run_end - end))
+        cut = seen < window and (back is None or back > seen)
+        ok = before == 0 or cut or (back is not None and back <= window)
         out.append({**{k: f[k] for k in ("kind", "target", "detail", "start", "end")},
-                    "baseline_mb_s": round(before / 1e6, 1), "recovery_s": back, "ok": ok})
+                    "baseline_mb_s": round(before / 1e6, 1), "pace": round(speed, 2),
+                    "recovery_s": back, "ok": ok, "cut": round(seen, 1) if cut else None})
     return out
 
 
@@ -65,7 +81,9 @@ def report(soak):
     ledger, traffic = soak.ledger, soak.traffic
     rates = traffic.rates(window=3)
     res = resources(soak.samples, soak.o.warmup)
-    rec = recoveries(soak.faults.log, rates, traffic.rates(window=1), soak.o.quiet)
+    control = traffic.rates(window=1, pair=(soak.prefills[0].name, soak.decodes[0].name))
+    rec = recoveries(soak.faults.log, rates, traffic.rates(window=1), soak.o.quiet, control,
+                     run_end=soak.o.minutes * 60)
     kinds = {}
     for f in soak.faults.log:
         kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
@@ -91,8 +109,10 @@ def text(s):
     ]
     for r in s["recoveries"]:
         back = "n/a" if r["recovery_s"] is None else f"{r['recovery_s']:.0f} s"
+        pace = "" if r["pace"] == 1.0 else f" (machine at {r['pace']:.0%} of its pace before)"
+        cut = "" if r["cut"] is None else f"; the run ended {r['cut']:.0f} s after it: not judged"
         lines.append(f"  {r['start']:7.1f} s {r['kind']:<16} {r['target'] or '':<7} "
-                     f"before {r['baseline_mb_s']:>7} MB/s, back in {back}"
+                     f"before {r['baseline_mb_s']:>7} MB/s{pace}, back in {back}{cut}"
                      f"{'' if r['ok'] else '  NOT RECOVERED'}")
     lines.append("resources (per minute; growth from the 2nd to the last quarter):")
     for r in s["resources"]:

@@ -165,6 +165,42 @@ class Arithmetic(unittest.TestCase):
         lower = [(t, 85.0 if t >= 10 else r_) for t, r_ in rates]
         self.assertFalse(recoveries([fault], lower, lower, quiet=6.0)[0]["ok"])
 
+    def test_a_machine_that_slowed_down_lowers_the_bar_as_the_untouched_pair_shows(self):
+        # The VM's 60-second soak on a loaded host: from the fault on, everything runs at 70%,
+        # the pair no fault touches as well. Judged against the rate before alone, the fault
+        # never recovers; against the machine's own pace, it did.
+        fault = {"kind": "cancel_burst", "target": "D1", "detail": "", "start": 31.9, "end": 31.9}
+        total = [(float(t), 100.0 if t < 32 else 70.0) for t in range(1, 60)]
+        control = [(t, r / 4) for t, r in total]
+        (r,) = recoveries([fault], total, total, quiet=4.0)
+        self.assertFalse(r["ok"], "the old rule")
+        (r,) = recoveries([fault], total, total, quiet=4.0, control=control, run_end=60.0)
+        self.assertTrue(r["ok"], r)
+        self.assertEqual(r["pace"], 0.7)
+        # The faulted workers slower and the untouched pair as fast as before: not recovered.
+        steady = [(t, 25.0) for t, _ in total]
+        (r,) = recoveries([fault], total, total, quiet=4.0, control=steady, run_end=60.0)
+        self.assertFalse(r["ok"], r)
+        self.assertEqual(r["pace"], 1.0)
+        # The untouched pair faster after (it took the faulted decode's share): the bar stays.
+        faster = [(t, 25.0 if t < 32 else 40.0) for t, _ in total]
+        (r,) = recoveries([fault], total, total, quiet=4.0, control=faster, run_end=60.0)
+        self.assertEqual((r["ok"], r["pace"]), (False, 1.0))
+
+    def test_a_fault_the_end_of_the_run_cut_short_is_judged_on_what_it_saw(self):
+        fault = {"kind": "stall_decode", "target": "D1", "detail": "", "start": 50.0, "end": 54.0}
+        rates = [(float(t), 0.0 if t >= 50 else 100.0) for t in range(1, 58)]
+        (r,) = recoveries([fault], rates, rates, quiet=4.0, run_end=58.0)
+        self.assertTrue(r["ok"], r)
+        self.assertEqual(r["cut"], 4.0)
+        # The whole window seen and still not back: failed.
+        (r,) = recoveries([fault], rates, rates, quiet=4.0, run_end=62.0)
+        self.assertEqual((r["ok"], r["cut"]), (False, None))
+        # Back within what the run saw: recovered, not cut.
+        back = [(t, 100.0 if t >= 56 else r_) for t, r_ in rates]
+        (r,) = recoveries([fault], back, back, quiet=4.0, run_end=58.0)
+        self.assertEqual((r["ok"], r["cut"], r["recovery_s"]), (True, None, 2.0))
+
     def test_a_peak_just_before_a_fault_does_not_raise_the_bar(self):
         # The rate moves around 100 with a peak of 140 in the 3 s before the fault (the
         # rehearsal's 60-second soak failed a wrong_key fault on such a peak).

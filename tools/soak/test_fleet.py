@@ -2,7 +2,7 @@
 
 import unittest
 
-from fleet_math import leftover, median, per_session, percentile, rotation_bound, tick_period
+from fleet_math import leftover, median, per_session, percentile, rotation_bound, tick_period, timer_lag
 
 
 class FleetMathTest(unittest.TestCase):
@@ -27,6 +27,16 @@ class FleetMathTest(unittest.TestCase):
         # Slower than the limit: each closed before the next opens.
         self.assertEqual(rotation_bound(2.0, 10.0), 1)
         self.assertEqual(rotation_bound(2.0, 0.7), 4)
+
+    def test_a_decode_whose_timers_ran_late_may_hold_what_the_lateness_allows(self):
+        # Stats every second; on a loaded machine one came 0.6 s late: the reaper may have too.
+        on_time = [float(t) for t in range(10)]
+        self.assertEqual(timer_lag(on_time, 1.0, 0.0, 10.0), 0.0)
+        late = [0.0, 1.0, 2.6, 3.6, 4.6]
+        self.assertAlmostEqual(timer_lag(late, 1.0, 0.0, 10.0), 0.6)
+        self.assertEqual(timer_lag(late, 1.0, 3.0, 10.0), 0.0, "only the span's firings")
+        self.assertEqual(rotation_bound(2.0, 0.5, 0.6), 7)
+        self.assertEqual(rotation_bound(2.0, 0.5, 0.0), rotation_bound(2.0, 0.5), "no lag, no slack")
 
     def test_per_session_cost_and_what_is_left(self):
         base = {"fds": 20, "threads": 6, "rss_anon_kib": 4000}

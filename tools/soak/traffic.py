@@ -58,6 +58,7 @@ class Traffic:
         self.pools = {}  # (name, life) -> Pool
         self.count = 0
         self.bytes_per_second = {}  # whole second -> bytes verified
+        self.pair_seconds = {}  # (prefill, decode) names -> {whole second -> bytes verified}
         self.issued = 0
 
     def pool(self, w):
@@ -159,6 +160,8 @@ class Traffic:
             self.ledger.on_received(f.id, t, ev["bytes"], ev["verified"])
             second = int(t)
             self.bytes_per_second[second] = self.bytes_per_second.get(second, 0) + ev["verified"]
+            pair = self.pair_seconds.setdefault((f.prefill.name, f.decode.name), {})
+            pair[second] = pair.get(second, 0) + ev["verified"]
             self._decode_done(f)
 
     def _on_corrupt(self, t, f, name, life, ev):
@@ -210,13 +213,15 @@ class Traffic:
                 self._forget(f)
         self.ledger.died(w.name, self.soak.now())
 
-    def rates(self, window=2):
-        """(t, bytes per second over the `window` seconds ending at t) for each second."""
+    def rates(self, window=2, pair=None):
+        """(t, bytes per second over the `window` seconds ending at t) for each second, of all
+        the traffic or of one (prefill, decode) pair's (up to the last second of all)."""
         if not self.bytes_per_second:
             return []
         last = max(self.bytes_per_second)
+        seconds = self.bytes_per_second if pair is None else self.pair_seconds.get(pair, {})
         out = []
         for s in range(window, last + 1):
-            total = sum(self.bytes_per_second.get(s - k, 0) for k in range(window))
+            total = sum(seconds.get(s - k, 0) for k in range(window))
             out.append((float(s), total / window))
         return out

@@ -9,6 +9,7 @@
 # addresses exist only inside the VM. Then it runs the command.
 #
 # Usage: tools/softroce/run.sh [--] CMD [ARGS...]
+#        tools/softroce/run.sh --prepare    # installs and fetches what a boot needs, boots nothing
 #
 # CMD runs in the repository root with KVLINK_SOFTROCE=1, KVLINK_RDMA_DEVICE=rxe0,
 # KVLINK_RDMA_DEVICES=rxe0,rxe1 and the SOFTROCE_* variables below exported; the script exits
@@ -83,7 +84,7 @@ APT_UPDATED=0
 apt_update_once() {
     if [[ $APT_UPDATED == 0 ]]; then
         log "apt-get update"
-        apt-get update -q >/dev/null || die "apt-get update failed"
+        apt-get update -q -o DPkg::Lock::Timeout=600 >/dev/null || die "apt-get update failed"
         APT_UPDATED=1
     fi
 }
@@ -100,7 +101,9 @@ ensure_packages() {
     [[ ${#missing[@]} == 0 ]] && return
     apt_update_once
     log "installing ${missing[*]}"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" \
+    # The test command installs into the venvs meanwhile; another apt-get may hold the lock.
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q -o DPkg::Lock::Timeout=600 \
+        --no-install-recommends "${missing[@]}" \
         >"$VM_DIR/apt-install.log" 2>&1 \
         || { tail -n 20 "$VM_DIR/apt-install.log" >&2; die "apt-get install failed (log: $VM_DIR/apt-install.log)"; }
 }
@@ -389,8 +392,20 @@ guest_main() {
 
 # ---------------------------------------------------------------------------------------------
 
+# Everything a boot needs, installed and fetched, and no boot: the test command runs it while
+# it compiles, so that the VM part only boots.
+prepare_main() {
+    [[ $(id -u) == 0 ]] || die "must run as root (installs packages, writes /lib/modules)"
+    mkdir -p "$VM_DIR"
+    ensure_packages
+    ensure_vng
+    ensure_kernel
+    log "ready to boot kernel $KERNEL_VERSION"
+}
+
 case ${1:-} in
     --in-vm) guest_main "$2" ;;
+    --prepare) prepare_main ;;
     -h | --help) usage ;;
     --) shift; host_main "$@" ;;
     *) host_main "$@" ;;

@@ -7,11 +7,10 @@ MIN_ATOM=27
 
 label="ATOM connector (ATOM snapshot ffdf3bb5, beside $VLLM_OLD_PIN)"
 echo "test: the ATOM connector through ATOM's own engine (pinned snapshot, in .venv-vllm)"
-# shellcheck disable=SC2086 # the extras are several requirements
-if old_vllm_ready && PIP_NO_CACHE_DIR=1 .venv-vllm/bin/pip install -q --disable-pip-version-check $ATOM_EXTRAS; then
+if prepared vllm-old && use_wheel .venv-vllm; then
   pytest_part atom "$label" "$MIN_ATOM" atom "$repo/.venv-vllm/bin/python" \
     -p no:cacheprovider -p no:warnings
 else
   tally fail --part atom --label "$label" \
-    --why "$ATOM_EXTRAS could not be installed into .venv-vllm, or $VLLM_OLD_PIN is missing there (output above)"
+    --why "$ATOM_EXTRAS or $VLLM_OLD_PIN could not be installed into .venv-vllm: $(prepared_why vllm-old)"
 fi

@@ -56,10 +56,36 @@ pytest_part() {
     --min "$min" --skips fail
 }
 
-# True when .venv-vllm holds the older vLLM release (the vllm32 part made it): the SGLang,
-# ATOM and engine-event parts run there.
-old_vllm_ready() {
-  .venv-vllm/bin/python -c "import sys; from importlib.metadata import version; sys.exit(version('vllm') != '${VLLM_OLD_PIN#vllm==}')" 2>/dev/null
+# prepared STAGE: waits for the mark of STAGE of the background installs (prepare.sh, started
+# by tools/test.sh) and succeeds when it says ok; otherwise prints why and the end of the
+# stage's log, and fails. Without a background run (a part run on its own) it runs the stage
+# itself. The installs have deadlines of their own (pip's, apt's); this wait has one more.
+prepared() {
+  local name=$1 mark=target/prepare/$1 end=$((SECONDS + ${KVLINK_PREPARE_WAIT:-3600}))
+  if [ ! -f "$mark" ] && { [ -z "${KVLINK_PREPARE_PID:-}" ] || ! kill -0 "$KVLINK_PREPARE_PID" 2>/dev/null; }; then
+    bash "$repo/tools/test/prepare.sh" "$name"
+  fi
+  while [ ! -f "$mark" ]; do
+    if [ $SECONDS -ge $end ]; then
+      echo "test: the installs for $name did not end within ${KVLINK_PREPARE_WAIT:-3600} s" >&2
+      return 1
+    fi
+    if [ -n "${KVLINK_PREPARE_PID:-}" ] && ! kill -0 "$KVLINK_PREPARE_PID" 2>/dev/null && [ ! -f "$mark" ]; then
+      echo "test: the background installs ended without preparing $name" >&2
+      return 1
+    fi
+    sleep 2
+  done
+  if [ "$(head -n 1 "$mark")" != ok ]; then
+    echo "test: preparing $name failed: $(head -n 1 "$mark") (log target/prepare/$name.log):" >&2
+    tail -n 20 "target/prepare/$name.log" >&2
+    return 1
+  fi
+}
+
+# prepared_why STAGE: the first line of STAGE's mark, for a part's failure record.
+prepared_why() {
+  head -n 1 "target/prepare/$1" 2>/dev/null || echo "its installs did not end"
 }
 
 # The wheel the python part built: the engine parts install it as a user would, without Rust.
@@ -70,4 +96,18 @@ built_wheel() {
   done
   echo "test: no kvlink wheel in target/wheels (the python part builds it)" >&2
   return 1
+}
+
+# use_wheel VENV: installs the built wheel into VENV (without its dependencies, as a user
+# would), unless that very wheel is installed there already; one pip at a time per venv.
+use_wheel() {
+  local venv=$1 wheel sum
+  wheel=$(built_wheel) || return 1
+  sum=$(sha256sum "$wheel" | cut -c1-16)
+  (
+    flock 9
+    [ "$(cat "$venv/kvlink-wheel" 2>/dev/null)" = "$sum" ] && exit 0
+    "$venv/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps "$wheel" \
+      && echo "$sum" >"$venv/kvlink-wheel"
+  ) 9>"$venv/.kvlink-wheel.lock"
 }

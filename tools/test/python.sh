@@ -6,15 +6,10 @@ source "$(dirname "$0")/lib.sh"
 MIN_PYTHON=49
 
 echo "test: Python bindings (maturin wheel into .venv, pytest)"
-if [ ! -x .venv/bin/pip ]; then
-  rm -rf .venv
-  if ! python3 -m venv .venv; then
-    rm -rf .venv
-    tools/deps.sh python3-venv
-    python3 -m venv .venv
-  fi
+if ! prepared venv; then
+  tally fail --part python --label python --why ".venv could not be prepared: $(prepared_why venv)"
+  exit 0
 fi
-.venv/bin/pip install -q --disable-pip-version-check "maturin>=1.5,<2" ziglang numpy pytest pyzmq msgpack msgspec
 # The KV-event interop tests drive this tool against Python peers.
 cargo build -p kvlink-events-cli --quiet
 export KVLINK_EVENTS_BIN="$repo/target/debug/kvlink-events"

@@ -22,7 +22,8 @@ not allowed (--skips fail: the command installed everything those tests need), o
   tally.py add --part python --label python --kind pytest --junit X.xml --rc 0 --min 49 --skips fail
   tally.py fail --part sglang --label "SGLang backend" --why "sglang could not be installed"
   tally.py skip --part vm --label "SoftRoCE VM" --why "KVLINK_SKIP_VM=1"
-  tally.py summary
+  tally.py time --part host --seconds 212 [--started 40]
+  tally.py summary [--total 1830]
 """
 
 import argparse
@@ -70,20 +71,49 @@ def cargo_skips(text):
 
 
 def pytest_counts(xml_text):
-    """(passed, failed, skipped reasons) from a pytest JUnit XML report."""
+    """(passed, failed, skipped reasons, {failed test: why}) from a pytest JUnit XML report."""
     root = ET.fromstring(xml_text)
     passed = failed = 0
     skipped = []
+    failures = {}
     for case in root.iter("testcase"):
         kinds = {child.tag for child in case}
         if kinds & {"failure", "error"}:
             failed += 1
+            bad = next(child for child in case if child.tag in ("failure", "error"))
+            message = (bad.get("message") or "").strip()
+            name = f"{case.get('classname', '')}::{case.get('name', '')}"
+            failures[name] = message.splitlines()[0] if message else ""
         elif "skipped" in kinds:
             why = case.find("skipped").get("message", "")
             skipped.append(why.removeprefix("Skipped: ").strip() or "no reason given")
         else:
             passed += 1
-    return passed, failed, skipped
+    return passed, failed, skipped, failures
+
+
+CARGO_FAILED = re.compile(r"^test (\S+) \.\.\. FAILED$")
+CARGO_STDOUT = re.compile(r"^---- (\S+) stdout ----$")
+
+
+def cargo_failures(text):
+    """The failed tests of a cargo test log, as {test: why}: why is the first line after its
+    panic ("panicked at FILE:LINE:COL:") in the test's captured output, or "" when none was
+    captured."""
+    failed = {m.group(1): "" for m in map(CARGO_FAILED.match, text.splitlines()) if m}
+    current = None
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        m = CARGO_STDOUT.match(line)
+        if m:
+            current = m.group(1)
+            continue
+        if current in failed and not failed[current] and "panicked at " in line:
+            rest = line.split("panicked at ", 1)[1]
+            where = rest.rstrip(":")
+            message = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            failed[current] = f"{message} ({where})" if message else where
+    return failed
 
 
 def tally_cargo(text, rc):
@@ -100,26 +130,41 @@ def tally_cargo(text, rc):
         "reasons": dict(Counter(reason for _, reason in skips)),
         "ignored": ignored,
         "problems": problems,
+        "failures": cargo_failures(text),
     }
+
+
+# The lines of a soak's or a fleet's report that say why it failed.
+SOAK_WHY = {"soak": re.compile(r"NOT RECOVERED|GROWING|^VIOLATION "),
+            "fleet": re.compile(r"^fleet: failed: ")}
 
 
 def tally_soak(text, rc, word="soak"):
     """A record's counts from the verdict lines of soak runs (`word` "soak") or fleet runs
-    ("fleet") and the exit status."""
-    verdicts = re.findall(rf"^{word}: (PASS|FAIL)\b", text, re.M)
+    ("fleet") and the exit status. A run that ended without a verdict (it crashed, or the VM
+    never ran it) is one problem, named with the run's last words."""
+    verdicts = re.findall(rf"^{word}: (PASS|FAIL)\b.*$", text, re.M)
+    lines = re.findall(rf"^{word}: (?:PASS|FAIL)\b.*$", text, re.M)
     problems = []
-    if rc != 0 and "FAIL" not in verdicts:
-        problems.append(f"the {word} run exited {rc} without a verdict")
+    if "FAIL" not in verdicts and (rc != 0 or not verdicts):
+        exited = re.findall(rf"^{word}: exited (\d+)", text, re.M)
+        how = f"exited {exited[-1]}" if exited else (f"exited {rc}" if rc else "printed nothing")
+        problems.append(f"the {word} run {how} without a verdict")
+    failures = {}
+    for verdict, whole in zip(verdicts, lines):
+        if verdict == "FAIL":
+            why = [ln.strip() for ln in text.splitlines() if SOAK_WHY[word].search(ln)]
+            failures[whole.strip()] = "; ".join(why[:5]) or "see its report above"
     return {"passed": verdicts.count("PASS"), "failed": verdicts.count("FAIL"), "skipped": 0,
-            "reasons": {}, "ignored": 0, "problems": problems}
+            "reasons": {}, "ignored": 0, "problems": problems, "failures": failures}
 
 
 def tally_pytest(xml_text, rc):
     """A record's counts from a pytest JUnit report (None: there is none) and its exit status."""
     if xml_text is None:
         return {"passed": 0, "failed": 0, "skipped": 0, "reasons": {}, "ignored": 0,
-                "problems": [f"pytest exited {rc} and wrote no report"]}
-    passed, failed, skipped = pytest_counts(xml_text)
+                "problems": [f"pytest exited {rc} and wrote no report"], "failures": {}}
+    passed, failed, skipped, failures = pytest_counts(xml_text)
     problems = []
     if rc != 0 and failed == 0:
         problems.append(f"pytest exited {rc} before reporting a failure")
@@ -130,16 +175,22 @@ def tally_pytest(xml_text, rc):
         "reasons": dict(Counter(skipped)),
         "ignored": 0,
         "problems": problems,
+        "failures": failures,
     }
 
 
 def judge(record, minimum, skips_fail):
-    """Adds to a record's problems what its part's rules forbid: too few passed, any skip."""
+    """Adds to a record's problems what its part's rules forbid: too few run, any skip. A test
+    that ran and failed is counted once, as a failure: the minimum is of tests run (passed or
+    failed), so that a suite that ran fewer than it should is caught without a failed test
+    counting twice. A record that already has a problem of its own (no verdict, a build
+    error) is not charged again for having run nothing."""
     if skips_fail and record["skipped"]:
         record["problems"].append(
             f"{record['skipped']} skipped; this command installs what they need, so a skip is a failure")
-    if record["passed"] < minimum:
-        record["problems"].append(f"only {record['passed']} passed; at least {minimum} expected")
+    ran = record["passed"] + record["failed"]
+    if ran < minimum and not (ran == 0 and record["problems"]):
+        record["problems"].append(f"only {ran} ran; at least {minimum} expected")
     return record
 
 
@@ -166,14 +217,29 @@ def line(record):
         text += f"; {record['ignored']} ignored, not counted"
     if record.get("note"):
         text += f"; {record['note']}"
+    for test, why in record.get("failures", {}).items():
+        text += f"\n    failed: {test}" + (f": {why}" if why else "")
     for problem in record["problems"]:
         text += f"\n    failed: {problem}"
     return text
 
 
-def summary(records):
+def times_text(times, total):
+    """The parts' wall times, in the order they started, and the total: "part times: checks
+    55 s (from 0 s), host 212 s (from 55 s); total 1830 s". Parts side by side overlap."""
+    ordered = sorted(times, key=lambda r: (r.get("started", 0), r["part"]))
+    text = ", ".join(f"{r['part']} {r['seconds']:.0f} s (from {r.get('started', 0):.0f} s)"
+                     for r in ordered)
+    return f"part times: {text or 'none'}" + (f"; total {total:.0f} s" if total is not None else "")
+
+
+def summary(records, total=None):
     """The closing lines and whether the whole run passed."""
+    times = [r for r in records if "seconds" in r]
+    records = [r for r in records if "seconds" not in r]
     lines = ["test summary:"] + [line(r) for r in records]
+    if times or total is not None:
+        lines.append(times_text(times, total))
     counted = [r for r in records if not r.get("left_out")]
     passed = sum(r["passed"] for r in counted)
     failed = sum(failed_count(r) for r in counted)
@@ -227,7 +293,12 @@ def main(argv):
     for q in (add, sub.choices["fail"], sub.choices["skip"]):
         q.add_argument("--part", required=True)
         q.add_argument("--label", required=True)
-    sub.add_parser("summary", help="print the closing lines; exit 1 unless every part passed")
+    t = sub.add_parser("time", help="record a part's wall time")
+    t.add_argument("--part", required=True)
+    t.add_argument("--seconds", type=float, required=True)
+    t.add_argument("--started", type=float, default=0.0, help="seconds into the run")
+    s = sub.add_parser("summary", help="print the closing lines; exit 1 unless every part passed")
+    s.add_argument("--total", type=float, default=None, help="the run's wall time in seconds")
     args = p.parse_args(argv)
 
     if args.cmd == "add":
@@ -247,8 +318,11 @@ def main(argv):
         append(args.tally, {"part": args.part, "label": args.label, "passed": 0, "failed": 0,
                             "skipped": 0, "reasons": {}, "ignored": 0, "problems": [],
                             "left_out": args.why})
+    elif args.cmd == "time":
+        with open(args.tally, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"part": args.part, "seconds": args.seconds, "started": args.started}) + "\n")
     else:
-        lines, ok = summary(read_records(args.tally))
+        lines, ok = summary(read_records(args.tally), args.total)
         print("\n".join(lines))
         return 0 if ok else 1
     return 0

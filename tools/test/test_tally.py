@@ -53,6 +53,12 @@ class Cargo(unittest.TestCase):
         self.assertEqual(r["reasons"], {"no CUDA": 1, "no RDMA device": 1})
         self.assertEqual(r["problems"], [])
 
+    def test_failed_tests_are_named_with_their_panic(self):
+        log = ("test a::b ... FAILED\ntest c ... ok\n\nfailures:\n\n---- a::b stdout ----\n\n"
+               "thread 'a::b' panicked at tests/x.rs:3:5:\nassertion failed: ok\n\nfailures:\n    a::b\n")
+        self.assertEqual(tally.cargo_failures(log), {"a::b": "assertion failed: ok (tests/x.rs:3:5)"})
+        self.assertEqual(tally.cargo_failures("test q ... FAILED\n"), {"q": ""})
+
     def test_an_exit_without_a_failure_is_a_problem(self):
         r = tally.tally_cargo("error[E0425]: cannot find value\n", 101)
         self.assertEqual(r["passed"], 0)
@@ -83,9 +89,10 @@ class Soak(unittest.TestCase):
 
 class Pytest(unittest.TestCase):
     def test_each_testcase_counts_once(self):
-        passed, failed, skipped = tally.pytest_counts(JUNIT)
+        passed, failed, skipped, failures = tally.pytest_counts(JUNIT)
         self.assertEqual((passed, failed), (2, 2))
         self.assertEqual(skipped, ["no vLLM", "no vLLM"])
+        self.assertEqual(failures, {"t::bad": "assert 1 == 2", "t::broken": "fixture failed"})
 
     def test_no_report_is_a_problem(self):
         r = tally.tally_pytest(None, 4)
@@ -104,8 +111,24 @@ class Rules(unittest.TestCase):
 
     def test_too_few_passed_fails_the_part(self):
         r = tally.judge(self.record(3), 4, False)
-        self.assertEqual(r["problems"], ["only 3 passed; at least 4 expected"])
+        self.assertEqual(r["problems"], ["only 3 ran; at least 4 expected"])
         self.assertEqual(tally.failed_count(r), 1)
+
+    def test_a_failed_run_counts_once(self):
+        # The VM's soak failing its recovery check: one failure, not also "too few passed".
+        log = ("soak:    31.9 s  cancel_burst D1\n"
+               "    31.9 s cancel_burst     D1      before     4.8 MB/s, back in n/a  NOT RECOVERED\n"
+               "soak: FAIL seed=7 minutes=1 requests=900 received=880 violations=0\n")
+        r = tally.judge(tally.tally_soak(log, 0), 1, False)
+        self.assertEqual((r["passed"], tally.failed_count(r)), (0, 1))
+        (test, why), = r["failures"].items()
+        self.assertTrue(test.startswith("soak: FAIL seed=7"))
+        self.assertIn("cancel_burst", why)
+        self.assertIn("NOT RECOVERED", tally.line(dict(r, label="soak")))
+
+    def test_no_verdict_is_one_problem_that_says_so(self):
+        r = tally.judge(tally.tally_soak("soak: exited 1\n", 0), 1, False)
+        self.assertEqual(r["problems"], ["the soak run exited 1 without a verdict"])
 
     def test_skips_fail_only_where_told(self):
         self.assertEqual(tally.judge(self.record(5, 2), 4, False)["problems"], [])
@@ -123,6 +146,15 @@ class Rules(unittest.TestCase):
         lines, ok = tally.summary([good, bad])
         self.assertFalse(ok)
         self.assertEqual(lines[-1], "tests: 10 passed, 1 failed, 1 skipped")
+
+    def test_part_times_are_listed_in_start_order_and_not_counted(self):
+        times = [{"part": "host", "seconds": 212.4, "started": 55.0},
+                 {"part": "checks", "seconds": 55.0, "started": 0.0}]
+        lines, ok = tally.summary([self.record(5)] + times, total=1830)
+        self.assertTrue(ok)
+        self.assertEqual(lines[-2], "part times: checks 55 s (from 0 s), host 212 s (from 55 s); total 1830 s")
+        self.assertEqual(lines[-1], "tests: 5 passed, 0 failed, 0 skipped")
+        self.assertFalse(tally.summary(times)[1], "times alone are no result")
 
     def test_nothing_recorded_is_not_a_pass(self):
         self.assertFalse(tally.summary([])[1])

@@ -5,25 +5,23 @@
 # kvlink wheel the python part built is installed into it as a user would, without Rust.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
-source "$(dirname "$0")/vllm-venv.sh"
 MIN_VLLM=42
 
 case ${1:-} in
   # The newest release, layered on .venv-vllm (SGLang's and ATOM's extras included, so that
   # what the layer sees stays the same from run to run).
-  new) part=vllm33 venv=.venv-vllm33 pin=$VLLM_PIN base=.venv-vllm ;;
-  old) part=vllm32 venv=.venv-vllm pin=$VLLM_OLD_PIN base="" ;;
+  new) part=vllm33 venv=.venv-vllm33 pin=$VLLM_PIN stage=vllm-new ;;
+  old) part=vllm32 venv=.venv-vllm pin=$VLLM_OLD_PIN stage=vllm-old ;;
   *) echo "usage: tools/test/vllm.sh old|new" >&2; exit 2 ;;
 esac
 label="vLLM connector ($pin)"
 echo "test: the vLLM connector through vLLM's real Scheduler ($pin in $venv)"
-if ! vllm_venv "$venv" "$pin" "$base"; then
-  tally fail --part "$part" --label "$label" --why "$pin could not be installed into $venv (output above)"
+if ! prepared "$stage"; then
+  tally fail --part "$part" --label "$label" --why "$pin could not be installed into $venv: $(prepared_why "$stage")"
   exit 0
 fi
-if ! wheel=$(built_wheel); then
-  tally fail --part "$part" --label "$label" --why "no kvlink wheel to install (the python part builds it)"
+if ! use_wheel "$venv"; then
+  tally fail --part "$part" --label "$label" --why "the kvlink wheel could not be installed (the python part builds it)"
   exit 0
 fi
-"$venv/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps "$wheel"
 pytest_part "$part" "$label" "$MIN_VLLM" vllm "$repo/$venv/bin/python" -p no:cacheprovider

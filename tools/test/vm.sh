@@ -26,6 +26,10 @@ if [ "$(printf '%s\n' "$bins" | grep -c .)" != 3 ] || ! cargo build -p kvlink-so
   tally fail --part vm --label "$label" --why "the three rdma test binaries or kvlink-soak could not be built"
   exit 0
 fi
+if ! prepared vm; then
+  tally fail --part vm --label "$label" --why "the VM could not be prepared: $(prepared_why vm)"
+  exit 0
+fi
 soak_out=target/soak-vm
 fleet_out=target/fleet-vm
 mkdir -p "$soak_out" "$fleet_out"
