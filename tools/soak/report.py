@@ -19,6 +19,9 @@ BASELINE_S = 30.0
 # The machine's pace after a fault (checks.pace) is judged on at least this many seconds of
 # the untouched pair's traffic, before and after.
 PACE_LEAST_S = 5
+# Faults that touch every pair, the untouched one too (a link under every session): no pair
+# shows the machine's pace apart from the fault, so their bar stays the rate before.
+TOUCH_ALL = {"link_flap"}
 
 
 def resources(samples, warmup):
@@ -50,8 +53,9 @@ def resources(samples, warmup):
 def recoveries(faults, rates, per_second, quiet, control=(), run_end=None):
     """Per fault: the rate before it (`checks.baseline` over the per-second rates, away from
     earlier faults), the machine's pace after it (`checks.pace` on `control`, the per-second
-    rates of the pair of workers no fault touches, from the end of its recovery window to the
-    next fault or `run_end`) and seconds until throughput, over the windows of `rates`, was
+    rates of the pair of workers no fault targets, from the end of its recovery window to the
+    next fault or `run_end`; 1 for a fault that touches that pair too, `TOUCH_ALL`) and
+    seconds until throughput, over the windows of `rates`, was
     back to `RECOVERED` of the rate before times the pace. A fault whose recovery window the
     run's end cut short and that was not back yet is judged on what the run could observe:
     not failed, and marked `cut` with the seconds it had."""
@@ -63,8 +67,9 @@ def recoveries(faults, rates, per_second, quiet, control=(), run_end=None):
         before = baseline(per_second, f["start"], busy, BASELINE_S)
         later = faults[i + 1]["start"] if i + 1 < len(faults) else run_end
         after = (end + window, later if later is not None else end + window)
-        speed = pace(control, (f["start"] - BASELINE_S, f["start"]), after,
-                     busy + [(f["start"], end + quiet)], PACE_LEAST_S)
+        speed = 1.0 if f["kind"] in TOUCH_ALL else pace(
+            control, (f["start"] - BASELINE_S, f["start"]), after,
+            busy + [(f["start"], end + quiet)], PACE_LEAST_S)
         busy.append((f["start"], end + quiet))
         back = recovery(rates, end, before * speed, RECOVERED) if before > 0 else None
         seen = window if run_end is None else max(0.0, min(window, run_end - end))

@@ -182,6 +182,10 @@ class Arithmetic(unittest.TestCase):
         (r,) = recoveries([fault], total, total, quiet=4.0, control=steady, run_end=60.0)
         self.assertFalse(r["ok"], r)
         self.assertEqual(r["pace"], 1.0)
+        # A link taken down under every session touches the untouched pair too: no pace.
+        flap = dict(fault, kind="link_flap", target="dummy0")
+        (r,) = recoveries([flap], total, total, quiet=4.0, control=control, run_end=60.0)
+        self.assertEqual((r["ok"], r["pace"]), (False, 1.0))
         # The untouched pair faster after (it took the faulted decode's share): the bar stays.
         faster = [(t, 25.0 if t < 32 else 40.0) for t, _ in total]
         (r,) = recoveries([fault], total, total, quiet=4.0, control=faster, run_end=60.0)
