@@ -64,7 +64,9 @@ if [ -n "$stages" ]; then
   prepare_pid=$!
   export KVLINK_PREPARE_PID=$prepare_pid
 fi
-stop_prepare() { [ -n "$prepare_pid" ] && kill "$prepare_pid" 2>/dev/null; return 0; }
+# (An installs run that ended already is not an error: under set -e a failed kill here would
+# set the command's exit status.)
+stop_prepare() { if [ -n "$prepare_pid" ]; then kill "$prepare_pid" 2>/dev/null || true; fi; }
 trap stop_prepare EXIT
 
 # run_part PART: runs its script, records its wall time, and a failure of the script itself.
