@@ -70,6 +70,7 @@ prepared() {
       echo "test: the installs for $name did not end within ${KVLINK_PREPARE_WAIT:-3600} s" >&2
       return 1
     fi
+    # The mark looked at again: the installs may have written it and ended since the loop's test.
     if [ -n "${KVLINK_PREPARE_PID:-}" ] && ! kill -0 "$KVLINK_PREPARE_PID" 2>/dev/null && [ ! -f "$mark" ]; then
       echo "test: the background installs ended without preparing $name" >&2
       return 1

@@ -11,7 +11,7 @@
 #   venv       .venv with maturin, ziglang, numpy, pytest, pyzmq, msgpack and msgspec
 #   vllm-old   .venv-vllm with vLLM 0.32 and pytest, then SGLang's wheel (no dependencies) and
 #              SGLang's and ATOM's extras in it
-#   vllm-new   .venv-vllm33 with vLLM 0.33, layered on .venv-vllm (after vllm-old)
+#   vllm-new   .venv-vllm33 with vLLM 0.33, layered on .venv-vllm when it holds one
 #   kv-events  vLLM 0.33's kv_events.py beside .venv-vllm, for the engine-events part
 #   vm         the SoftRoCE VM's packages, virtme-ng and kernel (tools/softroce/run.sh --prepare),
 #              beside the pip stages
@@ -59,8 +59,9 @@ prepare_vllm_old() {
     || { echo "$SGLANG_EXTRAS $ATOM_EXTRAS could not be installed into .venv-vllm"; return 1; }
 }
 
+# Layered on .venv-vllm when that holds a vLLM (vllm_venv installs it whole otherwise), so a
+# part run on its own needs no vllm-old stage first.
 prepare_vllm_new() {
-  [ "$(head -n 1 "$marks/vllm-old" 2>/dev/null)" = ok ] || { echo "vllm-old did not prepare .venv-vllm"; return 1; }
   vllm_venv .venv-vllm33 "$VLLM_PIN" .venv-vllm
 }
 

@@ -100,9 +100,9 @@ def cargo_failures(text):
     """The failed tests of a cargo test log, as {test: why}: why is the first line after its
     panic ("panicked at FILE:LINE:COL:") in the test's captured output, or "" when none was
     captured."""
-    failed = {m.group(1): "" for m in map(CARGO_FAILED.match, text.splitlines()) if m}
-    current = None
     lines = text.splitlines()
+    failed = {m.group(1): "" for m in map(CARGO_FAILED.match, lines) if m}
+    current = None
     for i, line in enumerate(lines):
         m = CARGO_STDOUT.match(line)
         if m:
@@ -143,8 +143,8 @@ def tally_soak(text, rc, word="soak"):
     """A record's counts from the verdict lines of soak runs (`word` "soak") or fleet runs
     ("fleet") and the exit status. A run that ended without a verdict (it crashed, or the VM
     never ran it) is one problem, named with the run's last words."""
-    verdicts = re.findall(rf"^{word}: (PASS|FAIL)\b.*$", text, re.M)
     lines = re.findall(rf"^{word}: (?:PASS|FAIL)\b.*$", text, re.M)
+    verdicts = [line.split()[1] for line in lines]
     problems = []
     if "FAIL" not in verdicts and (rc != 0 or not verdicts):
         exited = re.findall(rf"^{word}: exited (\d+)", text, re.M)
