@@ -17,7 +17,9 @@ RECOVERED = 0.9
 # faults).
 BASELINE_S = 30.0
 # The machine's pace after a fault (checks.pace) is judged on at least this many seconds of
-# the untouched pair's traffic, before and after.
+# the untouched pair's traffic, before and after. The span after starts when the fault ends
+# and runs to the next fault, which comes twice the quiet window later or more: a 60-second
+# run with a quiet window of 4 s has 8 seconds or more between two faults.
 PACE_LEAST_S = 5
 # Faults that touch every pair, the untouched one too (a link under every session): no pair
 # shows the machine's pace apart from the fault, so their bar stays the rate before.
@@ -53,8 +55,9 @@ def resources(samples, warmup):
 def recoveries(faults, rates, per_second, quiet, control=(), run_end=None):
     """Per fault: the rate before it (`checks.baseline` over the per-second rates, away from
     earlier faults), the machine's pace after it (`checks.pace` on `control`, the per-second
-    rates of the pair of workers no fault targets, from the end of its recovery window to the
-    next fault or `run_end`; 1 for a fault that touches that pair too, `TOUCH_ALL`) and
+    rates of the pair of workers no fault targets, from the fault's end, its recovery window
+    included, to the next fault or `run_end`; 1 for a fault that touches that pair too,
+    `TOUCH_ALL`) and
     seconds until throughput, over the windows of `rates`, was
     back to `RECOVERED` of the rate before times the pace. A fault whose recovery window the
     run's end cut short and that was not back yet is judged on what the run could observe:
@@ -66,10 +69,9 @@ def recoveries(faults, rates, per_second, quiet, control=(), run_end=None):
         window = 2 * quiet
         before = baseline(per_second, f["start"], busy, BASELINE_S)
         later = faults[i + 1]["start"] if i + 1 < len(faults) else run_end
-        after = (end + window, later if later is not None else end + window)
+        after = (end, later if later is not None else end + window)
         speed = 1.0 if f["kind"] in TOUCH_ALL else pace(
-            control, (f["start"] - BASELINE_S, f["start"]), after,
-            busy + [(f["start"], end + quiet)], PACE_LEAST_S)
+            control, (f["start"] - BASELINE_S, f["start"]), after, busy, PACE_LEAST_S)
         busy.append((f["start"], end + quiet))
         back = recovery(rates, end, before * speed, RECOVERED) if before > 0 else None
         seen = window if run_end is None else max(0.0, min(window, run_end - end))
