@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # KV events end to end on tcp loopback: kvlink's publisher against a vLLM-style Python publisher
-# (msgspec structs and encoder, pyzmq PUB: tools/bench_events_python.py), both read by the same
+# (msgspec structs and encoder, pyzmq PUB: tools/events-reference-publisher.py), both read by the same
 # kvlink subscriber (`kvlink-events tail --quiet`), alternating, in the same run. Same workload
 # on both sides: events built per batch from hashes and token ids made beforehand.
 # Prints each run (publisher-side and receiver-side block entries per second, and the CPU time
@@ -60,7 +60,7 @@ for shape in $shapes; do
   epb=${shape%x*}; hpe=${shape#*x}
   py_pub=(); py_e2e=(); kv_pub=(); kv_e2e=(); py_cpu=(); py_rcpu=(); kv_cpu=(); kv_rcpu=()
   for r in $(seq "$rounds"); do
-    read -r a b ac bc < <(once "$py" "$repo/tools/bench_events_python.py" --endpoint "tcp://127.0.0.1:$port" \
+    read -r a b ac bc < <(once "$py" "$repo/tools/events-reference-publisher.py" --endpoint "tcp://127.0.0.1:$port" \
       --batches "$batches" --events-per-batch "$epb" --hashes-per-event "$hpe")
     py_pub+=("$a"); py_e2e+=("$b"); py_cpu+=("$ac"); py_rcpu+=("$bc")
     # The subscriber's queue at the publisher bounded by messages only, as libzmq's (pyzmq's)

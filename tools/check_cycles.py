@@ -7,6 +7,7 @@ deepest module a path of it names: `crate::...` anywhere, and `super::...` or `s
 its top-level `use` declarations. Edges to the file's own ancestors are not counted (a child
 uses what its parent declares), nor paths inside inline test modules. Exits 1, printing each circle, when one is found.
 """
+
 import pathlib
 import re
 import sys
@@ -79,8 +80,9 @@ def references(text: str) -> list:
 def resolve(path: str, here: tuple, modules: set):
     """The deepest module of the crate that `path`, named in module `here`, points into."""
     segs = path.split("::")
+    base: tuple = ()
     if segs[0] == "crate":
-        base, segs = (), segs[1:]
+        segs = segs[1:]
     else:
         base = here
         while segs and segs[0] in ("self", "super"):
@@ -93,7 +95,7 @@ def resolve(path: str, here: tuple, modules: set):
     return target
 
 
-def crate_graph(root: pathlib.Path, skip: str = None) -> dict:
+def crate_graph(root: pathlib.Path, skip: str | None = None) -> dict:
     files = {}
     for path in sorted(root.rglob("*.rs")):
         rel = path.relative_to(root)

@@ -6,7 +6,8 @@
 - `kvlink-events` (src/kvlink-events/src/): the same rule over its own layers.
 - No file of the events crate is over 600 lines.
 - No function of the crates and tools is over MAX_FUNCTION_LINES lines without its reason in a
-  `// Long: ...` comment among the lines just above it.
+  `// Long: ...` comment among the lines just above it; no Python function of the package and
+  the tools over MAX_PY_FUNCTION_LINES without a `# Long: ...` comment just above it.
 - `kvlink` has at most MAX_STRING_ERRORS `Result<_, String>` (errors as text; lower it as they
   become named types, never raise it), each with its reason on the line above
   (`// A String error kept: ...`).
@@ -14,6 +15,8 @@
 Reads `crate::<module>` paths everywhere, and `super::<module>` in files directly under a crate's
 root (where `super` is the crate). Exits 1, listing each offence, when one is found.
 """
+
+import ast
 import pathlib
 import re
 import sys
@@ -23,6 +26,8 @@ EVENTS_DIR = "kvlink-events"
 MAX_EVENTS_LINES = 600
 MAX_STRING_ERRORS = 10
 MAX_FUNCTION_LINES = 110
+MAX_PY_FUNCTION_LINES = 80
+PY_FUNCTION_ROOTS = ["ffi/python/python/kvlink", "tools"]
 FUNCTION_ROOTS = ["src", "ffi/c/src", "ffi/python/src", "tools/kvlink-bench/src", "tools/kvlink-events/src"]
 
 # Higher imports lower, never the reverse. Equal layers may import each other only if listed
@@ -129,6 +134,26 @@ def long_functions(path: pathlib.Path) -> list:
     return out
 
 
+def long_py_functions(path: pathlib.Path) -> list:
+    """`(name, line, length)` of each Python function over MAX_PY_FUNCTION_LINES lines with no
+    `# Long:` reason among the comment and decorator lines right above it."""
+    text = path.read_text()
+    lines = text.split("\n")
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        first = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+        n = (node.end_lineno or node.lineno) - node.lineno + 1
+        k = first - 1
+        while k >= 0 and lines[k].strip().startswith("#"):
+            k -= 1
+        reasoned = any("# Long:" in lines[x] for x in range(k + 1, first))
+        if n > MAX_PY_FUNCTION_LINES and not reasoned:
+            out.append((node.name, node.lineno, n))
+    return out
+
+
 def check_crate(root, layers, same_ok, skip_dir=None):
     bad, files = [], 0
     for path in sorted(root.rglob("*.rs")):
@@ -172,6 +197,12 @@ for r in FUNCTION_ROOTS:
     for path in sorted((REPO / r).rglob("*.rs")):
         for name, line, n in long_functions(path):
             bad.append(f"{path.relative_to(REPO)}:{line}: fn {name} is {n} lines (a `// Long:` reason, or split it)")
+for r in PY_FUNCTION_ROOTS:
+    for path in sorted((REPO / r).rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        for name, line, n in long_py_functions(path):
+            bad.append(f"{path.relative_to(REPO)}:{line}: def {name} is {n} lines (a `# Long:` reason, or split it)")
 for path in sorted((src / EVENTS_DIR).rglob("*.rs")):
     lines = len(path.read_text().splitlines())
     if lines > MAX_EVENTS_LINES:

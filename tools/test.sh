@@ -6,6 +6,7 @@
 #   host           every Rust test on this machine, then the transfer suites with a key
 #   soak           a 60-second fault soak and a 16 x 16 fleet run on this host (tools/soak.sh)
 #   python         the Python wheel (maturin, into .venv) and its tests
+#   pychecks       ruff (lint, format) and mypy over the Python package and tools (.venv-vllm)
 #   vllm32         the vLLM connector through vLLM 0.32's own Scheduler (.venv-vllm)
 #   sglang         the SGLang backend through SGLang's own queues (.venv-vllm)
 #   atom           the ATOM connector through ATOM's own engine, pinned snapshot (.venv-vllm)
@@ -29,7 +30,7 @@
 # no tests must not look green.
 set -euo pipefail
 
-ALL_PARTS="checks host soak python vllm32 sglang atom vllm33 engine-events vm"
+ALL_PARTS="checks host soak python pychecks vllm32 sglang atom vllm33 engine-events vm"
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
 parts=${KVLINK_TEST_PARTS:-$ALL_PARTS}
@@ -51,7 +52,7 @@ tally() { python3 tools/test/tally.py "$@"; }
 # The background installs: the venvs every Python part shares (vllm33's is layered on the
 # others', so it is made after them whichever of them run), the VM's boot.
 stages=""
-for part in python vllm32 sglang atom vllm33 engine-events; do
+for part in python pychecks vllm32 sglang atom vllm33 engine-events; do
   if has "$part"; then stages="venv vllm-old vllm-new kv-events"; fi
 done
 if has vm && [ "${KVLINK_SKIP_VM:-0}" != 1 ]; then stages="$stages vm"; fi

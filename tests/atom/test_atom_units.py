@@ -15,6 +15,7 @@ import kvlink.atom
 from harness import HERE, MODELS, snapshot_root
 from kvlink.atom.layout import describe
 from kvlink.atom.params import Refused, prefill_output, read_for
+from kvlink import core
 from kvlink.atom.settings import Settings
 
 
@@ -85,8 +86,40 @@ def test_slot_state_and_pipeline_parallelism_refused():
         Settings.from_config(pp)
 
 
+def test_settings_from_atoms_config_key_included(tmp_path):
+    key = tmp_path / "key"
+    key.write_bytes(b"a-deployment-key-of-32-bytes-000\n")
+    kv = {
+        "kv_connector": "kvlink",
+        "kv_role": "kv_producer",
+        "handshake_port": 7100,
+        "kvlink_host": "10.1.2.3",
+        "kvlink_transport": "tcp",
+        "kvlink_request_timeout": 7,
+        "kvlink_auth_key_file": str(key),
+        "ib_device": "rxe0",
+    }
+    s = Settings.from_config(atom_config("llama-3.1-8b", kv=kv))
+    assert (s.producer, s.handshake_port, s.block_size) == (True, 7100, 16)
+    link = s.link
+    assert (link.host, link.port, link.transport, link.request_timeout) == ("10.1.2.3", 7100, "tcp", 7.0)
+    assert (link.auth_key, link.rdma_device, link.lease) == (b"a-deployment-key-of-32-bytes-000", "rxe0", None)
+    # What the engine is given: only what was set (its own defaults for the rest).
+    assert link.engine_options() == {
+        "transport": "tcp",
+        "request_timeout": 7.0,
+        "auth_key": b"a-deployment-key-of-32-bytes-000",
+        "rdma_device": "rxe0",
+    }
+    with pytest.raises(ValueError, match="kvlink_lease in kv_transfer_config must be"):
+        Settings.from_config(atom_config("llama-3.1-8b", kv=dict(kv, kvlink_lease="soon")))
+    with pytest.raises(ValueError, match="unknown kv_transfer_config keys"):
+        Settings.from_config(atom_config("llama-3.1-8b", kv=dict(kv, kvlink_leese=5)))
+
+
 def _settings(**kw):
-    base = dict(producer=False, handshake_port=7000, host="127.0.0.1", transport="tcp", request_timeout=5.0, abort_timeout=5.0, lease=5.0, session_idle=120.0, rdma_device=None, block_size=16, tp_size=1, dp_size=1, dp_rank=0)
+    link = core.Settings(host="127.0.0.1", port=7000, transport="tcp", request_timeout=5.0, abort_timeout=5.0, lease=5.0)
+    base = dict(producer=False, handshake_port=7000, link=link, block_size=16, tp_size=1, dp_size=1, dp_rank=0)
     base.update(kw)
     return Settings(**base)
 

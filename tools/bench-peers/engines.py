@@ -7,6 +7,7 @@
 
 Settings are each engine's defaults unless written here with the reason.
 """
+
 import base64
 import time
 
@@ -18,13 +19,13 @@ class Nixl:
 
     def __init__(self, role, a):
         from nixl_cu12._api import nixl_agent, nixl_agent_config
+
         # The target keeps NIXL's progress thread: UCX over TCP emulates a GET with active
         # messages, so the target's worker must be progressed to answer. The initiator polls
         # its transfers itself; its own progress thread only competes for the two cores
         # (measured: 0.9 against 0.63 GB/s), so it is off (`enable_prog_thread`, documented).
         thread = role == "target" or a.nixl_initiator_thread
-        self.agent = nixl_agent(role, nixl_agent_config(enable_prog_thread=bool(thread),
-                                                        backends=["UCX"]))
+        self.agent = nixl_agent(role, nixl_agent_config(enable_prog_thread=bool(thread), backends=["UCX"]))
         self.deadline = a.deadline
         self.remote = None
 
@@ -47,8 +48,7 @@ class Nixl:
         return self.agent.get_xfer_descs(rows, "DRAM")
 
     def start(self, local, remote, lens):
-        h = self.agent.initialize_xfer("READ", self._descs(local, lens),
-                                       self._descs(remote, lens), self.remote)
+        h = self.agent.initialize_xfer("READ", self._descs(local, lens), self._descs(remote, lens), self.remote)
         if self.agent.transfer(h) == "ERR":
             raise RuntimeError("nixl: transfer() returned ERR")
         return h
@@ -75,6 +75,7 @@ class Mooncake:
 
     def __init__(self, role, a):
         from mooncake.engine import TransferEngine
+
         self.te = TransferEngine()
         self.host = a.host if role == "target" else a.local_host
         rc = self.te.initialize(self.host, "P2PHANDSHAKE", a.protocol, a.device)
@@ -97,8 +98,7 @@ class Mooncake:
         return cache.ctypes.data
 
     def start(self, local, remote, lens):
-        bid = self.te.batch_transfer_async_read(self.seg, local.tolist(), remote.tolist(),
-                                                lens.tolist())
+        bid = self.te.batch_transfer_async_read(self.seg, local.tolist(), remote.tolist(), lens.tolist())
         if bid <= 0:
             raise RuntimeError(f"mooncake: batch_transfer_async_read returned {bid}")
         return bid

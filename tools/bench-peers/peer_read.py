@@ -15,6 +15,7 @@ bytes, seconds, GB/s, CPU seconds of both processes during the measured requests
 request latency. Every wait has a deadline; the process exits through `os._exit`, as NIXL 1.5.1
 crashes in a library destructor at interpreter exit.
 """
+
 import argparse
 import faulthandler
 import json
@@ -25,7 +26,6 @@ import sys
 import time
 
 import numpy as np
-
 from engines import make_engine
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -38,7 +38,7 @@ def load_workload(path):
         body = np.frombuffer(f.read(), dtype="<u8")
     reqs, at = [], 0
     for n in head["pieces"]:
-        reqs.append(body[at:at + 3 * n].reshape(n, 3))
+        reqs.append(body[at : at + 3 * n].reshape(n, 3))
         at += 3 * n
     if at != body.size:
         raise ValueError(f"{path}: {body.size - at} words past the last request")
@@ -51,14 +51,14 @@ def fill(buf, seed):
     step = 1 << 24
     for at in range(0, words.size, step):
         n = min(step, words.size - at)
-        words[at:at + n] = np.arange(at, at + n, dtype=np.uint64) * GOLDEN + np.uint64(seed)
+        words[at : at + n] = np.arange(at, at + n, dtype=np.uint64) * GOLDEN + np.uint64(seed)
 
 
 def check(local, pieces, seed):
     """Bytes checked; raises on the first piece that does not hold the target's bytes."""
     for ro, lo, n in pieces.tolist():
         want = np.arange(ro // 8, (ro + n) // 8, dtype=np.uint64) * GOLDEN + np.uint64(seed)
-        if not np.array_equal(local[lo:lo + n].view(np.uint64), want):
+        if not np.array_equal(local[lo : lo + n].view(np.uint64), want):
             raise RuntimeError(f"piece remote {ro} -> local {lo} ({n} B) holds wrong bytes")
     return int(pieces[:, 2].sum())
 
@@ -77,6 +77,7 @@ def recv(s):
                 raise ConnectionError("control socket closed")
             buf += chunk
         return bytes(buf)
+
     return json.loads(exact(struct.unpack("!I", exact(4))[0]))
 
 
@@ -114,7 +115,9 @@ def connect(a):
 
 def run_requests(eng, local_addr, reqs, concurrency, remote_addr):
     """Runs `reqs` with `concurrency` in flight; returns each one's seconds."""
-    lat, pending, nxt = [], [], 0
+    lat: list[float] = []
+    pending: list = []
+    nxt = 0
     while nxt < len(reqs) or pending:
         while nxt < len(reqs) and len(pending) < concurrency:
             p = reqs[nxt]
@@ -138,8 +141,8 @@ def initiator(a, head, reqs):
     c, w = head["concurrency"], head["warmup"]
     checked = 0
     for i in range(0, w, c):  # warm-up, each checked on a zeroed cache
-        run_requests(eng, laddr, reqs[i:min(i + c, w)], c, raddr)
-        for p in reqs[i:min(i + c, w)]:
+        run_requests(eng, laddr, reqs[i : min(i + c, w)], c, raddr)
+        for p in reqs[i : min(i + c, w)]:
             checked += check(local, p, info["seed"])
         local[:] = 0
     send(ctl, {"op": "cpu"})
@@ -155,13 +158,24 @@ def initiator(a, head, reqs):
     send(ctl, {"op": "done"})
     nbytes = sum(head["bytes"][w:])
     ms = np.array(lat) * 1e3
-    print(json.dumps({
-        "engine": a.engine, "bytes": nbytes, "seconds": round(secs, 6),
-        "gb_per_s": round(nbytes / secs / 1e9, 4), "cpu_seconds": round(cpu, 3),
-        "latency_ms": {"p50": round(float(np.percentile(ms, 50)), 4),
-                       "p99": round(float(np.percentile(ms, 99)), 4)},
-        "requests": len(lat), "verified_bytes": checked,
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "engine": a.engine,
+                "bytes": nbytes,
+                "seconds": round(secs, 6),
+                "gb_per_s": round(nbytes / secs / 1e9, 4),
+                "cpu_seconds": round(cpu, 3),
+                "latency_ms": {
+                    "p50": round(float(np.percentile(ms, 50)), 4),
+                    "p99": round(float(np.percentile(ms, 99)), 4),
+                },
+                "requests": len(lat),
+                "verified_bytes": checked,
+            }
+        ),
+        flush=True,
+    )
     eng.close()
     return 0
 
@@ -176,8 +190,9 @@ def main():
     p.add_argument("--protocol", default="tcp", help="mooncake: tcp or rdma")
     p.add_argument("--device", default="", help="mooncake rdma: the RDMA device")
     p.add_argument("--local-host", default="127.0.0.1", help="mooncake: this engine's address")
-    p.add_argument("--nixl-initiator-thread", type=int, default=0,
-                   help="nixl: run the initiator's progress thread too (0 or 1)")
+    p.add_argument(
+        "--nixl-initiator-thread", type=int, default=0, help="nixl: run the initiator's progress thread too (0 or 1)"
+    )
     p.add_argument("--seed", type=int, default=7, help="fill pattern of the target")
     p.add_argument("--deadline", type=float, default=120, help="seconds for any one wait")
     a = p.parse_args()
@@ -185,7 +200,7 @@ def main():
     head, reqs = load_workload(a.workload)
     try:
         rc = target(a, head) if a.role == "target" else initiator(a, head, reqs)
-    except Exception as e:  # one line naming the engine, then the exit status says it failed
+    except Exception as e:  # noqa: BLE001 - one line naming the engine, then the exit status says it failed
         print(f"peer_read {a.engine} {a.role}: {type(e).__name__}: {e}", file=sys.stderr)
         rc = 1
     sys.stdout.flush()

@@ -8,6 +8,7 @@ falls on all of them. Bandwidth: kvlink-bench's default workload (Llama-3-8B lay
 requests of random blocks, 2 in flight, 2 warm-up + 16 measured), whose pieces `kvlink-bench
 dump` writes for the peers. Latency: one read of one piece (4 KiB, 64 KiB, 1 MiB), one in flight.
 """
+
 import argparse
 import itertools
 import json
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER = os.path.join(HERE, "peer_read.py")
@@ -30,7 +32,7 @@ MOONCAKE_TCP = {
     "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
     "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
 }
-PATHS = {
+PATHS: dict[str, dict[str, Any]] = {
     "tcp": {
         "kvlink": ["--transport", "tcp"],
         # UCX otherwise picks shared memory between processes of one host.
@@ -46,10 +48,8 @@ PATHS = {
         "kvlink": ["--transport", "rdma"],
         # RC over the device only: left to choose, UCX takes shared memory between two
         # processes of one (virtual) machine, which measured 7x the RC figure in the VM.
-        "nixl": ({"UCX_TLS": "rc",
-                  "UCX_NET_DEVICES": os.environ.get("KVLINK_RDMA_DEVICE", "rxe0") + ":1"}, []),
-        "mooncake": ({}, ["--protocol", "rdma", "--device",
-                          os.environ.get("KVLINK_RDMA_DEVICE", "rxe0")]),
+        "nixl": ({"UCX_TLS": "rc", "UCX_NET_DEVICES": os.environ.get("KVLINK_RDMA_DEVICE", "rxe0") + ":1"}, []),
+        "mooncake": ({}, ["--protocol", "rdma", "--device", os.environ.get("KVLINK_RDMA_DEVICE", "rxe0")]),
     },
 }
 
@@ -65,14 +65,29 @@ def run_kvlink(a, path, work):
 def run_peer(a, engine, path, dump, port):
     env, opts = PATHS[path][engine]
     env = {**os.environ, **env}
-    base = [sys.executable, PEER, "--engine", engine, "--workload", dump, "--port", str(port),
-            "--host", a.host, "--local-host", a.host, "--deadline", str(a.timeout / 3), *opts]
+    base = [
+        sys.executable,
+        PEER,
+        "--engine",
+        engine,
+        "--workload",
+        dump,
+        "--port",
+        str(port),
+        "--host",
+        a.host,
+        "--local-host",
+        a.host,
+        "--deadline",
+        str(a.timeout / 3),
+        *opts,
+    ]
     with tempfile.TemporaryFile("w+") as tlog:
-        tgt = subprocess.Popen([base[0], base[1], "target", *base[2:]], env=env,
-                               stdout=tlog, stderr=subprocess.STDOUT)
+        tgt = subprocess.Popen([base[0], base[1], "target", *base[2:]], env=env, stdout=tlog, stderr=subprocess.STDOUT)
         try:
-            out = subprocess.run([base[0], base[1], "initiator", *base[2:]], env=env,
-                                 capture_output=True, text=True, timeout=a.timeout)
+            out = subprocess.run(
+                [base[0], base[1], "initiator", *base[2:]], env=env, capture_output=True, text=True, timeout=a.timeout
+            )
             tgt.wait(timeout=30)
         finally:
             if tgt.poll() is None:
@@ -80,16 +95,17 @@ def run_peer(a, engine, path, dump, port):
                 tgt.wait()
         if out.returncode != 0 or tgt.returncode != 0:
             tlog.seek(0)
-            raise RuntimeError(f"{engine} failed (initiator {out.returncode}, target "
-                               f"{tgt.returncode}): {out.stderr.strip()[-600:]}\n"
-                               f"target: {tlog.read().strip()[-600:]}")
+            raise RuntimeError(
+                f"{engine} failed (initiator {out.returncode}, target "
+                f"{tgt.returncode}): {out.stderr.strip()[-600:]}\n"
+                f"target: {tlog.read().strip()[-600:]}"
+            )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def dump(a, work, name):
     f = os.path.join(a.tmp, name)
-    subprocess.run([a.bench, "dump", "--out", f, *work], check=True, capture_output=True,
-                   timeout=a.timeout)
+    subprocess.run([a.bench, "dump", "--out", f, *work], check=True, capture_output=True, timeout=a.timeout)
     return f
 
 
@@ -100,23 +116,33 @@ def one(a, engine, path, work, dumpf, port):
     else:
         r = run_peer(a, engine, path, dumpf, port)
     gb = r["bytes"] / 1e9
-    return {"engine": engine, "path": path, "gb_per_s": r["gb_per_s"],
-            "cpu_s_per_gb": r["cpu_seconds"] / gb, "p50_ms": r["latency_ms"]["p50"],
-            "p99_ms": r["latency_ms"]["p99"], "copy_gb_per_s": r.get("reference_gb_per_s")}
+    return {
+        "engine": engine,
+        "path": path,
+        "gb_per_s": r["gb_per_s"],
+        "cpu_s_per_gb": r["cpu_seconds"] / gb,
+        "p50_ms": r["latency_ms"]["p50"],
+        "p99_ms": r["latency_ms"]["p99"],
+        "copy_gb_per_s": r.get("reference_gb_per_s"),
+    }
 
 
 def engines_of(path, only):
-    return [e for e in ("kvlink", "nixl", "mooncake")
-            if (e == "kvlink" or PATHS[path][e] is not None) and (not only or e in only)]
+    return [
+        e
+        for e in ("kvlink", "nixl", "mooncake")
+        if (e == "kvlink" or PATHS[path][e] is not None) and (not only or e in only)
+    ]
 
 
 def rounds(a, kind, work, dumpf, log):
     """All rounds of one workload; returns {(path, engine): [result, ...]}."""
-    got, port = {}, itertools.count(a.port)
+    got: dict = {}
+    port = itertools.count(a.port)
     for r in range(a.rounds):
         for path in a.paths:
             es = engines_of(path, a.engines)
-            es = es[r % len(es):] + es[:r % len(es)]  # rotate the order every round
+            es = es[r % len(es) :] + es[: r % len(es)]  # rotate the order every round
             line = []
             for e in es:
                 res = one(a, e, path, work, dumpf, next(port))
@@ -124,8 +150,9 @@ def rounds(a, kind, work, dumpf, log):
                 log.write(json.dumps(res) + "\n")
                 log.flush()
                 got.setdefault((path, e), []).append(res)
-                line.append(f"{e} {res['gb_per_s']:.3f} GB/s {res['cpu_s_per_gb']:.2f} CPU s/GB "
-                            f"p50 {res['p50_ms']:.3f} ms")
+                line.append(
+                    f"{e} {res['gb_per_s']:.3f} GB/s {res['cpu_s_per_gb']:.2f} CPU s/GB p50 {res['p50_ms']:.3f} ms"
+                )
             print(f"[{kind}] round {r + 1} {path}: " + " | ".join(line), flush=True)
     return got
 
@@ -136,8 +163,7 @@ def med(rs, key):
 
 
 def table_bandwidth(got, paths):
-    print("\nbandwidth (medians): path | engine | GB/s | CPU s per GB | p50 ms | p99 ms | "
-          "kvlink / engine")
+    print("\nbandwidth (medians): path | engine | GB/s | CPU s per GB | p50 ms | p99 ms | kvlink / engine")
     for path in paths:
         k = med(got.get((path, "kvlink"), []), "gb_per_s")
         for (p, e), rs in got.items():
@@ -145,16 +171,20 @@ def table_bandwidth(got, paths):
                 continue
             g = med(rs, "gb_per_s")
             ratio = f"{k / g:.2f}x" if e != "kvlink" else "-"
-            print(f"{path} | {e} | {g:.3f} | {med(rs, 'cpu_s_per_gb'):.2f} | "
-                  f"{med(rs, 'p50_ms'):.1f} | {med(rs, 'p99_ms'):.1f} | {ratio}")
+            print(
+                f"{path} | {e} | {g:.3f} | {med(rs, 'cpu_s_per_gb'):.2f} | "
+                f"{med(rs, 'p50_ms'):.1f} | {med(rs, 'p99_ms'):.1f} | {ratio}"
+            )
         c = med(got.get((path, "kvlink"), []), "copy_gb_per_s")
         if path == "local" and c:
             print(f"local | plain copy (one thread) | {c:.3f} | | | | {k / c:.2f}x")
 
 
 def table_latency(lat, paths, sizes):
-    print("\none-read latency (medians of the runs' p50 / p99, microseconds): "
-          "size | path | engine | p50 | p99 | engine p50 / kvlink p50")
+    print(
+        "\none-read latency (medians of the runs' p50 / p99, microseconds): "
+        "size | path | engine | p50 | p99 | engine p50 / kvlink p50"
+    )
     for size in sizes:
         for path in paths:
             rs = lat.get(size, {})
@@ -176,8 +206,7 @@ def main():
     p.add_argument("--latency-sizes", default="4K,64K,1M", help="empty: no latency runs")
     p.add_argument("--latency-requests", type=int, default=500)
     p.add_argument("--no-bandwidth", action="store_true")
-    p.add_argument("--workload", default="",
-                   help="kvlink-bench options of the bandwidth workload (its defaults: none)")
+    p.add_argument("--workload", default="", help="kvlink-bench options of the bandwidth workload (its defaults: none)")
     p.add_argument("--host", default="127.0.0.1", help="address the peers' targets listen on")
     p.add_argument("--port", type=int, default=5600, help="first control port")
     p.add_argument("--timeout", type=float, default=300, help="seconds for one run")
@@ -194,8 +223,18 @@ def main():
             got = rounds(a, "bandwidth", work, dump(a, work, "bandwidth.bin"), log)
         lat = {}
         for size in sizes:
-            work = ["--block-bytes", size, "--tokens", "1", "--concurrency", "1", "--warmup",
-                    "20", "--requests", str(a.latency_requests)]
+            work = [
+                "--block-bytes",
+                size,
+                "--tokens",
+                "1",
+                "--concurrency",
+                "1",
+                "--warmup",
+                "20",
+                "--requests",
+                str(a.latency_requests),
+            ]
             lat[size] = rounds(a, f"latency {size}", work, dump(a, work, f"lat{size}.bin"), log)
     if not a.no_bandwidth:
         table_bandwidth(got, a.paths)

@@ -53,6 +53,7 @@ def prefill() -> None:
 
 def decode() -> None:
     child = subprocess.Popen([sys.executable, __file__, "prefill"], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
     params = json.loads(child.stdout.readline())
     engine = kvlink.Engine()
     caches = kv_caches()
@@ -63,8 +64,10 @@ def decode() -> None:
     assert f.receiving == ["req-42"], f.failed
     checksum = int(sum(int(c[local].astype(np.uint64).sum()) for c in caches))
     assert checksum == params["checksum"], "bytes differ"
-    print(f"decode: read {len(local)} blocks x {2 * LAYERS} tensors "
-          f"({len(local) * 2 * LAYERS * BLOCK_BYTES / 2**20:.1f} MiB) from {params['addr']}, bytes verified")
+    print(
+        f"decode: read {len(local)} blocks x {2 * LAYERS} tensors "
+        f"({len(local) * 2 * LAYERS * BLOCK_BYTES / 2**20:.1f} MiB) from {params['addr']}, bytes verified"
+    )
     print("prefill:", child.stdout.readline().strip())
     child.wait(timeout=30)
 

@@ -283,8 +283,7 @@ def stretch_median(per_second, start, end, busy):
     """The median of the per-second rates (a list of (t, bytes verified in the second from t))
     of the whole seconds within [start, end) that do not overlap `busy` ((from, to) spans), and
     how many seconds it is over: (median or 0.0, count)."""
-    quiet = [r for t, r in per_second
-             if start <= t and t + 1 <= end and not any(t + 1 > a and t < b for a, b in busy)]
+    quiet = [r for t, r in per_second if start <= t and t + 1 <= end and not any(t + 1 > a and t < b for a, b in busy)]
     return (statistics.median(quiet) if quiet else 0.0), len(quiet)
 
 

@@ -9,8 +9,15 @@ import subprocess
 
 from workers import Worker
 
-HOST_KINDS = ["kill_prefill", "kill_decode", "stall_decode", "stall_poll", "expire_mid_read",
-              "cancel_burst", "wrong_key"]
+HOST_KINDS = [
+    "kill_prefill",
+    "kill_decode",
+    "stall_decode",
+    "stall_poll",
+    "expire_mid_read",
+    "cancel_burst",
+    "wrong_key",
+]
 VM_KINDS = ["link_flap"]
 WRONG_KEY = "not-the-deployment-key-0123456789"
 
@@ -60,8 +67,7 @@ class Faults:
         self.log.append(fault)
         self.active = fault
         getattr(self, f"_{kind}")(fault)
-        print(f"soak: {now:7.1f} s  {kind} {fault['target'] or ''} {fault['detail']}".rstrip(),
-              flush=True)
+        print(f"soak: {now:7.1f} s  {kind} {fault['target'] or ''} {fault['detail']}".rstrip(), flush=True)
 
     def _end(self, fault):
         """The fault is over: the quiet window (the cool-down) starts now."""
@@ -95,6 +101,7 @@ class Faults:
         def restart():
             w.start()
             self._end(fault)
+
         self._later(down, restart)
 
     def _stall_decode(self, fault):
@@ -113,6 +120,7 @@ class Faults:
             w.resume()
             self.soak.ledger.resume(w.name, self.soak.now())
             self._end(fault)
+
         self._later(secs, resume)
 
     def _stall_poll(self, fault):
@@ -127,6 +135,7 @@ class Faults:
         def over():
             self.soak.ledger.resume(w.name, self.soak.now())
             self._end(fault)
+
         self._later(secs, over)
 
     def _expire_mid_read(self, fault):
@@ -148,6 +157,7 @@ class Faults:
             if not fault.get("stopping") and fault["end"] is None:
                 fault["detail"] = f"{f.id}: its read was never sent"
                 self._end(fault)
+
         f.on_read = stop
         self._later(3.0, never_read)
 
@@ -172,12 +182,15 @@ class Faults:
         self.intruder.send(op="connect", peer=target.addr, timeout_ms=2000)
         fault["refused"] = None
 
+        intruder = self.intruder
+
         def done():
-            self.intruder.close()
+            intruder.close()
             soak.by_name.pop("X", None)
             if fault["refused"] is None:
                 soak.ledger.violate(soak.now(), "wrong-key", "the intruder's connect never ended")
             self._end(fault)
+
         self._later(3.0, done)
 
     def _link_flap(self, fault):
@@ -189,6 +202,7 @@ class Faults:
         def up():
             subprocess.run(["ip", "link", "set", dev, "up"], check=False)
             self._end(fault)
+
         self._later(secs, up)
 
     # -- what the workers say about them -------------------------------------------------------

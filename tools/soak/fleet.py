@@ -55,20 +55,24 @@ def options(argv):
     p.add_argument("--fleet", default="8,8", help="prefills,decodes")
     p.add_argument("--vm", action="store_true", help="inside the SoftRoCE VM: RDMA sessions")
     p.add_argument("--rdma-devices", default=os.environ.get("KVLINK_RDMA_DEVICES", "rxe0"))
-    p.add_argument("--session-idle", type=float, default=None,
-                   help="seconds; 0: never closed idle (default: 2, or P x D / 256 when longer, "
-                        "so that the connects and reads of a large fleet on a small machine "
-                        "end before the first session goes idle; in the VM 5, or P x D / 16)")
-    p.add_argument("--step", type=float, default=None,
-                   help="rotate: seconds per prefill (default a quarter of --session-idle)")
+    p.add_argument(
+        "--session-idle",
+        type=float,
+        default=None,
+        help="seconds; 0: never closed idle (default: 2, or P x D / 256 when longer, "
+        "so that the connects and reads of a large fleet on a small machine "
+        "end before the first session goes idle; in the VM 5, or P x D / 16)",
+    )
+    p.add_argument(
+        "--step", type=float, default=None, help="rotate: seconds per prefill (default a quarter of --session-idle)"
+    )
     p.add_argument("--steps", type=int, default=20, help="rotate: how many prefills in turn")
     p.add_argument("--out", default="target/fleet")
     o = p.parse_args(argv)
     o.prefills, o.decodes = (int(x) for x in o.fleet.split(","))
     if o.session_idle is None:
         # The VM's handshakes make queue pairs on emulated CPUs: about 200 ms each.
-        o.session_idle = max(5.0, o.prefills * o.decodes / 16) if o.vm else \
-            max(2.0, o.prefills * o.decodes / 256)
+        o.session_idle = max(5.0, o.prefills * o.decodes / 16) if o.vm else max(2.0, o.prefills * o.decodes / 256)
     if o.step is None:
         o.step = (o.session_idle or 2.0) / 4
     return o
@@ -80,28 +84,44 @@ class Fleet:
     def __init__(self, o):
         self.o = o
         os.makedirs(o.out, exist_ok=True)
-        self.events = queue.Queue()
+        self.events: queue.Queue = queue.Queue()
         blocks = max(o.prefills, o.decodes) + 4
-        common = ["--key", KEY, "--blocks", str(blocks), "--layers", str(LAYERS),
-                  "--token-bytes", str(TOKEN_BYTES), "--groups", "2",
-                  "--session-idle-ms", str(int(o.session_idle * 1000)),
-                  # Data streams outlive the session's idle limit: only that limit ends them.
-                  "--idle-ms", str(int(max(o.session_idle, 5.0) * 4000)),
-                  "--handshake-ms", "10000", "--connect-ms", "10000", "--request-ms", "30000",
-                  # The engine's default keep-alive (the soak's is short, to find faults fast).
-                  "--keepalive-ms", "5000"]
+        common = [
+            "--key",
+            KEY,
+            "--blocks",
+            str(blocks),
+            "--layers",
+            str(LAYERS),
+            "--token-bytes",
+            str(TOKEN_BYTES),
+            "--groups",
+            "2",
+            "--session-idle-ms",
+            str(int(o.session_idle * 1000)),
+            # Data streams outlive the session's idle limit: only that limit ends them.
+            "--idle-ms",
+            str(int(max(o.session_idle, 5.0) * 4000)),
+            "--handshake-ms",
+            "10000",
+            "--connect-ms",
+            "10000",
+            "--request-ms",
+            "30000",
+            # The engine's default keep-alive (the soak's is short, to find faults fast).
+            "--keepalive-ms",
+            "5000",
+        ]
         if o.vm:
             common += ["--rdma-device", o.rdma_devices]
         transport = "network" if o.vm else "tcp"
         # Ports picked by the kernel: nothing restarts here, so none has to be known ahead.
         self.prefills = [self._worker(f"P{i}", common) for i in range(o.prefills)]
-        self.decodes = [self._worker(f"D{i}", common + ["--transport", transport])
-                        for i in range(o.decodes)]
+        self.decodes = [self._worker(f"D{i}", common + ["--transport", transport]) for i in range(o.decodes)]
         self.stats = {}  # name -> the worker's latest stats event
         self.stats_at = {}  # name -> when each of its stats events came (the timer's firings)
         self.failures = []
-        self.report = {"fleet": [o.prefills, o.decodes], "vm": o.vm,
-                       "session_idle_s": o.session_idle}
+        self.report = {"fleet": [o.prefills, o.decodes], "vm": o.vm, "session_idle_s": o.session_idle}
         self.seed = 1
 
     def _worker(self, name, args):
@@ -190,8 +210,12 @@ class Fleet:
         missing = self.pump(time.monotonic() + 60 + total * 0.05, want)
         if missing:
             self.fail(f"{missing} connects never answered")
-        self.report["handshake_ms"] = {"count": len(times), "p50": percentile(times, 50),
-                                       "p99": percentile(times, 99), "max": max(times, default=None)}
+        self.report["handshake_ms"] = {
+            "count": len(times),
+            "p50": percentile(times, 50),
+            "p99": percentile(times, 99),
+            "max": max(times, default=None),
+        }
 
     def read_all(self):
         """Every decode reads one request from every prefill."""
@@ -206,15 +230,14 @@ class Fleet:
             rid = f"{tag}-{d.name}-{p.name}-{self.seed}"
             self.seed += 1
             flights[rid] = (d, p, [[di], [di]], [[pi], [pi]], self.seed)
-            p.send(op="hold", id=rid, blocks=[[di], [di]], seed=self.seed, abort_ms=60000,
-                   reader=d.engine)
-        received, transports = set(), {}
+            p.send(op="hold", id=rid, blocks=[[di], [di]], seed=self.seed, abort_ms=60000, reader=d.engine)
+        received: set = set()
+        transports: dict = {}
 
         def want(name, ev):
             if ev and ev.get("ev") == "held" and ev["id"] in flights:
                 d, p, remote, local, seed = flights[ev["id"]]
-                d.send(op="read", id=ev["id"], peer=p.addr, local=local, remote=remote,
-                       seed=seed, hold=ev["token"])
+                d.send(op="read", id=ev["id"], peer=p.addr, local=local, remote=remote, seed=seed, hold=ev["token"])
             elif ev and ev.get("ev") == "received" and ev["id"] in flights:
                 if ev["verified"] != REQUEST_BYTES:
                     self.fail(f"{ev['id']}: {ev['verified']} bytes verified of {REQUEST_BYTES}")
@@ -264,8 +287,9 @@ class Fleet:
         limit = start + self.o.session_idle * 3 + 10
 
         def open_sessions():
-            return sum(self.stats.get(w.name, {}).get("sessions", 1) for w in self.decodes) + \
-                sum(self.stats.get(w.name, {}).get("control_connections", 1) for w in self.prefills)
+            return sum(self.stats.get(w.name, {}).get("sessions", 1) for w in self.decodes) + sum(
+                self.stats.get(w.name, {}).get("control_connections", 1) for w in self.prefills
+            )
 
         self.pump(limit, lambda n, e: open_sessions())
         self.report["all_closed_after_s"] = round(time.monotonic() - start, 2)
@@ -298,23 +322,29 @@ class Fleet:
             for w in self.decodes:
                 held[w.name] = max(held[w.name], self.stats.get(w.name, {}).get("sessions", 0))
             for w in self.prefills:
-                most["prefill_readers"] = max(most["prefill_readers"],
-                                              self.stats.get(w.name, {}).get("control_connections", 0))
+                most["prefill_readers"] = max(
+                    most["prefill_readers"], self.stats.get(w.name, {}).get("control_connections", 0)
+                )
         most["decode_sessions"] = max(held.values(), default=0)
         # Each decode against its own bound: the idle limit's, plus how late that process's
         # timers ran meanwhile (its stats come every STATS_EVERY_S when on time).
-        lags = {n: timer_lag(self.stats_at.get(n, []), STATS_EVERY_S, start, time.monotonic())
-                for n in held}
+        lags = {n: timer_lag(self.stats_at.get(n, []), STATS_EVERY_S, start, time.monotonic()) for n in held}
         bounds = {n: rotation_bound(idle, self.o.step, lag) for n, lag in lags.items()} if idle else {}
         k = self.o.steps
-        self.report["rotate"] = {"steps": k, "step_s": self.o.step,
-                                 "bound": rotation_bound(idle, self.o.step) if idle else None,
-                                 "timer_lag_s": round(max(lags.values(), default=0.0), 2), **most,
-                                 "without_idle_close": min(P, k)}
+        self.report["rotate"] = {
+            "steps": k,
+            "step_s": self.o.step,
+            "bound": rotation_bound(idle, self.o.step) if idle else None,
+            "timer_lag_s": round(max(lags.values(), default=0.0), 2),
+            **most,
+            "without_idle_close": min(P, k),
+        }
         for n, bound in bounds.items():
             if held[n] > bound:
-                self.fail(f"rotate: {n} held {held[n]} sessions, over the bound {bound} "
-                          f"(its timers up to {lags[n]:.2f} s late)")
+                self.fail(
+                    f"rotate: {n} held {held[n]} sessions, over the bound {bound} "
+                    f"(its timers up to {lags[n]:.2f} s late)"
+                )
         after = self.sample("rotated")
         for w in self.workers():
             grew = leftover(up[w.name], after[w.name], ROTATE_SLACK)
@@ -326,33 +356,45 @@ def summary(f):
     """The report's lines for people."""
     r = f.report
     hs, ps = r.get("handshake_ms", {}), r.get("per_session", {})
-    lines = [f"fleet: {r['fleet'][0]} prefills x {r['fleet'][1]} decodes"
-             f"{' (RDMA, SoftRoCE VM)' if r['vm'] else ' (TCP, loopback)'}, session_idle {r['session_idle_s']} s",
-             f"fleet: handshakes {hs.get('count')}: p50 {fmt(hs.get('p50'))} ms, "
-             f"p99 {fmt(hs.get('p99'))} ms, max {fmt(hs.get('max'))} ms"]
+    lines = [
+        f"fleet: {r['fleet'][0]} prefills x {r['fleet'][1]} decodes"
+        f"{' (RDMA, SoftRoCE VM)' if r['vm'] else ' (TCP, loopback)'}, session_idle {r['session_idle_s']} s",
+        f"fleet: handshakes {hs.get('count')}: p50 {fmt(hs.get('p50'))} ms, "
+        f"p99 {fmt(hs.get('p99'))} ms, max {fmt(hs.get('max'))} ms",
+    ]
     for role in ("decode", "prefill"):
         c = ps.get(role, {})
-        lines.append(f"fleet: per session, {role} side: {fmt(c.get('fds'))} fds, "
-                     f"{fmt(c.get('threads'))} threads, {fmt(c.get('rss_anon_kib'))} KiB anonymous, "
-                     f"{fmt(c.get('qps'))} queue pairs")
+        lines.append(
+            f"fleet: per session, {role} side: {fmt(c.get('fds'))} fds, "
+            f"{fmt(c.get('threads'))} threads, {fmt(c.get('rss_anon_kib'))} KiB anonymous, "
+            f"{fmt(c.get('qps'))} queue pairs"
+        )
     for phase in ("start", "up", "idle", "rotated"):
         rows = r.get("samples", {}).get(phase, {})
         if not rows:
             continue
         for role, names in (("decode", "D"), ("prefill", "P")):
-            vals = {k: median([v[k] for n, v in rows.items() if n.startswith(names)])
-                    for k in ("fds", "threads", "rss_anon_kib", "qps")}
-            lines.append(f"fleet: {phase:7} {role:7} median fds {vals['fds']}, threads "
-                         f"{vals['threads']}, anon {vals['rss_anon_kib']} KiB, qps {vals['qps']}")
-    lines.append(f"fleet: all sessions closed {r.get('all_closed_after_s')} s after the last read "
-                 f"({r.get('sessions_closed_idle')} closed idle)")
+            vals = {
+                k: median([v[k] for n, v in rows.items() if n.startswith(names)])
+                for k in ("fds", "threads", "rss_anon_kib", "qps")
+            }
+            lines.append(
+                f"fleet: {phase:7} {role:7} median fds {vals['fds']}, threads "
+                f"{vals['threads']}, anon {vals['rss_anon_kib']} KiB, qps {vals['qps']}"
+            )
+    lines.append(
+        f"fleet: all sessions closed {r.get('all_closed_after_s')} s after the last read "
+        f"({r.get('sessions_closed_idle')} closed idle)"
+    )
     rot = r.get("rotate")
     if rot:
         lag = f", timers up to {rot['timer_lag_s']} s late" if rot.get("timer_lag_s") else ""
         bound = f"bound {rot['bound']}{lag}; " if rot["bound"] is not None else "no idle close; "
-        lines.append(f"fleet: rotating, {rot['steps']} steps: at most {rot['decode_sessions']} "
-                     f"sessions per decode ({bound}{rot['without_idle_close']} prefills visited), "
-                     f"{rot['prefill_readers']} readers per prefill")
+        lines.append(
+            f"fleet: rotating, {rot['steps']} steps: at most {rot['decode_sessions']} "
+            f"sessions per decode ({bound}{rot['without_idle_close']} prefills visited), "
+            f"{rot['prefill_readers']} readers per prefill"
+        )
     return "\n".join(lines)
 
 
@@ -362,8 +404,11 @@ def fmt(x):
 
 def main(argv):
     o = options(argv)
-    print(f"fleet: {o.prefills} prefills, {o.decodes} decodes{', in the VM' if o.vm else ''}, "
-          f"session_idle {o.session_idle} s", flush=True)
+    print(
+        f"fleet: {o.prefills} prefills, {o.decodes} decodes{', in the VM' if o.vm else ''}, "
+        f"session_idle {o.session_idle} s",
+        flush=True,
+    )
     f = Fleet(o)
     t0 = time.monotonic()
     try:
@@ -387,8 +432,11 @@ def main(argv):
         json.dump(f.report, out, indent=1)
     print(summary(f), flush=True)
     verdict = "FAIL" if f.failures else "PASS"
-    print(f"fleet: {verdict} {o.prefills}x{o.decodes} sessions={o.prefills * o.decodes} "
-          f"failures={len(f.failures)} seconds={f.report['seconds']}", flush=True)
+    print(
+        f"fleet: {verdict} {o.prefills}x{o.decodes} sessions={o.prefills * o.decodes} "
+        f"failures={len(f.failures)} seconds={f.report['seconds']}",
+        flush=True,
+    )
     return 1 if f.failures else 0
 
 

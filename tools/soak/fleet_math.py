@@ -55,5 +55,4 @@ def per_session(base, up, sessions):
 def leftover(base, after, slack):
     """The figures of `after` (all sessions closed) above `base` by more than `slack[k]`:
     {figure: (base, after)}; empty when everything came back."""
-    return {k: (base[k], after[k]) for k, s in slack.items()
-            if k in base and k in after and after[k] - base[k] > s}
+    return {k: (base[k], after[k]) for k, s in slack.items() if k in base and k in after and after[k] - base[k] > s}

@@ -40,10 +40,17 @@ def resources(samples, warmup):
             if key not in series[0][1]:
                 continue  # QPs and registered bytes: only inside the VM
             points = [(t / 60, s[key]) for t, s in series]
-            growth = (statistics.median(v for _, v in points[-q:]) -
-                      statistics.median(v for _, v in points[q:2 * q])) if q else 0
-            row[key] = {"per_min": round(slope(points), 2), "growth": growth,
-                        "first": points[0][1], "last": points[-1][1]}
+            growth = (
+                (statistics.median(v for _, v in points[-q:]) - statistics.median(v for _, v in points[q : 2 * q]))
+                if q
+                else 0
+            )
+            row[key] = {
+                "per_min": round(slope(points), 2),
+                "growth": growth,
+                "first": points[0][1],
+                "last": points[-1][1],
+            }
             flat = flat and growth <= limit
         # The VM's totals rise as sessions first connect and dip while a worker is down: they
         # are reported, and each worker's own figures are judged.
@@ -63,23 +70,33 @@ def recoveries(faults, rates, per_second, quiet, control=(), run_end=None):
     run's end cut short and that was not back yet is judged on what the run could observe:
     not failed, and marked `cut` with the seconds it had."""
     out = []
-    busy = []
+    busy: list[tuple[float, float]] = []
     for i, f in enumerate(faults):
         end = f["end"] if f["end"] is not None else f["start"]
         window = 2 * quiet
         before = baseline(per_second, f["start"], busy, BASELINE_S)
         later = faults[i + 1]["start"] if i + 1 < len(faults) else run_end
         after = (end, later if later is not None else end + window)
-        speed = 1.0 if f["kind"] in TOUCH_ALL else pace(
-            control, (f["start"] - BASELINE_S, f["start"]), after, busy, PACE_LEAST_S)
+        speed = (
+            1.0
+            if f["kind"] in TOUCH_ALL
+            else pace(control, (f["start"] - BASELINE_S, f["start"]), after, busy, PACE_LEAST_S)
+        )
         busy.append((f["start"], end + quiet))
         back = recovery(rates, end, before * speed, RECOVERED) if before > 0 else None
         seen = window if run_end is None else max(0.0, min(window, run_end - end))
         cut = seen < window and (back is None or back > seen)
         ok = before == 0 or cut or (back is not None and back <= window)
-        out.append({**{k: f[k] for k in ("kind", "target", "detail", "start", "end")},
-                    "baseline_mb_s": round(before / 1e6, 1), "pace": round(speed, 2),
-                    "recovery_s": back, "ok": ok, "cut": round(seen, 1) if cut else None})
+        out.append(
+            {
+                **{k: f[k] for k in ("kind", "target", "detail", "start", "end")},
+                "baseline_mb_s": round(before / 1e6, 1),
+                "pace": round(speed, 2),
+                "recovery_s": back,
+                "ok": ok,
+                "cut": round(seen, 1) if cut else None,
+            }
+        )
     return out
 
 
@@ -89,18 +106,24 @@ def report(soak):
     rates = traffic.rates(window=3)
     res = resources(soak.samples, soak.o.warmup)
     control = traffic.rates(window=1, pair=(soak.prefills[0].name, soak.decodes[0].name))
-    rec = recoveries(soak.faults.log, rates, traffic.rates(window=1), soak.o.quiet, control,
-                     run_end=soak.o.minutes * 60)
-    kinds = {}
+    rec = recoveries(
+        soak.faults.log, rates, traffic.rates(window=1), soak.o.quiet, control, run_end=soak.o.minutes * 60
+    )
+    kinds: dict[str, int] = {}
     for f in soak.faults.log:
         kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
     seconds = max(1.0, soak.now())
     summary = {
-        "seed": soak.o.seed, "minutes": soak.o.minutes, "requests": traffic.issued,
-        "received": ledger.received, "bytes_verified": ledger.bytes_verified,
+        "seed": soak.o.seed,
+        "minutes": soak.o.minutes,
+        "requests": traffic.issued,
+        "received": ledger.received,
+        "bytes_verified": ledger.bytes_verified,
         "mb_per_s": round(ledger.bytes_verified / seconds / 1e6, 1),
-        "failures": dict(sorted(ledger.failures.items())), "faults": kinds,
-        "recoveries": rec, "resources": res,
+        "failures": dict(sorted(ledger.failures.items())),
+        "faults": kinds,
+        "recoveries": rec,
+        "resources": res,
         "violations": [{"t": round(t, 2), "kind": k, "what": w} for t, k, w in ledger.violations],
     }
     ok = not ledger.violations and all(r["ok"] for r in rec) and all(r["flat"] for r in res)
@@ -118,15 +141,17 @@ def text(s):
         back = "n/a" if r["recovery_s"] is None else f"{r['recovery_s']:.0f} s"
         pace = "" if r["pace"] == 1.0 else f" (machine at {r['pace']:.0%} of its pace before)"
         cut = "" if r["cut"] is None else f"; the run ended {r['cut']:.0f} s after it: not judged"
-        lines.append(f"  {r['start']:7.1f} s {r['kind']:<16} {r['target'] or '':<7} "
-                     f"before {r['baseline_mb_s']:>7} MB/s{pace}, back in {back}{cut}"
-                     f"{'' if r['ok'] else '  NOT RECOVERED'}")
+        lines.append(
+            f"  {r['start']:7.1f} s {r['kind']:<16} {r['target'] or '':<7} "
+            f"before {r['baseline_mb_s']:>7} MB/s{pace}, back in {back}{cut}"
+            f"{'' if r['ok'] else '  NOT RECOVERED'}"
+        )
     lines.append("resources (per minute; growth from the 2nd to the last quarter):")
     for r in s["resources"]:
-        parts = [f"{k} {r[k]['per_min']:+}/min ({r[k]['first']} -> {r[k]['last']})"
-                 for k in LIMITS if k in r]
-        lines.append(f"  {r['worker']:<6} {r['seconds']:>6} s  " + ", ".join(parts)
-                     + ("" if r["flat"] else "  GROWING"))
+        parts = [f"{k} {r[k]['per_min']:+}/min ({r[k]['first']} -> {r[k]['last']})" for k in LIMITS if k in r]
+        lines.append(
+            f"  {r['worker']:<6} {r['seconds']:>6} s  " + ", ".join(parts) + ("" if r["flat"] else "  GROWING")
+        )
     for v in s["violations"][:20]:
         lines.append(f"VIOLATION {v['t']:.1f} s {v['kind']}: {v['what']}")
     return "\n".join(lines)

@@ -44,12 +44,15 @@ def options(argv):
     p.add_argument("--seed", type=int, default=None, help="replays a run's schedule")
     p.add_argument("--out", default="target/soak", help="logs and report.json")
     p.add_argument("--prefills", type=int, default=2)
-    p.add_argument("--decodes", default="tcp,auto",
-                   help="one transport per decode (tcp, auto, local, network, rdma)")
+    p.add_argument("--decodes", default="tcp,auto", help="one transport per decode (tcp, auto, local, network, rdma)")
     p.add_argument("--concurrency", type=int, default=3, help="reads in flight per decode")
     p.add_argument("--blocks", type=int, default=96, help="blocks per engine")
-    p.add_argument("--quiet", type=float, default=5.0,
-                   help="seconds without faults after each: the cool-down recovery is judged by")
+    p.add_argument(
+        "--quiet",
+        type=float,
+        default=5.0,
+        help="seconds without faults after each: the cool-down recovery is judged by",
+    )
     p.add_argument("--warmup", type=float, default=8.0, help="seconds before the first fault")
     p.add_argument("--vm", action="store_true", help="inside the SoftRoCE VM: RDMA, link faults")
     p.add_argument("--rdma-devices", default=os.environ.get("KVLINK_RDMA_DEVICES", "rxe0"))
@@ -62,18 +65,17 @@ class Soak:
     def __init__(self, o):
         self.o = o
         self.rng = random.Random(o.seed)
-        self.events = queue.Queue()
+        self.events: queue.Queue = queue.Queue()
         self.ledger = Ledger(request_timeout=10.0, lease=3.0, keepalive=0.5)
         os.makedirs(o.out, exist_ok=True)
         self.prefills = [self._worker(f"P{i}", self._prefill_args(i)) for i in range(o.prefills)]
-        self.decodes = [self._worker(f"D{i}", self._decode_args(i, t))
-                        for i, t in enumerate(o.decodes.split(","))]
+        self.decodes = [self._worker(f"D{i}", self._decode_args(i, t)) for i, t in enumerate(o.decodes.split(","))]
         self.by_name = {w.name: w for w in self.prefills + self.decodes}
         self.block_bytes = GROUP_BLOCK_BYTES
         self.traffic = Traffic(self)
         self.faults = Faults(self)
         self.samples = {}  # (name, life) -> [(t, sample)]
-        self.start = None
+        self.start = time.monotonic()  # again when the workers are up
         # Every event, as it came: the evidence behind a violation.
         self.event_log = open(os.path.join(o.out, "events.jsonl"), "w")
 
@@ -84,8 +86,18 @@ class Soak:
         self.events.put((t, name, life, ev))
 
     def _common(self, _name):
-        args = ["--key", KEY, "--blocks", str(self.o.blocks), "--layers", str(LAYERS),
-                "--token-bytes", str(TOKEN_BYTES), "--groups", "2"]
+        args = [
+            "--key",
+            KEY,
+            "--blocks",
+            str(self.o.blocks),
+            "--layers",
+            str(LAYERS),
+            "--token-bytes",
+            str(TOKEN_BYTES),
+            "--groups",
+            "2",
+        ]
         if self.o.vm:
             args += ["--rdma-device", self.o.rdma_devices]
         return args
@@ -130,8 +142,9 @@ class Soak:
         for w in self.all_workers():
             if w.proc is not None and not w.alive() and not w.killed:
                 code = w.proc.returncode
-                self.ledger.violate(self.now(), "crash", f"{w.name}.{w.life} exited {code} "
-                                     f"(log: {self.o.out}/{w.name}.{w.life}.log)")
+                self.ledger.violate(
+                    self.now(), "crash", f"{w.name}.{w.life} exited {code} (log: {self.o.out}/{w.name}.{w.life}.log)"
+                )
                 self.traffic.worker_died(w)
                 w.start()
 
@@ -180,8 +193,11 @@ def main(argv):
     o = options(argv)
     if o.seed is None:
         o.seed = random.SystemRandom().randrange(1, 2**31)
-    print(f"soak: seed {o.seed} (replay with --seed {o.seed}), {o.minutes} min, "
-          f"{o.prefills} prefills, decodes {o.decodes}{', in the VM' if o.vm else ''}", flush=True)
+    print(
+        f"soak: seed {o.seed} (replay with --seed {o.seed}), {o.minutes} min, "
+        f"{o.prefills} prefills, decodes {o.decodes}{', in the VM' if o.vm else ''}",
+        flush=True,
+    )
     soak = Soak(o)
     try:
         soak.run()
@@ -193,8 +209,11 @@ def main(argv):
     with open(os.path.join(o.out, "report.json"), "w") as f:
         json.dump(summary, f, indent=1)
     verdict = "PASS" if ok else "FAIL"
-    print(f"soak: {verdict} seed={o.seed} minutes={o.minutes} requests={summary['requests']} "
-          f"received={summary['received']} violations={len(soak.ledger.violations)}", flush=True)
+    print(
+        f"soak: {verdict} seed={o.seed} minutes={o.minutes} requests={summary['requests']} "
+        f"received={summary['received']} violations={len(soak.ledger.violations)}",
+        flush=True,
+    )
     return 0 if ok else 1
 
 

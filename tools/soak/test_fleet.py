@@ -41,8 +41,7 @@ class FleetMathTest(unittest.TestCase):
     def test_per_session_cost_and_what_is_left(self):
         base = {"fds": 20, "threads": 6, "rss_anon_kib": 4000}
         up = {"fds": 84, "threads": 6, "rss_anon_kib": 6048}
-        self.assertEqual(per_session(base, up, 32),
-                         {"fds": 2.0, "threads": 0.0, "rss_anon_kib": 64.0})
+        self.assertEqual(per_session(base, up, 32), {"fds": 2.0, "threads": 0.0, "rss_anon_kib": 64.0})
         self.assertEqual(per_session(base, up, 0), {})
         slack = {"fds": 2, "threads": 1}
         self.assertEqual(leftover(base, {"fds": 22, "threads": 7}, slack), {})

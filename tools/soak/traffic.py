@@ -38,8 +38,8 @@ class Pool:
         out = []
         for f, n in zip(self.free, counts):
             rng.shuffle(f)
-            out.append(sorted(f[len(f) - n:]))
-            del f[len(f) - n:]
+            out.append(sorted(f[len(f) - n :]))
+            del f[len(f) - n :]
         return out
 
     def give(self, groups):
@@ -97,8 +97,9 @@ class Traffic:
             self.pool(p).give(pblocks)
             return None
         self.count += 1
-        f = Flight(f"r{self.count}", p, d, p.life, d.life, pblocks, dblocks,
-                   self.rng.randrange(1, 2**62), abort_ms or 20_000)
+        f = Flight(
+            f"r{self.count}", p, d, p.life, d.life, pblocks, dblocks, self.rng.randrange(1, 2**62), abort_ms or 20_000
+        )
         self.flights[f.id] = f
         expected = self.soak.block_bytes * sum(counts)
         self.ledger.issue(f.id, p.name, d.name, expected, self.soak.now(), f.abort_ms / 1e3)
@@ -138,8 +139,9 @@ class Traffic:
         self.ledger.held(f.id, t)
         if f.decode.life != f.d_life:
             return  # its decode died meanwhile: the hold runs to its deadline or lease
-        if f.decode.send(op="read", id=f.id, peer=f.prefill.addr, local=f.dblocks,
-                         remote=f.pblocks, seed=f.seed, hold=ev["token"]):
+        if f.decode.send(
+            op="read", id=f.id, peer=f.prefill.addr, local=f.dblocks, remote=f.pblocks, seed=f.seed, hold=ev["token"]
+        ):
             f.read_sent = True
             self.ledger.read_sent(f.id, t)
             if f.on_read:

@@ -15,11 +15,12 @@ def rdma_resources():
     (`rdma -j res show qp|mr`; inside the SoftRoCE VM, as root). The kernel records the
     thread that created each (a tokio worker for a queue pair): `Worker.tasks` maps them to
     their process. Kernel-owned entries (no pid) are left out. Empty when unavailable."""
-    out = {}
+    out: dict = {}
     for what, key in (("qp", "qps"), ("mr", "mr_bytes")):
         try:
-            res = subprocess.run(["rdma", "-j", "res", "show", what], capture_output=True,
-                                 text=True, timeout=5, check=False)
+            res = subprocess.run(
+                ["rdma", "-j", "res", "show", what], capture_output=True, text=True, timeout=5, check=False
+            )
             rows = json.loads(res.stdout or "[]")
         except (OSError, ValueError, subprocess.TimeoutExpired):
             continue
@@ -59,7 +60,7 @@ class Worker:
         self.sink = sink
         self.logdir = logdir
         self.life = 0
-        self.proc = None
+        self.proc: subprocess.Popen | None = None
         self.addr = None
         self.engine = None
         self.stopped = False
@@ -101,59 +102,72 @@ class Worker:
 
     def send(self, **cmd):
         """Sends a command; False when the process is gone."""
-        if self.proc is None or self.proc.poll() is not None:
+        proc = self._live()
+        if proc is None or proc.stdin is None:
             return False
         try:
-            self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+            proc.stdin.write((json.dumps(cmd) + "\n").encode())
             return True
         except (BrokenPipeError, OSError):
             return False
 
     def alive(self):
-        return self.proc is not None and self.proc.poll() is None
+        return self._live() is not None
+
+    def _live(self) -> subprocess.Popen | None:
+        """The process while it runs, else None."""
+        return self.proc if self.proc is not None and self.proc.poll() is None else None
 
     def kill(self):
         """SIGKILL, as a crash; waits for the process to be gone."""
         self.killed = True
-        if self.alive():
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
+        proc = self._live()
+        if proc is not None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
 
     def stop(self):
-        if self.alive():
-            self.proc.send_signal(signal.SIGSTOP)
+        proc = self._live()
+        if proc is not None:
+            proc.send_signal(signal.SIGSTOP)
             self.stopped = True
 
     def resume(self):
-        if self.alive():
-            self.proc.send_signal(signal.SIGCONT)
+        proc = self._live()
+        if proc is not None:
+            proc.send_signal(signal.SIGCONT)
         self.stopped = False
 
     def close(self, timeout=5.0):
         """Asks the worker to exit; kills it if it does not."""
         self.killed = True
-        if not self.alive():
+        proc = self._live()
+        if proc is None:
             return
         self.resume()
         self.send(op="exit")
         try:
-            self.proc.stdin.close()
-            self.proc.wait(timeout)
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.wait(timeout)
         except (subprocess.TimeoutExpired, OSError):
             self.kill()
 
     def tasks(self):
         """The thread ids of the process (its pid among them)."""
+        if self.proc is None:
+            return set()
         try:
             return {int(t) for t in os.listdir(f"/proc/{self.proc.pid}/task")}
-        except (OSError, AttributeError):
+        except OSError:
             return set()
 
     def sample(self):
         """fds, threads and anonymous resident memory (KiB) of the process, or None."""
-        if not self.alive():
+        proc = self._live()
+        if proc is None:
             return None
-        pid = self.proc.pid
+        pid = proc.pid
         try:
             fds = len(os.listdir(f"/proc/{pid}/fd"))
             status = {}

@@ -7,6 +7,11 @@ source "$(dirname "$0")/lib.sh"
 echo "test: layers and cycles (no module imports from a layer above it, no two files import each other)"
 python3 tools/check_layers.py
 python3 tools/check_cycles.py
+echo "test: no compiled Python committed"
+if pyc=$(git ls-files -- '*.pyc' '*.pyo' 2>/dev/null | grep .); then
+  echo "test: compiled Python is committed (git rm --cached them): $pyc" >&2
+  exit 1
+fi
 echo "test: the test command's tally and the soak's checks (tools/test, tools/soak)"
 python3 -m unittest discover -q -s tools/test
 python3 -m unittest discover -q -s tools/soak

@@ -14,6 +14,8 @@ SGLANG_EXTRAS="orjson==3.13.0 ipython==9.18.1 gguf==0.19.0"
 # it beside the checkout, or at KVLINK_ATOM_SNAPSHOT) in .venv-vllm, plus the one module ATOM's
 # engine imports that vLLM does not bring.
 ATOM_EXTRAS="xxhash==4.1.0"
+# The Python checks (pychecks.sh): ruff and mypy, into .venv-vllm beside vLLM's types.
+PY_CHECKERS="ruff==0.17.6 mypy==2.4.1"
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"

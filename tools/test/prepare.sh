@@ -9,8 +9,8 @@
 #
 # Stages, in the order they run (each quick when what it installs is there already):
 #   venv       .venv with maturin, ziglang, numpy, pytest, pyzmq, msgpack and msgspec
-#   vllm-old   .venv-vllm with vLLM 0.32 and pytest, then SGLang's wheel (no dependencies) and
-#              SGLang's and ATOM's extras in it
+#   vllm-old   .venv-vllm with vLLM 0.32 and pytest, then SGLang's wheel (no dependencies),
+#              SGLang's and ATOM's extras and the Python checkers (ruff, mypy) in it
 #   vllm-new   .venv-vllm33 with vLLM 0.33, layered on .venv-vllm when it holds one
 #   kv-events  vLLM 0.33's kv_events.py beside .venv-vllm, for the engine-events part
 #   vm         the SoftRoCE VM's packages, virtme-ng and kernel (tools/softroce/run.sh --prepare),
@@ -56,7 +56,7 @@ prepare_vllm_old() {
   fi
   # shellcheck disable=SC2086 # the extras are several requirements
   PIP_NO_CACHE_DIR=1 .venv-vllm/bin/pip install -q --disable-pip-version-check $SGLANG_EXTRAS $ATOM_EXTRAS \
-    || { echo "$SGLANG_EXTRAS $ATOM_EXTRAS could not be installed into .venv-vllm"; return 1; }
+    $PY_CHECKERS || { echo "$SGLANG_EXTRAS $ATOM_EXTRAS $PY_CHECKERS could not be installed into .venv-vllm"; return 1; }
 }
 
 # Layered on .venv-vllm when that holds a vLLM (vllm_venv installs it whole otherwise), so a

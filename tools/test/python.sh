@@ -3,7 +3,7 @@
 # into target/wheels and installed into .venv, then their tests.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
-MIN_PYTHON=49
+MIN_PYTHON=68
 
 echo "test: Python bindings (maturin wheel into .venv, pytest)"
 if ! prepared venv; then

@@ -13,6 +13,7 @@ Counts come from the test runners themselves:
   an error) or skipped with its message.
 - soak: tools/soak.sh's verdict lines, `soak: PASS ...` or `soak: FAIL ...`, one test each.
 - fleet: the fleet run's (tools/soak.sh --fleet), `fleet: PASS ...` or `fleet: FAIL ...`.
+- check: a check's (tools/test/pychecks.sh), `check: PASS NAME` or `check: FAIL NAME`.
 
 A part fails when a test failed, when its runner exited non-zero without reporting a failure
 (a build or collection error), when fewer tests than its minimum passed, or, where skips are
@@ -85,7 +86,8 @@ def pytest_counts(xml_text):
             name = f"{case.get('classname', '')}::{case.get('name', '')}"
             failures[name] = message.splitlines()[0] if message else ""
         elif "skipped" in kinds:
-            why = case.find("skipped").get("message", "")
+            skip = case.find("skipped")
+            why = skip.get("message", "") if skip is not None else ""
             skipped.append(why.removeprefix("Skipped: ").strip() or "no reason given")
         else:
             passed += 1
@@ -135,15 +137,29 @@ def tally_cargo(text, rc):
 
 
 # The lines of a soak's or a fleet's report that say why it failed.
-SOAK_WHY = {"soak": re.compile(r"NOT RECOVERED|GROWING|^VIOLATION "),
-            "fleet": re.compile(r"^fleet: failed: ")}
+SOAK_WHY = {
+    "soak": re.compile(r"NOT RECOVERED|GROWING|^VIOLATION "),
+    "fleet": re.compile(r"^fleet: failed: "),
+    # mypy's errors, ruff's findings (concise output) and the files its formatter would change.
+    "check": re.compile(r": error: |^\S+:\d+:\d+: [A-Z]+\d+ |^Would reformat: "),
+}
 
 
 def tally_soak(text, rc, word="soak"):
-    """A record's counts from the verdict lines of soak runs (`word` "soak") or fleet runs
-    ("fleet") and the exit status. A run that ended without a verdict (it crashed, or the VM
-    never ran it) is one problem, named with the run's last words."""
-    lines = re.findall(rf"^{word}: (?:PASS|FAIL)\b.*$", text, re.M)
+    """A record's counts from the verdict lines of soak runs (`word` "soak"), fleet runs
+    ("fleet") or checks ("check", `check: PASS|FAIL NAME`) and the exit status. A run that
+    ended without a verdict (it crashed, or the VM never ran it) is one problem, named with
+    the run's last words. A failed run is named with the lines of its output, before its
+    verdict and after the one before, that say why."""
+    verdict_re = re.compile(rf"^{word}: (?:PASS|FAIL)\b.*$")
+    lines, said, before = [], [], []
+    for ln in text.splitlines():
+        if verdict_re.match(ln):
+            lines.append(ln)
+            said.append(before)
+            before = []
+        elif SOAK_WHY[word].search(ln):
+            before.append(ln.strip())
     verdicts = [line.split()[1] for line in lines]
     problems = []
     if "FAIL" not in verdicts and (rc != 0 or not verdicts):
@@ -151,19 +167,32 @@ def tally_soak(text, rc, word="soak"):
         how = f"exited {exited[-1]}" if exited else (f"exited {rc}" if rc else "printed nothing")
         problems.append(f"the {word} run {how} without a verdict")
     failures = {}
-    for verdict, whole in zip(verdicts, lines):
+    for verdict, whole, why in zip(verdicts, lines, said):
         if verdict == "FAIL":
-            why = [ln.strip() for ln in text.splitlines() if SOAK_WHY[word].search(ln)]
             failures[whole.strip()] = "; ".join(why[:5]) or "see its report above"
-    return {"passed": verdicts.count("PASS"), "failed": verdicts.count("FAIL"), "skipped": 0,
-            "reasons": {}, "ignored": 0, "problems": problems, "failures": failures}
+    return {
+        "passed": verdicts.count("PASS"),
+        "failed": verdicts.count("FAIL"),
+        "skipped": 0,
+        "reasons": {},
+        "ignored": 0,
+        "problems": problems,
+        "failures": failures,
+    }
 
 
 def tally_pytest(xml_text, rc):
     """A record's counts from a pytest JUnit report (None: there is none) and its exit status."""
     if xml_text is None:
-        return {"passed": 0, "failed": 0, "skipped": 0, "reasons": {}, "ignored": 0,
-                "problems": [f"pytest exited {rc} and wrote no report"], "failures": {}}
+        return {
+            "passed": 0,
+            "failed": 0,
+            "skipped": 0,
+            "reasons": {},
+            "ignored": 0,
+            "problems": [f"pytest exited {rc} and wrote no report"],
+            "failures": {},
+        }
     passed, failed, skipped, failures = pytest_counts(xml_text)
     problems = []
     if rc != 0 and failed == 0:
@@ -187,7 +216,8 @@ def judge(record, minimum, skips_fail):
     error) is not charged again for having run nothing."""
     if skips_fail and record["skipped"]:
         record["problems"].append(
-            f"{record['skipped']} skipped; this command installs what they need, so a skip is a failure")
+            f"{record['skipped']} skipped; this command installs what they need, so a skip is a failure"
+        )
     ran = record["passed"] + record["failed"]
     if ran < minimum and not (ran == 0 and record["problems"]):
         record["problems"].append(f"only {ran} ran; at least {minimum} expected")
@@ -211,8 +241,10 @@ def line(record):
     """One part's closing line."""
     if record.get("left_out"):
         return f"  {record['label']}: not run ({record['left_out']})"
-    text = (f"  {record['label']}: {record['passed']} passed, {failed_count(record)} failed, "
-            f"{record['skipped']} skipped{reasons_text(record['reasons'])}")
+    text = (
+        f"  {record['label']}: {record['passed']} passed, {failed_count(record)} failed, "
+        f"{record['skipped']} skipped{reasons_text(record['reasons'])}"
+    )
     if record.get("ignored"):
         text += f"; {record['ignored']} ignored, not counted"
     if record.get("note"):
@@ -228,8 +260,7 @@ def times_text(times, total):
     """The parts' wall times, in the order they started, and the total: "part times: checks
     55 s (from 0 s), host 212 s (from 55 s); total 1830 s". Parts side by side overlap."""
     ordered = sorted(times, key=lambda r: (r.get("started", 0), r["part"]))
-    text = ", ".join(f"{r['part']} {r['seconds']:.0f} s (from {r.get('started', 0):.0f} s)"
-                     for r in ordered)
+    text = ", ".join(f"{r['part']} {r['seconds']:.0f} s (from {r.get('started', 0):.0f} s)" for r in ordered)
     return f"part times: {text or 'none'}" + (f"; total {total:.0f} s" if total is not None else "")
 
 
@@ -280,7 +311,7 @@ def main(argv):
     p.add_argument("--tally", default=os.environ.get("KVLINK_TALLY", "target/test-tally.jsonl"))
     sub = p.add_subparsers(dest="cmd", required=True)
     add = sub.add_parser("add", help="record a test run")
-    add.add_argument("--kind", choices=["cargo", "pytest", "soak", "fleet"], required=True)
+    add.add_argument("--kind", choices=["cargo", "pytest", "soak", "fleet", "check"], required=True)
     add.add_argument("--log", help="cargo, soak: the run's output")
     add.add_argument("--junit", help="pytest: its --junitxml report")
     add.add_argument("--rc", type=int, required=True)
@@ -304,7 +335,7 @@ def main(argv):
     if args.cmd == "add":
         if args.kind == "cargo":
             record = tally_cargo(read_text(args.log) or "", args.rc)
-        elif args.kind in ("soak", "fleet"):
+        elif args.kind in ("soak", "fleet", "check"):
             record = tally_soak(read_text(args.log) or "", args.rc, args.kind)
         else:
             record = tally_pytest(read_text(args.junit), args.rc)
@@ -312,12 +343,34 @@ def main(argv):
         record.update(part=args.part, label=args.label, note=args.note)
         append(args.tally, record)
     elif args.cmd == "fail":
-        append(args.tally, {"part": args.part, "label": args.label, "passed": 0, "failed": 0,
-                            "skipped": 0, "reasons": {}, "ignored": 0, "problems": [args.why]})
+        append(
+            args.tally,
+            {
+                "part": args.part,
+                "label": args.label,
+                "passed": 0,
+                "failed": 0,
+                "skipped": 0,
+                "reasons": {},
+                "ignored": 0,
+                "problems": [args.why],
+            },
+        )
     elif args.cmd == "skip":
-        append(args.tally, {"part": args.part, "label": args.label, "passed": 0, "failed": 0,
-                            "skipped": 0, "reasons": {}, "ignored": 0, "problems": [],
-                            "left_out": args.why})
+        append(
+            args.tally,
+            {
+                "part": args.part,
+                "label": args.label,
+                "passed": 0,
+                "failed": 0,
+                "skipped": 0,
+                "reasons": {},
+                "ignored": 0,
+                "problems": [],
+                "left_out": args.why,
+            },
+        )
     elif args.cmd == "time":
         with open(args.tally, "a", encoding="utf-8") as f:
             f.write(json.dumps({"part": args.part, "seconds": args.seconds, "started": args.started}) + "\n")

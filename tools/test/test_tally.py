@@ -54,8 +54,10 @@ class Cargo(unittest.TestCase):
         self.assertEqual(r["problems"], [])
 
     def test_failed_tests_are_named_with_their_panic(self):
-        log = ("test a::b ... FAILED\ntest c ... ok\n\nfailures:\n\n---- a::b stdout ----\n\n"
-               "thread 'a::b' panicked at tests/x.rs:3:5:\nassertion failed: ok\n\nfailures:\n    a::b\n")
+        log = (
+            "test a::b ... FAILED\ntest c ... ok\n\nfailures:\n\n---- a::b stdout ----\n\n"
+            "thread 'a::b' panicked at tests/x.rs:3:5:\nassertion failed: ok\n\nfailures:\n    a::b\n"
+        )
         self.assertEqual(tally.cargo_failures(log), {"a::b": "assertion failed: ok (tests/x.rs:3:5)"})
         self.assertEqual(tally.cargo_failures("test q ... FAILED\n"), {"q": ""})
 
@@ -80,6 +82,21 @@ class Soak(unittest.TestCase):
         r = tally.tally_soak("fleet: up: D1 holds 0 sessions\nfleet: FAIL 4x4\n", 1, "fleet")
         self.assertEqual((r["passed"], r["failed"], r["problems"]), (0, 1, []))
         self.assertEqual(tally.tally_soak(log, 0)["passed"], 1, "the soak's own line")
+
+    def test_each_failed_check_is_named_with_its_own_errors(self):
+        log = (
+            "a.py:3:1: F401 `os` imported but unused\n"
+            "check: FAIL ruff check\n"
+            "check: PASS ruff format\n"
+            "core.py:9: error: Name \"x\" is not defined  [name-defined]\n"
+            "Found 1 error in 1 file\n"
+            "check: FAIL mypy kvlink\n"
+        )
+        r = tally.tally_soak(log, 1, "check")
+        self.assertEqual((r["passed"], r["failed"], r["problems"]), (1, 2, []))
+        self.assertEqual(r["failures"]["check: FAIL ruff check"], "a.py:3:1: F401 `os` imported but unused")
+        self.assertIn("core.py:9: error", r["failures"]["check: FAIL mypy kvlink"])
+        self.assertNotIn("F401", r["failures"]["check: FAIL mypy kvlink"])
 
     def test_an_exit_without_a_verdict_is_a_problem(self):
         r = tally.tally_soak("soak: seed 5\nTraceback\n", 1)
@@ -106,8 +123,15 @@ class Pytest(unittest.TestCase):
 
 class Rules(unittest.TestCase):
     def record(self, passed, skipped=0):
-        return {"passed": passed, "failed": 0, "skipped": skipped, "reasons": {}, "ignored": 0,
-                "problems": [], "label": "x"}
+        return {
+            "passed": passed,
+            "failed": 0,
+            "skipped": skipped,
+            "reasons": {},
+            "ignored": 0,
+            "problems": [],
+            "label": "x",
+        }
 
     def test_too_few_passed_fails_the_part(self):
         r = tally.judge(self.record(3), 4, False)
@@ -116,12 +140,14 @@ class Rules(unittest.TestCase):
 
     def test_a_failed_run_counts_once(self):
         # The VM's soak failing its recovery check: one failure, not also "too few passed".
-        log = ("soak:    31.9 s  cancel_burst D1\n"
-               "    31.9 s cancel_burst     D1      before     4.8 MB/s, back in n/a  NOT RECOVERED\n"
-               "soak: FAIL seed=7 minutes=1 requests=900 received=880 violations=0\n")
+        log = (
+            "soak:    31.9 s  cancel_burst D1\n"
+            "    31.9 s cancel_burst     D1      before     4.8 MB/s, back in n/a  NOT RECOVERED\n"
+            "soak: FAIL seed=7 minutes=1 requests=900 received=880 violations=0\n"
+        )
         r = tally.judge(tally.tally_soak(log, 0), 1, False)
         self.assertEqual((r["passed"], tally.failed_count(r)), (0, 1))
-        (test, why), = r["failures"].items()
+        ((test, why),) = r["failures"].items()
         self.assertTrue(test.startswith("soak: FAIL seed=7"))
         self.assertIn("cancel_burst", why)
         self.assertIn("NOT RECOVERED", tally.line(dict(r, label="soak")))
@@ -148,8 +174,10 @@ class Rules(unittest.TestCase):
         self.assertEqual(lines[-1], "tests: 10 passed, 1 failed, 1 skipped")
 
     def test_part_times_are_listed_in_start_order_and_not_counted(self):
-        times = [{"part": "host", "seconds": 212.4, "started": 55.0},
-                 {"part": "checks", "seconds": 55.0, "started": 0.0}]
+        times = [
+            {"part": "host", "seconds": 212.4, "started": 55.0},
+            {"part": "checks", "seconds": 55.0, "started": 0.0},
+        ]
         lines, ok = tally.summary([self.record(5)] + times, total=1830)
         self.assertTrue(ok)
         self.assertEqual(lines[-2], "part times: checks 55 s (from 0 s), host 212 s (from 55 s); total 1830 s")
@@ -163,19 +191,38 @@ class Rules(unittest.TestCase):
 class Command(unittest.TestCase):
     def test_add_fail_skip_then_summary(self):
         out = io.StringIO()
-        with tempfile.TemporaryDirectory() as d, contextlib.redirect_stdout(out), \
-                contextlib.redirect_stderr(out):
+        with tempfile.TemporaryDirectory() as d, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             log = os.path.join(d, "log")
             with open(log, "w") as f:
                 f.write(CARGO_LOG.replace("1 failed", "0 failed"))
             t = os.path.join(d, "tally.jsonl")
-            self.assertEqual(tally.main(["--tally", t, "add", "--part", "host", "--label", "host",
-                                         "--kind", "cargo", "--log", log, "--rc", "0", "--min", "2"]), 0)
-            self.assertEqual(tally.main(["--tally", t, "skip", "--part", "vm", "--label", "VM",
-                                         "--why", "KVLINK_SKIP_VM=1"]), 0)
+            self.assertEqual(
+                tally.main(
+                    [
+                        "--tally",
+                        t,
+                        "add",
+                        "--part",
+                        "host",
+                        "--label",
+                        "host",
+                        "--kind",
+                        "cargo",
+                        "--log",
+                        log,
+                        "--rc",
+                        "0",
+                        "--min",
+                        "2",
+                    ]
+                ),
+                0,
+            )
+            self.assertEqual(
+                tally.main(["--tally", t, "skip", "--part", "vm", "--label", "VM", "--why", "KVLINK_SKIP_VM=1"]), 0
+            )
             self.assertEqual(tally.main(["--tally", t, "summary"]), 0)
-            tally.main(["--tally", t, "fail", "--part", "sglang", "--label", "SGLang",
-                        "--why", "not installed"])
+            tally.main(["--tally", t, "fail", "--part", "sglang", "--label", "SGLang", "--why", "not installed"])
             self.assertEqual(tally.main(["--tally", t, "summary"]), 1)
             with open(t) as f:
                 parts = [json.loads(line)["part"] for line in f]

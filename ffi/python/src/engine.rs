@@ -15,10 +15,15 @@ use crate::error::{to_py, InvalidArgument};
 
 /// One kvlink engine per worker process (one per tensor-parallel rank).
 ///
-/// Engine(listen="127.0.0.1:0", *, transport="auto", tp_rank=0, tp_size=1, request_timeout=60.0,
-/// abort_timeout=480.0, handshake_timeout=5.0, tcp_streams=4, rdma_device=None, engine_id=None,
-/// gpu=True, staging_chunk_bytes=2 MiB, staging_buffers=32, auth_key=None, insecure=False,
-/// lease=30.0, session_idle=120.0)
+/// Engine(listen="127.0.0.1:0", *, transport="auto", tp_rank=0, tp_size=1, request_timeout=None,
+/// abort_timeout=None, handshake_timeout=None, tcp_streams=None, rdma_device=None, engine_id=None,
+/// gpu=True, staging_chunk_bytes=None, staging_buffers=None, auth_key=None, insecure=False,
+/// lease=None, session_idle=None)
+///
+/// A setting left None takes the engine's default (`EngineConfig::default()`, the one place
+/// they are written): request_timeout 60 s, abort_timeout 480 s, handshake_timeout 5 s,
+/// tcp_streams 4, staging_chunk_bytes 2 MiB, staging_buffers 32, lease 30 s, session_idle
+/// 120 s.
 ///
 /// `lease` (seconds): a held request whose reader engine lost every control connection to this
 /// one ends this long after, unless the reader comes back (`abort_timeout` bounds a reader that
@@ -42,10 +47,10 @@ pub(crate) struct Engine {
 impl Engine {
     #[new]
     #[pyo3(signature = (listen = "127.0.0.1:0", *, transport = "auto", tp_rank = 0, tp_size = 1,
-        request_timeout = 60.0, abort_timeout = 480.0, handshake_timeout = 5.0, tcp_streams = 4,
-        rdma_device = None, engine_id = None, gpu = true, staging_chunk_bytes = 2 << 20,
-        staging_buffers = 32, auth_key = None, insecure = false, lease = 30.0,
-        session_idle = 120.0))]
+        request_timeout = None, abort_timeout = None, handshake_timeout = None, tcp_streams = None,
+        rdma_device = None, engine_id = None, gpu = true, staging_chunk_bytes = None,
+        staging_buffers = None, auth_key = None, insecure = false, lease = None,
+        session_idle = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -53,19 +58,19 @@ impl Engine {
         transport: &str,
         tp_rank: u32,
         tp_size: u32,
-        request_timeout: f64,
-        abort_timeout: f64,
-        handshake_timeout: f64,
-        tcp_streams: u16,
+        request_timeout: Option<f64>,
+        abort_timeout: Option<f64>,
+        handshake_timeout: Option<f64>,
+        tcp_streams: Option<u16>,
         rdma_device: Option<String>,
         engine_id: Option<String>,
         gpu: bool,
-        staging_chunk_bytes: u64,
-        staging_buffers: usize,
+        staging_chunk_bytes: Option<u64>,
+        staging_buffers: Option<usize>,
         auth_key: Option<&Bound<'_, PyAny>>,
         insecure: bool,
-        lease: f64,
-        session_idle: f64,
+        lease: Option<f64>,
+        session_idle: Option<f64>,
     ) -> PyResult<Self> {
         let auth_key = match auth_key {
             None => None,
@@ -79,29 +84,31 @@ impl Engine {
                 Some(AuthKey::new(bytes).map_err(to_py)?)
             }
         };
+        let d = EngineConfig::default();
+        let secs = |name, v: Option<f64>, default| v.map_or(Ok(default), |v| seconds(name, v));
         let mut cfg = EngineConfig {
             listen: listen.to_string(),
             engine_id,
             tp_rank,
             tp_size,
-            tcp_streams,
-            request_timeout: seconds("request_timeout", request_timeout)?,
-            abort_timeout: seconds("abort_timeout", abort_timeout)?,
-            lease: seconds("lease", lease)?,
+            tcp_streams: tcp_streams.unwrap_or(d.tcp_streams),
+            request_timeout: secs("request_timeout", request_timeout, d.request_timeout)?,
+            abort_timeout: secs("abort_timeout", abort_timeout, d.abort_timeout)?,
+            lease: secs("lease", lease, d.lease)?,
             session_idle: match session_idle {
-                0.0 => std::time::Duration::ZERO,
-                v => seconds("session_idle", v)?,
+                Some(0.0) => std::time::Duration::ZERO,
+                v => secs("session_idle", v, d.session_idle)?,
             },
-            handshake_timeout: seconds("handshake_timeout", handshake_timeout)?,
+            handshake_timeout: secs("handshake_timeout", handshake_timeout, d.handshake_timeout)?,
             transport: transport
                 .parse::<TransportChoice>()
                 .map_err(|e| InvalidArgument::new_err(e.to_string()))?,
             gpu,
-            staging_chunk_bytes,
-            staging_buffers,
+            staging_chunk_bytes: staging_chunk_bytes.unwrap_or(d.staging_chunk_bytes),
+            staging_buffers: staging_buffers.unwrap_or(d.staging_buffers),
             auth_key,
             insecure,
-            ..EngineConfig::default()
+            ..d
         };
         cfg.rdma.device = rdma_device;
         let inner = py.allow_threads(|| RsEngine::start(cfg)).map_err(to_py)?;

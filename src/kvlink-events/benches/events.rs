@@ -67,7 +67,7 @@ fn bench(c: &mut Criterion) {
 
 /// One scheduler step of fixed-size pages: 256 BlockStored events of one 16-token page each
 /// (what kvlink's page splitter emits, and what `kvlink-events publish --synthetic` and
-/// tools/bench_events_python.py send by default).
+/// tools/events-reference-publisher.py send by default).
 fn page_batch() -> EventBatch {
     let s = PageSplitter::new(16, PageHash::VllmU64);
     let tokens: Vec<u32> = (0..256 * 16).map(|t| (t * 7919) % 150_000).collect();

@@ -9,6 +9,7 @@ Request ids are ``str`` end to end: the ids returned by ``get_finished`` and
 """
 
 from ._kvlink import (
+    TRANSPORTS,
     Engine,
     Finished,
     IncompatiblePeer,
@@ -18,10 +19,10 @@ from ._kvlink import (
     PeerError,
     RdmaUnavailable,
     TpAggregator,
-    TRANSPORTS,
     __version__,
     tp_sources,
 )
+from .core import transport_summary
 
 __all__ = [
     "Engine",
@@ -38,11 +39,3 @@ __all__ = [
     "tp_sources",
     "transport_summary",
 ]
-
-
-def transport_summary(engine: Engine) -> str:
-    """How ``engine`` moves bytes, for a start-up log line: ``RDMA on <device>``, or ``TCP``
-    with why RDMA is not used."""
-    if engine.rdma_device:
-        return "RDMA on " + engine.rdma_device
-    return f"TCP; RDMA: {engine.rdma_unavailable_reason}"

@@ -5,10 +5,11 @@ Request ids are ``str`` end to end: the ids returned by ``get_finished`` and ``T
 are the ones passed to ``read_blocks`` / ``hold_blocks``.
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Any
 
 __version__: str
-TRANSPORTS: Tuple[str, ...]
+TRANSPORTS: tuple[str, ...]
 """The names ``Engine(transport=...)`` accepts: auto, network, tcp, rdma, local."""
 
 class KvlinkError(Exception):
@@ -32,18 +33,18 @@ class RdmaUnavailable(KvlinkError):
 class Finished:
     """What finished since the last call, each request exactly once."""
 
-    sending: List[str]
+    sending: list[str]
     """Sends confirmed by the reader: the prefill blocks may be freed."""
-    receiving: List[str]
+    receiving: list[str]
     """Receives complete: every byte is in place, the request may be scheduled."""
-    failed: List[Tuple[str, str, bool, str]]
+    failed: list[tuple[str, str, bool, str]]
     """``(request_id, side, expired, reason)``; side is ``"send"`` or ``"recv"``. Blocks may be reused."""
-    failures: List[Dict[str, Any]]
+    failures: list[dict[str, Any]]
     """The entries of ``failed`` as dicts: ``id``, ``side``, ``expired``, ``reason`` and
     ``cause``: ``"expired"``, ``"peer"`` (the peer aborted or refused it), ``"connection"``,
     ``"rdma"``, ``"gpu"``, ``"cancelled"``, ``"unconfirmed"`` (every byte arrived, but the
     prefill did not confirm it held the blocks until then: recompute) or ``"other"``."""
-    reports: List[Dict[str, Any]]
+    reports: list[dict[str, Any]]
     """One per request in ``receiving``: ``id``, ``peer``, ``bytes``, ``segments``, ``blocks``,
     ``work_requests``, ``transport`` (``"tcp"``, ``"rdma"`` or ``"local"``), ``seconds`` (from
     ``read_blocks`` to the report) and ``timeline``: seconds from ``read_blocks`` to
@@ -52,13 +53,16 @@ class Finished:
     seen. Empty for sets built by ``TpAggregator``."""
     def is_empty(self) -> bool: ...
 
-def tp_sources(decode_rank: int, decode_size: int, prefill_size: int) -> List[int]:
+def tp_sources(decode_rank: int, decode_size: int, prefill_size: int) -> list[int]:
     """The prefill ranks that decode rank ``decode_rank`` of ``decode_size`` reads from a prefill
     of ``prefill_size`` ranks. Raises ``InvalidArgument`` when neither size is a multiple of
     the other."""
 
 class Engine:
-    """One kvlink engine per worker process (one per tensor-parallel rank)."""
+    """One kvlink engine per worker process (one per tensor-parallel rank). A setting left None
+    takes the engine's default: request_timeout 60 s, abort_timeout 480 s, handshake_timeout
+    5 s, tcp_streams 4, staging_chunk_bytes 2 MiB, staging_buffers 32, lease 30 s,
+    session_idle 120 s."""
 
     def __init__(
         self,
@@ -67,19 +71,19 @@ class Engine:
         transport: str = "auto",
         tp_rank: int = 0,
         tp_size: int = 1,
-        request_timeout: float = 60.0,
-        abort_timeout: float = 480.0,
-        handshake_timeout: float = 5.0,
-        tcp_streams: int = 4,
-        rdma_device: Optional[str] = None,
-        engine_id: Optional[str] = None,
+        request_timeout: float | None = None,
+        abort_timeout: float | None = None,
+        handshake_timeout: float | None = None,
+        tcp_streams: int | None = None,
+        rdma_device: str | None = None,
+        engine_id: str | None = None,
         gpu: bool = True,
-        staging_chunk_bytes: int = 2 << 20,
-        staging_buffers: int = 32,
-        auth_key: Union[str, bytes, None] = None,
+        staging_chunk_bytes: int | None = None,
+        staging_buffers: int | None = None,
+        auth_key: str | bytes | None = None,
         insecure: bool = False,
-        lease: float = 30.0,
-        session_idle: float = 120.0,
+        lease: float | None = None,
+        session_idle: float | None = None,
     ) -> None: ...
     @property
     def handshake_address(self) -> str:
@@ -87,23 +91,21 @@ class Engine:
     @property
     def engine_id(self) -> str: ...
     @property
-    def rdma_device(self) -> Optional[str]: ...
+    def rdma_device(self) -> str | None: ...
     @property
-    def rdma_unavailable_reason(self) -> Optional[str]: ...
-    def register_memory(
-        self, ptr: int, size: int, *, device: Optional[bool] = None, owner: Any = None
-    ) -> int:
+    def rdma_unavailable_reason(self) -> str | None: ...
+    def register_memory(self, ptr: int, size: int, *, device: bool | None = None, owner: Any = None) -> int:
         """Registers memory by address. ``owner`` (the object owning the memory) is kept alive
         until deregister() has returned; without one, the memory must stay valid until then.
         ``device=None`` asks the loaded GPU runtimes whether it is GPU memory."""
     def register_array(self, array: Any) -> int:
         """Registers a numpy or CuPy array or a CPU/cuda torch tensor (contiguous, writable);
         keeps it alive. GPU memory goes by RDMA directly, by TCP through pinned staging."""
-    def capabilities(self) -> Dict[str, Tuple[bool, str]]:
+    def capabilities(self) -> dict[str, tuple[bool, str]]:
         """``{"rdma"|"tcp"|"cuda"|"hip": (available, detail or why not)}``."""
     def deregister(self, region: int) -> None:
         """Stops exporting a region once no transfer uses it (GIL released while waiting)."""
-    def set_layout(self, tensors: Sequence[Tuple[Any, ...]], tokens_per_block: int, dtype: str) -> None:
+    def set_layout(self, tensors: Sequence[tuple[Any, ...]], tokens_per_block: int, dtype: str) -> None:
         """Tensors as ``(region, offset, block_stride, block_bytes, num_blocks[, group[,
         heads[, token_runs]]])``, in agreed order. ``group``: the tensor's block group (block-id
         space, from 0; default 0). ``heads``: ``(total, local, runs)`` when TP splits the
@@ -114,19 +116,19 @@ class Engine:
         ``token_runs``: how many stretches of all the block's tokens a block holds side by side
         (1 for ``[tokens, ...]`` blocks, the local heads for head-major ones); declared, it lets
         engines of other block sizes read each other; ``None`` (default): not declared."""
-    def register_kv_caches(self, arrays: List[Any], tokens_per_block: int, dtype: str) -> List[int]:
+    def register_kv_caches(self, arrays: list[Any], tokens_per_block: int, dtype: str) -> list[int]:
         """Registers per-tensor caches (first axis = blocks) and sets the layout in that order;
         returns the region ids. On error, the regions it registered are deregistered again."""
     def read_blocks(
         self,
-        peer: Union[str, Sequence[str]],
+        peer: str | Sequence[str],
         request_id: str,
-        local_blocks: Union[Sequence[int], Sequence[Sequence[int]]],
-        remote_blocks: Union[Sequence[int], Sequence[Sequence[int]]],
-        remote_request_id: Optional[str] = None,
-        remote_tokens_per_block: Optional[int] = None,
-        first_tokens: Optional[Sequence[int]] = None,
-        hold: Optional[int] = None,
+        local_blocks: Sequence[int] | Sequence[Sequence[int]],
+        remote_blocks: Sequence[int] | Sequence[Sequence[int]],
+        remote_request_id: str | None = None,
+        remote_tokens_per_block: int | None = None,
+        first_tokens: Sequence[int] | None = None,
+        hold: int | None = None,
     ) -> None:
         """Starts reading ``remote_blocks`` of ``peer`` into ``local_blocks``; returns at once.
         ``peer``: one engine's handshake address, or the prefill TP group's addresses in rank
@@ -145,9 +147,7 @@ class Engine:
         """Prefill side: drops the hold of ``request_id`` (aborted or preempted before its
         reader was told); the grant ends at once and nothing is reported for it. Returns whether
         it was held."""
-    def reject(
-        self, peer: str, remote_request_id: str, reason: str = "rejected", hold: Optional[int] = None
-    ) -> None:
+    def reject(self, peer: str, remote_request_id: str, reason: str = "rejected", hold: int | None = None) -> None:
         """Decode side: tells the prefill at ``peer`` this engine will not read its request
         ``remote_request_id``, so it frees the blocks now (a request rejected or aborted before
         its read started). ``hold``: the hold's token (else whichever hold of that id). Returns
@@ -156,16 +156,16 @@ class Engine:
         """Sends ``body`` (at most 64 KiB) to the engine at ``peer`` over the authenticated
         control connection, for its application (``messages()``); in call order per peer.
         Returns at once; an undeliverable message is logged and counted (``messages_unsent``)."""
-    def messages(self) -> List[Tuple[str, bytes]]:
+    def messages(self) -> list[tuple[str, bytes]]:
         """Messages peers sent since the last call, oldest first: ``(sender engine id, body)``.
         The inbox keeps at most 4,096 messages or 16 MiB; call it every scheduler step."""
     def hold_blocks(
         self,
         request_id: str,
-        blocks: Union[Sequence[int], Sequence[Sequence[int]]],
-        reader: Optional[str] = None,
-        abort_timeout: Optional[float] = None,
-        token: Optional[int] = None,
+        blocks: Sequence[int] | Sequence[Sequence[int]],
+        reader: str | None = None,
+        abort_timeout: float | None = None,
+        token: int | None = None,
     ) -> int:
         """Prefill side: hold ``blocks`` of a request (one list, or one per block group) and
         grant them to its readers (over TCP they may read those blocks, and only those, under
@@ -181,22 +181,22 @@ class Engine:
         """Everything finished since the last call. Never blocks."""
     def wait_finished(self, timeout: float) -> Finished:
         """Like get_finished(), waiting up to ``timeout`` seconds (GIL released)."""
-    def connect(self, peer: str, timeout: float = 10.0) -> Dict[str, Any]:
+    def connect(self, peer: str, timeout: float = 10.0) -> dict[str, Any]:
         """Handshake with ``peer`` (or reuse the session); returns its descriptor summary."""
-    def session_state(self, peer: str) -> Tuple[str, Optional[str]]:
+    def session_state(self, peer: str) -> tuple[str, str | None]:
         """What this engine knows of its session with ``peer``, without waiting or connecting:
         ``("none" | "connecting" | "up" | "down", reason or None)``. A session is down once its
         connection closed or stayed silent for three keep-alives, or its last connect failed;
         the next read or message to the peer connects again."""
-    def in_flight(self) -> Tuple[int, int]:
+    def in_flight(self) -> tuple[int, int]:
         """``(receiving, holding)``."""
     def close(self) -> None:
         """Closes the ports and sessions; reads in flight fail; idempotent (also via ``with``)."""
     @property
     def closed(self) -> bool: ...
-    def __enter__(self) -> "Engine": ...
+    def __enter__(self) -> Engine: ...
     def __exit__(self, *exc: Any) -> bool: ...
-    def stats(self) -> Dict[str, int]:
+    def stats(self) -> dict[str, int]:
         """Monotonic counters: handshakes_accepted/refused, data_requests_served/refused,
         bytes_served, bytes_staged_out/in (GPU memory moved through TCP staging buffers),
         notices_refused, messages_received/refused/sent/unsent, reads_done/failed/expired/cancelled, bytes_read,
@@ -225,7 +225,7 @@ class EventPublisher:
         self,
         endpoint: str = "tcp://*:5557",
         *,
-        replay_endpoint: Optional[str] = None,
+        replay_endpoint: str | None = None,
         topic: str = "",
         dp_rank: int = 0,
         encoding: str = "current",
@@ -237,18 +237,18 @@ class EventPublisher:
     def endpoint(self) -> str:
         """The live endpoint (the real port when port 0 was asked for)."""
     @property
-    def replay_endpoint(self) -> Optional[str]: ...
-    def publish(self, events: Sequence[Any], ts: Optional[float] = None, dp_rank: Optional[int] = None) -> None:
+    def replay_endpoint(self) -> str | None: ...
+    def publish(self, events: Sequence[Any], ts: float | None = None, dp_rank: int | None = None) -> None:
         """One batch (one scheduler step) of event dicts or engine event objects; never
         blocks. Raises ``KvlinkError`` when the queue is full (ipc and connected endpoints;
         batch dropped and counted) or closed, ``InvalidArgument`` for an unreadable event
         (nothing sent)."""
-    def stats(self) -> Dict[str, int]:
+    def stats(self) -> dict[str, int]:
         """published, dropped, queued, next_seq, replay_requests, replayed_batches,
         bad_replay_requests, replay_timeouts."""
-    def close(self, timeout: float = 5.0) -> Optional[Dict[str, int]]:
+    def close(self, timeout: float = 5.0) -> dict[str, int] | None:
         """Sends what is queued (up to ``timeout``), closes, returns the final counters."""
-    def __enter__(self) -> "EventPublisher": ...
+    def __enter__(self) -> EventPublisher: ...
     def __exit__(self, *exc: Any) -> bool: ...
 
 class EventSubscriber:
@@ -259,24 +259,24 @@ class EventSubscriber:
         self,
         endpoint: str,
         *,
-        replay_endpoint: Optional[str] = None,
+        replay_endpoint: str | None = None,
         topic: str = "",
         replay_timeout: float = 2.0,
         connect_timeout: float = 10.0,
-        start_from: Optional[int] = None,
+        start_from: int | None = None,
         max_buffered: int = 10000,
     ) -> None: ...
-    def next(self, timeout: float = 1.0) -> Optional[Dict[str, Any]]:
+    def next(self, timeout: float = 1.0) -> dict[str, Any] | None:
         """One item or None after ``timeout``: ``{"kind": "batch", "seq", "ts", "dp_rank",
         "events", "skipped"}``, ``{"kind": "malformed", "seq", "reason"}``, or ``{"kind":
         "resync", "reason": "publisher_restart", "last", "now"}`` / ``{"kind": "resync",
         "reason": "history_lost", "from", "resumed"}``, or ``{"kind": "gap_filled", "from",
         "through"}`` after a replay recovered everything it was asked for."""
-    def __iter__(self) -> "EventSubscriber": ...
-    def __next__(self) -> Dict[str, Any]: ...
+    def __iter__(self) -> EventSubscriber: ...
+    def __next__(self) -> dict[str, Any]: ...
     @property
-    def last_seq(self) -> Optional[int]: ...
-    def stats(self) -> Dict[str, int]:
+    def last_seq(self) -> int | None: ...
+    def stats(self) -> dict[str, int]:
         """received, delivered, duplicates, replays (gaps and late joins filled by replay),
         replay_failures, resyncs, malformed_batches, skipped_events, bad_messages."""
 
@@ -286,10 +286,10 @@ class EventMerger:
 
     def __init__(
         self,
-        inputs: Sequence[Tuple[str, Optional[str]]],
+        inputs: Sequence[tuple[str, str | None]],
         endpoint: str = "tcp://*:5557",
         *,
-        replay_endpoint: Optional[str] = None,
+        replay_endpoint: str | None = None,
         topic: str = "",
         encoding: str = "current",
         input_topic: str = "",
@@ -299,8 +299,8 @@ class EventMerger:
     @property
     def endpoint(self) -> str: ...
     @property
-    def replay_endpoint(self) -> Optional[str]: ...
-    def stats(self) -> Dict[str, Any]:
+    def replay_endpoint(self) -> str | None: ...
+    def stats(self) -> dict[str, Any]:
         """The output's counters, ``tp_groups`` (with ``tp_size`` > 1: per group, events
         forwarded, held and evicted), and ``inputs``: per input endpoint, connected, last_seq,
         batches, resyncs, malformed, dropped."""
@@ -315,8 +315,8 @@ class PageSplitter:
     def split(
         self,
         tokens: Sequence[int],
-        parent: Optional[bytes] = None,
+        parent: bytes | None = None,
         token_offset: int = 0,
-        medium: Optional[str] = None,
-    ) -> Tuple[List[Dict[str, Any]], Optional[bytes]]:
+        medium: str | None = None,
+    ) -> tuple[list[dict[str, Any]], bytes | None]:
         """``(events, last_digest)``; pass ``last_digest`` as ``parent`` for the next run."""

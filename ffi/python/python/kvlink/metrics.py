@@ -2,7 +2,8 @@
 
 ``render(engines)`` returns the text format (version 0.0.4) of every counter ``Engine.stats()``
 reports, one sample per engine labelled with its engine id and TP rank, and its gauges (sessions,
-connections and RDMA queue pairs open now, reads and holds in flight). ``serve(engines, port)`` answers ``GET /metrics`` with it from a daemon
+connections and RDMA queue pairs open now, reads and holds in flight). ``serve(engines, port)``
+answers ``GET /metrics`` with it from a daemon
 thread, for deployments that scrape workers directly; an engine's own exporter can call
 ``render`` instead.
 """
@@ -10,13 +11,13 @@ thread, for deployments that scrape workers directly; an engine's own exporter c
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Dict, Iterable, List, Tuple, Union
 
 from ._kvlink import Engine
 
 # name in stats() -> (metric name, help). Every one is a monotonic counter.
-_COUNTERS: Dict[str, Tuple[str, str]] = {
+_COUNTERS: dict[str, tuple[str, str]] = {
     "reads_done": ("kvlink_reads_done_total", "Reads (decode side) completed."),
     "reads_failed": ("kvlink_reads_failed_total", "Reads failed, expired and cancelled ones included."),
     "reads_expired": ("kvlink_reads_expired_total", "Reads that ran past the request timeout."),
@@ -24,26 +25,44 @@ _COUNTERS: Dict[str, Tuple[str, str]] = {
     "bytes_read": ("kvlink_read_bytes_total", "Bytes of completed reads."),
     "sends_done": ("kvlink_sends_done_total", "Held requests confirmed by their reader."),
     "sends_failed": ("kvlink_sends_failed_total", "Held requests aborted by their reader or expired."),
-    "sends_expired": ("kvlink_sends_expired_total", "Held requests no reader confirmed within the abort timeout or the lease."),
-    "sends_lease_expired": ("kvlink_sends_lease_expired_total", "Held requests whose reader was gone (no control connection) for the whole lease."),
+    "sends_expired": (
+        "kvlink_sends_expired_total",
+        "Held requests no reader confirmed within the abort timeout or the lease.",
+    ),
+    "sends_lease_expired": (
+        "kvlink_sends_lease_expired_total",
+        "Held requests whose reader was gone (no control connection) for the whole lease.",
+    ),
     "handshakes_accepted": ("kvlink_handshakes_accepted_total", "Handshakes answered."),
     "handshakes_refused": ("kvlink_handshakes_refused_total", "Handshakes refused (bad frame, key, version, layout)."),
     "data_requests_served": ("kvlink_data_requests_served_total", "TCP data requests served."),
-    "data_requests_refused": ("kvlink_data_requests_refused_total", "TCP data requests refused (not granted, out of range)."),
+    "data_requests_refused": (
+        "kvlink_data_requests_refused_total",
+        "TCP data requests refused (not granted, out of range).",
+    ),
     "bytes_served": ("kvlink_served_bytes_total", "Bytes served over TCP."),
     "bytes_staged_out": ("kvlink_staged_out_bytes_total", "GPU bytes copied to staging buffers to be sent."),
     "bytes_staged_in": ("kvlink_staged_in_bytes_total", "Received bytes copied from staging buffers into GPU memory."),
-    "notices_refused": ("kvlink_notices_refused_total", "Done/abort notices refused (request not held for that reader)."),
+    "notices_refused": (
+        "kvlink_notices_refused_total",
+        "Done/abort notices refused (request not held for that reader).",
+    ),
     "messages_received": ("kvlink_messages_received_total", "Peers' application messages queued."),
-    "messages_refused": ("kvlink_messages_refused_total", "Peers' application messages refused (too large, inbox full)."),
+    "messages_refused": (
+        "kvlink_messages_refused_total",
+        "Peers' application messages refused (too large, inbox full).",
+    ),
     "messages_sent": ("kvlink_messages_sent_total", "Application messages handed to a peer's control connection."),
     "messages_unsent": ("kvlink_messages_unsent_total", "Application messages that could not be sent."),
     "sessions_opened": ("kvlink_sessions_opened_total", "Sessions to peers made (one handshake each)."),
-    "sessions_closed_idle": ("kvlink_sessions_closed_idle_total", "Sessions to peers closed after session_idle unused."),
+    "sessions_closed_idle": (
+        "kvlink_sessions_closed_idle_total",
+        "Sessions to peers closed after session_idle unused.",
+    ),
 }
 
 # name in stats() -> (metric name, help). Each is a gauge: what is open now.
-_GAUGES: Dict[str, Tuple[str, str]] = {
+_GAUGES: dict[str, tuple[str, str]] = {
     "sessions": ("kvlink_sessions", "Sessions open to peers now."),
     "queue_pairs": ("kvlink_queue_pairs", "RDMA queue pairs held now (own sessions' and readers')."),
     "control_connections": ("kvlink_control_connections", "Readers' control connections served now."),
@@ -55,15 +74,15 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def render(engines: Union[Engine, Iterable[Engine]]) -> str:
+def render(engines: Engine | Iterable[Engine]) -> str:
     """The Prometheus text format of ``engines``' counters (one engine or several)."""
     if isinstance(engines, Engine):
         engines = [engines]
-    rows: List[Tuple[str, Dict[str, int], Tuple[int, int]]] = []
+    rows: list[tuple[str, dict[str, int], tuple[int, int]]] = []
     for e in engines:
         labels = f'engine_id="{_escape(e.engine_id)}"'
         rows.append((labels, e.stats(), e.in_flight()))
-    out: List[str] = []
+    out: list[str] = []
     for key, (name, text) in _COUNTERS.items():
         out.append(f"# HELP {name} {text}")
         out.append(f"# TYPE {name} counter")
@@ -88,7 +107,7 @@ def render(engines: Union[Engine, Iterable[Engine]]) -> str:
 
 
 def serve(
-    engines: Union[Engine, Iterable[Engine], Callable[[], Iterable[Engine]]],
+    engines: Engine | Iterable[Engine] | Callable[[], Iterable[Engine]],
     port: int,
     host: str = "127.0.0.1",
 ) -> ThreadingHTTPServer:

@@ -8,7 +8,7 @@ block spans ``block_ratio`` of them), MLA regions already count scheduler blocks
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_mtp", "glm_moe_dsa", "kimi_k2")
 
@@ -22,7 +22,7 @@ class Region:
     block_bytes: int
     num_blocks: int
     #: ``(total, local, runs)`` KV heads when TP splits them; ``None`` when whole on every rank.
-    heads: Optional[Tuple[int, int, int]]
+    heads: tuple[int, int, int] | None
 
 
 def is_mla(hf_config: Any) -> bool:
@@ -31,11 +31,14 @@ def is_mla(hf_config: Any) -> bool:
     mtype = getattr(text, "model_type", None)
     if mtype == "eagle":
         inner = getattr(text, "model", None)
-        return getattr(inner, "model_type", None) in ("deepseek_v2", "deepseek_v3") and getattr(text, "kv_lora_rank", None) is not None
+        return (
+            getattr(inner, "model_type", None) in ("deepseek_v2", "deepseek_v3")
+            and getattr(text, "kv_lora_rank", None) is not None
+        )
     return mtype in _MLA_TYPES and getattr(text, "kv_lora_rank", None) is not None
 
 
-def kv_heads(hf_config: Any, tp_size: int) -> Optional[Tuple[int, int]]:
+def kv_heads(hf_config: Any, tp_size: int) -> tuple[int, int] | None:
     """``(total, local)`` KV heads when TP splits them evenly; ``None`` when each rank keeps a
     replica (fewer heads than ranks), which kvlink can only pair between equal TP sizes."""
     text = getattr(hf_config, "text_config", None) or hf_config
@@ -45,7 +48,7 @@ def kv_heads(hf_config: Any, tp_size: int) -> Optional[Tuple[int, int]]:
     return total, total // tp_size
 
 
-def describe(config: Any, tensors: Any, num_blocks: int, tp_size: int) -> List[Region]:
+def describe(config: Any, tensors: Any, num_blocks: int, tp_size: int) -> list[Region]:
     """The regions of ``tensors`` (ATOM's ``KVTransferTensors``) with ``num_blocks`` scheduler
     blocks. Raises ``ValueError`` for what kvlink cannot move, saying what and why."""
     if tensors is None or not tensors.block_regions:
@@ -74,8 +77,10 @@ def describe(config: Any, tensors: Any, num_blocks: int, tp_size: int) -> List[R
             )
         block = r.total_bytes // num_blocks
         runs = block // r.unit_bytes if block % r.unit_bytes == 0 else 0
-        split = heads is not None and i < head_major and runs > 0 and block % (heads[1] * runs) == 0
-        out.append(Region(r.base_addr, r.total_bytes, block, num_blocks, (heads[0], heads[1], runs) if split else None))
+        split = None
+        if heads is not None and i < head_major and runs > 0 and block % (heads[1] * runs) == 0:
+            split = (heads[0], heads[1], runs)
+        out.append(Region(r.base_addr, r.total_bytes, block, num_blocks, split))
     return out
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
 
 from atom.kv_transfer.disaggregation.types import ConnectorMetadata
 
@@ -14,7 +13,7 @@ from .params import Read
 class Hold:
     """A prefill request's blocks to hold for its readers, and the hold's token."""
 
-    blocks: List[int]
+    blocks: list[int]
     token: int
 
 
@@ -24,13 +23,13 @@ class KvlinkMetadata(ConnectorMetadata):
     def __init__(self) -> None:
         super().__init__()
         #: Prefill: hold these requests' blocks (a request held again replaces its hold).
-        self.holds: Dict[int, Hold] = {}
+        self.holds: dict[int, Hold] = {}
         #: Prefill: drop these holds (aborted; ATOM already freed their blocks).
-        self.releases: List[int] = []
+        self.releases: list[int] = []
         #: Decode: start these reads.
-        self.reads: Dict[int, Read] = {}
+        self.reads: dict[int, Read] = {}
         #: Decode: cancel these reads (the request was aborted while its read ran).
-        self.cancels: List[int] = []
+        self.cancels: list[int] = []
         #: Decode: tell these prefills a request will not be read:
         #: ``(addresses, remote id, hold token, reason)``.
-        self.rejects: List[Tuple[List[str], str, int, str]] = []
+        self.rejects: list[tuple[list[str], str, int, str]] = []

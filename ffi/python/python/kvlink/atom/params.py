@@ -5,9 +5,10 @@ hold's token under ``kvlink_hold``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any
 
-from .settings import Settings, address, port_offset
+from ..core import address, block_ids, hold_token
+from .settings import Settings, port_offset
 
 
 @dataclass(frozen=True)
@@ -15,9 +16,9 @@ class Read:
     """A decode rank's read of one request: the prefill TP group's addresses in rank order,
     block lists, the prefill's id and the hold's token."""
 
-    addresses: List[str]
-    local_blocks: List[int]
-    remote_blocks: List[int]
+    addresses: list[str]
+    local_blocks: list[int]
+    remote_blocks: list[int]
     remote_id: str
     hold: int
     #: Leading prompt blocks this decode already held (its prefix cache), not read.
@@ -28,14 +29,14 @@ class Refused(ValueError):
     """Transfer parameters a decode will not read; ``addresses`` (when known) lets it tell the
     prefill at once instead of leaving the hold to expire."""
 
-    def __init__(self, reason: str, addresses: Optional[List[str]] = None, remote_id: str = "", hold: int = 0):
+    def __init__(self, reason: str, addresses: list[str] | None = None, remote_id: str = "", hold: int = 0):
         super().__init__(reason)
         self.addresses = addresses or []
         self.remote_id = remote_id
         self.hold = hold
 
 
-def prefill_output(seq: Any, s: Settings, host: str, blocks: List[int], token: int) -> Dict[str, Any]:
+def prefill_output(seq: Any, s: Settings, host: str, blocks: list[int], token: int) -> dict[str, Any]:
     """What a prefill's ``request_finished`` publishes for its decode."""
     drafts = getattr(seq, "spec_token_ids", None)
     return {
@@ -58,14 +59,14 @@ def prefill_output(seq: Any, s: Settings, host: str, blocks: List[int], token: i
     }
 
 
-def _int(params: Dict[str, Any], key: str, default: Optional[int] = None, low: int = 0) -> int:
+def _int(params: dict[str, Any], key: str, default: int | None = None, low: int = 0) -> int:
     value = params.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise Refused(f"transfer parameter {key}={value!r} is not an integer >= {low}")
     return value
 
 
-def read_for(seq: Any, params: Dict[str, Any], s: Settings) -> Read:
+def read_for(seq: Any, params: dict[str, Any], s: Settings) -> Read:
     """The read a decode request's parameters ask for, into ``seq.block_table`` past the blocks
     this decode already holds (its prefix cache). Raises ``Refused`` with the reason."""
     host = params.get("remote_host")
@@ -82,11 +83,21 @@ def read_for(seq: Any, params: Dict[str, Any], s: Settings) -> Read:
         raise Refused(f"the prefill's ports from {port} (DP rank {dp_rank}, TP {tp}) leave the port range")
     remote_id = str(_int(params, "transfer_id"))
     if "kvlink_hold" not in params:
-        raise Refused("the transfer parameters do not come from a kvlink prefill (no kvlink_hold)", addresses, remote_id)
-    hold = _int(params, "kvlink_hold", low=1)
-    remote = params.get("remote_block_ids")
-    if not isinstance(remote, list) or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in remote):
-        raise Refused(f"transfer parameter remote_block_ids={remote!r} is not a list of block ids", addresses, remote_id, hold)
+        raise Refused(
+            "the transfer parameters do not come from a kvlink prefill (no kvlink_hold)", addresses, remote_id
+        )
+    hold = hold_token(params["kvlink_hold"])
+    if hold is None:
+        raise Refused(f"transfer parameter kvlink_hold={params['kvlink_hold']!r} is not a hold's token (1 to 2^64-1)")
+    remote = block_ids(params.get("remote_block_ids"))
+    if remote is None:
+        raise Refused(
+            f"transfer parameter remote_block_ids={params.get('remote_block_ids')!r} is not a list of "
+            "block ids (integers 0 to 2^32-1)",
+            addresses,
+            remote_id,
+            hold,
+        )
     needed = -(-seq.num_prompt_tokens // s.block_size)
     local = list(seq.block_table)
     if len(remote) < needed or len(local) < needed:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import secrets
 import sys
-from typing import Any, Dict, Set, Tuple
+import types
+from typing import Any
 
 from atom.kv_transfer.disaggregation.base import KVConnectorSchedulerBase
 from atom.kv_transfer.disaggregation.types import KVConnectorOutput
@@ -32,7 +33,7 @@ logger = logging.getLogger("atom")
 def _calling_scheduler() -> Any:
     """ATOM's ``Scheduler`` that is building this connector (it gives a connector no handle
     to its block manager; the decode needs one to free a failed read's blocks)."""
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     for _ in range(16):
         if frame is None:
             return None
@@ -54,18 +55,27 @@ class KvlinkScheduler(KVConnectorSchedulerBase):
         # Prefill: every hold issued and not yet freed by ATOM; requests ATOM finished (and so
         # parked until finished_sending); sends that ended before that; finished requests
         # that were never held.
-        self._held: Dict[int, Hold] = {}
-        self._finished: Set[int] = set()
-        self._early: Set[int] = set()
-        self._unheld: Set[int] = set()
+        self._held: dict[int, Hold] = {}
+        self._finished: set[int] = set()
+        self._early: set[int] = set()
+        self._unheld: set[int] = set()
         # Decode: requests parked for their read; reads refused before parking; reads that
         # failed (their blocks are freed at the next admission); parked requests ATOM aborted.
-        self._parked: Dict[int, Any] = {}
-        self._refused: Set[int] = set()
-        self._fallback: Dict[int, Any] = {}
-        self._aborted: Dict[int, Any] = {}
-        self._counts = {"reads": 0, "received": 0, "blocks_read": 0, "blocks_cached": 0, "refused": 0, "fallbacks": 0, "aborted_reads": 0}
-        self._scheduler = None if self.is_producer else _calling_scheduler()
+        self._parked: dict[int, Any] = {}
+        self._refused: set[int] = set()
+        self._fallback: dict[int, Any] = {}
+        self._aborted: dict[int, Any] = {}
+        self._counts = {
+            "reads": 0,
+            "received": 0,
+            "blocks_read": 0,
+            "blocks_cached": 0,
+            "refused": 0,
+            "fallbacks": 0,
+            "aborted_reads": 0,
+        }
+        # ATOM's Scheduler (the decode's only; found on the stack, typed as ATOM leaves it).
+        self._scheduler: Any = None if self.is_producer else _calling_scheduler()
         if not self.is_producer and self._scheduler is None:
             raise RuntimeError(
                 "kvlink: the decode connector must be built by ATOM's Scheduler (it frees the blocks "
@@ -82,7 +92,7 @@ class KvlinkScheduler(KVConnectorSchedulerBase):
         )
 
     # -- admission ------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, seq: Any) -> Tuple[int, bool]:
+    def get_num_new_matched_tokens(self, seq: Any) -> tuple[int, bool]:
         """Decode: the whole prompt comes from the prefill, loaded asynchronously, once."""
         if seq.id in self._fallback:
             self._fall_back(seq)
@@ -199,7 +209,7 @@ class KvlinkScheduler(KVConnectorSchedulerBase):
             return bool(self._early or self._unheld or self._held)
         return bool(self._parked or self._aborted)
 
-    def get_statistics(self) -> Dict[str, Any]:
+    def get_statistics(self) -> dict[str, Any]:
         """ATOM publishes this in its engine metrics (under ``offload``): the requests this side
         waits for, by kind, and counters (reads started and completed, blocks read and found in
         the prefix cache, reads refused, local prefills after a failed read, reads of aborted

@@ -3,52 +3,40 @@ configuration, checked once at start (every process reads the same values)."""
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .. import core
 
 #: ATOM's own default for ``handshake_port`` (its Mooncake and MoRIIO connectors use it too).
 DEFAULT_HANDSHAKE_PORT = 6301
 
-_KNOWN = {
-    "kv_connector",
-    "kv_role",
-    "handshake_port",
-    "http_port",
-    "proxy_ip",
-    "proxy_ping_port",
-    "kvlink_host",
-    "kvlink_transport",
-    "kvlink_request_timeout",
-    "kvlink_abort_timeout",
-    "kvlink_lease",
-    "kvlink_session_idle",
-    "ib_device",
-}
+#: kvlink's settings (``kvlink.core``'s schema) under their ``kv_transfer_config`` names: the
+#: field's name with a ``kvlink_`` prefix, ``kvlink_host`` (a host: the port is
+#: ``handshake_port``) and ATOM's own ``ib_device``.
+NAMES = {field: "kvlink_" + field for field in core.FIELDS}
+NAMES.update(listen="kvlink_host", rdma_device="ib_device")
+
+_KNOWN = {"kv_connector", "kv_role", "handshake_port", "http_port", "proxy_ip", "proxy_ping_port", *NAMES.values()}
 
 
 @dataclass(frozen=True)
 class Settings:
-    """The connector's settings; ``from_config`` reads them."""
+    """The connector's settings; ``from_config`` reads them. ``link`` is what kvlink's engine
+    takes (with ``handshake_port`` as its port), the rest ATOM's layout."""
 
     producer: bool
     handshake_port: int
-    host: Optional[str]
-    transport: str
-    request_timeout: float
-    abort_timeout: float
-    lease: float
-    session_idle: float
-    rdma_device: Optional[str]
+    link: core.Settings
     block_size: int
     tp_size: int
     dp_size: int
     dp_rank: int
 
     @staticmethod
-    def from_config(config: Any) -> "Settings":
+    def from_config(config: Any) -> Settings:
         """Reads ATOM's ``Config``; raises ``ValueError`` naming the setting at fault."""
-        kv: Dict[str, Any] = dict(config.kv_transfer_config or {})
+        kv: dict[str, Any] = dict(config.kv_transfer_config or {})
         role = kv.get("kv_role", "kv_producer")
         if role not in ("kv_producer", "kv_consumer"):
             raise ValueError(f"kvlink: kv_role must be kv_producer or kv_consumer, got {role!r}")
@@ -63,16 +51,11 @@ class Settings:
             raise ValueError(f"kvlink: pipeline parallelism (pipeline_parallel_size={pp}) is not supported")
         _refuse_slot_staging(config)
         par = config.parallel_config
+        link = core.Settings.read(kv, NAMES, "kv_transfer_config")
         return Settings(
             producer=role == "kv_producer",
             handshake_port=port,
-            host=kv.get("kvlink_host"),
-            transport=str(kv.get("kvlink_transport", os.environ.get("KVLINK_TRANSPORT", "auto"))),
-            request_timeout=float(kv.get("kvlink_request_timeout", 60.0)),
-            abort_timeout=float(kv.get("kvlink_abort_timeout", 480.0)),
-            lease=float(kv.get("kvlink_lease", 30.0)),
-            session_idle=float(kv.get("kvlink_session_idle", 120.0)),
-            rdma_device=kv.get("ib_device") or os.environ.get("KVLINK_RDMA_DEVICE") or None,
+            link=replace(link, port=port),
             block_size=int(config.kv_cache_block_size),
             tp_size=int(config.tensor_parallel_size),
             dp_size=int(getattr(par, "data_parallel_size", 1) or 1),
@@ -100,19 +83,14 @@ def port_offset(dp_rank: int, tp_rank: int, tp_size: int, dp_size: int) -> int:
     return side_channel_port_offset(dp_rank, tp_rank, tp_size, 0, 1, dp_size)
 
 
-def address(host: str, port: int) -> str:
-    """``host:port``, bracketing IPv6 hosts."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def advertised_host(settings: Settings) -> str:
-    """The host workers listen on and the prefill names to its readers: ``kvlink_host``, else
-    this node's address when engines are keyed (they may listen beyond loopback), else
-    127.0.0.1 (unkeyed engines listen on loopback only)."""
-    if settings.host:
-        return settings.host
-    if os.environ.get("KVLINK_AUTH_KEY") or os.environ.get("KVLINK_AUTH_KEY_FILE"):
-        from atom.utils.network import get_ip
+    """The host workers listen on and the prefill names to its readers (``kvlink.core``'s
+    policy, with ATOM's way to find this node's address)."""
+    return core.advertised_host(settings.link, node_address)
 
-        return get_ip()
-    return "127.0.0.1"
+
+def node_address() -> str:
+    """This node's address as ATOM finds it."""
+    from atom.utils.network import get_ip
+
+    return str(get_ip())

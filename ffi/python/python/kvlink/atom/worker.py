@@ -4,22 +4,23 @@ the reads it runs, as the scheduler's metadata asks each step."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Set, Tuple
+from typing import Any
 
 from atom.kv_transfer.disaggregation.base import KVConnectorBase
 from atom.kv_transfer.disaggregation.types import KVConnectorOutput
 
 import kvlink
 
+from .. import core
 from .layout import describe, dtype_name
 from .metadata import KvlinkMetadata
 from .params import Read
-from .settings import Settings, address, advertised_host, port_offset
+from .settings import Settings, node_address, port_offset
 
 logger = logging.getLogger("atom")
 
 
-def _tp_rank_size() -> Tuple[int, int]:
+def _tp_rank_size() -> tuple[int, int]:
     from aiter.dist.parallel_state import get_tp_group
 
     tp = get_tp_group()
@@ -36,18 +37,10 @@ class KvlinkWorker(KVConnectorBase):
         self.is_producer = s.producer
         self.tp_rank, self.tp_size = _tp_rank_size()
         # The DP rank from ATOM's config, as the scheduler side publishes it.
-        port = s.handshake_port + port_offset(s.dp_rank, self.tp_rank, self.tp_size, s.dp_size)
-        self.engine = kvlink.Engine(
-            address(advertised_host(s), port),
-            transport=s.transport,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            request_timeout=s.request_timeout,
-            abort_timeout=s.abort_timeout,
-            lease=s.lease,
-            session_idle=s.session_idle,
-            rdma_device=s.rdma_device,
-        )
+        offset = port_offset(s.dp_rank, self.tp_rank, self.tp_size, s.dp_size)
+        listen = core.listen_address(s.link, offset, node_address)
+        self.engine = core.make_engine(s.link, listen, tp_rank=self.tp_rank, tp_size=self.tp_size)
+        self.metrics = core.serve_metrics(s.link, [self.engine], offset)
         logger.info(
             "kvlink worker TP %d/%d DP %d: engine %s at %s (%s)",
             self.tp_rank,
@@ -55,16 +48,18 @@ class KvlinkWorker(KVConnectorBase):
             s.dp_rank,
             self.engine.engine_id,
             self.engine.handshake_address,
-            kvlink.transport_summary(self.engine),
+            core.transport_summary(self.engine),
         )
-        self.regions: List[int] = []
-        self.held: Set[int] = set()
-        self.reading: Dict[int, Read] = {}
-        self.sent: Set[int] = set()
-        self.received: Set[int] = set()
-        self.failed: Set[int] = set()
+        self.regions: list[int] = []
+        self.held: set[int] = set()
+        self.reading: dict[int, Read] = {}
+        self.sent: set[int] = set()
+        self.received: set[int] = set()
+        self.failed: set[int] = set()
 
-    def register_kv_caches(self, kv_caches: Dict[str, Any], transfer_tensors: Any = None, num_blocks: Any = None) -> None:
+    def register_kv_caches(
+        self, kv_caches: dict[str, Any], transfer_tensors: Any = None, num_blocks: Any = None
+    ) -> None:
         """Registers every region of ATOM's ``KVTransferTensors`` and declares the layout."""
         n = int(num_blocks if num_blocks is not None else transfer_tensors.num_blocks)
         regions = describe(self.config, transfer_tensors, n, self.tp_size)
@@ -107,13 +102,18 @@ class KvlinkWorker(KVConnectorBase):
         for sid in metadata.cancels:
             if sid in self.reading:
                 self.engine.cancel(str(sid))
-        for addresses, remote_id, hold, reason in metadata.rejects:
-            self._reject(addresses, remote_id, hold, reason)
+        for addresses, remote_id, token, reason in metadata.rejects:
+            self._reject(addresses, remote_id, token, reason)
 
     def _read(self, sid: int, read: Read) -> None:
         try:
             self.engine.read_blocks(
-                list(read.addresses), str(sid), read.local_blocks, read.remote_blocks, remote_request_id=read.remote_id, hold=read.hold
+                list(read.addresses),
+                str(sid),
+                read.local_blocks,
+                read.remote_blocks,
+                remote_request_id=read.remote_id,
+                hold=read.hold,
             )
             self.reading[sid] = read
         except kvlink.KvlinkError as e:
@@ -121,7 +121,7 @@ class KvlinkWorker(KVConnectorBase):
             self.failed.add(sid)
             self._reject(read.addresses, read.remote_id, read.hold, f"read refused by the decode: {e}")
 
-    def _reject(self, addresses: List[str], remote_id: str, hold: int, reason: str) -> None:
+    def _reject(self, addresses: list[str], remote_id: str, hold: int, reason: str) -> None:
         """Tells the prefill ranks this rank reads that the request will not be read."""
         try:
             for r in kvlink.tp_sources(self.tp_rank, self.tp_size, len(addresses)):
@@ -155,5 +155,7 @@ class KvlinkWorker(KVConnectorBase):
             self.sent.add(sid)
 
     def close(self) -> None:
-        """Closes the engine (reads in flight fail, holds end)."""
+        """Closes the engine (reads in flight fail, holds end) and its metrics endpoint."""
+        if self.metrics is not None:
+            self.metrics.shutdown()
         self.engine.close()

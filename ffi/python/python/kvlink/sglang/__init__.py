@@ -17,7 +17,9 @@ loopback, or to the node's address when a key is set), ``KVLINK_AUTH_KEY`` /
 ``KVLINK_AUTH_KEY_FILE`` (the deployment key; without one kvlink serves loopback only),
 ``KVLINK_TRANSPORT`` (``auto``, ``network``, ``tcp``, ``rdma``, ``local``), ``KVLINK_RDMA_DEVICE`` (before
 SGLang's ``--disaggregation-ib-device``; see ``kvlink.sglang.nic``), ``KVLINK_REQUEST_TIMEOUT``,
-``KVLINK_ABORT_TIMEOUT``, ``KVLINK_LEASE``, ``KVLINK_PEER_TIMEOUT``.
+``KVLINK_ABORT_TIMEOUT``, ``KVLINK_LEASE``, ``KVLINK_SESSION_IDLE``, ``KVLINK_METRICS_PORT``
+(``kvlink.core``'s schema: one unset is left to ``kvlink.Engine``'s default), and
+``KVLINK_PEER_TIMEOUT``.
 
 Modules: ``manager`` (a rank's engines and the rooms' traffic), ``sender`` and ``receiver`` (the
 rooms, on ``room``; ``conn`` re-exports them), ``wire`` (the messages), ``bootstrap`` (the
@@ -100,12 +102,16 @@ def install() -> None:
         return original(transfer_backend, class_type)
 
     get_kv_class._kvlink = True  # type: ignore[attr-defined]
-    for name in ("sglang.srt.disaggregation.utils", "sglang.srt.disaggregation.prefill",
-                 "sglang.srt.disaggregation.decode", "sglang.srt.managers.disagg_service"):
+    for name in (
+        "sglang.srt.disaggregation.utils",
+        "sglang.srt.disaggregation.prefill",
+        "sglang.srt.disaggregation.decode",
+        "sglang.srt.managers.disagg_service",
+    ):
         try:
             module = importlib.import_module(name)
         except ImportError:  # pragma: no cover - a module this SGLang does not have
             continue
         if getattr(module, "get_kv_class", None) is original:
-            module.get_kv_class = get_kv_class
+            setattr(module, "get_kv_class", get_kv_class)  # noqa: B010 - a module SGLang reads
     _installed = True

@@ -18,7 +18,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer
 
@@ -40,14 +40,17 @@ class KvlinkBootstrapServer(BaseKVBootstrapServer):
     with those before it starts a new generation (a prefill restarted with other settings),
     and the entries that disagree with it are dropped, with a warning."""
 
+    # Long: the HTTP handler is a class inside, closing over the registry; its four short
+    # methods are most of the lines.
     def __init__(self, host: str, port: int):
-        self.ranks: Dict[Tuple[int, int], Dict[str, Any]] = {}
+        self.ranks: dict[tuple[int, int], dict[str, Any]] = {}
         self.lock = threading.Lock()
         registry = self
 
         class Handler(BaseHTTPRequestHandler):
             # A client that stops sending does not keep its thread for ever.
             timeout = 10
+
             def log_message(self, fmt: str, *args: Any) -> None:
                 logger.debug("bootstrap: " + fmt, *args)
 
@@ -92,11 +95,18 @@ class KvlinkBootstrapServer(BaseKVBootstrapServer):
                         return self._answer(404, {"error": "no prefill rank registered yet"})
                     any_rank = next(iter(ranks.values()))
                     tp, dp = any_rank["tp_size"], any_rank["dp_size"]
-                    return self._answer(200, {"tp_size": tp, "dp_size": dp,
-                                              "page_size": any_rank["page_size"],
-                                              "dtype": any_rank["dtype"], "heads": any_rank["heads"],
-                                              "states": any_rank["states"],
-                                              "complete": len(ranks) >= tp * dp})
+                    return self._answer(
+                        200,
+                        {
+                            "tp_size": tp,
+                            "dp_size": dp,
+                            "page_size": any_rank["page_size"],
+                            "dtype": any_rank["dtype"],
+                            "heads": any_rank["heads"],
+                            "states": any_rank["states"],
+                            "complete": len(ranks) >= tp * dp,
+                        },
+                    )
                 if url.path == "/kvlink/group":
                     try:
                         dp = int(q["dp_rank"][0])
@@ -123,19 +133,30 @@ class KvlinkBootstrapServer(BaseKVBootstrapServer):
         self.thread.start()
         logger.info("kvlink bootstrap server on %s:%d", host, self.port)
 
-    def admit(self, key: Tuple[int, int], entry: Dict[str, Any]) -> None:
+    def admit(self, key: tuple[int, int], entry: dict[str, Any]) -> None:
         """Records ``entry`` under ``key`` (the lock held); see the class docstring."""
         shared = ("tp_size", "dp_size", "page_size", "dtype", "heads", "states")
         stale = [k for k, e in self.ranks.items() if any(e[f] != entry[f] for f in shared)]
         if stale:
-            logger.warning("kvlink bootstrap: prefill dp %d tp %d registers %s; dropping %d earlier ranks that "
-                           "registered otherwise", key[0], key[1], {f: entry[f] for f in shared}, len(stale))
+            logger.warning(
+                "kvlink bootstrap: prefill dp %d tp %d registers %s; dropping %d earlier ranks that "
+                "registered otherwise",
+                key[0],
+                key[1],
+                {f: entry[f] for f in shared},
+                len(stale),
+            )
         for k in stale:
             del self.ranks[k]
         old = self.ranks.get(key)
         if old is not None and old["engine_id"] != entry["engine_id"]:
-            logger.info("kvlink bootstrap: prefill dp %d tp %d re-registered (engine %s, was %s)", key[0], key[1],
-                        entry["engine_id"], old["engine_id"])
+            logger.info(
+                "kvlink bootstrap: prefill dp %d tp %d re-registered (engine %s, was %s)",
+                key[0],
+                key[1],
+                entry["engine_id"],
+                old["engine_id"],
+            )
         self.ranks[key] = entry
 
     def close(self) -> None:
@@ -143,12 +164,17 @@ class KvlinkBootstrapServer(BaseKVBootstrapServer):
         self.server.server_close()
 
 
-def _check_entry(d: Any) -> Dict[str, Any]:
+def _check_entry(d: Any) -> dict[str, Any]:
     if not isinstance(d, dict):
         raise ValueError("a JSON object expected")
-    out = {}
-    for k, hi in (("dp_rank", MAX_RANKS), ("tp_rank", MAX_RANKS), ("tp_size", MAX_RANKS),
-                  ("dp_size", MAX_RANKS), ("page_size", 1 << 20)):
+    out: dict[str, Any] = {}
+    for k, hi in (
+        ("dp_rank", MAX_RANKS),
+        ("tp_rank", MAX_RANKS),
+        ("tp_size", MAX_RANKS),
+        ("dp_size", MAX_RANKS),
+        ("page_size", 1 << 20),
+    ):
         v = d[k]
         if type(v) is not int or not 0 <= v <= hi:
             raise ValueError(f"{k} out of range")
@@ -161,8 +187,11 @@ def _check_entry(d: Any) -> Dict[str, Any]:
         out[k] = d[k]
     out["heads"] = d.get("heads") is True
     kinds = d.get("states", [])
-    if not isinstance(kinds, list) or len(kinds) > 16 or not all(isinstance(k, str) and 0 < len(k) <= 32
-                                                                   for k in kinds):
+    if (
+        not isinstance(kinds, list)
+        or len(kinds) > 16
+        or not all(isinstance(k, str) and 0 < len(k) <= 32 for k in kinds)
+    ):
         raise ValueError("states must list at most 16 state type names")
     out["states"] = kinds
     # The prefill's HTTP API port, where a decode sends a retracted request back (optional).
@@ -178,7 +207,7 @@ def _url(bootstrap_addr: str, path: str) -> str:
     return f"http://{bootstrap_addr}{path}"
 
 
-def register(bootstrap_addr: str, entry: Dict[str, Any], deadline_s: float = 600.0) -> threading.Thread:
+def register(bootstrap_addr: str, entry: dict[str, Any], deadline_s: float = 600.0) -> threading.Thread:
     """Registers a prefill rank, retrying in the background until the registry answers (the
     server starts in another process) or ``deadline_s`` passes (logged as an error)."""
 
@@ -187,8 +216,12 @@ def register(bootstrap_addr: str, entry: Dict[str, Any], deadline_s: float = 600
         end = time.monotonic() + deadline_s
         last = None
         while time.monotonic() < end:
-            req = urllib.request.Request(_url(bootstrap_addr, "/kvlink/route"), data=body, method="PUT",
-                                         headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(
+                _url(bootstrap_addr, "/kvlink/route"),
+                data=body,
+                method="PUT",
+                headers={"Content-Type": "application/json"},
+            )
             try:
                 with urllib.request.urlopen(req, timeout=5) as r:
                     r.read()
@@ -196,15 +229,19 @@ def register(bootstrap_addr: str, entry: Dict[str, Any], deadline_s: float = 600
             except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
                 last = e
                 time.sleep(min(2.0, 0.2 + (time.monotonic() - (end - deadline_s)) / 20))
-        logger.error("kvlink: could not register with the bootstrap server at %s for %.0f s: %s; "
-                     "decodes cannot find this rank", bootstrap_addr, deadline_s, last)
+        logger.error(
+            "kvlink: could not register with the bootstrap server at %s for %.0f s: %s; decodes cannot find this rank",
+            bootstrap_addr,
+            deadline_s,
+            last,
+        )
 
     t = threading.Thread(target=run, name="kvlink-register", daemon=True)
     t.start()
     return t
 
 
-def get(bootstrap_addr: str, path: str, timeout: float = 2.0) -> Optional[Dict[str, Any]]:
+def get(bootstrap_addr: str, path: str, timeout: float = 2.0) -> dict[str, Any] | None:
     """The registry's JSON answer, or None when it has none yet or cannot be reached."""
     try:
         with urllib.request.urlopen(_url(bootstrap_addr, path), timeout=timeout) as r:
@@ -218,7 +255,7 @@ def get(bootstrap_addr: str, path: str, timeout: float = 2.0) -> Optional[Dict[s
 MAX_DP_GROUPS = 256
 
 
-def look_up(bootstrap_addr: str) -> Optional[tuple]:
+def look_up(bootstrap_addr: str) -> tuple | None:
     """The prefill behind ``bootstrap_addr`` once all its ranks registered: its shared
     settings, and each DP group's ranks in TP order; None until then (or when the answers do
     not hold together). Runs off the scheduler thread."""
@@ -229,9 +266,14 @@ def look_up(bootstrap_addr: str) -> Optional[tuple]:
         return None
     try:
         found = SimpleNamespace(
-            dp_size=int(info["dp_size"]), tp_size=int(info["tp_size"]), follow_bootstrap_room=True,
-            page_size=info.get("page_size"), dtype=info.get("dtype"), heads=info.get("heads") is True,
-            states=info.get("states"))
+            dp_size=int(info["dp_size"]),
+            tp_size=int(info["tp_size"]),
+            follow_bootstrap_room=True,
+            page_size=info.get("page_size"),
+            dtype=info.get("dtype"),
+            heads=info.get("heads") is True,
+            states=info.get("states"),
+        )
     except (KeyError, TypeError, ValueError):
         logger.warning("kvlink: the bootstrap server at %s answered %r", bootstrap_addr, info)
         return None
@@ -242,9 +284,14 @@ def look_up(bootstrap_addr: str) -> Optional[tuple]:
     for dp in range(found.dp_size):
         g = get(bootstrap_addr, f"/kvlink/group?dp_rank={dp}")
         ranks = g.get("ranks") if g else None
-        if (not isinstance(ranks, list) or len(ranks) != found.tp_size
-                or not all(isinstance(r, dict) and isinstance(r.get("addr"), str)
-                           and isinstance(r.get("engine_id"), str) for r in ranks)):
+        if (
+            not isinstance(ranks, list)
+            or len(ranks) != found.tp_size
+            or not all(
+                isinstance(r, dict) and isinstance(r.get("addr"), str) and isinstance(r.get("engine_id"), str)
+                for r in ranks
+            )
+        ):
             return None
         groups[dp] = ranks
     return found, groups

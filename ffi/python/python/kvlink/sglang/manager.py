@@ -15,13 +15,14 @@ import urllib.error
 import urllib.request
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional
+from typing import Any
 
-
-import kvlink
-from kvlink.sglang import bootstrap, nic, settings, states, wire
 from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs
 from sglang.srt.disaggregation.utils import DisaggregationMode
+
+import kvlink
+from kvlink import core
+from kvlink.sglang import bootstrap, nic, settings, states, wire
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +60,13 @@ class KvlinkKVManager(BaseKVManager):
     # finds nothing left to wait for instead of blocking the scheduler thread.
     supports_deferred_decode_kv_release = True
 
-    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
-                 is_mla_backend: Optional[bool] = False):
+    def __init__(
+        self,
+        args: KVArgs,
+        disaggregation_mode: DisaggregationMode,
+        server_args: Any,
+        is_mla_backend: bool | None = False,
+    ):
         self.kv_args = args
         self.mode = disaggregation_mode
         self.server_args = server_args
@@ -84,88 +90,127 @@ class KvlinkKVManager(BaseKVManager):
         layout = getattr(args, "kv_layout", None) or ("mla" if self.is_mla_backend else settings.mha_layout())
         self.dtype = f"{args.kv_cache_dtype_str}/{layout}/p{self.page_size}"
         self.tag = settings.layout_tag(self.dtype)
-        # A page repeats the local heads once per token (token-major) or holds each head's
-        # tokens together (head-major).
-        runs = self.page_size if layout == "nhd" else 1
-        kv_heads = (self.heads[0], self.heads[1], runs) if self.heads and layout in ("nhd", "hnd") else None
-        host = settings.host()
-        listen = f"[{host}]:0" if ":" in host else f"{host}:0"
-        opts = dict(
-            transport=os.environ.get("KVLINK_TRANSPORT", "auto"),
-            request_timeout=float(os.environ.get("KVLINK_REQUEST_TIMEOUT", 60)),
-            abort_timeout=float(os.environ.get("KVLINK_ABORT_TIMEOUT", 480)),
-            lease=float(os.environ.get("KVLINK_LEASE", 30)),
-            session_idle=float(os.environ.get("KVLINK_SESSION_IDLE", 120)),
-            rdma_device=nic.choose(os.environ.get("KVLINK_RDMA_DEVICE"), getattr(args, "ib_device", None),
-                                   getattr(args, "gpu_id", None), settings.gpu_pci(getattr(args, "gpu_id", None))),
-        )
-        # One engine per index space: block ids of one read index every tensor of its layout.
-        # The KV engine is this rank of the attention-TP group (it reads head slices of
-        # prefill ranks of another TP size); the aux and state engines pair one prefill rank
-        # with one decode rank, whole rows.
-        self.kv = self._engine(listen, dict(opts, tp_rank=self.tp_rank, tp_size=self.tp_size), args.kv_data_ptrs,
-                               args.kv_data_lens, args.kv_item_lens, self.page_size, self.tag, kv_heads)
-        aux_ptrs = list(getattr(args, "aux_data_ptrs", None) or [])
-        self.aux = (self._engine(listen, opts, aux_ptrs, args.aux_data_lens, args.aux_item_lens, 1,
-                                 "sglang-aux") if aux_ptrs else None)
-        # Each state type on an engine of its own, tagged with its name (a pair whose types
-        # differ fails at the handshake too).
-        state_ptrs = list(getattr(args, "state_data_ptrs", None) or [])
-        self.state_types = states.check(list(getattr(args, "state_types", None) or [])[:len(state_ptrs)])
-        if len(self.state_types) != len(state_ptrs):
-            raise ValueError(f"kvlink: {len(state_ptrs)} state buffers but {len(self.state_types)} state types")
-        self.states: List[Optional[kvlink.Engine]] = []
-        for i, ptrs in enumerate(state_ptrs):
-            self.states.append(self._engine(listen, opts, ptrs, args.state_data_lens[i],
-                                            args.state_item_lens[i], 1, f"sglang-{self.state_types[i]}")
-                               if ptrs else None)
+        link = settings.link()
+        self._make_engines(args, link, layout)
         self.engines = [e for e in [self.kv, self.aux, *self.states] if e is not None]
+        self.metrics = core.serve_metrics(link, self.engines, self.dp_rank * self.tp_size + self.tp_rank)
         # request id -> the sender or receiver it belongs to
-        self.owners: Dict[str, Any] = {}
+        self.owners: dict[str, Any] = {}
         # decode: cancelled reads whose last writes may still land (request id -> engine)
-        self.draining: Dict[str, kvlink.Engine] = {}
+        self.draining: dict[str, kvlink.Engine] = {}
         # room -> its sender (prefill) or receiver (decode), kvlink.sglang.sender / .receiver
-        self.senders: Dict[int, Any] = {}
-        self.receivers: Dict[int, Any] = {}
+        self.senders: dict[int, Any] = {}
+        self.receivers: dict[int, Any] = {}
         # prefill: senders with chunks waiting for a GPU event (room -> sender)
-        self.waiting_senders: Dict[int, Any] = {}
+        self.waiting_senders: dict[int, Any] = {}
         # prefill: wants that came before their sender; rooms a prefill sender gave up on before
         # any want (answered with an abort); attempts a decode aborted before its want came
-        self.early_wants: "OrderedDict[int, tuple]" = OrderedDict()
-        self.aborted: "OrderedDict[int, str]" = OrderedDict()
-        self.withdrawn: "OrderedDict[tuple, str]" = OrderedDict()
-        self.req_to_decode_prefix_len: Dict[int, int] = {}
+        self.early_wants: OrderedDict[int, list[tuple[Any, Any]]] = OrderedDict()
+        self.aborted: OrderedDict[int, str] = OrderedDict()
+        self.withdrawn: OrderedDict[tuple, str] = OrderedDict()
+        self.req_to_decode_prefix_len: dict[int, int] = {}
         # decode: what SGLang's decode scheduler reads, and the routes it learned
-        self.prefill_info_table: Dict[str, Any] = {}
-        self.routes: Dict[tuple, Dict[str, Any]] = {}
+        self.prefill_info_table: dict[str, Any] = {}
+        self.routes: dict[tuple, dict[str, Any]] = {}
         # decode: registry lookups under way (off the scheduler thread), and the DP groups'
         # ranks they found
-        self.lookups: Dict[str, Any] = {}
-        self.lookup_pool: Optional[ThreadPoolExecutor] = None
-        self.groups: Dict[tuple, List[Dict[str, Any]]] = {}
+        self.lookups: dict[str, Any] = {}
+        self.lookup_pool: ThreadPoolExecutor | None = None
+        self.groups: dict[tuple, list[dict[str, Any]]] = {}
         self.bad_messages = 0
         self.unsent_messages = 0
         # Peers rooms wait on whose session is down: address -> since when. A room fails once
         # its peer stays down KVLINK_PEER_TIMEOUT seconds.
         self.peer_timeout = float(os.environ.get("KVLINK_PEER_TIMEOUT", 10))
-        self.peers_down: Dict[str, float] = {}
+        self.peers_down: dict[str, float] = {}
         self.peers_checked = 0.0
         # decode: retracted requests sent back to their prefill (``submit_prefill_recompute``),
         # and those whose /generate failed, applied on the scheduler thread
-        self.recompute: Optional[ThreadPoolExecutor] = None
-        self.recompute_failed: "deque[tuple]" = deque()
+        self.recompute: ThreadPoolExecutor | None = None
+        self.recompute_failed: deque[tuple] = deque()
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.register_to_bootstrap()
-        logger.info("kvlink %s rank %d: KV engine %s at %s, %d index spaces (%s)", self.mode.value,
-                    self.engine_rank, self.kv.engine_id, self.kv.handshake_address, len(self.engines),
-                    kvlink.transport_summary(self.kv))
+        logger.info(
+            "kvlink %s rank %d: KV engine %s at %s, %d index spaces (%s)",
+            self.mode.value,
+            self.engine_rank,
+            self.kv.engine_id,
+            self.kv.handshake_address,
+            len(self.engines),
+            core.transport_summary(self.kv),
+        )
 
-    def _engine(self, listen: str, opts: Dict[str, Any], ptrs: List[int], lens: List[int],
-                item_lens: List[int], tokens_per_block: int, dtype: str,
-                heads: Optional[tuple] = None) -> kvlink.Engine:
+    def _make_engines(self, args: KVArgs, link: core.Settings, layout: str) -> None:
+        """The rank's engines, one per index space (``kv``, ``aux``, ``states``), each with the
+        memory of its space registered and its layout declared."""
+        # A page repeats the local heads once per token (token-major) or holds each head's
+        # tokens together (head-major).
+        runs = self.page_size if layout == "nhd" else 1
+        kv_heads = (self.heads[0], self.heads[1], runs) if self.heads and layout in ("nhd", "hnd") else None
+        listen = core.listen_address(link, 0, settings.node_address)
+        rdma = nic.choose(
+            link.rdma_device,
+            getattr(args, "ib_device", None),
+            getattr(args, "gpu_id", None),
+            settings.gpu_pci(getattr(args, "gpu_id", None)),
+        )
+        opts = dict(link.engine_options(), rdma_device=rdma)
+        # One engine per index space: block ids of one read index every tensor of its layout.
+        # The KV engine is this rank of the attention-TP group (it reads head slices of
+        # prefill ranks of another TP size); the aux and state engines pair one prefill rank
+        # with one decode rank, whole rows.
+        self.kv = self._engine(
+            listen,
+            dict(opts, tp_rank=self.tp_rank, tp_size=self.tp_size),
+            args.kv_data_ptrs,
+            args.kv_data_lens,
+            args.kv_item_lens,
+            self.page_size,
+            self.tag,
+            kv_heads,
+        )
+        aux_ptrs = list(getattr(args, "aux_data_ptrs", None) or [])
+        self.aux = (
+            self._engine(listen, opts, aux_ptrs, args.aux_data_lens, args.aux_item_lens, 1, "sglang-aux")
+            if aux_ptrs
+            else None
+        )
+        # Each state type on an engine of its own, tagged with its name (a pair whose types
+        # differ fails at the handshake too).
+        state_ptrs = list(getattr(args, "state_data_ptrs", None) or [])
+        self.state_types = states.check(list(getattr(args, "state_types", None) or [])[: len(state_ptrs)])
+        if len(self.state_types) != len(state_ptrs):
+            raise ValueError(f"kvlink: {len(state_ptrs)} state buffers but {len(self.state_types)} state types")
+        self.states: list[kvlink.Engine | None] = []
+        for i, ptrs in enumerate(state_ptrs):
+            self.states.append(
+                self._engine(
+                    listen,
+                    opts,
+                    ptrs,
+                    args.state_data_lens[i],
+                    args.state_item_lens[i],
+                    1,
+                    f"sglang-{self.state_types[i]}",
+                )
+                if ptrs
+                else None
+            )
+
+    def _engine(
+        self,
+        listen: str,
+        opts: dict[str, Any],
+        ptrs: list[int],
+        lens: list[int],
+        item_lens: list[int],
+        tokens_per_block: int,
+        dtype: str,
+        heads: tuple | None = None,
+    ) -> kvlink.Engine:
         e = kvlink.Engine(listen, **opts)
         try:
-            regions: Dict[int, int] = {}
+            regions: dict[int, int] = {}
             tensors = []
             for ptr, size, item in zip(ptrs, lens, item_lens):
                 ptr, size, item = int(ptr), int(size), int(item)
@@ -191,10 +236,18 @@ class KvlinkKVManager(BaseKVManager):
         if ":" in host:
             host = f"[{host}]"
         port = int(getattr(sa, "disaggregation_bootstrap_port", 8998))
-        entry = {"dp_rank": self.dp_rank, "tp_rank": self.engine_rank, "tp_size": self.tp_size,
-                 "dp_size": self.dp_size, "addr": self.kv.handshake_address, "engine_id": self.kv.engine_id,
-                 "page_size": self.page_size, "dtype": self.dtype, "heads": self.heads is not None,
-                 "states": self.state_types}
+        entry = {
+            "dp_rank": self.dp_rank,
+            "tp_rank": self.engine_rank,
+            "tp_size": self.tp_size,
+            "dp_size": self.dp_size,
+            "addr": self.kv.handshake_address,
+            "engine_id": self.kv.engine_id,
+            "page_size": self.page_size,
+            "dtype": self.dtype,
+            "heads": self.heads is not None,
+            "states": self.state_types,
+        }
         http_port = getattr(sa, "port", None)
         if isinstance(http_port, int) and 0 < http_port < 65536:
             entry["http_port"] = http_port
@@ -234,7 +287,7 @@ class KvlinkKVManager(BaseKVManager):
             for key in [k for k in table if k[0] == bootstrap_addr]:
                 del table[key]
 
-    def route(self, bootstrap_addr: str, dp_rank: int) -> Dict[str, Any]:
+    def route(self, bootstrap_addr: str, dp_rank: int) -> dict[str, Any]:
         """The prefill ranks this decode rank reads from: ``addrs`` and ``engine_ids`` of the
         whole attention-TP group of DP group ``dp_rank`` (rank order, as kvlink's reads take
         them), ``sources`` (the ranks this one reads: ``kvlink.tp_sources``), ``http_port``.
@@ -258,17 +311,25 @@ class KvlinkKVManager(BaseKVManager):
             raise ValueError(f"prefill attention TP {p}, decode {d}: {e}") from None
         if p != d:
             if not self.is_mla_backend and not (self.heads and info.heads):
-                raise ValueError(f"prefill attention TP {p}, decode {d}: the KV heads of this model are not "
-                                 "known on both sides (its configuration could not be read), so pages cannot "
-                                 "be split by head")
+                raise ValueError(
+                    f"prefill attention TP {p}, decode {d}: the KV heads of this model are not "
+                    "known on both sides (its configuration could not be read), so pages cannot "
+                    "be split by head"
+                )
             if any(e is not None for e in self.states):
-                raise ValueError(f"prefill attention TP {p}, decode {d}: kvlink moves state types (mamba, "
-                                 "sliding window, ...) only between equal attention TP sizes")
+                raise ValueError(
+                    f"prefill attention TP {p}, decode {d}: kvlink moves state types (mamba, "
+                    "sliding window, ...) only between equal attention TP sizes"
+                )
         ranks = self.groups.get((bootstrap_addr, dp_rank))
         if ranks is None or len(ranks) != p:
             raise ValueError(f"prefill DP group {dp_rank} is not registered at {bootstrap_addr}")
-        r = {"addrs": [x["addr"] for x in ranks], "engine_ids": [x["engine_id"] for x in ranks],
-             "sources": list(sources), "http_port": ranks[0].get("http_port")}
+        r = {
+            "addrs": [x["addr"] for x in ranks],
+            "engine_ids": [x["engine_id"] for x in ranks],
+            "sources": list(sources),
+            "http_port": ranks[0].get("http_port"),
+        }
         self.routes[key] = r
         return r
 
@@ -323,10 +384,10 @@ class KvlinkKVManager(BaseKVManager):
     def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
         """SGLang's deferred release ended for the room (nothing is kept per room)."""
 
-    def _watched(self) -> Dict[str, List[Any]]:
+    def _watched(self) -> dict[str, list[Any]]:
         """The peers live rooms wait on: for a sender, the decode ranks that asked; for a
         receiver that asked, the prefill ranks it reads."""
-        out: Dict[str, List[Any]] = {}
+        out: dict[str, list[Any]] = {}
         for s in self.senders.values():
             if s.outcome is None:
                 for w in s.wants.values():
@@ -364,18 +425,24 @@ class KvlinkKVManager(BaseKVManager):
             del self.peers_down[addr]
             peer = "prefill" if self.mode != DisaggregationMode.PREFILL else "decode"
             for room in rooms:
-                room._fail(f"the {peer} engine at {addr} has been unreachable for {now - since:.0f} s "
-                           f"(KVLINK_PEER_TIMEOUT): {why or state}", tell_peer=True)
+                room._fail(
+                    f"the {peer} engine at {addr} has been unreachable for {now - since:.0f} s "
+                    f"(KVLINK_PEER_TIMEOUT): {why or state}",
+                    tell_peer=True,
+                )
 
-    def drain(self, rids: List[str]) -> None:
+    def drain(self, rids: list[str]) -> None:
         """Waits until the cancelled reads ``rids`` were reported (their last write landed), at
         most ``_DRAIN_S``: SGLang reuses a failed request's pages right after ``clear()``."""
         end = time.monotonic() + _DRAIN_S
         while any(r in self.draining for r in rids):
             left = end - time.monotonic()
             if left <= 0:
-                logger.error("kvlink: cancelled reads %s not reported within %.0f s; their pages may "
-                             "still be written", [r for r in rids if r in self.draining], _DRAIN_S)
+                logger.error(
+                    "kvlink: cancelled reads %s not reported within %.0f s; their pages may still be written",
+                    [r for r in rids if r in self.draining],
+                    _DRAIN_S,
+                )
                 return
             engines = {id(e): e for r, e in self.draining.items() if r in rids}
             for e in engines.values():
@@ -390,17 +457,17 @@ class KvlinkKVManager(BaseKVManager):
         except kvlink.KvlinkError as e:
             self.unsent_messages += 1
             if self.unsent_messages <= 10 or self.unsent_messages % 1000 == 0:
-                logger.warning("kvlink: could not send a message to %s (%d so far): %s", peer,
-                               self.unsent_messages, e)
+                logger.warning("kvlink: could not send a message to %s (%d so far): %s", peer, self.unsent_messages, e)
             return False
 
     def _bad(self, sender_id: str, why: str) -> None:
         self.bad_messages += 1
         if self.bad_messages <= 10 or self.bad_messages % 1000 == 0:
-            logger.warning("kvlink: dropped a malformed message from engine %s (%d so far): %s",
-                           sender_id, self.bad_messages, why)
+            logger.warning(
+                "kvlink: dropped a malformed message from engine %s (%d so far): %s", sender_id, self.bad_messages, why
+            )
 
-    def _dispatch(self, sender_id: str, m: Dict[str, Any]) -> None:
+    def _dispatch(self, sender_id: str, m: dict[str, Any]) -> None:
         room, kind, nonce = m["room"], m["t"], m["nonce"]
         if kind == "ping":
             return
@@ -444,7 +511,7 @@ class KvlinkKVManager(BaseKVManager):
 
     # -- decode: retraction ------------------------------------------------------------------
 
-    def submit_prefill_recompute(self, kv_receiver: Any, payload: Dict[str, Any]) -> None:
+    def submit_prefill_recompute(self, kv_receiver: Any, payload: dict[str, Any]) -> None:
         """A retracted request goes back to its prefill: SGLang's decode scheduler has set up a
         new receiver for it (its ``want`` names the room again) and asks the prefill's HTTP API
         to compute the prompt again (``payload``, SGLang's ``/generate`` body); the prefill then
@@ -456,8 +523,11 @@ class KvlinkKVManager(BaseKVManager):
         route = getattr(kv_receiver, "route", None)
         port = route.get("http_port") if route else None
         if port is None:
-            kv_receiver._fail("the retracted request cannot go back to its prefill: it registered no HTTP "
-                              "port with the bootstrap server", tell_peer=True)
+            kv_receiver._fail(
+                "the retracted request cannot go back to its prefill: it registered no HTTP "
+                "port with the bootstrap server",
+                tell_peer=True,
+            )
             return
         host = kv_receiver.bootstrap_addr.rsplit(":", 1)[0]
         url = f"http://{host}:{port}/generate"
@@ -465,10 +535,11 @@ class KvlinkKVManager(BaseKVManager):
             self.recompute = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-recompute")
         self.recompute.submit(self._post_recompute, kv_receiver, url, payload)
 
-    def _post_recompute(self, kv_receiver: Any, url: str, payload: Dict[str, Any]) -> None:
+    def _post_recompute(self, kv_receiver: Any, url: str, payload: dict[str, Any]) -> None:
         rid = payload.get("rid")
-        req = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            url, data=json.dumps(payload).encode(), method="POST", headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=self.waiting_timeout) as r:
                 r.read(1 << 20)
@@ -484,6 +555,9 @@ class KvlinkKVManager(BaseKVManager):
         for pool in (self.recompute, self.lookup_pool):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+        if self.metrics is not None:
+            self.metrics.shutdown()
+            self.metrics = None
         for e in self.engines:
             e.close()
 
@@ -491,7 +565,7 @@ class KvlinkKVManager(BaseKVManager):
         self.close()
 
 
-def _remember(d: "OrderedDict[Any, Any]", room: Any, value: Any) -> None:
+def _remember(d: OrderedDict[Any, Any], room: Any, value: Any) -> None:
     d[room] = value
     d.move_to_end(room)
     while len(d) > _REMEMBERED_ROOMS:

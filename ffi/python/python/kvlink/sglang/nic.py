@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional, Union
 
 
-def parse(spec: Optional[str]) -> Optional[Union[str, Dict[int, str]]]:
+def parse(spec: str | None) -> str | dict[int, str] | None:
     """``spec`` as names for every GPU (a string) or a map from GPU id to names; None when
     empty. Raises ``ValueError`` saying what is wrong with a map or its file."""
     if spec is None or not spec.strip():
@@ -44,7 +43,7 @@ def parse(spec: Optional[str]) -> Optional[Union[str, Dict[int, str]]]:
             raise ValueError(f"the RDMA device map {s!r} is not JSON: {e}") from None
     if not isinstance(mapping, dict) or not mapping:
         raise ValueError("an RDMA device map must be a JSON object from GPU id to device names")
-    out: Dict[int, str] = {}
+    out: dict[int, str] = {}
     for k, v in mapping.items():
         if not str(k).isdigit() or not isinstance(v, str) or not v.strip():
             raise ValueError(f"RDMA device map entry {k!r}: {v!r}: GPU ids map to device names")
@@ -52,7 +51,7 @@ def parse(spec: Optional[str]) -> Optional[Union[str, Dict[int, str]]]:
     return out
 
 
-def for_gpu(spec: Optional[str], gpu_id: Optional[int]) -> Optional[str]:
+def for_gpu(spec: str | None, gpu_id: int | None) -> str | None:
     """The device names ``spec`` gives the rank on GPU ``gpu_id`` (None: ``spec`` is empty)."""
     parsed = parse(spec)
     if parsed is None or isinstance(parsed, str):
@@ -62,8 +61,9 @@ def for_gpu(spec: Optional[str], gpu_id: Optional[int]) -> Optional[str]:
     return parsed[gpu_id]
 
 
-def choose(env: Optional[str], flag: Optional[str], gpu_id: Optional[int], gpu_pci: Optional[str],
-           sysfs: str = "/sys") -> Optional[str]:
+def choose(
+    env: str | None, flag: str | None, gpu_id: int | None, gpu_pci: str | None, sysfs: str = "/sys"
+) -> str | None:
     """The devices for this rank (see the module docstring for the order); ``gpu_pci`` is the
     GPU's PCI address (``0000:3b:00.0``), when known."""
     for spec in (env, flag):
@@ -73,7 +73,7 @@ def choose(env: Optional[str], flag: Optional[str], gpu_id: Optional[int], gpu_p
     return nearest(gpu_pci, sysfs) if gpu_pci else None
 
 
-def nearest(gpu_pci: str, sysfs: str = "/sys") -> Optional[str]:
+def nearest(gpu_pci: str, sysfs: str = "/sys") -> str | None:
     """The RDMA device nearest the PCI function ``gpu_pci``, or None when sysfs lists none or
     does not know the GPU."""
     gpu = _pci_path(os.path.join(sysfs, "bus", "pci", "devices", gpu_pci))
@@ -94,14 +94,14 @@ def nearest(gpu_pci: str, sysfs: str = "/sys") -> Optional[str]:
     return best
 
 
-def _devices(sysfs: str) -> List[str]:
+def _devices(sysfs: str) -> list[str]:
     try:
         return sorted(os.listdir(os.path.join(sysfs, "class", "infiniband")))
     except OSError:
         return []
 
 
-def _pci_path(link: str) -> Optional[List[str]]:
+def _pci_path(link: str) -> list[str] | None:
     """The PCI bridges from the root complex down to a device (its resolved sysfs path, from
     its ``pci`` domain directory on), or None when it is not a PCI device."""
     if not os.path.exists(link):
@@ -114,7 +114,7 @@ def _pci_path(link: str) -> Optional[List[str]]:
     return None
 
 
-def _shared(a: List[str], b: List[str]) -> int:
+def _shared(a: list[str], b: list[str]) -> int:
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -123,7 +123,7 @@ def _shared(a: List[str], b: List[str]) -> int:
     return n
 
 
-def _numa(device_dir: str) -> Optional[int]:
+def _numa(device_dir: str) -> int | None:
     try:
         with open(os.path.join(device_dir, "numa_node"), encoding="ascii") as f:
             n = int(f.read().strip())

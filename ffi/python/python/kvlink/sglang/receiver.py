@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import numpy as np
+from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll, KVTransferDestination
 
 import kvlink
 from kvlink.sglang import states, wire
 from kvlink.sglang.manager import KvlinkKVManager
 from kvlink.sglang.room import Room
-from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll, KVTransferDestination
-
 
 # Most chunk messages one prefill rank may have announced ahead of the others a rank reads.
 _MAX_QUEUED_CHUNKS = 1024
@@ -26,26 +25,26 @@ class KvlinkKVReceiver(Room, BaseKVReceiver):
     pages (its share of their heads), and the aux row and state indices of the first one into
     theirs."""
 
-    def __init__(self, mgr: KvlinkKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
+    def __init__(self, mgr: KvlinkKVManager, bootstrap_addr: str, bootstrap_room: int | None = None):
         Room.__init__(self, mgr, int(bootstrap_room or 0))
         self.bootstrap_addr = bootstrap_addr
         self.require_staging = False
         self.abort_notified = False
-        self.route: Optional[Dict[str, Any]] = None
-        self.local_pages: Optional[List[int]] = None
-        self.aux_index: Optional[int] = None
-        self.state_indices: List[Optional[List[int]]] = []
-        self.state_rows: List[tuple] = []
+        self.route: dict[str, Any] | None = None
+        self.local_pages: list[int] | None = None
+        self.aux_index: int | None = None
+        self.state_indices: list[list[int] | None] = []
+        self.state_rows: list[tuple] = []
         self.next_page = 0
         self.chunks = 0
         self.last_seen = False
-        self.asked_at: Optional[float] = None
-        self.chunk_at: Optional[float] = None
+        self.asked_at: float | None = None
+        self.chunk_at: float | None = None
         # This attempt at the room: echoed by the prefill, part of every request id.
         self.nonce = random.getrandbits(63)
-        self.cancelled: List[str] = []
+        self.cancelled: list[str] = []
         # source prefill engine id -> its chunk messages not read yet
-        self.inbox: Dict[str, List[Dict[str, Any]]] = {}
+        self.inbox: dict[str, list[dict[str, Any]]] = {}
         old = mgr.receivers.get(self.bootstrap_room)
         if old is not None and old is not self:
             old._fail("a new receiver took over the room")
@@ -57,71 +56,112 @@ class KvlinkKVReceiver(Room, BaseKVReceiver):
         except ValueError as e:
             self._fail(str(e))
 
-    def send_metadata(self, kv_indices: Any, aux_index: Optional[int] = None,
-                      state_indices: Optional[List] = None, decode_prefix_len: Optional[int] = None,
-                      destination: KVTransferDestination = KVTransferDestination.DEVICE, **_: Any) -> None:
-        if self.outcome is not None or self.route is None:
+    def send_metadata(
+        self,
+        kv_indices: Any,
+        aux_index: int | None = None,
+        state_indices: list | None = None,
+        decode_prefix_len: int | None = None,
+        destination: KVTransferDestination = KVTransferDestination.DEVICE,
+        **_: Any,
+    ) -> None:
+        route = self.route
+        if self.outcome is not None or route is None:
             return
         if destination != KVTransferDestination.DEVICE:
             return self._fail("kvlink receives into the decode's KV pool only (no host destination)")
         mgr = self.kv_mgr
-        self.local_pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
+        self.local_pages = local = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
         self.aux_index = None if aux_index is None else int(aux_index)
-        self.state_indices = [None if s is None else [int(x) for x in np.asarray(s).reshape(-1)]
-                              for s in (state_indices or [])]
+        self.state_indices = [
+            None if s is None else [int(x) for x in np.asarray(s).reshape(-1)] for s in (state_indices or [])
+        ]
         try:
             # Per state type, the rows its payload names (and a dsa_tail ring's size).
-            self.state_rows = [states.rows(mgr.state_types[i], s) if s is not None and i < len(mgr.states)
-                               and mgr.states[i] is not None else ([], None)
-                               for i, s in enumerate(self.state_indices)]
+            self.state_rows = [
+                states.rows(mgr.state_types[i], s)
+                if s is not None and i < len(mgr.states) and mgr.states[i] is not None
+                else ([], None)
+                for i, s in enumerate(self.state_indices)
+            ]
         except ValueError as e:
             return self._fail(f"this decode's state indices: {e}", tell_peer=False)
         counts = [len(r) for r, _ in self.state_rows]
-        readers = {"aux": mgr.aux.engine_id if mgr.aux is not None else None,
-                   "states": [mgr.states[i].engine_id if c else mgr.kv.engine_id for i, c in enumerate(counts)]}
+        readers = {
+            "aux": mgr.aux.engine_id if mgr.aux is not None else None,
+            # A state type with rows has its engine (rows are read only for those).
+            "states": [_engine_id(mgr.states[i], mgr.kv) if c else mgr.kv.engine_id for i, c in enumerate(counts)],
+        }
         self.asked_at = time.monotonic()
         aux = self.aux_index is not None and mgr.aux is not None
-        self.inbox = {self.route["engine_ids"][s]: [] for s in self.route["sources"]}
-        for j, s in enumerate(self.route["sources"]):
+        self.inbox = {route["engine_ids"][s]: [] for s in route["sources"]}
+        for j, s in enumerate(route["sources"]):
             # The first source also sends the aux row and the states (whole on every rank).
-            body = wire.want(self.bootstrap_room, self.nonce, mgr.kv.handshake_address, len(self.local_pages),
-                             int(decode_prefix_len or 0), aux and j == 0, counts if j == 0 else [0] * len(counts),
-                             readers, (mgr.tp_rank, mgr.tp_size))
-            if not mgr.send(self.route["addrs"][s], body):
+            body = wire.want(
+                self.bootstrap_room,
+                self.nonce,
+                mgr.kv.handshake_address,
+                len(local),
+                int(decode_prefix_len or 0),
+                aux and j == 0,
+                counts if j == 0 else [0] * len(counts),
+                readers,
+                (mgr.tp_rank, mgr.tp_size),
+            )
+            if not mgr.send(route["addrs"][s], body):
                 return self._fail(f"could not ask prefill rank {s} for the room", tell_peer=True)
 
-    def _on_chunk(self, m: Dict[str, Any], sender_id: str) -> None:
+    def _on_chunk(self, m: dict[str, Any], sender_id: str) -> None:
         if self.outcome is not None or self.local_pages is None:
             return
         queue = self.inbox.get(sender_id)
         if queue is None:
-            self.kv_mgr._bad(sender_id, f"chunk for room {self.bootstrap_room} from an engine other than "
-                                        f"its prefill ranks {sorted(self.inbox)}")
+            self.kv_mgr._bad(
+                sender_id,
+                f"chunk for room {self.bootstrap_room} from an engine other than "
+                f"its prefill ranks {sorted(self.inbox)}",
+            )
             return
         if len(queue) >= _MAX_QUEUED_CHUNKS:
             # A prefill rank far ahead of the others (or a hostile one): the queue stays bounded.
-            return self._fail(f"prefill engine {sender_id} announced {len(queue)} chunks the other prefill ranks "
-                              "have not", tell_peer=True)
+            return self._fail(
+                f"prefill engine {sender_id} announced {len(queue)} chunks the other prefill ranks have not",
+                tell_peer=True,
+            )
         queue.append(m)
         self.chunk_at = time.monotonic()
         while self.outcome is None and all(self.inbox.values()):
             heads = [q.pop(0) for q in self.inbox.values()]
             self._read_chunk(heads)
 
-    def _read_chunk(self, heads: List[Dict[str, Any]]) -> None:
+    def _read_chunk(self, heads: list[dict[str, Any]]) -> None:
         """Reads one chunk every source announced (``heads``, in source order): the same pages
         under the same id and token on each."""
+        # _on_chunk passes chunks on only after send_metadata set both.
+        local, route = self.local_pages, self.route
+        assert local is not None and route is not None
         m = heads[0]
         for other in heads[1:]:
             if (other["id"], other["hold"], other["first"], other["pages"], other["last"]) != (
-                    m["id"], m["hold"], m["first"], m["pages"], m["last"]):
-                return self._fail(f"the prefill ranks announced chunk {self.chunks} differently ({m['id']} "
-                                  f"pages {m['first']}+{len(m['pages'])}, {other['id']} pages {other['first']}+"
-                                  f"{len(other['pages'])})", tell_peer=True)
+                m["id"],
+                m["hold"],
+                m["first"],
+                m["pages"],
+                m["last"],
+            ):
+                return self._fail(
+                    f"the prefill ranks announced chunk {self.chunks} differently ({m['id']} "
+                    f"pages {m['first']}+{len(m['pages'])}, {other['id']} pages {other['first']}+"
+                    f"{len(other['pages'])})",
+                    tell_peer=True,
+                )
         pages, first = m["pages"], m["first"]
-        if first != self.next_page or first + len(pages) > len(self.local_pages):
-            return self._fail(f"chunk {self.chunks} covers pages [{first}, {first + len(pages)}) after "
-                              f"{self.next_page} of {len(self.local_pages)}", tell_peer=True)
+        if first != self.next_page or first + len(pages) > len(local):
+            return self._fail(
+                f"chunk {self.chunks} covers pages [{first}, {first + len(pages)}) after "
+                f"{self.next_page} of {len(local)}",
+                tell_peer=True,
+            )
         if self.started is None:
             self.started = time.monotonic()
         try:
@@ -139,23 +179,33 @@ class KvlinkKVReceiver(Room, BaseKVReceiver):
         self.last_seen = bool(m["last"])
         self._progress()
 
-    def _plan_chunk(self, m: Dict[str, Any]) -> List[tuple]:
+    def _plan_chunk(self, m: dict[str, Any]) -> list[tuple]:
         """The reads of one chunk: ``(engine, peer, request id, index space, local, remote,
         announcement)`` each; raises ``ValueError`` for a chunk this decode cannot take."""
         pages, first = m["pages"], m["first"]
+        local, route = self.local_pages, self.route
+        assert local is not None and route is not None  # as in _read_chunk
         tag = f"sgl{self.bootstrap_room}.{self.nonce:x}"
         reads = []
         if pages:
-            reads.append((self.kv_mgr.kv, self.route["addrs"], f"{tag}.c{self.chunks}", "kv",
-                          self.local_pages[first:first + len(pages)], pages, m))
+            reads.append(
+                (
+                    self.kv_mgr.kv,
+                    route["addrs"],
+                    f"{tag}.c{self.chunks}",
+                    "kv",
+                    local[first : first + len(pages)],
+                    pages,
+                    m,
+                )
+            )
         if m["last"]:
-            if first + len(pages) != len(self.local_pages):
-                raise ValueError(f"the prefill sent {first + len(pages)} pages, this decode expects "
-                                 f"{len(self.local_pages)}")
+            if first + len(pages) != len(local):
+                raise ValueError(f"the prefill sent {first + len(pages)} pages, this decode expects {len(local)}")
             reads += self._plan_spaces(m["spaces"], tag)
         return reads
 
-    def _plan_spaces(self, spaces: List[Dict[str, Any]], tag: str) -> List[tuple]:
+    def _plan_spaces(self, spaces: list[dict[str, Any]], tag: str) -> list[tuple]:
         mgr, reads = self.kv_mgr, []
         for s in spaces:
             if s["space"] == "aux":
@@ -167,8 +217,9 @@ class KvlinkKVReceiver(Room, BaseKVReceiver):
                 local, ring = self.state_rows[i] if i < len(self.state_rows) else ([], None)
                 engine = mgr.states[i] if i < len(mgr.states) else None
                 if not local or engine is None:
-                    raise ValueError(f"state type {i}: the prefill sent {len(s['indices'])} indices, "
-                                     "this decode asked for none")
+                    raise ValueError(
+                        f"state type {i}: the prefill sent {len(s['indices'])} indices, this decode asked for none"
+                    )
                 mine, theirs = states.pair(mgr.state_types[i], s["indices"], local, s["ring"], ring)
                 if not mine:
                     raise ValueError(f"{mgr.state_types[i]} state: the prefill sent no rows to read")
@@ -196,8 +247,11 @@ class KvlinkKVReceiver(Room, BaseKVReceiver):
         now = time.monotonic()
         since = self.chunk_at or self.asked_at
         if not self.last_seen and now - since > self.kv_mgr.waiting_timeout:
-            self._fail(f"no KV chunk from the prefill for {self.kv_mgr.waiting_timeout:.0f} s "
-                       "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT)", tell_peer=True)
+            self._fail(
+                f"no KV chunk from the prefill for {self.kv_mgr.waiting_timeout:.0f} s "
+                "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT)",
+                tell_peer=True,
+            )
             return KVPoll.Failed
         return KVPoll.WaitingForInput if self.chunks == 0 else KVPoll.Transferring
 
@@ -247,7 +301,7 @@ class KvlinkKVReceiver(Room, BaseKVReceiver):
         self._fail("Aborted by AbortReq.", tell_peer=True)
 
     @property
-    def bootstrap_infos(self) -> Optional[List[int]]:
+    def bootstrap_infos(self) -> list[int] | None:
         """The prefill ranks this rank reads (SGLang counts them for its deferred release)."""
         return None if self.route is None else list(self.route["sources"])
 
@@ -259,3 +313,8 @@ class KvlinkKVReceiver(Room, BaseKVReceiver):
         if self.outcome is None:
             self._fail("aborted by the decode", tell_peer=True)
         self.abort_notified = True
+
+
+def _engine_id(engine: kvlink.Engine | None, fallback: kvlink.Engine) -> str:
+    """``engine``'s id; ``fallback``'s for a state type without an engine of its own."""
+    return (engine or fallback).engine_id

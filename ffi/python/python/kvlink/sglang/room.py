@@ -5,11 +5,11 @@ failure exception."""
 from __future__ import annotations
 
 import logging
-from typing import Dict, Optional
+
+from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferMetric
 
 import kvlink
 from kvlink.sglang.manager import KvlinkKVManager, KvlinkTransferError
-from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferMetric
 
 logger = logging.getLogger(__name__)
 
@@ -20,14 +20,14 @@ class Room:
     def __init__(self, mgr: KvlinkKVManager, room: int):
         self.kv_mgr = mgr
         self.bootstrap_room = room
-        self.outcome: Optional[int] = None  # KVPoll.Success or KVPoll.Failed once concluded
-        self.reason: Optional[str] = None
-        self.out: Dict[str, str] = {}  # request id -> index space ("kv", "aux", "s<i>")
-        self.started: Optional[float] = None
-        self.finished_at: Optional[float] = None
+        self.outcome: int | None = None  # KVPoll.Success or KVPoll.Failed once concluded
+        self.reason: str | None = None
+        self.out: dict[str, str] = {}  # request id -> index space ("kv", "aux", "s<i>")
+        self.started: float | None = None
+        self.finished_at: float | None = None
         self.bytes = 0
 
-    def _engine(self, space: str) -> Optional[kvlink.Engine]:
+    def _engine(self, space: str) -> kvlink.Engine | None:
         if space == "kv":
             return self.kv_mgr.kv
         if space == "aux":
@@ -72,5 +72,8 @@ class Room:
         if self.outcome is None:
             # SGLang all-reduces polls: another TP rank failed this room. Our peer rank is told.
             self._fail("failed on another TP rank", tell_peer=True)
-        raise KvlinkTransferError(self.bootstrap_room,
-                                  self.reason if local else "failed on another TP rank", is_from_another_rank=not local)
+        raise KvlinkTransferError(
+            self.bootstrap_room,
+            self.reason if self.reason is not None else "failed on another TP rank",
+            is_from_another_rank=not local,
+        )

@@ -6,15 +6,15 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import deque
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import numpy as np
+from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll
 
 import kvlink
 from kvlink.sglang import states, wire
 from kvlink.sglang.manager import KvlinkKVManager, _remember
 from kvlink.sglang.room import Room
-from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll
 
 
 def _hold_token(rid: str) -> int:
@@ -28,22 +28,27 @@ class KvlinkKVSender(Room, BaseKVSender):
     """Prefill side of one room: holds each chunk for every decode rank that reads this rank
     (one, or several when the decode's attention TP is larger), and announces it to each."""
 
-    def __init__(self, mgr: KvlinkKVManager, bootstrap_addr: str, bootstrap_room: int,
-                 req_has_disagg_prefill_dp_rank: bool = False):
+    def __init__(
+        self,
+        mgr: KvlinkKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ):
         Room.__init__(self, mgr, int(bootstrap_room))
         self.bootstrap_addr = bootstrap_addr
         # decode KV engine id -> its want, and how many decode ranks read this rank
-        self.wants: Dict[str, Dict[str, Any]] = {}
-        self.expected: Optional[int] = None
-        self.num_pages: Optional[int] = None
-        self.aux_index: Optional[int] = None
+        self.wants: dict[str, dict[str, Any]] = {}
+        self.expected: int | None = None
+        self.num_pages: int | None = None
+        self.aux_index: int | None = None
         self.sent_pages = 0
         self.chunks = 0
         self.last_sent = False
         # chunks handed over before their GPU event completed: (event, pages, state indices)
-        self.queued: "deque[tuple]" = deque()
+        self.queued: deque[tuple] = deque()
         self.created = time.monotonic()
-        self.waiting_since: Optional[float] = None
+        self.waiting_since: float | None = None
         room = self.bootstrap_room
         old = mgr.senders.get(room)
         if old is not None and old is not self:
@@ -53,13 +58,15 @@ class KvlinkKVSender(Room, BaseKVSender):
         mgr.aborted.pop(room, None)
         if mgr.dp_size > 1 and room % mgr.dp_size != mgr.dp_rank:
             # As SGLang's own backends: a decode looks for the room at DP rank room % DP size.
-            self._fail(f"room {room} reached prefill DP rank {mgr.dp_rank}, but decodes look for it at DP rank "
-                       f"{room % mgr.dp_size} (room % {mgr.dp_size}): route by bootstrap room")
+            self._fail(
+                f"room {room} reached prefill DP rank {mgr.dp_rank}, but decodes look for it at DP rank "
+                f"{room % mgr.dp_size} (room % {mgr.dp_size}): route by bootstrap room"
+            )
         for m, sender_id in mgr.early_wants.pop(room, []):
             self._on_want(m, sender_id)
 
     @property
-    def want(self) -> Optional[Dict[str, Any]]:
+    def want(self) -> dict[str, Any] | None:
         """The first decode rank's want, once every decode rank reading this rank asked."""
         return next(iter(self.wants.values())) if self.ready else None
 
@@ -67,7 +74,7 @@ class KvlinkKVSender(Room, BaseKVSender):
     def ready(self) -> bool:
         return self.expected is not None and len(self.wants) >= self.expected
 
-    def _on_want(self, m: Dict[str, Any], sender_id: str) -> None:
+    def _on_want(self, m: dict[str, Any], sender_id: str) -> None:
         room, known = self.bootstrap_room, self.wants.get(sender_id)
         if known is not None and known["nonce"] == m["nonce"] and self.outcome != KVPoll.Failed:
             return  # the same want again
@@ -84,7 +91,7 @@ class KvlinkKVSender(Room, BaseKVSender):
         self.expected = size // self.kv_mgr.tp_size if size > self.kv_mgr.tp_size else 1
         self.kv_mgr.req_to_decode_prefix_len[room] = m["prefix"]
 
-    def _mismatch(self, m: Dict[str, Any]) -> Optional[str]:
+    def _mismatch(self, m: dict[str, Any]) -> str | None:
         """Why want ``m`` cannot join this room's (a decode rank that does not read this rank,
         or one that disagrees with the decode ranks that asked before it), or None."""
         mgr, (rank, size) = self.kv_mgr, m["tp"]
@@ -100,9 +107,11 @@ class KvlinkKVSender(Room, BaseKVSender):
             if w["tp"] == (rank, size):
                 return f"two decode engines ask for room {self.bootstrap_room} as decode rank {rank} of {size}"
             if (w["tp"][1], w["pages"], w["prefix"]) != (size, m["pages"], m["prefix"]):
-                return (f"decode ranks disagree on room {self.bootstrap_room}: rank {w['tp'][0]} of {w['tp'][1]} "
-                        f"wants {w['pages']} pages after {w['prefix']}, rank {rank} of {size} {m['pages']} after "
-                        f"{m['prefix']}")
+                return (
+                    f"decode ranks disagree on room {self.bootstrap_room}: rank {w['tp'][0]} of {w['tp'][1]} "
+                    f"wants {w['pages']} pages after {w['prefix']}, rank {rank} of {size} {m['pages']} after "
+                    f"{m['prefix']}"
+                )
         return None
 
     def _on_peer_abort(self, reason: str, sender_id: str) -> None:
@@ -117,9 +126,11 @@ class KvlinkKVSender(Room, BaseKVSender):
         if not self.ready:
             if now - self.created > self.kv_mgr.bootstrap_timeout:
                 asked = f"{len(self.wants)} of {self.expected} decode ranks" if self.wants else "no decode"
-                self._fail(f"{asked} asked for room {self.bootstrap_room} within "
-                           f"{self.kv_mgr.bootstrap_timeout:.0f} s (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)",
-                           tell_peer=True)
+                self._fail(
+                    f"{asked} asked for room {self.bootstrap_room} within "
+                    f"{self.kv_mgr.bootstrap_timeout:.0f} s (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)",
+                    tell_peer=True,
+                )
                 return KVPoll.Failed
             return KVPoll.Bootstrapping
         if self.chunks == 0 and self.num_pages is not None:
@@ -127,8 +138,11 @@ class KvlinkKVSender(Room, BaseKVSender):
             if self.waiting_since is None:
                 self.waiting_since = now
             elif now - self.waiting_since > self.kv_mgr.waiting_timeout:
-                self._fail(f"no KV chunk was sent within {self.kv_mgr.waiting_timeout:.0f} s "
-                           "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT)", tell_peer=True)
+                self._fail(
+                    f"no KV chunk was sent within {self.kv_mgr.waiting_timeout:.0f} s "
+                    "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT)",
+                    tell_peer=True,
+                )
                 return KVPoll.Failed
         if not self.last_sent:
             return KVPoll.WaitingForInput if self.chunks == 0 else KVPoll.Transferring
@@ -140,15 +154,14 @@ class KvlinkKVSender(Room, BaseKVSender):
     def pop_decode_prefix_len(self) -> int:
         return self.kv_mgr.req_to_decode_prefix_len.pop(self.bootstrap_room, 0)
 
-    def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self.num_pages = int(num_kv_indices)
         self.aux_index = None if aux_index is None else int(aux_index)
         for w in self.wants.values():
             if w["pages"] != self.num_pages and self.outcome is None:
-                self._fail(f"the prefill sends {self.num_pages} pages, the decode expects {w['pages']}",
-                           tell_peer=True)
+                self._fail(f"the prefill sends {self.num_pages} pages, the decode expects {w['pages']}", tell_peer=True)
 
-    def get_max_transfer_tokens(self) -> Optional[int]:
+    def get_max_transfer_tokens(self) -> int | None:
         return None
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
@@ -158,16 +171,20 @@ class KvlinkKVSender(Room, BaseKVSender):
     def mark_prefill_complete(self) -> None:
         pass
 
-    def send(self, kv_indices: Any, state_indices: Optional[List] = None,
-             num_kv_tokens: Optional[int] = None, **_: Any) -> None:
+    def send(
+        self, kv_indices: Any, state_indices: list | None = None, num_kv_tokens: int | None = None, **_: Any
+    ) -> None:
         # With overlap scheduling SGLang may hand over pages whose KV the previous forward is
         # still writing, with an event to wait for first: the chunk is held and announced once
         # the event completed (looked at from every poll), never by blocking the scheduler.
         event = getattr(self, "_early_send_wait_event", None)
         self._early_send_wait_event = None
         pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
-        kept = None if state_indices is None else [None if s is None else np.asarray(s).reshape(-1).copy()
-                                                    for s in state_indices]
+        kept = (
+            None
+            if state_indices is None
+            else [None if s is None else np.asarray(s).reshape(-1).copy() for s in state_indices]
+        )
         self.queued.append((event, pages, kept))
         self.flush()
 
@@ -182,7 +199,7 @@ class KvlinkKVSender(Room, BaseKVSender):
             self._send_now(pages, state_indices)
         self.kv_mgr.waiting_senders.pop(self.bootstrap_room, None)
 
-    def _send_now(self, pages: List[int], state_indices: Optional[List]) -> None:
+    def _send_now(self, pages: list[int], state_indices: list | None) -> None:
         if self.outcome is not None or not self.ready or self.num_pages is None:
             return
         mgr = self.kv_mgr
@@ -196,7 +213,7 @@ class KvlinkKVSender(Room, BaseKVSender):
         # One hold and one message per part and decode rank: a message names at most
         # MAX_PAGES_PER_MESSAGE pages.
         step = wire.MAX_PAGES_PER_MESSAGE
-        parts = [pages[i:i + step] for i in range(0, len(pages), step)] or [[]]
+        parts = [pages[i : i + step] for i in range(0, len(pages), step)] or [[]]
         for n, part in enumerate(parts):
             part_last = last and n == len(parts) - 1
             k = self.chunks
@@ -209,8 +226,16 @@ class KvlinkKVSender(Room, BaseKVSender):
         self.last_sent = last
         self._progress()
 
-    def _announce(self, reader: str, want: Dict[str, Any], k: int, first: int, part: List[int], last: bool,
-                  state_indices: Optional[List]) -> bool:
+    def _announce(
+        self,
+        reader: str,
+        want: dict[str, Any],
+        k: int,
+        first: int,
+        part: list[int],
+        last: bool,
+        state_indices: list | None,
+    ) -> bool:
         """Holds part ``k`` for one decode rank (and with the last part its aux row and state
         indices) and tells it; False once the room failed."""
         mgr, room = self.kv_mgr, self.bootstrap_room
@@ -231,7 +256,7 @@ class KvlinkKVSender(Room, BaseKVSender):
             return False
         return True
 
-    def _hold_spaces(self, want: Dict[str, Any], state_indices: Optional[List]) -> List[Dict[str, Any]]:
+    def _hold_spaces(self, want: dict[str, Any], state_indices: list | None) -> list[dict[str, Any]]:
         mgr, room = self.kv_mgr, self.bootstrap_room
         spaces = []
         if want["aux"] and self.aux_index is not None and mgr.aux is not None:
@@ -239,8 +264,15 @@ class KvlinkKVSender(Room, BaseKVSender):
             hold = mgr.aux.hold_blocks(rid, [self.aux_index], reader=want["readers"]["aux"])
             self._track(rid, "aux")
             self.bytes += sum(int(x) for x in mgr.kv_args.aux_item_lens)
-            spaces.append({"space": "aux", "addr": mgr.aux.handshake_address, "id": rid, "hold": hold,
-                           "indices": [self.aux_index]})
+            spaces.append(
+                {
+                    "space": "aux",
+                    "addr": mgr.aux.handshake_address,
+                    "id": rid,
+                    "hold": hold,
+                    "indices": [self.aux_index],
+                }
+            )
         for i, idx in enumerate(state_indices or []):
             if idx is None or i >= len(want["states"]) or want["states"][i] == 0:
                 continue
@@ -253,8 +285,16 @@ class KvlinkKVSender(Room, BaseKVSender):
             rid = f"sgl{room}.{want['nonce']:x}.s{i}"
             hold = engine.hold_blocks(rid, indices, reader=want["readers"]["states"][i])
             self._track(rid, f"s{i}")
-            spaces.append({"space": i, "addr": engine.handshake_address, "id": rid, "hold": hold, "indices": indices,
-                           "ring": ring})
+            spaces.append(
+                {
+                    "space": i,
+                    "addr": engine.handshake_address,
+                    "id": rid,
+                    "hold": hold,
+                    "indices": indices,
+                    "ring": ring,
+                }
+            )
         return spaces
 
     def _progress(self) -> None:

@@ -9,10 +9,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from typing import Any, Dict, Optional
+from dataclasses import replace
+from typing import Any
 
 from sglang.srt.disaggregation.base.conn import KVArgs
 from sglang.srt.disaggregation.utils import DisaggregationMode
+
+from .. import core
 
 logger = logging.getLogger(__name__)
 
@@ -35,21 +38,30 @@ def env_flag(name: str) -> bool:
         return os.environ.get(name, "").lower() in ("1", "true", "yes")
 
 
-def host() -> str:
-    host = os.environ.get("KVLINK_HOST")
-    if host:
-        return host
-    if os.environ.get("KVLINK_AUTH_KEY") or os.environ.get("KVLINK_AUTH_KEY_FILE"):
-        try:
-            from sglang.srt.utils.network import get_local_ip_auto
-
-            return get_local_ip_auto()
-        except Exception:  # noqa: BLE001
-            pass
-    return "127.0.0.1"
+#: kvlink's settings (``kvlink.core``'s schema) in the environment, SGLang's place for them:
+#: ``KVLINK_<FIELD>``, and ``KVLINK_HOST`` (a host; each engine takes an ephemeral port). The
+#: key's variables are left to ``kvlink.Engine``, which reads them itself.
+NAMES: dict[str, str | None] = {field: "KVLINK_" + field.upper() for field in core.FIELDS}
+NAMES.update(listen="KVLINK_HOST", auth_key=None, auth_key_file=None)
 
 
-def gpu_pci(gpu_id: Optional[int]) -> Optional[str]:
+def link() -> core.Settings:
+    """kvlink's settings from the environment; ``ValueError`` names the variable at fault."""
+    s = core.Settings.read(os.environ, NAMES, "the environment")
+    return replace(s, port=0)
+
+
+def node_address() -> str:
+    """This node's address as SGLang finds it (loopback when it cannot)."""
+    try:
+        from sglang.srt.utils.network import get_local_ip_auto
+
+        return str(get_local_ip_auto())
+    except Exception:  # noqa: BLE001
+        return "127.0.0.1"
+
+
+def gpu_pci(gpu_id: int | None) -> str | None:
     """The PCI address of CUDA device ``gpu_id`` (``0000:3b:00.0``), when there is one."""
     if gpu_id is None:
         return None
@@ -59,7 +71,9 @@ def gpu_pci(gpu_id: Optional[int]) -> Optional[str]:
         if not torch.cuda.is_available():
             return None
         p = torch.cuda.get_device_properties(int(gpu_id))
-        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+        # Read by name: torch's stubs leave the PCI ids out (CUDA builds have them).
+        domain, bus, device = (int(getattr(p, f"pci_{k}_id")) for k in ("domain", "bus", "device"))
+        return f"{domain:04x}:{bus:02x}:{device:02x}.0"
     except Exception:  # noqa: BLE001 - no CUDA, or a torch without PCI ids
         return None
 
@@ -72,17 +86,16 @@ def layout_tag(desc: str) -> str:
     return "sgl-" + hashlib.blake2b(desc.encode(), digest_size=14).hexdigest()
 
 
-PARALLEL_FIELDS = ("attn_tp_rank", "attn_tp_size", "attn_dp_rank", "attn_dp_size", "attn_cp_size",
-                    "pp_size", "dp_size")
+PARALLEL_FIELDS = ("attn_tp_rank", "attn_tp_size", "attn_dp_rank", "attn_dp_size", "attn_cp_size", "pp_size", "dp_size")
 
 
-def parallel() -> Dict[str, Any]:
+def parallel() -> dict[str, Any]:
     """This rank's place as SGLang resolved it (``get_parallel()``: attention TP, DP and CP, PP,
     system DP), never guessed from raw arguments: ``--dwdp-size`` and context parallelism change
     them after parsing. A value SGLang has not published is an error at start."""
     from sglang.srt.runtime_context import get_parallel
 
-    p, out = get_parallel(), {}
+    p, out = get_parallel(), dict[str, Any]()
     for name in PARALLEL_FIELDS:
         try:
             v = getattr(p, name)
@@ -99,7 +112,7 @@ def parallel() -> Dict[str, Any]:
     return out
 
 
-def dp_group(par: Dict[str, Any], args: KVArgs) -> tuple:
+def dp_group(par: dict[str, Any], args: KVArgs) -> tuple:
     """``(rank, count)`` of the prefill group a room is routed to, as SGLang's bootstrap keys
     it: the attention-DP rank, or with system DP (``--dp-size`` without DP attention) the
     replica's rank."""
@@ -126,7 +139,7 @@ def mha_layout() -> str:
     return "nhd"
 
 
-def kv_heads(args: KVArgs, server_args: Any, attn_tp_size: int, is_mla: bool) -> Optional[tuple]:
+def kv_heads(args: KVArgs, server_args: Any, attn_tp_size: int, is_mla: bool) -> tuple | None:
     """``(total, local)`` KV heads when TP splits the KV pages by head (not MLA), from the
     model's configuration as SGLang's pools size themselves (both sides the same way: a pair
     declares heads on both engines or on neither); ``None`` when it cannot be told, and then
@@ -143,16 +156,16 @@ def kv_heads(args: KVArgs, server_args: Any, attn_tp_size: int, is_mla: bool) ->
         return None
     given = (getattr(args, "total_kv_head_num", None), getattr(args, "kv_head_num", None))
     if all(isinstance(x, int) for x in given) and given != (total, local):
-        raise ValueError(f"kvlink: SGLang's pool holds {given[1]} of {given[0]} KV heads, the model "
-                         f"configuration says {local} of {total}")
+        raise ValueError(
+            f"kvlink: SGLang's pool holds {given[1]} of {given[0]} KV heads, the model "
+            f"configuration says {local} of {total}"
+        )
     if total <= 0 or local <= 0:
         return None
     return total, local
 
 
-
-
-def refuse_unsupported(sa: Any, par: Dict[str, Any], mode: DisaggregationMode) -> None:
+def refuse_unsupported(sa: Any, par: dict[str, Any], mode: DisaggregationMode) -> None:
     """Configurations this backend does not implement fail at start, saying which (from the
     parallel sizes SGLang resolved, ``par``)."""
     why = []
@@ -162,10 +175,15 @@ def refuse_unsupported(sa: Any, par: Dict[str, Any], mode: DisaggregationMode) -
     if par["enable_kv_cache_sharding"] is True:
         why.append("KV cache sharding across attention TP")
     dp = par["dp_size"] if par["dp_size"] > 1 else par["attn_dp_size"]
-    if (mode == DisaggregationMode.PREFILL and dp > 1
-            and par["load_balance_method"] not in ("follow_bootstrap_room", "auto")):
-        why.append(f"the {par['load_balance_method']} load balance method with {dp} DP ranks (a decode finds "
-                   "the prefill DP rank of a room as room % DP size: follow_bootstrap_room)")
+    if (
+        mode == DisaggregationMode.PREFILL
+        and dp > 1
+        and par["load_balance_method"] not in ("follow_bootstrap_room", "auto")
+    ):
+        why.append(
+            f"the {par['load_balance_method']} load balance method with {dp} DP ranks (a decode finds "
+            "the prefill DP rank of a room as room % DP size: follow_bootstrap_room)"
+        )
     if getattr(sa, "disaggregation_decode_allocation_policy", "early") not in ("early", None):
         why.append("the prefill_complete decode allocation policy")
     if getattr(sa, "enable_memory_saver", False) is True:

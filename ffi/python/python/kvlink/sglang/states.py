@@ -19,10 +19,10 @@ whole rows, block-granular, on an engine of the type's own. The payloads SGLang 
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Iterable, Sequence
+from typing import Any
 
-EXACT = frozenset({"mamba", "dsa_tail", "qsa_pending", "qsa_compressed", "swa_ring", "c128_state",
-                   "request_row"})
+EXACT = frozenset({"mamba", "dsa_tail", "qsa_pending", "qsa_compressed", "swa_ring", "c128_state", "request_row"})
 PAGED = frozenset({"swa", "dsa", "block_scale", "block_scale_swa", "minimax_index_k", "minimax_dense_kv"})
 KNOWN = EXACT | PAGED
 
@@ -32,17 +32,18 @@ def name(state_type: object) -> str:
     return str(getattr(state_type, "value", state_type))
 
 
-def check(types: Sequence[object]) -> List[str]:
+def check(types: Sequence[object]) -> list[str]:
     """The names of ``types``; raises ``ValueError`` naming any this backend does not know."""
     names = [name(t) for t in types]
     unknown = [n for n in names if n not in KNOWN]
     if unknown:
-        raise ValueError(f"the kvlink transfer backend does not know SGLang state types {unknown} "
-                         f"(it moves {sorted(KNOWN)})")
+        raise ValueError(
+            f"the kvlink transfer backend does not know SGLang state types {unknown} (it moves {sorted(KNOWN)})"
+        )
     return names
 
 
-def rows(state_type: str, indices: Optional[Sequence[int]]) -> Tuple[List[int], Optional[int]]:
+def rows(state_type: str, indices: Iterable[Any] | None) -> tuple[list[int], int | None]:
     """The rows a payload names, and for ``dsa_tail`` its ring size. Raises ``ValueError`` on
     a malformed descriptor."""
     idx = [int(x) for x in (indices if indices is not None else [])]
@@ -55,14 +56,17 @@ def rows(state_type: str, indices: Optional[Sequence[int]]) -> Tuple[List[int], 
     return [idx[0]], idx[5]
 
 
-def pair(state_type: str, prefill: Sequence[int], decode: Sequence[int], prefill_ring: Optional[int],
-         decode_ring: Optional[int]) -> Tuple[List[int], List[int]]:
+def pair(
+    state_type: str, prefill: Sequence[int], decode: Sequence[int], prefill_ring: int | None, decode_ring: int | None
+) -> tuple[list[int], list[int]]:
     """``(decode rows, prefill rows)`` to read, row for row; raises ``ValueError`` with both
     sides' values when they cannot pair."""
     p, d = list(prefill), list(decode)
     if state_type == "dsa_tail" and p and d and prefill_ring != decode_ring:
-        raise ValueError(f"dsa_tail rings of {prefill_ring} slots on the prefill and {decode_ring} on the "
-                         "decode (other speculative-slot counts): kvlink moves whole rows")
+        raise ValueError(
+            f"dsa_tail rings of {prefill_ring} slots on the prefill and {decode_ring} on the "
+            "decode (other speculative-slot counts): kvlink moves whole rows"
+        )
     if len(p) == len(d):
         return d, p
     if state_type in EXACT:

@@ -17,7 +17,8 @@ what to set instead (see docs/integration.md for why).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,7 +36,10 @@ _SPLIT = ("LHBNC", "BHLNC")
 # that a decode of another TP size reads one piece per block and layer for its heads.
 PREFERRED_LAYOUT = "LBHNC"
 
-Tensor = Tuple[int, int, int, int, int, int, Optional[Tuple[int, int, int]]]
+# One tensor of the layout, as ``Engine.set_layout`` takes it: (storage index, offset, block
+# stride, block bytes, blocks, KV cache group, heads (total, local, token runs) or None, token
+# runs of a per-head piece or None).
+Tensor = tuple[int, int, int, int, int, int, tuple[int, int, int] | None, int | None]
 
 
 def layout_name(name: Any) -> str:
@@ -69,12 +73,12 @@ def layout_tag(dtype: torch.dtype, head_major: bool, mla: bool) -> str:
 
 
 def kv_cache_tensors(
-    kv_caches: Dict[str, Any],
-    layers: Sequence[Tuple[str, int]],
+    kv_caches: dict[str, Any],
+    layers: Sequence[tuple[str, int]],
     num_blocks: int,
     head_major: bool,
-    kv_heads: Optional[Tuple[int, int]] = None,
-) -> Tuple[List[Tuple[int, int, torch.Tensor]], List[Tensor]]:
+    kv_heads: tuple[int, int] | None = None,
+) -> tuple[list[tuple[int, int, torch.Tensor]], list[Tensor]]:
     """Maps vLLM's per-layer ``[B, H, N, C]`` views to kvlink memory and layout.
 
     ``layers`` are ``(layer name, KV cache group)`` in the order both sides agree on (group by
@@ -89,9 +93,9 @@ def kv_cache_tensors(
     1 for token-major blocks and MLA's latent, the heads for head-major ones; ``None`` for
     head-major blocks split into kernel blocks, whose tokens are not in one stretch per head.
     """
-    storages: Dict[int, int] = {}
-    memory: List[Tuple[int, int, torch.Tensor]] = []
-    layout: List[Tensor] = []
+    storages: dict[int, int] = {}
+    memory: list[tuple[int, int, torch.Tensor]] = []
+    layout: list[Tensor] = []
     for name, group in layers:
         v = kv_caches[name]
         if isinstance(v, (list, tuple)) or v.dim() != 4:
@@ -146,7 +150,7 @@ def kv_cache_tensors(
     return memory, layout
 
 
-def connector_layers(kv_caches: Dict[str, Any], kv_cache_config: Any) -> Tuple[List[Tuple[str, int]], List[str]]:
+def connector_layers(kv_caches: dict[str, Any], kv_cache_config: Any) -> tuple[list[tuple[str, int]], list[str]]:
     """The layers to transfer, ``(name, group)`` group by group in vLLM's order, and the
     layers skipped because they reuse another layer's cache (cross-layer KV sharing: vLLM
     adds them to ``kv_caches`` as aliases after building the KV cache config). A layer that is
@@ -159,19 +163,19 @@ def connector_layers(kv_caches: Dict[str, Any], kv_cache_config: Any) -> Tuple[L
         raise ValueError(f"KvlinkConnector: no KV cache for layers {missing} of the KV cache config")
     owned = {_address(kv_caches[n]) for n, _ in layers}
     known = {n for n, _ in layers}
-    shared, unknown = [], []
+    shared: list[str] = []
+    unknown: list[str] = []
     for name, value in kv_caches.items():
         if name not in known:
             (shared if _address(value) in owned else unknown).append(name)
     if unknown:
         raise ValueError(
-            f"KvlinkConnector: KV caches {sorted(unknown)} are in no KV cache group and share no "
-            "other layer's cache"
+            f"KvlinkConnector: KV caches {sorted(unknown)} are in no KV cache group and share no other layer's cache"
         )
     return layers, shared
 
 
-def _address(value: Any) -> Tuple[int, Tuple[int, ...]]:
+def _address(value: Any) -> tuple[int, tuple[int, ...]]:
     t = value[0] if isinstance(value, (list, tuple)) else value
     return t.data_ptr(), tuple(t.stride())
 
@@ -180,7 +184,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _kv_heads(vllm_config: "VllmConfig", tp_size: int) -> Optional[Tuple[int, int]]:
+def _kv_heads(vllm_config: VllmConfig, tp_size: int) -> tuple[int, int] | None:
     """``(total KV heads, this rank's)`` for per-head KV caches, None for MLA (every rank
     holds the latent whole) or when the model does not say."""
     model = getattr(vllm_config, "model_config", None)

@@ -4,7 +4,7 @@ worker, a decode read, the per-step connector metadata, and the transfer statist
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
@@ -29,23 +29,23 @@ class ReadSpec:
     into this engine's ``local_blocks``, one list per KV cache group, paired by position; each
     TP rank reads the prefill ranks kvlink pairs it with (``kvlink.tp_sources``)."""
 
-    remote_addresses: List[str]
+    remote_addresses: list[str]
     remote_request_id: str
-    local_blocks: List[List[int]]
-    remote_blocks: List[List[int]]
+    local_blocks: list[list[int]]
+    remote_blocks: list[list[int]]
     refused: str = ""
     """Why the read cannot be made, when the scheduler found it unusable: it then ends as a
     failed read at once (its blocks reported as load errors)."""
     remote_block_size: int = 0
     """The prefill's tokens per block when they differ from this engine's (0: the same): the
     lists then cover the same tokens, each in its own block size."""
-    first_tokens: List[int] = field(default_factory=list)
+    first_tokens: list[int] = field(default_factory=list)
     """Per KV cache group, the tokens of the first block of the larger size before the first
     one read (empty: 0)."""
-    hold: Optional[int] = None
+    hold: int | None = None
     """The token of the prefill's hold (``remote_hold``): only that hold confirms the read."""
 
-    def all_local(self) -> List[int]:
+    def all_local(self) -> list[int]:
         """Every local block of the read (for load errors)."""
         return [b for group in self.local_blocks for b in group]
 
@@ -54,17 +54,17 @@ class ReadSpec:
 class KvlinkConnectorMetadata(KVConnectorMetadata):
     """What the scheduler asks its workers to do in one step (pickled with the step)."""
 
-    holds: Dict[str, List[List[int]]] = field(default_factory=dict)
+    holds: dict[str, list[list[int]]] = field(default_factory=dict)
     """Prefill: request id -> blocks to hold and grant to its readers, per KV cache group."""
-    hold_tokens: Dict[str, int] = field(default_factory=dict)
+    hold_tokens: dict[str, int] = field(default_factory=dict)
     """Prefill: request id -> the token every rank holds it under (its ``remote_hold``)."""
-    releases: List[str] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)
     """Prefill: holds to drop (request aborted or preempted); no send is reported for them."""
-    reads: Dict[str, ReadSpec] = field(default_factory=dict)
+    reads: dict[str, ReadSpec] = field(default_factory=dict)
     """Decode: request id -> read to start."""
-    cancels: List[str] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
     """Decode: reads to cancel (after the reads of this step are started)."""
-    rejects: List[Tuple[List[str], str, str, Optional[int]]] = field(default_factory=list)
+    rejects: list[tuple[list[str], str, str, int | None]] = field(default_factory=list)
     """Decode: ``(remote_addresses, remote_request_id, reason, hold token)`` of requests that
     will not be read: each prefill rank frees the blocks at once."""
 
@@ -79,9 +79,9 @@ class KvlinkConnectorStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data = {"reads": 0, "bytes": 0, "seconds": 0.0, "by_transport": {}, "failures": {}}
+        self.data: dict[str, Any] = {"reads": 0, "bytes": 0, "seconds": 0.0, "by_transport": {}, "failures": {}}
 
-    def record_read(self, report: Dict[str, Any]) -> None:
+    def record_read(self, report: dict[str, Any]) -> None:
         self.data["reads"] += 1
         self.data["bytes"] += int(report["bytes"])
         self.data["seconds"] += float(report["seconds"])
@@ -92,7 +92,7 @@ class KvlinkConnectorStats(KVConnectorStats):
         f = self.data["failures"]
         f[cause] = f.get(cause, 0) + 1
 
-    def aggregate(self, other: KVConnectorStats) -> "KvlinkConnectorStats":
+    def aggregate(self, other: KVConnectorStats) -> KvlinkConnectorStats:
         o = other.data
         if not o:
             return self
@@ -104,9 +104,9 @@ class KvlinkConnectorStats(KVConnectorStats):
                 self.data[key][k] = self.data[key].get(k, 0) + v
         return self
 
-    def reduce(self) -> Dict[str, Any]:
+    def reduce(self) -> dict[str, Any]:
         d = self.data
-        out: Dict[str, Any] = {
+        out: dict[str, Any] = {
             "Num reads": d["reads"],
             "Read MiB": round(d["bytes"] / 2**20, 3),
             # Per read, from read_blocks to the last byte (includes queueing and handshakes).
@@ -121,4 +121,3 @@ class KvlinkConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return self.data["reads"] == 0 and not self.data["failures"]
-

@@ -6,13 +6,14 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple, Union
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 from vllm.logger import init_logger
 
 import kvlink
 
+from .. import core
 from .metadata import KvlinkConnectorMetadata, KvlinkHandshakeMetadata, ReadSpec
 
 if TYPE_CHECKING:
@@ -22,22 +23,22 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from . import KvlinkConnector
+    from .connector import KvlinkConnector
 
 logger = init_logger(__name__)
 
 
 @dataclass
 class _Producing:
-    request: "Request"
-    held: Optional[List[List[int]]] = None
+    request: Request
+    held: list[list[int]] | None = None
     """Per KV cache group, the block at each position of the prompt (0 where none is sent)."""
     hold: int = 0
     """The token every worker's hold of the request is made under (sent to the decode as
     ``remote_hold``: only this hold confirms its reads, never a later one of a reused id)."""
 
 
-def _group_specs(kv_cache_config: Optional["KVCacheConfig"], block_size: int) -> List[Tuple[int, int]]:
+def _group_specs(kv_cache_config: KVCacheConfig | None, block_size: int) -> list[tuple[int, int]]:
     """Per KV cache group, its sliding window in tokens (0: full attention) and its block size
     (the hybrid manager may raise some groups' block size to unify page sizes). Only groups
     whose blocks kvlink knows how to send are taken (full attention, MLA, sliding window);
@@ -47,7 +48,7 @@ def _group_specs(kv_cache_config: Optional["KVCacheConfig"], block_size: int) ->
         return [(0, block_size)]
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
-    known = {FullAttentionSpec: False, MLAAttentionSpec: False, SlidingWindowSpec: True}
+    known: dict[type, bool] = {FullAttentionSpec: False, MLAAttentionSpec: False, SlidingWindowSpec: True}
     try:
         from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
 
@@ -65,14 +66,15 @@ def _group_specs(kv_cache_config: Optional["KVCacheConfig"], block_size: int) ->
                 "which kvlink does not transfer; supported: full attention, MLA and sliding "
                 "window groups"
             )
-        window = spec.sliding_window if known[kind] else 0
+        # The windowed kinds (True in known) all carry sliding_window.
+        window = int(spec.sliding_window) if known[kind] else 0  # type: ignore[attr-defined]
         windows.append((window, int(getattr(spec, "block_size", block_size))))
     return windows
 
 
 def _pair_group(
-    local_all: List[int], theirs: List[int], need: int, total: int, sizes: Tuple[int, int]
-) -> Union[Tuple[List[int], List[int], int], str]:
+    local_all: list[int], theirs: list[int], need: int, total: int, sizes: tuple[int, int]
+) -> tuple[list[int], list[int], int] | str:
     """One KV cache group's read of tokens ``[need, total)``: this engine's blocks, the
     prefill's, and the tokens of the first block of the larger size before the first one read
     (``sizes``: tokens per block here and at the prefill, one a multiple of the other). The
@@ -86,11 +88,13 @@ def _pair_group(
     if le > len(local_all) or re_ > len(theirs):
         # matched_tokens bounds the count by the remote blocks; this cannot happen unless vLLM
         # allocated fewer blocks than the tokens need. Fail the read, never read less.
-        return f"blocks up to token {total} are needed; the prefill offered {len(theirs)}, {len(local_all)} are allocated"
+        return (
+            f"blocks up to token {total} are needed; the prefill offered {len(theirs)}, {len(local_all)} are allocated"
+        )
     if lsize == rsize:
         # One size: pairs by position, this engine's null blocks (none of its window) left out.
         pairs = [(local_all[i], theirs[i]) for i in range(lo, le) if local_all[i]]
-        local, remote = [l for l, _ in pairs], [r for _, r in pairs]
+        local, remote = [mine for mine, _ in pairs], [r for _, r in pairs]
     else:
         local, remote = list(local_all[lo:le]), list(theirs[ro:re_])
     if 0 in remote or 0 in local:
@@ -98,7 +102,7 @@ def _pair_group(
     return local, remote, start % max(lsize, rsize)
 
 
-def _clip(ids: List[int], tail: int) -> List[int]:
+def _clip(ids: list[int], tail: int) -> list[int]:
     """A group's blocks with the positions before its last ``tail`` set to 0 (not sent)."""
     if not tail or len(ids) <= tail:
         return list(ids)
@@ -108,7 +112,7 @@ def _clip(ids: List[int], tail: int) -> List[int]:
 class _SchedulerSide:
     """The scheduler's view: what each worker must hold, read, cancel or reject per step."""
 
-    def __init__(self, owner: KvlinkConnector, kv_cache_config: Optional["KVCacheConfig"]):
+    def __init__(self, owner: KvlinkConnector, kv_cache_config: KVCacheConfig | None):
         self.owner = owner
         self.block_size = owner._block_size
         specs = _group_specs(kv_cache_config, self.block_size)
@@ -117,16 +121,16 @@ class _SchedulerSide:
         # The prefill holds a sliding-window group's last blocks, one more than the window
         # spans (it may not be aligned with the blocks).
         self.tails = [math.ceil(w / b) + 1 if w else 0 for w, b in specs]
-        self.addresses: Optional[List[str]] = None
-        self.producing: Dict[str, _Producing] = {}
-        self.local_hits: Dict[str, int] = {}
+        self.addresses: list[str] | None = None
+        self.producing: dict[str, _Producing] = {}
+        self.local_hits: dict[str, int] = {}
         self.meta = KvlinkConnectorMetadata()
         # Decode: reads handed to the workers and not reported finished yet.
-        self.reading: Set[str] = set()
+        self.reading: set[str] = set()
         # Requests whose unusable parameters were already logged.
-        self.warned: Set[str] = set()
+        self.warned: set[str] = set()
 
-    def set_addresses(self, metadata: Dict[int, KVConnectorHandshakeMetadata]) -> None:
+    def set_addresses(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         ranks = sorted(metadata)
         if ranks != list(range(len(ranks))):
             raise ValueError(f"KvlinkConnector: handshake metadata for TP ranks {ranks}")
@@ -141,7 +145,7 @@ class _SchedulerSide:
 
     # -- decode side --
 
-    def _usable(self, remote: "_Remote") -> Optional[str]:
+    def _usable(self, remote: _Remote) -> str | None:
         """Why this engine cannot read from the prefill the parameters name, if it cannot."""
         tp = self.owner._tp_size
         try:
@@ -152,15 +156,9 @@ class _SchedulerSide:
                 "must be a multiple of the other"
             )
         if len(remote.blocks) != len(self.tails):
-            return (
-                f"the prefill sent blocks of {len(remote.blocks)} KV cache groups; this engine "
-                f"has {len(self.tails)}"
-            )
+            return f"the prefill sent blocks of {len(remote.blocks)} KV cache groups; this engine has {len(self.tails)}"
         if len(remote.block_sizes) != len(remote.blocks):
-            return (
-                f"the prefill sent {len(remote.block_sizes)} block sizes for {len(remote.blocks)} "
-                "KV cache groups"
-            )
+            return f"the prefill sent {len(remote.block_sizes)} block sizes for {len(remote.blocks)} KV cache groups"
         if remote.block_sizes != self.block_sizes:
             ours, theirs = set(self.block_sizes), set(remote.block_sizes)
             a, b = self.block_sizes[0], remote.block_sizes[0]
@@ -172,7 +170,7 @@ class _SchedulerSide:
                 )
         return None
 
-    def matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[int, bool]:
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if not params:
             return 0, False
@@ -202,7 +200,7 @@ class _SchedulerSide:
             return count, True
         return 0, False
 
-    def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
@@ -252,13 +250,13 @@ class _SchedulerSide:
         )
         self.reading.add(rid)
 
-    def update_output(self, output: "KVConnectorOutput") -> None:
+    def update_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_recving or ():
             self.reading.discard(rid)
 
     # -- both --
 
-    def build_meta(self, so: "SchedulerOutput") -> KvlinkConnectorMetadata:
+    def build_meta(self, so: SchedulerOutput) -> KvlinkConnectorMetadata:
         for rid in getattr(so, "preempted_req_ids", None) or ():
             p = self.producing.get(rid)
             if p is not None and p.held is not None:
@@ -289,7 +287,7 @@ class _SchedulerSide:
         meta, self.meta = self.meta, KvlinkConnectorMetadata()
         return meta
 
-    def request_finished(self, request: "Request") -> Tuple[bool, Optional[Dict[str, Any]]]:
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
@@ -304,7 +302,9 @@ class _SchedulerSide:
                 return False, None
             if not normal or self.addresses is None:
                 if self.addresses is None:
-                    logger.error("KvlinkConnector: no handshake metadata from the workers; %s is not offered to a decode", rid)
+                    logger.error(
+                        "KvlinkConnector: no handshake metadata from the workers; %s is not offered to a decode", rid
+                    )
                 self.meta.holds.pop(rid, None)
                 self.meta.hold_tokens.pop(rid, None)
                 self.meta.releases.append(rid)
@@ -344,24 +344,22 @@ class _SchedulerSide:
 
 @dataclass
 class _Remote:
-    addresses: List[str]
+    addresses: list[str]
     request_id: str
-    blocks: List[List[int]]
+    blocks: list[list[int]]
     """Per KV cache group, the prefill's block at each position (0: none sent)."""
     num_tokens: int
-    block_sizes: List[int]
+    block_sizes: list[int]
     """Per KV cache group, the prefill's tokens per block."""
-    hold: Optional[int] = None
+    hold: int | None = None
     """The token of the prefill's hold (None from a prefill of an earlier kvlink)."""
 
 
 def _block_list(blocks: Any) -> bool:
-    return isinstance(blocks, (list, tuple)) and all(
-        isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 2**32 for b in blocks
-    )
+    return core.block_ids(blocks) is not None
 
 
-def _remote(params: Dict[str, Any], block_sizes: List[int]):
+def _remote(params: dict[str, Any], block_sizes: list[int]):
     """The prefill side of ``kv_transfer_params``, validated (they come from a client through
     the proxy), or why they are unusable."""
     try:
@@ -380,8 +378,7 @@ def _remote(params: Dict[str, Any], block_sizes: List[int]):
         groups = [list(g) for g in blocks]
     else:
         return (
-            "remote_block_ids must be a list of block ids (integers 0 to 2^32-1), or one such "
-            "list per KV cache group"
+            "remote_block_ids must be a list of block ids (integers 0 to 2^32-1), or one such list per KV cache group"
         )
     sizes = params.get("remote_block_sizes")
     if sizes is None:  # a prefill of an earlier kvlink: this engine's sizes
@@ -394,7 +391,6 @@ def _remote(params: Dict[str, Any], block_sizes: List[int]):
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
         return "remote_num_tokens must be a non-negative integer"
     hold = params.get("remote_hold")
-    if hold is not None and (not isinstance(hold, int) or isinstance(hold, bool) or not 0 < hold < 2**64):
+    if hold is not None and core.hold_token(hold) is None:
         return "remote_hold must be an integer from 1 to 2^64-1"
     return _Remote(list(addresses), rid, groups, tokens, list(sizes), hold)
-

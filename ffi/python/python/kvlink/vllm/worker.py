@@ -3,22 +3,21 @@ it runs, as the scheduler's metadata asks each step."""
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING
 
 import torch
-
 from vllm.logger import init_logger
 
 import kvlink
 
+from .. import core
 from .layout import _dtype_name, _kv_heads, connector_layers, is_head_major, kv_cache_tensors, layout_name, layout_tag
 from .metadata import KvlinkConnectorMetadata, KvlinkConnectorStats, KvlinkHandshakeMetadata, ReadSpec
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from . import KvlinkConnector
+    from .connector import KvlinkConnector
 
 logger = init_logger(__name__)
 
@@ -34,7 +33,7 @@ def _tp_rank() -> int:
 class _WorkerSide:
     """One TP rank: its kvlink engine, the holds it keeps and the reads it runs."""
 
-    def __init__(self, owner: KvlinkConnector, kv_cache_config: Optional["KVCacheConfig"]):
+    def __init__(self, owner: KvlinkConnector, kv_cache_config: KVCacheConfig | None):
         s = owner._settings
         self.tp_rank = _tp_rank()
         self.tp_size = owner._tp_size
@@ -46,49 +45,36 @@ class _WorkerSide:
         # failed read is reported by request (failed_recving), never by block.
         self.block_errors = owner._num_groups <= 1
         self.kv_heads = _kv_heads(owner._vllm_config, self.tp_size)
-        keyed = s.auth_key is not None or bool(os.environ.get("KVLINK_AUTH_KEY") or os.environ.get("KVLINK_AUTH_KEY_FILE"))
-        host = s.host
-        if host is None:
-            host = _node_address() if keyed else "127.0.0.1"
         # Each data-parallel engine's ranks take the next tp_size ports.
-        port = s.port + owner._dp_index * self.tp_size + self.tp_rank if s.port else 0
-        self.engine = kvlink.Engine(
-            f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
-            transport=s.transport,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            request_timeout=s.request_timeout,
-            abort_timeout=s.abort_timeout,
-            lease=s.lease,
-            session_idle=s.session_idle,
-            rdma_device=s.rdma_device,
-            auth_key=s.auth_key,
-        )
+        offset = owner._dp_index * self.tp_size + self.tp_rank
+        listen = core.listen_address(s, offset, _node_address)
+        self.engine = core.make_engine(s, listen, tp_rank=self.tp_rank, tp_size=self.tp_size)
+        self.metrics = core.serve_metrics(s, [self.engine], offset)
         logger.info(
             "KvlinkConnector worker rank %d/%d: engine %s at %s (%s)",
             self.tp_rank,
             self.tp_size,
             self.engine.engine_id,
             self.engine.handshake_address,
-            kvlink.transport_summary(self.engine),
+            core.transport_summary(self.engine),
         )
         self.registered = False
         # Prefill: requests held (granted), and sends that ended before the scheduler listed
         # the request as finished (vLLM wants finished sends only for requests it finished).
-        self.held: Set[str] = set()
-        self.scheduler_finished: Set[str] = set()
-        self.sends_ended: Set[str] = set()
+        self.held: set[str] = set()
+        self.scheduler_finished: set[str] = set()
+        self.sends_ended: set[str] = set()
         # Decode: reads in flight, request id -> the read (its local blocks for load errors,
         # its prefill to tell when it fails).
-        self.reading: Dict[str, ReadSpec] = {}
+        self.reading: dict[str, ReadSpec] = {}
         # Reads refused before they started, reported failed at the next poll.
-        self.failed_now: Set[str] = set()
+        self.failed_now: set[str] = set()
         # Reads cancelled at the scheduler's request (their request was aborted).
-        self.cancelled: Set[str] = set()
-        self.load_errors: Set[int] = set()
+        self.cancelled: set[str] = set()
+        self.load_errors: set[int] = set()
         self.stats = KvlinkConnectorStats()
 
-    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.registered:
             raise RuntimeError("KvlinkConnector: register_kv_caches called twice")
         layers, shared = connector_layers(kv_caches, self.kv_cache_config)
@@ -110,8 +96,15 @@ class _WorkerSide:
         logger.info(
             "KvlinkConnector rank %d: registered %d layers (%d blocks, %.1f MiB in %d allocation(s), "
             "%s, %s, layout %s; %d KV cache groups; %s%s)",
-            self.tp_rank, len(tensors), num_blocks, total / 2**20, len(memory), _dtype_name(first.dtype),
-            "GPU" if first.device.type != "cpu" else "host", name, len({t[5] for t in tensors}),
+            self.tp_rank,
+            len(tensors),
+            num_blocks,
+            total / 2**20,
+            len(memory),
+            _dtype_name(first.dtype),
+            "GPU" if first.device.type != "cpu" else "host",
+            name,
+            len({t[5] for t in tensors}),
             f"{self.kv_heads[1]} of {self.kv_heads[0]} KV heads per rank" if self.kv_heads else "no head split (MLA)",
             f"; {len(shared)} layers reuse another layer's cache and are not sent" if shared else "",
         )
@@ -188,9 +181,7 @@ class _WorkerSide:
         for addresses, remote_id, reason, hold in meta.rejects:
             self._reject(addresses, remote_id, reason, hold)
 
-    def _reject(
-        self, addresses: List[str], remote_id: str, reason: str, hold: Optional[int], own: bool = False
-    ) -> None:
+    def _reject(self, addresses: list[str], remote_id: str, reason: str, hold: int | None, own: bool = False) -> None:
         """Tells the prefill ranks this rank reads that a request will not be read. For the
         scheduler's rejects (every rank gets them) the first of several decode ranks reading
         one prefill rank tells it; ``own`` (this rank alone gave up) tells this rank's sources
@@ -212,12 +203,12 @@ class _WorkerSide:
             logger.error("KvlinkConnector: %s of %s failed: %s", what, rid, e)
             return False
 
-    def poll(self, finished_req_ids: Set[str]) -> Tuple[Set[str], Set[str], Set[str]]:
+    def poll(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """Finished sends, finished receives (failed ones included), failed receives."""
         self.scheduler_finished |= set(finished_req_ids or ())
         f = self.engine.get_finished()
-        recving: Set[str] = set()
-        failed: Set[str] = set()
+        recving: set[str] = set()
+        failed: set[str] = set()
         for rid in f.sending:
             if rid in self.held:
                 self.held.discard(rid)
@@ -268,24 +259,23 @@ class _WorkerSide:
         if self.block_errors:
             self.load_errors.update(spec.all_local())
 
-    def take_load_errors(self) -> Set[int]:
+    def take_load_errors(self) -> set[int]:
         out, self.load_errors = self.load_errors, set()
         return out
 
-    def take_stats(self) -> Optional[KvlinkConnectorStats]:
+    def take_stats(self) -> KvlinkConnectorStats | None:
         if self.stats.is_empty():
             return None
         out, self.stats = self.stats, KvlinkConnectorStats()
         return out
 
     def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.shutdown()
         self.engine.close()
 
 
 def _node_address() -> str:
-    try:
-        from vllm.utils.network_utils import get_ip
-    except ImportError:  # pragma: no cover - older vLLM
-        from vllm.utils import get_ip  # type: ignore[no-redef]
-    return get_ip()
+    from vllm.utils.network_utils import get_ip
 
+    return get_ip()

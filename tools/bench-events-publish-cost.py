@@ -9,7 +9,7 @@ closed. A subscriber process (pyzmq SUB) counts what arrives, so every batch is 
 Reported per event: CPU time of the publishing process (all its threads: the caller's
 conversion and the publisher thread's encoding and sending) and wall time.
 
-    .venv/bin/python tools/bench-events-python.py [--batches 4000] [--events 32] [--runs 5]
+    .venv/bin/python tools/bench-events-publish-cost.py [--batches 4000] [--events 32] [--runs 5]
 """
 
 import argparse
@@ -22,7 +22,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, List, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import zmq
@@ -49,19 +50,19 @@ print(n, flush=True)
 # The reference's event types, declared as vLLM declares them (tagged structs, omit_defaults;
 # the batch an array).
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    block_hashes: List[int]
-    parent_block_hash: Optional[int]
-    token_ids: List[int]
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
     block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str]
-    lora_name: Optional[str]
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
-    events: List[Union[BlockStored]]
-    data_parallel_rank: Optional[int] = None
+    events: list[BlockStored]
+    data_parallel_rank: int | None = None
 
 
 class ReferencePublisher:
@@ -72,7 +73,7 @@ class ReferencePublisher:
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, 0)
         self.pub.bind(f"tcp://127.0.0.1:{port}")
-        self.queue: "queue.Queue[Optional[EventBatch]]" = queue.Queue(maxsize=100_000)
+        self.queue: queue.Queue[EventBatch | None] = queue.Queue(maxsize=100_000)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -104,15 +105,24 @@ def free_port() -> int:
 
 def run(kind: str, batches: int, per: int) -> dict:
     port = free_port()
-    sub = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, str(port), str(batches)], stdout=subprocess.PIPE, text=True)
+    sub = subprocess.Popen(
+        [sys.executable, "-c", SUBSCRIBER, str(port), str(batches)], stdout=subprocess.PIPE, text=True
+    )
+    assert sub.stdout is not None
     assert sub.stdout.readline().strip() == "READY"
+    make: Callable[[int, int], Any]
     if kind == "kvlink":
         from kvlink.events import Publisher
 
         pub = Publisher(f"tcp://*:{port}", max_queue=batches + 1)
         make = lambda b, i: {  # noqa: E731
-            "type": "BlockStored", "block_hashes": [b * per + i], "parent_block_hash": None,
-            "token_ids": list(range(16)), "block_size": 16, "lora_id": None, "medium": "GPU",
+            "type": "BlockStored",
+            "block_hashes": [b * per + i],
+            "parent_block_hash": None,
+            "token_ids": list(range(16)),
+            "block_size": 16,
+            "lora_id": None,
+            "medium": "GPU",
             "lora_name": None,
         }
     else:
@@ -143,7 +153,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5, help="runs of each, alternating; medians reported")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    results = {"kvlink": [], "msgspec+pyzmq": []}
+    results: dict[str, list[dict]] = {"kvlink": [], "msgspec+pyzmq": []}
     for _ in range(a.runs):
         results["kvlink"].append(run("kvlink", a.batches, a.events))
         results["msgspec+pyzmq"].append(run("reference", a.batches, a.events))

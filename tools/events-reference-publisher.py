@@ -8,8 +8,8 @@ a random u64 parent hash and hashes*block-size token ids below 150000. Batch b u
 b % POOL_BATCHES. The timed loop builds the BlockStored structs and the batch from those lists,
 encodes the batch and sends [topic, seq (8 bytes big-endian), payload] on the PUB.
 
-    .venv/bin/python tools/bench_events_python.py --endpoint tcp://127.0.0.1:5557 --batches 20000
-    .venv/bin/python tools/bench_events_python.py --check
+    .venv/bin/python tools/events-reference-publisher.py --endpoint tcp://127.0.0.1:5557 --batches 20000
+    .venv/bin/python tools/events-reference-publisher.py --check
 """
 
 import argparse
@@ -30,6 +30,7 @@ TOPIC = b""
 
 class BlockStored(msgspec.Struct, tag=True, tag_field="type", omit_defaults=True, gc=False):
     """Encoded as a map whose first key is "type" (vLLM >= 0.24); defaulted fields omitted."""
+
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
@@ -51,6 +52,7 @@ class BlockRemoved(msgspec.Struct, tag=True, tag_field="type", omit_defaults=Tru
 
 class EventBatch(msgspec.Struct, array_like=True, gc=False):
     """Encoded as the array [ts, events, dp_rank]."""
+
     ts: float
     events: list[BlockStored | BlockRemoved]
     data_parallel_rank: int | None
@@ -59,9 +61,14 @@ class EventBatch(msgspec.Struct, array_like=True, gc=False):
 def make_pool(events_per_batch, hashes_per_event, block_size, seed=0):
     """(hashes, parent, token_ids) per event, POOL_BATCHES * events_per_batch of them."""
     rng = random.Random(seed)
-    return [([rng.getrandbits(64) for _ in range(hashes_per_event)], rng.getrandbits(64),
-             [rng.randrange(TOKEN_ID_LIMIT) for _ in range(hashes_per_event * block_size)])
-            for _ in range(POOL_BATCHES * events_per_batch)]
+    return [
+        (
+            [rng.getrandbits(64) for _ in range(hashes_per_event)],
+            rng.getrandbits(64),
+            [rng.randrange(TOKEN_ID_LIMIT) for _ in range(hashes_per_event * block_size)],
+        )
+        for _ in range(POOL_BATCHES * events_per_batch)
+    ]
 
 
 def cpu_seconds():
@@ -76,9 +83,18 @@ def publish(sock, pool, batches, events_per_batch, block_size):
     start = time.perf_counter()
     for seq in range(batches):
         base = (seq % POOL_BATCHES) * events_per_batch
-        events = [BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
-                              block_size=block_size, lora_id=None, medium="GPU", lora_name=None)
-                  for hashes, parent, tokens in pool[base:base + events_per_batch]]
+        events: list[BlockStored | BlockRemoved] = [
+            BlockStored(
+                block_hashes=hashes,
+                parent_block_hash=parent,
+                token_ids=tokens,
+                block_size=block_size,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            )
+            for hashes, parent, tokens in pool[base : base + events_per_batch]
+        ]
         payload = encoder.encode(EventBatch(ts=time.time(), events=events, data_parallel_rank=0))
         sock.send_multipart([TOPIC, seq.to_bytes(8, "big"), payload], copy=False)
     return time.perf_counter() - start
@@ -108,8 +124,16 @@ def check(args, pool):
     sub.connect(args.endpoint)
     time.sleep(args.start_delay)
     publish(pub, pool, batches, args.events_per_batch, args.block_size)
-    stored_keys = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
-                   "lora_id", "medium", "lora_name"]
+    stored_keys = [
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ]
     for seq in range(batches):
         require(sub.poll(5000, zmq.POLLIN), f"batch {seq} not received")
         frames = sub.recv_multipart()
@@ -122,12 +146,19 @@ def check(args, pool):
         require(len(events) == args.events_per_batch, f"{len(events)} events")
         base = seq * args.events_per_batch
         for event, (hashes, parent, tokens) in zip(events, pool[base:]):
-            require(isinstance(event, dict) and list(event) == stored_keys,
-                    f"event keys {list(event) if isinstance(event, dict) else event!r}")
-            require(event["type"] == "BlockStored" and event["block_hashes"] == hashes
-                    and event["parent_block_hash"] == parent and event["token_ids"] == tokens
-                    and event["block_size"] == args.block_size and event["medium"] == "GPU",
-                    "event values differ from the pool")
+            require(
+                isinstance(event, dict) and list(event) == stored_keys,
+                f"event keys {list(event) if isinstance(event, dict) else event!r}",
+            )
+            require(
+                event["type"] == "BlockStored"
+                and event["block_hashes"] == hashes
+                and event["parent_block_hash"] == parent
+                and event["token_ids"] == tokens
+                and event["block_size"] == args.block_size
+                and event["medium"] == "GPU",
+                "event values differ from the pool",
+            )
     sub.close()
     pub.close()
     ctx.term()
@@ -141,11 +172,15 @@ def main():
     parser.add_argument("--events-per-batch", type=int, default=32)
     parser.add_argument("--hashes-per-event", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--start-delay", type=float, default=0.5,
-                        help="seconds between bind and the first batch (PUB drops until a "
-                             "subscriber is connected)")
-    parser.add_argument("--check", action="store_true",
-                        help="publish 3 batches to an in-process subscriber and check them")
+    parser.add_argument(
+        "--start-delay",
+        type=float,
+        default=0.5,
+        help="seconds between bind and the first batch (PUB drops until a subscriber is connected)",
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="publish 3 batches to an in-process subscriber and check them"
+    )
     args = parser.parse_args()
     pool = make_pool(args.events_per_batch, args.hashes_per_event, args.block_size)
     if args.check:
@@ -163,9 +198,19 @@ def main():
     sock.close()
     ctx.term()  # waits until libzmq's I/O thread has sent what was queued (linger)
     cpu = cpu_seconds() - cpu
-    print(json.dumps({"publisher": "python-msgspec", "batches": args.batches, "entries": entries,
-                      "seconds": seconds, "entries_per_s": entries / seconds, "cpu_s": cpu}),
-          flush=True)
+    print(
+        json.dumps(
+            {
+                "publisher": "python-msgspec",
+                "batches": args.batches,
+                "entries": entries,
+                "seconds": seconds,
+                "entries_per_s": entries / seconds,
+                "cpu_s": cpu,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
