@@ -88,7 +88,7 @@ class Soak(unittest.TestCase):
             "a.py:3:1: F401 `os` imported but unused\n"
             "check: FAIL ruff check\n"
             "check: PASS ruff format\n"
-            "core.py:9: error: Name \"x\" is not defined  [name-defined]\n"
+            'core.py:9: error: Name "x" is not defined  [name-defined]\n'
             "Found 1 error in 1 file\n"
             "check: FAIL mypy kvlink\n"
         )

@@ -61,7 +61,7 @@ recomputes (``kv_load_failure_policy="recompute"``) or fails. A decode request a
 its read is in flight cancels it; one aborted or refused before its read starts tells the
 prefill, which frees the blocks at once.
 
-Supported: vLLM 0.32 (tested); vLLM's hybrid KV cache manager (``SupportsHMA``): each KV
+Supported: vLLM 0.32 and 0.33 (tested); vLLM's hybrid KV cache manager (``SupportsHMA``): each KV
 cache group's blocks travel with their own block ids (full-attention groups whole,
 sliding-window groups only the blocks their window still sees; SSM state groups are refused);
 a prefill and a decode of different TP sizes when one is a multiple of the other (each decode
