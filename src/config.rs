@@ -84,7 +84,25 @@ pub const MAX_DURATION: Duration = Duration::from_secs(7 * 24 * 3600);
 pub(crate) const DEFAULT_SESSION_IDLE: Duration = Duration::from_secs(120);
 
 /// How an engine is set up. `EngineConfig::default()` listens on loopback with ephemeral ports.
+///
+/// The struct is `#[non_exhaustive]`: settings are added without breaking callers, so outside
+/// this crate a config is built from the defaults, never with a struct literal:
+///
+/// ```
+/// use std::time::Duration;
+/// let config = kvlink::EngineConfig::default().with(|c| {
+///     c.listen = "0.0.0.0:7400".into();
+///     c.tp_rank = 1;
+///     c.tp_size = 2;
+///     c.request_timeout = Duration::from_secs(30);
+/// });
+/// assert_eq!(config.tp_size, 2);
+/// // or field by field:
+/// let mut config = kvlink::EngineConfig::default();
+/// config.transport = kvlink::TransportChoice::Tcp;
+/// ```
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct EngineConfig {
     /// Handshake (control) listen address, `ip:port`; port 0 picks a free one.
     pub listen: String,
@@ -213,6 +231,14 @@ pub(crate) fn check_engine_id(what: &str, id: &str) -> Result<()> {
 }
 
 impl EngineConfig {
+    /// This config with `set` applied to it: the way to change some settings of the defaults
+    /// in one expression (see the type's docs).
+    #[must_use]
+    pub fn with(mut self, set: impl FnOnce(&mut Self)) -> Self {
+        set(&mut self);
+        self
+    }
+
     /// Checks every setting against its documented range; the error names the first one out of
     /// range. [`Engine::start`](crate::Engine::start) runs it first.
     pub fn validate(&self) -> Result<()> {

@@ -16,10 +16,9 @@ use kvlink::internal::tcp_wire as wire;
 use kvlink::{AuthKey, Engine, EngineConfig, FailureCause, ModelShape, RegionId};
 
 fn keyed(key: &str) -> EngineConfig {
-    EngineConfig {
-        auth_key: Some(AuthKey::new(key.as_bytes().to_vec()).unwrap()),
-        ..quick_config()
-    }
+    quick_config().with(|c| {
+        c.auth_key = Some(AuthKey::new(key.as_bytes().to_vec()).unwrap());
+    })
 }
 
 const KEY: &str = "test-deployment-key-0123456789";
@@ -138,10 +137,9 @@ fn the_data_port_serves_nothing_without_a_session_proof() {
 
 #[test]
 fn without_a_key_only_loopback_is_served_unless_insecure() {
-    let wildcard = EngineConfig {
-        listen: "0.0.0.0:0".into(),
-        ..quick_config()
-    };
+    let wildcard = quick_config().with(|c| {
+        c.listen = "0.0.0.0:0".into();
+    });
     let e = Engine::start(wildcard.clone()).err().expect("refused");
     assert!(matches!(e, kvlink::Error::InvalidArgument(_)), "{e}");
     let msg = e.to_string();
@@ -149,15 +147,13 @@ fn without_a_key_only_loopback_is_served_unless_insecure() {
         msg.contains("KVLINK_AUTH_KEY") && msg.contains("insecure"),
         "{msg}"
     );
-    Engine::start(EngineConfig {
-        insecure: true,
-        ..wildcard.clone()
-    })
+    Engine::start(wildcard.clone().with(|c| {
+        c.insecure = true;
+    }))
     .unwrap();
-    Engine::start(EngineConfig {
-        auth_key: Some(AuthKey::new(KEY.as_bytes().to_vec()).unwrap()),
-        ..wildcard
-    })
+    Engine::start(wildcard.with(|c| {
+        c.auth_key = Some(AuthKey::new(KEY.as_bytes().to_vec()).unwrap());
+    }))
     .unwrap();
 }
 

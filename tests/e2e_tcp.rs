@@ -11,10 +11,9 @@ use kvlink::{EngineConfig, Error, ModelShape, RequestId, Side as Dir};
 /// The default configuration with TCP for reads (both engines share this host, where the
 /// default would take the same-host path: tests/local.rs covers it).
 fn tcp_config() -> EngineConfig {
-    EngineConfig {
-        transport: kvlink::TransportChoice::Tcp,
-        ..EngineConfig::default()
-    }
+    EngineConfig::default().with(|c| {
+        c.transport = kvlink::TransportChoice::Tcp;
+    })
 }
 
 fn run_transfer(
@@ -530,10 +529,9 @@ fn open_reads_are_confirmed_without_a_hold() {
     // Benchmarks serve any exported byte without a hold (`kvlink-bench serve`): a read of a
     // request never held is still confirmed, so it is reported received.
     let shape = ModelShape::LLAMA3_8B;
-    let open = EngineConfig {
-        open_reads: true,
-        ..tcp_config()
-    };
+    let open = tcp_config().with(|c| {
+        c.open_reads = true;
+    });
     let prefill = side(&shape, 8, Some(3), open);
     let decode = side(&shape, 8, None, tcp_config());
     let peer = prefill.engine.handshake_address().to_string();
@@ -593,16 +591,14 @@ fn an_idle_session_closes_in_order_and_the_readers_holds_keep_their_abort_timeou
         &shape,
         8,
         Some(3),
-        EngineConfig {
-            lease,
-            ..tcp_config()
-        },
+        tcp_config().with(|c| {
+            c.lease = lease;
+        }),
     );
-    let decode_config = EngineConfig {
-        engine_id: Some("idle-decode".into()),
-        session_idle: Duration::from_millis(300),
-        ..tcp_config()
-    };
+    let decode_config = tcp_config().with(|c| {
+        c.engine_id = Some("idle-decode".into());
+        c.session_idle = Duration::from_millis(300);
+    });
     let decode = side(&shape, 8, None, decode_config);
     let (p, d) = (&prefill.engine, &decode.engine);
     let peer = p.handshake_address().to_string();

@@ -59,14 +59,13 @@ fn transfer(prefill: &Side, decode: &Side, seed: u64, reqs: &[(Vec<u32>, Vec<u32
 /// Small staging buffers and only two of them: responses span many chunks, the pool runs dry
 /// and pipelines wait on each other.
 fn staging_config() -> EngineConfig {
-    EngineConfig {
-        staging_chunk_bytes: 24 << 10,
-        staging_buffers: 2,
-        tcp_streams: 3,
-        batch_bytes: 200 << 10,
-        transport: kvlink::TransportChoice::Tcp,
-        ..quick_config()
-    }
+    quick_config().with(|c| {
+        c.staging_chunk_bytes = 24 << 10;
+        c.staging_buffers = 2;
+        c.tcp_streams = 3;
+        c.batch_bytes = 200 << 10;
+        c.transport = kvlink::TransportChoice::Tcp;
+    })
 }
 
 #[test]
@@ -153,10 +152,9 @@ fn device_pointer_without_a_runtime_is_a_clear_error() {
 
 #[test]
 fn gpu_disabled_by_configuration() {
-    let e = Engine::start(EngineConfig {
-        gpu: false,
-        ..quick_config()
-    })
+    let e = Engine::start(quick_config().with(|c| {
+        c.gpu = false;
+    }))
     .unwrap();
     let caps = e.capabilities();
     assert!(caps
@@ -173,15 +171,13 @@ fn gpu_disabled_by_configuration() {
         }
         other => panic!("{other:?}"),
     }
-    assert!(Engine::start(EngineConfig {
-        staging_buffers: 0,
-        ..quick_config()
-    })
+    assert!(Engine::start(quick_config().with(|c| {
+        c.staging_buffers = 0;
+    }))
     .is_err());
-    assert!(Engine::start(EngineConfig {
-        staging_chunk_bytes: 100,
-        ..quick_config()
-    })
+    assert!(Engine::start(quick_config().with(|c| {
+        c.staging_chunk_bytes = 100;
+    }))
     .is_err());
 }
 
@@ -235,10 +231,9 @@ fn cuda_device_memory_over_tcp_every_byte_checked() {
         return;
     }
     let seed = 0xC0DA;
-    let config = EngineConfig {
-        transport: kvlink::TransportChoice::Tcp,
-        ..quick_config()
-    };
+    let config = quick_config().with(|c| {
+        c.transport = kvlink::TransportChoice::Tcp;
+    });
     let prefill = side_in(
         Mem::Cuda,
         &ModelShape::LLAMA3_8B,
@@ -330,10 +325,9 @@ fn engines_reading_device_memory_from_each_other_do_not_stall() {
     // each and many requests in flight both ways: serving pipelines hold the pool while they
     // write, so readers must never depend on it (they have their own buffers), or the two
     // engines could wait on each other until io_timeout.
-    let config = EngineConfig {
-        staging_buffers: 1,
-        ..staging_config()
-    };
+    let config = staging_config().with(|c| {
+        c.staging_buffers = 1;
+    });
     let (sa, sb) = (11, 22);
     let a = side_in(Mem::Emulated, &SHAPE, 96, Some(sa), config.clone());
     let b = side_in(Mem::Emulated, &SHAPE, 96, Some(sb), config);

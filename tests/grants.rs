@@ -16,10 +16,9 @@ use kvlink::{AuthKey, EngineConfig, FailureCause, ModelShape};
 const KEY: &str = "grants-deployment-key-0123456789";
 
 fn keyed() -> EngineConfig {
-    EngineConfig {
-        auth_key: Some(AuthKey::new(KEY.as_bytes().to_vec()).unwrap()),
-        ..quick_config()
-    }
+    quick_config().with(|c| {
+        c.auth_key = Some(AuthKey::new(KEY.as_bytes().to_vec()).unwrap());
+    })
 }
 
 #[test]
@@ -117,11 +116,10 @@ fn closed_within(s: &mut TcpStream, limit: Duration) -> bool {
 #[test]
 fn held_connections_from_one_address_do_not_lock_out_another() {
     let shape = ModelShape::DEEPSEEK_V3_MLA;
-    let config = EngineConfig {
-        max_connections_per_ip: 16,
-        handshake_timeout: Duration::from_secs(3),
-        ..keyed()
-    };
+    let config = keyed().with(|c| {
+        c.max_connections_per_ip = 16;
+        c.handshake_timeout = Duration::from_secs(3);
+    });
     let prefill = side(&shape, 8, Some(43), config);
     let control = prefill.engine.handshake_address();
     let (data, _) = prefill.engine.descriptor().unwrap().tcp().unwrap();
@@ -171,10 +169,9 @@ fn held_connections_from_one_address_do_not_lock_out_another() {
 #[test]
 fn idle_data_streams_close_early_and_readers_carry_on() {
     let shape = ModelShape::DEEPSEEK_V3_MLA;
-    let config = EngineConfig {
-        idle_timeout: Duration::from_secs(1),
-        ..keyed()
-    };
+    let config = keyed().with(|c| {
+        c.idle_timeout = Duration::from_secs(1);
+    });
     let prefill = side(&shape, 8, Some(44), config);
     let decode = side(&shape, 8, None, keyed());
     let peer = prefill.engine.handshake_address().to_string();

@@ -16,10 +16,9 @@ use kvlink::{
 };
 
 fn tcp() -> EngineConfig {
-    EngineConfig {
-        transport: kvlink::TransportChoice::Tcp,
-        ..quick_config()
-    }
+    quick_config().with(|c| {
+        c.transport = kvlink::TransportChoice::Tcp;
+    })
 }
 
 fn case(shape: ModelShape, prefill: u32, decode: u32, head_major: bool, groups: bool) -> Case {
@@ -90,11 +89,10 @@ fn block_groups_with_their_own_block_ids_same_and_other_tp() {
 fn unpairable_sizes_and_partial_sources_are_refused_with_the_reason() {
     let shape = ModelShape::QWEN25_7B;
     // TP 3 of 4 heads does not split: refused when the layout is set.
-    let e = kvlink::Engine::start(EngineConfig {
-        tp_rank: 0,
-        tp_size: 3,
-        ..tcp()
-    })
+    let e = kvlink::Engine::start(tcp().with(|c| {
+        c.tp_rank = 0;
+        c.tp_size = 3;
+    }))
     .unwrap();
     let region = e.allocate_host(1 << 20, false).unwrap();
     let mut bad = shape
@@ -156,11 +154,10 @@ fn unpairable_sizes_and_partial_sources_are_refused_with_the_reason() {
         assert_eq!(r.engine.in_flight(), (0, 0));
     }
     // A decode of TP 3 cannot pair with a prefill of TP 2: the handshake says why.
-    let e3 = kvlink::Engine::start(EngineConfig {
-        tp_rank: 0,
-        tp_size: 3,
-        ..tcp()
-    })
+    let e3 = kvlink::Engine::start(tcp().with(|c| {
+        c.tp_rank = 0;
+        c.tp_size = 3;
+    }))
     .unwrap();
     let mla = ModelShape::DEEPSEEK_V3_MLA;
     let r3 = e3.allocate_host(mla.region_bytes(2), false).unwrap();

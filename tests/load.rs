@@ -57,12 +57,11 @@ fn settled_rss() -> u64 {
 fn a_partial_frame_flood_stays_under_its_memory_bound() {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let shape = ModelShape::DEEPSEEK_V3_MLA;
-    let config = EngineConfig {
-        auth_key: Some(AuthKey::new(b"flood-deployment-key-0123456789".to_vec()).unwrap()),
+    let config = quick_config().with(|c| {
+        c.auth_key = Some(AuthKey::new(b"flood-deployment-key-0123456789".to_vec()).unwrap());
         // Long enough that every flooding connection is still open when memory is measured.
-        handshake_timeout: Duration::from_secs(20),
-        ..quick_config()
-    };
+        c.handshake_timeout = Duration::from_secs(20);
+    });
     let prefill = side(&shape, 8, Some(51), config);
     let control = prefill.engine.handshake_address();
     let dialer = Dialer::new();
@@ -118,10 +117,9 @@ fn a_partial_frame_flood_stays_under_its_memory_bound() {
         &shape,
         8,
         None,
-        EngineConfig {
-            auth_key: Some(AuthKey::new(b"flood-deployment-key-0123456789".to_vec()).unwrap()),
-            ..quick_config()
-        },
+        quick_config().with(|c| {
+            c.auth_key = Some(AuthKey::new(b"flood-deployment-key-0123456789".to_vec()).unwrap());
+        }),
     );
     prefill.engine.hold_blocks("after-flood", &[3]).unwrap();
     decode

@@ -12,10 +12,9 @@ use common::*;
 use kvlink::{EngineConfig, FailureCause, ModelShape, RequestId, TransportChoice};
 
 fn config(transport: TransportChoice) -> EngineConfig {
-    EngineConfig {
-        transport,
-        ..quick_config()
-    }
+    quick_config().with(|c| {
+        c.transport = transport;
+    })
 }
 
 /// Reads `requests` random block lists from a prefill in `from` into a decode in `into`, and
@@ -164,9 +163,10 @@ fn the_serving_engine_enforces_its_grants() {
 #[test]
 fn with_a_deployment_key_only_a_proven_session_is_served() {
     let key = kvlink::AuthKey::new(vec![7u8; 32]).unwrap();
-    let keyed = |t| EngineConfig {
-        auth_key: Some(key.clone()),
-        ..config(t)
+    let keyed = |t| {
+        config(t).with(|c| {
+            c.auth_key = Some(key.clone());
+        })
     };
     let shape = ModelShape::LLAMA3_8B;
     let prefill = side(&shape, 8, Some(5), keyed(TransportChoice::Tcp));
@@ -265,11 +265,10 @@ fn released_mid_read(transport: TransportChoice) {
     let shape = ModelShape::LLAMA3_8B;
     let blocks = 512;
     // One stream of 64 KiB requests: a 1 GiB read takes long enough to be cut.
-    let slow = EngineConfig {
-        tcp_streams: 1,
-        batch_bytes: 64 << 10,
-        ..config(transport)
-    };
+    let slow = config(transport).with(|c| {
+        c.tcp_streams = 1;
+        c.batch_bytes = 64 << 10;
+    });
     let prefill = side(&shape, blocks, Some(83), config(transport));
     let decode = side(&shape, blocks, None, slow);
     let peer = prefill.engine.handshake_address().to_string();

@@ -265,9 +265,11 @@ fn rdma_with_authentication_keys_go_only_to_key_holders() {
         return;
     }
     let shape = ModelShape::DEEPSEEK_V3_MLA;
-    let keyed = || EngineConfig {
-        auth_key: Some(kvlink::AuthKey::new(b"rdma-deployment-key-0123456789".to_vec()).unwrap()),
-        ..rdma_config()
+    let keyed = || {
+        rdma_config().with(|c| {
+            c.auth_key =
+                Some(kvlink::AuthKey::new(b"rdma-deployment-key-0123456789".to_vec()).unwrap());
+        })
     };
     let prefill = side(&shape, 8, Some(31), keyed());
     let peer = prefill.engine.handshake_address().to_string();

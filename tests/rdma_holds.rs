@@ -97,10 +97,9 @@ fn rdma_a_reader_gone_mid_read_has_its_hold_end_at_its_lease() {
     // engine closed: its tasks stop where they are and its connections close, no abort sent):
     // the hold ends at the decode's lease, not at the 480 s abort timeout.
     let lease = Duration::from_secs(2);
-    let config = EngineConfig {
-        lease,
-        ..rdma_config()
-    };
+    let config = rdma_config().with(|c| {
+        c.lease = lease;
+    });
     let (prefill, decode, _) = reading(71, config, "gone");
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(

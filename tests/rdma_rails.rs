@@ -110,18 +110,17 @@ fn rdma_two_devices_stripe_fail_over_and_come_back() {
         return;
     };
     let cooldown = Duration::from_secs(8);
-    let config = EngineConfig {
-        transport: TransportChoice::Auto,
-        rdma: RdmaSettings {
+    let config = quick_config().with(|c| {
+        c.transport = TransportChoice::Auto;
+        c.rdma = RdmaSettings {
             device: Some(devs),
             qps: 2,
             cooldown,
             ..RdmaSettings::default()
-        },
-        io_timeout: Duration::from_secs(20),
-        request_timeout: Duration::from_secs(120),
-        ..quick_config()
-    };
+        };
+        c.io_timeout = Duration::from_secs(20);
+        c.request_timeout = Duration::from_secs(120);
+    });
     let shape = ModelShape::DEEPSEEK_V3_MLA;
     let seed = 0x2A11;
     let prefill = side(&shape, 64, Some(seed), config.clone());
@@ -209,14 +208,15 @@ fn rdma_a_reader_with_fewer_devices_pairs_with_the_first() {
     let Some(devs) = two_devices() else {
         return;
     };
-    let config = |device: &str| EngineConfig {
-        transport: TransportChoice::Rdma,
-        rdma: RdmaSettings {
-            device: Some(device.to_string()),
-            qps: 2,
-            ..RdmaSettings::default()
-        },
-        ..quick_config()
+    let config = |device: &str| {
+        quick_config().with(|c| {
+            c.transport = TransportChoice::Rdma;
+            c.rdma = RdmaSettings {
+                device: Some(device.to_string()),
+                qps: 2,
+                ..RdmaSettings::default()
+            };
+        })
     };
     let shape = ModelShape::DEEPSEEK_V3_MLA;
     let seed = 0xFE;

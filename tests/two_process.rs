@@ -140,10 +140,9 @@ fn decode_child() {
         return;
     };
     let (addr, id) = spec.split_once(' ').expect("address and request");
-    let config = kvlink::EngineConfig {
-        engine_id: Some("decode-child".into()),
-        ..quick_config()
-    };
+    let config = quick_config().with(|c| {
+        c.engine_id = Some("decode-child".into());
+    });
     let decode = side(&ModelShape::LLAMA3_8B, 8, None, config);
     decode
         .engine
@@ -158,10 +157,9 @@ fn decode_child() {
 #[test]
 fn a_decode_killed_with_sigkill_gives_its_blocks_back_within_the_lease() {
     let lease = Duration::from_secs(2);
-    let config = kvlink::EngineConfig {
-        lease,
-        ..quick_config()
-    };
+    let config = quick_config().with(|c| {
+        c.lease = lease;
+    });
     let prefill = side(&ModelShape::LLAMA3_8B, 8, Some(3), config);
     let e = &prefill.engine;
     e.hold_blocks("warm", &[3, 4]).unwrap();

@@ -272,15 +272,14 @@ pub fn served(engine: &Engine, want: u64) -> u64 {
 /// An engine configuration with short deadlines for fault tests. Reads go over TCP (the
 /// engines of a test share a host; tests/local.rs covers the same-host path).
 pub fn quick_config() -> EngineConfig {
-    EngineConfig {
-        transport: kvlink::TransportChoice::Tcp,
-        connect_timeout: Duration::from_secs(2),
-        handshake_timeout: Duration::from_millis(500),
-        request_timeout: Duration::from_secs(20),
-        io_timeout: Duration::from_secs(5),
-        keepalive: Duration::from_secs(1),
-        ..EngineConfig::default()
-    }
+    EngineConfig::default().with(|c| {
+        c.transport = kvlink::TransportChoice::Tcp;
+        c.connect_timeout = Duration::from_secs(2);
+        c.handshake_timeout = Duration::from_millis(500);
+        c.request_timeout = Duration::from_secs(20);
+        c.io_timeout = Duration::from_secs(5);
+        c.keepalive = Duration::from_secs(1);
+    })
 }
 
 const CHILD_ENV: &str = "KVLINK_TEST_CHILD";

@@ -50,11 +50,10 @@ pub fn rank(
     config: EngineConfig,
 ) -> Rank {
     init_logs();
-    let engine = Engine::start(EngineConfig {
-        tp_rank: tp.rank,
-        tp_size: tp.size,
-        ..config
-    })
+    let engine = Engine::start(config.with(|c| {
+        c.tp_rank = tp.rank;
+        c.tp_size = tp.size;
+    }))
     .unwrap();
     let bytes = shape.region_bytes_tp(blocks, tp.size).unwrap();
     let region = engine.allocate_host(bytes, false).unwrap();

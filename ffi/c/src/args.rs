@@ -87,6 +87,45 @@ pub(crate) unsafe fn slice_arg<'a, T>(p: *const T, count: usize, what: &str) -> 
     Ok(unsafe { std::slice::from_raw_parts(p, count) })
 }
 
+/// The leading `u64` of a versioned struct: its size in bytes as the caller's header declares
+/// it. Checked against `full` (this release's size): a multiple of 8 from 8 to `full`, as
+/// fields are appended 8 bytes at a time, so that the size tells which fields a caller has.
+///
+/// # Safety
+/// `p` is NULL or points to at least 8 readable bytes, aligned for `T`.
+pub(crate) unsafe fn struct_size<T>(p: *const T, what: &str) -> FfiResult<usize> {
+    let full = std::mem::size_of::<T>();
+    if p.is_null() {
+        return Err(invalid(format!("{what} is NULL")));
+    }
+    if !p.is_aligned() {
+        return Err(invalid(format!("{what} is not aligned")));
+    }
+    // SAFETY: not NULL, aligned for T (so for u64: T starts with its u64 size), and the caller
+    // promised at least the size field.
+    let size = unsafe { p.cast::<u64>().read() };
+    if size < 8 || size % 8 != 0 || size > full as u64 {
+        return Err(invalid(format!(
+            "{what}->size is {size}: set it to sizeof of the struct (at most {full} bytes in \
+             this kvlink; a multiple of 8)"
+        )));
+    }
+    Ok(size as usize)
+}
+
+/// Copies the first `size` bytes of `from` over the same bytes of `into`: a caller's struct of
+/// an older (shorter) layout into a full one, or back.
+///
+/// # Safety
+/// `size` is at most `size_of::<T>()` and ends at a field boundary of `T`; `from` points to
+/// `size` readable bytes and `into` to `size` writable ones, not overlapping.
+pub(crate) unsafe fn copy_prefix<T>(from: *const T, into: *mut T, size: usize) {
+    debug_assert!(size <= std::mem::size_of::<T>());
+    // SAFETY: the caller promised both ranges and a field boundary at `size`, so the bytes
+    // copied are whole fields of T (plain data, every bit pattern of them valid).
+    unsafe { std::ptr::copy_nonoverlapping(from.cast::<u8>(), into.cast::<u8>(), size) };
+}
+
 /// Checks an out-parameter before any work is done, so that no result is lost to a bad one.
 pub(crate) fn check_out<T>(p: *mut T, what: &str) -> FfiResult {
     if p.is_null() {

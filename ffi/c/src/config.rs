@@ -6,20 +6,29 @@ use std::time::Duration;
 
 use kvlink::{AuthKey, EngineConfig, TransportChoice};
 
-use crate::args::{check_out, millis, opt_str_arg, write_out};
+use crate::args::{copy_prefix, millis, opt_str_arg, struct_size};
 use crate::guard::guard;
 use crate::status::{
     invalid, FfiResult, KVLINK_TRANSPORT_AUTO, KVLINK_TRANSPORT_LOCAL, KVLINK_TRANSPORT_NETWORK,
     KVLINK_TRANSPORT_RDMA, KVLINK_TRANSPORT_TCP,
 };
 
-/// Settings of `kvlink_engine_start`. Fill one with `kvlink_config_default`, then change fields.
+/// Settings of `kvlink_engine_start`. Set `size` to `sizeof(kvlink_config)` (or start from
+/// `KVLINK_CONFIG_INIT`), fill it with `kvlink_config_default`, then change fields.
+///
+/// The struct grows at its end, 8 bytes at a time, and `size` says how much of it the caller's
+/// header knows: a program built against an older header keeps working with a newer library
+/// (the fields it does not know take their defaults), and a newer program is refused by an
+/// older library with `KVLINK_E_INVALID` naming the size.
 ///
 /// The strings are borrowed: they are read during `kvlink_engine_start` only, and the caller
 /// keeps ownership.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct kvlink_config {
+    /// This struct's size in bytes as the caller's header declares it:
+    /// `sizeof(kvlink_config)`. Set it before `kvlink_config_default`, which keeps it.
+    pub size: u64,
     /// Handshake listen address, `"ip:port"`; port 0 picks a free one. The default is
     /// `"127.0.0.1:0"`; NULL means the default.
     pub listen: *const c_char,
@@ -69,64 +78,93 @@ pub struct kvlink_config {
 
 #[cfg(target_pointer_width = "64")]
 const _: () = {
-    assert!(std::mem::size_of::<kvlink_config>() == 104);
+    assert!(std::mem::size_of::<kvlink_config>() == KVLINK_CONFIG_SIZE);
     assert!(std::mem::align_of::<kvlink_config>() == 8);
-    assert!(std::mem::offset_of!(kvlink_config, listen) == 0);
-    assert!(std::mem::offset_of!(kvlink_config, advertise_host) == 8);
-    assert!(std::mem::offset_of!(kvlink_config, engine_id) == 16);
-    assert!(std::mem::offset_of!(kvlink_config, tp_rank) == 24);
-    assert!(std::mem::offset_of!(kvlink_config, tp_size) == 28);
-    assert!(std::mem::offset_of!(kvlink_config, transport) == 32);
-    assert!(std::mem::offset_of!(kvlink_config, tcp_streams) == 36);
-    assert!(std::mem::offset_of!(kvlink_config, request_timeout_ms) == 40);
-    assert!(std::mem::offset_of!(kvlink_config, abort_timeout_ms) == 48);
-    assert!(std::mem::offset_of!(kvlink_config, gpu) == 56);
-    assert!(std::mem::offset_of!(kvlink_config, staging_buffers) == 60);
-    assert!(std::mem::offset_of!(kvlink_config, staging_chunk_bytes) == 64);
-    assert!(std::mem::offset_of!(kvlink_config, auth_key) == 72);
-    assert!(std::mem::offset_of!(kvlink_config, insecure) == 80);
-    assert!(std::mem::offset_of!(kvlink_config, lease_ms) == 88);
-    assert!(std::mem::offset_of!(kvlink_config, session_idle_ms) == 96);
+    assert!(std::mem::offset_of!(kvlink_config, size) == 0);
+    assert!(std::mem::offset_of!(kvlink_config, listen) == 8);
+    assert!(std::mem::offset_of!(kvlink_config, advertise_host) == 16);
+    assert!(std::mem::offset_of!(kvlink_config, engine_id) == 24);
+    assert!(std::mem::offset_of!(kvlink_config, tp_rank) == 32);
+    assert!(std::mem::offset_of!(kvlink_config, tp_size) == 36);
+    assert!(std::mem::offset_of!(kvlink_config, transport) == 40);
+    assert!(std::mem::offset_of!(kvlink_config, tcp_streams) == 44);
+    assert!(std::mem::offset_of!(kvlink_config, request_timeout_ms) == 48);
+    assert!(std::mem::offset_of!(kvlink_config, abort_timeout_ms) == 56);
+    assert!(std::mem::offset_of!(kvlink_config, gpu) == 64);
+    assert!(std::mem::offset_of!(kvlink_config, staging_buffers) == 68);
+    assert!(std::mem::offset_of!(kvlink_config, staging_chunk_bytes) == 72);
+    assert!(std::mem::offset_of!(kvlink_config, auth_key) == 80);
+    assert!(std::mem::offset_of!(kvlink_config, insecure) == 88);
+    assert!(std::mem::offset_of!(kvlink_config, lease_ms) == 96);
+    assert!(std::mem::offset_of!(kvlink_config, session_idle_ms) == 104);
 };
+
+/// `sizeof(kvlink_config)` in this release (64-bit targets).
+pub const KVLINK_CONFIG_SIZE: usize = 112;
 
 const DEFAULT_LISTEN: &CStr = c"127.0.0.1:0";
 
-/// Fills `*config` with the defaults: listen on `"127.0.0.1:0"`, rank 0 of 1, automatic
-/// transport, 4 TCP streams, a 60 s request timeout, a 480 s abort timeout, a 30 s lease and
-/// sessions closed after 120 s unused.
+/// Fills the first `config->size` bytes of `*config` with the defaults (`size` is kept): listen
+/// on `"127.0.0.1:0"`, rank 0 of 1, automatic transport, 4 TCP streams, a 60 s request
+/// timeout, a 480 s abort timeout, a 30 s lease and sessions closed after 120 s unused.
 ///
-/// Returns `KVLINK_OK`, or `KVLINK_E_INVALID` when `config` is NULL.
+/// Returns `KVLINK_OK`, or `KVLINK_E_INVALID` when `config` is NULL or its `size` is not a
+/// size of this struct (set it to `sizeof(kvlink_config)` first).
 ///
 /// # Safety
-/// `config` is NULL or points to writable memory for a `kvlink_config`.
+/// `config` is NULL or points to writable memory for a `kvlink_config` of the caller's header,
+/// whose `size` field is set.
 #[no_mangle]
 pub unsafe extern "C" fn kvlink_config_default(config: *mut kvlink_config) -> c_int {
     guard(|| {
-        check_out(config, "config")?;
-        let d = EngineConfig::default();
-        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
-        let c = kvlink_config {
-            listen: DEFAULT_LISTEN.as_ptr(),
-            advertise_host: std::ptr::null(),
-            engine_id: std::ptr::null(),
-            tp_rank: d.tp_rank,
-            tp_size: d.tp_size,
-            transport: KVLINK_TRANSPORT_AUTO,
-            tcp_streams: u32::from(d.tcp_streams),
-            request_timeout_ms: ms(d.request_timeout),
-            abort_timeout_ms: ms(d.abort_timeout),
-            gpu: u32::from(d.gpu),
-            staging_buffers: u32::try_from(d.staging_buffers).unwrap_or(u32::MAX),
-            staging_chunk_bytes: d.staging_chunk_bytes,
-            auth_key: std::ptr::null(),
-            insecure: 0,
-            lease_ms: ms(d.lease),
-            session_idle_ms: ms(d.session_idle),
-        };
-        // SAFETY: checked above; the caller promised writable memory.
-        unsafe { write_out(config, c) };
+        // SAFETY: the caller promised a kvlink_config of its header with its size set.
+        let size = unsafe { struct_size(config, "config") }?;
+        let c = defaults(size);
+        // SAFETY: `size` bytes of the caller's struct are writable (it declared them), and
+        // struct_size checked that they end at a field boundary.
+        unsafe { copy_prefix(&c, config, size) };
         Ok(())
     })
+}
+
+/// The defaults, with `size` as given.
+fn defaults(size: usize) -> kvlink_config {
+    let d = EngineConfig::default();
+    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    kvlink_config {
+        size: size as u64,
+        listen: DEFAULT_LISTEN.as_ptr(),
+        advertise_host: std::ptr::null(),
+        engine_id: std::ptr::null(),
+        tp_rank: d.tp_rank,
+        tp_size: d.tp_size,
+        transport: KVLINK_TRANSPORT_AUTO,
+        tcp_streams: u32::from(d.tcp_streams),
+        request_timeout_ms: ms(d.request_timeout),
+        abort_timeout_ms: ms(d.abort_timeout),
+        gpu: u32::from(d.gpu),
+        staging_buffers: u32::try_from(d.staging_buffers).unwrap_or(u32::MAX),
+        staging_chunk_bytes: d.staging_chunk_bytes,
+        auth_key: std::ptr::null(),
+        insecure: 0,
+        lease_ms: ms(d.lease),
+        session_idle_ms: ms(d.session_idle),
+    }
+}
+
+/// The caller's `kvlink_config` as this release's: the fields its header knows (`size`) over
+/// the defaults.
+///
+/// # Safety
+/// `config` is NULL or points to a `kvlink_config` of the caller's header with its size set.
+pub(crate) unsafe fn read_config(config: *const kvlink_config) -> FfiResult<kvlink_config> {
+    // SAFETY: forwarded from the caller.
+    let size = unsafe { struct_size(config, "config") }?;
+    let mut c = defaults(size);
+    // SAFETY: the caller's struct holds `size` readable bytes, which end at a field boundary
+    // (struct_size); `c` is a full struct of our own.
+    unsafe { copy_prefix(config, &mut c, size) };
+    Ok(c)
 }
 
 pub(crate) fn engine_config(c: &kvlink_config) -> FfiResult<EngineConfig> {

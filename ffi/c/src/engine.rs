@@ -5,7 +5,7 @@ use std::ffi::{c_char, c_int, c_void};
 use kvlink::{DeviceMemory, Engine, EngineConfig, ExternalMemory, RegionId};
 
 use crate::args::{check_out, millis, opt_str_arg, ref_arg, str_arg, write_out};
-use crate::config::{engine_config, kvlink_config};
+use crate::config::{engine_config, kvlink_config, read_config};
 use crate::finished::kvlink_finished;
 use crate::guard::guard;
 use crate::handle::kvlink_engine;
@@ -23,8 +23,8 @@ use crate::tp::{kvlink_engine_hold_groups, kvlink_engine_read};
 /// listen address) or `KVLINK_E_RDMA` (`KVLINK_TRANSPORT_RDMA` without a usable device).
 ///
 /// # Safety
-/// `config` is NULL or points to a valid `kvlink_config` whose strings are NULL or
-/// NUL-terminated; `out` is NULL or points to writable memory for a pointer.
+/// `config` is NULL or points to a `kvlink_config` of the caller's header, its `size` set and
+/// its strings NULL or NUL-terminated; `out` is NULL or points to writable memory for a pointer.
 #[no_mangle]
 pub unsafe extern "C" fn kvlink_engine_start(
     config: *const kvlink_config,
@@ -35,8 +35,8 @@ pub unsafe extern "C" fn kvlink_engine_start(
         let config = if config.is_null() {
             EngineConfig::default()
         } else {
-            // SAFETY: the caller promised a valid kvlink_config.
-            engine_config(unsafe { ref_arg(config, "config") }?)?
+            // SAFETY: the caller promised a kvlink_config of its header with its size set.
+            engine_config(&unsafe { read_config(config) }?)?
         };
         let engine = Engine::start(config)?;
         let handle = Box::into_raw(Box::new(kvlink_engine { engine }));

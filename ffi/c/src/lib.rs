@@ -60,7 +60,7 @@ pub use crate::aggregator::{
     kvlink_aggregator, kvlink_aggregator_free, kvlink_aggregator_new, kvlink_aggregator_report,
     kvlink_aggregator_take,
 };
-pub use crate::config::{kvlink_config, kvlink_config_default};
+pub use crate::config::{kvlink_config, kvlink_config_default, KVLINK_CONFIG_SIZE};
 pub use crate::engine::{
     kvlink_engine_allocate_host, kvlink_engine_capabilities, kvlink_engine_connect,
     kvlink_engine_deregister, kvlink_engine_free, kvlink_engine_handshake_address,

@@ -87,14 +87,34 @@ fn string_arguments_are_checked() {
     assert_eq!(unsafe { opt_str_arg(std::ptr::null(), "s") }.unwrap(), None);
 }
 
+/// A kvlink_config of this release filled by kvlink_config_default.
+fn default_config() -> kvlink_config {
+    // SAFETY: every field of kvlink_config is an integer or a raw pointer: all zeros is valid.
+    let mut config: kvlink_config = unsafe { std::mem::zeroed() };
+    config.size = KVLINK_CONFIG_SIZE as u64;
+    // SAFETY: a whole kvlink_config with its size set.
+    let rc = unsafe { kvlink_config_default(&mut config) };
+    assert_eq!(rc, KVLINK_OK, "{}", last_error());
+    assert_eq!(config.size, KVLINK_CONFIG_SIZE as u64, "the size is kept");
+    config
+}
+
+#[test]
+fn a_config_without_its_size_or_from_a_newer_header_is_refused() {
+    // SAFETY: as in default_config.
+    let mut config: kvlink_config = unsafe { std::mem::zeroed() };
+    for size in [0, 4, 12, KVLINK_CONFIG_SIZE as u64 + 8] {
+        config.size = size;
+        // SAFETY: a whole kvlink_config; only its size is read before the refusal.
+        let rc = unsafe { kvlink_config_default(&mut config) };
+        assert_eq!(rc, KVLINK_E_INVALID, "size {size}");
+        assert!(last_error().contains("config->size is"), "{}", last_error());
+    }
+}
+
 #[test]
 fn the_durations_reach_the_engine_config() {
-    let mut config = std::mem::MaybeUninit::<kvlink_config>::uninit();
-    // SAFETY: writable memory for a kvlink_config.
-    let rc = unsafe { kvlink_config_default(config.as_mut_ptr()) };
-    assert_eq!(rc, KVLINK_OK);
-    // SAFETY: initialised by kvlink_config_default.
-    let config = unsafe { config.assume_init() };
+    let config = default_config();
     let d = kvlink::EngineConfig::default();
     assert_eq!(config.session_idle_ms, 120_000);
     assert_eq!(engine_config(&config).unwrap().session_idle, d.session_idle);
@@ -121,12 +141,7 @@ fn the_durations_reach_the_engine_config() {
 
 #[test]
 fn engine_round_trip_without_peers() {
-    let mut config = std::mem::MaybeUninit::<kvlink_config>::uninit();
-    // SAFETY: writable memory for a kvlink_config.
-    let rc = unsafe { kvlink_config_default(config.as_mut_ptr()) };
-    assert_eq!(rc, KVLINK_OK);
-    // SAFETY: initialised by kvlink_config_default.
-    let mut config = unsafe { config.assume_init() };
+    let mut config = default_config();
     config.transport = KVLINK_TRANSPORT_TCP;
     let mut engine = std::ptr::null_mut();
     let bad = kvlink_config { gpu: 2, ..config };

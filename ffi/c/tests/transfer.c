@@ -188,7 +188,7 @@ static void check_cancel(kvlink_engine *decode) {
 }
 
 static kvlink_engine *start_engine(const char *name) {
-    kvlink_config cfg;
+    kvlink_config cfg = KVLINK_CONFIG_INIT;
     CHECK(kvlink_config_default(&cfg));
     EXPECT(cfg.tp_size == 1 && cfg.tcp_streams > 0 && cfg.listen != NULL);
     EXPECT(strcmp(cfg.listen, "127.0.0.1:0") == 0);
@@ -213,6 +213,50 @@ static kvlink_engine *start_engine(const char *name) {
     return engine;
 }
 
+/* kvlink_config as a program built against an older header has it: without the two fields
+ * appended last (lease_ms, session_idle_ms), 96 bytes. */
+struct older_config {
+    uint64_t size;
+    const char *listen;
+    const char *advertise_host;
+    const char *engine_id;
+    uint32_t tp_rank, tp_size, transport, tcp_streams;
+    uint64_t request_timeout_ms, abort_timeout_ms;
+    uint32_t gpu, staging_buffers;
+    uint64_t staging_chunk_bytes;
+    const char *auth_key;
+    uint32_t insecure;
+};
+
+/* An older program's config is filled and read as far as its size says, never past it (the
+ * bytes after it are garbage that would fail the start if they were read); a newer
+ * program's bigger config is refused, naming its size. */
+static void check_older_header(void) {
+    union {
+        struct older_config cfg;
+        unsigned char bytes[sizeof(kvlink_config) + 16];
+    } buf;
+    EXPECT(sizeof(struct older_config) == 96 && sizeof(kvlink_config) == KVLINK_CONFIG_SIZE);
+    memset(&buf, 0xAB, sizeof buf);
+    buf.cfg.size = sizeof(struct older_config);
+    CHECK(kvlink_config_default((kvlink_config *)&buf.cfg));
+    EXPECT(buf.cfg.size == 96 && buf.cfg.tp_size == 1 && buf.cfg.insecure == 0);
+    EXPECT(strcmp(buf.cfg.listen, "127.0.0.1:0") == 0);
+    for (size_t i = sizeof(struct older_config); i < sizeof buf.bytes; i++) {
+        EXPECT(buf.bytes[i] == 0xAB);
+    }
+    buf.cfg.transport = KVLINK_TRANSPORT_TCP;
+    buf.cfg.engine_id = "c-older";
+    kvlink_engine *engine = NULL;
+    CHECK(kvlink_engine_start((const kvlink_config *)&buf.cfg, &engine));
+    EXPECT(engine != NULL);
+    kvlink_engine_free(engine);
+    buf.cfg.size = sizeof(kvlink_config) + 8;
+    CHECK_FAILS(kvlink_config_default((kvlink_config *)&buf.cfg), KVLINK_E_INVALID, "config->size is");
+    CHECK_FAILS(kvlink_engine_start((const kvlink_config *)&buf.cfg, &engine), KVLINK_E_INVALID,
+                "config->size is");
+}
+
 static void set_layout(kvlink_engine *engine, uint32_t region) {
     kvlink_tensor tensors[TENSORS];
     memset(tensors, 0, sizeof tensors);
@@ -227,7 +271,7 @@ static void set_layout(kvlink_engine *engine, uint32_t region) {
 }
 
 static void check_argument_errors(kvlink_engine *decode) {
-    kvlink_config cfg;
+    kvlink_config cfg = KVLINK_CONFIG_INIT;
     kvlink_engine *none = NULL;
     CHECK(kvlink_config_default(&cfg));
     CHECK_FAILS(kvlink_engine_start(&cfg, NULL), KVLINK_E_INVALID, "out is NULL");
@@ -662,6 +706,7 @@ int main(void) {
     kvlink_engine *prefill = start_engine("c-prefill");
     kvlink_engine *decode = start_engine("c-decode");
     check_argument_errors(decode);
+    check_older_header();
 
     char peer[KVLINK_ADDRESS_MAX];
     CHECK(kvlink_engine_handshake_address(prefill, peer, sizeof peer));

@@ -84,32 +84,35 @@ impl Engine {
                 Some(AuthKey::new(bytes).map_err(to_py)?)
             }
         };
-        let d = EngineConfig::default();
+        // Outside the engine crate a config is built from its defaults (it is non-exhaustive);
+        // a setting left None keeps the default.
         let secs = |name, v: Option<f64>, default| v.map_or(Ok(default), |v| seconds(name, v));
-        let mut cfg = EngineConfig {
-            listen: listen.to_string(),
-            engine_id,
-            tp_rank,
-            tp_size,
-            tcp_streams: tcp_streams.unwrap_or(d.tcp_streams),
-            request_timeout: secs("request_timeout", request_timeout, d.request_timeout)?,
-            abort_timeout: secs("abort_timeout", abort_timeout, d.abort_timeout)?,
-            lease: secs("lease", lease, d.lease)?,
-            session_idle: match session_idle {
-                Some(0.0) => std::time::Duration::ZERO,
-                v => secs("session_idle", v, d.session_idle)?,
-            },
-            handshake_timeout: secs("handshake_timeout", handshake_timeout, d.handshake_timeout)?,
-            transport: transport
-                .parse::<TransportChoice>()
-                .map_err(|e| InvalidArgument::new_err(e.to_string()))?,
-            gpu,
-            staging_chunk_bytes: staging_chunk_bytes.unwrap_or(d.staging_chunk_bytes),
-            staging_buffers: staging_buffers.unwrap_or(d.staging_buffers),
-            auth_key,
-            insecure,
-            ..d
+        let mut cfg = EngineConfig::default();
+        cfg.listen = listen.to_string();
+        cfg.engine_id = engine_id;
+        cfg.tp_rank = tp_rank;
+        cfg.tp_size = tp_size;
+        cfg.tcp_streams = tcp_streams.unwrap_or(cfg.tcp_streams);
+        cfg.request_timeout = secs("request_timeout", request_timeout, cfg.request_timeout)?;
+        cfg.abort_timeout = secs("abort_timeout", abort_timeout, cfg.abort_timeout)?;
+        cfg.lease = secs("lease", lease, cfg.lease)?;
+        cfg.session_idle = match session_idle {
+            Some(0.0) => std::time::Duration::ZERO,
+            v => secs("session_idle", v, cfg.session_idle)?,
         };
+        cfg.handshake_timeout = secs(
+            "handshake_timeout",
+            handshake_timeout,
+            cfg.handshake_timeout,
+        )?;
+        cfg.transport = transport
+            .parse::<TransportChoice>()
+            .map_err(|e| InvalidArgument::new_err(e.to_string()))?;
+        cfg.gpu = gpu;
+        cfg.staging_chunk_bytes = staging_chunk_bytes.unwrap_or(cfg.staging_chunk_bytes);
+        cfg.staging_buffers = staging_buffers.unwrap_or(cfg.staging_buffers);
+        cfg.auth_key = auth_key;
+        cfg.insecure = insecure;
         cfg.rdma.device = rdma_device;
         let inner = py.allow_threads(|| RsEngine::start(cfg)).map_err(to_py)?;
         Ok(Engine {

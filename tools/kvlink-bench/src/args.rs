@@ -419,26 +419,25 @@ impl Args {
     }
 
     pub(crate) fn config(&self, listen: &str, advertise: Option<String>) -> EngineConfig {
-        EngineConfig {
-            tp_rank: self.tp_rank,
-            tp_size: if self.mode == Mode::Serve {
+        EngineConfig::default().with(|c| {
+            c.tp_rank = self.tp_rank;
+            c.tp_size = if self.mode == Mode::Serve {
                 self.prefill_tp
             } else {
                 self.decode_tp
-            },
-            listen: listen.to_string(),
-            advertise_host: advertise,
-            tcp_streams: self.streams,
-            batch_bytes: self.batch_bytes,
-            request_timeout: Duration::from_secs(120),
-            transport: self.transport,
-            rdma: kvlink::RdmaSettings {
+            };
+            c.listen = listen.to_string();
+            c.advertise_host = advertise;
+            c.tcp_streams = self.streams;
+            c.batch_bytes = self.batch_bytes;
+            c.request_timeout = Duration::from_secs(120);
+            c.transport = self.transport;
+            c.rdma = kvlink::RdmaSettings {
                 device: self.rdma_device.clone(),
                 qps: self.qps,
                 ..Default::default()
-            },
-            ..EngineConfig::default()
-        }
+            };
+        })
     }
 }
 

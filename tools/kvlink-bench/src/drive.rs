@@ -239,10 +239,11 @@ pub(crate) fn serve(args: &Args) -> Result<(), String> {
     let blocks = args.cache_blocks();
     // Readers in other processes name requests this engine never held: serve every
     // exported byte (authentication, when a key is set, still applies).
-    let config = kvlink::EngineConfig {
-        open_reads: true,
-        ..args.config(&args.listen, Some(args.advertise.clone()))
-    };
+    let config = args
+        .config(&args.listen, Some(args.advertise.clone()))
+        .with(|c| {
+            c.open_reads = true;
+        });
     let engine = Engine::start(config).map_err(|e| e.to_string())?;
     let tp = TpRank::new(args.tp_rank, args.prefill_tp);
     let seed = crate::tp::prefill_seed(args, tp.rank);

@@ -236,11 +236,10 @@ fn verify(d: &DecodeRank<'_>, sources: &[Source], l: &Groups, r: &Groups) -> kvl
 pub(crate) fn loopback_tp(args: &Args, rng: &mut Rng) -> Result<Outcome, String> {
     let blocks = args.cache_blocks();
     let start = |rank: u32, size: u32| {
-        Engine::start(kvlink::EngineConfig {
-            tp_rank: rank,
-            tp_size: size,
-            ..args.config("127.0.0.1:0", None)
-        })
+        Engine::start(args.config("127.0.0.1:0", None).with(|c| {
+            c.tp_rank = rank;
+            c.tp_size = size;
+        }))
         .map_err(|e| e.to_string())
     };
     let prefill: Vec<Engine> = (0..args.prefill_tp)

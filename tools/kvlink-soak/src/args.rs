@@ -49,21 +49,20 @@ pub struct Options {
 /// The soak's defaults: short timeouts, so that every fault plays out within seconds.
 fn defaults() -> Options {
     let ms = Duration::from_millis;
-    let mut config = EngineConfig {
-        transport: TransportChoice::Auto,
-        tcp_streams: 2,
-        keepalive: ms(500),
-        lease: ms(3000),
-        handshake_timeout: ms(2000),
-        connect_timeout: ms(2000),
-        request_timeout: ms(10_000),
-        abort_timeout: ms(20_000),
-        io_timeout: ms(3000),
-        idle_timeout: ms(5000),
-        runtime_threads: 1,
-        gpu: false,
-        ..EngineConfig::default()
-    };
+    let mut config = EngineConfig::default().with(|c| {
+        c.transport = TransportChoice::Auto;
+        c.tcp_streams = 2;
+        c.keepalive = ms(500);
+        c.lease = ms(3000);
+        c.handshake_timeout = ms(2000);
+        c.connect_timeout = ms(2000);
+        c.request_timeout = ms(10_000);
+        c.abort_timeout = ms(20_000);
+        c.io_timeout = ms(3000);
+        c.idle_timeout = ms(5000);
+        c.runtime_threads = 1;
+        c.gpu = false;
+    });
     config.rdma.qps = 2;
     config.rdma.cooldown = ms(3000);
     Options {

@@ -84,10 +84,9 @@ mod tests {
     use kvlink::{Engine, EngineConfig, TransportChoice};
 
     fn engine() -> Engine {
-        Engine::start(EngineConfig {
-            transport: TransportChoice::Tcp,
-            ..EngineConfig::default()
-        })
+        Engine::start(EngineConfig::default().with(|c| {
+            c.transport = TransportChoice::Tcp;
+        }))
         .unwrap()
     }
 
