@@ -543,7 +543,7 @@ static uint8_t head_pattern(unsigned tensor, unsigned block, unsigned head, unsi
  * memory holds `head_pattern` of each global head when `fill` is set. */
 static kvlink_engine *tp_engine(const char *name, uint32_t rank, uint32_t size, int fill,
                                 uint8_t **mem) {
-    kvlink_config cfg;
+    kvlink_config cfg = KVLINK_CONFIG_INIT;
     CHECK(kvlink_config_default(&cfg));
     cfg.engine_id = name;
     cfg.transport = KVLINK_TRANSPORT_TCP;
