@@ -643,7 +643,7 @@ static void check_tp_and_groups(void) {
 /* An engine with one tensor of `tokens`-token blocks (`[tokens, bytes]`, one token run) whose
  * token `s` of block `b` holds `(b * tokens + s) % 251` in each byte when `fill` is set. */
 static kvlink_engine *resized_engine(const char *name, uint32_t tokens, int fill, uint8_t **mem) {
-    kvlink_config cfg;
+    kvlink_config cfg = KVLINK_CONFIG_INIT;
     CHECK(kvlink_config_default(&cfg));
     cfg.engine_id = name;
     cfg.transport = KVLINK_TRANSPORT_TCP;
