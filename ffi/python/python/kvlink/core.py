@@ -130,7 +130,7 @@ def _parse(raw: Mapping[str, tuple[Any, str]]) -> Settings:
 
 
 def _port(value: Any, source: str) -> int:
-    if not str(value).isdigit() or not 0 < int(value) < 65536:
+    if not str(value).isdigit() or not 0 <= int(value) < 65536:  # 0: none
         raise ValueError(f"kvlink: {source} must be a port, got {value!r}")
     return int(value)
 
