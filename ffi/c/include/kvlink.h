@@ -25,6 +25,9 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+/** A `kvlink_config` whose `size` is this header's `sizeof(kvlink_config)`: initialise one with
+ * it, then fill it with `kvlink_config_default`. */
+#define KVLINK_CONFIG_INIT { .size = sizeof(kvlink_config) }
 
 /**
  * Success.
@@ -156,6 +159,11 @@
 #define KVLINK_TIMEOUT_MAX_MS 604800000
 
 /**
+ * `sizeof(kvlink_config)` in this release (64-bit targets).
+ */
+#define KVLINK_CONFIG_SIZE 112
+
+/**
  * `kvlink_event_publisher_start`: the current encoding (tagged maps: vLLM >= 0.24, SGLang).
  */
 #define KVLINK_EVENTS_CURRENT 0
@@ -215,12 +223,23 @@ typedef struct kvlink_finished kvlink_finished;
 typedef struct kvlink_messages kvlink_messages;
 
 /**
- * Settings of `kvlink_engine_start`. Fill one with `kvlink_config_default`, then change fields.
+ * Settings of `kvlink_engine_start`. Set `size` to `sizeof(kvlink_config)` (or start from
+ * `KVLINK_CONFIG_INIT`), fill it with `kvlink_config_default`, then change fields.
+ *
+ * The struct grows at its end, 8 bytes at a time, and `size` says how much of it the caller's
+ * header knows: a program built against an older header keeps working with a newer library
+ * (the fields it does not know take their defaults), and a newer program is refused by an
+ * older library with `KVLINK_E_INVALID` naming the size.
  *
  * The strings are borrowed: they are read during `kvlink_engine_start` only, and the caller
  * keeps ownership.
  */
 typedef struct kvlink_config {
+    /**
+     * This struct's size in bytes as the caller's header declares it:
+     * `sizeof(kvlink_config)`. Set it before `kvlink_config_default`, which keeps it.
+     */
+    uint64_t size;
     /**
      * Handshake listen address, `"ip:port"`; port 0 picks a free one. The default is
      * `"127.0.0.1:0"`; NULL means the default.
@@ -458,14 +477,16 @@ const char *kvlink_last_error(void);
 const char *kvlink_version(void);
 
 /**
- * Fills `*config` with the defaults: listen on `"127.0.0.1:0"`, rank 0 of 1, automatic
- * transport, 4 TCP streams, a 60 s request timeout, a 480 s abort timeout, a 30 s lease and
- * sessions closed after 120 s unused.
+ * Fills the first `config->size` bytes of `*config` with the defaults (`size` is kept): listen
+ * on `"127.0.0.1:0"`, rank 0 of 1, automatic transport, 4 TCP streams, a 60 s request
+ * timeout, a 480 s abort timeout, a 30 s lease and sessions closed after 120 s unused.
  *
- * Returns `KVLINK_OK`, or `KVLINK_E_INVALID` when `config` is NULL.
+ * Returns `KVLINK_OK`, or `KVLINK_E_INVALID` when `config` is NULL or its `size` is not a
+ * size of this struct (set it to `sizeof(kvlink_config)` first).
  *
  * # Safety
- * `config` is NULL or points to writable memory for a `kvlink_config`.
+ * `config` is NULL or points to writable memory for a `kvlink_config` of the caller's header,
+ * whose `size` field is set.
  */
 int kvlink_config_default(struct kvlink_config *config);
 
@@ -481,8 +502,8 @@ int kvlink_config_default(struct kvlink_config *config);
  * listen address) or `KVLINK_E_RDMA` (`KVLINK_TRANSPORT_RDMA` without a usable device).
  *
  * # Safety
- * `config` is NULL or points to a valid `kvlink_config` whose strings are NULL or
- * NUL-terminated; `out` is NULL or points to writable memory for a pointer.
+ * `config` is NULL or points to a `kvlink_config` of the caller's header, its `size` set and
+ * its strings NULL or NUL-terminated; `out` is NULL or points to writable memory for a pointer.
  */
 int kvlink_engine_start(const struct kvlink_config *config, struct kvlink_engine **out);
 
