@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvlink::{AuthKey, EngineConfig, ModelShape};
+use kvlink::{AuthKey, ModelShape};
 
 /// The tests here measure the whole process: one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());

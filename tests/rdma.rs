@@ -10,9 +10,7 @@ use std::time::{Duration, Instant};
 use common::rdma::{rdma_available, rdma_config};
 use common::*;
 use kvlink::internal::{start_with_rdma_fault, RdmaFault};
-use kvlink::{
-    Engine, EngineConfig, Error, FailureCause, ModelShape, RdmaErrorKind, TransportChoice,
-};
+use kvlink::{Engine, Error, FailureCause, ModelShape, RdmaErrorKind, TransportChoice};
 
 use kvlink::wc_status::REM_ACCESS_ERR as IBV_WC_REM_ACCESS_ERR;
 

@@ -11,7 +11,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvlink::{EngineConfig, ModelShape, RdmaSettings, TransportChoice};
+use kvlink::{ModelShape, RdmaSettings, TransportChoice};
 
 /// The netdev under each device (tools/softroce/run.sh).
 const LINKS: [(&str, &str); 2] = [("rxe0", "dummy0"), ("rxe1", "dummy1")];
