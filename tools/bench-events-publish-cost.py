@@ -111,6 +111,7 @@ def run(kind: str, batches: int, per: int) -> dict:
     assert sub.stdout is not None
     assert sub.stdout.readline().strip() == "READY"
     make: Callable[[int, int], Any]
+    pub: Any  # kvlink's Publisher or the reference one: the same calls
     if kind == "kvlink":
         from kvlink.events import Publisher
 

@@ -38,7 +38,7 @@ def prefill() -> None:
     for c in caches:
         c[blocks] = rng.integers(0, 256, size=(len(blocks), BLOCK_BYTES), dtype=np.uint8)
     # Grant exactly these blocks to the reader of req-42.
-    engine.hold_blocks("req-42", blocks, abort_timeout=60.0)
+    engine.hold_blocks("req-42", blocks.tolist(), abort_timeout=60.0)
     checksum = int(sum(int(c[blocks].astype(np.uint64).sum()) for c in caches))
     print(json.dumps({"addr": engine.handshake_address, "blocks": blocks.tolist(), "checksum": checksum}), flush=True)
     while True:

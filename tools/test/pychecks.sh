@@ -32,7 +32,7 @@ checks() {
   check "mypy kvlink" "$repo/ffi/python" "$bin/mypy" "${mypy_args[@]}" python/kvlink
   local dir
   for dir in tools tools/soak tools/test tools/bench-peers tools/examples; do
-    check "mypy $dir" "$repo/$dir" "$bin/mypy" "${mypy_args[@]}" ./*.py
+    check "mypy $dir" "$repo/$dir" "$bin/mypy" "${mypy_args[@]}" "$repo/$dir"/*.py
   done
 }
 logged_part check pychecks "$label" "$MIN_CHECKS" fail "" checks

@@ -152,7 +152,9 @@ def tally_soak(text, rc, word="soak"):
     the run's last words. A failed run is named with the lines of its output, before its
     verdict and after the one before, that say why."""
     verdict_re = re.compile(rf"^{word}: (?:PASS|FAIL)\b.*$")
-    lines, said, before = [], [], []
+    lines: list[str] = []
+    said: list[list[str]] = []
+    before: list[str] = []
     for ln in text.splitlines():
         if verdict_re.match(ln):
             lines.append(ln)
