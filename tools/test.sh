@@ -41,6 +41,10 @@ for part in $parts; do
   esac
 done
 started=$SECONDS
+# Free disk, in GB, where the run writes (target/ and the venvs are inside the checkout).
+free_gb() { df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}'; }
+echo "test: $(free_gb) GB of disk free at the start; a whole run writes about 19 GB" \
+  "(target/ 4, .venv-vllm 9, .venv-vllm33 5, the rest 1)"
 has() { case " $parts " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 tools/deps.sh
@@ -103,4 +107,5 @@ for mark in target/prepare/*; do
   [ -f "$mark" ] && echo "test: install stage $(basename "$mark"): $(tr '\n' ' ' <"$mark")"
 done
 [ $((SECONDS - wait_prepare)) -gt 1 ] && echo "test: waited $((SECONDS - wait_prepare)) s for the background installs at the end"
+echo "test: $(free_gb) GB of disk free at the end"
 tally summary --total $((SECONDS - started))
