@@ -8,7 +8,7 @@
 
 use std::net::{SocketAddr, ToSocketAddrs};
 
-use super::EventsError;
+use super::error::EventsError;
 
 /// Whether a socket binds (listens) or connects to its endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

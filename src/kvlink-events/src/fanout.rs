@@ -24,6 +24,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
+use super::error::{PeerError, ZmtpError};
 use super::guard::{accept_limited, Check, Limits};
 use super::zmtp::{self, Incoming, Parser, Subscriptions};
 
@@ -241,14 +242,18 @@ async fn accept_loop(
 }
 
 /// Serves one subscriber until it leaves, misbehaves or stalls, or the PUB side closes.
-async fn serve(tcp: TcpStream, peer: &Peer, limits: Limits, shared: &Shared) -> Result<(), String> {
+async fn serve(
+    tcp: TcpStream,
+    peer: &Peer,
+    limits: Limits,
+    shared: &Shared,
+) -> Result<(), PeerError> {
     let (mut rd, mut wr) = tcp.into_split();
     let mut hello = zmtp::greeting().to_vec();
     hello.extend(zmtp::ready("PUB"));
     tokio::time::timeout(limits.handshake, wr.write_all(&hello))
         .await
-        .map_err(|_| "the greeting could not be sent in time".to_string())?
-        .map_err(|e| e.to_string())?;
+        .map_err(|_| PeerError::Handshake(limits.handshake))??;
     let inbound = read_loop(&mut rd, peer, limits);
     let outbound = write_loop(&mut wr, peer, limits.stall, shared);
     let closed = async {
@@ -270,7 +275,7 @@ async fn serve(tcp: TcpStream, peer: &Peer, limits: Limits, shared: &Shared) -> 
 
 /// Reads what the subscriber sends, checked by the frame guard, until it closes or breaks a
 /// rule: its greeting and READY within the handshake time, then commands and (un)subscriptions.
-async fn read_loop(rd: &mut OwnedReadHalf, peer: &Peer, limits: Limits) -> Result<(), String> {
+async fn read_loop(rd: &mut OwnedReadHalf, peer: &Peer, limits: Limits) -> Result<(), PeerError> {
     let mut check = Check::new(limits);
     let mut parser = Parser::default();
     let mut buf = vec![0u8; 4096];
@@ -283,9 +288,8 @@ async fn read_loop(rd: &mut OwnedReadHalf, peer: &Peer, limits: Limits) -> Resul
         } else {
             tokio::time::timeout_at(deadline, rd.read(&mut buf))
                 .await
-                .map_err(|_| format!("no ZMTP handshake within {:?}", limits.handshake))?
-        }
-        .map_err(|e| e.to_string())?;
+                .map_err(|_| PeerError::Handshake(limits.handshake))?
+        }?;
         if n == 0 {
             return Ok(());
         }
@@ -304,20 +308,20 @@ async fn read_loop(rd: &mut OwnedReadHalf, peer: &Peer, limits: Limits) -> Resul
 
 /// One unit the subscriber sent: its greeting, its READY (`ready` from then on), a PING
 /// (answered), a subscription or its cancel; anything else ends the connection.
-fn on_unit(unit: &Incoming, whole: bool, ready: &mut bool, peer: &Peer) -> Result<(), String> {
+fn on_unit(unit: &Incoming, whole: bool, ready: &mut bool, peer: &Peer) -> Result<(), ZmtpError> {
     match unit {
         Incoming::Greeting {
             major, mechanism, ..
         } => {
             if *major < 3 || mechanism != b"NULL" {
-                return Err(format!(
-                    "ZMTP {major} with mechanism {:?} (3 with NULL expected)",
-                    String::from_utf8_lossy(mechanism)
-                ));
+                return Err(ZmtpError::Unsupported {
+                    major: *major,
+                    mechanism: String::from_utf8_lossy(mechanism).into_owned(),
+                });
             }
         }
         Incoming::Command { name, .. } if name == b"READY" && *ready => {
-            return Err("a second READY".into());
+            return Err(ZmtpError::SecondReady);
         }
         Incoming::Command { name, data } if name == b"READY" => {
             let props = zmtp::properties(data)?;
@@ -326,26 +330,24 @@ fn on_unit(unit: &Incoming, whole: bool, ready: &mut bool, peer: &Peer) -> Resul
                 .find(|(k, _)| k.eq_ignore_ascii_case(b"Socket-Type"))
                 .map(|(_, v)| v.as_slice());
             if !matches!(ty, Some(b"SUB" | b"XSUB")) {
-                return Err(format!(
-                    "a {:?} socket connected to a PUB",
-                    ty.map(String::from_utf8_lossy)
+                return Err(ZmtpError::WrongSocketType(
+                    ty.map(|t| String::from_utf8_lossy(t).into_owned()),
                 ));
             }
             *ready = true;
             *peer.subscriptions.lock() = Some(Subscriptions::default());
         }
-        _ if !*ready => return Err("a frame before READY".into()),
+        _ if !*ready => return Err(ZmtpError::BeforeReady),
         Incoming::Command { name, data } if name == b"PING" => {
             // PING: TTL (2 bytes), then a context of at most 16 bytes, echoed in
             // the PONG. At most one PONG waits: a peer that pings and reads nothing
             // grows no memory here.
             let context = data.get(2..).unwrap_or_default();
             if context.len() > zmtp::MAX_PING_CONTEXT {
-                return Err(format!(
-                    "a PING context of {} bytes (at most {})",
-                    context.len(),
-                    zmtp::MAX_PING_CONTEXT
-                ));
+                return Err(ZmtpError::PingContext {
+                    len: context.len(),
+                    max: zmtp::MAX_PING_CONTEXT,
+                });
             }
             if !peer.pong_queued.swap(true, Ordering::AcqRel)
                 && !peer.push(Out::Command(Bytes::from(zmtp::pong(context))))
@@ -355,12 +357,11 @@ fn on_unit(unit: &Incoming, whole: bool, ready: &mut bool, peer: &Peer) -> Resul
         }
         Incoming::Command { name, .. } if name == b"PONG" => {}
         Incoming::Command { name, .. } if name == b"ERROR" => {
-            return Err("the subscriber sent ERROR".into());
+            return Err(ZmtpError::PeerSentError);
         }
         Incoming::Command { name, .. } if name != b"SUBSCRIBE" && name != b"CANCEL" => {
-            return Err(format!(
-                "an unexpected command {:?}",
-                String::from_utf8_lossy(name)
+            return Err(ZmtpError::UnexpectedCommand(
+                String::from_utf8_lossy(name).into_owned(),
             ));
         }
         _ => {
@@ -379,7 +380,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     peer: &Peer,
     stall: Duration,
     shared: &Shared,
-) -> Result<(), String> {
+) -> Result<(), PeerError> {
     let mut batch: Vec<Out> = Vec::with_capacity(WRITE_BATCH);
     loop {
         {
@@ -421,15 +422,14 @@ async fn write_all_vectored<W: AsyncWrite + Unpin>(
     wr: &mut W,
     mut bufs: &mut [IoSlice<'_>],
     stall: Duration,
-) -> Result<(), String> {
+) -> Result<(), PeerError> {
     IoSlice::advance_slices(&mut bufs, 0);
     while !bufs.is_empty() {
         let n = tokio::time::timeout(stall, wr.write_vectored(bufs))
             .await
-            .map_err(|_| format!("the subscriber took nothing for {stall:?}"))?
-            .map_err(|e| e.to_string())?;
+            .map_err(|_| PeerError::Stalled(stall))??;
         if n == 0 {
-            return Err(io::Error::from(io::ErrorKind::WriteZero).to_string());
+            return Err(io::Error::from(io::ErrorKind::WriteZero).into());
         }
         IoSlice::advance_slices(&mut bufs, n);
     }

@@ -27,6 +27,8 @@ use tokio::net::{TcpListener, TcpStream, UnixStream};
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
+use super::error::{PeerError, ZmtpError};
+
 const GREETING: usize = 64;
 const RELAY_BUFFER: usize = 256 * 1024;
 
@@ -94,12 +96,12 @@ impl Check {
     }
 
     /// Checks the next bytes of the stream.
-    pub(crate) fn feed(&mut self, mut bytes: &[u8]) -> Result<(), String> {
+    pub(crate) fn feed(&mut self, mut bytes: &[u8]) -> Result<(), ZmtpError> {
         while !bytes.is_empty() {
             match &mut self.state {
                 State::Greeting(seen) => {
                     if *seen == 0 && bytes[0] != 0xFF {
-                        return Err("not a ZMTP 3 greeting".into());
+                        return Err(ZmtpError::NotAGreeting);
                     }
                     let take = (GREETING - *seen).min(bytes.len());
                     *seen += take;
@@ -112,7 +114,7 @@ impl Check {
                     let f = bytes[0];
                     bytes = &bytes[1..];
                     if f & !0x07 != 0 {
-                        return Err(format!("frame flags {f:#04x} set reserved bits"));
+                        return Err(ZmtpError::ReservedFlags(f));
                     }
                     self.state = State::Length {
                         long: f & 0x02 != 0,
@@ -143,35 +145,26 @@ impl Check {
                         u64::from(buf[0])
                     };
                     if len > self.limits.max_frame {
-                        return Err(format!(
-                            "a frame of {len} bytes exceeds the limit of {}",
-                            self.limits.max_frame
-                        ));
+                        return Err(ZmtpError::FrameOverLimit {
+                            len,
+                            max: self.limits.max_frame,
+                        });
                     }
                     if !*command {
                         self.frames += 1;
                         self.message += len;
                         if self.frames > self.limits.max_frames {
-                            return Err(format!(
-                                "a message of more than {} frames",
-                                self.limits.max_frames
-                            ));
+                            return Err(ZmtpError::TooManyFrames(self.limits.max_frames));
                         }
                         if self.message > self.limits.max_message {
-                            return Err(format!(
-                                "a message of more than {} bytes",
-                                self.limits.max_message
-                            ));
+                            return Err(ZmtpError::MessageOverLimit(self.limits.max_message));
                         }
                         if !*more {
                             self.frames = 0;
                             self.message = 0;
                             self.messages += 1;
                             if self.messages > self.limits.max_messages {
-                                return Err(format!(
-                                    "more than {} messages on one connection",
-                                    self.limits.max_messages
-                                ));
+                                return Err(ZmtpError::TooManyMessages(self.limits.max_messages));
                             }
                         }
                     }
@@ -270,17 +263,14 @@ where
             } else {
                 match tokio::time::timeout_at(greeting_deadline, ur.read(&mut buf)).await {
                     Ok(r) => r,
-                    Err(_) => {
-                        return Err(format!("no ZMTP greeting within {:?}", limits.handshake))
-                    }
+                    Err(_) => return Err(PeerError::Handshake(limits.handshake)),
                 }
-            }
-            .map_err(|e| e.to_string())?;
+            }?;
             if n == 0 {
                 return Ok(());
             }
             check.feed(&buf[..n])?;
-            tw.write_all(&buf[..n]).await.map_err(|e| e.to_string())?;
+            tw.write_all(&buf[..n]).await?;
         }
     };
     let outbound = async {
@@ -404,42 +394,48 @@ mod tests {
         let mut huge = greeting();
         huge.push(0x02);
         huge.extend((1u64 << 40).to_be_bytes());
-        assert!(Check::new(limits())
-            .feed(&huge)
-            .unwrap_err()
-            .contains("exceeds"));
+        assert!(matches!(
+            Check::new(limits()).feed(&huge),
+            Err(ZmtpError::FrameOverLimit { len, .. }) if len == 1 << 40
+        ));
 
         let mut reserved = greeting();
         reserved.push(0x80);
-        assert!(Check::new(limits()).feed(&reserved).is_err());
+        assert_eq!(
+            Check::new(limits()).feed(&reserved),
+            Err(ZmtpError::ReservedFlags(0x80))
+        );
 
         let mut many = greeting();
         for _ in 0..4 {
             many.extend([0x01, 0]);
         }
-        assert!(Check::new(limits())
-            .feed(&many)
-            .unwrap_err()
-            .contains("frames"));
+        assert!(matches!(
+            Check::new(limits()).feed(&many),
+            Err(ZmtpError::TooManyFrames(_))
+        ));
 
         let mut big_message = greeting();
         big_message.extend([0x01, 90]);
         big_message.extend([0u8; 90]);
         big_message.extend([0x00, 90]);
-        assert!(Check::new(limits())
-            .feed(&big_message)
-            .unwrap_err()
-            .contains("bytes"));
+        assert!(matches!(
+            Check::new(limits()).feed(&big_message),
+            Err(ZmtpError::MessageOverLimit(_))
+        ));
 
-        assert!(Check::new(limits()).feed(b"GET / HTTP/1.1").is_err());
+        assert_eq!(
+            Check::new(limits()).feed(b"GET / HTTP/1.1"),
+            Err(ZmtpError::NotAGreeting)
+        );
 
         let mut chatty = greeting();
         for _ in 0..3 {
             chatty.extend([0x00, 1, 1]);
         }
-        assert!(Check::new(limits())
-            .feed(&chatty)
-            .unwrap_err()
-            .contains("messages"));
+        assert!(matches!(
+            Check::new(limits()).feed(&chatty),
+            Err(ZmtpError::TooManyMessages(_))
+        ));
     }
 }

@@ -17,6 +17,7 @@
 
 mod aggregate;
 mod endpoint;
+mod error;
 mod fanout;
 mod guard;
 mod merger;
@@ -32,6 +33,7 @@ mod zmtp;
 
 pub use aggregate::{TpAggregator, TpStats};
 pub use endpoint::{resolve as resolve_endpoint, Attach, ResolvedEndpoint};
+pub use error::{EventsError, MessageError, PeerError, ReplayError, ZmtpError};
 pub use merger::{InputStats, Merger, MergerConfig, MergerInput};
 pub use pages::{page_digest, PageHash, PageSplitter, Pages};
 pub use publisher::{
@@ -42,8 +44,9 @@ pub use subscriber::{SubItem, Subscriber, SubscriberConfig, SubscriberStats};
 pub use wire::{
     decode_batch, decode_batch_reusing, encode_batch, encode_event, encode_stored_ref, BatchError,
     BlockHash, BlockRemoved, BlockStored, BlockStoredRef, BlockTransferred, Decoded, Encoding,
-    EventBatch, ExtraField, FieldKey, HashRef, HashesRef, KvEvent, Value, CLEARED_LEGACY_ORDER,
-    MAX_EXTRA_POSITION, REMOVED_LEGACY_ORDER, STORED_LEGACY_ORDER, TRANSFERRED_LEGACY_ORDER,
+    EventBatch, EventError, ExtraField, FieldKey, HashRef, HashesRef, KvEvent, SkippedEvent, Value,
+    CLEARED_LEGACY_ORDER, MAX_EXTRA_POSITION, REMOVED_LEGACY_ORDER, STORED_LEGACY_ORDER,
+    TRANSFERRED_LEGACY_ORDER,
 };
 
 /// The topic of llm-d's convention, `kv@<pod>@<model>`, which its indexer subscribes to by the
@@ -57,44 +60,4 @@ pub fn parse_llm_d_topic(topic: &[u8]) -> Option<(&str, &str)> {
     let rest = std::str::from_utf8(topic).ok()?.strip_prefix("kv@")?;
     let (pod, model) = rest.split_once('@')?;
     (!pod.is_empty() && !model.is_empty()).then_some((pod, model))
-}
-
-/// Errors of the KV-event sockets.
-#[derive(Debug, thiserror::Error)]
-pub enum EventsError {
-    /// The endpoint string is unusable.
-    #[error("bad KV-event endpoint {0}")]
-    Endpoint(String),
-    /// A ZeroMQ operation failed.
-    #[error("ZeroMQ error {context}: {source}")]
-    Zmq {
-        /// What was being done.
-        context: String,
-        /// The cause.
-        source: zeromq::ZmqError,
-    },
-    /// An I/O operation failed.
-    #[error("{context}: {source}")]
-    Io {
-        /// What was being done.
-        context: String,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// The settings are inconsistent.
-    #[error("invalid KV-event configuration: {0}")]
-    Config(String),
-    /// The publish queue is full: the batch was dropped (and counted).
-    #[error(
-        "KV-event publish queue full (at most {cap} batches and {cap_bytes} bytes wait); the batch was dropped"
-    )]
-    QueueFull {
-        /// The queue's capacity in batches.
-        cap: usize,
-        /// The queue's capacity in payload bytes.
-        cap_bytes: usize,
-    },
-    /// The publisher is closed.
-    #[error("the KV-event publisher is closed")]
-    Closed,
 }

@@ -29,10 +29,10 @@ use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
 use super::aggregate::{TpAggregator, TpStats};
+use super::error::EventsError;
 use super::publisher::{block_on_aside, Publisher, PublisherConfig, PublisherStats};
 use super::subscriber::{SubItem, Subscriber, SubscriberConfig};
 use super::wire::{encode_batch, Encoding, EventBatch, KvEvent};
-use super::EventsError;
 
 /// One input stream.
 #[derive(Debug, Clone)]

@@ -2,8 +2,6 @@
 //! remain before anything is allocated, nesting is capped, and any malformed input is an error,
 //! never a panic. (Generic decoders preallocate from the length prefix a peer sends.)
 
-use std::fmt;
-
 pub(crate) use cursor::{Cursor, Encoded, Token};
 
 /// Deepest nesting accepted.
@@ -82,16 +80,35 @@ impl Value {
 }
 
 /// Why bytes are not one msgpack value.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DecodeError(pub String);
-
-impl fmt::Display for DecodeError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "malformed msgpack: {}", self.0)
-    }
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// An item announced more bytes than are left.
+    #[error("malformed msgpack: {announced} bytes announced, {left} left")]
+    Truncated {
+        /// The bytes the item announced.
+        announced: usize,
+        /// The bytes left in the buffer.
+        left: usize,
+    },
+    /// A collection announced more items than the bytes left can hold.
+    #[error("malformed msgpack: {items} items announced, {left} bytes left")]
+    TooManyItems {
+        /// The items the collection announced.
+        items: usize,
+        /// The bytes left in the buffer.
+        left: usize,
+    },
+    /// The byte 0xc1, which msgpack reserves.
+    #[error("malformed msgpack: reserved byte 0xc1")]
+    ReservedByte,
+    /// Collections nested deeper than the decoder follows.
+    #[error("malformed msgpack: nested deeper than {0}")]
+    TooDeep(usize),
+    /// Bytes after the one value.
+    #[error("malformed msgpack: {0} trailing bytes")]
+    TrailingBytes(usize),
 }
-
-impl std::error::Error for DecodeError {}
 
 #[derive(Debug)]
 struct Reader<'a> {
@@ -99,21 +116,17 @@ struct Reader<'a> {
     pos: usize,
 }
 
-fn err<T>(msg: impl Into<String>) -> Result<T, DecodeError> {
-    Err(DecodeError(msg.into()))
-}
-
 /// The error for an item longer than the bytes left (out of line: the hot paths stay small).
 #[cold]
 #[inline(never)]
 fn short(n: usize, left: usize) -> DecodeError {
-    DecodeError(format!("{n} bytes announced, {left} left"))
+    DecodeError::Truncated { announced: n, left }
 }
 
 #[cold]
 #[inline(never)]
 fn too_many(len: usize, left: usize) -> DecodeError {
-    DecodeError(format!("{len} items announced, {left} bytes left"))
+    DecodeError::TooManyItems { items: len, left }
 }
 
 impl<'a> Reader<'a> {
@@ -203,7 +216,7 @@ pub fn decode(buf: &[u8]) -> Result<Value, DecodeError> {
     let mut c = Cursor::new(buf);
     let v = c.value(0)?;
     if c.remaining() != 0 {
-        return err(format!("{} trailing bytes", c.remaining()));
+        return Err(DecodeError::TrailingBytes(c.remaining()));
     }
     Ok(v)
 }

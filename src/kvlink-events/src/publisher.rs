@@ -44,11 +44,11 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use zeromq::{PubSocket, RouterSocket, Socket};
 
+use super::error::EventsError;
 use super::fanout::{Fanout, QueueBound};
 use super::guard::{Limits, PrivateDir};
 use super::sequence::ReplayRing;
 use super::wire::{encode_batch, Encoding, EventBatch};
-use super::EventsError;
 
 pub use batch::BatchBuilder;
 pub use config::{PublisherConfig, PublisherStats, ReplayFormat, REPLAY_END};

@@ -24,10 +24,10 @@ use bytes::Bytes;
 use tokio::time::Instant;
 use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
+use super::error::{EventsError, MessageError, ReplayError};
 use super::publisher::REPLAY_END;
 use super::sequence::{Action, Resync, StreamState};
-use super::wire::{decode_batch_reusing, Encoding, EventBatch};
-use super::EventsError;
+use super::wire::{decode_batch_reusing, BatchError, Encoding, EventBatch, SkippedEvent};
 
 /// Subscriber settings.
 #[derive(Debug, Clone)]
@@ -79,8 +79,8 @@ pub enum SubItem {
         seq: Option<u64>,
         /// The decoded batch (without the skipped events).
         batch: EventBatch,
-        /// Why events of this batch were skipped.
-        skipped: Vec<String>,
+        /// The events of this batch that were skipped, each with why.
+        skipped: Vec<SkippedEvent>,
         /// The payload as received.
         raw: Bytes,
         /// The topic frame it came with (empty for publishers without one; a replayed batch
@@ -94,7 +94,7 @@ pub enum SubItem {
         /// Sequence number.
         seq: Option<u64>,
         /// Why it is unreadable.
-        reason: String,
+        reason: BatchError,
     },
     /// Drop what was derived from this stream, and why.
     Resync(Resync),
@@ -159,7 +159,7 @@ type Frames = (Bytes, Bytes);
 
 /// A live message's `(seq, (topic, payload))`: `[topic, seq, payload]`, or the sequence-less
 /// `[topic, payload]` and `[payload]` of old publishers.
-fn parse_live(frames: Vec<Bytes>) -> Result<(Option<u64>, Frames), String> {
+fn parse_live(frames: Vec<Bytes>) -> Result<(Option<u64>, Frames), MessageError> {
     let n = frames.len();
     let mut it = frames.into_iter();
     match n {
@@ -167,10 +167,10 @@ fn parse_live(frames: Vec<Bytes>) -> Result<(Option<u64>, Frames), String> {
             let topic = it.next().unwrap_or_default();
             let seq = it.next().unwrap_or_default();
             let seq = <[u8; 8]>::try_from(seq.as_ref())
-                .map_err(|_| format!("sequence frame of {} bytes, expected 8", seq.len()))?;
+                .map_err(|_| MessageError::SequenceFrame(seq.len()))?;
             let seq = u64::from_be_bytes(seq);
             if seq == REPLAY_END {
-                return Err("live sequence 0xFF*8 is reserved for replay end markers".into());
+                return Err(MessageError::ReservedSequence);
             }
             Ok((Some(seq), (topic, it.next().unwrap_or_default())))
         }
@@ -179,13 +179,13 @@ fn parse_live(frames: Vec<Bytes>) -> Result<(Option<u64>, Frames), String> {
             Ok((None, (topic, it.next().unwrap_or_default())))
         }
         1 => Ok((None, (Bytes::new(), it.next().unwrap_or_default()))),
-        n => Err(format!("{n} frames, expected 3")),
+        n => Err(MessageError::Frames(n)),
     }
 }
 
 /// A replay answer's `(seq, topic, payload)`, after the DEALER's empty delimiter:
 /// `[topic, seq, payload]` (current) or `[seq, payload]` (legacy: no topic, `None`).
-fn parse_replayed(frames: Vec<Bytes>) -> Result<(u64, Option<Bytes>, Bytes), String> {
+fn parse_replayed(frames: Vec<Bytes>) -> Result<(u64, Option<Bytes>, Bytes), MessageError> {
     let mut frames = frames;
     if frames.first().is_some_and(|f| f.is_empty()) && frames.len() >= 3 {
         frames.remove(0);
@@ -197,10 +197,10 @@ fn parse_replayed(frames: Vec<Bytes>) -> Result<(u64, Option<Bytes>, Bytes), Str
             frames[2].clone(),
         ),
         2 => (None, frames[0].clone(), frames[1].clone()),
-        n => return Err(format!("replay answer of {n} frames")),
+        n => return Err(MessageError::ReplayFrames(n)),
     };
-    let seq = <[u8; 8]>::try_from(seq.as_ref())
-        .map_err(|_| format!("replay sequence frame of {} bytes", seq.len()))?;
+    let seq =
+        <[u8; 8]>::try_from(seq.as_ref()).map_err(|_| MessageError::SequenceFrame(seq.len()))?;
     Ok((u64::from_be_bytes(seq), topic, payload))
 }
 
@@ -291,7 +291,7 @@ impl Subscriber {
                                 self.apply(a).await;
                             }
                             Ok((None, frames)) => self.deliver(None, frames),
-                            Err(why) => self.bad(&why),
+                            Err(why) => self.bad(why),
                         }
                     }
                     Err(e) => {
@@ -310,7 +310,7 @@ impl Subscriber {
                         let a = self.state.handle_replayed(seq, (topic, payload));
                         self.apply(a).await;
                     }
-                    Ok(Err(why)) => self.bad(&why),
+                    Ok(Err(why)) => self.bad(why),
                     Err(e) => {
                         tracing::debug!("KV-event replay receive: {e}");
                         self.dealer = None;
@@ -333,7 +333,7 @@ impl Subscriber {
         }
     }
 
-    fn bad(&mut self, why: &str) {
+    fn bad(&mut self, why: MessageError) {
         self.stats.bad_messages += 1;
         tracing::debug!(endpoint = %self.cfg.endpoint, "KV-event message dropped: {why}");
     }
@@ -355,7 +355,7 @@ impl Subscriber {
             }
             Err(e) => {
                 self.stats.malformed_batches += 1;
-                self.out.push_back(SubItem::Malformed { seq, reason: e.0 });
+                self.out.push_back(SubItem::Malformed { seq, reason: e });
             }
         }
     }
@@ -387,9 +387,9 @@ impl Subscriber {
         }
     }
 
-    async fn request_replay(&mut self, from: u64) -> Result<(), String> {
+    async fn request_replay(&mut self, from: u64) -> Result<(), ReplayError> {
         let Some(ep) = self.cfg.replay_endpoint.clone() else {
-            return Err("the publisher has no replay endpoint configured here".into());
+            return Err(ReplayError::NoEndpoint);
         };
         let mut opts = SocketOptions::default();
         opts.connect_timeout(self.cfg.replay_timeout);
@@ -397,7 +397,10 @@ impl Subscriber {
         dealer
             .connect(&ep)
             .await
-            .map_err(|e| format!("connecting to {ep}: {e}"))?;
+            .map_err(|source| ReplayError::Connect {
+                endpoint: ep.clone(),
+                source,
+            })?;
         let req = ZmqMessage::try_from(vec![
             Bytes::new(),
             Bytes::copy_from_slice(&from.to_be_bytes()),
@@ -405,8 +408,13 @@ impl Subscriber {
         .expect("two frames");
         tokio::time::timeout(self.cfg.replay_timeout, dealer.send(req))
             .await
-            .map_err(|_| format!("sending the request to {ep} timed out"))?
-            .map_err(|e| format!("sending the request to {ep}: {e}"))?;
+            .map_err(|_| ReplayError::SendTimeout {
+                endpoint: ep.clone(),
+            })?
+            .map_err(|source| ReplayError::Send {
+                endpoint: ep.clone(),
+                source,
+            })?;
         self.dealer = Some(dealer);
         Ok(())
     }

@@ -10,9 +10,11 @@
 
 mod decode;
 mod encode;
+mod errors;
 
 pub use decode::{decode_batch, decode_batch_reusing};
 pub use encode::{encode_batch, encode_event, encode_stored_ref};
+pub use errors::{BatchError, EventError, SkippedEvent};
 
 pub use super::msgpack::Value;
 
@@ -365,11 +367,6 @@ pub struct Decoded {
     /// The encoding of the batch's first event (current when it has none): a batch re-encoded
     /// in it keeps its unknown fields.
     pub encoding: Encoding,
-    /// Why each skipped event was skipped.
-    pub skipped: Vec<String>,
+    /// The events skipped, each with why.
+    pub skipped: Vec<SkippedEvent>,
 }
-
-/// Why a whole batch is unreadable.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unreadable event batch: {0}")]
-pub struct BatchError(pub String);

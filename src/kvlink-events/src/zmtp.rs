@@ -5,6 +5,8 @@
 //! published message. Sizes are checked by the frame guard ([`super::guard::Check`]) before
 //! bytes reach the parser; the parser still refuses anything malformed on its own.
 
+use super::error::ZmtpError;
+
 /// Length of a ZMTP 3 greeting.
 pub(crate) const GREETING: usize = 64;
 
@@ -62,20 +64,20 @@ pub(crate) fn pong(context: &[u8]) -> Vec<u8> {
 pub(crate) type Property = (Vec<u8>, Vec<u8>);
 
 /// The metadata properties of a READY command's body, by name.
-pub(crate) fn properties(mut body: &[u8]) -> Result<Vec<Property>, String> {
+pub(crate) fn properties(mut body: &[u8]) -> Result<Vec<Property>, ZmtpError> {
     let mut out = Vec::new();
     while !body.is_empty() {
         let n = usize::from(body[0]);
         let name = body
             .get(1..1 + n)
-            .ok_or("a READY property name is cut short")?;
+            .ok_or(ZmtpError::PropertyCutShort("name"))?;
         let len = body
             .get(1 + n..5 + n)
             .map(|b| u32::from_be_bytes(b.try_into().expect("4 bytes")) as usize)
-            .ok_or("a READY property length is cut short")?;
+            .ok_or(ZmtpError::PropertyCutShort("length"))?;
         let value = body
             .get(5 + n..5 + n + len)
-            .ok_or("a READY property value is cut short")?;
+            .ok_or(ZmtpError::PropertyCutShort("value"))?;
         out.push((name.to_vec(), value.to_vec()));
         body = &body[5 + n + len..];
     }
@@ -117,7 +119,7 @@ impl Parser {
     }
 
     /// The next whole unit, if one is there.
-    pub(crate) fn next(&mut self) -> Result<Option<Incoming>, String> {
+    pub(crate) fn next(&mut self) -> Result<Option<Incoming>, ZmtpError> {
         let rest = &self.buf[self.at..];
         if !self.greeted {
             if rest.len() < GREETING {
@@ -125,7 +127,7 @@ impl Parser {
             }
             let g = &rest[..GREETING];
             if g[0] != 0xFF || g[9] & 1 != 1 {
-                return Err("not a ZMTP 3 greeting".into());
+                return Err(ZmtpError::NotAGreeting);
             }
             let mech = &g[12..32];
             let end = mech.iter().position(|&b| b == 0).unwrap_or(mech.len());
@@ -142,10 +144,10 @@ impl Parser {
             return Ok(None);
         };
         if flags & !0x07 != 0 {
-            return Err(format!("frame flags {flags:#04x} set reserved bits"));
+            return Err(ZmtpError::ReservedFlags(flags));
         }
         if flags & 0x05 == 0x05 {
-            return Err("a command frame with the MORE flag".into());
+            return Err(ZmtpError::CommandWithMore);
         }
         let (head, len): (usize, u64) = if flags & 0x02 != 0 {
             match rest.get(1..9) {
@@ -158,13 +160,13 @@ impl Parser {
                 None => return Ok(None),
             }
         };
-        let len = usize::try_from(len).map_err(|_| "a frame too large")?;
+        let len = usize::try_from(len).map_err(|_| ZmtpError::FrameTooLarge)?;
         let Some(body) = rest.get(head..head.saturating_add(len)) else {
             return Ok(None);
         };
         let unit = if flags & 0x04 != 0 {
-            let n = usize::from(*body.first().ok_or("an empty command frame")?);
-            let name = body.get(1..1 + n).ok_or("a command name is cut short")?;
+            let n = usize::from(*body.first().ok_or(ZmtpError::EmptyCommand)?);
+            let name = body.get(1..1 + n).ok_or(ZmtpError::CommandNameCutShort)?;
             Incoming::Command {
                 name: name.to_vec(),
                 data: body[1 + n..].to_vec(),
@@ -195,14 +197,12 @@ impl Subscriptions {
     }
 
     /// Adds a prefix; fails past [`MAX_SUBSCRIPTIONS`] or [`MAX_SUBSCRIPTION_BYTES`].
-    pub(crate) fn subscribe(&mut self, prefix: &[u8]) -> Result<(), String> {
+    pub(crate) fn subscribe(&mut self, prefix: &[u8]) -> Result<(), ZmtpError> {
         if self.prefixes.len() >= MAX_SUBSCRIPTIONS {
-            return Err(format!("more than {MAX_SUBSCRIPTIONS} subscriptions"));
+            return Err(ZmtpError::TooManySubscriptions(MAX_SUBSCRIPTIONS));
         }
         if self.bytes + prefix.len() > MAX_SUBSCRIPTION_BYTES {
-            return Err(format!(
-                "more than {MAX_SUBSCRIPTION_BYTES} bytes of subscriptions"
-            ));
+            return Err(ZmtpError::SubscriptionBytes(MAX_SUBSCRIPTION_BYTES));
         }
         self.bytes += prefix.len();
         self.prefixes.push(prefix.to_vec());
@@ -224,7 +224,7 @@ impl Subscriptions {
     /// Applies a subscription message or command, if `unit` is one (ZMTP 3.0: a one-frame
     /// message starting with 1 or 0, `whole` when the frame is a message of its own; ZMTP
     /// 3.1: `SUBSCRIBE` / `CANCEL`). Returns whether it was.
-    pub(crate) fn apply(&mut self, unit: &Incoming, whole: bool) -> Result<bool, String> {
+    pub(crate) fn apply(&mut self, unit: &Incoming, whole: bool) -> Result<bool, ZmtpError> {
         match unit {
             Incoming::Frame { more: false, body } if whole => match body.split_first() {
                 Some((1, topic)) => self.subscribe(topic).map(|_| true),
@@ -273,7 +273,7 @@ fn frame_header(out: &mut Vec<u8>, len: usize, more: bool) {
 mod tests {
     use super::*;
 
-    fn units(bytes: &[u8], step: usize) -> Result<Vec<Incoming>, String> {
+    fn units(bytes: &[u8], step: usize) -> Result<Vec<Incoming>, ZmtpError> {
         let mut p = Parser::default();
         let mut out = Vec::new();
         for chunk in bytes.chunks(step) {

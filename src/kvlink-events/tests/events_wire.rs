@@ -178,7 +178,7 @@ fn a_bad_event_is_skipped_alone() {
     w::write_uint(&mut buf, 42).unwrap(); // not an event
     w::write_array_len(&mut buf, 1).unwrap();
     w::write_str(&mut buf, "BlockExploded").unwrap(); // unknown type
-                                                      // BlockStored whose tokens overflow its blocks: refused, not misaligned.
+                                                      // A BlockStored whose tokens overflow its blocks: refused, not misaligned.
     w::write_map_len(&mut buf, 4).unwrap();
     w::write_str(&mut buf, "type").unwrap();
     w::write_str(&mut buf, "BlockStored").unwrap();
@@ -201,22 +201,52 @@ fn a_bad_event_is_skipped_alone() {
     let d = decode_batch(&buf).unwrap();
     assert_eq!(d.batch.events.len(), 2);
     assert_eq!(d.skipped.len(), 3, "{:?}", d.skipped);
-    assert!(d.skipped[1].contains("unknown event type \"BlockExploded\""));
-    assert!(d.skipped[2].contains("refused rather than misaligned"));
+    let places: Vec<usize> = d.skipped.iter().map(|s| s.index).collect();
+    assert_eq!(places, [1, 2, 3]);
+    assert_eq!(d.skipped[0].why, EventError::NotAMapOrArray);
+    assert_eq!(
+        d.skipped[1].why,
+        EventError::UnknownType("BlockExploded".into())
+    );
+    assert!(d.skipped[1]
+        .to_string()
+        .contains("unknown event type \"BlockExploded\""));
+    assert!(matches!(
+        d.skipped[2].why,
+        EventError::TokensExceedBlocks {
+            tokens: 3,
+            blocks: 1,
+            block_size: 2
+        }
+    ));
+    assert!(d.skipped[2]
+        .to_string()
+        .contains("refused rather than misaligned"));
     assert_eq!(d.batch.dp_rank, Some(0));
 }
 
 #[test]
 fn unreadable_batches_are_errors() {
-    assert!(decode_batch(&[0x91, 0xc0]).is_err(), "one element");
-    assert!(decode_batch(&[0xc0]).is_err(), "not an array");
-    assert!(
-        decode_batch(&[0x92, 0xa1, b'x', 0x90]).is_err(),
-        "timestamp not a number"
+    assert_eq!(decode_batch(&[0x91, 0xc0]), Err(BatchError::TooShort(1)));
+    assert_eq!(decode_batch(&[0xc0]), Err(BatchError::NotAnArray));
+    assert_eq!(
+        decode_batch(&[0x92, 0xa1, b'x', 0x90]),
+        Err(BatchError::TimestampNotANumber)
     );
-    assert!(
-        decode_batch(&[0xdd, 0xff, 0xff, 0xff, 0xff]).is_err(),
-        "huge length, no bytes"
+    assert_eq!(
+        decode_batch(&[0x92, 0x01, 0xc0]),
+        Err(BatchError::EventsNotAnArray)
+    );
+    assert_eq!(
+        decode_batch(&[0xdd, 0xff, 0xff, 0xff, 0xff]),
+        Err(BatchError::Msgpack(msgpack::DecodeError::TooManyItems {
+            items: 0xffff_ffff,
+            left: 0
+        }))
+    );
+    assert_eq!(
+        decode_batch(&[0x92, 0x01, 0x90, 0x00]),
+        Err(BatchError::Msgpack(msgpack::DecodeError::TrailingBytes(1)))
     );
 }
 

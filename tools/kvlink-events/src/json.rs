@@ -5,7 +5,7 @@
 
 use kvlink_events::{
     BlockHash, BlockRemoved, BlockStored, BlockTransferred, EventBatch, ExtraField, FieldKey,
-    KvEvent, Resync, Value as MpValue, MAX_EXTRA_POSITION,
+    KvEvent, Resync, SkippedEvent, Value as MpValue, MAX_EXTRA_POSITION,
 };
 use serde_json::{json, Map, Value};
 
@@ -203,14 +203,19 @@ pub fn event(e: &KvEvent) -> Value {
 }
 
 /// A batch line of `tail`.
-pub fn batch_line(seq: Option<u64>, topic: &[u8], b: &EventBatch, skipped: &[String]) -> Value {
+pub fn batch_line(
+    seq: Option<u64>,
+    topic: &[u8],
+    b: &EventBatch,
+    skipped: &[SkippedEvent],
+) -> Value {
     json!({
         "seq": seq,
         "topic": String::from_utf8_lossy(topic),
         "ts": b.ts,
         "dp_rank": b.dp_rank,
         "events": b.events.iter().map(event).collect::<Vec<_>>(),
-        "skipped": skipped,
+        "skipped": skipped.iter().map(ToString::to_string).collect::<Vec<_>>(),
     })
 }
 

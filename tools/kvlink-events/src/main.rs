@@ -328,7 +328,7 @@ fn tail(o: Opts) -> Result<(), String> {
                         json::batch_line(*seq, topic, batch, skipped)
                     }
                     SubItem::Malformed { seq, reason } => {
-                        serde_json::json!({"malformed": seq, "reason": reason})
+                        serde_json::json!({"malformed": seq, "reason": reason.to_string()})
                     }
                     SubItem::Resync(r) => json::resync_line(r),
                     SubItem::GapFilled { .. } => unreachable!("handled above"),

@@ -57,12 +57,15 @@ fn item_to_py<'py>(py: Python<'py>, item: &SubItem) -> PyResult<Bound<'py, PyDic
                 events.append(event_to_py(py, e)?)?;
             }
             d.set_item("events", events)?;
-            d.set_item("skipped", skipped)?;
+            d.set_item(
+                "skipped",
+                skipped.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            )?;
         }
         SubItem::Malformed { seq, reason } => {
             d.set_item("kind", "malformed")?;
             d.set_item("seq", *seq)?;
-            d.set_item("reason", reason)?;
+            d.set_item("reason", reason.to_string())?;
         }
         SubItem::Resync(Resync::PublisherRestart { last, now }) => {
             d.set_item("kind", "resync")?;

@@ -1,7 +1,7 @@
 //! The token cursor the event decoders walk: one msgpack item at a time, borrowed from the
 //! input (strings, binaries and runs of small integers are not copied).
 
-use super::{err, DecodeError, Reader, Value, MAX_DEPTH, MAX_RESERVE};
+use super::{DecodeError, Reader, Value, MAX_DEPTH, MAX_RESERVE};
 
 /// For each first byte: the length of the unsigned-integer form it starts if that form holds at
 /// most 32 bits (0 for every other byte), and the shift and mask that cut the value out of the
@@ -170,7 +170,7 @@ impl<'a> Cursor<'a> {
                 self.container(n, true)?
             }
             0xe0..=0xff => Token::Int(i64::from(b as i8)),
-            0xc1 => return err("reserved byte 0xc1"),
+            0xc1 => return Err(DecodeError::ReservedByte),
         })
     }
 
@@ -368,7 +368,7 @@ impl<'a> Cursor<'a> {
     /// One whole item as a tree (nesting capped at [`MAX_DEPTH`]).
     pub(crate) fn value(&mut self, depth: usize) -> Result<Value, DecodeError> {
         if depth > MAX_DEPTH {
-            return err(format!("nested deeper than {MAX_DEPTH}"));
+            return Err(DecodeError::TooDeep(MAX_DEPTH));
         }
         Ok(match self.token()? {
             Token::Nil => Value::Nil,

@@ -6,8 +6,8 @@ use std::mem::take;
 use crate::msgpack::{self, Cursor, Token, MAX_RESERVE};
 
 use super::{
-    BatchError, BlockHash, BlockStored, Decoded, Encoding, EventBatch, ExtraField, FieldKey,
-    KvEvent, REMOVED_LEGACY_UPSTREAM, STORED_LEGACY_UPSTREAM,
+    BatchError, BlockHash, BlockStored, Decoded, Encoding, EventBatch, EventError, ExtraField,
+    FieldKey, KvEvent, SkippedEvent, REMOVED_LEGACY_UPSTREAM, STORED_LEGACY_UPSTREAM,
 };
 
 mod fields;
@@ -71,9 +71,9 @@ fn owned(s: &[u8]) -> String {
 #[inline(always)]
 fn opt_str(
     c: &mut Cursor<'_>,
-    name: &str,
+    name: &'static str,
     spare: &mut Vec<String>,
-) -> Result<Option<String>, String> {
+) -> Result<Option<String>, EventError> {
     match c.short_str() {
         Some(s) => Ok(Some(match std::str::from_utf8(s) {
             Ok(s) => match spare.pop() {
@@ -112,17 +112,17 @@ fn i64_of(t: Token<'_>) -> Option<i64> {
     }
 }
 
-fn malformed(e: msgpack::DecodeError) -> String {
-    e.to_string()
+fn malformed(e: msgpack::DecodeError) -> EventError {
+    EventError::Msgpack(e)
 }
 
 /// An optional field: nil is unset, any other type than `conv` takes is an error.
 #[inline(always)]
 fn opt<T>(
     c: &mut Cursor<'_>,
-    name: &str,
+    name: &'static str,
     conv: impl FnOnce(Token<'_>) -> Option<T>,
-) -> Result<Option<T>, String> {
+) -> Result<Option<T>, EventError> {
     if c.nil() {
         return Ok(None);
     }
@@ -133,15 +133,13 @@ fn opt<T>(
     };
     match t {
         Token::Nil => Ok(None),
-        t => conv(t)
-            .map(Some)
-            .ok_or_else(|| format!("field {name} has the wrong type")),
+        t => conv(t).map(Some).ok_or(EventError::WrongType(name)),
     }
 }
 
 /// The next item, an array's header read without going through `token`.
 #[inline(always)]
-fn array_or_token<'a>(c: &mut Cursor<'a>) -> Result<Token<'a>, String> {
+fn array_or_token<'a>(c: &mut Cursor<'a>) -> Result<Token<'a>, EventError> {
     match c.container_len(false) {
         Some(n) => Ok(Token::Array(n)),
         None => c.token().map_err(malformed),
@@ -149,7 +147,11 @@ fn array_or_token<'a>(c: &mut Cursor<'a>) -> Result<Token<'a>, String> {
 }
 
 /// A list of block hashes into `v` (emptied first, its allocation kept; nil reads as empty).
-fn hashes(c: &mut Cursor<'_>, name: &str, v: &mut Vec<BlockHash>) -> Result<(), String> {
+fn hashes(
+    c: &mut Cursor<'_>,
+    name: &'static str,
+    v: &mut Vec<BlockHash>,
+) -> Result<(), EventError> {
     v.clear();
     match array_or_token(c)? {
         Token::Array(n) => {
@@ -157,20 +159,25 @@ fn hashes(c: &mut Cursor<'_>, name: &str, v: &mut Vec<BlockHash>) -> Result<(), 
             for _ in 0..n {
                 v.push(match c.uint() {
                     Some(u) => BlockHash::U64(u),
-                    None => hash(c.token().map_err(malformed)?)
-                        .ok_or_else(|| format!("a {name} entry is not a hash"))?,
+                    None => {
+                        hash(c.token().map_err(malformed)?).ok_or(EventError::NotAHash(name))?
+                    }
                 });
             }
             Ok(())
         }
         Token::Nil => Ok(()),
-        _ => Err(format!("field {name} is not an array")),
+        _ => Err(EventError::NotAnArray(name)),
     }
 }
 
 /// A list of token ids into `v` (emptied first, its allocation kept); says whether it was a
 /// list (nil is not).
-fn token_list(c: &mut Cursor<'_>, name: &str, v: &mut Vec<u32>) -> Result<bool, String> {
+fn token_list(
+    c: &mut Cursor<'_>,
+    name: &'static str,
+    v: &mut Vec<u32>,
+) -> Result<bool, EventError> {
     v.clear();
     match array_or_token(c)? {
         Token::Array(n) => {
@@ -180,13 +187,13 @@ fn token_list(c: &mut Cursor<'_>, name: &str, v: &mut Vec<u32>) -> Result<bool, 
                     // Anything else is an error, however it is spelled.
                     u32_of(c.token().map_err(malformed)?)
                         .map(|t| v.push(t))
-                        .ok_or_else(|| format!("a {name} entry is not a u32 token id"))?;
+                        .ok_or(EventError::NotATokenId(name))?;
                 }
             }
             Ok(true)
         }
         Token::Nil => Ok(false),
-        _ => Err(format!("{name} is not an array")),
+        _ => Err(EventError::NotAnArray(name)),
     }
 }
 
@@ -198,7 +205,7 @@ fn field<'a>(
     raw: &mut Raw<'a, '_>,
     f: Option<F>,
     key: impl FnOnce() -> FieldKey,
-) -> Result<(), String> {
+) -> Result<(), EventError> {
     let f = match f {
         Some(f) if raw.fields & f.bit() != 0 => f,
         _ => {
@@ -209,7 +216,7 @@ fn field<'a>(
     };
     let s = &mut *raw.stored;
     match f {
-        F::Type if raw.ty.is_some() => return Err("a second \"type\" in one event".into()),
+        F::Type if raw.ty.is_some() => return Err(EventError::SecondType),
         F::Type => {
             // The tag as encoders write it, compared whole; else read and looked up.
             if let Some(i) = TAGS.iter().position(|tag| c.skip_if(tag)) {
@@ -222,7 +229,7 @@ fn field<'a>(
                         raw.ty = Some(t);
                         (raw.fields, raw.order) = type_of(t);
                     }
-                    _ => return Err("the event \"type\" is not a string".into()),
+                    _ => return Err(EventError::TypeNotAString),
                 }
             }
         }
@@ -260,7 +267,7 @@ fn field<'a>(
                     Some(v)
                 }
                 Token::Nil => None,
-                _ => return Err("lookahead_token_ids is not an array".into()),
+                _ => return Err(EventError::NotAnArray("lookahead_token_ids")),
             }
         }
     }
@@ -345,7 +352,7 @@ fn event(
     c: &mut Cursor<'_>,
     slot: &mut KvEvent,
     strings: &mut Vec<String>,
-) -> Result<Encoding, String> {
+) -> Result<Encoding, EventError> {
     let KvEvent::BlockStored(stored) = slot else {
         unreachable!("the caller passes a BlockStored slot")
     };
@@ -371,7 +378,7 @@ fn event(
             array_event(c, &mut raw, n)?;
             Encoding::Legacy
         }
-        _ => return Err("event is neither a map nor an array".into()),
+        _ => return Err(EventError::NotAMapOrArray),
     };
     if let Some(other) = typed(raw)? {
         *slot = other;
@@ -390,25 +397,23 @@ pub fn decode_batch(payload: &[u8]) -> Result<Decoded, BatchError> {
 /// events' vectors and strings are refilled rather than allocated again, which is most of a
 /// steady stream's decoding cost. The result equals [`decode_batch`]'s.
 pub fn decode_batch_reusing(payload: &[u8], spare: EventBatch) -> Result<Decoded, BatchError> {
-    let bad = |e: msgpack::DecodeError| BatchError(e.to_string());
+    let bad = BatchError::Msgpack;
     let mut c = Cursor::new(payload);
     let n = match c.token().map_err(bad)? {
         Token::Array(n) => n,
-        _ => return Err(BatchError("a batch is not an array".into())),
+        _ => return Err(BatchError::NotAnArray),
     };
     if n < 2 {
-        return Err(BatchError(format!(
-            "a batch has {n} elements, at least 2 expected"
-        )));
+        return Err(BatchError::TooShort(n));
     }
     let ts = match c.token().map_err(bad)? {
         Token::Float(f) => f,
         Token::UInt(u) => u as f64,
         Token::Int(i) => i as f64,
-        _ => return Err(BatchError("the batch timestamp is not a number".into())),
+        _ => return Err(BatchError::TimestampNotANumber),
     };
     let Token::Array(count) = c.token().map_err(bad)? else {
-        return Err(BatchError("the batch's events are not an array".into()));
+        return Err(BatchError::EventsNotAnArray);
     };
     let mut events = spare.events;
     if events.capacity() > KEEP_EVENTS {
@@ -434,7 +439,7 @@ pub fn decode_batch_reusing(payload: &[u8], spare: EventBatch) -> Result<Decoded
             Err(why) => {
                 c.rewind(start);
                 c.skip().map_err(bad)?;
-                skipped.push(format!("event {i}: {why}"));
+                skipped.push(SkippedEvent { index: i, why });
             }
         }
     }
@@ -451,9 +456,8 @@ pub fn decode_batch_reusing(payload: &[u8], spare: EventBatch) -> Result<Decoded
         }
     }
     if c.remaining() != 0 {
-        return Err(BatchError(format!(
-            "malformed msgpack: {} trailing bytes",
-            c.remaining()
+        return Err(BatchError::Msgpack(msgpack::DecodeError::TrailingBytes(
+            c.remaining(),
         )));
     }
     events.truncate(done);

@@ -176,7 +176,7 @@ proptest! {
                     prop_assert_eq!(&fresh, &reused);
                     spare = reused.batch;
                 }
-                (Err(fresh), Err(reused)) => prop_assert_eq!(fresh.0, reused.0),
+                (Err(fresh), Err(reused)) => prop_assert_eq!(fresh, reused),
                 (fresh, reused) => prop_assert!(false, "afresh {:?}, reusing {:?}", fresh, reused),
             }
         }

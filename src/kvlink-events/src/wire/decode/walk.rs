@@ -6,7 +6,7 @@ use std::mem::take;
 use super::fields::{F, KEYS, TYPE_FIRST};
 use super::{field, malformed, type_of, Raw, REMOVED_LEGACY_UPSTREAM, STORED_LEGACY_UPSTREAM};
 use crate::msgpack::{Cursor, Token};
-use crate::wire::{BlockRemoved, BlockTransferred, ExtraField, FieldKey, KvEvent};
+use crate::wire::{BlockRemoved, BlockTransferred, EventError, ExtraField, FieldKey, KvEvent};
 
 /// The fields of a map event (the current encoding), `n` of them, into `raw`. Inlined into
 /// [`event`], the decoder's hot path.
@@ -15,7 +15,7 @@ pub(super) fn map_event<'a>(
     c: &mut Cursor<'a>,
     raw: &mut Raw<'a, '_>,
     n: usize,
-) -> Result<(), String> {
+) -> Result<(), EventError> {
     // The fields still expected, in the order encoders write them: the next key is most
     // likely the first of these, checked before looking the name up.
     let mut expect: &[F] = &TYPE_FIRST;
@@ -32,7 +32,7 @@ pub(super) fn map_event<'a>(
                     Some(k) => k,
                     None => match c.token().map_err(malformed)? {
                         Token::Str(k) => k,
-                        _ => return Err("a map event has a key that is not a string".into()),
+                        _ => return Err(EventError::KeyNotAString),
                     },
                 };
                 let f = F::of(k);
@@ -50,7 +50,7 @@ pub(super) fn map_event<'a>(
         }
     }
     if raw.ty.is_none() {
-        return Err("map event without a string \"type\"".into());
+        return Err(EventError::MapWithoutType);
     }
     Ok(())
 }
@@ -62,9 +62,9 @@ pub(super) fn array_event<'a>(
     c: &mut Cursor<'a>,
     raw: &mut Raw<'a, '_>,
     n: usize,
-) -> Result<(), String> {
+) -> Result<(), EventError> {
     let Some(Token::Str(tag)) = (n > 0).then(|| c.token()).transpose().map_err(malformed)? else {
-        return Err("array event without a tag".into());
+        return Err(EventError::ArrayWithoutTag);
     };
     raw.ty = Some(tag);
     (raw.fields, raw.order) = type_of(tag);
@@ -109,18 +109,17 @@ pub(super) fn array_event<'a>(
 /// The event `raw` read, by its type: `None` for a BlockStored (it stays in its slot, checked
 /// that its tokens fit its blocks), else the event to put in the slot.
 #[inline(always)]
-pub(super) fn typed(raw: Raw<'_, '_>) -> Result<Option<KvEvent>, String> {
+pub(super) fn typed(raw: Raw<'_, '_>) -> Result<Option<KvEvent>, EventError> {
     let s = raw.stored;
     Ok(Some(match raw.ty.unwrap_or_default() {
         b"BlockStored" => {
             let capacity = s.block_hashes.len() as u64 * u64::from(s.block_size);
             if s.block_size > 0 && s.token_ids.len() as u64 > capacity {
-                return Err(format!(
-                    "BlockStored has {} tokens for {} blocks of {} (masked or sliding-window blocks?): refused rather than misaligned",
-                    s.token_ids.len(),
-                    s.block_hashes.len(),
-                    s.block_size
-                ));
+                return Err(EventError::TokensExceedBlocks {
+                    tokens: s.token_ids.len(),
+                    blocks: s.block_hashes.len(),
+                    block_size: s.block_size,
+                });
             }
             return Ok(None);
         }
@@ -144,9 +143,8 @@ pub(super) fn typed(raw: Raw<'_, '_>) -> Result<Option<KvEvent>, String> {
             extra: take(&mut s.extra),
         }),
         other => {
-            return Err(format!(
-                "unknown event type {:?}",
-                String::from_utf8_lossy(other)
+            return Err(EventError::UnknownType(
+                String::from_utf8_lossy(other).into_owned(),
             ))
         }
     }))
