@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::auth::AuthKey;
 use crate::error::{Error, Result};
 use crate::transport::rdma::RdmaSettings;
-use crate::transport::tcp;
+use crate::transport::stream::frame::MAX_REQUEST_BYTES;
 
 /// Which transport an engine may use for reading from peers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -297,10 +297,10 @@ impl EngineConfig {
                 "staging_chunk_bytes must be 4 KiB to 256 MiB and staging_buffers 1 to 4096",
             ));
         }
-        if self.batch_bytes == 0 || self.batch_bytes > tcp::wire::MAX_REQUEST_BYTES {
+        if self.batch_bytes == 0 || self.batch_bytes > MAX_REQUEST_BYTES {
             return Err(Error::invalid(format!(
                 "batch_bytes must be 1 to {}",
-                tcp::wire::MAX_REQUEST_BYTES
+                MAX_REQUEST_BYTES
             )));
         }
         Ok(())

@@ -21,9 +21,14 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
-// Layers, top to bottom (each imports only from those below it; docs/architecture.md):
-//   engine (API) > session > state > control, transport, completion > plan, layout, memory, gpu
-//   > config, ids, inbox, tp, error.   Events are a crate of their own (src/kvlink-events).
+// Layers, top to bottom: a module imports only from layers below its own (from its own layer
+// only where tools/check_layers.py's SAME_LAYER_OK says). check_layers reads this list and
+// checks every import against it; docs/architecture.md draws it.
+//   verify > engine > session > state > control > config > transport > completion
+//   > plan, layout, grant > memory > auth > error > gpu > shm
+//   > accept, conn_limit, log_limit, ids, tp, inbox
+// The KV events are a crate of their own (src/kvlink-events).
+mod accept;
 mod auth;
 mod completion;
 mod config;

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Checks the layering of kvlink's two library crates (docs/architecture.md, "Rooms").
 
-- `kvlink` (src/): no module imports from a layer above it. The events crate is re-exported as
+- `kvlink` (src/): no module imports from a layer above it (the layers as src/lib.rs's comment
+  lists them, so that the comment is the one place they are written). The events crate is re-exported as
   `kvlink::events` for users; no module of the transfer engine uses it.
-- `kvlink-events` (src/kvlink-events/src/): the same rule over its own layers.
+- `kvlink-events` (src/kvlink-events/src/): the same rule over its own layers (its lib.rs).
 - No file of the events crate is over 600 lines.
 - No function of the crates and tools is over MAX_FUNCTION_LINES lines without its reason in a
   `// Long: ...` comment among the lines just above it; no Python function of the package and
@@ -32,48 +33,26 @@ MAX_PY_FUNCTION_LINES = 80
 PY_FUNCTION_ROOTS = ["ffi/python/python/kvlink", "tools"]
 FUNCTION_ROOTS = ["src", "ffi/c/src", "ffi/python/src", "tools/kvlink-bench/src", "tools/kvlink-events/src"]
 
-# Higher imports lower, never the reverse. Equal layers may import each other only if listed
-# in the crate's SAME_LAYER_OK.
-ENGINE_LAYERS = {
-    "engine": 9,
-    "session": 8,
-    "state": 7,
-    "control": 6,
-    "config": 5.5,
-    "transport": 5,
-    "completion": 4,
-    "plan": 3,
-    "layout": 3,
-    "grant": 3,
-    "conn_limit": 0,
-    "memory": 2,
-    "error": 1.5,
-    "log_limit": 0,
-    "auth": 1.6,
-    "gpu": 1,
-    "shm": 0.5,
-    "ids": 0,
-    "tp": 0,
-    "inbox": 0,
-    "verify": 10,
-}
+# A crate's layers, read from the comment in its lib.rs that starts with "// Layers, top to
+# bottom" and lists them on the "//   " lines after it: "a > b, c > d" puts a above b and c,
+# which are above d. Equal layers may import each other only if listed in SAME_LAYER_OK.
 ENGINE_SAME_LAYER_OK = {("plan", "layout"), ("grant", "layout")}
 
-EVENTS_LAYERS = {
-    "merger": 6,
-    "subscriber": 5,
-    "publisher": 4,
-    "pages": 3,
-    "aggregate": 3,
-    "fanout": 3,
-    "wire": 2,
-    "zmtp": 2,
-    "sequence": 1,
-    "endpoint": 1,
-    "guard": 1,
-    "msgpack": 0,
-    "error": 0,
-}
+
+def layers_of(lib: pathlib.Path) -> dict:
+    """Each module's rank (higher imports lower) from the layer comment of `lib`."""
+    lines = lib.read_text().splitlines()
+    start = next((i for i, l in enumerate(lines) if l.startswith("// Layers, top to bottom")), None)
+    if start is None:
+        sys.exit(f"layers: {lib.relative_to(REPO)} has no '// Layers, top to bottom' comment")
+    body = []
+    for line in lines[start + 1 :]:
+        if not line.startswith("//"):
+            break
+        if line.startswith("//   "):
+            body.append(line[2:])
+    groups = [g for g in " ".join(body).split(">") if g.strip()]
+    return {m.strip(): len(groups) - i for i, g in enumerate(groups) for m in g.split(",")}
 
 
 def imports(root: pathlib.Path, path: pathlib.Path, top_level: bool) -> set:
@@ -183,8 +162,8 @@ def check_crate(root, layers, same_ok, skip_dir=None):
 
 src = REPO / "src"
 events_root = src / EVENTS_DIR / "src"
-bad, engine_files = check_crate(src, ENGINE_LAYERS, ENGINE_SAME_LAYER_OK, skip_dir=EVENTS_DIR)
-events_bad, events_files = check_crate(events_root, EVENTS_LAYERS, set())
+bad, engine_files = check_crate(src, layers_of(src / "lib.rs"), ENGINE_SAME_LAYER_OK, skip_dir=EVENTS_DIR)
+events_bad, events_files = check_crate(events_root, layers_of(events_root / "lib.rs"), set())
 bad += [f"{EVENTS_DIR}/src/{b}" for b in events_bad]
 string_results = events_string_results = 0
 for p in sorted(src.rglob("*.rs")):

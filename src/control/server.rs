@@ -14,6 +14,7 @@ use super::handler::ControlHandler;
 use super::handshake::{handshake, Accepted, Outcome, Refused};
 use super::messages::Message;
 use super::ControlTimeouts;
+use crate::accept::serve_admitted;
 use crate::auth::SessionSecret;
 use crate::completion::SendNotice;
 use crate::conn_limit::ConnLimit;
@@ -37,31 +38,23 @@ pub(crate) async fn serve(
     // Peers can trigger these at will: one line per interval, with the count.
     static FULL: LogLimit = LogLimit::new(Duration::from_secs(10));
     static CLOSED: LogLimit = LogLimit::new(Duration::from_secs(1));
-    loop {
-        match listener.accept().await {
-            Ok((stream, peer)) => {
-                let permit = match slots.admit(peer.ip()) {
-                    Ok(p) => p,
-                    Err(full) => {
-                        warn_limited!(FULL, %peer, "refusing a control connection: {full}");
-                        continue;
-                    }
-                };
-                let _ = stream.set_nodelay(true);
-                let handler = handler.clone();
-                tokio::spawn(async move {
-                    let _permit = permit;
-                    if let Err(e) = connection(stream, peer, handler.clone(), timeouts).await {
-                        warn_limited!(CLOSED, %peer, error = %e, "control connection closed with an error");
-                    }
-                });
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "accepting a control connection failed");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let admit = |peer: &SocketAddr| match slots.admit(peer.ip()) {
+        Ok(slot) => Some(slot),
+        Err(full) => {
+            warn_limited!(FULL, %peer, "refusing a control connection: {full}");
+            None
+        }
+    };
+    serve_admitted(listener, "control", admit, |stream: TcpStream, peer| {
+        let _ = stream.set_nodelay(true);
+        let handler = handler.clone();
+        async move {
+            if let Err(e) = connection(stream, peer, handler, timeouts).await {
+                warn_limited!(CLOSED, %peer, error = %e, "control connection closed with an error");
             }
         }
-    }
+    })
+    .await
 }
 
 async fn refuse(stream: &mut TcpStream, message: String) -> Error {

@@ -14,7 +14,7 @@ use crate::control;
 use crate::error::{Error, Result};
 use crate::state::EngineState;
 use crate::transport::rdma::{self, RdmaDevice};
-use crate::transport::{local, tcp};
+use crate::transport::{local, stream, tcp};
 
 /// The configuration as the engine runs it: validated, the key and the insecure opt-in read
 /// from the environment where the configuration has none.
@@ -148,7 +148,7 @@ pub(super) fn spawn_servers(
     data: TcpListener,
     same_host: Option<UnixListener>,
 ) {
-    let limits = tcp::ServeLimits {
+    let limits = stream::ServeLimits {
         io_timeout: shared.config().io_timeout,
         idle_timeout: shared.config().idle_timeout,
     };

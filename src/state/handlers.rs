@@ -18,9 +18,9 @@ use crate::ids::{RegionId, RequestId};
 use crate::inbox::{PeerMessage, Refused};
 use crate::memory::Region;
 use crate::tp::Reader;
-use crate::transport::access::{DataServer, DataSession, Exports};
 use crate::transport::rdma::{self, ServerQps};
-use crate::transport::tcp::StagingPool;
+use crate::transport::stream::access::{DataServer, DataSession, Exports};
+use crate::transport::stream::staging::StagingPool;
 
 impl ControlHandler for EngineState {
     fn descriptor(&self) -> Option<Arc<Descriptor>> {

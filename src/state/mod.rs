@@ -31,10 +31,10 @@ use crate::grant::Grant;
 use crate::ids::{BlockId, RequestId};
 use crate::inbox::{Inbox, PeerMessage};
 use crate::tp::TpRank;
-use crate::transport::access::DataSession;
 use crate::transport::rails::RailBook;
 use crate::transport::rdma::RdmaDevice;
-use crate::transport::tcp::StagingPool;
+use crate::transport::stream::access::DataSession;
+use crate::transport::stream::staging::StagingPool;
 use crate::transport::ReadCancel;
 
 /// What the data and control servers count.

@@ -1,11 +1,11 @@
 //! Data transports behind one trait. A transport takes the planner's segments, already resolved
 //! to local registered spans, and reads the peer's bytes into them.
 
-pub(crate) mod access;
 pub(crate) mod local;
 pub(crate) mod rails;
 #[allow(unsafe_code)]
 pub(crate) mod rdma;
+pub(crate) mod stream;
 pub(crate) mod stripe;
 pub(crate) mod tcp;
 

@@ -15,6 +15,11 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+// Layers, top to bottom: a module imports only from layers below its own; tools/check_layers.py
+// reads this list and checks every import against it.
+//   merger > subscriber > publisher > pages, aggregate, fanout > wire, zmtp
+//   > sequence, endpoint, guard > msgpack, error
+
 mod aggregate;
 mod endpoint;
 mod error;

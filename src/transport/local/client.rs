@@ -23,7 +23,7 @@ use crate::auth::SessionSecret;
 use crate::error::{Error, Result};
 use crate::ids::{RegionId, RequestId};
 use crate::shm;
-use crate::transport::tcp::{batch, prove_session};
+use crate::transport::stream::{batch, proof};
 use crate::transport::{bounded, ReadFuture, ReadOp, RequestCtl, Transport};
 
 /// An answer the reader waits for, and the request whose memory the copy writes.
@@ -151,7 +151,7 @@ impl LocalTransport {
             .map_err(|e| Error::io(&what, &e))?;
         let mut stream = UnixStream::from_std(std).map_err(|e| Error::io(&what, &e))?;
         if let Some(s) = session {
-            prove_session(&mut stream, s, peer, connect_timeout).await?;
+            proof::answer(&mut stream, s, peer, connect_timeout).await?;
         }
         let shared = Arc::new(Shared {
             peer: peer.to_string(),

@@ -14,6 +14,7 @@ use tokio::task::JoinSet;
 use tokio::time::timeout;
 
 use super::wire::{self, Entry};
+use crate::accept::serve_admitted;
 use crate::error::{Error, Result};
 use crate::gpu::GpuApi;
 use crate::grant::Grant;
@@ -21,10 +22,8 @@ use crate::log_limit::{warn_limited, LogLimit};
 use crate::memory::{PeerMemory, RegionSpan};
 use crate::shm;
 use crate::tp::Reader;
-use crate::transport::access::{
-    authorize, prove_session, still_granted, DataServer, Exports, Source,
-};
-use crate::transport::tcp::ServeLimits;
+use crate::transport::stream::access::{authorize, still_granted, DataServer, Exports, Source};
+use crate::transport::stream::{proof, ServeLimits};
 
 /// Most regions one connection may open.
 const MAX_MAPS: usize = 64;
@@ -49,34 +48,27 @@ pub(crate) async fn serve(
     limits: ServeLimits,
 ) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    loop {
-        match listener.accept().await {
-            Ok((stream, _)) => {
-                let Ok(permit) = slots.clone().try_acquire_owned() else {
-                    warn_limited!(
-                        DROPPED,
-                        "refusing a same-host connection: {MAX_CONNECTIONS} open"
-                    );
-                    continue;
-                };
-                let regions = regions.clone();
-                tokio::spawn(async move {
-                    let _permit = permit;
-                    let pid = stream.peer_cred().ok().and_then(|c| c.pid());
-                    match connection(stream, regions, limits).await {
-                        Ok(()) => tracing::debug!(?pid, "same-host connection closed"),
-                        Err(e) => {
-                            warn_limited!(DROPPED, ?pid, error = %e, "same-host connection dropped")
-                        }
-                    }
-                });
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "accepting a same-host connection failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+    let admit = |_: &_| match slots.clone().try_acquire_owned() {
+        Ok(permit) => Some(permit),
+        Err(_) => {
+            warn_limited!(
+                DROPPED,
+                "refusing a same-host connection: {MAX_CONNECTIONS} open"
+            );
+            None
+        }
+    };
+    serve_admitted(listener, "same-host", admit, |stream: UnixStream, _| {
+        let regions = regions.clone();
+        async move {
+            let pid = stream.peer_cred().ok().and_then(|c| c.pid());
+            match connection(stream, regions, limits).await {
+                Ok(()) => tracing::debug!(?pid, "same-host connection closed"),
+                Err(e) => warn_limited!(DROPPED, ?pid, error = %e, "same-host connection dropped"),
             }
         }
-    }
+    })
+    .await
 }
 
 /// Bytes (and descriptors) arriving on a connection, parsed into frames. Cancel-safe: what
@@ -229,7 +221,7 @@ async fn connection(
     let mut reader: Option<Arc<Reader>> = None;
     if regions.auth_required() {
         // Nothing is opened or copied before the connection proves an authenticated session.
-        match prove_session(&mut stream, &*regions, limits.io_timeout).await {
+        match proof::challenge(&mut stream, &*regions, limits.io_timeout).await {
             Ok(r) => reader = Some(r),
             Err(e) => {
                 regions.served(None);

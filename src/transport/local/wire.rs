@@ -34,7 +34,7 @@ pub(crate) const ENTRY: usize = 32;
 pub(crate) const MAX_ENTRIES: u32 = 4096;
 /// Longest body a frame may announce.
 pub(crate) const MAX_BODY: u32 =
-    (READ_FIXED + crate::transport::tcp::wire::MAX_ID) as u32 + MAX_ENTRIES * ENTRY as u32;
+    (READ_FIXED + crate::transport::stream::frame::MAX_ID) as u32 + MAX_ENTRIES * ENTRY as u32;
 /// Longest refusal reason.
 pub(crate) const MAX_REASON: u32 = 64 << 10;
 /// Frame kind: open a reader's region.
@@ -202,7 +202,8 @@ pub(crate) fn decode_read(b: &[u8]) -> Result<(RequestId, Vec<Entry>)> {
     if b.len() != READ_FIXED + id_len + count as usize * ENTRY {
         return bad("length does not match its id and entries".into());
     }
-    let id = crate::transport::tcp::wire::decode_request_id(&b[READ_FIXED..READ_FIXED + id_len])?;
+    let id =
+        crate::transport::stream::frame::decode_request_id(&b[READ_FIXED..READ_FIXED + id_len])?;
     let entries = b[READ_FIXED + id_len..]
         .chunks_exact(ENTRY)
         .map(|c| Entry {

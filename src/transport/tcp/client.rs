@@ -16,13 +16,13 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::timeout;
 
-use super::batch;
-use super::staging::{group, Group, Inbound, StagingPool};
 use super::wire::{self, Entry};
 use crate::auth::SessionSecret;
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::memory::{self, RegionSpan};
+use crate::transport::stream::staging::{group, Group, Inbound, StagingPool};
+use crate::transport::stream::{batch, proof};
 use crate::transport::{bounded, ReadFuture, ReadOp, RequestCtl, Transport};
 
 /// Requests in flight per stream (bounds memory and queueing towards a slow peer).
@@ -111,7 +111,7 @@ impl TcpTransport {
             let _ = s.set_nodelay(true);
             let mut s = s;
             if let Some(session) = session {
-                prove_session(&mut s, session, peer, connect_timeout).await?;
+                proof::answer(&mut s, session, peer, connect_timeout).await?;
             }
             let (rd, wr) = s.into_split();
             let (tx, rx) = mpsc::channel::<Batch>(PIPELINE);
@@ -539,37 +539,4 @@ async fn receive_pieces(
         }
     }
     Ok(())
-}
-
-/// The reader's side of the data server's session challenge: reads its nonce, answers with the
-/// session id and the session's proof over it.
-pub(crate) async fn prove_session<S>(
-    s: &mut S,
-    session: &SessionSecret,
-    peer: impl std::fmt::Display,
-    limit: Duration,
-) -> Result<()>
-where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
-{
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let what = format!("proving the session to the data server {peer}");
-    let mut nonce = [0u8; wire::AUTH_NONCE];
-    timeout(limit, s.read_exact(&mut nonce))
-        .await
-        .map_err(|_| Error::Timeout {
-            what: what.clone(),
-            after: limit,
-        })?
-        .map_err(|e| Error::io(&what, &e))?;
-    let mut reply = [0u8; wire::AUTH_REPLY];
-    reply[..16].copy_from_slice(&session.id);
-    reply[16..].copy_from_slice(&session.data_proof(&nonce));
-    timeout(limit, s.write_all(&reply))
-        .await
-        .map_err(|_| Error::Timeout {
-            what: what.clone(),
-            after: limit,
-        })?
-        .map_err(|e| Error::io(&what, &e))
 }

@@ -5,14 +5,12 @@
 //! the bytes written straight from registered memory (`writev`); the reader reads them straight
 //! into its registered memory (`readv`). No user-space copies on either side for host memory;
 //! GPU memory is staged through pinned host buffers, chunked and pipelined (see `staging`). How
-//! a read is cut into batches is decided without I/O (`batch`, with its tests).
+//! a read is cut into batches is decided without I/O (`stream::batch`, with its tests); what
+//! this transport shares with the same-host path is in `stream`.
 
-pub(crate) mod batch;
 mod client;
 mod server;
-mod staging;
 pub mod wire;
 
-pub(crate) use client::{prove_session, TcpTransport};
-pub(crate) use server::{serve, ServeLimits};
-pub(crate) use staging::StagingPool;
+pub(crate) use client::TcpTransport;
+pub(crate) use server::serve;

@@ -1,5 +1,5 @@
 //! The TCP data server: serves reads of exported registered ranges, and nothing else (what a
-//! reader may read is decided in `transport::access`).
+//! reader may read is decided in `transport::stream::access`).
 
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
@@ -10,29 +10,20 @@ use tokio::io::{AsyncReadExt, Interest};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::timeout;
 
-use super::staging::{group, Group, Outbound, StagingPool};
 use super::wire;
+use crate::accept::serve_admitted;
 use crate::conn_limit::ConnLimit;
 use crate::error::{Error, Result};
 use crate::grant::Grant;
 use crate::log_limit::{warn_limited, LogLimit};
 use crate::memory::{self, RegionSpan};
 use crate::tp::Reader;
-use crate::transport::access::{
-    authorize, prove_session, still_granted, Authorized, DataServer, Source,
-};
+use crate::transport::stream::access::{authorize, still_granted, Authorized, DataServer, Source};
+use crate::transport::stream::staging::{group, Group, Outbound, StagingPool};
+use crate::transport::stream::{proof, ServeLimits};
 
 /// Refused data requests: one line per second, with the count.
 static REFUSED: LogLimit = LogLimit::new(Duration::from_secs(1));
-
-/// The data server's limits.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct ServeLimits {
-    /// Most time to send or receive the rest of a message once it started.
-    pub(crate) io_timeout: Duration,
-    /// Most time a stream waits for its next request.
-    pub(crate) idle_timeout: Duration,
-}
 
 /// Accepts data connections until the task is dropped, each admitted by `slots` (at most
 /// [`MAX_CONNECTIONS`](crate::conn_limit::MAX_CONNECTIONS) at once, a share per address).
@@ -45,38 +36,24 @@ pub(crate) async fn serve(
     // Peers can trigger these at will: one line per interval, with the count.
     static FULL: LogLimit = LogLimit::new(Duration::from_secs(10));
     static DROPPED: LogLimit = LogLimit::new(Duration::from_secs(1));
-    let ServeLimits {
-        io_timeout,
-        idle_timeout,
-    } = limits;
-    loop {
-        match listener.accept().await {
-            Ok((stream, peer)) => {
-                let permit = match slots.admit(peer.ip()) {
-                    Ok(p) => p,
-                    Err(full) => {
-                        warn_limited!(FULL, %peer, "refusing a data connection: {full}");
-                        continue;
-                    }
-                };
-                let _ = stream.set_nodelay(true);
-                let regions = regions.clone();
-                tokio::spawn(async move {
-                    let _permit = permit;
-                    match connection(stream, peer, regions, io_timeout, idle_timeout).await {
-                        Ok(()) => tracing::debug!(%peer, "data connection closed"),
-                        Err(e) => {
-                            warn_limited!(DROPPED, %peer, error = %e, "data connection dropped")
-                        }
-                    }
-                });
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "accepting a data connection failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+    let admit = |peer: &SocketAddr| match slots.admit(peer.ip()) {
+        Ok(slot) => Some(slot),
+        Err(full) => {
+            warn_limited!(FULL, %peer, "refusing a data connection: {full}");
+            None
+        }
+    };
+    serve_admitted(listener, "data", admit, |stream: TcpStream, peer| {
+        let _ = stream.set_nodelay(true);
+        let regions = regions.clone();
+        async move {
+            match connection(stream, peer, regions, limits).await {
+                Ok(()) => tracing::debug!(%peer, "data connection closed"),
+                Err(e) => warn_limited!(DROPPED, %peer, error = %e, "data connection dropped"),
             }
         }
-    }
+    })
+    .await
 }
 
 fn timed_out(what: &str, after: Duration) -> Error {
@@ -90,14 +67,17 @@ async fn connection(
     mut stream: TcpStream,
     peer: SocketAddr,
     regions: Arc<dyn DataServer>,
-    io_timeout: Duration,
-    idle_timeout: Duration,
+    limits: ServeLimits,
 ) -> Result<()> {
+    let ServeLimits {
+        io_timeout,
+        idle_timeout,
+    } = limits;
     // The reading engine, once the connection proved an authenticated control session.
     let mut engine: Option<Arc<Reader>> = None;
     if regions.auth_required() {
         // Nothing is served before the connection proves an authenticated control session.
-        match prove_session(&mut stream, &*regions, io_timeout).await {
+        match proof::challenge(&mut stream, &*regions, io_timeout).await {
             Ok(e) => engine = Some(e),
             Err(e) => {
                 regions.served(None);
@@ -279,4 +259,14 @@ async fn flush(stream: &TcpStream, out: &mut Outbound, io_timeout: Duration) -> 
         send_next(stream, out, io_timeout).await?;
     }
     Ok(())
+}
+
+impl From<wire::Entry> for Source {
+    fn from(e: wire::Entry) -> Self {
+        Source {
+            region: e.region,
+            offset: e.offset,
+            len: e.len,
+        }
+    }
 }

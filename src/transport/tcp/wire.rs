@@ -8,28 +8,22 @@
 
 use crate::error::{Error, Result};
 use crate::ids::RegionId;
+pub use crate::transport::stream::frame::{
+    decode_request_id, AUTH_NONCE, AUTH_REPLY, MAX_ID, MAX_REQUEST_BYTES,
+};
 
-/// Bytes of a data connection's session proof: the session id (16) and the proof (32), sent
-/// after the server's 32-byte nonce on engines with a deployment key.
-pub const AUTH_REPLY: usize = 48;
-/// Bytes of the data server's session challenge (a nonce).
-pub const AUTH_NONCE: usize = 32;
 /// Request magic.
 pub const REQUEST_MAGIC: u32 = u32::from_le_bytes(*b"KVRQ");
 /// Response magic.
 pub const RESPONSE_MAGIC: u32 = u32::from_le_bytes(*b"KVRS");
 /// Request header bytes.
 pub const REQUEST_HEADER: usize = 20;
-/// Longest request id, in bytes.
-pub const MAX_ID: usize = 256;
 /// Bytes per request entry.
 pub const ENTRY: usize = 20;
 /// Response header bytes.
 pub const RESPONSE_HEADER: usize = 21;
 /// Most entries in one request.
 pub const MAX_ENTRIES: u32 = 4096;
-/// Most bytes one request may ask for.
-pub const MAX_REQUEST_BYTES: u64 = 256 << 20;
 /// Longest refusal reason.
 pub const MAX_REASON: u64 = 64 << 10;
 /// Response status: data follows.
@@ -93,15 +87,6 @@ pub fn decode_request_header(h: &[u8; REQUEST_HEADER]) -> Result<(u64, u32, usiz
         )));
     }
     Ok((tag, count, id_len))
-}
-
-/// Parses the request id that follows the header.
-pub fn decode_request_id(b: &[u8]) -> Result<crate::ids::RequestId> {
-    let s =
-        std::str::from_utf8(b).map_err(|_| Error::Protocol("request id is not UTF-8".into()))?;
-    let id = crate::ids::RequestId::from(s);
-    id.validate().map_err(Error::Protocol)?;
-    Ok(id)
 }
 
 /// Parses request entries (`body.len()` must be a multiple of [`ENTRY`]).

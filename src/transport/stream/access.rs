@@ -1,6 +1,6 @@
 //! Who may read what: the one place where both data servers (TCP and the same-host path)
 //! decide it. A data connection proves an authenticated control session first, where the
-//! engine has a key ([`prove_session`]); each request is then held to its grant
+//! engine has a key ([`super::proof`]); each request is then held to its grant
 //! ([`authorize`]: every range exported, inside the request's blocks, at most
 //! [`MAX_REQUEST_BYTES`] in all), claimed for its reader only once every check of the server
 //! passed ([`Authorized::claim`]), and stopped when its hold ends while its bytes are still
@@ -8,20 +8,16 @@
 //! request's bytes.
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::time::timeout;
-
-use super::tcp::wire::{Entry, AUTH_REPLY, MAX_REQUEST_BYTES};
-use crate::auth::{self, SessionSecret};
+use super::frame::MAX_REQUEST_BYTES;
+use super::staging::StagingPool;
+use crate::auth::SessionSecret;
 use crate::error::{Error, Refusal, RefusalKind, Result};
 use crate::gpu::{DeviceRuntime, GpuApi};
 use crate::grant::Grant;
 use crate::ids::{RegionId, RequestId};
 use crate::memory::{Region, RegionSpan};
 use crate::tp::Reader;
-use crate::transport::tcp::StagingPool;
 
 /// An authenticated control session, as the data servers see it: its secret and the reader
 /// (engine id and TP rank) its handshake declared.
@@ -69,16 +65,6 @@ pub(crate) struct Source {
     pub(crate) offset: u64,
     /// Its length in bytes.
     pub(crate) len: u64,
-}
-
-impl From<Entry> for Source {
-    fn from(e: Entry) -> Self {
-        Source {
-            region: e.region,
-            offset: e.offset,
-            len: e.len,
-        }
-    }
 }
 
 /// A request that passed the access checks: its grant (`None` for open reads), its ranges as
@@ -164,45 +150,6 @@ pub(crate) fn still_granted(live: Option<&Grant>) -> Result<()> {
             "the request's hold ended while its blocks were being sent".into(),
         )),
         _ => Ok(()),
-    }
-}
-
-/// How long a new data connection has to prove its session.
-const PROOF_DEADLINE: Duration = Duration::from_secs(5);
-
-/// The data server's side of the session proof: sends a fresh nonce, expects the session id and
-/// the session's proof over the nonce (`AUTH_REPLY` bytes) within a few seconds. Returns the
-/// reader the session declared.
-pub(crate) async fn prove_session<S>(
-    stream: &mut S,
-    exports: &dyn Exports,
-    io_timeout: Duration,
-) -> Result<Arc<Reader>>
-where
-    S: AsyncRead + AsyncWrite + Unpin,
-{
-    let deadline = PROOF_DEADLINE.min(io_timeout);
-    let timed_out = |what: &str| Error::Timeout {
-        what: what.into(),
-        after: deadline,
-    };
-    let nonce = auth::nonce()?;
-    timeout(deadline, stream.write_all(&nonce))
-        .await
-        .map_err(|_| timed_out("sending the session challenge"))?
-        .map_err(|e| Error::io("sending the session challenge", &e))?;
-    let mut reply = [0u8; AUTH_REPLY];
-    timeout(deadline, stream.read_exact(&mut reply))
-        .await
-        .map_err(|_| timed_out("waiting for the session proof"))?
-        .map_err(|e| Error::io("reading the session proof", &e))?;
-    let (id, proof) = reply.split_at(16);
-    let id: [u8; 16] = id.try_into().expect("16 bytes");
-    match exports.data_session(&id) {
-        Some((s, engine)) if s.verify_data(&nonce, proof) => Ok(engine),
-        _ => Err(Error::Protocol(
-            "data connection without a valid session proof".into(),
-        )),
     }
 }
 
