@@ -293,59 +293,78 @@ impl KvLayout {
                     )))
                 }
             }
-            if let Some(h) = &t.heads {
-                let runs_heads = u64::from(h.runs) * u64::from(h.local);
-                if h.total == 0 || h.local == 0 || h.runs == 0 || h.local > h.total {
-                    return Err(Error::invalid(format!(
-                        "{}: heads {} of {} in {} runs (each at least 1, local at most total)",
-                        what(),
-                        h.local,
-                        h.total,
-                        h.runs
-                    )));
-                }
-                if !t.block_bytes.is_multiple_of(runs_heads) {
-                    return Err(Error::invalid(format!(
-                        "{}: a block of {} bytes does not split into {} runs of {} heads",
-                        what(),
-                        t.block_bytes,
-                        h.runs,
-                        h.local
-                    )));
-                }
-            }
-            if t.token_runs.is_some() {
-                t.token_shape(self.tokens_per_block)
-                    .map_err(|why| Error::invalid(format!("{}: {why}", what())))?;
-            }
-            if t.name.len() > 128 {
+            self.check_tensor(t, &what, &lens)?;
+        }
+        if let Some(g) = groups[..self.num_groups()].iter().position(|seen| !seen) {
+            return Err(Error::invalid(format!(
+                "block group {g} has no tensor (groups are numbered from 0 without gaps)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// One tensor's checks for [`validate`](Self::validate): its heads and token runs split
+    /// its blocks, its name, block size and stride are sane, and its blocks lie inside its
+    /// registered region (`lens`: each region's length). `what` names it in the errors.
+    fn check_tensor(
+        &self,
+        t: &TensorLayout,
+        what: &dyn Fn() -> String,
+        lens: &HashMap<RegionId, u64>,
+    ) -> Result<()> {
+        if let Some(h) = &t.heads {
+            let runs_heads = u64::from(h.runs) * u64::from(h.local);
+            if h.total == 0 || h.local == 0 || h.runs == 0 || h.local > h.total {
                 return Err(Error::invalid(format!(
-                    "{}: name longer than 128 bytes",
-                    what()
-                )));
-            }
-            if t.block_bytes == 0 {
-                return Err(Error::invalid(format!("{}: block_bytes is 0", what())));
-            }
-            if t.block_stride < t.block_bytes {
-                return Err(Error::invalid(format!(
-                    "{}: block_stride {} is smaller than block_bytes {} (blocks would overlap)",
+                    "{}: heads {} of {} in {} runs (each at least 1, local at most total)",
                     what(),
-                    t.block_stride,
-                    t.block_bytes
+                    h.local,
+                    h.total,
+                    h.runs
                 )));
             }
-            let Some(&region_len) = lens.get(&t.region) else {
+            if !t.block_bytes.is_multiple_of(runs_heads) {
                 return Err(Error::invalid(format!(
-                    "{}: {} is not registered",
+                    "{}: a block of {} bytes does not split into {} runs of {} heads",
                     what(),
-                    t.region
+                    t.block_bytes,
+                    h.runs,
+                    h.local
                 )));
-            };
-            match t.end() {
-                Some(end) if end <= region_len => {}
-                _ => {
-                    return Err(Error::invalid(format!(
+            }
+        }
+        if t.token_runs.is_some() {
+            t.token_shape(self.tokens_per_block)
+                .map_err(|why| Error::invalid(format!("{}: {why}", what())))?;
+        }
+        if t.name.len() > 128 {
+            return Err(Error::invalid(format!(
+                "{}: name longer than 128 bytes",
+                what()
+            )));
+        }
+        if t.block_bytes == 0 {
+            return Err(Error::invalid(format!("{}: block_bytes is 0", what())));
+        }
+        if t.block_stride < t.block_bytes {
+            return Err(Error::invalid(format!(
+                "{}: block_stride {} is smaller than block_bytes {} (blocks would overlap)",
+                what(),
+                t.block_stride,
+                t.block_bytes
+            )));
+        }
+        let Some(&region_len) = lens.get(&t.region) else {
+            return Err(Error::invalid(format!(
+                "{}: {} is not registered",
+                what(),
+                t.region
+            )));
+        };
+        match t.end() {
+            Some(end) if end <= region_len => {}
+            _ => {
+                return Err(Error::invalid(format!(
                     "{}: {} blocks of stride {} from offset {} run past the end of {} ({} bytes)",
                     what(),
                     t.num_blocks,
@@ -354,13 +373,7 @@ impl KvLayout {
                     t.region,
                     region_len
                 )))
-                }
             }
-        }
-        if let Some(g) = groups[..self.num_groups()].iter().position(|seen| !seen) {
-            return Err(Error::invalid(format!(
-                "block group {g} has no tensor (groups are numbered from 0 without gaps)"
-            )));
         }
         Ok(())
     }

@@ -101,6 +101,8 @@ pub enum TensorRead {
 ///
 /// Refuses layouts that cannot pair, and a read whose sources do not hold all of our heads (a
 /// single prefill rank of a larger prefill, say).
+// Long: the pairing of one local tensor with its sources over TP, heads and token runs, each case
+//   refused with its own reason in the order the checks depend on each other.
 pub fn tensor_reads(
     local: &KvLayout,
     local_tp: TpRank,
@@ -387,6 +389,8 @@ pub fn plan_read<L: AsRef<[BlockId]>, R: AsRef<[BlockId]>>(
 /// [`plan_read`] of a read that starts `first_tokens[g]` tokens into group `g`'s first remote
 /// block (a reader with smaller blocks than the peer whose cached prefix, or sliding window,
 /// starts inside one of the peer's blocks; see [`Resize`]); none: 0 everywhere.
+// Long: the planner's one pass over groups and blocks, with the offsets into the first remote block
+//   threading through it; its pieces are the helpers it calls.
 pub fn plan_read_from<L: AsRef<[BlockId]>, R: AsRef<[BlockId]>>(
     local: &KvLayout,
     remote: &KvLayout,

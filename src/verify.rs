@@ -177,6 +177,8 @@ pub struct PrefillRank<'a> {
 /// first prefill rank of `prefill` that has it; a tensor without heads must hold the remote
 /// block of the first prefill rank. Returns the bytes checked, or an error naming the first
 /// difference.
+// Long: compares every byte a read wrote against the source it came from, tensor by tensor,
+//   with and without heads, inline so that an error names where the first difference is.
 pub fn check_read<L: AsRef<[BlockId]>, R: AsRef<[BlockId]>>(
     region: &Region,
     ours: &KvLayout,

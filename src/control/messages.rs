@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::ids::RequestId;
+use crate::ids::{RegionId, RequestId};
 use crate::inbox::Body;
 use crate::layout::KvLayout;
 use crate::memory::RegionInfo;
@@ -108,61 +108,69 @@ impl Descriptor {
             ));
         }
         for t in &self.transports {
-            match t {
-                TransportInfo::Tcp { addr, streams } => {
-                    if addr.parse::<SocketAddr>().is_err() {
-                        return bad(format!("tcp address {addr:?} is not ip:port"));
-                    }
-                    if *streams == 0 || *streams > 64 {
-                        return bad(format!("tcp streams {streams} (1 to 64 allowed)"));
-                    }
-                }
-                TransportInfo::Local { host, socket } => {
-                    if host.is_empty() || host.len() > 64 || socket.is_empty() || socket.len() > 100
-                    {
-                        return bad("same-host id or socket name of the wrong length".into());
-                    }
-                }
-                TransportInfo::Rdma {
-                    device, regions, ..
-                } => {
-                    if device.len() > 64 {
-                        return bad("rdma device name longer than 64 bytes".into());
-                    }
-                    if regions.len() > self.regions.len() {
-                        return bad(format!(
-                            "rdma keys for {} regions, {} exported",
-                            regions.len(),
-                            self.regions.len()
-                        ));
-                    }
-                    let mut keyed = HashSet::with_capacity(regions.len());
-                    for r in regions {
-                        let Some(&len) = lens.get(&r.id) else {
-                            return bad(format!("rdma keys for unknown {}", r.id));
-                        };
-                        if !keyed.insert(r.id) {
-                            return bad(format!("rdma keys for {} listed twice", r.id));
-                        }
-                        let chunks = if r.chunk_bytes == 0 {
-                            u64::MAX
-                        } else {
-                            len.div_ceil(r.chunk_bytes)
-                        };
-                        if chunks != r.rkeys.len() as u64 || r.addr.checked_add(len).is_none() {
-                            return bad(format!(
-                                "rdma registration of {} does not cover its {} bytes",
-                                r.id, len
-                            ));
-                        }
-                    }
-                }
-            }
+            self.check_transport(t, &lens)?;
         }
         self.layout
             .validate(&self.regions)
             .and_then(|()| self.layout.validate_tp(self.tp_size))
             .map_err(|e| Error::Protocol(format!("invalid peer descriptor: {e}")))
+    }
+
+    /// One offered transport of [`validate`](Self::validate): a TCP address and stream count,
+    /// a same-host id and socket name, or RDMA keys covering exported regions (`lens`: each
+    /// region's length) exactly once.
+    fn check_transport(&self, t: &TransportInfo, lens: &HashMap<RegionId, u64>) -> Result<()> {
+        let bad = |m: String| Err(Error::Protocol(format!("invalid peer descriptor: {m}")));
+        match t {
+            TransportInfo::Tcp { addr, streams } => {
+                if addr.parse::<SocketAddr>().is_err() {
+                    return bad(format!("tcp address {addr:?} is not ip:port"));
+                }
+                if *streams == 0 || *streams > 64 {
+                    return bad(format!("tcp streams {streams} (1 to 64 allowed)"));
+                }
+            }
+            TransportInfo::Local { host, socket } => {
+                if host.is_empty() || host.len() > 64 || socket.is_empty() || socket.len() > 100 {
+                    return bad("same-host id or socket name of the wrong length".into());
+                }
+            }
+            TransportInfo::Rdma {
+                device, regions, ..
+            } => {
+                if device.len() > 64 {
+                    return bad("rdma device name longer than 64 bytes".into());
+                }
+                if regions.len() > self.regions.len() {
+                    return bad(format!(
+                        "rdma keys for {} regions, {} exported",
+                        regions.len(),
+                        self.regions.len()
+                    ));
+                }
+                let mut keyed = HashSet::with_capacity(regions.len());
+                for r in regions {
+                    let Some(&len) = lens.get(&r.id) else {
+                        return bad(format!("rdma keys for unknown {}", r.id));
+                    };
+                    if !keyed.insert(r.id) {
+                        return bad(format!("rdma keys for {} listed twice", r.id));
+                    }
+                    let chunks = if r.chunk_bytes == 0 {
+                        u64::MAX
+                    } else {
+                        len.div_ceil(r.chunk_bytes)
+                    };
+                    if chunks != r.rkeys.len() as u64 || r.addr.checked_add(len).is_none() {
+                        return bad(format!(
+                            "rdma registration of {} does not cover its {} bytes",
+                            r.id, len
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Every difference that stops `theirs` from exchanging blocks with `self`: layouts that

@@ -260,34 +260,40 @@ async fn next_frame(
 static REFUSED_NOTICES: LogLimit = LogLimit::new(Duration::from_secs(1));
 
 impl Serving<'_> {
+    /// A done notice with a valid id: answered either way, so that the reader reports the
+    /// request received only once this engine confirms it still held the blocks for it.
+    async fn on_done(&mut self, request_id: RequestId, hold: Option<u64>) -> Result<()> {
+        let peer = self.peer;
+        let r = self.handler.notice(
+            peer,
+            &self.reader,
+            request_id.clone(),
+            SendNotice::Done,
+            hold,
+        );
+        let answer = Message::Confirm {
+            request_id: request_id.clone(),
+            refused: r.clone().err().map(Refusal::into_reason),
+            held_us: r.as_ref().map_or(0, |d| d.as_micros() as u64),
+        };
+        self.refused(&request_id, r.map(drop));
+        let within = self.timeouts.handshake;
+        send(
+            &mut self.stream,
+            &answer,
+            "confirming a done notice",
+            within,
+        )
+        .await?;
+        Ok(())
+    }
+
     /// Handles one message; an error ends the connection (the reader was told why).
     async fn on_message(&mut self, msg: Message) -> Result<()> {
         let peer = self.peer;
         match msg {
             Message::Done { request_id, hold } if request_id.validate().is_ok() => {
-                // Answered either way: the reader reports the request received only once
-                // this engine confirms it still held the blocks for it.
-                let r = self.handler.notice(
-                    peer,
-                    &self.reader,
-                    request_id.clone(),
-                    SendNotice::Done,
-                    hold,
-                );
-                let answer = Message::Confirm {
-                    request_id: request_id.clone(),
-                    refused: r.clone().err().map(Refusal::into_reason),
-                    held_us: r.as_ref().map_or(0, |d| d.as_micros() as u64),
-                };
-                self.refused(&request_id, r.map(drop));
-                let within = self.timeouts.handshake;
-                send(
-                    &mut self.stream,
-                    &answer,
-                    "confirming a done notice",
-                    within,
-                )
-                .await?;
+                self.on_done(request_id, hold).await?
             }
             Message::Reading { request_id, hold } if request_id.validate().is_ok() => {
                 tracing::debug!(%peer, id = %request_id, ?hold, "reader announced a read");

@@ -145,6 +145,8 @@ async fn same_host(
 }
 
 /// RDMA when both engines have it and the configuration allows, else TCP.
+// Long: the transport choice in the order it is made (why not RDMA, each device pair tried or
+//   skipped in its cool-down, the TCP fallback); each step reads the ones before it.
 async fn network(
     shared: &Arc<EngineState>,
     hs: &mut crate::control::Handshake,

@@ -423,6 +423,8 @@ impl Sessions {
 
     /// The session to `peer`, connecting once however many callers ask at the same time. A
     /// failed connect fails every waiting caller with its reason; the next call tries again.
+    // Long: one connect per peer however many callers wait: the slot's states (absent, connecting,
+    //   up) and the waiters' loop share the lock and the channel.
     pub(crate) async fn get(self: &Arc<Self>, peer: &str) -> Result<Arc<PeerConn>> {
         let mut rx = {
             let mut map = self.map.lock();

@@ -340,6 +340,8 @@ pub(crate) fn check_block_size(theirs: &KvLayout, expected: u32) -> Result<()> {
 }
 
 /// Reads one source once; `used` gets the session as soon as there is one.
+// Long: one read from one source in its order (session, announce, range, plan, post, wait), each
+//   step cancellable and each failure named for the request's report.
 async fn read_once(
     sessions: &Arc<Sessions>,
     job: &ReadJob,

@@ -163,6 +163,8 @@ impl Rails {
         t.read(id, ops, ctl, deadline).await
     }
 
+    // Long: the striping loop: share out, read on every rail, judge each result and re-share the
+    //   failed parts until done or out of time; the rounds carry the rails' measurements.
     async fn run(
         &self,
         id: &RequestId,

@@ -96,6 +96,8 @@ impl Check {
     }
 
     /// Checks the next bytes of the stream.
+    // Long: one state machine over a byte stream that splits anywhere (greeting, flags, length,
+    //   body); each state's step reads and sets the counters the others check.
     pub(crate) fn feed(&mut self, mut bytes: &[u8]) -> Result<(), ZmtpError> {
         while !bytes.is_empty() {
             match &mut self.state {

@@ -233,6 +233,8 @@ impl Publisher {
     }
 
     /// Starts a publisher on the current tokio runtime.
+    // Long: binds the sockets, relays and tasks in the order each needs the one before, undoing
+    //   them on the first failure.
     pub(crate) async fn start_in(cfg: PublisherConfig) -> Result<Publisher, EventsError> {
         let dir = PrivateDir::new().map_err(|source| EventsError::Io {
             context: "creating a private directory for the ZeroMQ sockets".into(),

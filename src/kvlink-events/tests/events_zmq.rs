@@ -245,6 +245,8 @@ fn a_publisher_restart_is_reported() {
     );
 }
 
+// Long: one publisher and subscriber pair fed each hostile input in turn, so that the last check
+//   sees that nothing before it was lost.
 #[test]
 fn malformed_payloads_and_hostile_peers_lose_nothing() {
     let rt = rt();

@@ -252,6 +252,8 @@ fn open(settings: &RdmaSettings) -> Result<Vec<Arc<RdmaDevice>>, RdmaError> {
     Ok(opened)
 }
 
+// Long: the verbs objects of one device in the order verbs requires (context, port, GID, protection
+//   domain, completion channel), each failure named with its device.
 fn open_device(
     dev: &sideway::ibverbs::device::Device<'_>,
     name: &str,

@@ -264,6 +264,8 @@ async fn writer(
     health.broken.store(true, Ordering::Release);
 }
 
+// Long: one stream's receive loop: its staging buffers, its pending batches and the idle socket
+//   watch live across iterations and are used by every branch.
 async fn reader(
     mut rd: OwnedReadHalf,
     mut pending: mpsc::Receiver<Batch>,

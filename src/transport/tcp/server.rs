@@ -63,6 +63,8 @@ fn timed_out(what: &str, after: Duration) -> Error {
     }
 }
 
+// Long: one data connection's request loop: proof, header, id, entries, authorization, then the
+//   reply; the buffers are reused across requests.
 async fn connection(
     mut stream: TcpStream,
     peer: SocketAddr,

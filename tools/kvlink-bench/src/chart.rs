@@ -144,6 +144,7 @@ fn glyph(c: char) -> [u8; 7] {
 }
 
 /// Draws series against categorical x labels and returns the PNG bytes.
+// Long: draws the axes, grid, series and legend of one chart in plotting order on one drawing area.
 pub fn line_chart(
     title: &str,
     x_label: &str,

@@ -24,6 +24,8 @@ struct Reader<'a> {
 }
 
 /// Runs `count` requests with `concurrency` in flight against the reader's peer.
+// Long: the benchmark's request loop: keeps `concurrency` requests in flight, refills, times and
+//   verifies each; its counters are the report.
 fn drive(
     args: &Args,
     rd: &Reader<'_>,

@@ -114,6 +114,8 @@ impl TpRun<'_> {
         Ok(out)
     }
 
+    // Long: builds each decode rank's request over every prefill rank it reads, for each TP pairing
+    //   the benchmark drives.
     fn requests(
         &self,
         count: usize,

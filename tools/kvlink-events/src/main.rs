@@ -262,6 +262,8 @@ fn entries(b: &EventBatch) -> u64 {
         .sum()
 }
 
+// Long: the tail command's one loop over the subscriber's items: its counters, output and exit
+//   rules are used by every arm.
 fn tail(o: Opts) -> Result<(), String> {
     let endpoint = o.endpoint.clone().ok_or("tail needs --endpoint")?;
     let cfg = SubscriberConfig {

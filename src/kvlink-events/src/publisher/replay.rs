@@ -21,6 +21,8 @@ fn replay_start(frames: &[Bytes]) -> Option<u64> {
     Some(u64::from_be_bytes(seq.as_ref().try_into().ok()?))
 }
 
+// Long: the ROUTER's one loop: take a request, check it, answer from the ring under one deadline,
+//   end with the marker; the steps share the socket and the deadline.
 pub(super) async fn serve_replay(
     shared: Arc<Shared>,
     mut router: RouterSocket,

@@ -44,6 +44,7 @@ fn defaults() {
     assert_eq!(a.out, "kvlink-sweep");
 }
 
+// Long: one command line with every option, each then checked against its field.
 #[test]
 fn every_option_lands_in_its_field() {
     let a = parse_from([
