@@ -90,7 +90,7 @@ class KvlinkKVReceiver(Room, BaseKVReceiver):
         readers = {
             "aux": mgr.aux.engine_id if mgr.aux is not None else None,
             # A state type with rows has its engine (rows are read only for those).
-            "states": [_engine_id(mgr.states[i], mgr.kv) if c else mgr.kv.engine_id for i, c in enumerate(counts)],
+            "states": [_engine_id(mgr.states[i]) if c else mgr.kv.engine_id for i, c in enumerate(counts)],
         }
         self.asked_at = time.monotonic()
         aux = self.aux_index is not None and mgr.aux is not None
@@ -315,6 +315,9 @@ class KvlinkKVReceiver(Room, BaseKVReceiver):
         self.abort_notified = True
 
 
-def _engine_id(engine: kvlink.Engine | None, fallback: kvlink.Engine) -> str:
-    """``engine``'s id; ``fallback``'s for a state type without an engine of its own."""
-    return (engine or fallback).engine_id
+def _engine_id(engine: kvlink.Engine | None) -> str:
+    """The id of a state type's engine: one with rows to read always has one (the manager
+    makes an engine for each state type that has a buffer)."""
+    if engine is None:
+        raise RuntimeError("kvlink: a state type with rows to read has no engine")
+    return engine.engine_id

@@ -166,7 +166,7 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         ktc = vllm_config.kv_transfer_config
         extra = (ktc.kv_connector_extra_config or {}) if ktc is not None else {}
-        wanted = read_settings(extra).kv_cache_layout or PREFERRED_LAYOUT
+        wanted = read_settings(extra, warn=False).kv_cache_layout or PREFERRED_LAYOUT
         if wanted.lower() == "auto":
             return None
         is_head_major(wanted)  # refuses unknown and per-head-split layouts
@@ -185,10 +185,11 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler
 
 
-def read_settings(extra: dict[str, Any]) -> core.Settings:
+def read_settings(extra: dict[str, Any], warn: bool = True) -> core.Settings:
     """The connector's settings from ``kv_connector_extra_config`` (``kvlink.core``'s schema,
-    under its own names), warning about keys it does not know."""
+    under its own names), warning about keys it does not know unless ``warn`` is false (the
+    layout query reads them before the connector does: one warning, not two)."""
     unknown = sorted(set(extra) - set(core.FIELDS))
-    if unknown:
+    if unknown and warn:
         logger.warning("KvlinkConnector: ignoring unknown kv_connector_extra_config keys %s", unknown)
     return core.Settings.read(extra, where="kv_connector_extra_config")
