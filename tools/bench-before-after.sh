@@ -5,7 +5,7 @@
 # `kvlink-events tail`: block entries per second received, CPU per entry on each side), the two
 # builds alternating round by round so that the machine's noise falls on both. Builds REV in a
 # worktree under target/before/ (its own target dir, kept for the next run). Prints each round,
-# the medians and after / before ratios.
+# the medians and after / before ratios; the tools' own output goes to target/before/bench.log.
 #
 #   tools/bench-before-after.sh REV            # REV: a commit, tag or branch
 #   ROUNDS=7 tools/bench-before-after.sh c87615f
@@ -18,6 +18,10 @@ rounds=${ROUNDS:-5}
 port=${EVENTS_PORT:-5321}
 sha=$(git rev-parse --short "$rev^{commit}")
 tools/deps.sh
+# The tools' own progress lines go here, not between the rounds.
+log=target/before/bench.log
+mkdir -p target/before
+: >"$log"
 
 before=target/before/$sha
 if [ ! -d "$before/src" ]; then
@@ -31,7 +35,7 @@ cargo build --release -q -p kvlink-bench -p kvlink-events-cli
 # bench BIN_DIR TRANSPORT: "GB/s p50_ms p99_ms".
 bench() {
   "$1/kvlink-bench" --preset llama-3-8b --tokens 4096 --pattern random --requests 32 \
-    --transport "$2" --json |
+    --transport "$2" --json 2>>"$log" |
     python3 -c 'import json,sys; d=json.load(sys.stdin); l=d["latency_ms"]; print("%.3f %.3f %.3f" % (d["gb_per_s"], l["p50"], l["p99"]))'
 }
 
@@ -39,12 +43,12 @@ bench() {
 events() {
   local out
   out=$(mktemp)
-  "$1/kvlink-events" tail --endpoint "tcp://127.0.0.1:$port" --quiet --idle-exit 3 >"$out" &
+  "$1/kvlink-events" tail --endpoint "tcp://127.0.0.1:$port" --quiet --idle-exit 3 >"$out" 2>>"$log" &
   local tail=$!
   sleep 0.3
   local pub
   pub=$("$1/kvlink-events" publish --endpoint "tcp://*:$port" --synthetic 4000 \
-    --events-per-batch 256 --hashes-per-event 1 --linger-ms 3000 --subscriber-hwm-mib 65536 | tail -n 1)
+    --events-per-batch 256 --hashes-per-event 1 --linger-ms 3000 --subscriber-hwm-mib 65536 2>>"$log" | tail -n 1)
   wait "$tail"
   python3 - "$pub" "$(cat "$out")" <<'PY'
 import json, sys
