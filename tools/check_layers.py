@@ -42,7 +42,7 @@ ENGINE_SAME_LAYER_OK = {("plan", "layout"), ("grant", "layout")}
 def layers_of(lib: pathlib.Path) -> dict:
     """Each module's rank (higher imports lower) from the layer comment of `lib`."""
     lines = lib.read_text().splitlines()
-    start = next((i for i, l in enumerate(lines) if l.startswith("// Layers, top to bottom")), None)
+    start = next((i for i, line in enumerate(lines) if line.startswith("// Layers, top to bottom")), None)
     if start is None:
         sys.exit(f"layers: {lib.relative_to(REPO)} has no '// Layers, top to bottom' comment")
     body = []
@@ -177,9 +177,7 @@ for p in sorted(src.rglob("*.rs")):
 if string_results > MAX_STRING_ERRORS:
     bad.append(f"{string_results} Result<_, String> in kvlink (at most {MAX_STRING_ERRORS})")
 if events_string_results > MAX_EVENTS_STRING_ERRORS:
-    bad.append(
-        f"{events_string_results} Result<_, String> in kvlink-events (at most {MAX_EVENTS_STRING_ERRORS})"
-    )
+    bad.append(f"{events_string_results} Result<_, String> in kvlink-events (at most {MAX_EVENTS_STRING_ERRORS})")
 for r in FUNCTION_ROOTS:
     for path in sorted((REPO / r).rglob("*.rs")):
         for name, line, n in long_functions(path):
