@@ -49,6 +49,16 @@ def token_bytes(token: int, pos: int, layer: int, heads: np.ndarray, size: int) 
     return ((np.arange(size, dtype=np.int64)[None, :] * 131 + base[:, None]) % 251 + 1).astype(np.uint8)
 
 
+def state_bytes(tokens: List[int], layer: int, rank: int, size: int) -> np.ndarray:
+    """The stand-in running state of a Mamba-kind layer after ``tokens``: ``size`` bytes that
+    differ with every token, the layer and the rank (a state read from the wrong request,
+    position, layer or rank does not match)."""
+    import hashlib
+
+    seed = hashlib.sha256(np.asarray(list(tokens) + [layer, rank], dtype=np.int64).tobytes()).digest()
+    return np.resize(np.frombuffer(seed, dtype=np.uint8), size)
+
+
 def kv_sharing(hf) -> Dict[str, str]:
     """Layers that reuse an earlier layer's KV cache, and that layer, as vLLM's Gemma 3n
     attention derives them from ``num_kv_shared_layers``: each of the last
@@ -89,10 +99,16 @@ def layer_specs(config, tp: int, block_size: int) -> Dict[str, Any]:
             from vllm.model_executor.models import ModelRegistry
 
             cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config)
+            # The fields vLLM's Mamba layers set (MambaBase.get_kv_cache_spec): the cache
+            # mode and block size vLLM's config chose for the model (prefix caching makes it
+            # "align", blocks of the attention's size), padded pages, no speculative blocks.
+            cc = config.cache_config
             specs[n] = MambaSpec(
                 shapes=tuple(cls.get_mamba_state_shape_from_config(config)),
                 dtypes=tuple(cls.get_mamba_state_dtype_from_config(config)),
-                block_size=config.cache_config.mamba_block_size or block_size,
+                block_size=cc.mamba_block_size or block_size,
+                page_size_padded=cc.mamba_page_size_padded,
+                mamba_cache_mode=cc.mamba_cache_mode,
             )
         elif kind == "sliding_attention":
             specs[n] = SlidingWindowSpec(
@@ -202,7 +218,18 @@ class Engine:
         self.layer_names = list(specs)
         self.group_of = {n: g for g, spec in enumerate(groups) for n in spec.layer_names}
         # Per group, the sliding window in tokens (0: full attention).
-        self.windows = [g.kv_cache_spec.sliding_window if isinstance(g.kv_cache_spec, SlidingWindowSpec) else 0 for g in groups]
+        self.windows = [
+            g.kv_cache_spec.sliding_window if isinstance(g.kv_cache_spec, SlidingWindowSpec) else 0 for g in groups
+        ]
+        # Per Mamba-kind group, its speculative scratch blocks (the running state is the block
+        # before them).
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        self.scratch = {
+            g: s.kv_cache_spec.num_speculative_blocks
+            for g, s in enumerate(groups)
+            if isinstance(s.kv_cache_spec, MambaSpec)
+        }
         self.mla = mc.use_mla
         self.total_heads = 1 if self.mla else mc.get_total_num_kv_heads()
         # vLLM turns asynchronous scheduling on by default (for this config too); the
@@ -223,14 +250,18 @@ class Engine:
         try:
             for r in range(tp):
                 kv_worker._tp_rank = lambda r=r: r
-                self.workers.append(KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config))
+                self.workers.append(
+                    KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+                )
         finally:
             kv_worker._tp_rank = rank_of
         # vLLM's own combination of the ranks' transfer results (a request is finished once
         # every rank reported it).
         self.aggregator = KVOutputAggregator.from_connector(self.workers[0], tp)
         kernel = [kernel_block] * len(groups) if kernel_block else None
-        self.caches = [allocate_kv_cache(kv_cache_config, torch.device("cpu"), self.kv_layout, kernel) for _ in range(tp)]
+        self.caches = [
+            allocate_kv_cache(kv_cache_config, torch.device("cpu"), self.kv_layout, kernel) for _ in range(tp)
+        ]
         # Cross-layer KV sharing, as the GPU model runner sets it up after allocating: the
         # layers that reuse another layer's cache are added to kv_caches as its aliases.
         for caches in self.caches:
@@ -269,13 +300,39 @@ class Engine:
     def _blocks(self, rid: str, layer: str):
         return self.scheduler.kv_cache_manager.get_block_ids(rid)[self.group_of[layer]]
 
+    def _state_block(self, rid: str, layer: str) -> int:
+        """The block of a state layer's group that holds the request's running state (vLLM's
+        own rule, as its NixlConnector reads it)."""
+        from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
+
+        blocks = clip_ssm_state_blocks(list(self._blocks(rid, layer)), self.scratch[self.group_of[layer]])
+        return blocks[-1] if blocks else 0
+
+    def _state_slot(self, rank: int, layer: str, block: int):
+        """A state layer's page on ``rank``: its ``[1, 1, C]`` bytes (conv, SSM, ... packed)."""
+        return self.caches[rank][layer][block].view(torch.uint8).reshape(-1)
+
+    def _write_states(self, req, upto: int) -> None:
+        """The stand-in for a Mamba-kind layer's forward: the running state after the first
+        ``upto`` tokens, a pattern of those tokens, the layer and the rank."""
+        for li, layer in enumerate(self.layer_names):
+            if self.group_of[layer] in self.scratch:
+                b = self._state_block(req.request_id, layer)
+                for rank in range(len(self.workers)):
+                    slot = self._state_slot(rank, layer, b)
+                    slot.copy_(torch.from_numpy(state_bytes(req.all_token_ids[:upto], li, rank, slot.shape[0])))
+
     def _write(self, req, start: int, end: int) -> None:
         tokens = req.all_token_ids
+        if self.scratch and end <= len(tokens):
+            self._write_states(req, end)
         # Under asynchronous scheduling a decode step computes a token sampled by the step
         # before, which the scheduler has not seen yet: its id is unknown here, so its KV is
         # not written (no test reads it).
         for pos in range(start, min(end, len(tokens))):
             for li, layer in enumerate(self.layer_names):
+                if self.group_of[layer] in self.scratch:
+                    continue
                 b = self._blocks(req.request_id, layer)[pos // self.block_size]
                 if b == 0:
                     continue  # vLLM's null block: a position a sliding window no longer keeps
@@ -288,8 +345,20 @@ class Engine:
         window's group, the positions the window still sees: vLLM's null block anywhere else
         is a failure)."""
         tokens = req.all_token_ids
+        for li, layer in enumerate(self.layer_names):
+            if self.group_of[layer] in self.scratch:
+                b = self._state_block(req.request_id, layer)
+                for rank in range(len(self.workers)):
+                    got = self._state_slot(rank, layer, b).numpy()
+                    if b == 0 or not np.array_equal(got, state_bytes(tokens[:upto], li, rank, got.shape[0])):
+                        self.bad.append(
+                            f"{req.request_id} rank {rank} layer {li}: the state after {upto} tokens in block {b}"
+                        )
+                        return
         for pos in range(upto):
             for li, layer in enumerate(self.layer_names):
+                if self.group_of[layer] in self.scratch:
+                    continue
                 window = self.windows[self.group_of[layer]]
                 b = self._blocks(req.request_id, layer)[pos // self.block_size]
                 # A sliding window's group: positions before the window are not kept, and vLLM
@@ -301,7 +370,9 @@ class Engine:
                     slot, heads = self._slot(rank, layer, b, pos % self.block_size)
                     got = slot.numpy()
                     if b == 0 or not np.array_equal(got, token_bytes(tokens[pos], pos, li, heads, got.shape[1])):
-                        self.bad.append(f"{req.request_id} rank {rank} position {pos} of {upto} layer {li} block {b} in {self._blocks(req.request_id, layer)}")
+                        self.bad.append(
+                            f"{req.request_id} rank {rank} position {pos} of {upto} layer {li} block {b} in {self._blocks(req.request_id, layer)}"
+                        )
                         return
         self.verified.append(req.request_id)
 

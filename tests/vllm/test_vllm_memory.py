@@ -1,6 +1,6 @@
 """kvlink's vLLM connector on the KV cache memory vLLM allocates, in two engine processes
 (``harness``): every layout vLLM allocates, the model kinds (dense GQA, MLA, sliding-window
-hybrid, cross-layer KV sharing, a Mamba hybrid refused at start), prefill and decode of other TP
+hybrid, cross-layer KV sharing, a Mamba hybrid's state), prefill and decode of other TP
 sizes, kernel block splitting and different block sizes, every byte checked. Run by
 tools/test.sh in a venv with vLLM."""
 
@@ -50,7 +50,9 @@ def test_layouts_on_vllms_memory_with_the_synchronous_scheduler(model, layout):
 def test_connector_asks_for_head_major_blocks_and_vllm_takes_it():
     """With backends that prefer a per-head-split layout (ROCm's attention lists LHBNC first),
     vLLM resolves the connector's LBHNC; MLA models state no preference."""
-    prefill, decode = pair_of("prefer", dict(supported=["LHBNC", "LBHNC"]), dict(model=DEEPSEEK, supported=["BLNHC", "LBNHC"]))
+    prefill, decode = pair_of(
+        "prefer", dict(supported=["LHBNC", "LBHNC"]), dict(model=DEEPSEEK, supported=["BLNHC", "LBNHC"])
+    )
     try:
         assert prefill.wait_ready()["layout"] == "LBHNC"
         assert decode.wait_ready()["layout"] == "BLNHC"  # MLA: the backend's own choice
@@ -84,16 +86,41 @@ def test_cross_layer_kv_sharing(decode_tp):
         close(prefill, decode)
 
 
-def test_mamba_hybrid_is_refused_at_start_by_name():
+def test_mamba_hybrid_state_and_attention_arrive_whole():
     """Granite 4.0-H (Mamba-2 and attention layers): vLLM gives the SSM state a KV cache group
-    of its own; the connector refuses it when vLLM creates the scheduler, naming the group's
-    kind, instead of sending state blocks as if they were attention blocks."""
-    p = Proc("mamba", model=GRANITE_H)
+    of its own (``MambaSpec``, one page per request holding each layer's conv and SSM state).
+    The prefill stops one token short of the prompt, so that the state it holds is the one
+    before the token the decode computes; the decode reads each layer's running-state block
+    beside the attention blocks, and both are byte-exact (a state of another length of the
+    prompt, layer or rank does not match). vLLM's mamba cache mode is "align" here (prefix
+    caching: the running state in the block of its position)."""
+    prefill, decode = pair_of("mamba", dict(model=GRANITE_H), dict(model=GRANITE_H))
     try:
-        with pytest.raises(AssertionError, match="holds SSM state of kind MambaSpec"):
-            p.wait_ready()
+        s = transfer(prefill, decode, 4, seed=23)
+        assert s["engine_stats"]["reads_done"] == 4, s["engine_stats"]
     finally:
-        p.close()
+        close(prefill, decode)
+
+
+def test_mamba_state_between_tp_sizes_is_computed_locally_with_the_reason():
+    """A decode of TP 2 given a TP 1 prefill's Granite 4.0-H request: each rank's SSM state is
+    a shard whose size depends on the TP size, which kvlink does not split yet; the decode
+    says so (a warning naming it), computes the prompt itself (reading nothing) and lets the
+    prefill free its blocks at once."""
+    prefill, decode = pair_of("mamba-tp", dict(model=GRANITE_H), dict(model=GRANITE_H, tp=2))
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        prompts = {"m0": list(range(10, 60)), "m1": list(range(100, 170))}
+        params = run_prefill(prefill, prompts)
+        for rid, prompt in prompts.items():
+            decode.call("add", "d-" + rid, prompt, 2, params[rid])
+        step_until([decode, prefill], lambda f: sum(x["engine"] == decode.name for x in f) == 2, what=decode.name)
+        s = decode.call("state")
+        assert s["bad"] == [] and s["reads"] == {} and s["engine_stats"].get("reads_done", 0) == 0, s
+        assert_no_leak([prefill, decode])
+    finally:
+        close(prefill, decode)
 
 
 def test_two_tp_ranks_each_read_their_peer_rank():
@@ -131,7 +158,9 @@ def test_heterogeneous_tp_every_head_of_every_byte(prefill_tp, decode_tp, model,
     rank reading it confirmed."""
     name = f"tp{prefill_tp}to{decode_tp}-{model}"
     prefill, decode = pair_of(
-        name, dict(model=model, tp=prefill_tp, layout=prefill_layout), dict(model=model, tp=decode_tp, layout=decode_layout)
+        name,
+        dict(model=model, tp=prefill_tp, layout=prefill_layout),
+        dict(model=model, tp=decode_tp, layout=decode_layout),
     )
     try:
         s = transfer(prefill, decode, 5, seed=prefill_tp * 10 + decode_tp, lengths=(20, 150))
@@ -168,7 +197,9 @@ def test_hybrid_kv_cache_groups_full_and_sliding_window(prefill_tp, decode_tp):
     import kvlink.vllm
 
     assert supports_hma(kvlink.vllm.KvlinkConnector)
-    prefill, decode = pair_of(f"hybrid{prefill_tp}{decode_tp}", dict(model=GPT_OSS, tp=prefill_tp), dict(model=GPT_OSS, tp=decode_tp))
+    prefill, decode = pair_of(
+        f"hybrid{prefill_tp}{decode_tp}", dict(model=GPT_OSS, tp=prefill_tp), dict(model=GPT_OSS, tp=decode_tp)
+    )
     try:
         prefill.wait_ready()
         decode.wait_ready()
@@ -207,7 +238,9 @@ def test_different_block_sizes_with_prefix_hits(prefill_bs, decode_bs, layout):
     block; with 64-token decode blocks, 64 of 70 are cached and it starts at the fifth 16-token
     prefill block. Every position of every request is checked."""
     opts = dict(layout=layout)
-    prefill, decode = pair_of(f"bs{prefill_bs}to{decode_bs}-{layout}", dict(opts, block_size=prefill_bs), dict(opts, block_size=decode_bs))
+    prefill, decode = pair_of(
+        f"bs{prefill_bs}to{decode_bs}-{layout}", dict(opts, block_size=prefill_bs), dict(opts, block_size=decode_bs)
+    )
     try:
         prefill.wait_ready()
         decode.wait_ready()
@@ -223,7 +256,9 @@ def test_different_block_sizes_with_prefix_hits(prefill_bs, decode_bs, layout):
             for rid in wave:
                 assert params[rid]["remote_block_sizes"] == [prefill_bs], params[rid]
                 decode.call("add", "d-" + rid, prompts[rid], 2, params[rid])
-            step_until([decode, prefill], lambda f: sum(x["engine"] == decode.name for x in f) >= len(wave), what="decode")
+            step_until(
+                [decode, prefill], lambda f: sum(x["engine"] == decode.name for x in f) >= len(wave), what="decode"
+            )
         s = decode.call("state")
         assert s["bad"] == [] and len(s["verified"]) == len(prompts), s
         # The shared prompts after the first read only what follows the decode's cached prefix.
@@ -239,7 +274,11 @@ def test_hybrid_groups_between_block_sizes(prefill_bs, decode_bs):
     """gpt-oss's sliding-window and full groups between block sizes: the sliding window's
     first needed token falls inside a block of the larger size, and only what the window
     still sees is read, from the blocks the prefill kept."""
-    prefill, decode = pair_of(f"hybrid-bs{prefill_bs}to{decode_bs}", dict(model=GPT_OSS, block_size=prefill_bs), dict(model=GPT_OSS, block_size=decode_bs))
+    prefill, decode = pair_of(
+        f"hybrid-bs{prefill_bs}to{decode_bs}",
+        dict(model=GPT_OSS, block_size=prefill_bs),
+        dict(model=GPT_OSS, block_size=decode_bs),
+    )
     try:
         transfer(prefill, decode, 4, seed=29, lengths=(150, 400))
     finally:

@@ -127,6 +127,9 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self._need_scheduler().set_addresses(metadata)
 
+    def on_new_request(self, request: Request) -> None:
+        self._need_scheduler().on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         return self._need_scheduler().matched_tokens(request, num_computed_tokens)
 

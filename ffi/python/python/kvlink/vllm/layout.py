@@ -78,6 +78,7 @@ def kv_cache_tensors(
     num_blocks: int,
     head_major: bool,
     kv_heads: tuple[int, int] | None = None,
+    state_groups: frozenset[int] = frozenset(),
 ) -> tuple[list[tuple[int, int, torch.Tensor]], list[Tensor]]:
     """Maps vLLM's per-layer ``[B, H, N, C]`` views to kvlink memory and layout.
 
@@ -92,32 +93,20 @@ def kv_cache_tensors(
     block's tokens a block holds, which reads between engines of different block sizes need):
     1 for token-major blocks and MLA's latent, the heads for head-major ones; ``None`` for
     head-major blocks split into kernel blocks, whose tokens are not in one stretch per head.
+
+    A layer of a group in ``state_groups`` (Mamba-kind state) is vLLM's ``[B, 1, 1, C]`` int8
+    view of its pages, each block the layer's states (conv, SSM, ...) packed in ``C`` bytes
+    (the page may be longer: padded to the attention pages' size). It is one tensor of ``C``
+    bytes per block, without heads: each rank's state whole (a decode of another TP size,
+    whose state shards differ in size, is refused by the layouts' comparison) and no token
+    runs (a state is not read by token ranges).
     """
     storages: dict[int, int] = {}
     memory: list[tuple[int, int, torch.Tensor]] = []
     layout: list[Tensor] = []
     for name, group in layers:
         v = kv_caches[name]
-        if isinstance(v, (list, tuple)) or v.dim() != 4:
-            shape = [tuple(t.shape) for t in v] if isinstance(v, (list, tuple)) else tuple(v.shape)
-            raise ValueError(
-                f"KvlinkConnector: KV cache {name!r} has shape {shape}; expected vLLM's 4-D "
-                "[blocks, heads, tokens, K|V] view (vLLM 0.32 or later)"
-            )
-        if v.shape[0] % num_blocks:
-            raise ValueError(
-                f"KvlinkConnector: KV cache {name!r} has {v.shape[0]} kernel blocks, not a "
-                f"multiple of the {num_blocks} blocks of the KV cache config"
-            )
-        ratio = v.shape[0] // num_blocks
-        blocks = v.unflatten(0, (num_blocks, ratio))  # [blocks, kernel blocks, H, N, C]
-        inner = blocks[0]
-        span = 1 + sum((s - 1) * st for s, st in zip(inner.shape, inner.stride()) if s > 0)
-        if span != inner.numel():
-            raise ValueError(
-                f"KvlinkConnector: a block of KV cache {name!r} is not dense in memory "
-                f"(shape {tuple(inner.shape)}, strides {inner.stride()})"
-            )
+        blocks, inner, ratio = _block_view(name, v, num_blocks)
         storage = v.untyped_storage()
         base = storage.data_ptr()
         if base not in storages:
@@ -125,6 +114,20 @@ def kv_cache_tensors(
             memory.append((base, storage.nbytes(), v))
         esize = v.element_size()
         heads = None
+        if group in state_groups:
+            layout.append(
+                (
+                    storages[base],
+                    v.data_ptr() - base,
+                    blocks.stride(0) * esize,
+                    inner.numel() * esize,
+                    num_blocks,
+                    group,
+                    None,
+                    None,
+                )
+            )
+            continue
         if kv_heads is not None:
             total, local = kv_heads
             if v.shape[1] != local:
@@ -150,6 +153,32 @@ def kv_cache_tensors(
     return memory, layout
 
 
+def _block_view(name: str, v: Any, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A layer's cache as ``[blocks, kernel blocks, H, N, C]``, its first block, and the kernel
+    blocks per block; refuses what is not vLLM's 4-D view or whose blocks are not dense."""
+    if isinstance(v, (list, tuple)) or v.dim() != 4:
+        shape = [tuple(t.shape) for t in v] if isinstance(v, (list, tuple)) else tuple(v.shape)
+        raise ValueError(
+            f"KvlinkConnector: KV cache {name!r} has shape {shape}; expected vLLM's 4-D "
+            "[blocks, heads, tokens, K|V] view (vLLM 0.32 or later)"
+        )
+    if v.shape[0] % num_blocks:
+        raise ValueError(
+            f"KvlinkConnector: KV cache {name!r} has {v.shape[0]} kernel blocks, not a "
+            f"multiple of the {num_blocks} blocks of the KV cache config"
+        )
+    ratio = v.shape[0] // num_blocks
+    blocks = v.unflatten(0, (num_blocks, ratio))  # [blocks, kernel blocks, H, N, C]
+    inner = blocks[0]
+    span = 1 + sum((s - 1) * st for s, st in zip(inner.shape, inner.stride()) if s > 0)
+    if span != inner.numel():
+        raise ValueError(
+            f"KvlinkConnector: a block of KV cache {name!r} is not dense in memory "
+            f"(shape {tuple(inner.shape)}, strides {inner.stride()})"
+        )
+    return blocks, inner, ratio
+
+
 def connector_layers(kv_caches: dict[str, Any], kv_cache_config: Any) -> tuple[list[tuple[str, int]], list[str]]:
     """The layers to transfer, ``(name, group)`` group by group in vLLM's order, and the
     layers skipped because they reuse another layer's cache (cross-layer KV sharing: vLLM
@@ -173,6 +202,17 @@ def connector_layers(kv_caches: dict[str, Any], kv_cache_config: Any) -> tuple[l
             f"KvlinkConnector: KV caches {sorted(unknown)} are in no KV cache group and share no other layer's cache"
         )
     return layers, shared
+
+
+def state_groups(kv_cache_config: Any) -> frozenset[int]:
+    """The KV cache groups that hold Mamba-kind state (``MambaSpec``)."""
+    if kv_cache_config is None:
+        return frozenset()
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return frozenset(
+        g for g, group in enumerate(kv_cache_config.kv_cache_groups) if isinstance(group.kv_cache_spec, MambaSpec)
+    )
 
 
 def _address(value: Any) -> tuple[int, tuple[int, ...]]:

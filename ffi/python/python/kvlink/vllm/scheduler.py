@@ -38,15 +38,31 @@ class _Producing:
     ``remote_hold``: only this hold confirms its reads, never a later one of a reused id)."""
 
 
-def _group_specs(kv_cache_config: KVCacheConfig | None, block_size: int) -> list[tuple[int, int]]:
-    """Per KV cache group, its sliding window in tokens (0: full attention) and its block size
-    (the hybrid manager may raise some groups' block size to unify page sizes). Only groups
-    whose blocks kvlink knows how to send are taken (full attention, MLA, sliding window);
-    any other kind (SSM state, chunked local attention, circular buffers, ...) is refused at
-    start, by name, rather than sent as if it were full attention."""
+@dataclass(frozen=True)
+class _Group:
+    """What the connector needs of one KV cache group."""
+
+    window: int
+    """Its sliding window in tokens (0: full attention, or state)."""
+    block_size: int
+    """Its tokens per block (the hybrid manager may raise some groups' to unify page sizes)."""
+    state: bool = False
+    """Per-request state (Mamba-kind: conv and SSM state, gated delta net, short conv): one
+    block, the running state after the tokens computed, is sent, never a block per position."""
+    scratch: int = 0
+    """A state group's speculative scratch blocks, after its running-state block."""
+    sharded: bool = False
+    """A state group whose state each TP rank holds a shard of (not ``tp_replicated``)."""
+
+
+def _group_specs(kv_cache_config: KVCacheConfig | None, block_size: int) -> list[_Group]:
+    """Per KV cache group, what kind of blocks it holds. Taken: full attention, MLA, sliding
+    window, and Mamba-kind state (``MambaSpec``); any other kind (chunked local attention,
+    circular buffers, ...) is refused at start, by name, rather than sent as if it were full
+    attention."""
     if kv_cache_config is None:
-        return [(0, block_size)]
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+        return [_Group(0, block_size)]
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 
     known: dict[type, bool] = {FullAttentionSpec: False, MLAAttentionSpec: False, SlidingWindowSpec: True}
     try:
@@ -55,21 +71,36 @@ def _group_specs(kv_cache_config: KVCacheConfig | None, block_size: int) -> list
         known[SlidingWindowMLASpec] = True
     except ImportError:
         pass
-    windows = []
+    groups = []
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         kind = type(spec)
+        size = int(getattr(spec, "block_size", block_size))
+        if kind is MambaSpec:
+            scratch = int(getattr(spec, "num_speculative_blocks", 0))
+            sharded = not getattr(spec, "tp_replicated", False)
+            groups.append(_Group(0, size, state=True, scratch=scratch, sharded=sharded))
+            continue
         if kind not in known:
-            what = "SSM state" if "Mamba" in kind.__name__ else "blocks"
             raise ValueError(
-                f"KvlinkConnector: KV cache group {g} holds {what} of kind {kind.__name__}, "
-                "which kvlink does not transfer; supported: full attention, MLA and sliding "
-                "window groups"
+                f"KvlinkConnector: KV cache group {g} holds blocks of kind {kind.__name__}, "
+                "which kvlink does not transfer; supported: full attention, MLA, sliding "
+                "window and Mamba-kind state groups"
             )
         # The windowed kinds (True in known) all carry sliding_window.
         window = int(spec.sliding_window) if known[kind] else 0  # type: ignore[attr-defined]
-        windows.append((window, int(getattr(spec, "block_size", block_size))))
-    return windows
+        groups.append(_Group(window, size))
+    return groups
+
+
+def _running_state(blocks: list[int], scratch: int) -> list[int]:
+    """A state group's block that holds the running state: the last one before the
+    speculative scratch blocks (vLLM's ``clip_ssm_state_blocks``); none while none is
+    allocated."""
+    if not blocks:
+        return []
+    n = min(scratch, len(blocks) - 1)
+    return list(blocks[: len(blocks) - n][-1:])
 
 
 def _pair_group(
@@ -102,6 +133,16 @@ def _pair_group(
     return local, remote, start % max(lsize, rsize)
 
 
+def _pair_state(local_all: list[int], theirs: list[int], scratch: int) -> tuple[list[int], list[int]] | str:
+    """A state group's read: this engine's running-state block and the one block the prefill
+    sent, or why not."""
+    local = _running_state(local_all, scratch)
+    remote = [b for b in theirs if b]
+    if len(remote) != 1 or not local or not local[0]:
+        return f"a state group needs one block on each side; the prefill sent {len(remote)}, this engine has {local}"
+    return local, remote
+
+
 def _clip(ids: list[int], tail: int) -> list[int]:
     """A group's blocks with the positions before its last ``tail`` set to 0 (not sent)."""
     if not tail or len(ids) <= tail:
@@ -115,12 +156,16 @@ class _SchedulerSide:
     def __init__(self, owner: KvlinkConnector, kv_cache_config: KVCacheConfig | None):
         self.owner = owner
         self.block_size = owner._block_size
-        specs = _group_specs(kv_cache_config, self.block_size)
-        self.windows = [w for w, _ in specs]
-        self.block_sizes = [b for _, b in specs]
+        self.groups = _group_specs(kv_cache_config, self.block_size)
+        self.windows = [g.window for g in self.groups]
+        self.block_sizes = [g.block_size for g in self.groups]
         # The prefill holds a sliding-window group's last blocks, one more than the window
         # spans (it may not be aligned with the blocks).
-        self.tails = [math.ceil(w / b) + 1 if w else 0 for w, b in specs]
+        self.tails = [math.ceil(g.window / g.block_size) + 1 if g.window else 0 for g in self.groups]
+        # With state, the prefill computes the prompt but its last token, whose state the
+        # decode computes from the state it reads (as vLLM's NixlConnector does): a state
+        # holds the tokens before it only, so the decode cannot recompute a token it read.
+        self.backoff = 1 if any(g.state for g in self.groups) else 0
         self.addresses: list[str] | None = None
         self.producing: dict[str, _Producing] = {}
         self.local_hits: dict[str, int] = {}
@@ -155,6 +200,11 @@ class _SchedulerSide:
                 f"the prefill has {len(remote.addresses)} TP ranks and this engine {tp}; one "
                 "must be a multiple of the other"
             )
+        if len(remote.addresses) != tp and any(g.sharded for g in self.groups):
+            return (
+                f"the prefill has {len(remote.addresses)} TP ranks and this engine {tp}; kvlink "
+                "does not yet split Mamba-kind state between TP sizes"
+            )
         if len(remote.blocks) != len(self.tails):
             return f"the prefill sent blocks of {len(remote.blocks)} KV cache groups; this engine has {len(self.tails)}"
         if len(remote.block_sizes) != len(remote.blocks):
@@ -169,6 +219,23 @@ class _SchedulerSide:
                     "engine, one a multiple of the other"
                 )
         return None
+
+    def on_new_request(self, request: Request) -> None:
+        """A prefill's request for a remote decode, with state groups: its last prompt token
+        is dropped (and it makes one token), so that the state it holds is the one before the
+        token the decode computes. Once per request (a preempted request comes back here)."""
+        params = request.kv_transfer_params
+        if not self.backoff or not params or not params.get("do_remote_decode"):
+            return
+        if params.get("_kvlink_backed_off") or request.num_prompt_tokens <= self.backoff:
+            return
+        if request.prompt_token_ids is None:
+            return  # prompt embeddings: the decode computes the whole prompt
+        del request.prompt_token_ids[-self.backoff :]
+        del request._all_token_ids[-self.backoff :]
+        request.num_prompt_tokens -= self.backoff
+        request.max_tokens = 1
+        params["_kvlink_backed_off"] = True
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -191,8 +258,12 @@ class _SchedulerSide:
                 self.warned.add(request.request_id)
                 logger.warning("KvlinkConnector: %s: %s; computing it locally", request.request_id, remote)
             return 0, False
-        # Only what the prefill can deliver counts: its tokens, within the blocks it offered.
-        offered = min(len(g) * b for g, b in zip(remote.blocks, remote.block_sizes))
+        # Only what the prefill can deliver counts: its tokens, within the blocks it offered
+        # (a state group's one block holds the state after all of them).
+        offered = min(
+            (len(g) * b for g, b, k in zip(remote.blocks, remote.block_sizes, self.groups) if not k.state),
+            default=remote.num_tokens,
+        )
         available = min(remote.num_tokens, offered, request.num_prompt_tokens)
         count = available - num_computed_tokens
         self.local_hits[request.request_id] = num_computed_tokens
@@ -222,6 +293,15 @@ class _SchedulerSide:
         local_groups, remote_groups, first_tokens = [], [], []
         refused = ""
         for g, (local_all, theirs) in enumerate(zip(blocks.get_block_ids(), remote.blocks)):
+            if self.groups[g].state:
+                state = _pair_state(list(local_all), theirs, self.groups[g].scratch)
+                if isinstance(state, str):
+                    refused = f"KV cache group {g}: {state}"
+                    break
+                local_groups.append(state[0])
+                remote_groups.append(state[1])
+                first_tokens.append(0)
+                continue
             # A sliding window's group needs only the blocks of its last tokens: vLLM skips
             # the tokens before ``total - window + 1`` (and the prefill may have freed them).
             w = self.windows[g]
@@ -275,8 +355,10 @@ class _SchedulerSide:
             if manager is None:
                 raise RuntimeError("KvlinkConnector: the scheduler did not bind its KV cache manager")
             held = [
-                _clip(list(ids[: math.ceil(req.num_prompt_tokens / size)]), tail)
-                for ids, tail, size in zip(manager.get_block_ids(rid), self.tails, self.block_sizes)
+                _running_state(list(ids), g.scratch)
+                if g.state
+                else _clip(list(ids[: math.ceil(req.num_prompt_tokens / g.block_size)]), tail)
+                for ids, tail, g in zip(manager.get_block_ids(rid), self.tails, self.groups)
             ]
             # Held in this step, before its output (and the request's transfer parameters)
             # can reach the decode; vLLM's null block (0) is never held.

@@ -11,7 +11,16 @@ from vllm.logger import init_logger
 import kvlink
 
 from .. import core
-from .layout import _dtype_name, _kv_heads, connector_layers, is_head_major, kv_cache_tensors, layout_name, layout_tag
+from .layout import (
+    _dtype_name,
+    _kv_heads,
+    connector_layers,
+    is_head_major,
+    kv_cache_tensors,
+    layout_name,
+    layout_tag,
+    state_groups,
+)
 from .metadata import KvlinkConnectorMetadata, KvlinkConnectorStats, KvlinkHandshakeMetadata, ReadSpec
 
 if TYPE_CHECKING:
@@ -78,13 +87,15 @@ class _WorkerSide:
         if self.registered:
             raise RuntimeError("KvlinkConnector: register_kv_caches called twice")
         layers, shared = connector_layers(kv_caches, self.kv_cache_config)
-        first = kv_caches[layers[0][0]]
+        state = state_groups(self.kv_cache_config)
+        # The element type the layout names: an attention layer's (a state layer's view is int8).
+        first = kv_caches[next((n for n, g in layers if g not in state), layers[0][0])]
         if isinstance(first, (list, tuple)):
             first = first[0]
         num_blocks = self.num_blocks if self.num_blocks is not None else first.shape[0]
         name = self._resolved_layout()
         head_major = is_head_major(name)
-        memory, layout = kv_cache_tensors(kv_caches, layers, num_blocks, head_major, self.kv_heads)
+        memory, layout = kv_cache_tensors(kv_caches, layers, num_blocks, head_major, self.kv_heads, state)
         regions = [
             self.engine.register_memory(addr, size, device=owner.device.type != "cpu", owner=owner)
             for addr, size, owner in memory
