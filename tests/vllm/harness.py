@@ -21,6 +21,7 @@ LLAMA = "llama-3.1-8b"
 GPT_OSS = "gpt-oss-20b"
 DEEPSEEK = "deepseek-v2-lite"
 GRANITE_H = "granite-4.0-h-tiny"
+QWEN3_NEXT = "qwen3-coder-next"
 GEMMA_3N = "gemma-3n-e2b"
 # Long enough that only the tests' own reject/cancel/abort paths free a hold in time.
 ABORT_TIMEOUT = 300.0
