@@ -126,7 +126,8 @@ class Engine:
     (the connector's preference among what the backends support), a name forces it as
     ``VLLM_KV_CACHE_LAYOUT`` does; ``kernel_block``: a kernel block size smaller than the
     block size (vLLM's kernel block splitting); ``dp_index``: the engine's data-parallel
-    index, as vLLM sets it."""
+    index, as vLLM sets it; ``prefix_caching`` off makes a Mamba hybrid's state one block per
+    request (vLLM's mamba cache mode "none"; "align" with it on)."""
 
     def __init__(
         self,
@@ -140,6 +141,7 @@ class Engine:
         kernel_block: Optional[int] = None,
         dp_index: int = 0,
         supported: Optional[List[str]] = None,
+        prefix_caching: bool = True,
     ):
         from vllm.config import (
             CacheConfig,
@@ -181,7 +183,7 @@ class Engine:
                 enable_chunked_prefill=True,
                 is_encoder_decoder=False,
             ),
-            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KvlinkConnector",
                 kv_connector_module_path="kvlink.vllm",
@@ -232,6 +234,9 @@ class Engine:
         }
         self.mla = mc.use_mla
         self.total_heads = 1 if self.mla else mc.get_total_num_kv_heads()
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        self.scheduler_block_size, self.hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, config)
         # vLLM turns asynchronous scheduling on by default (for this config too); the
         # synchronous scheduler is what it uses otherwise.
         config.scheduler_config.async_scheduling = asynchronous
@@ -240,7 +245,11 @@ class Engine:
             kv_cache_config=kv_cache_config,
             log_stats=True,
             structured_output_manager=StructuredOutputManager(config),
-            block_size=block_size,
+            # As the engine core does: the scheduling granularity (the groups' block sizes'
+            # common multiple: a Mamba group in mode "none" spans the model length) and the
+            # prefix hashes' block size.
+            block_size=self.scheduler_block_size,
+            hash_block_size=self.hash_block_size,
         )
         import kvlink.vllm.worker as kv_worker
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -460,7 +469,7 @@ class Engine:
             sampling_params=sp,
             pooling_params=None,
             mm_features=None,
-            block_hasher=get_request_block_hasher(self.block_size, sha256),
+            block_hasher=get_request_block_hasher(self.hash_block_size, sha256),
         )
         req.kv_transfer_params = dict(params) if params else None
         self.scheduler.add_request(req)

@@ -58,7 +58,7 @@ class Proc:
 
     def __init__(self, name: str, extra: Optional[Dict[str, Any]] = None, model: str = LLAMA, asynchronous: bool = True, **options: Any):
         """``options``: ``engine_process.Engine``'s (``tp``, ``layout``, ``kernel_block``,
-        ``block_size``, ``dp_index``, ``supported``)."""
+        ``block_size``, ``dp_index``, ``supported``, ``prefix_caching``)."""
         ctx = _context()
         self.conn, child = ctx.Pipe()
         extra = {"abort_timeout": ABORT_TIMEOUT, "request_timeout": 20.0, **(extra or {})}

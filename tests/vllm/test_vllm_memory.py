@@ -87,17 +87,21 @@ def test_cross_layer_kv_sharing(decode_tp):
         close(prefill, decode)
 
 
-@pytest.mark.parametrize("model", [GRANITE_H, QWEN3_NEXT])
-def test_mamba_hybrid_state_and_attention_arrive_whole(model):
+@pytest.mark.parametrize(
+    "model, prefix_caching", [(GRANITE_H, True), (GRANITE_H, False), (QWEN3_NEXT, True)], ids=["granite-align", "granite-none", "qwen3-next-align"]
+)
+def test_mamba_hybrid_state_and_attention_arrive_whole(model, prefix_caching):
     """Granite 4.0-H (Mamba-2 and attention layers) and Qwen3-Coder-Next (gated delta net
     and attention layers): vLLM gives the state a KV cache group of its own (``MambaSpec``,
     a page per state block holding each layer's conv and SSM state).
     The prefill stops one token short of the prompt, so that the state it holds is the one
     before the token the decode computes; the decode reads each layer's running-state block
     beside the attention blocks, and both are byte-exact (a state of another length of the
-    prompt, layer or rank does not match). vLLM's mamba cache mode is "align" here (prefix
-    caching: the running state in the block of its position)."""
-    prefill, decode = pair_of(f"state-{model}", dict(model=model), dict(model=model))
+    prompt, layer or rank does not match). Both of vLLM's mamba cache modes: "align" (prefix
+    caching: the running state in the block of its position) and "none" (one state block per
+    request, spanning the model's length)."""
+    opts = dict(model=model, prefix_caching=prefix_caching)
+    prefill, decode = pair_of(f"state-{model}-{int(prefix_caching)}", opts, opts)
     try:
         s = transfer(prefill, decode, 4, seed=23)
         assert s["engine_stats"]["reads_done"] == 4, s["engine_stats"]
