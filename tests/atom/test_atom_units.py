@@ -86,6 +86,18 @@ def test_slot_state_and_pipeline_parallelism_refused():
         Settings.from_config(pp)
 
 
+def test_a_gated_delta_net_hybrid_is_refused_at_start_by_model_type():
+    """Qwen3-Coder-Next read by ATOM's own Config: ATOM keeps its linear-attention layers'
+    state in a per-request pool it does not export to connectors, so the connector refuses the
+    model by its type (from ATOM's own list) instead of sending its attention KV alone."""
+    from atom.model_engine.llm_engine import InputOutputProcessor
+
+    cfg = atom_config("qwen3-coder-next", kv={"kv_connector": "kvlink", "kv_role": "kv_producer"})
+    assert cfg.hf_config.model_type in InputOutputProcessor._per_req_cache_model_types()
+    with pytest.raises(ValueError, match="model type qwen3_next keeps per-request recurrent state"):
+        Settings.from_config(cfg)
+
+
 def test_settings_from_atoms_config_key_included(tmp_path):
     key = tmp_path / "key"
     key.write_bytes(b"a-deployment-key-of-32-bytes-000\n")
