@@ -3,9 +3,14 @@
 
 use std::future::Future;
 use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+
+use crate::conn_limit::ConnLimit;
+use crate::log_limit::{warn_limited, LogLimit};
 
 /// The pause after a failed accept (out of descriptors, say) before the next one.
 const ACCEPT_RETRY: Duration = Duration::from_millis(50);
@@ -34,6 +39,34 @@ impl Listener for UnixListener {
     fn accept(&self) -> impl Future<Output = io::Result<(UnixStream, Self::Peer)>> + Send {
         UnixListener::accept(self)
     }
+}
+
+/// [`serve_admitted`] for a TCP server (control or data): each connection admitted by `slots`
+/// (at most [`MAX_CONNECTIONS`](crate::conn_limit::MAX_CONNECTIONS) at once, a share per
+/// address; a refusal logged through `refused`, one line per its interval, with the count),
+/// Nagle off, then served by `serve`.
+pub(crate) async fn serve_tcp<S, F>(
+    listener: TcpListener,
+    what: &str,
+    slots: Arc<ConnLimit>,
+    refused: &'static LogLimit,
+    serve: S,
+) where
+    S: Fn(TcpStream, SocketAddr) -> F,
+    F: Future<Output = ()> + Send + 'static,
+{
+    let admit = |peer: &SocketAddr| match slots.admit(peer.ip()) {
+        Ok(slot) => Some(slot),
+        Err(full) => {
+            warn_limited!(refused, %peer, "refusing a {what} connection: {full}");
+            None
+        }
+    };
+    serve_admitted(listener, what, admit, |stream: TcpStream, peer| {
+        let _ = stream.set_nodelay(true);
+        serve(stream, peer)
+    })
+    .await
 }
 
 /// Accepts connections on `listener` until the task is dropped. Each one `admit` lets in (it

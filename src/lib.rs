@@ -26,7 +26,7 @@
 // checks every import against it; docs/architecture.md draws it.
 //   verify > engine > session > state > control > config > transport > completion
 //   > plan, layout, grant > memory > auth > error > gpu > shm
-//   > accept, conn_limit, log_limit, ids, tp, inbox
+//   > accept > conn_limit, log_limit, ids, tp, inbox
 // The KV events are a crate of their own (src/kvlink-events).
 mod accept;
 mod auth;

@@ -14,7 +14,7 @@ use super::handler::ControlHandler;
 use super::handshake::{handshake, Accepted, Outcome, Refused};
 use super::messages::Message;
 use super::ControlTimeouts;
-use crate::accept::serve_admitted;
+use crate::accept::serve_tcp;
 use crate::auth::SessionSecret;
 use crate::completion::SendNotice;
 use crate::conn_limit::ConnLimit;
@@ -38,15 +38,7 @@ pub(crate) async fn serve(
     // Peers can trigger these at will: one line per interval, with the count.
     static FULL: LogLimit = LogLimit::new(Duration::from_secs(10));
     static CLOSED: LogLimit = LogLimit::new(Duration::from_secs(1));
-    let admit = |peer: &SocketAddr| match slots.admit(peer.ip()) {
-        Ok(slot) => Some(slot),
-        Err(full) => {
-            warn_limited!(FULL, %peer, "refusing a control connection: {full}");
-            None
-        }
-    };
-    serve_admitted(listener, "control", admit, |stream: TcpStream, peer| {
-        let _ = stream.set_nodelay(true);
+    serve_tcp(listener, "control", slots, &FULL, |stream, peer| {
         let handler = handler.clone();
         async move {
             if let Err(e) = connection(stream, peer, handler, timeouts).await {

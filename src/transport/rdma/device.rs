@@ -252,8 +252,7 @@ fn open(settings: &RdmaSettings) -> Result<Vec<Arc<RdmaDevice>>, RdmaError> {
     Ok(opened)
 }
 
-// Long: the verbs objects of one device in the order verbs requires (context, port, GID, protection
-//   domain, completion channel), each failure named with its device.
+// Long: one device's verbs objects in the order verbs needs them, each failure named.
 fn open_device(
     dev: &sideway::ibverbs::device::Device<'_>,
     name: &str,

@@ -11,7 +11,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::time::timeout;
 
 use super::wire;
-use crate::accept::serve_admitted;
+use crate::accept::serve_tcp;
 use crate::conn_limit::ConnLimit;
 use crate::error::{Error, Result};
 use crate::grant::Grant;
@@ -36,15 +36,7 @@ pub(crate) async fn serve(
     // Peers can trigger these at will: one line per interval, with the count.
     static FULL: LogLimit = LogLimit::new(Duration::from_secs(10));
     static DROPPED: LogLimit = LogLimit::new(Duration::from_secs(1));
-    let admit = |peer: &SocketAddr| match slots.admit(peer.ip()) {
-        Ok(slot) => Some(slot),
-        Err(full) => {
-            warn_limited!(FULL, %peer, "refusing a data connection: {full}");
-            None
-        }
-    };
-    serve_admitted(listener, "data", admit, |stream: TcpStream, peer| {
-        let _ = stream.set_nodelay(true);
+    serve_tcp(listener, "data", slots, &FULL, |stream, peer| {
         let regions = regions.clone();
         async move {
             match connection(stream, peer, regions, limits).await {

@@ -113,31 +113,8 @@ def kv_cache_tensors(
             storages[base] = len(memory)
             memory.append((base, storage.nbytes(), v))
         esize = v.element_size()
-        heads = None
-        if group in state_groups:
-            layout.append(
-                (
-                    storages[base],
-                    v.data_ptr() - base,
-                    blocks.stride(0) * esize,
-                    inner.numel() * esize,
-                    num_blocks,
-                    group,
-                    None,
-                    None,
-                )
-            )
-            continue
-        if kv_heads is not None:
-            total, local = kv_heads
-            if v.shape[1] != local:
-                raise ValueError(
-                    f"KvlinkConnector: KV cache {name!r} holds {v.shape[1]} KV heads; this rank "
-                    f"should hold {local} of {total}"
-                )
-            heads = (total, local, ratio * (1 if head_major else v.shape[2]))
-        per_head = head_major and kv_heads is not None
-        token_runs = None if per_head and ratio > 1 else (v.shape[1] if per_head else 1)
+        # A state is whole: no heads, no token runs.
+        heads, token_runs = (None, None) if group in state_groups else _split(name, v, ratio, head_major, kv_heads)
         layout.append(
             (
                 storages[base],
@@ -151,6 +128,24 @@ def kv_cache_tensors(
             )
         )
     return memory, layout
+
+
+def _split(
+    name: str, v: Any, ratio: int, head_major: bool, kv_heads: tuple[int, int] | None
+) -> tuple[tuple[int, int, int] | None, int | None]:
+    """An attention layer's heads ``(total, local, runs)`` (None for MLA) and token runs, as
+    ``kv_cache_tensors`` declares them."""
+    heads = None
+    if kv_heads is not None:
+        total, local = kv_heads
+        if v.shape[1] != local:
+            raise ValueError(
+                f"KvlinkConnector: KV cache {name!r} holds {v.shape[1]} KV heads; this rank "
+                f"should hold {local} of {total}"
+            )
+        heads = (total, local, ratio * (1 if head_major else v.shape[2]))
+    per_head = head_major and kv_heads is not None
+    return heads, None if per_head and ratio > 1 else (v.shape[1] if per_head else 1)
 
 
 def _block_view(name: str, v: Any, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor, int]:

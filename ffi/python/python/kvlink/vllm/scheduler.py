@@ -8,6 +8,7 @@ import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 from vllm.logger import init_logger
 
@@ -95,12 +96,9 @@ def _group_specs(kv_cache_config: KVCacheConfig | None, block_size: int) -> list
 
 def _running_state(blocks: list[int], scratch: int) -> list[int]:
     """A state group's block that holds the running state: the last one before the
-    speculative scratch blocks (vLLM's ``clip_ssm_state_blocks``); none while none is
-    allocated."""
-    if not blocks:
-        return []
-    n = min(scratch, len(blocks) - 1)
-    return list(blocks[: len(blocks) - n][-1:])
+    speculative scratch blocks, by vLLM's own rule (``clip_ssm_state_blocks``, which its
+    NixlConnector reads by); none while none is allocated."""
+    return list(clip_ssm_state_blocks(list(blocks), scratch))
 
 
 def _pair_group(
