@@ -13,7 +13,7 @@
 #   vllm33         the vLLM connector through vLLM 0.33 (.venv-vllm33, layered on .venv-vllm)
 #   engine-events  KV events through vLLM 0.33's, 0.32's and SGLang's own event code
 #   vm             the RDMA tests for real inside a SoftRoCE VM (tools/softroce/run.sh), then a
-#                  60-second fault soak and a 4 x 4 fleet run over RDMA in the same boot
+#                  75-second fault soak and a 4 x 4 fleet run over RDMA in the same boot
 # It installs what it needs: tools/deps.sh first, then everything else (PyPI into the venvs,
 # the VM's packages and kernel) in the background (tools/test/prepare.sh) while the Rust parts
 # build and run; a part that needs an install waits for it (lib.sh's `prepared`).

@@ -302,6 +302,41 @@ def pace(control, before, after, busy, least):
     return min(1.0, now / was)
 
 
+def spread_floor(windows, start, end, busy, least, width=3, share=0.25):
+    """The low end of what the run itself shows as normal: the `share` quantile of the windowed
+    rates (a list of (t, rate over the `width` whole seconds ending with the second from t))
+    whose window lies within [start, end) and away from `busy`, or None for fewer than `least`
+    of them. On a loaded machine (the
+    SoftRoCE VM under emulation) a 3-second window moves by 20% and more around its median
+    with no fault at all: a fault is back once its traffic is within that range again."""
+    quiet = sorted(
+        r
+        for t, r in windows
+        if start <= t - width + 1 and t + 1 <= end and not any(t + 1 > a and t - width + 1 < b for a, b in busy)
+    )
+    if len(quiet) < least:
+        return None
+    return quiet[int(share * (len(quiet) - 1))]
+
+
+def resumed(pair_seconds, start, end, window):
+    """Seconds from `end` until every pair of workers (prefill, decode) that carried traffic in
+    the `window` seconds before `start` carried some again (a whole second with bytes
+    verified from `end` on), and the pairs that did not within `window` after `end`:
+    (seconds or None, [pairs not back]). `pair_seconds`: pair -> {whole second: bytes}."""
+    late = 0.0
+    missing = []
+    for pair, seconds in sorted(pair_seconds.items()):
+        if not any(start - window <= s < start and b > 0 for s, b in seconds.items()):
+            continue
+        back = [s for s, b in seconds.items() if end <= s + 1 and s < end + window and b > 0]
+        if not back:
+            missing.append(pair)
+        else:
+            late = max(late, max(0.0, min(back) + 1 - end))
+    return (None if missing else late), missing
+
+
 def baseline(per_second, start, busy, lookback):
     """The rate before a fault that starts at `start`: the median of the per-second rates (a
     list of (t, bytes verified in the second from t)) over the `lookback` seconds before it,

@@ -3,7 +3,7 @@ back after each, resource slopes per worker life, violations, and the verdict.""
 
 import statistics
 
-from checks import baseline, pace, recovery, slope
+from checks import baseline, pace, recovery, resumed, slope, spread_floor
 
 # A worker life shorter than this is too short to judge its resources.
 MIN_LIFE_S = 20.0
@@ -11,7 +11,9 @@ MIN_LIFE_S = 20.0
 # without bound, noise does not.
 LIMITS = {"fds": 8, "threads": 8, "rss_anon_kib": 16 * 1024, "qps": 8, "mr_bytes": 1 << 20}
 # Throughput must be back to this share of the rate before a fault within twice the quiet
-# window after it.
+# window after it (or to the lower quartile of the run's own windows before it, where the
+# machine's rate moves more than that with no fault: checks.spread_floor), and every pair of
+# workers that carried traffic before it must carry some again.
 RECOVERED = 0.9
 # The rate before a fault is the median over this many seconds before it (away from earlier
 # faults).
@@ -21,6 +23,9 @@ BASELINE_S = 30.0
 # and runs to the next fault, which comes twice the quiet window later or more: a 60-second
 # run with a quiet window of 4 s has 8 seconds or more between two faults.
 PACE_LEAST_S = 5
+# The run's own spread lowers the bar by at most this much: it never falls below this share of
+# the rate before (times the pace).
+SPREAD_LEAST = 0.6
 # Faults that touch every pair, the untouched one too (a link under every session): no pair
 # shows the machine's pace apart from the fault, so their bar stays the rate before.
 TOUCH_ALL = {"link_flap"}
@@ -59,22 +64,29 @@ def resources(samples, warmup):
     return out
 
 
-def recoveries(faults, rates, per_second, quiet, control=(), run_end=None):
-    """Per fault: the rate before it (`checks.baseline` over the per-second rates, away from
-    earlier faults), the machine's pace after it (`checks.pace` on `control`, the per-second
-    rates of the pair of workers no fault targets, from the fault's end, its recovery window
-    included, to the next fault or `run_end`; 1 for a fault that touches that pair too,
-    `TOUCH_ALL`) and
-    seconds until throughput, over the windows of `rates`, was
-    back to `RECOVERED` of the rate before times the pace. A fault whose recovery window the
-    run's end cut short and that was not back yet is judged on what the run could observe:
-    not failed, and marked `cut` with the seconds it had."""
+def recoveries(faults, rates, per_second, quiet, control=(), run_end=None, pairs=None):
+    """Per fault, whether the traffic came back within twice the quiet window after it:
+    - every pair of workers that carried traffic before it carries some again (`pairs`, each
+      pair's bytes per whole second; `checks.resumed`);
+    - throughput, over the windows of `rates`, is back to a bar: `RECOVERED` of the rate before
+      (`checks.baseline` over the per-second rates, away from earlier faults), or the lower
+      quartile of the run's own windows over the same seconds where that is lower
+      (`checks.spread_floor`: how far the rate moves with no fault; never below `SPREAD_LEAST`
+      of the rate before), times the machine's pace
+      after it (`checks.pace` on `control`, the per-second rates of the pair no fault targets,
+      from the fault's end to the next fault or `run_end`; 1 for a fault that touches that
+      pair too, `TOUCH_ALL`).
+    A fault whose recovery window the run's end cut short and that was not back yet is judged
+    on what the run could observe: not failed, and marked `cut` with the seconds it had."""
     out = []
-    busy: list[tuple[float, float]] = []
+    # The seconds before the traffic's first one are not the rate before any fault.
+    first = next((t for t, r in per_second if r > 0), None)
+    busy: list[tuple[float, float]] = [] if first is None else [(float("-inf"), first + 1)]
     for i, f in enumerate(faults):
         end = f["end"] if f["end"] is not None else f["start"]
         window = 2 * quiet
         before = baseline(per_second, f["start"], busy, BASELINE_S)
+        floor = spread_floor(rates, f["start"] - BASELINE_S, f["start"], busy, PACE_LEAST_S)
         later = faults[i + 1]["start"] if i + 1 < len(faults) else run_end
         after = (end, later if later is not None else end + window)
         speed = (
@@ -83,16 +95,25 @@ def recoveries(faults, rates, per_second, quiet, control=(), run_end=None):
             else pace(control, (f["start"] - BASELINE_S, f["start"]), after, busy, PACE_LEAST_S)
         )
         busy.append((f["start"], end + quiet))
-        back = recovery(rates, end, before * speed, RECOVERED) if before > 0 else None
+        spread = max(SPREAD_LEAST * before, floor if floor is not None else before)
+        bar = min(RECOVERED * before, spread) * speed
+        back = recovery(rates, end, bar, 1.0) if before > 0 else None
+        pairs_back, missing = resumed(pairs or {}, f["start"], end, window)
+        if back is not None and pairs_back is not None:
+            back = max(back, pairs_back)
+        elif missing:
+            back = None
         seen = window if run_end is None else max(0.0, min(window, run_end - end))
         cut = seen < window and (back is None or back > seen)
-        ok = before == 0 or cut or (back is not None and back <= window)
+        ok = (before == 0 and not missing) or cut or (back is not None and back <= window)
         out.append(
             {
                 **{k: f[k] for k in ("kind", "target", "detail", "start", "end")},
                 "baseline_mb_s": round(before / 1e6, 1),
+                "bar_mb_s": round(bar / 1e6, 1),
                 "pace": round(speed, 2),
                 "recovery_s": back,
+                "pairs_not_back": ["->".join(p) for p in missing],
                 "ok": ok,
                 "cut": round(seen, 1) if cut else None,
             }
@@ -107,7 +128,13 @@ def report(soak):
     res = resources(soak.samples, soak.o.warmup)
     control = traffic.rates(window=1, pair=(soak.prefills[0].name, soak.decodes[0].name))
     rec = recoveries(
-        soak.faults.log, rates, traffic.rates(window=1), soak.o.quiet, control, run_end=soak.o.minutes * 60
+        soak.faults.log,
+        rates,
+        traffic.rates(window=1),
+        soak.o.quiet,
+        control,
+        run_end=soak.o.minutes * 60,
+        pairs=traffic.pair_seconds,
     )
     kinds: dict[str, int] = {}
     for f in soak.faults.log:
@@ -141,9 +168,10 @@ def text(s):
         back = "n/a" if r["recovery_s"] is None else f"{r['recovery_s']:.0f} s"
         pace = "" if r["pace"] == 1.0 else f" (machine at {r['pace']:.0%} of its pace before)"
         cut = "" if r["cut"] is None else f"; the run ended {r['cut']:.0f} s after it: not judged"
+        lost = "" if not r["pairs_not_back"] else f"; no traffic again on {', '.join(r['pairs_not_back'])}"
         lines.append(
             f"  {r['start']:7.1f} s {r['kind']:<16} {r['target'] or '':<7} "
-            f"before {r['baseline_mb_s']:>7} MB/s{pace}, back in {back}{cut}"
+            f"before {r['baseline_mb_s']:>7} MB/s{pace}, bar {r['bar_mb_s']} MB/s, back in {back}{lost}{cut}"
             f"{'' if r['ok'] else '  NOT RECOVERED'}"
         )
     lines.append("resources (per minute; growth from the 2nd to the last quarter):")

@@ -4,7 +4,7 @@ what it must let pass."""
 
 import unittest
 
-from checks import BACKSTOP, Ledger, baseline, recovery, slope
+from checks import BACKSTOP, Ledger, baseline, recovery, resumed, slope
 from report import recoveries, resources
 
 
@@ -221,6 +221,43 @@ class Arithmetic(unittest.TestCase):
         windows = [(float(t), sum(rate[t - k] for k in range(3)) / 3) for t in range(3, 45)]
         (r,) = recoveries([fault], windows, per_second, quiet=5.0)
         self.assertTrue(r["ok"], r)
+
+    def test_a_noisy_machine_is_judged_against_its_own_spread(self):
+        # The VM under emulation: 3-second windows alternate 80 and 120 around a median of 100
+        # with no fault. Back at 85 after the fault is where the run usually is: recovered.
+        windows = [(float(t), 80e6 if t % 2 else 120e6) for t in range(3, 30)]
+        windows += [(float(t), 0.0 if t < 32 else 85e6) for t in range(30, 50)]
+        per_second = [(t, 100e6 if t < 30 else r_) for t, r_ in windows]
+        fault = {"kind": "kill_prefill", "target": "P1", "detail": "", "start": 30.0, "end": 31.0}
+        (r,) = recoveries([fault], windows, per_second, quiet=4.0)
+        self.assertEqual((r["ok"], r["bar_mb_s"]), (True, 80.0), r)
+        # Back at 70, below anything the run showed before: not recovered.
+        low = [(t, 70e6 if t >= 32 else r_) for t, r_ in windows]
+        (r,) = recoveries([fault], low, per_second, quiet=4.0)
+        self.assertFalse(r["ok"], r)
+        # A steady machine keeps the bar at 90% of the rate before.
+        steady = [(t, 100e6 if t < 30 else r_) for t, r_ in windows]
+        (r,) = recoveries([fault], steady, per_second, quiet=4.0)
+        self.assertEqual((r["ok"], r["bar_mb_s"]), (False, 90.0), r)
+
+    def test_every_pair_must_carry_traffic_again(self):
+        rates = [(float(t), 100.0) for t in range(1, 50)]
+        fault = {"kind": "kill_prefill", "target": "P1", "detail": "", "start": 30.0, "end": 31.0}
+        pairs = {("P0", "D0"): {t: 25 for t in range(1, 50)}, ("P1", "D0"): {t: 25 for t in range(1, 50)}}
+        (r,) = recoveries([fault], rates, rates, quiet=4.0, pairs=pairs)
+        self.assertEqual((r["ok"], r["pairs_not_back"]), (True, []), r)
+        # P1 to D0 never again, though the total is as before (P0 took its share).
+        pairs[("P1", "D0")] = {t: 25 for t in range(1, 30)}
+        (r,) = recoveries([fault], rates, rates, quiet=4.0, pairs=pairs)
+        self.assertEqual((r["ok"], r["pairs_not_back"]), (False, ["P1->D0"]), r)
+        # Back 6 s after the fault's end: the fault's recovery time is the pair's.
+        pairs[("P1", "D0")] = {t: 25 for t in list(range(1, 30)) + list(range(37, 50))}
+        (r,) = recoveries([fault], rates, rates, quiet=4.0, pairs=pairs)
+        self.assertEqual((r["ok"], r["recovery_s"]), (True, 7.0), r)
+        self.assertEqual(resumed(pairs, 30.0, 31.0, 8.0), (7.0, []))
+        # A pair that carried nothing before the fault is not waited for.
+        pairs[("P1", "D1")] = {45: 25}
+        self.assertEqual(resumed(pairs, 30.0, 31.0, 8.0), (7.0, []))
 
     def test_the_rate_before_leaves_out_earlier_faults_and_the_fault_itself(self):
         per_second = [(float(t), 0.0 if 10 <= t < 16 else 100.0) for t in range(1, 40)]
