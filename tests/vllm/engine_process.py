@@ -59,6 +59,48 @@ def state_bytes(tokens: List[int], layer: int, rank: int, size: int) -> np.ndarr
     return np.resize(np.frombuffer(seed, dtype=np.uint8), size)
 
 
+def channel_bytes(tokens: List[int], layer: int, part: int, channels: np.ndarray, size: int) -> np.ndarray:
+    """The stand-in running state of one part of a Mamba-kind layer (its conv
+    sub-projections, then its temporal state) after ``tokens``: ``size`` bytes per channel in
+    ``channels`` (global numbers over the TP group), one row each. A state read from the wrong
+    request, length, layer, part or TP slice does not match."""
+    import hashlib
+
+    digest = hashlib.sha256(np.asarray(list(tokens) + [layer], dtype=np.int64).tobytes()).digest()
+    seed = int.from_bytes(digest[:4], "little")
+    base = (seed + part * 37 + channels.astype(np.int64) * 97) % 251
+    return ((np.arange(size, dtype=np.int64)[None, :] * 131 + base[:, None]) % 251 + 1).astype(np.uint8)
+
+
+def state_pieces(spec, tp: int, rank: int, hf) -> Optional[List[tuple]]:
+    """Where a Mamba-kind layer's page holds each TP-sharded piece on ``rank``, from vLLM's own
+    facts (its ``derive_mamba_conv_split`` of the conv state in the DS layout, its group
+    replication ``extra_groups_for_head_shards``, the temporal state's first dimension):
+    ``(byte offset, bytes per channel, global numbers of the channels)`` per part; None
+    when vLLM does not split this state (SD conv layout, other kinds, replicated state)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator, is_conv_state_dim_first
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum as Kind
+
+    if spec.tp_replicated or not is_conv_state_dim_first() or len(spec.shapes) != 2:
+        return None
+    if spec.mamba_type not in (Kind.MAMBA1, Kind.MAMBA2, Kind.GDN_ATTN):
+        return None
+    from vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils import derive_mamba_conv_split
+
+    split = derive_mamba_conv_split(spec, tp)
+    row = split.conv_rows * split.conv_dtype_size
+    out = []
+    for i, ((at, _), dims) in enumerate(zip(split.local_conv_offsets, split.local_proj_dims)):
+        groups = getattr(hf, "mamba_n_groups", None) or getattr(hf, "n_groups", None) or 0
+        replicated = spec.mamba_type == Kind.MAMBA2 and i > 0 and MambaStateShapeCalculator.extra_groups_for_head_shards(groups, tp) > 0
+        first = 0 if replicated else rank * dims
+        out.append((at, row, np.arange(first, first + dims)))
+    temporal = spec.shapes[1]
+    per = int(np.prod(temporal[1:])) * torch.tensor([], dtype=spec.dtypes[1]).element_size()
+    out.append((split.ssm_sizes[0], per, np.arange(rank * temporal[0], (rank + 1) * temporal[0])))
+    return out
+
+
 def kv_sharing(hf) -> Dict[str, str]:
     """Layers that reuse an earlier layer's KV cache, and that layer, as vLLM's Gemma 3n
     attention derives them from ``num_kv_shared_layers``: each of the last
@@ -109,6 +151,7 @@ def layer_specs(config, tp: int, block_size: int) -> Dict[str, Any]:
                 block_size=cc.mamba_block_size or block_size,
                 page_size_padded=cc.mamba_page_size_padded,
                 mamba_cache_mode=cc.mamba_cache_mode,
+                mamba_type=mamba_kind(cls),
             )
         elif kind == "sliding_attention":
             specs[n] = SlidingWindowSpec(
@@ -117,6 +160,25 @@ def layer_specs(config, tp: int, block_size: int) -> Dict[str, Any]:
         else:
             specs[n] = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head, dtype=dtype)
     return specs
+
+
+def mamba_kind(model_cls):
+    """The kind of state (``MambaAttentionBackendEnum``) of the Mamba-kind layers the model
+    class's module builds: the ``mamba_type`` their vLLM layer class declares."""
+    import inspect
+    import sys
+
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    module = sys.modules[model_cls.__module__]
+    kinds = {
+        c.mamba_type.fget(None)
+        for c in vars(module).values()
+        if inspect.isclass(c) and issubclass(c, MambaBase) and not inspect.isabstract(c)
+    }
+    if len(kinds) != 1:
+        raise AssertionError(f"{model_cls.__name__}: Mamba-kind layer kinds {kinds}")
+    return kinds.pop()
 
 
 class Engine:
@@ -232,6 +294,13 @@ class Engine:
             for g, s in enumerate(groups)
             if isinstance(s.kv_cache_spec, MambaSpec)
         }
+        # Per state group, vLLM's mamba cache mode and the tokens per block.
+        self.state_mode = {g: groups[g].kv_cache_spec.mamba_cache_mode for g in self.scratch}
+        self.state_block_size = {g: groups[g].kv_cache_spec.block_size for g in self.scratch}
+        # Per state group and rank, where vLLM's TP split puts each piece of a layer's page.
+        self.state_pieces = {
+            g: [state_pieces(groups[g].kv_cache_spec, tp, r, mc.hf_text_config) for r in range(tp)] for g in self.scratch
+        }
         self.mla = mc.use_mla
         self.total_heads = 1 if self.mla else mc.get_total_num_kv_heads()
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
@@ -309,27 +378,47 @@ class Engine:
     def _blocks(self, rid: str, layer: str):
         return self.scheduler.kv_cache_manager.get_block_ids(rid)[self.group_of[layer]]
 
-    def _state_block(self, rid: str, layer: str) -> int:
-        """The block of a state layer's group that holds the request's running state (vLLM's
-        own rule, as its NixlConnector reads it)."""
+    def _state_block(self, rid: str, layer: str, upto: int) -> int:
+        """The block of a state layer's group that holds the request's running state after
+        ``upto`` tokens, where vLLM's Mamba kernels look for it: in the "align" mode (prefix
+        caching) the block of the last computed token's position (a block allocated for the
+        next token, which the step writes, comes after it); in "none" the running-state slot
+        (``clip_ssm_state_blocks``, as vLLM's NixlConnector reads it)."""
         from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
 
-        blocks = clip_ssm_state_blocks(list(self._blocks(rid, layer)), self.scratch[self.group_of[layer]])
+        group = self.group_of[layer]
+        blocks = list(self._blocks(rid, layer))
+        if self.state_mode[group] == "align":
+            return blocks[(upto - 1) // self.state_block_size[group]] if blocks else 0
+        blocks = clip_ssm_state_blocks(blocks, self.scratch[group])
         return blocks[-1] if blocks else 0
 
     def _state_slot(self, rank: int, layer: str, block: int):
         """A state layer's page on ``rank``: its ``[1, 1, C]`` bytes (conv, SSM, ... packed)."""
         return self.caches[rank][layer][block].view(torch.uint8).reshape(-1)
 
+    def _state_content(self, tokens: List[int], li: int, layer: str, rank: int, size: int) -> np.ndarray:
+        """What a state layer's page on ``rank`` holds after ``tokens``: channel by channel
+        where vLLM splits the state over TP ranks (so that any TP size's slice of it can be
+        checked), else a pattern of the tokens, the layer and the rank."""
+        pieces = self.state_pieces.get(self.group_of[layer], [None] * len(self.workers))[rank]
+        if pieces is None:
+            return state_bytes(tokens, li, rank, size)
+        out = np.zeros(size, dtype=np.uint8)
+        for part, (at, per, channels) in enumerate(pieces):
+            out[at : at + per * len(channels)] = channel_bytes(tokens, li, part, channels, per).reshape(-1)
+        return out
+
     def _write_states(self, req, upto: int) -> None:
         """The stand-in for a Mamba-kind layer's forward: the running state after the first
-        ``upto`` tokens, a pattern of those tokens, the layer and the rank."""
+        ``upto`` tokens (``_state_content``)."""
         for li, layer in enumerate(self.layer_names):
             if self.group_of[layer] in self.scratch:
-                b = self._state_block(req.request_id, layer)
+                b = self._state_block(req.request_id, layer, upto)
                 for rank in range(len(self.workers)):
                     slot = self._state_slot(rank, layer, b)
-                    slot.copy_(torch.from_numpy(state_bytes(req.all_token_ids[:upto], li, rank, slot.shape[0])))
+                    want = self._state_content(req.all_token_ids[:upto], li, layer, rank, slot.shape[0])
+                    slot.copy_(torch.from_numpy(want))
 
     def _write(self, req, start: int, end: int) -> None:
         tokens = req.all_token_ids
@@ -356,12 +445,15 @@ class Engine:
         tokens = req.all_token_ids
         for li, layer in enumerate(self.layer_names):
             if self.group_of[layer] in self.scratch:
-                b = self._state_block(req.request_id, layer)
+                b = self._state_block(req.request_id, layer, upto)
                 for rank in range(len(self.workers)):
                     got = self._state_slot(rank, layer, b).numpy()
-                    if b == 0 or not np.array_equal(got, state_bytes(tokens[:upto], li, rank, got.shape[0])):
+                    want = self._state_content(tokens[:upto], li, layer, rank, got.shape[0])
+                    if b == 0 or not np.array_equal(got, want):
+                        wrong = np.flatnonzero(got != want)
                         self.bad.append(
-                            f"{req.request_id} rank {rank} layer {li}: the state after {upto} tokens in block {b}"
+                            f"{req.request_id} rank {rank} layer {li}: the state after {upto} tokens in block {b} "
+                            f"({len(wrong)} of {len(got)} bytes differ, from byte {wrong[:1].tolist()} to {wrong[-1:].tolist()})"
                         )
                         return
         for pos in range(upto):
@@ -510,6 +602,9 @@ def serve(conn, name: str, num_blocks: int, extra: Dict[str, Any], options: Dict
         layout = options.pop("layout", None)
         if layout is not None:
             os.environ["VLLM_KV_CACHE_LAYOUT"] = layout  # as a user forces one
+        conv = options.pop("conv_layout", None)
+        if conv is not None:
+            os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = conv  # as a user sets it
         engine = Engine(name, num_blocks, extra, **options)
         conn.send(("ok", engine.state()))
     except Exception:

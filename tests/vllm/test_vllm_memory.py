@@ -88,9 +88,11 @@ def test_cross_layer_kv_sharing(decode_tp):
 
 
 @pytest.mark.parametrize(
-    "model, prefix_caching", [(GRANITE_H, True), (GRANITE_H, False), (QWEN3_NEXT, True)], ids=["granite-align", "granite-none", "qwen3-next-align"]
+    "model, prefix_caching, conv",
+    [(GRANITE_H, True, None), (GRANITE_H, False, "DS"), (QWEN3_NEXT, True, None)],
+    ids=["granite-align", "granite-none-DS", "qwen3-next-align"],
 )
-def test_mamba_hybrid_state_and_attention_arrive_whole(model, prefix_caching):
+def test_mamba_hybrid_state_and_attention_arrive_whole(model, prefix_caching, conv):
     """Granite 4.0-H (Mamba-2 and attention layers) and Qwen3-Coder-Next (gated delta net
     and attention layers): vLLM gives the state a KV cache group of its own (``MambaSpec``,
     a page per state block holding each layer's conv and SSM state).
@@ -99,21 +101,49 @@ def test_mamba_hybrid_state_and_attention_arrive_whole(model, prefix_caching):
     beside the attention blocks, and both are byte-exact (a state of another length of the
     prompt, layer or rank does not match). Both of vLLM's mamba cache modes: "align" (prefix
     caching: the running state in the block of its position) and "none" (one state block per
-    request, spanning the model's length)."""
-    opts = dict(model=model, prefix_caching=prefix_caching)
-    prefill, decode = pair_of(f"state-{model}-{int(prefix_caching)}", opts, opts)
+    request, spanning the model's length). Both conv state layouts (``VLLM_SSM_CONV_STATE_LAYOUT``
+    SD, vLLM's default, and DS, where each TP-sharded piece is read as a tensor of its own)."""
+    opts = dict(model=model, prefix_caching=prefix_caching, conv_layout=conv)
+    prefill, decode = pair_of(f"state-{model}-{int(prefix_caching)}-{conv}", opts, opts)
     try:
         s = transfer(prefill, decode, 4, seed=23)
         assert s["engine_stats"]["reads_done"] == 4, s["engine_stats"]
+        # 97 tokens, 96 computed by the prefill: its state ends a block, and in the "align"
+        # mode the decode's next block (for token 97) is not where vLLM looks for it.
+        s = transfer(prefill, decode, 1, seed=24, lengths=(97, 98))
+        assert s["engine_stats"]["reads_done"] == 5, s["engine_stats"]
     finally:
         close(prefill, decode)
 
 
-def test_mamba_state_between_tp_sizes_is_computed_locally_with_the_reason():
-    """A decode of TP 2 given a TP 1 prefill's Granite 4.0-H request: each rank's SSM state is
-    a shard whose size depends on the TP size, which kvlink does not split yet; the decode
-    says so (a warning naming it), computes the prompt itself (reading nothing) and lets the
-    prefill free its blocks at once."""
+@pytest.mark.parametrize(
+    "model, prefill_tp, decode_tp",
+    [(GRANITE_H, 1, 2), (GRANITE_H, 2, 1), (QWEN3_NEXT, 1, 2), (QWEN3_NEXT, 2, 1)],
+    ids=["granite-1to2", "granite-2to1", "qwen3-next-1to2", "qwen3-next-2to1"],
+)
+def test_mamba_state_between_tp_sizes_is_read_by_slice(model, prefill_tp, decode_tp):
+    """A prefill and a decode of different TP sizes, conv state in vLLM's DS layout: each
+    decode rank reads its slice of every TP-sharded piece of every state layer (the conv
+    state's sub-projections as vLLM's ``derive_mamba_conv_split`` sizes them: Mamba-2's x, B
+    and C, with one B/C group that vLLM replicates on every rank in Granite 4.0-H; a gated
+    delta net's Q, K and V; then the temporal state by heads), beside the attention heads.
+    Each channel of each piece is checked against the prefill's by its number over the TP
+    group, so a slice from the wrong rank or offset fails."""
+    name = f"state-tp{prefill_tp}to{decode_tp}-{model}"
+    p = dict(model=model, tp=prefill_tp, conv_layout="DS")
+    prefill, decode = pair_of(name, p, dict(p, tp=decode_tp))
+    try:
+        s = transfer(prefill, decode, 3, seed=prefill_tp * 10 + decode_tp, lengths=(20, 120))
+        assert s["engine_stats"]["reads_done"] == 3 * decode_tp, s["engine_stats"]
+    finally:
+        close(prefill, decode)
+
+
+def test_mamba_state_in_the_sd_layout_between_tp_sizes_is_computed_locally():
+    """A decode of TP 2 given a TP 1 prefill's Granite 4.0-H request with the conv state in
+    vLLM's default SD layout, where a rank's channels are interleaved with the positions:
+    the decode says why (set VLLM_SSM_CONV_STATE_LAYOUT=DS), computes the prompt itself
+    (reading nothing) and lets the prefill free its blocks at once."""
     prefill, decode = pair_of("mamba-tp", dict(model=GRANITE_H), dict(model=GRANITE_H, tp=2))
     try:
         prefill.wait_ready()

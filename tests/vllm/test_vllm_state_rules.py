@@ -1,11 +1,16 @@
 """The connector's rules for Mamba-kind state groups on vLLM's own objects, without engines:
 which block holds a request's running state (against vLLM's ``clip_ssm_state_blocks``), how a
-state group's read pairs, and the prefill's one-token back-off on a real vLLM ``Request``. The
+state group's read pairs, the prefill's one-token back-off on a real vLLM ``Request``, and how a
+state page splits into TP-sharded pieces (on specs from vLLM's own state shape calculator). The
 transfers themselves are in test_vllm_memory.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import SimpleNamespace
+
 import pytest
+import torch
 from vllm import SamplingParams
 from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
 from vllm.v1.request import Request
@@ -70,3 +75,72 @@ def test_other_requests_keep_their_prompt(params, backoff):
     r = _request("x", params)
     _side(backoff).on_new_request(r)
     assert r.num_prompt_tokens == 10 and r.max_tokens == 5
+
+
+def _spec(kind: str, tp: int):
+    """A MambaSpec as vLLM's layers make it, from vLLM's own state shape calculator: Mamba-2
+    as Granite 4.0-H Tiny has it (one B/C group), or a gated delta net as Qwen3-Next's."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as Calc
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum as Kind
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    if kind == "mamba2":
+        shapes = Calc.mamba2_state_shape(tp, 3072, 1, 48, 64, 128, 4)
+        mamba_type = Kind.MAMBA2
+    else:
+        shapes = Calc.gated_delta_net_state_shape(tp, 16, 32, 128, 128, 4)
+        mamba_type = Kind.GDN_ATTN
+    return MambaSpec(block_size=16, shapes=tuple(shapes), dtypes=(torch.bfloat16,) * 2, mamba_type=mamba_type)
+
+
+@pytest.fixture
+def conv_layout(monkeypatch):
+    """Sets VLLM_SSM_CONV_STATE_LAYOUT for one test (vLLM caches what it read)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    def set_to(value: str) -> None:
+        monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", value)
+        get_conv_state_layout.cache_clear()
+
+    yield set_to
+    monkeypatch.delenv("VLLM_SSM_CONV_STATE_LAYOUT", raising=False)
+    get_conv_state_layout.cache_clear()
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "gdn"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_state_parts_tile_the_page_and_halve_with_tp(conv_layout, kind, tp):
+    """In the DS layout a state page splits into pieces that tile it exactly (no byte sent
+    twice or left out), each declaring heads whose share per rank is what TP leaves it: the
+    same totals at every TP size, the local counts divided by it (Mamba-2's one B/C group
+    whole on every rank)."""
+    from kvlink.vllm.layout import state_parts
+
+    conv_layout("DS")
+    hf = SimpleNamespace(n_groups=1)
+    parts, why = state_parts(_spec(kind, tp), tp, hf)
+    one, _ = state_parts(_spec(kind, 1), 1, hf)
+    assert why is None and parts is not None and one is not None
+    at = 0
+    for offset, size, _ in parts:
+        assert offset == at
+        at += size
+    assert at == _spec(kind, tp).state_content_size_bytes
+    for (_, size, (total, local)), (_, whole, (total1, local1)) in zip(parts, one):
+        assert total == total1
+        replicated = kind == "mamba2" and total == 1
+        assert (local, size) == ((1, whole) if replicated else (local1 // tp, whole // tp))
+
+
+def test_state_that_cannot_be_split_says_why(conv_layout):
+    from kvlink.vllm.layout import state_parts
+
+    conv_layout("SD")
+    parts, why = state_parts(_spec("gdn", 2), 2, None)
+    assert parts is None and why is not None and "VLLM_SSM_CONV_STATE_LAYOUT=DS" in why
+    conv_layout("DS")
+    # A model config whose B/C groups do not match the page's (3 groups, the page holds 1).
+    parts, why = state_parts(_spec("mamba2", 1), 1, SimpleNamespace(n_groups=3))
+    assert parts is None and why is not None and "not split evenly or replicated whole" in why
+    whole = replace(_spec("gdn", 2), tp_replicated=True)
+    assert state_parts(whole, 2, None) == ([(0, whole.state_content_size_bytes, None)], None)

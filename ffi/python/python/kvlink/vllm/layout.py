@@ -41,6 +41,13 @@ PREFERRED_LAYOUT = "LBHNC"
 # runs of a per-head piece or None).
 Tensor = tuple[int, int, int, int, int, int, tuple[int, int, int] | None, int | None]
 
+# One piece of a Mamba-kind layer's page: its byte offset in the page, its bytes, and its
+# heads (total over the TP group, this rank's) or None when every rank holds it whole.
+StatePart = tuple[int, int, tuple[int, int] | None]
+
+# Where vLLM's Mamba-2 configs keep their number of B/C groups.
+_GROUP_FIELDS = ("n_groups", "mamba_n_groups", "mamba_ngroups")
+
 
 def layout_name(name: Any) -> str:
     """The ``KVCacheLayout`` name of ``name`` (an enum member, a name, or a legacy alias)."""
@@ -64,12 +71,13 @@ def is_head_major(name: Any) -> bool:
     raise ValueError(f"KvlinkConnector: unknown KV cache layout {name!r}")
 
 
-def layout_tag(dtype: torch.dtype, head_major: bool, mla: bool) -> str:
-    """What both sides must agree on beyond block sizes: the element type, and how a block
+def layout_tag(dtype: torch.dtype, head_major: bool, mla: bool, conv: str | None = None) -> str:
+    """What both sides must agree on beyond block sizes: the element type, how a block
     orders heads and tokens (the layer's place outside the block does not matter; MLA's
-    latent has one head, so its order does not either)."""
+    latent has one head, so its order does not either), and with Mamba-kind state the conv
+    state's layout (``SD`` or ``DS``: the same bytes in another order)."""
     arrangement = "latent" if mla else ("HNC" if head_major else "NHC")
-    return f"{_dtype_name(dtype)}/{arrangement}"
+    return f"{_dtype_name(dtype)}/{arrangement}" + (f"/conv-{conv}" if conv else "")
 
 
 def kv_cache_tensors(
@@ -78,7 +86,7 @@ def kv_cache_tensors(
     num_blocks: int,
     head_major: bool,
     kv_heads: tuple[int, int] | None = None,
-    state_groups: frozenset[int] = frozenset(),
+    state: dict[int, list[StatePart] | None] | None = None,
 ) -> tuple[list[tuple[int, int, torch.Tensor]], list[Tensor]]:
     """Maps vLLM's per-layer ``[B, H, N, C]`` views to kvlink memory and layout.
 
@@ -94,12 +102,14 @@ def kv_cache_tensors(
     1 for token-major blocks and MLA's latent, the heads for head-major ones; ``None`` for
     head-major blocks split into kernel blocks, whose tokens are not in one stretch per head.
 
-    A layer of a group in ``state_groups`` (Mamba-kind state) is vLLM's ``[B, 1, 1, C]`` int8
-    view of its pages, each block the layer's states (conv, SSM, ...) packed in ``C`` bytes
-    (the page may be longer: padded to the attention pages' size). It is one tensor of ``C``
-    bytes per block, without heads: each rank's state whole (a decode of another TP size,
-    whose state shards differ in size, is refused by the layouts' comparison) and no token
-    runs (a state is not read by token ranges).
+    A layer of a group in ``state`` (Mamba-kind state) is vLLM's ``[B, 1, 1, C]`` int8 view of
+    its pages, each block the layer's states (conv, SSM, ...) packed in ``C`` bytes (the page
+    may be longer: padded to the attention pages' size), with no token runs (a state is not
+    read by token ranges). With the group's parts (``state_parts``) it is one tensor per part,
+    each with its heads where TP shards it, so that a decode of another TP size reads its
+    slice of each; without (``None``) it is one tensor of ``C`` bytes, each rank's state
+    whole (a decode of another TP size, whose shards differ in size, is refused by the
+    layouts' comparison).
     """
     storages: dict[int, int] = {}
     memory: list[tuple[int, int, torch.Tensor]] = []
@@ -113,20 +123,15 @@ def kv_cache_tensors(
             storages[base] = len(memory)
             memory.append((base, storage.nbytes(), v))
         esize = v.element_size()
-        # A state is whole: no heads, no token runs.
-        heads, token_runs = (None, None) if group in state_groups else _split(name, v, ratio, head_major, kv_heads)
-        layout.append(
-            (
-                storages[base],
-                v.data_ptr() - base,
-                blocks.stride(0) * esize,
-                inner.numel() * esize,
-                num_blocks,
-                group,
-                heads,
-                token_runs,
-            )
-        )
+        offset, stride = v.data_ptr() - base, blocks.stride(0) * esize
+        if state is not None and group in state:
+            parts = state[group] or [(0, inner.numel() * esize, None)]
+            for at, size, shard in parts:
+                split = None if shard is None else (shard[0], shard[1], 1)
+                layout.append((storages[base], offset + at, stride, size, num_blocks, group, split, None))
+            continue
+        heads, token_runs = _split(name, v, ratio, head_major, kv_heads)
+        layout.append((storages[base], offset, stride, inner.numel() * esize, num_blocks, group, heads, token_runs))
     return memory, layout
 
 
@@ -208,6 +213,83 @@ def state_groups(kv_cache_config: Any) -> frozenset[int]:
     return frozenset(
         g for g, group in enumerate(kv_cache_config.kv_cache_groups) if isinstance(group.kv_cache_spec, MambaSpec)
     )
+
+
+def state_layout(
+    kv_cache_config: Any, tp_size: int, hf_config: Any
+) -> tuple[dict[int, list[StatePart] | None], str | None]:
+    """Per state group, its layers' parts (``state_parts``; None: whole), and why the state
+    cannot be read between TP sizes (None when it can, or when there is no sharded state)."""
+    out: dict[int, list[StatePart] | None] = {}
+    why = None
+    for g in sorted(state_groups(kv_cache_config)):
+        parts, reason = state_parts(kv_cache_config.kv_cache_groups[g].kv_cache_spec, tp_size, hf_config)
+        out[g] = parts
+        why = why or reason
+    return out, why
+
+
+def conv_layout() -> str:
+    """vLLM's layout of the conv state: ``SD`` (positions outer) or ``DS`` (channels outer)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    return "DS" if is_conv_state_dim_first() else "SD"
+
+
+def state_parts(spec: Any, tp_size: int, hf_config: Any) -> tuple[list[StatePart] | None, str | None]:
+    """How the page of a Mamba-kind layer (``spec``, vLLM's ``MambaSpec`` on a rank of TP
+    ``tp_size``) splits into the pieces TP shards, and why it cannot when it cannot.
+
+    With the conv state in vLLM's ``DS`` layout (``VLLM_SSM_CONV_STATE_LAYOUT=DS``) each of its
+    sub-projections is a contiguous run of channels per rank, which vLLM's own
+    ``derive_mamba_conv_split`` sizes: Mamba-1's x; Mamba-2's x, B and C; a gated delta net's
+    Q, K and V. Each part's heads are the units TP splits it by: a channel (Mamba-1), a head
+    of ``head_dim`` channels (Mamba-2's x), a group of ``state_size`` channels (its B and C,
+    one group on every rank when the model has one group and vLLM replicates it), a key or
+    value head (gated delta net). The temporal (SSM) state follows, split by its first
+    dimension (channels or heads). State every rank holds whole (``tp_replicated``) is one
+    part without heads. Anything else (``SD`` conv, another kind of state, extra states) is
+    one whole piece (None) and the reason a decode of another TP size computes it itself."""
+    if getattr(spec, "tp_replicated", False):
+        return [(0, spec.state_content_size_bytes, None)], None
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum as Kind
+
+    kind = spec.mamba_type
+    if kind not in (Kind.MAMBA1, Kind.MAMBA2, Kind.GDN_ATTN) or len(spec.shapes) != 2:
+        return None, (
+            "kvlink splits the state of Mamba-1, Mamba-2 and gated delta net layers (a conv and "
+            f"a temporal state) between TP sizes; this model's is {kind.name} with {len(spec.shapes)} states"
+        )
+    if conv_layout() != "DS":
+        return None, (
+            "the conv state is in vLLM's SD layout, where a rank's channels are not contiguous; "
+            "set VLLM_SSM_CONV_STATE_LAYOUT=DS on the prefill and the decode"
+        )
+    from vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils import derive_mamba_conv_split
+
+    split = derive_mamba_conv_split(spec, tp_size)
+    temporal = spec.shapes[1]
+    units = {
+        Kind.MAMBA1: (1,),
+        Kind.MAMBA2: (temporal[1],) + (temporal[2],) * 2,
+        Kind.GDN_ATTN: (temporal[2],) * 2 + (temporal[1],),
+    }[kind]
+    parts: list[StatePart] = []
+    for i, ((at, size), dims, unit) in enumerate(zip(split.local_conv_offsets, split.local_proj_dims, units)):
+        local = dims // unit
+        total = local * tp_size
+        if kind is Kind.MAMBA2 and i > 0:
+            groups = next((int(getattr(hf_config, f)) for f in _GROUP_FIELDS if getattr(hf_config, f, None)), None)
+            if groups is None or not (groups % tp_size == 0 or groups == 1) or local != max(1, groups // tp_size):
+                return None, (
+                    f"the Mamba-2 B and C groups ({groups} in the model config, {local} on a rank of TP "
+                    f"{tp_size}) are not split evenly or replicated whole"
+                )
+            total = groups
+        parts.append((at, size, (total, local)))
+    conv_bytes, ssm_bytes = split.ssm_sizes
+    parts.append((conv_bytes, ssm_bytes, (temporal[0] * tp_size, temporal[0])))
+    return parts, None
 
 
 def _address(value: Any) -> tuple[int, tuple[int, ...]]:

@@ -15,6 +15,7 @@ from vllm.logger import init_logger
 import kvlink
 
 from .. import core
+from .layout import state_layout
 from .metadata import KvlinkConnectorMetadata, KvlinkHandshakeMetadata, ReadSpec
 
 if TYPE_CHECKING:
@@ -164,6 +165,12 @@ class _SchedulerSide:
         # decode computes from the state it reads (as vLLM's NixlConnector does): a state
         # holds the tokens before it only, so the decode cannot recompute a token it read.
         self.backoff = 1 if any(g.state for g in self.groups) else 0
+        # Why this engine's Mamba-kind state cannot be read between TP sizes (its conv layout or
+        # kind), or None: then each rank reads its slice of the prefill ranks' state.
+        self.state_whole: str | None = None
+        if any(g.sharded for g in self.groups):
+            hf = getattr(getattr(owner._vllm_config, "model_config", None), "hf_text_config", None)
+            self.state_whole = state_layout(kv_cache_config, owner._tp_size, hf)[1]
         self.addresses: list[str] | None = None
         self.producing: dict[str, _Producing] = {}
         self.local_hits: dict[str, int] = {}
@@ -198,10 +205,10 @@ class _SchedulerSide:
                 f"the prefill has {len(remote.addresses)} TP ranks and this engine {tp}; one "
                 "must be a multiple of the other"
             )
-        if len(remote.addresses) != tp and any(g.sharded for g in self.groups):
+        if len(remote.addresses) != tp and self.state_whole is not None:
             return (
-                f"the prefill has {len(remote.addresses)} TP ranks and this engine {tp}; kvlink "
-                "does not yet split Mamba-kind state between TP sizes"
+                f"the prefill has {len(remote.addresses)} TP ranks and this engine {tp}, and this "
+                f"engine's Mamba-kind state cannot be read by TP slice: {self.state_whole}"
             )
         if len(remote.blocks) != len(self.tails):
             return f"the prefill sent blocks of {len(remote.blocks)} KV cache groups; this engine has {len(self.tails)}"

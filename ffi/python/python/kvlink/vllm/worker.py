@@ -15,11 +15,12 @@ from .layout import (
     _dtype_name,
     _kv_heads,
     connector_layers,
+    conv_layout,
     is_head_major,
     kv_cache_tensors,
     layout_name,
     layout_tag,
-    state_groups,
+    state_layout,
 )
 from .metadata import KvlinkConnectorMetadata, KvlinkConnectorStats, KvlinkHandshakeMetadata, ReadSpec
 
@@ -48,6 +49,7 @@ class _WorkerSide:
         self.tp_size = owner._tp_size
         self.block_size = owner._block_size
         self.cache_config = owner._vllm_config.cache_config
+        self.hf_config = getattr(getattr(owner._vllm_config, "model_config", None), "hf_text_config", None)
         self.kv_cache_config = kv_cache_config
         self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
         # vLLM's block ids are unique only within a KV cache group: with several groups a
@@ -87,7 +89,7 @@ class _WorkerSide:
         if self.registered:
             raise RuntimeError("KvlinkConnector: register_kv_caches called twice")
         layers, shared = connector_layers(kv_caches, self.kv_cache_config)
-        state = state_groups(self.kv_cache_config)
+        state, why_whole = state_layout(self.kv_cache_config, self.tp_size, self.hf_config)
         # The element type the layout names: an attention layer's (a state layer's view is int8).
         first = kv_caches[next((n for n, g in layers if g not in state), layers[0][0])]
         if isinstance(first, (list, tuple)):
@@ -101,12 +103,15 @@ class _WorkerSide:
             for addr, size, owner in memory
         ]
         tensors = [(regions[t[0]], *t[1:]) for t in layout]
-        self.engine.set_layout(tensors, self.block_size, layout_tag(first.dtype, head_major, self.kv_heads is None))
+        conv = conv_layout() if state else None
+        self.engine.set_layout(
+            tensors, self.block_size, layout_tag(first.dtype, head_major, self.kv_heads is None, conv)
+        )
         self.registered = True
         total = sum(size for _, size, _ in memory)
         logger.info(
             "KvlinkConnector rank %d: registered %d layers (%d blocks, %.1f MiB in %d allocation(s), "
-            "%s, %s, layout %s; %d KV cache groups; %s%s)",
+            "%s, %s, layout %s; %d KV cache groups; %s%s%s)",
             self.tp_rank,
             len(tensors),
             num_blocks,
@@ -118,6 +123,7 @@ class _WorkerSide:
             len({t[5] for t in tensors}),
             f"{self.kv_heads[1]} of {self.kv_heads[0]} KV heads per rank" if self.kv_heads else "no head split (MLA)",
             f"; {len(shared)} layers reuse another layer's cache and are not sent" if shared else "",
+            _state_note(state, conv, why_whole),
         )
 
     def _resolved_layout(self) -> str:
@@ -284,6 +290,15 @@ class _WorkerSide:
         if self.metrics is not None:
             self.metrics.shutdown()
         self.engine.close()
+
+
+def _state_note(state: dict, conv: str | None, why_whole: str | None) -> str:
+    """The registration log's words on Mamba-kind state: its groups, conv layout, and whether a
+    decode of another TP size can read its slice."""
+    if not state:
+        return ""
+    tp = "read between TP sizes by slice" if why_whole is None else f"whole only ({why_whole})"
+    return f"; {len(state)} state group(s), conv {conv}, {tp}"
 
 
 def _node_address() -> str:
