@@ -5,9 +5,9 @@ per TP rank, and a stand-in for the model runner that does what each GPU worker 
 the connector every step (bind metadata, forward, start loads, collect transfer results), the
 ranks' results combined by vLLM's ``KVOutputAggregator``.
 
-The KV caches are vLLM's own: each layer's KV cache spec derived from the model's config as
-vLLM's attention layers derive it (the one thing stubbed: the model itself, which the
-connector never sees), the KV cache config computed by vLLM (``get_kv_cache_configs``), the
+The KV caches are vLLM's own: each layer's KV cache spec from vLLM's own layers, the model
+built without weights on the meta device (``model_specs``; the TP group is the one thing
+stubbed there), the KV cache config computed by vLLM (``get_kv_cache_configs``), the
 layout resolved by vLLM (``resolve_kv_cache_layout``: the connector's preference, or
 ``VLLM_KV_CACHE_LAYOUT``) and the caches allocated by ``allocate_kv_cache``, the path the GPU
 model runner takes: one backing allocation, a ``[blocks, heads, tokens, K|V]`` view per layer.
@@ -101,84 +101,60 @@ def state_pieces(spec, tp: int, rank: int, hf) -> Optional[List[tuple]]:
     return out
 
 
-def kv_sharing(hf) -> Dict[str, str]:
-    """Layers that reuse an earlier layer's KV cache, and that layer, as vLLM's Gemma 3n
-    attention derives them from ``num_kv_shared_layers``: each of the last
-    ``num_kv_shared_layers`` layers reads the last full-attention layer before them (1 back)
-    or the last sliding-window one (2 back)."""
-    shared = getattr(hf, "num_kv_shared_layers", 0) or 0
-    first = hf.num_hidden_layers - shared
-    out = {}
-    for i in range(first, hf.num_hidden_layers):
-        back = 2 if hf.layer_types[i] == "sliding_attention" else 1
-        if first - back >= 0:
-            out[f"model.layers.{i}.self_attn.attn"] = f"model.layers.{first - back}.self_attn.attn"
-    return out
+def model_specs(config, tp: int) -> tuple[Dict[str, Any], Dict[str, str]]:
+    """Each layer's KV cache spec as vLLM's own layers make it, the way the GPU model runner
+    collects them (``get_layers_from_vllm_config`` of ``AttentionLayerBase``, each layer's
+    ``get_kv_cache_spec``): the model class vLLM resolves for the config, built on the meta
+    device (on the CPU, uninitialized, for a model whose construction reads a value), with no
+    weights. Returns the specs of the layers that own a cache, and the layers that reuse another
+    layer's (``kv_sharing_target_layer_name``) with their targets.
 
+    What is stubbed: the TP group. The ranks of an engine live in this one process, so the model
+    is built in a gloo world of one process whose TP group says it has ``tp`` ranks and that
+    this is rank 0 while the layers read their shard sizes; no collective runs."""
+    import socket
 
-def layer_specs(config, tp: int, block_size: int) -> Dict[str, Any]:
-    """Each layer's KV cache spec, as vLLM's layers make it from the model's config: MLA's
-    latent (one head), sliding-window layers, full attention, and a hybrid's Mamba layers
-    (their state shapes and dtypes from the model class vLLM resolves, as its Mamba layers
-    take them)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+    from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.model_executor.models import ModelRegistry
 
     model_config = config.model_config
-    hf = model_config.hf_text_config
-    head = model_config.get_head_size()
-    dtype = torch.bfloat16
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(hf.num_hidden_layers)]
-    if model_config.use_mla:
-        return {n: MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=head, dtype=dtype) for n in names}
-    heads = max(1, model_config.get_total_num_kv_heads() // tp)
-    types = getattr(hf, "layer_types", None) or ["full_attention"] * len(names)
-    specs: Dict[str, Any] = {}
-    shared = kv_sharing(hf)
-    for n, kind in zip(names, types):
-        if n in shared:
-            continue  # vLLM's attention layer makes no spec for a layer that reuses a cache
-        if kind in ("mamba", "linear_attention"):
-            from vllm.model_executor.models import ModelRegistry
-
-            cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config)
-            # The fields vLLM's Mamba layers set (MambaBase.get_kv_cache_spec): the cache
-            # mode and block size vLLM's config chose for the model (prefix caching makes it
-            # "align", blocks of the attention's size), padded pages, no speculative blocks.
-            cc = config.cache_config
-            specs[n] = MambaSpec(
-                shapes=tuple(cls.get_mamba_state_shape_from_config(config)),
-                dtypes=tuple(cls.get_mamba_state_dtype_from_config(config)),
-                block_size=cc.mamba_block_size or block_size,
-                page_size_padded=cc.mamba_page_size_padded,
-                mamba_cache_mode=cc.mamba_cache_mode,
-                mamba_type=mamba_kind(cls),
-            )
-        elif kind == "sliding_attention":
-            specs[n] = SlidingWindowSpec(
-                block_size=block_size, num_kv_heads=heads, head_size=head, dtype=dtype, sliding_window=hf.sliding_window
-            )
-        else:
-            specs[n] = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head, dtype=dtype)
-    return specs
-
-
-def mamba_kind(model_cls):
-    """The kind of state (``MambaAttentionBackendEnum``) of the Mamba-kind layers the model
-    class's module builds: the ``mamba_type`` their vLLM layer class declares."""
-    import inspect
-    import sys
-
-    from vllm.model_executor.layers.mamba.abstract import MambaBase
-
-    module = sys.modules[model_cls.__module__]
-    kinds = {
-        c.mamba_type.fget(None)
-        for c in vars(module).values()
-        if inspect.isclass(c) and issubclass(c, MambaBase) and not inspect.isabstract(c)
-    }
-    if len(kinds) != 1:
-        raise AssertionError(f"{model_cls.__name__}: Mamba-kind layer kinds {kinds}")
-    return kinds.pop()
+    cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config)
+    with set_current_vllm_config(config):
+        if not ps.model_parallel_is_initialized():
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            ps.init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
+            ps.initialize_model_parallel(1)
+        group = ps.get_tp_group()
+        saved = group.world_size, group.rank_in_group
+        group.world_size, group.rank_in_group = tp, 0
+        try:
+            try:
+                with torch.device("meta"):
+                    cls(vllm_config=config, prefix="")
+            except RuntimeError as e:
+                if "meta" not in str(e):
+                    raise
+                config.compilation_config.static_forward_context.clear()
+                with torch.device("cpu"):
+                    cls(vllm_config=config, prefix="")
+            # The layers read the TP size again when they make their specs.
+            specs: Dict[str, Any] = {}
+            shared: Dict[str, str] = {}
+            for name, layer in get_layers_from_vllm_config(config, AttentionLayerBase).items():
+                target = getattr(layer, "kv_sharing_target_layer_name", None)
+                if target is not None:
+                    shared[name] = target
+                    continue
+                spec = layer.get_kv_cache_spec(config)
+                if spec is not None:
+                    specs[name] = spec
+        finally:
+            group.world_size, group.rank_in_group = saved
+    return specs, shared
 
 
 class Engine:
@@ -263,7 +239,7 @@ class Engine:
         # included; on a GPU it stays on with a connector that supports it (kvlink's does):
         # what a GPU platform decides, set here.
         config.scheduler_config.disable_hybrid_kv_cache_manager = False
-        specs = layer_specs(config, tp, block_size)
+        specs, self.shared = model_specs(config, tp)
         # As the engine core does: the layout from what the backends support (all six when
         # none declares), the connector's preference and VLLM_KV_CACHE_LAYOUT.
         supported = supported or [l.name for l in KVCacheLayout]
@@ -281,6 +257,8 @@ class Engine:
         groups = kv_cache_config.kv_cache_groups
         self.layer_names = list(specs)
         self.group_of = {n: g for g, spec in enumerate(groups) for n in spec.layer_names}
+        # Per group, its tokens per block (vLLM may give groups of other kinds other sizes).
+        self.group_block_size = [g.kv_cache_spec.block_size for g in groups]
         # Per group, the sliding window in tokens (0: full attention).
         self.windows = [
             g.kv_cache_spec.sliding_window if isinstance(g.kv_cache_spec, SlidingWindowSpec) else 0 for g in groups
@@ -343,7 +321,7 @@ class Engine:
         # Cross-layer KV sharing, as the GPU model runner sets it up after allocating: the
         # layers that reuse another layer's cache are added to kv_caches as its aliases.
         for caches in self.caches:
-            for layer, target in kv_sharing(mc.hf_text_config).items():
+            for layer, target in self.shared.items():
                 caches[layer] = caches[target]
         for w, caches in zip(self.workers, self.caches):
             w.register_kv_caches(caches)
@@ -431,11 +409,12 @@ class Engine:
             for li, layer in enumerate(self.layer_names):
                 if self.group_of[layer] in self.scratch:
                     continue
-                b = self._blocks(req.request_id, layer)[pos // self.block_size]
+                size = self.group_block_size[self.group_of[layer]]
+                b = self._blocks(req.request_id, layer)[pos // size]
                 if b == 0:
                     continue  # vLLM's null block: a position a sliding window no longer keeps
                 for rank in range(len(self.workers)):
-                    slot, heads = self._slot(rank, layer, b, pos % self.block_size)
+                    slot, heads = self._slot(rank, layer, b, pos % size)
                     slot.copy_(torch.from_numpy(token_bytes(tokens[pos], pos, li, heads, slot.shape[1])))
 
     def _verify(self, req, upto: int) -> None:
@@ -461,14 +440,15 @@ class Engine:
                 if self.group_of[layer] in self.scratch:
                     continue
                 window = self.windows[self.group_of[layer]]
-                b = self._blocks(req.request_id, layer)[pos // self.block_size]
+                size = self.group_block_size[self.group_of[layer]]
+                b = self._blocks(req.request_id, layer)[pos // size]
                 # A sliding window's group: positions before the window are not kept, and vLLM
                 # frees the block of the window's first position when the next token is
                 # computed (its null block then stands there).
                 if window and (pos <= upto - window or (b == 0 and pos == upto - window + 1)):
                     continue
                 for rank in range(len(self.workers)):
-                    slot, heads = self._slot(rank, layer, b, pos % self.block_size)
+                    slot, heads = self._slot(rank, layer, b, pos % size)
                     got = slot.numpy()
                     if b == 0 or not np.array_equal(got, token_bytes(tokens[pos], pos, li, heads, got.shape[1])):
                         self.bad.append(

@@ -16,6 +16,10 @@ sys.path.insert(0, HERE)
 
 import engine_process  # noqa: E402
 
+# vLLM's CPU platform, as a CPU deployment selects it: its choices (kernels, the SSM state's
+# dtype, the blocks of each kind) are the ones the engines' own layers and allocator make here;
+# the forkserver and every engine inherit it.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 BLOCKS = 400
 LLAMA = "llama-3.1-8b"
 GPT_OSS = "gpt-oss-20b"

@@ -104,9 +104,8 @@ class _WorkerSide:
         ]
         tensors = [(regions[t[0]], *t[1:]) for t in layout]
         conv = conv_layout() if state else None
-        self.engine.set_layout(
-            tensors, self.block_size, layout_tag(first.dtype, head_major, self.kv_heads is None, conv)
-        )
+        tokens = _tokens_per_block(self.kv_cache_config, state, self.block_size)
+        self.engine.set_layout(tensors, tokens, layout_tag(first.dtype, head_major, self.kv_heads is None, conv))
         self.registered = True
         total = sum(size for _, size, _ in memory)
         logger.info(
@@ -290,6 +289,17 @@ class _WorkerSide:
         if self.metrics is not None:
             self.metrics.shutdown()
         self.engine.close()
+
+
+def _tokens_per_block(kv_cache_config: KVCacheConfig | None, state: dict, default: int) -> int:
+    """The tokens a block of the layout holds: the attention groups' block size, which vLLM
+    may raise above the configured one to give every group pages of one size (a
+    sliding-window group whose kernel wants larger blocks raises the full-attention group's
+    with it); the configured one when the groups' sizes differ or there are none."""
+    if kv_cache_config is None:
+        return default
+    sizes = {int(g.kv_cache_spec.block_size) for i, g in enumerate(kv_cache_config.kv_cache_groups) if i not in state}
+    return sizes.pop() if len(sizes) == 1 else default
 
 
 def _state_note(state: dict, conv: str | None, why_whole: str | None) -> str:
