@@ -47,6 +47,7 @@ PRELOAD = [
     "vllm.distributed.kv_transfer.kv_connector.factory",
     "vllm.distributed.kv_transfer.kv_connector.utils",
     "vllm.model_executor.models",
+    "preload_models",
 ]
 
 
