@@ -27,6 +27,8 @@ DEEPSEEK = "deepseek-v2-lite"
 GRANITE_H = "granite-4.0-h-tiny"
 QWEN3_NEXT = "qwen3-coder-next"
 GEMMA_3N = "gemma-3n-e2b"
+NEMOTRON_H = "nemotron-h-8b"
+LLAMA_4 = "llama-4-scout"
 # Long enough that only the tests' own reject/cancel/abort paths free a hold in time.
 ABORT_TIMEOUT = 300.0
 # Every engine process is forked from one server process that has imported torch and the vLLM
@@ -63,13 +65,16 @@ class Proc:
 
     def __init__(self, name: str, extra: Optional[Dict[str, Any]] = None, model: str = LLAMA, asynchronous: bool = True, **options: Any):
         """``options``: ``engine_process.Engine``'s (``tp``, ``layout``, ``kernel_block``,
-        ``block_size``, ``dp_index``, ``supported``, ``prefix_caching``), and ``conv_layout``
-        (``VLLM_SSM_CONV_STATE_LAYOUT``, SD or DS, set in the engine's process)."""
+        ``block_size``, ``dp_index``, ``supported``, ``prefix_caching``), ``conv_layout``
+        (``VLLM_SSM_CONV_STATE_LAYOUT``, SD or DS, set in the engine's process) and ``blocks``
+        (the blocks' worth of memory given to vLLM, ``BLOCKS`` unless a model's pages are
+        large)."""
         ctx = _context()
         self.conn, child = ctx.Pipe()
         extra = {"abort_timeout": ABORT_TIMEOUT, "request_timeout": 20.0, **(extra or {})}
+        blocks = options.pop("blocks", BLOCKS)
         options = dict(options, model=model, asynchronous=asynchronous)
-        self.proc = ctx.Process(target=engine_process.serve, args=(child, name, BLOCKS, extra, options), daemon=True)
+        self.proc = ctx.Process(target=engine_process.serve, args=(child, name, blocks, extra, options), daemon=True)
         self.proc.start()
         self.name = name
         self.ready: Optional[Dict[str, Any]] = None

@@ -15,11 +15,14 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import (  # noqa: E402
+    BLOCKS,
     DEEPSEEK,
     GEMMA_3N,
     GPT_OSS,
     GRANITE_H,
     LLAMA,
+    LLAMA_4,
+    NEMOTRON_H,
     QWEN3_NEXT,
     Proc,
     assert_no_leak,
@@ -29,6 +32,9 @@ from harness import (  # noqa: E402
     step_until,
     transfer,
 )
+
+# Nemotron-H's state pages are 4 MB a layer (128 heads of 64 x 128 float32): fewer of them.
+BLOCKS_OF = {NEMOTRON_H: 48}
 
 
 @pytest.mark.parametrize(
@@ -89,8 +95,8 @@ def test_cross_layer_kv_sharing(decode_tp):
 
 @pytest.mark.parametrize(
     "model, prefix_caching, conv",
-    [(GRANITE_H, True, None), (GRANITE_H, False, "DS"), (QWEN3_NEXT, True, None)],
-    ids=["granite-align", "granite-none-DS", "qwen3-next-align"],
+    [(GRANITE_H, True, None), (GRANITE_H, False, "DS"), (QWEN3_NEXT, True, None), (NEMOTRON_H, True, "DS")],
+    ids=["granite-align", "granite-none-DS", "qwen3-next-align", "nemotron-h-align-DS"],
 )
 def test_mamba_hybrid_state_and_attention_arrive_whole(model, prefix_caching, conv):
     """Granite 4.0-H (Mamba-2 and attention layers) and Qwen3-Coder-Next (gated delta net
@@ -103,7 +109,7 @@ def test_mamba_hybrid_state_and_attention_arrive_whole(model, prefix_caching, co
     caching: the running state in the block of its position) and "none" (one state block per
     request, spanning the model's length). Both conv state layouts (``VLLM_SSM_CONV_STATE_LAYOUT``
     SD, vLLM's default, and DS, where each TP-sharded piece is read as a tensor of its own)."""
-    opts = dict(model=model, prefix_caching=prefix_caching, conv_layout=conv)
+    opts = dict(model=model, prefix_caching=prefix_caching, conv_layout=conv, blocks=BLOCKS_OF.get(model, BLOCKS))
     prefill, decode = pair_of(f"state-{model}-{int(prefix_caching)}-{conv}", opts, opts)
     try:
         s = transfer(prefill, decode, 4, seed=23)
@@ -118,8 +124,8 @@ def test_mamba_hybrid_state_and_attention_arrive_whole(model, prefix_caching, co
 
 @pytest.mark.parametrize(
     "model, prefill_tp, decode_tp",
-    [(GRANITE_H, 1, 2), (GRANITE_H, 2, 1), (QWEN3_NEXT, 1, 2), (QWEN3_NEXT, 2, 1)],
-    ids=["granite-1to2", "granite-2to1", "qwen3-next-1to2", "qwen3-next-2to1"],
+    [(GRANITE_H, 1, 2), (GRANITE_H, 2, 1), (QWEN3_NEXT, 1, 2), (QWEN3_NEXT, 2, 1), (NEMOTRON_H, 1, 2), (NEMOTRON_H, 2, 1)],
+    ids=["granite-1to2", "granite-2to1", "qwen3-next-1to2", "qwen3-next-2to1", "nemotron-h-1to2", "nemotron-h-2to1"],
 )
 def test_mamba_state_between_tp_sizes_is_read_by_slice(model, prefill_tp, decode_tp):
     """A prefill and a decode of different TP sizes, conv state in vLLM's DS layout: each
@@ -130,7 +136,7 @@ def test_mamba_state_between_tp_sizes_is_read_by_slice(model, prefill_tp, decode
     Each channel of each piece is checked against the prefill's by its number over the TP
     group, so a slice from the wrong rank or offset fails."""
     name = f"state-tp{prefill_tp}to{decode_tp}-{model}"
-    p = dict(model=model, tp=prefill_tp, conv_layout="DS")
+    p = dict(model=model, tp=prefill_tp, conv_layout="DS", blocks=BLOCKS_OF.get(model, BLOCKS))
     prefill, decode = pair_of(name, p, dict(p, tp=decode_tp))
     try:
         s = transfer(prefill, decode, 3, seed=prefill_tp * 10 + decode_tp, lengths=(20, 120))
@@ -257,6 +263,37 @@ def test_hybrid_kv_cache_groups_full_and_sliding_window(prefill_tp, decode_tp):
         step_until([decode, prefill], lambda f: sum(x["engine"] == decode.name for x in f) == 5, what="hybrid")
         s = decode.call("state")
         assert s["bad"] == [] and len(s["verified"]) == 5, s
+        assert_no_leak([prefill, decode])
+    finally:
+        close(prefill, decode)
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 1), (1, 2), (2, 1)])
+def test_chunked_local_attention_reads_the_last_chunk(prefill_tp, decode_tp):
+    """Llama 4 Scout (chunked local attention layers, three in four, beside full attention;
+    its chunk cut to 64 tokens so that the prompts cross chunks): vLLM gives the chunked
+    layers a KV cache group of their own (``ChunkedLocalAttentionSpec``). The prefill holds
+    that group's blocks from the chunk of the prompt's last token on, the decode reads those
+    and every block of the full-attention group, and each position the next token attends to
+    is checked (a prompt ending on a chunk boundary included), at the same and other TP
+    sizes; then a second request sharing a prefix hits the decode's prefix cache."""
+    prefill, decode = pair_of(f"chunked{prefill_tp}{decode_tp}", dict(model=LLAMA_4, tp=prefill_tp), dict(model=LLAMA_4, tp=decode_tp))
+    try:
+        s = transfer(prefill, decode, 3, seed=41, lengths=(70, 250))
+        s = transfer(prefill, decode, 1, seed=42, lengths=(128, 129))
+        assert s["engine_stats"]["reads_done"] == 4 * decode_tp, s["engine_stats"]
+        rng = random.Random(43)
+        shared = [rng.randrange(10, 1000) for _ in range(150)]
+        for rid, extra in (("c0", 30), ("c1", 50)):
+            prompt = shared + [rng.randrange(10, 1000) for _ in range(extra)]
+            params = run_prefill(prefill, {rid: prompt})
+            decode.call("add", "d-" + rid, prompt, 2, params[rid])
+            step_until([decode, prefill], lambda f: any(x["engine"] == decode.name for x in f), what=rid)
+        s = decode.call("state")
+        assert s["bad"] == [] and {"d-c0", "d-c1"} <= set(s["verified"]), s
+        # The second reads only what follows the decode's cached prefix (9 blocks of 16 in the
+        # full-attention group): fewer blocks than the first, though its prompt is longer.
+        assert s["reads"]["d-c1"] < s["reads"]["d-c0"], s["reads"]
         assert_no_leak([prefill, decode])
     finally:
         close(prefill, decode)

@@ -2,20 +2,28 @@
 which block holds a request's running state (against vLLM's ``clip_ssm_state_blocks``), how a
 state group's read pairs, the prefill's one-token back-off on a real vLLM ``Request``, and how a
 state page splits into TP-sharded pieces (on specs from vLLM's own state shape calculator). The
-transfers themselves are in test_vllm_memory.py."""
+transfers themselves are in test_vllm_memory.py. And which KV cache kinds the connector
+refuses at start, on the specs of vLLM's own layers."""
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import replace
 from types import SimpleNamespace
 
-import pytest
-import torch
-from vllm import SamplingParams
-from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
-from vllm.v1.request import Request
+# vLLM's CPU platform, as the engines of the other tests run under (harness.py).
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from kvlink.vllm.scheduler import _pair_state, _running_state, _SchedulerSide
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from kvlink.vllm.scheduler import _group_specs, _pair_state, _running_state, _SchedulerSide  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize(
@@ -144,3 +152,28 @@ def test_state_that_cannot_be_split_says_why(conv_layout):
     assert parts is None and why is not None and "not split evenly or replicated whole" in why
     whole = replace(_spec("gdn", 2), tp_replicated=True)
     assert state_parts(whole, 2, None) == ([(0, whole.state_content_size_bytes, None)], None)
+
+
+def test_compressed_attention_is_refused_by_name():
+    """DeepSeek-V4 Flash (``models/deepseek-v4-flash``): its compressed attention layers keep
+    one latent per 4 or 128 tokens (``tokens_per_state``), not a slot per token as every read
+    assumes. On the specs vLLM's own layers make (the model built on the meta device), each
+    layer in a group of its own, the connector refuses at start, naming the kind, rather than
+    read such blocks as if they were per token. (vLLM's own planner cannot lay these specs out
+    on the CPU platform, so no engine of this model starts here.)"""
+    from engine_process import model_dir, model_specs
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    mc = ModelConfig(model=model_dir("deepseek-v4-flash"), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048)
+    config = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=16), device_config=DeviceConfig("cpu"))
+    specs, _ = model_specs(config, 1)
+    groups = [KVCacheGroupSpec([name], spec) for name, spec in specs.items()]
+    compressed = [g for g in groups if getattr(g.kv_cache_spec, "tokens_per_state", 1) > 1]
+    assert compressed, "DeepSeek-V4's layers made no compressed attention spec"
+    with pytest.raises(ValueError, match=r"holds blocks of kind MLAAttentionSpec with one state per (4|128) tokens"):
+        _group_specs(KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=groups), 16)
+    # The layers that are not compressed pass.
+    plain = [g for g in groups if getattr(g.kv_cache_spec, "tokens_per_state", 1) == 1]
+    kinds = _group_specs(KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=plain), 16)
+    assert kinds and all(k.window for k in kinds), kinds

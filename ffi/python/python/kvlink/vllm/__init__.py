@@ -63,7 +63,9 @@ prefill, which frees the blocks at once.
 
 Supported: vLLM 0.32 and 0.33 (tested); vLLM's hybrid KV cache manager (``SupportsHMA``): each KV
 cache group's blocks travel with their own block ids (full-attention groups whole,
-sliding-window groups only the blocks their window still sees; SSM state groups are refused);
+sliding-window groups only the blocks their window still sees, chunked local attention groups
+those of the next token's chunk, Mamba-kind state groups the running-state block; see
+docs/integration.md for the kinds refused at start);
 a prefill and a decode of different TP sizes when one is a multiple of the other (each decode
 rank reads its share of a prefill rank's KV heads, or gathers the heads of several prefill
 ranks; MLA latents are read whole); the KV caches vLLM allocates (one backing allocation, a

@@ -55,16 +55,34 @@ class _Group:
     """A state group's speculative scratch blocks, after its running-state block."""
     sharded: bool = False
     """A state group whose state each TP rank holds a shard of (not ``tp_replicated``)."""
+    chunk: int = 0
+    """Its attention chunk in tokens (chunked local attention: a token attends to the tokens
+    of its own chunk only), 0 otherwise."""
+
+    def first_needed(self, computed: int) -> int:
+        """The first position the next token after ``computed`` tokens attends to (vLLM's
+        ``get_num_skipped_tokens``): the window's first or the chunk's, 0 for full attention."""
+        if self.window:
+            return max(0, computed - self.window + 1)
+        if self.chunk:
+            return computed // self.chunk * self.chunk
+        return 0
 
 
 def _group_specs(kv_cache_config: KVCacheConfig | None, block_size: int) -> list[_Group]:
     """Per KV cache group, what kind of blocks it holds. Taken: full attention, MLA, sliding
-    window, and Mamba-kind state (``MambaSpec``); any other kind (chunked local attention,
-    circular buffers, ...) is refused at start, by name, rather than sent as if it were full
-    attention."""
+    window, chunked local attention, and Mamba-kind state (``MambaSpec``); any other kind
+    (circular buffers, sink attention, ...) is refused at start, by name, rather than sent as if
+    it were full attention."""
     if kv_cache_config is None:
         return [_Group(0, block_size)]
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     known: dict[type, bool] = {FullAttentionSpec: False, MLAAttentionSpec: False, SlidingWindowSpec: True}
     try:
@@ -83,11 +101,22 @@ def _group_specs(kv_cache_config: KVCacheConfig | None, block_size: int) -> list
             sharded = not getattr(spec, "tp_replicated", False)
             groups.append(_Group(0, size, state=True, scratch=scratch, sharded=sharded))
             continue
+        if kind is ChunkedLocalAttentionSpec:
+            groups.append(_Group(0, size, chunk=int(spec.attention_chunk_size)))  # type: ignore[attr-defined]
+            continue
+        compressed = int(getattr(spec, "tokens_per_state", 1) or 1)
+        if compressed != 1:
+            # A slot holds a state of several tokens (DeepSeek-V4's compressed attention): the
+            # blocks are not a slot per token, which every read here assumes.
+            raise ValueError(
+                f"KvlinkConnector: KV cache group {g} holds blocks of kind {kind.__name__} with "
+                f"one state per {compressed} tokens (compressed attention), which kvlink does not transfer"
+            )
         if kind not in known:
             raise ValueError(
                 f"KvlinkConnector: KV cache group {g} holds blocks of kind {kind.__name__}, "
                 "which kvlink does not transfer; supported: full attention, MLA, sliding "
-                "window and Mamba-kind state groups"
+                "window, chunked local attention and Mamba-kind state groups"
             )
         # The windowed kinds (True in known) all carry sliding_window.
         window = int(spec.sliding_window) if known[kind] else 0  # type: ignore[attr-defined]
@@ -142,6 +171,18 @@ def _pair_state(local_all: list[int], theirs: list[int], scratch: int) -> tuple[
     return local, remote
 
 
+def _held_blocks(ids: list[int], tail: int, group: _Group, prompt: int) -> list[int]:
+    """What a prefill holds of an attention group's blocks for a prompt of ``prompt`` tokens:
+    those of the prompt, a sliding window's last ``tail``, an attention chunk's from the chunk
+    of the prompt's last token (a decode reads from there, having computed the prompt or all
+    but its last token)."""
+    ids = ids[: math.ceil(prompt / group.block_size)]
+    if group.chunk:
+        skip = group.first_needed(max(0, prompt - 1)) // group.block_size
+        return [0] * min(skip, len(ids)) + ids[skip:]
+    return _clip(ids, tail)
+
+
 def _clip(ids: list[int], tail: int) -> list[int]:
     """A group's blocks with the positions before its last ``tail`` set to 0 (not sent)."""
     if not tail or len(ids) <= tail:
@@ -156,7 +197,6 @@ class _SchedulerSide:
         self.owner = owner
         self.block_size = owner._block_size
         self.groups = _group_specs(kv_cache_config, self.block_size)
-        self.windows = [g.window for g in self.groups]
         self.block_sizes = [g.block_size for g in self.groups]
         # The prefill holds a sliding-window group's last blocks, one more than the window
         # spans (it may not be aligned with the blocks).
@@ -165,6 +205,10 @@ class _SchedulerSide:
         # decode computes from the state it reads (as vLLM's NixlConnector does): a state
         # holds the tokens before it only, so the decode cannot recompute a token it read.
         self.backoff = 1 if any(g.state for g in self.groups) else 0
+        # With attention chunks, the decode reads the prompt but its last token: vLLM counts a
+        # load of the whole prompt as computed, drops the chunks before the next token's, then
+        # computes the last token again, whose chunk it has dropped when the prompt ends one.
+        self.leave_last = any(g.chunk for g in self.groups)
         # Why this engine's Mamba-kind state cannot be read between TP sizes (its conv layout or
         # kind), or None: then each rank reads its slice of the prefill ranks' state.
         self.state_whole: str | None = None
@@ -269,7 +313,7 @@ class _SchedulerSide:
             (len(g) * b for g, b, k in zip(remote.blocks, remote.block_sizes, self.groups) if not k.state),
             default=remote.num_tokens,
         )
-        available = min(remote.num_tokens, offered, request.num_prompt_tokens)
+        available = min(remote.num_tokens, offered, request.num_prompt_tokens - self.leave_last)
         count = available - num_computed_tokens
         self.local_hits[request.request_id] = num_computed_tokens
         if count > 0:
@@ -307,10 +351,10 @@ class _SchedulerSide:
                 remote_groups.append(state[1])
                 first_tokens.append(0)
                 continue
-            # A sliding window's group needs only the blocks of its last tokens: vLLM skips
-            # the tokens before ``total - window + 1`` (and the prefill may have freed them).
-            w = self.windows[g]
-            need = max(local_hit, total - w + 1) if w else local_hit
+            # A sliding window's or an attention chunk's group needs only the blocks of the
+            # tokens the next one attends to: vLLM skips the others (and the prefill may have
+            # freed them).
+            need = max(local_hit, self.groups[g].first_needed(total))
             sizes = (self.block_sizes[g], remote.block_sizes[g])
             paired = _pair_group(list(local_all), theirs, need, total, sizes)
             if isinstance(paired, str):
@@ -362,7 +406,7 @@ class _SchedulerSide:
             held = [
                 _running_state(list(ids), g.scratch)
                 if g.state
-                else _clip(list(ids[: math.ceil(req.num_prompt_tokens / g.block_size)]), tail)
+                else _held_blocks(list(ids), tail, g, req.num_prompt_tokens)
                 for ids, tail, g in zip(manager.get_block_ids(rid), self.tails, self.groups)
             ]
             # Held in this step, before its output (and the request's transfer parameters)
