@@ -25,7 +25,10 @@ options:
                       (the same-host path first when the engines share a host
                       and their memory can be shared), tcp, rdma or local
                       (same host only)                                  [network]
-  --preset NAME       llama-3-8b, llama-3-70b-tp8, deepseek-v3-mla, qwen2.5-7b [llama-3-8b]
+  --preset NAME       llama-3-8b, llama-3-70b-tp8, deepseek-v3-mla, qwen2.5-7b, or the
+                      hybrid nemotron-h-8b (4 attention layers, 24 Mamba-2 state layers:
+                      each request one state page per state layer beside its attention
+                      blocks; loopback also runs llama-3-8b for comparison) [llama-3-8b]
   --block-bytes N     custom layout instead of a preset: blocks of N bytes (K/M suffixes),
                       one token per block, so --tokens counts blocks
   --tensors N         custom layout: tensors per block                   [1]
@@ -130,7 +133,41 @@ pub(crate) struct Args {
     pub(crate) tp_given: bool,
     /// The prefill's tokens per block when they differ from the decode's (`shape`'s).
     pub(crate) prefill_block_tokens: Option<u32>,
+    /// A hybrid preset's per-request state (its attention layers are `shape`).
+    pub(crate) state: Option<StateShape>,
 }
+
+/// The state layers of a hybrid model (Mamba-2's conv and SSM state): each request holds one
+/// page per state layer, in a block group of their own beside the attention blocks, as vLLM's
+/// hybrid KV cache groups hold them (one page size for both groups).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StateShape {
+    /// State layers.
+    pub(crate) layers: u32,
+    /// Bytes of one layer's state at TP 1 (each rank holds an equal share of it).
+    pub(crate) page_bytes: u64,
+}
+
+/// Nemotron-H 8B: 52 layers, of which 4 attention (8 KV heads of 128, bf16) and 24 Mamba-2
+/// (128 heads of 64, state 128, 8 groups, conv kernel 4): a state page of 3 x 10,240 bf16 conv
+/// values and 128 x 64 x 128 float32 SSM values. The attention blocks hold 1,040 tokens, the
+/// smallest multiple of 16 whose K and V pages are as large as a state page (vLLM raises the
+/// attention block size of a hybrid model the same way to give both groups one page size).
+pub(crate) const NEMOTRON_H_8B: (ModelShape, StateShape) = (
+    ModelShape {
+        name: "nemotron-h-8b",
+        layers: 4,
+        tensors_per_layer: 2,
+        bytes_per_token: 8 * 128 * 2,
+        kv_heads: 8,
+        tokens_per_block: 1040,
+        dtype: "bf16",
+    },
+    StateShape {
+        layers: 24,
+        page_bytes: 3 * 10_240 * 2 + 128 * 64 * 128 * 4,
+    },
+);
 
 fn parse_size(s: &str) -> Result<u64, String> {
     let (num, mult) = match s.trim().to_ascii_uppercase() {
@@ -191,6 +228,7 @@ impl Default for Args {
             groups: 1,
             tp_given: false,
             prefill_block_tokens: None,
+            state: None,
         }
     }
 }
@@ -308,8 +346,14 @@ fn workload_option(
     match flag {
         "preset" => {
             let name = val(p)?;
+            a.state = None;
+            if name == NEMOTRON_H_8B.0.name {
+                (a.shape, a.state) = (NEMOTRON_H_8B.0, Some(NEMOTRON_H_8B.1));
+                return Ok(true);
+            }
             a.shape = ModelShape::preset(&name).ok_or_else(|| {
-                let names: Vec<&str> = ModelShape::PRESETS.iter().map(|p| p.name).collect();
+                let mut names: Vec<&str> = ModelShape::PRESETS.iter().map(|p| p.name).collect();
+                names.push(NEMOTRON_H_8B.0.name);
                 format!("unknown preset {name:?}; known: {}", names.join(", "))
             })?;
         }
@@ -406,7 +450,11 @@ impl Args {
 
     /// Whether the run takes the TP-group driver (TP sizes or block groups given, even 1).
     pub(crate) fn tp_run(&self) -> bool {
-        self.tp_given || self.prefill_tp != 1 || self.decode_tp != 1 || self.groups != 1
+        self.tp_given
+            || self.prefill_tp != 1
+            || self.decode_tp != 1
+            || self.groups != 1
+            || self.state.is_some()
     }
 
     pub(crate) fn blocks_per_request(&self) -> u32 {

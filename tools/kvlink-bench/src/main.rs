@@ -51,16 +51,31 @@ fn main() -> ExitCode {
     }
 }
 
+/// The dense preset (llama-3-8b) with `args`' other options, through the same driver, for a
+/// hybrid preset's report.
+fn dense_beside(args: &Args) -> Result<(Args, outcome::Outcome), String> {
+    let dense = Args {
+        shape: kvlink::ModelShape::LLAMA3_8B,
+        state: None,
+        ..args.clone()
+    };
+    let o = tp::loopback_tp(&dense, &mut Rng::for_run(dense.seed))?;
+    Ok((dense, o))
+}
+
 /// Runs the mode `args` chose.
 fn run(args: Args) -> Result<(), String> {
     let mut rng = Rng::for_run(args.seed);
     match args.mode {
         Mode::Loopback => {
-            let o = if args.tp_run() {
+            let mut o = if args.tp_run() {
                 tp::loopback_tp(&args, &mut rng)?
             } else {
                 drive::loopback(&args, &mut rng)?
             };
+            if args.state.is_some() {
+                o.dense = Some(Box::new(dense_beside(&args)?));
+            }
             report(&args, "loopback", &o);
         }
         Mode::Sweep => sweep::sweep(&args)?,

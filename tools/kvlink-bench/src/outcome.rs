@@ -14,6 +14,9 @@ pub(crate) struct Outcome {
     pub(crate) reference_gbps: Option<f64>,
     /// Bytes staged out (prefill) and in (decode) during the run.
     pub(crate) staged: (u64, u64),
+    /// A hybrid preset's run: the dense preset's, run just before it in the same process with
+    /// the same options, to report beside it.
+    pub(crate) dense: Option<Box<(crate::args::Args, Outcome)>>,
 }
 
 /// CPU time (user + system) of this process so far, in seconds, from /proc/self/stat.

@@ -62,7 +62,8 @@ impl Summary {
             p99: percentile(&lat, 0.99),
             max: lat.last().copied().unwrap_or_default(),
             pieces: u64::from(args.blocks_per_request())
-                * (args.shape.layers * args.shape.tensors_per_layer) as u64,
+                * (args.shape.layers * args.shape.tensors_per_layer) as u64
+                + args.state.map_or(0, |s| u64::from(s.layers)),
             pattern: format!("{:?}", args.pattern).to_lowercase(),
             transport: o.reports.first().map(|r| r.transport).unwrap_or("tcp"),
         }
@@ -81,16 +82,64 @@ pub(crate) fn report(args: &Args, mode: &str, o: &Outcome) {
 
 fn print_json(args: &Args, mode: &str, o: &Outcome, s: &Summary) {
     println!(
-            "{{\"mode\":\"{mode}\",\"transport\":\"{transport}\",\"preset\":\"{}\",\"tokens\":{},\"pattern\":\"{pattern}\",\"requests\":{},\"concurrency\":{},\"streams\":{},\"qps\":{},\"batch_bytes\":{},\"bytes\":{bytes},\"seconds\":{secs:.6},\"gb_per_s\":{gbps:.4},\"bytes_per_request\":{per_bytes},\"segments_per_request\":{},\"pieces_per_request\":{pieces},\"segments_per_s\":{:.1},\"work_requests_per_s\":{:.1},\"cpu_seconds\":{:.3},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"verified_bytes\":{},\"memory\":\"{}\",\"reference_gb_per_s\":{},\"bytes_staged_out\":{},\"bytes_staged_in\":{},\"prefill_tp\":{},\"decode_tp\":{},\"groups\":{},\"head_layout\":\"{}\"}}",
+            "{{\"mode\":\"{mode}\",\"transport\":\"{transport}\",\"preset\":\"{}\",\"tokens\":{},\"pattern\":\"{pattern}\",\"requests\":{},\"concurrency\":{},\"streams\":{},\"qps\":{},\"batch_bytes\":{},\"bytes\":{bytes},\"seconds\":{secs:.6},\"gb_per_s\":{gbps:.4},\"bytes_per_request\":{per_bytes},\"segments_per_request\":{},\"pieces_per_request\":{pieces},\"segments_per_s\":{:.1},\"work_requests_per_s\":{:.1},\"cpu_seconds\":{:.3},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"verified_bytes\":{},\"memory\":\"{}\",\"reference_gb_per_s\":{},\"bytes_staged_out\":{},\"bytes_staged_in\":{},\"prefill_tp\":{},\"decode_tp\":{},\"groups\":{},\"head_layout\":\"{}\"{extra}}}",
             args.shape.name, args.tokens, o.reports.len(), args.concurrency, args.streams, args.qps, args.batch_bytes,
             s.segments / s.n, s.segments as f64 / s.secs, s.wrs as f64 / s.secs, o.cpu,
             s.p50.as_secs_f64() * 1e3, s.p99.as_secs_f64() * 1e3, s.max.as_secs_f64() * 1e3, o.verified,
             memory_name(args.memory), o.reference_gbps.map_or("null".to_string(), |r| format!("{r:.4}")),
-            o.staged.0, o.staged.1, args.prefill_tp, args.decode_tp, args.groups,
+            o.staged.0, o.staged.1, args.prefill_tp, args.decode_tp, args.groups + u32::from(args.state.is_some()),
             if args.head_major { "hnd" } else { "nhd" },
             transport = s.transport, pattern = s.pattern, bytes = s.bytes, secs = s.secs,
-            gbps = s.gbps, per_bytes = s.per_bytes, pieces = s.pieces,
+            gbps = s.gbps, per_bytes = s.per_bytes, pieces = s.pieces, extra = hybrid_json(args, o),
         );
+}
+
+/// A hybrid preset's state and the dense preset's run beside it, as JSON fields (with their
+/// leading comma), or nothing.
+fn hybrid_json(args: &Args, o: &Outcome) -> String {
+    let Some(state) = args.state else {
+        return String::new();
+    };
+    let mut out = format!(
+        ",\"state_layers\":{},\"state_page_bytes\":{}",
+        state.layers, state.page_bytes
+    );
+    if let Some(d) = &o.dense {
+        let ds = Summary::of(&d.0, &d.1);
+        out += &format!(
+            ",\"dense\":{{\"preset\":\"{}\",\"bytes_per_request\":{},\"gb_per_s\":{:.4},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3}}}}}",
+            d.0.shape.name,
+            ds.per_bytes,
+            ds.gbps,
+            ds.p50.as_secs_f64() * 1e3,
+            ds.p99.as_secs_f64() * 1e3
+        );
+    }
+    out
+}
+
+/// A hybrid preset's lines: its state, and the dense preset's run beside it.
+fn print_hybrid(args: &Args, o: &Outcome, gbps: f64) {
+    let Some(state) = args.state else {
+        return;
+    };
+    println!(
+        "  state      {} state layers, one page of {} each per request (block group 1, beside the attention blocks' group 0), read whole",
+        state.layers,
+        fmt_bytes((state.page_bytes / u64::from(args.decode_tp)) as f64)
+    );
+    if let Some(d) = &o.dense {
+        let ds = Summary::of(&d.0, &d.1);
+        println!(
+            "  dense      {} in the same run, same options: {:.2} GB/s ({} per request), p50 {:.1} ms p99 {:.1} ms; this run: {:.2}x of its GB/s",
+            d.0.shape.name,
+            ds.gbps,
+            fmt_bytes(ds.per_bytes as f64),
+            ds.p50.as_secs_f64() * 1e3,
+            ds.p99.as_secs_f64() * 1e3,
+            gbps / ds.gbps.max(1e-9)
+        );
+    }
 }
 
 // Long: one println per line of the report, in the order they print.
@@ -129,8 +178,12 @@ fn print_text(args: &Args, mode: &str, o: &Outcome, sum: &Summary) {
             } else {
                 String::new()
             },
-            args.groups,
-            if args.groups == 1 { "" } else { "s" },
+            args.groups + u32::from(args.state.is_some()),
+            if args.groups == 1 && args.state.is_none() {
+                ""
+            } else {
+                "s"
+            },
             if args.head_major {
                 "head-major (HND)"
             } else {
@@ -179,6 +232,7 @@ fn print_text(args: &Args, mode: &str, o: &Outcome, sum: &Summary) {
         p99.as_secs_f64() * 1e3,
         max.as_secs_f64() * 1e3
     );
+    print_hybrid(args, o, gbps);
     if args.memory != Memory::Host {
         let (out, inn) = o.staged;
         println!(

@@ -143,15 +143,15 @@ impl TpRun<'_> {
             while submitted < count {
                 let Some(slot) = free_slots.pop() else { break };
                 let (mut l, mut r) = (Vec::new(), Vec::new());
-                for _ in 0..groups {
-                    let (lg, rg) = pick(
-                        rng,
-                        args.pattern,
-                        (per, per),
-                        slot * span,
-                        span,
-                        remote_blocks,
-                    );
+                for g in 0..groups {
+                    // A hybrid model's state group: one page per request.
+                    let n = if args.state.is_some() && g == 1 {
+                        1
+                    } else {
+                        per
+                    };
+                    let (lg, rg) =
+                        pick(rng, args.pattern, (n, n), slot * span, span, remote_blocks);
                     l.push(lg);
                     r.push(rg);
                 }

@@ -32,9 +32,12 @@ pub(crate) fn make_cache_of(
     seed: u64,
     tp: TpRank,
 ) -> Result<Cache, String> {
-    let bytes = shape
+    let attention = shape
         .region_bytes_tp(blocks, tp.size)
         .map_err(|e| e.to_string())?;
+    let page = args.state.map_or(0, |s| s.page_bytes / u64::from(tp.size));
+    let states = args.state.map_or(0, |s| s.layers);
+    let bytes = attention + page * u64::from(blocks) * u64::from(states);
     let region = match args.memory {
         Memory::Host => engine.allocate_host(bytes, false),
         Memory::Gpu(api) => engine.allocate_device(api, args.gpu, bytes),
@@ -50,6 +53,20 @@ pub(crate) fn make_cache_of(
         .map_err(|e| e.to_string())?;
     for (i, t) in layout.tensors.iter_mut().enumerate() {
         t.group = (i as u32 / shape.tensors_per_layer) % args.groups;
+    }
+    // A hybrid model's state pages: one per layer and block, read whole, in group 1.
+    for layer in 0..states {
+        layout.tensors.push(kvlink::TensorLayout {
+            name: format!("state{layer}"),
+            region: region.id(),
+            offset: attention + u64::from(layer) * page * u64::from(blocks),
+            block_stride: page,
+            block_bytes: page,
+            num_blocks: blocks,
+            group: 1,
+            heads: None,
+            token_runs: None,
+        });
     }
     engine
         .set_layout(layout.clone())

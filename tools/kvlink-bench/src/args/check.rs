@@ -25,6 +25,7 @@ pub(super) fn settle_shape(a: &mut Args, shape: ShapeOptions) -> Result<(), Stri
         };
     }
     check_tp(a)?;
+    check_state(a, shape.block_bytes.is_some())?;
     if let Some(t) = shape.block_tokens {
         if t == 0 || shape.block_bytes.is_some() {
             return Err(
@@ -35,6 +36,36 @@ pub(super) fn settle_shape(a: &mut Args, shape: ShapeOptions) -> Result<(), Stri
         a.shape.tokens_per_block = t;
     }
     check_block_sizes(a, shape.block_bytes.is_some())
+}
+
+/// A hybrid preset's state: read whole by a decode of the prefill's TP size (its pages
+/// declare no heads), in the block group after the attention layers' one.
+fn check_state(a: &Args, custom: bool) -> Result<(), String> {
+    let Some(state) = a.state else {
+        return Ok(());
+    };
+    if custom {
+        return Err("--block-bytes makes a custom layout, which has no state layers".into());
+    }
+    if a.prefill_tp != a.decode_tp {
+        return Err(format!(
+            "{}: the state pages are read whole, so the prefill and decode TP sizes must be equal (got {} and {})",
+            a.shape.name, a.prefill_tp, a.decode_tp
+        ));
+    }
+    if a.groups != 1 || a.prefill_block_tokens.is_some() {
+        return Err(format!(
+            "{}: its attention layers are block group 0 and its state layers group 1; --groups and --prefill-block-tokens do not apply",
+            a.shape.name
+        ));
+    }
+    if state.page_bytes % u64::from(a.prefill_tp) != 0 {
+        return Err(format!(
+            "{}: a state page of {} bytes does not split evenly over TP {}",
+            a.shape.name, state.page_bytes, a.prefill_tp
+        ));
+    }
+    Ok(())
 }
 
 /// The TP sizes pair, the rank is one of its group's, the groups fit the layers, and the

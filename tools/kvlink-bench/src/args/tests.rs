@@ -204,3 +204,53 @@ fn each_mistake_is_named() {
         assert!(e.contains(want), "{args:?}: {e}");
     }
 }
+
+#[test]
+fn the_hybrid_preset_has_state_and_pairs_equal_tp_sizes_only() {
+    let a = parse_from(["--preset", "nemotron-h-8b"]).unwrap();
+    let state = a.state.expect("state layers");
+    assert_eq!((a.shape.layers, state.layers), (4, 24));
+    // A state page: 3 x 10,240 bf16 conv values and 128 x 64 x 128 float32 SSM values; the
+    // attention blocks' K and V pages at least as large.
+    assert_eq!(state.page_bytes, 61_440 + 4_194_304);
+    assert!(a.shape.block_bytes() * 2 >= state.page_bytes);
+    assert!(a.tp_run(), "block groups take the TP-group driver");
+    let a = parse_from([
+        "--preset",
+        "nemotron-h-8b",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "2",
+    ])
+    .unwrap();
+    assert_eq!((a.prefill_tp, a.decode_tp), (2, 2));
+    // Choosing another preset after it drops the state.
+    let a = parse_from(["--preset", "nemotron-h-8b", "--preset", "qwen2.5-7b"]).unwrap();
+    assert!(a.state.is_none());
+    for (args, says) in [
+        (
+            &[
+                "--preset",
+                "nemotron-h-8b",
+                "--prefill-tp",
+                "1",
+                "--decode-tp",
+                "2",
+            ][..],
+            "TP sizes must be equal (got 1 and 2)",
+        ),
+        (
+            &["--preset", "nemotron-h-8b", "--groups", "2"][..],
+            "--groups",
+        ),
+        (
+            &["--preset", "nemotron-h-8b", "--block-bytes", "4K"][..],
+            "no state layers",
+        ),
+        (&["--preset", "mamba"][..], "nemotron-h-8b"),
+    ] {
+        let e = parse_from(args.iter().copied()).unwrap_err();
+        assert!(e.contains(says), "{args:?}: {e}");
+    }
+}
