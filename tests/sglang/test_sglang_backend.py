@@ -467,3 +467,35 @@ def test_a_parallel_size_sglang_has_not_published_stops_the_backend_at_start():
             ks.KvlinkKVManager(a, DisaggregationMode.DECODE, sa)
     finally:
         p.override_permanently(**saved)
+
+
+def test_which_state_types_a_decode_of_another_tp_size_reads_by_head():
+    """SWA pages of a known layout are read by head (token-major pages repeat the local heads
+    once per token); every other state type, or SWA pages whose heads or layout are unknown,
+    only between equal attention TP sizes, with the reason the route then gives."""
+    from kvlink.sglang import states
+
+    assert states.page_heads("swa", (8, 4), 16, "nhd") == (8, 4, 16)
+    assert states.page_heads("swa", (8, 4), 16, "hnd") == (8, 4, 1)
+    for args in (("swa", None, 16, "nhd"), ("swa", (8, 4), 16, "vectorized_5d"), ("mamba", (8, 4), 16, "nhd")):
+        assert states.page_heads(*args) is None, args
+    assert states.split_reason("swa", True) is None
+    assert "heads are not known" in states.split_reason("swa", False)
+    assert states.split_reason("mamba", False) == (
+        "kvlink reads SGLang's mamba state whole, between equal attention TP sizes only"
+    )
+
+
+def test_state_engine_addresses_come_per_type_in_rank_order_and_hostile_ones_are_dropped():
+    from kvlink.sglang import bootstrap, states
+
+    ranks = [{"state_addrs": ["a:1", "b:1"]}, {"state_addrs": ["a:2"]}, {"state_addrs": "x"}, {}]
+    assert states.addresses(ranks, 2) == [["a:1", "a:2", "", ""], ["b:1", "", "", ""]]
+    assert states.addresses([{"state_addrs": [7]}], 1) == [[""]]
+    entry = {"dp_rank": 0, "tp_rank": 0, "tp_size": 1, "dp_size": 1, "page_size": 16,
+             "addr": "h:1", "dtype": "auto", "engine_id": "e"}
+    assert bootstrap._check_entry(dict(entry, state_addrs=["h:2", ""]))["state_addrs"] == ["h:2", ""]
+    assert bootstrap._check_entry(entry)["state_addrs"] == []
+    for bad in (["h:2"] * 17, "h:2", [3], ["x" * 257]):
+        with pytest.raises(ValueError, match="state_addrs"):
+            bootstrap._check_entry(dict(entry, state_addrs=bad))

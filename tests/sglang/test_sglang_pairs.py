@@ -69,13 +69,17 @@ def test_mla_latents_move_whole_between_attention_tp_sizes(prefill, decode):
     assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum)
 
 
-def test_a_hybrid_sliding_window_model_moves_its_window_as_sglangs_swa_state():
+@pytest.mark.parametrize("prefill,decode", [({"tp": 1}, {"tp": 1}), ({"tp": 1}, {"tp": 2}), ({"tp": 2}, {"tp": 1})],
+                         ids=["1to1", "1to2", "2to1"])
+def test_a_hybrid_sliding_window_model_moves_its_window_as_sglangs_swa_state(prefill, decode):
     """gpt-oss (sliding-window layers of 128 tokens alternating with full-attention ones): SGLang's
     SWAKVPool and SWA allocator on both sides; the full layers' pages move as KV, the window's
     pages of the sliding-window layers as SGLang's SWA state, each in its own index space. The
-    decode checks every full layer whole and every sliding-window layer over the window."""
+    decode checks every full layer whole and every sliding-window layer over the window, head
+    by head: between attention TP sizes each decode rank reads its heads of the SWA pages as of
+    the KV pages (from the one prefill rank that holds them, or gathered from two)."""
     reqs = mixed_requests(17, 6) + [{"rid": "long", "room": 9001, "n": 700, "chunk": 64}]
-    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs, model="gpt-oss-20b")
+    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs, prefill=prefill, decode=decode, model="gpt-oss-20b")
     assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum)
 
 

@@ -194,6 +194,10 @@ def _check_entry(d: Any) -> dict[str, Any]:
     ):
         raise ValueError("states must list at most 16 state type names")
     out["states"] = kinds
+    addrs = d.get("state_addrs", [])
+    if not isinstance(addrs, list) or len(addrs) > 16 or not all(isinstance(a, str) and len(a) <= 256 for a in addrs):
+        raise ValueError("state_addrs must list at most 16 addresses")
+    out["state_addrs"] = addrs
     # The prefill's HTTP API port, where a decode sends a retracted request back (optional).
     port = d.get("http_port")
     if port is not None:

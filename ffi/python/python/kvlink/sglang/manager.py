@@ -182,16 +182,24 @@ class KvlinkKVManager(BaseKVManager):
         if len(self.state_types) != len(state_ptrs):
             raise ValueError(f"kvlink: {len(state_ptrs)} state buffers but {len(self.state_types)} state types")
         self.states: list[kvlink.Engine | None] = []
+        # Per state type, why a decode of another attention TP size cannot read it (None: by
+        # head, on an engine that is this rank of the attention-TP group, as the KV engine).
+        self.state_split: list[str | None] = []
+        swa_layout = getattr(args, "swa_kv_cache_layout", None)
         for i, ptrs in enumerate(state_ptrs):
+            heads = states.page_heads(self.state_types[i], self.heads, self.page_size, swa_layout)
+            self.state_split.append(states.split_reason(self.state_types[i], heads is not None))
+            tp = dict(tp_rank=self.tp_rank, tp_size=self.tp_size) if heads else {}
             self.states.append(
                 self._engine(
                     listen,
-                    opts,
+                    dict(opts, **tp),
                     ptrs,
                     args.state_data_lens[i],
                     args.state_item_lens[i],
                     1,
                     f"sglang-{self.state_types[i]}",
+                    heads,
                 )
                 if ptrs
                 else None
@@ -247,6 +255,9 @@ class KvlinkKVManager(BaseKVManager):
             "dtype": self.dtype,
             "heads": self.heads is not None,
             "states": self.state_types,
+            # Each state type's engine ("" where this rank has no buffer of it): a decode of
+            # another attention TP size reads the types it can split from the group's ranks.
+            "state_addrs": [e.handshake_address if e is not None else "" for e in self.states],
         }
         http_port = getattr(sa, "port", None)
         if isinstance(http_port, int) and 0 < http_port < 65536:
@@ -287,6 +298,13 @@ class KvlinkKVManager(BaseKVManager):
             for key in [k for k in table if k[0] == bootstrap_addr]:
                 del table[key]
 
+    def _unsplittable(self) -> str | None:
+        """Why this rank's state cannot be read from a prefill of another attention TP size."""
+        for name, engine, why in zip(self.state_types, self.states, self.state_split):
+            if engine is not None and why is not None:
+                return f"{name} state: {why}"
+        return None
+
     def route(self, bootstrap_addr: str, dp_rank: int) -> dict[str, Any]:
         """The prefill ranks this decode rank reads from: ``addrs`` and ``engine_ids`` of the
         whole attention-TP group of DP group ``dp_rank`` (rank order, as kvlink's reads take
@@ -316,18 +334,20 @@ class KvlinkKVManager(BaseKVManager):
                     "known on both sides (its configuration could not be read), so pages cannot "
                     "be split by head"
                 )
-            if any(e is not None for e in self.states):
-                raise ValueError(
-                    f"prefill attention TP {p}, decode {d}: kvlink moves state types (mamba, "
-                    "sliding window, ...) only between equal attention TP sizes"
-                )
+            why = self._unsplittable()
+            if why is not None:
+                raise ValueError(f"prefill attention TP {p}, decode {d}: {why}")
         ranks = self.groups.get((bootstrap_addr, dp_rank))
         if ranks is None or len(ranks) != p:
             raise ValueError(f"prefill DP group {dp_rank} is not registered at {bootstrap_addr}")
+        state_addrs = states.addresses(ranks, len(self.states))
+        if p != d and any(e is not None and not all(state_addrs[i]) for i, e in enumerate(self.states)):
+            raise ValueError(f"prefill attention TP {p}, decode {d}: the prefill's ranks named no state engines")
         r = {
             "addrs": [x["addr"] for x in ranks],
             "engine_ids": [x["engine_id"] for x in ranks],
             "sources": list(sources),
+            "state_addrs": state_addrs,
             "http_port": ranks[0].get("http_port"),
         }
         self.routes[key] = r

@@ -96,7 +96,8 @@ class KvlinkKVReceiver(Room, BaseKVReceiver):
         aux = self.aux_index is not None and mgr.aux is not None
         self.inbox = {route["engine_ids"][s]: [] for s in route["sources"]}
         for j, s in enumerate(route["sources"]):
-            # The first source also sends the aux row and the states (whole on every rank).
+            # The first source also sends the aux row, and the states when they are whole on
+            # every rank; between attention TP sizes each source holds its heads of them.
             body = wire.want(
                 self.bootstrap_room,
                 self.nonce,
@@ -104,7 +105,7 @@ class KvlinkKVReceiver(Room, BaseKVReceiver):
                 len(local),
                 int(decode_prefix_len or 0),
                 aux and j == 0,
-                counts if j == 0 else [0] * len(counts),
+                counts if j == 0 or _split(route, mgr) else [0] * len(counts),
                 readers,
                 (mgr.tp_rank, mgr.tp_size),
             )
@@ -154,6 +155,12 @@ class KvlinkKVReceiver(Room, BaseKVReceiver):
                     f"pages {m['first']}+{len(m['pages'])}, {other['id']} pages {other['first']}+"
                     f"{len(other['pages'])})",
                     tell_peer=True,
+                )
+        if m["last"] and _split(route, self.kv_mgr):
+            theirs = [_state_spaces(h) for h in heads]
+            if any(t != theirs[0] for t in theirs[1:]):
+                return self._fail(
+                    f"the prefill ranks announced their state rows differently ({theirs})", tell_peer=True
                 )
         pages, first = m["pages"], m["first"]
         if first != self.next_page or first + len(pages) > len(local):
@@ -223,7 +230,10 @@ class KvlinkKVReceiver(Room, BaseKVReceiver):
                 mine, theirs = states.pair(mgr.state_types[i], s["indices"], local, s["ring"], ring)
                 if not mine:
                     raise ValueError(f"{mgr.state_types[i]} state: the prefill sent no rows to read")
-                reads.append((engine, s["addr"], f"{tag}.s{i}", f"s{i}", mine, theirs, s))
+                # Between attention TP sizes, its heads from the ranks it pairs with.
+                assert self.route is not None  # set before any chunk is read
+                peer = self.route["state_addrs"][i] if _split(self.route, mgr) else s["addr"]
+                reads.append((engine, peer, f"{tag}.s{i}", f"s{i}", mine, theirs, s))
         if self.aux_index is not None and mgr.aux is not None and not any(s["space"] == "aux" for s in spaces):
             raise ValueError("the prefill sent no aux row")
         got = {s["space"] for s in spaces}
@@ -321,3 +331,15 @@ def _engine_id(engine: kvlink.Engine | None) -> str:
     if engine is None:
         raise RuntimeError("kvlink: a state type with rows to read has no engine")
     return engine.engine_id
+
+
+def _split(route: dict[str, Any], mgr: Any) -> bool:
+    """Whether the prefill's attention TP size differs from this decode's: its state types are
+    then read by head from every prefill rank this rank pairs with (the manager refused the
+    route for types it cannot split)."""
+    return len(route["addrs"]) != mgr.tp_size
+
+
+def _state_spaces(chunk: dict[str, Any]) -> list[tuple]:
+    """What a last chunk says of its state rows, to compare between prefill ranks."""
+    return [(s["space"], s["id"], s["hold"], s["indices"]) for s in chunk["spaces"] if s["space"] != "aux"]

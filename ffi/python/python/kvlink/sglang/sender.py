@@ -283,7 +283,9 @@ class KvlinkKVSender(Room, BaseKVSender):
             if not indices:
                 continue
             rid = f"sgl{room}.{want['nonce']:x}.s{i}"
-            hold = engine.hold_blocks(rid, indices, reader=want["readers"]["states"][i])
+            # One token on every prefill rank: a decode of another attention TP size reads its
+            # heads of the rows from several ranks in one read.
+            hold = engine.hold_blocks(rid, indices, reader=want["readers"]["states"][i], token=_hold_token(rid))
             self._track(rid, f"s{i}")
             spaces.append(
                 {

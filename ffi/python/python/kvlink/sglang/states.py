@@ -15,6 +15,11 @@ whole rows, block-granular, on an engine of the type's own. The payloads SGLang 
 - paged types (``swa``, ``dsa``, ``block_scale``, ``block_scale_swa``, ``minimax_*``): a
   difference of length is tolerated as SGLang's own backends tolerate it (the window may
   drift by a page): both lists are cut to the shorter one's length.
+
+Between different attention TP sizes, a decode rank reads the ``swa`` pages by KV head, as it
+reads the KV pages (SGLang's SWA sub-pool holds the sliding-window layers' K and V in pages
+of the same heads); the other types are read whole, between equal TP sizes only
+(``split_reason``).
 """
 
 from __future__ import annotations
@@ -73,3 +78,40 @@ def pair(
         raise ValueError(f"{state_type} state: the prefill sent {len(p)} indices, this decode expects {len(d)}")
     n = min(len(p), len(d))
     return d[:n], p[:n]
+
+
+def page_heads(state_type: str, heads: tuple | None, page_size: int, swa_layout: str | None) -> tuple | None:
+    """``(total, local, runs)`` KV heads of a state type's pages when a decode of another
+    attention TP size can read them by head (``swa`` pages of a known layout: token-major
+    ``nhd`` repeats the local heads once per token, head-major ``hnd`` holds each head's
+    tokens together), else None."""
+    if state_type != "swa" or heads is None or swa_layout not in ("nhd", "hnd"):
+        return None
+    return (heads[0], heads[1], page_size if swa_layout == "nhd" else 1)
+
+
+def split_reason(state_type: str, by_head: bool) -> str | None:
+    """Why a decode of another attention TP size cannot read this state type (None: it reads
+    its heads of it)."""
+    if by_head:
+        return None
+    if state_type == "swa":
+        return (
+            "its pages' heads are not known (the model configuration could not be read, or "
+            "SGLang's SWA pool layout is not nhd or hnd)"
+        )
+    return f"kvlink reads SGLang's {state_type} state whole, between equal attention TP sizes only"
+
+
+def addresses(ranks: list[dict[str, Any]], n: int) -> list[list[str]]:
+    """Per state type, its engine's address on each prefill rank of a group (rank order; ""
+    where a rank named none)."""
+    out = []
+    for i in range(n):
+        per = []
+        for r in ranks:
+            named = r.get("state_addrs")
+            a = named[i] if isinstance(named, list) and i < len(named) else ""
+            per.append(a if isinstance(a, str) else "")
+        out.append(per)
+    return out
