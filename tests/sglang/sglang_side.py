@@ -4,7 +4,8 @@ inflight queue; ``DecodePreallocQueue``, ``DecodeTransferQueue``), its KV pool a
 allocator (sized by SGLang's ``ModelConfig`` from a real model's ``config.json`` in
 tests/vllm/models, cut to 4 layers: Llama 3.1 8B's ``MHATokenToKVPool`` with 8 KV heads of 128,
 DeepSeek-V2-Lite's ``MLATokenToKVPool``, gpt-oss-20b's hybrid ``SWAKVPool`` with its SWA
-allocator), metadata buffers, with kvlink's backend loaded through SGLang's own plugin loader. Parallel sizes are SGLang's own (``ServerArgs`` with ``tp_size``, ``dp_size``,
+allocator; for Qwen3-Coder-Next and Nemotron-H, SGLang's request pool with its ``MambaPool``
+and a ``HybridLinearKVPool`` of the attention layers: ``mamba_side``), metadata buffers, with kvlink's backend loaded through SGLang's own plugin loader. Parallel sizes are SGLang's own (``ServerArgs`` with ``tp_size``, ``dp_size``,
 ``enable_dp_attention``, published with ``publish``; gloo groups for its all-reduces). Only the
 model's forward and the scheduler loop are stand-ins: the prefill writes each token's K and V as
 a function of (room, position, layer, global head, dim) and its first output token as a function
@@ -32,6 +33,8 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import mamba_side  # noqa: E402
+
 PAGE = 16
 POOL_TOKENS = 8192
 MODELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vllm", "models")
@@ -53,6 +56,11 @@ class Shape:
         # as SGLang's SWA state.
         self.swa = bool(getattr(self.config, "is_hybrid_swa", False))
         self.window = self.config.sliding_window_size if self.swa else None
+        # Hybrid linear-attention models (gated delta net): SGLang's mamba state pool beside a
+        # KV pool of the full-attention layers only (mamba_side).
+        self.rank, self.tp = attn_tp_rank, attn_tp_size
+        self.mamba = mamba_side.cache_params(self.config)
+        self.attn_layers = [i for i in range(self.layers) if self.mamba is None or i not in self.mamba.layers]
         self.total = self.config.get_total_num_kv_heads()
         self.heads = self.config.get_num_kv_heads(attn_tp_size)
         self.head_dim = self.config.head_dim
@@ -91,8 +99,11 @@ def sub_pool(pool, alloc, shape: Shape, layer: int, loc: torch.Tensor):
 
 def write_kv(pool, alloc, shape: Shape, room: int, loc: torch.Tensor, positions: torch.Tensor) -> None:
     """The stand-in forward: every layer's KV of these tokens, as a function of the room."""
-    for layer in range(shape.layers):
-        if shape.swa:
+    for i, layer in enumerate(shape.attn_layers):
+        if shape.mamba is not None:
+            pool.full_kv_pool.k_buffer[i][loc] = expected_k(shape, room, positions, layer)
+            pool.full_kv_pool.v_buffer[i][loc] = expected_v(shape, room, positions, layer)
+        elif shape.swa:
             sub, idx, slots = sub_pool(pool, alloc, shape, layer, loc)
             sub.k_buffer[idx][slots] = expected_k(shape, room, positions, layer)
             sub.v_buffer[idx][slots] = expected_v(shape, room, positions, layer)
@@ -107,7 +118,13 @@ def wrong_kv(pool, alloc, shape: Shape, room: int, slots: torch.Tensor, position
     """The layers whose KV in ``slots`` is not what the prefill wrote (for sliding-window
     layers, within the window SGLang moves: from the page holding the window's first token)."""
     bad = []
-    for layer in range(shape.layers):
+    for i, layer in enumerate(shape.attn_layers):
+        if shape.mamba is not None:
+            kv = pool.full_kv_pool
+            if not (torch.equal(kv.k_buffer[i][slots], expected_k(shape, room, positions, layer))
+                    and torch.equal(kv.v_buffer[i][slots], expected_v(shape, room, positions, layer))):
+                bad.append(f"full layer {layer}")
+            continue
         if shape.swa:
             sub, idx, mine = sub_pool(pool, alloc, shape, layer, slots)
             if pool.layers_mapping[layer][1]:
@@ -156,7 +173,10 @@ def setup(role: str, plan: Dict[str, Any], rank: int, http_port: int = 30000):
     model = os.path.join(MODELS, plan.get("model", "llama-3.1-8b"))
     sa = ServerArgs(model_path=model, disaggregation_mode=role, disaggregation_transfer_backend="kvlink",
                     disaggregation_bootstrap_port=plan["bootstrap_port"], device="cpu", page_size=PAGE,
-                    port=http_port, tp_size=tp, dp_size=dp, enable_dp_attention=dp > 1)
+                    port=http_port, tp_size=tp, dp_size=dp, enable_dp_attention=dp > 1,
+                    # No radix tree on these stand-ins (a hybrid model's would need mamba state
+                    # snapshots, which the CPU platform does not support).
+                    disable_radix_cache=True)
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank))
     par = get_parallel()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -300,8 +320,12 @@ def run_prefill(plan: Dict[str, Any], rank: int) -> None:
     # No radix tree on this stand-in: releasing a finished request's pages is the scheduler's.
     P.release_kv_cache = lambda req, tree_cache, checkpoint=False: None
     P.checkpoint_kv_cache = lambda req, cache: None
-    pool, alloc = kv_pool(shape)
-    r2t = ReqToTokenPool(size=32, max_context_len=1024, device="cpu", enable_memory_saver=False)
+    if shape.mamba is not None:
+        r2t = mamba_side.req_pool(shape, "prefill")
+        pool, alloc = mamba_side.kv_pool(shape, r2t, POOL_TOKENS, PAGE)
+    else:
+        pool, alloc = kv_pool(shape)
+        r2t = ReqToTokenPool(size=32, max_context_len=1024, device="cpu", enable_memory_saver=False)
     out = Outputs()
 
     class Scheduler(P.SchedulerDisaggregationPrefillMixin):
@@ -369,6 +393,8 @@ def run_prefill(plan: Dict[str, Any], rank: int) -> None:
             loc = alloc_pages(alloc, shape, n_alloc)
             r2t.write((r.kv.req_pool_idx, slice(0, n_alloc)), loc.to(torch.int32))
             write_kv(pool, alloc, shape, spec["room"], loc[:n], torch.arange(n))
+            if shape.mamba is not None:
+                mamba_side.write_state(r2t, shape, spec["room"], n, r)
             r.kv.kv_allocated_len = n_alloc
             spec["_pages"] = [int(x) // PAGE for x in loc[0:n_alloc:PAGE]]
             computing.append([r, spec, 0])
@@ -441,9 +467,13 @@ def run_decode(plan: Dict[str, Any], rank: int) -> None:
     port = plan["bootstrap_port"]
     sa, group, _, shape, dp_rank, dp = setup("decode", plan, rank)
     backend = TransferBackend(sa.disaggregation_transfer_backend)
-    pool, alloc = kv_pool(shape)
-    r2t = D.DecodeReqToTokenPool(size=32, max_context_len=1024, device="cpu", enable_memory_saver=False,
-                                 pre_alloc_size=32)
+    if shape.mamba is not None:
+        r2t = mamba_side.req_pool(shape, "decode")
+        pool, alloc = mamba_side.kv_pool(shape, r2t, POOL_TOKENS, PAGE)
+    else:
+        pool, alloc = kv_pool(shape)
+        r2t = D.DecodeReqToTokenPool(size=32, max_context_len=1024, device="cpu", enable_memory_saver=False,
+                                     pre_alloc_size=32)
     tree = RadixCache(CacheInitParams(disable=True, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
                                       page_size=PAGE))
     out = Outputs()
@@ -515,6 +545,8 @@ def run_decode(plan: Dict[str, Any], rank: int) -> None:
             n, room = spec["n"], spec["room"]
             slots = r2t.req_to_token[r.kv.req_pool_idx, :n].long()
             bad = wrong_kv(pool, alloc, shape, room, slots, torch.arange(n))
+            if shape.mamba is not None:
+                bad += mamba_side.wrong_state(r2t, shape, room, n, r)
             ok_token = list(r.output_ids) == [first_token(room)]
             ended[r.rid] = {"end": "ok", "bytes_ok": not bad, "bad": bad, "first_token_ok": ok_token,
                             "pages": (n + PAGE - 1) // PAGE}

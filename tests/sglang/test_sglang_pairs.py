@@ -83,6 +83,36 @@ def test_a_hybrid_sliding_window_model_moves_its_window_as_sglangs_swa_state(pre
     assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum)
 
 
+@pytest.mark.parametrize("prefill,decode", [({"tp": 1}, {"tp": 1}), ({"tp": 1}, {"tp": 2}), ({"tp": 2}, {"tp": 1})],
+                         ids=["1to1", "1to2", "2to1"])
+def test_a_gated_delta_net_hybrid_moves_its_state_slice_by_slice(prefill, decode):
+    """Qwen3-Coder-Next (gated delta net layers among attention layers): SGLang's
+    HybridReqToTokenPool and MambaPool on both sides, a KV pool of the attention layer only.
+    Each request's conv and temporal state moves as SGLang's mamba state; between attention TP
+    sizes each decode rank reads its slice of every state tensor by SGLang's own description
+    of it (the conv state's query, key and value sub-blocks each sharded on its own, the
+    temporal state by heads), gathered from two prefill ranks or taken from one. The decode
+    checks every channel of every state tensor by its global number, and the attention KV."""
+    reqs = mixed_requests(19, 5)
+    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs, prefill=prefill, decode=decode, model="qwen3-coder-next")
+    assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum)
+
+
+def test_a_mamba2_hybrid_moves_its_state_between_equal_tp_sizes_and_says_why_not_between_others():
+    """Nemotron-H (Mamba-2 layers, 8 B/C groups): SGLang describes no sub-blocks of its conv
+    state (x, B and C, each sharded on its own), so a slice across them would mix them. Between
+    equal attention TP sizes the state moves whole and is checked; a decode of another TP size
+    refuses each room with the reason rather than read a mixed slice."""
+    reqs = mixed_requests(23, 3)
+    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs, model="nemotron-h-8b")
+    assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum)
+    reqs = mixed_requests(29, 2)
+    _, _, d_ends, _, _ = run_pair(reqs, decode={"tp": 2}, model="nemotron-h-8b", deadline=8)
+    for r in reqs:
+        assert "mamba state: kvlink reads SGLang's mamba state whole" in d_ends[r["rid"]]["end"], d_ends
+        assert "describes no sub-blocks of this model's conv state" in d_ends[r["rid"]]["end"], d_ends
+
+
 @pytest.mark.parametrize("decode", [{"tp": 2, "dp": 2}, {"tp": 1}], ids=["to-dp2", "to-tp1"])
 def test_dp_attention_routes_each_room_to_its_prefill_dp_rank(decode):
     """A prefill of two DP attention ranks (attention TP 1 each), rooms routed by bootstrap

@@ -185,11 +185,10 @@ class KvlinkKVManager(BaseKVManager):
         # Per state type, why a decode of another attention TP size cannot read it (None: by
         # head, on an engine that is this rank of the attention-TP group, as the KV engine).
         self.state_split: list[str | None] = []
-        swa_layout = getattr(args, "swa_kv_cache_layout", None)
         for i, ptrs in enumerate(state_ptrs):
-            heads = states.page_heads(self.state_types[i], self.heads, self.page_size, swa_layout)
-            self.state_split.append(states.split_reason(self.state_types[i], heads is not None))
-            tp = dict(tp_rank=self.tp_rank, tp_size=self.tp_size) if heads else {}
+            pieces, why = states.split(args, i, self.state_types[i], self.heads, self.page_size, self.tp_size)
+            self.state_split.append(why)
+            tp = dict(tp_rank=self.tp_rank, tp_size=self.tp_size) if why is None else {}
             self.states.append(
                 self._engine(
                     listen,
@@ -199,7 +198,7 @@ class KvlinkKVManager(BaseKVManager):
                     args.state_item_lens[i],
                     1,
                     f"sglang-{self.state_types[i]}",
-                    heads,
+                    pieces=pieces,
                 )
                 if ptrs
                 else None
@@ -215,18 +214,23 @@ class KvlinkKVManager(BaseKVManager):
         tokens_per_block: int,
         dtype: str,
         heads: tuple | None = None,
+        pieces: list[list[states.Piece]] | None = None,
     ) -> kvlink.Engine:
+        """An engine with ``ptrs`` registered, each buffer one tensor of ``item_lens``-byte
+        blocks with ``heads``, or the tensors of its ``pieces`` (offset and bytes in each
+        block, and heads)."""
         e = kvlink.Engine(listen, **opts)
         try:
             regions: dict[int, int] = {}
             tensors = []
-            for ptr, size, item in zip(ptrs, lens, item_lens):
+            for n, (ptr, size, item) in enumerate(zip(ptrs, lens, item_lens)):
                 ptr, size, item = int(ptr), int(size), int(item)
                 if item <= 0 or size < item:
                     raise kvlink.InvalidArgument(f"buffer at {ptr:#x}: {size} bytes of {item}-byte items")
                 if ptr not in regions:
                     regions[ptr] = e.register_memory(ptr, size)
-                tensors.append((regions[ptr], 0, item, item, size // item, 0, heads))
+                for at, count, h in pieces[n] if pieces is not None else [(0, item, heads)]:
+                    tensors.append((regions[ptr], at, item, count, size // item, 0, h))
             e.set_layout(tensors, tokens_per_block, dtype)
         except Exception:
             e.close()

@@ -54,7 +54,9 @@ class KvlinkKVReceiver(Room, BaseKVReceiver):
         try:
             self.route = self.kv_mgr.route(self.bootstrap_addr, int(prefill_dp_rank))
         except ValueError as e:
-            self._fail(str(e))
+            # The prefill cannot pair with this decode (or is not known yet): what was learned
+            # of it stays, so the next rooms fail with the same reason, not an unknown prefill.
+            Room._fail(self, str(e))
 
     def send_metadata(
         self,

@@ -18,8 +18,9 @@ whole rows, block-granular, on an engine of the type's own. The payloads SGLang 
 
 Between different attention TP sizes, a decode rank reads the ``swa`` pages by KV head, as it
 reads the KV pages (SGLang's SWA sub-pool holds the sliding-window layers' K and V in pages
-of the same heads); the other types are read whole, between equal TP sizes only
-(``split_reason``).
+of the same heads), and its slice of each ``mamba`` state tensor by SGLang's own description
+of how TP shards it (``mamba_slices``); the other types are read whole, between equal TP sizes
+only (``split_reason``).
 """
 
 from __future__ import annotations
@@ -88,6 +89,89 @@ def page_heads(state_type: str, heads: tuple | None, page_size: int, swa_layout:
     if state_type != "swa" or heads is None or swa_layout not in ("nhd", "hnd"):
         return None
     return (heads[0], heads[1], page_size if swa_layout == "nhd" else 1)
+
+
+Piece = tuple[int, int, "tuple[int, int, int] | None"]
+"""Part of a state slot: byte offset, bytes, and ``(total, local, runs)`` heads (None: whole)."""
+
+
+def tensor_slices(item: int, dim: int, outer: int, groups: Sequence[int] | None, tp: int) -> list[Piece] | str:
+    """One mamba state tensor as a decode of another attention TP size reads it, from what
+    SGLang says of it: ``dim`` (``state_dim_per_tensor``) the local size of the axis TP
+    shards, 0 when every rank holds the slot whole; ``outer`` (``state_slice_outer_counts``)
+    the rows before that axis; ``groups`` (``state_conv_shard_groups``) the full sizes of a
+    conv state's sub-blocks each sharded on its own (a gated delta net's query, key and
+    value). The slot's pieces, each with its channels as heads, or why not."""
+    if dim == 0:
+        return [(0, item, None)]
+    if dim < 0 or outer <= 0 or item % (dim * outer):
+        return f"a state slot of {item} bytes is not {outer} rows of {dim} channels"
+    unit = item // (dim * outer)
+    if groups is None:
+        return [(0, item, (dim * tp, dim, outer))]
+    if outer != 1 or sum(groups) != dim * tp or any(g <= 0 or g % tp for g in groups):
+        return f"its conv sub-blocks {list(groups)} do not split evenly into {dim} channels per rank of {tp}"
+    out: list[Piece] = []
+    at = 0
+    for g in groups:
+        out.append((at * unit, g // tp * unit, (g, g // tp, 1)))
+        at += g // tp
+    return out
+
+
+def mamba_slices(
+    items: Sequence[int], dims: Sequence[int], outers: Sequence[int], groups: Sequence[Any], tp: int
+) -> list[list[Piece]] | str:
+    """Every tensor of SGLang's mamba state (``tensor_slices``), or why a decode of another
+    attention TP size cannot read them by slice. A conv state SGLang describes no sub-blocks
+    of is refused: a Mamba-2 conv state is its x, B and C, each sharded on its own, and one
+    slice across them would mix them."""
+    n = len(items)
+    if len(dims) != n or len(outers) != n:
+        return "SGLang gives no TP slice sizes for its tensors"
+    subs = list(groups) if len(groups) == n else [None] * n
+    if any(d > 0 for d in dims) and not any(subs):
+        return (
+            "SGLang describes no sub-blocks of this model's conv state (a Mamba-2 conv state "
+            "is x, B and C, each sharded on its own), so a slice of it would mix them"
+        )
+    out = []
+    for item, dim, outer, sub in zip(items, dims, outers, subs):
+        pieces = tensor_slices(int(item), int(dim), int(outer), sub, tp)
+        if isinstance(pieces, str):
+            return pieces
+        out.append(pieces)
+    return out
+
+
+def split(
+    args: Any, i: int, name: str, heads: tuple | None, page_size: int, tp: int
+) -> tuple[list[list[Piece]] | None, str | None]:
+    """State type ``i`` (``name``) of SGLang's ``KVArgs``: its tensors as a decode of another
+    attention TP size reads them (per tensor its pieces with their heads), or None and why it
+    cannot."""
+    items = [int(x) for x in args.state_item_lens[i]]
+    if name == "mamba":
+        sliced = mamba_slices(
+            items,
+            _nth(args, "state_dim_per_tensor", i),
+            _nth(args, "state_slice_outer_counts", i),
+            _nth(args, "state_conv_shard_groups", i),
+            tp,
+        )
+        if isinstance(sliced, str):
+            return None, f"{split_reason(name, False)}: {sliced}"
+        return sliced, None
+    by_head = page_heads(name, heads, page_size, getattr(args, "swa_kv_cache_layout", None))
+    if by_head is None:
+        return None, split_reason(name, False)
+    return [[(0, item, by_head)] for item in items], None
+
+
+def _nth(args: Any, field: str, i: int) -> list[Any]:
+    """Entry ``i`` of a per-state-type list of ``args`` (empty where SGLang gives none)."""
+    values = getattr(args, field, None) or []
+    return list(values[i]) if i < len(values) and values[i] is not None else []
 
 
 def split_reason(state_type: str, by_head: bool) -> str | None:
