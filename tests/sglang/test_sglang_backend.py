@@ -499,3 +499,25 @@ def test_state_engine_addresses_come_per_type_in_rank_order_and_hostile_ones_are
     for bad in (["h:2"] * 17, "h:2", [3], ["x" * 257]):
         with pytest.raises(ValueError, match="state_addrs"):
             bootstrap._check_entry(dict(entry, state_addrs=bad))
+
+
+def test_mamba_state_tensors_split_as_sglang_describes_them():
+    """A gated delta net's conv slot (query, key and value sub-blocks, each sharded on its own)
+    is one piece per sub-block with its channels as heads; a temporal slot is its heads; a slot
+    every rank holds whole is read whole; a conv state with no sub-blocks described, or with
+    sub-blocks inside rows, is refused with the reason."""
+    from kvlink.sglang import states
+
+    # TP 2: 1024 + 1024 + 2048 local channels of 3 bf16 positions each.
+    conv = states.tensor_slices(4096 * 6, 4096, 1, [2048, 2048, 4096], 2)
+    assert conv == [(0, 6144, (2048, 1024, 1)), (6144, 6144, (2048, 1024, 1)), (12288, 12288, (4096, 2048, 1))]
+    assert states.tensor_slices(16 * 128 * 128 * 4, 16, 1, None, 2) == [(0, 16 * 128 * 128 * 4, (32, 16, 1))]
+    assert states.tensor_slices(100, 0, 1, None, 2) == [(0, 100, None)]
+    assert states.tensor_slices(3 * 512 * 2, 512, 3, None, 2) == [(0, 3072, (1024, 512, 3))]
+    assert "do not split evenly" in states.tensor_slices(3 * 512 * 2, 512, 3, [256, 256, 512], 2)
+    assert "is not 1 rows of 7 channels" in states.tensor_slices(100, 7, 1, None, 1)
+    both = states.mamba_slices([4096 * 6, 16 * 128 * 128 * 4], [4096, 16], [1, 1], [[2048, 2048, 4096], None], 2)
+    assert isinstance(both, list) and len(both) == 2 and len(both[0]) == 3
+    assert "describes no sub-blocks" in states.mamba_slices([5120 * 6, 64 * 64 * 128 * 4], [5120, 64], [1, 1],
+                                                           [None, None], 2)
+    assert "no TP slice sizes" in states.mamba_slices([6], [], [], [], 2)
