@@ -514,7 +514,8 @@ def test_mamba_state_tensors_split_as_sglang_describes_them():
     assert states.tensor_slices(16 * 128 * 128 * 4, 16, 1, None, 2) == [(0, 16 * 128 * 128 * 4, (32, 16, 1))]
     assert states.tensor_slices(100, 0, 1, None, 2) == [(0, 100, None)]
     assert states.tensor_slices(3 * 512 * 2, 512, 3, None, 2) == [(0, 3072, (1024, 512, 3))]
-    assert "do not split evenly" in states.tensor_slices(3 * 512 * 2, 512, 3, [256, 256, 512], 2)
+    assert "sit inside each of its 3 rows" in states.tensor_slices(3 * 512 * 2, 512, 3, [256, 256, 512], 2)
+    assert "do not split evenly" in states.tensor_slices(512 * 6, 512, 1, [256, 256, 256], 2)
     assert "is not 1 rows of 7 channels" in states.tensor_slices(100, 7, 1, None, 1)
     both = states.mamba_slices([4096 * 6, 16 * 128 * 128 * 4], [4096, 16], [1, 1], [[2048, 2048, 4096], None], 2)
     assert isinstance(both, list) and len(both) == 2 and len(both[0]) == 3

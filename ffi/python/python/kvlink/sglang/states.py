@@ -109,7 +109,9 @@ def tensor_slices(item: int, dim: int, outer: int, groups: Sequence[int] | None,
     unit = item // (dim * outer)
     if groups is None:
         return [(0, item, (dim * tp, dim, outer))]
-    if outer != 1 or sum(groups) != dim * tp or any(g <= 0 or g % tp for g in groups):
+    if outer != 1:
+        return f"its conv sub-blocks {list(groups)} sit inside each of its {outer} rows"
+    if sum(groups) != dim * tp or any(g <= 0 or g % tp for g in groups):
         return f"its conv sub-blocks {list(groups)} do not split evenly into {dim} channels per rank of {tp}"
     out: list[Piece] = []
     at = 0
