@@ -92,7 +92,10 @@ def _spec(kind: str, tp: int):
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum as Kind
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    if kind == "mamba2":
+    if kind == "mamba1":
+        shapes = Calc.mamba1_state_shape(tp, 8192, 16, 4)
+        mamba_type = Kind.MAMBA1
+    elif kind == "mamba2":
         shapes = Calc.mamba2_state_shape(tp, 3072, 1, 48, 64, 128, 4)
         mamba_type = Kind.MAMBA2
     else:
@@ -115,7 +118,7 @@ def conv_layout(monkeypatch):
     get_conv_state_layout.cache_clear()
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "gdn"])
+@pytest.mark.parametrize("kind", ["mamba1", "mamba2", "gdn"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_state_parts_tile_the_page_and_halve_with_tp(conv_layout, kind, tp):
     """In the DS layout a state page splits into pieces that tile it exactly (no byte sent

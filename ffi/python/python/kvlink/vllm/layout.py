@@ -269,11 +269,14 @@ def state_parts(spec: Any, tp_size: int, hf_config: Any) -> tuple[list[StatePart
 
     split = derive_mamba_conv_split(spec, tp_size)
     temporal = spec.shapes[1]
-    units = {
-        Kind.MAMBA1: (1,),
-        Kind.MAMBA2: (temporal[1],) + (temporal[2],) * 2,
-        Kind.GDN_ATTN: (temporal[2],) * 2 + (temporal[1],),
-    }[kind]
+    # Channels per unit TP shards each conv sub-projection by (Mamba-1's temporal state is
+    # [channels, state]: no heads).
+    if kind is Kind.MAMBA1:
+        units: tuple[int, ...] = (1,)
+    elif kind is Kind.MAMBA2:
+        units = (temporal[1],) + (temporal[2],) * 2
+    else:
+        units = (temporal[2],) * 2 + (temporal[1],)
     parts: list[StatePart] = []
     for i, ((at, size), dims, unit) in enumerate(zip(split.local_conv_offsets, split.local_proj_dims, units)):
         local = dims // unit
