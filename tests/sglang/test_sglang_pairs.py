@@ -102,12 +102,13 @@ def test_a_mamba2_hybrid_moves_its_state_between_equal_tp_sizes_and_says_why_not
     """Nemotron-H (Mamba-2 layers, 8 B/C groups): SGLang describes no sub-blocks of its conv
     state (x, B and C, each sharded on its own), so a slice across them would mix them. Between
     equal attention TP sizes the state moves whole and is checked; a decode of another TP size
-    refuses each room with the reason rather than read a mixed slice."""
+    refuses each room with the reason rather than read a mixed slice (a decode of one rank, so
+    that each room's end is its own reason, not SGLang's "failed on another TP rank")."""
     reqs = mixed_requests(23, 3)
     p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs, model="nemotron-h-8b")
     assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum)
     reqs = mixed_requests(29, 2)
-    _, _, d_ends, _, _ = run_pair(reqs, decode={"tp": 2}, model="nemotron-h-8b", deadline=8)
+    _, _, d_ends, _, _ = run_pair(reqs, prefill={"tp": 2}, model="nemotron-h-8b", deadline=8)
     for r in reqs:
         assert "mamba state: kvlink reads SGLang's mamba state whole" in d_ends[r["rid"]]["end"], d_ends
         assert "describes no sub-blocks of this model's conv state" in d_ends[r["rid"]]["end"], d_ends
