@@ -479,9 +479,8 @@ def test_which_state_types_a_decode_of_another_tp_size_reads_by_head():
     assert states.page_heads("swa", (8, 4), 16, "hnd") == (8, 4, 1)
     for args in (("swa", None, 16, "nhd"), ("swa", (8, 4), 16, "vectorized_5d"), ("mamba", (8, 4), 16, "nhd")):
         assert states.page_heads(*args) is None, args
-    assert states.split_reason("swa", True) is None
-    assert "heads are not known" in states.split_reason("swa", False)
-    assert states.split_reason("mamba", False) == (
+    assert "heads are not known" in states.split_reason("swa")
+    assert states.split_reason("mamba") == (
         "kvlink reads SGLang's mamba state whole, between equal attention TP sizes only"
     )
 

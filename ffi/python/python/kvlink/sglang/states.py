@@ -162,11 +162,11 @@ def split(
             tp,
         )
         if isinstance(sliced, str):
-            return None, f"{split_reason(name, False)}: {sliced}"
+            return None, f"{split_reason(name)}: {sliced}"
         return sliced, None
     by_head = page_heads(name, heads, page_size, getattr(args, "swa_kv_cache_layout", None))
     if by_head is None:
-        return None, split_reason(name, False)
+        return None, split_reason(name)
     return [[(0, item, by_head)] for item in items], None
 
 
@@ -176,11 +176,9 @@ def _nth(args: Any, field: str, i: int) -> list[Any]:
     return list(values[i]) if i < len(values) and values[i] is not None else []
 
 
-def split_reason(state_type: str, by_head: bool) -> str | None:
-    """Why a decode of another attention TP size cannot read this state type (None: it reads
-    its heads of it)."""
-    if by_head:
-        return None
+def split_reason(state_type: str) -> str:
+    """Why a decode of another attention TP size cannot read this state type (when ``split``
+    finds no heads or slices for it)."""
     if state_type == "swa":
         return (
             "its pages' heads are not known (the model configuration could not be read, or "
