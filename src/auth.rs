@@ -138,6 +138,9 @@ pub(crate) fn server_proof_checks(
 pub(crate) struct SessionSecret {
     pub(crate) id: [u8; 16],
     key: [u8; 32],
+    /// Derived from a deployment key. An unkeyed session (engines without a key) has only an
+    /// id, which its data requests name; it proves nothing.
+    keyed: bool,
 }
 
 impl std::fmt::Debug for SessionSecret {
@@ -153,7 +156,31 @@ impl SessionSecret {
         SessionSecret {
             id: id[..16].try_into().expect("16 of 32 bytes"),
             key: key.mac(&[SESSION_KEY, client, server]),
+            keyed: true,
         }
+    }
+
+    /// The session of engines without a key: `id`, picked at random by the reader and sent in
+    /// its `Hello`, which its data requests name so the server knows their reader. It carries
+    /// no proof (anyone who sees the id could name it, as anyone could send a `Hello` without
+    /// a key).
+    pub(crate) fn unkeyed(id: [u8; 16]) -> SessionSecret {
+        SessionSecret {
+            id,
+            key: [0; 32],
+            keyed: false,
+        }
+    }
+
+    /// A fresh random id for an unkeyed session.
+    pub(crate) fn random_id() -> Result<[u8; 16]> {
+        let n = nonce()?;
+        Ok(n[..16].try_into().expect("16 of 32 bytes"))
+    }
+
+    /// Whether the session was derived from a deployment key (its data connections prove it).
+    pub(crate) fn is_keyed(&self) -> bool {
+        self.keyed
     }
 
     /// A data connection's proof, over the data server's nonce.
@@ -163,7 +190,7 @@ impl SessionSecret {
 
     /// Whether `proof` is this session's proof over `nonce` (constant time).
     pub(crate) fn verify_data(&self, nonce: &[u8; 32], proof: &[u8]) -> bool {
-        verify(&self.key, &[DATA_PROOF, &self.id, nonce], proof)
+        self.keyed && verify(&self.key, &[DATA_PROOF, &self.id, nonce], proof)
     }
 }
 

@@ -82,6 +82,10 @@ pub const MAX_DURATION: Duration = Duration::from_secs(7 * 24 * 3600);
 /// How long a session stays open unused unless configured otherwise
 /// ([`EngineConfig::session_idle`]).
 pub(crate) const DEFAULT_SESSION_IDLE: Duration = Duration::from_secs(120);
+/// Default of [`EngineConfig::spin`]: about what a small read takes over TCP on one host.
+pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+/// Longest [`EngineConfig::spin`].
+const MAX_SPIN: Duration = Duration::from_millis(10);
 
 /// How an engine is set up. `EngineConfig::default()` listens on loopback with ephemeral ports.
 ///
@@ -152,6 +156,11 @@ pub struct EngineConfig {
     pub session_idle: Duration,
     /// Worker threads of the engine's runtime.
     pub runtime_threads: usize,
+    /// How long a caller waiting for reads in flight (`wait_finished`) polls before it
+    /// sleeps: a read that finishes meanwhile is seen without a thread wake-up (a few
+    /// microseconds each). Polled only while reads are in flight, yielding the CPU between
+    /// looks; zero never polls. At most 10 ms.
+    pub spin: Duration,
     /// Transports to use.
     pub transport: TransportChoice,
     /// RDMA device, GID and queue-pair settings.
@@ -206,6 +215,7 @@ impl Default for EngineConfig {
             idle_timeout: Duration::from_secs(60),
             session_idle: DEFAULT_SESSION_IDLE,
             runtime_threads: 2,
+            spin: DEFAULT_SPIN,
             transport: TransportChoice::Auto,
             rdma: RdmaSettings::default(),
             gpu: true,
@@ -289,6 +299,12 @@ impl EngineConfig {
         if self.tcp_streams == 0 || self.tcp_streams > 64 {
             return Err(Error::invalid("tcp_streams must be 1 to 64"));
         }
+        if self.spin > MAX_SPIN {
+            return Err(Error::invalid(format!(
+                "spin must be at most {MAX_SPIN:?}, got {:?}",
+                self.spin
+            )));
+        }
         if !(4096..=256 << 20).contains(&self.staging_chunk_bytes)
             || self.staging_buffers == 0
             || self.staging_buffers > 4096
@@ -356,6 +372,7 @@ mod tests {
             (|c| c.rdma.max_wr_bytes = 100, "rdma.max_wr_bytes"),
             (|c| c.rdma.gid_index = Some(256), "rdma.gid_index"),
             (|c| c.tcp_streams = 0, "tcp_streams"),
+            (|c| c.spin = Duration::from_secs(1), "spin"),
             (|c| c.staging_buffers = 0, "staging_buffers"),
             (|c| c.batch_bytes = 0, "batch_bytes"),
             (|c| c.engine_id = Some(String::new()), "engine_id"),

@@ -59,7 +59,7 @@ pub mod verify;
 
 pub use auth::{AuthKey, MIN_KEY_BYTES};
 pub use completion::{
-    FailedRequest, FailureCause, Finished, Side, Totals, TpAggregator, TransferReport,
+    FailedRequest, FailureCause, Finished, Side, Timeline, Totals, TpAggregator, TransferReport,
 };
 pub use config::{EngineConfig, TransportChoice};
 pub use control::messages::{Descriptor, TransportInfo};

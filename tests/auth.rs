@@ -52,6 +52,7 @@ fn a_peer_without_the_key_learns_nothing() {
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let hello = Message::Hello {
         descriptor: Box::new(prefill.engine.descriptor().unwrap()),
+        session: None,
     };
     s.write_all(&frame::encode(&hello).unwrap()).unwrap();
     let mut answer = Vec::new();
@@ -119,7 +120,13 @@ fn the_data_port_serves_nothing_without_a_session_proof() {
         offset: 0,
         len: 4096,
     };
-    wire::encode_request(1, "any", [entry, entry, entry].into_iter(), &mut req);
+    wire::encode_request(
+        1,
+        "any",
+        &wire::Extras::default(),
+        [entry, entry, entry].into_iter(),
+        &mut req,
+    );
     s.write_all(&req).unwrap();
     let mut answer = Vec::new();
     let _ = s.read_to_end(&mut answer);

@@ -142,6 +142,7 @@ fn hostile_control_frames_are_refused_and_serving_goes_on() {
         &addr,
         &frame::encode(&Message::Hello {
             descriptor: Box::new(bad),
+            session: None,
         })
         .unwrap(),
     );
@@ -152,6 +153,7 @@ fn hostile_control_frames_are_refused_and_serving_goes_on() {
         &addr,
         &frame::encode(&Message::Hello {
             descriptor: Box::new(bad),
+            session: None,
         })
         .unwrap(),
     );
@@ -163,6 +165,7 @@ fn hostile_control_frames_are_refused_and_serving_goes_on() {
         &addr,
         &frame::encode(&Message::Hello {
             descriptor: Box::new(other),
+            session: None,
         })
         .unwrap(),
     );
@@ -194,9 +197,23 @@ fn hostile_control_frames_are_refused_and_serving_goes_on() {
 }
 
 fn data_request(s: &mut TcpStream, tag: u64, id: &str, entries: &[wire::Entry]) -> (u8, Vec<u8>) {
+    data_request_with(s, tag, id, &wire::Extras::default(), entries)
+}
+
+fn data_request_with(
+    s: &mut TcpStream,
+    tag: u64,
+    id: &str,
+    extras: &wire::Extras,
+    entries: &[wire::Entry],
+) -> (u8, Vec<u8>) {
     let mut buf = Vec::new();
-    wire::encode_request(tag, id, entries.iter().copied(), &mut buf);
+    wire::encode_request(tag, id, extras, entries.iter().copied(), &mut buf);
     s.write_all(&buf).unwrap();
+    response(s, tag)
+}
+
+fn response(s: &mut TcpStream, tag: u64) -> (u8, Vec<u8>) {
     let mut head = [0u8; wire::RESPONSE_HEADER];
     s.read_exact(&mut head).unwrap();
     let (t, status, len) = wire::decode_response_header(&head).unwrap();
@@ -204,6 +221,66 @@ fn data_request(s: &mut TcpStream, tag: u64, id: &str, entries: &[wire::Entry]) 
     let mut body = vec![0u8; len as usize];
     s.read_exact(&mut body).unwrap();
     (status, body)
+}
+
+/// A data request that asks for its read to be confirmed (protocol 8) is confirmed only for
+/// the reader of a control session that is open, and only once: without a session it gets its
+/// bytes but no confirmation; a session never opened is refused; an open one confirms the read
+/// (the prefill reports the send done), after which the request is no longer held.
+#[test]
+fn a_confirmation_with_the_data_needs_an_open_session_and_a_live_hold() {
+    let shape = ModelShape::LLAMA3_8B;
+    let prefill = side(&shape, 8, Some(22), quick_config());
+    let layout = &prefill.layout;
+    let (data, _) = prefill.engine.descriptor().unwrap().tcp().unwrap();
+    prefill.engine.hold_blocks("conf", &[2]).unwrap();
+    let block = wire::Entry {
+        region: prefill.region.id(),
+        offset: layout.tensors[0].offset + 2 * layout.tensors[0].block_stride,
+        len: layout.tensors[0].block_bytes,
+    };
+    let mut s = TcpStream::connect(data).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let confirm = |session| wire::Extras {
+        confirm: true,
+        hold: None,
+        session,
+    };
+    // No session: the bytes, then no confirmation.
+    let (st, body) = data_request_with(&mut s, 1, "conf", &confirm(None), &[block]);
+    assert_eq!((st, body.len() as u64), (wire::STATUS_OK, block.len));
+    let (st, why) = response(&mut s, 1);
+    assert_eq!(st, wire::STATUS_UNCONFIRMED);
+    assert!(String::from_utf8_lossy(&why).contains("no control session"));
+    // A session that was never opened: refused before any byte.
+    let (st, why) = data_request_with(&mut s, 2, "conf", &confirm(Some([9; 16])), &[block]);
+    assert_eq!(st, wire::STATUS_REFUSED);
+    assert!(String::from_utf8_lossy(&why).contains("control session that is not open"));
+    // An open session (a Hello that names it, kept open): confirmed.
+    let mut c = TcpStream::connect(prefill.engine.handshake_address()).unwrap();
+    let hello = Message::Hello {
+        descriptor: Box::new(prefill.engine.descriptor().unwrap()),
+        session: Some([7; 16]),
+    };
+    c.write_all(&frame::encode(&hello).unwrap()).unwrap();
+    let mut len = [0u8; 4];
+    c.read_exact(&mut len).unwrap();
+    let mut answer = vec![0u8; u32::from_be_bytes(len) as usize];
+    c.read_exact(&mut answer).unwrap();
+    let (st, _) = data_request_with(&mut s, 3, "conf", &confirm(Some([7; 16])), &[block]);
+    assert_eq!(st, wire::STATUS_OK);
+    let (st, held) = response(&mut s, 3);
+    assert_eq!((st, held.len()), (wire::STATUS_CONFIRMED, 8));
+    let sent = collect(&prefill.engine, Duration::from_secs(5), |f| !f.is_empty());
+    assert_eq!(sent.sending.len(), 1, "{sent:?}");
+    // Confirmed once: the request is no longer held.
+    let (st, why) = data_request_with(&mut s, 4, "conf", &confirm(Some([7; 16])), &[block]);
+    assert_eq!(
+        st,
+        wire::STATUS_REFUSED,
+        "{}",
+        String::from_utf8_lossy(&why)
+    );
 }
 
 #[test]
@@ -286,7 +363,13 @@ fn reads_outside_exported_memory_are_refused() {
     let mut g = TcpStream::connect(data).unwrap();
     g.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut hdr = Vec::new();
-    wire::encode_request(1, "raw", std::iter::empty(), &mut hdr);
+    wire::encode_request(
+        1,
+        "raw",
+        &wire::Extras::default(),
+        std::iter::empty(),
+        &mut hdr,
+    );
     hdr[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
     g.write_all(&hdr).unwrap();
     assert_eq!(
@@ -330,6 +413,7 @@ fn a_notice_with_an_invalid_id_is_refused_alone() {
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let hello = Message::Hello {
         descriptor: Box::new(prefill.engine.descriptor().unwrap()),
+        session: None,
     };
     s.write_all(&frame::encode(&hello).unwrap()).unwrap();
     assert!(matches!(read_message(&mut s), Message::Descriptor(_)));
@@ -379,6 +463,7 @@ fn crafted_descriptors_are_refused_and_serving_goes_on() {
     for (what, d) in fuzz::hostile_descriptors() {
         let hello = frame::encode(&Message::Hello {
             descriptor: Box::new(d),
+            session: None,
         })
         .unwrap();
         assert!(hello.len() < 4 << 20, "{what}: {} bytes", hello.len());

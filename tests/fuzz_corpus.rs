@@ -98,6 +98,7 @@ fn write_seeds() {
     let d = fuzz::example_descriptor();
     let hello = Message::Hello {
         descriptor: Box::new(d.clone()),
+        session: None,
     };
     let session = [
         Message::AuthHello {
@@ -200,7 +201,13 @@ fn write_seeds() {
         ),
     ] {
         let mut out = Vec::new();
-        wire::encode_request(1, id, entries.into_iter(), &mut out);
+        wire::encode_request(
+            1,
+            id,
+            &wire::Extras::default(),
+            entries.into_iter(),
+            &mut out,
+        );
         write("data_request", name, &out);
     }
 

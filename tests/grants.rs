@@ -216,7 +216,13 @@ fn a_response_stops_when_its_hold_ends() {
         offset: 0,
         len,
     };
-    wire::encode_request(1, "slow", std::iter::once(entry), &mut req);
+    wire::encode_request(
+        1,
+        "slow",
+        &wire::Extras::default(),
+        std::iter::once(entry),
+        &mut req,
+    );
     d.write_all(&req).unwrap();
     // The response has started (and stalls on the full socket).
     d.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -225,6 +231,7 @@ fn a_response_stops_when_its_hold_ends() {
     let mut c = TcpStream::connect(prefill.engine.handshake_address()).unwrap();
     let hello = Message::Hello {
         descriptor: Box::new(prefill.engine.descriptor().unwrap()),
+        session: None,
     };
     c.write_all(&frame::encode(&hello).unwrap()).unwrap();
     let mut head = [0u8; 4];

@@ -300,3 +300,63 @@ fn a_hold_released_mid_read_is_never_reported_received_tcp_and_same_host() {
     released_mid_read(TransportChoice::Tcp);
     released_mid_read(TransportChoice::Local);
 }
+
+/// The confirmation a same-host copy carries (a read of one copy request, protocol 8) is
+/// checked after the copy: a hold that ended while its bytes were being copied, and was made
+/// again under the same id (a reader naming no hold token matches either), is not confirmed for
+/// the stale read. One 256 MiB copy request (128 blocks of every tensor): the hold is released
+/// and made again once the copy's first bytes landed. An attempt whose copy ended before the
+/// release (the release then finds no hold: the read was confirmed while held) is tried again.
+#[test]
+fn a_hold_made_again_during_a_confirmed_copy_is_never_reported_received() {
+    let shape = ModelShape::LLAMA3_8B;
+    let blocks = 128;
+    let one_request = config(TransportChoice::Local).with(|c| c.batch_bytes = 256 << 20);
+    let prefill = side(&shape, blocks, Some(84), config(TransportChoice::Local));
+    let decode = side(&shape, blocks, None, one_request);
+    let peer = prefill.engine.handshake_address().to_string();
+    let all: Vec<u32> = (0..blocks).collect();
+    for attempt in 0..10 {
+        let id = format!("again-{attempt}");
+        let zero = vec![0u8; shape.region_bytes(blocks) as usize];
+        decode.region.write_at(0, &zero).unwrap();
+        prefill.engine.hold_blocks(id.as_str(), &all).unwrap();
+        decode
+            .engine
+            .read_blocks(&peer, id.as_str(), &all, &all)
+            .unwrap();
+        // Polled without sleeping: the copy runs for milliseconds.
+        let end = std::time::Instant::now() + Duration::from_secs(10);
+        let mut first = [0u8; 8];
+        while first == [0; 8] {
+            assert!(std::time::Instant::now() < end, "the copy never started");
+            std::thread::yield_now();
+            decode.region.read_at(0, &mut first).unwrap();
+        }
+        if !prefill.engine.release(id.as_str()) {
+            // The copy and its confirmation ended first: confirmed while held, as it should.
+            let f = collect(&decode.engine, Duration::from_secs(30), |f| !f.is_empty());
+            assert_eq!(f.reports.len(), 1, "attempt {attempt}: {f:?}");
+            collect(&prefill.engine, Duration::from_secs(10), |f| !f.is_empty());
+            continue;
+        }
+        prefill.engine.hold_blocks(id.as_str(), &all).unwrap();
+        let f = collect(&decode.engine, Duration::from_secs(30), |f| !f.is_empty());
+        assert!(
+            f.reports.is_empty(),
+            "a stale copy reported received: {f:?}"
+        );
+        assert_eq!(f.failed[0].cause, FailureCause::Unconfirmed, "{f:?}");
+        assert!(
+            f.failed[0]
+                .reason
+                .contains("while its blocks were being read"),
+            "{f:?}"
+        );
+        // The new hold was not confirmed by the stale read: it is still held.
+        assert_eq!(prefill.engine.in_flight().1, 1);
+        assert_eq!(decode.engine.stats().totals.reads_done, attempt);
+        return;
+    }
+    panic!("in 10 attempts, every 256 MiB copy ended before the test thread released its hold");
+}

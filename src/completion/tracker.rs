@@ -170,6 +170,11 @@ pub struct CompletionTracker {
     tp: TpRank,
     /// Which reader engines have control sessions here; the lease of those that lost them.
     presence: Presence,
+    /// Moves whenever a hold's end may have come earlier (a new hold, a lease begun), so that
+    /// a waiter sleeping until the old next deadline is woken ([`deadline_epoch`]).
+    ///
+    /// [`deadline_epoch`]: CompletionTracker::deadline_epoch
+    deadlines: u64,
 }
 
 impl Default for CompletionTracker {
@@ -193,6 +198,7 @@ impl CompletionTracker {
             totals: Totals::default(),
             tp,
             presence: Presence::new(super::DEFAULT_LEASE),
+            deadlines: 0,
         }
     }
 
@@ -220,6 +226,7 @@ impl CompletionTracker {
     /// when the engine has sessions left).
     pub fn reader_disconnected(&mut self, engine: &str, now: Instant) -> Option<usize> {
         let end = self.presence.closed(engine, now)?;
+        self.deadlines += 1;
         let mut leased = 0;
         for h in self.held.values_mut().filter(|h| h.involves(engine)) {
             h.lease_end = Some(h.lease_end.map_or(end, |l| l.min(end)));
@@ -302,6 +309,7 @@ impl CompletionTracker {
             .as_deref()
             .and_then(|r| self.presence.lease_end(r))
             .map(|_| now + self.presence.lease());
+        self.deadlines += 1;
         self.held.insert(
             id,
             Held {
@@ -364,6 +372,9 @@ impl CompletionTracker {
         h.admit(own, id, reader, true)?;
         if h.lease_end.is_none() {
             h.lease_end = h.gone_readers_lease(&self.presence);
+            if h.lease_end.is_some() {
+                self.deadlines += 1;
+            }
         }
         Ok(())
     }
@@ -526,6 +537,19 @@ impl CompletionTracker {
     /// Whether anything finished since the last [`take_finished`](Self::take_finished).
     pub fn has_finished(&self) -> bool {
         !self.out.is_empty()
+    }
+
+    /// How many requests finished since the last [`take_finished`](Self::take_finished).
+    pub fn finished_count(&self) -> usize {
+        self.out.sending.len() + self.out.receiving.len() + self.out.failed.len()
+    }
+
+    /// A number that changes whenever a hold's end may have come earlier (a new hold, a
+    /// reader's lease begun): a waiter that slept until [`next_deadline`] must look again.
+    ///
+    /// [`next_deadline`]: CompletionTracker::next_deadline
+    pub fn deadline_epoch(&self) -> u64 {
+        self.deadlines
     }
 
     /// Everything that finished since the last call; each id is returned once.

@@ -441,12 +441,16 @@ async fn hello(
     };
     // With a key: prove it both ways before any descriptor moves (docs/security.md).
     let (hello, secret) = match key {
-        None => (
-            Message::Hello {
-                descriptor: Box::new(ours.clone()),
-            },
-            None,
-        ),
+        None => {
+            let id = SessionSecret::random_id()?;
+            (
+                Message::Hello {
+                    descriptor: Box::new(ours.clone()),
+                    session: Some(id),
+                },
+                Some(SessionSecret::unkeyed(id)),
+            )
+        }
         Some(key) => {
             let client_nonce = auth::nonce()?;
             let (server_nonce, server_proof) =
@@ -484,6 +488,7 @@ async fn hello(
             (
                 Message::Hello {
                     descriptor: Box::new(ours.clone()),
+                    session: None,
                 },
                 Some(SessionSecret::derive(key, &client_nonce, &server_nonce)),
             )

@@ -135,7 +135,13 @@ async fn hello(
         Ok(Err(e)) => return Err(malformed(e.to_string())),
     };
     match (key, frame::decode::<Message>(first.0, &first.1)) {
-        (None, Ok(Message::Hello { descriptor })) => Ok(Some((descriptor, None))),
+        (
+            None,
+            Ok(Message::Hello {
+                descriptor,
+                session,
+            }),
+        ) => Ok(Some((descriptor, session.map(SessionSecret::unkeyed)))),
         (None, Ok(Message::AuthHello { .. })) => Err(unauthenticated(
             "this engine has no authentication key; give every engine the same \
              KVLINK_AUTH_KEY, or none",
@@ -219,7 +225,7 @@ async fn authenticate(
         Ok(Err(e)) => return Err(malformed(e.to_string())),
     };
     match frame::decode::<Message>(frame.0, &frame.1) {
-        Ok(Message::Hello { descriptor }) => Ok((
+        Ok(Message::Hello { descriptor, .. }) => Ok((
             descriptor,
             Some(SessionSecret::derive(key, &client_nonce, &server_nonce)),
         )),

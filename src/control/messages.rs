@@ -230,6 +230,11 @@ pub enum Message {
     Hello {
         /// The reader's own descriptor (checked for compatibility by the server).
         descriptor: Box<Descriptor>,
+        /// On engines without a key: a random id for this session, which the reader's TCP and
+        /// same-host data requests name, so the server knows their reader (with a key, the
+        /// data connections prove the session instead). `None` from keyed readers.
+        #[serde(default)]
+        session: Option<[u8; 16]>,
     },
     /// Reader to server, first message on engines with a deployment key: a fresh nonce.
     /// Answered by `AuthChallenge`, or `Error` (the server has no key).

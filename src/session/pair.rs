@@ -28,7 +28,7 @@ use crate::ids::{BlockId, RegionId, RequestId};
 use crate::layout::ModelShape;
 use crate::memory::Region;
 use crate::state::{EngineState, Identity, Rdma};
-use crate::transport::{ReadFuture, ReadOp, RequestCtl, Transport};
+use crate::transport::{ConfirmAsk, ReadDone, ReadFuture, ReadOp, RequestCtl, Transport};
 
 /// What a connection's transport does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -202,12 +202,13 @@ impl Transport for MemTransport {
         ops: Vec<ReadOp>,
         ctl: Arc<RequestCtl>,
         deadline: tokio::time::Instant,
+        _confirm: Option<ConfirmAsk>,
     ) -> ReadFuture<'a> {
         let started = tokio::time::Instant::now();
         Box::pin(async move {
             tokio::select! {
                 r = tokio::time::timeout_at(deadline, self.run(ops, &ctl)) => match r {
-                    Ok(r) => r,
+                    Ok(r) => r.map(ReadDone::unconfirmed),
                     Err(_) => {
                         ctl.mark_cancelled();
                         Err(Error::Timeout {

@@ -18,7 +18,7 @@ use crate::memory::RegionSpan;
 use crate::plan::{plan_read_from, tensor_reads, PlanOptions};
 use crate::state::EngineState;
 use crate::tp::{self, TpRank};
-use crate::transport::{ReadCancel, ReadOp, RequestCtl};
+use crate::transport::{ConfirmAsk, Confirmed, ReadCancel, ReadDone, ReadOp, RequestCtl};
 
 mod outcome;
 
@@ -128,6 +128,8 @@ struct SourceReport {
     /// When its session was up, and when its bytes were all in place.
     connected: Instant,
     done: Instant,
+    /// The prefill's confirmation, when it came with the data (no `Done` needed then).
+    confirmed: Option<Confirmed>,
 }
 
 /// Reads one source, retrying once on a new session when its data connection was lost (reads
@@ -364,14 +366,17 @@ async fn read_once(
     tracing::debug!(id = %job.id, peer = %source.peer, transport = conn.transport.name(), "reading");
     // The prefill learns who reads (RDMA reads reach no CPU there): its hold then ends on
     // this engine's lease should this engine go away. Best effort: the Done says the rest.
-    conn.control.notify(Message::Reading {
-        request_id: job.remote_id.clone(),
-        hold: job.hold,
-    });
-    // The writer task that sends it was woken on this worker thread, where it would wait until
-    // this task next yields; posting RDMA reads may not yield for a long time (SoftRoCE posts
-    // in the caller's thread), so let it go out first.
-    tokio::task::yield_now().await;
+    // TCP and same-host data requests name this engine's session, which tells it as much.
+    if !conn.transport.names_reader() {
+        conn.control.notify(Message::Reading {
+            request_id: job.remote_id.clone(),
+            hold: job.hold,
+        });
+        // The writer task that sends it was woken on this worker thread, where it would wait
+        // until this task next yields; posting RDMA reads may not yield for a long time
+        // (SoftRoCE posts in the caller's thread), so let it go out first.
+        tokio::task::yield_now().await;
+    }
     let d = &conn.descriptor;
     let theirs = TpRank::new(d.tp_rank, d.tp_size);
     let ours = TpRank::new(shared.config().tp_rank, shared.config().tp_size);
@@ -425,8 +430,8 @@ async fn read_once(
             remote_offset: s.remote_offset,
         });
     }
-    let work_requests = if ops.is_empty() {
-        0
+    let read = if ops.is_empty() {
+        ReadDone::unconfirmed(0)
     } else {
         read_while_connected(&conn, &source.peer, job, ops, ctl).await?
     };
@@ -434,10 +439,11 @@ async fn read_once(
         bytes: plan.bytes,
         segments: plan.segments.len(),
         blocks: plan.blocks,
-        work_requests,
+        work_requests: read.work_requests,
         transport: conn.transport.name(),
         connected,
         done: Instant::now(),
+        confirmed: read.confirmed,
     })
 }
 
@@ -452,10 +458,12 @@ async fn read_while_connected(
     job: &ReadJob,
     ops: Vec<ReadOp>,
     ctl: Arc<RequestCtl>,
-) -> Result<u64> {
+) -> Result<ReadDone> {
+    // Confirmed with the data where the transport can (one data request).
+    let ask = ConfirmAsk { hold: job.hold };
     let read = conn
         .transport
-        .read(&job.remote_id, ops, ctl.clone(), job.deadline);
+        .read(&job.remote_id, ops, ctl.clone(), job.deadline, Some(ask));
     tokio::pin!(read);
     tokio::select! {
         biased;

@@ -19,7 +19,7 @@ use crate::inbox::{PeerMessage, Refused};
 use crate::memory::Region;
 use crate::tp::Reader;
 use crate::transport::rdma::{self, ServerQps};
-use crate::transport::stream::access::{DataServer, DataSession, Exports};
+use crate::transport::stream::access::{ConfirmRead, DataServer, DataSession, Exports};
 use crate::transport::stream::staging::StagingPool;
 
 impl ControlHandler for EngineState {
@@ -198,6 +198,46 @@ impl Exports for EngineState {
 
     fn claim(&self, id: &RequestId, reader: &Reader) {
         self.completions.update(|t| t.claim(id, reader));
+    }
+
+    fn confirm(&self, read: &ConfirmRead<'_>) -> std::result::Result<Duration, Refusal> {
+        // Bound to its control session: a reader without one cannot confirm (as its `Done`
+        // could not be sent), and its holds are on its lease.
+        if !self.data_sessions.lock().contains_key(read.session) {
+            self.counters
+                .notices_refused
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(Refusal::new(
+                RefusalKind::NotHeld,
+                "the reader's control session closed before its read was confirmed",
+            ));
+        }
+        let open = self.id.config.open_reads;
+        // Under the tracker's lock, where holds end: a grant seen live here was live while
+        // every byte was copied out (they were copied before this check).
+        let r = self.completions.update(|t| {
+            if read.grant.is_some_and(Grant::is_ended) {
+                return Err(Refusal::new(
+                    RefusalKind::NotHeld,
+                    format!(
+                        "request {} was released, expired or held again while its blocks were \
+                         being read",
+                        read.id
+                    ),
+                ));
+            }
+            if open && !t.is_holding(read.id) {
+                return Ok(Duration::ZERO);
+            }
+            t.handle_notice(read.id, read.reader, SendNotice::Done, read.hold)
+                .map(|since| since.elapsed())
+        });
+        if r.is_err() {
+            self.counters
+                .notices_refused
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        r
     }
 
     fn served(&self, bytes: Option<u64>) {

@@ -130,7 +130,7 @@ impl EngineState {
         EngineState {
             rdma,
             memory: memory::Memory::default(),
-            completions: Completions::new(tracker),
+            completions: Completions::new(tracker, config.spin),
             counters: Counters::default(),
             gpus,
             staging: StagingPool::new(config.staging_chunk_bytes as usize, config.staging_buffers),

@@ -210,13 +210,13 @@ impl ReadCancel {
 /// request is cancelled. In the last two cases the request's memory is made its own again first
 /// (`cancel_async`: no transport, and no same-host peer, writes into it any more, or `wait` has
 /// passed), then the deadline or the cancel is reported.
-pub(crate) async fn bounded(
-    transfer: impl Future<Output = Result<u64>>,
+pub(crate) async fn bounded<T>(
+    transfer: impl Future<Output = Result<T>>,
     ctl: &std::sync::Arc<RequestCtl>,
     deadline: tokio::time::Instant,
     wait: std::time::Duration,
     peer: &(dyn std::fmt::Display + Sync),
-) -> Result<u64> {
+) -> Result<T> {
     let started = tokio::time::Instant::now();
     tokio::select! {
         r = tokio::time::timeout_at(deadline, transfer) => match r {
@@ -236,9 +236,41 @@ pub(crate) async fn bounded(
     }
 }
 
-/// A boxed transfer future; it yields the number of work requests (RDMA work requests, or TCP
-/// read requests) the transfer took.
-pub(crate) type ReadFuture<'a> = Pin<Box<dyn Future<Output = Result<u64>> + Send + 'a>>;
+/// The server's answer to a confirmation carried by a read's data request (protocol 8): how
+/// long it had held the request when it checked, after its bytes were copied (`Ok`), or why it
+/// did not hold it for this reader then (`Err`).
+pub(crate) type Confirmed = std::result::Result<std::time::Duration, crate::error::Refusal>;
+
+/// What a read asks the server to confirm with its data, when its bytes fit one data request
+/// (TCP) or one copy request (same host): the hold the reader reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ConfirmAsk {
+    /// The hold's token (`ReadRequest::hold`), if the reader knows it.
+    pub(crate) hold: Option<u64>,
+}
+
+/// What a transport's read came to: the work requests it took (RDMA work requests, or data
+/// requests) and, where the server confirmed with the data, its confirmation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ReadDone {
+    /// RDMA work requests, or TCP / same-host data requests.
+    pub(crate) work_requests: u64,
+    /// The server's confirmation, when the data carried one (the read then needs no `Done`).
+    pub(crate) confirmed: Option<Confirmed>,
+}
+
+impl ReadDone {
+    /// A read whose data carried no confirmation.
+    pub(crate) fn unconfirmed(work_requests: u64) -> ReadDone {
+        ReadDone {
+            work_requests,
+            confirmed: None,
+        }
+    }
+}
+
+/// A boxed transfer future; it yields what the read came to.
+pub(crate) type ReadFuture<'a> = Pin<Box<dyn Future<Output = Result<ReadDone>> + Send + 'a>>;
 
 /// A connected data path to one peer.
 pub(crate) trait Transport: Send + Sync {
@@ -249,13 +281,21 @@ pub(crate) trait Transport: Send + Sync {
     /// memory any more.
     /// `id` names the request: the peer serves only the blocks it holds for it (TCP; RDMA
     /// reads are one-sided, see docs/security.md).
+    /// `confirm`: the server may confirm the read with its data (transports that can, when
+    /// the read fits one data request; the others ignore it).
     fn read<'a>(
         &'a self,
         id: &'a RequestId,
         ops: Vec<ReadOp>,
         ctl: std::sync::Arc<RequestCtl>,
         deadline: tokio::time::Instant,
+        confirm: Option<ConfirmAsk>,
     ) -> ReadFuture<'a>;
     /// Whether the path has failed and must be rebuilt.
     fn is_broken(&self) -> bool;
+    /// Whether the server learns the reader from its data requests (TCP and the same host:
+    /// they name the reader's control session), so that no `Reading` notice is needed.
+    fn names_reader(&self) -> bool {
+        false
+    }
 }

@@ -21,7 +21,7 @@ use parking_lot::Mutex;
 use super::rdma::RdmaConnection;
 use super::stripe::{self, HealthBook, Verdict};
 use super::tcp::TcpTransport;
-use super::{ReadFuture, ReadOp, RequestCtl, Transport};
+use super::{ConfirmAsk, ReadDone, ReadFuture, ReadOp, RequestCtl, Transport};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
 
@@ -160,7 +160,9 @@ impl Rails {
                 peer: self.peer.clone(),
                 reason: format!("RDMA failed ({why}); TCP failover: {e}"),
             })?;
-        t.read(id, ops, ctl, deadline).await
+        // Failed over: confirmed by `Done` as every RDMA read is.
+        let done = t.read(id, ops, ctl, deadline, None).await?;
+        Ok(done.work_requests)
     }
 
     // Long: the striping loop: share out, read on every rail, judge each result and re-share the
@@ -210,7 +212,7 @@ impl Rails {
                         let fut: Pin<Box<dyn Future<Output = _> + Send + '_>> =
                             Box::pin(async move {
                                 let t0 = Instant::now();
-                                let r = rail.conn.read(id, part, ctl, deadline).await;
+                                let r = rail.conn.read(id, part, ctl, deadline, None).await;
                                 (*rail, keep, bytes, t0.elapsed(), r)
                             });
                         fut
@@ -221,7 +223,7 @@ impl Rails {
             for (rail, part, bytes, took, r) in results {
                 let e = match r {
                     Ok(n) => {
-                        work_requests += n;
+                        work_requests += n.work_requests;
                         self.book.health.lock().delivered(&rail.key, bytes, took);
                         *self
                             .book
@@ -301,8 +303,13 @@ impl Transport for Rails {
         ops: Vec<ReadOp>,
         ctl: Arc<RequestCtl>,
         deadline: tokio::time::Instant,
+        _confirm: Option<ConfirmAsk>,
     ) -> ReadFuture<'a> {
-        Box::pin(self.run(id, ops, ctl, deadline))
+        // RDMA reads reach no CPU on the server: confirmed by `Done`.
+        Box::pin(async move {
+            let n = self.run(id, ops, ctl, deadline).await?;
+            Ok(ReadDone::unconfirmed(n))
+        })
     }
 
     fn is_broken(&self) -> bool {

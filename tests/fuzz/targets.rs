@@ -86,7 +86,7 @@ pub fn control_stream(data: &[u8]) {
 
 fn message(version: u16, body: &[u8]) {
     match frame::decode::<Message>(version, body) {
-        Ok(Message::Hello { descriptor }) | Ok(Message::Descriptor(descriptor)) => {
+        Ok(Message::Hello { descriptor, .. }) | Ok(Message::Descriptor(descriptor)) => {
             check_descriptor(&descriptor)
         }
         Ok(m) => {
@@ -213,10 +213,12 @@ pub fn data_request(data: &[u8]) {
         return;
     };
     let header: &[u8; wire::REQUEST_HEADER] = header.try_into().expect("header length");
-    let Ok((_, count, id_len)) = wire::decode_request_header(header) else {
+    let Ok(head) = wire::decode_request_header(header) else {
         return;
     };
+    let (count, id_len) = (head.count, head.id_len);
     assert!((1..=wire::MAX_ID).contains(&id_len) && count >= 1);
+    assert_eq!(head.flags & !wire::FLAGS, 0, "unknown flags refused");
     let rest = &data[wire::REQUEST_HEADER..];
     let Some(id) = rest.get(..id_len) else {
         return;
@@ -224,6 +226,12 @@ pub fn data_request(data: &[u8]) {
     if wire::decode_request_id(id).is_err() {
         return;
     }
+    let extra = wire::Extras::len_of(head.flags);
+    let Some(extras) = rest.get(id_len..id_len + extra) else {
+        return;
+    };
+    let _ = wire::Extras::decode(head.flags, extras);
+    let rest = &rest[extra..];
     let layout = grant_layout();
     let grant =
         Grant::new(std::sync::Arc::new(layout.clone()), &[[1, 2, 5, 7]]).expect("a valid grant");

@@ -116,13 +116,17 @@ def one(a, engine, path, work, dumpf, port):
     else:
         r = run_peer(a, engine, path, dumpf, port)
     gb = r["bytes"] / 1e9
+    # What the caller saw: kvlink's from the read call to wait_finished returning it (its
+    # report's own latency leaves out the caller's wake-up); the peers' drivers time their
+    # polling loops the same way.
+    lat = r.get("observed_ms") or r["latency_ms"]
     return {
         "engine": engine,
         "path": path,
         "gb_per_s": r["gb_per_s"],
         "cpu_s_per_gb": r["cpu_seconds"] / gb,
-        "p50_ms": r["latency_ms"]["p50"],
-        "p99_ms": r["latency_ms"]["p99"],
+        "p50_ms": lat["p50"],
+        "p99_ms": lat["p99"],
         "copy_gb_per_s": r.get("reference_gb_per_s"),
     }
 

@@ -169,7 +169,9 @@ pub(super) fn done_report(
 /// Sends each source its `Done` and waits, at most the handshake timeout, for every prefill to
 /// confirm that it still held the request when the notice arrived, and returns the longest any
 /// had held it then. The first source that does not (its hold ended: expired, released; or no
-/// answer) fails the read: the bytes it read may belong to another request by now.
+/// answer) fails the read: the bytes it read may belong to another request by now. A source
+/// whose data came with its confirmation (one TCP or same-host data request) is not asked
+/// again: the prefill checked its hold after it copied the bytes out.
 pub(super) async fn confirm(
     shared: &EngineState,
     job: &ReadJob,
@@ -178,18 +180,32 @@ pub(super) async fn confirm(
     let limit = shared.config().handshake_timeout;
     let deadline = tokio::time::Instant::now() + limit;
     let id = &job.remote_id;
+    let carried = |o: &SourceOutcome| {
+        let report = o.result.as_ref().ok()?.as_ref().ok()?;
+        report.confirmed.clone()
+    };
     let waits: Vec<_> = outcomes
         .iter()
-        .map(|o| {
-            let conn = o.conn.as_ref();
-            conn.and_then(|c| c.control.done(id.clone(), job.hold))
+        .map(|o| match carried(o) {
+            Some(c) => Ok(c),
+            None => {
+                let conn = o.conn.as_ref();
+                Err(conn.and_then(|c| c.control.done(id.clone(), job.hold)))
+            }
         })
         .collect();
     let mut longest = Duration::ZERO;
     for (i, wait) in waits.into_iter().enumerate() {
         let reason = match wait {
-            None => "the done notice could not be sent (control connection gone)".to_string(),
-            Some(rx) => match tokio::time::timeout_at(deadline, rx).await {
+            Ok(Ok(held)) => {
+                longest = longest.max(held);
+                continue;
+            }
+            Ok(Err(refused)) => {
+                format!("the prefill no longer held the request when it was read: {refused}")
+            }
+            Err(None) => "the done notice could not be sent (control connection gone)".to_string(),
+            Err(Some(rx)) => match tokio::time::timeout_at(deadline, rx).await {
                 Ok(Ok(Ok(held))) => {
                     longest = longest.max(held);
                     continue;

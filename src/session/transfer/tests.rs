@@ -15,6 +15,7 @@ fn outcome(result: Result<()>) -> SourceOutcome {
             transport: "tcp",
             connected: Instant::now(),
             done: Instant::now(),
+            confirmed: None,
         })),
     }
 }

@@ -23,12 +23,15 @@ use crate::auth::SessionSecret;
 use crate::error::{Error, Result};
 use crate::ids::{RegionId, RequestId};
 use crate::shm;
+use crate::transport::stream::frame::Extras;
 use crate::transport::stream::{batch, proof};
-use crate::transport::{bounded, ReadFuture, ReadOp, RequestCtl, Transport};
+use crate::transport::{
+    bounded, ConfirmAsk, Confirmed, ReadDone, ReadFuture, ReadOp, RequestCtl, Transport,
+};
 
 /// An answer the reader waits for, and the request whose memory the copy writes.
 struct Waiter {
-    done: oneshot::Sender<Result<()>>,
+    done: oneshot::Sender<Result<Option<Confirmed>>>,
     ctl: Option<Arc<RequestCtl>>,
 }
 
@@ -98,6 +101,8 @@ pub(crate) struct LocalTransport {
     batch_bytes: u64,
     io_timeout: Duration,
     tasks: [tokio::task::JoinHandle<()>; 2],
+    /// The unkeyed control session every `READ` names (engines without a key).
+    session: Option<[u8; 16]>,
 }
 
 impl Drop for LocalTransport {
@@ -150,7 +155,7 @@ impl LocalTransport {
         std.set_nonblocking(true)
             .map_err(|e| Error::io(&what, &e))?;
         let mut stream = UnixStream::from_std(std).map_err(|e| Error::io(&what, &e))?;
-        if let Some(s) = session {
+        if let Some(s) = session.filter(|s| s.is_keyed()) {
             proof::answer(&mut stream, s, peer, connect_timeout).await?;
         }
         let shared = Arc::new(Shared {
@@ -173,6 +178,7 @@ impl LocalTransport {
             batch_bytes: batch_bytes.max(1),
             io_timeout,
             tasks,
+            session: session.filter(|s| !s.is_keyed()).map(|s| s.id),
         })
     }
 
@@ -183,7 +189,7 @@ impl LocalTransport {
         frame: impl FnOnce(u64) -> Vec<u8>,
         fd: Option<OwnedFd>,
         ctl: Option<&Arc<RequestCtl>>,
-    ) -> Result<oneshot::Receiver<Result<()>>> {
+    ) -> Result<oneshot::Receiver<Result<Option<Confirmed>>>> {
         let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         if let Some(c) = ctl {
@@ -245,7 +251,10 @@ impl LocalTransport {
         Ok(())
     }
 
-    async fn answer(&self, rx: oneshot::Receiver<Result<()>>) -> Result<()> {
+    async fn answer(
+        &self,
+        rx: oneshot::Receiver<Result<Option<Confirmed>>>,
+    ) -> Result<Option<Confirmed>> {
         match timeout(self.io_timeout, rx).await {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => Err(self.shared.lost()),
@@ -256,7 +265,13 @@ impl LocalTransport {
         }
     }
 
-    async fn run(&self, id: &RequestId, ops: Vec<ReadOp>, ctl: Arc<RequestCtl>) -> Result<u64> {
+    async fn run(
+        &self,
+        id: &RequestId,
+        ops: Vec<ReadOp>,
+        ctl: Arc<RequestCtl>,
+        confirm: Option<ConfirmAsk>,
+    ) -> Result<ReadDone> {
         if self.is_broken() {
             return Err(self.shared.lost());
         }
@@ -273,6 +288,13 @@ impl LocalTransport {
             wire::MAX_ENTRIES as usize,
         );
         let n = batches.len();
+        // A read of one batch is confirmed with its copy (no `Done` round trip after it).
+        let confirm = confirm.filter(|_| n == 1);
+        let extras = Extras {
+            confirm: confirm.is_some(),
+            hold: confirm.and_then(|c| c.hold),
+            session: self.session,
+        };
         let mut inflight = std::collections::VecDeque::new();
         for ops in batches {
             if inflight.len() >= MAX_INFLIGHT {
@@ -296,7 +318,7 @@ impl LocalTransport {
                 .request(
                     |tag| {
                         let mut b = Vec::new();
-                        wire::encode_read(tag, id.as_str(), entries, &mut b);
+                        wire::encode_read(tag, id.as_str(), &extras, entries, &mut b);
                         b
                     },
                     None,
@@ -305,10 +327,14 @@ impl LocalTransport {
                 .await?;
             inflight.push_back(rx);
         }
+        let mut confirmed = None;
         while let Some(rx) = inflight.pop_front() {
-            self.answer(rx).await?;
+            confirmed = confirmed.or(self.answer(rx).await?);
         }
-        Ok(n as u64)
+        Ok(ReadDone {
+            work_requests: n as u64,
+            confirmed,
+        })
     }
 }
 
@@ -349,29 +375,28 @@ async fn replies(shared: Arc<Shared>, io: Duration) {
                     stopped = Some(tokio::time::Instant::now() + io);
                     continue;
                 }
-                Ok((tag, refused, n)) if buf.len() >= wire::REPLY_HEADER + n => {
-                    let reason =
-                        String::from_utf8_lossy(&buf[wire::REPLY_HEADER..][..n]).into_owned();
+                Ok((tag, status, n)) if buf.len() >= wire::REPLY_HEADER + n => {
+                    let answer = wire::decode_reply(status, &buf[wire::REPLY_HEADER..][..n]);
                     buf.drain(..wire::REPLY_HEADER + n);
                     let Some(w) = shared.pending.lock().remove(&tag) else {
                         shared.stop(format!("an answer to unknown request tag {tag}"));
                         stopped = Some(tokio::time::Instant::now() + io);
                         continue;
                     };
+                    let r = match answer {
+                        wire::Reply::Refused(message) => Err(Error::Refused {
+                            peer: shared.peer.clone(),
+                            message,
+                        }),
+                        wire::Reply::Done => Ok(None),
+                        wire::Reply::Confirmed(c) => Ok(Some(c)),
+                    };
                     if let Some(ctl) = &w.ctl {
-                        if !refused {
+                        if r.is_ok() {
                             ctl.note_data();
                         }
                         ctl.remote_end();
                     }
-                    let r = if refused {
-                        Err(Error::Refused {
-                            peer: shared.peer.clone(),
-                            message: reason,
-                        })
-                    } else {
-                        Ok(())
-                    };
                     let _ = w.done.send(r);
                     continue;
                 }
@@ -417,17 +442,22 @@ impl Transport for LocalTransport {
         ops: Vec<ReadOp>,
         ctl: Arc<RequestCtl>,
         deadline: tokio::time::Instant,
+        confirm: Option<ConfirmAsk>,
     ) -> ReadFuture<'a> {
         // On a deadline or a cancel, the copies the peer was asked for are waited out before
         // the request is reported (the request's control counts them); on another failure the
         // transfer does the same before it reports (`session::transfer`).
         Box::pin(async move {
-            let run = self.run(id, ops, ctl.clone());
+            let run = self.run(id, ops, ctl.clone(), confirm);
             bounded(run, &ctl, deadline, self.io_timeout, &self.shared.peer).await
         })
     }
 
     fn is_broken(&self) -> bool {
         self.shared.broken.load(Ordering::Acquire)
+    }
+
+    fn names_reader(&self) -> bool {
+        true
     }
 }

@@ -18,11 +18,13 @@ use crate::accept::serve_admitted;
 use crate::error::{Error, Result};
 use crate::gpu::GpuApi;
 use crate::grant::Grant;
+use crate::ids::RequestId;
 use crate::log_limit::{warn_limited, LogLimit};
 use crate::memory::{PeerMemory, RegionSpan};
 use crate::shm;
-use crate::tp::Reader;
-use crate::transport::stream::access::{authorize, still_granted, DataServer, Exports, Source};
+use crate::transport::stream::access::{
+    authorize, confirmation, reader_of, still_granted, DataServer, Exports, SessionReader, Source,
+};
 use crate::transport::stream::{proof, ServeLimits};
 
 /// Most regions one connection may open.
@@ -186,6 +188,22 @@ pub(crate) async fn send_all(
 struct Copy {
     pieces: Vec<(RegionSpan, Arc<PeerMemory>, u64)>,
     grant: Option<Arc<Grant>>,
+    /// The request to confirm once the bytes are copied, when the `READ` asked.
+    confirm: Option<ToConfirm>,
+}
+
+/// What a `READ` that asked for a confirmation names.
+struct ToConfirm {
+    id: RequestId,
+    hold: Option<u64>,
+    reader: Option<SessionReader>,
+}
+
+/// A copy that ran: its bytes, and what to confirm now that they are in place.
+struct Served {
+    bytes: u64,
+    grant: Option<Arc<Grant>>,
+    confirm: Option<ToConfirm>,
 }
 
 impl Copy {
@@ -195,7 +213,7 @@ impl Copy {
 
     /// Copies the pieces, consecutive pieces into one region together, checking before each
     /// run of them that the request's hold has not ended.
-    fn run(self) -> Result<u64> {
+    fn run(self) -> Result<Served> {
         let mut total = 0;
         let mut run: Vec<(u64, RegionSpan)> = Vec::new();
         let mut pieces = self.pieces.into_iter().peekable();
@@ -209,7 +227,11 @@ impl Copy {
                 run.clear();
             }
         }
-        Ok(total)
+        Ok(Served {
+            bytes: total,
+            grant: self.grant,
+            confirm: self.confirm,
+        })
     }
 }
 
@@ -218,11 +240,11 @@ async fn connection(
     regions: Arc<dyn DataServer>,
     limits: ServeLimits,
 ) -> Result<()> {
-    let mut reader: Option<Arc<Reader>> = None;
+    let mut proven: Option<SessionReader> = None;
     if regions.auth_required() {
         // Nothing is opened or copied before the connection proves an authenticated session.
         match proof::challenge(&mut stream, &*regions, limits.io_timeout).await {
-            Ok(r) => reader = Some(r),
+            Ok(r) => proven = Some(r),
             Err(e) => {
                 regions.served(None);
                 return Err(e);
@@ -237,7 +259,7 @@ async fn connection(
         fds: VecDeque::new(),
     };
     let mut maps: HashMap<u32, Arc<PeerMemory>> = HashMap::new();
-    let mut copies: JoinSet<(u64, Result<u64>)> = JoinSet::new();
+    let mut copies: JoinSet<(u64, Result<Served>)> = JoinSet::new();
     let ended = loop {
         tokio::select! {
             Some(done) = copies.join_next(), if !copies.is_empty() => {
@@ -256,7 +278,7 @@ async fn connection(
                     wire::KIND_MAP => {
                         open(&*regions, &mut maps, &mut incoming.fds, &body).map(|()| None)
                     }
-                    _ => match prepare(&*regions, reader.as_deref(), &maps, &body) {
+                    _ => match prepare(&*regions, proven.as_ref(), &maps, &body) {
                         Ok(copy) if copy.bytes() <= INLINE_COPY_BYTES => copy.run().map(Some),
                         Ok(copy) => {
                             let open = stream.clone();
@@ -293,27 +315,35 @@ async fn connection(
     ended
 }
 
-/// Answers a frame: done, or refused with the reason (the connection goes on; only I/O errors
-/// end it). `Ok(Some(bytes))` is a served copy, `Ok(None)` an opened region.
+/// Answers a frame: done (confirmed or not, when a `READ` asked), or refused with the reason
+/// (the connection goes on; only I/O errors end it). `Ok(Some(..))` is a served copy,
+/// `Ok(None)` an opened region.
 async fn reply(
     s: &UnixStream,
     regions: &dyn Exports,
     tag: u64,
-    r: Result<Option<u64>>,
+    r: Result<Option<Served>>,
     io: Duration,
 ) -> Result<()> {
     let msg = match &r {
         Ok(served) => {
-            if let Some(bytes) = served {
-                regions.served(Some(*bytes));
+            let mut answer = wire::Reply::Done;
+            if let Some(served) = served {
+                regions.served(Some(served.bytes));
+                if let Some(c) = &served.confirm {
+                    // Every byte is in the reader's memory: the hold is checked after the copy.
+                    let grant = served.grant.as_deref();
+                    let ok = confirmation(regions, c.reader.as_ref(), &c.id, c.hold, grant);
+                    answer = wire::Reply::Confirmed(ok);
+                }
             }
-            wire::encode_reply(tag, None)
+            wire::encode_reply(tag, &answer)
         }
         Err(e) => {
             regions.served(None);
             let reason = e.to_string();
             warn_limited!(REFUSED, tag, %reason, "refused a same-host request");
-            wire::encode_reply(tag, Some(&reason))
+            wire::encode_reply(tag, &wire::Reply::Refused(reason))
         }
     };
     send_all(s, &msg, None, io).await
@@ -374,11 +404,17 @@ fn open(
 /// (inside an opened region).
 fn prepare(
     regions: &dyn Exports,
-    reader: Option<&Reader>,
+    proven: Option<&SessionReader>,
     maps: &HashMap<u32, Arc<PeerMemory>>,
     body: &[u8],
 ) -> Result<Copy> {
-    let (id, entries) = wire::decode_read(body)?;
+    let wire::Read {
+        id,
+        extras,
+        entries,
+    } = wire::decode_read(body)?;
+    let session = reader_of(regions, proven, extras.session.as_ref())?;
+    let reader = session.as_ref().map(|s| &*s.1);
     let sources = entries.iter().map(|e: &Entry| Source {
         region: e.src_region,
         offset: e.src_offset,
@@ -407,8 +443,14 @@ fn prepare(
     }
     // Only a read that passed every check, its destinations too, claims the request.
     authorized.claim(regions, &id, reader);
+    let confirm = extras.confirm.then_some(ToConfirm {
+        id,
+        hold: extras.hold,
+        reader: session,
+    });
     Ok(Copy {
         pieces,
         grant: authorized.grant,
+        confirm,
     })
 }

@@ -6,15 +6,20 @@
 //! - `MAP` (kind 1): `region u32`, `api u8` (0 host, 1 CUDA, 2 HIP, 3 emulated),
 //!   `handle_len u8`, two zero bytes, `offset u64`, `len u64`, then the handle. The memfd (host
 //!   memory, emulated device memory) travels as `SCM_RIGHTS` with the frame's first byte.
-//! - `READ` (kind 2): `id_len u16`, two zero bytes, `count u32`, the request id, then `count`
-//!   entries of `src_region u32, dst_region u32, src_offset u64, dst_offset u64, len u64`.
+//! - `READ` (kind 2): `id_len u16`, `flags u16` (as TCP's), `count u32`, the request id, the
+//!   hold token (`u64`) and session id (16 bytes) the flags announce, then `count` entries of
+//!   `src_region u32, dst_region u32, src_offset u64, dst_offset u64, len u64`.
 //!
-//! Server to reader: `magic u32 = "KVLS"`, `tag u64`, `status u8` (0 done, 1 refused),
-//! `reason_len u32`, then the UTF-8 reason of a refusal.
+//! Server to reader: `magic u32 = "KVLS"`, `tag u64`, `status u8` (0 done, 1 refused, 2 done
+//! and confirmed, 3 done but not confirmed), `reason_len u32`, then the UTF-8 reason of a
+//! refusal or of status 3, or for status 2 eight bytes: how long the request had been held, in
+//! microseconds.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Refusal, RefusalKind, Result};
 use crate::gpu::{GpuApi, MAX_IPC_HANDLE};
 use crate::ids::{RegionId, RequestId};
+use crate::transport::stream::frame::{Extras, FLAGS};
+use crate::transport::Confirmed;
 
 /// Frame magic, reader to server.
 pub(crate) const REQUEST_MAGIC: u32 = u32::from_le_bytes(*b"KVLQ");
@@ -32,9 +37,9 @@ pub(crate) const READ_FIXED: usize = 8;
 pub(crate) const ENTRY: usize = 32;
 /// Most entries in one `READ`.
 pub(crate) const MAX_ENTRIES: u32 = 4096;
-/// Longest body a frame may announce.
+/// Longest body a frame may announce (the id's extras are at most 24 bytes).
 pub(crate) const MAX_BODY: u32 =
-    (READ_FIXED + crate::transport::stream::frame::MAX_ID) as u32 + MAX_ENTRIES * ENTRY as u32;
+    (READ_FIXED + crate::transport::stream::frame::MAX_ID + 24) as u32 + MAX_ENTRIES * ENTRY as u32;
 /// Longest refusal reason.
 pub(crate) const MAX_REASON: u32 = 64 << 10;
 /// Frame kind: open a reader's region.
@@ -106,19 +111,22 @@ pub(crate) fn encode_map(tag: u64, m: &Map, out: &mut Vec<u8>) {
 pub(crate) fn encode_read(
     tag: u64,
     id: &str,
+    extras: &Extras,
     entries: impl ExactSizeIterator<Item = Entry>,
     out: &mut Vec<u8>,
 ) {
+    let flags = extras.flags();
     header(
         KIND_READ,
         tag,
-        READ_FIXED + id.len() + entries.len() * ENTRY,
+        READ_FIXED + id.len() + Extras::len_of(flags) + entries.len() * ENTRY,
         out,
     );
     out.extend_from_slice(&(id.len() as u16).to_le_bytes());
-    out.extend_from_slice(&[0, 0]);
+    out.extend_from_slice(&flags.to_le_bytes());
     out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
     out.extend_from_slice(id.as_bytes());
+    extras.encode(out);
     for e in entries {
         out.extend_from_slice(&e.src_region.0.to_le_bytes());
         out.extend_from_slice(&e.dst_region.0.to_le_bytes());
@@ -188,23 +196,41 @@ pub(crate) fn decode_map(b: &[u8]) -> Result<Map> {
     })
 }
 
-/// Parses a `READ` body: the request id and the entries (between 1 and [`MAX_ENTRIES`]).
-pub(crate) fn decode_read(b: &[u8]) -> Result<(RequestId, Vec<Entry>)> {
+/// A parsed `READ` body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Read {
+    /// The request whose held blocks it copies.
+    pub(crate) id: RequestId,
+    /// The hold token, session and confirmation it carries.
+    pub(crate) extras: Extras,
+    /// Its entries (1 to [`MAX_ENTRIES`]).
+    pub(crate) entries: Vec<Entry>,
+}
+
+/// Parses a `READ` body: the request id, its extras and the entries (between 1 and
+/// [`MAX_ENTRIES`]).
+pub(crate) fn decode_read(b: &[u8]) -> Result<Read> {
     let bad = |m: String| Err(Error::Protocol(format!("bad READ frame: {m}")));
     if b.len() < READ_FIXED {
         return bad("too short".into());
     }
     let id_len = usize::from(u16::from_le_bytes([b[0], b[1]]));
+    let flags = u16::from_le_bytes([b[2], b[3]]);
     let count = u32_at(b, 4);
-    if b[2..4] != [0, 0] || count == 0 || count > MAX_ENTRIES {
-        return bad(format!("{count} entries (1 to {MAX_ENTRIES})"));
+    if flags & !FLAGS != 0 || count == 0 || count > MAX_ENTRIES {
+        return bad(format!(
+            "{count} entries (1 to {MAX_ENTRIES}), flags {flags:#x} (at most {FLAGS:#x})"
+        ));
     }
-    if b.len() != READ_FIXED + id_len + count as usize * ENTRY {
+    let extra = Extras::len_of(flags);
+    if b.len() != READ_FIXED + id_len + extra + count as usize * ENTRY {
         return bad("length does not match its id and entries".into());
     }
     let id =
         crate::transport::stream::frame::decode_request_id(&b[READ_FIXED..READ_FIXED + id_len])?;
-    let entries = b[READ_FIXED + id_len..]
+    let at = READ_FIXED + id_len;
+    let extras = Extras::decode(flags, &b[at..at + extra]);
+    let entries = b[at + extra..]
         .chunks_exact(ENTRY)
         .map(|c| Entry {
             src_region: RegionId(u32_at(c, 0)),
@@ -214,42 +240,92 @@ pub(crate) fn decode_read(b: &[u8]) -> Result<(RequestId, Vec<Entry>)> {
             len: u64_at(c, 24),
         })
         .collect();
-    Ok((id, entries))
+    Ok(Read {
+        id,
+        extras,
+        entries,
+    })
 }
 
-/// Encodes a reply: done (`reason` `None`) or refused with a reason (cut to [`MAX_REASON`]).
-pub(crate) fn encode_reply(tag: u64, reason: Option<&str>) -> Vec<u8> {
-    let reason = reason.map(|r| {
-        let mut end = r.len().min(MAX_REASON as usize);
-        while !r.is_char_boundary(end) {
-            end -= 1;
+/// What a reply says of its request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Reply {
+    /// Done (a `MAP`, or a `READ` that asked for no confirmation).
+    Done,
+    /// Refused, with the reason.
+    Refused(String),
+    /// Done, with the confirmation the `READ` asked for.
+    Confirmed(Confirmed),
+}
+
+/// Status codes of [`Reply`].
+const DONE: u8 = 0;
+const REFUSED: u8 = 1;
+const CONFIRMED: u8 = 2;
+const UNCONFIRMED: u8 = 3;
+
+/// Cuts `r` to at most [`MAX_REASON`] bytes, on a character boundary.
+fn cut(r: &str) -> &str {
+    let mut end = r.len().min(MAX_REASON as usize);
+    while !r.is_char_boundary(end) {
+        end -= 1;
+    }
+    &r[..end]
+}
+
+/// Encodes a reply (reasons cut to [`MAX_REASON`]).
+pub(crate) fn encode_reply(tag: u64, reply: &Reply) -> Vec<u8> {
+    let held;
+    let (status, body): (u8, &[u8]) = match reply {
+        Reply::Done => (DONE, &[]),
+        Reply::Refused(r) => (REFUSED, cut(r).as_bytes()),
+        Reply::Confirmed(Ok(d)) => {
+            held = (d.as_micros() as u64).to_le_bytes();
+            (CONFIRMED, &held)
         }
-        &r[..end]
-    });
-    let mut out = Vec::with_capacity(REPLY_HEADER + reason.map_or(0, str::len));
+        Reply::Confirmed(Err(r)) => (UNCONFIRMED, cut(r.reason()).as_bytes()),
+    };
+    let mut out = Vec::with_capacity(REPLY_HEADER + body.len());
     out.extend_from_slice(&REPLY_MAGIC.to_le_bytes());
     out.extend_from_slice(&tag.to_le_bytes());
-    out.push(u8::from(reason.is_some()));
-    out.extend_from_slice(&(reason.map_or(0, str::len) as u32).to_le_bytes());
-    out.extend_from_slice(reason.unwrap_or("").as_bytes());
+    out.push(status);
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(body);
     out
 }
 
-/// Parses a reply header: `(tag, refused, reason_len)`.
-pub(crate) fn decode_reply_header(h: &[u8; REPLY_HEADER]) -> Result<(u64, bool, usize)> {
+/// Parses a reply header: `(tag, status, body_len)`.
+pub(crate) fn decode_reply_header(h: &[u8; REPLY_HEADER]) -> Result<(u64, u8, usize)> {
     if u32_at(h, 0) != REPLY_MAGIC {
         return Err(Error::Protocol(format!(
             "bad local reply magic {:#x}",
             u32_at(h, 0)
         )));
     }
-    let reason = u32_at(h, 13);
-    match h[12] {
-        0 if reason == 0 => Ok((u64_at(h, 4), false, 0)),
-        1 if reason <= MAX_REASON => Ok((u64_at(h, 4), true, reason as usize)),
-        s => Err(Error::Protocol(format!(
-            "bad local reply status {s} with a {reason}-byte reason"
-        ))),
+    let len = u32_at(h, 13);
+    let ok = match h[12] {
+        DONE => len == 0,
+        CONFIRMED => len == 8,
+        REFUSED | UNCONFIRMED => len <= MAX_REASON,
+        _ => false,
+    };
+    if !ok {
+        return Err(Error::Protocol(format!(
+            "bad local reply status {} with a {len}-byte body",
+            h[12]
+        )));
+    }
+    Ok((u64_at(h, 4), h[12], len as usize))
+}
+
+/// Parses a reply's body for its status (checked by [`decode_reply_header`]).
+pub(crate) fn decode_reply(status: u8, body: &[u8]) -> Reply {
+    let text = || String::from_utf8_lossy(body).into_owned();
+    match status {
+        REFUSED => Reply::Refused(text()),
+        CONFIRMED => Reply::Confirmed(Ok(std::time::Duration::from_micros(u64_at(body, 0)))),
+        UNCONFIRMED => Reply::Confirmed(Err(Refusal::new(RefusalKind::Remote, text()))),
+        _ => Reply::Done,
     }
 }
 
@@ -289,12 +365,23 @@ mod tests {
             dst_offset: 4,
             len: 5,
         };
-        encode_read(11, "req-1", [e, e].into_iter(), &mut buf);
+        let extras = Extras {
+            confirm: true,
+            hold: Some(3),
+            session: Some([1; 16]),
+        };
+        encode_read(11, "req-1", &extras, [e, e].into_iter(), &mut buf);
         let h: [u8; HEADER] = buf[..HEADER].try_into().unwrap();
         let (kind, tag, body) = decode_header(&h).unwrap();
         assert_eq!((kind, tag, body), (KIND_READ, 11, buf.len() - HEADER));
-        let (id, got) = decode_read(&buf[HEADER..]).unwrap();
-        assert_eq!((id.as_str(), got), ("req-1", vec![e, e]));
+        let r = decode_read(&buf[HEADER..]).unwrap();
+        assert_eq!(
+            (r.id.as_str(), r.extras, r.entries),
+            ("req-1", extras, vec![e, e])
+        );
+        let mut flags = buf[HEADER..].to_vec();
+        flags[2] |= 8;
+        assert!(decode_read(&flags).is_err(), "unknown flags");
         assert!(
             decode_read(&buf[HEADER..buf.len() - 1]).is_err(),
             "truncated"
@@ -312,16 +399,36 @@ mod tests {
         let mut hh = h;
         hh[16..20].copy_from_slice(&(MAX_BODY + 1).to_le_bytes());
         assert!(decode_header(&hh).is_err(), "oversized body");
+    }
 
-        let r = encode_reply(5, Some("no hold"));
-        let rh: [u8; REPLY_HEADER] = r[..REPLY_HEADER].try_into().unwrap();
-        assert_eq!(decode_reply_header(&rh).unwrap(), (5, true, 7));
-        assert_eq!(&r[REPLY_HEADER..], b"no hold");
-        let ok = encode_reply(6, None);
-        let rh: [u8; REPLY_HEADER] = ok[..].try_into().unwrap();
-        assert_eq!(decode_reply_header(&rh).unwrap(), (6, false, 0));
-        let mut rh = rh;
+    #[test]
+    fn replies_round_trip_and_malformed_ones_are_refused() {
+        for (tag, reply) in [
+            (5, Reply::Refused("no hold".into())),
+            (6, Reply::Done),
+            (
+                7,
+                Reply::Confirmed(Ok(std::time::Duration::from_micros(42))),
+            ),
+            (
+                8,
+                Reply::Confirmed(Err(Refusal::new(RefusalKind::Remote, "hold ended"))),
+            ),
+        ] {
+            let r = encode_reply(tag, &reply);
+            let rh: [u8; REPLY_HEADER] = r[..REPLY_HEADER].try_into().unwrap();
+            let (t, status, n) = decode_reply_header(&rh).unwrap();
+            assert_eq!((t, n), (tag, r.len() - REPLY_HEADER));
+            assert_eq!(decode_reply(status, &r[REPLY_HEADER..]), reply);
+        }
+        let ok = encode_reply(6, &Reply::Done);
+        let mut rh: [u8; REPLY_HEADER] = ok[..].try_into().unwrap();
         rh[12] = 2;
+        assert!(
+            decode_reply_header(&rh).is_err(),
+            "a confirmation without its 8 bytes"
+        );
+        rh[12] = 4;
         assert!(decode_reply_header(&rh).is_err());
     }
 }

@@ -30,7 +30,7 @@ use super::wr::{RdmaFault, Wr, WrBuilder};
 use super::RdmaRegionInfo;
 use crate::error::{Error, RdmaError, RdmaErrorKind, Result};
 use crate::ids::{RegionId, RequestId};
-use crate::transport::{ReadFuture, ReadOp, RequestCtl, Transport};
+use crate::transport::{ConfirmAsk, ReadDone, ReadFuture, ReadOp, RequestCtl, Transport};
 
 mod setup;
 
@@ -551,8 +551,12 @@ impl Transport for RdmaConnection {
         ops: Vec<ReadOp>,
         ctl: Arc<RequestCtl>,
         deadline: tokio::time::Instant,
+        _confirm: Option<ConfirmAsk>,
     ) -> ReadFuture<'a> {
-        Box::pin(self.run(ops, ctl, deadline))
+        Box::pin(async move {
+            let n = self.run(ops, ctl, deadline).await?;
+            Ok(ReadDone::unconfirmed(n))
+        })
     }
 
     fn is_broken(&self) -> bool {

@@ -8,6 +8,7 @@
 //! request's bytes.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::frame::MAX_REQUEST_BYTES;
 use super::staging::StagingPool;
@@ -22,6 +23,9 @@ use crate::tp::Reader;
 /// An authenticated control session, as the data servers see it: its secret and the reader
 /// (engine id and TP rank) its handshake declared.
 pub(crate) type DataSession = (SessionSecret, Arc<Reader>);
+
+/// A data request's reader: its control session's id, and the reader that session declared.
+pub(crate) type SessionReader = ([u8; 16], Arc<Reader>);
 
 /// What the engine exports, and to whom: what every access decision reads.
 pub(crate) trait Exports: Send + Sync + 'static {
@@ -45,6 +49,82 @@ pub(crate) trait Exports: Send + Sync + 'static {
     fn claim(&self, id: &RequestId, reader: &Reader);
     /// A request was served (`Some(bytes)`) or refused (`None`).
     fn served(&self, bytes: Option<u64>);
+    /// Confirms a read whose data request asked for it (protocol 8), once its bytes were
+    /// copied out: `Ok` (how long the request had been held) when the reader's control session
+    /// `session` lives, `grant` (what the bytes were served from; `None` for open reads) has not
+    /// ended, and the request is held for `reader` under `hold`; the reader then counts as done
+    /// with it, as its `Done` would make it. Refused with the reason otherwise.
+    fn confirm(&self, read: &ConfirmRead<'_>) -> std::result::Result<Duration, Refusal>;
+}
+
+/// A read to confirm with its data ([`Exports::confirm`]).
+#[derive(Debug)]
+pub(crate) struct ConfirmRead<'a> {
+    /// The reader's control session.
+    pub(crate) session: &'a [u8; 16],
+    /// The reader that session declared.
+    pub(crate) reader: &'a Reader,
+    /// The request read.
+    pub(crate) id: &'a RequestId,
+    /// The hold the reader named, if any.
+    pub(crate) hold: Option<u64>,
+    /// What the bytes were served from (`None`: open reads).
+    pub(crate) grant: Option<&'a Grant>,
+}
+
+/// Where a data request's reader comes from: the session its connection proved (engines with a
+/// key), or the session the request names (engines without one). `None`: neither, and the
+/// request is served as before protocol 8, for no reader in particular.
+pub(crate) fn reader_of(
+    exports: &dyn Exports,
+    proven: Option<&SessionReader>,
+    named: Option<&[u8; 16]>,
+) -> std::result::Result<Option<SessionReader>, Refusal> {
+    match (proven, named) {
+        (Some(p), None) => Ok(Some(p.clone())),
+        (Some(_), Some(_)) => Err(Refusal::new(
+            RefusalKind::Malformed,
+            "a data request on a connection that proved its session names another",
+        )),
+        (None, Some(id)) if !exports.auth_required() => match exports.data_session(id) {
+            Some((_, reader)) => Ok(Some((*id, reader))),
+            None => Err(Refusal::new(
+                RefusalKind::NotHeld,
+                "the data request names a control session that is not open (closed, or never \
+                 opened with this engine)",
+            )),
+        },
+        (None, Some(_)) => Err(Refusal::new(
+            RefusalKind::Unauthenticated,
+            "a data request names a session on a connection that proved none",
+        )),
+        (None, None) => Ok(None),
+    }
+}
+
+/// Confirms `read` once its bytes were sent, or says why not; `None` when the request did not
+/// ask. A request that asked without a reader (no session proved or named) is not confirmed.
+pub(crate) fn confirmation(
+    exports: &dyn Exports,
+    reader: Option<&SessionReader>,
+    id: &RequestId,
+    hold: Option<u64>,
+    grant: Option<&Grant>,
+) -> std::result::Result<Duration, Refusal> {
+    let Some((session, reader)) = reader else {
+        return Err(Refusal::new(
+            RefusalKind::Unauthenticated,
+            "the data request named no control session to confirm for",
+        ));
+    };
+    let read = ConfirmRead {
+        session,
+        reader,
+        id,
+        hold,
+        grant,
+    };
+    exports.confirm(&read)
 }
 
 /// What the data servers need beyond the access decisions: where they move device memory
@@ -228,6 +308,12 @@ mod tests {
             self.claimed.lock().unwrap().push(who);
         }
         fn served(&self, _: Option<u64>) {}
+        fn confirm(&self, read: &ConfirmRead<'_>) -> std::result::Result<Duration, Refusal> {
+            match read.grant {
+                Some(g) if g.is_ended() => Err(Refusal::new(RefusalKind::NotHeld, "ended")),
+                _ => Ok(Duration::from_micros(7)),
+            }
+        }
     }
 
     fn src(offset: u64, len: u64) -> Source {

@@ -3,29 +3,27 @@
 //! authenticated control session's id and that session's proof over the nonce ([`answer`]).
 //! Nothing is served before the proof checks.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::timeout;
 
-use super::access::Exports;
+use super::access::{Exports, SessionReader};
 use super::frame::{AUTH_NONCE, AUTH_REPLY};
 use crate::auth::{self, SessionSecret};
 use crate::error::{Error, Result};
-use crate::tp::Reader;
 
 /// How long a new data connection has to prove its session.
 const PROOF_DEADLINE: Duration = Duration::from_secs(5);
 
 /// The data server's side of the session proof: sends a fresh nonce, expects the session id and
 /// the session's proof over the nonce (`AUTH_REPLY` bytes) within a few seconds. Returns the
-/// reader the session declared.
+/// session's id and the reader it declared.
 pub(crate) async fn challenge<S>(
     stream: &mut S,
     exports: &dyn Exports,
     io_timeout: Duration,
-) -> Result<Arc<Reader>>
+) -> Result<SessionReader>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -47,7 +45,7 @@ where
     let (id, proof) = reply.split_at(16);
     let id: [u8; 16] = id.try_into().expect("16 bytes");
     match exports.data_session(&id) {
-        Some((s, engine)) if s.verify_data(&nonce, proof) => Ok(engine),
+        Some((s, engine)) if s.verify_data(&nonce, proof) => Ok((id, engine)),
         _ => Err(Error::Protocol(
             "data connection without a valid session proof".into(),
         )),

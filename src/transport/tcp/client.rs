@@ -16,23 +16,28 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::timeout;
 
-use super::wire::{self, Entry};
+use super::wire::{self, Entry, Extras};
 use crate::auth::SessionSecret;
-use crate::error::{Error, Result};
+use crate::error::{Error, Refusal, RefusalKind, Result};
 use crate::ids::RequestId;
 use crate::memory::{self, RegionSpan};
 use crate::transport::stream::staging::{group, Group, Inbound, StagingPool};
 use crate::transport::stream::{batch, proof};
-use crate::transport::{bounded, ReadFuture, ReadOp, RequestCtl, Transport};
+use crate::transport::{
+    bounded, ConfirmAsk, Confirmed, ReadDone, ReadFuture, ReadOp, RequestCtl, Transport,
+};
 
 /// Requests in flight per stream (bounds memory and queueing towards a slow peer).
 const PIPELINE: usize = 16;
 
-type Done = mpsc::Sender<Result<()>>;
+/// A batch's end: its bytes in place, with the server's confirmation when it asked for one.
+type Done = mpsc::Sender<Result<Option<Confirmed>>>;
 
 struct Batch {
     /// The request whose held blocks the batch reads.
     id: RequestId,
+    /// The hold token, session and confirmation its request carries.
+    extras: Extras,
     ops: Vec<ReadOp>,
     bytes: u64,
     ctl: Arc<RequestCtl>,
@@ -40,7 +45,7 @@ struct Batch {
 }
 
 impl Batch {
-    fn finish(self, r: Result<()>) {
+    fn finish(self, r: Result<Option<Confirmed>>) {
         let _ = self.done.try_send(r);
     }
 }
@@ -75,6 +80,8 @@ pub(crate) struct TcpTransport {
     health: Arc<Health>,
     batch_bytes: u64,
     io_timeout: Duration,
+    /// The unkeyed control session every request names (engines without a key).
+    session: Option<[u8; 16]>,
 }
 
 impl Drop for TcpTransport {
@@ -110,7 +117,7 @@ impl TcpTransport {
                 .map_err(|e| Error::io(format!("connecting to the data server {peer}"), &e))?;
             let _ = s.set_nodelay(true);
             let mut s = s;
-            if let Some(session) = session {
+            if let Some(session) = session.filter(|s| s.is_keyed()) {
                 proof::answer(&mut s, session, peer, connect_timeout).await?;
             }
             let (rd, wr) = s.into_split();
@@ -134,6 +141,7 @@ impl TcpTransport {
             health,
             batch_bytes: batch_bytes.max(1),
             io_timeout,
+            session: session.filter(|s| !s.is_keyed()).map(|s| s.id),
         })
     }
 
@@ -151,7 +159,13 @@ impl TcpTransport {
         }
     }
 
-    async fn run(&self, id: &RequestId, ops: Vec<ReadOp>, ctl: Arc<RequestCtl>) -> Result<u64> {
+    async fn run(
+        &self,
+        id: &RequestId,
+        ops: Vec<ReadOp>,
+        ctl: Arc<RequestCtl>,
+        confirm: Option<ConfirmAsk>,
+    ) -> Result<ReadDone> {
         if self.is_broken() {
             return Err(self.lost());
         }
@@ -163,12 +177,20 @@ impl TcpTransport {
             wire::MAX_ENTRIES as usize,
         );
         let n = batches.len();
-        let (done_tx, mut done_rx) = mpsc::channel::<Result<()>>(n.max(1));
+        // A read of one batch is confirmed with its data (no `Done` round trip after it).
+        let confirm = confirm.filter(|_| n == 1);
+        let extras = Extras {
+            confirm: confirm.is_some(),
+            hold: confirm.and_then(|c| c.hold),
+            session: self.session,
+        };
+        let (done_tx, mut done_rx) = mpsc::channel::<Result<Option<Confirmed>>>(n.max(1));
         let start = self.next.fetch_add(n, Ordering::Relaxed);
         for (i, ops) in batches.into_iter().enumerate() {
             let bytes = ops.iter().map(|o| o.local.len()).sum();
             let batch = Batch {
                 id: id.clone(),
+                extras,
                 ops,
                 bytes,
                 ctl: ctl.clone(),
@@ -180,14 +202,18 @@ impl TcpTransport {
             }
         }
         drop(done_tx);
+        let mut confirmed = None;
         for _ in 0..n {
             match done_rx.recv().await {
-                Some(Ok(())) => {}
+                Some(Ok(c)) => confirmed = confirmed.or(c),
                 Some(Err(e)) => return Err(e),
                 None => return Err(self.lost()),
             }
         }
-        Ok(n as u64)
+        Ok(ReadDone {
+            work_requests: n as u64,
+            confirmed,
+        })
     }
 }
 
@@ -202,17 +228,22 @@ impl Transport for TcpTransport {
         ops: Vec<ReadOp>,
         ctl: Arc<RequestCtl>,
         deadline: tokio::time::Instant,
+        confirm: Option<ConfirmAsk>,
     ) -> ReadFuture<'a> {
         // Cancelled or past its deadline: batches still on the wire are received and discarded
         // by the streams; no write into the request's memory once this returns.
         Box::pin(async move {
-            let run = self.run(id, ops, ctl.clone());
+            let run = self.run(id, ops, ctl.clone(), confirm);
             bounded(run, &ctl, deadline, self.io_timeout, &self.peer).await
         })
     }
 
     fn is_broken(&self) -> bool {
         self.health.broken.load(Ordering::Acquire)
+    }
+
+    fn names_reader(&self) -> bool {
+        true
     }
 }
 
@@ -235,6 +266,7 @@ async fn writer(
         wire::encode_request(
             tag,
             batch.id.as_str(),
+            &batch.extras,
             batch.ops.iter().map(|o| Entry {
                 region: o.remote_region,
                 offset: o.remote_offset,
@@ -357,16 +389,13 @@ async fn reader(
     health.broken.store(true, Ordering::Release);
 }
 
-/// Reads one response. The outer error breaks the stream; the inner one fails only the batch.
-async fn receive(
+/// Reads one response header of tag `expect_tag` and, for a status other than data, its body.
+async fn response_head(
     rd: &mut OwnedReadHalf,
-    batch: &Batch,
     expect_tag: u64,
-    scratch: &mut [u8],
-    inbound: &mut Inbound,
     peer: SocketAddr,
     io_timeout: Duration,
-) -> Result<Result<()>> {
+) -> Result<(u8, u64, Vec<u8>)> {
     let lost = |what: &str, e: &std::io::Error| lost(peer, what, e);
     let mut head = [0u8; wire::RESPONSE_HEADER];
     timeout(io_timeout, rd.read_exact(&mut head))
@@ -382,19 +411,86 @@ async fn receive(
             "response tag {tag}, expected {expect_tag}"
         )));
     }
-    if status == wire::STATUS_REFUSED {
-        let mut reason = vec![0u8; len as usize];
-        timeout(io_timeout, rd.read_exact(&mut reason))
-            .await
-            .map_err(|_| Error::Timeout {
-                what: format!("reading a refusal from {peer}"),
-                after: io_timeout,
-            })?
-            .map_err(|e| lost("reading a refusal", &e))?;
-        return Ok(Err(Error::Refused {
-            peer: peer.to_string(),
-            message: String::from_utf8_lossy(&reason).into_owned(),
-        }));
+    if status == wire::STATUS_OK {
+        return Ok((status, len, Vec::new()));
+    }
+    // A refusal or a confirmation: bounded by the header's checks (64 KiB).
+    let mut body = vec![0u8; len as usize];
+    timeout(io_timeout, rd.read_exact(&mut body))
+        .await
+        .map_err(|_| Error::Timeout {
+            what: format!("reading a response from {peer}"),
+            after: io_timeout,
+        })?
+        .map_err(|e| lost("reading a response", &e))?;
+    Ok((status, len, body))
+}
+
+/// Reads the confirmation that follows the data of a request that asked for one.
+async fn receive_confirmation(
+    rd: &mut OwnedReadHalf,
+    tag: u64,
+    peer: SocketAddr,
+    io_timeout: Duration,
+) -> Result<Confirmed> {
+    match response_head(rd, tag, peer, io_timeout).await? {
+        (wire::STATUS_CONFIRMED, _, held) => {
+            let us = u64::from_le_bytes(held[..8].try_into().expect("8 bytes"));
+            Ok(Ok(Duration::from_micros(us)))
+        }
+        (wire::STATUS_UNCONFIRMED, _, why) => {
+            let why = String::from_utf8_lossy(&why).into_owned();
+            Ok(Err(Refusal::new(RefusalKind::Remote, why)))
+        }
+        (status, ..) => Err(Error::Protocol(format!(
+            "response status {status} where a confirmation was due"
+        ))),
+    }
+}
+
+/// Reads one response (and the confirmation after it, when the batch asked for one). The outer
+/// error breaks the stream; the inner one fails only the batch.
+async fn receive(
+    rd: &mut OwnedReadHalf,
+    batch: &Batch,
+    expect_tag: u64,
+    scratch: &mut [u8],
+    inbound: &mut Inbound,
+    peer: SocketAddr,
+    io_timeout: Duration,
+) -> Result<Result<Option<Confirmed>>> {
+    let landed = receive_data(rd, batch, expect_tag, scratch, inbound, peer, io_timeout).await?;
+    if landed.is_err() || !batch.extras.confirm {
+        return Ok(landed.map(|()| None));
+    }
+    let c = receive_confirmation(rd, expect_tag, peer, io_timeout).await?;
+    Ok(Ok(Some(c)))
+}
+
+/// Reads one data response into the batch's memory.
+async fn receive_data(
+    rd: &mut OwnedReadHalf,
+    batch: &Batch,
+    expect_tag: u64,
+    scratch: &mut [u8],
+    inbound: &mut Inbound,
+    peer: SocketAddr,
+    io_timeout: Duration,
+) -> Result<Result<()>> {
+    let (status, len, body) = response_head(rd, expect_tag, peer, io_timeout).await?;
+    match status {
+        wire::STATUS_OK => {}
+        wire::STATUS_REFUSED => {
+            return Ok(Err(Error::Refused {
+                peer: peer.to_string(),
+                message: String::from_utf8_lossy(&body).into_owned(),
+            }))
+        }
+        s => {
+            return Err(Error::Protocol(format!(
+                "response status {s} where data was due"
+            )))
+        }
     }
     if len != batch.bytes {
         return Err(Error::Protocol(format!(

@@ -13,12 +13,14 @@ use tokio::time::timeout;
 use super::wire;
 use crate::accept::serve_tcp;
 use crate::conn_limit::ConnLimit;
-use crate::error::{Error, Result};
+use crate::error::{Error, Refusal, Result};
 use crate::grant::Grant;
 use crate::log_limit::{warn_limited, LogLimit};
 use crate::memory::{self, RegionSpan};
-use crate::tp::Reader;
-use crate::transport::stream::access::{authorize, still_granted, Authorized, DataServer, Source};
+use crate::transport::stream::access::{
+    authorize, confirmation, reader_of, still_granted, Authorized, DataServer, SessionReader,
+    Source,
+};
 use crate::transport::stream::staging::{group, Group, Outbound, StagingPool};
 use crate::transport::stream::{proof, ServeLimits};
 
@@ -67,12 +69,12 @@ async fn connection(
         io_timeout,
         idle_timeout,
     } = limits;
-    // The reading engine, once the connection proved an authenticated control session.
-    let mut engine: Option<Arc<Reader>> = None;
+    // The session the connection proved (engines with a key), and the reader it declared.
+    let mut proven: Option<SessionReader> = None;
     if regions.auth_required() {
         // Nothing is served before the connection proves an authenticated control session.
         match proof::challenge(&mut stream, &*regions, io_timeout).await {
-            Ok(e) => engine = Some(e),
+            Ok(p) => proven = Some(p),
             Err(e) => {
                 regions.served(None);
                 return Err(e);
@@ -97,13 +99,16 @@ async fn connection(
             .await
             .map_err(|_| timed_out("reading a data request header", io_timeout))?
             .map_err(|e| Error::io("reading a data request header", &e))?;
-        let (tag, count, id_len) = wire::decode_request_header(&header)?;
-        id.resize(id_len, 0);
+        let head = wire::decode_request_header(&header)?;
+        let (tag, count) = (head.tag, head.count);
+        // The id, then the hold token and session id the flags announce (at most 24 bytes).
+        id.resize(head.id_len + wire::Extras::len_of(head.flags), 0);
         timeout(io_timeout, stream.read_exact(&mut id))
             .await
             .map_err(|_| timed_out("reading a data request id", io_timeout))?
             .map_err(|e| Error::io("reading a data request id", &e))?;
-        let request = wire::decode_request_id(&id)?;
+        let request = wire::decode_request_id(&id[..head.id_len])?;
+        let extras = wire::Extras::decode(head.flags, &id[head.id_len..]);
         // Entries are read in pieces as they arrive: the buffer grows with the bytes the peer
         // sent, never ahead of them.
         read_entries(
@@ -115,10 +120,15 @@ async fn connection(
         .await?;
 
         let sources = wire::decode_entries(&body).map(Source::from);
-        match authorize(&*regions, &request, engine.as_deref(), sources) {
+        let reader = reader_of(&*regions, proven.as_ref(), extras.session.as_ref());
+        let engine = reader.as_ref().ok().and_then(|r| r.as_ref()).map(|r| &*r.1);
+        let authorized = reader
+            .clone()
+            .and_then(|_| authorize(&*regions, &request, engine, sources));
+        match authorized {
             Ok(authorized) => {
                 // Every check passed: the read claims the request for its engine.
-                authorized.claim(&*regions, &request, engine.as_deref());
+                authorized.claim(&*regions, &request, engine);
                 let Authorized {
                     grant,
                     spans,
@@ -133,6 +143,12 @@ async fn connection(
                     write_all(&stream, &head, &spans, live, io_timeout).await?;
                 }
                 regions.served(Some(total));
+                if extras.confirm {
+                    // Every byte is in the socket: the hold is checked after the copy.
+                    let reader = reader.as_ref().ok().and_then(Option::as_ref);
+                    let c = confirmation(&*regions, reader, &request, extras.hold, live);
+                    write_confirmation(&stream, tag, c, io_timeout).await?;
+                }
             }
             Err(e) => {
                 regions.served(None);
@@ -147,6 +163,30 @@ async fn connection(
             }
         }
     }
+}
+
+/// Writes the confirmation a request asked for after its data: confirmed with how long the
+/// request had been held, or not, with the reason.
+async fn write_confirmation(
+    stream: &TcpStream,
+    tag: u64,
+    c: std::result::Result<Duration, Refusal>,
+    io_timeout: Duration,
+) -> Result<()> {
+    let (status, body) = match c {
+        Ok(held) => (
+            wire::STATUS_CONFIRMED,
+            (held.as_micros() as u64).to_le_bytes().to_vec(),
+        ),
+        Err(why) => {
+            let mut why = why.into_reason().into_bytes();
+            why.truncate(wire::MAX_REASON as usize);
+            (wire::STATUS_UNCONFIRMED, why)
+        }
+    };
+    let mut msg = wire::encode_response_header(tag, status, body.len() as u64).to_vec();
+    msg.extend_from_slice(&body);
+    write_all(stream, &msg, &[], None, io_timeout).await
 }
 
 /// Reads `len` bytes of request entries into `body` (cleared first), growing it only as bytes

@@ -48,6 +48,10 @@ options:
                       a comma-separated list, to stripe over several; `all` for
                       every active device on this NUMA node
   --batch-bytes N     bytes per pipelined TCP request (K/M suffixes)    [4M]
+  --spin-us N         microseconds a waiting caller polls while reads are in
+                      flight before it sleeps (0: never)                [the engine's, 50]
+  --idle-secs N       loopback: after the run, the CPU both engines use over N s
+                      idle with their session open, callers waiting     [off]
   --blocks N          blocks per tensor in each cache        [2 x blocks/request x concurrency]
   --memory M          where both KV caches live: host, cuda, hip, or emulated (host memory
                       taking the GPU staging paths; for testing without a GPU)   [host]
@@ -109,6 +113,10 @@ pub(crate) struct Args {
     pub(crate) concurrency: usize,
     pub(crate) streams: u16,
     pub(crate) batch_bytes: u64,
+    /// The engines' `spin` (`None`: theirs).
+    pub(crate) spin_us: Option<u64>,
+    /// Seconds to measure the idle engines' CPU after a loopback run.
+    pub(crate) idle_secs: Option<u64>,
     pub(crate) blocks: Option<u32>,
     pub(crate) verify: bool,
     pub(crate) json: bool,
@@ -206,6 +214,8 @@ impl Default for Args {
             concurrency: 2,
             streams: 4,
             batch_bytes: 4 << 20,
+            spin_us: None,
+            idle_secs: None,
             blocks: None,
             verify: false,
             json: false,
@@ -402,6 +412,8 @@ fn engine_option(a: &mut Args, flag: &str, p: &mut lexopt::Parser) -> Result<boo
         }
         "streams" => a.streams = num(p, flag)?,
         "batch-bytes" => a.batch_bytes = parse_size(&val(p)?)?,
+        "spin-us" => a.spin_us = Some(num(p, flag)?),
+        "idle-secs" => a.idle_secs = Some(num(p, flag)?),
         "listen" => a.listen = val(p)?,
         "advertise" => a.advertise = val(p)?,
         "peer" => a.peer = Some(val(p)?),
@@ -478,6 +490,9 @@ impl Args {
             c.advertise_host = advertise;
             c.tcp_streams = self.streams;
             c.batch_bytes = self.batch_bytes;
+            if let Some(us) = self.spin_us {
+                c.spin = Duration::from_micros(us);
+            }
             c.request_timeout = Duration::from_secs(120);
             c.transport = self.transport;
             c.rdma = kvlink::RdmaSettings {

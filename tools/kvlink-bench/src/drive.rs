@@ -58,7 +58,8 @@ fn drive(
     }
     let mut out = Outcome::default();
     let mut free_slots: Vec<u32> = (0..args.concurrency as u32).rev().collect();
-    let mut in_flight: HashMap<RequestId, (u32, Vec<BlockId>, Vec<BlockId>)> = HashMap::new();
+    type Slot = (u32, Vec<BlockId>, Vec<BlockId>, Instant);
+    let mut in_flight: HashMap<RequestId, Slot> = HashMap::new();
     let mut submitted = 0;
     let t0 = Instant::now();
     let cpu0 = cpu_seconds();
@@ -91,6 +92,7 @@ fn drive(
                 Some(h) => Some(h.hold_blocks(id.clone(), &r).map_err(|e| e.to_string())?),
                 None => None,
             };
+            let submitted_at = Instant::now();
             engine
                 .read(ReadRequest {
                     remote_tokens_per_block: Some(remote_layout.tokens_per_block),
@@ -98,7 +100,7 @@ fn drive(
                     ..ReadRequest::blocks(peer, id.clone(), &l, &r)
                 })
                 .map_err(|e| e.to_string())?;
-            in_flight.insert(id, (slot, l, r));
+            in_flight.insert(id, (slot, l, r, submitted_at));
             submitted += 1;
         }
         let f = engine.wait_finished(Duration::from_secs(5));
@@ -111,10 +113,12 @@ fn drive(
         if let Some(fr) = f.failed.first() {
             return Err(format!("request {} failed: {}", fr.id, fr.reason));
         }
+        let seen = Instant::now();
         for rep in f.reports {
-            let (slot, l, r) = in_flight
+            let (slot, l, r, at) = in_flight
                 .remove(&rep.id)
                 .ok_or("unknown request finished")?;
+            out.observed.push(seen - at);
             if args.verify {
                 out.verified += verify(args, local, remote_layout, &l, &r)
                     .map_err(|e| format!("verification failed for {}: {e}", rep.id))?;
@@ -226,6 +230,7 @@ pub(crate) fn loopback(args: &Args, rng: &mut Rng) -> Result<Outcome, String> {
                 prefill.stats().bytes_staged_out - staged0.0,
                 decode.stats().bytes_staged_in - staged0.1,
             );
+            o.idle_cpu = idle_cpu(args, &decode, &prefill);
             Ok(o)
         })
     };
@@ -233,6 +238,26 @@ pub(crate) fn loopback(args: &Args, rng: &mut Rng) -> Result<Outcome, String> {
     drop(decode);
     drop(prefill);
     out
+}
+
+/// With `--idle-secs`: the CPU seconds both engines use over that time with their session open
+/// and nothing to move, while each has a caller waiting for finished requests
+/// (`wait_finished`, 100 ms at a time, as a scheduler loop would).
+fn idle_cpu(args: &Args, decode: &Engine, prefill: &Engine) -> Option<f64> {
+    let secs = args.idle_secs?;
+    let end = Instant::now() + Duration::from_secs(secs);
+    let cpu0 = cpu_seconds();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while Instant::now() < end {
+                prefill.wait_finished(Duration::from_millis(100));
+            }
+        });
+        while Instant::now() < end {
+            decode.wait_finished(Duration::from_millis(100));
+        }
+    });
+    Some(cpu_seconds() - cpu0)
 }
 
 /// The prefill side in its own process: serves its cache to readers elsewhere until killed,

@@ -7,11 +7,17 @@ use kvlink::TransferReport;
 #[derive(Default)]
 pub(crate) struct Outcome {
     pub(crate) reports: Vec<TransferReport>,
+    /// Per request, from the read call to the caller seeing it finished (`wait_finished`
+    /// returning it): the latency a caller observes, the engine's own report's `elapsed` plus
+    /// the caller's wake-up.
+    pub(crate) observed: Vec<Duration>,
     pub(crate) wall: Duration,
     pub(crate) cpu: f64,
     pub(crate) verified: u64,
     /// GB/s of a plain copy out of the caches' memory (staged runs only).
     pub(crate) reference_gbps: Option<f64>,
+    /// CPU seconds of both engines idle with their session open (`--idle-secs`).
+    pub(crate) idle_cpu: Option<f64>,
     /// Bytes staged out (prefill) and in (decode) during the run.
     pub(crate) staged: (u64, u64),
     /// A hybrid preset's run: the dense preset's, run just before it in the same process with

@@ -90,8 +90,46 @@ fn print_json(args: &Args, mode: &str, o: &Outcome, s: &Summary) {
             o.staged.0, o.staged.1, args.prefill_tp, args.decode_tp, args.groups + u32::from(args.state.is_some()),
             if args.head_major { "hnd" } else { "nhd" },
             transport = s.transport, pattern = s.pattern, bytes = s.bytes, secs = s.secs,
-            gbps = s.gbps, per_bytes = s.per_bytes, pieces = s.pieces, extra = hybrid_json(args, o),
+            gbps = s.gbps, per_bytes = s.per_bytes, pieces = s.pieces, extra = hybrid_json(args, o) + &steps_json(o) + &observed_json(o),
         );
+}
+
+/// The latency callers observed (`observed_ms`: from the read call to `wait_finished`
+/// returning the request), p50 and p99.
+fn observed_json(o: &Outcome) -> String {
+    let mut v = o.observed.clone();
+    v.sort();
+    let ms = |p| percentile(&v, p).as_secs_f64() * 1e3;
+    let idle = o
+        .idle_cpu
+        .map_or(String::new(), |c| format!(",\"idle_cpu_seconds\":{c:.3}"));
+    format!(
+        ",\"observed_ms\":{{\"p50\":{:.3},\"p99\":{:.3}}}{idle}",
+        ms(0.5),
+        ms(0.99)
+    )
+}
+
+/// The median of each step of a request's timeline, in microseconds from the read call
+/// (`steps_us`): where a read's time goes (session up, first byte, last byte, confirmed).
+fn steps_json(o: &Outcome) -> String {
+    type Step = fn(&kvlink::Timeline) -> Option<Duration>;
+    let steps: [(&str, Step); 4] = [
+        ("connected", |t| t.connected),
+        ("first_byte", |t| t.first_byte),
+        ("last_byte", |t| t.last_byte),
+        ("confirmed", |t| t.confirmed),
+    ];
+    let fields: Vec<String> = steps
+        .iter()
+        .filter_map(|(name, step)| {
+            let mut v: Vec<Duration> = o.reports.iter().filter_map(|r| step(&r.timeline)).collect();
+            v.sort();
+            (!v.is_empty())
+                .then(|| format!("\"{name}\":{:.1}", percentile(&v, 0.5).as_secs_f64() * 1e6))
+        })
+        .collect();
+    format!(",\"steps_us\":{{{}}}", fields.join(","))
 }
 
 /// A hybrid preset's state and the dense preset's run beside it, as JSON fields (with their
@@ -232,6 +270,18 @@ fn print_text(args: &Args, mode: &str, o: &Outcome, sum: &Summary) {
         p99.as_secs_f64() * 1e3,
         max.as_secs_f64() * 1e3
     );
+    let mut seen = o.observed.clone();
+    seen.sort();
+    println!(
+        "  observed   p50 {:.1} us   p99 {:.1} us   (read call to wait_finished returning it)",
+        percentile(&seen, 0.5).as_secs_f64() * 1e6,
+        percentile(&seen, 0.99).as_secs_f64() * 1e6,
+    );
+    if let (Some(c), Some(secs)) = (o.idle_cpu, args.idle_secs) {
+        println!(
+            "  idle       {c:.3} CPU s over {secs} s, both engines, session open, callers waiting"
+        );
+    }
     print_hybrid(args, o, gbps);
     if args.memory != Memory::Host {
         let (out, inn) = o.staged;
