@@ -2,6 +2,7 @@
 //! their cancels, releases and rejections. Reads may draw on a prefill of another TP size and
 //! carry block ids per block group.
 
+use std::future::Future;
 use std::time::{Duration, Instant};
 
 use super::Engine;
@@ -9,6 +10,7 @@ use crate::config::check_duration;
 use crate::control::messages::Message;
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, RequestId};
+use crate::layout::KvLayout;
 use crate::plan;
 use crate::session::{self, ReadJob, Source};
 use crate::tp::{self, TpRank};
@@ -243,8 +245,25 @@ impl Engine {
             started: now,
             deadline: tokio::time::Instant::from_std(now + self.shared.config().request_timeout),
         };
-        rt.spawn(session::run_read(self.sessions.clone(), job));
+        self.launch(rt, job, &layout);
         Ok(())
+    }
+
+    /// Starts `job`'s transfer task. A small read on a session that is up is submitted on the
+    /// caller's thread: its first poll plans it and writes its data request before this
+    /// returns (no wake-up of a runtime thread between the call and the request on the wire);
+    /// the rest runs on the runtime. Larger reads go to the runtime at once (posting them may
+    /// take a while).
+    fn launch(&self, rt: &tokio::runtime::Runtime, job: ReadJob, layout: &KvLayout) {
+        let inline = job.sources.len() == 1
+            && read_bytes(layout, &job.local) <= self.shared.config().batch_bytes
+            && self.sessions.ready_conn(&job.sources[0].peer).is_some();
+        let task = session::run_read(self.sessions.clone(), job);
+        if inline {
+            submit_here(rt, task);
+        } else {
+            rt.spawn(task);
+        }
     }
 
     /// Holds request `id`'s `blocks` for its readers (prefill side) and grants them to them:
@@ -356,5 +375,30 @@ impl Engine {
             hold,
         };
         self.sessions.post(rt.handle(), peer, abort)
+    }
+}
+
+/// The bytes a read of `local` blocks (per block group) moves into this engine's layout, at
+/// most: every tensor of a block's group, whole.
+fn read_bytes(layout: &KvLayout, local: &[Vec<BlockId>]) -> u64 {
+    layout
+        .tensors
+        .iter()
+        .map(|t| {
+            let blocks = local.get(t.group as usize).map_or(0, Vec::len);
+            t.block_bytes.saturating_mul(blocks as u64)
+        })
+        .fold(0u64, u64::saturating_add)
+}
+
+/// Polls `task` once on this thread, inside the runtime's context, and hands it to the runtime
+/// unless that finished it. Its first poll ran with a waker that does nothing, so the runtime
+/// must poll it again before it waits: every future registers its waker again when polled.
+fn submit_here(rt: &tokio::runtime::Runtime, task: impl Future<Output = ()> + Send + 'static) {
+    let _in = rt.enter();
+    let mut task = Box::pin(task);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    if task.as_mut().poll(&mut cx).is_pending() {
+        rt.spawn(task);
     }
 }

@@ -18,7 +18,7 @@ use crate::transport::local::LocalTransport;
 use crate::transport::rails::{Rail, Rails, TcpConnect};
 use crate::transport::rdma::{RdmaConnection, RdmaFault};
 use crate::transport::tcp::TcpTransport;
-use crate::transport::Transport;
+use crate::transport::{Transport, Waits};
 
 /// The address of `peer` (an address, or a name to look up).
 async fn resolve(peer: &str) -> Result<SocketAddr> {
@@ -130,16 +130,13 @@ async fn same_host(
                 .into(),
         );
     }
-    let t = LocalTransport::connect(
-        socket,
-        peer,
-        secret,
-        cfg.connect_timeout,
-        cfg.io_timeout,
-        cfg.batch_bytes,
-    )
-    .await
-    .map_err(|e| format!("{e} (another network namespace?)"))?;
+    let waits = Waits {
+        connect: cfg.connect_timeout,
+        io: cfg.io_timeout,
+    };
+    let t = LocalTransport::connect(socket, peer, secret, waits, cfg.batch_bytes)
+        .await
+        .map_err(|e| format!("{e} (another network namespace?)"))?;
     tracing::info!(peer, "transport local: both engines share this host");
     Ok(Box::new(t))
 }
@@ -308,28 +305,18 @@ fn tcp_fallback(
         peer: peer.to_string(),
         reason: "the peer offers no transport this engine can use".into(),
     })?;
-    let (streams, connect_timeout, io_timeout, batch) = (
-        usize::from(cfg.tcp_streams),
-        cfg.connect_timeout,
-        cfg.io_timeout,
-        cfg.batch_bytes,
-    );
+    let (streams, batch) = (usize::from(cfg.tcp_streams), cfg.batch_bytes);
+    let waits = Waits {
+        connect: cfg.connect_timeout,
+        io: cfg.io_timeout,
+    };
     let staging = shared.staging().clone();
     let secret = secret.cloned();
     Ok(Box::new(move || {
         let staging = staging.clone();
         let secret = secret.clone();
         Box::pin(async move {
-            TcpTransport::connect(
-                data_addr,
-                streams,
-                connect_timeout,
-                io_timeout,
-                batch,
-                staging,
-                secret.as_ref(),
-            )
-            .await
+            TcpTransport::connect(data_addr, streams, waits, batch, staging, secret.as_ref()).await
         })
     }))
 }

@@ -17,6 +17,13 @@ use crate::error::Result;
 use crate::ids::{RegionId, RequestId};
 use crate::memory::RegionSpan;
 
+/// How long a transport waits for a connection, and for each step of its I/O.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Waits {
+    pub(crate) connect: std::time::Duration,
+    pub(crate) io: std::time::Duration,
+}
+
 /// One read: the peer's `[remote_offset, +local.len())` of `remote_region` into `local`.
 #[derive(Debug, Clone)]
 pub(crate) struct ReadOp {

@@ -26,7 +26,7 @@ use crate::shm;
 use crate::transport::stream::frame::Extras;
 use crate::transport::stream::{batch, proof};
 use crate::transport::{
-    bounded, ConfirmAsk, Confirmed, ReadDone, ReadFuture, ReadOp, RequestCtl, Transport,
+    bounded, ConfirmAsk, Confirmed, ReadDone, ReadFuture, ReadOp, RequestCtl, Transport, Waits,
 };
 
 /// An answer the reader waits for, and the request whose memory the copy writes.
@@ -38,6 +38,9 @@ struct Waiter {
 struct Shared {
     peer: String,
     stream: Arc<UnixStream>,
+    /// Held by whoever writes a frame: the writer task, or a read of one batch sending its
+    /// frame itself.
+    sending: Arc<tokio::sync::Mutex<()>>,
     pending: Mutex<HashMap<u64, Waiter>>,
     broken: AtomicBool,
     reason: Mutex<Option<String>>,
@@ -141,10 +144,13 @@ impl LocalTransport {
         name: &str,
         peer: &str,
         session: Option<&SessionSecret>,
-        connect_timeout: Duration,
-        io_timeout: Duration,
+        waits: Waits,
         batch_bytes: u64,
     ) -> Result<LocalTransport> {
+        let Waits {
+            connect: connect_timeout,
+            io: io_timeout,
+        } = waits;
         use std::os::linux::net::SocketAddrExt;
         let what = format!("connecting to the same-host socket of {peer}");
         let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
@@ -161,6 +167,7 @@ impl LocalTransport {
         let shared = Arc::new(Shared {
             peer: peer.to_string(),
             stream: Arc::new(stream),
+            sending: Arc::new(tokio::sync::Mutex::new(())),
             pending: Mutex::new(HashMap::new()),
             broken: AtomicBool::new(false),
             reason: Mutex::new(None),
@@ -189,6 +196,7 @@ impl LocalTransport {
         frame: impl FnOnce(u64) -> Vec<u8>,
         fd: Option<OwnedFd>,
         ctl: Option<&Arc<RequestCtl>>,
+        direct: bool,
     ) -> Result<oneshot::Receiver<Result<Option<Confirmed>>>> {
         let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
@@ -211,12 +219,52 @@ impl LocalTransport {
             return Err(self.shared.lost());
         }
         let bytes = frame(tag);
+        let bytes = match fd {
+            None if direct => match self.send_now(bytes) {
+                Ok(()) => {
+                    registered.sent = true;
+                    return Ok(rx);
+                }
+                Err(back) => back,
+            },
+            _ => bytes,
+        };
         self.frames
             .send(Frame { bytes, fd })
             .await
             .map_err(|_| self.shared.lost())?;
         registered.sent = true;
         Ok(rx)
+    }
+
+    /// Writes a frame without a descriptor from this thread when no other frame is being
+    /// written; gives it back otherwise. Nothing in here waits, so a read dropped meanwhile
+    /// never leaves half a frame on the socket: what the socket does not take at once is
+    /// finished by a task of its own, which holds the sending side until then.
+    fn send_now(&self, bytes: Vec<u8>) -> std::result::Result<(), Vec<u8>> {
+        let Ok(guard) = self.shared.sending.clone().try_lock_owned() else {
+            return Err(bytes);
+        };
+        let sent = match self.shared.stream.try_write(&bytes) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => 0,
+            Err(e) => {
+                // Its waiter hears of the close (`fail_all`).
+                self.shared.stop(e.to_string());
+                return Ok(());
+            }
+        };
+        if sent < bytes.len() {
+            let (shared, io) = (self.shared.clone(), self.io_timeout);
+            tokio::spawn(async move {
+                let r = send_all(&shared.stream, &bytes[sent..], None, io).await;
+                drop(guard);
+                if let Err(e) = r {
+                    shared.stop(e.to_string());
+                }
+            });
+        }
+        Ok(())
     }
 
     /// Shares `region`'s memory with the peer unless this session did already.
@@ -244,6 +292,7 @@ impl LocalTransport {
                 },
                 export.fd,
                 None,
+                false,
             )
             .await?;
         self.answer(rx).await?;
@@ -323,6 +372,7 @@ impl LocalTransport {
                     },
                     None,
                     Some(&ctl),
+                    n == 1,
                 )
                 .await?;
             inflight.push_back(rx);
@@ -345,6 +395,7 @@ async fn writer(shared: Arc<Shared>, mut rx: mpsc::Receiver<Frame>, io: Duration
             // Its waiter hears of the close (`fail_all`).
             continue;
         }
+        let _sending = shared.sending.lock().await;
         if let Err(e) = send_all(
             &shared.stream,
             &f.bytes,

@@ -24,7 +24,7 @@ use crate::memory::{self, RegionSpan};
 use crate::transport::stream::staging::{group, Group, Inbound, StagingPool};
 use crate::transport::stream::{batch, proof};
 use crate::transport::{
-    bounded, ConfirmAsk, Confirmed, ReadDone, ReadFuture, ReadOp, RequestCtl, Transport,
+    bounded, ConfirmAsk, Confirmed, ReadDone, ReadFuture, ReadOp, RequestCtl, Transport, Waits,
 };
 
 /// Requests in flight per stream (bounds memory and queueing towards a slow peer).
@@ -68,8 +68,100 @@ impl Health {
 }
 
 struct Stream {
+    /// Batches for the stream's writer task.
     tx: mpsc::Sender<Batch>,
+    /// The sending side, for a read of one batch to send its request itself.
+    send: Arc<tokio::sync::Mutex<SendSide>>,
     tasks: [JoinHandle<()>; 2],
+}
+
+/// A stream's sending side: whoever holds it sends the next request (the stream's writer task,
+/// or a read of one batch on its own task, without a hand-off to the writer).
+struct SendSide {
+    wr: OwnedWriteHalf,
+    /// The last request's tag.
+    tag: u64,
+    /// The request being encoded.
+    buf: Vec<u8>,
+    /// The stream's reader task learns each batch here before its request goes out.
+    pending: mpsc::Sender<Batch>,
+}
+
+impl SendSide {
+    /// Encodes `batch`'s request under the next tag.
+    fn encode(&mut self, batch: &Batch) {
+        self.tag += 1;
+        wire::encode_request(
+            self.tag,
+            batch.id.as_str(),
+            &batch.extras,
+            batch.ops.iter().map(|o| Entry {
+                region: o.remote_region,
+                offset: o.remote_offset,
+                len: o.local.len(),
+            }),
+            &mut self.buf,
+        );
+    }
+}
+
+/// How a stream's sending failed, for its health.
+fn send_failed(
+    peer: SocketAddr,
+    io_timeout: Duration,
+    r: std::result::Result<std::io::Result<()>, tokio::time::error::Elapsed>,
+) -> Option<Error> {
+    match r {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(Error::io(format!("sending a read request to {peer}"), &e)),
+        Err(_) => Some(Error::Timeout {
+            what: format!("sending a read request to {peer} (it stopped reading)"),
+            after: io_timeout,
+        }),
+    }
+}
+
+impl Stream {
+    /// Sends `batch`'s request from this thread when the sending side is free and the reader
+    /// task can take the batch at once; gives the batch back otherwise. Nothing in here waits,
+    /// so a read dropped meanwhile (cancelled) never leaves half a request on the wire: what
+    /// the socket does not take at once is finished by a task of its own, still holding the
+    /// sending side.
+    fn send_now(
+        &self,
+        batch: Batch,
+        health: &Arc<Health>,
+        peer: SocketAddr,
+        io_timeout: Duration,
+    ) -> std::result::Result<(), Batch> {
+        let Ok(mut side) = self.send.clone().try_lock_owned() else {
+            return Err(batch);
+        };
+        side.encode(&batch);
+        if let Err(e) = side.pending.try_send(batch) {
+            side.tag -= 1;
+            return Err(e.into_inner());
+        }
+        let sent = match side.wr.try_write(&side.buf) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => 0,
+            Err(e) => {
+                health.fail(Error::io(format!("sending a read request to {peer}"), &e));
+                return Ok(());
+            }
+        };
+        if sent < side.buf.len() {
+            let health = health.clone();
+            tokio::spawn(async move {
+                let side = &mut *side;
+                let r = timeout(io_timeout, side.wr.write_all(&side.buf[sent..])).await;
+                if let Some(e) = send_failed(peer, io_timeout, r) {
+                    health.fail(e);
+                }
+            });
+        }
+        Ok(())
+    }
 }
 
 /// TCP data path to one peer.
@@ -99,12 +191,15 @@ impl TcpTransport {
     pub(crate) async fn connect(
         peer: SocketAddr,
         streams: usize,
-        connect_timeout: Duration,
-        io_timeout: Duration,
+        waits: Waits,
         batch_bytes: u64,
         staging: Arc<StagingPool>,
         session: Option<&SessionSecret>,
     ) -> Result<TcpTransport> {
+        let Waits {
+            connect: connect_timeout,
+            io: io_timeout,
+        } = waits;
         let health = Arc::new(Health::default());
         let mut out = Vec::with_capacity(streams);
         for _ in 0..streams.max(1) {
@@ -123,7 +218,13 @@ impl TcpTransport {
             let (rd, wr) = s.into_split();
             let (tx, rx) = mpsc::channel::<Batch>(PIPELINE);
             let (ptx, prx) = mpsc::channel::<Batch>(PIPELINE);
-            let w = tokio::spawn(writer(wr, rx, ptx, health.clone(), peer, io_timeout));
+            let send = Arc::new(tokio::sync::Mutex::new(SendSide {
+                wr,
+                tag: 0,
+                buf: Vec::new(),
+                pending: ptx,
+            }));
+            let w = tokio::spawn(writer(send.clone(), rx, health.clone(), peer, io_timeout));
             let r = tokio::spawn(reader(
                 rd,
                 prx,
@@ -132,7 +233,11 @@ impl TcpTransport {
                 io_timeout,
                 staging.clone(),
             ));
-            out.push(Stream { tx, tasks: [w, r] });
+            out.push(Stream {
+                tx,
+                send,
+                tasks: [w, r],
+            });
         }
         Ok(TcpTransport {
             peer,
@@ -197,6 +302,15 @@ impl TcpTransport {
                 done: done_tx.clone(),
             };
             let stream = &self.streams[(start + i) % self.streams.len()];
+            // One batch: its request goes out from here when the stream is free.
+            let batch = if n == 1 {
+                match stream.send_now(batch, &self.health, self.peer, self.io_timeout) {
+                    Ok(()) => continue,
+                    Err(back) => back,
+                }
+            } else {
+                batch
+            };
             if stream.tx.send(batch).await.is_err() {
                 return Err(self.lost());
             }
@@ -248,49 +362,28 @@ impl Transport for TcpTransport {
 }
 
 async fn writer(
-    mut wr: OwnedWriteHalf,
+    send: Arc<tokio::sync::Mutex<SendSide>>,
     mut rx: mpsc::Receiver<Batch>,
-    pending: mpsc::Sender<Batch>,
     health: Arc<Health>,
     peer: SocketAddr,
     io_timeout: Duration,
 ) {
-    let mut buf = Vec::new();
-    let mut tag = 0u64;
     while let Some(batch) = rx.recv().await {
         if batch.ctl.is_cancelled() {
             batch.finish(Err(Error::invalid("request cancelled")));
             continue;
         }
-        tag += 1;
-        wire::encode_request(
-            tag,
-            batch.id.as_str(),
-            &batch.extras,
-            batch.ops.iter().map(|o| Entry {
-                region: o.remote_region,
-                offset: o.remote_offset,
-                len: o.local.len(),
-            }),
-            &mut buf,
-        );
+        let mut side = send.lock().await;
+        let side = &mut *side;
+        side.encode(&batch);
         // The reader must know the batch before its response can arrive.
-        if pending.send(batch).await.is_err() {
+        if side.pending.send(batch).await.is_err() {
             break;
         }
-        match timeout(io_timeout, wr.write_all(&buf)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                health.fail(Error::io(format!("sending a read request to {peer}"), &e));
-                break;
-            }
-            Err(_) => {
-                health.fail(Error::Timeout {
-                    what: format!("sending a read request to {peer} (it stopped reading)"),
-                    after: io_timeout,
-                });
-                break;
-            }
+        let r = timeout(io_timeout, side.wr.write_all(&side.buf)).await;
+        if let Some(e) = send_failed(peer, io_timeout, r) {
+            health.fail(e);
+            break;
         }
     }
     health.broken.store(true, Ordering::Release);
