@@ -161,7 +161,7 @@
 /**
  * `sizeof(kvlink_config)` in this release (64-bit targets).
  */
-#define KVLINK_CONFIG_SIZE 112
+#define KVLINK_CONFIG_SIZE 120
 
 /**
  * `kvlink_event_publisher_start`: the current encoding (tagged maps: vLLM >= 0.24, SGLang).
@@ -317,6 +317,12 @@ typedef struct kvlink_config {
      * Bounds the connections and queue pairs an engine holds to the peers it used lately.
      */
     uint64_t session_idle_ms;
+    /**
+     * How long a caller waiting in `kvlink_engine_wait_finished` polls while reads are in
+     * flight before it sleeps, in microseconds (at most 10,000; default 50; 0 never polls).
+     * A read that finishes meanwhile is seen without a thread wake-up.
+     */
+    uint64_t spin_us;
 } kvlink_config;
 
 /**

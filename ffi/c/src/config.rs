@@ -74,6 +74,10 @@ pub struct kvlink_config {
     /// milliseconds (at most 7 days; default 120 s; 0 keeps sessions open until they break).
     /// Bounds the connections and queue pairs an engine holds to the peers it used lately.
     pub session_idle_ms: u64,
+    /// How long a caller waiting in `kvlink_engine_wait_finished` polls while reads are in
+    /// flight before it sleeps, in microseconds (at most 10,000; default 50; 0 never polls).
+    /// A read that finishes meanwhile is seen without a thread wake-up.
+    pub spin_us: u64,
 }
 
 #[cfg(target_pointer_width = "64")]
@@ -97,10 +101,11 @@ const _: () = {
     assert!(std::mem::offset_of!(kvlink_config, insecure) == 88);
     assert!(std::mem::offset_of!(kvlink_config, lease_ms) == 96);
     assert!(std::mem::offset_of!(kvlink_config, session_idle_ms) == 104);
+    assert!(std::mem::offset_of!(kvlink_config, spin_us) == 112);
 };
 
 /// `sizeof(kvlink_config)` in this release (64-bit targets).
-pub const KVLINK_CONFIG_SIZE: usize = 112;
+pub const KVLINK_CONFIG_SIZE: usize = 120;
 
 const DEFAULT_LISTEN: &CStr = c"127.0.0.1:0";
 
@@ -149,6 +154,7 @@ fn defaults(size: usize) -> kvlink_config {
         insecure: 0,
         lease_ms: ms(d.lease),
         session_idle_ms: ms(d.session_idle),
+        spin_us: u64::try_from(d.spin.as_micros()).unwrap_or(u64::MAX),
     }
 }
 
@@ -204,6 +210,8 @@ pub(crate) fn engine_config(c: &kvlink_config) -> FfiResult<EngineConfig> {
     config.abort_timeout = millis(c.abort_timeout_ms, "config->abort_timeout_ms")?;
     config.lease = millis(c.lease_ms, "config->lease_ms")?;
     config.session_idle = millis(c.session_idle_ms, "config->session_idle_ms")?;
+    // Its range is checked by Engine::start.
+    config.spin = std::time::Duration::from_micros(c.spin_us);
     config.gpu = match c.gpu {
         0 => false,
         1 => true,

@@ -279,9 +279,13 @@ static void check_argument_errors(kvlink_engine *decode) {
     CHECK_FAILS(kvlink_engine_start(&cfg, &none), KVLINK_E_INVALID, "transport");
     EXPECT(none == NULL);
     CHECK(kvlink_config_default(&cfg));
-    EXPECT(cfg.session_idle_ms == 120000 && cfg.lease_ms == 30000);
+    EXPECT(cfg.session_idle_ms == 120000 && cfg.lease_ms == 30000 && cfg.spin_us == 50);
     cfg.session_idle_ms = KVLINK_TIMEOUT_MAX_MS + 1;
     CHECK_FAILS(kvlink_engine_start(&cfg, &none), KVLINK_E_INVALID, "config->session_idle_ms");
+    EXPECT(none == NULL);
+    CHECK(kvlink_config_default(&cfg));
+    cfg.spin_us = 20000;
+    CHECK_FAILS(kvlink_engine_start(&cfg, &none), KVLINK_E_INVALID, "spin");
     EXPECT(none == NULL);
     CHECK(kvlink_config_default(&cfg));
     cfg.auth_key = "short";

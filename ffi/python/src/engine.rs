@@ -18,12 +18,16 @@ use crate::error::{to_py, InvalidArgument};
 /// Engine(listen="127.0.0.1:0", *, transport="auto", tp_rank=0, tp_size=1, request_timeout=None,
 /// abort_timeout=None, handshake_timeout=None, tcp_streams=None, rdma_device=None, engine_id=None,
 /// gpu=True, staging_chunk_bytes=None, staging_buffers=None, auth_key=None, insecure=False,
-/// lease=None, session_idle=None)
+/// lease=None, session_idle=None, spin_us=None)
 ///
 /// A setting left None takes the engine's default (`EngineConfig::default()`, the one place
 /// they are written): request_timeout 60 s, abort_timeout 480 s, handshake_timeout 5 s,
 /// tcp_streams 4, staging_chunk_bytes 2 MiB, staging_buffers 32, lease 30 s, session_idle
-/// 120 s.
+/// 120 s, spin_us 50.
+///
+/// `spin_us` (microseconds, at most 10,000): how long `wait_finished` polls while reads are in
+/// flight before it sleeps, so a read that finishes meanwhile is seen without a thread
+/// wake-up; 0 never polls.
 ///
 /// `lease` (seconds): a held request whose reader engine lost every control connection to this
 /// one ends this long after, unless the reader comes back (`abort_timeout` bounds a reader that
@@ -50,7 +54,7 @@ impl Engine {
         request_timeout = None, abort_timeout = None, handshake_timeout = None, tcp_streams = None,
         rdma_device = None, engine_id = None, gpu = true, staging_chunk_bytes = None,
         staging_buffers = None, auth_key = None, insecure = false, lease = None,
-        session_idle = None))]
+        session_idle = None, spin_us = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -71,6 +75,7 @@ impl Engine {
         insecure: bool,
         lease: Option<f64>,
         session_idle: Option<f64>,
+        spin_us: Option<u64>,
     ) -> PyResult<Self> {
         let auth_key = match auth_key {
             None => None,
@@ -100,6 +105,9 @@ impl Engine {
             Some(0.0) => std::time::Duration::ZERO,
             v => secs("session_idle", v, cfg.session_idle)?,
         };
+        if let Some(us) = spin_us {
+            cfg.spin = std::time::Duration::from_micros(us);
+        }
         cfg.handshake_timeout = secs(
             "handshake_timeout",
             handshake_timeout,

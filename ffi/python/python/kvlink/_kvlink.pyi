@@ -62,7 +62,8 @@ class Engine:
     """One kvlink engine per worker process (one per tensor-parallel rank). A setting left None
     takes the engine's default: request_timeout 60 s, abort_timeout 480 s, handshake_timeout
     5 s, tcp_streams 4, staging_chunk_bytes 2 MiB, staging_buffers 32, lease 30 s,
-    session_idle 120 s."""
+    session_idle 120 s, spin_us 50 (how long ``wait_finished`` polls while reads are in flight
+    before it sleeps; 0 never polls)."""
 
     def __init__(
         self,
@@ -84,6 +85,7 @@ class Engine:
         insecure: bool = False,
         lease: float | None = None,
         session_idle: float | None = None,
+        spin_us: int | None = None,
     ) -> None: ...
     @property
     def handshake_address(self) -> str:
