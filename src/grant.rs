@@ -7,9 +7,10 @@
 //! being sent stops at its next write once the grant has ended.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::error::{Error, Refusal, RefusalKind, Result};
+use crate::holds::HoldTable;
 use crate::ids::{BlockId, RegionId};
 use crate::layout::KvLayout;
 
@@ -20,6 +21,8 @@ pub struct Grant {
     blocks: Vec<Vec<BlockId>>,
     layout: Arc<KvLayout>,
     ended: AtomicBool,
+    /// The hold table slot that tells same-host readers the hold is live, if it has one.
+    published: OnceLock<(Arc<HoldTable>, usize)>,
 }
 
 impl Grant {
@@ -61,7 +64,14 @@ impl Grant {
             blocks: out,
             layout,
             ended: AtomicBool::new(false),
+            published: OnceLock::new(),
         })
+    }
+
+    /// A fingerprint of the granted block ids ([`blocks_hash`] of them): a same-host reader
+    /// copies on its own only a read of exactly these blocks.
+    pub(crate) fn blocks_hash(&self) -> u64 {
+        blocks_hash(&self.blocks)
     }
 
     /// The layout the block ids refer to (the one in force when the blocks were held).
@@ -69,9 +79,24 @@ impl Grant {
         &self.layout
     }
 
-    /// Ends the grant (its hold finished, failed or expired): nothing more is served from it.
+    /// Ends the grant (its hold finished, failed or expired): nothing more is served from it,
+    /// and its hold table slot (if any) tells same-host readers so before this returns.
     pub fn end(&self) {
-        self.ended.store(true, Ordering::Release);
+        if !self.ended.swap(true, Ordering::AcqRel) {
+            if let Some((table, slot)) = self.published.get() {
+                table.end(*slot);
+            }
+        }
+    }
+
+    /// Records the hold table slot that publishes this grant's hold (once); it is freed when
+    /// the grant ends. A grant that ended already frees it at once.
+    pub(crate) fn publish(&self, table: Arc<HoldTable>, slot: usize) {
+        if self.published.set((table, slot)).is_ok() && self.is_ended() {
+            if let Some((table, slot)) = self.published.get() {
+                table.end(*slot);
+            }
+        }
     }
 
     /// Whether the grant has ended.
@@ -116,6 +141,27 @@ impl Grant {
             last: 0,
         }
     }
+}
+
+/// A fingerprint of block id lists per block group, as a grant holds them (each list sorted,
+/// without repeats; FNV-1a over the group count, each list's length and ids): the same in
+/// every process of a build.
+pub(crate) fn blocks_hash<B: AsRef<[BlockId]>>(groups: &[B]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    let mut mix = |v: u64| {
+        for b in v.to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    mix(groups.len() as u64);
+    for g in groups {
+        let mut ids = g.as_ref().to_vec();
+        ids.sort_unstable();
+        ids.dedup();
+        mix(ids.len() as u64);
+        ids.iter().for_each(|b| mix(u64::from(*b)));
+    }
+    h
 }
 
 /// Checks the ranges of one request against a grant, remembering where the previous range

@@ -25,7 +25,7 @@
 // only where tools/check_layers.py's SAME_LAYER_OK says). check_layers reads this list and
 // checks every import against it; docs/architecture.md draws it.
 //   verify > engine > session > state > control > config > transport > completion
-//   > plan, layout, grant > memory > auth > error > gpu > shm
+//   > plan, layout, grant > memory > auth > error > gpu > holds > shm
 //   > accept > conn_limit, log_limit, ids, tp, inbox
 // The KV events are a crate of their own (src/kvlink-events).
 mod accept;
@@ -42,6 +42,8 @@ mod error;
 pub use kvlink_events as events;
 mod gpu;
 mod grant;
+#[allow(unsafe_code)]
+mod holds;
 mod ids;
 mod inbox;
 mod layout;

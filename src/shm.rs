@@ -126,6 +126,17 @@ impl SharedMap {
     /// memfd (a regular file that takes seals) sealed against shrinking, at least `len` bytes
     /// long. The reason names what failed.
     pub(crate) fn open_peer(fd: OwnedFd, len: u64) -> Result<SharedMap, ShareError> {
+        Self::open_peer_as(fd, len, libc::PROT_READ | libc::PROT_WRITE)
+    }
+
+    /// [`open_peer`](Self::open_peer), mapped read-only: a same-host prefill's memory (and its
+    /// hold table) as its reader copies from it. The peer hands over a read-only descriptor
+    /// ([`readonly_fd`]), so nothing here could map it writable.
+    pub(crate) fn open_peer_readonly(fd: OwnedFd, len: u64) -> Result<SharedMap, ShareError> {
+        Self::open_peer_as(fd, len, libc::PROT_READ)
+    }
+
+    fn open_peer_as(fd: OwnedFd, len: u64, prot: libc::c_int) -> Result<SharedMap, ShareError> {
         let len = usize::try_from(len).map_err(|_| format!("{len} bytes do not fit in memory"))?;
         if len == 0 {
             return Err("an empty mapping".into());
@@ -174,26 +185,31 @@ impl SharedMap {
         let resident = st.st_size as u64 == len as u64
             && (st.st_blocks as u64).saturating_mul(512) >= len as u64;
         let flags = if resident { libc::MAP_POPULATE } else { 0 };
-        let mut m =
-            Self::map_with(fd, len, flags).map_err(|e| format!("mmap of {len} bytes: {e}"))?;
+        let mut m = Self::map_with(fd, len, flags, prot)
+            .map_err(|e| format!("mmap of {len} bytes: {e}"))?;
         // The mapping holds the pages: the descriptor is not needed any more.
         m.fd = None;
         Ok(m)
     }
 
     fn map(fd: OwnedFd, len: usize) -> io::Result<SharedMap> {
-        Self::map_with(fd, len, 0)
+        Self::map_with(fd, len, 0, libc::PROT_READ | libc::PROT_WRITE)
     }
 
-    /// [`Self::map`] with extra `mmap` flags (`MAP_POPULATE`).
-    fn map_with(fd: OwnedFd, len: usize, flags: libc::c_int) -> io::Result<SharedMap> {
+    /// [`Self::map`] with extra `mmap` flags (`MAP_POPULATE`) and the protection asked for.
+    fn map_with(
+        fd: OwnedFd,
+        len: usize,
+        flags: libc::c_int,
+        prot: libc::c_int,
+    ) -> io::Result<SharedMap> {
         // SAFETY: a fresh shared mapping of `len` bytes of a file at least that long (sized by
         // us, or checked and sealed against shrinking); the kernel picks the address.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
-                libc::PROT_READ | libc::PROT_WRITE,
+                prot,
                 libc::MAP_SHARED | flags,
                 fd.as_raw_fd(),
                 0,
@@ -237,6 +253,20 @@ impl Drop for SharedMap {
         // holds the owner alive while copying).
         unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
+}
+
+/// A read-only descriptor of the same memory file as `fd` (opened anew through `/proc/self/fd`,
+/// so its holder cannot map the file writable, whatever `fd` allows).
+pub(crate) fn readonly_fd(fd: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    let f = std::fs::OpenOptions::new().read(true).open(path)?;
+    Ok(OwnedFd::from(f))
+}
+
+/// This process's real user id.
+pub(crate) fn own_uid() -> u32 {
+    // SAFETY: getuid has no preconditions and cannot fail.
+    unsafe { libc::getuid() }
 }
 
 /// Room for one descriptor's control message.

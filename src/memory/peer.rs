@@ -106,6 +106,52 @@ impl PeerMemory {
         })
     }
 
+    /// Opens a same-host prefill's host region read-only from the read-only memfd it handed
+    /// over (checked as [`open_host`](Self::open_host) checks), for its reader to copy from
+    /// ([`read_into`](Self::read_into)).
+    pub(crate) fn open_host_readonly(
+        fd: OwnedFd,
+        len: u64,
+    ) -> std::result::Result<PeerMemory, ShareError> {
+        let map = SharedMap::open_peer_readonly(fd, len)?;
+        Ok(PeerMemory {
+            start: map.as_ptr() as u64,
+            target: Target::Host(map),
+            len,
+        })
+    }
+
+    /// Copies `[offset, offset + dst.len())` of the peer's host region into `dst` (this
+    /// process's registered host memory). The peer may be writing those bytes meanwhile: the
+    /// copy is of raw bytes, never read as anything else here, and its caller keeps it only
+    /// when the peer's hold table says the hold was live throughout (`crate::holds`).
+    pub(crate) fn read_into(&self, offset: u64, dst: &RegionSpan) -> Result<()> {
+        let len = dst.len();
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(Error::invalid(format!(
+                "{len} bytes at offset {offset} run past the peer's {}-byte region",
+                self.len
+            )));
+        }
+        if !matches!(self.target, Target::Host(_)) || dst.region().device_runtime().is_some() {
+            return Err(Error::invalid(
+                "a reader-side copy is between host memory only",
+            ));
+        }
+        let n = usize::try_from(len).map_err(|_| Error::invalid("copy too large"))?;
+        let from = self.start + offset;
+        let to = dst.region().as_ptr() as u64 + dst.offset();
+        // SAFETY: `[from, +n)` lies inside the peer's live mapping (checked above; it lives as
+        // long as self), `[to, +n)` inside the live destination region (RegionSpan was
+        // bounds-checked when made and holds its region alive). Both are plain host memory,
+        // distinct mappings; the source may change under the copy, which only copies bytes.
+        #[allow(unsafe_code)]
+        unsafe {
+            std::ptr::copy(from as *const u8, to as *mut u8, n)
+        };
+        Ok(())
+    }
+
     /// Opens a peer's device region through `rt`'s IPC on GPU `ordinal`; the region is `len`
     /// bytes at `offset` of the opened allocation, which must hold them.
     pub(crate) fn open_device(

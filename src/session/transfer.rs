@@ -128,8 +128,12 @@ struct SourceReport {
     /// When its session was up, and when its bytes were all in place.
     connected: Instant,
     done: Instant,
-    /// The prefill's confirmation, when it came with the data (no `Done` needed then).
+    /// The prefill's confirmation, when it came with the data (no `Done` needed then), or
+    /// this engine's own from the prefill's hold table (a same-host copy made here).
     confirmed: Option<Confirmed>,
+    /// The prefill has not heard of the read (a copy made here): it is sent a `Done`, and no
+    /// answer is waited for.
+    tell_done: bool,
 }
 
 /// Reads one source, retrying once on a new session when its data connection was lost (reads
@@ -444,6 +448,7 @@ async fn read_once(
         connected,
         done: Instant::now(),
         confirmed: read.confirmed,
+        tell_done: read.tell_done,
     })
 }
 
@@ -460,7 +465,10 @@ async fn read_while_connected(
     ctl: Arc<RequestCtl>,
 ) -> Result<ReadDone> {
     // Confirmed with the data where the transport can (one data request).
-    let ask = ConfirmAsk { hold: job.hold };
+    let ask = ConfirmAsk {
+        hold: job.hold,
+        blocks: crate::grant::blocks_hash(&job.remote),
+    };
     let read = conn
         .transport
         .read(&job.remote_id, ops, ctl.clone(), job.deadline, Some(ask));

@@ -14,6 +14,7 @@ use crate::control::ControlHandler;
 use crate::error::{RdmaError, RdmaErrorKind, Refusal, RefusalKind};
 use crate::gpu::{DeviceRuntime, GpuApi};
 use crate::grant::Grant;
+use crate::holds::HoldTable;
 use crate::ids::{RegionId, RequestId};
 use crate::inbox::{PeerMessage, Refused};
 use crate::memory::Region;
@@ -262,5 +263,9 @@ impl DataServer for EngineState {
 
     fn staging(&self) -> &Arc<StagingPool> {
         EngineState::staging(self)
+    }
+
+    fn hold_table(&self) -> Option<Arc<HoldTable>> {
+        EngineState::hold_table(self).cloned()
     }
 }

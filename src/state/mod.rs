@@ -28,6 +28,7 @@ use crate::control::ControlTimeouts;
 use crate::error::{Error, Result};
 use crate::gpu::Runtimes;
 use crate::grant::Grant;
+use crate::holds::HoldTable;
 use crate::ids::{BlockId, RequestId};
 use crate::inbox::{Inbox, PeerMessage};
 use crate::tp::TpRank;
@@ -119,6 +120,9 @@ pub(crate) struct EngineState {
     /// Admission of control and of TCP data connections (their gauges are in the stats).
     control_slots: Arc<ConnLimit>,
     data_slots: Arc<ConnLimit>,
+    /// The table of live holds same-host readers map (`None` when no memfd could be made:
+    /// they are then served over the socket only).
+    holds: Option<Arc<HoldTable>>,
 }
 
 impl EngineState {
@@ -141,8 +145,20 @@ impl EngineState {
             next_token: AtomicU64::new(id.generation.rotate_left(32)),
             control_slots: ConnLimit::new(MAX_CONNECTIONS, config.max_connections_per_ip),
             data_slots: ConnLimit::new(MAX_CONNECTIONS, config.max_connections_per_ip),
+            holds: match HoldTable::create() {
+                Ok(t) => Some(Arc::new(t)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "no hold table for same-host readers (they are served over the socket)");
+                    None
+                }
+            },
             id,
         }
+    }
+
+    /// The table of live holds same-host readers map, if this engine has one.
+    pub(crate) fn hold_table(&self) -> Option<&Arc<HoldTable>> {
+        self.holds.as_ref()
     }
 
     pub(crate) fn config(&self) -> &EngineConfig {
@@ -245,8 +261,19 @@ impl EngineState {
                 t => t,
             },
         };
-        self.completions
-            .update(|t| t.hold_send(id, grant, reader, Instant::now(), abort_timeout, token))?;
+        // Published to same-host readers under the tracker's lock, where holds end: a hold
+        // never shows live in the table after it ended.
+        let table = self.holds.clone();
+        self.completions.update(|t| {
+            let now = Instant::now();
+            t.hold_send(id.clone(), grant.clone(), reader, now, abort_timeout, token)?;
+            if let Some(h) = &table {
+                if let Some(slot) = h.insert(&id, token, grant.blocks_hash()) {
+                    grant.publish(h.clone(), slot);
+                }
+            }
+            Ok::<_, Error>(())
+        })?;
         Ok(token)
     }
 

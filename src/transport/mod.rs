@@ -254,6 +254,9 @@ pub(crate) type Confirmed = std::result::Result<std::time::Duration, crate::erro
 pub(crate) struct ConfirmAsk {
     /// The hold's token (`ReadRequest::hold`), if the reader knows it.
     pub(crate) hold: Option<u64>,
+    /// A fingerprint of the remote block ids the read names (`grant::blocks_hash`): a
+    /// same-host reader copies on its own only when the hold grants exactly those.
+    pub(crate) blocks: u64,
 }
 
 /// What a transport's read came to: the work requests it took (RDMA work requests, or data
@@ -262,8 +265,13 @@ pub(crate) struct ConfirmAsk {
 pub(crate) struct ReadDone {
     /// RDMA work requests, or TCP / same-host data requests.
     pub(crate) work_requests: u64,
-    /// The server's confirmation, when the data carried one (the read then needs no `Done`).
+    /// The server's confirmation, when the data carried one (the read then waits for no
+    /// `Confirm`), or the reader's own from the server's hold table (a same-host copy the
+    /// reader made itself).
     pub(crate) confirmed: Option<Confirmed>,
+    /// The server has not heard of the read (a reader-side copy): a `Done` tells it, and no
+    /// answer is waited for.
+    pub(crate) tell_done: bool,
 }
 
 impl ReadDone {
@@ -272,6 +280,7 @@ impl ReadDone {
         ReadDone {
             work_requests,
             confirmed: None,
+            tell_done: false,
         }
     }
 }

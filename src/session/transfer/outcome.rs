@@ -182,7 +182,18 @@ pub(super) async fn confirm(
     let id = &job.remote_id;
     let carried = |o: &SourceOutcome| {
         let report = o.result.as_ref().ok()?.as_ref().ok()?;
-        report.confirmed.clone()
+        let c = report.confirmed.clone()?;
+        // A copy made here, confirmed by the prefill's hold table: the prefill frees the
+        // blocks on this Done, and its answer is not waited for.
+        if report.tell_done && c.is_ok() {
+            if let Some(conn) = &o.conn {
+                conn.control.notify(Message::Done {
+                    request_id: id.clone(),
+                    hold: job.hold,
+                });
+            }
+        }
+        Some(c)
     };
     let waits: Vec<_> = outcomes
         .iter()

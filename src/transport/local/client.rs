@@ -6,8 +6,8 @@
 //! ([`RequestCtl::remote_begin`]): a cancel or a deadline returns only once each was answered,
 //! or the connection closed (the server closes it only once its copies ended).
 
-use std::collections::{HashMap, HashSet};
-use std::os::fd::{AsFd, OwnedFd};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,6 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::timeout;
 
 use super::server::{send_all, MAX_INFLIGHT};
+use super::views::{copy_here, Mapped, Shared as ShareAnswer, Views};
 use super::wire;
 use crate::auth::SessionSecret;
 use crate::error::{Error, Result};
@@ -29,9 +30,22 @@ use crate::transport::{
     bounded, ConfirmAsk, Confirmed, ReadDone, ReadFuture, ReadOp, RequestCtl, Transport, Waits,
 };
 
+/// What the server answered a frame.
+enum Answer {
+    /// Done (a `MAP`, a `READ` that asked for no confirmation).
+    Done,
+    /// A `READ`'s bytes are in place, with the confirmation it asked for.
+    Confirmed(Confirmed),
+    /// A `SHARE`: the read-only descriptor and the file's length.
+    Shared(OwnedFd, u64),
+}
+
+/// Most descriptors a reader keeps waiting for their replies.
+const MAX_SHARED_FDS: usize = 16;
+
 /// An answer the reader waits for, and the request whose memory the copy writes.
 struct Waiter {
-    done: oneshot::Sender<Result<Option<Confirmed>>>,
+    done: oneshot::Sender<Result<Answer>>,
     ctl: Option<Arc<RequestCtl>>,
 }
 
@@ -106,6 +120,8 @@ pub(crate) struct LocalTransport {
     tasks: [tokio::task::JoinHandle<()>; 2],
     /// The unkeyed control session every `READ` names (engines without a key).
     session: Option<[u8; 16]>,
+    /// What this session mapped of the peer's memory, for copies this side makes itself.
+    views: tokio::sync::Mutex<Views>,
 }
 
 impl Drop for LocalTransport {
@@ -186,6 +202,7 @@ impl LocalTransport {
             io_timeout,
             tasks,
             session: session.filter(|s| !s.is_keyed()).map(|s| s.id),
+            views: tokio::sync::Mutex::new(Views::default()),
         })
     }
 
@@ -197,7 +214,7 @@ impl LocalTransport {
         fd: Option<OwnedFd>,
         ctl: Option<&Arc<RequestCtl>>,
         direct: bool,
-    ) -> Result<oneshot::Receiver<Result<Option<Confirmed>>>> {
+    ) -> Result<oneshot::Receiver<Result<Answer>>> {
         let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         if let Some(c) = ctl {
@@ -267,6 +284,61 @@ impl LocalTransport {
         Ok(())
     }
 
+    /// The read, when this side can copy it itself (host destinations, every source shared,
+    /// the hold in the peer's table); `None` when the peer must copy it.
+    async fn try_copy_here(
+        &self,
+        id: &RequestId,
+        ops: &[ReadOp],
+        ctl: &Arc<RequestCtl>,
+        confirm: Option<ConfirmAsk>,
+    ) -> Result<Option<ReadDone>> {
+        let Some(ask) = confirm.filter(|_| ops.iter().all(|o| !o.local.is_device())) else {
+            return Ok(None);
+        };
+        match self.mapped_sources(ops).await? {
+            Some(mapped) => copy_here(mapped, id, ask, ops, ctl).await,
+            None => Ok(None),
+        }
+    }
+
+    /// The peer's hold table and the source regions of `ops`, mapped read-only (asked for
+    /// once per session each); `None` when the peer shares not all of them.
+    async fn mapped_sources(&self, ops: &[ReadOp]) -> Result<Option<Mapped>> {
+        let mut views = self.views.lock().await;
+        if views.table_unknown() {
+            let shared = self.ask_share(wire::Share::Table).await?;
+            views.set_table(shared);
+        }
+        for r in views.unknown_regions(ops) {
+            let shared = self.ask_share(wire::Share::Region(r)).await?;
+            views.set_region(r, shared);
+        }
+        Ok(views.of(ops))
+    }
+
+    /// Asks the peer to share its table or a region: the read-only descriptor and length, or
+    /// `None` when it refuses (its reason logged).
+    async fn ask_share(&self, what: wire::Share) -> Result<ShareAnswer> {
+        let encode = |tag| {
+            let mut b = Vec::new();
+            wire::encode_share(tag, what, &mut b);
+            b
+        };
+        let rx = self.request(encode, None, None, false).await?;
+        match self.answer(rx).await {
+            Ok(Answer::Shared(fd, len)) => Ok(Some((fd, len))),
+            Ok(_) => Err(Error::Protocol(
+                "a SHARE answered without a descriptor".into(),
+            )),
+            Err(Error::Refused { message, .. }) => {
+                tracing::debug!(peer = %self.shared.peer, ?what, %message, "not shared: read through the peer's copy");
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Shares `region`'s memory with the peer unless this session did already.
     async fn share(&self, region: &Arc<crate::memory::Region>) -> Result<()> {
         let mut mapped = self.mapped.lock().await;
@@ -300,10 +372,7 @@ impl LocalTransport {
         Ok(())
     }
 
-    async fn answer(
-        &self,
-        rx: oneshot::Receiver<Result<Option<Confirmed>>>,
-    ) -> Result<Option<Confirmed>> {
+    async fn answer(&self, rx: oneshot::Receiver<Result<Answer>>) -> Result<Answer> {
         match timeout(self.io_timeout, rx).await {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => Err(self.shared.lost()),
@@ -323,6 +392,9 @@ impl LocalTransport {
     ) -> Result<ReadDone> {
         if self.is_broken() {
             return Err(self.shared.lost());
+        }
+        if let Some(done) = self.try_copy_here(id, &ops, &ctl, confirm).await? {
+            return Ok(done);
         }
         let mut seen = HashSet::new();
         for op in &ops {
@@ -379,11 +451,14 @@ impl LocalTransport {
         }
         let mut confirmed = None;
         while let Some(rx) = inflight.pop_front() {
-            confirmed = confirmed.or(self.answer(rx).await?);
+            if let Answer::Confirmed(c) = self.answer(rx).await? {
+                confirmed = Some(c);
+            }
         }
         Ok(ReadDone {
             work_requests: n as u64,
             confirmed,
+            tell_done: false,
         })
     }
 }
@@ -413,9 +488,13 @@ async fn writer(shared: Arc<Shared>, mut rx: mpsc::Receiver<Frame>, io: Duration
 /// Reads answers until the connection closes, handing each to its waiter. An answer that makes
 /// no sense stops the connection; what follows is read and dropped until the server closes
 /// (at most `io` after), and only then do the waiters hear it.
+// Long: the answer loop: parses answers, hands each to its waiter (with its descriptor), reads
+//   more; its buffer, descriptor queue and stop deadline live across iterations.
 async fn replies(shared: Arc<Shared>, io: Duration) {
     let stream = shared.stream.clone();
     let mut buf: Vec<u8> = Vec::new();
+    // Descriptors that came with replies, in arrival order (each `SHARE` reply carries one).
+    let mut fds: VecDeque<OwnedFd> = VecDeque::new();
     let mut stopped: Option<tokio::time::Instant> = None;
     let why = loop {
         if stopped.is_none() && buf.len() >= wire::REPLY_HEADER {
@@ -439,8 +518,14 @@ async fn replies(shared: Arc<Shared>, io: Duration) {
                             peer: shared.peer.clone(),
                             message,
                         }),
-                        wire::Reply::Done => Ok(None),
-                        wire::Reply::Confirmed(c) => Ok(Some(c)),
+                        wire::Reply::Done => Ok(Answer::Done),
+                        wire::Reply::Confirmed(c) => Ok(Answer::Confirmed(c)),
+                        wire::Reply::Shared(len) => match fds.pop_front() {
+                            Some(fd) => Ok(Answer::Shared(fd, len)),
+                            None => Err(Error::Protocol(
+                                "a shared file without its descriptor".into(),
+                            )),
+                        },
                     };
                     if let Some(ctl) = &w.ctl {
                         if r.is_ok() {
@@ -472,9 +557,20 @@ async fn replies(shared: Arc<Shared>, io: Duration) {
         }
         let start = buf.len();
         buf.resize(start + 4096, 0);
-        match stream.try_read(&mut buf[start..]) {
-            Ok(0) => break "the peer closed the same-host connection".into(),
-            Ok(n) => buf.truncate(start + n),
+        let got = stream.try_io(tokio::io::Interest::READABLE, || {
+            shm::recv_with_fd(stream.as_raw_fd(), &mut buf[start..])
+        });
+        match got {
+            Ok((0, _)) => break "the peer closed the same-host connection".into(),
+            Ok((n, got_fds)) => {
+                buf.truncate(start + n);
+                fds.extend(got_fds);
+                // Descriptors nobody asked for are not kept: a server that sends them stops.
+                if fds.len() > MAX_SHARED_FDS && stopped.is_none() {
+                    shared.stop("the peer sent descriptors nobody asked for".into());
+                    stopped = Some(tokio::time::Instant::now() + io);
+                }
+            }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => buf.truncate(start),
             Err(e) => break e.to_string(),
         }

@@ -12,6 +12,7 @@
 
 mod client;
 mod server;
+mod views;
 pub(crate) mod wire;
 
 pub(crate) use client::LocalTransport;

@@ -4,7 +4,7 @@
 //! exported and inside the request's grant, every destination inside what the reader mapped.
 
 use std::collections::{HashMap, VecDeque};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,6 +18,7 @@ use crate::accept::serve_admitted;
 use crate::error::{Error, Result};
 use crate::gpu::GpuApi;
 use crate::grant::Grant;
+use crate::holds::TABLE_BYTES as HOLD_TABLE_BYTES;
 use crate::ids::RequestId;
 use crate::log_limit::{warn_limited, LogLimit};
 use crate::memory::{PeerMemory, RegionSpan};
@@ -235,6 +236,8 @@ impl Copy {
     }
 }
 
+// Long: one connection's loop: the proof, then frames and finished copies in one select; its
+//   opened maps, copies in flight and received descriptors live across iterations.
 async fn connection(
     mut stream: UnixStream,
     regions: Arc<dyn DataServer>,
@@ -260,6 +263,9 @@ async fn connection(
     };
     let mut maps: HashMap<u32, Arc<PeerMemory>> = HashMap::new();
     let mut copies: JoinSet<(u64, Result<Served>)> = JoinSet::new();
+    // A process of this engine's own user could read its memory anyway (`process_vm_readv`):
+    // only such a reader is shared it read-only.
+    let same_user = stream.peer_cred().is_ok_and(|c| c.uid() == shm::own_uid());
     let ended = loop {
         tokio::select! {
             Some(done) = copies.join_next(), if !copies.is_empty() => {
@@ -274,6 +280,13 @@ async fn connection(
                     Ok(None) => break Ok(()),
                     Err(e) => break Err(e),
                 };
+                if kind == wire::KIND_SHARE {
+                    let shared = share(&*regions, same_user, &body);
+                    if let Err(e) = reply_share(&stream, &*regions, tag, shared, limits.io_timeout).await {
+                        break Err(e);
+                    }
+                    continue;
+                }
                 let r = match kind {
                     wire::KIND_MAP => {
                         open(&*regions, &mut maps, &mut incoming.fds, &body).map(|()| None)
@@ -347,6 +360,62 @@ async fn reply(
         }
     };
     send_all(s, &msg, None, io).await
+}
+
+/// The read-only descriptor and length a `SHARE` asks for: this engine's hold table, or one of
+/// its host regions kvlink allocated (a memfd). Refused for a reader of another user, device
+/// memory and memory registered from a caller's pointer (their reads keep this side's copy).
+fn share(regions: &dyn DataServer, same_user: bool, body: &[u8]) -> Result<(OwnedFd, u64)> {
+    if !same_user {
+        return Err(Error::invalid(
+            "the reader runs as another user: it is served by this engine's copy",
+        ));
+    }
+    let (fd, len) = match wire::decode_share(body)? {
+        wire::Share::Table => {
+            let table = regions
+                .hold_table()
+                .ok_or_else(|| Error::invalid("this engine has no hold table"))?;
+            let fd = table
+                .map()
+                .fd()
+                .ok_or_else(|| Error::invalid("no table file"))?;
+            (shm::readonly_fd(fd), HOLD_TABLE_BYTES as u64)
+        }
+        wire::Share::Region(id) => {
+            let region = regions.region(id).ok_or(Error::UnknownRegion(id))?;
+            let export = region
+                .export_local()
+                .map_err(|why| Error::InvalidArgument(why.0))?;
+            match (export.api, export.fd) {
+                (None, Some(fd)) => (shm::readonly_fd(fd.as_fd()), export.len),
+                _ => {
+                    return Err(Error::invalid(format!(
+                        "{id} is device memory: it is served by this engine's copy"
+                    )))
+                }
+            }
+        }
+    };
+    let fd = fd.map_err(|e| Error::io("opening a read-only descriptor to share", &e))?;
+    Ok((fd, len))
+}
+
+/// Answers a `SHARE`: the length, with the descriptor attached, or the refusal.
+async fn reply_share(
+    s: &UnixStream,
+    regions: &dyn Exports,
+    tag: u64,
+    shared: Result<(OwnedFd, u64)>,
+    io: Duration,
+) -> Result<()> {
+    match shared {
+        Ok((fd, len)) => {
+            let msg = wire::encode_reply(tag, &wire::Reply::Shared(len));
+            send_all(s, &msg, Some(fd.as_fd()), io).await
+        }
+        Err(e) => reply(s, regions, tag, Err(e), io).await,
+    }
 }
 
 /// Opens a region the reader shares.

@@ -10,10 +10,15 @@
 //!   hold token (`u64`) and session id (16 bytes) the flags announce, then `count` entries of
 //!   `src_region u32, dst_region u32, src_offset u64, dst_offset u64, len u64`.
 //!
+//! - `SHARE` (kind 3): `what u8` (0 the hold table, 1 a region), three zero bytes, `region u32`:
+//!   asks for a read-only descriptor of the server's hold table or of one of its host regions,
+//!   for the reader to copy from itself.
+//!
 //! Server to reader: `magic u32 = "KVLS"`, `tag u64`, `status u8` (0 done, 1 refused, 2 done
-//! and confirmed, 3 done but not confirmed), `reason_len u32`, then the UTF-8 reason of a
-//! refusal or of status 3, or for status 2 eight bytes: how long the request had been held, in
-//! microseconds.
+//! and confirmed, 3 done but not confirmed, 4 shared), `reason_len u32`, then the UTF-8 reason
+//! of a refusal or of status 3, for status 2 eight bytes: how long the request had been held,
+//! in microseconds, and for status 4 eight bytes: the shared file's length, its read-only
+//! descriptor travelling as `SCM_RIGHTS` with the reply's first byte.
 
 use crate::error::{Error, Refusal, RefusalKind, Result};
 use crate::gpu::{GpuApi, MAX_IPC_HANDLE};
@@ -46,6 +51,42 @@ pub(crate) const MAX_REASON: u32 = 64 << 10;
 pub(crate) const KIND_MAP: u8 = 1;
 /// Frame kind: copy granted bytes into opened regions.
 pub(crate) const KIND_READ: u8 = 2;
+/// Frame kind: share the hold table or a host region read-only.
+pub(crate) const KIND_SHARE: u8 = 3;
+/// `SHARE` body bytes.
+pub(crate) const SHARE_BODY: usize = 8;
+
+/// What a `SHARE` frame asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Share {
+    /// The server's hold table.
+    Table,
+    /// One of the server's host regions.
+    Region(RegionId),
+}
+
+/// Encodes a `SHARE` frame.
+pub(crate) fn encode_share(tag: u64, what: Share, out: &mut Vec<u8>) {
+    header(KIND_SHARE, tag, SHARE_BODY, out);
+    let (code, region) = match what {
+        Share::Table => (0u8, 0u32),
+        Share::Region(r) => (1, r.0),
+    };
+    out.extend_from_slice(&[code, 0, 0, 0]);
+    out.extend_from_slice(&region.to_le_bytes());
+}
+
+/// Parses a `SHARE` body.
+pub(crate) fn decode_share(b: &[u8]) -> Result<Share> {
+    if b.len() != SHARE_BODY || b[1..4] != [0, 0, 0] {
+        return Err(Error::Protocol("bad SHARE frame".into()));
+    }
+    match b[0] {
+        0 => Ok(Share::Table),
+        1 => Ok(Share::Region(RegionId(u32_at(b, 4)))),
+        c => Err(Error::Protocol(format!("SHARE of unknown kind {c}"))),
+    }
+}
 
 /// A `MAP` frame's body.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -154,7 +195,7 @@ pub(crate) fn decode_header(h: &[u8; HEADER]) -> Result<(u8, u64, usize)> {
         )));
     }
     let kind = h[4];
-    if !matches!(kind, KIND_MAP | KIND_READ) || h[5..8] != [0, 0, 0] {
+    if !matches!(kind, KIND_MAP | KIND_READ | KIND_SHARE) || h[5..8] != [0, 0, 0] {
         return Err(Error::Protocol(format!("unknown local frame kind {kind}")));
     }
     let body = u32_at(h, 16);
@@ -256,6 +297,8 @@ pub(crate) enum Reply {
     Refused(String),
     /// Done, with the confirmation the `READ` asked for.
     Confirmed(Confirmed),
+    /// Shared: the file's length (its descriptor came with the reply).
+    Shared(u64),
 }
 
 /// Status codes of [`Reply`].
@@ -263,6 +306,7 @@ const DONE: u8 = 0;
 const REFUSED: u8 = 1;
 const CONFIRMED: u8 = 2;
 const UNCONFIRMED: u8 = 3;
+const SHARED: u8 = 4;
 
 /// Cuts `r` to at most [`MAX_REASON`] bytes, on a character boundary.
 fn cut(r: &str) -> &str {
@@ -276,6 +320,7 @@ fn cut(r: &str) -> &str {
 /// Encodes a reply (reasons cut to [`MAX_REASON`]).
 pub(crate) fn encode_reply(tag: u64, reply: &Reply) -> Vec<u8> {
     let held;
+    let shared;
     let (status, body): (u8, &[u8]) = match reply {
         Reply::Done => (DONE, &[]),
         Reply::Refused(r) => (REFUSED, cut(r).as_bytes()),
@@ -284,6 +329,10 @@ pub(crate) fn encode_reply(tag: u64, reply: &Reply) -> Vec<u8> {
             (CONFIRMED, &held)
         }
         Reply::Confirmed(Err(r)) => (UNCONFIRMED, cut(r.reason()).as_bytes()),
+        Reply::Shared(len) => {
+            shared = len.to_le_bytes();
+            (SHARED, &shared)
+        }
     };
     let mut out = Vec::with_capacity(REPLY_HEADER + body.len());
     out.extend_from_slice(&REPLY_MAGIC.to_le_bytes());
@@ -305,7 +354,7 @@ pub(crate) fn decode_reply_header(h: &[u8; REPLY_HEADER]) -> Result<(u64, u8, us
     let len = u32_at(h, 13);
     let ok = match h[12] {
         DONE => len == 0,
-        CONFIRMED => len == 8,
+        CONFIRMED | SHARED => len == 8,
         REFUSED | UNCONFIRMED => len <= MAX_REASON,
         _ => false,
     };
@@ -325,6 +374,7 @@ pub(crate) fn decode_reply(status: u8, body: &[u8]) -> Reply {
         REFUSED => Reply::Refused(text()),
         CONFIRMED => Reply::Confirmed(Ok(std::time::Duration::from_micros(u64_at(body, 0)))),
         UNCONFIRMED => Reply::Confirmed(Err(Refusal::new(RefusalKind::Remote, text()))),
+        SHARED => Reply::Shared(u64_at(body, 0)),
         _ => Reply::Done,
     }
 }
@@ -414,6 +464,7 @@ mod tests {
                 8,
                 Reply::Confirmed(Err(Refusal::new(RefusalKind::Remote, "hold ended"))),
             ),
+            (9, Reply::Shared(1 << 20)),
         ] {
             let r = encode_reply(tag, &reply);
             let rh: [u8; REPLY_HEADER] = r[..REPLY_HEADER].try_into().unwrap();
@@ -428,7 +479,16 @@ mod tests {
             decode_reply_header(&rh).is_err(),
             "a confirmation without its 8 bytes"
         );
-        rh[12] = 4;
+        rh[12] = 5;
         assert!(decode_reply_header(&rh).is_err());
+        let mut share = Vec::new();
+        for what in [Share::Table, Share::Region(RegionId(7))] {
+            encode_share(4, what, &mut share);
+            let h: [u8; HEADER] = share[..HEADER].try_into().unwrap();
+            assert_eq!(decode_header(&h).unwrap(), (KIND_SHARE, 4, SHARE_BODY));
+            assert_eq!(decode_share(&share[HEADER..]).unwrap(), what);
+        }
+        share[HEADER] = 2;
+        assert!(decode_share(&share[HEADER..]).is_err(), "unknown kind");
     }
 }

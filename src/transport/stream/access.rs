@@ -16,6 +16,7 @@ use crate::auth::SessionSecret;
 use crate::error::{Error, Refusal, RefusalKind, Result};
 use crate::gpu::{DeviceRuntime, GpuApi};
 use crate::grant::Grant;
+use crate::holds::HoldTable;
 use crate::ids::{RegionId, RequestId};
 use crate::memory::{Region, RegionSpan};
 use crate::tp::Reader;
@@ -134,6 +135,8 @@ pub(crate) trait DataServer: Exports {
     fn staging(&self) -> &Arc<StagingPool>;
     /// The loaded runtime of `api` and the GPU to open a same-host reader's device memory on.
     fn device_runtime(&self, api: GpuApi) -> Option<(Arc<dyn DeviceRuntime>, i32)>;
+    /// The table of live holds same-host readers copy against (`crate::holds`), if any.
+    fn hold_table(&self) -> Option<Arc<HoldTable>>;
 }
 
 /// One range a reader asks for, in this engine's memory.
