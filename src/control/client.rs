@@ -1,7 +1,7 @@
 //! The reader's side of the control connection: handshake, then a writer task with a bounded
 //! queue of notices and pings, and a reader task that watches for answers and silence.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
@@ -36,7 +36,11 @@ const SILENT_AFTER_PINGS: u32 = 2;
 pub(crate) type Confirmation = std::result::Result<std::time::Duration, Refusal>;
 
 /// `Done` notices waiting for their `Confirm`, by request (at most one per request).
-type Pending = Arc<Mutex<HashMap<RequestId, oneshot::Sender<Confirmation>>>>;
+/// Where each `Done` sent on this connection wants its `Confirm`, per request id in the order
+/// the notices went out: the server answers every `Done` once, in order, so each `Confirm` goes
+/// to the oldest `Done` of its id (a read that stopped waiting, or a notice sent without waiting,
+/// keeps its place, so its answer is never taken for a later read's).
+type Pending = Arc<Mutex<HashMap<RequestId, VecDeque<oneshot::Sender<Confirmation>>>>>;
 
 /// A live control connection to one peer.
 pub(crate) struct ControlClient {
@@ -271,8 +275,18 @@ fn on_frame(peer: SocketAddr, msg: Result<Message>, confirms: &Pending) -> bool 
             refused,
             held_us,
         }) => {
-            // A confirmation nobody waits for (its read gave up) is dropped.
-            if let Some(tx) = confirms.lock().remove(&request_id) {
+            // The oldest Done of this id; a confirmation nobody waits for any more (its read
+            // gave up, or its notice wanted no answer) is dropped.
+            let tx = {
+                let mut confirms = confirms.lock();
+                let queue = confirms.get_mut(&request_id);
+                let tx = queue.and_then(VecDeque::pop_front);
+                if confirms.get(&request_id).is_some_and(VecDeque::is_empty) {
+                    confirms.remove(&request_id);
+                }
+                tx
+            };
+            if let Some(tx) = tx {
                 let held = std::time::Duration::from_micros(held_us);
                 let _ = tx
                     .send(refused.map_or(Ok(held), |r| Err(Refusal::new(RefusalKind::Remote, r))));
@@ -354,22 +368,18 @@ impl ControlClient {
         hold: Option<u64>,
     ) -> Option<oneshot::Receiver<Confirmation>> {
         let (tx, rx) = oneshot::channel();
-        {
-            let mut pending = self.pending.lock();
-            // Reads that stopped waiting (their deadline passed) leave nothing behind.
-            pending.retain(|_, tx| !tx.is_closed());
-            pending.insert(id.clone(), tx);
-        }
-        if self.notify(Message::Done {
+        // Queued under the lock, so the answers' order is the notices' order.
+        let mut pending = self.pending.lock();
+        let sent = self.notify(Message::Done {
             request_id: id.clone(),
             hold,
-        }) && !self.is_closed()
-        {
-            Some(rx)
-        } else {
-            self.pending.lock().remove(&id);
-            None
+        });
+        if !sent {
+            return None;
         }
+        pending.entry(id).or_default().push_back(tx);
+        drop(pending);
+        (!self.is_closed()).then_some(rx)
     }
 
     /// Closes the connection in order: queues a `Bye` after whatever is queued (so every

@@ -118,3 +118,36 @@ fn a_silent_peer_with_a_stalled_client_is_still_found_dead() {
         resumed.elapsed()
     );
 }
+
+/// Each `Confirm` answers the oldest `Done` of its id: a notice whose answer nobody waits for
+/// (its receiver dropped) keeps its place, so its answer never reaches a later read of the id.
+#[test]
+fn confirms_answer_the_dones_of_their_id_in_order() {
+    let confirms: Pending = Arc::default();
+    let id = RequestId::from("r");
+    let (first, dropped) = oneshot::channel();
+    let (second, mut waiting) = oneshot::channel();
+    drop(dropped);
+    confirms
+        .lock()
+        .entry(id.clone())
+        .or_default()
+        .extend([first, second]);
+    let peer: SocketAddr = "127.0.0.1:1".parse().unwrap();
+    let confirm = |refused: Option<&str>| {
+        Ok(Message::Confirm {
+            request_id: id.clone(),
+            refused: refused.map(str::to_string),
+            held_us: 5,
+        })
+    };
+    assert!(on_frame(peer, confirm(None), &confirms));
+    assert!(
+        waiting.try_recv().is_err(),
+        "the first answer is the first notice's"
+    );
+    assert!(on_frame(peer, confirm(Some("held again")), &confirms));
+    let got = waiting.try_recv().expect("the second answer");
+    assert!(got.is_err_and(|r| r.reason().contains("held again")));
+    assert!(confirms.lock().is_empty(), "nothing left behind");
+}

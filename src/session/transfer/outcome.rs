@@ -187,10 +187,8 @@ pub(super) async fn confirm(
         // blocks on this Done, and its answer is not waited for.
         if report.tell_done && c.is_ok() {
             if let Some(conn) = &o.conn {
-                conn.control.notify(Message::Done {
-                    request_id: id.clone(),
-                    hold: job.hold,
-                });
+                // Its answer is not waited for: the receiver is dropped here.
+                drop(conn.control.done(id.clone(), job.hold));
             }
         }
         Some(c)
