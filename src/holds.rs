@@ -69,7 +69,7 @@ impl HoldTable {
         (map.len() == TABLE_BYTES).then_some(HoldTable { map, used: None })
     }
 
-    /// The memfd, to hand to readers (`None` in a reader's view).
+    /// The table's mapping (its memfd, `SharedMap::fd`, is what the owner hands to readers).
     pub(crate) fn map(&self) -> &SharedMap {
         &self.map
     }

@@ -410,12 +410,7 @@ impl LocalTransport {
         );
         let n = batches.len();
         // A read of one batch is confirmed with its copy (no `Done` round trip after it).
-        let confirm = confirm.filter(|_| n == 1);
-        let extras = Extras {
-            confirm: confirm.is_some(),
-            hold: confirm.and_then(|c| c.hold),
-            session: self.session,
-        };
+        let extras = Extras::of_read(confirm, n, self.session);
         let mut inflight = std::collections::VecDeque::new();
         for ops in batches {
             if inflight.len() >= MAX_INFLIGHT {

@@ -384,17 +384,18 @@ fn share(regions: &dyn DataServer, same_user: bool, body: &[u8]) -> Result<(Owne
         }
         wire::Share::Region(id) => {
             let region = regions.region(id).ok_or(Error::UnknownRegion(id))?;
+            if region.is_device() {
+                return Err(Error::invalid(format!(
+                    "{id} is device memory: it is served by this engine's copy"
+                )));
+            }
             let export = region
                 .export_local()
                 .map_err(|why| Error::InvalidArgument(why.0))?;
-            match (export.api, export.fd) {
-                (None, Some(fd)) => (shm::readonly_fd(fd.as_fd()), export.len),
-                _ => {
-                    return Err(Error::invalid(format!(
-                        "{id} is device memory: it is served by this engine's copy"
-                    )))
-                }
-            }
+            let fd = export
+                .fd
+                .ok_or_else(|| Error::invalid(format!("{id} has no memory file to share")))?;
+            (shm::readonly_fd(fd.as_fd()), export.len)
         }
     };
     let fd = fd.map_err(|e| Error::io("opening a read-only descriptor to share", &e))?;

@@ -37,6 +37,22 @@ pub struct Extras {
 }
 
 impl Extras {
+    /// What a read's requests carry: the session (engines without a key), and, when the read
+    /// is `batches` requests of which only one asks, its confirmation with the hold token
+    /// (a read of one request is confirmed with its data).
+    pub(crate) fn of_read(
+        confirm: Option<crate::transport::ConfirmAsk>,
+        batches: usize,
+        session: Option<[u8; 16]>,
+    ) -> Extras {
+        let confirm = confirm.filter(|_| batches == 1);
+        Extras {
+            confirm: confirm.is_some(),
+            hold: confirm.and_then(|c| c.hold),
+            session,
+        }
+    }
+
     /// The flags announcing these extras.
     pub fn flags(&self) -> u16 {
         let mut f = 0;

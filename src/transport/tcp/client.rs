@@ -283,12 +283,7 @@ impl TcpTransport {
         );
         let n = batches.len();
         // A read of one batch is confirmed with its data (no `Done` round trip after it).
-        let confirm = confirm.filter(|_| n == 1);
-        let extras = Extras {
-            confirm: confirm.is_some(),
-            hold: confirm.and_then(|c| c.hold),
-            session: self.session,
-        };
+        let extras = Extras::of_read(confirm, n, self.session);
         let (done_tx, mut done_rx) = mpsc::channel::<Result<Option<Confirmed>>>(n.max(1));
         let start = self.next.fetch_add(n, Ordering::Relaxed);
         for (i, ops) in batches.into_iter().enumerate() {
@@ -490,15 +485,9 @@ async fn response_head(
     peer: SocketAddr,
     io_timeout: Duration,
 ) -> Result<(u8, u64, Vec<u8>)> {
-    let lost = |what: &str, e: &std::io::Error| lost(peer, what, e);
     let mut head = [0u8; wire::RESPONSE_HEADER];
-    timeout(io_timeout, rd.read_exact(&mut head))
-        .await
-        .map_err(|_| Error::Timeout {
-            what: format!("waiting for a data response from {peer}"),
-            after: io_timeout,
-        })?
-        .map_err(|e| lost("reading a response header", &e))?;
+    let what = "waiting for a data response header";
+    read_within(rd, &mut head, peer, io_timeout, what).await?;
     let (tag, status, len) = wire::decode_response_header(&head)?;
     if tag != expect_tag {
         return Err(Error::Protocol(format!(
@@ -510,14 +499,26 @@ async fn response_head(
     }
     // A refusal or a confirmation: bounded by the header's checks (64 KiB).
     let mut body = vec![0u8; len as usize];
-    timeout(io_timeout, rd.read_exact(&mut body))
+    read_within(rd, &mut body, peer, io_timeout, "reading a response").await?;
+    Ok((status, len, body))
+}
+
+/// Fills `buf` from the stream within `io_timeout`: a timeout or a lost connection names `what`.
+async fn read_within(
+    rd: &mut OwnedReadHalf,
+    buf: &mut [u8],
+    peer: SocketAddr,
+    io_timeout: Duration,
+    what: &str,
+) -> Result<()> {
+    timeout(io_timeout, rd.read_exact(buf))
         .await
         .map_err(|_| Error::Timeout {
-            what: format!("reading a response from {peer}"),
+            what: format!("{what} from {peer}"),
             after: io_timeout,
         })?
-        .map_err(|e| lost("reading a response", &e))?;
-    Ok((status, len, body))
+        .map_err(|e| lost(peer, what, &e))?;
+    Ok(())
 }
 
 /// Reads the confirmation that follows the data of a request that asked for one.
