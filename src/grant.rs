@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crate::error::{Error, Refusal, RefusalKind, Result};
-use crate::holds::HoldTable;
+use crate::holds::{Ending, HoldTable};
 use crate::ids::{BlockId, RegionId};
 use crate::layout::KvLayout;
 
@@ -82,11 +82,18 @@ impl Grant {
     /// Ends the grant (its hold finished, failed or expired): nothing more is served from it,
     /// and its hold table slot (if any) tells same-host readers so before this returns.
     pub fn end(&self) {
-        if !self.ended.swap(true, Ordering::AcqRel) {
-            if let Some((table, slot)) = self.published.get() {
-                table.end(*slot);
-            }
+        drop(self.end_with_receipts());
+    }
+
+    /// Ends the grant as [`end`](Self::end) does, and returns its hold table slot's ending
+    /// (the same-host readers that signed a receipt for the hold) for the caller to settle;
+    /// `None` when the grant had ended already or has no slot.
+    pub(crate) fn end_with_receipts(&self) -> Option<Ending> {
+        if self.ended.swap(true, Ordering::AcqRel) {
+            return None;
         }
+        let (table, slot) = self.published.get()?;
+        table.end(*slot)
     }
 
     /// Records the hold table slot that publishes this grant's hold (once); it is freed when
@@ -94,7 +101,7 @@ impl Grant {
     pub(crate) fn publish(&self, table: Arc<HoldTable>, slot: usize) {
         if self.published.set((table, slot)).is_ok() && self.is_ended() {
             if let Some((table, slot)) = self.published.get() {
-                table.end(*slot);
+                drop(table.end(*slot));
             }
         }
     }

@@ -483,8 +483,10 @@ impl CompletionTracker {
             .map(|(id, _)| id.clone())
             .collect();
         for id in expired {
-            let h = self.held.remove(&id).expect("listed above");
-            h.grant.end();
+            let mut h = self.held.remove(&id).expect("listed above");
+            if self.counted_by_receipts(&id, &mut h) {
+                continue;
+            }
             let reason = self.expiry_reason(&h, now);
             tracing::warn!(%id, %reason, "held request expired");
             self.totals.sends_failed += 1;
@@ -498,6 +500,28 @@ impl CompletionTracker {
             });
         }
         self.presence.prune(now);
+    }
+
+    /// Ends hold `h` of request `id` at its deadline, counting the receipts same-host readers
+    /// signed for it (`crate::holds`: a reader that copied the blocks itself while the hold was
+    /// live, whose `Done` may have been lost with its control connection) as their `Done`s.
+    /// Returns whether that finished the send (reported as sent).
+    fn counted_by_receipts(&mut self, id: &RequestId, h: &mut Held) -> bool {
+        let Some(ending) = h.grant.end_with_receipts() else {
+            return false;
+        };
+        for reader in &ending.receipts {
+            if let Ok(Some(slot)) = h.admit(self.tp, id, reader, true) {
+                h.readers[slot].done = true;
+            }
+        }
+        let counted = !ending.receipts.is_empty() && h.confirmed() >= h.expected(self.tp);
+        ending.settle(counted);
+        if counted {
+            tracing::info!(%id, "held request confirmed at its deadline by its readers' receipts (their Done did not arrive)");
+            self.finish_send(id.clone(), SendNotice::Done);
+        }
+        counted
     }
 
     /// Why hold `h` expired at `now` (counting lease expiries).

@@ -491,3 +491,65 @@ fn a_reader_that_leaves_in_order_keeps_its_holds_on_the_abort_timeout() {
     assert_eq!(t.take_finished().failed.len(), 3);
     assert_eq!(t.totals().sends_lease_expired, 3);
 }
+
+#[test]
+fn a_receipt_signed_while_held_counts_as_its_readers_done_at_the_deadline() {
+    use crate::holds::{HoldTable, ReceiptPage};
+    use crate::shm::SharedMap;
+    let t0 = Instant::now();
+    let owner = Arc::new(HoldTable::create().unwrap());
+    let view = {
+        let fd = owner.map().fd().unwrap().try_clone_to_owned().unwrap();
+        let len = crate::holds::TABLE_BYTES as u64;
+        HoldTable::reader(SharedMap::open_peer_readonly(fd, len).unwrap()).unwrap()
+    };
+    let page = |r: &Reader| {
+        let (fd, len) = owner.receipts_for(r).unwrap();
+        ReceiptPage::reader(SharedMap::open_peer(fd, len).unwrap()).unwrap()
+    };
+    let (d, other) = (page(&rd("d")), page(&rd("other")));
+    let mut t = CompletionTracker::new();
+    for (id, named) in [
+        ("signed", None),
+        ("by-another", Some("d")),
+        ("unsigned", None),
+    ] {
+        let g = grant();
+        let slot = owner.insert(&id.into(), 1, g.blocks_hash()).unwrap();
+        g.publish(owner.clone(), slot);
+        t.hold_send(
+            id.into(),
+            g,
+            named.map(Into::into),
+            t0,
+            Duration::from_secs(5),
+            1,
+        )
+        .unwrap();
+    }
+    let found = |id: &str| {
+        view.find(&id.into(), Some(1), grant().blocks_hash())
+            .unwrap()
+    };
+    let (signed, by_another, unsigned) = (found("signed"), found("by-another"), found("unsigned"));
+    d.sign(signed);
+    other.sign(by_another);
+    t.poll(t0 + Duration::from_secs(5));
+    let f = t.take_finished();
+    assert_eq!(
+        f.sending,
+        vec![RequestId::from("signed")],
+        "its receipt counted"
+    );
+    let mut failed: Vec<&str> = f.failed.iter().map(|x| x.id.as_str()).collect();
+    failed.sort_unstable();
+    assert_eq!(
+        failed,
+        ["by-another", "unsigned"],
+        "a reader the hold is not for counts for nothing"
+    );
+    assert_eq!(view.outcome(signed), Some(true));
+    assert_eq!(view.outcome(by_another), Some(false));
+    assert_eq!(view.outcome(unsigned), Some(false));
+    assert_eq!((t.totals().sends_done, t.totals().sends_expired), (1, 2));
+}

@@ -302,13 +302,18 @@ impl LocalTransport {
         }
     }
 
-    /// The peer's hold table and the source regions of `ops`, mapped read-only (asked for
-    /// once per session each); `None` when the peer shares not all of them.
+    /// The peer's hold table and the source regions of `ops`, mapped read-only, and this
+    /// reader's receipt page (asked for once per session each); `None` when the peer shares not
+    /// all of them.
     async fn mapped_sources(&self, ops: &[ReadOp]) -> Result<Option<Mapped>> {
         let mut views = self.views.lock().await;
         if views.table_unknown() {
-            let shared = self.ask_share(wire::Share::Table).await?;
-            views.set_table(shared);
+            let table = self.ask_share(wire::Share::Table).await?;
+            let receipts = match table {
+                Some(_) => self.ask_share(wire::Share::Receipts(self.session)).await?,
+                None => None,
+            };
+            views.set_table(table, receipts);
         }
         for r in views.unknown_regions(ops) {
             let shared = self.ask_share(wire::Share::Region(r)).await?;

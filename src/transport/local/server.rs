@@ -281,7 +281,7 @@ async fn connection(
                     Err(e) => break Err(e),
                 };
                 if kind == wire::KIND_SHARE {
-                    let shared = share(&*regions, same_user, &body);
+                    let shared = share(&*regions, same_user, proven.as_ref(), &body);
                     if let Err(e) = reply_share(&stream, &*regions, tag, shared, limits.io_timeout).await {
                         break Err(e);
                     }
@@ -362,25 +362,44 @@ async fn reply(
     send_all(s, &msg, None, io).await
 }
 
-/// The read-only descriptor and length a `SHARE` asks for: this engine's hold table, or one of
-/// its host regions kvlink allocated (a memfd). Refused for a reader of another user, device
-/// memory and memory registered from a caller's pointer (their reads keep this side's copy).
-fn share(regions: &dyn DataServer, same_user: bool, body: &[u8]) -> Result<(OwnedFd, u64)> {
+/// The descriptor and length a `SHARE` asks for: this engine's hold table or one of its host
+/// regions kvlink allocated (a memfd), read-only; or the reader's own receipt page in the hold
+/// table, writable (by that reader only: the one its session names). Refused for a reader of
+/// another user, device memory and memory registered from a caller's pointer (their reads keep
+/// this side's copy).
+fn share(
+    regions: &dyn DataServer,
+    same_user: bool,
+    proven: Option<&SessionReader>,
+    body: &[u8],
+) -> Result<(OwnedFd, u64)> {
     if !same_user {
         return Err(Error::invalid(
             "the reader runs as another user: it is served by this engine's copy",
         ));
     }
+    let table = || {
+        regions
+            .hold_table()
+            .ok_or_else(|| Error::invalid("this engine has no hold table"))
+    };
     let (fd, len) = match wire::decode_share(body)? {
         wire::Share::Table => {
-            let table = regions
-                .hold_table()
-                .ok_or_else(|| Error::invalid("this engine has no hold table"))?;
+            let table = table()?;
             let fd = table
                 .map()
                 .fd()
                 .ok_or_else(|| Error::invalid("no table file"))?;
             (shm::readonly_fd(fd), HOLD_TABLE_BYTES as u64)
+        }
+        wire::Share::Receipts(named) => {
+            let Some((_, reader)) = reader_of(regions, proven, named.as_ref())? else {
+                return Err(Error::invalid(
+                    "receipts are for the reader of a session; this share names none",
+                ));
+            };
+            let page = table()?.receipts_for(&reader);
+            return page.map_err(|e| Error::io("making the reader's receipt page", &e));
         }
         wire::Share::Region(id) => {
             let region = regions.region(id).ok_or(Error::UnknownRegion(id))?;

@@ -1,8 +1,10 @@
 //! The reader's side of a same-host copy it makes itself: the prefill's hold table and host
-//! regions, mapped read-only once per session (`SHARE`), and the copy of one request's bytes
-//! checked against the table (`crate::holds`): kept only when the hold's word did not move
-//! from before the first byte to after the last. No round trip to the prefill; it hears of the
-//! read by its `Done`, sent without waiting for an answer.
+//! regions, mapped read-only once per session (`SHARE`), its own receipt page there, and the
+//! copy of one request's bytes checked against the table (`crate::holds`): kept only when the
+//! hold's word did not move from before the first byte to after the last, and the receipt was
+//! signed before the word moved (or the prefill counted it). No round trip to the prefill; it
+//! hears of the read by its `Done`, sent without waiting for an answer, or by the receipt when
+//! that `Done` is lost.
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
@@ -10,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, Refusal, RefusalKind, Result};
-use crate::holds::{Found, HoldTable};
+use crate::holds::{Found, HoldTable, ReceiptPage};
 use crate::ids::{RegionId, RequestId};
 use crate::memory::PeerMemory;
 use crate::shm::SharedMap;
@@ -24,12 +26,20 @@ const INLINE_COPY_BYTES: u64 = 256 << 10;
 /// prefill's copy without asking again.
 #[derive(Default)]
 pub(super) struct Views {
-    table: Option<Option<Arc<HoldTable>>>,
+    table: Option<Option<Signed>>,
     regions: HashMap<RegionId, Option<Arc<PeerMemory>>>,
 }
 
-/// The prefill's hold table and the source region of each op, mapped.
-pub(super) type Mapped = (Arc<HoldTable>, Vec<Arc<PeerMemory>>);
+/// The prefill's hold table and this reader's receipt page in it.
+pub(super) type Signed = (Arc<HoldTable>, Arc<ReceiptPage>);
+
+/// The prefill's hold table, this reader's receipt page, and the source region of each op,
+/// mapped.
+pub(super) type Mapped = (Signed, Vec<Arc<PeerMemory>>);
+
+/// How long a reader whose hold ended between its receipt and its last look waits for the
+/// prefill's verdict (written right after the end, under the same lock).
+const VERDICT_WAIT: Duration = Duration::from_millis(50);
 
 /// What to map, from a `SHARE` answer: the read-only descriptor and the file's length, or
 /// `None` when the prefill refused.
@@ -41,13 +51,18 @@ impl Views {
         self.table.is_none()
     }
 
-    /// Maps the table the prefill shared (or records that it did not).
-    pub(super) fn set_table(&mut self, shared: Shared) {
-        let table = shared.and_then(|(fd, len)| {
+    /// Maps the table and the receipt page the prefill shared (or records that it did not
+    /// share both: no copy here without a receipt).
+    pub(super) fn set_table(&mut self, table: Shared, receipts: Shared) {
+        let table = table.and_then(|(fd, len)| {
             let map = SharedMap::open_peer_readonly(fd, len).ok()?;
             HoldTable::reader(map).map(Arc::new)
         });
-        self.table = Some(table);
+        let receipts = receipts.and_then(|(fd, len)| {
+            let map = SharedMap::open_peer(fd, len).ok()?;
+            ReceiptPage::reader(map).map(Arc::new)
+        });
+        self.table = Some(table.zip(receipts));
     }
 
     /// The regions of `ops` still to be asked for.
@@ -70,22 +85,22 @@ impl Views {
 
     /// The table and every source region of `ops`, when all are mapped.
     pub(super) fn of(&self, ops: &[ReadOp]) -> Option<Mapped> {
-        let table = self.table.clone().flatten()?;
+        let signed = self.table.clone().flatten()?;
         let sources = ops
             .iter()
             .map(|o| self.regions.get(&o.remote_region).cloned().flatten())
             .collect::<Option<Vec<_>>>()?;
-        Some((table, sources))
+        Some((signed, sources))
     }
 }
 
 /// Copies `ops` from the prefill's `mapped` memory when its table holds request `id` live
 /// (under the token `ask` names, if any) granting exactly the blocks the read names: the read,
-/// confirmed by the table, or `None` when it must go to the prefill's copy (not in the table,
-/// or other blocks: the prefill then serves it, checking each range against its grant, or
-/// says why not).
+/// confirmed by the table and the receipt, or `None` when it must go to the prefill's copy
+/// (not in the table, or other blocks: the prefill then serves it, checking each range
+/// against its grant, or says why not).
 pub(super) async fn copy_here(
-    (table, sources): Mapped,
+    ((table, receipts), sources): Mapped,
     id: &RequestId,
     ask: ConfirmAsk,
     ops: &[ReadOp],
@@ -105,10 +120,11 @@ pub(super) async fn copy_here(
             .await
             .map_err(|e| Error::Protocol(format!("the copy task: {e}")))??;
     }
+    let (confirmed, tell_done) = verdict(&table, &receipts, found).await;
     Ok(Some(ReadDone {
         work_requests: 0,
-        confirmed: Some(verdict(&table, found)),
-        tell_done: true,
+        confirmed: Some(confirmed),
+        tell_done,
     }))
 }
 
@@ -125,15 +141,49 @@ fn copy(pieces: &[(Arc<PeerMemory>, ReadOp)], ctl: &RequestCtl) -> Result<()> {
     )
 }
 
-/// Whether the copy stands: the hold's word did not move while it ran.
-fn verdict(table: &HoldTable, found: Found) -> std::result::Result<Duration, Refusal> {
+/// Whether the copy stands, and whether the prefill is still to hear of it by a `Done`: the
+/// hold's word did not move while it ran, and the receipt was signed before the word moved,
+/// or the prefill counted the receipt when it ended the hold.
+async fn verdict(
+    table: &HoldTable,
+    receipts: &ReceiptPage,
+    found: Found,
+) -> (std::result::Result<Duration, Refusal>, bool) {
+    if !table.unchanged(found) {
+        return (Err(moved()), false);
+    }
+    receipts.sign(found);
     if table.unchanged(found) {
         // How long the hold had been held is the prefill's to know; the table does not say.
-        return Ok(Duration::ZERO);
+        return (Ok(Duration::ZERO), true);
     }
-    Err(Refusal::new(
+    // The hold ended between the two looks: the prefill saw the receipt or not, and says.
+    let deadline = tokio::time::Instant::now() + VERDICT_WAIT;
+    loop {
+        match table.outcome(found) {
+            Some(true) => return (Ok(Duration::ZERO), false),
+            Some(false) => return (Err(moved()), false),
+            None if tokio::time::Instant::now() >= deadline => {
+                return (
+                    Err(Refusal::new(
+                        RefusalKind::NotHeld,
+                        format!(
+                            "the hold ended as its copy was signed for, and the prefill did not \
+                             say within {VERDICT_WAIT:?} whether it counted the receipt"
+                        ),
+                    )),
+                    false,
+                )
+            }
+            None => tokio::time::sleep(Duration::from_millis(1)).await,
+        }
+    }
+}
+
+fn moved() -> Refusal {
+    Refusal::new(
         RefusalKind::NotHeld,
         "the hold ended or was made again while its blocks were being copied (its word in the \
          prefill's hold table moved)",
-    ))
+    )
 }

@@ -51,10 +51,11 @@ pub(crate) const MAX_REASON: u32 = 64 << 10;
 pub(crate) const KIND_MAP: u8 = 1;
 /// Frame kind: copy granted bytes into opened regions.
 pub(crate) const KIND_READ: u8 = 2;
-/// Frame kind: share the hold table or a host region read-only.
+/// Frame kind: share the hold table or a host region read-only, or the reader's receipt page.
 pub(crate) const KIND_SHARE: u8 = 3;
-/// `SHARE` body bytes.
-pub(crate) const SHARE_BODY: usize = 8;
+/// `SHARE` body bytes: what (1), whether a session follows (1), zeros (2), the region (4), the
+/// session (16).
+pub(crate) const SHARE_BODY: usize = 24;
 
 /// What a `SHARE` frame asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,28 +64,37 @@ pub(crate) enum Share {
     Table,
     /// One of the server's host regions.
     Region(RegionId),
+    /// The reader's receipt page in the server's hold table (`crate::holds`), for the reader
+    /// of the control session named (engines without a key) or the one the connection proved.
+    Receipts(Option<[u8; 16]>),
 }
 
 /// Encodes a `SHARE` frame.
 pub(crate) fn encode_share(tag: u64, what: Share, out: &mut Vec<u8>) {
     header(KIND_SHARE, tag, SHARE_BODY, out);
-    let (code, region) = match what {
-        Share::Table => (0u8, 0u32),
-        Share::Region(r) => (1, r.0),
+    let (code, region, session) = match what {
+        Share::Table => (0u8, 0u32, None),
+        Share::Region(r) => (1, r.0, None),
+        Share::Receipts(s) => (2, 0, s),
     };
-    out.extend_from_slice(&[code, 0, 0, 0]);
+    out.extend_from_slice(&[code, u8::from(session.is_some()), 0, 0]);
     out.extend_from_slice(&region.to_le_bytes());
+    out.extend_from_slice(&session.unwrap_or_default());
 }
 
 /// Parses a `SHARE` body.
 pub(crate) fn decode_share(b: &[u8]) -> Result<Share> {
-    if b.len() != SHARE_BODY || b[1..4] != [0, 0, 0] {
+    if b.len() != SHARE_BODY || b[1] > 1 || b[2..4] != [0, 0] {
         return Err(Error::Protocol("bad SHARE frame".into()));
     }
-    match b[0] {
-        0 => Ok(Share::Table),
-        1 => Ok(Share::Region(RegionId(u32_at(b, 4)))),
-        c => Err(Error::Protocol(format!("SHARE of unknown kind {c}"))),
+    let session: Option<[u8; 16]> = (b[1] == 1).then(|| b[8..24].try_into().expect("16 bytes"));
+    let bare = session.is_none() && b[8..24].iter().all(|x| *x == 0);
+    match (b[0], u32_at(b, 4)) {
+        (0, 0) if bare => Ok(Share::Table),
+        (1, r) if bare => Ok(Share::Region(RegionId(r))),
+        (2, 0) if session.is_some() || bare => Ok(Share::Receipts(session)),
+        (c, _) if c > 2 => Err(Error::Protocol(format!("SHARE of unknown kind {c}"))),
+        _ => Err(Error::Protocol("bad SHARE frame".into())),
     }
 }
 
@@ -482,13 +492,23 @@ mod tests {
         rh[12] = 5;
         assert!(decode_reply_header(&rh).is_err());
         let mut share = Vec::new();
-        for what in [Share::Table, Share::Region(RegionId(7))] {
+        for what in [
+            Share::Table,
+            Share::Region(RegionId(7)),
+            Share::Receipts(None),
+            Share::Receipts(Some([3; 16])),
+        ] {
             encode_share(4, what, &mut share);
             let h: [u8; HEADER] = share[..HEADER].try_into().unwrap();
             assert_eq!(decode_header(&h).unwrap(), (KIND_SHARE, 4, SHARE_BODY));
             assert_eq!(decode_share(&share[HEADER..]).unwrap(), what);
         }
-        share[HEADER] = 2;
+        share[HEADER] = 5;
         assert!(decode_share(&share[HEADER..]).is_err(), "unknown kind");
+        share[HEADER] = 0;
+        assert!(
+            decode_share(&share[HEADER..]).is_err(),
+            "a table share naming a session"
+        );
     }
 }
