@@ -376,17 +376,22 @@ def test_python_subscriber_reads_kvlink_stream(events_bin, cleanup, encoding):
         assert frames is not None, f"batch {seq} never arrived; {cli.stderr()}"
         live.append(frames)
     assert sub.recv_frames(0.3) is None
+    incarnations = set()
     for seq, (frames, (ts, dp_rank, events)) in enumerate(zip(live, batches)):
         assert len(frames) == 3
         assert frames[0] == topic.encode()
         assert frames[1] == seq_frame(seq)
         payload = decode_payload(frames[2])
-        assert payload == [ts, [to_wire(e, encoding) for e in events], dp_rank]
+        # kvlink's fourth element, its incarnation: consumers that read three ignore it.
+        assert len(payload) == 4 and isinstance(payload[3], int), payload
+        incarnations.add(payload[3])
+        assert payload[:3] == [ts, [to_wire(e, encoding) for e in events], dp_rank]
         for event in payload[1]:
             if encoding == "current":
                 assert isinstance(event, dict) and next(iter(event)) == "type"
             else:
                 assert isinstance(event, list) and isinstance(event[0], str)
+    assert len(incarnations) == 1, "one run, one incarnation"
 
     replies = sub.replay_frames(4, TIMEOUT)
     assert replies == [[b"", topic.encode(), seq_frame(s), live[s][2]] for s in range(4, 10)] + [

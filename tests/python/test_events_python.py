@@ -11,7 +11,7 @@ from typing import List, Optional
 import pytest
 
 import kvlink
-from kvlink.events import Merger, PageSplitter, Publisher, Subscriber
+from kvlink.events import Index, Merger, PageSplitter, Publisher, Subscriber
 
 from events_peers import PyPublisher, PySubscriber
 from test_events_interop import (  # noqa: F401 (fixtures)
@@ -86,13 +86,14 @@ def test_python_publisher_read_by_independent_subscriber(cleanup):
         negative = -(2**63)
         pub.publish([{"type": "BlockStored", "block_hashes": [negative, b"\x01" * 32], "parent_block_hash": None,
                       "token_ids": [5] * 32, "block_size": 16}], ts=ts_of(0))
-        topic, seq, (ts, events, dp_rank) = sub.recv(timeout=10)
+        topic, seq, (ts, events, dp_rank, incarnation) = sub.recv(timeout=10)
         assert (topic, seq, ts, dp_rank) == (b"kv@pod-1@m", 0, ts_of(0), 2)
+        assert incarnation == pub.incarnation, "kvlink's incarnation, a fourth element"
         (ev,) = events
         # The current encoding: a map whose first key is "type".
         assert list(ev)[0] == "type" and ev["type"] == "BlockStored", ev
         assert ev["block_hashes"] == [negative, b"\x01" * 32] and ev["token_ids"] == [5] * 32, ev
-        (replayed_seq, (replayed_ts, _, _)), = sub.replay(0, timeout=5)
+        (replayed_seq, (replayed_ts, _, _, _)), = sub.replay(0, timeout=5)
         assert (replayed_seq, replayed_ts) == (0, ts_of(0))
 
 
@@ -320,3 +321,41 @@ def test_merger_keeps_topics_and_applies_the_tp_rule(cleanup):
     assert [e["block_hashes"] for e in item["events"]] == [[2]], "only what both workers emitted"
     groups = m.stats()["tp_groups"]
     assert groups == [{"forwarded": 1, "held": 2, "evicted": 0}]
+
+
+def test_index_fed_by_a_subscriber_answers_overlap_and_drops_a_restarted_engine(cleanup):
+    pub_ep, rep_ep = free_endpoint(), free_endpoint()
+    pub = cleanup(PyPublisher(pub_ep, rep_ep, ring=100))
+    sub = Subscriber(pub_ep, replay_endpoint=rep_ep, replay_timeout=2.0)
+    time.sleep(SUBSCRIBED)
+    prompt = list(range(48))
+    # Three blocks of the prompt, in two batches (the second chained to the first's last).
+    pub.publish([to_wire(stored([11, 12], None, prompt[:32]), "current")], ts=ts_of(0))
+    pub.publish([to_wire(stored([13], 12, prompt[32:]), "current")], ts=ts_of(1))
+    index = Index()
+    for item in drain(sub, 2):
+        index.apply("prefill-0", item)
+    index.apply_events("prefill-1", [stored([11], None, prompt[:16])], dp_rank=0)
+    got = index.overlap_tokens(prompt + [7, 7], block_size=16)
+    assert [(m["engine"], m["blocks"], m["tokens"], m["state"]) for m in got] == [
+        ("prefill-0", 3, 48, "exact"),
+        ("prefill-1", 1, 16, "exact"),
+    ], got
+    assert index.overlap_hashes([11, 12])[0]["blocks"] == 2
+    assert index.overlap_tokens(prompt, 16, lora_name="adapter") == [], "another adapter's blocks"
+    # prefill-0 restarts: none of its blocks counts any more; its new ones do.
+    pub.restart()
+    pub.publish([to_wire(stored([11], None, prompt[:16]), "current")], ts=ts_of(0))
+    for item in drain(sub, 2):
+        index.apply("prefill-0", item)
+    got = index.overlap_tokens(prompt, 16)
+    assert [(m["engine"], m["blocks"]) for m in got] == [("prefill-0", 1), ("prefill-1", 1)], got
+    assert index.stats()["restarts"] == 1
+    # Lost history withholds what was known; a stale engine counts for nothing.
+    index.apply("prefill-0", {"kind": "resync", "reason": "history_lost", "from": 3, "resumed": 5})
+    index.set_stale("prefill-1", True)
+    assert index.overlap_tokens(prompt, 16) == []
+    states = {h["engine"]: h["state"] for h in index.holders()}
+    assert states == {"prefill-0": "recovering", "prefill-1": "stale"}
+    with pytest.raises(kvlink.InvalidArgument):
+        index.apply("prefill-0", {"kind": "surprise"})

@@ -18,7 +18,7 @@ use crate::engine::Engine;
 use crate::error::{
     IncompatiblePeer, InvalidArgument, KvlinkError, KvlinkTimeout, PeerError, RdmaUnavailable,
 };
-use crate::events::{EventMerger, EventPublisher, EventSubscriber, PageSplitter};
+use crate::events::{EventIndex, EventMerger, EventPublisher, EventSubscriber, PageSplitter};
 
 /// kvlink's native core (`kvlink._kvlink`), re-exported by the `kvlink` package: moves LLM
 /// KV-cache blocks between inference engines.
@@ -32,6 +32,7 @@ fn _kvlink(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<EventSubscriber>()?;
     m.add_class::<EventMerger>()?;
     m.add_class::<PageSplitter>()?;
+    m.add_class::<EventIndex>()?;
     m.add("KvlinkError", py.get_type::<KvlinkError>())?;
     m.add("InvalidArgument", py.get_type::<InvalidArgument>())?;
     m.add("KvlinkTimeout", py.get_type::<KvlinkTimeout>())?;

@@ -6,7 +6,9 @@
 //!   ([`ReplayRing`], [`StreamState`]);
 //! - [`Publisher`], [`Subscriber`] and [`Merger`]: the ZeroMQ sockets (PUB, SUB, ROUTER and
 //!   DEALER, on the `zeromq` crate) around them, following vLLM's endpoint rules
-//!   ([`resolve_endpoint`]).
+//!   ([`resolve_endpoint`]);
+//! - [`Index`]: which engine holds which blocks, from their streams, and the prefix overlap a
+//!   router asks of it, never counting a block it cannot vouch for (without I/O).
 //!
 //! A crate of its own: a router depends on it without the transfer engine (no verbs, GPU or
 //! engine code). `kvlink` re-exports it as `kvlink::events` under its `events` feature (on by
@@ -17,7 +19,7 @@
 
 // Layers, top to bottom: a module imports only from layers below its own; tools/check_layers.py
 // reads this list and checks every import against it.
-//   merger > subscriber > publisher > pages, aggregate, fanout > wire, zmtp
+//   index, merger > subscriber > publisher > pages, aggregate, fanout > wire, zmtp
 //   > sequence, endpoint, guard > msgpack, error
 
 mod aggregate;
@@ -25,6 +27,7 @@ mod endpoint;
 mod error;
 mod fanout;
 mod guard;
+mod index;
 mod merger;
 /// The bounded msgpack reader under the event decoders (for fuzzing and tests).
 #[doc(hidden)]
@@ -39,6 +42,10 @@ mod zmtp;
 pub use aggregate::{TpAggregator, TpStats};
 pub use endpoint::{resolve as resolve_endpoint, Attach, ResolvedEndpoint};
 pub use error::{EventsError, MessageError, PeerError, ReplayError, ZmtpError};
+pub use index::{
+    token_blocks, HolderKey, HolderMatch, HolderState, Index, IndexConfig, IndexStats, Overlap,
+    Salt,
+};
 pub use merger::{InputStats, Merger, MergerConfig, MergerInput};
 pub use pages::{page_digest, PageHash, PageSplitter, Pages};
 pub use publisher::{
@@ -47,11 +54,11 @@ pub use publisher::{
 pub use sequence::{Action, ReplayRing, Resync, StreamState};
 pub use subscriber::{SubItem, Subscriber, SubscriberConfig, SubscriberStats};
 pub use wire::{
-    decode_batch, decode_batch_reusing, encode_batch, encode_event, encode_stored_ref, BatchError,
-    BlockHash, BlockRemoved, BlockStored, BlockStoredRef, BlockTransferred, Decoded, Encoding,
-    EventBatch, EventError, ExtraField, FieldKey, HashRef, HashesRef, KvEvent, SkippedEvent, Value,
-    CLEARED_LEGACY_ORDER, MAX_EXTRA_POSITION, REMOVED_LEGACY_ORDER, STORED_LEGACY_ORDER,
-    TRANSFERRED_LEGACY_ORDER,
+    decode_batch, decode_batch_reusing, encode_batch, encode_event, encode_stored_ref,
+    incarnation_of, BatchError, BlockHash, BlockRemoved, BlockStored, BlockStoredRef,
+    BlockTransferred, Decoded, Encoding, EventBatch, EventError, ExtraField, FieldKey, HashRef,
+    HashesRef, KvEvent, SkippedEvent, Value, CLEARED_LEGACY_ORDER, MAX_EXTRA_POSITION,
+    REMOVED_LEGACY_ORDER, STORED_LEGACY_ORDER, TRANSFERRED_LEGACY_ORDER,
 };
 
 /// The topic of llm-d's convention, `kv@<pod>@<model>`, which its indexer subscribes to by the

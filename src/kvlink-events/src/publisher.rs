@@ -48,7 +48,7 @@ use super::error::EventsError;
 use super::fanout::{Fanout, QueueBound};
 use super::guard::{Limits, PrivateDir};
 use super::sequence::ReplayRing;
-use super::wire::{encode_batch, Encoding, EventBatch};
+use super::wire::{encode_batch, stamp, stamped, Encoding, EventBatch};
 
 pub use batch::BatchBuilder;
 pub use config::{PublisherConfig, PublisherStats, ReplayFormat, REPLAY_END};
@@ -185,6 +185,8 @@ impl Shared {
 pub struct Publisher {
     shared: Arc<Shared>,
     encoding: Encoding,
+    /// The incarnation stamped on every batch (`None`: not stamped).
+    incarnation: Option<u64>,
     /// The last payload's size, to size the next one's buffer.
     size_hint: AtomicUsize,
     /// Payload buffers for reuse.
@@ -310,6 +312,9 @@ impl Publisher {
         Ok(Publisher {
             shared,
             encoding: cfg.encoding,
+            incarnation: cfg
+                .stamp_incarnation
+                .then(|| cfg.incarnation.unwrap_or_else(config::fresh_incarnation)),
             size_hint: AtomicUsize::new(4096),
             buffers: Arc::default(),
             endpoint,
@@ -351,6 +356,9 @@ impl Publisher {
     fn encode(&self, batch: &EventBatch) -> Bytes {
         let mut v = self.buffers.take(self.size_hint.load(Ordering::Relaxed));
         encode_batch(batch, self.encoding, &mut v);
+        if let Some(i) = self.incarnation {
+            stamp(&mut v, i);
+        }
         self.size_hint.store(v.len(), Ordering::Relaxed);
         self.buffers.payload(v)
     }
@@ -390,7 +398,7 @@ impl Publisher {
         dp_rank: Option<i64>,
         deadline: Option<Instant>,
     ) -> Result<(), EventsError> {
-        let (payload, size) = b.finish(dp_rank);
+        let (payload, size) = b.finish(dp_rank, self.incarnation);
         self.size_hint.store(size, Ordering::Relaxed);
         self.queue_payload(payload, deadline)
     }
@@ -405,6 +413,12 @@ impl Publisher {
     /// Queues an already-encoded batch payload (published as is), never blocking.
     pub fn publish_encoded(&self, payload: impl Into<Bytes>) -> Result<(), EventsError> {
         self.queue_payload(payload.into(), None)
+    }
+
+    /// This run's incarnation, stamped on every batch (`None` when
+    /// [`PublisherConfig::stamp_incarnation`] is off).
+    pub fn incarnation(&self) -> Option<u64> {
+        self.incarnation
     }
 
     /// The encoding of the payloads [`Publisher::publish`] builds.
@@ -436,6 +450,7 @@ impl Publisher {
         payload: Bytes,
         deadline: tokio::time::Instant,
     ) -> Result<(), EventsError> {
+        let payload = stamped(payload, self.incarnation);
         let mut item = Item { topic, payload };
         loop {
             let room = self.shared.room_async.notified();
@@ -465,7 +480,10 @@ impl Publisher {
     }
 
     fn push(&self, item: Item, deadline: Option<Instant>) -> Result<(), EventsError> {
-        let mut item = item;
+        let mut item = Item {
+            payload: stamped(item.payload, self.incarnation),
+            ..item
+        };
         loop {
             match self.shared.try_push(item) {
                 Ok(()) => return Ok(()),

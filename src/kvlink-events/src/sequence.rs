@@ -137,6 +137,8 @@ pub struct StreamState<P> {
     duplicates: u64,
     /// The first sequence wanted before anything was delivered: 0, or `begin_replay`'s start.
     floor: u64,
+    /// The publisher's incarnation, once a batch carried one.
+    incarnation: Option<u64>,
 }
 
 impl<P> StreamState<P> {
@@ -151,6 +153,7 @@ impl<P> StreamState<P> {
             max_buffered: max_buffered.max(1),
             duplicates: 0,
             floor: 0,
+            incarnation: None,
         }
     }
 
@@ -210,23 +213,7 @@ impl<P> StreamState<P> {
             }
             // Live batches never go down: the publisher restarted, even in the middle of a
             // replay.
-            Some(high) if seq < high => {
-                self.live_high = Some(seq);
-                let last = self.last.unwrap_or(high).max(high);
-                out.push(Action::Resync(Resync::PublisherRestart { last, now: seq }));
-                self.last = None;
-                self.replay = None;
-                self.floor = 0;
-                if seq == 0 {
-                    self.deliver(seq, payload, &mut out);
-                } else {
-                    self.start_replay(0, now, &mut out);
-                    if let Some(r) = &mut self.replay {
-                        r.buffered.insert(seq, payload);
-                    }
-                }
-                return out;
-            }
+            Some(high) if seq < high => return self.restarted(seq, payload, now),
             _ => self.live_high = Some(seq),
         }
         if let Some(r) = &mut self.replay {
@@ -261,6 +248,75 @@ impl<P> StreamState<P> {
                 if let Some(r) = &mut self.replay {
                     r.buffered.insert(seq, payload);
                 }
+            }
+        }
+        out
+    }
+
+    /// [`handle_live`](Self::handle_live) for a batch that says which incarnation of its
+    /// publisher sent it (`crate::incarnation_of`): another incarnation than the one seen
+    /// before means the publisher restarted, whatever the sequence says (a new process may
+    /// have passed the old one's sequence before this subscriber heard from it).
+    pub fn handle_live_from(
+        &mut self,
+        seq: u64,
+        incarnation: Option<u64>,
+        payload: P,
+        now: Instant,
+    ) -> Vec<Action<P>> {
+        match (incarnation, self.incarnation) {
+            (Some(i), Some(old)) if i != old => {
+                self.incarnation = Some(i);
+                self.restarted(seq, payload, now)
+            }
+            (Some(i), _) => {
+                self.incarnation = Some(i);
+                self.handle_live(seq, payload, now)
+            }
+            (None, _) => self.handle_live(seq, payload, now),
+        }
+    }
+
+    /// [`handle_replayed`](Self::handle_replayed) for a batch that says which incarnation sent
+    /// it: one of another incarnation than the live stream's is not this stream's history
+    /// (the publisher restarted since), and is dropped; the live stream reports the restart.
+    pub fn handle_replayed_from(
+        &mut self,
+        seq: u64,
+        incarnation: Option<u64>,
+        payload: P,
+    ) -> Vec<Action<P>> {
+        match (incarnation, self.incarnation) {
+            (Some(i), Some(live)) if i != live => {
+                self.duplicates += 1;
+                Vec::new()
+            }
+            (Some(i), None) => {
+                self.incarnation = Some(i);
+                self.handle_replayed(seq, payload)
+            }
+            _ => self.handle_replayed(seq, payload),
+        }
+    }
+
+    /// The publisher restarted (its sequence went down, or its incarnation changed): the
+    /// consumer drops what it derived, and the new process's stream is followed from its
+    /// start (replayed from 0 when this batch is not the first).
+    fn restarted(&mut self, seq: u64, payload: P, now: Instant) -> Vec<Action<P>> {
+        let mut out = Vec::new();
+        let high = self.live_high.unwrap_or(0);
+        self.live_high = Some(seq);
+        let last = self.last.unwrap_or(high).max(high);
+        out.push(Action::Resync(Resync::PublisherRestart { last, now: seq }));
+        self.last = None;
+        self.replay = None;
+        self.floor = 0;
+        if seq == 0 {
+            self.deliver(seq, payload, &mut out);
+        } else {
+            self.start_replay(0, now, &mut out);
+            if let Some(r) = &mut self.replay {
+                r.buffered.insert(seq, payload);
             }
         }
         out

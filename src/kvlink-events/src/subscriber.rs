@@ -27,7 +27,9 @@ use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSoc
 use super::error::{EventsError, MessageError, ReplayError};
 use super::publisher::REPLAY_END;
 use super::sequence::{Action, Resync, StreamState};
-use super::wire::{decode_batch_reusing, BatchError, Encoding, EventBatch, SkippedEvent};
+use super::wire::{
+    decode_batch_reusing, incarnation_of, BatchError, Encoding, EventBatch, SkippedEvent,
+};
 
 /// Subscriber settings.
 #[derive(Debug, Clone)]
@@ -287,7 +289,8 @@ impl Subscriber {
                             Ok((Some(seq), _)) if self.cfg.drop_live.is_some_and(|f| f(seq)) => {}
                             Ok((Some(seq), frames)) => {
                                 self.topic = frames.0.clone();
-                                let a = self.state.handle_live(seq, frames, std::time::Instant::now());
+                                let inc = incarnation_of(&frames.1);
+                                let a = self.state.handle_live_from(seq, inc, frames, std::time::Instant::now());
                                 self.apply(a).await;
                             }
                             Ok((None, frames)) => self.deliver(None, frames),
@@ -307,7 +310,8 @@ impl Subscriber {
                     }
                     Ok(Ok((seq, topic, payload))) => {
                         let topic = topic.unwrap_or_else(|| self.topic.clone());
-                        let a = self.state.handle_replayed(seq, (topic, payload));
+                        let inc = incarnation_of(&payload);
+                        let a = self.state.handle_replayed_from(seq, inc, (topic, payload));
                         self.apply(a).await;
                     }
                     Ok(Err(why)) => self.bad(why),

@@ -11,10 +11,13 @@
 mod decode;
 mod encode;
 mod errors;
+mod stamp;
 
 pub use decode::{decode_batch, decode_batch_reusing};
 pub use encode::{encode_batch, encode_event, encode_stored_ref};
 pub use errors::{BatchError, EventError, SkippedEvent};
+pub use stamp::incarnation_of;
+pub(crate) use stamp::{stamp, stamped};
 
 pub use super::msgpack::Value;
 

@@ -1,15 +1,17 @@
-//! kvlink-events: tail, publish and merge KV-cache event streams in the wire formats of vLLM,
+//! kvlink-events: tail, publish, merge and index KV-cache event streams in the wire formats of vLLM,
 //! SGLang and ATOM.
 //!
 //! ```text
 //! kvlink-events tail --endpoint tcp://host:5557 --replay tcp://host:5558 [--from SEQ]
 //! kvlink-events publish --endpoint 'tcp://*:5557' --replay 'tcp://*:5558' < batches.jsonl
 //! kvlink-events merge --input tcp://a:5557,tcp://a:5558 --input tcp://b:5557 --endpoint 'tcp://*:6557'
+//! kvlink-events index --listen 127.0.0.1:8090 --engine a=tcp://a:5557,tcp://a:5558
 //! ```
 //! Batches are JSON lines on stdout (tail) and stdin (publish); progress and counts go to
 //! stderr. See docs/kv-events.md.
 
 mod cpu;
+mod index;
 mod json;
 
 use std::io::{BufRead, Write};
@@ -23,7 +25,7 @@ use kvlink_events::{
 };
 
 const USAGE: &str = "\
-usage: kvlink-events tail|publish|merge [options]
+usage: kvlink-events tail|publish|merge|index [options]
 
 tail      follow a stream, one JSON line per batch on stdout (in sequence, each once)
   --endpoint E          the publisher's live endpoint (tcp://host:port)       [required]
@@ -81,8 +83,9 @@ fn main() -> ExitCode {
         "tail" => Opts::parse(&rest).and_then(tail),
         "publish" => Opts::parse(&rest).and_then(publish),
         "merge" => Opts::parse(&rest).and_then(merge),
+        "index" => index::run(&rest),
         "-h" | "--help" | "help" => {
-            print!("{USAGE}");
+            print!("{USAGE}\n{}", index::USAGE);
             return ExitCode::SUCCESS;
         }
         m => Err(format!("unknown mode {m:?}")),

@@ -240,6 +240,9 @@ class EventPublisher:
         """The live endpoint (the real port when port 0 was asked for)."""
     @property
     def replay_endpoint(self) -> str | None: ...
+    @property
+    def incarnation(self) -> int | None:
+        """This run's incarnation, stamped on every batch as a fourth element."""
     def publish(self, events: Sequence[Any], ts: float | None = None, dp_rank: int | None = None) -> None:
         """One batch (one scheduler step) of event dicts or engine event objects; never
         blocks. Raises ``KvlinkError`` when the queue is full (ipc and connected endpoints;
@@ -322,3 +325,32 @@ class PageSplitter:
         medium: str | None = None,
     ) -> tuple[list[dict[str, Any]], bytes | None]:
         """``(events, last_digest)``; pass ``last_digest`` as ``parent`` for the next run."""
+
+class EventIndex:
+    """Which engine holds which KV blocks, per holder (engine, DP rank, medium, KV-cache
+    group), from their event streams, and how many of a prompt's leading blocks each holds.
+    A holder is ``"exact"``, ``"recovering"`` (events were lost: older blocks are withheld from
+    answers) or ``"stale"`` (marked down); a publisher restart drops the engine's blocks."""
+
+    def __init__(self, *, max_blocks: int = 16777216, max_holders: int = 65536) -> None: ...
+    def apply(self, engine: str, item: dict[str, Any]) -> None:
+        """Applies an item of ``engine``'s ``Subscriber`` (or a ``Merger``'s stream)."""
+    def apply_events(self, engine: str, events: Sequence[Any], dp_rank: int | None = None) -> None:
+        """Applies a list of events (dicts or the engines' event objects) as one batch."""
+    def overlap_tokens(
+        self,
+        tokens: Sequence[int],
+        block_size: int,
+        *,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Holders of the prompt's leading full blocks, most blocks first: dicts with
+        ``engine``, ``dp_rank``, ``medium``, ``group``, ``blocks``, ``tokens``, ``state``."""
+    def overlap_hashes(self, hashes: Sequence[int]) -> list[dict[str, Any]]:
+        """Holders of the leading blocks named by the engines' own block hashes."""
+    def set_stale(self, engine: str, stale: bool) -> None: ...
+    def remove_engine(self, engine: str) -> None: ...
+    def holders(self) -> list[dict[str, Any]]: ...
+    def stats(self) -> dict[str, int]: ...

@@ -22,14 +22,27 @@ Events are dicts shaped like vLLM's event structs (``{"type": "BlockStored", "bl
         elif item["kind"] == "resync":   # publisher restarted, or history lost
             drop_state()
 
+``Index`` is what a KV-aware router builds from the streams: which engine holds which blocks
+(per DP rank, medium and KV-cache group), and how many of a prompt's leading blocks each has,
+never counting a block it cannot vouch for (after lost history the engine's older blocks are
+withheld; a publisher restart drops them)::
+
+    from kvlink.events import Index
+
+    index = Index()
+    for item in sub:
+        index.apply("engine-0", item)
+    best = index.overlap_tokens(prompt_tokens, block_size=16)[:1]
+
 ``PageSplitter`` turns a stored run of tokens into fixed-size pages with chained hashes and
 ``token_offset`` (SGLang's scheme, or vLLM-style 64-bit hashes) for consumers that index
 fixed-size blocks only.
 """
 
+from ._kvlink import EventIndex as Index
 from ._kvlink import EventMerger as Merger
 from ._kvlink import EventPublisher as Publisher
 from ._kvlink import EventSubscriber as Subscriber
 from ._kvlink import PageSplitter
 
-__all__ = ["Merger", "PageSplitter", "Publisher", "Subscriber"]
+__all__ = ["Index", "Merger", "PageSplitter", "Publisher", "Subscriber"]

@@ -47,7 +47,7 @@ fn opt<'py, T: FromPyObject<'py>>(
         .transpose()
 }
 
-fn hash_of(v: &Bound<'_, PyAny>, what: &str) -> PyResult<BlockHash> {
+pub(crate) fn hash_of(v: &Bound<'_, PyAny>, what: &str) -> PyResult<BlockHash> {
     if let Ok(b) = v.downcast::<PyBytes>() {
         return Ok(BlockHash::Bytes(b.as_bytes().to_vec()));
     }

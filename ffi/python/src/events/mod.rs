@@ -14,6 +14,7 @@
 use std::sync::Mutex;
 
 mod fields;
+mod index;
 
 use kvlink_core::events::{
     encode_batch, Encoding, EventBatch, KvEvent, Merger, MergerConfig, MergerInput, PageHash,
@@ -28,6 +29,7 @@ use crate::convert::seconds;
 use crate::error::{InvalidArgument, KvlinkError};
 use fields::event_from_py;
 pub(crate) use fields::event_to_py;
+pub(crate) use index::EventIndex;
 
 fn events_err(e: kvlink_core::events::EventsError) -> PyErr {
     match e {
@@ -129,6 +131,7 @@ pub(crate) struct EventPublisher {
     replay_endpoint: Option<String>,
     dp_rank: i64,
     encoding: Encoding,
+    incarnation: Option<u64>,
 }
 
 #[pymethods]
@@ -167,9 +170,17 @@ impl EventPublisher {
             encoding: p.encoding(),
             endpoint: p.endpoint().to_string(),
             replay_endpoint: p.replay_endpoint().map(str::to_string),
+            incarnation: p.incarnation(),
             inner: Mutex::new(Some(p)),
             dp_rank: i64::from(dp_rank),
         })
+    }
+
+    /// This run's incarnation, stamped on every batch as a fourth element (kvlink's
+    /// subscriber takes a change for a restart; consumers reading three elements ignore it).
+    #[getter]
+    fn incarnation(&self) -> Option<u64> {
+        self.incarnation
     }
 
     /// The live endpoint subscribers connect to (the real port when port 0 was asked for).

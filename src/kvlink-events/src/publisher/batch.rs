@@ -63,7 +63,11 @@ impl BatchBuilder {
     }
 
     /// The payload `[ts, events, dp_rank]`, and its size in bytes.
-    pub(super) fn finish(mut self, dp_rank: Option<i64>) -> (Bytes, usize) {
+    pub(super) fn finish(
+        mut self,
+        dp_rank: Option<i64>,
+        incarnation: Option<u64>,
+    ) -> (Bytes, usize) {
         match dp_rank {
             Some(r) => {
                 let _ = w::write_sint(&mut self.buf, r);
@@ -72,8 +76,11 @@ impl BatchBuilder {
                 let _ = w::write_nil(&mut self.buf);
             }
         }
+        if let Some(i) = incarnation {
+            let _ = w::write_u64(&mut self.buf, i);
+        }
         let mut head = Vec::with_capacity(HEAD);
-        let _ = w::write_array_len(&mut head, 3);
+        let _ = w::write_array_len(&mut head, 3 + u32::from(incarnation.is_some()));
         let _ = w::write_f64(&mut head, self.ts);
         let _ = w::write_array_len(&mut head, self.events as u32);
         let start = HEAD - head.len();
@@ -147,7 +154,7 @@ mod tests {
                     owned.push(e);
                 }
                 assert_eq!(b.len(), count);
-                let (payload, size) = b.finish(Some(3));
+                let (payload, size) = b.finish(Some(3), None);
                 let mut want = Vec::new();
                 encode_batch(
                     &EventBatch {

@@ -56,6 +56,13 @@ pub struct PublisherConfig {
     /// Bytes waiting toward one subscriber of a bound tcp endpoint before it loses the next
     /// messages.
     pub subscriber_hwm_bytes: usize,
+    /// This run's incarnation (`None`: drawn at start), stamped on every batch as a fourth
+    /// element ([`crate::incarnation_of`]) so that subscribers see a restart even once the new
+    /// sequence has passed the old one.
+    pub incarnation: Option<u64>,
+    /// Whether batches carry the incarnation (consumers that read three elements ignore a
+    /// fourth); off, they are the bare `[ts, events, dp_rank]`.
+    pub stamp_incarnation: bool,
 }
 
 impl Default for PublisherConfig {
@@ -76,6 +83,8 @@ impl Default for PublisherConfig {
             max_connections: 1024,
             subscriber_hwm: 100_000,
             subscriber_hwm_bytes: 256 << 20,
+            incarnation: None,
+            stamp_incarnation: true,
         }
     }
 }
@@ -103,4 +112,13 @@ pub struct PublisherStats {
     /// ([`PublisherConfig::subscriber_hwm`] messages or `subscriber_hwm_bytes`, as a ZeroMQ
     /// PUB at its high-water mark), summed over subscribers.
     pub subscriber_drops: u64,
+}
+
+/// A fresh incarnation (from the standard library's per-process random keys and the clock).
+pub(super) fn fresh_incarnation() -> u64 {
+    use std::hash::BuildHasher;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    std::collections::hash_map::RandomState::new().hash_one(now)
 }

@@ -293,3 +293,42 @@ fn a_start_beyond_the_stream_waits_for_it_instead_of_starting_from_zero() {
     assert_eq!(s.handle_live(10, "k", t), vec![Action::Deliver(10, "k")]);
     assert_eq!(s.handle_live(11, "l", t), vec![Action::Deliver(11, "l")]);
 }
+
+#[test]
+fn a_new_incarnation_is_a_restart_even_past_the_old_sequence() {
+    let t = Instant::now();
+    let mut s = StreamState::new(Duration::from_secs(1), 100);
+    for seq in 0..3 {
+        assert_eq!(
+            delivered(&s.handle_live_from(seq, Some(7), "old", t)),
+            [seq]
+        );
+    }
+    // The new process has published 9 batches before this one: its sequence is past the old.
+    let a = s.handle_live_from(9, Some(8), "new", t);
+    assert_eq!(
+        a,
+        vec![
+            Action::Resync(Resync::PublisherRestart { last: 2, now: 9 }),
+            Action::RequestReplay(0)
+        ]
+    );
+    // The new process's replay follows; a replayed batch of the old one is not its history.
+    assert!(s.handle_replayed_from(0, Some(7), "old").is_empty());
+    assert_eq!(delivered(&s.handle_replayed_from(0, Some(8), "new")), [0]);
+    assert_eq!(s.duplicates(), 1);
+    // Without incarnations the jump would have been a gap, filled from the new process's
+    // history on top of the old one's.
+    let mut plain = StreamState::new(Duration::from_secs(1), 100);
+    for seq in 0..3 {
+        plain.handle_live_from(seq, None, "old", t);
+    }
+    assert_eq!(
+        plain.handle_live_from(9, None, "new", t),
+        vec![Action::RequestReplay(3)]
+    );
+    // The same incarnation again is the same stream.
+    let mut same = StreamState::new(Duration::from_secs(1), 100);
+    same.handle_live_from(0, Some(5), "a", t);
+    assert_eq!(delivered(&same.handle_live_from(1, Some(5), "b", t)), [1]);
+}

@@ -1,0 +1,107 @@
+//! The index's own chained hash of a block's tokens: what a router computes from a prompt to
+//! ask which engines hold its prefix, whatever hash the engines use for their block ids.
+
+/// What a block's hash depends on besides its tokens and its parent: the LoRA adapter and the
+/// cache salt (blocks of another adapter or salt never match).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Salt {
+    /// The LoRA adapter's id (vLLM's deprecated `lora_id`).
+    pub lora_id: Option<i64>,
+    /// The LoRA adapter's name.
+    pub lora_name: Option<String>,
+    /// The cache salt.
+    pub cache_salt: Option<String>,
+}
+
+impl Salt {
+    /// The hash a chain of this salt starts from (the parent of its first block).
+    pub fn root(&self) -> u64 {
+        let mut h = mix(
+            0x6b76_6c69_6e6b_0001,
+            self.lora_id.map_or(0, |v| v as u64 | 1 << 63),
+        );
+        for s in [&self.lora_name, &self.cache_salt] {
+            h = mix(h, s.as_ref().map_or(0, |s| s.len() as u64 + 1));
+            for b in s.iter().flat_map(|s| s.as_bytes().chunks(8)) {
+                let mut w = [0u8; 8];
+                w[..b.len()].copy_from_slice(b);
+                h = mix(h, u64::from_le_bytes(w));
+            }
+        }
+        h
+    }
+}
+
+/// The hash of the block holding `tokens` after the block hashed `parent`: never 0 (which the
+/// index uses for "no token hash").
+pub(crate) fn next(parent: u64, tokens: &[u32]) -> u64 {
+    let mut h = mix(parent, tokens.len() as u64);
+    for pair in tokens.chunks(2) {
+        let w = u64::from(pair[0]) | pair.get(1).map_or(0, |t| u64::from(*t) << 32);
+        h = mix(h, w);
+    }
+    finish(h) | 1
+}
+
+/// The hashes of the full blocks of `tokens` (`block_size` tokens each, a partial tail left
+/// out), chained from `salt`'s root: what [`crate::Index::overlap_tokens`] looks up.
+pub fn token_blocks(tokens: &[u32], block_size: u32, salt: &Salt) -> Vec<u64> {
+    let size = block_size.max(1) as usize;
+    let mut parent = salt.root();
+    tokens
+        .chunks_exact(size)
+        .map(|b| {
+            parent = next(parent, b);
+            parent
+        })
+        .collect()
+}
+
+fn mix(h: u64, w: u64) -> u64 {
+    (h ^ w).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29)
+}
+
+/// splitmix64's finaliser: every input bit reaches every output bit.
+fn finish(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A hasher for maps keyed by hashes the streams chose: one multiply with a key drawn per
+/// index, so a stream cannot pick block hashes that collide in the index's tables.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Keyed(pub(crate) u64);
+
+impl std::hash::BuildHasher for Keyed {
+    type Hasher = KeyedHasher;
+    fn build_hasher(&self) -> KeyedHasher {
+        KeyedHasher(self.0)
+    }
+}
+
+/// See [`Keyed`].
+#[derive(Debug)]
+pub(crate) struct KeyedHasher(u64);
+
+impl std::hash::Hasher for KeyedHasher {
+    fn finish(&self) -> u64 {
+        finish(self.0)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes.chunks(8) {
+            let mut w = [0u8; 8];
+            w[..b.len()].copy_from_slice(b);
+            self.0 = mix(self.0, u64::from_le_bytes(w));
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = mix(self.0, v);
+    }
+}
+
+/// A fresh key for [`Keyed`] (from the standard library's per-process random keys).
+pub(crate) fn fresh_key() -> u64 {
+    use std::hash::BuildHasher;
+    std::collections::hash_map::RandomState::new().hash_one(0x6b76_6c69_6e6bu64)
+}
