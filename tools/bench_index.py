@@ -1,0 +1,338 @@
+#!/usr/bin/env python3
+"""KV-event index against Dynamo's: the same prefix-caching trace published over ZeroMQ by
+the same publishers (pyzmq PUB sockets, one per engine, vLLM's framing and map events), read
+by `kvlink-events index` and by Dynamo's standalone indexer (`python -m dynamo.indexer`), one
+after the other; then the same overlap queries over HTTP (one kept-alive connection), and
+in process: kvlink's `kvlink.events.Index` against Dynamo's `RadixTree`.
+
+Prints `ingest: kvlink X events/s, Dynamo Y events/s, Nx`, `query p99: kvlink A us, Dynamo B
+us, Mx` (Dynamo's over kvlink's) for HTTP and in process, and memory per million blocks.
+Run by tools/bench-index.sh, which builds kvlink and installs Dynamo into a venv of its own.
+"""
+
+import argparse
+import http.client
+import json
+import random
+import struct
+import subprocess
+import sys
+import time
+
+import msgpack
+import zmq
+
+BS = 16
+
+
+def trace(engines, requests, prefixes, seed, per_batch=8):
+    """Per engine, a list of batches (lists of events): each request stores a shared system
+    prompt (one of `prefixes`, 8 to 32 blocks, stored once per engine) and a suffix of its own
+    (2 to 24 blocks), `per_batch` requests per batch, chained by engine hashes that depend
+    only on the tokens (the same tokens have the same hash on every engine); an engine over
+    its capacity removes its oldest suffixes. The last batch stores a sentinel block of its
+    own."""
+    rnd = random.Random(seed)
+    ids: dict = {}
+
+    def chain(parent, toks):
+        key = (parent, tuple(toks))
+        if key not in ids:
+            ids[key] = len(ids) + 1
+        return ids[key]
+
+    systems = [[rnd.randrange(1, 150_000) for _ in range(BS * rnd.randint(8, 32))] for _ in range(prefixes)]
+    out, prompts, events = [], [], 0
+    for e in range(engines):
+        batches: list = []
+        held, stored_prefix, live = 0, set(), []
+        for r in range(requests):
+            p = rnd.randrange(prefixes)
+            suffix = [rnd.randrange(1, 150_000) for _ in range(BS * rnd.randint(2, 24))]
+            toks = systems[p] + suffix
+            hashes, parent = [], None
+            for b in range(len(toks) // BS):
+                parent = chain(parent, toks[b * BS : (b + 1) * BS])
+                hashes.append(parent)
+            n_sys = len(systems[p]) // BS
+            batch = []
+            if p not in stored_prefix:
+                stored_prefix.add(p)
+                batch.append(stored(hashes[:n_sys], None, toks[: n_sys * BS]))
+                held += n_sys
+            batch.append(stored(hashes[n_sys:], hashes[n_sys - 1], toks[n_sys * BS :]))
+            held += len(hashes) - n_sys
+            live.append(hashes[n_sys:])
+            while held > 4000 and len(live) > 1:
+                old = live.pop(0)
+                batch.append({"type": "BlockRemoved", "block_hashes": list(reversed(old)), "medium": "GPU"})
+                held -= len(old)
+            events += len(batch)
+            # A scheduler step finishes several requests: one batch for each `per_batch`.
+            if r % per_batch == 0 or not batches:
+                batches.append(batch)
+            else:
+                batches[-1].extend(batch)
+            if r % 50 == 0:
+                prompts.append(toks)
+        sentinel = [900_000 + e] * BS
+        batches.append([stored([chain(None, sentinel)], None, sentinel)])
+        events += 1
+        out.append((batches, sentinel))
+    return out, prompts, events
+
+
+def stored(hashes, parent, toks):
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": toks,
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+
+
+class Publishers:
+    """One PUB socket per engine, with no high-water mark (nothing is dropped)."""
+
+    def __init__(self, engines, base_port):
+        self.ctx = zmq.Context()
+        self.socks = []
+        for e in range(engines):
+            s = self.ctx.socket(zmq.PUB)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.bind(f"tcp://127.0.0.1:{base_port + e}")
+            self.socks.append(s)
+        self.endpoints = [f"tcp://127.0.0.1:{base_port + e}" for e in range(engines)]
+
+    def publish(self, payloads):
+        """Sends every engine's payloads, round robin across engines (as a fleet would)."""
+        longest = max(len(p) for p in payloads)
+        for i in range(longest):
+            for e, p in enumerate(payloads):
+                if i < len(p):
+                    self.socks[e].send_multipart([b"", struct.pack(">Q", i), p[i]])
+
+    def close(self):
+        for s in self.socks:
+            s.close(linger=0)
+        self.ctx.term()
+
+
+class Service:
+    """An index service over HTTP (kvlink's or Dynamo's), on one kept-alive connection."""
+
+    def __init__(self, name, argv, port, query_extra, log):
+        self.name, self.port, self.extra = name, port, query_extra
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        end = time.monotonic() + 60
+        while True:
+            try:
+                self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                self.call("GET", "/health")
+                break
+            except (OSError, http.client.HTTPException):
+                assert time.monotonic() < end and self.proc.poll() is None, f"{name} did not start"
+                time.sleep(0.2)
+
+    def call(self, method, path, body=None):
+        data = None if body is None else json.dumps(body)
+        self.conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        r = self.conn.getresponse()
+        text = r.read()
+        assert r.status == 200, (self.name, path, r.status, text[:200])
+        return text
+
+    def query(self, tokens):
+        return json.loads(self.call("POST", "/query", {"token_ids": tokens, **self.extra}))
+
+    def holds(self, engine, tokens):
+        got = self.query(tokens)
+        if "matches" in got:  # kvlink
+            return any(m["engine"] == str(engine) and m["blocks"] == 1 for m in got["matches"])
+        return got.get("scores", {}).get(str(engine), {}).get("0") == BS  # Dynamo: tokens
+
+    def rss_mb(self):
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS"):
+                    return int(line.split()[1]) / 1024
+        return 0.0
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def ingest(service, pubs, payloads, sentinels, events):
+    """Events per second from the first send until every engine's sentinel is queryable."""
+    time.sleep(2.0)  # the service's SUB sockets subscribe
+    before = service.rss_mb()
+    t0 = time.perf_counter()
+    pubs.publish(payloads)
+    pending = set(range(len(sentinels)))
+    while pending:
+        for e in list(pending):
+            if service.holds(e, sentinels[e]):
+                pending.discard(e)
+        assert time.perf_counter() - t0 < 600, f"{service.name}: {len(pending)} engines never caught up"
+    took = time.perf_counter() - t0
+    return events / took, took, service.rss_mb() - before
+
+
+def http_latency(service, prompts, n):
+    rnd = random.Random(7)
+    lat = []
+    for _ in range(n):
+        q = rnd.choice(prompts)
+        a = time.perf_counter()
+        service.query(q)
+        lat.append(time.perf_counter() - a)
+    return pct(lat)
+
+
+def pct(lat):
+    lat = sorted(lat)
+    return lat[len(lat) // 2] * 1e6, lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6
+
+
+def in_process(work, prompts, n, dynamo_py):
+    """kvlink.events.Index and Dynamo's RadixTree fed the same events, then the same queries
+    (each timed with its hashing: kvlink hashes the tokens itself, Dynamo's query takes
+    compute_block_hash_for_seq's hashes). Dynamo runs in its own venv's interpreter."""
+    from kvlink.events import Index
+
+    ix = Index()
+    t0 = time.perf_counter()
+    for e, (batches, _) in enumerate(work):
+        for b in batches:
+            ix.apply_events(str(e), b, dp_rank=0)
+    k_ingest = time.perf_counter() - t0
+    rnd = random.Random(7)
+    lat = []
+    for _ in range(n):
+        q = rnd.choice(prompts)
+        a = time.perf_counter()
+        ix.overlap_tokens(q, BS)
+        lat.append(time.perf_counter() - a)
+    k = pct(lat)
+    spec = json.dumps({"work": [[b for b in batches] for batches, _ in work], "prompts": prompts, "n": n})
+    out = subprocess.run(
+        [dynamo_py, __file__, "--dynamo-in-process"], input=spec, capture_output=True, text=True, check=True
+    )
+    d = json.loads(out.stdout)
+    return k_ingest, k, d["ingest_s"], (d["p50"], d["p99"])
+
+
+def dynamo_in_process():
+    """In Dynamo's venv: the same events into RadixTree, the same queries."""
+    from dynamo.llm import RadixTree, compute_block_hash_for_seq
+
+    spec = json.load(sys.stdin)
+    tree, eid = RadixTree(), 0
+    msgs = []
+    for e, batches in enumerate(spec["work"]):
+        for b in batches:
+            for ev in b:
+                eid += 1
+                if ev["type"] == "BlockStored":
+                    tl = compute_block_hash_for_seq(ev["token_ids"], BS)
+                    pairs = [{"block_hash": h, "tokens_hash": t} for h, t in zip(ev["block_hashes"], tl)]
+                    data = {"stored": {"parent_hash": ev["parent_block_hash"], "blocks": pairs}}
+                else:
+                    data = {"removed": {"block_hashes": ev["block_hashes"]}}
+                msgs.append((e, json.dumps({"event_id": eid, "dp_rank": 0, "data": data}).encode()))
+    t0 = time.perf_counter()
+    for e, m in msgs:
+        tree.apply_event(e, m)
+    ingest = time.perf_counter() - t0
+    rnd = random.Random(7)
+    lat = []
+    for _ in range(spec["n"]):
+        q = rnd.choice(spec["prompts"])
+        a = time.perf_counter()
+        tree.find_matches(compute_block_hash_for_seq(q, BS))
+        lat.append(time.perf_counter() - a)
+    p50, p99 = pct(lat)
+    json.dump({"ingest_s": ingest, "p50": p50, "p99": p99}, sys.stdout)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kvlink-events", required=True)
+    ap.add_argument("--dynamo-python", required=True)
+    ap.add_argument("--engines", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=1500)
+    ap.add_argument("--prefixes", type=int, default=64)
+    ap.add_argument("--queries", type=int, default=3000)
+    ap.add_argument("--port", type=int, default=27000)
+    ap.add_argument("--log", default="target/bench-index.log")
+    a = ap.parse_args()
+    work, prompts, events = trace(a.engines, a.requests, a.prefixes, seed=1)
+    blocks = sum(
+        len(ev["block_hashes"]) for batches, _ in work for b in batches for ev in b if ev["type"] == "BlockStored"
+    )
+    payloads = [[msgpack.packb([1.7e9, b, 0]) for b in batches] for batches, _ in work]
+    sentinels = [s for _, s in work]
+    print(
+        f"trace: {a.engines} engines, {events} events ({blocks} blocks stored, removals "
+        f"of the oldest suffixes past 4,000 blocks per engine), {len(prompts)} query prompts"
+    )
+    log = open(a.log, "w")
+    results = {}
+    for name in ("kvlink", "dynamo"):
+        pubs = Publishers(a.engines, a.port)
+        if name == "kvlink":
+            specs = [arg for e, ep in enumerate(pubs.endpoints) for arg in ("--engine", f"{e}={ep}")]
+            argv = [a.kvlink_events, "index", "--listen", f"127.0.0.1:{a.port - 1}", *specs]
+            extra = {}
+        else:
+            workers = ",".join(f"{e}={ep}" for e, ep in enumerate(pubs.endpoints))
+            argv = [
+                a.dynamo_python,
+                "-m",
+                "dynamo.indexer",
+                "--port",
+                str(a.port - 1),
+                "--block-size",
+                str(BS),
+                "--workers",
+                workers,
+            ]
+            extra = {"model_name": "default"}
+        svc = Service(name, argv, a.port - 1, extra, log)
+        try:
+            rate, took, mem = ingest(svc, pubs, payloads, sentinels, events)
+            lat = http_latency(svc, prompts, a.queries)
+            results[name] = (rate, took, mem, lat)
+            print(
+                f"{name}: {events} events in {took:.2f} s ({rate:,.0f} events/s), RSS +{mem:.0f} MB, "
+                f"HTTP query p50 {lat[0]:.0f} us, p99 {lat[1]:.0f} us"
+            )
+        finally:
+            svc.close()
+            pubs.close()
+    (kr, _, km, kl), (dr, _, dm, dl) = results["kvlink"], results["dynamo"]
+    live = a.engines * 4000 / 1e6  # blocks held at the end, about
+    print(f"ingest: kvlink {kr:,.0f} events/s, Dynamo {dr:,.0f} events/s, {kr / dr:.2f}x")
+    print(f"query p99 (HTTP): kvlink {kl[1]:.0f} us, Dynamo {dl[1]:.0f} us, {dl[1] / kl[1]:.2f}x")
+    k_ing, kq, d_ing, dq = in_process(work, prompts, a.queries, a.dynamo_python)
+    print(
+        f"in process: ingest kvlink {events / k_ing:,.0f} events/s, Dynamo {events / d_ing:,.0f} "
+        f"events/s ({d_ing / k_ing:.2f}x); query p50 kvlink {kq[0]:.1f} us, Dynamo {dq[0]:.1f} us"
+    )
+    print(f"query p99 (in process): kvlink {kq[1]:.1f} us, Dynamo {dq[1]:.1f} us, {dq[1] / kq[1]:.2f}x")
+    print(f"memory per million blocks held (service RSS growth): kvlink {km / live:.0f} MB, Dynamo {dm / live:.0f} MB")
+
+
+if __name__ == "__main__":
+    if "--dynamo-in-process" in sys.argv:
+        dynamo_in_process()
+    else:
+        main()
