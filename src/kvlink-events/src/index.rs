@@ -81,8 +81,8 @@ pub enum HolderState {
 /// One holder's part of an answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HolderMatch {
-    /// The holder.
-    pub holder: HolderKey,
+    /// The holder (shared with the index: an answer copies no names).
+    pub holder: std::sync::Arc<HolderKey>,
     /// The leading blocks of the query it holds (and vouches for).
     pub blocks: usize,
     /// The tokens those blocks cover.
@@ -135,7 +135,7 @@ pub struct Index {
     config: IndexConfig,
     key: u64,
     holders: Vec<Holder>,
-    keys: Vec<HolderKey>,
+    keys: Vec<std::sync::Arc<HolderKey>>,
     ids: HashMap<HolderKey, u32>,
     by_hash: HashMap<u64, Holders, Keyed>,
     by_tokens: HashMap<u64, Holders, Keyed>,
@@ -247,7 +247,7 @@ impl Index {
         self.lossy.remove(engine);
         for id in self.ids_of(engine) {
             self.holders[id as usize].live = false;
-            let key = self.keys[id as usize].clone();
+            let key = HolderKey::clone(&self.keys[id as usize]);
             self.ids.remove(&key);
         }
     }

@@ -7,6 +7,7 @@ use std::sync::Mutex;
 use kvlink_core::events::{
     EventBatch, HolderKey, HolderState, Index, IndexConfig, Overlap, Resync, Salt,
 };
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
@@ -200,25 +201,23 @@ impl EventIndex {
     }
 }
 
-fn state_name(s: HolderState) -> &'static str {
-    match s {
-        HolderState::Exact => "exact",
-        HolderState::Recovering => "recovering",
-        HolderState::Stale => "stale",
-    }
-}
-
 fn holder_to_py<'py>(
     py: Python<'py>,
     key: &HolderKey,
     state: HolderState,
 ) -> PyResult<Bound<'py, PyDict>> {
+    // Interned keys and constants: an answer lists every holder of a prompt's first block.
     let d = PyDict::new(py);
-    d.set_item("engine", &key.engine)?;
-    d.set_item("dp_rank", key.dp_rank)?;
-    d.set_item("medium", &key.medium)?;
-    d.set_item("group", key.group)?;
-    d.set_item("state", state_name(state))?;
+    d.set_item(intern!(py, "engine"), &key.engine)?;
+    d.set_item(intern!(py, "dp_rank"), key.dp_rank)?;
+    d.set_item(intern!(py, "medium"), &key.medium)?;
+    d.set_item(intern!(py, "group"), key.group)?;
+    let state = match state {
+        HolderState::Exact => intern!(py, "exact"),
+        HolderState::Recovering => intern!(py, "recovering"),
+        HolderState::Stale => intern!(py, "stale"),
+    };
+    d.set_item(intern!(py, "state"), state)?;
     Ok(d)
 }
 
@@ -226,8 +225,8 @@ fn overlap_to_py<'py>(py: Python<'py>, o: &Overlap) -> PyResult<Bound<'py, PyLis
     let out = PyList::empty(py);
     for m in &o.matches {
         let d = holder_to_py(py, &m.holder, m.state)?;
-        d.set_item("blocks", m.blocks)?;
-        d.set_item("tokens", m.tokens)?;
+        d.set_item(intern!(py, "blocks"), m.blocks)?;
+        d.set_item(intern!(py, "tokens"), m.tokens)?;
         out.append(d)?;
     }
     Ok(out)

@@ -18,13 +18,13 @@ impl Index {
         let id = match self.holders.iter().position(|h| !h.live) {
             Some(free) => {
                 self.holders[free] = fresh;
-                self.keys[free] = key.clone();
+                self.keys[free] = std::sync::Arc::new(key.clone());
                 free
             }
             None if self.holders.len() >= self.config.max_holders => return None,
             None => {
                 self.holders.push(fresh);
-                self.keys.push(key.clone());
+                self.keys.push(std::sync::Arc::new(key.clone()));
                 self.holders.len() - 1
             }
         };

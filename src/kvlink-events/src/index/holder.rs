@@ -92,18 +92,22 @@ impl Holders {
         }
     }
 
-    pub(crate) fn get(&self, holder: u32) -> Option<&Entry> {
-        self.as_slice().iter().find(|e| e.holder == holder)
-    }
-
-    /// Adds or replaces `e`'s holder's entry.
+    /// Adds or replaces `e`'s holder's entry (entries stay sorted by holder, so that a query
+    /// intersects them with its own sorted list in one pass).
     pub(crate) fn put(&mut self, e: Entry) {
         match self {
             Holders::One(one) if one.holder == e.holder => *one = e,
-            Holders::One(one) => *self = Holders::Many(vec![*one, e]),
-            Holders::Many(v) => match v.iter_mut().find(|x| x.holder == e.holder) {
-                Some(x) => *x = e,
-                None => v.push(e),
+            Holders::One(one) => {
+                let pair = if one.holder < e.holder {
+                    [*one, e]
+                } else {
+                    [e, *one]
+                };
+                *self = Holders::Many(pair.to_vec());
+            }
+            Holders::Many(v) => match v.binary_search_by_key(&e.holder, |x| x.holder) {
+                Ok(i) => v[i] = e,
+                Err(i) => v.insert(i, e),
             },
         }
     }

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use super::chain::{self, Keyed, Salt};
-use super::holder::Holders;
+use super::holder::{Entry, Holders};
 use super::{state, HolderMatch, Index, Overlap};
 
 impl Index {
@@ -38,17 +38,7 @@ impl Index {
             if i == 0 {
                 alive = counted.map(|e| (e.holder, 1, e.end)).collect();
             } else {
-                let mut next = Vec::with_capacity(alive.len());
-                for (id, n, end) in alive.drain(..) {
-                    match holders
-                        .get(id)
-                        .filter(|e| self.holders[id as usize].counts(e.epoch))
-                    {
-                        Some(e) => next.push((id, n + 1, e.end)),
-                        None => done.push((id, n, end)),
-                    }
-                }
-                alive = next;
+                alive = self.step(&alive, counted, &mut done);
             }
             if alive.is_empty() {
                 break;
@@ -56,6 +46,27 @@ impl Index {
         }
         done.append(&mut alive);
         self.answer(done)
+    }
+
+    /// The holders of `alive` (sorted by holder) that also vouch for the next block
+    /// (`counted`, sorted by holder too: one merge pass), one more block each; the others'
+    /// matches end, into `done`.
+    fn step<'a>(
+        &self,
+        alive: &[(u32, usize, u32)],
+        counted: impl Iterator<Item = &'a Entry>,
+        done: &mut Vec<(u32, usize, u32)>,
+    ) -> Vec<(u32, usize, u32)> {
+        let mut next = Vec::with_capacity(alive.len());
+        let mut counted = counted.peekable();
+        for &(id, n, end) in alive {
+            while counted.next_if(|e| e.holder < id).is_some() {}
+            match counted.next_if(|e| e.holder == id) {
+                Some(e) => next.push((id, n + 1, e.end)),
+                None => done.push((id, n, end)),
+            }
+        }
+        next
     }
 
     fn answer(&self, mut found: Vec<(u32, usize, u32)>) -> Overlap {

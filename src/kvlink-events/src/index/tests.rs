@@ -343,3 +343,44 @@ fn fixed_size_pages_from_the_page_splitter_are_indexed_by_tokens() {
         vec![("sglang".to_string(), 2, 8, HolderState::Exact)]
     );
 }
+
+#[test]
+fn many_holders_stored_in_any_order_match_what_each_holds() {
+    // Engine e holds the first len[e] blocks of one chain; stores arrive interleaved in a
+    // scrambled engine order, so each block's holder list is built out of order.
+    let lens: Vec<usize> = (0..24).map(|e| (e * 7) % 11 + 1).collect();
+    let order: Vec<usize> = (0..24).map(|i| (i * 5 + 3) % 24).collect();
+    let t = toks(11 * BS as usize, 0);
+    let mut ix = Index::default();
+    for b in 0..11usize {
+        for &e in &order {
+            if b < lens[e] {
+                let parent = (b > 0).then_some(b as u64);
+                let span = &t[b * BS as usize..(b + 1) * BS as usize];
+                ix.apply_item(
+                    &format!("e{e:02}"),
+                    &item(vec![stored(&[b as u64 + 1], parent, span)]),
+                );
+            }
+        }
+    }
+    let o = ix.overlap_tokens(&t, BS, &Salt::default());
+    let mut want: Vec<(String, usize)> = lens
+        .iter()
+        .enumerate()
+        .map(|(e, n)| (format!("e{e:02}"), *n))
+        .collect();
+    want.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let got: Vec<(String, usize)> = o
+        .matches
+        .iter()
+        .map(|m| (m.holder.engine.clone(), m.blocks))
+        .collect();
+    assert_eq!(got, want);
+    assert_eq!(
+        ix.overlap_hashes(&(1..=11).collect::<Vec<u64>>())
+            .matches
+            .len(),
+        24
+    );
+}

@@ -9,7 +9,7 @@ use std::time::Duration;
 use kvlink_events::{HolderKey, HolderMatch, HolderState, Overlap, Salt};
 use serde_json::{json, Value};
 
-use super::{metrics, Service};
+use super::{metrics, state_name, Service};
 
 /// Largest request body taken (a query of a million tokens is about 7 MB of JSON).
 const MAX_BODY: u64 = 16 << 20;
@@ -137,14 +137,6 @@ fn query(s: &Arc<Service>, b: &Value) -> Result<Value, (u16, String)> {
         .expect("index lock")
         .overlap_tokens(&tokens, block_size, &salt);
     Ok(overlap(&o))
-}
-
-pub(super) fn state_name(s: HolderState) -> &'static str {
-    match s {
-        HolderState::Exact => "exact",
-        HolderState::Recovering => "recovering",
-        HolderState::Stale => "stale",
-    }
 }
 
 fn holder(k: &HolderKey, state: HolderState) -> serde_json::Map<String, Value> {

@@ -3,8 +3,7 @@
 use std::fmt::Write;
 use std::sync::atomic::Ordering;
 
-use super::http::state_name;
-use super::Service;
+use super::{state_name, Service};
 
 /// A label value, escaped as the text format wants.
 fn label(v: &str) -> String {

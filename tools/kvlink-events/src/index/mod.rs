@@ -12,7 +12,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use kvlink_events::{Index, IndexConfig, Resync, SubItem, Subscriber, SubscriberConfig};
+use kvlink_events::{
+    HolderState, Index, IndexConfig, Resync, SubItem, Subscriber, SubscriberConfig,
+};
 
 pub(crate) const USAGE: &str = "\
 index     follow engines' streams and answer overlap queries over HTTP
@@ -63,6 +65,15 @@ struct Opts {
     block_size: u32,
     max_blocks: usize,
     replay_timeout_ms: u64,
+}
+
+/// A holder state's name in answers and metrics.
+pub(crate) fn state_name(s: HolderState) -> &'static str {
+    match s {
+        HolderState::Exact => "exact",
+        HolderState::Recovering => "recovering",
+        HolderState::Stale => "stale",
+    }
 }
 
 /// Parses `NAME=ENDPOINT[,REPLAY]`.
