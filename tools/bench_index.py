@@ -273,6 +273,7 @@ def main():
     ap.add_argument("--queries", type=int, default=3000)
     ap.add_argument("--port", type=int, default=27000)
     ap.add_argument("--log", default="target/bench-index.log")
+    ap.add_argument("--only-kvlink", action="store_true", help="scale runs: kvlink's service alone")
     a = ap.parse_args()
     work, prompts, events = trace(a.engines, a.requests, a.prefixes, seed=1)
     blocks = sum(
@@ -286,7 +287,7 @@ def main():
     )
     log = open(a.log, "w")
     results = {}
-    for name in ("kvlink", "dynamo"):
+    for name in ("kvlink",) if a.only_kvlink else ("kvlink", "dynamo"):
         pubs = Publishers(a.engines, a.port)
         if name == "kvlink":
             specs = [arg for e, ep in enumerate(pubs.endpoints) for arg in ("--engine", f"{e}={ep}")]
@@ -318,6 +319,8 @@ def main():
         finally:
             svc.close()
             pubs.close()
+    if a.only_kvlink:
+        return
     (kr, _, km, kl), (dr, _, dm, dl) = results["kvlink"], results["dynamo"]
     live = a.engines * 4000 / 1e6  # blocks held at the end, about
     print(f"ingest: kvlink {kr:,.0f} events/s, Dynamo {dr:,.0f} events/s, {kr / dr:.2f}x")
