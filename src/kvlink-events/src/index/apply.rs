@@ -87,7 +87,8 @@ impl Index {
     fn put_block(&mut self, id: u32, hash: u64, mut block: Block) {
         let h = &mut self.holders[id as usize];
         block.epoch = h.epoch;
-        match h.blocks.get(&hash).copied() {
+        // One lookup: the block goes in, and comes out again past the limit.
+        match h.blocks.insert(hash, block) {
             Some(old) => {
                 h.forget(&old);
                 if old.local != 0 && old.local != block.local {
@@ -95,13 +96,12 @@ impl Index {
                 }
             }
             None if self.blocks >= self.config.max_blocks => {
+                h.blocks.remove(&hash);
                 self.stats.dropped += 1;
                 return;
             }
             None => self.blocks += 1,
         }
-        let h = &mut self.holders[id as usize];
-        h.blocks.insert(hash, block);
         let e = Entry {
             holder: id,
             epoch: block.epoch,

@@ -140,9 +140,14 @@ pub(crate) fn put(map: &mut HashMap<u64, Holders, Keyed>, key: u64, e: Entry) {
 
 /// Takes `holder` out of `map` under `key`.
 pub(crate) fn take(map: &mut HashMap<u64, Holders, Keyed>, key: u64, holder: u32) {
-    if let Some(h) = map.get_mut(&key) {
-        if h.drop_holder(holder) {
-            map.remove(&key);
+    // One lookup for the common case, a block of one holder; others are put back.
+    match map.remove(&key) {
+        Some(Holders::One(one)) if one.holder == holder => {}
+        Some(mut h) => {
+            if !h.drop_holder(holder) {
+                map.insert(key, h);
+            }
         }
+        None => {}
     }
 }
