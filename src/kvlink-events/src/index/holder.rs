@@ -140,14 +140,10 @@ pub(crate) fn put(map: &mut HashMap<u64, Holders, Keyed>, key: u64, e: Entry) {
 
 /// Takes `holder` out of `map` under `key`.
 pub(crate) fn take(map: &mut HashMap<u64, Holders, Keyed>, key: u64, holder: u32) {
-    // One lookup for the common case, a block of one holder; others are put back.
-    match map.remove(&key) {
-        Some(Holders::One(one)) if one.holder == holder => {}
-        Some(mut h) => {
-            if !h.drop_holder(holder) {
-                map.insert(key, h);
-            }
+    // One lookup for the common case, a block of one holder (a list is put back).
+    if let Some(mut h) = map.remove(&key) {
+        if !h.drop_holder(holder) {
+            map.insert(key, h);
         }
-        None => {}
     }
 }
