@@ -158,7 +158,7 @@ mod query;
 impl Index {
     /// An empty index.
     pub fn new(config: IndexConfig) -> Index {
-        let key = chain::fresh_key();
+        let key = crate::wire::fresh_u64();
         Index {
             config,
             key,

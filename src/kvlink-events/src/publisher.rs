@@ -48,7 +48,7 @@ use super::error::EventsError;
 use super::fanout::{Fanout, QueueBound};
 use super::guard::{Limits, PrivateDir};
 use super::sequence::ReplayRing;
-use super::wire::{encode_batch, stamp, stamped, Encoding, EventBatch};
+use super::wire::{encode_batch, fresh_u64, stamp, stamped, Encoding, EventBatch};
 
 pub use batch::BatchBuilder;
 pub use config::{PublisherConfig, PublisherStats, ReplayFormat, REPLAY_END};
@@ -314,7 +314,7 @@ impl Publisher {
             encoding: cfg.encoding,
             incarnation: cfg
                 .stamp_incarnation
-                .then(|| cfg.incarnation.unwrap_or_else(config::fresh_incarnation)),
+                .then(|| cfg.incarnation.unwrap_or_else(fresh_u64)),
             size_hint: AtomicUsize::new(4096),
             buffers: Arc::default(),
             endpoint,

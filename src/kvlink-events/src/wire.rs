@@ -17,7 +17,7 @@ pub use decode::{decode_batch, decode_batch_reusing};
 pub use encode::{encode_batch, encode_event, encode_stored_ref};
 pub use errors::{BatchError, EventError, SkippedEvent};
 pub use stamp::incarnation_of;
-pub(crate) use stamp::{stamp, stamped};
+pub(crate) use stamp::{fresh_u64, stamp, stamped};
 
 pub use super::msgpack::Value;
 

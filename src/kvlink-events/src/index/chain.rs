@@ -99,9 +99,3 @@ impl std::hash::Hasher for KeyedHasher {
         self.0 = mix(self.0, v);
     }
 }
-
-/// A fresh key for [`Keyed`] (from the standard library's per-process random keys).
-pub(crate) fn fresh_key() -> u64 {
-    use std::hash::BuildHasher;
-    std::collections::hash_map::RandomState::new().hash_one(0x6b76_6c69_6e6bu64)
-}

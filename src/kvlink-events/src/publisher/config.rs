@@ -113,12 +113,3 @@ pub struct PublisherStats {
     /// PUB at its high-water mark), summed over subscribers.
     pub subscriber_drops: u64,
 }
-
-/// A fresh incarnation (from the standard library's per-process random keys and the clock).
-pub(super) fn fresh_incarnation() -> u64 {
-    use std::hash::BuildHasher;
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    std::collections::hash_map::RandomState::new().hash_one(now)
-}

@@ -61,6 +61,16 @@ pub(crate) fn stamped(payload: bytes::Bytes, incarnation: Option<u64>) -> bytes:
     }
 }
 
+/// A fresh random 64-bit value (the standard library's per-process random keys, mixed with
+/// the clock): a publisher's incarnation, an index's hashing key.
+pub(crate) fn fresh_u64() -> u64 {
+    use std::hash::BuildHasher;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    std::collections::hash_map::RandomState::new().hash_one(now)
+}
+
 fn append(payload: &mut Vec<u8>, incarnation: u64) {
     payload[0] = ARRAY4;
     payload.push(UINT64);
