@@ -1,7 +1,9 @@
 """`kvlink-events index`, the KV-event index service, driven as a router would: engines'
 streams from independent Python publishers (events_peers.py), overlap queries, a dump and
 Prometheus metrics over HTTP; an engine registered and another removed while it runs, engines
-from a file it re-reads, and a clean stop on SIGTERM."""
+from a file it re-reads, and a clean stop on SIGTERM. Then a kvlink engine whose ring no longer
+holds its history: the service, and a Python subscriber with `kvlink.events.Index`, load its
+snapshot and are exact at once."""
 
 import json
 import signal
@@ -17,6 +19,7 @@ pytest.importorskip("zmq", reason="pyzmq not installed in this venv")
 from events_peers import PyPublisher  # noqa: E402
 from test_events_interop import (  # noqa: E402, F401 (fixtures)
     Cli,
+    bound,
     cleanup,
     events_bin,
     free_endpoint,
@@ -25,6 +28,8 @@ from test_events_interop import (  # noqa: E402, F401 (fixtures)
     to_wire,
     ts_of,
 )
+
+from kvlink.events import Index, Publisher, Subscriber  # noqa: E402
 
 PROMPT = list(range(1000, 1064))  # four blocks of 16
 
@@ -114,3 +119,46 @@ def test_the_index_service_answers_a_router_and_follows_engines_coming_and_going
     cli.proc.send_signal(signal.SIGTERM)
     cli.assert_exit_ok(time.monotonic() + 10)
     cli.wait_stderr("stopped;")
+
+
+def churned_engine(cleanup):
+    """A kvlink publisher that stored PROMPT's four blocks, then stored and removed 40 more:
+    its ring (4 batches) no longer holds the store of PROMPT."""
+    pub_ep, rep_ep = free_endpoint(), free_endpoint()
+    pub = cleanup(Publisher(bound(pub_ep), replay_endpoint=bound(rep_ep), buffer_steps=4))
+    pub.publish([stored([1, 2, 3, 4], None, PROMPT)])
+    for i in range(40):
+        pub.publish([stored([100 + i], None, [7 + i] * 16)])
+        pub.publish([removed([100 + i])])
+    until(lambda: pub.stats()["published"] == 81, "the batches sent")
+    assert pub.stats()["live_blocks"] == 4
+    return pub, pub_ep, rep_ep
+
+
+def test_a_late_index_loads_a_kvlink_engines_snapshot_and_is_exact_at_once(events_bin, cleanup):
+    pub, pub_ep, rep_ep = churned_engine(cleanup)
+    port = free_port()
+    cli = cleanup(Cli(events_bin, ["index", "--listen", f"127.0.0.1:{port}",
+                                   "--engine", f"k={pub_ep},{rep_ep}"]))
+    cli.wait_stderr("listening on")
+    # Replayed from 0, the ring starts at 77: the publisher answers with its live blocks.
+    until(lambda: best(port) == [("k", 4, "exact")], "the snapshot loaded")
+    status, metrics = http(port, "GET", "/metrics")
+    assert 'kvlink_index_snapshots_total{engine="k"} 1' in metrics, metrics
+    assert 'kvlink_index_resyncs_total{engine="k",reason="history_lost"} 0' in metrics
+    # The stream goes on from the snapshot's sequence.
+    pub.publish([removed([4])])
+    until(lambda: best(port) == [("k", 3, "exact")] or None, "a live removal applied")
+    assert pub.stats()["snapshots"] == 1
+    # The same from Python: a subscriber asking for snapshots, and the index it feeds.
+    sub = Subscriber(pub_ep, replay_endpoint=rep_ep, start_from=0, snapshots=True)
+    index = Index()
+    item = until(lambda: sub.next(0.5), "the first item")
+    assert item["kind"] == "snapshot", item
+    assert [e["block_hashes"] for b in item["batches"] for e in b["events"]] == [[1, 2, 3]]
+    index.apply("k", item)
+    got = index.overlap_tokens(PROMPT, 16)
+    assert [(m["blocks"], m["state"]) for m in got] == [(3, "exact")]
+    assert index.stats()["snapshots"] == 1 and sub.stats()["snapshots"] == 1
+    cli.proc.send_signal(signal.SIGTERM)
+    cli.assert_exit_ok(time.monotonic() + 10)

@@ -25,10 +25,10 @@ mod tests;
 
 use std::collections::HashMap;
 
+use crate::keyed::Keyed;
 use crate::sequence::Resync;
 use crate::subscriber::SubItem;
 use crate::wire::{BlockHash, EventBatch, KvEvent};
-use chain::Keyed;
 use holder::{Holder, Holders};
 
 pub use chain::{token_blocks, Salt};
@@ -127,6 +127,8 @@ pub struct IndexStats {
     pub losses: u64,
     /// Publisher restarts.
     pub restarts: u64,
+    /// Snapshots loaded.
+    pub snapshots: u64,
 }
 
 /// The index (see the module's documentation).
@@ -174,7 +176,8 @@ impl Index {
     }
 
     /// Applies one item of engine `engine`'s subscriber: a batch (a loss too when some of its
-    /// events were skipped), an unreadable batch (a loss), a resync (a restart or a loss).
+    /// events were skipped), an unreadable batch (a loss), a resync (a restart or a loss), a
+    /// snapshot (what the engine holds, exact again).
     pub fn apply_item(&mut self, engine: &str, item: &SubItem) {
         match item {
             SubItem::Batch { batch, skipped, .. } => {
@@ -186,6 +189,26 @@ impl Index {
             SubItem::Malformed { .. } => self.lose(engine),
             SubItem::Resync(r) => self.resync(engine, r),
             SubItem::GapFilled { .. } => {}
+            SubItem::Snapshot {
+                batches, skipped, ..
+            } => {
+                self.load_snapshot(engine, batches);
+                if !skipped.is_empty() {
+                    self.lose(engine);
+                }
+            }
+        }
+    }
+
+    /// Replaces what engine `engine`'s holders hold with its publisher's snapshot (batches
+    /// of the blocks it holds, as a subscriber hands them out): every holder of the engine is
+    /// exact again, holding what the snapshot says.
+    pub fn load_snapshot(&mut self, engine: &str, batches: &[EventBatch]) {
+        self.stats.snapshots += 1;
+        self.clear(engine, None, None);
+        self.lossy.remove(engine);
+        for b in batches {
+            self.apply_batch(engine, b);
         }
     }
 

@@ -20,7 +20,7 @@
 // Layers, top to bottom: a module imports only from layers below its own; tools/check_layers.py
 // reads this list and checks every import against it.
 //   index, merger > subscriber > publisher > pages, aggregate, fanout > wire, zmtp
-//   > sequence, endpoint, guard > msgpack, error
+//   > sequence, endpoint, guard > msgpack, error, keyed
 
 mod aggregate;
 mod endpoint;
@@ -28,6 +28,7 @@ mod error;
 mod fanout;
 mod guard;
 mod index;
+mod keyed;
 mod merger;
 /// The bounded msgpack reader under the event decoders (for fuzzing and tests).
 #[doc(hidden)]
@@ -50,6 +51,7 @@ pub use merger::{InputStats, Merger, MergerConfig, MergerInput};
 pub use pages::{page_digest, PageHash, PageSplitter, Pages};
 pub use publisher::{
     BatchBuilder, Publisher, PublisherConfig, PublisherStats, ReplayFormat, REPLAY_END,
+    SNAPSHOT_TAG,
 };
 pub use sequence::{Action, ReplayRing, Resync, StreamState};
 pub use subscriber::{SubItem, Subscriber, SubscriberConfig, SubscriberStats};

@@ -373,6 +373,9 @@ async fn run_input(
                 }
                 // Its batches came through in order: nothing to forward or clear.
                 SubItem::GapFilled { .. } => continue,
+                // Never asked for: inputs subscribe without snapshots (a rank's lost history
+                // is a resync above, forwarded as a clear).
+                SubItem::Snapshot { .. } => continue,
                 SubItem::Malformed { seq, reason } => {
                     let mut s = st.lock();
                     s.last_seq = seq.or(s.last_seq);

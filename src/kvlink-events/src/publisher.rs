@@ -27,13 +27,15 @@
 
 mod batch;
 mod config;
+mod live;
 mod pool;
 mod queue;
 mod replay;
+mod shared;
 mod sockets;
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -45,141 +47,19 @@ use tokio::task::JoinHandle;
 use zeromq::{PubSocket, RouterSocket, Socket};
 
 use super::error::EventsError;
-use super::fanout::{Fanout, QueueBound};
+use super::fanout::QueueBound;
 use super::guard::{Limits, PrivateDir};
 use super::sequence::ReplayRing;
 use super::wire::{encode_batch, fresh_u64, stamp, stamped, Encoding, EventBatch};
 
 pub use batch::BatchBuilder;
-pub use config::{PublisherConfig, PublisherStats, ReplayFormat, REPLAY_END};
+pub use config::{PublisherConfig, PublisherStats, ReplayFormat, REPLAY_END, SNAPSHOT_TAG};
+use live::{LiveDelta, LiveSet};
 use pool::BufferPool;
 use queue::publish_loop;
-use replay::serve_replay;
+use replay::{serve_replay, Answering, History};
+use shared::{Counters, Direct, Item, Shared};
 use sockets::{attach, attach_pub, PubSink};
-
-/// A batch waiting to be numbered and sent: its payload, with its own topic or the publisher's.
-struct Item {
-    topic: Option<Bytes>,
-    payload: Bytes,
-}
-
-#[derive(Default)]
-struct Counters {
-    published: AtomicU64,
-    dropped: AtomicU64,
-    replay_requests: AtomicU64,
-    replayed_batches: AtomicU64,
-    bad_replay_requests: AtomicU64,
-    replay_timeouts: AtomicU64,
-    subscriber_drops: AtomicU64,
-}
-
-struct Shared {
-    queue: Mutex<VecDeque<Item>>,
-    /// Signalled when the queue has room (threads blocked in `publish_timeout`).
-    room: Condvar,
-    /// Signalled when the queue has room (async waiters).
-    room_async: Notify,
-    /// Signalled when the queue goes from empty to not empty, or the publisher closes.
-    work: Notify,
-    cap: usize,
-    /// Payload bytes in `queue`, and their bound.
-    queued_bytes: AtomicUsize,
-    cap_bytes: usize,
-    closed: AtomicBool,
-    ring: Mutex<ReplayRing<(Bytes, Bytes)>>,
-    counters: Counters,
-    /// The publisher's own PUB side, sent to from the caller's thread (`None` once dropped);
-    /// absent for the `zeromq` crate's sockets, which the send loop serves from the queue.
-    direct: Option<Mutex<Option<Direct>>>,
-    /// The topic frame of batches published without one of their own.
-    topic: Bytes,
-    /// Whether sent batches are kept for replay.
-    keep_for_replay: bool,
-}
-
-/// Sending from the caller's thread to the publisher's own PUB side ([`Fanout::send`] queues
-/// toward each subscriber and never waits): no queue and no hop through the send loop; a
-/// subscriber's writer is woken only when its queue was empty.
-struct Direct {
-    fanout: Fanout,
-    next_seq: u64,
-}
-
-impl Shared {
-    /// Whether the queue `q` (locked) has no room for a payload of `len` bytes: at its batch
-    /// bound, or past its byte bound (an empty queue takes a payload of any size).
-    fn full(&self, q: &VecDeque<Item>, len: usize) -> bool {
-        q.len() >= self.cap
-            || (!q.is_empty() && self.queued_bytes.load(Ordering::Relaxed) + len > self.cap_bytes)
-    }
-
-    fn queue_full(&self) -> EventsError {
-        EventsError::QueueFull {
-            cap: self.cap,
-            cap_bytes: self.cap_bytes,
-        }
-    }
-
-    /// Keeps batch `seq` for replay when configured, under its own topic frame or the
-    /// configured one, which it returns (the send loop and the direct path both record here).
-    pub(super) fn record(&self, seq: u64, topic: Option<Bytes>, payload: &Bytes) -> Bytes {
-        let topic = topic.unwrap_or_else(|| self.topic.clone());
-        if self.keep_for_replay {
-            let size = payload.len() + topic.len();
-            self.ring
-                .lock()
-                .push_sized(seq, (topic.clone(), payload.clone()), size);
-        }
-        topic
-    }
-
-    /// Counts a batch handed to the PUB side, which `lost` subscribers lost to a full queue.
-    pub(super) fn count_sent(&self, lost: u64) {
-        if lost > 0 {
-            self.counters
-                .subscriber_drops
-                .fetch_add(lost, Ordering::Relaxed);
-        }
-        self.counters.published.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Queues `item` (or sends it now, on the direct path); when the queue is full, hands it
-    /// back (`Err(Some)`); when the publisher is closed, drops it (`Err(None)`).
-    fn try_push(&self, item: Item) -> Result<(), Option<Item>> {
-        if self.closed.load(Ordering::Acquire) {
-            return Err(None);
-        }
-        if let Some(direct) = &self.direct {
-            // Held while sending, so that sequence numbers go out in order.
-            let mut d = direct.lock();
-            let Some(d) = d.as_mut() else {
-                return Err(None);
-            };
-            let seq = d.next_seq;
-            d.next_seq += 1;
-            let topic = self.record(seq, item.topic, &item.payload);
-            let lost = d.fanout.send(&topic, seq, item.payload);
-            self.count_sent(lost);
-            return Ok(());
-        }
-        let mut q = self.queue.lock();
-        if self.full(&q, item.payload.len()) {
-            return Err(Some(item));
-        }
-        self.queued_bytes
-            .fetch_add(item.payload.len(), Ordering::Relaxed);
-        let was_empty = q.is_empty();
-        q.push_back(item);
-        drop(q);
-        // Only a queue that was empty may have the send loop waiting (or about to wait) for
-        // work; pushes behind it are taken with it, without waking anything again.
-        if was_empty {
-            self.work.notify_one();
-        }
-        Ok(())
-    }
-}
 
 /// A running publisher. Dropping it stops it (see [`Publisher::close`] to drain first).
 pub struct Publisher {
@@ -187,6 +67,8 @@ pub struct Publisher {
     encoding: Encoding,
     /// The incarnation stamped on every batch (`None`: not stamped).
     incarnation: Option<u64>,
+    /// Whether batches change a live set (kept for snapshots).
+    track: bool,
     /// The last payload's size, to size the next one's buffer.
     size_hint: AtomicUsize,
     /// Payload buffers for reuse.
@@ -269,6 +151,10 @@ impl Publisher {
             ),
             PubSink::Zmq(socket) => (None, Some(socket)),
         };
+        let track = cfg.replay_endpoint.is_some() && cfg.snapshot_max_blocks > 0;
+        let incarnation = cfg
+            .stamp_incarnation
+            .then(|| cfg.incarnation.unwrap_or_else(fresh_u64));
         let shared = Arc::new(Shared {
             queue: Mutex::new(VecDeque::new()),
             room: Condvar::new(),
@@ -278,10 +164,10 @@ impl Publisher {
             queued_bytes: AtomicUsize::new(0),
             cap_bytes: cfg.max_queue_bytes,
             closed: AtomicBool::new(false),
-            ring: Mutex::new(ReplayRing::with_max_bytes(
-                cfg.buffer_steps,
-                cfg.replay_max_bytes,
-            )),
+            ring: Mutex::new(History {
+                ring: ReplayRing::with_max_bytes(cfg.buffer_steps, cfg.replay_max_bytes),
+                live: track.then(|| LiveSet::new(cfg.snapshot_max_blocks)),
+            }),
             counters: Counters::default(),
             direct,
             topic: Bytes::from(cfg.topic.clone().into_bytes()),
@@ -295,12 +181,13 @@ impl Publisher {
                 attach(&mut router, ep, cfg.dp_rank, true, &dir, "replay", limits).await?;
             tasks.extend(front);
             replay_endpoint = Some(resolved);
-            tasks.push(tokio::spawn(serve_replay(
-                shared.clone(),
-                router,
-                cfg.replay_format,
-                cfg.replay_send_timeout,
-            )));
+            let how = Answering {
+                format: cfg.replay_format,
+                send_timeout: cfg.replay_send_timeout,
+                encoding: cfg.encoding,
+                incarnation,
+            };
+            tasks.push(tokio::spawn(serve_replay(shared.clone(), router, how)));
         }
         let publish_task =
             loop_socket.map(|socket| tokio::spawn(publish_loop(shared.clone(), socket)));
@@ -312,9 +199,8 @@ impl Publisher {
         Ok(Publisher {
             shared,
             encoding: cfg.encoding,
-            incarnation: cfg
-                .stamp_incarnation
-                .then(|| cfg.incarnation.unwrap_or_else(fresh_u64)),
+            incarnation,
+            track,
             size_hint: AtomicUsize::new(4096),
             buffers: Arc::default(),
             endpoint,
@@ -341,7 +227,9 @@ impl Publisher {
     /// endpoints, whose queue is bounded; the batch is dropped and counted) or
     /// [`EventsError::Closed`].
     pub fn publish(&self, batch: EventBatch) -> Result<(), EventsError> {
-        self.publish_batch(&batch)
+        let payload = self.encode(&batch);
+        let delta = self.track.then(|| LiveDelta::take(batch));
+        self.queue_payload(payload, delta, None)
     }
 
     /// Queues a batch the caller keeps; never blocks. The batch is encoded in the calling
@@ -350,7 +238,8 @@ impl Publisher {
     /// thread for the others).
     pub fn publish_batch(&self, batch: &EventBatch) -> Result<(), EventsError> {
         let payload = self.encode(batch);
-        self.queue_payload(payload, None)
+        let delta = self.track.then(|| LiveDelta::of(batch));
+        self.queue_payload(payload, delta, None)
     }
 
     fn encode(&self, batch: &EventBatch) -> Bytes {
@@ -372,6 +261,7 @@ impl Publisher {
             self.size_hint.load(Ordering::Relaxed),
             self.encoding,
             ts,
+            self.track,
         )
     }
 
@@ -398,21 +288,29 @@ impl Publisher {
         dp_rank: Option<i64>,
         deadline: Option<Instant>,
     ) -> Result<(), EventsError> {
-        let (payload, size) = b.finish(dp_rank, self.incarnation);
+        let (payload, size, ops) = b.finish(dp_rank, self.incarnation);
         self.size_hint.store(size, Ordering::Relaxed);
-        self.queue_payload(payload, deadline)
+        let delta = ops.map(|ops| LiveDelta { dp_rank, ops });
+        self.queue_payload(payload, delta, deadline)
     }
 
     /// Queues a batch, waiting up to `timeout` for room in the queue.
     pub fn publish_timeout(&self, batch: EventBatch, timeout: Duration) -> Result<(), EventsError> {
         let payload = self.encode(&batch);
-        drop(batch);
-        self.queue_payload(payload, Some(Instant::now() + timeout))
+        let delta = self.track.then(|| LiveDelta::take(batch));
+        self.queue_payload(payload, delta, Some(Instant::now() + timeout))
     }
 
     /// Queues an already-encoded batch payload (published as is), never blocking.
     pub fn publish_encoded(&self, payload: impl Into<Bytes>) -> Result<(), EventsError> {
-        self.queue_payload(payload.into(), None)
+        let payload = payload.into();
+        let delta = self.delta_of(&payload);
+        self.queue_payload(payload, delta, None)
+    }
+
+    /// An encoded payload's changes to the live set, when one is kept (read back from it).
+    fn delta_of(&self, payload: &[u8]) -> Option<LiveDelta> {
+        self.track.then(|| LiveDelta::of_payload(payload))
     }
 
     /// This run's incarnation, stamped on every batch (`None` when
@@ -433,10 +331,12 @@ impl Publisher {
         topic: Bytes,
         payload: Bytes,
     ) -> Result<(), EventsError> {
+        let delta = self.delta_of(&payload);
         self.push(
             Item {
                 topic: Some(topic),
                 payload,
+                delta,
             },
             None,
         )
@@ -450,8 +350,13 @@ impl Publisher {
         payload: Bytes,
         deadline: tokio::time::Instant,
     ) -> Result<(), EventsError> {
+        let delta = self.delta_of(&payload);
         let payload = stamped(payload, self.incarnation);
-        let mut item = Item { topic, payload };
+        let mut item = Item {
+            topic,
+            payload,
+            delta,
+        };
         loop {
             let room = self.shared.room_async.notified();
             match self.shared.try_push(item) {
@@ -469,14 +374,18 @@ impl Publisher {
     }
 
     /// Queues a payload under the configured topic (waiting up to `deadline` for room, if any).
-    fn queue_payload(&self, payload: Bytes, deadline: Option<Instant>) -> Result<(), EventsError> {
-        self.push(
-            Item {
-                topic: None,
-                payload,
-            },
-            deadline,
-        )
+    fn queue_payload(
+        &self,
+        payload: Bytes,
+        delta: Option<LiveDelta>,
+        deadline: Option<Instant>,
+    ) -> Result<(), EventsError> {
+        let item = Item {
+            topic: None,
+            payload,
+            delta,
+        };
+        self.push(item, deadline)
     }
 
     fn push(&self, item: Item, deadline: Option<Instant>) -> Result<(), EventsError> {
@@ -526,6 +435,15 @@ impl Publisher {
             bad_replay_requests: c.bad_replay_requests.load(Ordering::Relaxed),
             replay_timeouts: c.replay_timeouts.load(Ordering::Relaxed),
             subscriber_drops: c.subscriber_drops.load(Ordering::Relaxed),
+            snapshots: c.snapshots.load(Ordering::Relaxed),
+            snapshots_refused: c.snapshots_refused.load(Ordering::Relaxed),
+            live_blocks: self
+                .shared
+                .ring
+                .lock()
+                .live
+                .as_ref()
+                .map_or(0, |l| l.len() as u64),
         }
     }
 

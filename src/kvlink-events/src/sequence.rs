@@ -105,6 +105,11 @@ pub enum Action<P> {
     RequestReplay(u64),
     /// Tell the consumer to drop what it derived from this stream, and why.
     Resync(Resync),
+    /// The publisher's snapshot of its live blocks as of sequence `.0` (its parts, in order),
+    /// which the replay answered with because it no longer held the history asked for: the
+    /// consumer replaces what it derived from this stream with it; the stream goes on at
+    /// `.0 + 1`.
+    Snapshot(u64, Vec<P>),
     /// A replay recovered everything from `from` on: a gap (or a late join from `from`) was
     /// filled, and every batch up to `through` has been delivered in order. Informational:
     /// nothing derived from the stream needs dropping.
@@ -123,6 +128,10 @@ struct Replay<P> {
     buffered: BTreeMap<u64, P>,
     /// Whether history was lost during this replay (then it did not fill its gap).
     lost: bool,
+    /// The snapshot the answer holds, if any: its sequence and the parts so far.
+    snapshot: Option<(u64, Vec<P>)>,
+    /// Whether this replay asks for a snapshot should its start be gone.
+    tagged: bool,
 }
 
 /// One subscriber's view of one publisher stream.
@@ -139,6 +148,8 @@ pub struct StreamState<P> {
     floor: u64,
     /// The publisher's incarnation, once a batch carried one.
     incarnation: Option<u64>,
+    /// Whether replays may ask a kvlink publisher for a snapshot.
+    snapshots: bool,
 }
 
 impl<P> StreamState<P> {
@@ -154,7 +165,21 @@ impl<P> StreamState<P> {
             duplicates: 0,
             floor: 0,
             incarnation: None,
+            snapshots: false,
         }
+    }
+
+    /// Lets replays ask for a snapshot of the publisher's live blocks when the history they
+    /// ask for is gone, once the publisher is known to be kvlink's (its batches carry an
+    /// incarnation); see [`Action::Snapshot`].
+    pub fn set_snapshots(&mut self, on: bool) {
+        self.snapshots = on;
+    }
+
+    /// Whether the replay under way asks for a snapshot should its start be gone (the
+    /// request's third frame).
+    pub fn replay_wants_snapshot(&self) -> bool {
+        self.replay.as_ref().is_some_and(|r| r.tagged)
     }
 
     /// Last sequence delivered.
@@ -165,6 +190,12 @@ impl<P> StreamState<P> {
     /// Duplicate batches dropped so far.
     pub fn duplicates(&self) -> u64 {
         self.duplicates
+    }
+
+    /// The publisher's incarnation, once a batch carried one (a kvlink publisher, which
+    /// answers snapshot requests).
+    pub fn incarnation(&self) -> Option<u64> {
+        self.incarnation
     }
 
     /// Whether a replay is under way.
@@ -178,6 +209,8 @@ impl<P> StreamState<P> {
             deadline: now + self.replay_timeout,
             buffered: BTreeMap::new(),
             lost: false,
+            snapshot: None,
+            tagged: self.snapshots && self.incarnation.is_some(),
         });
         out.push(Action::RequestReplay(from));
     }
@@ -322,12 +355,51 @@ impl<P> StreamState<P> {
         out
     }
 
+    /// A part of a snapshot the replay socket answered with (sequence `seq`, the last batch it
+    /// includes), with the incarnation it says sent it: kept until the answer's end marker,
+    /// when the whole snapshot is handed over; one of another incarnation than the live
+    /// stream's is dropped.
+    pub fn handle_snapshot_from(&mut self, seq: u64, incarnation: Option<u64>, payload: P) {
+        let other = matches!((incarnation, self.incarnation), (Some(i), Some(live)) if i != live);
+        let Some(r) = self.replay.as_mut().filter(|_| !other) else {
+            self.duplicates += 1;
+            return;
+        };
+        match &mut r.snapshot {
+            Some((s, parts)) if *s == seq => parts.push(payload),
+            _ => r.snapshot = Some((seq, vec![payload])),
+        }
+    }
+
     /// A batch answered by the replay socket.
     pub fn handle_replayed(&mut self, seq: u64, payload: P) -> Vec<Action<P>> {
         let mut out = Vec::new();
         let Some(from) = self.replay.as_ref().map(|r| r.from) else {
             return out; // a late answer to a finished replay
         };
+        if let Some(r) = self.replay.as_mut().filter(|r| r.snapshot.is_some()) {
+            // The ring's batches after a snapshot: they follow it at the end marker.
+            r.buffered.insert(seq, payload);
+            return out;
+        }
+        let expected = self.last.map_or(from, |l| l + 1).max(from);
+        let untagged = self.replay.as_ref().is_some_and(|r| !r.tagged);
+        if seq > expected && untagged && self.snapshots && self.incarnation.is_some() {
+            // The history is gone, and the publisher (now known to be kvlink's) can stand
+            // for it with a snapshot: asked again, for one, within the same deadline.
+            if let Some(mut r) = self.replay.take() {
+                r.buffered.insert(seq, payload);
+                let deadline = r.deadline;
+                let mut asked = Vec::new();
+                self.start_replay(expected, deadline, &mut asked);
+                if let Some(nr) = &mut self.replay {
+                    nr.deadline = deadline;
+                    nr.buffered = r.buffered;
+                }
+                out.extend(asked);
+            }
+            return out;
+        }
         if self.accept_after(from, seq, payload, &mut out) {
             if let Some(r) = &mut self.replay {
                 r.lost = true;
@@ -365,6 +437,15 @@ impl<P> StreamState<P> {
             return out;
         };
         let mut lost = r.lost;
+        let mut snapshot = false;
+        if let Some((seq, parts)) = r.snapshot {
+            // Only past what was delivered (a snapshot never goes back).
+            if self.last.is_none_or(|l| seq > l) {
+                self.last = Some(seq);
+                out.push(Action::Snapshot(seq, parts));
+                snapshot = true;
+            }
+        }
         let first_buffered = r.buffered.first_key_value().map(|(s, _)| *s);
         let mut rest = r.buffered.into_iter();
         while let Some((seq, payload)) = rest.next() {
@@ -381,7 +462,7 @@ impl<P> StreamState<P> {
             }
             lost |= self.accept_after(r.from, seq, payload, &mut out);
         }
-        if !lost {
+        if !lost && !snapshot {
             if let Some(through) = self.last.filter(|l| *l >= r.from) {
                 out.push(Action::GapFilled {
                     from: r.from,
@@ -393,10 +474,14 @@ impl<P> StreamState<P> {
     }
 
     /// Ends a replay that did not finish by its deadline, as if its end marker had arrived
-    /// (publishers that drop malformed requests never answer).
+    /// (publishers that drop malformed requests never answer); a snapshot it was receiving is
+    /// incomplete, and dropped.
     pub fn poll(&mut self, now: Instant) -> Vec<Action<P>> {
-        match &self.replay {
-            Some(r) if now >= r.deadline => self.handle_replay_end(now),
+        match &mut self.replay {
+            Some(r) if now >= r.deadline => {
+                r.snapshot = None;
+                self.handle_replay_end(now)
+            }
             _ => Vec::new(),
         }
     }

@@ -9,7 +9,10 @@
 //!   reported as [`SubItem::Resync`]: the consumer must drop what it derived from the stream;
 //! - an unreadable batch is reported ([`SubItem::Malformed`]) in its place in the sequence, and
 //!   unreadable events inside a readable batch are skipped one by one, with reasons;
-//! - messages with a wrong frame layout are counted and dropped.
+//! - messages with a wrong frame layout are counted and dropped;
+//! - with `snapshots` on, a replay asked of a kvlink publisher whose ring no longer holds the
+//!   history is answered with a snapshot of the publisher's live blocks, handed out whole
+//!   ([`SubItem::Snapshot`]) instead of the loss.
 //!
 //! Each replay uses a fresh DEALER connection, so a late answer to an abandoned replay can
 //! never be taken for part of the next one.
@@ -25,7 +28,7 @@ use tokio::time::Instant;
 use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use super::error::{EventsError, MessageError, ReplayError};
-use super::publisher::REPLAY_END;
+use super::publisher::{REPLAY_END, SNAPSHOT_TAG};
 use super::sequence::{Action, Resync, StreamState};
 use super::wire::{
     decode_batch_reusing, incarnation_of, BatchError, Encoding, EventBatch, SkippedEvent,
@@ -49,6 +52,11 @@ pub struct SubscriberConfig {
     pub connect_timeout: Duration,
     /// Replay from this sequence before following the live stream (needs a replay endpoint).
     pub start_from: Option<u64>,
+    /// Ask a kvlink publisher (one whose batches carry an incarnation) for a snapshot of its
+    /// live blocks when its ring no longer holds the history a replay asks for: the snapshot
+    /// comes out as [`SubItem::Snapshot`] instead of [`Resync::HistoryLost`]. Off by default
+    /// (the stream then holds only what vLLM's and SGLang's publishers send).
+    pub snapshots: bool,
     /// Fault injection for tests: live batches whose sequence this accepts are discarded on
     /// arrival, as if PUB had dropped them.
     #[doc(hidden)]
@@ -67,6 +75,7 @@ impl SubscriberConfig {
             max_buffered: 10_000,
             connect_timeout: Duration::from_secs(10),
             start_from: None,
+            snapshots: false,
             drop_live: None,
         }
     }
@@ -100,6 +109,21 @@ pub enum SubItem {
     },
     /// Drop what was derived from this stream, and why.
     Resync(Resync),
+    /// The publisher's live blocks as of sequence `seq` (the replay no longer held the
+    /// history before it): replace what was derived from this stream with these batches of
+    /// `BlockStored` events (one DP rank each, parents before children); the stream goes on
+    /// at `seq + 1`.
+    Snapshot {
+        /// The last sequence the snapshot includes.
+        seq: u64,
+        /// Its batches.
+        batches: Vec<EventBatch>,
+        /// Events of its batches that were skipped, each with why (the snapshot is then
+        /// incomplete).
+        skipped: Vec<SkippedEvent>,
+        /// The topic frame it came with.
+        topic: Bytes,
+    },
     /// A gap (or a late join) was filled by replay: batches `from..=through` were delivered in
     /// order. Nothing to drop; for logs and metrics.
     GapFilled {
@@ -131,6 +155,8 @@ pub struct SubscriberStats {
     pub skipped_events: u64,
     /// Messages dropped for their frame layout.
     pub bad_messages: u64,
+    /// Snapshots handed out.
+    pub snapshots: u64,
 }
 
 /// A connected subscriber.
@@ -185,25 +211,46 @@ fn parse_live(frames: Vec<Bytes>) -> Result<(Option<u64>, Frames), MessageError>
     }
 }
 
-/// A replay answer's `(seq, topic, payload)`, after the DEALER's empty delimiter:
-/// `[topic, seq, payload]` (current) or `[seq, payload]` (legacy: no topic, `None`).
-fn parse_replayed(frames: Vec<Bytes>) -> Result<(u64, Option<Bytes>, Bytes), MessageError> {
+/// One message of a replay answer.
+#[derive(Debug, PartialEq)]
+enum Replayed {
+    /// A batch of the ring: its sequence, topic (none in the legacy format) and payload.
+    Batch(u64, Option<Bytes>, Bytes),
+    /// A part of a snapshot: the last sequence it includes, its topic and payload.
+    Snapshot(u64, Bytes, Bytes),
+}
+
+/// A replay answer's message, after the DEALER's empty delimiter: `[topic, seq, payload]`
+/// (current), `[seq, payload]` (legacy: no topic), or a snapshot part
+/// `["kvlink-snapshot", topic, seq, payload]`.
+fn parse_replayed(frames: Vec<Bytes>) -> Result<Replayed, MessageError> {
     let mut frames = frames;
     if frames.first().is_some_and(|f| f.is_empty()) && frames.len() >= 3 {
         frames.remove(0);
     }
-    let (topic, seq, payload) = match frames.len() {
-        3 => (
-            Some(frames[0].clone()),
-            frames[1].clone(),
-            frames[2].clone(),
-        ),
-        2 => (None, frames[0].clone(), frames[1].clone()),
-        n => return Err(MessageError::ReplayFrames(n)),
+    let seq_of = |seq: &Bytes| {
+        <[u8; 8]>::try_from(seq.as_ref())
+            .map(u64::from_be_bytes)
+            .map_err(|_| MessageError::SequenceFrame(seq.len()))
     };
-    let seq =
-        <[u8; 8]>::try_from(seq.as_ref()).map_err(|_| MessageError::SequenceFrame(seq.len()))?;
-    Ok((u64::from_be_bytes(seq), topic, payload))
+    match frames.len() {
+        4 if frames[0].as_ref() == SNAPSHOT_TAG => Ok(Replayed::Snapshot(
+            seq_of(&frames[2])?,
+            frames[1].clone(),
+            frames[3].clone(),
+        )),
+        3 => Ok(Replayed::Batch(
+            seq_of(&frames[1])?,
+            Some(frames[0].clone()),
+            frames[2].clone(),
+        )),
+        2 => Ok(Replayed::Batch(
+            seq_of(&frames[0])?,
+            None,
+            frames[1].clone(),
+        )),
+        n => Err(MessageError::ReplayFrames(n)),
+    }
 }
 
 async fn recv_dealer(d: &mut Option<DealerSocket>) -> zeromq::ZmqResult<ZmqMessage> {
@@ -236,8 +283,10 @@ impl Subscriber {
                 context: format!("subscribing at {}", cfg.endpoint),
                 source,
             })?;
+        let mut state = StreamState::new(cfg.replay_timeout, cfg.max_buffered);
+        state.set_snapshots(cfg.snapshots);
         let mut s = Subscriber {
-            state: StreamState::new(cfg.replay_timeout, cfg.max_buffered),
+            state,
             cfg,
             sub,
             dealer: None,
@@ -303,12 +352,16 @@ impl Subscriber {
                     }
                 },
                 m = recv_dealer(&mut self.dealer) => match m.map(|m| parse_replayed(m.into_vec())) {
-                    Ok(Ok((REPLAY_END, _, _))) => {
+                    Ok(Ok(Replayed::Batch(REPLAY_END, _, _))) => {
                         self.dealer = None;
                         let a = self.state.handle_replay_end(std::time::Instant::now());
                         self.apply(a).await;
                     }
-                    Ok(Ok((seq, topic, payload))) => {
+                    Ok(Ok(Replayed::Snapshot(seq, topic, payload))) => {
+                        let inc = incarnation_of(&payload);
+                        self.state.handle_snapshot_from(seq, inc, (topic, payload));
+                    }
+                    Ok(Ok(Replayed::Batch(seq, topic, payload))) => {
                         let topic = topic.unwrap_or_else(|| self.topic.clone());
                         let inc = incarnation_of(&payload);
                         let a = self.state.handle_replayed_from(seq, inc, (topic, payload));
@@ -364,6 +417,36 @@ impl Subscriber {
         }
     }
 
+    /// Hands out a snapshot whole: its parts decoded; an unreadable part follows it as
+    /// [`SubItem::Malformed`] (what was derived is then incomplete).
+    fn deliver_snapshot(&mut self, seq: u64, parts: Vec<Frames>) {
+        self.stats.snapshots += 1;
+        let topic = parts.first().map(|p| p.0.clone()).unwrap_or_default();
+        let (mut batches, mut skipped, mut bad) = (Vec::new(), Vec::new(), Vec::new());
+        for (_, raw) in parts {
+            match decode_batch_reusing(&raw, EventBatch::default()) {
+                Ok(d) => {
+                    batches.push(d.batch);
+                    skipped.extend(d.skipped);
+                }
+                Err(e) => bad.push(e),
+            }
+        }
+        tracing::info!(endpoint = %self.cfg.endpoint, seq, batches = batches.len(), "KV-event snapshot loaded");
+        self.stats.skipped_events += skipped.len() as u64;
+        self.out.push_back(SubItem::Snapshot {
+            seq,
+            batches,
+            skipped,
+            topic,
+        });
+        for reason in bad {
+            self.stats.malformed_batches += 1;
+            let seq = Some(seq);
+            self.out.push_back(SubItem::Malformed { seq, reason });
+        }
+    }
+
     async fn apply(&mut self, actions: Vec<Action<Frames>>) {
         let mut pending = VecDeque::from(actions);
         while let Some(a) = pending.pop_front() {
@@ -378,6 +461,7 @@ impl Subscriber {
                     tracing::debug!(endpoint = %self.cfg.endpoint, from, through, "KV-event gap filled by replay");
                     self.out.push_back(SubItem::GapFilled { from, through });
                 }
+                Action::Snapshot(seq, parts) => self.deliver_snapshot(seq, parts),
                 Action::RequestReplay(from) => {
                     self.stats.replays += 1;
                     if let Err(why) = self.request_replay(from).await {
@@ -405,11 +489,13 @@ impl Subscriber {
                 endpoint: ep.clone(),
                 source,
             })?;
-        let req = ZmqMessage::try_from(vec![
-            Bytes::new(),
-            Bytes::copy_from_slice(&from.to_be_bytes()),
-        ])
-        .expect("two frames");
+        let mut frames = vec![Bytes::new(), Bytes::copy_from_slice(&from.to_be_bytes())];
+        // Only a kvlink publisher (its batches carry an incarnation) is asked: vLLM's would
+        // log a malformed request and never answer.
+        if self.state.replay_wants_snapshot() {
+            frames.push(Bytes::from_static(SNAPSHOT_TAG));
+        }
+        let req = ZmqMessage::try_from(frames).expect("two or three frames");
         tokio::time::timeout(self.cfg.replay_timeout, dealer.send(req))
             .await
             .map_err(|_| ReplayError::SendTimeout {
@@ -448,12 +534,17 @@ mod tests {
         assert!(parse_live(vec![]).is_err());
         assert_eq!(
             parse_replayed(vec![b(b""), b(b"t"), b(&seq), b(b"p")]).unwrap(),
-            (5, Some(b(b"t")), b(b"p"))
+            Replayed::Batch(5, Some(b(b"t")), b(b"p"))
         );
         assert_eq!(
             parse_replayed(vec![b(b""), b(&seq), b(b"p")]).unwrap(),
-            (5, None, b(b"p"))
+            Replayed::Batch(5, None, b(b"p"))
         );
+        assert_eq!(
+            parse_replayed(vec![b(b""), b(SNAPSHOT_TAG), b(b"t"), b(&seq), b(b"p")]).unwrap(),
+            Replayed::Snapshot(5, b(b"t"), b(b"p"))
+        );
+        assert!(parse_replayed(vec![b(b""), b(b"x"), b(b"t"), b(&seq), b(b"p")]).is_err());
         assert!(parse_replayed(vec![b(b""), b(b"p")]).is_err());
         assert!(parse_replayed(vec![b(b""), b(b"t"), b(b"short"), b(b"p")]).is_err());
     }

@@ -234,6 +234,32 @@ pub struct BlockStoredRef<'a> {
     pub group_idx: Option<u32>,
 }
 
+impl BlockStoredRef<'_> {
+    /// The same event, owned.
+    pub fn to_owned_event(&self) -> BlockStored {
+        let block_hashes = match self.block_hashes {
+            HashesRef::U64(v) => v.iter().map(|&h| BlockHash::U64(h)).collect(),
+            HashesRef::I64(v) => v.iter().map(|&h| BlockHash::I64(h)).collect(),
+            HashesRef::Any(v) => v.to_vec(),
+        };
+        BlockStored {
+            block_hashes,
+            parent_block_hash: self.parent_block_hash.map(|h| match h {
+                HashRef::U64(v) => BlockHash::U64(v),
+                HashRef::I64(v) => BlockHash::I64(v),
+                HashRef::Bytes(b) => BlockHash::Bytes(b.to_vec()),
+            }),
+            token_ids: self.token_ids.to_vec(),
+            block_size: self.block_size,
+            lora_id: self.lora_id,
+            medium: self.medium.map(str::to_string),
+            lora_name: self.lora_name.map(str::to_string),
+            group_idx: self.group_idx,
+            ..Default::default()
+        }
+    }
+}
+
 /// Blocks removed from a cache tier.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct BlockRemoved {

@@ -219,6 +219,26 @@ pub fn batch_line(
     })
 }
 
+/// A snapshot line of `tail`: the publisher's live blocks as of `seq`, replacing what was
+/// derived from the stream before.
+pub fn snapshot_line(
+    seq: u64,
+    topic: &[u8],
+    batches: &[EventBatch],
+    skipped: &[SkippedEvent],
+) -> Value {
+    let parts: Vec<Value> = batches
+        .iter()
+        .map(|b| json!({"ts": b.ts, "dp_rank": b.dp_rank, "events": b.events.iter().map(event).collect::<Vec<_>>()}))
+        .collect();
+    json!({
+        "snapshot": seq,
+        "topic": String::from_utf8_lossy(topic),
+        "batches": parts,
+        "skipped": skipped.iter().map(ToString::to_string).collect::<Vec<_>>(),
+    })
+}
+
 /// A resynchronisation line of `tail`.
 pub fn resync_line(r: &Resync) -> Value {
     match r {

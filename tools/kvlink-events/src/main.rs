@@ -32,6 +32,8 @@ tail      follow a stream, one JSON line per batch on stdout (in sequence, each 
   --replay R            its replay endpoint: fills gaps, bootstraps late joins
   --topic T             topic prefix                                          [all]
   --from SEQ            replay from SEQ first (needs --replay)
+  --snapshots           when a kvlink publisher's ring no longer holds the history, take
+                        its snapshot of live blocks (a snapshot line)
   --count N             exit after N batches
   --idle-exit S         exit after S seconds without a batch
   --replay-timeout-ms M time allowed for a replay answer                      [2000]
@@ -45,6 +47,7 @@ publish   publish batches read as JSON lines on stdin (seq 0, 1, ...)
   --encoding E          current (maps) or legacy (arrays)                     [current]
   --replay-format F     current (with topic frame) or legacy                  [current]
   --buffer-steps N      batches kept for replay                               [10000]
+  --snapshot-max-blocks N  live blocks kept for snapshots (with --replay; 0: none) [1048576]
   --linger-ms M         keep serving replay after stdin ends                  [1000]
   --synthetic N         publish N generated batches instead of stdin (benchmark), then
                         print a JSON summary line on stdout
@@ -109,6 +112,8 @@ struct Opts {
     idle_exit: Option<f64>,
     replay_timeout_ms: u64,
     quiet: bool,
+    snapshots: bool,
+    snapshot_max_blocks: usize,
     dp_rank: u32,
     encoding: Encoding,
     replay_format: ReplayFormat,
@@ -176,6 +181,7 @@ impl Opts {
             start_delay_ms: 500,
             owned_events: false,
             subscriber_hwm_mib: 256,
+            snapshot_max_blocks: 1 << 20,
             ..Default::default()
         };
         let mut it = args.iter();
@@ -194,6 +200,8 @@ impl Opts {
                 "--idle-exit" => o.idle_exit = Some(seconds(flag, &val()?)?),
                 "--replay-timeout-ms" => o.replay_timeout_ms = num(flag, &val()?)?,
                 "--quiet" => o.quiet = true,
+                "--snapshots" => o.snapshots = true,
+                "--snapshot-max-blocks" => o.snapshot_max_blocks = num(flag, &val()?)?,
                 "--owned-events" => o.owned_events = true,
                 "--subscriber-hwm-mib" => o.subscriber_hwm_mib = num(flag, &val()?)?,
                 "--dp-rank" => o.dp_rank = num(flag, &val()?)?,
@@ -241,6 +249,7 @@ impl Opts {
             replay_format: self.replay_format,
             buffer_steps: self.buffer_steps,
             subscriber_hwm_bytes: self.subscriber_hwm_mib.saturating_mul(1 << 20),
+            snapshot_max_blocks: self.snapshot_max_blocks,
             ..Default::default()
         }
     }
@@ -274,6 +283,7 @@ fn tail(o: Opts) -> Result<(), String> {
         topic: o.topic.clone(),
         replay_timeout: Duration::from_millis(o.replay_timeout_ms),
         start_from: o.from,
+        snapshots: o.snapshots,
         ..SubscriberConfig::new(endpoint.clone())
     };
     let rt = runtime()?;
@@ -320,7 +330,7 @@ fn tail(o: Opts) -> Result<(), String> {
                     batches += 1;
                     last_at = Instant::now();
                 }
-                SubItem::Resync(_) => {}
+                SubItem::Resync(_) | SubItem::Snapshot { .. } => {}
                 // Everything arrived in order: stdout carries only what a consumer acts on.
                 SubItem::GapFilled { from, through } => {
                     eprintln!("kvlink-events: gap filled by replay: batches {from}..={through} delivered in order");
@@ -336,6 +346,9 @@ fn tail(o: Opts) -> Result<(), String> {
                         serde_json::json!({"malformed": seq, "reason": reason.to_string()})
                     }
                     SubItem::Resync(r) => json::resync_line(r),
+                    SubItem::Snapshot { seq, batches, skipped, topic } => {
+                        json::snapshot_line(*seq, topic, batches, skipped)
+                    }
                     SubItem::GapFilled { .. } => unreachable!("handled above"),
                 };
                 serde_json::to_writer(&mut out, &line).map_err(|e| e.to_string())?;

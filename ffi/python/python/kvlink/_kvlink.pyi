@@ -234,6 +234,7 @@ class EventPublisher:
         replay_format: str = "current",
         buffer_steps: int = 10000,
         max_queue: int = 100000,
+        snapshot_max_blocks: int = 1048576,
     ) -> None: ...
     @property
     def endpoint(self) -> str:
@@ -270,20 +271,24 @@ class EventSubscriber:
         connect_timeout: float = 10.0,
         start_from: int | None = None,
         max_buffered: int = 10000,
+        snapshots: bool = False,
     ) -> None: ...
     def next(self, timeout: float = 1.0) -> dict[str, Any] | None:
         """One item or None after ``timeout``: ``{"kind": "batch", "seq", "ts", "dp_rank",
         "events", "skipped"}``, ``{"kind": "malformed", "seq", "reason"}``, or ``{"kind":
         "resync", "reason": "publisher_restart", "last", "now"}`` / ``{"kind": "resync",
         "reason": "history_lost", "from", "resumed"}``, or ``{"kind": "gap_filled", "from",
-        "through"}`` after a replay recovered everything it was asked for."""
+        "through"}`` after a replay recovered everything it was asked for; with
+        ``snapshots=True``, ``{"kind": "snapshot", "seq", "topic", "batches": [{"ts",
+        "dp_rank", "events"}], "skipped"}`` when a kvlink publisher's ring no longer held the
+        history (it replaces what was derived from the stream)."""
     def __iter__(self) -> EventSubscriber: ...
     def __next__(self) -> dict[str, Any]: ...
     @property
     def last_seq(self) -> int | None: ...
     def stats(self) -> dict[str, int]:
         """received, delivered, duplicates, replays (gaps and late joins filled by replay),
-        replay_failures, resyncs, malformed_batches, skipped_events, bad_messages."""
+        replay_failures, resyncs, malformed_batches, skipped_events, bad_messages, snapshots."""
 
 class EventMerger:
     """Merges several publishers' streams into one renumbered stream with its own replay

@@ -49,7 +49,8 @@ impl EventIndex {
 
     /// Applies one item of engine `engine`'s subscriber (a dict as `EventSubscriber` yields):
     /// a batch (a loss too when it skipped events), a malformed batch (a loss), a resync (a
-    /// publisher restart drops the engine's blocks; lost history withholds them).
+    /// publisher restart drops the engine's blocks; lost history withholds them), a snapshot
+    /// (the engine's blocks replaced by it, exact).
     fn apply(&self, engine: &str, item: &Bound<'_, PyDict>) -> PyResult<()> {
         let kind: String = item
             .get_item("kind")?
@@ -87,12 +88,37 @@ impl EventIndex {
                 self.with(|ix| ix.resync(engine, &why));
             }
             "gap_filled" => {}
+            "snapshot" => self.load_snapshot(engine, item)?,
             other => {
                 return Err(InvalidArgument::new_err(format!(
                     "an item of unknown kind {other:?}"
                 )))
             }
         }
+        Ok(())
+    }
+
+    /// Loads a snapshot item: the engine's blocks become the snapshot's, exact again (a loss
+    /// too when it skipped events).
+    fn load_snapshot(&self, engine: &str, item: &Bound<'_, PyDict>) -> PyResult<()> {
+        let parts = item
+            .get_item("batches")?
+            .ok_or_else(|| InvalidArgument::new_err("a snapshot without \"batches\""))?;
+        let mut batches = Vec::new();
+        for part in parts.try_iter()? {
+            let part = part?;
+            let events = part.get_item("events")?;
+            let dp_rank: Option<i64> = part.get_item("dp_rank")?.extract()?;
+            batches.push(batch_of(&events, dp_rank)?);
+        }
+        let skipped = item.get_item("skipped")?;
+        let lost = skipped.is_some_and(|s| s.len().unwrap_or(0) > 0);
+        self.with(|ix| {
+            ix.load_snapshot(engine, &batches);
+            if lost {
+                ix.lose(engine);
+            }
+        });
         Ok(())
     }
 
@@ -105,17 +131,7 @@ impl EventIndex {
         events: &Bound<'_, PyAny>,
         dp_rank: Option<i64>,
     ) -> PyResult<()> {
-        let mut out = Vec::new();
-        for (i, ev) in events.try_iter()?.enumerate() {
-            out.push(event_from_py(&ev?).map_err(|e| {
-                InvalidArgument::new_err(format!("event {i}: {}", e.value(events.py())))
-            })?);
-        }
-        let batch = EventBatch {
-            ts: 0.0,
-            events: out,
-            dp_rank,
-        };
+        let batch = batch_of(events, dp_rank)?;
         self.with(|ix| ix.apply_batch(engine, &batch));
         Ok(())
     }
@@ -184,7 +200,7 @@ impl EventIndex {
     }
 
     /// Counters: `blocks`, `holders`, `stored`, `removed`, `unknown_removed`, `unknown_parent`,
-    /// `dropped`, `losses`, `restarts`.
+    /// `dropped`, `losses`, `restarts`, `snapshots`.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.with(|ix| ix.stats());
         let d = PyDict::new(py);
@@ -197,6 +213,7 @@ impl EventIndex {
         d.set_item("dropped", s.dropped)?;
         d.set_item("losses", s.losses)?;
         d.set_item("restarts", s.restarts)?;
+        d.set_item("snapshots", s.snapshots)?;
         Ok(d)
     }
 }
@@ -230,4 +247,19 @@ fn overlap_to_py<'py>(py: Python<'py>, o: &Overlap) -> PyResult<Bound<'py, PyLis
         out.append(d)?;
     }
     Ok(out)
+}
+
+/// A batch of `events` (dicts, or the engines' event objects) of DP rank `dp_rank`.
+fn batch_of(events: &Bound<'_, PyAny>, dp_rank: Option<i64>) -> PyResult<EventBatch> {
+    let mut out = Vec::new();
+    for (i, ev) in events.try_iter()?.enumerate() {
+        out.push(event_from_py(&ev?).map_err(|e| {
+            InvalidArgument::new_err(format!("event {i}: {}", e.value(events.py())))
+        })?);
+    }
+    Ok(EventBatch {
+        ts: 0.0,
+        events: out,
+        dp_rank,
+    })
 }

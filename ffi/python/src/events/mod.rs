@@ -15,11 +15,12 @@ use std::sync::Mutex;
 
 mod fields;
 mod index;
+mod items;
 
 use kvlink_core::events::{
     encode_batch, Encoding, EventBatch, KvEvent, Merger, MergerConfig, MergerInput, PageHash,
-    PageSplitter as RsSplitter, Publisher, PublisherConfig, ReplayFormat, Resync, SubItem,
-    Subscriber, SubscriberConfig,
+    PageSplitter as RsSplitter, Publisher, PublisherConfig, ReplayFormat, SubItem, Subscriber,
+    SubscriberConfig,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -30,6 +31,7 @@ use crate::error::{InvalidArgument, KvlinkError};
 use fields::event_from_py;
 pub(crate) use fields::event_to_py;
 pub(crate) use index::EventIndex;
+use items::item_to_py;
 
 fn events_err(e: kvlink_core::events::EventsError) -> PyErr {
     match e {
@@ -37,57 +39,6 @@ fn events_err(e: kvlink_core::events::EventsError) -> PyErr {
         | kvlink_core::events::EventsError::Config(_) => InvalidArgument::new_err(e.to_string()),
         e => KvlinkError::new_err(e.to_string()),
     }
-}
-
-fn item_to_py<'py>(py: Python<'py>, item: &SubItem) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    match item {
-        SubItem::Batch {
-            seq,
-            batch,
-            skipped,
-            topic,
-            ..
-        } => {
-            d.set_item("kind", "batch")?;
-            d.set_item("seq", *seq)?;
-            d.set_item("topic", String::from_utf8_lossy(topic))?;
-            d.set_item("ts", batch.ts)?;
-            d.set_item("dp_rank", batch.dp_rank)?;
-            let events = PyList::empty(py);
-            for e in &batch.events {
-                events.append(event_to_py(py, e)?)?;
-            }
-            d.set_item("events", events)?;
-            d.set_item(
-                "skipped",
-                skipped.iter().map(ToString::to_string).collect::<Vec<_>>(),
-            )?;
-        }
-        SubItem::Malformed { seq, reason } => {
-            d.set_item("kind", "malformed")?;
-            d.set_item("seq", *seq)?;
-            d.set_item("reason", reason.to_string())?;
-        }
-        SubItem::Resync(Resync::PublisherRestart { last, now }) => {
-            d.set_item("kind", "resync")?;
-            d.set_item("reason", "publisher_restart")?;
-            d.set_item("last", *last)?;
-            d.set_item("now", *now)?;
-        }
-        SubItem::GapFilled { from, through } => {
-            d.set_item("kind", "gap_filled")?;
-            d.set_item("from", *from)?;
-            d.set_item("through", *through)?;
-        }
-        SubItem::Resync(Resync::HistoryLost { from, resumed }) => {
-            d.set_item("kind", "resync")?;
-            d.set_item("reason", "history_lost")?;
-            d.set_item("from", *from)?;
-            d.set_item("resumed", *resumed)?;
-        }
-    }
-    Ok(d)
 }
 
 fn encoding(name: &str) -> PyResult<Encoding> {
@@ -123,7 +74,10 @@ fn now_ts() -> f64 {
 /// SGLang's): `[topic, seq, payload]` on a PUB socket, a replay ROUTER when configured.
 ///
 /// EventPublisher(endpoint="tcp://*:5557", *, replay_endpoint=None, topic="", dp_rank=0,
-/// encoding="current", replay_format="current", buffer_steps=10000, max_queue=100000)
+/// encoding="current", replay_format="current", buffer_steps=10000, max_queue=100000,
+/// snapshot_max_blocks=1048576): with a replay endpoint, the publisher keeps its live blocks
+/// (at most `snapshot_max_blocks`; 0: none) and answers a kvlink subscriber whose history the
+/// ring no longer holds with a snapshot of them.
 #[pyclass(module = "kvlink", frozen)]
 pub(crate) struct EventPublisher {
     inner: Mutex<Option<Publisher>>,
@@ -139,7 +93,7 @@ impl EventPublisher {
     #[new]
     #[pyo3(signature = (endpoint = "tcp://*:5557", *, replay_endpoint = None, topic = "",
         dp_rank = 0, encoding = "current", replay_format = "current", buffer_steps = 10_000,
-        max_queue = 100_000))]
+        max_queue = 100_000, snapshot_max_blocks = 1 << 20))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -151,6 +105,7 @@ impl EventPublisher {
         replay_format: &str,
         buffer_steps: usize,
         max_queue: usize,
+        snapshot_max_blocks: usize,
     ) -> PyResult<Self> {
         let cfg = PublisherConfig {
             endpoint: endpoint.to_string(),
@@ -161,6 +116,7 @@ impl EventPublisher {
             replay_format: self::replay_format(replay_format)?,
             buffer_steps,
             max_queue,
+            snapshot_max_blocks,
             ..PublisherConfig::default()
         };
         let p = py
@@ -289,6 +245,9 @@ fn pub_stats(py: Python<'_>, s: kvlink_core::events::PublisherStats) -> PyResult
     d.set_item("bad_replay_requests", s.bad_replay_requests)?;
     d.set_item("replay_timeouts", s.replay_timeouts)?;
     d.set_item("subscriber_drops", s.subscriber_drops)?;
+    d.set_item("snapshots", s.snapshots)?;
+    d.set_item("snapshots_refused", s.snapshots_refused)?;
+    d.set_item("live_blocks", s.live_blocks)?;
     Ok(d.unbind())
 }
 
@@ -298,13 +257,16 @@ fn pub_stats(py: Python<'_>, s: kvlink_core::events::PublisherStats) -> PyResult
 /// gaps filled by replay; resync signals when the consumer must drop what it derived.
 ///
 /// EventSubscriber(endpoint, *, replay_endpoint=None, topic="", replay_timeout=2.0,
-/// connect_timeout=10.0, start_from=None, max_buffered=10000)
+/// connect_timeout=10.0, start_from=None, max_buffered=10000, snapshots=False)
 ///
 /// `next(timeout)` returns one item or None: `{"kind": "batch", "seq", "topic", "ts",
 /// "dp_rank", "events", "skipped"}`, `{"kind": "malformed", "seq", "reason"}` or `{"kind": "resync",
 /// "reason": "publisher_restart", "last", "now"}` / `{"kind": "resync", "reason":
 /// "history_lost", "from", "resumed"}`, or `{"kind": "gap_filled", "from", "through"}` once a
-/// replay recovered everything it was asked for. Iterating yields items as they come.
+/// replay recovered everything it was asked for. With `snapshots=True`, a kvlink publisher
+/// whose ring no longer holds the history asked for answers with its live blocks:
+/// `{"kind": "snapshot", "seq", "topic", "batches": [{"ts", "dp_rank", "events"}],
+/// "skipped"}` replaces what was derived from the stream. Iterating yields items as they come.
 #[pyclass(module = "kvlink", frozen)]
 pub(crate) struct EventSubscriber {
     runtime: tokio::runtime::Runtime,
@@ -315,7 +277,7 @@ pub(crate) struct EventSubscriber {
 impl EventSubscriber {
     #[new]
     #[pyo3(signature = (endpoint, *, replay_endpoint = None, topic = "", replay_timeout = 2.0,
-        connect_timeout = 10.0, start_from = None, max_buffered = 10_000))]
+        connect_timeout = 10.0, start_from = None, max_buffered = 10_000, snapshots = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -326,6 +288,7 @@ impl EventSubscriber {
         connect_timeout: f64,
         start_from: Option<u64>,
         max_buffered: usize,
+        snapshots: bool,
     ) -> PyResult<Self> {
         let mut cfg = SubscriberConfig::new(endpoint);
         cfg.replay_endpoint = replay_endpoint;
@@ -334,6 +297,7 @@ impl EventSubscriber {
         cfg.connect_timeout = seconds("connect_timeout", connect_timeout)?;
         cfg.start_from = start_from;
         cfg.max_buffered = max_buffered;
+        cfg.snapshots = snapshots;
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -390,7 +354,7 @@ impl EventSubscriber {
 
     /// Counters: `received`, `delivered`, `duplicates`, `replays` (gaps and late joins filled
     /// by replay), `replay_failures`, `resyncs`, `malformed_batches`, `skipped_events`,
-    /// `bad_messages`.
+    /// `bad_messages`, `snapshots`.
     fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
         // next() holds the lock while it waits: wait for it without the GIL.
         let s = py.allow_threads(|| self.inner.lock().expect("subscriber lock").stats());
@@ -404,6 +368,7 @@ impl EventSubscriber {
         d.set_item("malformed_batches", s.malformed_batches)?;
         d.set_item("skipped_events", s.skipped_events)?;
         d.set_item("bad_messages", s.bad_messages)?;
+        d.set_item("snapshots", s.snapshots)?;
         Ok(d.unbind())
     }
 }

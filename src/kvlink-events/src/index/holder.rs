@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use super::chain::Keyed;
+use crate::keyed::Keyed;
 
 /// One block a holder holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

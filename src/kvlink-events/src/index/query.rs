@@ -2,9 +2,10 @@
 
 use std::collections::HashMap;
 
-use super::chain::{self, Keyed, Salt};
+use super::chain::{self, Salt};
 use super::holder::{Entry, Holders};
 use super::{state, HolderMatch, Index, Overlap};
+use crate::keyed::Keyed;
 
 impl Index {
     /// The holders of the leading blocks named by the engines' own block hashes, in order

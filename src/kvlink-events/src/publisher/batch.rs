@@ -7,6 +7,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use rmp::encode as w;
 
+use super::live::LiveOp;
 use super::pool::BufferPool;
 use crate::wire::{encode_event, encode_stored_ref, BlockStoredRef, Encoding, KvEvent};
 
@@ -25,10 +26,18 @@ pub struct BatchBuilder {
     ts: f64,
     events: usize,
     pool: Arc<BufferPool>,
+    /// The events' changes to the publisher's live set, when it keeps one.
+    ops: Option<Vec<LiveOp>>,
 }
 
 impl BatchBuilder {
-    pub(super) fn new(pool: Arc<BufferPool>, hint: usize, encoding: Encoding, ts: f64) -> Self {
+    pub(super) fn new(
+        pool: Arc<BufferPool>,
+        hint: usize,
+        encoding: Encoding,
+        ts: f64,
+        track: bool,
+    ) -> Self {
         let mut buf = pool.take(hint.max(HEAD));
         buf.resize(HEAD, 0);
         BatchBuilder {
@@ -37,6 +46,7 @@ impl BatchBuilder {
             ts,
             events: 0,
             pool,
+            ops: track.then(Vec::new),
         }
     }
 
@@ -44,12 +54,18 @@ impl BatchBuilder {
     pub fn push(&mut self, e: &KvEvent) {
         encode_event(e, self.encoding, &mut self.buf);
         self.events += 1;
+        if let Some(ops) = &mut self.ops {
+            ops.push(LiveOp::of(e));
+        }
     }
 
     /// Appends a BlockStored given by reference.
     pub fn push_stored(&mut self, e: &BlockStoredRef<'_>) {
         encode_stored_ref(e, self.encoding, &mut self.buf);
         self.events += 1;
+        if let Some(ops) = &mut self.ops {
+            ops.push(LiveOp::Store(e.to_owned_event()));
+        }
     }
 
     /// Events pushed so far.
@@ -62,12 +78,13 @@ impl BatchBuilder {
         self.events == 0
     }
 
-    /// The payload `[ts, events, dp_rank]`, and its size in bytes.
+    /// The payload `[ts, events, dp_rank]`, its size in bytes, and its events' changes to the
+    /// live set (when the publisher keeps one).
     pub(super) fn finish(
         mut self,
         dp_rank: Option<i64>,
         incarnation: Option<u64>,
-    ) -> (Bytes, usize) {
+    ) -> (Bytes, usize, Option<Vec<LiveOp>>) {
         match dp_rank {
             Some(r) => {
                 let _ = w::write_sint(&mut self.buf, r);
@@ -87,7 +104,8 @@ impl BatchBuilder {
         self.buf[start..HEAD].copy_from_slice(&head);
         let size = self.buf.len() - start;
         let buf = std::mem::take(&mut self.buf);
-        (self.pool.payload(buf).slice(start..), size)
+        let ops = self.ops.take();
+        (self.pool.payload(buf).slice(start..), size, ops)
     }
 }
 
@@ -124,7 +142,7 @@ mod tests {
         for enc in [Encoding::Current, Encoding::Legacy] {
             for count in [0usize, 1, 15, 16, 65_535, 65_536] {
                 let pool = Arc::new(BufferPool::default());
-                let mut b = BatchBuilder::new(pool, 0, enc, 1.25);
+                let mut b = BatchBuilder::new(pool, 0, enc, 1.25, false);
                 let mut owned = Vec::with_capacity(count);
                 for i in 0..count {
                     let r = BlockStoredRef {
@@ -154,7 +172,7 @@ mod tests {
                     owned.push(e);
                 }
                 assert_eq!(b.len(), count);
-                let (payload, size) = b.finish(Some(3), None);
+                let (payload, size, _) = b.finish(Some(3), None);
                 let mut want = Vec::new();
                 encode_batch(
                     &EventBatch {

@@ -8,6 +8,10 @@ use crate::wire::Encoding;
 /// The sequence value that marks the end of a replay answer.
 pub const REPLAY_END: u64 = u64::MAX;
 
+/// The frame that asks a replay for a snapshot when its start is gone (third frame of the
+/// request), and that tags each message of a snapshot answer (first frame after the empty one).
+pub const SNAPSHOT_TAG: &[u8] = b"kvlink-snapshot";
+
 /// How replay answers are framed (as seen by a DEALER, after the ROUTER's identity frame).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ReplayFormat {
@@ -63,6 +67,10 @@ pub struct PublisherConfig {
     /// Whether batches carry the incarnation (consumers that read three elements ignore a
     /// fourth); off, they are the bare `[ts, events, dp_rank]`.
     pub stamp_incarnation: bool,
+    /// Most blocks the live set (what a snapshot announces) keeps, when a replay endpoint is
+    /// configured (0: no live set, no snapshots). Past it, snapshots are refused until an
+    /// `AllBlocksCleared` empties the set.
+    pub snapshot_max_blocks: usize,
 }
 
 impl Default for PublisherConfig {
@@ -85,6 +93,7 @@ impl Default for PublisherConfig {
             subscriber_hwm_bytes: 256 << 20,
             incarnation: None,
             stamp_incarnation: true,
+            snapshot_max_blocks: 1 << 20,
         }
     }
 }
@@ -112,4 +121,11 @@ pub struct PublisherStats {
     /// ([`PublisherConfig::subscriber_hwm`] messages or `subscriber_hwm_bytes`, as a ZeroMQ
     /// PUB at its high-water mark), summed over subscribers.
     pub subscriber_drops: u64,
+    /// Snapshots of the live set sent in replay answers.
+    pub snapshots: u64,
+    /// Snapshots asked for while the live set could not vouch for itself (past its bound, or
+    /// after a payload it could not read); the ring was replayed instead.
+    pub snapshots_refused: u64,
+    /// Blocks in the live set now.
+    pub live_blocks: u64,
 }

@@ -31,8 +31,12 @@ pub(super) async fn publish_loop(shared: Arc<Shared>, mut socket: PubSocket) -> 
         shared.room.notify_all();
         shared.room_async.notify_waiters();
         for item in local.drain(..) {
-            let Item { topic, payload } = item;
-            let topic = shared.record(seq, topic, &payload);
+            let Item {
+                topic,
+                payload,
+                delta,
+            } = item;
+            let topic = shared.record(seq, topic, &payload, delta);
             let frames = vec![topic, Bytes::copy_from_slice(&seq.to_be_bytes()), payload];
             let msg = ZmqMessage::try_from(frames).expect("three frames");
             if let Err(e) = socket.send(msg).await {

@@ -332,3 +332,124 @@ fn a_new_incarnation_is_a_restart_even_past_the_old_sequence() {
     same.handle_live_from(0, Some(5), "a", t);
     assert_eq!(delivered(&same.handle_live_from(1, Some(5), "b", t)), [1]);
 }
+
+#[test]
+fn a_snapshot_answer_replaces_lost_history_and_the_stream_goes_on_after_it() {
+    let t = Instant::now();
+    let mut s = StreamState::new(Duration::from_secs(1), 100);
+    s.handle_live_from(0, Some(7), "a", t);
+    assert_eq!(
+        s.handle_live_from(50, Some(7), "z", t),
+        vec![Action::RequestReplay(1)]
+    );
+    // Live batches go on while the answer is under way, some before the snapshot's point.
+    s.handle_live_from(51, Some(7), "z1", t);
+    s.handle_live_from(53, Some(7), "z3", t);
+    s.handle_snapshot_from(52, Some(7), "p0");
+    s.handle_snapshot_from(52, Some(7), "p1");
+    // A part of another incarnation is not this stream's.
+    s.handle_snapshot_from(52, Some(8), "other");
+    let got = s.handle_replay_end(t);
+    assert_eq!(
+        got,
+        vec![
+            Action::Snapshot(52, vec!["p0", "p1"]),
+            Action::Deliver(53, "z3")
+        ],
+        "no loss and no gap-filled notice: the snapshot stands for the history"
+    );
+    assert_eq!(s.last(), Some(52 + 1));
+    assert_eq!(
+        s.duplicates(),
+        3,
+        "50 and 51 are inside the snapshot; one other part"
+    );
+}
+
+#[test]
+fn a_snapshot_cut_short_by_the_deadline_is_dropped_and_the_loss_reported() {
+    let t = Instant::now();
+    let mut s = StreamState::new(Duration::from_millis(10), 100);
+    s.handle_live_from(0, Some(7), "a", t);
+    s.handle_live_from(50, Some(7), "z", t);
+    s.handle_snapshot_from(49, Some(7), "p0");
+    let got = s.poll(t + Duration::from_millis(20));
+    assert_eq!(
+        got,
+        vec![
+            Action::Resync(Resync::HistoryLost {
+                from: 1,
+                resumed: 50
+            }),
+            Action::Deliver(50, "z")
+        ]
+    );
+    // A snapshot part with no replay under way is dropped.
+    s.handle_snapshot_from(60, Some(7), "late");
+    assert!(s.handle_replay_end(t).is_empty());
+}
+
+#[test]
+fn a_replay_that_finds_its_start_gone_asks_a_kvlink_publisher_again_for_a_snapshot() {
+    let t = Instant::now();
+    let mut s = StreamState::new(Duration::from_secs(1), 100);
+    s.set_snapshots(true);
+    // Started from 0 before anything was heard: the publisher's kind is not known yet.
+    assert_eq!(s.begin_replay(0, t), vec![Action::RequestReplay(0)]);
+    assert!(!s.replay_wants_snapshot());
+    // Its first replayed batch says kvlink (an incarnation) and that 0..5 is gone.
+    let a = s.handle_replayed_from(5, Some(7), "five");
+    assert_eq!(a, vec![Action::RequestReplay(0)]);
+    assert!(s.replay_wants_snapshot());
+    s.handle_snapshot_from(6, Some(7), "snap");
+    let got = s.handle_replay_end(t);
+    assert_eq!(got, vec![Action::Snapshot(6, vec!["snap"])]);
+    // Asked once: a tagged replay that still finds its start gone reports the loss.
+    let mut s = StreamState::new(Duration::from_secs(1), 100);
+    s.set_snapshots(true);
+    s.handle_live_from(0, Some(7), "a", t);
+    assert_eq!(
+        s.handle_live_from(9, Some(7), "z", t),
+        vec![Action::RequestReplay(1)]
+    );
+    assert!(s.replay_wants_snapshot());
+    let got = s.handle_replayed_from(5, Some(7), "five");
+    assert_eq!(
+        got,
+        vec![
+            Action::Resync(Resync::HistoryLost {
+                from: 1,
+                resumed: 5
+            }),
+            Action::Deliver(5, "five")
+        ]
+    );
+    // Without snapshots on, never asked.
+    let mut s = StreamState::new(Duration::from_secs(1), 100);
+    s.handle_live_from(0, Some(7), "a", t);
+    s.handle_live_from(9, Some(7), "z", t);
+    assert!(!s.replay_wants_snapshot());
+}
+
+#[test]
+fn ring_batches_after_a_snapshot_follow_it_in_order() {
+    let t = Instant::now();
+    let mut s = StreamState::new(Duration::from_secs(1), 100);
+    s.set_snapshots(true);
+    s.handle_live_from(0, Some(7), "a", t);
+    s.handle_live_from(50, Some(7), "z", t);
+    // A snapshot built at 47, then the ring's 48..=50.
+    s.handle_snapshot_from(47, Some(7), "snap");
+    for (seq, p) in [(48, "b48"), (49, "b49"), (50, "b50")] {
+        assert!(s.handle_replayed_from(seq, Some(7), p).is_empty());
+    }
+    assert_eq!(
+        s.handle_replay_end(t),
+        vec![
+            Action::Snapshot(47, vec!["snap"]),
+            Action::Deliver(48, "b48"),
+            Action::Deliver(49, "b49"),
+            Action::Deliver(50, "b50"),
+        ]
+    );
+}

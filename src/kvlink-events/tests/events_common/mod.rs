@@ -122,7 +122,12 @@ pub async fn take_until(sub: &mut Subscriber, done: impl Fn(&[SubItem]) -> bool)
 pub fn batches(items: &[SubItem]) -> usize {
     items
         .iter()
-        .filter(|i| !matches!(i, SubItem::Resync(_) | SubItem::GapFilled { .. }))
+        .filter(|i| {
+            !matches!(
+                i,
+                SubItem::Resync(_) | SubItem::GapFilled { .. } | SubItem::Snapshot { .. }
+            )
+        })
         .count()
 }
 
@@ -134,6 +139,9 @@ pub fn summary(items: &[SubItem]) -> Vec<String> {
             SubItem::Malformed { seq, .. } => format!("malformed {seq:?}"),
             SubItem::Resync(r) => format!("{r:?}"),
             SubItem::GapFilled { from, through } => format!("filled {from}..={through}"),
+            SubItem::Snapshot { seq, batches, .. } => {
+                format!("snapshot {seq} of {} batches", batches.len())
+            }
         })
         .collect()
 }
@@ -143,7 +151,7 @@ pub fn seqs(items: &[SubItem]) -> Vec<u64> {
         .iter()
         .filter_map(|i| match i {
             SubItem::Batch { seq, .. } | SubItem::Malformed { seq, .. } => *seq,
-            SubItem::Resync(_) | SubItem::GapFilled { .. } => None,
+            SubItem::Resync(_) | SubItem::GapFilled { .. } | SubItem::Snapshot { .. } => None,
         })
         .collect()
 }

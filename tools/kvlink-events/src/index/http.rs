@@ -178,6 +178,7 @@ fn engines(s: &Arc<Service>) -> Value {
                 "connected": st.connected.load(Ordering::Relaxed),
                 "batches": get(&st.batches), "restarts": get(&st.restarts),
                 "history_lost": get(&st.lost), "gaps_filled": get(&st.gaps_filled),
+                "snapshots": get(&st.snapshots),
                 "malformed": get(&st.malformed), "lag_s": st.lag_s(),
             })
         })

@@ -121,6 +121,11 @@ fn engines(s: &Service, out: &mut String) {
             "Gaps filled by replay.",
         ),
         (
+            "kvlink_index_snapshots_total",
+            "counter",
+            "Snapshots of the engine's live blocks loaded.",
+        ),
+        (
             "kvlink_index_malformed_total",
             "counter",
             "Unreadable batches.",
@@ -151,6 +156,7 @@ fn engines(s: &Service, out: &mut String) {
                     get(&st.lost)
                 ),
                 "kvlink_index_gaps_filled_total" => writeln!(out, "{name}{{{e}}} {}", get(&st.gaps_filled)),
+                "kvlink_index_snapshots_total" => writeln!(out, "{name}{{{e}}} {}", get(&st.snapshots)),
                 "kvlink_index_malformed_total" => writeln!(out, "{name}{{{e}}} {}", get(&st.malformed)),
                 "kvlink_index_lag_seconds" => match st.lag_s() {
                     Some(l) => writeln!(out, "{name}{{{e}}} {l:.3}"),

@@ -43,6 +43,7 @@ pub(crate) struct EngineStats {
     pub(crate) restarts: AtomicU64,
     pub(crate) lost: AtomicU64,
     pub(crate) gaps_filled: AtomicU64,
+    pub(crate) snapshots: AtomicU64,
     pub(crate) malformed: AtomicU64,
     /// The last batch's publisher timestamp, in microseconds since the epoch.
     pub(crate) last_ts_us: AtomicU64,
@@ -192,9 +193,11 @@ impl Service {
         let stats = Arc::new(EngineStats::default());
         let mut cfg = SubscriberConfig::new(endpoint);
         // With a replay endpoint, everything the publisher's ring holds is applied first; a
-        // ring that no longer starts at 0 is lost history (the engine's blocks are a lower
-        // bound until it clears or restarts).
+        // ring that no longer starts at 0 is lost history, which a kvlink publisher answers
+        // with a snapshot of its live blocks (exact at once); others' blocks are withheld
+        // until they clear or restart.
         cfg.start_from = replay.is_some().then_some(0);
+        cfg.snapshots = true;
         cfg.replay_endpoint = replay.clone();
         cfg.replay_timeout = self.replay_timeout;
         let task = self
@@ -274,6 +277,7 @@ impl EngineStats {
             SubItem::Resync(Resync::PublisherRestart { .. }) => &self.restarts,
             SubItem::Resync(Resync::HistoryLost { .. }) => &self.lost,
             SubItem::GapFilled { .. } => &self.gaps_filled,
+            SubItem::Snapshot { .. } => &self.snapshots,
         };
         c.fetch_add(1, Ordering::Relaxed);
     }
