@@ -3,7 +3,7 @@
 # trace over ZeroMQ into `kvlink-events index` and Dynamo's standalone indexer, the same
 # queries over HTTP and in process (kvlink.events.Index against Dynamo's RadixTree).
 #
-#   tools/bench-index.sh [--engines N] [--requests N] [--queries N]
+#   tools/bench-index.sh [--engines N] [--requests N] [--queries N] [--rounds N]
 #
 # Installs ai-dynamo-runtime 1.6.1 into target/bench-index-venv (its own venv), builds
 # kvlink-events (release) and uses the kvlink wheel in .venv (tools/test.sh python builds it).

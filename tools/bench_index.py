@@ -11,8 +11,10 @@ Run by tools/bench-index.sh, which builds kvlink and installs Dynamo into a venv
 """
 
 import argparse
+import gc
 import http.client
 import json
+import os
 import random
 import struct
 import subprocess
@@ -155,6 +157,12 @@ class Service:
             return any(m["engine"] == str(engine) and m["blocks"] == 1 for m in got["matches"])
         return got.get("scores", {}).get(str(engine), {}).get("0") == BS  # Dynamo: tokens
 
+    def cpu_s(self):
+        """CPU seconds the service has used, all its threads."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def rss_mb(self):
         with open(f"/proc/{self.proc.pid}/status") as f:
             for line in f:
@@ -173,17 +181,22 @@ class Service:
 def ingest(service, pubs, payloads, sentinels, events):
     """Events per second from the first send until every engine's sentinel is queryable."""
     time.sleep(2.0)  # the service's SUB sockets subscribe
-    before = service.rss_mb()
+    before, cpu0 = service.rss_mb(), service.cpu_s()
     t0 = time.perf_counter()
     pubs.publish(payloads)
+    sent = time.perf_counter() - t0
     pending = set(range(len(sentinels)))
     while pending:
+        # A pass over the engines not caught up, then a pause: the poll (about 0.3 ms of this
+        # Python client's CPU per query) must not take the CPU the service ingests with.
+        time.sleep(0.005)
         for e in list(pending):
             if service.holds(e, sentinels[e]):
                 pending.discard(e)
         assert time.perf_counter() - t0 < 600, f"{service.name}: {len(pending)} engines never caught up"
     took = time.perf_counter() - t0
-    return events / took, took, service.rss_mb() - before
+    cpu_ns = (service.cpu_s() - cpu0) / events * 1e9
+    return events / took, took, sent, service.rss_mb() - before, cpu_ns
 
 
 def http_latency(service, prompts, n):
@@ -216,11 +229,13 @@ def in_process(work, prompts, n, dynamo_py):
     k_ingest = time.perf_counter() - t0
     rnd = random.Random(7)
     lat = []
+    gc.disable()  # as timeit does, on both sides: a collection over the trace is not a query's
     for _ in range(n):
         q = rnd.choice(prompts)
         a = time.perf_counter()
         ix.overlap_tokens(q, BS)
         lat.append(time.perf_counter() - a)
+    gc.enable()
     k = pct(lat)
     spec = json.dumps({"work": [[b for b in batches] for batches, _ in work], "prompts": prompts, "n": n})
     out = subprocess.run(
@@ -254,11 +269,13 @@ def dynamo_in_process():
     ingest = time.perf_counter() - t0
     rnd = random.Random(7)
     lat = []
+    gc.disable()
     for _ in range(spec["n"]):
         q = rnd.choice(spec["prompts"])
         a = time.perf_counter()
         _ = tree.find_matches(compute_block_hash_for_seq(q, BS)).scores  # what a router reads
         lat.append(time.perf_counter() - a)
+    gc.enable()
     p50, p99 = pct(lat)
     json.dump({"ingest_s": ingest, "p50": p50, "p99": p99}, sys.stdout)
 
@@ -268,9 +285,10 @@ def main():
     ap.add_argument("--kvlink-events", required=True)
     ap.add_argument("--dynamo-python", required=True)
     ap.add_argument("--engines", type=int, default=32)
-    ap.add_argument("--requests", type=int, default=1500)
+    ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--prefixes", type=int, default=64)
     ap.add_argument("--queries", type=int, default=3000)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians reported")
     ap.add_argument("--port", type=int, default=27000)
     ap.add_argument("--log", default="target/bench-index.log")
     ap.add_argument("--only-kvlink", action="store_true", help="scale runs: kvlink's service alone")
@@ -286,52 +304,71 @@ def main():
         f"of the oldest suffixes past 4,000 blocks per engine), {len(prompts)} query prompts"
     )
     log = open(a.log, "w")
-    results = {}
-    for name in ("kvlink",) if a.only_kvlink else ("kvlink", "dynamo"):
-        pubs = Publishers(a.engines, a.port)
-        if name == "kvlink":
-            specs = [arg for e, ep in enumerate(pubs.endpoints) for arg in ("--engine", f"{e}={ep}")]
-            argv = [a.kvlink_events, "index", "--listen", f"127.0.0.1:{a.port - 1}", *specs]
-            extra = {}
-        else:
-            workers = ",".join(f"{e}={ep}" for e, ep in enumerate(pubs.endpoints))
-            argv = [
-                a.dynamo_python,
-                "-m",
-                "dynamo.indexer",
-                "--port",
-                str(a.port - 1),
-                "--block-size",
-                str(BS),
-                "--workers",
-                workers,
-            ]
-            extra = {"model_name": "default"}
-        svc = Service(name, argv, a.port - 1, extra, log)
-        try:
-            rate, took, mem = ingest(svc, pubs, payloads, sentinels, events)
-            lat = http_latency(svc, prompts, a.queries)
-            results[name] = (rate, took, mem, lat)
+    names = ("kvlink",) if a.only_kvlink else ("kvlink", "dynamo")
+    runs: dict[str, list] = {name: [] for name in names}
+    for r in range(a.rounds):
+        for name in names:
+            runs[name].append(service_round(a, name, payloads, sentinels, events, prompts, log))
+            rate, took, sent, mem, lat, cpu = runs[name][-1]
             print(
-                f"{name}: {events} events in {took:.2f} s ({rate:,.0f} events/s), RSS +{mem:.0f} MB, "
+                f"round {r + 1}, {name}: {events} events in {took:.2f} s ({rate:,.0f} events/s; the "
+                f"publishers sent the last at {sent:.2f} s; service CPU {cpu:,.0f} ns per event, HTTP "
+                f"polls included), RSS +{mem:.0f} MB, "
                 f"HTTP query p50 {lat[0]:.0f} us, p99 {lat[1]:.0f} us"
             )
-        finally:
-            svc.close()
-            pubs.close()
     if a.only_kvlink:
         return
-    (kr, _, km, kl), (dr, _, dm, dl) = results["kvlink"], results["dynamo"]
+    k, d = runs["kvlink"], runs["dynamo"]
+    kr, dr = median([x[0] for x in k]), median([x[0] for x in d])
+    kl, dl = median([x[4][1] for x in k]), median([x[4][1] for x in d])
+    km, dm = median([x[3] for x in k]), median([x[3] for x in d])
+    kc, dc = median([x[5] for x in k]), median([x[5] for x in d])
     live = a.engines * 4000 / 1e6  # blocks held at the end, about
-    print(f"ingest: kvlink {kr:,.0f} events/s, Dynamo {dr:,.0f} events/s, {kr / dr:.2f}x")
-    print(f"query p99 (HTTP): kvlink {kl[1]:.0f} us, Dynamo {dl[1]:.0f} us, {dl[1] / kl[1]:.2f}x")
-    k_ing, kq, d_ing, dq = in_process(work, prompts, a.queries, a.dynamo_python)
+    each = ", ".join(f"{x[0] / y[0]:.2f}x" for x, y in zip(k, d))
     print(
-        f"in process: ingest kvlink {events / k_ing:,.0f} events/s, Dynamo {events / d_ing:,.0f} "
-        f"events/s ({d_ing / k_ing:.2f}x); query p50 kvlink {kq[0]:.1f} us, Dynamo {dq[0]:.1f} us"
+        f"ingest (median of {a.rounds}): kvlink {kr:,.0f} events/s, Dynamo {dr:,.0f} events/s, "
+        f"{kr / dr:.2f}x (rounds: {each})"
     )
-    print(f"query p99 (in process): kvlink {kq[1]:.1f} us, Dynamo {dq[1]:.1f} us, {dq[1] / kq[1]:.2f}x")
+    print(f"service CPU per event (median): kvlink {kc:,.0f} ns, Dynamo {dc:,.0f} ns, {dc / kc:.2f}x")
+    each = ", ".join(f"{y[4][1] / x[4][1]:.2f}x" for x, y in zip(k, d))
+    print(f"query p99 (HTTP, median): kvlink {kl:.0f} us, Dynamo {dl:.0f} us, {dl / kl:.2f}x (rounds: {each})")
+    rounds = [in_process(work, prompts, a.queries, a.dynamo_python) for _ in range(a.rounds)]
+    k_ing, d_ing = median([x[0] for x in rounds]), median([x[2] for x in rounds])
+    kq50, dq50 = median([x[1][0] for x in rounds]), median([x[3][0] for x in rounds])
+    kq, dq = median([x[1][1] for x in rounds]), median([x[3][1] for x in rounds])
+    print(
+        f"in process (median of {a.rounds}): ingest kvlink {events / k_ing:,.0f} events/s, Dynamo "
+        f"{events / d_ing:,.0f} events/s ({d_ing / k_ing:.2f}x); query p50 kvlink {kq50:.1f} us, Dynamo {dq50:.1f} us"
+    )
+    each = ", ".join(f"{x[3][1] / x[1][1]:.2f}x" for x in rounds)
+    print(f"query p99 (in process, median): kvlink {kq:.1f} us, Dynamo {dq:.1f} us, {dq / kq:.2f}x (rounds: {each})")
     print(f"memory per million blocks held (service RSS growth): kvlink {km / live:.0f} MB, Dynamo {dm / live:.0f} MB")
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def service_round(a, name, payloads, sentinels, events, prompts, log):
+    """One service (kvlink's or Dynamo's) on fresh publishers: its ingest, then HTTP queries."""
+    pubs = Publishers(a.engines, a.port)
+    if name == "kvlink":
+        specs = [arg for e, ep in enumerate(pubs.endpoints) for arg in ("--engine", f"{e}={ep}")]
+        argv = [a.kvlink_events, "index", "--listen", f"127.0.0.1:{a.port - 1}", *specs]
+        extra = {}
+    else:
+        workers = ",".join(f"{e}={ep}" for e, ep in enumerate(pubs.endpoints))
+        argv = [a.dynamo_python, "-m", "dynamo.indexer", "--port", str(a.port - 1)]
+        argv += ["--block-size", str(BS), "--workers", workers]
+        extra = {"model_name": "default"}
+    svc = Service(name, argv, a.port - 1, extra, log)
+    try:
+        rate, took, sent, mem, cpu = ingest(svc, pubs, payloads, sentinels, events)
+        return rate, took, sent, mem, http_latency(svc, prompts, a.queries), cpu
+    finally:
+        svc.close()
+        pubs.close()
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 //! fed the items of `EventSubscriber`s or an `EventMerger` (or event lists), and the prefix
 //! overlap it answers.
 
-use std::sync::Mutex;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use kvlink_core::events::{
     EventBatch, HolderKey, HolderState, Index, IndexConfig, Overlap, Resync, Salt,
@@ -25,9 +26,45 @@ use crate::error::InvalidArgument;
 #[pyclass(module = "kvlink", frozen)]
 pub(crate) struct EventIndex {
     inner: Mutex<Index>,
+    /// Per holder, a dict of its key's fields that answers copy (its names are not made into
+    /// Python strings again per answer); the holder's `Arc` is kept with it, so that its
+    /// address, the map's key, is never another holder's while cached.
+    names: Mutex<Names>,
 }
 
+/// Cached answer dicts by holder address (see `EventIndex::names`).
+type Names = HashMap<usize, (Arc<HolderKey>, Py<PyDict>)>;
+
+/// Holders whose answer dicts are cached at most (the cache starts over past it).
+const NAMES_CACHED: usize = 1 << 17;
+
 impl EventIndex {
+    /// An answer: per match, a copy of its holder's cached dict with its state, blocks and
+    /// tokens.
+    fn overlap_to_py<'py>(&self, py: Python<'py>, o: &Overlap) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        let mut names = self.names.lock().expect("names lock");
+        if names.len() > NAMES_CACHED {
+            names.clear();
+        }
+        for m in &o.matches {
+            let ptr = Arc::as_ptr(&m.holder) as usize;
+            let d = match names.get(&ptr) {
+                Some((_, d)) => d.bind(py).copy()?,
+                None => {
+                    let d = key_to_py(py, &m.holder)?;
+                    names.insert(ptr, (m.holder.clone(), d.clone().unbind()));
+                    d.copy()?
+                }
+            };
+            d.set_item(intern!(py, "state"), state_to_py(py, m.state))?;
+            d.set_item(intern!(py, "blocks"), m.blocks)?;
+            d.set_item(intern!(py, "tokens"), m.tokens)?;
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
     fn with<T>(&self, f: impl FnOnce(&mut Index) -> T) -> T {
         f(&mut self.inner.lock().expect("index lock"))
     }
@@ -44,6 +81,7 @@ impl EventIndex {
         };
         EventIndex {
             inner: Mutex::new(Index::new(config)),
+            names: Mutex::default(),
         }
     }
 
@@ -155,8 +193,10 @@ impl EventIndex {
             lora_name,
             cache_salt,
         };
-        let o = py.allow_threads(|| self.with(|ix| ix.overlap_tokens(&tokens, block_size, &salt)));
-        overlap_to_py(py, &o)
+        // Microseconds of work: the GIL is kept (releasing and taking it back would cost
+        // about as much); no path holds the index's lock while it waits for the GIL.
+        let o = self.with(|ix| ix.overlap_tokens(&tokens, block_size, &salt));
+        self.overlap_to_py(py, &o)
     }
 
     /// The holders of the leading blocks named by the engines' own block hashes (ints, as the
@@ -170,8 +210,8 @@ impl EventIndex {
             .try_iter()?
             .map(|h| hash_of(&h?, "hashes").map(|h| h.as_u64()))
             .collect::<PyResult<Vec<u64>>>()?;
-        let o = py.allow_threads(|| self.with(|ix| ix.overlap_hashes(&keys)));
-        overlap_to_py(py, &o)
+        let o = self.with(|ix| ix.overlap_hashes(&keys));
+        self.overlap_to_py(py, &o)
     }
 
     /// Marks engine `engine`'s stream down (`True`: nothing of it counts) or up again
@@ -218,35 +258,32 @@ impl EventIndex {
     }
 }
 
-fn holder_to_py<'py>(
-    py: Python<'py>,
-    key: &HolderKey,
-    state: HolderState,
-) -> PyResult<Bound<'py, PyDict>> {
-    // Interned keys and constants: an answer lists every holder of a prompt's first block.
+fn key_to_py<'py>(py: Python<'py>, key: &HolderKey) -> PyResult<Bound<'py, PyDict>> {
+    // Interned keys: an answer lists every holder of a prompt's first block.
     let d = PyDict::new(py);
     d.set_item(intern!(py, "engine"), &key.engine)?;
     d.set_item(intern!(py, "dp_rank"), key.dp_rank)?;
     d.set_item(intern!(py, "medium"), &key.medium)?;
     d.set_item(intern!(py, "group"), key.group)?;
-    let state = match state {
-        HolderState::Exact => intern!(py, "exact"),
-        HolderState::Recovering => intern!(py, "recovering"),
-        HolderState::Stale => intern!(py, "stale"),
-    };
-    d.set_item(intern!(py, "state"), state)?;
     Ok(d)
 }
 
-fn overlap_to_py<'py>(py: Python<'py>, o: &Overlap) -> PyResult<Bound<'py, PyList>> {
-    let out = PyList::empty(py);
-    for m in &o.matches {
-        let d = holder_to_py(py, &m.holder, m.state)?;
-        d.set_item(intern!(py, "blocks"), m.blocks)?;
-        d.set_item(intern!(py, "tokens"), m.tokens)?;
-        out.append(d)?;
+fn state_to_py(py: Python<'_>, state: HolderState) -> &Bound<'_, pyo3::types::PyString> {
+    match state {
+        HolderState::Exact => intern!(py, "exact"),
+        HolderState::Recovering => intern!(py, "recovering"),
+        HolderState::Stale => intern!(py, "stale"),
     }
-    Ok(out)
+}
+
+fn holder_to_py<'py>(
+    py: Python<'py>,
+    key: &HolderKey,
+    state: HolderState,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = key_to_py(py, key)?;
+    d.set_item(intern!(py, "state"), state_to_py(py, state))?;
+    Ok(d)
 }
 
 /// A batch of `events` (dicts, or the engines' event objects) of DP rank `dp_rank`.

@@ -138,12 +138,11 @@ pub(crate) fn put(map: &mut HashMap<u64, Holders, Keyed>, key: u64, e: Entry) {
         .or_insert(Holders::One(e));
 }
 
-/// Takes `holder` out of `map` under `key`.
+/// Takes `holder` out of `map` under `key` (one lookup).
 pub(crate) fn take(map: &mut HashMap<u64, Holders, Keyed>, key: u64, holder: u32) {
-    // One lookup for the common case, a block of one holder (a list is put back).
-    if let Some(mut h) = map.remove(&key) {
-        if !h.drop_holder(holder) {
-            map.insert(key, h);
+    if let std::collections::hash_map::Entry::Occupied(mut o) = map.entry(key) {
+        if o.get_mut().drop_holder(holder) {
+            o.remove();
         }
     }
 }

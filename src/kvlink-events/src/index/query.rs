@@ -25,8 +25,10 @@ impl Index {
     /// Follows `keys` through `map` while some holder vouches for every block so far; each
     /// holder's match ends at its first block missing (or withheld).
     fn walk(&self, map: &HashMap<u64, Holders, Keyed>, keys: impl Iterator<Item = u64>) -> Overlap {
-        // (holder, blocks matched, position after the last one)
+        // (holder, blocks matched, position after the last one); two buffers, swapped per
+        // block, so that a long prompt allocates nothing per block.
         let mut alive: Vec<(u32, usize, u32)> = Vec::new();
+        let mut next: Vec<(u32, usize, u32)> = Vec::new();
         let mut done: Vec<(u32, usize, u32)> = Vec::new();
         for (i, key) in keys.enumerate() {
             let Some(holders) = map.get(&key) else {
@@ -37,9 +39,11 @@ impl Index {
                 .iter()
                 .filter(|e| self.holders[e.holder as usize].counts(e.epoch));
             if i == 0 {
-                alive = counted.map(|e| (e.holder, 1, e.end)).collect();
+                alive.extend(counted.map(|e| (e.holder, 1, e.end)));
             } else {
-                alive = self.step(&alive, counted, &mut done);
+                next.clear();
+                step(&alive, counted, &mut next, &mut done);
+                std::mem::swap(&mut alive, &mut next);
             }
             if alive.is_empty() {
                 break;
@@ -47,27 +51,6 @@ impl Index {
         }
         done.append(&mut alive);
         self.answer(done)
-    }
-
-    /// The holders of `alive` (sorted by holder) that also vouch for the next block
-    /// (`counted`, sorted by holder too: one merge pass), one more block each; the others'
-    /// matches end, into `done`.
-    fn step<'a>(
-        &self,
-        alive: &[(u32, usize, u32)],
-        counted: impl Iterator<Item = &'a Entry>,
-        done: &mut Vec<(u32, usize, u32)>,
-    ) -> Vec<(u32, usize, u32)> {
-        let mut next = Vec::with_capacity(alive.len());
-        let mut counted = counted.peekable();
-        for &(id, n, end) in alive {
-            while counted.next_if(|e| e.holder < id).is_some() {}
-            match counted.next_if(|e| e.holder == id) {
-                Some(e) => next.push((id, n + 1, e.end)),
-                None => done.push((id, n, end)),
-            }
-        }
-        next
     }
 
     fn answer(&self, mut found: Vec<(u32, usize, u32)>) -> Overlap {
@@ -91,5 +74,24 @@ impl Index {
             })
             .collect();
         Overlap { matches }
+    }
+}
+
+/// The holders of `alive` (sorted by holder) that also vouch for the next block (`counted`,
+/// sorted by holder too: one merge pass), one more block each, into `next`; the others'
+/// matches end, into `done`.
+fn step<'a>(
+    alive: &[(u32, usize, u32)],
+    counted: impl Iterator<Item = &'a Entry>,
+    next: &mut Vec<(u32, usize, u32)>,
+    done: &mut Vec<(u32, usize, u32)>,
+) {
+    let mut counted = counted.peekable();
+    for &(id, n, end) in alive {
+        while counted.next_if(|e| e.holder < id).is_some() {}
+        match counted.next_if(|e| e.holder == id) {
+            Some(e) => next.push((id, n + 1, e.end)),
+            None => done.push((id, n, end)),
+        }
     }
 }

@@ -34,6 +34,9 @@ pub(crate) struct Engine {
     pub(crate) replay: Option<String>,
     pub(crate) stats: Arc<EngineStats>,
     task: tokio::task::JoinHandle<()>,
+    /// Cleared (before its blocks are removed) when the engine is no longer followed: its
+    /// follower, which checks it under the index's lock, applies nothing after.
+    followed: Arc<AtomicBool>,
 }
 
 /// What an engine's stream did (for `/engines` and `/metrics`).
@@ -200,14 +203,20 @@ impl Service {
         cfg.snapshots = true;
         cfg.replay_endpoint = replay.clone();
         cfg.replay_timeout = self.replay_timeout;
-        let task = self
-            .runtime
-            .spawn(follower(self.clone(), name.to_string(), cfg, stats.clone()));
+        let followed = Arc::new(AtomicBool::new(true));
+        let f = Follower {
+            s: self.clone(),
+            name: name.to_string(),
+            stats: stats.clone(),
+            followed: followed.clone(),
+        };
+        let task = self.runtime.spawn(follower(f, cfg));
         let engine = Engine {
             endpoint: endpoint.to_string(),
             replay,
             stats,
             task,
+            followed,
         };
         self.engines
             .lock()
@@ -219,6 +228,8 @@ impl Service {
     pub(crate) fn forget(&self, name: &str) -> bool {
         let old = self.engines.lock().expect("engines lock").remove(name);
         if let Some(e) = &old {
+            // An aborted task may be in the middle of its poll, about to apply another item.
+            e.followed.store(false, Ordering::Release);
             e.task.abort();
             self.index.lock().expect("index lock").remove_engine(name);
         }
@@ -232,9 +243,31 @@ impl Service {
     }
 }
 
+/// One engine's follower: the service, the engine's name and counters, and whether it is
+/// still followed.
+struct Follower {
+    s: Arc<Service>,
+    name: String,
+    stats: Arc<EngineStats>,
+    followed: Arc<AtomicBool>,
+}
+
+impl Follower {
+    /// Changes the index (`false`: the engine is no longer followed, nothing was changed).
+    fn change(&self, f: impl FnOnce(&mut Index)) -> bool {
+        let mut ix = self.s.index.lock().expect("index lock");
+        let followed = self.followed.load(Ordering::Acquire);
+        if followed {
+            f(&mut ix);
+        }
+        followed
+    }
+}
+
 /// Follows one engine's stream into the index, reconnecting when its subscriber fails; while
 /// it is down, the engine's blocks count for nothing (`set_stale`).
-async fn follower(s: Arc<Service>, name: String, cfg: SubscriberConfig, stats: Arc<EngineStats>) {
+async fn follower(f: Follower, cfg: SubscriberConfig) {
+    let (name, stats) = (&f.name, &f.stats);
     loop {
         let mut sub = match Subscriber::connect(cfg.clone()).await {
             Ok(sub) => sub,
@@ -245,12 +278,20 @@ async fn follower(s: Arc<Service>, name: String, cfg: SubscriberConfig, stats: A
             }
         };
         stats.connected.store(true, Ordering::Release);
-        s.index.lock().expect("index lock").set_stale(&name, false);
+        if !f.change(|ix| ix.set_stale(name, false)) {
+            return;
+        }
         loop {
             match sub.next(Duration::from_secs(1)).await {
                 Ok(Some(item)) => {
                     stats.count(&item);
-                    s.index.lock().expect("index lock").apply_item(&name, &item);
+                    if !f.change(|ix| ix.apply_item(name, &item)) {
+                        return;
+                    }
+                    // The next batch is decoded into this one's allocations.
+                    if let SubItem::Batch { batch, .. } = item {
+                        sub.recycle(batch);
+                    }
                 }
                 Ok(None) => {}
                 Err(e) => {
@@ -260,7 +301,9 @@ async fn follower(s: Arc<Service>, name: String, cfg: SubscriberConfig, stats: A
             }
         }
         stats.connected.store(false, Ordering::Release);
-        s.index.lock().expect("index lock").set_stale(&name, true);
+        if !f.change(|ix| ix.set_stale(name, true)) {
+            return;
+        }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
