@@ -65,6 +65,30 @@ impl EventIndex {
         Ok(out)
     }
 
+    /// Loads a snapshot item: the engine's blocks become the snapshot's, exact again (a loss
+    /// too when it skipped events).
+    fn load_snapshot(&self, engine: &str, item: &Bound<'_, PyDict>) -> PyResult<()> {
+        let parts = item
+            .get_item("batches")?
+            .ok_or_else(|| InvalidArgument::new_err("a snapshot without \"batches\""))?;
+        let mut batches = Vec::new();
+        for part in parts.try_iter()? {
+            let part = part?;
+            let events = part.get_item("events")?;
+            let dp_rank: Option<i64> = part.get_item("dp_rank")?.extract()?;
+            batches.push(batch_of(&events, dp_rank)?);
+        }
+        let skipped = item.get_item("skipped")?;
+        let lost = skipped.is_some_and(|s| s.len().unwrap_or(0) > 0);
+        self.with(|ix| {
+            ix.load_snapshot(engine, &batches);
+            if lost {
+                ix.lose(engine);
+            }
+        });
+        Ok(())
+    }
+
     fn with<T>(&self, f: impl FnOnce(&mut Index) -> T) -> T {
         f(&mut self.inner.lock().expect("index lock"))
     }
@@ -133,30 +157,6 @@ impl EventIndex {
                 )))
             }
         }
-        Ok(())
-    }
-
-    /// Loads a snapshot item: the engine's blocks become the snapshot's, exact again (a loss
-    /// too when it skipped events).
-    fn load_snapshot(&self, engine: &str, item: &Bound<'_, PyDict>) -> PyResult<()> {
-        let parts = item
-            .get_item("batches")?
-            .ok_or_else(|| InvalidArgument::new_err("a snapshot without \"batches\""))?;
-        let mut batches = Vec::new();
-        for part in parts.try_iter()? {
-            let part = part?;
-            let events = part.get_item("events")?;
-            let dp_rank: Option<i64> = part.get_item("dp_rank")?.extract()?;
-            batches.push(batch_of(&events, dp_rank)?);
-        }
-        let skipped = item.get_item("skipped")?;
-        let lost = skipped.is_some_and(|s| s.len().unwrap_or(0) > 0);
-        self.with(|ix| {
-            ix.load_snapshot(engine, &batches);
-            if lost {
-                ix.lose(engine);
-            }
-        });
         Ok(())
     }
 
