@@ -1,5 +1,6 @@
 //! The KV-event merger on tcp loopback: one global sequence over several ranks, a restarted
-//! rank cleared downstream, unknown fields and input topics kept, and vLLM's TP rule.
+//! rank cleared downstream, unknown fields and input topics kept, vLLM's TP rule, and the
+//! merged stream's snapshot for a late subscriber.
 
 mod events_common;
 
@@ -269,4 +270,62 @@ fn the_merger_applies_the_tp_rule() {
         }),
         Err(kvlink_events::EventsError::Config(_))
     ));
+}
+
+#[test]
+fn a_late_subscriber_of_the_merged_stream_gets_every_ranks_blocks_in_a_snapshot() {
+    let rank0 = publisher(|_| {});
+    let rank1 = publisher(|_| {});
+    // The merged stream's ring keeps 4 batches: a late subscriber cannot replay from 0.
+    let (merger, mut sub, rt) = merger_over(&[(&rank0, 0), (&rank1, 1)], |c| {
+        c.output.buffer_steps = 4;
+    });
+    let tagged = |i: u64, dp: i64| EventBatch {
+        dp_rank: Some(dp),
+        ..batch(i)
+    };
+    for i in 0..20 {
+        rank0.publish(tagged(i, 0)).unwrap();
+        rank1.publish(tagged(i, 1)).unwrap();
+    }
+    // What a subscriber that saw the whole merged stream holds.
+    let mut reference = kvlink_events::Index::default();
+    let mut got = rt.block_on(take_until(&mut sub, |g| batches(g) >= 40));
+    let mut late = rt
+        .block_on(Subscriber::connect(SubscriberConfig {
+            replay_endpoint: merger.replay_endpoint().map(local),
+            snapshots: true,
+            ..SubscriberConfig::new(local(merger.endpoint()))
+        }))
+        .unwrap();
+    let end = Instant::now() + LIMIT;
+    while merger.subscribers() != Some(2) {
+        assert!(Instant::now() < end, "the late subscriber never subscribed");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // One more batch: the late subscriber hears the stream is past 0 and asks.
+    rank0.publish(tagged(20, 0)).unwrap();
+    got.extend(rt.block_on(take_until(&mut sub, |g| batches(g) >= 1)));
+    for item in &got {
+        reference.apply_item("merged", item);
+    }
+    // A snapshot, then (if it was taken before the last batch) the rest, up to seq 40.
+    let items = rt.block_on(take_until(&mut late, |g| {
+        let snapshot = g.iter().find_map(|i| match i {
+            SubItem::Snapshot { seq, .. } => Some(*seq),
+            _ => None,
+        });
+        snapshot.is_some_and(|s| s.max(seqs(g).last().copied().unwrap_or(0)) >= 40)
+    }));
+    assert!(resyncs(&items).is_empty(), "{:?}", summary(&items));
+    let mut ix = kvlink_events::Index::default();
+    for item in &items {
+        ix.apply_item("merged", item);
+    }
+    let held = |ix: &kvlink_events::Index| -> Vec<_> {
+        ix.dump().into_iter().filter(|h| !h.2.is_empty()).collect()
+    };
+    assert!(held(&reference).iter().any(|h| h.0.dp_rank == 1));
+    assert_eq!(held(&ix), held(&reference));
+    assert_eq!(merger.stats().0.snapshots, 1);
 }
