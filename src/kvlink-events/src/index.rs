@@ -205,8 +205,7 @@ impl Index {
     /// exact again, holding what the snapshot says.
     pub fn load_snapshot(&mut self, engine: &str, batches: &[EventBatch]) {
         self.stats.snapshots += 1;
-        self.clear(engine, None, None);
-        self.lossy.remove(engine);
+        self.drop_engine_blocks(engine);
         for b in batches {
             self.apply_batch(engine, b);
         }
@@ -247,6 +246,12 @@ impl Index {
     /// Engine `engine`'s publisher restarted: its blocks are dropped.
     pub fn restart(&mut self, engine: &str) {
         self.stats.restarts += 1;
+        self.drop_engine_blocks(engine);
+    }
+
+    /// Drops every block of engine `engine`: its holders are empty and exact (its losses
+    /// forgotten).
+    fn drop_engine_blocks(&mut self, engine: &str) {
         self.clear(engine, None, None);
         self.lossy.remove(engine);
     }
@@ -266,8 +271,7 @@ impl Index {
 
     /// Forgets engine `engine` (its holders are freed).
     pub fn remove_engine(&mut self, engine: &str) {
-        self.clear(engine, None, None);
-        self.lossy.remove(engine);
+        self.drop_engine_blocks(engine);
         for id in self.ids_of(engine) {
             self.holders[id as usize].live = false;
             let key = HolderKey::clone(&self.keys[id as usize]);

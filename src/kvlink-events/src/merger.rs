@@ -316,7 +316,7 @@ async fn run_input(
             // With the TP rule, a group's events go out in the order they completed: the
             // group's send lock is held from the aggregation until the batch is queued.
             let mut in_order = None;
-            let payload = match item {
+            let (payload, delta) = match item {
                 SubItem::Batch {
                     seq,
                     mut batch,
@@ -349,9 +349,11 @@ async fn run_input(
                         // Re-encoded in its own encoding: its events keep their unknown fields.
                         encode(&batch, encoding)
                     };
+                    // What the payload holds, for the output's live set (already decoded).
+                    let delta = out.live_delta(&batch);
                     // The input's next batch is decoded into this one's allocations.
                     sub.recycle(batch);
-                    payload
+                    (payload, delta)
                 }
                 SubItem::Resync(r) => {
                     if tp > 1 {
@@ -369,7 +371,8 @@ async fn run_input(
                         continue;
                     }
                     tracing::warn!(input = %input.endpoint, ?dp_rank, "rank resynchronised ({r:?}); publishing AllBlocksCleared for it");
-                    encode(&clear_batch(dp_rank), cfg.output.encoding)
+                    let clear = clear_batch(dp_rank);
+                    (encode(&clear, cfg.output.encoding), out.live_delta(&clear))
                 }
                 // Its batches came through in order: nothing to forward or clear.
                 SubItem::GapFilled { .. } => continue,
@@ -386,7 +389,8 @@ async fn run_input(
             };
             let deadline = tokio::time::Instant::now() + cfg.publish_timeout;
             let topic = cfg.keep_input_topics.then(|| topic.clone());
-            if let Err(e) = out.publish_encoded_async(topic, payload, deadline).await {
+            let published = out.publish_encoded_async(topic, payload, delta, deadline);
+            if let Err(e) = published.await {
                 st.lock().dropped += 1;
                 tracing::warn!(input = %input.endpoint, "merged batch dropped: {e}");
             }

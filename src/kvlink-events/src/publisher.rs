@@ -54,7 +54,8 @@ use super::wire::{encode_batch, fresh_u64, stamp, stamped, Encoding, EventBatch}
 
 pub use batch::BatchBuilder;
 pub use config::{PublisherConfig, PublisherStats, ReplayFormat, REPLAY_END, SNAPSHOT_TAG};
-use live::{LiveDelta, LiveSet};
+pub(crate) use live::LiveDelta;
+use live::LiveSet;
 use pool::BufferPool;
 use queue::publish_loop;
 use replay::{serve_replay, Answering, History};
@@ -342,15 +343,22 @@ impl Publisher {
         )
     }
 
+    /// The changes `batch` makes to the live set, when one is kept: for a caller that
+    /// publishes an encoding of a batch it holds decoded ([`Publisher::publish_encoded_async`]).
+    pub(crate) fn live_delta(&self, batch: &EventBatch) -> Option<LiveDelta> {
+        self.track.then(|| LiveDelta::of(batch))
+    }
+
     /// Queues an already-encoded payload from async code (under `topic`, else the configured
-    /// one), waiting up to `deadline` for room.
+    /// one), waiting up to `deadline` for room; `delta` is its changes to the live set
+    /// ([`Publisher::live_delta`] of the batch it encodes).
     pub(crate) async fn publish_encoded_async(
         &self,
         topic: Option<Bytes>,
         payload: Bytes,
+        delta: Option<LiveDelta>,
         deadline: tokio::time::Instant,
     ) -> Result<(), EventsError> {
-        let delta = self.delta_of(&payload);
         let payload = stamped(payload, self.incarnation);
         let mut item = Item {
             topic,

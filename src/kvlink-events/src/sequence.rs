@@ -192,12 +192,6 @@ impl<P> StreamState<P> {
         self.duplicates
     }
 
-    /// The publisher's incarnation, once a batch carried one (a kvlink publisher, which
-    /// answers snapshot requests).
-    pub fn incarnation(&self) -> Option<u64> {
-        self.incarnation
-    }
-
     /// Whether a replay is under way.
     pub fn replaying(&self) -> bool {
         self.replay.is_some()
@@ -377,28 +371,24 @@ impl<P> StreamState<P> {
         let Some(from) = self.replay.as_ref().map(|r| r.from) else {
             return out; // a late answer to a finished replay
         };
-        if let Some(r) = self.replay.as_mut().filter(|r| r.snapshot.is_some()) {
-            // The ring's batches after a snapshot: they follow it at the end marker.
-            r.buffered.insert(seq, payload);
-            return out;
-        }
         let expected = self.last.map_or(from, |l| l + 1).max(from);
-        let untagged = self.replay.as_ref().is_some_and(|r| !r.tagged);
-        if seq > expected && untagged && self.snapshots && self.incarnation.is_some() {
-            // The history is gone, and the publisher (now known to be kvlink's) can stand
-            // for it with a snapshot: asked again, for one, within the same deadline.
-            if let Some(mut r) = self.replay.take() {
+        let may_ask = self.snapshots && self.incarnation.is_some();
+        if let Some(r) = self.replay.as_mut() {
+            if r.snapshot.is_some() {
+                // The ring's batches after a snapshot: they follow it at the end marker.
                 r.buffered.insert(seq, payload);
-                let deadline = r.deadline;
-                let mut asked = Vec::new();
-                self.start_replay(expected, deadline, &mut asked);
-                if let Some(nr) = &mut self.replay {
-                    nr.deadline = deadline;
-                    nr.buffered = r.buffered;
-                }
-                out.extend(asked);
+                return out;
             }
-            return out;
+            if seq > expected && !r.tagged && may_ask {
+                // The history is gone, and the publisher (now known to be kvlink's) can stand
+                // for it with a snapshot: asked again, for one, within the same deadline (on a
+                // fresh connection: the rest of this answer is not read).
+                r.from = expected;
+                r.tagged = true;
+                r.buffered.insert(seq, payload);
+                out.push(Action::RequestReplay(expected));
+                return out;
+            }
         }
         if self.accept_after(from, seq, payload, &mut out) {
             if let Some(r) = &mut self.replay {

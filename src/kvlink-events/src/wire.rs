@@ -162,7 +162,21 @@ pub struct BlockStored {
     pub extra: Vec<ExtraField>,
 }
 
+/// The cache tier an event without a medium is about.
+pub(crate) const DEFAULT_MEDIUM: &str = "GPU";
+
 impl BlockStored {
+    /// Whether the tokens are carried block by block: `block_size` each, the last block
+    /// possibly shorter (else they cannot be cut into the blocks).
+    pub(crate) fn tokens_fit_blocks(&self) -> bool {
+        let (n, size, len) = (
+            self.block_hashes.len(),
+            self.block_size as usize,
+            self.token_ids.len(),
+        );
+        size > 0 && n > 0 && len > (n - 1) * size && len <= n * size
+    }
+
     /// The fields a [`BlockStoredRef`] carries, borrowed.
     pub(crate) fn head(&self) -> BlockStoredRef<'_> {
         BlockStoredRef {

@@ -40,15 +40,28 @@ fn merger_over(
     for (p, _) in ranks {
         wait_subscribed(p, 1);
     }
+    wait_merger_subscribed(&merger, 1);
+    (merger, sub, rt)
+}
+
+/// Waits (up to `LIMIT`) until `n` subscribers subscribed to the merged stream.
+fn wait_merger_subscribed(merger: &Merger, n: usize) {
     let end = Instant::now() + LIMIT;
-    while merger.subscribers() != Some(1) {
+    while merger.subscribers() != Some(n) {
         assert!(
             Instant::now() < end,
-            "the subscriber never subscribed to the merger"
+            "{n} subscribers never subscribed to the merger"
         );
         std::thread::sleep(Duration::from_millis(2));
     }
-    (merger, sub, rt)
+}
+
+/// `batch(i)` of rank `dp`.
+fn tagged(i: u64, dp: i64) -> EventBatch {
+    EventBatch {
+        dp_rank: Some(dp),
+        ..batch(i)
+    }
 }
 
 fn input_of(p: &Publisher, dp_rank: i64) -> MergerInput {
@@ -78,10 +91,6 @@ fn merger_renumbers_ranks_and_clears_a_restarted_rank() {
         port(rank1.replay_endpoint().unwrap()),
     );
     let (merger, mut sub, rt) = merger_over(&[(&rank0, 0), (&rank1, 1)], |_| {});
-    let tagged = |i: u64, dp: i64| EventBatch {
-        dp_rank: Some(dp),
-        ..batch(i)
-    };
     for i in 0..20 {
         rank0.publish(tagged(i, 0)).unwrap();
         rank1.publish(tagged(i, 1)).unwrap();
@@ -280,10 +289,6 @@ fn a_late_subscriber_of_the_merged_stream_gets_every_ranks_blocks_in_a_snapshot(
     let (merger, mut sub, rt) = merger_over(&[(&rank0, 0), (&rank1, 1)], |c| {
         c.output.buffer_steps = 4;
     });
-    let tagged = |i: u64, dp: i64| EventBatch {
-        dp_rank: Some(dp),
-        ..batch(i)
-    };
     for i in 0..20 {
         rank0.publish(tagged(i, 0)).unwrap();
         rank1.publish(tagged(i, 1)).unwrap();
@@ -298,11 +303,7 @@ fn a_late_subscriber_of_the_merged_stream_gets_every_ranks_blocks_in_a_snapshot(
             ..SubscriberConfig::new(local(merger.endpoint()))
         }))
         .unwrap();
-    let end = Instant::now() + LIMIT;
-    while merger.subscribers() != Some(2) {
-        assert!(Instant::now() < end, "the late subscriber never subscribed");
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_merger_subscribed(&merger, 2);
     // One more batch: the late subscriber hears the stream is past 0 and asks.
     rank0.publish(tagged(20, 0)).unwrap();
     got.extend(rt.block_on(take_until(&mut sub, |g| batches(g) >= 1)));

@@ -1,6 +1,6 @@
 //! Subscriber items as Python dicts.
 
-use kvlink_core::events::{KvEvent, Resync, SubItem};
+use kvlink_core::events::{EventBatch, KvEvent, Resync, SubItem};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
@@ -12,6 +12,13 @@ fn events_to_py<'py>(py: Python<'py>, events: &[KvEvent]) -> PyResult<Bound<'py,
         out.append(event_to_py(py, e)?)?;
     }
     Ok(out)
+}
+
+/// A batch's `ts`, `dp_rank` and `events`, into `d`.
+fn batch_fields(py: Python<'_>, d: &Bound<'_, PyDict>, b: &EventBatch) -> PyResult<()> {
+    d.set_item("ts", b.ts)?;
+    d.set_item("dp_rank", b.dp_rank)?;
+    d.set_item("events", events_to_py(py, &b.events)?)
 }
 
 /// One item as the dict `EventSubscriber` yields (kinds `batch`, `malformed`, `resync`,
@@ -29,9 +36,7 @@ pub(super) fn item_to_py<'py>(py: Python<'py>, item: &SubItem) -> PyResult<Bound
             d.set_item("kind", "batch")?;
             d.set_item("seq", *seq)?;
             d.set_item("topic", String::from_utf8_lossy(topic))?;
-            d.set_item("ts", batch.ts)?;
-            d.set_item("dp_rank", batch.dp_rank)?;
-            d.set_item("events", events_to_py(py, &batch.events)?)?;
+            batch_fields(py, &d, batch)?;
             d.set_item(
                 "skipped",
                 skipped.iter().map(ToString::to_string).collect::<Vec<_>>(),
@@ -65,9 +70,7 @@ pub(super) fn item_to_py<'py>(py: Python<'py>, item: &SubItem) -> PyResult<Bound
             let out = PyList::empty(py);
             for b in batches {
                 let bd = PyDict::new(py);
-                bd.set_item("ts", b.ts)?;
-                bd.set_item("dp_rank", b.dp_rank)?;
-                bd.set_item("events", events_to_py(py, &b.events)?)?;
+                batch_fields(py, &bd, b)?;
                 out.append(bd)?;
             }
             d.set_item("batches", out)?;

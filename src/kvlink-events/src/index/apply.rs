@@ -2,10 +2,7 @@
 
 use super::holder::{self, Block, Entry, Holder};
 use super::{chain, hash_key, HolderKey, Index};
-use crate::wire::{BlockRemoved, BlockStored, BlockTransferred};
-
-/// The tier an event without a medium is about.
-const DEFAULT_MEDIUM: &str = "GPU";
+use crate::wire::{BlockRemoved, BlockStored, BlockTransferred, DEFAULT_MEDIUM};
 
 impl Index {
     /// The holder of `key`, made when new (`None` past [`super::IndexConfig::max_holders`]).
@@ -228,13 +225,10 @@ fn root(s: &BlockStored) -> u64 {
 /// last one possibly shorter) and no block has extra keys (multimodal inputs, whose hash the
 /// tokens do not determine): `None` otherwise, and its blocks get no token hash.
 fn block_tokens(s: &BlockStored) -> Option<Vec<&[u32]>> {
-    let (n, size) = (s.block_hashes.len(), s.block_size as usize);
-    let fits = size > 0 && n > 0 && s.token_ids.len() > (n - 1) * size;
-    let fits = fits && s.token_ids.len() <= n * size;
-    if !fits || has_extra_keys(s) {
+    if !s.tokens_fit_blocks() || has_extra_keys(s) {
         return None;
     }
-    Some(s.token_ids.chunks(size).collect())
+    Some(s.token_ids.chunks(s.block_size as usize).collect())
 }
 
 fn has_extra_keys(s: &BlockStored) -> bool {

@@ -12,10 +12,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use crate::keyed::Keyed;
-use crate::wire::{BlockStored, EventBatch, KvEvent, Value};
-
-/// The tier of an event without a medium (the index's default too).
-const DEFAULT_MEDIUM: &str = "GPU";
+use crate::wire::{BlockStored, EventBatch, KvEvent, Value, DEFAULT_MEDIUM};
 
 /// Events per snapshot batch: each batch is one replay message.
 const PART_EVENTS: usize = 1024;
@@ -209,7 +206,7 @@ impl LiveSet {
                 } => {
                     if let Some(t) = self.find(dp, medium.as_deref(), group) {
                         for h in hashes {
-                            self.take(t, h);
+                            self.remove(t, h);
                         }
                     }
                 }
@@ -299,12 +296,12 @@ impl LiveSet {
         }
     }
 
-    /// Takes block `key` out of `tier`; where it was kept.
-    fn take(&mut self, tier: u32, key: u64) -> Option<Slot> {
-        let slot = self.tiers[tier as usize].blocks.remove(&key)?;
-        self.blocks -= 1;
-        self.unlink(slot);
-        Some(slot)
+    /// Takes block `key` out of `tier`, when there.
+    fn remove(&mut self, tier: u32, key: u64) {
+        if let Some(slot) = self.tiers[tier as usize].blocks.remove(&key) {
+            self.blocks -= 1;
+            self.unlink(slot);
+        }
     }
 
     /// The block at `slot` is no longer live where its run said.
@@ -432,10 +429,12 @@ impl Plan {
         }
         let mut out = Vec::new();
         for (dp, (given, events)) in by_dp {
-            for part in events.chunks(PART_EVENTS) {
+            // Moved into parts, not copied.
+            let mut events = events.into_iter().peekable();
+            while events.peek().is_some() {
                 out.push(EventBatch {
                     ts,
-                    events: part.to_vec(),
+                    events: events.by_ref().take(PART_EVENTS).collect(),
                     dp_rank: given.then_some(dp),
                 });
             }
@@ -462,8 +461,7 @@ fn stretch(ev: &BlockStored, a: usize, b: usize, medium: &str) -> BlockStored {
     }
     let size = ev.block_size as usize;
     let len = ev.token_ids.len();
-    let fits = size > 0 && n > 0 && len > (n - 1) * size && len <= n * size;
-    let token_ids = if fits {
+    let token_ids = if ev.tokens_fit_blocks() {
         ev.token_ids[a * size..(b * size).min(len)].to_vec()
     } else {
         Vec::new()

@@ -85,8 +85,9 @@ fn answer(
     };
     let tag = |seq: u64, p: &Bytes| (true, shared.topic.clone(), seq, p.clone());
     if let Some(c) = cache.as_ref() {
-        let fresh = c.seq == newest || (c.at.elapsed() < REBUILD_AFTER && c.seq >= first);
-        if fresh && c.seq <= newest {
+        // The same state, or a recent one the ring still holds every batch since.
+        let fresh = c.seq == newest || (c.at.elapsed() < REBUILD_AFTER && c.seq + 1 >= first);
+        if fresh {
             shared.counters.snapshots.fetch_add(1, Ordering::Relaxed);
             let mut out: Vec<Message> = c.parts.iter().map(|p| tag(c.seq, p)).collect();
             out.extend(ring(c.seq + 1));
