@@ -135,7 +135,6 @@ pub struct IndexStats {
 #[derive(Debug)]
 pub struct Index {
     config: IndexConfig,
-    key: u64,
     holders: Vec<Holder>,
     keys: Vec<std::sync::Arc<HolderKey>>,
     ids: HashMap<HolderKey, u32>,
@@ -146,6 +145,8 @@ pub struct Index {
     /// Engines with a loss not repaired since: their holders made later start partial.
     lossy: std::collections::HashSet<String>,
     stats: IndexStats,
+    /// Token hashes a removal looks up ahead (kept for its allocation).
+    scratch: Vec<u64>,
 }
 
 impl Default for Index {
@@ -163,7 +164,6 @@ impl Index {
         let key = crate::wire::fresh_u64();
         Index {
             config,
-            key,
             holders: Vec::new(),
             keys: Vec::new(),
             ids: HashMap::new(),
@@ -172,6 +172,7 @@ impl Index {
             blocks: 0,
             lossy: Default::default(),
             stats: IndexStats::default(),
+            scratch: Vec::new(),
         }
     }
 
@@ -295,7 +296,7 @@ impl Index {
             .iter()
             .map(|(k, id)| {
                 let h = &self.holders[*id as usize];
-                (k.clone(), state(h), h.blocks.len(), h.withheld)
+                (k.clone(), state(h), h.held, h.withheld)
             })
             .collect();
         out.sort_by(|a, b| a.0.cmp(&b.0));
@@ -305,14 +306,19 @@ impl Index {
     /// Every holder in use with its state and the engine hashes of the blocks it holds
     /// (withheld ones too), for dumps.
     pub fn dump(&self) -> Vec<(HolderKey, HolderState, Vec<u64>)> {
+        let mut per: Vec<Vec<u64>> = vec![Vec::new(); self.holders.len()];
+        for (hash, hs) in &self.by_hash {
+            for e in hs.as_slice() {
+                per[e.holder as usize].push(*hash);
+            }
+        }
         let mut out: Vec<_> = self
             .ids
             .iter()
             .map(|(k, id)| {
-                let h = &self.holders[*id as usize];
-                let mut blocks: Vec<u64> = h.blocks.keys().copied().collect();
+                let mut blocks = std::mem::take(&mut per[*id as usize]);
                 blocks.sort_unstable();
-                (k.clone(), state(h), blocks)
+                (k.clone(), state(&self.holders[*id as usize]), blocks)
             })
             .collect();
         out.sort_by(|a, b| a.0.cmp(&b.0));

@@ -1,6 +1,6 @@
 //! How events change the index: stores, removals, clears and moves between tiers.
 
-use super::holder::{self, Block, Entry, Holder};
+use super::holder::{self, Entry, Holder, Put};
 use super::{chain, hash_key, HolderKey, Index};
 use crate::wire::{BlockRemoved, BlockStored, BlockTransferred, DEFAULT_MEDIUM};
 
@@ -10,7 +10,7 @@ impl Index {
         if let Some(id) = self.ids.get(&key) {
             return Some(*id);
         }
-        let mut fresh = Holder::new(self.key);
+        let mut fresh = Holder::new();
         fresh.partial = self.lossy.contains(&key.engine);
         let id = match self.holders.iter().position(|h| !h.live) {
             Some(free) => {
@@ -46,11 +46,14 @@ impl Index {
             self.stats.dropped += s.block_hashes.len() as u64;
             return;
         };
-        let h = &self.holders[id as usize];
         let mut prev = match &s.parent_block_hash {
             None => Some((root(s), 0u32)),
             Some(p) => {
-                let known = h.blocks.get(&hash_key(p)).map(|b| (b.local, b.end));
+                let known = self
+                    .by_hash
+                    .get(&hash_key(p))
+                    .and_then(|hs| hs.of(id))
+                    .map(|e| (e.local, e.end));
                 if known.is_none() {
                     self.stats.unknown_parent += 1;
                 }
@@ -62,77 +65,99 @@ impl Index {
         for (i, bh) in s.block_hashes.iter().enumerate() {
             self.stats.stored += 1;
             let mine = tokens.as_ref().and_then(|t| t.get(i).copied());
-            let block = match (prev, mine) {
-                (Some((parent, end)), Some(t)) => Block {
-                    local: chain::next(parent, t),
-                    end: end.saturating_add(t.len() as u32),
-                    epoch: 0,
-                },
-                _ => Block {
-                    local: 0,
-                    end: 0,
-                    epoch: 0,
-                },
+            let (local, end) = match (prev, mine) {
+                (Some((parent, end)), Some(t)) => {
+                    (chain::next(parent, t), end.saturating_add(t.len() as u32))
+                }
+                _ => (0, 0),
             };
-            prev = (block.local != 0).then_some((block.local, block.end));
-            self.put_block(id, hash_key(bh), block);
+            prev = (local != 0).then_some((local, end));
+            self.put_block(id, hash_key(bh), local, end, true);
         }
     }
 
-    /// Files `block` under engine hash `hash` for holder `id` (in its current epoch: a block
-    /// stored again is vouched for again).
-    fn put_block(&mut self, id: u32, hash: u64, mut block: Block) {
-        let h = &mut self.holders[id as usize];
-        block.epoch = h.epoch;
-        // One lookup: the block goes in, and comes out again past the limit.
-        match h.blocks.insert(hash, block) {
-            Some(old) => {
-                h.forget(&old);
-                if old.local != 0 && old.local != block.local {
-                    holder::take(&mut self.by_tokens, old.local, id);
-                }
-            }
-            None if self.blocks >= self.config.max_blocks => {
-                h.blocks.remove(&hash);
+    /// Files a block under engine hash `hash` for holder `id`, with its token hash `local` and
+    /// the position `end` after its tokens: in the holder's current epoch when `trusted` (a
+    /// block stored again is vouched for again), else withheld (of the epoch before).
+    fn put_block(&mut self, id: u32, hash: u64, local: u64, end: u32, trusted: bool) {
+        let h = &self.holders[id as usize];
+        let e = Entry {
+            local,
+            holder: id,
+            epoch: if trusted {
+                h.epoch
+            } else {
+                h.epoch.wrapping_sub(1)
+            },
+            end,
+        };
+        let full = self.blocks >= self.config.max_blocks;
+        match holder::put(&mut self.by_hash, hash, e, full) {
+            Put::Full => {
                 self.stats.dropped += 1;
                 return;
             }
-            None => self.blocks += 1,
+            Put::Added => self.blocks += 1,
+            Put::Replaced(old) => {
+                self.holders[id as usize].forget(&old);
+                if old.local != 0 && old.local != local {
+                    holder::take(&mut self.by_tokens, old.local, id);
+                }
+            }
         }
-        let e = Entry {
-            holder: id,
-            epoch: block.epoch,
-            end: block.end,
-        };
-        holder::put(&mut self.by_hash, hash, e);
-        if block.local != 0 {
-            holder::put(&mut self.by_tokens, block.local, e);
+        let h = &mut self.holders[id as usize];
+        h.held += 1;
+        if !trusted {
+            h.withheld += 1;
+        }
+        if local != 0 {
+            holder::put(&mut self.by_tokens, local, e, false);
         }
     }
 
-    /// Takes engine hash `hash` out of holder `id`; the block, if it held it.
-    fn take_block(&mut self, id: u32, hash: u64) -> Option<Block> {
-        let h = &mut self.holders[id as usize];
-        let b = h.blocks.remove(&hash)?;
-        h.forget(&b);
+    /// Takes engine hash `hash` out of holder `id`; its entry, if it held it.
+    fn take_block(&mut self, id: u32, hash: u64) -> Option<Entry> {
+        let e = holder::take(&mut self.by_hash, hash, id)?;
+        self.holders[id as usize].forget(&e);
         self.blocks -= 1;
-        holder::take(&mut self.by_hash, hash, id);
-        if b.local != 0 {
-            holder::take(&mut self.by_tokens, b.local, id);
+        if e.local != 0 {
+            holder::take(&mut self.by_tokens, e.local, id);
         }
-        Some(b)
+        Some(e)
     }
 
     /// Applies a `BlockRemoved`.
     pub(super) fn remove(&mut self, engine: &str, dp: i64, r: &BlockRemoved) {
         let key = Self::key(engine, dp, r.medium.as_deref(), r.group_idx);
         let id = self.ids.get(&key).copied();
+        if let Some(id) = id {
+            self.warm(id, &r.block_hashes);
+        }
         for bh in &r.block_hashes {
             match id.and_then(|id| self.take_block(id, hash_key(bh))) {
                 Some(_) => self.stats.removed += 1,
                 None => self.stats.unknown_removed += 1,
             }
         }
+    }
+
+    /// Looks up every block of a removal, and then its token hash, before anything changes:
+    /// no lookup depends on another, so their cache misses overlap, and the removals that
+    /// follow find their table slots in the cache (they would otherwise wait for each miss
+    /// in turn; the tables are far larger than a core's cache).
+    fn warm(&mut self, id: u32, hashes: &[crate::wire::BlockHash]) {
+        let mut locals = std::mem::take(&mut self.scratch);
+        locals.clear();
+        for bh in hashes {
+            let e = self.by_hash.get(&hash_key(bh)).and_then(|hs| hs.of(id));
+            if let Some(e) = e.filter(|e| e.local != 0) {
+                locals.push(e.local);
+            }
+        }
+        for local in &locals {
+            std::hint::black_box(self.by_tokens.get(local));
+        }
+        self.scratch = locals;
     }
 
     /// Drops every block of engine `engine`'s holders of DP rank `dp` (all ranks: `None`) and
@@ -148,15 +173,32 @@ impl Index {
             })
             .map(|(_, id)| *id)
             .collect();
-        for id in ids {
-            let hashes: Vec<u64> = self.holders[id as usize].blocks.keys().copied().collect();
-            for hash in hashes {
-                self.take_block(id, hash);
-            }
+        let mut doomed = vec![false; self.holders.len()];
+        let mut held = 0;
+        for &id in &ids {
             let h = &mut self.holders[id as usize];
+            doomed[id as usize] = true;
+            held += h.held;
+            h.held = 0;
             h.withheld = 0;
             h.partial = false;
         }
+        if held == self.blocks {
+            self.by_hash.clear();
+            self.by_tokens.clear();
+        } else if held > 0 {
+            // One pass over every block held: holders keep no list of their own (one map
+            // lookup less per store and removal), and clears are rare.
+            let by_tokens = &mut self.by_tokens;
+            self.by_hash.retain(|_, hs| {
+                !hs.drop_marked(&doomed, |e| {
+                    if e.local != 0 {
+                        holder::take(by_tokens, e.local, e.holder);
+                    }
+                })
+            });
+        }
+        self.blocks -= held;
     }
 
     /// Applies ATOM's `BlockTransferred`: each block moves from one tier's holder to the
@@ -170,43 +212,16 @@ impl Index {
         let to_key = Self::key(engine, dp, t.to_medium.as_deref(), t.group_idx);
         for bh in &t.block_hashes {
             let hash = hash_key(bh);
-            let trusted = self.holders[from as usize]
-                .blocks
-                .get(&hash)
-                .is_some_and(|b| b.epoch == self.holders[from as usize].epoch);
-            let Some(block) = self.take_block(from, hash) else {
+            let Some(e) = self.take_block(from, hash) else {
                 self.stats.unknown_removed += 1;
                 continue;
             };
+            let trusted = e.epoch == self.holders[from as usize].epoch;
             let Some(to) = self.holder_id(to_key.clone()) else {
                 self.stats.dropped += 1;
                 continue;
             };
-            self.put_block(to, hash, block);
-            if !trusted {
-                self.withhold(to, hash);
-            }
-        }
-    }
-
-    /// Marks holder `id`'s block `hash` withheld (of an older epoch than the holder's).
-    fn withhold(&mut self, id: u32, hash: u64) {
-        let h = &mut self.holders[id as usize];
-        let old = h.epoch.wrapping_sub(1);
-        let Some(b) = h.blocks.get_mut(&hash) else {
-            return;
-        };
-        b.epoch = old;
-        h.withheld += 1;
-        let e = Entry {
-            holder: id,
-            epoch: old,
-            end: b.end,
-        };
-        let local = b.local;
-        holder::put(&mut self.by_hash, hash, e);
-        if local != 0 {
-            holder::put(&mut self.by_tokens, local, e);
+            self.put_block(to, hash, e.local, e.end, trusted);
         }
     }
 }

@@ -1,76 +1,49 @@
-//! The index service's HTTP side: one thread taking requests (tiny_http), each answered from
-//! the shared index under its lock.
+//! The index service's routes: each request answered from the shared index under its lock,
+//! on the thread of its connection (`conn`).
 
-use std::io::Read;
+use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use kvlink_events::{HolderKey, HolderMatch, HolderState, Overlap, Salt};
 use serde_json::{json, Value};
 
+use super::conn::{self, Request};
 use super::{metrics, state_name, Service};
 
 /// Largest request body taken (a query of a million tokens is about 7 MB of JSON).
-const MAX_BODY: u64 = 16 << 20;
+const MAX_BODY: usize = 16 << 20;
 
-/// Answers requests until `stop` is set.
-pub(super) fn serve(server: &tiny_http::Server, s: &Arc<Service>, stop: &AtomicBool) {
-    while !stop.load(Ordering::Acquire) {
-        let mut req = match server.recv_timeout(Duration::from_millis(200)) {
-            Ok(Some(r)) => r,
-            Ok(None) => continue,
-            Err(e) => {
-                tracing::warn!("HTTP: {e}");
-                continue;
-            }
-        };
-        let (status, body, kind) = answer(s, &mut req);
-        let header = tiny_http::Header::from_bytes("Content-Type", kind).expect("a valid header");
-        let resp = tiny_http::Response::from_string(body)
-            .with_status_code(status)
-            .with_header(header);
-        if let Err(e) = req.respond(resp) {
-            tracing::debug!("HTTP answer not sent: {e}");
-        }
-    }
+/// Answers requests until `stop` is set (and [`conn::wake`] wakes the accept).
+pub(super) fn serve(listener: &TcpListener, s: &Arc<Service>, stop: &Arc<AtomicBool>) {
+    let s = s.clone();
+    conn::serve(listener, stop, MAX_BODY, move |req| answer(&s, req));
 }
 
 /// The status, body and content type of the answer to `req`.
-fn answer(s: &Arc<Service>, req: &mut tiny_http::Request) -> (u16, String, &'static str) {
+fn answer(s: &Arc<Service>, req: &Request) -> (u16, String, &'static str) {
     const JSON: &str = "application/json";
-    let path = req.url().split('?').next().unwrap_or("").to_string();
-    let r = match (req.method(), path.as_str()) {
-        (tiny_http::Method::Get, "/health") => return (200, "ok\n".into(), "text/plain"),
-        (tiny_http::Method::Get, "/metrics") => {
-            return (200, metrics::render(s), "text/plain; version=0.0.4")
-        }
-        (tiny_http::Method::Get, "/engines") => Ok(engines(s)),
-        (tiny_http::Method::Get, "/dump") => Ok(dump(s)),
-        (tiny_http::Method::Post, p) => body(req).and_then(|b| post(s, p, &b)),
-        _ => Err((404, format!("no route {} {path}", req.method()))),
+    let r = match (req.method.as_str(), req.path.as_str()) {
+        ("GET", "/health") => return (200, "ok\n".into(), "text/plain"),
+        ("GET", "/metrics") => return (200, metrics::render(s), "text/plain; version=0.0.4"),
+        ("GET", "/engines") => Ok(engines(s).to_string()),
+        ("GET", "/dump") => Ok(dump(s).to_string()),
+        ("POST", "/query") => query(s, &req.body),
+        ("POST", p) => body(&req.body).and_then(|b| post(s, p, &b)),
+        (m, p) => Err((404, format!("no route {m} {p}"))),
     };
     match r {
-        Ok(v) => (200, v.to_string(), JSON),
+        Ok(text) => (200, text, JSON),
         Err((status, why)) => (status, json!({ "error": why }).to_string(), JSON),
     }
 }
 
-fn body(req: &mut tiny_http::Request) -> Result<Value, (u16, String)> {
-    let mut text = String::new();
-    req.as_reader()
-        .take(MAX_BODY + 1)
-        .read_to_string(&mut text)
-        .map_err(|e| (400, format!("reading the body: {e}")))?;
-    if text.len() as u64 > MAX_BODY {
-        return Err((413, format!("a body over {MAX_BODY} bytes")));
-    }
-    serde_json::from_str(&text).map_err(|e| (400, format!("the body is not JSON: {e}")))
+fn body(bytes: &[u8]) -> Result<Value, (u16, String)> {
+    serde_json::from_slice(bytes).map_err(|e| (400, format!("the body is not JSON: {e}")))
 }
 
-fn post(s: &Arc<Service>, path: &str, b: &Value) -> Result<Value, (u16, String)> {
+fn post(s: &Arc<Service>, path: &str, b: &Value) -> Result<String, (u16, String)> {
     match path {
-        "/query" => query(s, b),
         "/query_by_hash" => {
             let hashes = b["block_hashes"]
                 .as_array()
@@ -87,11 +60,11 @@ fn post(s: &Arc<Service>, path: &str, b: &Value) -> Result<Value, (u16, String)>
             let endpoint = text(b, "endpoint")?;
             let replay = b["replay_endpoint"].as_str().map(str::to_string);
             s.follow(&name, &endpoint, replay);
-            Ok(json!({ "registered": name }))
+            Ok(json!({ "registered": name }).to_string())
         }
         "/unregister" => {
             let name = text(b, "name")?;
-            Ok(json!({ "unregistered": s.forget(&name) }))
+            Ok(json!({ "unregistered": s.forget(&name) }).to_string())
         }
         p => Err((404, format!("no route POST {p}"))),
     }
@@ -109,33 +82,39 @@ fn text(b: &Value, key: &str) -> Result<String, (u16, String)> {
         .ok_or_else(|| bad(&format!("{key}: a non-empty string")))
 }
 
-/// `POST /query {"token_ids": [...], "block_size"?, "lora_id"?, "lora_name"?, "cache_salt"?}`.
-fn query(s: &Arc<Service>, b: &Value) -> Result<Value, (u16, String)> {
-    let tokens = b["token_ids"]
-        .as_array()
-        .ok_or_else(|| bad("token_ids: a list of token ids"))?
-        .iter()
-        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-        .collect::<Option<Vec<u32>>>()
-        .ok_or_else(|| bad("token_ids: a list of token ids (0 to 2^32-1)"))?;
-    let block_size = match b.get("block_size") {
-        None | Some(Value::Null) => s.block_size,
-        Some(v) => v
-            .as_u64()
-            .and_then(|v| u32::try_from(v).ok())
-            .filter(|v| *v > 0)
-            .ok_or_else(|| bad("block_size: a positive integer"))?,
+/// The body of `POST /query` (other fields, such as Dynamo's `model_name`, are ignored).
+#[derive(serde::Deserialize)]
+struct QueryBody {
+    token_ids: Vec<u32>,
+    block_size: Option<u32>,
+    lora_id: Option<i64>,
+    lora_name: Option<String>,
+    cache_salt: Option<String>,
+}
+
+/// `POST /query {"token_ids": [...], "block_size"?, "lora_id"?, "lora_name"?, "cache_salt"?}`,
+/// read straight into its fields (no JSON tree).
+fn query(s: &Arc<Service>, body: &[u8]) -> Result<String, (u16, String)> {
+    let q: QueryBody = serde_json::from_slice(body).map_err(|e| {
+        bad(&format!(
+            "token_ids: a list of token ids (0 to 2^32-1); block_size: a positive integer; {e}"
+        ))
+    })?;
+    let block_size = match q.block_size {
+        None => s.block_size,
+        Some(0) => return Err(bad("block_size: a positive integer")),
+        Some(b) => b,
     };
     let salt = Salt {
-        lora_id: b["lora_id"].as_i64(),
-        lora_name: b["lora_name"].as_str().map(str::to_string),
-        cache_salt: b["cache_salt"].as_str().map(str::to_string),
+        lora_id: q.lora_id,
+        lora_name: q.lora_name,
+        cache_salt: q.cache_salt,
     };
     let o = s
         .index
         .lock()
         .expect("index lock")
-        .overlap_tokens(&tokens, block_size, &salt);
+        .overlap_tokens(&q.token_ids, block_size, &salt);
     Ok(overlap(&o))
 }
 
@@ -149,18 +128,43 @@ fn holder(k: &HolderKey, state: HolderState) -> serde_json::Map<String, Value> {
     m
 }
 
-fn matched(m: &HolderMatch) -> Value {
-    let mut h = holder(&m.holder, m.state);
-    h.insert("blocks".into(), json!(m.blocks));
-    h.insert("tokens".into(), json!(m.tokens));
-    Value::Object(h)
+/// One match as a JSON object, written straight into `out`.
+fn matched(out: &mut String, m: &HolderMatch) {
+    use std::fmt::Write;
+    let k = &m.holder;
+    let quoted = |v: &str| Value::from(v).to_string();
+    let _ = write!(
+        out,
+        "{{\"engine\":{},\"dp_rank\":{},\"medium\":{},\"group\":{},\"state\":\"{}\",\
+         \"blocks\":{},\"tokens\":{}}}",
+        quoted(&k.engine),
+        k.dp_rank,
+        quoted(&k.medium),
+        k.group,
+        state_name(m.state),
+        m.blocks,
+        m.tokens
+    );
 }
 
-fn overlap(o: &Overlap) -> Value {
-    json!({
-        "matches": o.matches.iter().map(matched).collect::<Vec<_>>(),
-        "best": o.best().map(matched),
-    })
+/// `{"matches": [...], "best": ... | null}`, written without a JSON tree (an answer names
+/// every holder of the prompt's first block: dozens of objects).
+fn overlap(o: &Overlap) -> String {
+    let mut out = String::with_capacity(64 + 160 * o.matches.len());
+    out.push_str("{\"matches\":[");
+    for (i, m) in o.matches.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        matched(&mut out, m);
+    }
+    out.push_str("],\"best\":");
+    match o.best() {
+        Some(m) => matched(&mut out, m),
+        None => out.push_str("null"),
+    }
+    out.push('}');
+    out
 }
 
 fn engines(s: &Arc<Service>) -> Value {
