@@ -12,6 +12,8 @@
 #   atom           the ATOM connector through ATOM's own engine, pinned snapshot (.venv-vllm)
 #   vllm33         the vLLM connector through vLLM 0.33 (.venv-vllm33, layered on .venv-vllm)
 #   engine-events  KV events through vLLM 0.33's, 0.32's and SGLang's own event code
+#   gpu            tools/gpu-check.sh --cpu-only: the GPU check on emulated device memory and a
+#                  real model (transformers' Llama) on the CPU, tokens compared (.venv-vllm)
 #   vm             the RDMA tests for real inside a SoftRoCE VM (tools/softroce/run.sh), then a
 #                  75-second fault soak and a 4 x 4 fleet run over RDMA in the same boot
 # It installs what it needs: tools/deps.sh first, then everything else (PyPI into the venvs,
@@ -30,7 +32,7 @@
 # no tests must not look green.
 set -euo pipefail
 
-ALL_PARTS="checks host soak python pychecks vllm32 sglang atom vllm33 engine-events vm"
+ALL_PARTS="checks host soak python pychecks vllm32 sglang atom vllm33 engine-events gpu vm"
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
 parts=${KVLINK_TEST_PARTS:-$ALL_PARTS}
@@ -56,7 +58,7 @@ tally() { python3 tools/test/tally.py "$@"; }
 # The background installs: the venvs every Python part shares (vllm33's is layered on the
 # others', so it is made after them whichever of them run), the VM's boot.
 stages=""
-for part in python pychecks vllm32 sglang atom vllm33 engine-events; do
+for part in python pychecks vllm32 sglang atom vllm33 engine-events gpu; do
   if has "$part"; then stages="venv vllm-old vllm-new kv-events"; fi
 done
 if has vm && [ "${KVLINK_SKIP_VM:-0}" != 1 ]; then stages="$stages vm"; fi

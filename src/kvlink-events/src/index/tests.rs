@@ -384,3 +384,56 @@ fn many_holders_stored_in_any_order_match_what_each_holds() {
         24
     );
 }
+
+#[test]
+fn clearing_one_holder_leaves_the_others_blocks_whole_in_both_maps() {
+    let mut ix = Index::default();
+    three_blocks(&mut ix, "a");
+    three_blocks(&mut ix, "b");
+    ix.apply_item("c", &item(vec![stored(&[9], None, &toks(4, 100))]));
+    ix.apply_item(
+        "a",
+        &item(vec![KvEvent::AllBlocksCleared {
+            medium: None,
+            extra: Default::default(),
+        }]),
+    );
+    let b_only = vec![("b".to_string(), 3, 12, HolderState::Exact)];
+    assert_eq!(summary(&ix.overlap_hashes(&[1, 2, 3])), b_only);
+    assert_eq!(
+        summary(&ix.overlap_tokens(&toks(12, 0), BS, &Salt::default())),
+        b_only
+    );
+    assert_eq!(ix.stats().blocks, 4);
+    let held: Vec<(String, usize)> = ix
+        .holders()
+        .into_iter()
+        .map(|(k, _, n, _)| (k.engine, n))
+        .collect();
+    assert_eq!(held, [("a".into(), 0), ("b".into(), 3), ("c".into(), 1)]);
+    let dump: Vec<(String, Vec<u64>)> = ix
+        .dump()
+        .into_iter()
+        .map(|(k, _, blocks)| (k.engine, blocks))
+        .collect();
+    assert_eq!(
+        dump,
+        [
+            ("a".into(), vec![]),
+            ("b".into(), vec![1, 2, 3]),
+            ("c".into(), vec![9])
+        ]
+    );
+    // Removing what a no longer holds is counted, and leaves b's blocks alone.
+    ix.apply_item("a", &item(vec![removed(&[1, 2])]));
+    assert_eq!(ix.stats().unknown_removed, 2);
+    assert_eq!(summary(&ix.overlap_hashes(&[1, 2, 3])), b_only);
+    // a stores again: both count.
+    three_blocks(&mut ix, "a");
+    assert_eq!(
+        ix.overlap_tokens(&toks(12, 0), BS, &Salt::default())
+            .matches
+            .len(),
+        2
+    );
+}
