@@ -226,23 +226,19 @@ def http_latency(service, prompts, n):
 
 
 def read_answer(sock, buf):
-    """Reads one HTTP answer (status 200, a Content-Length or chunked body); what came after it."""
+    """Reads one HTTP answer (status 200, a Content-Length body: both services send one); what
+    came after it."""
     while b"\r\n\r\n" not in buf:
         buf += recv(sock)
     head, buf = buf.split(b"\r\n\r\n", 1)
     lines = head.decode("latin-1").split("\r\n")
     assert " 200 " in lines[0] + " ", lines[0]
     fields = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
-    if "content-length" in fields:
-        size = int(fields["content-length"])
-        while len(buf) < size:
-            buf += recv(sock)
-        return buf[size:]
-    assert fields.get("transfer-encoding", "").lower() == "chunked", fields
-    while b"\r\n0\r\n\r\n" not in buf and not buf.startswith(b"0\r\n\r\n"):
+    assert "content-length" in fields, f"an answer without a Content-Length: {fields}"
+    size = int(fields["content-length"])
+    while len(buf) < size:
         buf += recv(sock)
-    end = buf.find(b"0\r\n\r\n") if buf.startswith(b"0\r\n\r\n") else buf.find(b"\r\n0\r\n\r\n") + 2
-    return buf[end + 5 :]
+    return buf[size:]
 
 
 def recv(sock):

@@ -145,16 +145,18 @@ where
             let _ = stream.write_all(&answer_bytes(503, &busy, "application/json", true));
             continue;
         }
-        let (handle, open, stop) = (handle.clone(), open.clone(), stop.clone());
+        let (handle, count, stop) = (handle.clone(), open.clone(), stop.clone());
         let spawned = std::thread::Builder::new()
             .name("kvlink-http".into())
             .spawn(move || {
                 if let Err(e) = connection(stream, &stop, max_body, &*handle) {
                     tracing::debug!("HTTP connection ended: {e}");
                 }
-                open.fetch_sub(1, Ordering::AcqRel);
+                count.fetch_sub(1, Ordering::AcqRel);
             });
         if let Err(e) = spawned {
+            // The closure never ran: its connection is not counted.
+            open.fetch_sub(1, Ordering::AcqRel);
             tracing::warn!("HTTP: no thread for a connection: {e}");
         }
     }

@@ -132,7 +132,7 @@ fn holder(k: &HolderKey, state: HolderState) -> serde_json::Map<String, Value> {
 fn matched(out: &mut String, m: &HolderMatch) {
     use std::fmt::Write;
     let k = &m.holder;
-    let quoted = |v: &str| Value::from(v).to_string();
+    let quoted = |v: &str| serde_json::to_string(v).unwrap_or_default();
     let _ = write!(
         out,
         "{{\"engine\":{},\"dp_rank\":{},\"medium\":{},\"group\":{},\"state\":\"{}\",\
