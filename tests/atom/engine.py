@@ -23,6 +23,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import stub  # noqa: E402,F401  (before anything imports atom)
 
@@ -43,11 +44,9 @@ def _config(role, model, tp, port, prefix):
         kv.update(json.loads(os.environ.get("KVLINK_ATOM_KV_CONFIG", "{}")))
     from atom.config import ParallelConfig
 
-    import socket
+    from ports import free_port
 
-    with socket.socket() as s:  # the DP engine cores' torch.distributed rendezvous
-        s.bind(("127.0.0.1", 0))
-        dp_port = s.getsockname()[1]
+    dp_port = free_port()  # the DP engine cores' torch.distributed rendezvous
     cfg = Config(
         parallel_config=ParallelConfig(data_parallel_size=int(os.environ.get("KVLINK_ATOM_DP", "1")), data_parallel_master_port=dp_port),
         model=model,

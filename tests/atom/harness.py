@@ -8,7 +8,6 @@ import os
 import queue
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -21,6 +20,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 # Real models' config.json (no weights), shared with the vLLM suite.
 MODELS = os.path.join(os.path.dirname(HERE), "vllm", "models")
+sys.path.insert(0, os.path.dirname(HERE))
+from ports import free_ports  # noqa: E402,F401  (re-exported to the tests)
 SNAPSHOT_NAME = "atom-ffdf3bb5"
 _ROOT: List[str] = []
 
@@ -46,20 +47,6 @@ def snapshot_root() -> str:
         inner = [d for d in os.listdir(dest) if os.path.isdir(os.path.join(dest, d, "atom"))]
         _ROOT.append(os.path.join(dest, inner[0]) if inner else dest)
     return _ROOT[0]
-
-
-def free_ports(count: int) -> int:
-    """A base port with ``count`` free ports from it."""
-    for _ in range(200):
-        base = random.randint(20000, 40000)
-        try:
-            for p in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free ports")
 
 
 class Engine:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
+import sys
 import time
 
 import msgspec
@@ -20,13 +20,10 @@ import zmq
 
 from kvlink.events import Merger, Publisher, Subscriber
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ports import free_port  # noqa: E402
+
 TIMEOUT = 15.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def vllm033():

@@ -2,13 +2,17 @@
 an engine's place under the engine's names, the environment after it, the address policy,
 the engine it builds, the metrics endpoint, the transfer parameters' checks."""
 
-import socket
+import os
+import sys
 import urllib.request
 
 import pytest
 
 import kvlink
 from kvlink import core
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ports import free_port  # noqa: E402
 
 KEY = b"a-deployment-key-of-32-bytes-000"
 
@@ -88,17 +92,11 @@ def test_make_engine_takes_the_settings_and_the_glues_options():
         core.make_engine(core.Settings(request_timeout=0.0), "127.0.0.1:0")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_metrics_served_on_the_ranks_port_when_asked():
     e = core.make_engine(core.Settings(), "127.0.0.1:0")
     try:
         assert core.serve_metrics(core.Settings(), [e], 0) is None
-        base = _free_port()
+        base = free_port()
         server = core.serve_metrics(core.Settings(metrics_port=base - 1), [e], 1)
         assert server is not None and server.server_address == ("127.0.0.1", base)
         try:

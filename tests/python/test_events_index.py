@@ -6,8 +6,9 @@ holds its history: the service, and a Python subscriber with `kvlink.events.Inde
 snapshot and are exact at once."""
 
 import json
+import os
 import signal
-import socket
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -31,13 +32,10 @@ from test_events_interop import (  # noqa: E402, F401 (fixtures)
 
 from kvlink.events import Index, Publisher, Subscriber  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ports import free_port  # noqa: E402
+
 PROMPT = list(range(1000, 1064))  # four blocks of 16
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(port, method, path, body=None):

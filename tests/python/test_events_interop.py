@@ -6,8 +6,8 @@ malformed input. The first tests check the Python peers themselves and need no R
 import json
 import os
 import queue
-import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +22,9 @@ import zmq  # noqa: E402
 
 import events_peers as ep  # noqa: E402
 from events_peers import END_SEQ, PyPublisher, PySubscriber, decode_payload, seq_frame  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ports import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 15.0  # seconds, for anything that should take well under one
@@ -71,9 +74,7 @@ def free_endpoint():
     """A loopback endpoint on a free port, never one already handed out in this session: the
     kernel may give a just-released port again, and two endpoints of one test must differ."""
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         if port not in _GIVEN_PORTS:
             _GIVEN_PORTS.add(port)
             return f"tcp://127.0.0.1:{port}"

@@ -10,7 +10,6 @@ import multiprocessing as mp
 import os
 import random
 import select
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIDE = os.path.join(HERE, "sglang_side.py")
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+from ports import free_port  # noqa: E402  (re-exported to the tests)
 # Every side process is forked from one server process that has imported torch and the SGLang
 # modules a side uses (multiprocessing's forkserver): each side still gets a process of its
 # own, fresh from those imports, without paying them again. The server imports nothing of
@@ -118,12 +119,6 @@ class Side:
             raise subprocess.TimeoutExpired(SIDE, timeout)
         self.proc.join(max(1.0, end - time.monotonic()))
         return texts["out"], texts["err"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def lines(text: str) -> List[Dict[str, Any]]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -34,6 +33,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import mamba_side  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ports import free_port  # noqa: E402
 
 PAGE = 16
 POOL_TOKENS = 8192
@@ -149,12 +151,6 @@ def wrong_kv(pool, alloc, shape: Shape, room: int, slots: torch.Tensor, position
 
 def first_token(room: int) -> int:
     return 1000 + room % 1000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def setup(role: str, plan: Dict[str, Any], rank: int, http_port: int = 30000):

@@ -27,7 +27,10 @@ step, abort, report state.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 import traceback
 from typing import Any, Dict, List, Optional
 
@@ -56,8 +59,6 @@ def model_specs(config, tp: int) -> tuple[Dict[str, Any], Dict[str, str]]:
     What is stubbed: the TP group. The ranks of an engine live in this one process, so the model
     is built in a gloo world of one process whose TP group says it has ``tp`` ranks and that
     this is rank 0 while the layers read their shard sizes; no collective runs."""
-    import socket
-
     from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
@@ -67,10 +68,11 @@ def model_specs(config, tp: int) -> tuple[Dict[str, Any], Dict[str, str]]:
     cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config)
     with set_current_vllm_config(config):
         if not ps.model_parallel_is_initialized():
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            ps.init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
+            # A file rendezvous: a TCP one needs a port chosen before its store binds it,
+            # which another process can take in between.
+            store = tempfile.mkdtemp(prefix="kvlink-gloo-")
+            atexit.register(shutil.rmtree, store, True)
+            ps.init_distributed_environment(1, 0, f"file://{store}/store", 0, "gloo")
             ps.initialize_model_parallel(1)
         group = ps.get_tp_group()
         saved = group.world_size, group.rank_in_group

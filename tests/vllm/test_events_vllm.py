@@ -5,7 +5,6 @@ read by kvlink's subscriber (live and replay), and vLLM's event objects publishe
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,13 +16,10 @@ import zmq
 
 from kvlink.events import Publisher, Subscriber
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ports import free_port  # noqa: E402
+
 N = 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 PUBLISHER = textwrap.dedent(

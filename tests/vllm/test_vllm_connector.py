@@ -18,6 +18,7 @@ from typing import Dict, List
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import engine_process  # noqa: E402
 from harness import (  # noqa: E402
@@ -280,11 +281,9 @@ def test_data_parallel_engines_take_their_own_ports():
     engine's index in data_parallel_index: rank r of engine d listens on port + d * tp + r.
     Two DP prefill engines of TP 2 with one configured port then serve one decode engine each,
     on one host, every byte checked."""
-    import socket
+    from ports import free_ports
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        base = probe.getsockname()[1] + 100
+    base = free_ports(4)
     engines = [Proc(f"dp{d}", extra={"listen": f"127.0.0.1:{base}"}, tp=2, dp_index=d) for d in range(2)]
     decodes = [Proc(f"dp{d}-decode", tp=2) for d in range(2)]
     try:
