@@ -2,8 +2,9 @@
 """KV-event index against Dynamo's: the same prefix-caching trace published over ZeroMQ by
 the same publishers (pyzmq PUB sockets, one per engine, vLLM's framing and map events), read
 by `kvlink-events index` and by Dynamo's standalone indexer (`python -m dynamo.indexer`), one
-after the other; then the same overlap queries over HTTP (one kept-alive connection), and
-in process: kvlink's `kvlink.events.Index` against Dynamo's `RadixTree`.
+after the other (each round, the other first); then the same overlap queries over HTTP to both
+(one kept-alive connection each, a query to one and then the other), and in process: kvlink's
+`kvlink.events.Index` against Dynamo's `RadixTree`.
 
 Prints `ingest: kvlink X events/s, Dynamo Y events/s, Nx`, `query p99: kvlink A us, Dynamo B
 us, Mx` (Dynamo's over kvlink's) for HTTP and in process, and memory per million blocks.
@@ -200,29 +201,39 @@ def ingest(service, pubs, payloads, sentinels, events):
     return events / took, took, sent, service.rss_mb() - before, cpu_ns
 
 
-def http_latency(service, prompts, n):
-    """p50 and p99 of `n` queries over one kept-alive connection, from a lean client: each
-    request's bytes are made before the clock starts and the answer is read, not parsed
-    (http.client and json take about 250 us of this Python's time per query, which would
-    hide both services' own)."""
+def http_latency(services, prompts, n):
+    """Per service, p50 and p99 of `n` queries over one kept-alive connection each, from a lean
+    client: each request's bytes are made before the clock starts and the answer is read, not
+    parsed (http.client and json take about 250 us of this Python's time per query, which
+    would hide both services' own). The services take the same prompts in turn, one query
+    each, so that the machine's slow spells fall on both alike."""
     rnd = random.Random(7)
-    reqs = []
-    for _ in range(n):
-        body = json.dumps({"token_ids": rnd.choice(prompts), **service.extra}).encode()
-        head = "POST /query HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        reqs.append(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    sock = socket.create_connection(("127.0.0.1", service.port), timeout=30)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    lat, buf = [], b""
+    picks = [rnd.choice(prompts) for _ in range(n)]
+    reqs, socks = [], []
     try:
-        for req in reqs:
-            a = time.perf_counter()
-            sock.sendall(req)
-            buf = read_answer(sock, buf)
-            lat.append(time.perf_counter() - a)
+        for svc in services:
+            reqs.append([query_bytes(svc, p) for p in picks])
+            socks.append(socket.create_connection(("127.0.0.1", svc.port), timeout=30))
+            socks[-1].setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        lat: list = [[] for _ in services]
+        bufs = [b""] * len(services)
+        for i in range(n):
+            for j, sock in enumerate(socks):
+                a = time.perf_counter()
+                sock.sendall(reqs[j][i])
+                bufs[j] = read_answer(sock, bufs[j])
+                lat[j].append(time.perf_counter() - a)
     finally:
-        sock.close()
-    return pct(lat)
+        for s in socks:
+            s.close()
+    return [pct(x) for x in lat]
+
+
+def query_bytes(service, tokens):
+    """A `/query` request for `tokens`, whole."""
+    body = json.dumps({"token_ids": tokens, **service.extra}).encode()
+    head = "POST /query HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    return head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
 
 
 def read_answer(sock, buf):
@@ -344,8 +355,12 @@ def main():
     names = ("kvlink",) if a.only_kvlink else ("kvlink", "dynamo")
     runs: dict[str, list] = {name: [] for name in names}
     for r in range(a.rounds):
+        # Each round ingests into one service, then the other (first in turn), and times both
+        # services' queries interleaved.
+        order = names if r % 2 == 0 else names[::-1]
+        got = one_round(a, order, payloads, sentinels, events, prompts, log)
         for name in names:
-            runs[name].append(service_round(a, name, payloads, sentinels, events, prompts, log))
+            runs[name].append(got[name])
             rate, took, sent, mem, lat, cpu = runs[name][-1]
             print(
                 f"round {r + 1}, {name}: {events} events in {took:.2f} s ({rate:,.0f} events/s; the "
@@ -387,25 +402,41 @@ def median(xs):
     return xs[len(xs) // 2]
 
 
-def service_round(a, name, payloads, sentinels, events, prompts, log):
-    """One service (kvlink's or Dynamo's) on fresh publishers: its ingest, then HTTP queries."""
-    pubs = Publishers(a.engines, a.port)
+def one_round(a, order, payloads, sentinels, events, prompts, log):
+    """The services of `order` (kvlink's, Dynamo's), each on fresh publishers of its own and
+    ingesting while the ones before it idle, then their HTTP queries interleaved; per service
+    (rate, took, sent, memory, (p50, p99), CPU per event)."""
+    started, ingested = [], {}
+    try:
+        for k, name in enumerate(order):
+            base = a.port + k * (a.engines + 10)
+            pubs = Publishers(a.engines, base)
+            started.append(pubs)
+            svc = start_service(a, name, pubs, base - 1, log)
+            started.append(svc)
+            ingested[name] = (svc, ingest(svc, pubs, payloads, sentinels, events))
+        lats = http_latency([svc for svc, _ in ingested.values()], prompts, a.queries)
+        out = {}
+        for (name, (_, (rate, took, sent, mem, cpu))), lat in zip(ingested.items(), lats):
+            out[name] = (rate, took, sent, mem, lat, cpu)
+        return out
+    finally:
+        for x in reversed(started):
+            x.close()
+
+
+def start_service(a, name, pubs, port, log):
+    """kvlink's or Dynamo's index service on `port`, following `pubs`."""
     if name == "kvlink":
         specs = [arg for e, ep in enumerate(pubs.endpoints) for arg in ("--engine", f"{e}={ep}")]
-        argv = [a.kvlink_events, "index", "--listen", f"127.0.0.1:{a.port - 1}", *specs]
+        argv = [a.kvlink_events, "index", "--listen", f"127.0.0.1:{port}", *specs]
         extra = {}
     else:
         workers = ",".join(f"{e}={ep}" for e, ep in enumerate(pubs.endpoints))
-        argv = [a.dynamo_python, "-m", "dynamo.indexer", "--port", str(a.port - 1)]
+        argv = [a.dynamo_python, "-m", "dynamo.indexer", "--port", str(port)]
         argv += ["--block-size", str(BS), "--workers", workers]
         extra = {"model_name": "default"}
-    svc = Service(name, argv, a.port - 1, extra, log)
-    try:
-        rate, took, sent, mem, cpu = ingest(svc, pubs, payloads, sentinels, events)
-        return rate, took, sent, mem, http_latency(svc, prompts, a.queries), cpu
-    finally:
-        svc.close()
-        pubs.close()
+    return Service(name, argv, port, extra, log)
 
 
 if __name__ == "__main__":

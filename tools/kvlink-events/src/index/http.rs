@@ -52,7 +52,7 @@ fn post(s: &Arc<Service>, path: &str, b: &Value) -> Result<String, (u16, String)
                 .map(|h| h.as_u64().or_else(|| h.as_i64().map(|i| i as u64)))
                 .collect::<Option<Vec<u64>>>()
                 .ok_or_else(|| bad("block_hashes: a list of integers"))?;
-            let o = s.index.lock().expect("index lock").overlap_hashes(&hashes);
+            let o = s.shards.overlap(|ix| ix.overlap_hashes(&hashes));
             Ok(overlap(&o))
         }
         "/register" => {
@@ -111,10 +111,8 @@ fn query(s: &Arc<Service>, body: &[u8]) -> Result<String, (u16, String)> {
         cache_salt: q.cache_salt,
     };
     let o = s
-        .index
-        .lock()
-        .expect("index lock")
-        .overlap_tokens(&q.token_ids, block_size, &salt);
+        .shards
+        .overlap(|ix| ix.overlap_tokens(&q.token_ids, block_size, &salt));
     Ok(overlap(&o))
 }
 
@@ -191,7 +189,7 @@ fn engines(s: &Arc<Service>) -> Value {
 }
 
 fn dump(s: &Arc<Service>) -> Value {
-    let all = s.index.lock().expect("index lock").dump();
+    let all = s.shards.dump();
     let holders: Vec<Value> = all
         .iter()
         .map(|(k, state, blocks)| {

@@ -21,7 +21,7 @@ pub(super) fn render(s: &Service) -> String {
     let mut out = String::new();
     holders(s, &mut out);
     engines(s, &mut out);
-    let st = s.index.lock().expect("index lock").stats();
+    let st = s.shards.stats();
     for (name, help, v) in [
         (
             "kvlink_index_blocks_stored_total",
@@ -56,7 +56,7 @@ pub(super) fn render(s: &Service) -> String {
 }
 
 fn holders(s: &Service, out: &mut String) {
-    let all = s.index.lock().expect("index lock").holders();
+    let all = s.shards.holders();
     head(
         out,
         "kvlink_index_holder_blocks",

@@ -7,6 +7,7 @@
 mod conn;
 mod http;
 mod metrics;
+mod shards;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -17,6 +18,8 @@ use kvlink_events::{
     HolderState, Index, IndexConfig, Resync, SubItem, Subscriber, SubscriberConfig,
 };
 
+use shards::Shards;
+
 pub(crate) const USAGE: &str = "\
 index     follow engines' streams and answer overlap queries over HTTP
   --listen ADDR         HTTP address (POST /query, /query_by_hash, /register,
@@ -25,7 +28,9 @@ index     follow engines' streams and answer overlap queries over HTTP
   --engines-file F      one engine per line, as --engine (# comments); re-read when it
                         changes: engines added, removed or moved follow it
   --block-size N        tokens per block of /query without block_size        [16]
-  --max-blocks N        blocks the index holds at most                        [16777216]
+  --max-blocks N        blocks the index holds at most, over its shards       [16777216]
+  --shards N            indexes side by side, engines split between them by
+                        name, each ingesting on a thread of its own   [CPUs, at most 8]
   --replay-timeout-ms M time allowed for a replay answer                      [2000]
 ";
 
@@ -56,11 +61,10 @@ pub(crate) struct EngineStats {
 
 /// What the HTTP side and the followers share.
 pub(crate) struct Service {
-    pub(crate) index: Mutex<Index>,
+    pub(crate) shards: Shards,
     pub(crate) engines: Mutex<HashMap<String, Engine>>,
     pub(crate) block_size: u32,
     replay_timeout: Duration,
-    runtime: tokio::runtime::Handle,
 }
 
 struct Opts {
@@ -69,6 +73,7 @@ struct Opts {
     file: Option<std::path::PathBuf>,
     block_size: u32,
     max_blocks: usize,
+    shards: usize,
     replay_timeout_ms: u64,
 }
 
@@ -102,6 +107,7 @@ fn parse(args: &[String]) -> Result<Opts, String> {
         file: None,
         block_size: 16,
         max_blocks: IndexConfig::default().max_blocks,
+        shards: std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
         replay_timeout_ms: 2000,
     };
     let mut it = args.iter();
@@ -121,6 +127,7 @@ fn parse(args: &[String]) -> Result<Opts, String> {
             "--engines-file" => o.file = Some(val()?.into()),
             "--block-size" => o.block_size = num(val()?)?.clamp(1, 1 << 20) as u32,
             "--max-blocks" => o.max_blocks = num(val()?)? as usize,
+            "--shards" => o.shards = num(val()?)?.clamp(1, 64) as usize,
             "--replay-timeout-ms" => o.replay_timeout_ms = num(val()?)?,
             f => return Err(format!("unknown option {f:?}")),
         }
@@ -131,25 +138,19 @@ fn parse(args: &[String]) -> Result<Opts, String> {
 /// Runs the service until SIGINT or SIGTERM.
 pub(crate) fn run(args: &[String]) -> Result<(), String> {
     let o = parse(args)?;
-    // Every subscriber's socket, decode and apply on one thread: the index is applied under
-    // one lock anyway, and one thread keeping its tables in its own core's cache ingests
-    // faster than two taking turns (tools/bench-index.sh: about 400,000 against 290,000
-    // events/s on two vCPUs). HTTP queries run on their own thread.
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .map_err(|e| format!("runtime: {e}"))?;
+    // Each shard's subscribers (socket, decode and apply) on one thread of its own: one
+    // thread keeping its tables in its own core's cache ingests faster than two applying in
+    // turns to one index under its lock (tools/bench-index.sh: about 400,000 against 290,000
+    // events/s on two vCPUs), and shards of their own engines ingest side by side. HTTP
+    // queries run on their connections' threads.
+    let (shards, runtimes) = Shards::new(o.shards, o.max_blocks)?;
+    let rt = runtimes[0].handle().clone();
     let server = listen(&o.listen)?;
     let service = Arc::new(Service {
-        index: Mutex::new(Index::new(IndexConfig {
-            max_blocks: o.max_blocks,
-            ..IndexConfig::default()
-        })),
+        shards,
         engines: Mutex::new(HashMap::new()),
         block_size: o.block_size,
         replay_timeout: Duration::from_millis(o.replay_timeout_ms),
-        runtime: rt.handle().clone(),
     });
     for (name, ep, replay) in &o.engines {
         service.follow(name, ep, replay.clone());
@@ -162,12 +163,14 @@ pub(crate) fn run(args: &[String]) -> Result<(), String> {
     eprintln!("kvlink-events index: listening on http://{}", o.listen);
     http::serve(&server, &service, &stop);
     service.stop_all();
-    let st = service.index.lock().expect("index lock").stats();
+    let st = service.shards.stats();
     eprintln!(
         "kvlink-events index: stopped; {} blocks in {} holders, {} stored, {} removed",
         st.blocks, st.holders, st.stored, st.removed
     );
-    rt.shutdown_timeout(Duration::from_secs(2));
+    for r in runtimes {
+        r.shutdown_timeout(Duration::from_secs(2));
+    }
     Ok(())
 }
 
@@ -213,7 +216,7 @@ impl Service {
             stats: stats.clone(),
             followed: followed.clone(),
         };
-        let task = self.runtime.spawn(follower(f, cfg));
+        let task = self.shards.of(name).runtime.spawn(follower(f, cfg));
         let engine = Engine {
             endpoint: endpoint.to_string(),
             replay,
@@ -234,7 +237,8 @@ impl Service {
             // An aborted task may be in the middle of its poll, about to apply another item.
             e.followed.store(false, Ordering::Release);
             e.task.abort();
-            self.index.lock().expect("index lock").remove_engine(name);
+            let shard = self.shards.of(name);
+            shard.index.lock().expect("index lock").remove_engine(name);
         }
         old.is_some()
     }
@@ -258,7 +262,13 @@ struct Follower {
 impl Follower {
     /// Changes the index (`false`: the engine is no longer followed, nothing was changed).
     fn change(&self, f: impl FnOnce(&mut Index)) -> bool {
-        let mut ix = self.s.index.lock().expect("index lock");
+        let mut ix = self
+            .s
+            .shards
+            .of(&self.name)
+            .index
+            .lock()
+            .expect("index lock");
         let followed = self.followed.load(Ordering::Acquire);
         if followed {
             f(&mut ix);
