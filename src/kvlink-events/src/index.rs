@@ -131,6 +131,36 @@ pub struct IndexStats {
     pub snapshots: u64,
 }
 
+impl std::ops::AddAssign for IndexStats {
+    /// Adds another index's counts (indexes side by side, as a service's shards).
+    fn add_assign(&mut self, o: IndexStats) {
+        // Taken apart whole: a counter added to the struct is a compile error here until
+        // it is added up too.
+        let IndexStats {
+            blocks,
+            holders,
+            stored,
+            removed,
+            unknown_removed,
+            unknown_parent,
+            dropped,
+            losses,
+            restarts,
+            snapshots,
+        } = o;
+        self.blocks += blocks;
+        self.holders += holders;
+        self.stored += stored;
+        self.removed += removed;
+        self.unknown_removed += unknown_removed;
+        self.unknown_parent += unknown_parent;
+        self.dropped += dropped;
+        self.losses += losses;
+        self.restarts += restarts;
+        self.snapshots += snapshots;
+    }
+}
+
 /// The index (see the module's documentation).
 #[derive(Debug)]
 pub struct Index {

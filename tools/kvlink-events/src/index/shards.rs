@@ -80,17 +80,7 @@ impl Shards {
     pub(crate) fn stats(&self) -> IndexStats {
         let mut t = IndexStats::default();
         for s in &self.all {
-            let x = s.index.lock().expect("index lock").stats();
-            t.blocks += x.blocks;
-            t.holders += x.holders;
-            t.stored += x.stored;
-            t.removed += x.removed;
-            t.unknown_removed += x.unknown_removed;
-            t.unknown_parent += x.unknown_parent;
-            t.dropped += x.dropped;
-            t.losses += x.losses;
-            t.restarts += x.restarts;
-            t.snapshots += x.snapshots;
+            t += s.index.lock().expect("index lock").stats();
         }
         t
     }
