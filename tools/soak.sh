@@ -28,7 +28,7 @@ while [ $# -gt 0 ]; do
 done
 
 tools/deps.sh
-cargo build -p kvlink-soak --quiet
+cargo build --workspace --bin kvlink-soak --quiet
 bin="$repo/target/debug/kvlink-soak"
 if [ -n "$fleet" ]; then
   if [ "$vm" = 1 ]; then

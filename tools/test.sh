@@ -16,6 +16,8 @@
 #                  real model (transformers' Llama) on the CPU, tokens compared (.venv-vllm)
 #   vm             the RDMA tests for real inside a SoftRoCE VM (tools/softroce/run.sh), then a
 #                  75-second fault soak and a 4 x 4 fleet run over RDMA in the same boot
+# soak and atom run beside the others, one after the other, once python has built what they
+# need (the side lane below); their output comes at the end.
 # It installs what it needs: tools/deps.sh first, then everything else (PyPI into the venvs,
 # the VM's packages and kernel) in the background (tools/test/prepare.sh) while the Rust parts
 # build and run; a part that needs an install waits for it (lib.sh's `prepared`).
@@ -95,13 +97,59 @@ run_part() {
   fi
 }
 
+# The side lane: vLLM's model-info caches filled (tools/test/vllm-warm.sh), then the parts that
+# wait far more than they compute, one after another, beside the others from when SIDE_AFTER
+# has ended (it builds what they need: the wheel, the workspace's programs). ATOM's tests
+# mostly wait on its engines' start-ups, 5-second metrics pushes and shut-downs (its engine
+# cores' idle polling runs at the lowest priority, tests/atom/engine.py); the soak and the fleet
+# run for a set time. Two cores are then kept busy where one part alone left one idle. Their
+# output is kept in target/test-logs/side.log and shown at the end.
+SIDE_PARTS="soak atom"
+SIDE_AFTER=python
+side_pid=""
+in_side() { case " $SIDE_PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+start_side() {
+  local part run=() warm=()
+  for part in $SIDE_PARTS; do has "$part" && run+=("$part"); done
+  has vllm32 && warm+=(old)
+  has vllm33 && warm+=(new)
+  [ $((${#run[@]} + ${#warm[@]})) -gt 0 ] || return 0
+  mkdir -p target/test-logs
+  echo "test: beside the other parts (output at the end):${warm[*]:+ the vLLM model caches warmed,} ${run[*]}"
+  (
+    [ ${#warm[@]} -eq 0 ] || bash tools/test/vllm-warm.sh "${warm[@]}"
+    for part in "${run[@]}"; do run_part "$part"; done
+  ) >target/test-logs/side.log 2>&1 &
+  side_pid=$!
+}
+# The side lane and everything it started, when the command stops early.
+kill_tree() {
+  local child
+  for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do kill_tree "$child"; done
+  kill "$1" 2>/dev/null || true
+}
+stop_all() {
+  stop_prepare
+  if [ -n "$side_pid" ]; then kill_tree "$side_pid"; fi
+}
+trap stop_all EXIT
+
 for part in $ALL_PARTS; do
-  if has "$part"; then
-    run_part "$part"
-  else
+  if ! has "$part"; then
     tally skip --part "$part" --label "$part" --why "left out by KVLINK_TEST_PARTS"
+  elif ! in_side "$part"; then
+    run_part "$part"
   fi
+  if [ "$part" = "$SIDE_AFTER" ]; then start_side; fi
 done
+if [ -n "$side_pid" ]; then
+  wait_side=$SECONDS
+  wait "$side_pid" || true
+  side_pid=""
+  echo "test: the output of the parts run beside the others ($SIDE_PARTS):"
+  cat target/test-logs/side.log
+  echo "test: waited $((SECONDS - wait_side)) s for them at the end"
+fi
 wait_prepare=$SECONDS
 [ -n "$prepare_pid" ] && wait "$prepare_pid" 2>/dev/null
 for mark in target/prepare/*; do

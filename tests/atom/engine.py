@@ -64,6 +64,46 @@ def _config(role, model, tp, port, prefix):
     return cfg
 
 
+def _children(pid):
+    """The process ids whose parent is ``pid`` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _engine_cores_yield():
+    """ATOM's EngineCore polls its queues without ever blocking while it has nothing to do
+    (``EngineCore.busy_loop`` in engine_core.py): where it is deployed it has a core of its
+    own. These tests start two to three of them on a machine of two cores, where their idle
+    polling takes the CPU the TP workers, the drivers and the test need, and a test takes
+    several times as long. Each EngineCore (found by the title ATOM gives it) is set to the
+    lowest priority, nice 19, every thread: it still gets every cycle nobody else wants, and its
+    code is untouched."""
+    found, todo = 0, _children(os.getpid())
+    while todo:
+        pid = todo.pop()
+        todo += _children(pid)
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if not f.read().startswith(b"ATOM::EngineCore"):
+                    continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.setpriority(os.PRIO_PROCESS, int(tid), 19)
+            found += 1
+        except OSError:
+            continue
+    if not found:
+        print("engine.py: no process titled ATOM::EngineCore found to lower its priority", file=sys.stderr)
+
+
 def main():
     role, model, tp, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     from atom.model_engine.engine_core_mgr import CoreManager
@@ -73,6 +113,7 @@ def main():
     cfg = _config(role, model, tp, port, "--prefix-cache" in sys.argv)
     mgr_block_size, dp_size = cfg.kv_cache_block_size, cfg.parallel_config.data_parallel_size
     mgr = CoreManager(cfg)
+    _engine_cores_yield()
     keys = {}
 
     def outputs():

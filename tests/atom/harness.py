@@ -119,19 +119,6 @@ class Engine:
     def abort(self, key: str) -> None:
         self.send(op="abort", key=key)
 
-    def idle(self, timeout: float = 30) -> Dict[str, Any]:
-        """Waits until ATOM's own metrics show, on every DP rank, every block free and the
-        connector waiting for nothing; returns DP rank 0's. Fails with the last ones seen."""
-        deadline, last = time.monotonic() + timeout, None
-        while time.monotonic() < deadline:
-            self.send(op="metrics")
-            ranks = self._next("metrics", None, 20)["metrics"]
-            if all(m is not None for m in ranks):
-                last = ranks
-                if all(_idle(m) for m in ranks):
-                    return ranks[0]
-        raise AssertionError(f"{self.name}: blocks or transfers still held after {timeout} s: {last}\n{self.tail()}")
-
     def kv_errors(self) -> List[str]:
         out = []
         for f in sorted(os.listdir(self.errors)):
@@ -147,15 +134,53 @@ class Engine:
             pass
         self.proc.wait(10)
 
-    def close(self) -> None:
+    def quit(self) -> None:
+        """Asks the engine to shut down (ATOM's ``CoreManager.close``); ``close`` waits for it."""
         if self.proc.poll() is None:
             try:
                 self.send(op="quit")
-                self.proc.wait(30)
-            except (OSError, subprocess.TimeoutExpired):
+            except OSError:
                 pass
+
+    def close(self) -> None:
+        self.quit()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
         self.kill()
         self.log.close()
+
+
+def close_all(*engines: Engine) -> None:
+    """Shuts the engines down side by side (each takes seconds to stop its processes)."""
+    for e in engines:
+        e.quit()
+    for e in engines:
+        e.close()
+
+
+def idle_all(*engines: Engine, timeout: float = 30) -> List[Dict[str, Any]]:
+    """Waits until ATOM's own metrics show, on every DP rank of every engine, every block free
+    and the connector waiting for nothing; returns each engine's DP rank 0 metrics. The engines
+    are asked together: each answer waits for its next metrics push (every 5 s). Fails with
+    the last metrics seen."""
+    deadline, last = time.monotonic() + timeout, {}
+    done: Dict[str, Dict[str, Any]] = {}
+    while time.monotonic() < deadline and len(done) < len(engines):
+        waiting = [e for e in engines if e.name not in done]
+        for e in waiting:
+            e.send(op="metrics")
+        for e in waiting:
+            ranks = e._next("metrics", None, 20)["metrics"]
+            if all(m is not None for m in ranks):
+                last[e.name] = ranks
+                if all(_idle(m) for m in ranks):
+                    done[e.name] = ranks[0]
+    for e in engines:
+        if e.name not in done:
+            raise AssertionError(f"{e.name}: blocks or transfers still held after {timeout} s: {last.get(e.name)}\n{e.tail()}")
+    return [done[e.name] for e in engines]
 
 
 def _idle(m: Dict[str, Any]) -> bool:

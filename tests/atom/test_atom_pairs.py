@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import pytest
 
 import kvmodel
-from harness import Engine, free_ports, prompt
+from harness import Engine, close_all, free_ports, idle_all, prompt
 
 LLAMA, DEEPSEEK = "llama-3.1-8b", "deepseek-v2-lite"
 
@@ -32,8 +32,7 @@ def pair(tmp_path, model=LLAMA, ptp=1, dtp=1, prefix=False, penv=None, denv=None
         P.tp = ptp
         yield P, D
     finally:
-        P.close()
-        D.close()
+        close_all(P, D)
 
 
 def prefill(P, key, tokens, max_tokens=1):
@@ -56,7 +55,7 @@ def settle(*engines, fallbacks=0):
     """Every engine idle: blocks back, nothing pending; no forward saw a wrong KV byte. On the
     decode (the last engine), every read completed except ``fallbacks`` (a local prefill
     computes the same tokens, so tokens alone cannot tell a read from a fallback)."""
-    metrics = [e.idle() for e in engines]
+    metrics = idle_all(*engines)
     for e in engines:
         assert e.kv_errors() == [], f"{e.name}: {e.kv_errors()}"
     c = counters(metrics[-1])

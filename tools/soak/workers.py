@@ -3,6 +3,7 @@ resumed, and measured from /proc."""
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -42,11 +43,30 @@ def flatten(rows):
             yield from flatten(r)
 
 
+# From the OS: the soak's own generator is seeded for replay, and must not decide ports.
+_RANDOM = random.SystemRandom()
+
+
 def free_port(host="127.0.0.1"):
-    """A port nothing listens on now (the engine binds it with SO_REUSEADDR)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now (the engine binds it with SO_REUSEADDR, so that a prefill
+    restarted on it gets it back). Drawn at random from below the ephemeral range, where no
+    outgoing connection of a busy machine takes it before the engine binds it (a port from
+    bind(0) is in that range), and checked by binding it without SO_REUSEADDR."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    for _ in range(1000):
+        port = _RANDOM.randrange(20000, max(low, 21000))
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port on {host} between 20000 and {low}")
 
 
 class Worker:

@@ -15,6 +15,6 @@ if ! prepared vllm-old || ! use_wheel .venv-vllm; then
     --why "torch and transformers (.venv-vllm) are missing: $(prepared_why vllm-old)"
   exit 0
 fi
-cargo build -q -p kvlink-bench
+cargo build -q --workspace --bin kvlink-bench
 export KVLINK_GPU_PYTHON="$repo/.venv-vllm/bin/python" KVLINK_GPU_BENCH="$repo/target/debug/kvlink-bench"
 logged_part check gpu "$label" "$MIN_GPU" fail "" tools/gpu-check.sh --cpu-only

@@ -2,6 +2,11 @@
 # Test command part "host": every Rust test of the workspace on this machine, then the
 # transfer suites again with every engine keyed. Tests that need a device this machine lacks
 # (RDMA, CUDA) report a skip (tests/common's `skip`) and are counted as skipped.
+#
+# Every cargo command of the test command names --workspace: cargo resolves features over the
+# packages it is asked for, so `-p kvlink` or `-p kvlink-soak` would build kvlink, tokio and
+# the rest a second time with other features (minutes here). With --workspace each later part
+# finds its binaries built by this one.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 MIN_HOST=160
@@ -17,5 +22,8 @@ cargo_part host host "$MIN_HOST" count \
 # engines).
 echo "test: cargo test with a deployment key (KVLINK_AUTH_KEY; transfer suites)"
 cargo_part keyed "host, every engine keyed" "$MIN_KEYED" count "" \
-  env KVLINK_AUTH_KEY=test-suite-deployment-key-0123456789 cargo test -p kvlink --no-fail-fast \
+  env KVLINK_AUTH_KEY=test-suite-deployment-key-0123456789 cargo test --workspace --no-fail-fast \
   --test e2e_tcp --test two_process --test gpu --test hetero_tp --test local
+
+echo "test: the workspace's programs (kvlink-soak, kvlink-bench, kvlink-events) for the parts after this one"
+cargo build --workspace --bins --quiet

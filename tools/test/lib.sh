@@ -17,6 +17,12 @@ ATOM_EXTRAS="xxhash==4.1.0"
 # The Python checks (pychecks.sh): ruff and mypy, into .venv-vllm beside vLLM's types.
 PY_CHECKERS="ruff==0.17.6 mypy==2.4.1"
 
+# vLLM's kernel library, humming, starts two interpreters in the background from every process
+# that imports it (``build_humming_launcher_in_bg``, ``nvrtc``) to pre-build its CUDA launcher;
+# on a machine without CUDA they import torch and fail, and the vLLM tests start dozens of such
+# processes. Its own switch turns the pre-build off; a kernel still builds when first used.
+export HUMMING_DISABLE_PARALLEL_BUILD=1
+
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
 export KVLINK_TALLY=${KVLINK_TALLY:-$repo/target/test-tally.jsonl}

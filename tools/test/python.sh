@@ -11,7 +11,7 @@ if ! prepared venv; then
   exit 0
 fi
 # The KV-event interop tests drive this tool against Python peers.
-cargo build -p kvlink-events-cli --quiet
+cargo build --workspace --bin kvlink-events --quiet
 export KVLINK_EVENTS_BIN="$repo/target/debug/kvlink-events"
 export CARGO_TARGET_DIR="$repo/target/python"
 cargo fmt --manifest-path ffi/python/Cargo.toml -- --check

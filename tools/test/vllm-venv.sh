@@ -24,6 +24,7 @@ vllm_venv() {
   fi
   if [ "$(cat "$venv/kvlink-venv" 2>/dev/null)" = "$stamp" ] \
       && "$venv/bin/python" -c "import sys, vllm; sys.exit(vllm.__version__ != '${pin#vllm==}')" 2>/dev/null; then
+    vllm_own_cache "$venv"
     return 0
   fi
   rm -rf "$venv"
@@ -48,4 +49,16 @@ vllm_venv() {
     return 1
   fi
   echo "$stamp" > "$venv/kvlink-venv"
+  vllm_own_cache "$venv"
+}
+
+# vllm_own_cache VENV: VENV's interpreters keep vLLM's cache in VENV/vllm-cache
+# (VLLM_CACHE_ROOT, unless set): both releases name their model-info cache files alike, each
+# with its own module hash inside, so with one cache the two suites would empty each other's.
+# A .pth file sets it; its name sorts before the layering's, so a layered venv's own comes first.
+vllm_own_cache() {
+  local venv site
+  venv=$(cd "$1" && pwd)
+  site=$(echo "$venv"/lib/python3*/site-packages)
+  echo "import os; os.environ.setdefault('VLLM_CACHE_ROOT', '$venv/vllm-cache')" >"$site/kvlink-vllm-cache.pth"
 }

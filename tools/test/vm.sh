@@ -16,13 +16,13 @@ if [ "${KVLINK_SKIP_VM:-0}" = 1 ]; then
   exit 0
 fi
 echo "test: RDMA tests and a fault soak inside the SoftRoCE VM"
-bins=$(cargo test --test rdma --test rdma_holds --test rdma_rails --no-run --message-format=json 2>/dev/null | python3 -c '
+bins=$(cargo test --workspace --test rdma --test rdma_holds --test rdma_rails --no-run --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:
     d = json.loads(line)
     if d.get("reason") == "compiler-artifact" and d.get("executable") and d["target"]["name"] in ("rdma", "rdma_holds", "rdma_rails"):
         print(d["executable"])')
-if [ "$(printf '%s\n' "$bins" | grep -c .)" != 3 ] || ! cargo build -p kvlink-soak --quiet; then
+if [ "$(printf '%s\n' "$bins" | grep -c .)" != 3 ] || ! cargo build --workspace --bin kvlink-soak --quiet; then
   tally fail --part vm --label "$label" --why "the three rdma test binaries or kvlink-soak could not be built"
   exit 0
 fi
