@@ -10,6 +10,7 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::rdma::VM_KEEPALIVE;
 use common::*;
 use kvlink::{ModelShape, RdmaSettings, TransportChoice};
 
@@ -123,6 +124,7 @@ fn rdma_two_devices_stripe_fail_over_and_come_back() {
         // The confirmation's round trip is bounded by it: in a loaded VM, 500 ms was not
         // always enough (the verdict must not depend on the machine's speed).
         c.handshake_timeout = Duration::from_secs(10);
+        c.keepalive = VM_KEEPALIVE;
     });
     let shape = ModelShape::DEEPSEEK_V3_MLA;
     let seed = 0x2A11;
@@ -220,6 +222,7 @@ fn rdma_a_reader_with_fewer_devices_pairs_with_the_first() {
                 ..RdmaSettings::default()
             };
             c.handshake_timeout = Duration::from_secs(10);
+            c.keepalive = VM_KEEPALIVE;
         })
     };
     let shape = ModelShape::DEEPSEEK_V3_MLA;
