@@ -4,8 +4,8 @@
 # and the total, and exits non-zero unless every part passed:
 #   checks         layers, cycles, format, lint (a failure stops the command at once)
 #   host           every Rust test on this machine, then the transfer suites with a key
-#   soak           a 60-second fault soak and a 16 x 16 fleet run on this host (tools/soak.sh)
 #   python         the Python wheel (maturin, into .venv) and its tests
+#   soak           a 60-second fault soak and a 16 x 16 fleet run on this host (tools/soak.sh)
 #   pychecks       ruff (lint, format) and mypy over the Python package and tools (.venv-vllm)
 #   vllm32         the vLLM connector through vLLM 0.32's own Scheduler (.venv-vllm)
 #   sglang         the SGLang backend through SGLang's own queues (.venv-vllm)
@@ -16,8 +16,8 @@
 #                  real model (transformers' Llama) on the CPU, tokens compared (.venv-vllm)
 #   vm             the RDMA tests for real inside a SoftRoCE VM (tools/softroce/run.sh), then a
 #                  75-second fault soak and a 4 x 4 fleet run over RDMA in the same boot
-# soak and atom run beside the others, one after the other, once python has built what they
-# need (the side lane below); their output comes at the end.
+# atom runs beside the others once python has built the wheel, after the vLLM model caches are
+# warmed there (the side lane below); vm waits for it to end, and runs alone.
 # It installs what it needs: tools/deps.sh first, then everything else (PyPI into the venvs,
 # the VM's packages and kernel) in the background (tools/test/prepare.sh) while the Rust parts
 # build and run; a part that needs an install waits for it (lib.sh's `prepared`).
@@ -34,7 +34,7 @@
 # no tests must not look green.
 set -euo pipefail
 
-ALL_PARTS="checks host soak python pychecks vllm32 sglang atom vllm33 engine-events gpu vm"
+ALL_PARTS="checks host python soak pychecks vllm32 sglang atom vllm33 engine-events gpu vm"
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
 parts=${KVLINK_TEST_PARTS:-$ALL_PARTS}
@@ -99,13 +99,16 @@ run_part() {
 
 # The side lane: vLLM's model-info caches filled (tools/test/vllm-warm.sh), then the parts that
 # wait far more than they compute, one after another, beside the others from when SIDE_AFTER
-# has ended (it builds what they need: the wheel, the workspace's programs). ATOM's tests
-# mostly wait on its engines' start-ups, 5-second metrics pushes and shut-downs (its engine
-# cores' idle polling runs at the lowest priority, tests/atom/engine.py); the soak and the fleet
-# run for a set time. Two cores are then kept busy where one part alone left one idle. Their
-# output is kept in target/test-logs/side.log and shown at the end.
-SIDE_PARTS="soak atom"
+# has ended (it builds the wheel). ATOM's tests mostly wait on its engines' start-ups, 5-second
+# metrics pushes and shut-downs (its engine cores' idle polling runs at the lowest priority,
+# tests/atom/engine.py), and the model caches' warm-up waits on one interpreter at a time per
+# model. Two cores are then kept busy where one part alone (mypy, a suite's one driving process)
+# left one idle. The lane's output is kept in target/test-logs/side.log and shown when it has
+# ended, which the main lane waits for before SIDE_BEFORE: the VM emulates its CPUs, and its
+# soak, starved beside the ATOM suite, once could not tell a slow recovery from none.
+SIDE_PARTS="atom"
 SIDE_AFTER=python
+SIDE_BEFORE=vm
 side_pid=""
 in_side() { case " $SIDE_PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 start_side() {
@@ -115,7 +118,7 @@ start_side() {
   has vllm33 && warm+=(new)
   [ $((${#run[@]} + ${#warm[@]})) -gt 0 ] || return 0
   mkdir -p target/test-logs
-  echo "test: beside the other parts (output at the end):${warm[*]:+ the vLLM model caches warmed,} ${run[*]}"
+  echo "test: beside the other parts (output before vm):${warm[*]:+ the vLLM model caches warmed,} ${run[*]}"
   (
     [ ${#warm[@]} -eq 0 ] || bash tools/test/vllm-warm.sh "${warm[@]}"
     for part in "${run[@]}"; do run_part "$part"; done
@@ -134,7 +137,19 @@ stop_all() {
 }
 trap stop_all EXIT
 
+# end_side: waits for the side lane, if it runs, and shows its output.
+end_side() {
+  [ -n "$side_pid" ] || return 0
+  local t0=$SECONDS
+  wait "$side_pid" || true
+  side_pid=""
+  echo "test: the output of the side lane (vLLM's model caches, $SIDE_PARTS):"
+  cat target/test-logs/side.log
+  echo "test: waited $((SECONDS - t0)) s for the side lane"
+}
+
 for part in $ALL_PARTS; do
+  if [ "$part" = "$SIDE_BEFORE" ]; then end_side; fi
   if ! has "$part"; then
     tally skip --part "$part" --label "$part" --why "left out by KVLINK_TEST_PARTS"
   elif ! in_side "$part"; then
@@ -142,14 +157,7 @@ for part in $ALL_PARTS; do
   fi
   if [ "$part" = "$SIDE_AFTER" ]; then start_side; fi
 done
-if [ -n "$side_pid" ]; then
-  wait_side=$SECONDS
-  wait "$side_pid" || true
-  side_pid=""
-  echo "test: the output of the parts run beside the others ($SIDE_PARTS):"
-  cat target/test-logs/side.log
-  echo "test: waited $((SECONDS - wait_side)) s for them at the end"
-fi
+end_side
 wait_prepare=$SECONDS
 [ -n "$prepare_pid" ] && wait "$prepare_pid" 2>/dev/null
 for mark in target/prepare/*; do

@@ -51,11 +51,11 @@ prepare_venv() {
 prepare_vllm_old() {
   vllm_venv .venv-vllm "$VLLM_OLD_PIN" "" || return 1
   if ! .venv-vllm/bin/python -c "import sys; from importlib.metadata import version; sys.exit(version('sglang') != '${SGLANG_PIN#sglang==}')" 2>/dev/null; then
-    PIP_NO_CACHE_DIR=1 .venv-vllm/bin/pip install -q --disable-pip-version-check --no-compile --no-deps "$SGLANG_PIN" \
+    PIP_NO_CACHE_DIR=1 .venv-vllm/bin/pip install -q --disable-pip-version-check --no-deps "$SGLANG_PIN" \
       || { echo "$SGLANG_PIN could not be installed into .venv-vllm"; return 1; }
   fi
   # shellcheck disable=SC2086 # the extras are several requirements
-  PIP_NO_CACHE_DIR=1 .venv-vllm/bin/pip install -q --disable-pip-version-check --no-compile $SGLANG_EXTRAS $ATOM_EXTRAS \
+  PIP_NO_CACHE_DIR=1 .venv-vllm/bin/pip install -q --disable-pip-version-check $SGLANG_EXTRAS $ATOM_EXTRAS \
     $PY_CHECKERS || { echo "$SGLANG_EXTRAS $ATOM_EXTRAS $PY_CHECKERS could not be installed into .venv-vllm"; return 1; }
 }
 

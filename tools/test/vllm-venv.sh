@@ -7,9 +7,8 @@
 # wants already there and installs only the others (torch, vLLM and a few more: about 4.5 GB)
 # into VENV, whose own site-packages come first. A layered VENV records BASE's package list and
 # is rebuilt when that list changes. Nothing is kept in pip's cache (the wheels would take as
-# much again), and nothing is byte-compiled at install (--no-compile): of some 40,000 modules the
-# suites import a fraction, which Python compiles on first import, while compiling them all took
-# about two minutes of CPU from the Rust build running beside the installs.
+# much again). (Installing without byte-compiling, --no-compile, made the whole run slower: the
+# modules were compiled on first import in the suites and the model-cache warm-up instead.)
 vllm_venv() {
   local venv=$1 pin=$2 base=${3:-} stamp
   if [ -n "$base" ] && ! "$base/bin/python" -c "import vllm" 2>/dev/null; then
@@ -45,7 +44,7 @@ vllm_venv() {
     # Named to sort last: VENV's own .pth files run first; BASE's run inside addsitedir.
     echo "import site; site.addsitedir('$below')" > "$own/zz-kvlink-base.pth"
   fi
-  if ! PIP_NO_CACHE_DIR=1 "$venv/bin/pip" install -q --disable-pip-version-check --no-compile "$pin" pytest; then
+  if ! PIP_NO_CACHE_DIR=1 "$venv/bin/pip" install -q --disable-pip-version-check "$pin" pytest; then
     echo "test: installing $pin from the package registry failed (output above): its vLLM connector tests cannot run" >&2
     rm -rf "$venv"
     return 1
