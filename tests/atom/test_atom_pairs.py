@@ -139,12 +139,21 @@ def test_failed_read_falls_back_to_a_local_prefill(tmp_path):
         settle(P, D, fallbacks=1)
 
 
-def test_parameters_not_from_kvlink_are_refused_and_the_prefill_told(tmp_path):
-    """Parameters without kvlink's hold (another connector's prefill): computed locally, and
-    the prefill frees its blocks at once (told by the decode) rather than at its abort timeout.
-    A request sent to the prefill without ``do_remote_decode`` is never held, and ATOM (which
-    parks every request a producer finishes) frees it too."""
-    with pair(tmp_path) as (P, D):
+class TestOneDefaultPair:
+    """Tests on one pair of default engines (one engine start-up, about 20 s of two cores,
+    for both); the dead prefill's test kills the prefill, so it comes last."""
+
+    @pytest.fixture(scope="class")
+    def engines(self, tmp_path_factory):
+        with pair(tmp_path_factory.mktemp("default-pair")) as engines:
+            yield engines
+
+    def test_parameters_not_from_kvlink_are_refused_and_the_prefill_told(self, engines):
+        """Parameters without kvlink's hold (another connector's prefill): computed locally,
+        and the prefill frees its blocks at once (told by the decode) rather than at its abort
+        timeout. A request sent to the prefill without ``do_remote_decode`` is never held, and
+        ATOM (which parks every request a producer finishes) frees it too."""
+        P, D = engines
         plain = prompt(41, 20)
         P.add("plain", plain, 3)
         r = P.result("plain")
@@ -157,9 +166,8 @@ def test_parameters_not_from_kvlink_are_refused_and_the_prefill_told(tmp_path):
         _, d = settle(P, D)
         assert counters(d)["refused"] == 1 and counters(d)["reads"] == 0, counters(d)
 
-
-def test_dead_prefill(tmp_path):
-    with pair(tmp_path) as (P, D):
+    def test_dead_prefill(self, engines):
+        P, D = engines
         p = prompt(50, 60)
         params = prefill(P, "d", p)
         P.kill()
@@ -167,6 +175,7 @@ def test_dead_prefill(tmp_path):
         r = decode(D, "d", p, params)
         assert r["tokens"] == kvmodel.expected(p, 6), r
         assert time.monotonic() - t < 30
+        # The test before it on this pair ends with no fallback (its settle checks so).
         settle(D, fallbacks=1)
 
 

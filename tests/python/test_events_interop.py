@@ -99,8 +99,12 @@ class Cli:
         self._stderr = []
         self._stderr_done = False
         self._cond = threading.Condition()
-        threading.Thread(target=self._pump_stdout, daemon=True).start()
-        threading.Thread(target=self._pump_stderr, daemon=True).start()
+        self._pumps = [
+            threading.Thread(target=self._pump_stdout, daemon=True),
+            threading.Thread(target=self._pump_stderr, daemon=True),
+        ]
+        for t in self._pumps:
+            t.start()
 
     def _pump_stdout(self):
         for line in self.proc.stdout:
@@ -182,6 +186,10 @@ class Cli:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=TIMEOUT)
+        # The pumps read to the pipes' end (the process is gone) before the pipes are closed
+        # under them.
+        for t in self._pumps:
+            t.join(timeout=TIMEOUT)
         for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             try:
                 pipe.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
+import signal
 import sys
 import time
 from typing import Any, Dict, List, Optional
@@ -52,6 +53,31 @@ PRELOAD = [
     "vllm.model_executor.models",
     "preload_models",
 ]
+
+
+def freeze(proc: "Proc", limit: float = 10.0) -> None:
+    """Stops every thread of ``proc``'s process (SIGSTOP) and returns once all of them are
+    stopped. The kernel delivers the stop to one thread, which stops the others only when it
+    next runs: on a busy machine another thread (kvlink's data server, woken by a request)
+    can run for a while after ``kill`` returned, so a test that needs the process silent
+    waits for every thread's state to read stopped."""
+    pid = proc.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    end = time.monotonic() + limit
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:  # the thread ended meanwhile
+                continue
+            states.append(stat[stat.rindex(")") + 2])
+        if states and all(s in "tT" for s in states):
+            return
+        if time.monotonic() > end:
+            raise AssertionError(f"{proc.name}: not every thread stopped within {limit} s of SIGSTOP: {states}")
+        time.sleep(0.005)
 
 
 def _context() -> Any:

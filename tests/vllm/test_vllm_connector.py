@@ -26,6 +26,7 @@ from harness import (  # noqa: E402
     Proc,
     assert_no_leak,
     close,
+    freeze,
     pair_of,
     run_prefill,
     step_until,
@@ -142,7 +143,7 @@ def test_decode_aborted_while_reading_is_cancelled(pair):
     params = run_prefill(prefill, {"ab-1": prompt})
     before = decode.call("state")["engine_stats"]
     # Freeze the prefill process: the decode's read is sent and never answered.
-    os.kill(prefill.proc.pid, signal.SIGSTOP)
+    freeze(prefill)
     try:
         decode.call("add", "d-ab-1", prompt, 4, params["ab-1"])
         # Steps until the scheduler has handed the read to the worker, then aborts at once.

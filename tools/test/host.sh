@@ -25,5 +25,8 @@ cargo_part keyed "host, every engine keyed" "$MIN_KEYED" count "" \
   env KVLINK_AUTH_KEY=test-suite-deployment-key-0123456789 cargo test --workspace --no-fail-fast \
   --test e2e_tcp --test two_process --test gpu --test hetero_tp --test local
 
-echo "test: the workspace's programs (kvlink-soak, kvlink-bench, kvlink-events) for the parts after this one"
+# The benchmarks are not run here, but built (and so linted: lib.sh) as `clippy --all-targets`
+# would check them; then the programs the parts after this one run.
+echo "test: the benchmarks built (not run), and the workspace's programs (kvlink-soak, kvlink-bench, kvlink-events) for the parts after this one"
+cargo test --workspace --benches --no-run --quiet
 cargo build --workspace --bins --quiet

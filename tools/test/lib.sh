@@ -23,6 +23,22 @@ PY_CHECKERS="ruff==0.17.6 mypy==2.4.1"
 # processes. Its own switch turns the pre-build off; a kernel still builds when first used.
 export HUMMING_DISABLE_PARALLEL_BUILD=1
 
+# Lint as the code is built: clippy-driver compiles every crate of the workspace being built
+# (rustc with clippy's lints; dependencies get plain rustc), and CLIPPY_ARGS (what `cargo clippy
+# -- -D warnings` hands it) makes any lint an error. One compile of the workspace gives both the
+# test binaries and `cargo clippy --all-targets -D warnings`, where a separate `cargo clippy`
+# type-checked every crate and dependency a second time (about 85 s of 2 cores on a clean
+# checkout, and as much for the Python extension). Every cargo command of the test command runs
+# with these (they are part of what cargo fingerprints), so none rebuilds another's crates; the
+# checks part proves that a lint still fails the build (lint_probe).
+if clippy_driver=$(command -v clippy-driver); then
+  export RUSTC_WORKSPACE_WRAPPER=$clippy_driver
+  export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
+else
+  echo "test: clippy-driver not found (rustup component add clippy)" >&2
+  exit 1
+fi
+
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
 export KVLINK_TALLY=${KVLINK_TALLY:-$repo/target/test-tally.jsonl}
@@ -119,4 +135,25 @@ use_wheel() {
     "$venv/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps "$wheel" \
       && echo "$sum" >"$venv/kvlink-wheel"
   ) 9>"$venv/.kvlink-wheel.lock"
+}
+
+# lint_probe: builds a one-function crate with an unneeded `return` under the test command's
+# compiler settings, and fails unless clippy refused it: the builds really lint.
+lint_probe() {
+  local dir out
+  dir=$(mktemp -d)
+  mkdir -p "$dir/src"
+  printf '[package]\nname = "lint-probe"\nversion = "0.0.0"\nedition = "2021"\n[workspace]\n' >"$dir/Cargo.toml"
+  printf 'pub fn probe() -> u32 {\n    return 1;\n}\n' >"$dir/src/lib.rs"
+  if out=$(CARGO_TARGET_DIR="$dir/target" cargo build --quiet --manifest-path "$dir/Cargo.toml" 2>&1); then
+    rm -rf "$dir"
+    echo "test: a crate with a clippy lint built without error: the test command's builds do not lint" >&2
+    return 1
+  fi
+  rm -rf "$dir"
+  if ! grep -q "needless_return\|unneeded \`return\`" <<<"$out"; then
+    echo "test: the lint probe failed for another reason than its lint:" >&2
+    echo "$out" >&2
+    return 1
+  fi
 }
