@@ -101,8 +101,8 @@ run_part() {
 # wait far more than they compute, one after another, beside the others from when SIDE_AFTER
 # has ended (it builds the wheel). ATOM's tests mostly wait on its engines' start-ups, 5-second
 # metrics pushes and shut-downs (its engine cores' idle polling runs at the lowest priority,
-# tests/atom/engine.py). Two cores are then kept busy where one part alone (mypy, a suite's one driving process)
-# left one idle. The lane's output is kept in target/test-logs/side.log and shown when it has
+# tests/atom/engine.py). Two cores are then kept busy where one part alone (mypy, a suite's
+# one driving process) left one idle. The lane's output is kept in target/test-logs/side.log and shown when it has
 # ended, which the main lane waits for before SIDE_BEFORE: the VM emulates its CPUs, and its
 # soak, starved beside the ATOM suite, once could not tell a slow recovery from none.
 SIDE_PARTS="atom"

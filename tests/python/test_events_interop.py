@@ -99,10 +99,7 @@ class Cli:
         self._stderr = []
         self._stderr_done = False
         self._cond = threading.Condition()
-        self._pumps = [
-            threading.Thread(target=self._pump_stdout, daemon=True),
-            threading.Thread(target=self._pump_stderr, daemon=True),
-        ]
+        self._pumps = [threading.Thread(target=f, daemon=True) for f in (self._pump_stdout, self._pump_stderr)]
         for t in self._pumps:
             t.start()
 
