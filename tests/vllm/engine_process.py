@@ -103,6 +103,23 @@ def model_specs(config, tp: int) -> tuple[Dict[str, Any], Dict[str, str]]:
     return specs, shared
 
 
+def declared_layouts(config) -> List[str]:
+    """The KV cache layouts the model's attention backends support, as a worker reports them
+    to the engine core (``get_supported_kv_cache_layouts`` over ``get_current_attn_backends``),
+    leaving out vLLM's CPU attention backend: on the CPU platform it stands in for the GPU's
+    attention backend of a plain layer, which declares no layout (all six then). DeepSeek-V4's
+    indexer declares the block-outermost layouts only, which its packed pages need."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    backends = [b for b in get_current_attn_backends(config) if b.get_name() != "CPU_ATTN"]
+    declared = [b for b in backends if b.supported_kv_cache_layouts() is not None]
+    if not declared:
+        return [l.name for l in KVCacheLayout]
+    return [l.name for l in get_supported_kv_cache_layouts(declared)]
+
+
 class Engine:
     """A vLLM scheduler, the worker-side connectors and the KV caches of one engine.
 
@@ -139,7 +156,7 @@ class Engine:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
         from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-        from vllm.v1.core.kv_cache_utils import init_none_hash
+        from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, init_none_hash
 
         try:  # vLLM 0.33 moved the planning out of kv_cache_utils, grouping first
             from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
@@ -150,7 +167,6 @@ class Engine:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import SlidingWindowSpec
-        from vllm.v1.kv_cache_layout import KVCacheLayout
         from vllm.v1.structured_output import StructuredOutputManager
         from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -185,10 +201,19 @@ class Engine:
         # included; on a GPU it stays on with a connector that supports it (kvlink's does):
         # what a GPU platform decides, set here.
         config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        # Likewise its CPU platform turns prefix caching off for MLA models (its CPU kernels
+        # cannot start from a cached prefix); a GPU platform leaves it as configured.
+        config.cache_config.enable_prefix_caching = prefix_caching
         specs, self.shared = model_specs(config, tp)
-        # As the engine core does: the layout from what the backends support (all six when
-        # none declares), the connector's preference and VLLM_KV_CACHE_LAYOUT.
-        supported = supported or [l.name for l in KVCacheLayout]
+        # Compressed attention layers (DeepSeek-V4's): one stored state per this many tokens.
+        from vllm.v1.kv_cache_interface import AttentionSpec
+
+        self.per_state = {
+            n: int(s.tokens_per_state) for n, s in specs.items() if isinstance(s, AttentionSpec) and s.tokens_per_state > 1
+        }
+        # As the engine core does: the layout from what the backends support, the connector's
+        # preference and VLLM_KV_CACHE_LAYOUT.
+        supported = supported or declared_layouts(config)
         self.kv_layout = resolve_kv_cache_layout(config, [supported], specs.values())
         per_block = sum(spec.page_size_bytes for spec in specs.values())
         memory = [num_blocks * per_block]
@@ -198,9 +223,17 @@ class Engine:
             groups = get_global_kv_cache_groups(config, [specs])
             (kv_cache_config,) = get_kv_cache_configs(config, [specs], memory, groups)
         kv_cache_config.kv_cache_layout = self.kv_layout.name
+        # As the engine core does: the scheduler's config holds each group's layers' kind
+        # (a group of one kind's layers with pages of different sizes, UniformTypeKVCacheSpecs,
+        # unwrapped), the workers' the packed groups; the configured block size becomes the
+        # smallest of the groups that take part in prefix caching.
+        sched_config = generate_scheduler_kv_cache_config([kv_cache_config])
         num_blocks = kv_cache_config.num_blocks
         config.cache_config.num_gpu_blocks = num_blocks
-        groups = kv_cache_config.kv_cache_groups
+        groups = sched_config.kv_cache_groups
+        if groups:
+            sizes = [g.kv_cache_spec.block_size for g in groups if g.kv_cache_spec.prefix_cacheable]
+            config.cache_config.block_size = min(sizes or [g.kv_cache_spec.block_size for g in groups])
         self.layer_names = list(specs)
         self.group_of = {n: g for g, spec in enumerate(groups) for n in spec.layer_names}
         # Per group, its tokens per block (vLLM may give groups of other kinds other sizes).
@@ -229,15 +262,18 @@ class Engine:
         }
         self.mla = mc.use_mla
         self.total_heads = 1 if self.mla else mc.get_total_num_kv_heads()
-        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+        from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes
 
-        self.scheduler_block_size, self.hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, config)
+        self.scheduler_block_size, self.hash_block_size = resolve_kv_cache_block_sizes(sched_config, config)
+        alignment = resolve_cache_hit_alignment_tokens(sched_config, config, self.scheduler_block_size, self.hash_block_size)
+        for c in (kv_cache_config, sched_config):
+            c.hash_block_size, c.cache_hit_alignment_tokens = self.hash_block_size, alignment
         # vLLM turns asynchronous scheduling on by default (for this config too); the
         # synchronous scheduler is what it uses otherwise.
         config.scheduler_config.async_scheduling = asynchronous
         self.scheduler = (AsyncScheduler if asynchronous else Scheduler)(
             vllm_config=config,
-            kv_cache_config=kv_cache_config,
+            kv_cache_config=sched_config,
             log_stats=True,
             structured_output_manager=StructuredOutputManager(config),
             # As the engine core does: the scheduling granularity (the groups' block sizes'
@@ -292,8 +328,9 @@ class Engine:
     # -- the stand-in model runner --
 
     def _slot(self, rank: int, layer: str, block: int, offset: int):
-        """One token's slot in a layer's cache on ``rank``: its bytes per head held there,
-        ``(heads, bytes)``, and the global numbers of those heads."""
+        """One token's slot (a compressed layer's: one state's, ``offset`` counting states) in
+        a layer's cache on ``rank``: its bytes per head held there, ``(heads, bytes)``, and the
+        global numbers of those heads."""
         v = self.caches[rank][layer]
         per = v.shape[2]  # tokens per kernel block
         kernel = block * (v.shape[0] // self.num_blocks) + offset // per
@@ -357,12 +394,14 @@ class Engine:
             for li, layer in enumerate(self.layer_names):
                 if self.group_of[layer] in self.scratch:
                     continue
-                size = self.group_block_size[self.group_of[layer]]
+                size, per = self.group_block_size[self.group_of[layer]], self.per_state.get(layer, 1)
+                if pos % per != per - 1:
+                    continue  # a compressed layer stores a state once its tokens are all there
                 b = self._blocks(req.request_id, layer)[pos // size]
                 if b == 0:
                     continue  # vLLM's null block: a position a sliding window no longer keeps
                 for rank in range(len(self.workers)):
-                    slot, heads = self._slot(rank, layer, b, pos % size)
+                    slot, heads = self._slot(rank, layer, b, pos % size // per)
                     slot.copy_(torch.from_numpy(token_bytes(tokens[pos], pos, li, heads, slot.shape[1])))
 
     def _verify(self, req, upto: int) -> None:
@@ -388,7 +427,9 @@ class Engine:
                 if self.group_of[layer] in self.scratch:
                     continue
                 window, chunk = self.windows[self.group_of[layer]], self.chunks[self.group_of[layer]]
-                size = self.group_block_size[self.group_of[layer]]
+                size, per = self.group_block_size[self.group_of[layer]], self.per_state.get(layer, 1)
+                if pos % per != per - 1:
+                    continue  # a compressed layer's state of the tokens up to this one is not stored
                 b = self._blocks(req.request_id, layer)[pos // size]
                 # A sliding window's group: positions before the window are not kept, and vLLM
                 # frees the block of the window's first position when the next token is
@@ -399,7 +440,7 @@ class Engine:
                 if chunk and pos < upto // chunk * chunk:
                     continue
                 for rank in range(len(self.workers)):
-                    slot, heads = self._slot(rank, layer, b, pos % size)
+                    slot, heads = self._slot(rank, layer, b, pos % size // per)
                     got = slot.numpy()
                     if b == 0 or not np.array_equal(got, token_bytes(tokens[pos], pos, li, heads, got.shape[1])):
                         self.bad.append(

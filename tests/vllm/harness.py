@@ -31,6 +31,7 @@ GEMMA_3N = "gemma-3n-e2b"
 NEMOTRON_H = "nemotron-h-8b"
 LLAMA_4 = "llama-4-scout"
 JAMBA = "jamba-v0.1"
+DEEPSEEK_V4 = "deepseek-v4-flash"
 # Long enough that only the tests' own reject/cancel/abort paths free a hold in time.
 ABORT_TIMEOUT = 300.0
 # Every engine process is forked from one server process that has imported torch and the vLLM

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
     BLOCKS,
     DEEPSEEK,
+    DEEPSEEK_V4,
     GEMMA_3N,
     GPT_OSS,
     GRANITE_H,
@@ -267,6 +268,46 @@ def test_hybrid_kv_cache_groups_full_and_sliding_window(prefill_tp, decode_tp):
         step_until([decode, prefill], lambda f: sum(x["engine"] == decode.name for x in f) == 5, what="hybrid")
         s = decode.call("state")
         assert s["bad"] == [] and len(s["verified"]) == 5, s
+        assert_no_leak([prefill, decode])
+    finally:
+        close(prefill, decode)
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 1), (1, 2), (2, 1)])
+def test_compressed_attention_with_its_compressors_and_indexer(prefill_tp, decode_tp):
+    """DeepSeek-V4 Flash (compressed MLA: one latent per 128 tokens in three layers, per 4 in
+    the fourth, with its indexer's keys per 4; each compressor's raw keys of the open group
+    and a 128-token sliding-window MLA cache per layer), laid out as vLLM's planner packs it
+    in the block-outermost layout its indexer backend declares: nine KV cache groups of four
+    block sizes, several of them layers with pages of different sizes in one group. The decode
+    reads every group; every stored state of every compressed layer below the tokens it loaded
+    and every position each window still sees is checked, at the same and other TP sizes (the
+    latents are whole on every rank); then a request sharing a prefix hits the decode's cache."""
+    opts = dict(model=DEEPSEEK_V4)
+    prefill, decode = pair_of(f"dsv4-{prefill_tp}{decode_tp}", dict(opts, tp=prefill_tp), dict(opts, tp=decode_tp))
+    try:
+        # Prompts past a 128-token group, some past a 256-token block, one ending on a group.
+        s = transfer(prefill, decode, 3, seed=61, lengths=(130, 700))
+        s = transfer(prefill, decode, 1, seed=62, lengths=(512, 513))
+        assert s["layout"] in ("BLHNC", "BLNHC"), s["layout"]
+        assert s["engine_stats"]["reads_done"] == 4 * decode_tp, s["engine_stats"]
+        rng = random.Random(63)
+        shared = [rng.randrange(10, 1000) for _ in range(600)]
+        # A prefix hit needs every group's blocks before it, the windows' too, which a read
+        # leaves out (the decode holds only the window of a prompt it read): the decode first
+        # computes a prompt of the shared prefix itself; then of two read prompts of one
+        # length, the one sharing that prefix reads every group's blocks after the 512 tokens
+        # it has cached only (the compressed group's first two blocks are not read).
+        tail = lambda: [rng.randrange(10, 1000) for _ in range(30)]  # noqa: E731
+        decode.call("add", "local-v", shared + tail(), 2, None)
+        step_until([decode], lambda f: any(x["id"] == "local-v" for x in f), what="local-v")
+        for rid, prompt in (("v0", tail() + shared), ("v1", shared + tail())):
+            params = run_prefill(prefill, {rid: prompt})
+            decode.call("add", "d-" + rid, prompt, 2, params[rid])
+            step_until([decode, prefill], lambda f: any(x["engine"] == decode.name for x in f), what=rid)
+        s = decode.call("state")
+        assert s["bad"] == [] and {"d-v0", "d-v1"} <= set(s["verified"]), s
+        assert s["reads"]["d-v1"] < s["reads"]["d-v0"], s["reads"]
         assert_no_leak([prefill, decode])
     finally:
         close(prefill, decode)

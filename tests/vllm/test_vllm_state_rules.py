@@ -157,26 +157,30 @@ def test_state_that_cannot_be_split_says_why(conv_layout):
     assert state_parts(whole, 2, None) == ([(0, whole.state_content_size_bytes, None)], None)
 
 
-def test_compressed_attention_is_refused_by_name():
+def test_compressed_attention_layers_are_attention_read_whole():
     """DeepSeek-V4 Flash (``models/deepseek-v4-flash``): its compressed attention layers keep
-    one latent per 4 or 128 tokens (``tokens_per_state``), not a slot per token as every read
-    assumes. On the specs vLLM's own layers make (the model built on the meta device), each
-    layer in a group of its own, the connector refuses at start, naming the kind, rather than
-    read such blocks as if they were per token. (vLLM's own planner cannot lay these specs out
-    on the CPU platform, so no engine of this model starts here.)"""
+    one latent per 4 or 128 tokens (``tokens_per_state``) in blocks still counted in tokens. On
+    the specs vLLM's own layers make (the model built on the meta device), each layer in a group
+    of its own, every group is taken as attention (the compressors' state caches as sliding
+    windows), and exactly the compressed layers are the ones whose blocks are read whole
+    (``compressed_layers``: no token runs, so engines of other block sizes are refused rather
+    than cut a block of states by tokens). The transfer itself: test_vllm_memory.py."""
     from engine_process import model_dir, model_specs
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    from kvlink.vllm.layout import compressed_layers
 
     mc = ModelConfig(model=model_dir("deepseek-v4-flash"), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048)
     config = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=16), device_config=DeviceConfig("cpu"))
     specs, _ = model_specs(config, 1)
     groups = [KVCacheGroupSpec([name], spec) for name, spec in specs.items()]
-    compressed = [g for g in groups if getattr(g.kv_cache_spec, "tokens_per_state", 1) > 1]
-    assert compressed, "DeepSeek-V4's layers made no compressed attention spec"
-    with pytest.raises(ValueError, match=r"holds blocks of kind MLAAttentionSpec with one state per (4|128) tokens"):
-        _group_specs(KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=groups), 16)
-    # The layers that are not compressed pass.
-    plain = [g for g in groups if getattr(g.kv_cache_spec, "tokens_per_state", 1) == 1]
-    kinds = _group_specs(KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=plain), 16)
-    assert kinds and all(k.window for k in kinds), kinds
+    kv_cache_config = KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=groups)
+    want = {name for name, spec in specs.items() if getattr(spec, "tokens_per_state", 1) > 1}
+    assert want, "DeepSeek-V4's layers made no compressed attention spec"
+    assert compressed_layers(kv_cache_config) == want
+    kinds = _group_specs(kv_cache_config, 16)
+    assert [k.block_size for k in kinds] == [spec.block_size for spec in specs.values()]
+    for (name, spec), kind in zip(specs.items(), kinds):
+        assert kind.window == (getattr(spec, "sliding_window", None) or 0), (name, kind)
+        assert not kind.state and not kind.chunk, (name, kind)

@@ -87,6 +87,7 @@ def kv_cache_tensors(
     head_major: bool,
     kv_heads: tuple[int, int] | None = None,
     state: dict[int, list[StatePart] | None] | None = None,
+    compressed: frozenset[str] = frozenset(),
 ) -> tuple[list[tuple[int, int, torch.Tensor]], list[Tensor]]:
     """Maps vLLM's per-layer ``[B, H, N, C]`` views to kvlink memory and layout.
 
@@ -110,6 +111,10 @@ def kv_cache_tensors(
     slice of each; without (``None``) it is one tensor of ``C`` bytes, each rank's state
     whole (a decode of another TP size, whose shards differ in size, is refused by the
     layouts' comparison).
+
+    A layer in ``compressed`` (``compressed_layers``) declares no token runs: its block holds
+    one state per several tokens, read whole, so engines of different block sizes are refused
+    by the layouts' comparison rather than cut such a block by tokens.
     """
     storages: dict[int, int] = {}
     memory: list[tuple[int, int, torch.Tensor]] = []
@@ -131,6 +136,8 @@ def kv_cache_tensors(
                 layout.append((storages[base], offset + at, stride, size, num_blocks, group, split, None))
             continue
         heads, token_runs = _split(name, v, ratio, head_major, kv_heads)
+        if name in compressed:
+            token_runs = None
         layout.append((storages[base], offset, stride, inner.numel() * esize, num_blocks, group, heads, token_runs))
     return memory, layout
 
@@ -204,6 +211,45 @@ def connector_layers(kv_caches: dict[str, Any], kv_cache_config: Any) -> tuple[l
     return layers, shared
 
 
+def layer_specs(spec: Any) -> list[Any]:
+    """The per-layer specs of a KV cache group's spec: those of a group vLLM packs of one
+    kind's layers (``UniformTypeKVCacheSpecs``: one spec per layer), else the spec itself."""
+    inner = getattr(spec, "kv_cache_specs", None)
+    return list(inner.values()) if isinstance(inner, dict) and inner else [spec]
+
+
+def tokens_per_state(spec: Any) -> int:
+    """The tokens one stored state of an attention spec covers (above 1: compressed attention,
+    DeepSeek-V4's compressed MLA and indexer keys), 1 otherwise (state kinds too: Mamba's
+    counts -1); refuses several states per token (a fraction), which no read here pairs."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    if not isinstance(spec, AttentionSpec):
+        return 1
+    n = spec.tokens_per_state
+    if n != int(n) or n < 1:
+        raise ValueError(
+            f"KvlinkConnector: a layer of kind {type(spec).__name__} stores {n} states per token, "
+            "which kvlink does not transfer"
+        )
+    return int(n)
+
+
+def compressed_layers(kv_cache_config: Any) -> frozenset[str]:
+    """The layers whose stored state covers several tokens (compressed attention): their
+    blocks hold ``block_size / N`` states, so no token range of a block is a byte range of it."""
+    if kv_cache_config is None:
+        return frozenset()
+    out: set[str] = set()
+    for group in kv_cache_config.kv_cache_groups:
+        inner = getattr(group.kv_cache_spec, "kv_cache_specs", None)
+        per_layer = (
+            inner if isinstance(inner, dict) and inner else dict.fromkeys(group.layer_names, group.kv_cache_spec)
+        )
+        out.update(name for name, spec in per_layer.items() if tokens_per_state(spec) > 1)
+    return frozenset(out)
+
+
 def state_groups(kv_cache_config: Any) -> frozenset[int]:
     """The KV cache groups that hold Mamba-kind state (``MambaSpec``)."""
     if kv_cache_config is None:
@@ -211,7 +257,9 @@ def state_groups(kv_cache_config: Any) -> frozenset[int]:
     from vllm.v1.kv_cache_interface import MambaSpec
 
     return frozenset(
-        g for g, group in enumerate(kv_cache_config.kv_cache_groups) if isinstance(group.kv_cache_spec, MambaSpec)
+        g
+        for g, group in enumerate(kv_cache_config.kv_cache_groups)
+        if isinstance(layer_specs(group.kv_cache_spec)[0], MambaSpec)
     )
 
 
@@ -223,7 +271,9 @@ def state_layout(
     out: dict[int, list[StatePart] | None] = {}
     why = None
     for g in sorted(state_groups(kv_cache_config)):
-        parts, reason = state_parts(kv_cache_config.kv_cache_groups[g].kv_cache_spec, tp_size, hf_config)
+        parts, reason = state_parts(
+            layer_specs(kv_cache_config.kv_cache_groups[g].kv_cache_spec)[0], tp_size, hf_config
+        )
         out[g] = parts
         why = why or reason
     return out, why

@@ -15,7 +15,7 @@ from vllm.logger import init_logger
 import kvlink
 
 from .. import core
-from .layout import state_layout
+from .layout import layer_specs, state_layout, tokens_per_state
 from .metadata import KvlinkConnectorMetadata, KvlinkHandshakeMetadata, ReadSpec
 
 if TYPE_CHECKING:
@@ -71,11 +71,18 @@ class _Group:
 
 def _group_specs(kv_cache_config: KVCacheConfig | None, block_size: int) -> list[_Group]:
     """Per KV cache group, what kind of blocks it holds. Taken: full attention, MLA, sliding
-    window, chunked local attention, and Mamba-kind state (``MambaSpec``); any other kind
+    window, chunked local attention, compressed attention (one state per several tokens, in
+    blocks still counted in tokens), and Mamba-kind state (``MambaSpec``); any other kind
     (circular buffers, sink attention, ...) is refused at start, by name, rather than sent as if
-    it were full attention."""
+    it were full attention. A group vLLM packs of one kind's layers with different pages
+    (``UniformTypeKVCacheSpecs``) is taken by its layers' kind."""
     if kv_cache_config is None:
         return [_Group(0, block_size)]
+    return [_group_spec(g, group.kv_cache_spec, block_size) for g, group in enumerate(kv_cache_config.kv_cache_groups)]
+
+
+def _group_spec(g: int, spec: Any, block_size: int) -> _Group:
+    """One KV cache group's ``_Group`` (``_group_specs``)."""
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
@@ -91,37 +98,35 @@ def _group_specs(kv_cache_config: KVCacheConfig | None, block_size: int) -> list
         known[SlidingWindowMLASpec] = True
     except ImportError:
         pass
-    groups = []
-    for g, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        kind = type(spec)
-        size = int(getattr(spec, "block_size", block_size))
-        if kind is MambaSpec:
-            scratch = int(getattr(spec, "num_speculative_blocks", 0))
-            sharded = not getattr(spec, "tp_replicated", False)
-            groups.append(_Group(0, size, state=True, scratch=scratch, sharded=sharded))
-            continue
-        if kind is ChunkedLocalAttentionSpec:
-            groups.append(_Group(0, size, chunk=int(spec.attention_chunk_size)))  # type: ignore[attr-defined]
-            continue
-        compressed = int(getattr(spec, "tokens_per_state", 1) or 1)
-        if compressed != 1:
-            # A slot holds a state of several tokens (DeepSeek-V4's compressed attention): the
-            # blocks are not a slot per token, which every read here assumes.
-            raise ValueError(
-                f"KvlinkConnector: KV cache group {g} holds blocks of kind {kind.__name__} with "
-                f"one state per {compressed} tokens (compressed attention), which kvlink does not transfer"
-            )
-        if kind not in known:
-            raise ValueError(
-                f"KvlinkConnector: KV cache group {g} holds blocks of kind {kind.__name__}, "
-                "which kvlink does not transfer; supported: full attention, MLA, sliding "
-                "window, chunked local attention and Mamba-kind state groups"
-            )
-        # The windowed kinds (True in known) all carry sliding_window.
-        window = int(spec.sliding_window) if known[kind] else 0  # type: ignore[attr-defined]
-        groups.append(_Group(window, size))
-    return groups
+    size = int(getattr(spec, "block_size", block_size))
+    layers = layer_specs(spec)
+    kinds = {type(s) for s in layers}
+    kind = layers[0].__class__
+    if len(kinds) != 1:
+        raise ValueError(
+            f"KvlinkConnector: KV cache group {g} holds layers of kinds "
+            f"{sorted(k.__name__ for k in kinds)}, which kvlink does not transfer as one group"
+        )
+    first = layers[0]
+    if kind is MambaSpec:
+        scratch = int(getattr(first, "num_speculative_blocks", 0))
+        return _Group(0, size, state=True, scratch=scratch, sharded=not getattr(first, "tp_replicated", False))
+    if kind is ChunkedLocalAttentionSpec:
+        return _Group(0, size, chunk=int(first.attention_chunk_size))
+    if kind not in known:
+        raise ValueError(
+            f"KvlinkConnector: KV cache group {g} holds blocks of kind {kind.__name__}, "
+            "which kvlink does not transfer; supported: full attention, MLA (compressed too), "
+            "sliding window, chunked local attention and Mamba-kind state groups"
+        )
+    # A compressed layer's block still spans block_size tokens (block_size / N states): its
+    # blocks pair by token position like any attention group's, and are read whole.
+    for s in layers:
+        tokens_per_state(s)
+    windows = {int(s.sliding_window) for s in layers} if known[kind] else {0}
+    if len(windows) != 1:
+        raise ValueError(f"KvlinkConnector: KV cache group {g} holds sliding windows {sorted(windows)}")
+    return _Group(windows.pop(), size)
 
 
 def _running_state(blocks: list[int], scratch: int) -> list[int]:

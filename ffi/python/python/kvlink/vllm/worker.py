@@ -14,6 +14,7 @@ from .. import core
 from .layout import (
     _dtype_name,
     _kv_heads,
+    compressed_layers,
     connector_layers,
     conv_layout,
     is_head_major,
@@ -97,7 +98,8 @@ class _WorkerSide:
         num_blocks = self.num_blocks if self.num_blocks is not None else first.shape[0]
         name = self._resolved_layout()
         head_major = is_head_major(name)
-        memory, layout = kv_cache_tensors(kv_caches, layers, num_blocks, head_major, self.kv_heads, state)
+        compressed = compressed_layers(self.kv_cache_config)
+        memory, layout = kv_cache_tensors(kv_caches, layers, num_blocks, head_major, self.kv_heads, state, compressed)
         regions = [
             self.engine.register_memory(addr, size, device=owner.device.type != "cpu", owner=owner)
             for addr, size, owner in memory
