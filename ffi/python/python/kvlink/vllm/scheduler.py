@@ -100,14 +100,13 @@ def _group_spec(g: int, spec: Any, block_size: int) -> _Group:
         pass
     size = int(getattr(spec, "block_size", block_size))
     layers = layer_specs(spec)
-    kinds = {type(s) for s in layers}
-    kind = layers[0].__class__
+    first = layers[0]
+    kind, kinds = type(first), {type(s) for s in layers}
     if len(kinds) != 1:
         raise ValueError(
             f"KvlinkConnector: KV cache group {g} holds layers of kinds "
             f"{sorted(k.__name__ for k in kinds)}, which kvlink does not transfer as one group"
         )
-    first = layers[0]
     if kind is MambaSpec:
         scratch = int(getattr(first, "num_speculative_blocks", 0))
         return _Group(0, size, state=True, scratch=scratch, sharded=not getattr(first, "tp_replicated", False))
@@ -116,7 +115,7 @@ def _group_spec(g: int, spec: Any, block_size: int) -> _Group:
     if kind not in known:
         raise ValueError(
             f"KvlinkConnector: KV cache group {g} holds blocks of kind {kind.__name__}, "
-            "which kvlink does not transfer; supported: full attention, MLA (compressed too), "
+            "which kvlink does not transfer; supported: full attention and MLA (compressed too), "
             "sliding window, chunked local attention and Mamba-kind state groups"
         )
     # A compressed layer's block still spans block_size tokens (block_size / N states): its
