@@ -5,8 +5,9 @@
 full-attention layers over that pool. The stand-in forward writes each state slot's channels as
 a function of (room, layer, state tensor, global channel over the TP group, position in the
 channel), the global channel from SGLang's own description of how TP shards the tensor (its
-conv sub-blocks, ``conv_shard_groups``), so a decode of any TP size checks its slice channel by
-channel."""
+conv sub-blocks, ``conv_shard_groups``, or for a Mamba-2 conv, which it does not describe, the
+sub-blocks its own mixer makes its conv of: ``conv_blocks``), so a decode of any TP size checks
+its slice channel by channel."""
 
 from __future__ import annotations
 
@@ -23,6 +24,27 @@ def cache_params(config) -> Any:
 
     found = mambaish_config(config)
     return None if found is None else found.mamba2_cache_params
+
+
+def conv_blocks(config) -> Any:
+    """Where SGLang describes no sub-blocks of the conv state (a Mamba-2 model's), those its own
+    ``MambaMixer2`` makes its conv of: the output sizes of the mixer's ``conv1d`` (x, B and C,
+    each sharded on its own over the ranks), the mixer built on the meta device with the
+    arguments SGLang's Nemotron-H layer gives it. None where SGLang describes them (a gated delta
+    net's) or the conv is one block (groups replicated over the ranks)."""
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+    from sglang.srt.layers.attention.mamba.mamba import MambaMixer2
+
+    found = mambaish_config(config)
+    if found is None or getattr(found.mamba2_cache_params.shape, "conv_shard_groups", None):
+        return None
+    with torch.device("meta"):
+        mixer = MambaMixer2(cache_params=found.mamba2_cache_params, hidden_size=found.hidden_size,
+                            use_conv_bias=found.use_conv_bias, use_bias=found.use_bias, n_groups=found.mamba_n_groups,
+                            rms_norm_eps=found.layer_norm_epsilon, activation=found.mamba_hidden_act,
+                            reduce_results=False, prefix="conv-blocks")
+    sizes = getattr(mixer.conv1d, "output_sizes", None)
+    return list(sizes) if sizes and len(sizes) > 1 else None
 
 
 def req_pool(shape, role: str):
@@ -55,7 +77,7 @@ def kv_pool(shape, r2t, tokens: int, page: int):
 def _global_channels(shape, field: str, dim: int) -> torch.Tensor:
     """The global numbers (over the attention-TP group) of this rank's ``dim`` channels of a
     state tensor: a conv state's sub-blocks each sharded on its own when SGLang says so."""
-    groups = getattr(shape.mamba.shape, "conv_shard_groups", None) if field == "conv" else None
+    groups = (getattr(shape.mamba.shape, "conv_shard_groups", None) or shape.conv_blocks) if field == "conv" else None
     if not groups:
         return torch.arange(shape.rank * dim, (shape.rank + 1) * dim)
     out, full = [], 0

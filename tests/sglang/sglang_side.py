@@ -62,6 +62,7 @@ class Shape:
         # KV pool of the full-attention layers only (mamba_side).
         self.rank, self.tp = attn_tp_rank, attn_tp_size
         self.mamba = mamba_side.cache_params(self.config)
+        self.conv_blocks = mamba_side.conv_blocks(self.config) if self.mamba is not None else None
         self.attn_layers = [i for i in range(self.layers) if self.mamba is None or i not in self.mamba.layers]
         self.total = self.config.get_total_num_kv_heads()
         self.heads = self.config.get_num_kv_heads(attn_tp_size)

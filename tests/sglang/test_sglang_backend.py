@@ -503,8 +503,9 @@ def test_state_engine_addresses_come_per_type_in_rank_order_and_hostile_ones_are
 def test_mamba_state_tensors_split_as_sglang_describes_them():
     """A gated delta net's conv slot (query, key and value sub-blocks, each sharded on its own)
     is one piece per sub-block with its channels as heads; a temporal slot is its heads; a slot
-    every rank holds whole is read whole; a conv state with no sub-blocks described, or with
-    sub-blocks inside rows, is refused with the reason."""
+    every rank holds whole is read whole; a Mamba-2 conv state SGLang describes no sub-blocks of
+    is split by those the model gives; a conv state with no sub-blocks described or given, or
+    with sub-blocks inside rows, is refused with the reason."""
     from kvlink.sglang import states
 
     # TP 2: 1024 + 1024 + 2048 local channels of 3 bf16 positions each.
@@ -520,4 +521,10 @@ def test_mamba_state_tensors_split_as_sglang_describes_them():
     assert isinstance(both, list) and len(both) == 2 and len(both[0]) == 3
     assert "describes no sub-blocks" in states.mamba_slices([5120 * 6, 64 * 64 * 128 * 4], [5120, 64], [1, 1],
                                                            [None, None], 2)
+    # A Mamba-2 conv SGLang describes no sub-blocks of, given them from the model (x, B, C):
+    # the conv tensor (5,120 channels here) in three pieces, the temporal state by heads.
+    mamba2 = states.mamba_slices([5120 * 6, 64 * 64 * 128 * 4], [5120, 64], [1, 1], [None, None], 2,
+                                 ([8192, 1024, 1024], 5120))
+    assert mamba2 == [[(0, 4096 * 6, (8192, 4096, 1)), (4096 * 6, 512 * 6, (1024, 512, 1)),
+                       (4608 * 6, 512 * 6, (1024, 512, 1))], [(0, 64 * 64 * 128 * 4, (128, 64, 1))]], mamba2
     assert "no TP slice sizes" in states.mamba_slices([6], [], [], [], 2)

@@ -98,20 +98,19 @@ def test_a_gated_delta_net_hybrid_moves_its_state_slice_by_slice(prefill, decode
     assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum)
 
 
-def test_a_mamba2_hybrid_moves_its_state_between_equal_tp_sizes_and_says_why_not_between_others():
+@pytest.mark.parametrize("prefill,decode", [({"tp": 1}, {"tp": 1}), ({"tp": 1}, {"tp": 2}), ({"tp": 2}, {"tp": 1})],
+                         ids=["1to1", "1to2", "2to1"])
+def test_a_mamba2_hybrid_moves_its_state_slice_by_slice(prefill, decode):
     """Nemotron-H (Mamba-2 layers, 8 B/C groups): SGLang describes no sub-blocks of its conv
-    state (x, B and C, each sharded on its own), so a slice across them would mix them. Between
-    equal attention TP sizes the state moves whole and is checked; a decode of another TP size
-    refuses each room with the reason rather than read a mixed slice (a decode of one rank, so
-    that each room's end is its own reason, not SGLang's "failed on another TP rank")."""
-    reqs = mixed_requests(23, 3)
-    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs, model="nemotron-h-8b")
+    state, which is x, B and C, each sharded on its own (one slice across them would mix
+    them); kvlink takes them from SGLang's cache parameters of the model, and the stand-in
+    labels each channel by the sub-blocks SGLang's own Mamba-2 mixer makes its conv of. Between
+    attention TP sizes each decode rank reads its x, B and C channels and its heads of the
+    temporal state, gathered from two prefill ranks or taken from one; every channel of every
+    state tensor is checked by its global number, and the attention KV."""
+    reqs = mixed_requests(23, 4)
+    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs, prefill=prefill, decode=decode, model="nemotron-h-8b")
     assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum)
-    reqs = mixed_requests(29, 2)
-    _, _, d_ends, _, _ = run_pair(reqs, prefill={"tp": 2}, model="nemotron-h-8b", deadline=8)
-    for r in reqs:
-        assert "mamba state: kvlink reads SGLang's mamba state whole" in d_ends[r["rid"]]["end"], d_ends
-        assert "describes no sub-blocks of this model's conv state" in d_ends[r["rid"]]["end"], d_ends
 
 
 @pytest.mark.parametrize("decode", [{"tp": 2, "dp": 2}, {"tp": 1}], ids=["to-dp2", "to-tp1"])

@@ -84,6 +84,7 @@ class KvlinkKVManager(BaseKVManager):
         self.dp_rank, self.dp_size = settings.dp_group(par, args)
         self.page_size = int(args.page_size)
         self.heads = settings.kv_heads(args, server_args, self.tp_size, self.is_mla_backend)
+        self.conv = settings.mamba2_conv(server_args) if getattr(args, "state_types", None) else None
         # What prefill and decode must share (compared through the registry, in full), and the
         # engines' 32-byte tag of it. A KV layout SGLang names (DeepSeek-V4's) or, for MHA
         # pools, how a page orders tokens and heads.
@@ -186,7 +187,9 @@ class KvlinkKVManager(BaseKVManager):
         # head, on an engine that is this rank of the attention-TP group, as the KV engine).
         self.state_split: list[str | None] = []
         for i, ptrs in enumerate(state_ptrs):
-            pieces, why = states.split(args, i, self.state_types[i], self.heads, self.page_size, self.tp_size)
+            pieces, why = states.split(
+                args, i, self.state_types[i], self.heads, self.page_size, self.tp_size, self.conv
+            )
             self.state_split.append(why)
             tp = dict(tp_rank=self.tp_rank, tp_size=self.tp_size) if why is None else {}
             self.states.append(

@@ -165,6 +165,37 @@ def kv_heads(args: KVArgs, server_args: Any, attn_tp_size: int, is_mla: bool) ->
     return total, local
 
 
+def mamba2_conv(server_args: Any) -> tuple[list[int], int] | None:
+    """A Mamba-2 conv state's sub-blocks where SGLang describes none of its own: ``([x, B, C]
+    full channels, this rank's conv channels)``, from SGLang's cache parameters of the model
+    at this rank's attention TP size (``Mamba2StateShape``), as its ``MambaMixer2`` shards the
+    conv (x by heads, B and C by groups, each on its own) when the model's groups divide the
+    TP size. None otherwise: no Mamba-2 state, a conv SGLang describes itself (a gated delta
+    net's), groups replicated over ranks (fewer groups than ranks), or no configuration to read;
+    then a decode of another TP size is refused, as without this."""
+    try:
+        from sglang.srt.configs.hybrid_arch import mambaish_config
+        from sglang.srt.configs.mamba_utils import Mamba2StateShape
+        from sglang.srt.configs.model_config import ModelConfig
+
+        found = mambaish_config(ModelConfig.from_server_args(server_args))
+        shape = None if found is None else found.mamba2_cache_params.shape
+    except Exception as e:  # noqa: BLE001 - no model configuration to read
+        logger.info("kvlink: no Mamba-2 conv split (%s)", e)
+        return None
+    if not isinstance(shape, Mamba2StateShape) or shape.conv_shard_groups or len(shape.conv) != 1:
+        return None
+    groups = getattr(found, "mamba_n_groups", None) or getattr(found, "n_groups", None)
+    local = int(shape.conv[0][0])
+    x, bc = int(shape.intermediate_size), int(shape.conv_dim) - int(shape.intermediate_size)
+    tp = int(shape.conv_dim) // local if local else 0
+    if not isinstance(groups, int) or groups <= 0 or tp <= 0 or groups % tp or bc <= 0 or bc % 2:
+        return None
+    if x != int(shape.num_heads) * int(shape.head_dim) or bc // 2 != groups * int(shape.ssm_state_size):
+        return None
+    return [x, bc // 2, bc // 2], local
+
+
 def refuse_unsupported(sa: Any, par: dict[str, Any], mode: DisaggregationMode) -> None:
     """Configurations this backend does not implement fail at start, saying which (from the
     parallel sizes SGLang resolved, ``par``)."""

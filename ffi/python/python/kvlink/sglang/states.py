@@ -122,16 +122,25 @@ def tensor_slices(item: int, dim: int, outer: int, groups: Sequence[int] | None,
 
 
 def mamba_slices(
-    items: Sequence[int], dims: Sequence[int], outers: Sequence[int], groups: Sequence[Any], tp: int
+    items: Sequence[int],
+    dims: Sequence[int],
+    outers: Sequence[int],
+    groups: Sequence[Any],
+    tp: int,
+    conv: tuple[list[int], int] | None = None,
 ) -> list[list[Piece]] | str:
     """Every tensor of SGLang's mamba state (``tensor_slices``), or why a decode of another
-    attention TP size cannot read them by slice. A conv state SGLang describes no sub-blocks
-    of is refused: a Mamba-2 conv state is its x, B and C, each sharded on its own, and one
-    slice across them would mix them."""
+    attention TP size cannot read them by slice. Where SGLang describes no conv sub-blocks,
+    ``conv`` (``settings.mamba2_conv``: a Mamba-2 conv's x, B and C and its channels on this
+    rank) gives them to the tensors of that many channels; without either, a sharded state is
+    refused: a Mamba-2 conv state is its x, B and C, each sharded on its own, and one slice
+    across them would mix them."""
     n = len(items)
     if len(dims) != n or len(outers) != n:
         return "SGLang gives no TP slice sizes for its tensors"
     subs = list(groups) if len(groups) == n else [None] * n
+    if not any(subs) and conv is not None:
+        subs = [list(conv[0]) if int(d) == conv[1] else None for d in dims]
     if any(d > 0 for d in dims) and not any(subs):
         return (
             "SGLang describes no sub-blocks of this model's conv state (a Mamba-2 conv state "
@@ -147,11 +156,17 @@ def mamba_slices(
 
 
 def split(
-    args: Any, i: int, name: str, heads: tuple | None, page_size: int, tp: int
+    args: Any,
+    i: int,
+    name: str,
+    heads: tuple | None,
+    page_size: int,
+    tp: int,
+    conv: tuple[list[int], int] | None = None,
 ) -> tuple[list[list[Piece]] | None, str | None]:
     """State type ``i`` (``name``) of SGLang's ``KVArgs``: its tensors as a decode of another
     attention TP size reads them (per tensor its pieces with their heads), or None and why it
-    cannot."""
+    cannot. ``conv``: a Mamba-2 conv state's sub-blocks (``mamba_slices``)."""
     items = [int(x) for x in args.state_item_lens[i]]
     if name == "mamba":
         sliced = mamba_slices(
@@ -160,6 +175,7 @@ def split(
             _nth(args, "state_slice_outer_counts", i),
             _nth(args, "state_conv_shard_groups", i),
             tp,
+            conv,
         )
         if isinstance(sliced, str):
             return None, f"{split_reason(name)}: {sliced}"
