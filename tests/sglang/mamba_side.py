@@ -30,7 +30,7 @@ def conv_blocks(config) -> Any:
     """Where SGLang describes no sub-blocks of the conv state (a Mamba-2 model's), those its own
     ``MambaMixer2`` makes its conv of: the output sizes of the mixer's ``conv1d`` (x, B and C,
     each sharded on its own over the ranks), the mixer built on the meta device with the
-    arguments SGLang's Nemotron-H layer gives it. None where SGLang describes them (a gated delta
+    arguments SGLang's Nemotron-H or Granite 4.0-H layer gives it. None where SGLang describes them (a gated delta
     net's) or the conv is one block (groups replicated over the ranks)."""
     from sglang.srt.configs.hybrid_arch import mambaish_config
     from sglang.srt.layers.attention.mamba.mamba import MambaMixer2
@@ -38,11 +38,14 @@ def conv_blocks(config) -> Any:
     found = mambaish_config(config)
     if found is None or getattr(found.mamba2_cache_params.shape, "conv_shard_groups", None):
         return None
+    # The configuration fields each of SGLang's Mamba-2 layers passes its mixer.
+    names = {"nemotron_h": ("use_conv_bias", "use_bias", "layer_norm_epsilon", "mamba_hidden_act"),
+             "granitemoehybrid": ("mamba_conv_bias", "mamba_proj_bias", "rms_norm_eps", "hidden_act")}
+    conv_bias, bias, eps, act = (getattr(found, n) for n in names[found.model_type])
     with torch.device("meta"):
         mixer = MambaMixer2(cache_params=found.mamba2_cache_params, hidden_size=found.hidden_size,
-                            use_conv_bias=found.use_conv_bias, use_bias=found.use_bias, n_groups=found.mamba_n_groups,
-                            rms_norm_eps=found.layer_norm_epsilon, activation=found.mamba_hidden_act,
-                            reduce_results=False, prefix="conv-blocks")
+                            use_conv_bias=conv_bias, use_bias=bias, n_groups=found.mamba_n_groups, rms_norm_eps=eps,
+                            activation=act, reduce_results=False, prefix="conv-blocks")
     sizes = getattr(mixer.conv1d, "output_sizes", None)
     return list(sizes) if sizes and len(sizes) > 1 else None
 

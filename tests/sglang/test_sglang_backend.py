@@ -485,7 +485,7 @@ def test_which_state_types_a_decode_of_another_tp_size_reads_by_head():
     )
 
 
-def test_state_engine_addresses_come_per_type_in_rank_order_and_hostile_ones_are_dropped():
+def test_state_engine_addresses_and_reasons_come_per_type_in_rank_order_and_hostile_ones_are_dropped():
     from kvlink.sglang import bootstrap, states
 
     ranks = [{"state_addrs": ["a:1", "b:1"]}, {"state_addrs": ["a:2"]}, {"state_addrs": "x"}, {}]
@@ -498,6 +498,13 @@ def test_state_engine_addresses_come_per_type_in_rank_order_and_hostile_ones_are
     for bad in (["h:2"] * 17, "h:2", [3], ["x" * 257]):
         with pytest.raises(ValueError, match="state_addrs"):
             bootstrap._check_entry(dict(entry, state_addrs=bad))
+    # Why each state type cannot be read between TP sizes, as a prefill registers it.
+    assert bootstrap._check_entry(dict(entry, state_split=["", "no"]))["state_split"] == ["", "no"]
+    for bad in ([""] * 17, "no", [None], ["x" * 513]):
+        with pytest.raises(ValueError, match="state_split"):
+            bootstrap._check_entry(dict(entry, state_split=bad))
+    assert states.unsplittable(["swa", "mamba"], ["", "whole"], " on the prefill") == "mamba state on the prefill: whole"
+    assert states.unsplittable(["swa"], [""]) is None and states.unsplittable(["swa"], [7]) is None
 
 
 def test_mamba_state_tensors_split_as_sglang_describes_them():

@@ -113,6 +113,23 @@ def test_a_mamba2_hybrid_moves_its_state_slice_by_slice(prefill, decode):
     assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum)
 
 
+def test_a_mamba2_hybrid_with_one_group_moves_its_state_between_equal_tp_sizes_only():
+    """Granite 4.0-H (Mamba-2 layers with one B/C group): at TP 2 SGLang replicates the group on
+    both ranks, so a rank's conv channels are not a slice of x, B and C. Between equal attention
+    TP sizes the state moves whole and is checked; a decode of another TP size refuses each room
+    with the reason rather than read a mixed slice (a decode of one rank, so that each room's end
+    is its own reason, not SGLang's "failed on another TP rank")."""
+    reqs = mixed_requests(31, 3)
+    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs, model="granite-4.0-h-tiny")
+    assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum)
+    reqs = mixed_requests(37, 2)
+    _, _, d_ends, _, _ = run_pair(reqs, prefill={"tp": 2}, model="granite-4.0-h-tiny", deadline=8)
+    for r in reqs:
+        # The decode (one rank) could split its state; the prefill (two) cannot, and says so.
+        assert "mamba state on the prefill: kvlink reads SGLang's mamba state whole" in d_ends[r["rid"]]["end"], d_ends
+        assert "describes no sub-blocks of this model's conv state" in d_ends[r["rid"]]["end"], d_ends
+
+
 @pytest.mark.parametrize("decode", [{"tp": 2, "dp": 2}, {"tp": 1}], ids=["to-dp2", "to-tp1"])
 def test_dp_attention_routes_each_room_to_its_prefill_dp_rank(decode):
     """A prefill of two DP attention ranks (attention TP 1 each), rooms routed by bootstrap

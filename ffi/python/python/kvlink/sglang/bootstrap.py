@@ -31,9 +31,10 @@ MAX_RANKS = 4096
 class KvlinkBootstrapServer(BaseKVBootstrapServer):
     """The registry: ``PUT /kvlink/route`` (a prefill rank's ``dp_rank``, ``tp_rank``,
     ``tp_size``, ``dp_size``, ``addr``, ``engine_id``, ``page_size``, ``dtype``, ``heads``,
-    optional ``http_port``), ``GET /kvlink/route?dp_rank=&tp_rank=`` (that rank's entry, 404
-    until registered), ``GET /kvlink/group?dp_rank=`` (``{"ranks": [...]}``, the DP group's
-    entries in TP rank order, 404 until all registered), ``GET /kvlink/info`` (sizes, and
+    ``states``, ``state_addrs``, ``state_split``, optional ``http_port``),
+    ``GET /kvlink/route?dp_rank=&tp_rank=`` (that rank's entry, 404 until registered),
+    ``GET /kvlink/group?dp_rank=`` (``{"ranks": [...]}``, the DP group's entries in TP rank
+    order, 404 until all registered), ``GET /kvlink/info`` (sizes, and
     whether every rank registered) and ``GET /health``.
 
     Every rank of one prefill shares its sizes and KV layout: a registration that disagrees
@@ -198,6 +199,11 @@ def _check_entry(d: Any) -> dict[str, Any]:
     if not isinstance(addrs, list) or len(addrs) > 16 or not all(isinstance(a, str) and len(a) <= 256 for a in addrs):
         raise ValueError("state_addrs must list at most 16 addresses")
     out["state_addrs"] = addrs
+    # Per state type, why a decode of another attention TP size cannot read it ("": it can).
+    whys = d.get("state_split", [])
+    if not isinstance(whys, list) or len(whys) > 16 or not all(isinstance(w, str) and len(w) <= 512 for w in whys):
+        raise ValueError("state_split must list at most 16 short reasons")
+    out["state_split"] = whys
     # The prefill's HTTP API port, where a decode sends a retracted request back (optional).
     port = d.get("http_port")
     if port is not None:

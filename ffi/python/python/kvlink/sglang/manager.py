@@ -265,6 +265,8 @@ class KvlinkKVManager(BaseKVManager):
             # Each state type's engine ("" where this rank has no buffer of it): a decode of
             # another attention TP size reads the types it can split from the group's ranks.
             "state_addrs": [e.handshake_address if e is not None else "" for e in self.states],
+            # Why a decode of another attention TP size cannot read each state type ("": it can).
+            "state_split": [w or "" for w in self.state_split],
         }
         http_port = getattr(sa, "port", None)
         if isinstance(http_port, int) and 0 < http_port < 65536:
@@ -305,13 +307,6 @@ class KvlinkKVManager(BaseKVManager):
             for key in [k for k in table if k[0] == bootstrap_addr]:
                 del table[key]
 
-    def _unsplittable(self) -> str | None:
-        """Why this rank's state cannot be read from a prefill of another attention TP size."""
-        for name, engine, why in zip(self.state_types, self.states, self.state_split):
-            if engine is not None and why is not None:
-                return f"{name} state: {why}"
-        return None
-
     def route(self, bootstrap_addr: str, dp_rank: int) -> dict[str, Any]:
         """The prefill ranks this decode rank reads from: ``addrs`` and ``engine_ids`` of the
         whole attention-TP group of DP group ``dp_rank`` (rank order, as kvlink's reads take
@@ -341,12 +336,16 @@ class KvlinkKVManager(BaseKVManager):
                     "known on both sides (its configuration could not be read), so pages cannot "
                     "be split by head"
                 )
-            why = self._unsplittable()
-            if why is not None:
-                raise ValueError(f"prefill attention TP {p}, decode {d}: {why}")
         ranks = self.groups.get((bootstrap_addr, dp_rank))
         if ranks is None or len(ranks) != p:
             raise ValueError(f"prefill DP group {dp_rank} is not registered at {bootstrap_addr}")
+        # Why this rank's state, or the prefill's, cannot be read between these TP sizes.
+        mine = [w if e is not None else "" for e, w in zip(self.states, self.state_split)]
+        why = states.unsplittable(self.state_types, mine) or states.unsplittable(
+            self.state_types, ranks[0].get("state_split") or [], " on the prefill"
+        )
+        if p != d and why is not None:
+            raise ValueError(f"prefill attention TP {p}, decode {d}: {why}")
         state_addrs = states.addresses(ranks, len(self.states))
         if p != d and any(e is not None and not all(state_addrs[i]) for i, e in enumerate(self.states)):
             raise ValueError(f"prefill attention TP {p}, decode {d}: the prefill's ranks named no state engines")

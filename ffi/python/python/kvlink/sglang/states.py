@@ -192,6 +192,16 @@ def _nth(args: Any, field: str, i: int) -> list[Any]:
     return list(values[i]) if i < len(values) and values[i] is not None else []
 
 
+def unsplittable(names: Sequence[str], whys: Sequence[Any], side: str = "") -> str | None:
+    """The first state type of ``names`` with a reason in ``whys`` (``split``'s, or what a
+    prefill registered of them: "" where none) why a decode of another attention TP size
+    cannot read it, or None."""
+    for name, why in zip(names, whys):
+        if isinstance(why, str) and why:
+            return f"{name} state{side}: {why}"
+    return None
+
+
 def split_reason(state_type: str) -> str:
     """Why a decode of another attention TP size cannot read this state type (when ``split``
     finds no heads or slices for it)."""
