@@ -558,18 +558,21 @@ fn session_state_follows_a_peer_up_and_down() {
         .unwrap();
     assert_eq!(decode.engine.session_state(&peer), SessionState::Up);
     // The prefill goes away: its connections close, and the decode's session is down, with a
-    // reason, without anyone waiting on it.
+    // reason, without anyone waiting on it. The reaper closes a broken session nothing uses at
+    // its next tick (every 5 s here), which may come before this loop looks again: then the
+    // engine knows no session at all (None). Either way it is no longer up.
     prefill.engine.close();
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let state = loop {
         let s = decode.engine.session_state(&peer);
-        if matches!(s, SessionState::Down(_)) || std::time::Instant::now() > deadline {
+        if s != SessionState::Up || std::time::Instant::now() > deadline {
             break s;
         }
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(
-        matches!(&state, SessionState::Down(why) if why.contains("session ended")),
+        matches!(&state, SessionState::Down(why) if why.contains("session ended"))
+            || state == SessionState::None,
         "{state:?}"
     );
     // A connect that fails says why.
