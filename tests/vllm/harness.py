@@ -205,6 +205,13 @@ def transfer(prefill: Proc, decode: Proc, count: int, seed: int, lengths=(20, 20
     return s
 
 
+def read_one(prefill: Proc, decode: Proc, rid: str, prompt: List[int]) -> None:
+    """Prefills ``prompt`` as ``rid`` and decodes it (as ``d-<rid>``) until the decode ends it."""
+    params = run_prefill(prefill, {rid: prompt})
+    decode.call("add", "d-" + rid, prompt, 2, params[rid])
+    step_until([decode, prefill], lambda f: any(x["engine"] == decode.name for x in f), what=rid)
+
+
 def pair_of(name: str, prefill: Dict[str, Any], decode: Dict[str, Any]):
     return Proc(name + "-prefill", **prefill), Proc(name + "-decode", **decode)
 

@@ -30,6 +30,7 @@ from harness import (  # noqa: E402
     assert_no_leak,
     close,
     pair_of,
+    read_one,
     run_prefill,
     step_until,
     transfer,
@@ -301,10 +302,8 @@ def test_compressed_attention_with_its_compressors_and_indexer(prefill_tp, decod
         tail = lambda: [rng.randrange(10, 1000) for _ in range(30)]  # noqa: E731
         decode.call("add", "local-v", shared + tail(), 2, None)
         step_until([decode], lambda f: any(x["id"] == "local-v" for x in f), what="local-v")
-        for rid, prompt in (("v0", tail() + shared), ("v1", shared + tail())):
-            params = run_prefill(prefill, {rid: prompt})
-            decode.call("add", "d-" + rid, prompt, 2, params[rid])
-            step_until([decode, prefill], lambda f: any(x["engine"] == decode.name for x in f), what=rid)
+        read_one(prefill, decode, "v0", tail() + shared)
+        read_one(prefill, decode, "v1", shared + tail())
         s = decode.call("state")
         assert s["bad"] == [] and {"d-v0", "d-v1"} <= set(s["verified"]), s
         assert s["reads"]["d-v1"] < s["reads"]["d-v0"], s["reads"]
@@ -330,10 +329,7 @@ def test_chunked_local_attention_reads_the_last_chunk(prefill_tp, decode_tp):
         rng = random.Random(43)
         shared = [rng.randrange(10, 1000) for _ in range(150)]
         for rid, extra in (("c0", 30), ("c1", 50)):
-            prompt = shared + [rng.randrange(10, 1000) for _ in range(extra)]
-            params = run_prefill(prefill, {rid: prompt})
-            decode.call("add", "d-" + rid, prompt, 2, params[rid])
-            step_until([decode, prefill], lambda f: any(x["engine"] == decode.name for x in f), what=rid)
+            read_one(prefill, decode, rid, shared + [rng.randrange(10, 1000) for _ in range(extra)])
         s = decode.call("state")
         assert s["bad"] == [] and {"d-c0", "d-c1"} <= set(s["verified"]), s
         # The second reads only what follows the decode's cached prefix (9 blocks of 16 in the

@@ -339,13 +339,14 @@ class KvlinkKVManager(BaseKVManager):
         ranks = self.groups.get((bootstrap_addr, dp_rank))
         if ranks is None or len(ranks) != p:
             raise ValueError(f"prefill DP group {dp_rank} is not registered at {bootstrap_addr}")
-        # Why this rank's state, or the prefill's, cannot be read between these TP sizes.
-        mine = [w if e is not None else "" for e, w in zip(self.states, self.state_split)]
-        why = states.unsplittable(self.state_types, mine) or states.unsplittable(
-            self.state_types, ranks[0].get("state_split") or [], " on the prefill"
-        )
-        if p != d and why is not None:
-            raise ValueError(f"prefill attention TP {p}, decode {d}: {why}")
+        if p != d:
+            # Why this rank's state, or the prefill's, cannot be read between these TP sizes.
+            mine = [w if e is not None else "" for e, w in zip(self.states, self.state_split)]
+            why = states.unsplittable(self.state_types, mine) or states.unsplittable(
+                self.state_types, ranks[0].get("state_split") or [], " on the prefill"
+            )
+            if why is not None:
+                raise ValueError(f"prefill attention TP {p}, decode {d}: {why}")
         state_addrs = states.addresses(ranks, len(self.states))
         if p != d and any(e is not None and not all(state_addrs[i]) for i, e in enumerate(self.states)):
             raise ValueError(f"prefill attention TP {p}, decode {d}: the prefill's ranks named no state engines")

@@ -211,11 +211,18 @@ def connector_layers(kv_caches: dict[str, Any], kv_cache_config: Any) -> tuple[l
     return layers, shared
 
 
-def layer_specs(spec: Any) -> list[Any]:
-    """The per-layer specs of a KV cache group's spec: those of a group vLLM packs of one
-    kind's layers (``UniformTypeKVCacheSpecs``: one spec per layer), else the spec itself."""
+def _packed(spec: Any) -> dict[str, Any] | None:
+    """Layer name -> spec of a group vLLM packs of one kind's layers with pages of different
+    sizes (``UniformTypeKVCacheSpecs``), None for a spec that describes its whole group."""
     inner = getattr(spec, "kv_cache_specs", None)
-    return list(inner.values()) if isinstance(inner, dict) and inner else [spec]
+    return inner if isinstance(inner, dict) and inner else None
+
+
+def layer_specs(spec: Any) -> list[Any]:
+    """The per-layer specs of a KV cache group's spec: those of a packed group (``_packed``),
+    else the spec itself."""
+    inner = _packed(spec)
+    return list(inner.values()) if inner else [spec]
 
 
 def tokens_per_state(spec: Any) -> int:
@@ -242,10 +249,7 @@ def compressed_layers(kv_cache_config: Any) -> frozenset[str]:
         return frozenset()
     out: set[str] = set()
     for group in kv_cache_config.kv_cache_groups:
-        inner = getattr(group.kv_cache_spec, "kv_cache_specs", None)
-        per_layer = (
-            inner if isinstance(inner, dict) and inner else dict.fromkeys(group.layer_names, group.kv_cache_spec)
-        )
+        per_layer = _packed(group.kv_cache_spec) or dict.fromkeys(group.layer_names, group.kv_cache_spec)
         out.update(name for name, spec in per_layer.items() if tokens_per_state(spec) > 1)
     return frozenset(out)
 
