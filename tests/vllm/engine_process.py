@@ -28,6 +28,7 @@ step, abort, report state.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import tempfile
@@ -41,6 +42,10 @@ from contents import channel_bytes, state_bytes, state_pieces, token_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BLOCK_SIZE = 16
+# Per model folder, the options a deployment of it sets (``--limit-mm-per-prompt '{"image": 0}'``
+# for a multimodal model served for text: its processor needs the tokenizer that a folder
+# without weights lacks, and its vision tower owns no KV cache).
+MODEL_OPTIONS: Dict[str, Dict[str, Any]] = {"deepseek-v4.1": {"limit_mm_per_prompt": {"image": 0}}}
 
 
 def model_dir(model: str) -> str:
@@ -58,10 +63,10 @@ def model_specs(config, tp: int) -> tuple[Dict[str, Any], Dict[str, str]]:
 
     What is stubbed: the TP group. The ranks of an engine live in this one process, so the model
     is built in a gloo world of one process whose TP group says it has ``tp`` ranks and that
-    this is rank 0 while the layers read their shard sizes; no collective runs."""
-    from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
+    this is rank 0 while the layers read their shard sizes; no collective runs. For a model
+    vLLM implements for GPUs only, also what its construction asks of the GPU (``_gpu_platform``)."""
+    from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
-    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.model_executor.models import ModelRegistry
 
     model_config = config.model_config
@@ -78,29 +83,70 @@ def model_specs(config, tp: int) -> tuple[Dict[str, Any], Dict[str, str]]:
         saved = group.world_size, group.rank_in_group
         group.world_size, group.rank_in_group = tp, 0
         try:
-            try:
-                with torch.device("meta"):
-                    cls(vllm_config=config, prefix="")
-            except RuntimeError as e:
-                if "meta" not in str(e):
-                    raise
-                config.compilation_config.static_forward_context.clear()
-                with torch.device("cpu"):
-                    cls(vllm_config=config, prefix="")
-            # The layers read the TP size again when they make their specs.
-            specs: Dict[str, Any] = {}
-            shared: Dict[str, str] = {}
-            for name, layer in get_layers_from_vllm_config(config, AttentionLayerBase).items():
-                target = getattr(layer, "kv_sharing_target_layer_name", None)
-                if target is not None:
-                    shared[name] = target
-                    continue
-                spec = layer.get_kv_cache_spec(config)
-                if spec is not None:
-                    specs[name] = spec
+            with _gpu_platform(model_config.architectures):
+                return _built_specs(cls, config)
         finally:
             group.world_size, group.rank_in_group = saved
+
+
+def _built_specs(cls: Any, config: Any) -> tuple[Dict[str, Any], Dict[str, str]]:
+    """``model_specs`` once the TP group is set: builds the model and collects its specs."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    try:
+        with torch.device("meta"):
+            cls(vllm_config=config, prefix="")
+    except RuntimeError as e:
+        if "meta" not in str(e):
+            raise
+        config.compilation_config.static_forward_context.clear()
+        with torch.device("cpu"):
+            cls(vllm_config=config, prefix="")
+    # The layers read the TP size again when they make their specs.
+    specs: Dict[str, Any] = {}
+    shared: Dict[str, str] = {}
+    for name, layer in get_layers_from_vllm_config(config, AttentionLayerBase).items():
+        target = getattr(layer, "kv_sharing_target_layer_name", None)
+        if target is not None:
+            shared[name] = target
+            continue
+        spec = layer.get_kv_cache_spec(config)
+        if spec is not None:
+            specs[name] = spec
     return specs, shared
+
+
+# Models whose vLLM implementation exists for GPUs only: built as on an H200 (``_gpu_platform``).
+GPU_ONLY = {"DeepseekV41ForCausalLM"}
+
+
+class _Inert:
+    """A CUDA stream or event made while a model is built, never used: no forward runs here."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _gpu_platform(architectures: List[str]):
+    """While a model of ``GPU_ONLY`` is built: the CUDA streams and events its layers make for
+    their forward are inert objects, and the platform reports compute capability 9.0 (an
+    H100 or H200, whose kernels' block sizes its layers then choose). Nothing else changes;
+    other models are built as they are."""
+    if not GPU_ONLY.intersection(architectures):
+        yield
+        return
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    saved = torch.cuda.Stream, torch.cuda.Event, current_platform.get_device_capability
+    torch.cuda.Stream, torch.cuda.Event = _Inert, _Inert  # type: ignore[misc, assignment]
+    current_platform.get_device_capability = lambda device_id=0: DeviceCapability(9, 0)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.cuda.Stream, torch.cuda.Event, current_platform.get_device_capability = saved  # type: ignore[misc]
 
 
 def declared_layouts(config) -> List[str]:
@@ -173,7 +219,14 @@ class Engine:
         init_none_hash(sha256)
         self.name = name
         self.block_size = block_size
-        mc = ModelConfig(model=model_dir(model), skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=2048)
+        mc = ModelConfig(
+            model=model_dir(model),
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            seed=0,
+            max_model_len=2048,
+            **MODEL_OPTIONS.get(model, {}),
+        )
         config = VllmConfig(
             model_config=mc,
             scheduler_config=SchedulerConfig(
@@ -196,6 +249,11 @@ class Engine:
         # TP ranks live in this one process (no torch.distributed on CPU): each rank's
         # worker-side connector is made while kvlink.vllm.worker._tp_rank answers that rank.
         config.parallel_config.tensor_parallel_size = tp
+        if model in MODEL_OPTIONS:
+            # vLLM lets a KV consumer of a multimodal model take pre-computed embeddings, whose
+            # processor needs the tokenizer a folder without weights lacks; these tests send
+            # text (token ids) only, which never reaches that processor.
+            config.model_config.multimodal_config.enable_mm_embeds = False
         config.parallel_config.data_parallel_index = dp_index
         # vLLM turns its hybrid KV cache manager off on platforms without GPU support, CPU
         # included; on a GPU it stays on with a connector that supports it (kvlink's does):
@@ -244,23 +302,27 @@ class Engine:
         ]
         # Per group, the attention chunk in tokens (0: not chunked local attention).
         self.chunks = [getattr(g.kv_cache_spec, "attention_chunk_size", None) or 0 for g in groups]
-        # Per Mamba-kind group, its speculative scratch blocks (the running state is the block
-        # before them).
-        from vllm.v1.kv_cache_interface import MambaSpec
+        # Per state group (Mamba-kind, and compressor rings: one block per request), its
+        # speculative scratch blocks (the running state is the block before them).
+        from vllm.v1.kv_cache_interface import CircularBufferSpec, MambaSpec
 
-        self.scratch = {
-            g: s.kv_cache_spec.num_speculative_blocks
-            for g, s in enumerate(groups)
-            if isinstance(s.kv_cache_spec, MambaSpec)
-        }
-        # Per state group, vLLM's mamba cache mode and the tokens per block.
-        self.state_mode = {g: groups[g].kv_cache_spec.mamba_cache_mode for g in self.scratch}
+        mamba = {g for g, s in enumerate(groups) if isinstance(s.kv_cache_spec, MambaSpec)}
+        # Every rank holds a ring whole (vLLM builds compressors without TP).
+        self.rings = {g for g, s in enumerate(groups) if isinstance(s.kv_cache_spec, CircularBufferSpec)}
+        self.scratch = {g: groups[g].kv_cache_spec.num_speculative_blocks for g in mamba}
+        self.scratch.update(dict.fromkeys(self.rings, 0))
+        # Per state group, vLLM's mamba cache mode ("none" for a ring) and the tokens per block.
+        self.state_mode = {g: getattr(groups[g].kv_cache_spec, "mamba_cache_mode", "none") for g in self.scratch}
         self.state_block_size = {g: groups[g].kv_cache_spec.block_size for g in self.scratch}
-        # Per state group and rank, where vLLM's TP split puts each piece of a layer's page.
+        # Per Mamba-kind group and rank, where vLLM's TP split puts each piece of a layer's page.
         self.state_pieces = {
-            g: [state_pieces(groups[g].kv_cache_spec, tp, r, mc.hf_text_config) for r in range(tp)] for g in self.scratch
+            g: [state_pieces(groups[g].kv_cache_spec, tp, r, mc.hf_text_config) for r in range(tp)] for g in mamba
         }
         self.mla = mc.use_mla
+        # Layers of MLA's kind in a model of attention heads (MiniMax-M3's indexer keys).
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+        self.latent = {n for n, s in specs.items() if isinstance(s, MLAAttentionSpec)}
         self.total_heads = 1 if self.mla else mc.get_total_num_kv_heads()
         from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes
 
@@ -335,7 +397,8 @@ class Engine:
         per = v.shape[2]  # tokens per kernel block
         kernel = block * (v.shape[0] // self.num_blocks) + offset // per
         held = v.shape[1]
-        first = 0 if self.mla else rank * held * self.total_heads // max(self.total_heads, held * len(self.workers))
+        whole = self.mla or layer in self.latent  # one vector per token, on every rank
+        first = 0 if whole else rank * held * self.total_heads // max(self.total_heads, held * len(self.workers))
         return v[kernel, :, offset % per].view(torch.uint8), np.arange(first, first + held)
 
     def _blocks(self, rid: str, layer: str):
@@ -363,10 +426,12 @@ class Engine:
     def _state_content(self, tokens: List[int], li: int, layer: str, rank: int, size: int) -> np.ndarray:
         """What a state layer's page on ``rank`` holds after ``tokens``: channel by channel
         where vLLM splits the state over TP ranks (so that any TP size's slice of it can be
-        checked), else a pattern of the tokens, the layer and the rank."""
-        pieces = self.state_pieces.get(self.group_of[layer], [None] * len(self.workers))[rank]
+        checked), else a pattern of the tokens, the layer and the rank (one for every rank: a
+        compressor's ring)."""
+        group = self.group_of[layer]
+        pieces = self.state_pieces.get(group, [None] * len(self.workers))[rank]
         if pieces is None:
-            return state_bytes(tokens, li, rank, size)
+            return state_bytes(tokens, li, 0 if group in self.rings else rank, size)
         out = np.zeros(size, dtype=np.uint8)
         for part, (at, per, channels) in enumerate(pieces):
             out[at : at + per * len(channels)] = channel_bytes(tokens, li, part, channels, per).reshape(-1)

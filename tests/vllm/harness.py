@@ -32,6 +32,8 @@ NEMOTRON_H = "nemotron-h-8b"
 LLAMA_4 = "llama-4-scout"
 JAMBA = "jamba-v0.1"
 DEEPSEEK_V4 = "deepseek-v4-flash"
+DEEPSEEK_V41 = "deepseek-v4.1"
+MINIMAX_M3 = "minimax-m3"
 # Long enough that only the tests' own reject/cancel/abort paths free a hold in time.
 ABORT_TIMEOUT = 300.0
 # Every engine process is forked from one server process that has imported torch and the vLLM
@@ -210,6 +212,21 @@ def read_one(prefill: Proc, decode: Proc, rid: str, prompt: List[int]) -> None:
     params = run_prefill(prefill, {rid: prompt})
     decode.call("add", "d-" + rid, prompt, 2, params[rid])
     step_until([decode, prefill], lambda f: any(x["engine"] == decode.name for x in f), what=rid)
+
+
+def prefix_hit(prefill: Proc, decode: Proc, seed: int, prefix: int, names=("h0", "h1")) -> None:
+    """Reads two prompts sharing their first ``prefix`` tokens, the second longer, and checks
+    both byte for byte and that the second read fewer blocks than the first: only what follows
+    the prefix the decode cached from the first."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(10, 1000) for _ in range(prefix)]
+    for rid, extra in zip(names, (30, 50)):
+        read_one(prefill, decode, rid, shared + [rng.randrange(10, 1000) for _ in range(extra)])
+    s = decode.call("state")
+    first, second = ("d-" + n for n in names)
+    assert s["bad"] == [] and {first, second} <= set(s["verified"]), s
+    assert s["reads"][second] < s["reads"][first], s["reads"]
+    assert_no_leak([prefill, decode])
 
 
 def pair_of(name: str, prefill: Dict[str, Any], decode: Dict[str, Any]):

@@ -88,6 +88,7 @@ def kv_cache_tensors(
     kv_heads: tuple[int, int] | None = None,
     state: dict[int, list[StatePart] | None] | None = None,
     compressed: frozenset[str] = frozenset(),
+    latent: frozenset[str] = frozenset(),
 ) -> tuple[list[tuple[int, int, torch.Tensor]], list[Tensor]]:
     """Maps vLLM's per-layer ``[B, H, N, C]`` views to kvlink memory and layout.
 
@@ -114,7 +115,9 @@ def kv_cache_tensors(
 
     A layer in ``compressed`` (``compressed_layers``) declares no token runs: its block holds
     one state per several tokens, read whole, so engines of different block sizes are refused
-    by the layouts' comparison rather than cut such a block by tokens.
+    by the layouts' comparison rather than cut such a block by tokens. A layer in ``latent``
+    (``latent_layers``: one vector per token that every rank holds whole, as an indexer's keys
+    beside a model's attention heads) declares no heads, as MLA's.
     """
     storages: dict[int, int] = {}
     memory: list[tuple[int, int, torch.Tensor]] = []
@@ -135,7 +138,7 @@ def kv_cache_tensors(
                 split = None if shard is None else (shard[0], shard[1], 1)
                 layout.append((storages[base], offset + at, stride, size, num_blocks, group, split, None))
             continue
-        heads, token_runs = _split(name, v, ratio, head_major, kv_heads)
+        heads, token_runs = _split(name, v, ratio, head_major, None if name in latent else kv_heads)
         if name in compressed:
             token_runs = None
         layout.append((storages[base], offset, stride, inner.numel() * esize, num_blocks, group, heads, token_runs))
@@ -254,6 +257,20 @@ def compressed_layers(kv_cache_config: Any) -> frozenset[str]:
     return frozenset(out)
 
 
+def latent_layers(kv_cache_config: Any) -> frozenset[str]:
+    """The layers of MLA's kind (``MLAAttentionSpec``: one vector per token, whole on every TP
+    rank), which a model of attention heads may hold too (MiniMax-M3's indexer keys)."""
+    if kv_cache_config is None:
+        return frozenset()
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    out: set[str] = set()
+    for group in kv_cache_config.kv_cache_groups:
+        per_layer = _packed(group.kv_cache_spec) or dict.fromkeys(group.layer_names, group.kv_cache_spec)
+        out.update(name for name, spec in per_layer.items() if isinstance(spec, MLAAttentionSpec))
+    return frozenset(out)
+
+
 def state_groups(kv_cache_config: Any) -> frozenset[int]:
     """The KV cache groups that hold Mamba-kind state (``MambaSpec``)."""
     if kv_cache_config is None:
@@ -267,12 +284,27 @@ def state_groups(kv_cache_config: Any) -> frozenset[int]:
     )
 
 
+def ring_groups(kv_cache_config: Any) -> frozenset[int]:
+    """The KV cache groups of compressor rings (``CircularBufferSpec``: one block per request
+    holding the rows of the group still being compressed, which every TP rank holds whole)."""
+    if kv_cache_config is None:
+        return frozenset()
+    from vllm.v1.kv_cache_interface import CircularBufferSpec
+
+    return frozenset(
+        g
+        for g, group in enumerate(kv_cache_config.kv_cache_groups)
+        if isinstance(layer_specs(group.kv_cache_spec)[0], CircularBufferSpec)
+    )
+
+
 def state_layout(
     kv_cache_config: Any, tp_size: int, hf_config: Any
 ) -> tuple[dict[int, list[StatePart] | None], str | None]:
-    """Per state group, its layers' parts (``state_parts``; None: whole), and why the state
-    cannot be read between TP sizes (None when it can, or when there is no sharded state)."""
-    out: dict[int, list[StatePart] | None] = {}
+    """Per state group, its layers' parts (``state_parts``; None: whole, as a compressor ring
+    always is), and why the Mamba-kind state cannot be read between TP sizes (None when it
+    can, or when there is no sharded state)."""
+    out: dict[int, list[StatePart] | None] = dict.fromkeys(ring_groups(kv_cache_config))
     why = None
     for g in sorted(state_groups(kv_cache_config)):
         parts, reason = state_parts(

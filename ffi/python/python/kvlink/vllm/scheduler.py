@@ -49,8 +49,9 @@ class _Group:
     block_size: int
     """Its tokens per block (the hybrid manager may raise some groups' to unify page sizes)."""
     state: bool = False
-    """Per-request state (Mamba-kind: conv and SSM state, gated delta net, short conv): one
-    block, the running state after the tokens computed, is sent, never a block per position."""
+    """Per-request state (Mamba-kind: conv and SSM state, gated delta net, short conv; a
+    compressor's ring of the open group's rows): one block, the running state after the tokens
+    computed, is sent, never a block per position."""
     scratch: int = 0
     """A state group's speculative scratch blocks, after its running-state block."""
     sharded: bool = False
@@ -72,9 +73,10 @@ class _Group:
 def _group_specs(kv_cache_config: KVCacheConfig | None, block_size: int) -> list[_Group]:
     """Per KV cache group, what kind of blocks it holds. Taken: full attention, MLA, sliding
     window, chunked local attention, compressed attention (one state per several tokens, in
-    blocks still counted in tokens), and Mamba-kind state (``MambaSpec``); any other kind
-    (circular buffers, sink attention, ...) is refused at start, by name, rather than sent as if
-    it were full attention. A group vLLM packs of one kind's layers with different pages
+    blocks still counted in tokens), Mamba-kind state (``MambaSpec``) and compressor rings
+    (``CircularBufferSpec``: one block per request, taken as state); any other kind (sink
+    attention, ...) is refused at start, by name, rather than sent as if it were full
+    attention. A group vLLM packs of one kind's layers with different pages
     (``UniformTypeKVCacheSpecs``) is taken by its layers' kind."""
     if kv_cache_config is None:
         return [_Group(0, block_size)]
@@ -85,6 +87,7 @@ def _group_spec(g: int, spec: Any, block_size: int) -> _Group:
     """One KV cache group's ``_Group`` (``_group_specs``)."""
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
+        CircularBufferSpec,
         FullAttentionSpec,
         MambaSpec,
         MLAAttentionSpec,
@@ -110,13 +113,19 @@ def _group_spec(g: int, spec: Any, block_size: int) -> _Group:
     if kind is MambaSpec:
         scratch = int(getattr(first, "num_speculative_blocks", 0))
         return _Group(0, size, state=True, scratch=scratch, sharded=not getattr(first, "tp_replicated", False))
+    if kind is CircularBufferSpec:
+        # The ring of a compressor's open group, at the positions modulo its capacity: like a
+        # running state, what it holds after the tokens computed, read whole. Every rank holds
+        # the same ring (vLLM builds compressors without TP); rings whose size differs by TP
+        # size are refused by the layouts' comparison.
+        return _Group(0, size, state=True)
     if kind is ChunkedLocalAttentionSpec:
         return _Group(0, size, chunk=int(first.attention_chunk_size))
     if kind not in known:
         raise ValueError(
             f"KvlinkConnector: KV cache group {g} holds blocks of kind {kind.__name__}, "
             "which kvlink does not transfer; supported: full attention and MLA (compressed too), "
-            "sliding window, chunked local attention and Mamba-kind state groups"
+            "sliding window, chunked local attention, Mamba-kind state and compressor rings"
         )
     # A compressed layer's block still spans block_size tokens (block_size / N states): its
     # blocks pair by token position like any attention group's, and are read whole.

@@ -19,8 +19,10 @@ from .layout import (
     conv_layout,
     is_head_major,
     kv_cache_tensors,
+    latent_layers,
     layout_name,
     layout_tag,
+    state_groups,
     state_layout,
 )
 from .metadata import KvlinkConnectorMetadata, KvlinkConnectorStats, KvlinkHandshakeMetadata, ReadSpec
@@ -99,13 +101,16 @@ class _WorkerSide:
         name = self._resolved_layout()
         head_major = is_head_major(name)
         compressed = compressed_layers(self.kv_cache_config)
-        memory, layout = kv_cache_tensors(kv_caches, layers, num_blocks, head_major, self.kv_heads, state, compressed)
+        latent = latent_layers(self.kv_cache_config)
+        memory, layout = kv_cache_tensors(
+            kv_caches, layers, num_blocks, head_major, self.kv_heads, state, compressed, latent
+        )
         regions = [
             self.engine.register_memory(addr, size, device=owner.device.type != "cpu", owner=owner)
             for addr, size, owner in memory
         ]
         tensors = [(regions[t[0]], *t[1:]) for t in layout]
-        conv = conv_layout() if state else None
+        conv = conv_layout() if state_groups(self.kv_cache_config) else None
         tokens = _tokens_per_block(self.kv_cache_config, state, self.block_size)
         self.engine.set_layout(tensors, tokens, layout_tag(first.dtype, head_major, self.kv_heads is None, conv))
         self.registered = True
@@ -305,12 +310,12 @@ def _tokens_per_block(kv_cache_config: KVCacheConfig | None, state: dict, defaul
 
 
 def _state_note(state: dict, conv: str | None, why_whole: str | None) -> str:
-    """The registration log's words on Mamba-kind state: its groups, conv layout, and whether a
-    decode of another TP size can read its slice."""
+    """The registration log's words on per-request state (Mamba-kind, compressor rings): its
+    groups, the conv layout, and whether a decode of another TP size can read its slice."""
     if not state:
         return ""
     tp = "read between TP sizes by slice" if why_whole is None else f"whole only ({why_whole})"
-    return f"; {len(state)} state group(s), conv {conv}, {tp}"
+    return f"; {len(state)} state group(s), " + (f"conv {conv}, " if conv else "") + tp
 
 
 def _node_address() -> str:
