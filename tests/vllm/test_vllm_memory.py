@@ -27,6 +27,7 @@ from harness import (  # noqa: E402
     LLAMA_4,
     MINIMAX_M3,
     NEMOTRON_H,
+    QWEN3_5,
     QWEN3_NEXT,
     Proc,
     assert_no_leak,
@@ -39,9 +40,9 @@ from harness import (  # noqa: E402
     transfer,
 )
 
-# Nemotron-H's state pages are 4 MB a layer (128 heads of 64 x 128 float32), Jamba's seven
-# Mamba-1 layers 0.6 MB each: fewer blocks of them.
-BLOCKS_OF = {NEMOTRON_H: 48, JAMBA: 120}
+# Nemotron-H's state pages are 4 MB a layer (128 heads of 64 x 128 float32), Qwen3.5's 2 MB
+# (32 value heads of 128 x 128), Jamba's seven Mamba-1 layers 0.6 MB each: fewer blocks of them.
+BLOCKS_OF = {NEMOTRON_H: 48, QWEN3_5: 96, JAMBA: 120}
 
 
 @pytest.mark.parametrize(
@@ -102,8 +103,15 @@ def test_cross_layer_kv_sharing(decode_tp):
 
 @pytest.mark.parametrize(
     "model, prefix_caching, conv",
-    [(GRANITE_H, True, None), (GRANITE_H, False, "DS"), (QWEN3_NEXT, True, None), (NEMOTRON_H, True, "DS"), (JAMBA, True, None)],
-    ids=["granite-align", "granite-none-DS", "qwen3-next-align", "nemotron-h-align-DS", "jamba-align"],
+    [
+        (GRANITE_H, True, None),
+        (GRANITE_H, False, "DS"),
+        (QWEN3_NEXT, True, None),
+        (QWEN3_5, True, None),
+        (NEMOTRON_H, True, "DS"),
+        (JAMBA, True, None),
+    ],
+    ids=["granite-align", "granite-none-DS", "qwen3-next-align", "qwen3.5-align", "nemotron-h-align-DS", "jamba-align"],
 )
 def test_mamba_hybrid_state_and_attention_arrive_whole(model, prefix_caching, conv):
     """Granite 4.0-H (Mamba-2 and attention layers) and Qwen3-Coder-Next (gated delta net
@@ -131,10 +139,10 @@ def test_mamba_hybrid_state_and_attention_arrive_whole(model, prefix_caching, co
 
 @pytest.mark.parametrize(
     "model, prefill_tp, decode_tp",
-    [(GRANITE_H, 1, 2), (GRANITE_H, 2, 1), (QWEN3_NEXT, 1, 2), (QWEN3_NEXT, 2, 1), (NEMOTRON_H, 1, 2), (NEMOTRON_H, 2, 1),
-     (JAMBA, 1, 2), (JAMBA, 2, 1)],
-    ids=["granite-1to2", "granite-2to1", "qwen3-next-1to2", "qwen3-next-2to1", "nemotron-h-1to2", "nemotron-h-2to1",
-         "jamba-1to2", "jamba-2to1"],
+    [(GRANITE_H, 1, 2), (GRANITE_H, 2, 1), (QWEN3_NEXT, 1, 2), (QWEN3_NEXT, 2, 1), (QWEN3_5, 1, 2), (QWEN3_5, 2, 1),
+     (NEMOTRON_H, 1, 2), (NEMOTRON_H, 2, 1), (JAMBA, 1, 2), (JAMBA, 2, 1)],
+    ids=["granite-1to2", "granite-2to1", "qwen3-next-1to2", "qwen3-next-2to1", "qwen3.5-1to2", "qwen3.5-2to1",
+         "nemotron-h-1to2", "nemotron-h-2to1", "jamba-1to2", "jamba-2to1"],
 )
 def test_mamba_state_between_tp_sizes_is_read_by_slice(model, prefill_tp, decode_tp):
     """A prefill and a decode of different TP sizes, conv state in vLLM's DS layout: each

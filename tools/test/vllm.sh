@@ -5,7 +5,7 @@
 # kvlink wheel the python part built is installed into it as a user would, without Rust.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
-MIN_VLLM=89
+MIN_VLLM=92
 
 case ${1:-} in
   # The newest release, layered on .venv-vllm (SGLang's and ATOM's extras included, so that
