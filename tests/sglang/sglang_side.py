@@ -5,7 +5,9 @@ allocator (sized by SGLang's ``ModelConfig`` from a real model's ``config.json``
 tests/vllm/models, cut to 4 layers: Llama 3.1 8B's ``MHATokenToKVPool`` with 8 KV heads of 128,
 DeepSeek-V2-Lite's ``MLATokenToKVPool``, gpt-oss-20b's hybrid ``SWAKVPool`` with its SWA
 allocator; for Qwen3-Coder-Next and Nemotron-H, SGLang's request pool with its ``MambaPool``
-and a ``HybridLinearKVPool`` of the attention layers: ``mamba_side``), metadata buffers, with kvlink's backend loaded through SGLang's own plugin loader. Parallel sizes are SGLang's own (``ServerArgs`` with ``tp_size``, ``dp_size``,
+and a ``HybridLinearKVPool`` of the attention layers: ``mamba_side``; DeepSeek-V4 Flash's pool
+as SGLang's configurator builds it, with 256-token pages: ``dsv4_side``), metadata buffers, with
+kvlink's backend loaded through SGLang's own plugin loader. Parallel sizes are SGLang's own (``ServerArgs`` with ``tp_size``, ``dp_size``,
 ``enable_dp_attention``, published with ``publish``; gloo groups for its all-reduces). Only the
 model's forward and the scheduler loop are stand-ins: the prefill writes each token's K and V as
 a function of (room, position, layer, global head, dim) and its first output token as a function
@@ -32,6 +34,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import dsv4_side  # noqa: E402
 import mamba_side  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -52,6 +55,8 @@ class Shape:
         self.config = ModelConfig.from_server_args(ServerArgs(model_path=model, device="cpu"))
         self.layers = self.config.num_hidden_layers
         self.mla = self.config.attention_arch == AttentionArch.MLA
+        # DeepSeek-V4: SGLang's compressed-attention pools (dsv4_side), checked row by row.
+        self.dsv4 = dsv4_side.is_dsv4(self.config)
         if self.mla:
             self.latent = (self.config.kv_lora_rank, self.config.qk_rope_head_dim)
         # Hybrid sliding-window models (gpt-oss): SGLang's SWAKVPool, the window's pages moved
@@ -165,6 +170,9 @@ def setup(role: str, plan: Dict[str, Any], rank: int, http_port: int = 30000):
     from sglang.srt.server_args import ServerArgs
     from sglang.test.parallel_groups import publish
 
+    global PAGE
+    # SGLang pages DeepSeek-V4's sliding window by 256 tokens (it refuses any other size).
+    PAGE = dsv4_side.PAGE if plan.get("model") in dsv4_side.MODELS else 16
     side = plan.get(role, {})
     tp, dp = side.get("tp", 1), side.get("dp", 1)
     model = os.path.join(MODELS, plan.get("model", "llama-3.1-8b"))
@@ -320,6 +328,9 @@ def run_prefill(plan: Dict[str, Any], rank: int) -> None:
     if shape.mamba is not None:
         r2t = mamba_side.req_pool(shape, "prefill")
         pool, alloc = mamba_side.kv_pool(shape, r2t, POOL_TOKENS, PAGE)
+    elif shape.dsv4:
+        r2t = ReqToTokenPool(size=32, max_context_len=1024, device="cpu", enable_memory_saver=False)
+        pool, alloc = dsv4_side.kv_pool(shape.config, r2t, "prefill")
     else:
         pool, alloc = kv_pool(shape)
         r2t = ReqToTokenPool(size=32, max_context_len=1024, device="cpu", enable_memory_saver=False)
@@ -348,7 +359,13 @@ def run_prefill(plan: Dict[str, Any], rank: int) -> None:
         metadata_buffers=meta, gpu_id=0, bootstrap_port=port, max_total_num_tokens=POOL_TOKENS, scheduler=s,
         scheduler_stage_metrics=None, transfer_backend=backend)
     mgr = queue.kv_manager
+    space = dsv4_side.regions(mgr.kv_args) if shape.dsv4 else None
     emit({"ready": True, "backend": type(mgr).__name__})
+
+    def add(r, spec):
+        queue.add(r, shape.total)
+        if space is not None:
+            dsv4_side.forward_on_send(r.disagg_kv_sender, r.bootstrap_room, space)
 
     reqs = {}
     for spec in requests:
@@ -356,7 +373,7 @@ def run_prefill(plan: Dict[str, Any], rank: int) -> None:
             continue  # comes back through POST /generate
         r = make_req(spec["rid"], spec["n"], spec["room"], port)
         reqs[spec["rid"]] = (r, spec)
-        queue.add(r, shape.total)
+        add(r, spec)
     computing: List[Any] = []  # (req, spec, next position)
     ended: Dict[str, str] = {}
     aborted = set()
@@ -367,7 +384,7 @@ def run_prefill(plan: Dict[str, Any], rank: int) -> None:
             spec = next(s for s in requests if s["rid"] == body["rid"])
             r = make_req(spec["rid"], spec["n"], int(body["bootstrap_room"]), port)
             reqs[spec["rid"]] = (r, spec)
-            queue.add(r, shape.total)
+            add(r, spec)
         for spec in requests:
             if spec.get("recompute_fails") and spec["rid"] in generate.refused:
                 ended.setdefault(spec["rid"], "refused")
@@ -389,7 +406,8 @@ def run_prefill(plan: Dict[str, Any], rank: int) -> None:
             n_alloc = (n + PAGE - 1) // PAGE * PAGE
             loc = alloc_pages(alloc, shape, n_alloc)
             r2t.write((r.kv.req_pool_idx, slice(0, n_alloc)), loc.to(torch.int32))
-            write_kv(pool, alloc, shape, spec["room"], loc[:n], torch.arange(n))
+            if not shape.dsv4:
+                write_kv(pool, alloc, shape, spec["room"], loc[:n], torch.arange(n))
             if shape.mamba is not None:
                 mamba_side.write_state(r2t, shape, spec["room"], n, r)
             r.kv.kv_allocated_len = n_alloc
@@ -468,9 +486,9 @@ def run_decode(plan: Dict[str, Any], rank: int) -> None:
         r2t = mamba_side.req_pool(shape, "decode")
         pool, alloc = mamba_side.kv_pool(shape, r2t, POOL_TOKENS, PAGE)
     else:
-        pool, alloc = kv_pool(shape)
         r2t = D.DecodeReqToTokenPool(size=32, max_context_len=1024, device="cpu", enable_memory_saver=False,
                                      pre_alloc_size=32)
+        pool, alloc = dsv4_side.kv_pool(shape.config, r2t, "decode") if shape.dsv4 else kv_pool(shape)
     tree = RadixCache(CacheInitParams(disable=True, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
                                       page_size=PAGE))
     out = Outputs()
@@ -500,6 +518,15 @@ def run_decode(plan: Dict[str, Any], rank: int) -> None:
                                transfer_backend=backend)
     s.disagg_decode_prealloc_queue = dq
     mgr = dq.kv_manager
+    space = dsv4_side.regions(mgr.kv_args) if shape.dsv4 else None
+    named: Dict[str, Dict[str, Any]] = {}  # the rows SGLang named for each request (DeepSeek-V4)
+
+    def add(r, **kw):
+        dq.add(r, **kw)
+        if space is not None:
+            (d,) = [d for d in dq.queue if d.req is r]
+            dsv4_side.record_rows(d.kv_receiver, named.setdefault(r.rid, {}))
+
     emit({"ready": True, "backend": type(mgr).__name__})
     free_pages_at_start = alloc.available_size()
 
@@ -515,7 +542,7 @@ def run_decode(plan: Dict[str, Any], rank: int) -> None:
         if spec.get("decode_delay"):
             later.append((time.monotonic() + spec["decode_delay"], r, spec))
             continue
-        dq.add(r, is_rebootstrap=bool(spec.get("rebootstrap")))
+        add(r, is_rebootstrap=bool(spec.get("rebootstrap")))
     ended: Dict[str, Dict[str, Any]] = {}
     aborted = set()
     deadline = time.monotonic() + plan.get("deadline", 60)
@@ -525,7 +552,7 @@ def run_decode(plan: Dict[str, Any], rank: int) -> None:
         tq.resolve_deferred_releases()
         for item in [x for x in later if x[0] <= time.monotonic()]:
             later.remove(item)
-            dq.add(item[1])
+            add(item[1])
         good, _failed = dq.pop_preallocated()
         tq.extend(good)
         for d in tq.queue:
@@ -541,7 +568,10 @@ def run_decode(plan: Dict[str, Any], rank: int) -> None:
             spec = reqs[r.rid][1]
             n, room = spec["n"], spec["room"]
             slots = r2t.req_to_token[r.kv.req_pool_idx, :n].long()
-            bad = wrong_kv(pool, alloc, shape, room, slots, torch.arange(n))
+            if space is not None:
+                bad = dsv4_side.wrong_rows(space, room, named.get(r.rid, {}), mgr.kv_args.state_types)
+            else:
+                bad = wrong_kv(pool, alloc, shape, room, slots, torch.arange(n))
             if shape.mamba is not None:
                 bad += mamba_side.wrong_state(r2t, shape, room, n, r)
             ok_token = list(r.output_ids) == [first_token(room)]

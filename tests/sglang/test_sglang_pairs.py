@@ -85,6 +85,23 @@ def test_a_hybrid_sliding_window_model_moves_its_window_as_sglangs_swa_state(pre
 
 @pytest.mark.parametrize("prefill,decode", [({"tp": 1}, {"tp": 1}), ({"tp": 1}, {"tp": 2}), ({"tp": 2}, {"tp": 1})],
                          ids=["1to1", "1to2", "2to1"])
+def test_deepseek_v4_pools_move_every_region_and_state(prefill, decode):
+    """DeepSeek-V4 Flash (compressed MLA per 128 and per 4 tokens, the C4 indexer's keys, 128-token
+    sliding-window caches, the compressors' states and the request-scoped C128 state): the
+    pools SGLang's own configurator sizes and builds for the model, on both sides (dsv4_side).
+    Every region SGLang describes to the backend (the KV pages of each compressed pool, the SWA
+    state's window pages and compressor states, the C128 state's request rows) moves at the
+    rows SGLang names: every byte of each is checked on each decode rank. A request longer
+    than a chunk is sent chunk by chunk (256-token pages)."""
+    rng = random.Random(23)
+    reqs = [{"rid": f"r{i}", "room": 3000 + rng.randint(0, 1 << 30) * 4 + i, "n": n, "chunk": 256}
+            for i, n in enumerate([1, 255, 256, 257, 700, rng.randint(2, 900)])]
+    p_ends, p_sum, d_ends, d_sum, _ = run_pair(reqs, prefill=prefill, decode=decode, model="deepseek-v4-flash")
+    assert_all_arrived(reqs, p_ends, p_sum, d_ends, d_sum)
+
+
+@pytest.mark.parametrize("prefill,decode", [({"tp": 1}, {"tp": 1}), ({"tp": 1}, {"tp": 2}), ({"tp": 2}, {"tp": 1})],
+                         ids=["1to1", "1to2", "2to1"])
 def test_a_gated_delta_net_hybrid_moves_its_state_slice_by_slice(prefill, decode):
     """Qwen3-Coder-Next (gated delta net layers among attention layers): SGLang's
     HybridReqToTokenPool and MambaPool on both sides, a KV pool of the attention layer only.

@@ -5,7 +5,7 @@
 # (prepare.sh, stage vllm-old).
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
-MIN_SGLANG=71
+MIN_SGLANG=74
 
 label="SGLang backend ($SGLANG_PIN, no deps, beside $VLLM_OLD_PIN)"
 echo "test: the SGLang backend through SGLang's own queues ($SGLANG_PIN in .venv-vllm)"

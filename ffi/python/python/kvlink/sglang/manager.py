@@ -188,7 +188,7 @@ class KvlinkKVManager(BaseKVManager):
         self.state_split: list[str | None] = []
         for i, ptrs in enumerate(state_ptrs):
             pieces, why = states.split(
-                args, i, self.state_types[i], self.heads, self.page_size, self.tp_size, self.conv
+                args, i, self.state_types[i], self.heads, self.page_size, self.tp_size, self.conv, self.is_mla_backend
             )
             self.state_split.append(why)
             tp = dict(tp_rank=self.tp_rank, tp_size=self.tp_size) if why is None else {}

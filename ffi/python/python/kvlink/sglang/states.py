@@ -16,7 +16,9 @@ whole rows, block-granular, on an engine of the type's own. The payloads SGLang 
   difference of length is tolerated as SGLang's own backends tolerate it (the window may
   drift by a page): both lists are cut to the shorter one's length.
 
-Between different attention TP sizes, a decode rank reads the ``swa`` pages by KV head, as it
+Between different attention TP sizes, on an MLA backend (SGLang's MLA and DeepSeek-V4 pools)
+every state type but ``mamba`` is whole and the same on every rank, as the latents are, and is
+read whole as they are. Otherwise a decode rank reads the ``swa`` pages by KV head, as it
 reads the KV pages (SGLang's SWA sub-pool holds the sliding-window layers' K and V in pages
 of the same heads), and its slice of each ``mamba`` state tensor by SGLang's own description
 of how TP shards it (``mamba_slices``); the other types are read whole, between equal TP sizes
@@ -163,11 +165,16 @@ def split(
     page_size: int,
     tp: int,
     conv: tuple[list[int], int] | None = None,
+    mla: bool = False,
 ) -> tuple[list[list[Piece]] | None, str | None]:
     """State type ``i`` (``name``) of SGLang's ``KVArgs``: its tensors as a decode of another
     attention TP size reads them (per tensor its pieces with their heads), or None and why it
-    cannot. ``conv``: a Mamba-2 conv state's sub-blocks (``mamba_slices``)."""
+    cannot. ``conv``: a Mamba-2 conv state's sub-blocks (``mamba_slices``). ``mla``: SGLang's
+    MLA backends (its MLA and DeepSeek-V4 pools) keep every state but mamba whole and the same
+    on every rank, as their latents: read whole, as the latents are."""
     items = [int(x) for x in args.state_item_lens[i]]
+    if mla and name != "mamba":
+        return [[(0, item, None)] for item in items], None
     if name == "mamba":
         sliced = mamba_slices(
             items,
