@@ -115,6 +115,9 @@ def main():
     mgr = CoreManager(cfg)
     _engine_cores_yield()
     keys = {}
+    from atom.model_engine.llm_engine import InputOutputProcessor
+
+    per_req = cfg.hf_config.model_type in InputOutputProcessor._per_req_cache_model_types()
 
     def outputs():
         while True:
@@ -137,7 +140,10 @@ def main():
         op = cmd["op"]
         if op == "add":
             sp = SamplingParams(max_tokens=cmd["max_tokens"], ignore_eos=True)
-            seq = Sequence(cmd["prompt"], mgr_block_size, sp, kv_transfer_params=cmd.get("params"))
+            # As ATOM's InputOutputProcessor builds a request: a per-request state slot for the
+            # model types it lists (DeepSeek-V4).
+            seq = Sequence(cmd["prompt"], mgr_block_size, sp, kv_transfer_params=cmd.get("params"),
+                           has_per_req_cache=per_req)
             if cmd.get("dp_rank") is not None:  # ATOM's routing hint
                 seq.data_parallel_rank = cmd["dp_rank"]
             keys[seq.id], ids[cmd["key"]] = cmd["key"], seq.id

@@ -2,6 +2,9 @@
 from ATOM's own attention builder (its ``allocate_kv_cache_tensors``, ``build_kv_cache_tensor``
 and ``get_kv_transfer_tensors``, on the CPU), ATOM's ``set_kv_cache_data`` creates the worker
 connector and registers it; the forward is ``kvmodel``'s, writing and checking every KV byte.
+Models with per-request state (DeepSeek-V4, gated delta net hybrids) get ATOM's builder for
+them and their pool plan (``dsv4``, ``gdn``), and a forward that also checks and moves on
+each request's state.
 
 Stubbed: the model (no weights), the CUDA device (``torch.zeros(device="cuda")`` lands on the
 CPU), and the two connector methods, whose bodies are ``ModelRunner``'s."""
@@ -14,6 +17,8 @@ from types import SimpleNamespace as NS
 import stub  # noqa: F401  (installs the aiter stub in every process)
 import torch
 
+import dsv4
+import gdn
 import kvmodel
 
 NUM_BLOCKS = int(os.environ.get("KVLINK_ATOM_BLOCKS", "48"))
@@ -40,6 +45,13 @@ class KvRunner:
         from kvlink.atom.layout import is_mla
 
         self.mla = is_mla(config.hf_config)
+        # Models with per-request state: ATOM's own builder for them, and the forward that
+        # keeps their state (DeepSeek-V4: dsv4; gated delta net hybrids: gdn).
+        self.stateful = None
+        if dsv4.is_dsv4(self.hf):
+            self.stateful = dsv4.V4Cache(config)
+        elif gdn.is_gdn(config.hf_config):
+            self.stateful = gdn.GdnCache(config, rank, self.world_size)
         self.is_deepseek_v32 = False
         self.mod = kvmodel.modulus(config.kv_cache_dtype)
         self.errors = os.environ.get("KVLINK_ATOM_ERRORS")
@@ -48,6 +60,8 @@ class KvRunner:
     def get_num_blocks(self):
         from atom.model_engine.state_runtime import StateRuntime
 
+        if self.stateful is not None:
+            return self.stateful.num_blocks()
         return {"num_kvcache_blocks": NUM_BLOCKS, "pool_entries": {}, "pool_entries_per_req": {}, "state_runtime": StateRuntime().to_wire()}
 
     def is_mimo_v2(self):
@@ -74,6 +88,9 @@ class KvRunner:
         import atom.model_ops.attentions.aiter_attention as mha
         import atom.model_ops.attentions.aiter_mla as mla
 
+        if self.stateful is not None:
+            self.layers, tensors = self.stateful.allocate(num_blocks)
+            return tensors
         mod, cls = (mla, mla.AiterMLAMetadataBuilder) if self.mla else (mha, mha.AiterAttentionMetadataBuilder)
         b = object.__new__(cls)
         b.model_runner = self
@@ -134,8 +151,12 @@ class KvRunner:
             n = int(batch.num_scheduled_tokens[i])
             ctx = int(batch.num_cached_tokens[i]) + n if prefill else int(batch.context_lens[i])
             table = batch.block_tables[i]
-            self._write(table, torch.tensor(batch.scheduled_tokens[pos : pos + n], dtype=torch.int64), torch.arange(ctx - n, ctx))
+            tok = torch.tensor(batch.scheduled_tokens[pos : pos + n], dtype=torch.int64)
             pos += n
+            if self.stateful is not None:
+                toks.append((self._v4_step(rid, table, batch.per_req_cache_groups[i], tok, ctx),))
+                continue
+            self._write(table, tok, torch.arange(ctx - n, ctx))
             toks.append((self._sample(rid, table, ctx),))
         return ScheduledBatchOutput(batch.req_ids, toks, None, None, None, is_deferred_out=False)
 
@@ -199,8 +220,23 @@ class KvRunner:
                     return None, f"layer {layer} {'KV'[kv]} scales"
         return tok.tolist(), None
 
+    def _v4_step(self, rid, table, slot, tok, ctx):
+        """The forward of ``tok`` (the last of ``ctx`` positions) in a model with per-request
+        state: its KV, then the whole context checked, its state checked and moved on."""
+        n = len(tok)
+        self.stateful.write(table, tok, torch.arange(ctx - n, ctx))
+        tokens, bad = self.stateful.read_tokens(table, ctx)
+        if bad is None and ctx > n and not self.stateful.state_ok(slot, tokens[: ctx - n]):
+            bad = f"the state of slot {slot}"
+        if bad is None:
+            self.stateful.write_state(slot, tokens)
+        return self._token(rid, tokens, ctx, bad)
+
     def _sample(self, rid, table, ctx):
         tokens, bad = self._read_tokens(table, ctx)
+        return self._token(rid, tokens, ctx, bad)
+
+    def _token(self, rid, tokens, ctx, bad):
         if bad is None:
             return kvmodel.next_token(tokens)
         if self.errors:

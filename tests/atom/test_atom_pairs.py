@@ -16,7 +16,8 @@ import pytest
 import kvmodel
 from harness import Engine, close_all, free_ports, idle_all, prompt
 
-LLAMA, DEEPSEEK = "llama-3.1-8b", "deepseek-v2-lite"
+LLAMA, DEEPSEEK, DEEPSEEK_V4 = "llama-3.1-8b", "deepseek-v2-lite", "deepseek-v4-flash"
+QWEN3_NEXT = "qwen3-coder-next"
 
 
 @contextmanager
@@ -122,6 +123,50 @@ def test_mla_latents_from_a_larger_prefill(tmp_path):
         r = decode(D, "m", p, prefill(P, "m", p))
         assert r["tokens"] == kvmodel.expected(p, 6), r
         settle(P, D)
+
+
+@pytest.mark.parametrize("ptp,dtp", [(1, 1), (2, 1), (1, 2)])
+def test_deepseek_v4_pages_and_per_request_state(tmp_path, ptp, dtp):
+    """DeepSeek-V4 Flash (dsv4): ATOM's own DeepSeek-V4 builder sizes and allocates its
+    memory, 256-token PAGE blocks (the compressed latents and the C4 indexer) and a STATE slot
+    per request (its compressors' state and sliding window, a full SLOT region numbered from
+    its end). kvlink reads a request's blocks and its slot (block group 1) into the decode's
+    own blocks and slot; every decode step checks every PAGE byte and that the slot holds the
+    state of every token before it, so tokens equal only when both arrived. Latents and state
+    are whole on every rank (read from one rank, or shared out over two)."""
+    with pair(tmp_path, model=DEEPSEEK_V4, ptp=ptp, dtp=dtp, block_size=256) as (P, D):
+        for i, n in enumerate((300, 40, 600)):
+            p = prompt(40 + i, n)
+            r = decode(D, f"v{i}", p, prefill(P, f"v{i}", p))
+            assert r["tokens"] == kvmodel.expected(p, 6), r
+        settle(P, D)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gated_delta_net_state_moves_with_the_attention_kv(tmp_path, tp):
+    """Qwen3-Coder-Next (three gated delta net layers to one of full attention; gdn): ATOM's
+    own GDN builder allocates the full-attention layers' paged KV and each linear-attention
+    layer's conv and temporal state in a STATE slot per request, and hands the connector the
+    layers' state views. kvlink reads the request's KV blocks and its slot of every state view
+    into the decode's blocks and slot; every decode step checks every KV element and that the
+    slot holds the state of every token before it."""
+    with pair(tmp_path, model=QWEN3_NEXT, ptp=tp, dtp=tp) as (P, D):
+        for i, n in enumerate((100, 17)):
+            p = prompt(60 + i, n)
+            r = decode(D, f"g{i}", p, prefill(P, f"g{i}", p))
+            assert r["tokens"] == kvmodel.expected(p, 6), r
+        settle(P, D)
+
+
+def test_gated_delta_net_state_between_tp_sizes_is_computed_locally(tmp_path):
+    """The state is not cut between TP sizes: a decode of TP 2 refuses the TP 1 prefill's
+    layout (its blocks and slots are of other sizes) and computes the request itself, with
+    the same tokens."""
+    with pair(tmp_path, model=QWEN3_NEXT, ptp=1, dtp=2) as (P, D):
+        p = prompt(70, 40)
+        r = decode(D, "g", p, prefill(P, "g", p))
+        assert r["tokens"] == kvmodel.expected(p, 6), r
+        settle(P, D, fallbacks=1)
 
 
 def test_failed_read_falls_back_to_a_local_prefill(tmp_path):

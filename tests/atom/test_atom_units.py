@@ -19,7 +19,7 @@ from kvlink import core
 from kvlink.atom.settings import Settings
 
 
-def atom_config(model, tp=1, block_size=16, kv=None, dtype="bf16"):
+def atom_config(model, tp=1, block_size=16, kv=None, dtype="bf16", **extra):
     from atom.config import Config
 
     return Config(
@@ -29,6 +29,7 @@ def atom_config(model, tp=1, block_size=16, kv=None, dtype="bf16"):
         tensor_parallel_size=tp,
         enforce_eager=True,
         kv_transfer_config=kv if kv is not None else {"kv_connector": "kvlink", "kv_role": "kv_consumer", "handshake_port": 7000},
+        **extra,
     )
 
 
@@ -70,32 +71,63 @@ def test_mla_regions_are_whole_on_every_rank():
     assert regions[0].block_bytes == 16 * 576 * 2
 
 
-def test_slot_state_and_pipeline_parallelism_refused():
+def test_partial_slot_state_and_pipeline_parallelism_refused():
     from atom.kv_transfer.disaggregation.types import KVTransferRegion, KVTransferTensors
 
     cfg = atom_config("llama-3.1-8b")
     region = KVTransferRegion(base_addr=4096, total_bytes=1 << 20, unit_bytes=1 << 16)
     slots = KVTransferTensors(block_regions=[region], slot_regions=[region], num_blocks=16, num_slots=4)
-    with pytest.raises(ValueError, match="DeepSeek-V4"):
+    with pytest.raises(ValueError, match="partial slot regions"):
         describe(cfg, slots, 16, 1)
-    v4 = NS(kv_transfer_config={"kv_role": "kv_producer"}, pipeline_parallel_size=1, hf_config=NS(architectures=["DeepseekV4ForCausalLM"]))
-    with pytest.raises(ValueError, match="DeepseekV4ForCausalLM.*mooncake or moriio"):
-        Settings.from_config(v4)
+    full = KVTransferTensors(block_regions=[region], slot_regions=[], swa_block_regions=[region], num_blocks=16,
+                             num_slots=16, expected_full_slot_region_count=2)
+    with pytest.raises(ValueError, match="expects 2 full SLOT regions and exported 1"):
+        describe(cfg, full, 16, 1)
     pp = NS(kv_transfer_config={}, pipeline_parallel_size=2, hf_config=NS(architectures=[]))
     with pytest.raises(ValueError, match="pipeline parallelism"):
         Settings.from_config(pp)
 
 
-def test_a_gated_delta_net_hybrid_is_refused_at_start_by_model_type():
-    """Qwen3-Coder-Next read by ATOM's own Config: ATOM keeps its linear-attention layers'
-    state in a per-request pool it does not export to connectors, so the connector refuses the
-    model by its type (from ATOM's own list) instead of sending its attention KV alone."""
+def test_deepseek_v4_slot_regions_are_a_block_group_numbered_from_the_end():
+    """DeepSeek-V4's memory from ATOM's own builder (``dsv4``): its PAGE regions are group 0,
+    whole on every rank; its full SLOT region is group 1, one block a request's slot, the
+    slot's state where ATOM's own ``unit_addr`` puts it (the region numbers from its end)."""
+    from kvlink.atom.layout import slot_block
+    from runner import KvRunner
+
+    cfg = atom_config("deepseek-v4-flash", 2, 256, kv={"kv_connector": "kvlink", "kv_role": "kv_producer"},
+                      max_num_seqs=8, max_num_batched_tokens=1024)
+    r = KvRunner(0, cfg)
+    n = r.get_num_blocks()["num_kvcache_blocks"]
+    tensors = r.kv_tensors(n)
+    regions = describe(cfg, tensors, n, 2)
+    pages = [x for x in regions if x.group == 0]
+    (state,) = [x for x in regions if x.group == 1]
+    assert len(pages) == len(tensors.block_regions) == 2 and all(x.heads is None for x in regions)
+    (unit,) = tensors.swa_block_regions
+    assert state.num_blocks == tensors.num_slots == cfg.max_num_seqs and state.block_bytes == unit.unit_bytes
+    for slot in range(tensors.num_slots):
+        assert state.base_addr + slot_block(state, slot) * state.block_bytes == unit.unit_addr(slot)
+    with pytest.raises(ValueError, match="outside"):
+        slot_block(state, tensors.num_slots)
+    Settings.from_config(cfg)  # its state is exported whole: not refused
+
+
+def test_kimi_kda_state_is_refused_and_gated_delta_net_state_is_not():
+    """ATOM's own list of models with per-request state: Kimi's KDA hybrid is refused at start
+    by its type (kvlink does not move its state yet, and its paged KV alone would leave the
+    decode on a wrong state); Qwen3-Coder-Next (gated delta net, read by ATOM's own Config)
+    is taken: its state moves with its KV (``gdn``)."""
     from atom.model_engine.llm_engine import InputOutputProcessor
 
+    assert "kimi_linear" in InputOutputProcessor._per_req_cache_model_types()
+    kimi = NS(kv_transfer_config={"kv_role": "kv_producer"}, pipeline_parallel_size=1,
+              hf_config=NS(architectures=["KimiLinearForCausalLM"], model_type="kimi_linear"))
+    with pytest.raises(ValueError, match="model type kimi_linear keeps per-request recurrent state"):
+        Settings.from_config(kimi)
     cfg = atom_config("qwen3-coder-next", kv={"kv_connector": "kvlink", "kv_role": "kv_producer"})
     assert cfg.hf_config.model_type in InputOutputProcessor._per_req_cache_model_types()
-    with pytest.raises(ValueError, match="model type qwen3_next keeps per-request recurrent state"):
-        Settings.from_config(cfg)
+    Settings.from_config(cfg)
 
 
 def test_settings_from_atoms_config_key_included(tmp_path):

@@ -15,6 +15,8 @@ class Hold:
 
     blocks: list[int]
     token: int
+    #: The request's state slot (ATOM's ``per_req_cache_group``) in a model with SLOT state.
+    slot: int | None = None
 
 
 class KvlinkMetadata(ConnectorMetadata):

@@ -23,6 +23,17 @@ class Read:
     hold: int
     #: Leading prompt blocks this decode already held (its prefix cache), not read.
     cached: int = 0
+    #: This decode's and the prefill's state slots, in a model with SLOT state.
+    local_slot: int | None = None
+    remote_slot: int | None = None
+
+
+def state_slot(seq: Any) -> int | None:
+    """The request's state slot (ATOM's ``per_req_cache_group``), or None when it has none."""
+    slot = getattr(seq, "per_req_cache_group", -1)
+    if not getattr(seq, "has_per_req_cache", False) or not isinstance(slot, int) or slot < 0:
+        return None
+    return slot
 
 
 class Refused(ValueError):
@@ -36,8 +47,11 @@ class Refused(ValueError):
         self.hold = hold
 
 
-def prefill_output(seq: Any, s: Settings, host: str, blocks: list[int], token: int) -> dict[str, Any]:
-    """What a prefill's ``request_finished`` publishes for its decode."""
+def prefill_output(
+    seq: Any, s: Settings, host: str, blocks: list[int], token: int, slot: int | None = None
+) -> dict[str, Any]:
+    """What a prefill's ``request_finished`` publishes for its decode (``kvlink_slot``: the
+    state slot it holds, in a model with SLOT state)."""
     drafts = getattr(seq, "spec_token_ids", None)
     return {
         "do_remote_prefill": True,
@@ -56,6 +70,7 @@ def prefill_output(seq: Any, s: Settings, host: str, blocks: list[int], token: i
         "draft_token_ids": [int(x) for x in drafts] if drafts is not None and len(drafts) else [],
         "prefix_cache_hit_tokens": getattr(seq, "prefix_cache_hit_tokens", 0),
         "kvlink_hold": token,
+        "kvlink_slot": slot,
     }
 
 
@@ -111,4 +126,18 @@ def read_for(seq: Any, params: dict[str, Any], s: Settings) -> Read:
     # Blocks this decode already holds (a prefix cache hit) are not read; the last prompt block
     # always is, so a read is never empty.
     skip = min(seq.num_cached_tokens // s.block_size, needed - 1)
-    return Read(addresses, local[skip:needed], list(remote[skip:needed]), remote_id, hold, skip)
+    remote_slot = params.get("kvlink_slot")
+    bad_slot = isinstance(remote_slot, bool) or not isinstance(remote_slot, int) or remote_slot < 0
+    if remote_slot is not None and bad_slot:
+        raise Refused(f"transfer parameter kvlink_slot={remote_slot!r} is not a state slot", addresses, remote_id, hold)
+    local_slot = state_slot(seq)
+    if (local_slot is None) != (remote_slot is None):
+        raise Refused(
+            f"the prefill holds state slot {remote_slot!r}, this decode has {local_slot!r}: a model with "
+            "per-request state needs both",
+            addresses,
+            remote_id,
+            hold,
+        )
+    pages = (local[skip:needed], list(remote[skip:needed]))
+    return Read(addresses, pages[0], pages[1], remote_id, hold, skip, local_slot, remote_slot)

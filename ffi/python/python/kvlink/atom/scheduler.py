@@ -24,7 +24,7 @@ from atom.kv_transfer.disaggregation.types import KVConnectorOutput
 from atom.model_engine.sequence import SequenceStatus
 
 from .metadata import Hold, KvlinkMetadata
-from .params import Refused, prefill_output, read_for
+from .params import Refused, prefill_output, read_for, state_slot
 from .settings import Settings, advertised_host
 
 logger = logging.getLogger("atom")
@@ -113,7 +113,7 @@ class KvlinkScheduler(KVConnectorSchedulerBase):
         """Prefill: hold the request's blocks; decode: start its read."""
         params = seq.kv_transfer_params or {}
         if self.is_producer and params.get("do_remote_decode"):
-            hold = Hold(list(seq.block_table), secrets.randbits(52) | 1)
+            hold = Hold(list(seq.block_table), secrets.randbits(52) | 1, state_slot(seq))
             self._held[seq.id] = hold
             self._meta.holds[seq.id] = hold
         elif not self.is_producer and params.get("do_remote_prefill"):
@@ -166,7 +166,9 @@ class KvlinkScheduler(KVConnectorSchedulerBase):
         hold = self._held.get(seq.id)
         aborted = seq.status == SequenceStatus.ABORTED or getattr(seq, "leave_reason", None) == "aborted"
         if hold is not None and not aborted:
-            seq.kv_transfer_params_output = prefill_output(seq, self.settings, self.host, hold.blocks, hold.token)
+            seq.kv_transfer_params_output = prefill_output(
+                seq, self.settings, self.host, hold.blocks, hold.token, hold.slot
+            )
         if seq.status != SequenceStatus.FINISHED or seq.id in self._finished:
             return  # the streaming call, before ATOM parks the request
         self._finished.add(seq.id)

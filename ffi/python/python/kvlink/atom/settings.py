@@ -49,7 +49,6 @@ class Settings:
         pp = int(getattr(config, "pipeline_parallel_size", 1) or 1)
         if pp != 1:
             raise ValueError(f"kvlink: pipeline parallelism (pipeline_parallel_size={pp}) is not supported")
-        _refuse_slot_staging(config)
         _refuse_recurrent_state(config)
         par = config.parallel_config
         link = core.Settings.read(kv, NAMES, "kv_transfer_config")
@@ -64,22 +63,15 @@ class Settings:
         )
 
 
-def _refuse_slot_staging(config: Any) -> None:
-    """DeepSeek-V4 moves per-request compressor and SWA state through slot regions and GPU
-    gather/scatter kernels (ATOM's PD staging); kvlink moves paged blocks only."""
-    arches = getattr(getattr(config, "hf_config", None), "architectures", None) or []
-    v4 = [a for a in arches if "DeepseekV4" in str(a)]
-    if v4:
-        raise ValueError(
-            f"kvlink: {v4[0]} keeps per-request state in slot regions that ATOM stages with GPU "
-            "gather kernels (PD staging); kvlink moves paged KV blocks only. Use ATOM's mooncake "
-            "or moriio connector for DeepSeek-V4."
-        )
-
-
 # ATOM's models with per-request recurrent state, should its own list not import (facts of the
 # pinned snapshot: InputOutputProcessor._per_req_cache_model_types).
 _STATE_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "deepseek_v4"})
+
+
+# Of those, the models whose state kvlink moves, whole per request: DeepSeek-V4's (ATOM's
+# backend exports it as full SLOT regions) and the gated delta net hybrids' (the layers' own
+# state views ATOM hands the connector). Kimi's KDA state is not moved yet.
+_EXPORTED_STATE = frozenset({"deepseek_v4", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
 
 
 def _state_model_types() -> frozenset[str]:
@@ -93,19 +85,17 @@ def _state_model_types() -> frozenset[str]:
 
 
 def _refuse_recurrent_state(config: Any) -> None:
-    """Gated delta net and Kimi KDA hybrids keep each request's conv and recurrent state in a
-    pool ATOM does not export to connectors; sending their paged KV alone would have the decode
-    continue from a state that is not the prompt's, with fluent wrong output. Refused at start,
-    naming the model type."""
+    """Kimi KDA hybrids keep each request's conv and recurrent state in a pool kvlink does not
+    move yet; sending their paged KV alone would have the decode continue from a state that is
+    not the prompt's, with fluent wrong output. Refused at start, naming the model type."""
     hf = getattr(config, "hf_config", None)
     types = {getattr(hf, "model_type", None), getattr(getattr(hf, "text_config", None), "model_type", None)}
-    stateful = sorted(t for t in types if isinstance(t, str) and t in _state_model_types())
+    stateful = sorted(t for t in types if isinstance(t, str) and t in _state_model_types() - _EXPORTED_STATE)
     if stateful:
         raise ValueError(
             f"kvlink: model type {stateful[0]} keeps per-request recurrent state (conv and SSM "
-            "state of its linear-attention layers) beside its paged KV; ATOM does not export it to "
-            "connectors and kvlink does not move it yet, and the paged KV alone would leave the "
-            "decode computing from the wrong state"
+            "state of its linear-attention layers) beside its paged KV; kvlink does not move it yet, "
+            "and the paged KV alone would leave the decode computing from the wrong state"
         )
 
 

@@ -12,7 +12,7 @@ from atom.kv_transfer.disaggregation.types import KVConnectorOutput
 import kvlink
 
 from .. import core
-from .layout import describe, dtype_name
+from .layout import Region, describe, dtype_name, slot_block, state_regions
 from .metadata import KvlinkMetadata
 from .params import Read
 from .settings import Settings, node_address, port_offset
@@ -51,6 +51,8 @@ class KvlinkWorker(KVConnectorBase):
             core.transport_summary(self.engine),
         )
         self.regions: list[int] = []
+        #: A SLOT region (DeepSeek-V4's per-request state), when the layout has block group 1.
+        self.slot_region: Region | None = None
         self.held: set[int] = set()
         self.reading: dict[int, Read] = {}
         self.sent: set[int] = set()
@@ -62,12 +64,14 @@ class KvlinkWorker(KVConnectorBase):
     ) -> None:
         """Registers every region of ATOM's ``KVTransferTensors`` and declares the layout."""
         n = int(num_blocks if num_blocks is not None else transfer_tensors.num_blocks)
-        regions = describe(self.config, transfer_tensors, n, self.tp_size)
+        regions = describe(self.config, transfer_tensors, n, self.tp_size) + state_regions(self.config, kv_caches)
         tensors = []
         for r in regions:
             rid = self.engine.register_memory(r.base_addr, r.total_bytes, owner=kv_caches)
             self.regions.append(rid)
-            tensors.append((rid, 0, r.block_bytes, r.block_bytes, r.num_blocks, 0, r.heads))
+            tensors.append((rid, 0, r.block_bytes, r.block_bytes, r.num_blocks, r.group, r.heads))
+            if r.group == 1:
+                self.slot_region = r
         self.engine.set_layout(tensors, self.settings.block_size, dtype_name(self.config))
         logger.info(
             "kvlink worker TP %d: %d regions of %d blocks registered (%d bytes a block, heads %s)",
@@ -87,9 +91,9 @@ class KvlinkWorker(KVConnectorBase):
             if sid in self.held:  # held again after a preemption: the blocks may differ
                 self.engine.release(str(sid))
             try:
-                self.engine.hold_blocks(str(sid), hold.blocks, token=hold.token)
+                self.engine.hold_blocks(str(sid), self._blocks(hold.blocks, hold.slot), token=hold.token)
                 self.held.add(sid)
-            except kvlink.KvlinkError as e:
+            except (kvlink.KvlinkError, ValueError) as e:
                 logger.error("kvlink: hold of request %s refused: %s", sid, e)
                 self.held.discard(sid)
                 self.sent.add(sid)
@@ -110,16 +114,25 @@ class KvlinkWorker(KVConnectorBase):
             self.engine.read_blocks(
                 list(read.addresses),
                 str(sid),
-                read.local_blocks,
-                read.remote_blocks,
+                self._blocks(read.local_blocks, read.local_slot),
+                self._blocks(read.remote_blocks, read.remote_slot),
                 remote_request_id=read.remote_id,
                 hold=read.hold,
             )
             self.reading[sid] = read
-        except kvlink.KvlinkError as e:
+        except (kvlink.KvlinkError, ValueError) as e:
             logger.error("kvlink: read of request %s refused: %s", sid, e)
             self.failed.add(sid)
             self._reject(read.addresses, read.remote_id, read.hold, f"read refused by the decode: {e}")
+
+    def _blocks(self, blocks: list[int], slot: int | None) -> list[int] | list[list[int]]:
+        """A request's block lists as the layout has them: its blocks, and with SLOT state the
+        block of its slot as group 1. Raises ``ValueError`` when the request has no slot."""
+        if self.slot_region is None:
+            return blocks
+        if slot is None:
+            raise ValueError("the model keeps per-request state and the request names no state slot")
+        return [blocks, [slot_block(self.slot_region, slot)]]
 
     def _reject(self, addresses: list[str], remote_id: str, hold: int, reason: str) -> None:
         """Tells the prefill ranks this rank reads that the request will not be read."""
