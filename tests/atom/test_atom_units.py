@@ -202,6 +202,26 @@ def test_unusable_parameters_are_refused_with_the_reason(change, reason):
         read_for(seq, params, _settings())
 
 
+def test_state_slots_pair_or_the_request_is_refused():
+    """A model with per-request state: the decode reads the prefill's slot into its own; a slot
+    on one side only (or a slot that is not one) is refused with the reason."""
+    params = {"remote_host": "h", "remote_handshake_port": 7000, "tp_size": 1, "remote_block_ids": [1, 2, 3],
+              "transfer_id": 11, "kvlink_hold": 99, "kvlink_slot": 5}
+    stateful = NS(id=3, num_prompt_tokens=40, block_table=[7, 8, 9], num_cached_tokens=0, has_per_req_cache=True,
+                  per_req_cache_group=2)
+    read = read_for(stateful, params, _settings())
+    assert (read.local_slot, read.remote_slot) == (2, 5)
+    stateless = NS(id=3, num_prompt_tokens=40, block_table=[7, 8, 9], num_cached_tokens=0)
+    with pytest.raises(Refused, match="state slot 5, this decode has None"):
+        read_for(stateless, params, _settings())
+    with pytest.raises(Refused, match="state slot None, this decode has 2"):
+        read_for(stateful, dict(params, kvlink_slot=None), _settings())
+    with pytest.raises(Refused, match="kvlink_slot=-1"):
+        read_for(stateful, dict(params, kvlink_slot=-1), _settings())
+    out = prefill_output(NS(id=5, output_tokens=[42]), _settings(producer=True), "10.0.0.1", [4, 5], 77, 3)
+    assert out["kvlink_slot"] == 3
+
+
 def test_prefill_parameters_carry_atoms_keys_and_the_hold():
     seq = NS(id=5, output_tokens=[42], spec_token_ids=[6, 7], prefix_cache_hit_tokens=16)
     out = prefill_output(seq, _settings(producer=True, tp_size=2, dp_rank=1, dp_size=2), "10.0.0.1", [4, 5], 77)
