@@ -29,8 +29,8 @@ import kvmodel
 from dsv4 import _bytes, _OnCpu, pool_plan, state_bytes
 
 def is_gdn(hf_config) -> bool:
-    """Whether ATOM's ``hf_config`` is a gated delta net hybrid's (ATOM's GDN rule)."""
-    return getattr(hf_config, "model_type", None) in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+    """Whether ATOM's ``hf_config`` is a gated delta net hybrid's (Kimi's KDA included)."""
+    return getattr(hf_config, "model_type", None) in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear")
 
 
 class GdnCache:
@@ -39,10 +39,13 @@ class GdnCache:
     def __init__(self, config, rank: int, world: int):
         from atom.config import set_current_atom_config
         from atom.model_ops.attentions.gdn_attn import GDNAttentionMetadataBuilder
+        from atom.model_ops.attentions.kimi_mla_gdn_attn import KimiAiterMLAGDNMetadataBuilder
 
         set_current_atom_config(config)
         self.config, self.rank = config, rank
         self.hf = config.hf_config
+        # Kimi's full-attention layers are MLA (one latent per token, whole on every rank).
+        self.mla = self.hf.model_type == "kimi_linear"
         total = self.hf.num_key_value_heads
         self.heads = max(total // world, 1)
         self.runner = NS(config=config, block_size=config.kv_cache_block_size, kv_cache_dtype=config.kv_cache_dtype,
@@ -52,21 +55,28 @@ class GdnCache:
                          _get_total_num_layers=lambda: self.hf.num_hidden_layers,
                          is_qwen_next=lambda: True, is_mimo_v2=lambda: False,
                          mtp_start_layer_idx=self.hf.num_hidden_layers)
-        # Built as runner.KvRunner builds ATOM's MHA builder (its __init__ plans aiter's paged
-        # attention kernels), then the builder's own GDN initialisation.
-        b = object.__new__(GDNAttentionMetadataBuilder)
+        # Built as runner.KvRunner builds ATOM's MHA and MLA builders (their __init__ plans
+        # aiter's kernels), then the builder's own GDN initialisation (which names the layers)
+        # and, for Kimi, its own layer-to-row maps.
+        b = object.__new__(KimiAiterMLAGDNMetadataBuilder if self.mla else GDNAttentionMetadataBuilder)
         b.model_runner = self.runner
         bs = config.kv_cache_block_size
-        b.block_size = bs if bs in (256, 1024) else 16
+        b.block_size = 1 if self.mla else (bs if bs in (256, 1024) else 16)
         b.block_ratio = bs // b.block_size
         b.max_bs, b.device = config.max_num_seqs, "cpu"
         with _OnCpu():
             b._init_gdn_state(self.runner)
+        r = self.runner
+        if self.mla:
+            self.full, self.linear = list(r.full_attention_layers), list(r.kda_attention_layers)
+            b.mla_idx_by_layer = {layer: i for i, layer in enumerate(self.full)}
+            b.kda_idx_by_layer = {layer: i for i, layer in enumerate(self.linear)}
+        else:
+            interval = r.full_attention_interval
+            self.full = [i for i in range(self.hf.num_hidden_layers) if i % interval == interval - 1]
+            self.linear = [i for i in range(self.hf.num_hidden_layers) if i % interval != interval - 1]
         self.builder = b
-        self.runner.physical_block_size = b.block_size
-        interval = self.hf.full_attention_interval
-        self.full = [i for i in range(self.hf.num_hidden_layers) if i % interval == interval - 1]
-        self.linear = [i for i in range(self.hf.num_hidden_layers) if i % interval != interval - 1]
+        r.physical_block_size = b.block_size
 
     def num_blocks(self) -> dict:
         """``ModelRunner.get_num_blocks``'s answer (``dsv4.pool_plan``)."""
@@ -87,7 +97,7 @@ class GdnCache:
             if i in self.linear:
                 module = NS(base_linear_attention=object())
             else:
-                module = NS(base_attention=object(), use_mla=False, k_scale=None, v_scale=None, indexer=None)
+                module = NS(base_attention=object(), use_mla=self.mla, k_scale=None, v_scale=None, indexer=None)
             layers[f"layer_{i}"] = b.build_kv_cache_tensor(i, module)
         self.layers = layers
         return layers, b.get_kv_transfer_tensors()
@@ -102,10 +112,21 @@ class GdnCache:
     def _global_heads(self):
         return torch.arange(self.heads, dtype=torch.int64) + self.rank * self.heads
 
+    def _latents(self, layer: int):
+        t = self.layers[f"layer_{layer}"].k_cache
+        return t.view(-1, self.builder.block_size, t.shape[-1])
+
     def write(self, table: List[int], tok: torch.Tensor, positions: torch.Tensor) -> None:
         """K and V of these tokens in every full-attention layer (the builder's views: K
-        ``[blocks, H, D/x, rows, x]``, V ``[blocks, H, rows/x, D, x]``)."""
+        ``[blocks, H, D/x, rows, x]``, V ``[blocks, H, rows/x, D, x]``; Kimi's, a latent per
+        token)."""
         pb, row = self._slots(table, positions)
+        if self.mla:
+            for layer in self.full:
+                cache = self._latents(layer)
+                v = kvmodel.encode(torch, tok, kvmodel.latent_offsets(torch, positions, layer, cache.shape[-1]), kvmodel.MOD)
+                cache[pb, row] = v.to(cache.dtype)
+            return
         h, dim = self._global_heads(), self.hf.head_dim
         for layer in self.full:
             t = self.layers[f"layer_{layer}"]
@@ -122,6 +143,8 @@ class GdnCache:
         """The context's tokens, from the first full layer's K, every K and V element checked."""
         positions = torch.arange(ctx)
         pb, row = self._slots(table, positions)
+        if self.mla:
+            return self._read_latents(pb, row, positions)
         h, dim = self._global_heads(), self.hf.head_dim
         first = self.layers[f"layer_{self.full[0]}"].k_cache
         got = first[pb, 0, 0, row, :2].to(torch.int64)
@@ -137,6 +160,19 @@ class GdnCache:
                     have = cache[pb, :, row // cache.shape[-1], :, row % cache.shape[-1]]
                 if not torch.equal(have.to(torch.int64), want):
                     return None, f"layer {layer} {'KV'[kv]}"
+        return tok.tolist(), None
+
+    def _read_latents(self, pb, row, positions) -> Tuple[Optional[List[int]], Optional[str]]:
+        """The context's tokens from the first full layer's latents, every latent checked."""
+        first = self._latents(self.full[0])
+        got = first[pb, row, :2].to(torch.int64)
+        off = kvmodel.latent_offsets(torch, positions, self.full[0], 2)
+        tok = kvmodel.decode(got[:, 0], got[:, 1], off[:, 0], off[:, 1], kvmodel.MOD)
+        for layer in self.full:
+            cache = self._latents(layer)
+            want = kvmodel.encode(torch, tok, kvmodel.latent_offsets(torch, positions, layer, cache.shape[-1]), kvmodel.MOD)
+            if not torch.equal(cache[pb, row].to(torch.int64), want):
+                return None, f"layer {layer} latent"
         return tok.tolist(), None
 
     def _state_views(self, slot: int):

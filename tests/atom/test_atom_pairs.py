@@ -17,7 +17,7 @@ import kvmodel
 from harness import Engine, close_all, free_ports, idle_all, prompt
 
 LLAMA, DEEPSEEK, DEEPSEEK_V4 = "llama-3.1-8b", "deepseek-v2-lite", "deepseek-v4-flash"
-QWEN3_NEXT = "qwen3-coder-next"
+QWEN3_NEXT, KIMI_LINEAR = "qwen3-coder-next", "kimi-linear"
 
 
 @contextmanager
@@ -142,15 +142,18 @@ def test_deepseek_v4_pages_and_per_request_state(tmp_path, ptp, dtp):
         settle(P, D)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_gated_delta_net_state_moves_with_the_attention_kv(tmp_path, tp):
-    """Qwen3-Coder-Next (three gated delta net layers to one of full attention; gdn): ATOM's
-    own GDN builder allocates the full-attention layers' paged KV and each linear-attention
-    layer's conv and temporal state in a STATE slot per request, and hands the connector the
-    layers' state views. kvlink reads the request's KV blocks and its slot of every state view
-    into the decode's blocks and slot; every decode step checks every KV element and that the
-    slot holds the state of every token before it."""
-    with pair(tmp_path, model=QWEN3_NEXT, ptp=tp, dtp=tp) as (P, D):
+@pytest.mark.parametrize("model,tp", [(QWEN3_NEXT, 1), (QWEN3_NEXT, 2), (KIMI_LINEAR, 1), (KIMI_LINEAR, 2)],
+                         ids=["qwen3-next-1", "qwen3-next-2", "kimi-linear-1", "kimi-linear-2"])
+def test_gated_delta_net_state_moves_with_the_attention_kv(tmp_path, model, tp):
+    """Qwen3-Coder-Next (three gated delta net layers to one of full attention) and
+    Kimi-Linear (three KDA layers to one of MLA), through ATOM's own builders for them (GDN's;
+    Kimi's MLA and GDN one): the full-attention layers' paged KV (Kimi's: MLA latents) and each
+    linear-attention layer's conv and temporal state in a STATE slot per request, which the
+    builder hands the connector as the layers' state views (``gdn``). kvlink reads the
+    request's KV blocks and its slot of every state view into the decode's blocks and slot;
+    every decode step checks every KV element and that the slot holds the state of every
+    token before it."""
+    with pair(tmp_path, model=model, ptp=tp, dtp=tp) as (P, D):
         for i, n in enumerate((100, 17)):
             p = prompt(60 + i, n)
             r = decode(D, f"g{i}", p, prefill(P, f"g{i}", p))

@@ -113,21 +113,23 @@ def test_deepseek_v4_slot_regions_are_a_block_group_numbered_from_the_end():
     Settings.from_config(cfg)  # its state is exported whole: not refused
 
 
-def test_kimi_kda_state_is_refused_and_gated_delta_net_state_is_not():
-    """ATOM's own list of models with per-request state: Kimi's KDA hybrid is refused at start
-    by its type (kvlink does not move its state yet, and its paged KV alone would leave the
-    decode on a wrong state); Qwen3-Coder-Next (gated delta net, read by ATOM's own Config)
-    is taken: its state moves with its KV (``gdn``)."""
+def test_state_of_atoms_stateful_models_is_taken_and_of_others_refused(monkeypatch):
+    """ATOM's own list of models with per-request state: kvlink moves the state of every type
+    on the snapshot's list (Qwen3-Coder-Next read by ATOM's own Config; Kimi-Linear); a type a
+    later ATOM adds to it is refused at start by its type, rather than its paged KV sent alone
+    (the decode would continue from a wrong state)."""
     from atom.model_engine.llm_engine import InputOutputProcessor
 
-    assert "kimi_linear" in InputOutputProcessor._per_req_cache_model_types()
-    kimi = NS(kv_transfer_config={"kv_role": "kv_producer"}, pipeline_parallel_size=1,
-              hf_config=NS(architectures=["KimiLinearForCausalLM"], model_type="kimi_linear"))
-    with pytest.raises(ValueError, match="model type kimi_linear keeps per-request recurrent state"):
-        Settings.from_config(kimi)
-    cfg = atom_config("qwen3-coder-next", kv={"kv_connector": "kvlink", "kv_role": "kv_producer"})
-    assert cfg.hf_config.model_type in InputOutputProcessor._per_req_cache_model_types()
-    Settings.from_config(cfg)
+    for model in ("qwen3-coder-next", "kimi-linear"):
+        cfg = atom_config(model, kv={"kv_connector": "kvlink", "kv_role": "kv_producer"})
+        assert cfg.hf_config.model_type in InputOutputProcessor._per_req_cache_model_types()
+        Settings.from_config(cfg)
+    listed = InputOutputProcessor._per_req_cache_model_types()
+    monkeypatch.setattr(InputOutputProcessor, "_per_req_cache_model_types", staticmethod(lambda: listed | {"new_hybrid"}))
+    later = NS(kv_transfer_config={"kv_role": "kv_producer"}, pipeline_parallel_size=1,
+               hf_config=NS(architectures=["NewHybridForCausalLM"], model_type="new_hybrid"))
+    with pytest.raises(ValueError, match="model type new_hybrid keeps per-request recurrent state"):
+        Settings.from_config(later)
 
 
 def test_settings_from_atoms_config_key_included(tmp_path):

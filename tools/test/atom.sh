@@ -3,7 +3,7 @@
 # workers), from its pinned snapshot, drives kvlink.atom in two processes, in .venv-vllm.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
-MIN_ATOM=37
+MIN_ATOM=39
 
 label="ATOM connector (ATOM snapshot ffdf3bb5, beside $VLLM_OLD_PIN)"
 echo "test: the ATOM connector through ATOM's own engine (pinned snapshot, in .venv-vllm)"

@@ -10,7 +10,7 @@ SLOT: one unit per request of each full SLOT region (``swa_block_regions``), num
 region's end (``reverse_indexed``), the request's unit its ``per_req_cache_group``. Those
 regions are block group 1, one block a slot; the PAGE regions are group 0.
 
-The gated delta net hybrids (Qwen3-Next, Qwen3.5) keep each linear-attention layer's conv and
+The gated delta net hybrids (Qwen3-Next, Qwen3.5, Kimi's KDA) keep each linear-attention layer's conv and
 temporal state in ATOM's per-request pool, which their backend exports to connectors only as
 the layers' own ``KVCacheTensor`` views (``k_cache``: conv state, ``v_cache``: temporal state,
 first axis the slots): those views are block group 1 too, one block a slot."""
@@ -133,9 +133,13 @@ def _slot_regions(tensors: Any) -> list[Region]:
 
 def linear_layers(hf_config: Any) -> list[int] | None:
     """The linear-attention layers of a gated delta net hybrid, by ATOM's own rule
-    (``GDNAttentionMetadataBuilder``: every ``full_attention_interval``-th layer is full
-    attention); None for a model without them."""
+    (``GDNStateMixin._init_gdn_state``: Kimi's KDA layers as its ``linear_attn_config`` lists
+    them, from 1; otherwise every ``full_attention_interval``-th layer is full attention);
+    None for a model without them."""
     text = getattr(hf_config, "text_config", None) or hf_config
+    if getattr(text, "model_type", None) == "kimi_linear":
+        linear = getattr(text, "linear_attn_config", None) or {}
+        return sorted(int(i) - 1 for i in linear.get("kda_layers", []))
     interval = getattr(text, "full_attention_interval", None)
     if not isinstance(interval, int) or interval <= 1:
         return None

@@ -69,9 +69,9 @@ _STATE_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"
 
 
 # Of those, the models whose state kvlink moves, whole per request: DeepSeek-V4's (ATOM's
-# backend exports it as full SLOT regions) and the gated delta net hybrids' (the layers' own
-# state views ATOM hands the connector). Kimi's KDA state is not moved yet.
-_EXPORTED_STATE = frozenset({"deepseek_v4", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
+# backend exports it as full SLOT regions) and the gated delta net and KDA hybrids' (the
+# layers' own state views ATOM hands the connector).
+_EXPORTED_STATE = frozenset({"deepseek_v4", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear"})
 
 
 def _state_model_types() -> frozenset[str]:
@@ -85,9 +85,10 @@ def _state_model_types() -> frozenset[str]:
 
 
 def _refuse_recurrent_state(config: Any) -> None:
-    """Kimi KDA hybrids keep each request's conv and recurrent state in a pool kvlink does not
-    move yet; sending their paged KV alone would have the decode continue from a state that is
-    not the prompt's, with fluent wrong output. Refused at start, naming the model type."""
+    """A model ATOM lists with per-request state that kvlink does not move (none of the
+    snapshot's today: a later ATOM may list more): sending its paged KV alone would have the
+    decode continue from a state that is not the prompt's, with fluent wrong output. Refused
+    at start, naming the model type."""
     hf = getattr(config, "hf_config", None)
     types = {getattr(hf, "model_type", None), getattr(getattr(hf, "text_config", None), "model_type", None)}
     stateful = sorted(t for t in types if isinstance(t, str) and t in _state_model_types() - _EXPORTED_STATE)
