@@ -26,8 +26,11 @@ PACE_LEAST_S = 5
 # The run's own spread lowers the bar by at most this much: it never falls below this share of
 # the rate before (times the pace).
 SPREAD_LEAST = 0.6
-# Faults that touch every pair, the untouched one too (a link under every session): no pair
-# shows the machine's pace apart from the fault, so their bar stays the rate before.
+# Faults that touch every pair, the untouched one too (a link under every session: each
+# session has a rail on each link): no pair shows the machine's pace apart from the fault, so
+# their rate cannot tell a slower machine from a slower transfer. They are judged on every pair
+# carrying traffic again within the window (`checks.resumed`), which no machine's pace moves;
+# their rate is reported, not judged.
 TOUCH_ALL = {"link_flap"}
 
 
@@ -74,8 +77,9 @@ def recoveries(faults, rates, per_second, quiet, control=(), run_end=None, pairs
       (`checks.spread_floor`: how far the rate moves with no fault; never below `SPREAD_LEAST`
       of the rate before), times the machine's pace
       after it (`checks.pace` on `control`, the per-second rates of the pair no fault targets,
-      from the fault's end to the next fault or `run_end`; 1 for a fault that touches that
-      pair too, `TOUCH_ALL`).
+      from the fault's end to the next fault or `run_end`);
+    - for a fault that touches every pair (`TOUCH_ALL`), the pairs alone: no pair shows the
+      machine's pace, so the rate's return (`rate_recovery_s`) is reported, not judged.
     A fault whose recovery window the run's end cut short and that was not back yet is judged
     on what the run could observe: not failed, and marked `cut` with the seconds it had."""
     out = []
@@ -97,12 +101,14 @@ def recoveries(faults, rates, per_second, quiet, control=(), run_end=None, pairs
         busy.append((f["start"], end + quiet))
         spread = max(SPREAD_LEAST * before, floor if floor is not None else before)
         bar = min(RECOVERED * before, spread) * speed
-        back = recovery(rates, end, bar, 1.0) if before > 0 else None
+        rate_back = recovery(rates, end, bar, 1.0) if before > 0 else None
         pairs_back, missing = resumed(pairs or {}, f["start"], end, window)
-        if back is not None and pairs_back is not None:
-            back = max(back, pairs_back)
-        elif missing:
-            back = None
+        if f["kind"] in TOUCH_ALL:
+            back = pairs_back
+        elif rate_back is not None and pairs_back is not None:
+            back = max(rate_back, pairs_back)
+        else:
+            back = None if missing else rate_back
         seen = window if run_end is None else max(0.0, min(window, run_end - end))
         cut = seen < window and (back is None or back > seen)
         ok = (before == 0 and not missing) or cut or (back is not None and back <= window)
@@ -113,6 +119,7 @@ def recoveries(faults, rates, per_second, quiet, control=(), run_end=None, pairs
                 "bar_mb_s": round(bar / 1e6, 1),
                 "pace": round(speed, 2),
                 "recovery_s": back,
+                "rate_recovery_s": rate_back,
                 "pairs_not_back": ["->".join(p) for p in missing],
                 "ok": ok,
                 "cut": round(seen, 1) if cut else None,
@@ -169,9 +176,14 @@ def text(s):
         pace = "" if r["pace"] == 1.0 else f" (machine at {r['pace']:.0%} of its pace before)"
         cut = "" if r["cut"] is None else f"; the run ended {r['cut']:.0f} s after it: not judged"
         lost = "" if not r["pairs_not_back"] else f"; no traffic again on {', '.join(r['pairs_not_back'])}"
+        if r["kind"] in TOUCH_ALL:
+            rate = "n/a" if r["rate_recovery_s"] is None else f"{r['rate_recovery_s']:.0f} s"
+            judged = f"rate back to {r['bar_mb_s']} MB/s in {rate} (not judged), every pair back in {back}"
+        else:
+            judged = f"bar {r['bar_mb_s']} MB/s, back in {back}"
         lines.append(
             f"  {r['start']:7.1f} s {r['kind']:<16} {r['target'] or '':<7} "
-            f"before {r['baseline_mb_s']:>7} MB/s{pace}, bar {r['bar_mb_s']} MB/s, back in {back}{lost}{cut}"
+            f"before {r['baseline_mb_s']:>7} MB/s{pace}, {judged}{lost}{cut}"
             f"{'' if r['ok'] else '  NOT RECOVERED'}"
         )
     lines.append("resources (per minute; growth from the 2nd to the last quarter):")

@@ -188,10 +188,17 @@ class Arithmetic(unittest.TestCase):
         (r,) = recoveries([fault], total, total, quiet=4.0, control=steady, run_end=60.0)
         self.assertFalse(r["ok"], r)
         self.assertEqual(r["pace"], 1.0)
-        # A link taken down under every session touches the untouched pair too: no pace.
+        # A link taken down under every session touches the untouched pair too: no pace, so
+        # its rate is reported and not judged (a slower machine is not a failed recovery)...
         flap = dict(fault, kind="link_flap", target="dummy0")
-        (r,) = recoveries([flap], total, total, quiet=4.0, control=control, run_end=60.0)
-        self.assertEqual((r["ok"], r["pace"]), (False, 1.0))
+        pairs = {("P0", "D0"): {t: 1 for t in range(1, 60)}, ("P1", "D1"): {t: 1 for t in range(1, 60)}}
+        (r,) = recoveries([flap], total, total, quiet=4.0, control=control, run_end=60.0, pairs=pairs)
+        self.assertEqual((r["ok"], r["pace"], r["rate_recovery_s"]), (True, 1.0, None))
+        self.assertLess(r["recovery_s"], 1.0)
+        # ...and it is judged on every pair carrying traffic again within the window.
+        gone = {**pairs, ("P1", "D1"): {t: 1 for t in range(1, 30)}}
+        (r,) = recoveries([flap], total, total, quiet=4.0, control=control, run_end=60.0, pairs=gone)
+        self.assertEqual((r["ok"], r["pairs_not_back"]), (False, ["P1->D1"]))
         # The untouched pair faster after (it took the faulted decode's share): the bar stays.
         faster = [(t, 25.0 if t < 32 else 40.0) for t, _ in total]
         (r,) = recoveries([fault], total, total, quiet=4.0, control=faster, run_end=60.0)
