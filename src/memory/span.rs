@@ -104,17 +104,32 @@ fn iovecs(head: &[u8], spans: &[RegionSpan], mut skip: u64) -> Vec<libc::iovec> 
     v
 }
 
-/// One `writev(2)` of `head` then the spans' bytes on `fd`, after the first `skip` bytes.
-/// Returns the bytes written (0 when nothing is left).
-pub(crate) fn writev(fd: RawFd, head: &[u8], spans: &[RegionSpan], skip: u64) -> io::Result<usize> {
-    let iov = iovecs(head, spans, skip);
+/// One send of `head` then the spans' bytes on the socket `fd`, after the first `skip` bytes
+/// (`sendmsg(2)`). With `more`, the kernel holds a partial segment back for what the caller
+/// sends next (`MSG_MORE`), so a response and the few bytes that follow it leave in one
+/// segment. Returns the bytes written (0 when nothing is left).
+pub(crate) fn writev(
+    fd: RawFd,
+    head: &[u8],
+    spans: &[RegionSpan],
+    skip: u64,
+    more: bool,
+) -> io::Result<usize> {
+    let mut iov = iovecs(head, spans, skip);
     if iov.is_empty() {
         return Ok(0);
     }
+    // SAFETY: an all-zero msghdr is a valid empty message; the fields set below are the only
+    // ones sendmsg reads here.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_mut_ptr();
+    msg.msg_iovlen = iov.len() as _;
+    let flags = libc::MSG_NOSIGNAL | if more { libc::MSG_MORE } else { 0 };
     // SAFETY: every iovec addresses readable bytes: `head` is borrowed for the call, and each
     // span lies inside its region (checked when the span was made) whose Arc `spans` holds for
-    // the call. writev only reads them; iov.len() <= IOV_MAX.
-    let n = unsafe { libc::writev(fd, iov.as_ptr(), iov.len() as libc::c_int) };
+    // the call. sendmsg only reads them; iov.len() <= IOV_MAX; `msg` points at `iov`, which
+    // outlives the call.
+    let n = unsafe { libc::sendmsg(fd, &msg, flags) };
     if n < 0 {
         Err(io::Error::last_os_error())
     } else {
@@ -161,7 +176,7 @@ mod tests {
             RegionSpan::new(src.clone(), 40, 8).unwrap(),
         ];
         // Skip the 2-byte head and 3 bytes of the first span.
-        assert_eq!(writev(a.as_raw_fd(), b"hh", &out, 5).unwrap(), 13);
+        assert_eq!(writev(a.as_raw_fd(), b"hh", &out, 5, false).unwrap(), 13);
         let into = vec![
             RegionSpan::new(dst.clone(), 0, 5).unwrap(),
             RegionSpan::new(dst.clone(), 32, 8).unwrap(),
@@ -173,7 +188,7 @@ mod tests {
         let mut got = [0u8; 8];
         dst.read_at(32, &mut got).unwrap();
         assert_eq!(got, [40, 41, 42, 43, 44, 45, 46, 47]);
-        assert_eq!(writev(a.as_raw_fd(), b"", &out, 16).unwrap(), 0);
+        assert_eq!(writev(a.as_raw_fd(), b"", &out, 16, true).unwrap(), 0);
         assert!(RegionSpan::new(src, 60, 8).is_err());
     }
 }

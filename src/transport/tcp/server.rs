@@ -6,7 +6,7 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, Interest};
+use tokio::io::{AsyncRead, AsyncReadExt, BufReader, Interest};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::timeout;
 
@@ -23,6 +23,9 @@ use crate::transport::stream::access::{
 };
 use crate::transport::stream::staging::{group, Group, Outbound, StagingPool};
 use crate::transport::stream::{proof, ServeLimits};
+
+/// Bytes of a connection's request buffer: a request of a few hundred blocks in one receive.
+const REQUEST_BUFFER: usize = 8 << 10;
 
 /// Refused data requests: one line per second, with the count.
 static REFUSED: LogLimit = LogLimit::new(Duration::from_secs(1));
@@ -81,6 +84,11 @@ async fn connection(
             }
         }
     }
+    // Requests are read through a buffer: a small request (header, id, entries) costs one
+    // receive, not one per part. Writes go to the socket directly.
+    let (rd, wr) = stream.split();
+    let mut rd = BufReader::with_capacity(REQUEST_BUFFER, rd);
+    let stream: &TcpStream = wr.as_ref();
     let mut header = [0u8; wire::REQUEST_HEADER];
     let mut id = Vec::with_capacity(wire::MAX_ID);
     let mut body = Vec::new();
@@ -88,14 +96,14 @@ async fn connection(
         // Idle between requests: readers keep streams open for later requests, so the first
         // byte may take long (bounded by `idle_timeout`; the reader reconnects after it); the
         // rest of a request must follow promptly.
-        let n = match timeout(idle_timeout, stream.read(&mut header)).await {
+        let n = match timeout(idle_timeout, rd.read(&mut header)).await {
             Err(_) => return Ok(()),
             Ok(r) => r.map_err(|e| Error::io("reading a data request", &e))?,
         };
         if n == 0 {
             return Ok(());
         }
-        timeout(io_timeout, stream.read_exact(&mut header[n..]))
+        timeout(io_timeout, rd.read_exact(&mut header[n..]))
             .await
             .map_err(|_| timed_out("reading a data request header", io_timeout))?
             .map_err(|e| Error::io("reading a data request header", &e))?;
@@ -103,7 +111,7 @@ async fn connection(
         let (tag, count) = (head.tag, head.count);
         // The id, then the hold token and session id the flags announce (at most 24 bytes).
         id.resize(head.id_len + wire::Extras::len_of(head.flags), 0);
-        timeout(io_timeout, stream.read_exact(&mut id))
+        timeout(io_timeout, rd.read_exact(&mut id))
             .await
             .map_err(|_| timed_out("reading a data request id", io_timeout))?
             .map_err(|e| Error::io("reading a data request id", &e))?;
@@ -111,13 +119,7 @@ async fn connection(
         let extras = wire::Extras::decode(head.flags, &id[head.id_len..]);
         // Entries are read in pieces as they arrive: the buffer grows with the bytes the peer
         // sent, never ahead of them.
-        read_entries(
-            &mut stream,
-            &mut body,
-            count as usize * wire::ENTRY,
-            io_timeout,
-        )
-        .await?;
+        read_entries(&mut rd, &mut body, count as usize * wire::ENTRY, io_timeout).await?;
 
         let sources = wire::decode_entries(&body).map(Source::from);
         let reader = reader_of(&*regions, proven.as_ref(), extras.session.as_ref());
@@ -136,18 +138,21 @@ async fn connection(
                 } = authorized;
                 let live = grant.as_deref();
                 let head = wire::encode_response_header(tag, wire::STATUS_OK, total);
+                // With a confirmation to follow, the data's last segment waits for it, so
+                // that both reach the reader together (one wake-up there, not two).
+                let more = extras.confirm;
                 if spans.iter().any(RegionSpan::is_device) {
                     let pool = regions.staging();
-                    write_staged(&stream, &head, &spans, pool, live, io_timeout).await?;
+                    write_staged(stream, &head, &spans, pool, live, io_timeout, more).await?;
                 } else {
-                    write_all(&stream, &head, &spans, live, io_timeout).await?;
+                    write_all(stream, &head, &spans, live, io_timeout, more).await?;
                 }
                 regions.served(Some(total));
                 if extras.confirm {
                     // Every byte is in the socket: the hold is checked after the copy.
                     let reader = reader.as_ref().ok().and_then(Option::as_ref);
                     let c = confirmation(&*regions, reader, &request, extras.hold, live);
-                    write_confirmation(&stream, tag, c, io_timeout).await?;
+                    write_confirmation(stream, tag, c, io_timeout).await?;
                 }
             }
             Err(e) => {
@@ -159,7 +164,7 @@ async fn connection(
                     wire::encode_response_header(tag, wire::STATUS_REFUSED, reason.len() as u64)
                         .to_vec();
                 msg.extend_from_slice(reason.as_bytes());
-                write_all(&stream, &msg, &[], None, io_timeout).await?;
+                write_all(stream, &msg, &[], None, io_timeout, false).await?;
             }
         }
     }
@@ -186,13 +191,13 @@ async fn write_confirmation(
     };
     let mut msg = wire::encode_response_header(tag, status, body.len() as u64).to_vec();
     msg.extend_from_slice(&body);
-    write_all(stream, &msg, &[], None, io_timeout).await
+    write_all(stream, &msg, &[], None, io_timeout, false).await
 }
 
 /// Reads `len` bytes of request entries into `body` (cleared first), growing it only as bytes
 /// arrive, so a peer that announces many entries and sends few costs what it sent.
 async fn read_entries(
-    stream: &mut TcpStream,
+    stream: &mut (impl AsyncRead + Unpin),
     body: &mut Vec<u8>,
     len: usize,
     io_timeout: Duration,
@@ -211,14 +216,16 @@ async fn read_entries(
     Ok(())
 }
 
-/// Writes `head` then the spans' bytes straight from registered memory (`writev`, no copy),
-/// checking before every write that `live` (the request's grant, if any) has not ended.
+/// Writes `head` then the spans' bytes straight from registered memory (`sendmsg`, no copy),
+/// checking before every write that `live` (the request's grant, if any) has not ended. With
+/// `more`, the last partial segment waits for the next write (`memory::writev`).
 async fn write_all(
     stream: &TcpStream,
     head: &[u8],
     spans: &[RegionSpan],
     live: Option<&Grant>,
     io_timeout: Duration,
+    more: bool,
 ) -> Result<()> {
     let fd = stream.as_raw_fd();
     let total = head.len() as u64 + spans.iter().map(RegionSpan::len).sum::<u64>();
@@ -234,7 +241,9 @@ async fn write_all(
             })?
             .map_err(|e| Error::io("writing a data response", &e))?;
         still_granted(live)?;
-        match stream.try_io(Interest::WRITABLE, || memory::writev(fd, head, spans, done)) {
+        match stream.try_io(Interest::WRITABLE, || {
+            memory::writev(fd, head, spans, done, more)
+        }) {
             Ok(0) => return Err(Error::Protocol("data stream closed while writing".into())),
             Ok(n) => done += n as u64,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
@@ -253,44 +262,55 @@ async fn write_staged(
     pool: &Arc<StagingPool>,
     live: Option<&Grant>,
     io_timeout: Duration,
+    more: bool,
 ) -> Result<()> {
-    write_all(stream, head, &[], None, io_timeout).await?;
+    write_all(stream, head, &[], None, io_timeout, more).await?;
     let mut out = Outbound::new(pool.clone(), io_timeout);
     for g in group(spans, pool.chunk() as u64)? {
         match g {
             Group::Host(host) => {
-                flush(stream, &mut out, io_timeout).await?;
-                write_all(stream, &[], &host, live, io_timeout).await?;
+                flush(stream, &mut out, io_timeout, more).await?;
+                write_all(stream, &[], &host, live, io_timeout, more).await?;
             }
             Group::Device(mut pieces) => loop {
                 // Checked before each copy out of the request's device memory.
                 still_granted(live)?;
                 if out.is_full() {
-                    send_next(stream, &mut out, io_timeout).await?;
+                    send_next(stream, &mut out, io_timeout, more).await?;
                 }
                 match out.start(pieces).await? {
                     Ok(()) => break,
                     Err(back) => {
                         pieces = back;
-                        send_next(stream, &mut out, io_timeout).await?;
+                        send_next(stream, &mut out, io_timeout, more).await?;
                     }
                 }
             },
         }
     }
-    flush(stream, &mut out, io_timeout).await
+    flush(stream, &mut out, io_timeout, more).await
 }
 
-async fn send_next(stream: &TcpStream, out: &mut Outbound, io_timeout: Duration) -> Result<()> {
+async fn send_next(
+    stream: &TcpStream,
+    out: &mut Outbound,
+    io_timeout: Duration,
+    more: bool,
+) -> Result<()> {
     if let Some(filled) = out.next().await? {
-        write_all(stream, filled.bytes(), &[], None, io_timeout).await?;
+        write_all(stream, filled.bytes(), &[], None, io_timeout, more).await?;
     }
     Ok(())
 }
 
-async fn flush(stream: &TcpStream, out: &mut Outbound, io_timeout: Duration) -> Result<()> {
+async fn flush(
+    stream: &TcpStream,
+    out: &mut Outbound,
+    io_timeout: Duration,
+    more: bool,
+) -> Result<()> {
     while !out.is_empty() {
-        send_next(stream, out, io_timeout).await?;
+        send_next(stream, out, io_timeout, more).await?;
     }
     Ok(())
 }
