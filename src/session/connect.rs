@@ -270,13 +270,15 @@ async fn rail(
         })
         .await?;
     Ok(match reply {
-        Message::RdmaAccept { generation: g, qps } if g == generation => prepared.connect(
-            peer,
-            &qps,
-            regions.to_vec(),
-            faults.map_or_else(RdmaFault::default, |f| f.fault),
-            faults.map_or_else(|| Arc::new(AtomicU32::new(0)), |f| f.budget.clone()),
-        ),
+        Message::RdmaAccept { generation: g, qps } if g == generation => prepared
+            .connect(
+                peer,
+                &qps,
+                regions.to_vec(),
+                faults.map_or_else(RdmaFault::default, |f| f.fault),
+                faults.map_or_else(|| Arc::new(AtomicU32::new(0)), |f| f.budget.clone()),
+            )
+            .map(|c| c.with_spin(shared.config().spin)),
         Message::RdmaAccept { generation: g, .. } => {
             return Err(Error::Handshake {
                 peer: peer.to_string(),

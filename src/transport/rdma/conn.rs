@@ -14,17 +14,14 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use rdma_mummy_sys::ibv_sge;
-use sideway::ibverbs::completion::{
-    BasicCompletionQueue, PollCompletionQueueError, WorkCompletionStatus,
-};
+use sideway::ibverbs::completion::BasicCompletionQueue;
 use sideway::ibverbs::queue_pair::{
     PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState, SetScatterGatherEntry,
     WorkRequestFlags,
 };
 
 use super::device::RdmaDevice;
-use super::ledger::{split_wr_id, wr_id, QpLedger, Refusal};
-use super::poller::{arm, status_name, CqHandler};
+use super::ledger::{wr_id, QpLedger, Refusal};
 use super::qp::Qp;
 use super::wr::{RdmaFault, Wr, WrBuilder};
 use super::RdmaRegionInfo;
@@ -32,6 +29,7 @@ use crate::error::{Error, RdmaError, RdmaErrorKind, Result};
 use crate::ids::{RegionId, RequestId};
 use crate::transport::{ConfirmAsk, ReadDone, ReadFuture, ReadOp, RequestCtl, Transport};
 
+mod completion;
 mod setup;
 
 /// Work requests chained in one post.
@@ -88,6 +86,9 @@ pub(crate) struct ConnShared {
     broken: AtomicBool,
     reason: Mutex<Option<RdmaError>>,
     peer: String,
+    /// Held while the completion queue is polled: by the device's poller, or by a request
+    /// polling it itself while it waits ([`RdmaConnection::poll_while_waiting`]).
+    polling: Mutex<()>,
 }
 
 impl ConnShared {
@@ -145,94 +146,6 @@ impl ConnShared {
             slot.credit.notify_waiters();
         }
     }
-
-    fn complete(&self, id: u64, status: u32) {
-        let (idx, seq) = split_wr_id(id);
-        let Some(slot) = self.qps.get(idx) else {
-            return;
-        };
-        let ok = status == WorkCompletionStatus::Success as u32;
-        let why = (!ok).then(|| {
-            let name = status_name(status);
-            // Flushed work requests follow a queue pair's first error, logged at warn already:
-            // one line per request in flight would drown it.
-            if status == WorkCompletionStatus::WorkRequestFlushedError as u32 {
-                tracing::debug!(peer = %self.peer, qp = idx, seq, status = %name, "RDMA work request flushed");
-            } else {
-                tracing::warn!(peer = %self.peer, qp = idx, seq, status = %name, "RDMA work completion error");
-            }
-            RdmaError::new(
-                RdmaErrorKind::WorkCompletion { status },
-                format!("RDMA READ from {} failed: {name}", self.peer),
-            )
-        });
-        let (retired, newly_broken) = {
-            let mut st = slot.state.lock();
-            st.ledger
-                .complete(seq, why.map_or(Ok(()), Err), Instant::now())
-        };
-        for (pending, failure) in retired {
-            pending.finish(failure.as_ref());
-        }
-        slot.credit.notify_waiters();
-        if let Some(why) = newly_broken {
-            self.mark_broken(&why);
-        }
-    }
-}
-
-impl CqHandler for ConnShared {
-    fn arm(&self) {
-        arm(&self.cq);
-    }
-
-    /// Drains the completion queue, then re-arms it (polling once more to close the race).
-    fn drain(&self) {
-        let mut armed = false;
-        loop {
-            let mut got = 0usize;
-            match self.cq.start_poll() {
-                Ok(poller) => {
-                    for wc in poller {
-                        got += 1;
-                        self.complete(wc.wr_id(), wc.status());
-                    }
-                }
-                Err(PollCompletionQueueError::CompletionQueueEmpty) => {}
-                Err(e) => {
-                    self.mark_broken(&RdmaError::new(
-                        RdmaErrorKind::Poll,
-                        format!("polling the completion queue failed: {e}"),
-                    ));
-                    return;
-                }
-            }
-            if got == 0 {
-                if armed {
-                    return;
-                }
-                self.arm();
-                armed = true;
-            } else {
-                armed = false;
-            }
-        }
-    }
-
-    /// Retires chains that outlived the flush grace on queue pairs in the error state.
-    fn tick(&self) {
-        let now = Instant::now();
-        for slot in &self.qps {
-            let retired = slot.state.lock().ledger.tick(now, FLUSH_GRACE);
-            let any = !retired.is_empty();
-            for (pending, failure) in retired {
-                pending.finish(failure.as_ref());
-            }
-            if any {
-                slot.credit.notify_waiters();
-            }
-        }
-    }
 }
 
 impl Drop for ConnShared {
@@ -248,6 +161,9 @@ pub(crate) struct RdmaConnection {
     next: AtomicUsize,
     fault: RdmaFault,
     fault_budget: Arc<std::sync::atomic::AtomicU32>,
+    /// How long a read of one chain polls the completion queue itself before it waits for
+    /// the poller (zero: never).
+    spin: Duration,
 }
 
 /// Why a request stopped before all of its reads completed.
@@ -408,6 +324,9 @@ impl RdmaConnection {
             _keep: (ops, mrs),
         });
         let (stopped, unposted) = self.post_chains(&chains, &pending, &ctl, deadline).await;
+        if chains.len() == 1 && stopped.is_none() && unposted.is_none() {
+            self.poll_while_waiting(&pending, &ctl);
+        }
         // Chains never posted end here, with the reason they were not.
         if let Some((first_unposted, why)) = unposted {
             for _ in first_unposted..chains.len() {
@@ -525,6 +444,35 @@ impl RdmaConnection {
                 self.shared.tear_down();
             }
         }
+    }
+
+    /// Polls the completion queue for up to `spin` while the request's chain is outstanding,
+    /// before the request waits for the poller's wake-up (which costs a thread hand-off or two
+    /// where a small READ takes microseconds on a NIC). Bounded; only while this request has
+    /// work in flight; the poller keeps the queue armed meanwhile, so a completion polled
+    /// here also raises an event it will find already taken.
+    fn poll_while_waiting(&self, pending: &Pending, ctl: &RequestCtl) {
+        if self.spin.is_zero() {
+            return;
+        }
+        let until = Instant::now() + self.spin;
+        while pending.remaining.load(Ordering::Acquire) != 0
+            && !ctl.is_cancelled()
+            && Instant::now() < until
+        {
+            if let Some(_polling) = self.shared.polling.try_lock() {
+                if self.shared.poll_cq().is_none() {
+                    return;
+                }
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// Sets how long a read of one chain polls the completion queue itself (zero: never).
+    pub(crate) fn with_spin(mut self, spin: Duration) -> Self {
+        self.spin = spin;
+        self
     }
 
     /// The error of a request on a connection that had already failed.

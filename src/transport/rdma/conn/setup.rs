@@ -3,6 +3,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use sideway::ibverbs::completion::BasicCompletionQueue;
@@ -92,6 +93,7 @@ impl PreparedConn {
             broken: AtomicBool::new(false),
             reason: Mutex::new(None),
             peer: peer.to_string(),
+            polling: Mutex::new(()),
         });
         let handler: Arc<dyn CqHandler> = shared.clone();
         self.dev.attach(self.cq_id, &handler);
@@ -101,6 +103,7 @@ impl PreparedConn {
             next: AtomicUsize::new(0),
             fault,
             fault_budget,
+            spin: Duration::ZERO,
         })
     }
 }
