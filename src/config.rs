@@ -159,7 +159,9 @@ pub struct EngineConfig {
     /// How long a caller waiting for reads in flight (`wait_finished`) polls before it
     /// sleeps: a read that finishes meanwhile is seen without a thread wake-up (a few
     /// microseconds each). Polled only while reads are in flight, yielding the CPU between
-    /// looks; zero never polls. At most 10 ms.
+    /// looks; zero never polls. At most 10 ms. An RDMA read of one chain of work requests
+    /// also polls its completion queue itself for up to this long before it waits for the
+    /// device's poller thread.
     pub spin: Duration,
     /// Transports to use.
     pub transport: TransportChoice,

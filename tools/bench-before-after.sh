@@ -3,7 +3,8 @@
 # the same-host path (Llama-3-8B-like layout, 4,096-token requests, random block ids; GB/s and
 # p50 / p99 request latency), and the KV-event stream (`kvlink-events publish --synthetic` read by
 # `kvlink-events tail`: block entries per second received, CPU per entry on each side), the two
-# builds alternating round by round so that the machine's noise falls on both. Builds REV in a
+# builds alternating round by round, which runs first alternating too, so that the machine's
+# noise falls on both. Builds REV in a
 # worktree under target/before/ (its own target dir, kept for the next run). Prints each round,
 # the medians and after / before ratios; the tools' own output goes to target/before/bench.log.
 #
@@ -62,7 +63,11 @@ PY
 declare -A col
 add() { col[$1]="${col[$1]:-} $2"; }
 for r in $(seq "$rounds"); do
-  for side in before after; do
+  # The order alternates: whichever build runs second in a round runs on a warmer, busier
+  # machine (the untouched events stream read 0.89x for the second one, 2026-12-03).
+  order="before after"
+  [ $((r % 2)) = 0 ] && order="after before"
+  for side in $order; do
     dir=target/release
     [ "$side" = before ] && dir=$before/target/release
     read -r tg tp50 tp99 < <(bench "$dir" tcp)

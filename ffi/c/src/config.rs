@@ -76,7 +76,8 @@ pub struct kvlink_config {
     pub session_idle_ms: u64,
     /// How long a caller waiting in `kvlink_engine_wait_finished` polls while reads are in
     /// flight before it sleeps, in microseconds (at most 10,000; default 50; 0 never polls).
-    /// A read that finishes meanwhile is seen without a thread wake-up.
+    /// A read that finishes meanwhile is seen without a thread wake-up. A small RDMA read
+    /// (one chain of work requests) polls its completion queue itself for as long.
     pub spin_us: u64,
 }
 
