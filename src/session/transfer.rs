@@ -464,14 +464,16 @@ async fn read_while_connected(
     ops: Vec<ReadOp>,
     ctl: Arc<RequestCtl>,
 ) -> Result<ReadDone> {
-    // Confirmed with the data where the transport can (one data request).
-    let ask = ConfirmAsk {
+    // Confirmed with the data where the transport can (one data request), and only when the
+    // read has one source: a prefill that confirms with its data counts the request sent then,
+    // and with several sources another may still fail the read after that (`docs/protocol.md`).
+    let ask = (job.sources.len() == 1).then(|| ConfirmAsk {
         hold: job.hold,
         blocks: crate::grant::blocks_hash(&job.remote),
-    };
+    });
     let read = conn
         .transport
-        .read(&job.remote_id, ops, ctl.clone(), job.deadline, Some(ask));
+        .read(&job.remote_id, ops, ctl.clone(), job.deadline, ask);
     tokio::pin!(read);
     tokio::select! {
         biased;

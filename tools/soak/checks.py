@@ -149,14 +149,28 @@ class Ledger:
         r = self._open_read(rid, t, f"failed:{cause}")
         if r is not None:
             self._count("read", cause)
+            self._check_confirmed_failed(r, t)
         self._settle(r)
 
     def on_sent(self, rid, t):
         r = self._close_hold(rid, t, "sent")
-        if r is not None and r.read_outcome is not None and r.read_outcome.startswith("failed"):
-            # The reader confirmed and then failed its read: it never reports such a read.
-            self.violate(t, "confirmed-failed", f"{rid}: hold sent, but its read {r.read_outcome}")
+        if r is not None:
+            self._check_confirmed_failed(r, t)
         self._settle(r)
+
+    def _check_confirmed_failed(self, r, t):
+        """A hold the prefill counted sent whose read failed: a violation, unless the soak
+        cancelled the read and it failed as cancelled. A read of one data request is confirmed
+        by the prefill with its data; a cancel that reaches the reader before the confirmation
+        does ends the read cancelled while the prefill, which held the blocks for the whole
+        read, has counted it sent. No other failure may follow a confirmation."""
+        if r.hold_outcome != "sent" or r.read_outcome is None:
+            return
+        if not r.read_outcome.startswith("failed"):
+            return
+        if r.cancelled and r.read_outcome == "failed:cancelled":
+            return
+        self.violate(t, "confirmed-failed", f"{r.id}: hold sent, but its read {r.read_outcome}")
 
     def on_hold_end(self, rid, t, cause):
         r = self._close_hold(rid, t, f"failed:{cause}")

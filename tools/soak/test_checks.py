@@ -54,6 +54,21 @@ class Outcomes(unittest.TestCase):
         l.on_hold_end("r1", 0.7, "peer")
         self.assertEqual(kinds(l), ["unconfirmed"])
 
+    def test_a_confirmed_hold_whose_read_failed_is_caught_in_either_order(self):
+        for cancelled in (False, True):
+            for cause in ("peer", "cancelled"):
+                for sent_first in (False, True):
+                    l = ledger()
+                    request(l)
+                    if cancelled:
+                        l.cancelled("r1")
+                    events = [lambda: l.on_sent("r1", 0.2), lambda: l.on_read_failed("r1", 0.3, cause)]
+                    for e in events if sent_first else reversed(events):
+                        e()
+                    # Only a cancel the soak sent, racing the prefill's confirmation, may end so.
+                    want = [] if cancelled and cause == "cancelled" else ["confirmed-failed"]
+                    self.assertEqual(kinds(l), want, (cancelled, cause, sent_first))
+
     def test_a_prefill_that_died_voids_its_hold(self):
         l = ledger()
         request(l)
