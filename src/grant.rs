@@ -30,17 +30,23 @@ impl Grant {
     /// that does not match the layout's groups, no block at all, and block ids outside the
     /// layout.
     pub fn new<B: AsRef<[BlockId]>>(layout: Arc<KvLayout>, blocks: &[B]) -> Result<Grant> {
+        if blocks.iter().all(|b| b.as_ref().is_empty()) {
+            return Err(Error::invalid(
+                "hold_blocks needs the request's block ids (the blocks its reader may read)",
+            ));
+        }
+        Grant::open(layout, blocks)
+    }
+
+    /// A grant as [`Grant::new`] makes it, of no block at all too: the grant of a hold that
+    /// grows, before its first part.
+    pub fn open<B: AsRef<[BlockId]>>(layout: Arc<KvLayout>, blocks: &[B]) -> Result<Grant> {
         let groups = layout.num_groups();
         if blocks.len() != groups {
             return Err(Error::invalid(format!(
                 "{} block lists for a layout of {groups} block groups; hold one list per group",
                 blocks.len()
             )));
-        }
-        if blocks.iter().all(|b| b.as_ref().is_empty()) {
-            return Err(Error::invalid(
-                "hold_blocks needs the request's block ids (the blocks its reader may read)",
-            ));
         }
         let mut out = Vec::with_capacity(groups);
         for (g, b) in blocks.iter().enumerate() {
@@ -77,6 +83,16 @@ impl Grant {
     /// The layout the block ids refer to (the one in force when the blocks were held).
     pub fn layout(&self) -> &KvLayout {
         &self.layout
+    }
+
+    /// The layout, shared (a grow of the hold makes its next grant in the same one).
+    pub(crate) fn layout_arc(&self) -> Arc<KvLayout> {
+        self.layout.clone()
+    }
+
+    /// The granted block ids per block group (each list sorted, without repeats).
+    pub fn blocks(&self) -> &[Vec<BlockId>] {
+        &self.blocks
     }
 
     /// Ends the grant (its hold finished, failed or expired): nothing more is served from it,

@@ -66,7 +66,8 @@ pub use completion::{
 pub use config::{EngineConfig, TransportChoice};
 pub use control::messages::{Descriptor, TransportInfo};
 pub use engine::{
-    tp_sources, Capabilities, Engine, EngineStats, HoldRequest, ReadFrom, ReadRequest, SessionState,
+    tp_sources, Capabilities, Engine, EngineStats, FollowRequest, HoldRequest, ReadFrom,
+    ReadRequest, SessionState,
 };
 pub use error::{wc_status, Error, RdmaError, RdmaErrorKind, Refusal, RefusalKind, Result};
 pub use gpu::{GpuApi, GpuError, GpuReport, PointerKind};
@@ -84,7 +85,7 @@ pub use transport::rdma::RdmaSettings;
 /// fault injection. Not part of the stable API.
 #[doc(hidden)]
 pub mod internal {
-    pub use crate::completion::{CompletionTracker, SendNotice};
+    pub use crate::completion::{Announcement, CompletionTracker, Follower, HoldTerms, SendNotice};
     pub use crate::config::{check_duration, MAX_DURATION};
     pub use crate::control::{frame, messages};
     pub use crate::grant::Grant;

@@ -126,3 +126,45 @@ fn rdma_a_reader_gone_mid_read_has_its_hold_end_at_its_lease() {
     );
     assert_eq!(prefill.engine.stats().totals.sends_lease_expired, 1);
 }
+
+#[test]
+fn rdma_a_progressive_read_is_received_only_from_a_hold_live_to_its_seal() {
+    if !rdma_available() {
+        return;
+    }
+    let shape = ModelShape::LLAMA3_8B;
+    let prefill = side(&shape, BLOCKS, Some(73), rdma_config());
+    let decode = side(&shape, BLOCKS, None, rdma_config());
+    let peer = prefill.engine.handshake_address().to_string();
+    // A hold that grows by two parts and is sealed: read part by part over RDMA, every byte
+    // right, received once sealed.
+    let local = [0, 1, 2, 3];
+    let remote = [9, 4, 12, 6];
+    let req = kvlink::FollowRequest::blocks(&peer, "grown", &local);
+    decode.engine.follow(req).unwrap();
+    let hold = kvlink::HoldRequest::blocks("grown", &remote[..2]);
+    prefill.engine.hold_growing(hold).unwrap();
+    prefill
+        .engine
+        .extend_hold("grown", &[&remote[2..]])
+        .unwrap();
+    prefill.engine.seal_hold("grown").unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    assert_eq!(f.reports[0].transport, "rdma");
+    verify(&decode, &prefill.layout, 73, &local, &remote);
+    // A hold released while its second part is being read (16 MiB, half a second over the
+    // emulated device), its blocks overwritten: never received, whatever the reads brought.
+    let all: Vec<u32> = (0..BLOCKS).collect();
+    let req = kvlink::FollowRequest::blocks(&peer, "cut", &all);
+    decode.engine.follow(req).unwrap();
+    let hold = kvlink::HoldRequest::blocks("cut", &all[..8]);
+    prefill.engine.hold_growing(hold).unwrap();
+    prefill.engine.extend_hold("cut", &[&all[8..]]).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(prefill.engine.release("cut"));
+    kvlink::verify::fill(&prefill.region, 98).unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert!(f.receiving.is_empty(), "{f:?}");
+    assert!(f.failed[0].reason.contains("released"), "{f:?}");
+}

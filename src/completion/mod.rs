@@ -4,6 +4,7 @@
 //! tensor-parallel rank for the scheduler. Both are plain state machines: time is passed in.
 
 mod aggregator;
+mod follow;
 mod presence;
 mod tracker;
 
@@ -15,8 +16,9 @@ use crate::error::{Error, RdmaErrorKind};
 use crate::ids::RequestId;
 
 pub use aggregator::TpAggregator;
+pub use follow::{Announcement, Follower};
 pub(crate) use presence::DEFAULT_LEASE;
-pub use tracker::{CompletionTracker, SendNotice};
+pub use tracker::{CompletionTracker, HoldTerms, SendNotice};
 
 /// Which side of a transfer a request is on, from this worker's point of view.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -11,12 +11,18 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::follow::{Announcement, Follower};
 use super::presence::Presence;
 use super::{FailedRequest, FailureCause, Finished, Side, Totals, TransferReport};
 use crate::error::{Error, Refusal, RefusalKind, Result};
 use crate::grant::Grant;
-use crate::ids::RequestId;
+use crate::ids::{BlockId, RequestId};
 use crate::tp::{self, Reader, TpRank};
+
+mod growing;
+
+pub use growing::HoldTerms;
+use growing::PendingFollow;
 
 /// What a reading peer says about a send.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,6 +51,18 @@ struct Held {
     /// The decode's TP size, fixed by the first reader admitted; it sets how many readers
     /// the request waits for (`tp::readers`).
     reader_size: Option<u32>,
+    /// Whether the hold is complete: a hold that grows (`open_hold` unsealed) confirms no read
+    /// before it is sealed.
+    sealed: bool,
+    /// The hold's block ids per block group in the order the holder gave them (the grant's are
+    /// sorted): the positions followers pair with their own blocks.
+    order: Vec<Vec<BlockId>>,
+    /// The grants of the hold before its last extension: they end with it.
+    earlier: Vec<Arc<Grant>>,
+    /// The readers told of the hold's parts as they come (progressive reads).
+    followers: Vec<Arc<dyn Follower>>,
+    /// The last part, while only some of its tensors are final.
+    tail: Option<growing::Tail>,
 }
 
 #[derive(Debug)]
@@ -83,6 +101,26 @@ impl Held {
             .chain(admitted)
             .filter_map(|e| presence.lease_end(e))
             .min()
+    }
+
+    /// Ends the hold's grants (its current one and those before its extensions): nothing more
+    /// is served from any of them.
+    fn end_grants(&self) {
+        self.end_earlier();
+        self.grant.end();
+    }
+
+    /// Ends the grants the hold had before its last extension.
+    fn end_earlier(&self) {
+        self.earlier.iter().for_each(|g| g.end());
+    }
+
+    /// Tells the hold's followers that it ended before they confirmed, and why.
+    fn tell_ended(&self, id: &RequestId, reason: &str) {
+        for f in &self.followers {
+            let reason = reason.to_string();
+            f.announce(id, Announcement::Ended { reason });
+        }
     }
 
     fn confirmed(&self) -> u32 {
@@ -175,6 +213,8 @@ pub struct CompletionTracker {
     ///
     /// [`deadline_epoch`]: CompletionTracker::deadline_epoch
     deadlines: u64,
+    /// Followers of requests not held yet, by request, until their deadline.
+    pending: HashMap<RequestId, Vec<PendingFollow>>,
 }
 
 impl Default for CompletionTracker {
@@ -199,6 +239,7 @@ impl CompletionTracker {
             tp,
             presence: Presence::new(super::DEFAULT_LEASE),
             deadlines: 0,
+            pending: HashMap::new(),
         }
     }
 
@@ -299,31 +340,14 @@ impl CompletionTracker {
         abort_timeout: Duration,
         token: u64,
     ) -> Result<()> {
-        if self.held.contains_key(&id) {
-            return Err(Error::invalid(format!(
-                "request {id} is already held for sending"
-            )));
-        }
-        // A hold for a reader that is gone gives it a whole lease from now to come back.
-        let lease_end = reader
-            .as_deref()
-            .and_then(|r| self.presence.lease_end(r))
-            .map(|_| now + self.presence.lease());
-        self.deadlines += 1;
-        self.held.insert(
-            id,
-            Held {
-                deadline: now + abort_timeout,
-                timeout: abort_timeout,
-                lease_end,
-                grant,
-                token,
-                named: reader,
-                readers: Vec::new(),
-                reader_size: None,
-            },
-        );
-        Ok(())
+        let order = grant.blocks().to_vec();
+        let terms = HoldTerms {
+            reader,
+            abort_timeout,
+            token,
+            sealed: true,
+        };
+        self.open_hold(id, grant, order, terms, now)
     }
 
     /// What the reader of request `id` may read. `reader` is the reading engine when the data
@@ -417,6 +441,15 @@ impl CompletionTracker {
     ) -> std::result::Result<Instant, Refusal> {
         let own = self.tp;
         let held = Self::held(&mut self.held, id, hold)?;
+        if notice == SendNotice::Done && !held.sealed {
+            return Err(Refusal::new(
+                RefusalKind::NotHeld,
+                format!(
+                    "request {id} is still being held part by part (not sealed): a read \
+                     confirms only once the prefill sealed its hold"
+                ),
+            ));
+        }
         let slot = held.admit(own, id, reader, true)?.expect("admitted");
         let expected = held.expected(own);
         let since = held.deadline - held.timeout;
@@ -437,7 +470,10 @@ impl CompletionTracker {
             aborted => aborted,
         };
         if let Some(h) = self.held.remove(id) {
-            h.grant.end();
+            h.end_grants();
+            if let SendNotice::Aborted(why) = &notice {
+                h.tell_ended(id, &format!("a reader aborted the request: {why}"));
+            }
         }
         self.finish_send(id.clone(), notice);
         Ok(since)
@@ -467,7 +503,8 @@ impl CompletionTracker {
     pub fn release(&mut self, id: &RequestId) -> bool {
         match self.held.remove(id) {
             Some(h) => {
-                h.grant.end();
+                h.end_grants();
+                h.tell_ended(id, "the prefill released the request");
                 true
             }
             None => false,
@@ -484,10 +521,12 @@ impl CompletionTracker {
             .collect();
         for id in expired {
             let mut h = self.held.remove(&id).expect("listed above");
+            h.end_earlier();
             if self.counted_by_receipts(&id, &mut h) {
                 continue;
             }
             let reason = self.expiry_reason(&h, now);
+            h.tell_ended(&id, &format!("the prefill's hold expired: {reason}"));
             tracing::warn!(%id, %reason, "held request expired");
             self.totals.sends_failed += 1;
             self.totals.sends_expired += 1;
@@ -499,6 +538,7 @@ impl CompletionTracker {
                 cause: FailureCause::Expired,
             });
         }
+        self.expire_follows(now);
         self.presence.prune(now);
     }
 
@@ -555,7 +595,8 @@ impl CompletionTracker {
 
     /// The earliest moment at which [`poll`](Self::poll) has work to do.
     pub fn next_deadline(&self) -> Option<Instant> {
-        self.held.values().map(Held::ends).min()
+        let follows = self.pending.values().flatten().map(|p| p.until);
+        self.held.values().map(Held::ends).chain(follows).min()
     }
 
     /// Whether anything finished since the last [`take_finished`](Self::take_finished).

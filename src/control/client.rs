@@ -18,6 +18,7 @@ use super::frame::{self, read_frame, write_frame};
 use super::messages::{Descriptor, Message};
 use super::ControlTimeouts;
 use crate::auth::{self, AuthKey, SessionSecret};
+use crate::completion::Announcement;
 use crate::error::{Error, Refusal, RefusalKind, Result};
 use crate::ids::RequestId;
 
@@ -42,6 +43,21 @@ pub(crate) type Confirmation = std::result::Result<std::time::Duration, Refusal>
 /// keeps its place, so its answer is never taken for a later read's).
 type Pending = Arc<Mutex<HashMap<RequestId, VecDeque<oneshot::Sender<Confirmation>>>>>;
 
+/// The reads following a request's hold on this connection (progressive reads), by request:
+/// where its `Part`s and `Ended` go. One follow per request id.
+type Follows = Arc<Mutex<HashMap<RequestId, mpsc::Sender<Announcement>>>>;
+
+/// Announcements queued towards one follow at most; a follow that falls this far behind is
+/// dropped (its read fails at its deadline).
+const FOLLOW_QUEUE: usize = 256;
+
+/// Who waits for what the peer says: confirmations, and follows.
+#[derive(Clone, Default)]
+struct Waiters {
+    confirms: Pending,
+    follows: Follows,
+}
+
 /// A live control connection to one peer.
 pub(crate) struct ControlClient {
     tx: mpsc::Sender<Message>,
@@ -54,6 +70,7 @@ pub(crate) struct ControlClient {
     tasks: [JoinHandle<()>; 2],
     peer: SocketAddr,
     pending: Pending,
+    follows: Follows,
 }
 
 impl Drop for ControlClient {
@@ -145,9 +162,10 @@ impl Handshake {
         };
         let (tx, rx) = mpsc::channel::<Message>(NOTICE_QUEUE);
         let (ended_tx, writer_ended) = watch::channel(None);
-        let pending: Pending = Arc::default();
+        let waiters = Waiters::default();
+        let (pending, follows) = (waiters.confirms.clone(), waiters.follows.clone());
         let writer = tokio::spawn(write_loop(wr, rx, link.clone(), ended_tx));
-        let reader = tokio::spawn(read_loop(rd, link.clone(), pending.clone()));
+        let reader = tokio::spawn(read_loop(rd, link.clone(), waiters));
         ControlClient {
             tx,
             closed: link.closed,
@@ -156,6 +174,7 @@ impl Handshake {
             tasks: [writer, reader],
             peer,
             pending,
+            follows,
         }
     }
 }
@@ -229,13 +248,13 @@ async fn write_loop(
 /// The reader task: confirmations to the reads waiting for them, until the peer closes, refuses
 /// or falls silent (three intervals without a frame, with [`SILENT_AFTER_PINGS`] of our pings
 /// unanswered).
-async fn read_loop(mut rd: OwnedReadHalf, link: Link, confirms: Pending) {
+async fn read_loop(mut rd: OwnedReadHalf, link: Link, waiters: Waiters) {
     let (peer, keepalive) = (link.peer, link.keepalive);
     loop {
         match timeout(keepalive * 3, read_frame(&mut rd)).await {
             Ok(Ok(Some((v, body)))) => {
                 link.unanswered.store(0, Ordering::Release);
-                if !on_frame(peer, frame::decode::<Message>(v, &body), &confirms) {
+                if !on_frame(peer, frame::decode::<Message>(v, &body), &waiters) {
                     break;
                 }
             }
@@ -262,12 +281,14 @@ async fn read_loop(mut rd: OwnedReadHalf, link: Link, confirms: Pending) {
         }
     }
     link.end();
-    // Reads still waiting hear that no confirmation will come.
-    confirms.lock().clear();
+    // Reads still waiting hear that no confirmation, and no part, will come.
+    waiters.confirms.lock().clear();
+    waiters.follows.lock().clear();
 }
 
 /// Handles one frame from the peer; false when the connection ends on it.
-fn on_frame(peer: SocketAddr, msg: Result<Message>, confirms: &Pending) -> bool {
+fn on_frame(peer: SocketAddr, msg: Result<Message>, waiters: &Waiters) -> bool {
+    let confirms = &waiters.confirms;
     match msg {
         Ok(Message::Pong { .. }) => true,
         Ok(Message::Confirm {
@@ -293,6 +314,33 @@ fn on_frame(peer: SocketAddr, msg: Result<Message>, confirms: &Pending) -> bool 
             }
             true
         }
+        Ok(Message::Part {
+            request_id,
+            token,
+            first,
+            blocks,
+            tensors,
+            sealed,
+        }) => {
+            let part = Announcement::Part {
+                token,
+                first,
+                blocks,
+                tensors,
+                sealed,
+            };
+            tell_follow(&waiters.follows, request_id, part, sealed);
+            true
+        }
+        Ok(Message::Ended { request_id, reason }) => {
+            tell_follow(
+                &waiters.follows,
+                request_id,
+                Announcement::Ended { reason },
+                true,
+            );
+            true
+        }
         Ok(Message::Error { message }) => {
             tracing::warn!(%peer, %message, "peer closed the control connection");
             false
@@ -301,6 +349,19 @@ fn on_frame(peer: SocketAddr, msg: Result<Message>, confirms: &Pending) -> bool 
             tracing::warn!(%peer, ?other, "unexpected control message");
             false
         }
+    }
+}
+
+/// Passes `a` to the follow of request `id`, if one waits (a part for a follow that gave up is
+/// dropped); `last`: nothing follows it. A follow that cannot take it (too far behind, or
+/// gone) is dropped.
+fn tell_follow(follows: &Follows, id: RequestId, a: Announcement, last: bool) {
+    let mut follows = follows.lock();
+    let Some(tx) = follows.get(&id) else {
+        return;
+    };
+    if tx.try_send(a).is_err() || last {
+        follows.remove(&id);
     }
 }
 
@@ -380,6 +441,38 @@ impl ControlClient {
         pending.entry(id).or_default().push_back(tx);
         drop(pending);
         (!self.is_closed()).then_some(rx)
+    }
+
+    /// Follows request `id`'s hold (`hold`, when known; waited for up to `wait` when not held
+    /// yet) and returns where its parts and its end will arrive; `None` when the `Follow`
+    /// cannot be queued. The receiver ends when the connection closes, or after the last part.
+    /// A new follow of the same id replaces an earlier one.
+    pub(crate) fn follow(
+        &self,
+        id: RequestId,
+        hold: Option<u64>,
+        wait: std::time::Duration,
+    ) -> Option<mpsc::Receiver<Announcement>> {
+        let (tx, rx) = mpsc::channel(FOLLOW_QUEUE);
+        let mut follows = self.follows.lock();
+        follows.insert(id.clone(), tx);
+        let wait_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX);
+        let sent = self.notify(Message::Follow {
+            request_id: id.clone(),
+            hold,
+            wait_ms,
+        });
+        if !sent {
+            follows.remove(&id);
+            return None;
+        }
+        drop(follows);
+        (!self.is_closed()).then_some(rx)
+    }
+
+    /// Stops following request `id` (its read ended): later parts are dropped.
+    pub(crate) fn unfollow(&self, id: &RequestId) {
+        self.follows.lock().remove(id);
     }
 
     /// Closes the connection in order: queues a `Bye` after whatever is queued (so every

@@ -68,4 +68,16 @@ pub(crate) trait ControlHandler: Send + Sync + 'static {
         id: &RequestId,
         hold: Option<u64>,
     ) -> std::result::Result<(), Refusal>;
+    /// `from` follows request `id` (hold `hold`, when named): `follower` is told of its hold's
+    /// blocks as they are held, and a request not held yet is waited for up to `wait` (bounded
+    /// by the engine). Refused, with the reason, when the reader may not read the request or
+    /// too many follows wait.
+    fn follow(
+        &self,
+        from: &Reader,
+        id: &RequestId,
+        hold: Option<u64>,
+        wait: std::time::Duration,
+        follower: std::sync::Arc<dyn crate::completion::Follower>,
+    ) -> std::result::Result<(), Refusal>;
 }

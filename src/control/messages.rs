@@ -341,6 +341,46 @@ pub enum Message {
         /// The probe's nonce.
         nonce: u64,
     },
+    /// Reader to server: tell me of request `request_id`'s hold as its blocks are held (a
+    /// progressive read); a request not held yet is waited for up to `wait_ms` (at most the
+    /// server's own bound). Not answered at once: `Part`s follow as the prefill holds blocks,
+    /// the last one sealed, or `Ended`.
+    Follow {
+        /// The request.
+        request_id: RequestId,
+        /// The hold followed, when the reader knows its token.
+        #[serde(default)]
+        hold: Option<u64>,
+        /// How long to wait for a hold of the request, in milliseconds.
+        wait_ms: u64,
+    },
+    /// Server to reader: blocks of a followed request's hold that are final. Per block group,
+    /// `first` is the position of the part's first block among the hold's, `blocks` its ids in
+    /// the prefill's order; `sealed`: the hold is complete, no part follows.
+    Part {
+        /// The request.
+        request_id: RequestId,
+        /// The hold's token: the reader's `Done` names it.
+        token: u64,
+        /// Per block group, where the part starts among the hold's blocks.
+        first: Vec<u32>,
+        /// Per block group, the part's block ids (none: the part adds tensors to the blocks
+        /// of the part before).
+        blocks: Vec<Vec<u32>>,
+        /// The tensors the part makes final, `[start, end)`; `None`: all of them.
+        #[serde(default)]
+        tensors: Option<(u32, u32)>,
+        /// The last part.
+        sealed: bool,
+    },
+    /// Server to reader: a followed request's hold ended before the reader confirmed it
+    /// (released, expired, aborted), or the follow was refused or not held in time.
+    Ended {
+        /// The request.
+        request_id: RequestId,
+        /// Why.
+        reason: String,
+    },
     /// The sender refuses the previous message; the connection closes after it.
     Error {
         /// What is wrong and what to do.

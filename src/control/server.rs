@@ -6,7 +6,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::io::AsyncWrite;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
 use tokio::time::timeout;
 
 use super::frame::{self, read_frame, write_frame};
@@ -16,7 +19,7 @@ use super::messages::Message;
 use super::ControlTimeouts;
 use crate::accept::serve_tcp;
 use crate::auth::SessionSecret;
-use crate::completion::SendNotice;
+use crate::completion::{Announcement, Follower, SendNotice};
 use crate::conn_limit::ConnLimit;
 use crate::error::{Error, Refusal, Result};
 use crate::ids::RequestId;
@@ -26,6 +29,10 @@ use crate::transport::rdma::{QpEndpoint, ServerQps};
 
 /// Most RDMA connects (one per device pair) one control connection may make.
 const MAX_RDMA_CONNECTS: usize = 16;
+
+/// Messages queued towards one reader that follows holds (`Part`, `Ended`) at most; a follower
+/// whose message finds the queue full is dropped (its read fails at its deadline).
+const PUSH_QUEUE: usize = 1024;
 
 /// Accepts control connections until the task is dropped, each admitted by `slots` (at most
 /// [`MAX_CONNECTIONS`](crate::conn_limit::MAX_CONNECTIONS) at once, a share per address).
@@ -49,7 +56,7 @@ pub(crate) async fn serve(
     .await
 }
 
-async fn refuse(stream: &mut TcpStream, message: String) -> Error {
+async fn refuse(stream: &mut (impl AsyncWrite + Unpin), message: String) -> Error {
     if let Ok(frame) = frame::encode(&Message::Error {
         message: message.clone(),
     }) {
@@ -141,7 +148,12 @@ async fn connection(
 }
 
 /// Writes one message within `within`; `what` names it in the timeout error.
-async fn send(stream: &mut TcpStream, msg: &Message, what: &str, within: Duration) -> Result<()> {
+async fn send(
+    stream: &mut (impl AsyncWrite + Unpin),
+    msg: &Message,
+    what: &str,
+    within: Duration,
+) -> Result<()> {
     let frame = frame::encode(msg)?;
     timeout(within, write_frame(stream, &frame))
         .await
@@ -184,46 +196,77 @@ async fn serve_reader(
         %peer, engine = %theirs.engine_id, rank = theirs.tp_rank, tp = %ours.tp_relation(&theirs),
         "handshake accepted"
     );
+    // Frames are read on their own half, so that what followers are told goes out between
+    // them without cutting a frame being read.
+    let (rd, wr) = stream.into_split();
+    let (pushes, pushed) = mpsc::channel(PUSH_QUEUE);
     let mut serving = Serving {
-        stream,
+        stream: wr,
         peer,
         handler: &*handler,
         reader,
         rdma_qps: Vec::new(),
         bad_notices: 0,
         timeouts,
+        pushes,
     };
-    let idle = timeouts.keepalive * 3;
-    loop {
-        let frame = match next_frame(&mut serving.stream, idle).await {
-            Err(_) => {
-                // The protocol's promise: a refusal is said before the connection closes.
-                let why = format!("no frame from {peer} for {idle:?} (three keep-alive intervals)");
-                refuse(&mut serving.stream, why).await;
-                return Err(Error::Timeout {
-                    what: format!("waiting for a frame from {peer}"),
-                    after: idle,
-                });
+    let ended = serving.frames(rd, pushed).await;
+    if matches!(ended, Ok(true)) {
+        tracing::debug!(%peer, engine = %theirs.engine_id, "reader closed its idle session");
+        present.left_in_order();
+    }
+    ended.map(drop)
+}
+
+impl Serving<'_> {
+    /// Takes the reader's frames, and writes what its followers are told between them, until
+    /// the reader goes away (`Ok(true)`: after its `Bye`) or falls silent.
+    async fn frames(
+        &mut self,
+        rd: OwnedReadHalf,
+        mut pushed: mpsc::Receiver<Message>,
+    ) -> Result<bool> {
+        let (peer, idle) = (self.peer, self.timeouts.keepalive * 3);
+        let mut next = Box::pin(next_frame(rd, idle));
+        loop {
+            let (rd, got) = tokio::select! {
+                biased;
+                got = &mut next => got,
+                Some(m) = pushed.recv() => {
+                    let within = self.timeouts.handshake;
+                    send(&mut self.stream, &m, "telling a follower", within).await?;
+                    continue;
+                }
+            };
+            next = Box::pin(next_frame(rd, idle));
+            let frame = match got {
+                Err(_) => {
+                    // The protocol's promise: a refusal is said before the connection closes.
+                    let why =
+                        format!("no frame from {peer} for {idle:?} (three keep-alive intervals)");
+                    refuse(&mut self.stream, why).await;
+                    return Err(Error::Timeout {
+                        what: format!("waiting for a frame from {peer}"),
+                        after: idle,
+                    });
+                }
+                Ok(Ok(None)) => return Ok(false),
+                Ok(Ok(Some(f))) => f,
+                Ok(Err(e)) => return Err(refuse(&mut self.stream, e.to_string()).await),
+            };
+            match frame::decode::<Message>(frame.0, &frame.1) {
+                Ok(Message::Bye) => return Ok(true),
+                Ok(msg) => self.on_message(msg).await?,
+                Err(e) => return Err(refuse(&mut self.stream, e.to_string()).await),
             }
-            Ok(Ok(None)) => return Ok(()),
-            Ok(Ok(Some(f))) => f,
-            Ok(Err(e)) => return Err(refuse(&mut serving.stream, e.to_string()).await),
-        };
-        match frame::decode::<Message>(frame.0, &frame.1) {
-            Ok(Message::Bye) => {
-                tracing::debug!(%peer, engine = %theirs.engine_id, "reader closed its idle session");
-                present.left_in_order();
-                return Ok(());
-            }
-            Ok(msg) => serving.on_message(msg).await?,
-            Err(e) => return Err(refuse(&mut serving.stream, e.to_string()).await),
         }
     }
 }
 
 /// An accepted reader's control connection, between messages.
 struct Serving<'a> {
-    stream: TcpStream,
+    /// The connection's write half (its read half is in the loop's pending read).
+    stream: OwnedWriteHalf,
     peer: SocketAddr,
     handler: &'a dyn ControlHandler,
     reader: Reader,
@@ -233,6 +276,8 @@ struct Serving<'a> {
     /// Notices naming an invalid request id so far.
     bad_notices: u64,
     timeouts: ControlTimeouts,
+    /// Where followers' messages are queued for this connection.
+    pushes: mpsc::Sender<Message>,
 }
 
 /// The next frame on a reader's control connection (`Ok(None)` when it closed), or `Err` once it
@@ -240,12 +285,13 @@ struct Serving<'a> {
 /// reader silent whose frames arrived meanwhile: on resume the runtime takes the socket's
 /// readiness in the same turn as the overdue deadline, and `timeout` polls the read first
 /// (`tests.rs` checks it, and fails for a wait that looks at its deadline first).
-async fn next_frame(
-    stream: &mut TcpStream,
-    idle: Duration,
-) -> std::result::Result<Result<Option<(u16, Vec<u8>)>>, tokio::time::error::Elapsed> {
-    timeout(idle, read_frame(stream)).await
+async fn next_frame(mut stream: OwnedReadHalf, idle: Duration) -> (OwnedReadHalf, NextFrame) {
+    let got = timeout(idle, read_frame(&mut stream)).await;
+    (stream, got)
 }
+
+/// What [`next_frame`] read: a frame, the end, an error, or silence.
+type NextFrame = std::result::Result<Result<Option<(u16, Vec<u8>)>>, tokio::time::error::Elapsed>;
 
 /// Notices the engine refused (not held, or held for another reader): one line per interval
 /// for the whole engine, with the count; the session goes on.
@@ -280,6 +326,31 @@ impl Serving<'_> {
         Ok(())
     }
 
+    /// A reader follows a request: it is told of the hold's parts through this connection's
+    /// queue, or at once why not.
+    async fn on_follow(
+        &mut self,
+        request_id: RequestId,
+        hold: Option<u64>,
+        wait_ms: u64,
+    ) -> Result<()> {
+        let wait = Duration::from_millis(wait_ms);
+        let follower = Arc::new(QueueFollower(self.pushes.clone()));
+        let r = self
+            .handler
+            .follow(&self.reader, &request_id, hold, wait, follower);
+        let Err(why) = r else {
+            return Ok(());
+        };
+        self.refused(&request_id, Err(why.clone()));
+        let ended = Message::Ended {
+            request_id,
+            reason: why.into_reason(),
+        };
+        let within = self.timeouts.handshake;
+        send(&mut self.stream, &ended, "refusing a follow", within).await
+    }
+
     /// Handles one message; an error ends the connection (the reader was told why).
     async fn on_message(&mut self, msg: Message) -> Result<()> {
         let peer = self.peer;
@@ -304,11 +375,17 @@ impl Serving<'_> {
                     .notice(peer, &self.reader, request_id.clone(), aborted, hold);
                 self.refused(&request_id, r.map(drop));
             }
+            Message::Follow {
+                request_id,
+                hold,
+                wait_ms,
+            } if request_id.validate().is_ok() => self.on_follow(request_id, hold, wait_ms).await?,
             // A notice naming an invalid id (empty, too long) is refused alone: the session and
             // the other requests on it go on.
             Message::Done { request_id, .. }
             | Message::Abort { request_id, .. }
-            | Message::Reading { request_id, .. } => {
+            | Message::Reading { request_id, .. }
+            | Message::Follow { request_id, .. } => {
                 self.bad_notices += 1;
                 if self.bad_notices == 1 {
                     tracing::warn!(%peer, len = request_id.as_str().len(), "notice with an invalid request id ignored (further ones on this connection are counted, not logged)");
@@ -394,6 +471,35 @@ impl Serving<'_> {
             let (peer, engine) = (self.peer, self.reader.engine.as_str());
             warn_limited!(REFUSED_NOTICES, %peer, engine, %id, %why, "refused a reader's notice");
         }
+    }
+}
+
+/// A follower's messages, queued for its control connection (bounded: a full queue drops the
+/// follower).
+#[derive(Debug)]
+struct QueueFollower(mpsc::Sender<Message>);
+
+impl Follower for QueueFollower {
+    fn announce(&self, id: &RequestId, a: Announcement) -> bool {
+        let request_id = id.clone();
+        let m = match a {
+            Announcement::Part {
+                token,
+                first,
+                blocks,
+                tensors,
+                sealed,
+            } => Message::Part {
+                request_id,
+                token,
+                first,
+                blocks,
+                tensors,
+                sealed,
+            },
+            Announcement::Ended { reason } => Message::Ended { request_id, reason },
+        };
+        self.0.try_send(m).is_ok()
     }
 }
 

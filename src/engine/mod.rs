@@ -8,7 +8,7 @@ mod requests;
 mod start;
 
 pub use report::{Capabilities, EngineStats};
-pub use requests::{tp_sources, HoldRequest, ReadFrom, ReadRequest};
+pub use requests::{tp_sources, FollowRequest, HoldRequest, ReadFrom, ReadRequest};
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::ids::{BlockId, RequestId};
 use crate::layout::KvLayout;
 use crate::plan;
-use crate::session::{self, ReadJob, Source};
+use crate::session::{self, FollowJob, ReadJob, Source};
 use crate::tp::{self, TpRank};
 
 /// Where a read takes its blocks from.
@@ -88,6 +88,48 @@ pub struct HoldRequest {
     /// request on every TP rank gives them all the same one, and sends it in the transfer
     /// parameters. `None`: the engine picks one, distinct for every hold it makes.
     pub token: Option<u64>,
+}
+
+/// A progressive read (decode side; see [`Engine::follow`]): this engine's blocks for the
+/// whole request, read part by part as the prefill at `peer` holds them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FollowRequest {
+    /// The prefill's handshake address.
+    pub peer: String,
+    /// The id this engine tracks and reports the read under.
+    pub id: RequestId,
+    /// The id the prefill holds the request under.
+    pub remote_id: RequestId,
+    /// This engine's blocks per block group, for the whole request, in the order the
+    /// prefill's blocks pair with them (its hold's order).
+    pub local: Vec<Vec<BlockId>>,
+    /// Tokens per block of the prefill; `None`: the same as this engine's.
+    pub remote_tokens_per_block: Option<u32>,
+    /// The prefill's hold token, when known (the read is then of that hold only).
+    pub hold: Option<u64>,
+    /// How long to wait for the first part (the prefill may not hold the request yet);
+    /// `None`: the request timeout.
+    pub first_part_timeout: Option<Duration>,
+    /// How long to wait for each later part; `None`: the request timeout.
+    pub part_timeout: Option<Duration>,
+}
+
+impl FollowRequest {
+    /// A progressive read of request `id` (the same id on both sides) from the prefill at
+    /// `peer` into `local` blocks (one block group), with the engine's timeouts.
+    pub fn blocks(peer: impl Into<String>, id: impl Into<RequestId>, local: &[BlockId]) -> Self {
+        let id = id.into();
+        FollowRequest {
+            peer: peer.into(),
+            remote_id: id.clone(),
+            id,
+            local: vec![local.to_vec()],
+            remote_tokens_per_block: None,
+            hold: None,
+            first_part_timeout: None,
+            part_timeout: None,
+        }
+    }
 }
 
 impl HoldRequest {
@@ -186,14 +228,7 @@ impl Engine {
             first_tokens,
             hold,
         } = req;
-        id.validate().map_err(Error::InvalidArgument)?;
-        remote_id
-            .validate()
-            .map_err(|e| Error::invalid(format!("remote request id: {e}")))?;
-        let layout = self
-            .shared
-            .layout()
-            .ok_or_else(|| Error::invalid("set a KV layout before reading blocks"))?;
+        let layout = self.read_layout(&id, &remote_id)?;
         let remote_tokens = remote_tokens_per_block.unwrap_or(layout.tokens_per_block);
         plan::check_local_blocks(&layout, &local, &remote, remote_tokens, &first_tokens)?;
         let ours = TpRank::new(self.shared.config().tp_rank, self.shared.config().tp_size);
@@ -246,11 +281,87 @@ impl Engine {
             remote_tokens,
             first_tokens,
             hold,
+            confirm_with_data: true,
+            tensors: None,
             started: now,
             deadline: tokio::time::Instant::from_std(now + self.shared.config().request_timeout),
         };
         self.launch(rt, job, &layout);
         Ok(())
+    }
+
+    /// Starts a progressive read ([`FollowRequest`]): the read follows the prefill's hold of
+    /// `remote_id` (held with [`hold_growing`](Engine::hold_growing), or a plain hold), which
+    /// the prefill need not hold yet, and reads each part as the prefill holds it, into this
+    /// engine's blocks in order. It is reported received (in
+    /// [`get_finished`](Engine::get_finished)) only once the prefill sealed the hold, every
+    /// part is here and the prefill confirmed that it held them throughout; failed when the
+    /// hold ends first, when the first part or a later one does not come within its timeout,
+    /// or at the request timeout. One prefill engine (TP groups read with
+    /// [`read`](Engine::read)); [`cancel`](Engine::cancel) stops it.
+    pub fn follow(&self, req: FollowRequest) -> Result<()> {
+        let layout = self.read_layout(&req.id, &req.remote_id)?;
+        let remote_tokens = req
+            .remote_tokens_per_block
+            .unwrap_or(layout.tokens_per_block);
+        if remote_tokens != layout.tokens_per_block {
+            return Err(Error::invalid(
+                "a progressive read pairs blocks one to one: the prefill's tokens per block must \
+                 be this engine's",
+            ));
+        }
+        // The prefill's blocks are not known yet: the local ones are checked against
+        // themselves.
+        plan::check_local_blocks(&layout, &req.local, &req.local, remote_tokens, &[])?;
+        let timeout = self.shared.config().request_timeout;
+        let (first_wait, between) = (
+            req.first_part_timeout.unwrap_or(timeout),
+            req.part_timeout.unwrap_or(timeout),
+        );
+        check_duration("first_part_timeout", first_wait)?;
+        check_duration("part_timeout", between)?;
+        let now = Instant::now();
+        let rt = self.runtime.read();
+        let rt = rt.as_ref().ok_or(Error::Shutdown)?;
+        self.shared
+            .completions()
+            .update(|t| t.start_recv(req.id.clone(), now))?;
+        let read = ReadJob {
+            sources: vec![Source {
+                peer: req.peer,
+                rank: None,
+            }],
+            id: req.id,
+            remote_id: req.remote_id,
+            local: req.local,
+            remote: Vec::new(),
+            remote_tokens,
+            first_tokens: Vec::new(),
+            hold: req.hold,
+            confirm_with_data: false,
+            tensors: None,
+            started: now,
+            deadline: tokio::time::Instant::from_std(now + timeout),
+        };
+        let job = FollowJob {
+            read,
+            first_wait,
+            between,
+        };
+        rt.spawn(session::run_follow(self.sessions.clone(), job));
+        Ok(())
+    }
+
+    /// The layout a read of `id` (the prefill's `remote_id`) reads into, once both ids are
+    /// valid.
+    fn read_layout(&self, id: &RequestId, remote_id: &RequestId) -> Result<Arc<KvLayout>> {
+        id.validate().map_err(Error::InvalidArgument)?;
+        remote_id
+            .validate()
+            .map_err(|e| Error::invalid(format!("remote request id: {e}")))?;
+        self.shared
+            .layout()
+            .ok_or_else(|| Error::invalid("set a KV layout before reading blocks"))
     }
 
     /// Starts `job`'s transfer task. A small read on a session that is up is submitted on the
@@ -332,6 +443,65 @@ impl Engine {
         check_duration("abort_timeout", timeout)?;
         self.shared
             .hold(req.id, &req.blocks, req.reader, timeout, req.token)
+    }
+
+    /// Holds a request whose blocks are not all final yet (prefill side): as
+    /// [`hold`](Engine::hold), but `req.blocks` may be empty, the hold grows by
+    /// [`extend_hold`](Engine::extend_hold) as blocks become final, and confirms no read
+    /// before [`seal_hold`](Engine::seal_hold). Readers that follow the request
+    /// ([`follow`](Engine::follow)) read each part as it is held. The abort timeout runs from
+    /// now. Returns the hold's token.
+    pub fn hold_growing(&self, req: HoldRequest) -> Result<u64> {
+        let timeout = req
+            .abort_timeout
+            .unwrap_or(self.shared.config().abort_timeout);
+        check_duration("abort_timeout", timeout)?;
+        self.shared
+            .hold_as(req.id, &req.blocks, req.reader, timeout, req.token, false)
+    }
+
+    /// Adds `blocks` (per block group, in order after the blocks held so far; final from now
+    /// on) to request `id`'s growing hold, and tells its followers. Refused for a request not
+    /// held, a sealed hold, and blocks it holds already.
+    pub fn extend_hold<B: AsRef<[BlockId]>>(
+        &self,
+        id: impl Into<RequestId>,
+        blocks: &[B],
+    ) -> Result<()> {
+        self.extend(id.into(), blocks, None)
+    }
+
+    /// [`extend_hold`](Engine::extend_hold) by tensors (the layout's, in its order) rather
+    /// than whole blocks, for a step whose layers become final one group at a time: `blocks`
+    /// with their tensors `tensors` (from 0), then, with no block, the same blocks' next
+    /// tensors (from where the last ended) until the last one; new blocks and the seal only
+    /// after that. Followers read each part's tensors as they are told.
+    pub fn extend_hold_tensors<B: AsRef<[BlockId]>>(
+        &self,
+        id: impl Into<RequestId>,
+        blocks: &[B],
+        tensors: std::ops::Range<u32>,
+    ) -> Result<()> {
+        self.extend(id.into(), blocks, Some(tensors))
+    }
+
+    fn extend<B: AsRef<[BlockId]>>(
+        &self,
+        id: RequestId,
+        blocks: &[B],
+        tensors: Option<std::ops::Range<u32>>,
+    ) -> Result<()> {
+        let blocks: Vec<Vec<BlockId>> = blocks.iter().map(|b| b.as_ref().to_vec()).collect();
+        self.shared
+            .completions()
+            .update(|t| t.extend_hold(&id, &blocks, tensors))
+    }
+
+    /// Seals request `id`'s growing hold: it is complete, its readers may confirm their reads,
+    /// and its followers are told.
+    pub fn seal_hold(&self, id: impl Into<RequestId>) -> Result<()> {
+        let id = id.into();
+        self.shared.completions().update(|t| t.seal_hold(&id))
     }
 
     /// Cancels read `id` (decode side): nothing more is posted or written into its blocks,

@@ -11,7 +11,7 @@ mod idle;
 mod pair;
 mod transfer;
 
-pub(crate) use transfer::{check_block_size, run_read, ReadJob, Source};
+pub(crate) use transfer::{check_block_size, run_follow, run_read, FollowJob, ReadJob, Source};
 
 use idle::IdleClock;
 
@@ -50,6 +50,17 @@ pub(crate) trait ControlLink: Send + Sync {
     fn close(&self, within: std::time::Duration) -> CloseFuture<'_>;
     /// Resolves once the connection is gone: no confirmation can come after that.
     fn gone(&self) -> GoneFuture<'_>;
+    /// Follows request `id`'s hold (`hold`, when known; a request not held yet is waited for
+    /// up to `wait`): the receiver gets its parts and its end. `None` when the `Follow` could
+    /// not be queued.
+    fn follow(
+        &self,
+        id: RequestId,
+        hold: Option<u64>,
+        wait: std::time::Duration,
+    ) -> Option<tokio::sync::mpsc::Receiver<crate::completion::Announcement>>;
+    /// Stops following request `id` (its read ended).
+    fn unfollow(&self, id: &RequestId);
 }
 
 /// A future that resolves once a control connection is gone.
@@ -75,6 +86,19 @@ impl ControlLink for ControlClient {
 
     fn done(&self, id: RequestId, hold: Option<u64>) -> Option<oneshot::Receiver<Confirmation>> {
         ControlClient::done(self, id, hold)
+    }
+
+    fn follow(
+        &self,
+        id: RequestId,
+        hold: Option<u64>,
+        wait: std::time::Duration,
+    ) -> Option<tokio::sync::mpsc::Receiver<crate::completion::Announcement>> {
+        ControlClient::follow(self, id, hold, wait)
+    }
+
+    fn unfollow(&self, id: &RequestId) {
+        ControlClient::unfollow(self, id)
     }
 
     fn is_closed(&self) -> bool {

@@ -71,6 +71,16 @@ struct MemControl {
     script: Arc<Mutex<Script>>,
 }
 
+/// A follower whose announcements go straight to the following read.
+#[derive(Debug)]
+struct MemFollower(tokio::sync::mpsc::Sender<crate::completion::Announcement>);
+
+impl crate::completion::Follower for MemFollower {
+    fn announce(&self, _id: &RequestId, a: crate::completion::Announcement) -> bool {
+        self.0.try_send(a).is_ok()
+    }
+}
+
 /// The decode as the prefill's control server knows it.
 fn reader() -> (SocketAddr, crate::tp::Reader) {
     let peer = "127.0.0.1:1".parse().expect("address");
@@ -118,6 +128,29 @@ impl ControlLink for MemControl {
         let _ = tx.send(self.prefill.notice(peer, &from, id, SendNotice::Done, hold));
         Some(rx)
     }
+
+    fn follow(
+        &self,
+        id: RequestId,
+        hold: Option<u64>,
+        wait: Duration,
+    ) -> Option<tokio::sync::mpsc::Receiver<crate::completion::Announcement>> {
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let (_, from) = reader();
+        let follower = Arc::new(MemFollower(tx));
+        let refused = self
+            .prefill
+            .follow(&from, &id, hold, wait, follower.clone())
+            .err();
+        if let Some(why) = refused {
+            let reason = why.into_reason();
+            let ended = crate::completion::Announcement::Ended { reason };
+            crate::completion::Follower::announce(&*follower, &id, ended);
+        }
+        Some(rx)
+    }
+
+    fn unfollow(&self, _id: &RequestId) {}
 
     fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
@@ -410,6 +443,8 @@ impl Pair {
             remote_tokens: SHAPE.tokens_per_block,
             first_tokens: Vec::new(),
             hold: Some(token),
+            confirm_with_data: true,
+            tensors: None,
             started: now,
             deadline: tokio::time::Instant::now() + state.config().request_timeout,
         };

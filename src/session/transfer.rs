@@ -15,12 +15,15 @@ use crate::error::{Error, Result};
 use crate::ids::{BlockId, RequestId};
 use crate::layout::KvLayout;
 use crate::memory::RegionSpan;
-use crate::plan::{plan_read_from, tensor_reads, PlanOptions};
+use crate::plan::{plan_read_from, tensor_reads, PlanOptions, TensorRead};
 use crate::state::EngineState;
 use crate::tp::{self, TpRank};
 use crate::transport::{ConfirmAsk, Confirmed, ReadCancel, ReadDone, ReadOp, RequestCtl};
 
+mod follow;
 mod outcome;
+
+pub(crate) use follow::{run_follow, FollowJob};
 
 use outcome::{confirm, done_report, failure_reason, first_failure, tell_sources, Failure};
 
@@ -54,6 +57,12 @@ pub(crate) struct ReadJob {
     pub(crate) first_tokens: Vec<u32>,
     /// The prefill's hold token (`ReadRequest::hold`): notices name it.
     pub(crate) hold: Option<u64>,
+    /// Whether a read of one data request asks the prefill to confirm it with its data
+    /// (`false` for a part of a progressive read, confirmed once the hold is sealed).
+    pub(crate) confirm_with_data: bool,
+    /// The tensors of the layout read (a part of a progressive read made final a group of
+    /// layers at a time); `None`: every tensor.
+    pub(crate) tensors: Option<Range<u32>>,
     pub(crate) started: Instant,
     pub(crate) deadline: tokio::time::Instant,
 }
@@ -410,7 +419,14 @@ async fn read_once(
         .layout()
         .ok_or_else(|| Error::invalid("this engine's KV layout was removed"))?;
     check_block_size(&d.layout, job.remote_tokens)?;
-    let reads = tensor_reads(&local_layout, ours, &d.layout, theirs, range)?;
+    let mut reads = tensor_reads(&local_layout, ours, &d.layout, theirs, range)?;
+    if let Some(only) = &job.tensors {
+        for (i, r) in reads.iter_mut().enumerate() {
+            if !only.contains(&(i as u32)) {
+                *r = TensorRead::Skip;
+            }
+        }
+    }
     let opts = PlanOptions {
         max_segment_bytes: shared.config().batch_bytes,
     };
@@ -467,7 +483,7 @@ async fn read_while_connected(
     // Confirmed with the data where the transport can (one data request), and only when the
     // read has one source: a prefill that confirms with its data counts the request sent then,
     // and with several sources another may still fail the read after that (`docs/protocol.md`).
-    let ask = (job.sources.len() == 1).then(|| ConfirmAsk {
+    let ask = (job.sources.len() == 1 && job.confirm_with_data).then(|| ConfirmAsk {
         hold: job.hold,
         blocks: crate::grant::blocks_hash(&job.remote),
     });

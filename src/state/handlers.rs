@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::EngineState;
 use crate::auth::{AuthKey, SessionSecret};
-use crate::completion::SendNotice;
+use crate::completion::{Follower, SendNotice};
 use crate::control::messages::Descriptor;
 use crate::control::ControlHandler;
 use crate::error::{RdmaError, RdmaErrorKind, Refusal, RefusalKind};
@@ -169,7 +169,23 @@ impl ControlHandler for EngineState {
         }
         self.completions.update(|t| t.claim_checked(id, from, hold))
     }
+
+    fn follow(
+        &self,
+        from: &Reader,
+        id: &RequestId,
+        hold: Option<u64>,
+        wait: Duration,
+        follower: Arc<dyn Follower>,
+    ) -> std::result::Result<(), Refusal> {
+        let until = Instant::now() + wait.min(MAX_FOLLOW_WAIT);
+        self.completions
+            .update(|t| t.follow(id, from, hold, follower, until))
+    }
 }
+
+/// The longest a reader's follow waits for a request to be held, whatever it asks.
+const MAX_FOLLOW_WAIT: Duration = Duration::from_secs(600);
 
 impl Exports for EngineState {
     fn region(&self, id: RegionId) -> Option<Arc<Region>> {

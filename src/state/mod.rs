@@ -21,7 +21,7 @@ use parking_lot::Mutex;
 
 pub(crate) use completions::Completions;
 
-use crate::completion::CompletionTracker;
+use crate::completion::{CompletionTracker, HoldTerms};
 use crate::config::EngineConfig;
 use crate::conn_limit::{ConnLimit, MAX_CONNECTIONS};
 use crate::control::ControlTimeouts;
@@ -243,6 +243,22 @@ impl EngineState {
         abort_timeout: Duration,
         token: Option<u64>,
     ) -> Result<u64> {
+        self.hold_as(id, blocks, reader, abort_timeout, token, true)
+    }
+
+    /// [`hold`](Self::hold), sealed (complete) or growing: a growing hold may start with no
+    /// block, grows by [`extend_hold`](Self::extend_hold), confirms no read before
+    /// [`seal_hold`](Self::seal_hold), and is served by the prefill only (not published to
+    /// same-host readers, whose own copies check a fixed set of blocks).
+    pub(crate) fn hold_as<B: AsRef<[BlockId]>>(
+        &self,
+        id: RequestId,
+        blocks: &[B],
+        reader: Option<String>,
+        abort_timeout: Duration,
+        token: Option<u64>,
+        sealed: bool,
+    ) -> Result<u64> {
         id.validate().map_err(Error::InvalidArgument)?;
         if let Some(r) = &reader {
             crate::config::check_engine_id("reader", r)?;
@@ -250,7 +266,19 @@ impl EngineState {
         let layout = self
             .layout()
             .ok_or_else(|| Error::invalid("set a KV layout before holding blocks"))?;
-        let grant = Arc::new(Grant::new(layout, blocks)?);
+        let grant = if sealed {
+            Grant::new(layout, blocks)?
+        } else {
+            Grant::open(layout, blocks)?
+        };
+        let grant = Arc::new(grant);
+        // A growing hold's parts are told by position: a repeated id would shift them.
+        if !sealed && grant.len() != blocks.iter().map(|b| b.as_ref().len()).sum::<usize>() {
+            return Err(Error::invalid(format!(
+                "the blocks held for request {id} repeat a block id"
+            )));
+        }
+        let order = blocks.iter().map(|b| b.as_ref().to_vec()).collect();
         let token = match token {
             Some(0) => return Err(Error::invalid("a hold token is never 0")),
             Some(t) => t,
@@ -263,10 +291,16 @@ impl EngineState {
         };
         // Published to same-host readers under the tracker's lock, where holds end: a hold
         // never shows live in the table after it ended.
-        let table = self.holds.clone();
+        let table = self.holds.clone().filter(|_| sealed);
+        let terms = HoldTerms {
+            reader,
+            abort_timeout,
+            token,
+            sealed,
+        };
         self.completions.update(|t| {
             let now = Instant::now();
-            t.hold_send(id.clone(), grant.clone(), reader, now, abort_timeout, token)?;
+            t.open_hold(id.clone(), grant.clone(), order, terms, now)?;
             if let Some(h) = &table {
                 if let Some(slot) = h.insert(&id, token, grant.blocks_hash()) {
                     grant.publish(h.clone(), slot);

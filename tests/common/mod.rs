@@ -12,7 +12,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvlink::{Engine, EngineConfig, Finished, KvLayout, ModelShape, Region};
+use kvlink::{Engine, EngineConfig, Finished, HoldRequest, KvLayout, ModelShape, Region};
 
 /// Turns on logs when KVLINK_LOG is set (e.g. `KVLINK_LOG=debug`).
 pub fn init_logs() {
@@ -291,7 +291,7 @@ pub fn prefill_child_main() {
     let Ok(spec) = std::env::var(CHILD_ENV) else {
         return;
     };
-    // spec: "<preset> <num_blocks> <seed> <held requests> <tcp|rdma>"
+    // spec: "<preset> <num_blocks> <seed> <held requests> <tcp|rdma> [growing]"
     let p: Vec<&str> = spec.split_whitespace().collect();
     let shape = ModelShape::preset(p[0]).unwrap();
     let blocks: u32 = p[1].parse().unwrap();
@@ -306,13 +306,17 @@ pub fn prefill_child_main() {
         config.rdma.device = std::env::var("KVLINK_RDMA_DEVICE").ok();
     }
     let prefill = side_in(mem, &shape, blocks, Some(seed), config);
-    // The parent picks the blocks: every block is granted to each held request.
+    // The parent picks the blocks: every block is granted to each held request; a growing
+    // hold has its first half only, and never grows (a prompt cut off mid-way).
     let all: Vec<u32> = (0..blocks).collect();
+    let growing = p.get(5) == Some(&"growing");
     for i in 0..held {
-        prefill
-            .engine
-            .hold_blocks(format!("req-{i}"), &all)
-            .unwrap();
+        let id = format!("req-{i}");
+        let hold = HoldRequest::blocks(id, &all[..all.len() / 2]);
+        match growing {
+            true => prefill.engine.hold_growing(hold).map(drop).unwrap(),
+            false => prefill.engine.hold_blocks(hold.id, &all).map(drop).unwrap(),
+        }
     }
     // Exit when the parent goes away (stdin closes).
     std::thread::spawn(|| {
@@ -477,5 +481,30 @@ pub fn eventually(what: &str, f: impl Fn() -> bool) {
     while !f() {
         assert!(Instant::now() < end, "never happened: {what}");
         std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Reads `d` until it closes, is reset, or stays silent for 10 s; returns the bytes read (a
+/// response that stops when its hold ends is judged by their count).
+pub fn drain(d: &mut std::net::TcpStream) -> u64 {
+    use std::io::Read;
+    d.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut got = 0u64;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        match d.read(&mut buf) {
+            Ok(0) => return got,
+            Ok(n) => got += n as u64,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return got,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return got
+            }
+            Err(e) => panic!("{e}"),
+        }
     }
 }

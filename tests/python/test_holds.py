@@ -55,3 +55,60 @@ def test_a_reused_request_id_never_confirms_a_read_of_its_earlier_hold():
     assert f.receiving == ["reused"], f.failures
     with pytest.raises(kvlink.InvalidArgument, match="never 0"):
         prefill.hold_blocks("zero", [3], token=0)
+
+
+def _pair_with_caches():
+    """A prefill and a decode of two layers, 8 blocks, with the arrays they registered."""
+    p_caches, d_caches = make_caches(2, 8, 256, 9), make_caches(2, 8, 256, 0)
+    prefill, decode = kvlink.Engine(), kvlink.Engine()
+    prefill.register_kv_caches(p_caches, 16, "bf16")
+    decode.register_kv_caches(d_caches, 16, "bf16")
+    return prefill, decode, p_caches, d_caches
+
+
+def test_a_progressive_read_follows_a_growing_hold_from_python():
+    prefill, decode, p_caches, d_caches = _pair_with_caches()
+    # The decode follows before the prefill holds anything; each part is read as it is held.
+    decode.follow_blocks(prefill.handshake_address, "grow", [0, 1, 2], part_timeout=10.0)
+    token = prefill.hold_growing("grow", [5])
+    prefill.extend_hold("grow", [3])
+    deadline = time.monotonic() + 10.0
+    while not all((d[1] == p[3]).all() for d, p in zip(d_caches, p_caches)):
+        assert time.monotonic() < deadline, "the second part was never read"
+        time.sleep(0.01)
+    assert not decode.wait_finished(0.2).receiving, "received before the seal"
+    prefill.extend_hold("grow", [7])
+    with pytest.raises(kvlink.InvalidArgument, match="already"):
+        prefill.extend_hold("grow", [7])
+    prefill.seal_hold("grow")
+    f, _ = _until(decode, lambda f: f.receiving or f.failed)
+    assert f.receiving == ["grow"], f.failures
+    for d, p in zip(d_caches, p_caches):
+        assert (d[[0, 1, 2]] == p[[5, 3, 7]]).all()
+    _until(prefill, lambda f: f.sending == ["grow"])
+    assert token != 0
+    # A part that never comes fails the read at its timeout.
+    decode.follow_blocks(prefill.handshake_address, "late", [4], first_part_timeout=0.3)
+    f, _ = _until(decode, lambda f: f.failed)
+    assert f.failures[0]["cause"] == "expired" and "first part" in f.failures[0]["reason"], f.failures
+
+
+def test_a_growing_hold_made_final_a_group_of_layers_at_a_time_from_python():
+    prefill, decode, p_caches, d_caches = _pair_with_caches()
+    decode.follow_blocks(prefill.handshake_address, "layers", [0, 1])
+    prefill.hold_growing("layers", [])
+    # Four tensors (two layers, K and V): the first layer's final, then the second's.
+    prefill.extend_hold("layers", [6, 2], tensors=(0, 2))
+    deadline = time.monotonic() + 10.0
+    while not all((d_caches[t][[0, 1]] == p_caches[t][[6, 2]]).all() for t in (0, 1)):
+        assert time.monotonic() < deadline, "the first layer was never read"
+        time.sleep(0.01)
+    assert all((d_caches[t][[0, 1]] == 0).all() for t in (2, 3)), "read before it was final"
+    with pytest.raises(kvlink.InvalidArgument, match="to come"):
+        prefill.seal_hold("layers")
+    prefill.extend_hold("layers", [], tensors=(2, 4))
+    prefill.seal_hold("layers")
+    f, _ = _until(decode, lambda f: f.receiving or f.failed)
+    assert f.receiving == ["layers"], f.failures
+    for d, p in zip(d_caches, p_caches):
+        assert (d[[0, 1]] == p[[6, 2]]).all()

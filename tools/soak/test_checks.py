@@ -62,9 +62,13 @@ class Outcomes(unittest.TestCase):
                     request(l)
                     if cancelled:
                         l.cancelled("r1")
-                    events = [lambda: l.on_sent("r1", 0.2), lambda: l.on_read_failed("r1", 0.3, cause)]
-                    for e in events if sent_first else reversed(events):
-                        e()
+                    sent = ("sent", 0.2)
+                    failed = ("failed", 0.3)
+                    for kind, t in [sent, failed] if sent_first else [failed, sent]:
+                        if kind == "sent":
+                            l.on_sent("r1", t)
+                        else:
+                            l.on_read_failed("r1", t, cause)
                     # Only a cancel the soak sent, racing the prefill's confirmation, may end so.
                     want = [] if cancelled and cause == "cancelled" else ["confirmed-failed"]
                     self.assertEqual(kinds(l), want, (cancelled, cause, sent_first))

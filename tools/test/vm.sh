@@ -7,7 +7,7 @@
 # KVLINK_SKIP_VM=1 leaves the part out, and the summary says so.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
-MIN_VM=21
+MIN_VM=22
 
 label="SoftRoCE VM (RDMA)"
 soak_label="fault soak, SoftRoCE VM (75 s, RDMA)"

@@ -899,6 +899,86 @@ int kvlink_tp_sources(uint32_t decode_rank,
                       uint32_t *count);
 
 /**
+ * Prefill side: holds request `request_id` whose blocks are not all final yet, as
+ * `kvlink_engine_hold_groups` does (same arguments and returns), except that the lists may be
+ * empty, the hold grows with `kvlink_engine_extend_hold` as blocks become final, and it
+ * confirms no read before `kvlink_engine_seal_hold`. Readers that follow the request
+ * (`kvlink_engine_follow`) read each part as it is held.
+ *
+ * # Safety
+ * As `kvlink_engine_hold_groups`.
+ */
+int kvlink_engine_hold_growing(struct kvlink_engine *engine,
+                               const char *request_id,
+                               const uint32_t *const *blocks,
+                               const size_t *counts,
+                               size_t groups,
+                               const char *reader,
+                               uint64_t abort_timeout_ms,
+                               uint64_t *token);
+
+/**
+ * Prefill side: adds blocks (final from now on; list `g` holds `counts[g]` ids at
+ * `blocks[g]`, in order after the blocks of group `g` held so far) to the growing hold of
+ * `request_id`, and tells its followers. `tensor_start` and `tensor_end` (both 0: every
+ * tensor) name the layout's tensors `[start, end)` that are final when only some are (a step
+ * whose layers become final a group at a time): new blocks from tensor 0, then no block
+ * (`groups` lists of 0 ids) with the next tensors of the same blocks until the last. Returns
+ * `KVLINK_OK` or `KVLINK_E_INVALID` (not held, sealed, a block held already or outside the KV
+ * cache, groups not the layout's, tensors out of order).
+ *
+ * # Safety
+ * `engine` is NULL or a live engine; `request_id` is NULL or NUL-terminated; `blocks` and
+ * `counts` are NULL or point to `groups` readable elements, each `blocks[g]` NULL or pointing
+ * to `counts[g]` readable `uint32_t`s.
+ */
+int kvlink_engine_extend_hold(struct kvlink_engine *engine,
+                              const char *request_id,
+                              const uint32_t *const *blocks,
+                              const size_t *counts,
+                              size_t groups,
+                              uint32_t tensor_start,
+                              uint32_t tensor_end);
+
+/**
+ * Prefill side: seals the growing hold of `request_id`: it is complete, its readers may
+ * confirm their reads, and its followers are told. Returns `KVLINK_OK` or `KVLINK_E_INVALID`
+ * (not held, sealed already, no block held).
+ *
+ * # Safety
+ * `engine` is NULL or a live engine; `request_id` is NULL or NUL-terminated.
+ */
+int kvlink_engine_seal_hold(struct kvlink_engine *engine, const char *request_id);
+
+/**
+ * Decode side: starts a progressive read of the request the engine at `peer` holds (or will
+ * hold) under `remote_request_id` (NULL: `request_id`) into this engine's blocks (list `g`
+ * holds `counts[g]` ids at `local[g]`: all the request's blocks here, paired in order with
+ * the prefill's as it holds them). Each part is read as soon as the prefill holds it; the
+ * read ends as `request_id` in `kvlink_engine_wait_finished`: received once the prefill
+ * sealed its hold, every part is here and it confirmed them, failed when the hold ends first,
+ * a part does not come within `first_part_timeout_ms` (the first) or `part_timeout_ms` (each
+ * later one; 0 for either: the engine's request timeout), or at the request timeout. `hold`
+ * is the hold's token when known (0: any). Returns at once: `KVLINK_OK`, `KVLINK_E_INVALID`
+ * (bad id, block ids, timeouts; no layout) or `KVLINK_E_SHUTDOWN`.
+ *
+ * # Safety
+ * `engine` is NULL or a live engine; `peer`, `request_id` and `remote_request_id` are NULL or
+ * NUL-terminated; `local` and `counts` are NULL or point to `groups` readable elements, each
+ * `local[g]` NULL or pointing to `counts[g]` readable `uint32_t`s.
+ */
+int kvlink_engine_follow(struct kvlink_engine *engine,
+                         const char *peer,
+                         const char *request_id,
+                         const char *remote_request_id,
+                         const uint32_t *const *local,
+                         const size_t *counts,
+                         size_t groups,
+                         uint64_t hold,
+                         uint64_t first_part_timeout_ms,
+                         uint64_t part_timeout_ms);
+
+/**
  * Sends `len` bytes at `body` (at most `KVLINK_MESSAGE_MAX`) to the engine whose handshake
  * address is `peer`, over the authenticated control connection, for its application
  * (`kvlink_engine_take_messages`). The bytes are copied before the call returns. Returns at

@@ -35,6 +35,8 @@ mod layout;
 
 mod tp;
 
+mod progressive;
+
 mod messages;
 
 mod finished;

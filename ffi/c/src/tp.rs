@@ -15,7 +15,7 @@ use crate::status::{invalid, FfiResult};
 /// # Safety
 /// `lists` and `counts` are NULL or point to `groups` readable elements; each `lists[g]` is
 /// NULL or points to `counts[g]` readable `uint32_t`s.
-unsafe fn groups_arg(
+pub(crate) unsafe fn groups_arg(
     lists: *const *const u32,
     counts: *const usize,
     groups: usize,
@@ -234,6 +234,38 @@ pub unsafe extern "C" fn kvlink_engine_hold_groups(
     abort_timeout_ms: u64,
     token: *mut u64,
 ) -> c_int {
+    // SAFETY: the caller's promises are the ones `hold_as` asks.
+    unsafe {
+        hold_as(
+            engine,
+            request_id,
+            blocks,
+            counts,
+            groups,
+            reader,
+            abort_timeout_ms,
+            token,
+            false,
+        )
+    }
+}
+
+/// `kvlink_engine_hold_groups` (`growing` false) or `kvlink_engine_hold_growing` (true).
+///
+/// # Safety
+/// As `kvlink_engine_hold_groups`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn hold_as(
+    engine: *mut kvlink_engine,
+    request_id: *const c_char,
+    blocks: *const *const u32,
+    counts: *const usize,
+    groups: usize,
+    reader: *const c_char,
+    abort_timeout_ms: u64,
+    token: *mut u64,
+    growing: bool,
+) -> c_int {
     guard(|| {
         // SAFETY: the caller promised a live engine or NULL.
         let e = unsafe { ref_arg(engine, "engine") }?;
@@ -252,13 +284,18 @@ pub unsafe extern "C" fn kvlink_engine_hold_groups(
             Some(&t) if t != 0 => Some(t),
             _ => None,
         };
-        let t = e.engine.hold(HoldRequest {
+        let req = HoldRequest {
             id: id.into(),
             blocks,
             reader: reader.map(str::to_string),
             abort_timeout: timeout,
             token: given,
-        })?;
+        };
+        let t = if growing {
+            e.engine.hold_growing(req)?
+        } else {
+            e.engine.hold(req)?
+        };
         if !token.is_null() {
             // SAFETY: checked non-NULL; the caller promised it writable.
             unsafe { write_out(token, t) };

@@ -452,6 +452,43 @@ static void check_local_ids(kvlink_engine *prefill, kvlink_engine *decode, const
     EXPECT(seen);
 }
 
+/* A progressive read: the decode follows a hold that grows part by part, and hears the request
+ * received only once the prefill sealed it. */
+static void check_progressive(kvlink_engine *prefill, kvlink_engine *decode, const char *peer) {
+    const uint32_t local[3] = {50, 51, 52};
+    const uint32_t *lp[1] = {local};
+    const size_t lc[1] = {3};
+    CHECK(kvlink_engine_follow(decode, peer, "c-grow", NULL, lp, lc, 1, 0, 10000, 10000));
+    const uint32_t first[2] = {5, 6};
+    const uint32_t *fp[1] = {first};
+    const size_t fc[1] = {2};
+    uint64_t token = 0;
+    CHECK(kvlink_engine_hold_growing(prefill, "c-grow", fp, fc, 1, NULL, 30000, &token));
+    EXPECT(token != 0);
+    CHECK_FAILS(kvlink_engine_seal_hold(prefill, "c-none"), KVLINK_E_INVALID, "not held");
+    const uint32_t rest[1] = {7};
+    const uint32_t *rp[1] = {rest};
+    const size_t rc[1] = {1};
+    /* Its tensors final in two halves (a step's layers, a group at a time). */
+    CHECK(kvlink_engine_extend_hold(prefill, "c-grow", rp, rc, 1, 0, TENSORS / 2));
+    CHECK_FAILS(kvlink_engine_seal_hold(prefill, "c-grow"), KVLINK_E_INVALID, "to come");
+    const size_t none[1] = {0};
+    CHECK(kvlink_engine_extend_hold(prefill, "c-grow", rp, none, 1, TENSORS / 2, TENSORS));
+    CHECK_FAILS(kvlink_engine_extend_hold(prefill, "c-grow", rp, rc, 1, 0, 0), KVLINK_E_INVALID,
+                "already");
+    /* Not sealed: not received yet. */
+    kvlink_finished *f = NULL;
+    CHECK(kvlink_engine_wait_finished(decode, 300, &f));
+    EXPECT(!contains(f, KVLINK_RECEIVING, "c-grow") && !contains(f, KVLINK_FAILED, "c-grow"));
+    kvlink_finished_free(f);
+    CHECK(kvlink_engine_seal_hold(prefill, "c-grow"));
+    CHECK_FAILS(kvlink_engine_seal_hold(prefill, "c-grow"), KVLINK_E_INVALID, "sealed");
+    kvlink_finished *got = wait_for(decode, KVLINK_RECEIVING, "c-grow", "decode (progressive)");
+    kvlink_finished_free(got);
+    kvlink_finished *sent = wait_for(prefill, KVLINK_SENDING, "c-grow", "prefill (progressive)");
+    kvlink_finished_free(sent);
+}
+
 /* The KV-event publisher from C: a batch of each event kind published, counters read.
  * (The stream itself is checked against kvlink's subscriber in the crate's unit tests.) */
 static void check_event_publisher(void) {
@@ -807,6 +844,7 @@ int main(void) {
 
     check_registered_memory(decode, d_region);
     check_local_ids(prefill, decode, peer);
+    check_progressive(prefill, decode, peer);
     check_messages(prefill, decode, peer);
     check_cancel(decode);
     check_event_publisher();

@@ -3,8 +3,8 @@
 use std::sync::{Arc, Mutex};
 
 use kvlink_core::{
-    AuthKey, Engine as RsEngine, EngineConfig, HeadSplit, HoldRequest, KvLayout, PointerKind,
-    ReadFrom, ReadRequest, RegionId, TensorLayout, TransportChoice,
+    AuthKey, Engine as RsEngine, EngineConfig, FollowRequest, HeadSplit, HoldRequest, KvLayout,
+    PointerKind, ReadFrom, ReadRequest, RegionId, TensorLayout, TransportChoice,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -45,6 +45,25 @@ pub(crate) struct Engine {
     pub(crate) inner: Arc<RsEngine>,
     /// Python objects whose memory is registered, kept alive while registered.
     keep: Mutex<Vec<(u32, PyObject)>>,
+}
+
+/// The hold `hold_blocks` and `hold_growing` make of their arguments.
+fn hold_request(
+    request_id: &Bound<'_, PyAny>,
+    blocks: &Bound<'_, PyAny>,
+    reader: Option<&str>,
+    abort_timeout: Option<f64>,
+    token: Option<u64>,
+) -> PyResult<HoldRequest> {
+    Ok(HoldRequest {
+        id: crate::convert::request_id(request_id)?,
+        blocks: block_groups("blocks", blocks)?,
+        reader: reader.map(str::to_string),
+        abort_timeout: abort_timeout
+            .map(|t| seconds("abort_timeout", t))
+            .transpose()?,
+        token,
+    })
 }
 
 #[pymethods]
@@ -396,18 +415,93 @@ impl Engine {
         abort_timeout: Option<f64>,
         token: Option<u64>,
     ) -> PyResult<u64> {
+        let req = hold_request(request_id, blocks, reader, abort_timeout, token)?;
+        self.inner.hold(req).map_err(to_py)
+    }
+
+    /// Prefill side: holds a request whose blocks are not all final yet (a progressive
+    /// transfer): as hold_blocks(), but `blocks` may be empty, the hold grows by extend_hold()
+    /// as blocks become final, and confirms no read before seal_hold(). Readers that follow
+    /// the request (follow_blocks()) read each part as it is held. Returns the hold's token.
+    #[pyo3(signature = (request_id, blocks, reader = None, abort_timeout = None, token = None))]
+    fn hold_growing(
+        &self,
+        request_id: &Bound<'_, PyAny>,
+        blocks: &Bound<'_, PyAny>,
+        reader: Option<&str>,
+        abort_timeout: Option<f64>,
+        token: Option<u64>,
+    ) -> PyResult<u64> {
+        let req = hold_request(request_id, blocks, reader, abort_timeout, token)?;
+        self.inner.hold_growing(req).map_err(to_py)
+    }
+
+    /// Prefill side: adds `blocks` (final from now on; after those held so far, in order) to
+    /// the growing hold of `request_id`, and tells its followers. `tensors`: `(start, end)`
+    /// of the layout's tensors (in the order registered) when only those are final, for a
+    /// step whose layers become final a group at a time: new blocks with `(0, end)`, then no
+    /// block (`[]`) with the next tensors of the same blocks until the last. Raises for a
+    /// request not held, a sealed hold, blocks it holds already, tensors out of order. Never
+    /// blocks.
+    #[pyo3(signature = (request_id, blocks, tensors = None))]
+    fn extend_hold(
+        &self,
+        request_id: &Bound<'_, PyAny>,
+        blocks: &Bound<'_, PyAny>,
+        tensors: Option<(u32, u32)>,
+    ) -> PyResult<()> {
         let id = self::request_id(request_id)?;
         let blocks = block_groups("blocks", blocks)?;
-        let timeout = abort_timeout
-            .map(|t| seconds("abort_timeout", t))
-            .transpose()?;
+        let r = match tensors {
+            Some((start, end)) => self.inner.extend_hold_tensors(id, &blocks, start..end),
+            None => self.inner.extend_hold(id, &blocks),
+        };
+        r.map_err(to_py)
+    }
+
+    /// Prefill side: seals the growing hold of `request_id`: it is complete, its readers may
+    /// confirm their reads, and its followers are told. Never blocks.
+    fn seal_hold(&self, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = self::request_id(request_id)?;
+        self.inner.seal_hold(id).map_err(to_py)
+    }
+
+    /// Decode side: starts a progressive read of the request the prefill at `peer` holds (or
+    /// will hold) under `remote_request_id` (default: `request_id`) into `local_blocks`, all
+    /// of the request's blocks here, paired in order with the prefill's as it holds them. Each
+    /// part is read as soon as the prefill holds it; the read ends in get_finished() once the
+    /// prefill sealed its hold, every part is here and the prefill confirmed it held them
+    /// throughout, or fails (the hold ended first, a part did not come in time, the request
+    /// timeout). `first_part_timeout` and `part_timeout` (seconds; default the request
+    /// timeout) bound the wait for the first part and for each later one. Returns at once.
+    #[pyo3(signature = (peer, request_id, local_blocks, remote_request_id = None, hold = None, first_part_timeout = None, part_timeout = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn follow_blocks(
+        &self,
+        peer: &str,
+        request_id: &Bound<'_, PyAny>,
+        local_blocks: &Bound<'_, PyAny>,
+        remote_request_id: Option<&Bound<'_, PyAny>>,
+        hold: Option<u64>,
+        first_part_timeout: Option<f64>,
+        part_timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let id = self::request_id(request_id)?;
+        let remote_id = match remote_request_id {
+            Some(r) => self::request_id(r)?,
+            None => id.clone(),
+        };
+        let secs = |what, t: Option<f64>| t.map(|t| seconds(what, t)).transpose();
         self.inner
-            .hold(HoldRequest {
+            .follow(FollowRequest {
+                peer: peer.to_string(),
                 id,
-                blocks,
-                reader: reader.map(str::to_string),
-                abort_timeout: timeout,
-                token,
+                remote_id,
+                local: block_groups("local_blocks", local_blocks)?,
+                remote_tokens_per_block: None,
+                hold,
+                first_part_timeout: secs("first_part_timeout", first_part_timeout)?,
+                part_timeout: secs("part_timeout", part_timeout)?,
             })
             .map_err(to_py)
     }

@@ -123,7 +123,8 @@ fn a_silent_peer_with_a_stalled_client_is_still_found_dead() {
 /// (its receiver dropped) keeps its place, so its answer never reaches a later read of the id.
 #[test]
 fn confirms_answer_the_dones_of_their_id_in_order() {
-    let confirms: Pending = Arc::default();
+    let waiters = Waiters::default();
+    let confirms = waiters.confirms.clone();
     let id = RequestId::from("r");
     let (first, dropped) = oneshot::channel();
     let (second, mut waiting) = oneshot::channel();
@@ -141,13 +142,58 @@ fn confirms_answer_the_dones_of_their_id_in_order() {
             held_us: 5,
         })
     };
-    assert!(on_frame(peer, confirm(None), &confirms));
+    assert!(on_frame(peer, confirm(None), &waiters));
     assert!(
         waiting.try_recv().is_err(),
         "the first answer is the first notice's"
     );
-    assert!(on_frame(peer, confirm(Some("held again")), &confirms));
+    assert!(on_frame(peer, confirm(Some("held again")), &waiters));
     let got = waiting.try_recv().expect("the second answer");
     assert!(got.is_err_and(|r| r.reason().contains("held again")));
     assert!(confirms.lock().is_empty(), "nothing left behind");
+}
+
+/// Parts go to the follow of their request, in order, until the sealed one or its end; parts
+/// of a request nobody follows (any more) are dropped, and the session goes on.
+#[test]
+fn parts_reach_the_follow_of_their_request_until_the_last() {
+    let waiters = Waiters::default();
+    let peer: SocketAddr = "127.0.0.1:1".parse().unwrap();
+    let (tx, mut rx) = mpsc::channel(4);
+    waiters.follows.lock().insert("r".into(), tx);
+    let part = |id: &str, sealed: bool| {
+        Ok(Message::Part {
+            request_id: id.into(),
+            token: 3,
+            first: vec![0],
+            blocks: vec![vec![1]],
+            tensors: None,
+            sealed,
+        })
+    };
+    assert!(on_frame(peer, part("other", false), &waiters));
+    assert!(on_frame(peer, part("r", false), &waiters));
+    assert!(matches!(
+        rx.try_recv(),
+        Ok(Announcement::Part { sealed: false, .. })
+    ));
+    assert!(on_frame(peer, part("r", true), &waiters));
+    assert!(matches!(
+        rx.try_recv(),
+        Ok(Announcement::Part { sealed: true, .. })
+    ));
+    assert!(
+        waiters.follows.lock().is_empty(),
+        "the last part ends the follow"
+    );
+    assert!(rx.try_recv().is_err());
+    let (tx, mut rx) = mpsc::channel(4);
+    waiters.follows.lock().insert("r".into(), tx);
+    let ended = Message::Ended {
+        request_id: "r".into(),
+        reason: "released".into(),
+    };
+    assert!(on_frame(peer, Ok(ended), &waiters));
+    assert!(matches!(rx.try_recv(), Ok(Announcement::Ended { .. })));
+    assert!(waiters.follows.lock().is_empty());
 }

@@ -29,14 +29,16 @@ fn multi_thread_runtime() -> tokio::runtime::Runtime {
         .expect("runtime")
 }
 
-/// A connected pair: the server's end on `rt`, the reader's end a plain socket.
-fn pair(rt: &tokio::runtime::Runtime) -> (TcpStream, std::net::TcpStream) {
+/// A connected pair: the server's end on `rt` (its read half, and its write half to keep it
+/// open), the reader's end a plain socket.
+fn pair(rt: &tokio::runtime::Runtime) -> (OwnedReadHalf, OwnedWriteHalf, std::net::TcpStream) {
     rt.block_on(async {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("address");
         let reader = std::net::TcpStream::connect(addr).expect("connect");
         let (server, _) = listener.accept().await.expect("accept");
-        (server, reader)
+        let (rd, wr) = server.into_split();
+        (rd, wr, reader)
     })
 }
 
@@ -52,10 +54,11 @@ fn a_server_stalled_past_the_window_reads_the_frames_that_arrived_meanwhile() {
 }
 
 fn stalled_past_the_window(rt: &tokio::runtime::Runtime) {
-    let (mut server, mut reader) = pair(rt);
+    let (server, _wr, mut reader) = pair(rt);
+    let mut server = Some(server);
     for stall in 1..=3 {
-        let read = rt.block_on(async {
-            let next = next_frame(&mut server, IDLE);
+        let (rd, read) = rt.block_on(async {
+            let next = next_frame(server.take().expect("the read half"), IDLE);
             tokio::pin!(next);
             assert!(
                 poll_once(next.as_mut()).await.is_pending(),
@@ -68,6 +71,7 @@ fn stalled_past_the_window(rt: &tokio::runtime::Runtime) {
             std::thread::sleep(IDLE * 3);
             next.await
         });
+        server = Some(rd);
         let (version, body) = read
             .unwrap_or_else(|_| panic!("stall {stall}: the reader counted silent"))
             .expect("a frame")
@@ -83,9 +87,9 @@ fn stalled_past_the_window(rt: &tokio::runtime::Runtime) {
 #[test]
 fn a_reader_that_sends_nothing_is_silent_after_its_window() {
     let rt = runtime();
-    let (mut server, _reader) = pair(&rt);
+    let (server, _wr, _reader) = pair(&rt);
     let start = Instant::now();
-    let read = rt.block_on(next_frame(&mut server, IDLE));
+    let (_, read) = rt.block_on(next_frame(server, IDLE));
     assert!(read.is_err(), "silent reader not found: {read:?}");
     let took = start.elapsed();
     assert!(took >= IDLE, "{took:?}");
@@ -96,8 +100,8 @@ fn a_reader_that_sends_nothing_is_silent_after_its_window() {
 #[test]
 fn a_reader_that_closed_is_told_apart_from_a_silent_one() {
     let rt = runtime();
-    let (mut server, reader) = pair(&rt);
+    let (server, _wr, reader) = pair(&rt);
     drop(reader);
-    let read = rt.block_on(next_frame(&mut server, IDLE));
+    let (_, read) = rt.block_on(next_frame(server, IDLE));
     assert!(matches!(read, Ok(Ok(None))), "{read:?}");
 }

@@ -45,6 +45,8 @@ fn job(peers: &[&str]) -> ReadJob {
         remote_tokens: 16,
         first_tokens: vec![],
         hold: None,
+        confirm_with_data: true,
+        tensors: None,
         started: Instant::now(),
         deadline: tokio::time::Instant::now(),
     }

@@ -176,6 +176,51 @@ class Engine:
         a multiple of this one's). ``reader`` names the only engine allowed to read and
         confirm. Returns the hold's token (``token``, non-zero, or one the engine picks): the
         reader passes it to ``read_blocks(hold=...)``."""
+    def hold_growing(
+        self,
+        request_id: str,
+        blocks: Sequence[int] | Sequence[Sequence[int]],
+        reader: str | None = None,
+        abort_timeout: float | None = None,
+        token: int | None = None,
+    ) -> int:
+        """Prefill side: hold a request whose blocks are not all final yet, as hold_blocks()
+        does, but ``blocks`` may be empty, the hold grows by extend_hold() as blocks become
+        final, and confirms no read before seal_hold(). Readers that follow the request
+        (``follow_blocks()``) read each part as it is held. Returns the hold's token."""
+    def extend_hold(
+        self,
+        request_id: str,
+        blocks: Sequence[int] | Sequence[Sequence[int]],
+        tensors: tuple[int, int] | None = None,
+    ) -> None:
+        """Prefill side: add ``blocks`` (final from now on, after those held so far) to the
+        growing hold of ``request_id`` and tell its followers. ``tensors``: ``(start, end)``
+        of the layout's tensors when only those are final (a step whose layers become final a
+        group at a time): new blocks with ``(0, end)``, then ``[]`` with the next tensors of
+        the same blocks until the last. Raises for a request not held, a sealed hold, blocks
+        held already, tensors out of order. Never blocks."""
+    def seal_hold(self, request_id: str) -> None:
+        """Prefill side: seal the growing hold of ``request_id``: it is complete, its readers
+        may confirm their reads, and its followers are told. Never blocks."""
+    def follow_blocks(
+        self,
+        peer: str,
+        request_id: str,
+        local_blocks: Sequence[int] | Sequence[Sequence[int]],
+        remote_request_id: str | None = None,
+        hold: int | None = None,
+        first_part_timeout: float | None = None,
+        part_timeout: float | None = None,
+    ) -> None:
+        """Decode side: start a progressive read of the request the prefill at ``peer`` holds
+        (or will hold) under ``remote_request_id`` (default ``request_id``) into
+        ``local_blocks`` (all the request's blocks here, paired in order with the prefill's as
+        it holds them). Each part is read as soon as it is held; the read ends in
+        get_finished() once the prefill sealed its hold, every part is here and it confirmed
+        them, or fails (the hold ended first, a part late, the request timeout).
+        ``first_part_timeout`` and ``part_timeout`` (seconds; default the request timeout)
+        bound the wait for the first part and each later one. Returns at once."""
     def cancel(self, request_id: str) -> bool:
         """Decode side: cancel a read in flight (it ends in ``failed``, its prefill is told);
         ``False`` when none with that id is in flight. Never blocks."""
