@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 # A read is reported at most this long after its deadline (the engine's backstop).
 BACKSTOP = 5.0
 
+# The failures a decode's own clock decides: its wait for the confirmation, its request deadline.
+DEADLINE_FAILURES = ("failed:unconfirmed", "failed:expired")
+
 
 @dataclass
 class Request:
@@ -163,14 +166,26 @@ class Ledger:
         cancelled the read and it failed as cancelled. A read of one data request is confirmed
         by the prefill with its data; a cancel that reaches the reader before the confirmation
         does ends the read cancelled while the prefill, which held the blocks for the whole
-        read, has counted it sent. No other failure may follow a confirmation."""
+        read, has counted it sent. A decode stopped during its read may wake past its own
+        deadline for the confirmation or the request and fail the read by its clock although
+        the confirmation was on its way (it recomputes; nothing wrong is received). No other
+        failure may follow a confirmation."""
         if r.hold_outcome != "sent" or r.read_outcome is None:
             return
         if not r.read_outcome.startswith("failed"):
             return
         if r.cancelled and r.read_outcome == "failed:cancelled":
             return
+        if r.read_outcome in DEADLINE_FAILURES and self._decode_stopped_during_read(r, t):
+            return
         self.violate(t, "confirmed-failed", f"{r.id}: hold sent, but its read {r.read_outcome}")
+
+    def _decode_stopped_during_read(self, r, t):
+        """Whether the decode of `r` was stopped between its read's start and the later of its
+        two outcomes."""
+        start = r.read_at if r.read_at is not None else r.issued
+        end = max(x for x in (r.read_end, r.hold_end, t) if x is not None)
+        return self.life(r.decode).stopped_between(start, end) > 0.0
 
     def on_hold_end(self, rid, t, cause):
         r = self._close_hold(rid, t, f"failed:{cause}")

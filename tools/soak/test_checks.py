@@ -73,6 +73,20 @@ class Outcomes(unittest.TestCase):
                     want = [] if cancelled and cause == "cancelled" else ["confirmed-failed"]
                     self.assertEqual(kinds(l), want, (cancelled, cause, sent_first))
 
+    def test_a_decode_stopped_during_its_read_may_time_out_a_confirmed_hold(self):
+        for stopped in (False, True):
+            for cause in ("unconfirmed", "expired", "peer"):
+                l = ledger()
+                request(l)
+                l.on_sent("r1", 0.2)
+                if stopped:
+                    l.stop("D1", 0.1)
+                    l.resume("D1", 3.0)
+                l.on_read_failed("r1", 3.0, cause)
+                # Only a failure by the decode's own clock, and only after it was stopped.
+                want = [] if stopped and cause != "peer" else ["confirmed-failed"]
+                self.assertEqual(kinds(l), want, (stopped, cause))
+
     def test_a_prefill_that_died_voids_its_hold(self):
         l = ledger()
         request(l)

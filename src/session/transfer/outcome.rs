@@ -214,7 +214,7 @@ pub(super) async fn confirm(
                 format!("the prefill no longer held the request when it was read: {refused}")
             }
             Err(None) => "the done notice could not be sent (control connection gone)".to_string(),
-            Err(Some(rx)) => match tokio::time::timeout_at(deadline, rx).await {
+            Err(Some(rx)) => match confirmation_by(deadline, rx).await {
                 Ok(Ok(Ok(held))) => {
                     longest = longest.max(held);
                     continue;
@@ -234,4 +234,24 @@ pub(super) async fn confirm(
         });
     }
     Ok(longest)
+}
+
+/// The prefill's answer to a `Done`, or `Err` once `deadline` passed. A process stopped past the
+/// deadline (a debugger, a swapped-out host) wakes with its timer and the control connection's
+/// bytes ready together: the timer is given one turn of the runtime behind the reader that may
+/// be delivering the answer, so an answer that arrived in time is not thrown away.
+async fn confirmation_by<T>(
+    deadline: tokio::time::Instant,
+    mut rx: tokio::sync::oneshot::Receiver<T>,
+) -> Result<Result<T, tokio::sync::oneshot::error::RecvError>, tokio::time::error::Elapsed> {
+    match tokio::time::timeout_at(deadline, &mut rx).await {
+        Ok(answer) => Ok(answer),
+        Err(elapsed) => {
+            tokio::task::yield_now().await;
+            match rx.try_recv() {
+                Ok(answer) => Ok(Ok(answer)),
+                Err(_) => Err(elapsed),
+            }
+        }
+    }
 }
