@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use crate::convert::array_buffer;
+use crate::detach::blocking;
 use crate::engine::Engine;
 use crate::error::{to_py, InvalidArgument};
 
@@ -24,11 +25,11 @@ impl Engine {
             // SAFETY: the caller (the inference engine, or register_array holding the array)
             // owns this device allocation and keeps it alive until deregistered, as documented.
             let mem = unsafe { DeviceMemory::new(ptr as u64, size) }.map_err(to_py)?;
-            py.allow_threads(move || inner.register_device(mem))
+            blocking(py, move || inner.register_device(mem))
         } else {
             // SAFETY: as above, for host memory; kvlink accesses it like a DMA engine would.
             let mem = unsafe { ExternalMemory::new(ptr as *mut u8, size) }.map_err(to_py)?;
-            py.allow_threads(move || inner.register_host(mem))
+            blocking(py, move || inner.register_host(mem))
         };
         Ok(region.map_err(to_py)?.id().0)
     }

@@ -11,6 +11,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::aggregator::{finished_to_py, Finished};
 use crate::convert::{array_buffer, block_groups, request_id, seconds};
+use crate::detach::blocking;
 use crate::error::{to_py, InvalidArgument};
 
 /// One kvlink engine per worker process (one per tensor-parallel rank).
@@ -141,7 +142,7 @@ impl Engine {
         cfg.auth_key = auth_key;
         cfg.insecure = insecure;
         cfg.rdma.device = rdma_device;
-        let inner = py.allow_threads(|| RsEngine::start(cfg)).map_err(to_py)?;
+        let inner = blocking(py, || RsEngine::start(cfg)).map_err(to_py)?;
         Ok(Engine {
             inner: Arc::new(inner),
             keep: Mutex::new(Vec::new()),
@@ -235,8 +236,7 @@ impl Engine {
     /// the array it came from.
     fn deregister(&self, py: Python<'_>, region: u32) -> PyResult<()> {
         let inner = self.inner.clone();
-        py.allow_threads(move || inner.deregister(RegionId(region)))
-            .map_err(to_py)?;
+        blocking(py, move || inner.deregister(RegionId(region))).map_err(to_py)?;
         // Take the array out under the lock and release it after: dropping it may run Python
         // code that calls back into this engine.
         let released: Vec<(u32, PyObject)> = {
@@ -525,7 +525,7 @@ impl Engine {
     fn wait_finished(&self, py: Python<'_>, timeout: f64) -> PyResult<Finished> {
         let t = seconds("timeout", timeout)?;
         let inner = self.inner.clone();
-        let f = py.allow_threads(move || inner.wait_finished(t));
+        let f = blocking(py, move || inner.wait_finished(t));
         finished_to_py(py, &f)
     }
 
@@ -536,9 +536,7 @@ impl Engine {
     fn connect(&self, py: Python<'_>, peer: String, timeout: f64) -> PyResult<Py<PyDict>> {
         let t = seconds("timeout", timeout)?;
         let inner = self.inner.clone();
-        let d = py
-            .allow_threads(move || inner.connect(&peer, t))
-            .map_err(to_py)?;
+        let d = blocking(py, move || inner.connect(&peer, t)).map_err(to_py)?;
         let out = PyDict::new(py);
         out.set_item("engine_id", &d.engine_id)?;
         out.set_item("tp_rank", d.tp_rank)?;
@@ -582,7 +580,7 @@ impl Engine {
     /// Idempotent; also called when the engine is garbage-collected, and by `with`.
     fn close(&self, py: Python<'_>) {
         let inner = self.inner.clone();
-        py.allow_threads(move || inner.close());
+        blocking(py, move || inner.close());
     }
 
     /// Whether close() was called.

@@ -7,6 +7,7 @@
 mod aggregator;
 mod buffers;
 mod convert;
+mod detach;
 mod engine;
 mod error;
 mod events;

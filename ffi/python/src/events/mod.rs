@@ -27,6 +27,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::convert::seconds;
+use crate::detach::blocking;
 use crate::error::{InvalidArgument, KvlinkError};
 use fields::event_from_py;
 pub(crate) use fields::event_to_py;
@@ -119,9 +120,7 @@ impl EventPublisher {
             snapshot_max_blocks,
             ..PublisherConfig::default()
         };
-        let p = py
-            .allow_threads(|| Publisher::start(cfg))
-            .map_err(events_err)?;
+        let p = blocking(py, || Publisher::start(cfg)).map_err(events_err)?;
         Ok(EventPublisher {
             encoding: p.encoding(),
             endpoint: p.endpoint().to_string(),
@@ -180,7 +179,7 @@ impl EventPublisher {
         };
         // Encoded without the GIL (and without the lock), in this thread.
         let encoding = self.encoding;
-        let payload = py.allow_threads(move || {
+        let payload = blocking(py, move || {
             let mut v = Vec::with_capacity(4096);
             encode_batch(&batch, encoding, &mut v);
             v
@@ -213,7 +212,7 @@ impl EventPublisher {
         match taken {
             None => Ok(None),
             Some(mut p) => {
-                let s = py.allow_threads(move || {
+                let s = blocking(py, move || {
                     let s = p.close(t);
                     drop(p);
                     s
@@ -302,9 +301,8 @@ impl EventSubscriber {
             .enable_all()
             .build()
             .map_err(|e| KvlinkError::new_err(format!("starting the subscriber runtime: {e}")))?;
-        let sub = py
-            .allow_threads(|| runtime.block_on(Subscriber::connect(cfg)))
-            .map_err(events_err)?;
+        let sub =
+            blocking(py, || runtime.block_on(Subscriber::connect(cfg))).map_err(events_err)?;
         Ok(EventSubscriber {
             runtime,
             inner: Mutex::new(sub),
@@ -315,12 +313,11 @@ impl EventSubscriber {
     #[pyo3(signature = (timeout = 1.0))]
     fn next(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<Py<PyDict>>> {
         let t = seconds("timeout", timeout)?;
-        let item = py
-            .allow_threads(|| {
-                let mut sub = self.inner.lock().expect("subscriber lock");
-                self.runtime.block_on(sub.next(t))
-            })
-            .map_err(events_err)?;
+        let item = blocking(py, || {
+            let mut sub = self.inner.lock().expect("subscriber lock");
+            self.runtime.block_on(sub.next(t))
+        })
+        .map_err(events_err)?;
         let Some(item) = item else { return Ok(None) };
         let out = item_to_py(py, &item)?.unbind();
         // The batch is in Python objects now: the next one is decoded into its allocations
@@ -349,7 +346,9 @@ impl EventSubscriber {
     #[getter]
     fn last_seq(&self, py: Python<'_>) -> Option<u64> {
         // next() holds the lock while it waits: wait for it without the GIL.
-        py.allow_threads(|| self.inner.lock().expect("subscriber lock").last_seq())
+        blocking(py, || {
+            self.inner.lock().expect("subscriber lock").last_seq()
+        })
     }
 
     /// Counters: `received`, `delivered`, `duplicates`, `replays` (gaps and late joins filled
@@ -357,7 +356,7 @@ impl EventSubscriber {
     /// `bad_messages`, `snapshots`.
     fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
         // next() holds the lock while it waits: wait for it without the GIL.
-        let s = py.allow_threads(|| self.inner.lock().expect("subscriber lock").stats());
+        let s = blocking(py, || self.inner.lock().expect("subscriber lock").stats());
         let d = PyDict::new(py);
         d.set_item("received", s.received)?;
         d.set_item("delivered", s.delivered)?;
@@ -435,9 +434,7 @@ impl EventMerger {
             tp_size,
             ..MergerConfig::new(inputs, output)
         };
-        let m = py
-            .allow_threads(|| Merger::start(cfg))
-            .map_err(events_err)?;
+        let m = blocking(py, || Merger::start(cfg)).map_err(events_err)?;
         Ok(EventMerger {
             endpoint: m.endpoint().to_string(),
             replay_endpoint: m.replay_endpoint().map(str::to_string),
@@ -494,7 +491,7 @@ impl EventMerger {
     /// Stops the merger (GIL released). Idempotent.
     fn close(&self, py: Python<'_>) {
         let taken = self.inner.lock().expect("merger lock").take();
-        py.allow_threads(move || drop(taken));
+        blocking(py, move || drop(taken));
     }
 }
 
