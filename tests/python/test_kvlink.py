@@ -632,8 +632,9 @@ print("main done", flush=True)
 
 def test_a_program_exits_cleanly_while_daemon_threads_wait_in_kvlink():
     # CPython (before 3.14) ends a daemon thread that takes the GIL back during finalization
-    # with pthread_exit; through the binding's frames that aborted the process ("FATAL:
-    # exception not rethrown", exit status 134) every time here before the waits parked it.
+    # with pthread_exit; unwound through the binding's frames that aborted the process ("FATAL:
+    # exception not rethrown") or, in the wheel linked by zig, crashed it, every time here,
+    # before kvlink's threads stopped coming back to the GIL once the interpreter exits.
     for _ in range(3):
         p = subprocess.run([sys.executable, "-c", EXIT_WHILE_WAITING], capture_output=True,
                            text=True, timeout=60)

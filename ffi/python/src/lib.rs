@@ -48,6 +48,9 @@ fn _kvlink(m: &Bound<'_, PyModule>) -> PyResult<()> {
         .collect();
     m.add("TRANSPORTS", pyo3::types::PyTuple::new(py, transports)?)?;
     m.add_function(wrap_pyfunction!(tp_sources, m)?)?;
+    // Before the interpreter finalizes, threads waiting in kvlink stop coming back (detach.rs).
+    let exiting = wrap_pyfunction!(detach::exiting, m)?;
+    py.import("atexit")?.call_method1("register", (exiting,))?;
     Ok(())
 }
 
