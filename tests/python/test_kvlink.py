@@ -613,6 +613,10 @@ def test_heterogeneous_tp_and_block_groups_every_byte():
 
 
 EXIT_WHILE_WAITING = """
+import atexit
+# Runs after kvlink's own exit hook (registered later, so run first): the exiting thread
+# still calls into kvlink.
+atexit.register(lambda: engine.close())
 import threading, time, kvlink, kvlink.events
 engine = kvlink.Engine(transport="tcp")
 publisher = kvlink.events.Publisher("tcp://*:0")

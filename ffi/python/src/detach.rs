@@ -13,6 +13,8 @@
 //! through first (it waits for them, the GIL released, for at most `DRAIN`).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+use std::sync::OnceLock;
+use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
@@ -21,11 +23,14 @@ use pyo3::prelude::*;
 static EXITING: AtomicBool = AtomicBool::new(false);
 /// Threads between the end of their wait and the GIL taken back.
 static RETURNING: AtomicUsize = AtomicUsize::new(0);
+/// The thread that runs the `atexit` callbacks and then finalizes: never ended by CPython, so
+/// it takes the GIL back as always (it may close an engine in a later callback).
+static FINALIZING_THREAD: OnceLock<ThreadId> = OnceLock::new();
 /// How long `exiting` waits for the threads on their way back to the GIL.
 const DRAIN: Duration = Duration::from_secs(2);
 
 /// Runs `f` with the GIL released (`Python::allow_threads`). Once the interpreter is exiting,
-/// the thread parks for good instead of taking the GIL back.
+/// a thread other than the one finalizing parks for good instead of taking the GIL back.
 pub(crate) fn blocking<T, F>(py: Python<'_>, f: F) -> T
 where
     F: Send + FnOnce() -> T,
@@ -36,7 +41,7 @@ where
         // Counted before the flag is read: `exiting` either sees this thread on its way back
         // (and waits for it) or has raised the flag first (and this thread parks).
         RETURNING.fetch_add(1, SeqCst);
-        if EXITING.load(SeqCst) {
+        if EXITING.load(SeqCst) && FINALIZING_THREAD.get() != Some(&std::thread::current().id()) {
             RETURNING.fetch_sub(1, SeqCst);
             park_for_good();
         }
@@ -56,6 +61,7 @@ fn park_for_good() -> ! {
 /// released, at most `DRAIN`) until no thread is on its way back to the GIL.
 #[pyfunction]
 pub(crate) fn exiting(py: Python<'_>) {
+    let _ = FINALIZING_THREAD.set(std::thread::current().id());
     EXITING.store(true, SeqCst);
     // The main thread: finalization has not begun, so taking the GIL back is safe here.
     py.allow_threads(|| {
