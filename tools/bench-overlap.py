@@ -217,16 +217,17 @@ def measure(bench, model, tokens, conc, args):
     bench.check(pools[0])
     compute = ratio(model, tokens) * xfer * conc
     rounds = max(2, args.requests // conc)
+    # Each flow: what runs a request, and its arguments for a pool of blocks.
     flows = {
-        "whole": lambda p: (bench.whole, (p, compute)),
-        "progressive": lambda p: (bench.progressive, (p, compute, chunk_blocks, groups)),
+        "whole": (bench.whole, lambda p: (p, compute)),
+        "progressive": (bench.progressive, lambda p: (p, compute, chunk_blocks, groups)),
     }
     got: dict[str, list[float]] = {"whole": [], "progressive": []}
     for k in range(rounds):
         # Each flow runs first in every other round.
         for name in sorted(flows, reverse=bool(k % 2)):
-            fn = flows[name](pools[0])[0]
-            got[name] += run_concurrent(fn, [flows[name](p)[1] for p in pools])
+            fn, args = flows[name]
+            got[name] += run_concurrent(fn, [args(p) for p in pools])
             for p in pools:
                 bench.check(p)
     return xfer, compute, got["whole"], got["progressive"]
