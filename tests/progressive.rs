@@ -107,6 +107,32 @@ fn a_read_follows_a_growing_hold_part_by_part_and_confirms_after_the_seal() {
     }
 }
 
+/// A decode that has the request's first blocks (a cached prefix) skips them: it reads the
+/// blocks after them only, and is confirmed for the whole sealed hold.
+#[test]
+fn a_read_that_skips_a_cached_prefix_reads_only_the_blocks_after_it() {
+    let (prefill, decode, peer) = pair(TransportChoice::Tcp);
+    let mut req = FollowRequest::blocks(&peer, "s", &[40, 41, 42]);
+    req.skip = vec![2];
+    decode.engine.follow(req).unwrap();
+    prefill
+        .engine
+        .hold_growing(HoldRequest::blocks("s", &[7, 3, 30]))
+        .unwrap();
+    prefill.engine.extend_hold("s", &[&[31u32, 9][..]]).unwrap();
+    prefill.engine.seal_hold("s").unwrap();
+    let got = collect(&decode.engine, Duration::from_secs(30), |f| {
+        !f.receiving.is_empty() || !f.failed.is_empty()
+    });
+    assert!(got.failed.is_empty(), "{:?}", got.failed);
+    verify(&decode, &prefill.layout, SEED, &[40, 41, 42], &[30, 31, 9]);
+    assert_eq!(got.reports[0].bytes, 3 * SHAPE.region_bytes(1));
+    // A skip of another number of block groups is refused at once.
+    let mut bad = FollowRequest::blocks(&peer, "t", &[1]);
+    bad.skip = vec![1, 1];
+    assert!(decode.engine.follow(bad).is_err());
+}
+
 #[test]
 fn a_plain_read_of_a_growing_hold_is_refused_until_the_seal() {
     let (prefill, decode, peer) = pair(TransportChoice::Tcp);

@@ -100,9 +100,13 @@ pub struct FollowRequest {
     pub id: RequestId,
     /// The id the prefill holds the request under.
     pub remote_id: RequestId,
-    /// This engine's blocks per block group, for the whole request, in the order the
-    /// prefill's blocks pair with them (its hold's order).
+    /// This engine's blocks per block group, for the whole request after the first `skip`
+    /// of the prefill's, in the order the prefill's blocks pair with them (its hold's order).
     pub local: Vec<Vec<BlockId>>,
+    /// Per block group, how many of the prefill's first blocks this engine does not read
+    /// (it has their tokens already: a prefix it cached); empty: none. The hold's parts still
+    /// count them, and its confirmation covers the blocks read.
+    pub skip: Vec<u32>,
     /// Tokens per block of the prefill; `None`: the same as this engine's.
     pub remote_tokens_per_block: Option<u32>,
     /// The prefill's hold token, when known (the read is then of that hold only).
@@ -124,6 +128,7 @@ impl FollowRequest {
             remote_id: id.clone(),
             id,
             local: vec![local.to_vec()],
+            skip: Vec::new(),
             remote_tokens_per_block: None,
             hold: None,
             first_part_timeout: None,
@@ -313,6 +318,7 @@ impl Engine {
         // The prefill's blocks are not known yet: the local ones are checked against
         // themselves.
         plan::check_local_blocks(&layout, &req.local, &req.local, remote_tokens, &[])?;
+        let skip = follow_skip(&req.skip, req.local.len())?;
         let timeout = self.shared.config().request_timeout;
         let (first_wait, between) = (
             req.first_part_timeout.unwrap_or(timeout),
@@ -345,6 +351,7 @@ impl Engine {
         };
         let job = FollowJob {
             read,
+            skip,
             first_wait,
             between,
         };
@@ -618,6 +625,18 @@ impl std::task::Wake for Deferred {
     fn wake_by_ref(self: &Arc<Self>) {
         self.woken.store(true, Ordering::SeqCst);
         self.spawn();
+    }
+}
+
+/// A progressive read's blocks skipped per group (`skip`, one count per group of `groups`, or
+/// none).
+fn follow_skip(skip: &[u32], groups: usize) -> Result<Vec<usize>> {
+    match skip.len() {
+        0 => Ok(vec![0; groups]),
+        n if n == groups => Ok(skip.iter().map(|&s| s as usize).collect()),
+        n => Err(Error::invalid(format!(
+            "skip names {n} block groups; the read has {groups}"
+        ))),
     }
 }
 

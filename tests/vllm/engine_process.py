@@ -448,16 +448,18 @@ class Engine:
                     want = self._state_content(req.all_token_ids[:upto], li, layer, rank, slot.shape[0])
                     slot.copy_(torch.from_numpy(want))
 
-    def _write(self, req, start: int, end: int) -> None:
+    def _write(self, req, start: int, end: int, only: Optional[str] = None) -> None:
+        """Writes positions ``[start, end)`` of every layer, or of layer ``only`` (the states,
+        with the first layer's)."""
         tokens = req.all_token_ids
-        if self.scratch and end <= len(tokens):
+        if self.scratch and end <= len(tokens) and only in (None, self.layer_names[0]):
             self._write_states(req, end)
         # Under asynchronous scheduling a decode step computes a token sampled by the step
         # before, which the scheduler has not seen yet: its id is unknown here, so its KV is
         # not written (no test reads it).
         for pos in range(start, min(end, len(tokens))):
             for li, layer in enumerate(self.layer_names):
-                if self.group_of[layer] in self.scratch:
+                if self.group_of[layer] in self.scratch or only not in (None, layer):
                     continue
                 size, per = self.group_block_size[self.group_of[layer]], self.per_state.get(layer, 1)
                 if pos % per != per - 1:
@@ -529,20 +531,29 @@ class Engine:
             req = self.scheduler.requests[new.req_id]
             if new.num_computed_tokens > 0 and (req.kv_transfer_params or {}).get("remote_request_id"):
                 self._verify(req, new.num_computed_tokens)
-        req_ids, sampled = [], []
+        req_ids, sampled, work = [], [], []
         for rid, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
             end = req.num_computed_tokens  # already advanced by schedule()
-            self._write(req, end - n, end)
+            work.append((req, end - n, end))
             req_ids.append(rid)
             # A partial prefill samples nothing; otherwise one token (ignore_eos: max_tokens
             # ends it).
             sampled.append([] if end < req.num_tokens else [7 + (end % 500)])
+        # As vLLM's model runner does: the connector's loads (and holds) start before the
+        # forward; the forward writes layer after layer, each attention layer's save hook
+        # called once it is written (vLLM's maybe_transfer_kv_layer); the connector waits for
+        # its saves once the forward is done.
+        for w in self.workers:
+            w.start_load_kv(None)
+        for layer in self.layer_names:
+            for req, start, end in work:
+                self._write(req, start, end, layer)
+            if self.group_of[layer] not in self.scratch:
+                for w in self.workers:
+                    w.save_kv_layer(layer, self.caches[0][layer], None)
         outputs = []
         for w in self.workers:
-            # As vLLM's model runner does when the step has no synchronous loads: the
-            # connector's loads (and holds) start once the forward is launched.
-            w.start_load_kv(None)
             w.wait_for_save()
             results = w.get_transfer_results(so.finished_req_ids)
             invalid = w.get_block_ids_with_load_errors()

@@ -154,6 +154,7 @@ pub unsafe extern "C" fn kvlink_engine_follow(
             id: id.into(),
             remote_id: remote_id.unwrap_or(id).into(),
             local,
+            skip: Vec::new(),
             remote_tokens_per_block: None,
             hold: (hold != 0).then_some(hold),
             first_part_timeout: ms(first_part_timeout_ms, "first_part_timeout_ms")?,

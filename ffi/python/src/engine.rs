@@ -473,8 +473,10 @@ impl Engine {
     /// prefill sealed its hold, every part is here and the prefill confirmed it held them
     /// throughout, or fails (the hold ended first, a part did not come in time, the request
     /// timeout). `first_part_timeout` and `part_timeout` (seconds; default the request
-    /// timeout) bound the wait for the first part and for each later one. Returns at once.
-    #[pyo3(signature = (peer, request_id, local_blocks, remote_request_id = None, hold = None, first_part_timeout = None, part_timeout = None))]
+    /// timeout) bound the wait for the first part and for each later one. `skip`: per block
+    /// group, how many of the prefill's first blocks are not read (a prefix this engine has;
+    /// `local_blocks` then pair with those after them). Returns at once.
+    #[pyo3(signature = (peer, request_id, local_blocks, remote_request_id = None, hold = None, first_part_timeout = None, part_timeout = None, skip = None))]
     #[allow(clippy::too_many_arguments)]
     fn follow_blocks(
         &self,
@@ -485,6 +487,7 @@ impl Engine {
         hold: Option<u64>,
         first_part_timeout: Option<f64>,
         part_timeout: Option<f64>,
+        skip: Option<Vec<u32>>,
     ) -> PyResult<()> {
         let id = self::request_id(request_id)?;
         let remote_id = match remote_request_id {
@@ -498,6 +501,7 @@ impl Engine {
                 id,
                 remote_id,
                 local: block_groups("local_blocks", local_blocks)?,
+                skip: skip.unwrap_or_default(),
                 remote_tokens_per_block: None,
                 hold,
                 first_part_timeout: secs("first_part_timeout", first_part_timeout)?,

@@ -21,6 +21,8 @@ use crate::transport::ReadCancel;
 /// and no remote block (the parts name them).
 pub(crate) struct FollowJob {
     pub(crate) read: ReadJob,
+    /// Per block group, the prefill's first blocks not read (`FollowRequest::skip`).
+    pub(crate) skip: Vec<usize>,
     /// How long to wait for the first part (the prefill may not hold the request yet).
     pub(crate) first_wait: Duration,
     /// How long to wait for each part after the previous one.
@@ -201,7 +203,7 @@ async fn follow_parts(
         .state
         .layout()
         .map_or(0, |l| l.tensors.len() as u32);
-    let mut progress = Progress::new(&read.local, tensors, read.hold);
+    let mut progress = Progress::new(&read.local, &job.skip, tensors, read.hold);
     let mut outcomes = Vec::new();
     let mut until = tokio::time::Instant::now() + job.first_wait;
     loop {
@@ -285,9 +287,13 @@ struct Step {
 /// last part while only some of its tensors are read, and the hold's token. Each part is
 /// checked against it: its groups must be this engine's, it must start where the last ended,
 /// fit this engine's blocks, name the token followed, and continue a part's tensors in order.
+/// The first `skip` blocks of each group are the hold's but not read: `local` pairs with the
+/// prefill's blocks after them.
 struct Progress<'a> {
     local: &'a [Vec<BlockId>],
+    skip: &'a [usize],
     tensors: u32,
+    /// The prefill's blocks told per group (skipped ones included).
     got: Vec<usize>,
     /// The prefill's blocks of the last part and its tensors read so far, while incomplete.
     tail: Option<(Vec<Vec<BlockId>>, u32)>,
@@ -297,9 +303,10 @@ struct Progress<'a> {
 }
 
 impl<'a> Progress<'a> {
-    fn new(local: &'a [Vec<BlockId>], tensors: u32, token: Option<u64>) -> Self {
+    fn new(local: &'a [Vec<BlockId>], skip: &'a [usize], tensors: u32, token: Option<u64>) -> Self {
         Progress {
             local,
+            skip,
             tensors,
             got: vec![0; local.len()],
             tail: None,
@@ -328,7 +335,7 @@ impl<'a> Progress<'a> {
         }
         self.token = Some(token);
         self.told = true;
-        check_part(self.local, &self.got, &first, &blocks)?;
+        check_part(self.local, self.skip, &self.got, &first, &blocks)?;
         let new = blocks.iter().any(|b| !b.is_empty());
         let read = match (self.tail.take(), tensors) {
             (Some((remote, done)), Some((lo, hi))) if !new && lo == done && hi > lo => {
@@ -343,7 +350,7 @@ impl<'a> Progress<'a> {
             (None, None) => {
                 let read = self.blocks_read(blocks.clone(), None);
                 self.advance(&blocks);
-                Some(read)
+                read
             }
             (None, Some((0, hi))) if hi > 0 => self.part_tensors(blocks, 0..hi)?,
             (None, Some((lo, _))) => {
@@ -358,12 +365,14 @@ impl<'a> Progress<'a> {
                     "the hold sealed with tensors {done}.. of its last part to come"
                 )));
             }
-            if let Some(g) = (0..self.got.len()).find(|g| self.got[*g] != self.local[*g].len()) {
+            let whole = |g: usize| self.skip[g] + self.local[g].len();
+            if let Some(g) = (0..self.got.len()).find(|g| self.got[*g] != whole(*g)) {
                 return Err(Error::invalid(format!(
                     "the prefill sealed the request with {} blocks in block group {g}, but the \
-                     read is into {}",
+                     read is into {} after {} skipped",
                     self.got[g],
-                    self.local[g].len()
+                    self.local[g].len(),
+                    self.skip[g]
                 )));
             }
         }
@@ -390,25 +399,29 @@ impl<'a> Progress<'a> {
         } else {
             self.tail = Some((remote, end));
         }
-        Ok(Some(read))
+        Ok(read)
     }
 
-    /// The read of `remote` blocks from where the read is, into the next of this engine's.
+    /// The read of `remote` blocks from where the read is, into the next of this engine's,
+    /// leaving out those skipped; none when all of them are.
     fn blocks_read(
         &self,
         remote: Vec<Vec<BlockId>>,
         tensors: Option<std::ops::Range<u32>>,
-    ) -> PartRead {
-        let local = remote
-            .iter()
-            .enumerate()
-            .map(|(g, r)| self.local[g][self.got[g]..self.got[g] + r.len()].to_vec())
-            .collect();
-        PartRead {
-            local,
-            remote,
-            tensors,
+    ) -> Option<PartRead> {
+        let (mut local, mut read) = (Vec::new(), Vec::new());
+        for (g, r) in remote.iter().enumerate() {
+            // Of the prefill's blocks at positions got.., those from the first one read.
+            let cut = self.skip[g].saturating_sub(self.got[g]).min(r.len());
+            let at = (self.got[g] + cut).saturating_sub(self.skip[g]);
+            local.push(self.local[g][at..at + r.len() - cut].to_vec());
+            read.push(r[cut..].to_vec());
         }
+        read.iter().any(|r| !r.is_empty()).then_some(PartRead {
+            local,
+            remote: read,
+            tensors,
+        })
     }
 
     fn advance(&mut self, blocks: &[Vec<BlockId>]) {
@@ -419,10 +432,11 @@ impl<'a> Progress<'a> {
 }
 
 /// Checks a part's shape against what was read so far (`got` blocks per group, into
-/// `local`): its groups must be this engine's, each must start where the last ended, and the
-/// part must fit the read's blocks.
+/// `local` after `skip`): its groups must be this engine's, each must start where the last
+/// ended, and the part must fit the read's blocks.
 fn check_part(
     local: &[Vec<BlockId>],
+    skip: &[usize],
     got: &[usize],
     first: &[u32],
     blocks: &[Vec<BlockId>],
@@ -441,10 +455,12 @@ fn check_part(
                 first[g], got[g]
             )));
         }
-        if got[g] + b.len() > local[g].len() {
+        if got[g] + b.len() > skip[g] + local[g].len() {
             return Err(Error::invalid(format!(
-                "the prefill holds more than the read's {} blocks in block group {g}",
-                local[g].len()
+                "the prefill holds more than the read's {} blocks (after {} skipped) in block \
+                 group {g}",
+                local[g].len(),
+                skip[g]
             )));
         }
     }
@@ -523,7 +539,7 @@ mod tests {
     #[test]
     fn parts_are_read_in_order_into_the_next_blocks_and_tensors() {
         let local = [vec![10, 11, 12, 13]];
-        let mut p = Progress::new(&local, 8, None);
+        let mut p = Progress::new(&local, &[0], 8, None);
         let s = p.take(part(0, &[5, 6], None, false)).unwrap();
         assert_eq!(s.read, read(&[10, 11], &[5, 6], None));
         let s = p.take(part(2, &[7], Some((0, 3)), false)).unwrap();
@@ -536,7 +552,7 @@ mod tests {
             part(2, &[], Some((3, 9)), false),
             part(2, &[], Some((3, 8)), true),
         ] {
-            let mut q = Progress::new(&local, 8, None);
+            let mut q = Progress::new(&local, &[0], 8, None);
             q.take(part(0, &[5, 6], None, false)).unwrap();
             q.take(part(2, &[7], Some((0, 3)), false)).unwrap();
             assert!(q.take(bad).is_err());
@@ -544,20 +560,44 @@ mod tests {
         let s = p.take(part(2, &[], Some((3, 8)), false)).unwrap();
         assert_eq!(s.read, read(&[12], &[7], Some(3..8)));
         // A part that starts elsewhere, overflows, or names another hold.
-        assert!(Progress::new(&local, 8, None)
+        assert!(Progress::new(&local, &[0], 8, None)
             .take(part(1, &[1], None, false))
             .is_err());
-        assert!(Progress::new(&local, 8, None)
+        assert!(Progress::new(&local, &[0], 8, None)
             .take(part(0, &[1, 2, 3, 4, 5], None, false))
             .is_err());
-        assert!(Progress::new(&local, 8, Some(3))
+        assert!(Progress::new(&local, &[0], 8, Some(3))
             .take(part(0, &[1], None, false))
             .is_err());
         // Sealed with a block to come: refused; with all of them: done.
-        let mut q = Progress::new(&local, 8, None);
+        let mut q = Progress::new(&local, &[0], 8, None);
         q.take(part(0, &[1, 2], None, false)).unwrap();
         assert!(q.take(part(2, &[], None, true)).is_err());
         let s = p.take(part(3, &[9], None, true)).unwrap();
         assert!(s.sealed && s.read == read(&[13], &[9], None));
+    }
+
+    /// Skipped blocks are counted but not read: a part of skipped blocks only reads nothing,
+    /// one that straddles the skip reads its blocks after it into the first local ones, and
+    /// the seal wants the skipped and the local blocks.
+    #[test]
+    fn skipped_blocks_are_counted_and_never_read() {
+        let local = [vec![20, 21]];
+        let mut p = Progress::new(&local, &[3], 8, None);
+        let s = p.take(part(0, &[5, 6], None, false)).unwrap();
+        assert_eq!(s.read, None);
+        let s = p.take(part(2, &[7, 8], Some((0, 4)), false)).unwrap();
+        assert_eq!(s.read, read(&[20], &[8], Some(0..4)));
+        let s = p.take(part(2, &[], Some((4, 8)), false)).unwrap();
+        assert_eq!(s.read, read(&[20], &[8], Some(4..8)));
+        let mut q = Progress::new(&local, &[3], 8, None);
+        q.take(part(0, &[5, 6, 7, 8], None, false)).unwrap();
+        // One block short of skip + local: refused at the seal; one too many: refused.
+        assert!(q.take(part(4, &[], None, true)).is_err());
+        assert!(Progress::new(&local, &[3], 8, None)
+            .take(part(0, &[1, 2, 3, 4, 5, 6], None, false))
+            .is_err());
+        let s = p.take(part(4, &[9], None, true)).unwrap();
+        assert!(s.sealed && s.read == read(&[21], &[9], None));
     }
 }

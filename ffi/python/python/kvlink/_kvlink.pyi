@@ -212,6 +212,7 @@ class Engine:
         hold: int | None = None,
         first_part_timeout: float | None = None,
         part_timeout: float | None = None,
+        skip: Sequence[int] | None = None,
     ) -> None:
         """Decode side: start a progressive read of the request the prefill at ``peer`` holds
         (or will hold) under ``remote_request_id`` (default ``request_id``) into
@@ -220,7 +221,9 @@ class Engine:
         get_finished() once the prefill sealed its hold, every part is here and it confirmed
         them, or fails (the hold ended first, a part late, the request timeout).
         ``first_part_timeout`` and ``part_timeout`` (seconds; default the request timeout)
-        bound the wait for the first part and each later one. Returns at once."""
+        bound the wait for the first part and each later one. ``skip``: per block group, how
+        many of the prefill's first blocks are not read (a prefix this engine has cached;
+        ``local_blocks`` then pair with the blocks after them). Returns at once."""
     def cancel(self, request_id: str) -> bool:
         """Decode side: cancel a read in flight (it ends in ``failed``, its prefill is told);
         ``False`` when none with that id is in flight. Never blocks."""

@@ -45,6 +45,9 @@ figure in brackets):
     block and layer), any of ``LBHNC``, ``LBNHC``, ``BLHNC``, ``BLNHC``, or ``auto`` (the
     attention backend's choice). ``VLLM_KV_CACHE_LAYOUT`` overrides it; ``LHBNC`` and
     ``BHLNC`` (blocks split into one piece per head) are refused at start.
+``progressive_layers_per_part``
+    In a progressive transfer, how many layers a prefill's hold grows by within a step, as
+    vLLM's save hooks report them written (2; 0: once per step).
 
 Flow. The proxy sends the prompt to the prefill with ``kv_transfer_params =
 {"do_remote_decode": true}`` and ``max_tokens = 1``. In the step that completes the prompt,
@@ -60,6 +63,16 @@ aborted, or after ``abort_timeout``. A failed read becomes ``failed_recving`` an
 recomputes (``kv_load_failure_policy="recompute"``) or fails. A decode request aborted while
 its read is in flight cancels it; one aborted or refused before its read starts tells the
 prefill, which frees the blocks at once.
+
+Progressive flow (``python -m kvlink.vllm.proxy``, ``kvlink.vllm.progressive``): the proxy sends
+both legs at once, the prefill's with ``transfer_id`` and ``transfer_hold``, the decode's with
+``progressive: true``, the prefill's ``remote_addresses``, ``remote_request_id`` (the transfer
+id), ``remote_hold`` and ``remote_block_sizes``. The prefill holds the request under the
+transfer id from its first step and grows the hold as its forward completes blocks (per step,
+and per ``progressive_layers_per_part`` layers within a step); the decode admits the request at
+once and reads each part as it is held, skipping the blocks of a prefix it cached. Both
+engines need KV cache groups of full attention or MLA only, and equal TP and block sizes; the
+proxy asks each engine first (``kvlink_probe``) and runs the sequential flow otherwise.
 
 Supported: vLLM 0.32 and 0.33 (tested); vLLM's hybrid KV cache manager (``SupportsHMA``): each KV
 cache group's blocks travel with their own block ids (full-attention groups whole,

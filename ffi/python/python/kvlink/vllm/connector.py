@@ -61,6 +61,7 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         pc = vllm_config.parallel_config
         self._dp_index = int(getattr(pc, "data_parallel_index", None) or getattr(pc, "data_parallel_rank", 0) or 0)
         self._settings = read_settings(extra)
+        self._layers_per_part = _layers_per_part(extra)
         self._num_groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler: _SchedulerSide | None = _SchedulerSide(self, kv_cache_config)
@@ -86,10 +87,13 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         return  # reads are asynchronous: requests wait for their KV outside the forward
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # the decode pulls; nothing is pushed
+        # The decode pulls; nothing is pushed. A progressive hold grows by the layers written.
+        self._need_worker().layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
-        return
+        # The forward is done: progressive holds grow by what it completed (sealed at the
+        # prompt's end).
+        self._need_worker().forward_done()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving, _ = self._need_worker().poll(finished_req_ids)
@@ -188,11 +192,25 @@ class KvlinkConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler
 
 
+#: The key of ``kv_connector_extra_config`` that sets how many layers a progressive hold grows
+#: by within a step (0: a part per step only).
+LAYERS_PER_PART = "progressive_layers_per_part"
+
+
+def _layers_per_part(extra: dict[str, Any]) -> int:
+    value = extra.get(LAYERS_PER_PART, 2)
+    if type(value) is not int or value < 0:
+        raise ValueError(
+            f"KvlinkConnector: {LAYERS_PER_PART} in kv_connector_extra_config must be 0 or more, got {value!r}"
+        )
+    return value
+
+
 def read_settings(extra: dict[str, Any], warn: bool = True) -> core.Settings:
     """The connector's settings from ``kv_connector_extra_config`` (``kvlink.core``'s schema,
     under its own names), warning about keys it does not know unless ``warn`` is false (the
     layout query reads them before the connector does: one warning, not two)."""
-    unknown = sorted(set(extra) - set(core.FIELDS))
+    unknown = sorted(set(extra) - set(core.FIELDS) - {LAYERS_PER_PART})
     if unknown and warn:
         logger.warning("KvlinkConnector: ignoring unknown kv_connector_extra_config keys %s", unknown)
     return core.Settings.read(extra, where="kv_connector_extra_config")

@@ -12,6 +12,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from .progressive import Growth
+
 
 @dataclass
 class KvlinkHandshakeMetadata(KVConnectorHandshakeMetadata):
@@ -44,6 +46,12 @@ class ReadSpec:
     one read (empty: 0)."""
     hold: int | None = None
     """The token of the prefill's hold (``remote_hold``): only that hold confirms the read."""
+    follow: bool = False
+    """A progressive read: the prefill's hold grows while it runs (``remote_blocks`` empty);
+    each rank follows the prefill rank of its own rank (equal TP sizes)."""
+    skip: list[int] = field(default_factory=list)
+    """A progressive read's blocks per KV cache group that this engine has cached already:
+    the prefill's first ones, not read."""
 
     def all_local(self) -> list[int]:
         """Every local block of the read (for load errors)."""
@@ -58,6 +66,11 @@ class KvlinkConnectorMetadata(KVConnectorMetadata):
     """Prefill: request id -> blocks to hold and grant to its readers, per KV cache group."""
     hold_tokens: dict[str, int] = field(default_factory=dict)
     """Prefill: request id -> the token every rank holds it under (its ``remote_hold``)."""
+    grows: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """Prefill, progressive: request id -> ``(transfer id, hold token)`` of a hold to open with
+    no block yet (its decode follows it under the transfer id)."""
+    growth: dict[str, Growth] = field(default_factory=dict)
+    """Prefill, progressive: request id -> what this step makes final of its hold."""
     releases: list[str] = field(default_factory=list)
     """Prefill: holds to drop (request aborted or preempted); no send is reported for them."""
     reads: dict[str, ReadSpec] = field(default_factory=dict)
@@ -79,7 +92,14 @@ class KvlinkConnectorStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data: dict[str, Any] = {"reads": 0, "bytes": 0, "seconds": 0.0, "by_transport": {}, "failures": {}}
+        self.data: dict[str, Any] = {
+            "reads": 0,
+            "bytes": 0,
+            "seconds": 0.0,
+            "by_transport": {},
+            "failures": {},
+            "parts": 0,
+        }
 
     def record_read(self, report: dict[str, Any]) -> None:
         self.data["reads"] += 1
@@ -87,6 +107,10 @@ class KvlinkConnectorStats(KVConnectorStats):
         self.data["seconds"] += float(report["seconds"])
         t = self.data["by_transport"]
         t[report["transport"]] = t.get(report["transport"], 0) + 1
+
+    def record_part(self) -> None:
+        """A progressive hold grew by a part (blocks, or layers of them)."""
+        self.data["parts"] += 1
 
     def record_failure(self, cause: str) -> None:
         f = self.data["failures"]
@@ -99,6 +123,7 @@ class KvlinkConnectorStats(KVConnectorStats):
         self.data["reads"] += o.get("reads", 0)
         self.data["bytes"] += o.get("bytes", 0)
         self.data["seconds"] += o.get("seconds", 0.0)
+        self.data["parts"] += o.get("parts", 0)
         for key in ("by_transport", "failures"):
             for k, v in o.get(key, {}).items():
                 self.data[key][k] = self.data[key].get(k, 0) + v
@@ -113,6 +138,8 @@ class KvlinkConnectorStats(KVConnectorStats):
             "Avg read s": round(d["seconds"] / d["reads"], 6) if d["reads"] else 0.0,
             "Avg read GB/s": round(d["bytes"] / d["seconds"] / 1e9, 3) if d["seconds"] else 0.0,
         }
+        if d["parts"]:
+            out["Hold parts"] = d["parts"]
         for k, v in sorted(d["by_transport"].items()):
             out[f"Reads over {k}"] = v
         for k, v in sorted(d["failures"].items()):
@@ -120,4 +147,4 @@ class KvlinkConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return self.data["reads"] == 0 and not self.data["failures"]
+        return self.data["reads"] == 0 and not self.data["failures"] and not self.data["parts"]

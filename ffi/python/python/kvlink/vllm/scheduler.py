@@ -1,5 +1,6 @@
 """The connector's scheduler side: what each worker must hold, read, cancel or reject per
-step, per KV cache group, and the validation of the transfer parameters a client relays."""
+step, per KV cache group (the groups' kinds and pairing: ``groups``; the transfer parameters
+a client relays: ``params``)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,16 @@ import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 from vllm.logger import init_logger
 
 import kvlink
 
-from .. import core
-from .layout import layer_specs, state_layout, tokens_per_state
+from .groups import _group_specs, _held_blocks, _pair_group, _pair_state, _running_state
+from .layout import state_layout
 from .metadata import KvlinkConnectorMetadata, KvlinkHandshakeMetadata, ReadSpec
+from .params import _Remote, _remote
+from .progressive import PROBE, Growing, describe, progressive_why, transfer_of
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -38,169 +40,8 @@ class _Producing:
     hold: int = 0
     """The token every worker's hold of the request is made under (sent to the decode as
     ``remote_hold``: only this hold confirms its reads, never a later one of a reused id)."""
-
-
-@dataclass(frozen=True)
-class _Group:
-    """What the connector needs of one KV cache group."""
-
-    window: int
-    """Its sliding window in tokens (0: full attention, or state)."""
-    block_size: int
-    """Its tokens per block (the hybrid manager may raise some groups' to unify page sizes)."""
-    state: bool = False
-    """Per-request state (Mamba-kind: conv and SSM state, gated delta net, short conv; a
-    compressor's ring of the open group's rows): one block, the running state after the tokens
-    computed, is sent, never a block per position."""
-    scratch: int = 0
-    """A state group's speculative scratch blocks, after its running-state block."""
-    sharded: bool = False
-    """A state group whose state each TP rank holds a shard of (not ``tp_replicated``)."""
-    chunk: int = 0
-    """Its attention chunk in tokens (chunked local attention: a token attends to the tokens
-    of its own chunk only), 0 otherwise."""
-
-    def first_needed(self, computed: int) -> int:
-        """The first position the next token after ``computed`` tokens attends to (vLLM's
-        ``get_num_skipped_tokens``): the window's first or the chunk's, 0 for full attention."""
-        if self.window:
-            return max(0, computed - self.window + 1)
-        if self.chunk:
-            return computed // self.chunk * self.chunk
-        return 0
-
-
-def _group_specs(kv_cache_config: KVCacheConfig | None, block_size: int) -> list[_Group]:
-    """Per KV cache group, what kind of blocks it holds. Taken: full attention, MLA, sliding
-    window, chunked local attention, compressed attention (one state per several tokens, in
-    blocks still counted in tokens), Mamba-kind state (``MambaSpec``) and compressor rings
-    (``CircularBufferSpec``: one block per request, taken as state); any other kind (sink
-    attention, ...) is refused at start, by name, rather than sent as if it were full
-    attention. A group vLLM packs of one kind's layers with different pages
-    (``UniformTypeKVCacheSpecs``) is taken by its layers' kind."""
-    if kv_cache_config is None:
-        return [_Group(0, block_size)]
-    return [_group_spec(g, group.kv_cache_spec, block_size) for g, group in enumerate(kv_cache_config.kv_cache_groups)]
-
-
-def _group_spec(g: int, spec: Any, block_size: int) -> _Group:
-    """One KV cache group's ``_Group`` (``_group_specs``)."""
-    from vllm.v1.kv_cache_interface import (
-        ChunkedLocalAttentionSpec,
-        CircularBufferSpec,
-        FullAttentionSpec,
-        MambaSpec,
-        MLAAttentionSpec,
-        SlidingWindowSpec,
-    )
-
-    known: dict[type, bool] = {FullAttentionSpec: False, MLAAttentionSpec: False, SlidingWindowSpec: True}
-    try:
-        from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
-
-        known[SlidingWindowMLASpec] = True
-    except ImportError:
-        pass
-    size = int(getattr(spec, "block_size", block_size))
-    layers = layer_specs(spec)
-    first = layers[0]
-    kind, kinds = type(first), {type(s) for s in layers}
-    if len(kinds) != 1:
-        raise ValueError(
-            f"KvlinkConnector: KV cache group {g} holds layers of kinds "
-            f"{sorted(k.__name__ for k in kinds)}, which kvlink does not transfer as one group"
-        )
-    if kind is MambaSpec:
-        scratch = int(getattr(first, "num_speculative_blocks", 0))
-        return _Group(0, size, state=True, scratch=scratch, sharded=not getattr(first, "tp_replicated", False))
-    if kind is CircularBufferSpec:
-        # The ring of a compressor's open group, at the positions modulo its capacity: like a
-        # running state, what it holds after the tokens computed, read whole. Every rank holds
-        # the same ring (vLLM builds compressors without TP); rings whose size differs by TP
-        # size are refused by the layouts' comparison.
-        return _Group(0, size, state=True)
-    if kind is ChunkedLocalAttentionSpec:
-        return _Group(0, size, chunk=int(first.attention_chunk_size))
-    if kind not in known:
-        raise ValueError(
-            f"KvlinkConnector: KV cache group {g} holds blocks of kind {kind.__name__}, "
-            "which kvlink does not transfer; supported: full attention and MLA (compressed too), "
-            "sliding window, chunked local attention, Mamba-kind state and compressor rings"
-        )
-    # A compressed layer's block still spans block_size tokens (block_size / N states): its
-    # blocks pair by token position like any attention group's, and are read whole.
-    for s in layers:
-        tokens_per_state(s)
-    windows = {int(s.sliding_window) for s in layers} if known[kind] else {0}
-    if len(windows) != 1:
-        raise ValueError(f"KvlinkConnector: KV cache group {g} holds sliding windows {sorted(windows)}")
-    return _Group(windows.pop(), size)
-
-
-def _running_state(blocks: list[int], scratch: int) -> list[int]:
-    """A state group's block that holds the running state: the last one before the
-    speculative scratch blocks, by vLLM's own rule (``clip_ssm_state_blocks``, which its
-    NixlConnector reads by); none while none is allocated."""
-    return list(clip_ssm_state_blocks(list(blocks), scratch))
-
-
-def _pair_group(
-    local_all: list[int], theirs: list[int], need: int, total: int, sizes: tuple[int, int]
-) -> tuple[list[int], list[int], int] | str:
-    """One KV cache group's read of tokens ``[need, total)``: this engine's blocks, the
-    prefill's, and the tokens of the first block of the larger size before the first one read
-    (``sizes``: tokens per block here and at the prefill, one a multiple of the other). The
-    read starts at the block of the smaller size that holds ``need``. Why not, when the blocks
-    are not there."""
-    lsize, rsize = sizes
-    small = min(lsize, rsize)
-    start = need // small * small
-    lo, le = start // lsize, math.ceil(total / lsize)
-    ro, re_ = start // rsize, math.ceil(total / rsize)
-    if le > len(local_all) or re_ > len(theirs):
-        # matched_tokens bounds the count by the remote blocks; this cannot happen unless vLLM
-        # allocated fewer blocks than the tokens need. Fail the read, never read less.
-        return (
-            f"blocks up to token {total} are needed; the prefill offered {len(theirs)}, {len(local_all)} are allocated"
-        )
-    if lsize == rsize:
-        # One size: pairs by position, this engine's null blocks (none of its window) left out.
-        pairs = [(local_all[i], theirs[i]) for i in range(lo, le) if local_all[i]]
-        local, remote = [mine for mine, _ in pairs], [r for _, r in pairs]
-    else:
-        local, remote = list(local_all[lo:le]), list(theirs[ro:re_])
-    if 0 in remote or 0 in local:
-        return "the prefill sent no block (or this engine has none) for a position this engine needs"
-    return local, remote, start % max(lsize, rsize)
-
-
-def _pair_state(local_all: list[int], theirs: list[int], scratch: int) -> tuple[list[int], list[int]] | str:
-    """A state group's read: this engine's running-state block and the one block the prefill
-    sent, or why not."""
-    local = _running_state(local_all, scratch)
-    remote = [b for b in theirs if b]
-    if len(remote) != 1 or not local or not local[0]:
-        return f"a state group needs one block on each side; the prefill sent {len(remote)}, this engine has {local}"
-    return local, remote
-
-
-def _held_blocks(ids: list[int], tail: int, group: _Group, prompt: int) -> list[int]:
-    """What a prefill holds of an attention group's blocks for a prompt of ``prompt`` tokens:
-    those of the prompt, a sliding window's last ``tail``, an attention chunk's from the chunk
-    of the prompt's last token (a decode reads from there, having computed the prompt or all
-    but its last token)."""
-    ids = ids[: math.ceil(prompt / group.block_size)]
-    if group.chunk:
-        skip = group.first_needed(max(0, prompt - 1)) // group.block_size
-        return [0] * min(skip, len(ids)) + ids[skip:]
-    return _clip(ids, tail)
-
-
-def _clip(ids: list[int], tail: int) -> list[int]:
-    """A group's blocks with the positions before its last ``tail`` set to 0 (not sent)."""
-    if not tail or len(ids) <= tail:
-        return list(ids)
-    return [0] * (len(ids) - tail) + list(ids[-tail:])
+    growing: Growing | None = None
+    """A progressive transfer's hold (under the proxy's transfer id), grown step by step."""
 
 
 class _SchedulerSide:
@@ -228,6 +69,8 @@ class _SchedulerSide:
         if any(g.sharded for g in self.groups):
             hf = getattr(getattr(owner._vllm_config, "model_config", None), "hf_text_config", None)
             self.state_whole = state_layout(kv_cache_config, owner._tp_size, hf)[1]
+        # Why this engine cannot take part in progressive transfers (None: it can).
+        self.progressive_why = progressive_why(self.groups)
         self.addresses: list[str] | None = None
         self.producing: dict[str, _Producing] = {}
         self.local_hits: dict[str, int] = {}
@@ -304,13 +147,14 @@ class _SchedulerSide:
         if not params:
             return 0, False
         if params.get("do_remote_decode"):
-            self.producing.setdefault(request.request_id, _Producing(request))
+            if request.request_id not in self.producing:
+                self.producing[request.request_id] = _Producing(request, growing=self._growing(request))
             return 0, False
         if not params.get("do_remote_prefill"):
             return 0, False
         remote = _remote(params, self.block_sizes)
         if not isinstance(remote, str):
-            why = self._usable(remote)
+            why = self._usable(remote) or self._followable(remote, num_computed_tokens)
             if why is not None:
                 remote = why
         if isinstance(remote, str):
@@ -320,6 +164,11 @@ class _SchedulerSide:
                 self.warned.add(request.request_id)
                 logger.warning("KvlinkConnector: %s: %s; computing it locally", request.request_id, remote)
             return 0, False
+        self.local_hits[request.request_id] = num_computed_tokens
+        if remote.follow:
+            # The prefill's prompt is this one: its blocks are told as they are held.
+            count = request.num_prompt_tokens - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
         # Only what the prefill can deliver counts: its tokens, within the blocks it offered
         # (a state group's one block holds the state after all of them).
         offered = min(
@@ -328,7 +177,6 @@ class _SchedulerSide:
         )
         available = min(remote.num_tokens, offered, request.num_prompt_tokens - self.leave_last)
         count = available - num_computed_tokens
-        self.local_hits[request.request_id] = num_computed_tokens
         if count > 0:
             return count, True
         return 0, False
@@ -352,6 +200,9 @@ class _SchedulerSide:
             return
         assert not isinstance(remote, str), remote  # checked by matched_tokens
         total = local_hit + num_external_tokens
+        if remote.follow:
+            self._follow(rid, remote, blocks, local_hit, total)
+            return
         local_groups, remote_groups, first_tokens = [], [], []
         refused = ""
         for g, (local_all, theirs) in enumerate(zip(blocks.get_block_ids(), remote.blocks)):
@@ -392,6 +243,48 @@ class _SchedulerSide:
         )
         self.reading.add(rid)
 
+    def _followable(self, remote: _Remote, local_hit: int) -> str | None:
+        """Why this engine cannot follow the prefill's growing hold ``remote`` (a progressive
+        transfer), if it cannot."""
+        if not remote.follow:
+            return None
+        if self.progressive_why is not None:
+            return f"a progressive transfer was asked, but {self.progressive_why}"
+        if len(remote.addresses) != self.owner._tp_size or remote.block_sizes != self.block_sizes:
+            return (
+                f"a progressive transfer needs equal TP sizes and block sizes: the prefill has "
+                f"{len(remote.addresses)} ranks and {remote.block_sizes} tokens per block, this "
+                f"engine {self.owner._tp_size} and {self.block_sizes}"
+            )
+        if any(local_hit % b for b in self.block_sizes):
+            return f"this engine's cached prefix of {local_hit} tokens does not end on a block"
+        return None
+
+    def _follow(self, rid: str, remote: _Remote, blocks: KVCacheBlocks, local_hit: int, total: int) -> None:
+        """The progressive read of ``rid``: per group, this engine's blocks of the prompt after
+        its cached prefix (the prefill's first blocks up to it are skipped)."""
+        local, skip, refused = [], [], ""
+        for g, ids in enumerate(blocks.get_block_ids()):
+            first, last = local_hit // self.block_sizes[g], math.ceil(total / self.block_sizes[g])
+            mine = list(ids[first:last])
+            if len(mine) != last - first or 0 in mine:
+                refused = f"KV cache group {g}: blocks {first} to {last} are needed, {list(ids)} are allocated"
+                logger.error("KvlinkConnector: %s: %s", rid, refused)
+                mine = list(ids)
+            local.append(mine)
+            skip.append(first)
+        self.meta.reads[rid] = ReadSpec(
+            remote_addresses=remote.addresses,
+            remote_request_id=remote.request_id,
+            local_blocks=local,
+            remote_blocks=[[] for _ in local],
+            refused=refused,
+            hold=remote.hold,
+            follow=True,
+            skip=skip,
+        )
+        self.reading.add(rid)
+
     def update_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_recving or ():
             self.reading.discard(rid)
@@ -401,21 +294,30 @@ class _SchedulerSide:
     def build_meta(self, so: SchedulerOutput) -> KvlinkConnectorMetadata:
         for rid in getattr(so, "preempted_req_ids", None) or ():
             p = self.producing.get(rid)
-            if p is not None and p.held is not None:
+            if p is not None and p.growing is not None:
+                # Preempted while it grows: the hold ends (its decode recomputes), and the
+                # request, computed again later, grows no more.
+                if p.growing.started and not p.growing.dead:
+                    self.meta.releases.append(rid)
+                self.meta.grows.pop(rid, None)
+                self.meta.growth.pop(rid, None)
+                p.growing.dead, p.held = True, None
+            elif p is not None and p.held is not None:
                 self.meta.releases.append(rid)
                 self.meta.holds.pop(rid, None)
                 self.meta.hold_tokens.pop(rid, None)
                 p.held = None
         for rid, n in so.num_scheduled_tokens.items():
             p = self.producing.get(rid)
+            if p is not None and p.growing is not None:
+                self._grow(p, n)
+                continue
             if p is None or p.held is not None:
                 continue
             req = p.request
             if req.num_computed_tokens + n < req.num_prompt_tokens:
                 continue  # the prompt is not complete after this step
-            manager = self.owner._kv_cache_manager
-            if manager is None:
-                raise RuntimeError("KvlinkConnector: the scheduler did not bind its KV cache manager")
+            manager = self._manager()
             held = [
                 _running_state(list(ids), g.scratch)
                 if g.state
@@ -431,6 +333,40 @@ class _SchedulerSide:
         meta, self.meta = self.meta, KvlinkConnectorMetadata()
         return meta
 
+    def _growing(self, request: Request) -> Growing | None:
+        """The progressive transfer a prefill request asks for (``transfer_id`` and
+        ``transfer_hold`` in its parameters), if this engine can make it; otherwise its blocks
+        are held once its prompt is done, as in the sequential flow."""
+        asked = transfer_of(request.kv_transfer_params or {})
+        why = asked if isinstance(asked, str) else self.progressive_why if asked else None
+        if why is not None:
+            logger.warning("KvlinkConnector: %s: no progressive transfer: %s", request.request_id, why)
+            return None
+        return None if asked is None else Growing(*asked)
+
+    def _grow(self, p: _Producing, n: int) -> None:
+        """A step of ``n`` tokens of progressive request ``p``: its hold opened at its first
+        step, the blocks final before and after the step's forward, sealed at the prompt's end."""
+        g, req = p.growing, p.request
+        assert g is not None
+        ids = [list(x) for x in self._manager().get_block_ids(req.request_id)]
+        growth = g.step(ids, self.block_sizes, req.num_computed_tokens, n, req.num_prompt_tokens)
+        if growth is None:
+            return
+        if not g.started:
+            self.meta.grows[req.request_id] = (g.transfer_id, g.hold)
+            g.started = True
+        self.meta.growth[req.request_id] = growth
+        if growth.seal:
+            p.held = [x[:e] for x, e in zip(ids, g.announced)]
+            p.hold = g.hold
+
+    def _manager(self) -> Any:
+        manager = self.owner._kv_cache_manager
+        if manager is None:
+            raise RuntimeError("KvlinkConnector: the scheduler did not bind its KV cache manager")
+        return manager
+
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
@@ -440,6 +376,8 @@ class _SchedulerSide:
         p = self.producing.pop(rid, None)
         if p is not None:
             normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+            if p.growing is not None:
+                return self._finished_growing(request, p, normal)
             if p.held is None:
                 self.meta.holds.pop(rid, None)
                 self.meta.hold_tokens.pop(rid, None)
@@ -453,24 +391,12 @@ class _SchedulerSide:
                 self.meta.hold_tokens.pop(rid, None)
                 self.meta.releases.append(rid)
                 return False, None
-            return True, {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "remote_addresses": list(self.addresses),
-                "remote_request_id": rid,
-                "remote_hold": p.hold,
-                # One list per KV cache group (a flat list when there is one group).
-                "remote_block_ids": [list(g) for g in p.held] if len(p.held) > 1 else list(p.held[0]),
-                "remote_num_tokens": request.num_prompt_tokens,
-                # Tokens per block of each KV cache group (a decode of another size reads
-                # token ranges).
-                "remote_block_sizes": list(self.block_sizes),
-                "remote_engine_id": self.owner._kv_transfer_config.engine_id,
-                "tp_size": len(self.addresses),
-            }
+            return True, self._offer(request, p, rid)
         self.warned.discard(rid)
         if not params:
             return False, None
+        if params.get(PROBE):
+            return False, {"kvlink": self.describe()}
         if params.get("do_remote_prefill"):
             # Finished (aborted, refused) before its blocks were allocated: never read.
             params["do_remote_prefill"] = False
@@ -485,56 +411,46 @@ class _SchedulerSide:
             self.meta.cancels.append(rid)
         return False, None
 
+    def _finished_growing(self, request: Request, p: _Producing, normal: bool) -> tuple[bool, dict[str, Any] | None]:
+        """A progressive request finished: its blocks are kept for its reader when the hold was
+        sealed, else the hold ends (the decode recomputes)."""
+        g, rid = p.growing, request.request_id
+        assert g is not None
+        if not g.started:
+            return False, None
+        if g.sealed and not g.dead and normal and self.addresses is not None:
+            return True, self._offer(request, p, g.transfer_id)
+        if not g.dead:
+            self.meta.releases.append(rid)
+        return False, None
 
-@dataclass
-class _Remote:
-    addresses: list[str]
-    request_id: str
-    blocks: list[list[int]]
-    """Per KV cache group, the prefill's block at each position (0: none sent)."""
-    num_tokens: int
-    block_sizes: list[int]
-    """Per KV cache group, the prefill's tokens per block."""
-    hold: int | None = None
-    """The token of the prefill's hold (None from a prefill of an earlier kvlink)."""
+    def _offer(self, request: Request, p: _Producing, held_as: str) -> dict[str, Any]:
+        """The transfer parameters of a held request for its decode (``held_as``: the id its
+        hold is under)."""
+        assert p.held is not None and self.addresses is not None
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_addresses": list(self.addresses),
+            "remote_request_id": held_as,
+            "remote_hold": p.hold,
+            # One list per KV cache group (a flat list when there is one group).
+            "remote_block_ids": [list(g) for g in p.held] if len(p.held) > 1 else list(p.held[0]),
+            "remote_num_tokens": request.num_prompt_tokens,
+            # Tokens per block of each KV cache group (a decode of another size reads
+            # token ranges).
+            "remote_block_sizes": list(self.block_sizes),
+            "remote_engine_id": self.owner._kv_transfer_config.engine_id,
+            "tp_size": len(self.addresses),
+            "progressive": self.progressive_why is None,
+        }
 
-
-def _block_list(blocks: Any) -> bool:
-    return core.block_ids(blocks) is not None
-
-
-def _remote(params: dict[str, Any], block_sizes: list[int]):
-    """The prefill side of ``kv_transfer_params``, validated (they come from a client through
-    the proxy), or why they are unusable."""
-    try:
-        addresses = params["remote_addresses"]
-        rid = params["remote_request_id"]
-        blocks = params["remote_block_ids"]
-    except KeyError as e:
-        return f"kv_transfer_params lack {e.args[0]!r}"
-    if not isinstance(addresses, (list, tuple)) or not addresses or not all(isinstance(a, str) for a in addresses):
-        return "remote_addresses must be a non-empty list of 'host:port' strings"
-    if not isinstance(rid, str) or not rid:
-        return "remote_request_id must be a non-empty string"
-    if _block_list(blocks):
-        groups = [list(blocks)]
-    elif isinstance(blocks, (list, tuple)) and blocks and len(blocks) <= 64 and all(_block_list(g) for g in blocks):
-        groups = [list(g) for g in blocks]
-    else:
-        return (
-            "remote_block_ids must be a list of block ids (integers 0 to 2^32-1), or one such list per KV cache group"
+    def describe(self) -> dict[str, Any]:
+        """What this engine answers a proxy's probe (``kvlink.vllm.progressive.describe``)."""
+        return describe(
+            self.addresses,
+            self.owner._tp_size,
+            self.block_sizes,
+            self.progressive_why,
+            self.owner._kv_transfer_config.engine_id,
         )
-    sizes = params.get("remote_block_sizes")
-    if sizes is None:  # a prefill of an earlier kvlink: this engine's sizes
-        sizes = block_sizes if len(block_sizes) == len(groups) else [block_sizes[0]] * len(groups)
-    if not _block_list(sizes) or not sizes or 0 in sizes:
-        return "remote_block_sizes must be a positive integer per KV cache group"
-    tokens = params.get("remote_num_tokens")
-    if tokens is None:
-        tokens = min(len(g) * b for g, b in zip(groups, sizes))
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
-        return "remote_num_tokens must be a non-negative integer"
-    hold = params.get("remote_hold")
-    if hold is not None and core.hold_token(hold) is None:
-        return "remote_hold must be an integer from 1 to 2^64-1"
-    return _Remote(list(addresses), rid, groups, tokens, list(sizes), hold)

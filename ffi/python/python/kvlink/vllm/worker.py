@@ -26,6 +26,7 @@ from .layout import (
     state_layout,
 )
 from .metadata import KvlinkConnectorMetadata, KvlinkConnectorStats, KvlinkHandshakeMetadata, ReadSpec
+from .progressive import AfterKernels, Growth, LayerParts
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -76,6 +77,16 @@ class _WorkerSide:
         # Prefill: requests held (granted), and sends that ended before the scheduler listed
         # the request as finished (vLLM wants finished sends only for requests it finished).
         self.held: set[str] = set()
+        # Progressive holds: request id -> its hold's id (the transfer id), and back.
+        self.hold_ids: dict[str, str] = {}
+        self.hold_owner: dict[str, str] = {}
+        # Progressive holds: what this step makes final, applied as its forward writes it.
+        self.growth: dict[str, Growth] = {}
+        self.layer_parts: LayerParts | None = None
+        self.layers_per_part = owner._layers_per_part
+        self.after_kernels: AfterKernels | None = None
+        # Progressive holds that stopped growing (ended early, or a part refused).
+        self.stunted: set[str] = set()
         self.scheduler_finished: set[str] = set()
         self.sends_ended: set[str] = set()
         # Decode: reads in flight, request id -> the read (its local blocks for load errors,
@@ -114,6 +125,12 @@ class _WorkerSide:
         tokens = _tokens_per_block(self.kv_cache_config, state, self.block_size)
         self.engine.set_layout(tensors, tokens, layout_tag(first.dtype, head_major, self.kv_heads is None, conv))
         self.registered = True
+        self.after_kernels = AfterKernels(first.device, self._hold_error)
+        if len(tensors) == len(layers) and len({g for _, g in layers}) == 1:
+            # One tensor per layer, in the order vLLM runs them: a progressive hold can grow
+            # by a group of layers as the forward writes them.
+            tensor_of = {name: i for i, (name, _) in enumerate(layers)}
+            self.layer_parts = LayerParts(tensor_of, len(tensors), self.layers_per_part)
         total = sum(size for _, size, _ in memory)
         logger.info(
             "KvlinkConnector rank %d: registered %d layers (%d blocks, %.1f MiB in %d allocation(s), "
@@ -155,8 +172,13 @@ class _WorkerSide:
         for rid in meta.releases:
             if rid in self.held:
                 self.held.discard(rid)
-                self._guard("release", rid, self.engine.release, rid)
+                self.growth.pop(rid, None)
+                hid = self.hold_ids.pop(rid, rid)
+                self.hold_owner.pop(hid, None)
+                self.stunted.discard(rid)
+                self._guard("release", rid, self.engine.release, hid)
             self.sends_ended.discard(rid)
+        self._grow(meta)
         for rid, blocks in meta.holds.items():
             if rid in self.held:  # held again after a preemption: the blocks may differ
                 self.engine.release(rid)
@@ -175,16 +197,27 @@ class _WorkerSide:
                     raise kvlink.InvalidArgument(spec.refused)
                 # The prefill's whole TP group: kvlink reads the ranks this rank pairs with
                 # (its share of one rank's heads, or several ranks' heads side by side).
-                self.engine.read_blocks(
-                    list(spec.remote_addresses),
-                    rid,
-                    spec.local_blocks,
-                    spec.remote_blocks,
-                    remote_request_id=spec.remote_request_id,
-                    remote_tokens_per_block=spec.remote_block_size or None,
-                    first_tokens=spec.first_tokens or None,
-                    hold=spec.hold,
-                )
+                if spec.follow:
+                    # Equal TP sizes: this rank follows the prefill rank of its own rank.
+                    self.engine.follow_blocks(
+                        spec.remote_addresses[self.tp_rank],
+                        rid,
+                        spec.local_blocks,
+                        remote_request_id=spec.remote_request_id,
+                        hold=spec.hold,
+                        skip=spec.skip,
+                    )
+                else:
+                    self.engine.read_blocks(
+                        list(spec.remote_addresses),
+                        rid,
+                        spec.local_blocks,
+                        spec.remote_blocks,
+                        remote_request_id=spec.remote_request_id,
+                        remote_tokens_per_block=spec.remote_block_size or None,
+                        first_tokens=spec.first_tokens or None,
+                        hold=spec.hold,
+                    )
             except Exception as e:  # noqa: BLE001 - every refusal ends as a failed read
                 # Refused at once: it ends like a failed read (vLLM recomputes or fails it),
                 # and the prefill frees its blocks now rather than at its abort timeout.
@@ -203,6 +236,78 @@ class _WorkerSide:
                 self.cancelled.add(rid)
         for addresses, remote_id, reason, hold in meta.rejects:
             self._reject(addresses, remote_id, reason, hold)
+
+    def _grow(self, meta: KvlinkConnectorMetadata) -> None:
+        """Progressive holds: opens those asked for, extends them by the blocks final before
+        this step's forward, and keeps what the forward completes for ``layer_saved`` and
+        ``forward_done``."""
+        groups = len(self.kv_cache_config.kv_cache_groups) if self.kv_cache_config is not None else 1
+        for rid, (tid, token) in meta.grows.items():
+            if self._guard("hold", rid, self.engine.hold_growing, tid, [[] for _ in range(groups)], None, None, token):
+                self.held.add(rid)
+                self.hold_ids[rid], self.hold_owner[tid] = tid, rid
+            else:
+                self.sends_ended.add(rid)
+        if self.layer_parts is not None:
+            self.layer_parts.reset()
+        for rid, growth in meta.growth.items():
+            if rid not in self.hold_ids:
+                continue
+            if any(growth.now):
+                self._after(rid, self.engine.extend_hold, self.hold_ids[rid], growth.now)
+            self.growth[rid] = growth
+
+    def layer_saved(self, layer_name: str) -> None:
+        """vLLM's save hook: layer ``layer_name`` of this step's forward is written. Once a
+        part's worth of layers is, the progressive holds grow by those layers of the step's
+        blocks."""
+        if not self.growth or self.layer_parts is None:
+            return
+        part = self.layer_parts.layer(layer_name)
+        if part is None:
+            return
+        for rid, growth in self.growth.items():
+            if any(growth.after):
+                blocks = growth.after if part[0] == 0 else [[]]
+                self._after(rid, self.engine.extend_hold, self.hold_ids[rid], blocks, part)
+
+    def forward_done(self) -> None:
+        """The step's forward is done: the progressive holds grow by the rest of what it
+        completed, and those whose prompt it completed are sealed."""
+        if not self.growth:
+            return
+        rest = self.layer_parts.rest() if self.layer_parts is not None else None
+        for rid, growth in self.growth.items():
+            tid = self.hold_ids[rid]
+            if any(growth.after):
+                if rest is None:
+                    self._after(rid, self.engine.extend_hold, tid, growth.after)
+                else:
+                    self._after(rid, self.engine.extend_hold, tid, [[]], rest)
+            if growth.seal:
+                self._after(rid, self.engine.seal_hold, tid)
+        self.growth = {}
+
+    def _after(self, rid: str, fn, *args) -> None:
+        """Calls ``fn(*args)`` on a hold of ``rid`` once the device wrote what the forward
+        queued so far (at once on the CPU)."""
+        assert self.after_kernels is not None
+        if fn == self.engine.extend_hold:
+            self.stats.record_part()
+        self.after_kernels.run(rid, lambda: None if rid in self.stunted else fn(*args))
+
+    def _hold_error(self, rid: str, e: BaseException) -> None:
+        """A progressive hold that could not grow (it ended: its reader gave up or failed, or
+        the engine refused the part): it grows no more, its reader fails if it has not (the
+        decode recomputes), and the send ends once the scheduler finishes the request."""
+        self.stunted.add(rid)
+        hid = self.hold_ids.get(rid)
+        if hid is not None and self.engine.release(hid):
+            logger.error("KvlinkConnector: the hold of %s could not grow, released: %s", rid, e)
+            self.held.discard(rid)
+            self.sends_ended.add(rid)
+        else:
+            logger.info("KvlinkConnector: the hold of %s ended before its prompt: %s", rid, e)
 
     def _reject(self, addresses: list[str], remote_id: str, reason: str, hold: int | None, own: bool = False) -> None:
         """Tells the prefill ranks this rank reads that a request will not be read. For the
@@ -232,7 +337,8 @@ class _WorkerSide:
         f = self.engine.get_finished()
         recving: set[str] = set()
         failed: set[str] = set()
-        for rid in f.sending:
+        for hid in f.sending:
+            rid = self._owner(hid)
             if rid in self.held:
                 self.held.discard(rid)
                 self.sends_ended.add(rid)
@@ -245,6 +351,7 @@ class _WorkerSide:
             rid = failure["id"]
             self.stats.record_failure(failure["cause"])
             if failure["side"] == "send":
+                rid = self._owner(rid)
                 if rid in self.held:
                     logger.warning("KvlinkConnector: send of %s ended without a read: %s", rid, failure["reason"])
                     self.held.discard(rid)
@@ -275,6 +382,15 @@ class _WorkerSide:
         self.scheduler_finished &= self.held | self.sends_ended
         return sending, recving, failed
 
+    def _owner(self, hold_id: str) -> str:
+        """The request a hold ended for was held for (its own id, or a progressive transfer's
+        request); its progressive record is dropped."""
+        rid = self.hold_owner.pop(hold_id, hold_id)
+        if self.hold_ids.get(rid) == hold_id:
+            del self.hold_ids[rid]
+            self.stunted.discard(rid)
+        return rid
+
     def _load_failed(self, spec: ReadSpec) -> None:
         """Records the blocks of a failed read as load errors, where vLLM can take them: with
         one KV cache group (its block ids are unique only within a group; with several, vLLM
@@ -293,6 +409,8 @@ class _WorkerSide:
         return out
 
     def close(self) -> None:
+        if self.after_kernels is not None:
+            self.after_kernels.close()
         if self.metrics is not None:
             self.metrics.shutdown()
         self.engine.close()
