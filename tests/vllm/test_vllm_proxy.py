@@ -28,7 +28,19 @@ from harness import Proc, assert_no_leak, close  # noqa: E402
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
-from kvlink.vllm.proxy import Proxy  # noqa: E402
+from kvlink.vllm.proxy import Instance, Proxy, pick, progressive_pair  # noqa: E402
+
+
+def test_the_pair_and_the_flow_are_picked_by_load_and_by_what_the_probes_said():
+    a, b, c = Instance("a", in_flight=2), Instance("b", in_flight=1), Instance("c", in_flight=1)
+    assert pick([a, b, c], 0).url == "b" and pick([a, b, c], 2).url == "c"
+    info = {"addresses": ["h:1"], "tp_size": 1, "block_sizes": [16], "progressive": True}
+    assert progressive_pair(info, dict(info, addresses=[])) is None  # a decode's addresses are not used
+    assert "did not answer" in progressive_pair(info, None)
+    assert "cannot" in progressive_pair(info, dict(info, progressive=False, why_not_progressive="a window"))
+    assert "differ" in progressive_pair(info, dict(info, tp_size=2))
+    assert "differ" in progressive_pair(info, dict(info, block_sizes=[32]))
+    assert "no kvlink addresses" in progressive_pair(dict(info, addresses=[]), info)
 
 
 class Server:
