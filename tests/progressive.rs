@@ -107,6 +107,35 @@ fn a_read_follows_a_growing_hold_part_by_part_and_confirms_after_the_seal() {
     }
 }
 
+/// A decode that gives up a request it follows before the prefill holds it (its request was
+/// aborted) tells the prefill: the hold fails as soon as the prefill opens it, instead of
+/// keeping the blocks until its abort timeout.
+#[test]
+fn a_read_cancelled_before_the_hold_fails_the_hold_at_once() {
+    let (prefill, decode, peer) = pair(TransportChoice::Tcp);
+    let mut req = FollowRequest::blocks(&peer, "c", &[1, 2]);
+    req.hold = Some(77);
+    decode.engine.follow(req).unwrap();
+    // The follow reaches the prefill before the cancel (its session is up).
+    eventually("the session", || {
+        decode.engine.session_state(&peer) == kvlink::SessionState::Up
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(decode.engine.cancel("c"));
+    let f = failure(&decode, "c");
+    assert_eq!(f.cause, FailureCause::Cancelled);
+    // The abort arrives; then the prefill holds the request.
+    std::thread::sleep(Duration::from_millis(200));
+    let mut hold = HoldRequest::blocks("c", &[3, 4]);
+    hold.token = Some(77);
+    prefill.engine.hold_growing(hold).unwrap();
+    let got = collect(&prefill.engine, Duration::from_secs(10), |f| {
+        !f.failed.is_empty()
+    });
+    assert_eq!(got.failed[0].cause, FailureCause::Peer, "{:?}", got.failed);
+    assert_eq!(prefill.engine.in_flight(), (0, 0));
+}
+
 /// A decode that has the request's first blocks (a cached prefix) skips them: it reads the
 /// blocks after them only, and is confirmed for the whole sealed hold.
 #[test]

@@ -429,7 +429,8 @@ impl CompletionTracker {
     }
 
     /// Applies notice `notice` about send `id` from `reader` (`hold`: the hold it names). Refuses (and stores nothing for)
-    /// a request that is not held, or that is held for other readers. A done notice finishes
+    /// a request that is not held, or that is held for other readers; an abort of a request
+    /// the reader follows before it is held fails that hold once it is opened. A done notice finishes
     /// the send once every reader confirmed; an abort fails it at once. Returns when the hold
     /// began.
     pub fn handle_notice(
@@ -440,7 +441,18 @@ impl CompletionTracker {
         hold: Option<u64>,
     ) -> std::result::Result<Instant, Refusal> {
         let own = self.tp;
-        let held = Self::held(&mut self.held, id, hold)?;
+        let held = match Self::held(&mut self.held, id, hold) {
+            Ok(held) => held,
+            Err(refused) => {
+                // A reader that follows a request not held yet may abort it first.
+                if let SendNotice::Aborted(why) = &notice {
+                    if self.abort_pending(id, reader, hold, why) {
+                        return Ok(Instant::now());
+                    }
+                }
+                return Err(refused);
+            }
+        };
         if notice == SendNotice::Done && !held.sealed {
             return Err(Refusal::new(
                 RefusalKind::NotHeld,

@@ -301,7 +301,8 @@ impl EngineState {
         self.completions.update(|t| {
             let now = Instant::now();
             t.open_hold(id.clone(), grant.clone(), order, terms, now)?;
-            if let Some(h) = &table {
+            // (A hold its reader aborted before it was opened ended at once.)
+            if let Some(h) = table.as_ref().filter(|_| t.is_holding(&id)) {
                 if let Some(slot) = h.insert(&id, token, grant.blocks_hash()) {
                     grant.publish(h.clone(), slot);
                 }

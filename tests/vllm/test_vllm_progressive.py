@@ -182,6 +182,25 @@ def test_a_prefill_aborted_mid_prompt_fails_the_read_and_the_decode_recomputes(p
     assert_no_leak([prefill, decode])
 
 
+def test_a_decode_aborted_before_the_prefill_holds_anything_frees_it_at_once(pair):
+    """The client went away while the decode waited: its read is cancelled, and the prefill,
+    told before it held the request, fails the hold as it opens it (its abort timeout is
+    300 s: only that frees it in time)."""
+    prefill, decode = pair
+    tokens = prompt(8, 100)
+    p, d = legs(prefill, "t-e1")
+    decode.call("add", "d-e1", tokens, 2, d)
+    for _ in range(5):
+        decode.call("step")
+        time.sleep(0.02)
+    decode.call("abort", ["d-e1"])
+    step_until([decode], lambda f: decode.call("state")["requests"] == 0, what="the decode's abort")
+    time.sleep(0.2)
+    prefill.call("add", "e1", tokens, 1, p)
+    assert_no_leak([prefill, decode])
+    assert "d-e1" not in decode.call("state")["verified"]
+
+
 def test_a_decode_that_cannot_follow_computes_locally_and_frees_the_prefill(pair):
     prefill, decode = pair
     tokens = prompt(7, 100)

@@ -46,6 +46,10 @@ pub(super) struct PendingFollow {
     hold: Option<u64>,
     follower: Arc<dyn Follower>,
     pub(super) until: Instant,
+    /// Why the reader gave the request up before it was held, if it did: the hold, once
+    /// opened, fails at once instead of waiting its abort timeout for a read that will not
+    /// come.
+    aborted: Option<String>,
 }
 
 impl Held {
@@ -253,12 +257,27 @@ impl CompletionTracker {
             followers: Vec::new(),
             tail: None,
         };
+        let mut given_up = None;
         for p in self.pending.remove(&id).unwrap_or_default() {
+            if let Some(why) = p.aborted {
+                if p.hold.is_none_or(|t| t == h.token) {
+                    given_up = Some(why);
+                }
+                continue;
+            }
             let follower = p.follower.clone();
             if let Err(why) = h.attach(self.tp, &id, &p.reader, p.hold, p.follower) {
                 let reason = why.into_reason();
                 follower.announce(&id, Announcement::Ended { reason });
             }
+        }
+        if let Some(why) = given_up {
+            // A reader aborted the request before it was held: the send fails now, as it
+            // would had the abort come after the hold.
+            h.end_grants();
+            h.tell_ended(&id, &format!("a reader aborted the request: {why}"));
+            self.finish_send(id, SendNotice::Aborted(why));
+            return Ok(());
         }
         self.deadlines += 1;
         self.held.insert(id, h);
@@ -296,9 +315,34 @@ impl CompletionTracker {
                 hold,
                 follower,
                 until,
+                aborted: None,
             });
         self.deadlines += 1;
         Ok(())
+    }
+
+    /// Reader `reader` aborted request `id` (hold `hold`, when it names one) before it was
+    /// held: its follows of it are marked, so that the hold fails once opened. Whether it
+    /// followed the request (nothing is kept otherwise: the abort is refused).
+    pub(super) fn abort_pending(
+        &mut self,
+        id: &RequestId,
+        reader: &Reader,
+        hold: Option<u64>,
+        why: &str,
+    ) -> bool {
+        let Some(waiting) = self.pending.get_mut(id) else {
+            return false;
+        };
+        let mut any = false;
+        for p in waiting.iter_mut().filter(|p| p.reader == *reader) {
+            if hold.is_none() || p.hold.is_none() || p.hold == hold {
+                p.hold = p.hold.or(hold);
+                p.aborted = Some(why.to_string());
+                any = true;
+            }
+        }
+        any
     }
 
     /// Grows the growing hold of request `id` by a part, and tells its followers: `blocks`

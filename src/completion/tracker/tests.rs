@@ -756,3 +756,43 @@ fn a_part_made_final_tensor_by_tensor_is_told_in_order_and_completed_before_the_
     t.extend_hold(&"r".into(), &[vec![6]], Some(0..64)).unwrap();
     t.seal_hold(&"r".into()).unwrap();
 }
+
+/// A reader that follows a request and aborts it before it is held: the hold fails as soon as
+/// it opens (the send reported failed, nothing held), rather than wait its abort timeout for
+/// a read that will not come; an abort of a request nobody follows is still refused, and one
+/// naming another hold leaves that hold alone.
+#[test]
+fn an_abort_before_the_hold_fails_the_hold_when_it_opens() {
+    let t0 = Instant::now();
+    let mut t = CompletionTracker::new();
+    let heard = Arc::new(Heard::default());
+    let until = t0 + Duration::from_secs(3);
+    t.follow(&"r".into(), &rd("d"), Some(9), heard.clone(), until)
+        .unwrap();
+    let abort = |t: &mut CompletionTracker, id: &str, hold| {
+        t.handle_notice(
+            &id.into(),
+            &rd("d"),
+            SendNotice::Aborted("gone".into()),
+            hold,
+        )
+    };
+    abort(&mut t, "r", Some(9)).unwrap();
+    assert!(abort(&mut t, "q", None).is_err());
+    open(&mut t, "r", &[5, 2], t0);
+    assert!(!t.is_holding(&"r".into()));
+    let f = t.take_finished();
+    assert_eq!(f.failed.len(), 1);
+    assert_eq!(f.failed[0].cause, FailureCause::Peer);
+    assert!(
+        f.failed[0].reason.contains("gone"),
+        "{}",
+        f.failed[0].reason
+    );
+    // Aborted for hold 8, opened as hold 9: held.
+    t.follow(&"s".into(), &rd("d"), None, heard.clone(), until)
+        .unwrap();
+    abort(&mut t, "s", Some(8)).unwrap();
+    open(&mut t, "s", &[1], t0);
+    assert!(t.is_holding(&"s".into()));
+}

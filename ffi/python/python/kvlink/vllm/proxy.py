@@ -208,12 +208,17 @@ class Proxy:
         p_leg = asyncio.ensure_future(
             self.run_prefill(prefill, request.path, p_body, dict(headers, **{"X-Request-Id": tid}))
         )
+        answered = False
         try:
-            return await self.relay(request, decode, d_body, dict(headers, **{"X-Request-Id": tid}))
+            out = await self.relay(request, decode, d_body, dict(headers, **{"X-Request-Id": tid}))
+            answered = out.status == 200
+            return out
         finally:
-            # The prefill's answer is not the client's: it is awaited (its errors logged), and
-            # its instance told to stop when the client went away first.
-            if not p_leg.done():
+            # The prefill's answer is not the client's: it is awaited (its errors logged)
+            # once the decode answered; otherwise (the decode failed, the client went away)
+            # its connection is closed, which makes vLLM abort the prefill's request and
+            # release its hold.
+            if answered and not p_leg.done():
                 await asyncio.wait([p_leg], timeout=self.timeout.sock_read)
             if not p_leg.done():
                 p_leg.cancel()

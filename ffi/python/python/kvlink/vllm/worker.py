@@ -3,6 +3,7 @@ it runs, as the scheduler's metadata asks each step."""
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
@@ -85,8 +86,9 @@ class _WorkerSide:
         self.layer_parts: LayerParts | None = None
         self.layers_per_part = owner._layers_per_part
         self.after_kernels: AfterKernels | None = None
-        # Progressive holds that stopped growing (ended early, or a part refused).
+        # Progressive holds that stopped growing (ended early, or a part refused), and why.
         self.stunted: set[str] = set()
+        self.grow_errors: deque[tuple[str, str]] = deque()
         self.scheduler_finished: set[str] = set()
         self.sends_ended: set[str] = set()
         # Decode: reads in flight, request id -> the read (its local blocks for load errors,
@@ -298,16 +300,23 @@ class _WorkerSide:
 
     def _hold_error(self, rid: str, e: BaseException) -> None:
         """A progressive hold that could not grow (it ended: its reader gave up or failed, or
-        the engine refused the part): it grows no more, its reader fails if it has not (the
-        decode recomputes), and the send ends once the scheduler finishes the request."""
+        the engine refused the part): it grows no more; ``_stunted`` ends it at the next poll.
+        (On a GPU this runs on the holds' thread: it only records.)"""
         self.stunted.add(rid)
-        hid = self.hold_ids.get(rid)
-        if hid is not None and self.engine.release(hid):
-            logger.error("KvlinkConnector: the hold of %s could not grow, released: %s", rid, e)
-            self.held.discard(rid)
-            self.sends_ended.add(rid)
-        else:
-            logger.info("KvlinkConnector: the hold of %s ended before its prompt: %s", rid, e)
+        self.grow_errors.append((rid, str(e)))
+
+    def _stunted(self) -> None:
+        """Ends the holds that could not grow: the reader fails if it has not (the decode
+        recomputes), and the send ends once the scheduler finishes the request."""
+        while self.grow_errors:
+            rid, why = self.grow_errors.popleft()
+            hid = self.hold_ids.get(rid)
+            if hid is not None and rid in self.held and self.engine.release(hid):
+                logger.error("KvlinkConnector: the hold of %s could not grow, released: %s", rid, why)
+                self.held.discard(rid)
+                self.sends_ended.add(rid)
+            else:
+                logger.info("KvlinkConnector: the hold of %s ended before its prompt: %s", rid, why)
 
     def _reject(self, addresses: list[str], remote_id: str, reason: str, hold: int | None, own: bool = False) -> None:
         """Tells the prefill ranks this rank reads that a request will not be read. For the
@@ -334,6 +343,7 @@ class _WorkerSide:
     def poll(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """Finished sends, finished receives (failed ones included), failed receives."""
         self.scheduler_finished |= set(finished_req_ids or ())
+        self._stunted()
         f = self.engine.get_finished()
         recving: set[str] = set()
         failed: set[str] = set()
