@@ -32,6 +32,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 import traceback
 from typing import Any, Dict, List, Optional
 
@@ -189,6 +190,8 @@ class Engine:
         dp_index: int = 0,
         supported: Optional[List[str]] = None,
         prefix_caching: bool = True,
+        max_model_len: int = 2048,
+        chunk: int = 256,
     ):
         from vllm.config import (
             CacheConfig,
@@ -224,15 +227,15 @@ class Engine:
             skip_tokenizer_init=True,
             dtype="bfloat16",
             seed=0,
-            max_model_len=2048,
-            **MODEL_OPTIONS.get(model, {}),
+            max_model_len=max_model_len,
+            **MODEL_OPTIONS.get(os.path.basename(model), {}),
         )
         config = VllmConfig(
             model_config=mc,
             scheduler_config=SchedulerConfig(
                 max_num_seqs=16,
-                max_num_batched_tokens=256,
-                max_model_len=2048,
+                max_num_batched_tokens=chunk,
+                max_model_len=max_model_len,
                 enable_chunked_prefill=True,
                 is_encoder_decoder=False,
             ),
@@ -249,7 +252,7 @@ class Engine:
         # TP ranks live in this one process (no torch.distributed on CPU): each rank's
         # worker-side connector is made while kvlink.vllm.worker._tp_rank answers that rank.
         config.parallel_config.tensor_parallel_size = tp
-        if model in MODEL_OPTIONS:
+        if os.path.basename(model) in MODEL_OPTIONS:
             # vLLM lets a KV consumer of a multimodal model take pre-computed embeddings, whose
             # processor needs the tokenizer a folder without weights lacks; these tests send
             # text (token ids) only, which never reaches that processor.
@@ -382,6 +385,11 @@ class Engine:
         self.reads: Dict[str, int] = {}
         self.stats: Dict[str, Any] = {}
         self.finished_sending_seen = 0
+        # Benchmarks (tools/bench-vllm-overlap.py): seconds of emulated forward per token and
+        # layer (the forward then sleeps instead of writing, and nothing is checked), and when
+        # each request that loaded its KV was first scheduled (time.monotonic()).
+        self.compute = 0.0
+        self.admitted: Dict[str, float] = {}
         self.asynchronous = asynchronous
         # Asynchronous scheduling: the step scheduled before, whose output the scheduler takes
         # after scheduling the next one (vLLM's batch queue of two).
@@ -530,7 +538,9 @@ class Engine:
         for new in so.scheduled_new_reqs:
             req = self.scheduler.requests[new.req_id]
             if new.num_computed_tokens > 0 and (req.kv_transfer_params or {}).get("remote_request_id"):
-                self._verify(req, new.num_computed_tokens)
+                self.admitted[new.req_id] = time.monotonic()
+                if not self.compute:
+                    self._verify(req, new.num_computed_tokens)
         req_ids, sampled, work = [], [], []
         for rid, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
@@ -547,7 +557,9 @@ class Engine:
         for w in self.workers:
             w.start_load_kv(None)
         for layer in self.layer_names:
-            for req, start, end in work:
+            if self.compute:
+                time.sleep(self.compute * sum(end - start for _, start, end in work))
+            for req, start, end in work if not self.compute else ():
                 self._write(req, start, end, layer)
             if self.group_of[layer] not in self.scratch:
                 for w in self.workers:
@@ -613,6 +625,14 @@ class Engine:
         )
         req.kv_transfer_params = dict(params) if params else None
         self.scheduler.add_request(req)
+
+    def set_compute(self, seconds: float) -> None:
+        """Emulated forward time per token and layer (0: write and check every byte)."""
+        self.compute = seconds
+
+    def admitted_at(self, rid: str) -> Optional[float]:
+        """When ``rid`` was first scheduled with its KV loaded (``time.monotonic()``), if it was."""
+        return self.admitted.get(rid)
 
     def abort(self, rids: List[str]) -> None:
         from vllm.v1.request import RequestStatus
