@@ -559,8 +559,9 @@ class Engine:
         for layer in self.layer_names:
             if self.compute:
                 time.sleep(self.compute * sum(end - start for _, start, end in work))
-            for req, start, end in work if not self.compute else ():
-                self._write(req, start, end, layer)
+            else:
+                for req, start, end in work:
+                    self._write(req, start, end, layer)
             if self.group_of[layer] not in self.scratch:
                 for w in self.workers:
                     w.save_kv_layer(layer, self.caches[0][layer], None)

@@ -22,8 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import engine_process  # noqa: E402
 from harness import Proc, assert_no_leak, close, step_until  # noqa: E402
 
-from kvlink.vllm.progressive import Growing, LayerParts, progressive_why, transfer_of  # noqa: E402
+from kvlink.vllm.progressive import Growing, LayerParts, _written, progressive_why, transfer_of  # noqa: E402
 from kvlink.vllm.groups import _Group  # noqa: E402
+from kvlink.vllm.params import _remote  # noqa: E402
 
 BS = engine_process.BLOCK_SIZE
 
@@ -60,12 +61,34 @@ def test_layer_parts_are_given_in_order_once_every_layer_before_is_written():
     assert LayerParts({"a": 0, "b": 1}, 2, 0).layer("a") is None
 
 
+def test_a_hold_grows_only_once_the_kernels_reached_its_event_and_gives_up_at_the_deadline():
+    class Event:
+        def __init__(self, ready_after: int):
+            self.looks = 0
+            self.ready_after = ready_after
+
+        def query(self) -> bool:
+            self.looks += 1
+            return self.looks > self.ready_after
+
+    late = Event(3)
+    assert _written(late, time.monotonic() + 5) and late.looks == 4
+    start = time.monotonic()
+    assert not _written(Event(10**9), start + 0.05)
+    assert time.monotonic() - start < 2
+
+
 def test_transfer_params_and_kinds_are_checked():
     assert transfer_of({"do_remote_decode": True}) is None
     assert transfer_of({"transfer_id": "x", "transfer_hold": 3}) == ("x", 3)
     for bad in ({"transfer_id": "", "transfer_hold": 3}, {"transfer_id": "x", "transfer_hold": 0},
                 {"transfer_id": "x", "transfer_hold": True}, {"transfer_id": 7, "transfer_hold": 3}):
         assert isinstance(transfer_of(bad), str), bad
+    follow = {"progressive": True, "remote_addresses": ["h:1"], "remote_request_id": "t", "remote_block_sizes": [16]}
+    r = _remote(follow, [16])
+    assert not isinstance(r, str) and r.follow and r.blocks == [[]], r
+    for sizes in ("abc", [0], [16] * 65, 16, None):
+        assert isinstance(_remote(dict(follow, remote_block_sizes=sizes), [16]), str), sizes
     assert progressive_why([_Group(0, 16), _Group(0, 16)]) is None
     assert "sliding window" in progressive_why([_Group(0, 16), _Group(128, 16)])
     assert "state" in progressive_why([_Group(0, 16, state=True)])

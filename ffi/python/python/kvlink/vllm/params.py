@@ -35,12 +35,14 @@ def _remote(params: dict[str, Any], block_sizes: list[int]):
     try:
         addresses = params["remote_addresses"]
         rid = params["remote_request_id"]
-        # A progressive transfer's blocks are told as they are held.
-        blocks = [[] for _ in params["remote_block_sizes"]] if follow else params["remote_block_ids"]
-    except (KeyError, TypeError) as e:
-        return (
-            f"kv_transfer_params lack {e.args[0]!r}" if isinstance(e, KeyError) else "remote_block_sizes must be a list"
-        )
+        blocks = params["remote_block_sizes" if follow else "remote_block_ids"]
+    except KeyError as e:
+        return f"kv_transfer_params lack {e.args[0]!r}"
+    if follow:
+        # A progressive transfer's blocks are told as they are held: none per group for now.
+        if not _block_list(blocks) or not 0 < len(blocks) <= 64:
+            return "remote_block_sizes must be a positive integer per KV cache group (at most 64)"
+        blocks = [[] for _ in blocks]
     if not isinstance(addresses, (list, tuple)) or not addresses or not all(isinstance(a, str) for a in addresses):
         return "remote_addresses must be a non-empty list of 'host:port' strings"
     if not isinstance(rid, str) or not rid:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,6 +154,23 @@ class LayerParts:
         return out
 
 
+#: How long a hold's extension waits for the kernels queued before it (a GPU that takes
+#: longer is taken as hung: the hold grows no more and its reader recomputes).
+KERNEL_DEADLINE = 60.0
+
+
+def _written(event: Any, deadline: float) -> bool:
+    """Whether the device reached ``event`` before ``deadline``: polled, sleeping 50 us to 2 ms
+    between looks (a forward's layer takes about as long)."""
+    pause = 50e-6
+    while not event.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 2e-3)
+    return True
+
+
 class AfterKernels:
     """Runs actions once the device work queued before them is done: at once on the CPU; on a
     GPU after a CUDA event recorded on the current stream, in order, on a thread of its own
@@ -183,8 +201,10 @@ class AfterKernels:
             if job is None:
                 return
             event, what, action = job
-            event.synchronize()
-            self._call(what, action)
+            if _written(event, time.monotonic() + KERNEL_DEADLINE):
+                self._call(what, action)
+            else:
+                self.on_error(what, TimeoutError(f"the forward's kernels did not finish within {KERNEL_DEADLINE} s"))
 
     def _call(self, what: str, action: Callable[[], Any]) -> None:
         try:

@@ -59,7 +59,8 @@ class _WorkerSide:
         self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
         # vLLM's block ids are unique only within a KV cache group: with several groups a
         # failed read is reported by request (failed_recving), never by block.
-        self.block_errors = owner._num_groups <= 1
+        self.num_groups = owner._num_groups
+        self.block_errors = self.num_groups <= 1
         self.kv_heads = _kv_heads(owner._vllm_config, self.tp_size)
         # Each data-parallel engine's ranks take the next tp_size ports.
         offset = owner._dp_index * self.tp_size + self.tp_rank
@@ -243,9 +244,9 @@ class _WorkerSide:
         """Progressive holds: opens those asked for, extends them by the blocks final before
         this step's forward, and keeps what the forward completes for ``layer_saved`` and
         ``forward_done``."""
-        groups = len(self.kv_cache_config.kv_cache_groups) if self.kv_cache_config is not None else 1
         for rid, (tid, token) in meta.grows.items():
-            if self._guard("hold", rid, self.engine.hold_growing, tid, [[] for _ in range(groups)], None, None, token):
+            no_blocks: list[list[int]] = [[] for _ in range(self.num_groups)]
+            if self._guard("hold", rid, self.engine.hold_growing, tid, no_blocks, None, None, token):
                 self.held.add(rid)
                 self.hold_ids[rid], self.hold_owner[tid] = tid, rid
             else:
