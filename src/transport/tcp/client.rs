@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
@@ -15,6 +15,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::timeout;
 
+mod pending;
 mod receive;
 
 use super::wire::{self, Entry, Extras};
@@ -26,6 +27,7 @@ use crate::transport::stream::{batch, proof};
 use crate::transport::{
     bounded, ConfirmAsk, Confirmed, ReadDone, ReadFuture, ReadOp, RequestCtl, Transport, Waits,
 };
+use pending::Pending;
 
 /// Requests in flight per stream (bounds memory and queueing towards a slow peer).
 const PIPELINE: usize = 16;
@@ -34,6 +36,9 @@ const PIPELINE: usize = 16;
 type Done = mpsc::Sender<Result<Option<Confirmed>>>;
 
 struct Batch {
+    /// When its request was handed to the stream (a response `io_timeout` late breaks the
+    /// stream).
+    queued: Instant,
     /// The request whose held blocks the batch reads.
     id: RequestId,
     /// The hold token, session and confirmation its request carries.
@@ -84,7 +89,7 @@ struct SendSide {
     /// The request being encoded.
     buf: Vec<u8>,
     /// The stream's reader task learns each batch here before its request goes out.
-    pending: mpsc::Sender<Batch>,
+    pending: Arc<Pending>,
 }
 
 impl SendSide {
@@ -138,9 +143,9 @@ impl Stream {
             return Err(batch);
         };
         side.encode(&batch);
-        if let Err(e) = side.pending.try_send(batch) {
+        if let Err(batch) = side.pending.try_push(batch) {
             side.tag -= 1;
-            return Err(e.into_inner());
+            return Err(batch);
         }
         let sent = match side.wr.try_write(&side.buf) {
             Ok(n) => n,
@@ -217,17 +222,17 @@ impl TcpTransport {
             }
             let (rd, wr) = s.into_split();
             let (tx, rx) = mpsc::channel::<Batch>(PIPELINE);
-            let (ptx, prx) = mpsc::channel::<Batch>(PIPELINE);
+            let pending = Arc::new(Pending::new());
             let send = Arc::new(tokio::sync::Mutex::new(SendSide {
                 wr,
                 tag: 0,
                 buf: Vec::new(),
-                pending: ptx,
+                pending: pending.clone(),
             }));
             let w = tokio::spawn(writer(send.clone(), rx, health.clone(), peer, io_timeout));
             let r = tokio::spawn(reader(
                 rd,
-                prx,
+                pending,
                 health.clone(),
                 peer,
                 io_timeout,
@@ -289,6 +294,7 @@ impl TcpTransport {
         for (i, ops) in batches.into_iter().enumerate() {
             let bytes = ops.iter().map(|o| o.local.len()).sum();
             let batch = Batch {
+                queued: Instant::now(),
                 id: id.clone(),
                 extras,
                 ops,
@@ -373,7 +379,11 @@ async fn writer(
         let side = &mut *side;
         side.encode(&batch);
         // The reader must know the batch before its response can arrive.
-        if side.pending.send(batch).await.is_err() {
+        if let Err(batch) = side.pending.push_waiting(batch).await {
+            batch.finish(Err(Error::ConnectionLost {
+                peer: peer.to_string(),
+                reason: "data stream closed".into(),
+            }));
             break;
         }
         let r = timeout(io_timeout, side.wr.write_all(&side.buf)).await;
@@ -385,74 +395,86 @@ async fn writer(
     health.broken.store(true, Ordering::Release);
 }
 
-// Long: one stream's receive loop: its staging buffers, its pending batches and the idle socket
-//   watch live across iterations and are used by every branch.
+// Long: one stream's receive loop: its staging buffers and the idle socket watch live across
+//   iterations and are used by every branch.
 async fn reader(
     mut rd: OwnedReadHalf,
-    mut pending: mpsc::Receiver<Batch>,
+    pending: Arc<Pending>,
     health: Arc<Health>,
     peer: SocketAddr,
     io_timeout: Duration,
     staging: Arc<StagingPool>,
 ) {
     let mut scratch = vec![0u8; 64 << 10];
+    let mut ahead = receive::ReadAhead::new();
     let mut expect_tag = 0u64;
     // This stream's staging buffers for device memory (allocated on first use).
     let mut inbound = Inbound::new(staging, io_timeout);
+    let lost = |reason: String| Error::ConnectionLost {
+        peer: peer.to_string(),
+        reason,
+    };
     loop {
-        // Between batches, also watch the socket: a server that closes an idle stream (or
-        // dies) marks this transport broken now, so the next request rebuilds the session
-        // instead of failing on a dead stream.
-        // `biased`: a queued batch always wins. The writer queues a batch before sending its
-        // request, so response bytes imply a queued (or just-queued) batch.
-        let batch = tokio::select! {
-            biased;
-            b = pending.recv() => match b { Some(b) => b, None => break },
-            r = rd.readable() => {
-                if let Err(e) = r {
-                    health.fail(Error::ConnectionLost { peer: peer.to_string(), reason: format!("idle data stream failed: {e}") });
+        // Wait for the socket only: a response (its batch was queued before its request went
+        // out), or a server closing an idle stream (or dying), which marks this transport
+        // broken now, so the next request rebuilds the session instead of failing on a dead
+        // stream. Bounded: a response io_timeout late breaks the stream. Bytes read
+        // ahead are a response already.
+        let ready = match ahead.is_empty() {
+            true => timeout(pending.patience(io_timeout), rd.readable()).await,
+            false => Ok(Ok(())),
+        };
+        match ready {
+            Err(_) if pending.patience(io_timeout).is_zero() => {
+                health.fail(Error::Timeout {
+                    what: format!("waiting for a data response from {peer}"),
+                    after: io_timeout,
+                });
+                break;
+            }
+            Err(_) => continue,
+            Ok(Err(e)) => {
+                health.fail(lost(format!("data stream failed: {e}")));
+                break;
+            }
+            Ok(Ok(())) => {}
+        }
+        // A response's batch was queued before its request went out, so before the response
+        // came: bytes found with no batch queued (after the bytes were seen) were not asked.
+        let batch = match pending.pop() {
+            Some(b) => b,
+            None if !ahead.is_empty() => {
+                health.fail(unasked(peer));
+                break;
+            }
+            None => match look(&rd).await {
+                Look::Stale => continue,
+                Look::Data => match pending.pop() {
+                    Some(b) => b,
+                    None => {
+                        health.fail(unasked(peer));
+                        break;
+                    }
+                },
+                Look::Closed => {
+                    health.fail(lost("the peer closed an idle data stream".into()));
                     break;
                 }
-                // Look without waiting and without consuming (the bytes may be a response).
-                let mut probe = [0u8; 1];
-                let mut buf = tokio::io::ReadBuf::new(&mut probe);
-                let peeked = std::future::poll_fn(|cx| {
-                    std::task::Poll::Ready(rd.as_ref().poll_peek(cx, &mut buf))
-                })
-                .await;
-                match peeked {
-                    // Stale readiness: nothing there; wait again.
-                    std::task::Poll::Pending => continue,
-                    std::task::Poll::Ready(Ok(0)) => {
-                        health.fail(Error::ConnectionLost { peer: peer.to_string(), reason: "the peer closed an idle data stream".into() });
-                        break;
-                    }
-                    std::task::Poll::Ready(Ok(_)) => match timeout(io_timeout, pending.recv()).await {
-                        Ok(Some(b)) => b,
-                        Ok(None) => break,
-                        Err(_) => {
-                            health.fail(Error::Protocol(format!("{peer} sent data with no request outstanding")));
-                            break;
-                        }
-                    },
-                    std::task::Poll::Ready(Err(e)) => {
-                        health.fail(Error::ConnectionLost { peer: peer.to_string(), reason: format!("idle data stream failed: {e}") });
-                        break;
-                    }
+                Look::Failed(e) => {
+                    health.fail(lost(format!("idle data stream failed: {e}")));
+                    break;
                 }
-            }
+            },
         };
         expect_tag += 1;
-        let got = receive::receive(
-            &mut rd,
-            &batch,
-            expect_tag,
-            &mut scratch,
-            &mut inbound,
+        let mut rx = receive::Rx {
+            rd: &mut rd,
+            ahead: &mut ahead,
             peer,
             io_timeout,
-        )
-        .await;
+        };
+        let got = receive::receive(&mut rx, &batch, expect_tag, &mut scratch, &mut inbound).await;
+        pending.done();
         match got {
             Ok(outcome) => batch.finish(outcome),
             Err(e) => {
@@ -463,17 +485,46 @@ async fn reader(
         }
     }
     // Fail whatever is still queued on this stream with the stream's reason.
-    pending.close();
-    while let Ok(b) = pending.try_recv() {
+    for b in pending.close() {
         let reason = health
             .reason
             .lock()
             .clone()
-            .unwrap_or(Error::ConnectionLost {
-                peer: peer.to_string(),
-                reason: "data stream closed".into(),
-            });
+            .unwrap_or_else(|| lost("data stream closed".into()));
         b.finish(Err(reason));
     }
     health.broken.store(true, Ordering::Release);
 }
+
+/// What an idle stream's socket holds.
+enum Look {
+    /// Nothing (the readiness was stale).
+    Stale,
+    /// Bytes.
+    Data,
+    /// The end of the stream.
+    Closed,
+    Failed(std::io::Error),
+}
+
+/// Looks at the socket without waiting and without consuming.
+async fn look(rd: &OwnedReadHalf) -> Look {
+    let mut probe = [0u8; 1];
+    let mut buf = tokio::io::ReadBuf::new(&mut probe);
+    let peeked =
+        std::future::poll_fn(|cx| std::task::Poll::Ready(rd.as_ref().poll_peek(cx, &mut buf)))
+            .await;
+    match peeked {
+        std::task::Poll::Pending => Look::Stale,
+        std::task::Poll::Ready(Ok(0)) => Look::Closed,
+        std::task::Poll::Ready(Ok(_)) => Look::Data,
+        std::task::Poll::Ready(Err(e)) => Look::Failed(e),
+    }
+}
+
+fn unasked(peer: SocketAddr) -> Error {
+    Error::Protocol(format!("{peer} sent data with no request outstanding"))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,6 +1,7 @@
 //! The reader task's half of a TCP stream: one response read off the socket, its data landed
 //! straight in host memory (`readv`) or through staging buffers for device memory, and the
-//! server's confirmation after it.
+//! server's confirmation after it. A stream reads ahead into a small buffer of its own
+//! ([`ReadAhead`]): a small response's header, data and confirmation come in one receive.
 
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
@@ -18,16 +19,150 @@ use crate::memory::{self, RegionSpan};
 use crate::transport::stream::staging::{group, Group, Inbound};
 use crate::transport::{Confirmed, RequestCtl};
 
+/// The most a stream reads ahead of its responses; a response's data beyond half of it is read
+/// straight into place.
+const AHEAD: usize = 16 << 10;
+
+/// Bytes a stream read off its socket beyond what its responses consumed so far.
+pub(in crate::transport::tcp) struct ReadAhead {
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+}
+
+impl ReadAhead {
+    pub(super) fn new() -> ReadAhead {
+        ReadAhead {
+            buf: vec![0u8; AHEAD].into_boxed_slice(),
+            start: 0,
+            end: 0,
+        }
+    }
+
+    /// Whether nothing is buffered.
+    pub(super) fn is_empty(&self) -> bool {
+        self.start == self.end
+    }
+
+    fn buffered(&self) -> &[u8] {
+        &self.buf[self.start..self.end]
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.start += n;
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        }
+    }
+
+    /// Moves what is buffered, up to `out.len()` bytes, into `out`; returns how much.
+    fn take_into(&mut self, out: &mut [u8]) -> usize {
+        let n = self.buffered().len().min(out.len());
+        out[..n].copy_from_slice(&self.buffered()[..n]);
+        self.consume(n);
+        n
+    }
+
+    /// Reads what the socket has, at least one byte, into the (empty) buffer, waiting up to
+    /// `io_timeout` for it.
+    async fn fill(
+        &mut self,
+        rd: &OwnedReadHalf,
+        peer: SocketAddr,
+        io_timeout: Duration,
+    ) -> Result<()> {
+        debug_assert!(self.is_empty());
+        loop {
+            readable_within(rd, peer, io_timeout).await?;
+            match rd.try_read(&mut self.buf) {
+                Ok(0) => return Err(closed_mid_response(peer)),
+                Ok(n) => {
+                    self.start = 0;
+                    self.end = n;
+                    if n < self.buf.len() {
+                        forget_readiness(rd);
+                    }
+                    return Ok(());
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(lost(peer, "receiving data", &e)),
+            }
+        }
+    }
+
+    /// Fills `out`: from the buffer first, then the socket (through the buffer for a few
+    /// bytes, straight into `out` for many).
+    async fn read_exact(
+        &mut self,
+        rd: &mut OwnedReadHalf,
+        out: &mut [u8],
+        peer: SocketAddr,
+        io_timeout: Duration,
+        what: &str,
+    ) -> Result<()> {
+        let mut got = self.take_into(out);
+        while got < out.len() {
+            if out.len() - got >= AHEAD / 2 {
+                return read_within(rd, &mut out[got..], peer, io_timeout, what).await;
+            }
+            self.fill(rd, peer, io_timeout).await?;
+            got += self.take_into(&mut out[got..]);
+        }
+        Ok(())
+    }
+}
+
+/// Forgets that the stream was readable, after a receive that did not fill its buffer drained
+/// the socket: the next wait sleeps until new bytes arrive instead of a receive finding none.
+/// Safe against bytes that arrived meanwhile: tokio clears readiness only if no event came
+/// since it was last seen, and new bytes raise a new (edge-triggered) event.
+fn forget_readiness(rd: &OwnedReadHalf) {
+    let stream: &tokio::net::TcpStream = rd.as_ref();
+    let _ = stream.try_io(Interest::READABLE, || {
+        Err::<(), _>(std::io::Error::from(std::io::ErrorKind::WouldBlock))
+    });
+}
+
+/// Waits up to `io_timeout` for the stream to be readable.
+async fn readable_within(rd: &OwnedReadHalf, peer: SocketAddr, io_timeout: Duration) -> Result<()> {
+    timeout(io_timeout, rd.readable())
+        .await
+        .map_err(|_| Error::Timeout {
+            what: format!("receiving data from {peer} (stalled)"),
+            after: io_timeout,
+        })?
+        .map_err(|e| lost(peer, "waiting for data", &e))
+}
+
+fn closed_mid_response(peer: SocketAddr) -> Error {
+    Error::ConnectionLost {
+        peer: peer.to_string(),
+        reason: "the peer closed the data stream mid-response".into(),
+    }
+}
+
+/// A stream's socket with what it read ahead, and the limits of its waits.
+pub(super) struct Rx<'a> {
+    pub(super) rd: &'a mut OwnedReadHalf,
+    pub(super) ahead: &'a mut ReadAhead,
+    pub(super) peer: SocketAddr,
+    pub(super) io_timeout: Duration,
+}
+
+impl Rx<'_> {
+    async fn read_exact(&mut self, out: &mut [u8], what: &str) -> Result<()> {
+        self.ahead
+            .read_exact(self.rd, out, self.peer, self.io_timeout, what)
+            .await
+    }
+}
+
 /// Reads one response header of tag `expect_tag` and, for a status other than data, its body.
-async fn response_head(
-    rd: &mut OwnedReadHalf,
-    expect_tag: u64,
-    peer: SocketAddr,
-    io_timeout: Duration,
-) -> Result<(u8, u64, Vec<u8>)> {
+async fn response_head(rx: &mut Rx<'_>, expect_tag: u64) -> Result<(u8, u64, Vec<u8>)> {
     let mut head = [0u8; wire::RESPONSE_HEADER];
-    let what = "waiting for a data response header";
-    read_within(rd, &mut head, peer, io_timeout, what).await?;
+    rx.read_exact(&mut head, "waiting for a data response header")
+        .await?;
     let (tag, status, len) = wire::decode_response_header(&head)?;
     if tag != expect_tag {
         return Err(Error::Protocol(format!(
@@ -39,7 +174,7 @@ async fn response_head(
     }
     // A refusal or a confirmation: bounded by the header's checks (64 KiB).
     let mut body = vec![0u8; len as usize];
-    read_within(rd, &mut body, peer, io_timeout, "reading a response").await?;
+    rx.read_exact(&mut body, "reading a response").await?;
     Ok((status, len, body))
 }
 
@@ -62,13 +197,8 @@ async fn read_within(
 }
 
 /// Reads the confirmation that follows the data of a request that asked for one.
-async fn receive_confirmation(
-    rd: &mut OwnedReadHalf,
-    tag: u64,
-    peer: SocketAddr,
-    io_timeout: Duration,
-) -> Result<Confirmed> {
-    match response_head(rd, tag, peer, io_timeout).await? {
+async fn receive_confirmation(rx: &mut Rx<'_>, tag: u64) -> Result<Confirmed> {
+    match response_head(rx, tag).await? {
         (wire::STATUS_CONFIRMED, _, held) => {
             let us = u64::from_le_bytes(held[..8].try_into().expect("8 bytes"));
             Ok(Ok(Duration::from_micros(us)))
@@ -86,38 +216,34 @@ async fn receive_confirmation(
 /// Reads one response (and the confirmation after it, when the batch asked for one). The outer
 /// error breaks the stream; the inner one fails only the batch.
 pub(super) async fn receive(
-    rd: &mut OwnedReadHalf,
+    rx: &mut Rx<'_>,
     batch: &Batch,
     expect_tag: u64,
     scratch: &mut [u8],
     inbound: &mut Inbound,
-    peer: SocketAddr,
-    io_timeout: Duration,
 ) -> Result<Result<Option<Confirmed>>> {
-    let landed = receive_data(rd, batch, expect_tag, scratch, inbound, peer, io_timeout).await?;
+    let landed = receive_data(rx, batch, expect_tag, scratch, inbound).await?;
     if landed.is_err() || !batch.extras.confirm {
         return Ok(landed.map(|()| None));
     }
-    let c = receive_confirmation(rd, expect_tag, peer, io_timeout).await?;
+    let c = receive_confirmation(rx, expect_tag).await?;
     Ok(Ok(Some(c)))
 }
 
 /// Reads one data response into the batch's memory.
 async fn receive_data(
-    rd: &mut OwnedReadHalf,
+    rx: &mut Rx<'_>,
     batch: &Batch,
     expect_tag: u64,
     scratch: &mut [u8],
     inbound: &mut Inbound,
-    peer: SocketAddr,
-    io_timeout: Duration,
 ) -> Result<Result<()>> {
-    let (status, len, body) = response_head(rd, expect_tag, peer, io_timeout).await?;
+    let (status, len, body) = response_head(rx, expect_tag).await?;
     match status {
         wire::STATUS_OK => {}
         wire::STATUS_REFUSED => {
             return Ok(Err(Error::Refused {
-                peer: peer.to_string(),
+                peer: rx.peer.to_string(),
                 message: String::from_utf8_lossy(&body).into_owned(),
             }))
         }
@@ -134,11 +260,58 @@ async fn receive_data(
         )));
     }
     if batch.ops.iter().any(|o| o.local.is_device()) {
-        return receive_staged(rd, batch, scratch, inbound, peer, io_timeout).await;
+        return receive_staged(rx, batch, scratch, inbound).await;
     }
     let spans: Vec<RegionSpan> = batch.ops.iter().map(|o| o.local.clone()).collect();
-    read_into(rd, &spans, len, &batch.ctl, scratch, peer, io_timeout).await?;
+    land(rx, &spans, len, &batch.ctl, scratch).await?;
     Ok(Ok(()))
+}
+
+/// Lands `len` bytes of the stream in host spans: what was read ahead and, for a few bytes
+/// more, through the buffer; straight into place (`readv`) for many. Into nothing once the
+/// request is cancelled.
+async fn land(
+    rx: &mut Rx<'_>,
+    spans: &[RegionSpan],
+    len: u64,
+    ctl: &RequestCtl,
+    scratch: &mut [u8],
+) -> Result<()> {
+    let mut got = 0u64;
+    loop {
+        let n = (rx.ahead.buffered().len() as u64).min(len - got);
+        if n > 0 {
+            let bytes = &rx.ahead.buffered()[..n as usize];
+            ctl.guarded(|| copy_into(spans, got, bytes), || Ok(()))?;
+            rx.ahead.consume(n as usize);
+            got += n;
+        }
+        if got == len {
+            return Ok(());
+        }
+        if len - got >= (AHEAD / 2) as u64 {
+            return read_into(rx, spans, got, len, ctl, scratch).await;
+        }
+        rx.ahead.fill(rx.rd, rx.peer, rx.io_timeout).await?;
+    }
+}
+
+/// Copies `bytes` into the spans' concatenation, from its byte `skip` on.
+fn copy_into(spans: &[RegionSpan], mut skip: u64, mut bytes: &[u8]) -> Result<()> {
+    for span in spans {
+        if bytes.is_empty() {
+            break;
+        }
+        if skip >= span.len() {
+            skip -= span.len();
+            continue;
+        }
+        let n = ((span.len() - skip) as usize).min(bytes.len());
+        span.region().write_at(span.offset() + skip, &bytes[..n])?;
+        bytes = &bytes[n..];
+        skip = 0;
+    }
+    Ok(())
 }
 
 fn lost(peer: SocketAddr, what: &str, e: &std::io::Error) -> Error {
@@ -148,26 +321,20 @@ fn lost(peer: SocketAddr, what: &str, e: &std::io::Error) -> Error {
     }
 }
 
-/// Reads `len` bytes straight into host spans (`readv`), or into `scratch` once the request is
-/// cancelled.
+/// Reads the spans' bytes from `got` to `len` straight into them (`readv`), or into `scratch`
+/// once the request is cancelled. Nothing may be read ahead.
 async fn read_into(
-    rd: &mut OwnedReadHalf,
+    rx: &mut Rx<'_>,
     spans: &[RegionSpan],
+    mut got: u64,
     len: u64,
     ctl: &RequestCtl,
     scratch: &mut [u8],
-    peer: SocketAddr,
-    io_timeout: Duration,
 ) -> Result<()> {
-    let mut got = 0u64;
+    debug_assert!(rx.ahead.is_empty());
+    let (rd, peer) = (&*rx.rd, rx.peer);
     while got < len {
-        timeout(io_timeout, rd.readable())
-            .await
-            .map_err(|_| Error::Timeout {
-                what: format!("receiving data from {peer} (stalled)"),
-                after: io_timeout,
-            })?
-            .map_err(|e| lost(peer, "waiting for data", &e))?;
+        readable_within(rd, peer, rx.io_timeout).await?;
         let stream: &tokio::net::TcpStream = rd.as_ref();
         let res = ctl.guarded(
             || {
@@ -181,12 +348,7 @@ async fn read_into(
             },
         );
         match res {
-            Ok(0) => {
-                return Err(Error::ConnectionLost {
-                    peer: peer.to_string(),
-                    reason: "the peer closed the data stream mid-response".into(),
-                })
-            }
+            Ok(0) => return Err(closed_mid_response(peer)),
             Ok(n) => got += n as u64,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) => return Err(lost(peer, "receiving data", &e)),
@@ -217,22 +379,20 @@ impl Drop for CancelOnDrop {
 /// into place, device spans through staging buffers whose copies to the GPU overlap receiving
 /// the next chunk. Returns only once every copy has finished.
 async fn receive_staged(
-    rd: &mut OwnedReadHalf,
+    rx: &mut Rx<'_>,
     batch: &Batch,
     scratch: &mut [u8],
     inbound: &mut Inbound,
-    peer: SocketAddr,
-    io_timeout: Duration,
 ) -> Result<Result<()>> {
     inbound.failed = None;
     let mut armed = CancelOnDrop(Some(batch.ctl.clone()));
-    let received = receive_pieces(rd, batch, scratch, inbound, peer, io_timeout).await;
+    let received = receive_pieces(rx, batch, scratch, inbound).await;
     let drained = inbound.drain().await;
     armed.0 = None;
     if drained.is_err() {
         // A copy ran past io_timeout: stop the rest and wait (bounded) for that one before the
         // batch fails, without holding an async thread.
-        batch.ctl.cancel_async(io_timeout).await;
+        batch.ctl.cancel_async(rx.io_timeout).await;
     }
     received?;
     drained?;
@@ -243,30 +403,23 @@ async fn receive_staged(
 }
 
 async fn receive_pieces(
-    rd: &mut OwnedReadHalf,
+    rx: &mut Rx<'_>,
     batch: &Batch,
     scratch: &mut [u8],
     inbound: &mut Inbound,
-    peer: SocketAddr,
-    io_timeout: Duration,
 ) -> Result<()> {
     let spans: Vec<RegionSpan> = batch.ops.iter().map(|o| o.local.clone()).collect();
     for g in group(&spans, inbound.chunk() as u64)? {
         match g {
             Group::Host(host) => {
                 let n = host.iter().map(RegionSpan::len).sum();
-                read_into(rd, &host, n, &batch.ctl, scratch, peer, io_timeout).await?;
+                land(rx, &host, n, &batch.ctl, scratch).await?;
             }
             Group::Device(pieces) => {
                 let mut buf = inbound.buffer(&pieces[0]).await?;
                 let n = pieces.iter().map(|p| p.len() as usize).sum();
-                timeout(io_timeout, rd.read_exact(&mut buf.bytes_mut()[..n]))
-                    .await
-                    .map_err(|_| Error::Timeout {
-                        what: format!("receiving data from {peer} (stalled)"),
-                        after: io_timeout,
-                    })?
-                    .map_err(|e| lost(peer, "receiving data", &e))?;
+                rx.read_exact(&mut buf.bytes_mut()[..n], "receiving data")
+                    .await?;
                 inbound.land(buf, pieces, batch.ctl.clone());
             }
         }
