@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use kvlink::{BlockId, Engine, KvLayout, ReadRequest, Region, RequestId, TpRank, TransportChoice};
 
 use crate::args::{Args, Memory, Pattern};
-use crate::outcome::{cpu_seconds, Outcome};
+use crate::outcome::{context_switches, cpu_seconds, Outcome};
 use crate::report::fmt_bytes;
 use crate::workload::{make_cache, make_cache_of, pick, Cache, Rng};
 
@@ -63,6 +63,7 @@ fn drive(
     let mut submitted = 0;
     let t0 = Instant::now();
     let cpu0 = cpu_seconds();
+    let switches0 = context_switches();
     let progress = !args.json && std::io::stderr().is_terminal() && count > 1;
     let mut shown = Instant::now();
     while out.reports.len() < count {
@@ -129,6 +130,7 @@ fn drive(
     }
     out.wall = t0.elapsed();
     out.cpu = cpu_seconds() - cpu0;
+    out.switches = context_switches().saturating_sub(switches0);
     if progress {
         let _ = write!(std::io::stderr(), "\r{}\r", " ".repeat(70));
     }

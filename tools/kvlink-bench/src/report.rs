@@ -103,10 +103,13 @@ fn observed_json(o: &Outcome) -> String {
     let idle = o
         .idle_cpu
         .map_or(String::new(), |c| format!(",\"idle_cpu_seconds\":{c:.3}"));
+    let per = o.reports.len().max(1) as f64;
     format!(
-        ",\"observed_ms\":{{\"p50\":{:.3},\"p99\":{:.3}}}{idle}",
+        ",\"observed_ms\":{{\"p50\":{:.3},\"p99\":{:.3}}},\"cpu_us_per_request\":{:.1},\"switches_per_request\":{:.2}{idle}",
         ms(0.5),
-        ms(0.99)
+        ms(0.99),
+        o.cpu * 1e6 / per,
+        o.switches as f64 / per
     )
 }
 
@@ -276,6 +279,11 @@ fn print_text(args: &Args, mode: &str, o: &Outcome, sum: &Summary) {
         "  observed   p50 {:.1} us   p99 {:.1} us   (read call to wait_finished returning it)",
         percentile(&seen, 0.5).as_secs_f64() * 1e6,
         percentile(&seen, 0.99).as_secs_f64() * 1e6,
+    );
+    println!(
+        "  per read   {:.1} us of CPU, {:.2} context switches (both engines and the caller)",
+        o.cpu * 1e6 / n as f64,
+        o.switches as f64 / n as f64
     );
     if let (Some(c), Some(secs)) = (o.idle_cpu, args.idle_secs) {
         println!(

@@ -13,7 +13,7 @@ use kvlink::verify::{check_read, PrefillRank, ReadMemory};
 use kvlink::{BlockId, Engine, HoldRequest, KvLayout, ReadFrom, ReadRequest, RequestId, TpRank};
 
 use crate::args::Args;
-use crate::outcome::{cpu_seconds, Outcome};
+use crate::outcome::{context_switches, cpu_seconds, Outcome};
 use crate::workload::{make_cache, pick, Cache, Rng};
 
 /// The fill seed of prefill rank `rank`: its own per rank where ranks hold their own heads, the
@@ -139,6 +139,7 @@ impl TpRun<'_> {
         let mut done = 0;
         let t0 = Instant::now();
         let cpu0 = cpu_seconds();
+        let switches0 = context_switches();
         while done < count {
             while submitted < count {
                 let Some(slot) = free_slots.pop() else { break };
@@ -218,6 +219,7 @@ impl TpRun<'_> {
         }
         out.wall = t0.elapsed();
         out.cpu = cpu_seconds() - cpu0;
+        out.switches = context_switches().saturating_sub(switches0);
         Ok(())
     }
 }
