@@ -248,8 +248,10 @@ async fn write_loop(
 /// The reader task: confirmations to the reads waiting for them, until the peer closes, refuses
 /// or falls silent (three intervals without a frame, with [`SILENT_AFTER_PINGS`] of our pings
 /// unanswered).
-async fn read_loop(mut rd: OwnedReadHalf, link: Link, waiters: Waiters) {
+async fn read_loop(rd: OwnedReadHalf, link: Link, waiters: Waiters) {
     let (peer, keepalive) = (link.peer, link.keepalive);
+    // Frames come through a buffer: a small one (a confirmation) in one receive.
+    let mut rd = tokio::io::BufReader::with_capacity(frame::READ_AHEAD, rd);
     loop {
         match timeout(keepalive * 3, read_frame(&mut rd)).await {
             Ok(Ok(Some((v, body)))) => {

@@ -45,6 +45,11 @@ pub fn decode<T: DeserializeOwned>(version: u16, body: &[u8]) -> Result<T> {
 /// `AuthHello` is under 100 bytes).
 pub const MAX_UNAUTHENTICATED_FRAME_BYTES: u32 = 4 << 10;
 
+/// Bytes a long-lived control connection reads ahead of the frame it parses (through a
+/// `BufReader`): a frame's header and a small body in one receive, where two receives read
+/// them apart; a body larger than it is read straight into its own buffer.
+pub const READ_AHEAD: usize = 4096;
+
 /// Reads one frame: `Ok(None)` on a clean end of stream before the first byte.
 pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<(u16, Vec<u8>)>> {
     read_frame_up_to(r, MAX_FRAME_BYTES).await

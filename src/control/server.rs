@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::AsyncWrite;
+use tokio::io::{AsyncWrite, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -227,6 +227,8 @@ impl Serving<'_> {
         mut pushed: mpsc::Receiver<Message>,
     ) -> Result<bool> {
         let (peer, idle) = (self.peer, self.timeouts.keepalive * 3);
+        // Frames come through a buffer: a small one (a Done, a notice) in one receive.
+        let rd = BufReader::with_capacity(frame::READ_AHEAD, rd);
         let mut next = Box::pin(next_frame(rd, idle));
         loop {
             let (rd, got) = tokio::select! {
@@ -285,10 +287,13 @@ struct Serving<'a> {
 /// reader silent whose frames arrived meanwhile: on resume the runtime takes the socket's
 /// readiness in the same turn as the overdue deadline, and `timeout` polls the read first
 /// (`tests.rs` checks it, and fails for a wait that looks at its deadline first).
-async fn next_frame(mut stream: OwnedReadHalf, idle: Duration) -> (OwnedReadHalf, NextFrame) {
+async fn next_frame(mut stream: Frames, idle: Duration) -> (Frames, NextFrame) {
     let got = timeout(idle, read_frame(&mut stream)).await;
     (stream, got)
 }
+
+/// A reader's control connection's read half, through a buffer.
+type Frames = BufReader<OwnedReadHalf>;
 
 /// What [`next_frame`] read: a frame, the end, an error, or silence.
 type NextFrame = std::result::Result<Result<Option<(u16, Vec<u8>)>>, tokio::time::error::Elapsed>;

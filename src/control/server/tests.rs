@@ -55,7 +55,7 @@ fn a_server_stalled_past_the_window_reads_the_frames_that_arrived_meanwhile() {
 
 fn stalled_past_the_window(rt: &tokio::runtime::Runtime) {
     let (server, _wr, mut reader) = pair(rt);
-    let mut server = Some(server);
+    let mut server = Some(tokio::io::BufReader::new(server));
     for stall in 1..=3 {
         let (rd, read) = rt.block_on(async {
             let next = next_frame(server.take().expect("the read half"), IDLE);
@@ -89,7 +89,7 @@ fn a_reader_that_sends_nothing_is_silent_after_its_window() {
     let rt = runtime();
     let (server, _wr, _reader) = pair(&rt);
     let start = Instant::now();
-    let (_, read) = rt.block_on(next_frame(server, IDLE));
+    let (_, read) = rt.block_on(next_frame(tokio::io::BufReader::new(server), IDLE));
     assert!(read.is_err(), "silent reader not found: {read:?}");
     let took = start.elapsed();
     assert!(took >= IDLE, "{took:?}");
@@ -102,6 +102,6 @@ fn a_reader_that_closed_is_told_apart_from_a_silent_one() {
     let rt = runtime();
     let (server, _wr, reader) = pair(&rt);
     drop(reader);
-    let (_, read) = rt.block_on(next_frame(server, IDLE));
+    let (_, read) = rt.block_on(next_frame(tokio::io::BufReader::new(server), IDLE));
     assert!(matches!(read, Ok(Ok(None))), "{read:?}");
 }
