@@ -80,9 +80,6 @@ impl ReadAhead {
                 Ok(n) => {
                     self.start = 0;
                     self.end = n;
-                    if n < self.buf.len() {
-                        forget_readiness(rd);
-                    }
                     return Ok(());
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
@@ -111,17 +108,6 @@ impl ReadAhead {
         }
         Ok(())
     }
-}
-
-/// Forgets that the stream was readable, after a receive that did not fill its buffer drained
-/// the socket: the next wait sleeps until new bytes arrive instead of a receive finding none.
-/// Safe against bytes that arrived meanwhile: tokio clears readiness only if no event came
-/// since it was last seen, and new bytes raise a new (edge-triggered) event.
-fn forget_readiness(rd: &OwnedReadHalf) {
-    let stream: &tokio::net::TcpStream = rd.as_ref();
-    let _ = stream.try_io(Interest::READABLE, || {
-        Err::<(), _>(std::io::Error::from(std::io::ErrorKind::WouldBlock))
-    });
 }
 
 /// Waits up to `io_timeout` for the stream to be readable.
