@@ -979,6 +979,28 @@ int kvlink_engine_follow(struct kvlink_engine *engine,
                          uint64_t part_timeout_ms);
 
 /**
+ * [`kvlink_engine_follow`] for a decode that has the start of the prompt already (a prefix
+ * it cached): `skip` (NULL: none) holds, per block group, how many of the prefill's first
+ * blocks this engine does not read; `local[g]` lists this engine's blocks for the rest. The
+ * hold's parts still count the skipped blocks, and the prefill's confirmation covers the
+ * blocks read. Returns as `kvlink_engine_follow` does.
+ *
+ * # Safety
+ * As `kvlink_engine_follow`, and `skip` is NULL or points to `groups` readable `uint32_t`s.
+ */
+int kvlink_engine_follow_skip(struct kvlink_engine *engine,
+                              const char *peer,
+                              const char *request_id,
+                              const char *remote_request_id,
+                              const uint32_t *const *local,
+                              const size_t *counts,
+                              size_t groups,
+                              const uint32_t *skip,
+                              uint64_t hold,
+                              uint64_t first_part_timeout_ms,
+                              uint64_t part_timeout_ms);
+
+/**
  * Sends `len` bytes at `body` (at most `KVLINK_MESSAGE_MAX`) to the engine whose handshake
  * address is `peer`, over the authenticated control connection, for its application
  * (`kvlink_engine_take_messages`). The bytes are copied before the call returns. Returns at

@@ -134,6 +134,47 @@ pub unsafe extern "C" fn kvlink_engine_follow(
     first_part_timeout_ms: u64,
     part_timeout_ms: u64,
 ) -> c_int {
+    // SAFETY: the caller's promises are this function's, and a NULL `skip` is allowed.
+    unsafe {
+        kvlink_engine_follow_skip(
+            engine,
+            peer,
+            request_id,
+            remote_request_id,
+            local,
+            counts,
+            groups,
+            std::ptr::null(),
+            hold,
+            first_part_timeout_ms,
+            part_timeout_ms,
+        )
+    }
+}
+
+/// [`kvlink_engine_follow`] for a decode that has the start of the prompt already (a prefix
+/// it cached): `skip` (NULL: none) holds, per block group, how many of the prefill's first
+/// blocks this engine does not read; `local[g]` lists this engine's blocks for the rest. The
+/// hold's parts still count the skipped blocks, and the prefill's confirmation covers the
+/// blocks read. Returns as `kvlink_engine_follow` does.
+///
+/// # Safety
+/// As `kvlink_engine_follow`, and `skip` is NULL or points to `groups` readable `uint32_t`s.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvlink_engine_follow_skip(
+    engine: *mut kvlink_engine,
+    peer: *const c_char,
+    request_id: *const c_char,
+    remote_request_id: *const c_char,
+    local: *const *const u32,
+    counts: *const usize,
+    groups: usize,
+    skip: *const u32,
+    hold: u64,
+    first_part_timeout_ms: u64,
+    part_timeout_ms: u64,
+) -> c_int {
     guard(|| {
         // SAFETY: the caller promised a live engine or NULL.
         let e = unsafe { ref_arg(engine, "engine") }?;
@@ -145,6 +186,11 @@ pub unsafe extern "C" fn kvlink_engine_follow(
         let remote_id = unsafe { opt_str_arg(remote_request_id, "remote_request_id") }?;
         // SAFETY: the caller promised `groups` lists of `counts[g]` ids, or NULL.
         let local = unsafe { groups_arg(local, counts, groups, "local") }?;
+        let skip = match skip.is_null() {
+            true => Vec::new(),
+            // SAFETY: the caller promised `groups` readable counts at a non-NULL `skip`.
+            false => unsafe { std::slice::from_raw_parts(skip, groups) }.to_vec(),
+        };
         let ms = |v: u64, what| match v {
             0 => Ok(None),
             v => millis(v, what).map(Some),
@@ -154,7 +200,7 @@ pub unsafe extern "C" fn kvlink_engine_follow(
             id: id.into(),
             remote_id: remote_id.unwrap_or(id).into(),
             local,
-            skip: Vec::new(),
+            skip,
             remote_tokens_per_block: None,
             hold: (hold != 0).then_some(hold),
             first_part_timeout: ms(first_part_timeout_ms, "first_part_timeout_ms")?,

@@ -489,6 +489,29 @@ static void check_progressive(kvlink_engine *prefill, kvlink_engine *decode, con
     kvlink_finished_free(sent);
 }
 
+/* A progressive read by a decode that cached the prompt's first block: it skips it, and reads
+ * the prefill's other two into its two blocks (without the skip, its two blocks would not
+ * pair with the prefill's three, and the read would fail). */
+static void check_progressive_skip(kvlink_engine *prefill, kvlink_engine *decode,
+                                   const char *peer) {
+    const uint32_t local[2] = {55, 56};
+    const uint32_t *lp[1] = {local};
+    const size_t lc[1] = {2};
+    const uint32_t skip[1] = {1};
+    CHECK(kvlink_engine_follow_skip(decode, peer, "c-skip", NULL, lp, lc, 1, skip, 0, 10000,
+                                    10000));
+    const uint32_t held[3] = {8, 9, 10};
+    const uint32_t *hp[1] = {held};
+    const size_t hc[1] = {3};
+    uint64_t token = 0;
+    CHECK(kvlink_engine_hold_growing(prefill, "c-skip", hp, hc, 1, NULL, 30000, &token));
+    CHECK(kvlink_engine_seal_hold(prefill, "c-skip"));
+    kvlink_finished *got = wait_for(decode, KVLINK_RECEIVING, "c-skip", "decode (skip)");
+    kvlink_finished_free(got);
+    kvlink_finished *sent = wait_for(prefill, KVLINK_SENDING, "c-skip", "prefill (skip)");
+    kvlink_finished_free(sent);
+}
+
 /* The KV-event publisher from C: a batch of each event kind published, counters read.
  * (The stream itself is checked against kvlink's subscriber in the crate's unit tests.) */
 static void check_event_publisher(void) {
@@ -845,6 +868,7 @@ int main(void) {
     check_registered_memory(decode, d_region);
     check_local_ids(prefill, decode, peer);
     check_progressive(prefill, decode, peer);
+    check_progressive_skip(prefill, decode, peer);
     check_messages(prefill, decode, peer);
     check_cancel(decode);
     check_event_publisher();
