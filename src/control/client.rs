@@ -1,18 +1,24 @@
-//! The reader's side of the control connection: handshake, then a writer task with a bounded
-//! queue of notices and pings, and a reader task that watches for answers and silence.
+//! The reader's side of the control connection: handshake, then notices written at once when
+//! the connection's writer is idle or queued (bounded) for its writer task, which also pings
+//! (`send.rs`), and a reader task that watches for answers and silence.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 use tokio::io::AsyncWriteExt;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::timeout;
+
+mod send;
+
+pub(crate) use send::Sent;
+use send::{write_loop, Link, Notices};
 
 use super::frame::{self, read_frame, write_frame};
 use super::messages::{Descriptor, Message};
@@ -60,7 +66,7 @@ struct Waiters {
 
 /// A live control connection to one peer.
 pub(crate) struct ControlClient {
-    tx: mpsc::Sender<Message>,
+    notices: Notices,
     closed: Arc<AtomicBool>,
     /// How the writer task ended, once it has: `Some(true)` after writing a `Bye`,
     /// `Some(false)` otherwise (the connection lost, or the client dropped).
@@ -68,7 +74,6 @@ pub(crate) struct ControlClient {
     /// Becomes true once either task has ended: the connection is gone.
     gone: watch::Receiver<bool>,
     tasks: [JoinHandle<()>; 2],
-    peer: SocketAddr,
     pending: Pending,
     follows: Follows,
 }
@@ -164,85 +169,31 @@ impl Handshake {
         let (ended_tx, writer_ended) = watch::channel(None);
         let waiters = Waiters::default();
         let (pending, follows) = (waiters.confirms.clone(), waiters.follows.clone());
-        let writer = tokio::spawn(write_loop(wr, rx, link.clone(), ended_tx));
+        let side = Arc::new(tokio::sync::Mutex::new(wr));
+        let queued = Arc::new(AtomicUsize::new(0));
+        let writer = tokio::spawn(write_loop(
+            side.clone(),
+            queued.clone(),
+            rx,
+            link.clone(),
+            ended_tx,
+        ));
         let reader = tokio::spawn(read_loop(rd, link.clone(), waiters));
         ControlClient {
-            tx,
+            notices: Notices {
+                tx,
+                side,
+                queued,
+                link: link.clone(),
+            },
             closed: link.closed,
             writer_ended,
             gone,
             tasks: [writer, reader],
-            peer,
             pending,
             follows,
         }
     }
-}
-
-/// What the writer and reader tasks of one control connection share.
-#[derive(Clone)]
-struct Link {
-    peer: SocketAddr,
-    keepalive: std::time::Duration,
-    /// Set by whichever task ends first (and by both), through [`Link::end`].
-    closed: Arc<AtomicBool>,
-    /// Told when `closed` is set.
-    gone: Arc<watch::Sender<bool>>,
-    /// Pings written since the last frame from the peer.
-    unanswered: Arc<AtomicU32>,
-}
-
-impl Link {
-    /// One of the connection's tasks ended: the connection is gone.
-    fn end(&self) {
-        self.closed.store(true, Ordering::Release);
-        self.gone.send_replace(true);
-    }
-}
-
-/// The writer task: queued notices in order, a ping every keep-alive interval, nothing after a
-/// `Bye`. Says how it ended on `ended` (`Some(true)`: after writing a `Bye`).
-async fn write_loop(
-    mut wr: OwnedWriteHalf,
-    mut rx: mpsc::Receiver<Message>,
-    link: Link,
-    ended: watch::Sender<Option<bool>>,
-) {
-    let (peer, keepalive) = (link.peer, link.keepalive);
-    let mut tick = tokio::time::interval(keepalive);
-    // After a stall, one ping rather than a burst of the missed ones.
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-    tick.tick().await;
-    let mut nonce = 0u64;
-    let mut bye = false;
-    loop {
-        let msg = tokio::select! {
-            m = rx.recv() => match m { Some(m) => m, None => break },
-            _ = tick.tick() => { nonce += 1; Message::Ping { nonce } }
-        };
-        let ok = match frame::encode(&msg) {
-            Ok(f) => matches!(
-                timeout(keepalive * 3, write_frame(&mut wr, &f)).await,
-                Ok(Ok(()))
-            ),
-            Err(_) => false,
-        };
-        if !ok {
-            tracing::warn!(%peer, "control connection lost while writing");
-            break;
-        }
-        if matches!(msg, Message::Ping { .. }) {
-            link.unanswered.fetch_add(1, Ordering::AcqRel);
-        }
-        if matches!(msg, Message::Bye) {
-            // Nothing follows a Bye: the server ends the session on it.
-            let _ = timeout(keepalive, wr.shutdown()).await;
-            bye = true;
-            break;
-        }
-    }
-    link.end();
-    let _ = ended.send(Some(bye));
 }
 
 /// The reader task: confirmations to the reads waiting for them, until the peer closes, refuses
@@ -482,7 +433,7 @@ impl ControlClient {
     /// it. Returns whether it was written; the connection is closed either way once the client
     /// is dropped.
     pub(crate) async fn close(&self, within: std::time::Duration) -> bool {
-        if self.is_closed() || self.tx.try_send(Message::Bye).is_err() {
+        if self.is_closed() || self.notices.queue(Message::Bye) != Sent::Queued {
             return false;
         }
         let mut ended = self.writer_ended.clone();
@@ -505,20 +456,16 @@ impl ControlClient {
         self.closed.load(Ordering::Acquire)
     }
 
-    /// Queues a notice without waiting. Returns false (and logs) when the peer is gone or its
-    /// queue is full; the peer then expires the request on its abort timeout.
+    /// Sends a notice without waiting: written at once when the connection's writer is idle,
+    /// queued otherwise. Returns false (and logs) when the peer is gone or its queue is full;
+    /// the peer then expires the request on its abort timeout.
     pub(crate) fn notify(&self, msg: Message) -> bool {
-        match self.tx.try_send(msg) {
-            Ok(()) => true,
-            Err(mpsc::error::TrySendError::Full(m)) => {
-                tracing::warn!(peer = %self.peer, ?m, "control queue full; notice dropped");
-                false
-            }
-            Err(mpsc::error::TrySendError::Closed(m)) => {
-                tracing::warn!(peer = %self.peer, ?m, "control connection closed; notice dropped");
-                false
-            }
-        }
+        self.send(msg) != Sent::Dropped
+    }
+
+    /// [`notify`](Self::notify), saying whether the notice is on the wire or queued.
+    pub(crate) fn send(&self, msg: Message) -> Sent {
+        self.notices.send(msg)
     }
 }
 

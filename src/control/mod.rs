@@ -12,7 +12,7 @@ mod server;
 
 use std::time::Duration;
 
-pub(crate) use client::{Confirmation, ControlClient, Handshake};
+pub(crate) use client::{Confirmation, ControlClient, Handshake, Sent};
 pub(crate) use handler::ControlHandler;
 pub(crate) use server::serve;
 

@@ -24,7 +24,7 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 
 use crate::control::messages::{Descriptor, Message};
-use crate::control::{Confirmation, ControlClient};
+use crate::control::{Confirmation, ControlClient, Sent};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::inbox::OUTBOX_MESSAGES;
@@ -40,6 +40,14 @@ pub(crate) trait ControlLink: Send + Sync {
     /// Queues a notice without waiting; false when it could not be queued (the peer then
     /// expires the request on its abort timeout).
     fn notify(&self, msg: Message) -> bool;
+    /// [`notify`](Self::notify), saying whether the notice is on the wire already or queued
+    /// for the connection's writer.
+    fn send(&self, msg: Message) -> Sent {
+        match self.notify(msg) {
+            true => Sent::Queued,
+            false => Sent::Dropped,
+        }
+    }
     /// Sends request `id`'s `Done`; the receiver gets the peer's confirmation (or fails when
     /// the connection closes first). `None` when it could not be queued.
     fn done(&self, id: RequestId, hold: Option<u64>) -> Option<oneshot::Receiver<Confirmation>>;
@@ -82,6 +90,10 @@ impl ControlLink for ControlClient {
 
     fn notify(&self, msg: Message) -> bool {
         ControlClient::notify(self, msg)
+    }
+
+    fn send(&self, msg: Message) -> Sent {
+        ControlClient::send(self, msg)
     }
 
     fn done(&self, id: RequestId, hold: Option<u64>) -> Option<oneshot::Receiver<Confirmation>> {

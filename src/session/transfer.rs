@@ -11,6 +11,7 @@ use std::time::Instant;
 use super::{PeerConn, Sessions};
 use crate::completion::FailureCause;
 use crate::control::messages::Message;
+use crate::control::Sent;
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, RequestId};
 use crate::layout::KvLayout;
@@ -381,14 +382,16 @@ async fn read_once(
     // this engine's lease should this engine go away. Best effort: the Done says the rest.
     // TCP and same-host data requests name this engine's session, which tells it as much.
     if !conn.transport.names_reader() {
-        conn.control.notify(Message::Reading {
+        let sent = conn.control.send(Message::Reading {
             request_id: job.remote_id.clone(),
             hold: job.hold,
         });
-        // The writer task that sends it was woken on this worker thread, where it would wait
-        // until this task next yields; posting RDMA reads may not yield for a long time
-        // (SoftRoCE posts in the caller's thread), so let it go out first.
-        tokio::task::yield_now().await;
+        // Queued, the writer task that sends it was woken on this worker thread, where it
+        // would wait until this task next yields; posting RDMA reads may not yield for a long
+        // time (SoftRoCE posts in the caller's thread), so let it go out first.
+        if sent == Sent::Queued {
+            tokio::task::yield_now().await;
+        }
     }
     let d = &conn.descriptor;
     let theirs = TpRank::new(d.tp_rank, d.tp_size);
