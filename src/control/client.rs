@@ -149,8 +149,10 @@ impl Handshake {
         frame::decode::<Message>(reply.0, &reply.1).map_err(|e| handshake_err(peer, e.to_string()))
     }
 
-    /// Starts the keep-alive and notice tasks.
-    pub(crate) fn start(self) -> ControlClient {
+    /// Starts the keep-alive and notice tasks. Once `closing` is set (the engine is closing and
+    /// its runtime stopping), notices are only queued: a task still running on a thread the
+    /// stopped runtime left behind does not write them.
+    pub(crate) fn start(self, closing: Arc<AtomicBool>) -> ControlClient {
         let Handshake {
             stream,
             peer,
@@ -171,20 +173,16 @@ impl Handshake {
         let (pending, follows) = (waiters.confirms.clone(), waiters.follows.clone());
         let side = Arc::new(tokio::sync::Mutex::new(wr));
         let queued = Arc::new(AtomicUsize::new(0));
-        let writer = tokio::spawn(write_loop(
-            side.clone(),
-            queued.clone(),
-            rx,
-            link.clone(),
-            ended_tx,
-        ));
+        let weak = Arc::downgrade(&side);
+        let writer = tokio::spawn(write_loop(side, queued.clone(), rx, link.clone(), ended_tx));
         let reader = tokio::spawn(read_loop(rd, link.clone(), waiters));
         ControlClient {
             notices: Notices {
                 tx,
-                side,
+                side: weak,
                 queued,
                 link: link.clone(),
+                closing,
             },
             closed: link.closed,
             writer_ended,

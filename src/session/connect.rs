@@ -90,7 +90,7 @@ async fn connect(
     );
     Ok(PeerConn {
         descriptor: theirs,
-        control: Box::new(hs.start()),
+        control: Box::new(hs.start(shared.closing_flag())),
         transport,
         generation,
     })

@@ -108,8 +108,9 @@ pub(crate) struct EngineState {
     /// Reads in flight, by id: the controls of their attempts, and whether the caller
     /// cancelled them (`Engine::cancel`).
     reads: Mutex<HashMap<RequestId, Arc<ReadCancel>>>,
-    /// Set by `Engine::close` before its tasks stop: reads failing from then on say so.
-    closing: AtomicBool,
+    /// Set by `Engine::close` before its tasks stop: reads failing from then on say so, and
+    /// control notices are no longer written from the thread that sends them.
+    closing: Arc<AtomicBool>,
     /// Authenticated control sessions, by id, with the engine id each reader declared: their
     /// data connections are served, as that engine.
     data_sessions: Mutex<HashMap<[u8; 16], DataSession>>,
@@ -140,7 +141,7 @@ impl EngineState {
             staging: StagingPool::new(config.staging_chunk_bytes as usize, config.staging_buffers),
             data_sessions: Mutex::new(HashMap::new()),
             inbox: Mutex::new(Inbox::default()),
-            closing: AtomicBool::new(false),
+            closing: Arc::new(AtomicBool::new(false)),
             reads: Mutex::new(HashMap::new()),
             next_token: AtomicU64::new(id.generation.rotate_left(32)),
             control_slots: ConnLimit::new(MAX_CONNECTIONS, config.max_connections_per_ip),
@@ -344,6 +345,11 @@ impl EngineState {
     /// Whether [`close`](EngineState::close) was called.
     pub(crate) fn is_closing(&self) -> bool {
         self.closing.load(Ordering::Acquire)
+    }
+
+    /// The flag [`close`](EngineState::close) sets, for what must stop writing then.
+    pub(crate) fn closing_flag(&self) -> Arc<AtomicBool> {
+        self.closing.clone()
     }
 
     /// The application messages peers sent that were not taken yet.

@@ -54,11 +54,18 @@ pub(crate) enum Sent {
 /// Where a control connection's notices go.
 pub(super) struct Notices {
     pub(super) tx: mpsc::Sender<Message>,
-    pub(super) side: WriteSide,
+    /// The writer task holds the write half; when the task ends (the connection lost, the
+    /// client dropped, the engine's runtime stopped) the write half goes with it, and its
+    /// close tells the peer at once.
+    pub(super) side: std::sync::Weak<tokio::sync::Mutex<OwnedWriteHalf>>,
     /// Notices queued and not yet written: a notice is written at once only when there are
     /// none, so none overtakes one sent before it.
     pub(super) queued: Arc<AtomicUsize>,
     pub(super) link: Link,
+    /// Set when the engine closes: notices are then queued only, never written at once (the
+    /// writer task stops with the engine's runtime; a task the runtime could not stop, still
+    /// running on a thread of its, must not speak for the closed engine).
+    pub(super) closing: Arc<AtomicBool>,
 }
 
 impl Notices {
@@ -97,10 +104,10 @@ impl Notices {
     /// is finished by a task of its own, still holding the write half.
     fn write_now(&self, msg: &Message) -> Option<Sent> {
         let runtime = tokio::runtime::Handle::try_current().ok()?;
-        if self.link.closed.load(Ordering::Acquire) {
+        if self.link.closed.load(Ordering::Acquire) || self.closing.load(Ordering::Acquire) {
             return None;
         }
-        let side = self.side.clone().try_lock_owned().ok()?;
+        let side = self.side.upgrade()?.try_lock_owned().ok()?;
         // Read under the write half's lock: the writer decrements it under the lock too, after
         // writing, so zero means every notice queued before this one is on the wire.
         if self.queued.load(Ordering::Acquire) != 0 {
@@ -210,7 +217,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_notice_never_overtakes_a_queued_one() {
         let (notices, mut server) = pair().await;
-        let busy = notices.side.clone().lock_owned().await;
+        let busy = notices.side.upgrade().unwrap().lock_owned().await;
         assert_eq!(
             notices.send(abort(0, 10)),
             Sent::Queued,
@@ -227,6 +234,27 @@ mod tests {
                 m => panic!("unexpected {m:?}"),
             }
         }
+    }
+
+    /// When the writer task ends (here: aborted, as when the engine's runtime stops), the peer
+    /// sees the connection close at once, though the notices' side lives on.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_peer_sees_the_close_when_the_writer_task_ends() {
+        let (notices, mut server, writer) = pair_with_writer().await;
+        writer.abort();
+        let _ = writer.await;
+        let end = timeout(Duration::from_secs(5), read_frame(&mut server)).await;
+        assert!(matches!(end, Ok(Ok(None))), "{end:?}");
+        assert_ne!(notices.send(abort(0, 10)), Sent::Written);
+    }
+
+    /// Once the engine closes, a notice is queued for the writer task (which stops with the
+    /// engine's runtime), never written from the thread that sends it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_closing_engine_writes_no_notice_itself() {
+        let (notices, _server) = pair().await;
+        notices.closing.store(true, Ordering::Release);
+        assert_eq!(notices.send(abort(0, 10)), Sent::Queued);
     }
 
     /// Notices written at once while the writer is idle and queued behind a frame the socket
@@ -259,6 +287,12 @@ mod tests {
 
     /// Notices with their writer task over a loopback connection, and the peer's end.
     async fn pair() -> (Notices, TcpStream) {
+        let (notices, server, _writer) = pair_with_writer().await;
+        (notices, server)
+    }
+
+    /// [`pair`], and the writer task.
+    async fn pair_with_writer() -> (Notices, TcpStream, tokio::task::JoinHandle<()>) {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let (c, s) = tokio::join!(TcpStream::connect(addr), l.accept());
@@ -275,14 +309,16 @@ mod tests {
         let (ended, _) = watch::channel(None);
         let side: WriteSide = Arc::new(tokio::sync::Mutex::new(wr));
         let queued = Arc::new(AtomicUsize::new(0));
-        let writer = write_loop(side.clone(), queued.clone(), rx, link.clone(), ended);
-        let _writer = tokio::spawn(writer);
+        let weak = Arc::downgrade(&side);
+        let writer = write_loop(side, queued.clone(), rx, link.clone(), ended);
+        let writer = tokio::spawn(writer);
         let notices = Notices {
             tx,
-            side,
+            side: weak,
             queued,
             link,
+            closing: Arc::default(),
         };
-        (notices, s.unwrap().0)
+        (notices, s.unwrap().0, writer)
     }
 }

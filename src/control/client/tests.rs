@@ -54,7 +54,7 @@ fn client(rt: &tokio::runtime::Runtime, addr: SocketAddr) -> ControlClient {
             peer: addr,
             timeouts,
         }
-        .start()
+        .start(Arc::default())
     })
 }
 
