@@ -197,6 +197,25 @@ def run_requests(stack, mode: str, count: int, seed: int) -> None:
     assert_no_leak([stack["prefill"], stack["decode"]])
 
 
+def test_the_models_list_of_a_decode_that_does_not_answer_is_a_bad_gateway():
+    async def ask() -> Any:
+        dead = [f"http://127.0.0.1:{free_port()}"]
+        runner = web.AppRunner(Proxy(dead, dead, False, 5.0, 1.0).app())
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"http://127.0.0.1:{port}/v1/models") as r:
+                    return r.status, await r.json()
+        finally:
+            await runner.cleanup()
+
+    status, body = asyncio.run(ask())
+    assert status == 502, body
+    assert "the decode at" in body["error"]["message"], body
+
+
 def test_the_proxy_sends_both_legs_at_once_where_both_instances_can(stack):
     url = stack["proxies"]["progressive"]
     before = stack["decode"].call("state")["engine_stats"]["reads_done"]

@@ -147,9 +147,15 @@ class Proxy:
         return web.json_response(self.counts)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
+        """The first decode's models; 502 when it does not answer."""
         assert self.session is not None
-        async with self.session.get(self.decodes[0].url + "/v1/models", headers=_headers(request)) as r:
-            return web.Response(status=r.status, body=await r.read(), content_type=r.content_type)
+        url = self.decodes[0].url
+        try:
+            async with self.session.get(url + "/v1/models", headers=_headers(request)) as r:
+                return web.Response(status=r.status, body=await r.read(), content_type=r.content_type)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            logger.warning("models of %s: %s", url, e)
+            return web.json_response({"error": {"message": f"the decode at {url} failed: {e}"}}, status=502)
 
     async def probe(self, inst: Instance, model: Any, headers: dict[str, str]) -> dict[str, Any] | None:
         """What ``inst`` answers kvlink's probe (cached ``PROBE_TTL`` seconds), None when it
