@@ -6,6 +6,7 @@
 mod report;
 mod requests;
 mod start;
+mod submit;
 
 pub use report::{Capabilities, EngineStats};
 pub use requests::{tp_sources, FollowRequest, HoldRequest, ReadFrom, ReadRequest};
