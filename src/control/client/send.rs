@@ -225,15 +225,7 @@ mod tests {
         );
         drop(busy);
         assert_eq!(notices.send(abort(1, 10)), Sent::Queued, "one is queued");
-        for i in 0..=1 {
-            let (v, body) = read_frame(&mut server).await.unwrap().unwrap();
-            match frame::decode::<Message>(v, &body).unwrap() {
-                Message::Abort { request_id, .. } => {
-                    assert_eq!(request_id.as_str(), format!("n-{i}"))
-                }
-                m => panic!("unexpected {m:?}"),
-            }
-        }
+        expect_aborts(&mut server, 1).await;
     }
 
     /// When the writer task ends (here: aborted, as when the engine's runtime stops), the peer
@@ -274,8 +266,13 @@ mod tests {
             .collect();
         assert!(sent.contains(&Sent::Queued), "{sent:?}");
         assert!(!sent.contains(&Sent::Dropped), "{sent:?}");
-        for i in 0..=256 {
-            let (v, body) = read_frame(&mut server).await.unwrap().unwrap();
+        expect_aborts(&mut server, 256).await;
+    }
+
+    /// Reads aborts `n-0` to `n-{last}` off `server`, in that order.
+    async fn expect_aborts(server: &mut TcpStream, last: usize) {
+        for i in 0..=last {
+            let (v, body) = read_frame(server).await.unwrap().unwrap();
             match frame::decode::<Message>(v, &body).unwrap() {
                 Message::Abort { request_id, .. } => {
                     assert_eq!(request_id.as_str(), format!("n-{i}"))

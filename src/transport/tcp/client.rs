@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 
@@ -36,9 +36,6 @@ const PIPELINE: usize = 16;
 type Done = mpsc::Sender<Result<Option<Confirmed>>>;
 
 struct Batch {
-    /// When its request was handed to the stream (a response `io_timeout` late breaks the
-    /// stream).
-    queued: Instant,
     /// The request whose held blocks the batch reads.
     id: RequestId,
     /// The hold token, session and confirmation its request carries.
@@ -294,7 +291,6 @@ impl TcpTransport {
         for (i, ops) in batches.into_iter().enumerate() {
             let bytes = ops.iter().map(|o| o.local.len()).sum();
             let batch = Batch {
-                queued: Instant::now(),
                 id: id.clone(),
                 extras,
                 ops,

@@ -16,7 +16,8 @@ use super::{Batch, PIPELINE};
 /// (A reader task woken by each queued batch cost a small read a runtime thread's wake-up, on
 /// the CPU the serving engine needs at that moment.)
 pub(super) struct Pending {
-    queue: Mutex<VecDeque<Batch>>,
+    /// Each batch with when it was queued (a response `io_timeout` late breaks the stream).
+    queue: Mutex<VecDeque<(Instant, Batch)>>,
     /// `PIPELINE` permits, one taken per queued batch (bounds the requests in flight).
     room: Semaphore,
     /// Set by the reader task when it stops: nothing is queued after that.
@@ -33,15 +34,14 @@ impl Pending {
     }
 
     /// Queues `batch` under a permit taken for it; gives it back if the reader task stopped.
-    pub(super) fn push(&self, mut batch: Batch) -> std::result::Result<(), Batch> {
-        batch.queued = Instant::now();
+    pub(super) fn push(&self, batch: Batch) -> std::result::Result<(), Batch> {
         let mut q = self.queue.lock();
         if self.closed.load(Ordering::Acquire) {
             drop(q);
             self.room.add_permits(1);
             return Err(batch);
         }
-        q.push_back(batch);
+        q.push_back((Instant::now(), batch));
         Ok(())
     }
 
@@ -65,7 +65,7 @@ impl Pending {
 
     /// The oldest batch, taken off the queue (its permit is returned by [`Pending::done`]).
     pub(super) fn pop(&self) -> Option<Batch> {
-        self.queue.lock().pop_front()
+        self.queue.lock().pop_front().map(|(_, b)| b)
     }
 
     /// Returns the permit of a batch the reader task finished.
@@ -80,7 +80,7 @@ impl Pending {
         self.queue
             .lock()
             .front()
-            .map_or(limit, |b| limit.saturating_sub(b.queued.elapsed()))
+            .map_or(limit, |(queued, _)| limit.saturating_sub(queued.elapsed()))
     }
 
     /// Stops queueing and hands back every batch still queued.
@@ -88,6 +88,6 @@ impl Pending {
         let mut q = self.queue.lock();
         self.closed.store(true, Ordering::Release);
         self.room.close();
-        q.drain(..).collect()
+        q.drain(..).map(|(_, b)| b).collect()
     }
 }
