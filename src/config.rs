@@ -161,7 +161,8 @@ pub struct EngineConfig {
     /// microseconds each). Polled only while reads are in flight, yielding the CPU between
     /// looks; zero never polls. At most 10 ms. An RDMA read of one chain of work requests
     /// also polls its completion queue itself for up to this long before it waits for the
-    /// device's poller thread.
+    /// device's poller thread, and a TCP read of one batch polls its stream's socket, receiving
+    /// its response there, before it waits for the stream's reader task.
     pub spin: Duration,
     /// Transports to use.
     pub transport: TransportChoice,

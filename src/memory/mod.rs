@@ -30,7 +30,7 @@ pub(crate) use device::StagingBuf;
 pub use host::ExternalMemory;
 pub(crate) use peer::PeerMemory;
 pub(crate) use release::{OnDrop, Release};
-pub(crate) use span::{readv, writev, RegionSpan};
+pub(crate) use span::{bytes_waiting, readv, recv_now, writev, RegionSpan};
 
 /// What backs a region, and keeps it alive while registered.
 enum Backing {

@@ -160,6 +160,34 @@ pub(crate) fn readv(fd: RawFd, spans: &[RegionSpan], skip: u64) -> io::Result<us
     }
 }
 
+/// One `recv(2)` from `fd` into `buf` that never waits (`MSG_DONTWAIT`), whatever the
+/// runtime believes of the socket's readiness: a thread polling a socket it does not wait on
+/// sees bytes as soon as the kernel has them. Returns the bytes read (0 at end of stream), or
+/// `WouldBlock`.
+pub(crate) fn recv_now(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is a live, exclusively borrowed slice of `buf.len()` writable bytes for the
+    // whole call; recv writes at most that many.
+    let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+/// How many bytes the socket `fd` holds unread (`FIONREAD`).
+pub(crate) fn bytes_waiting(fd: RawFd) -> io::Result<usize> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one c_int through the pointer, which addresses `n`, live and
+    // exclusively borrowed for the call.
+    let r = unsafe { libc::ioctl(fd, libc::FIONREAD, &mut n as *mut libc::c_int) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(usize::try_from(n).unwrap_or(0))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

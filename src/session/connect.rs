@@ -307,7 +307,7 @@ fn tcp_fallback(
         peer: peer.to_string(),
         reason: "the peer offers no transport this engine can use".into(),
     })?;
-    let (streams, batch) = (usize::from(cfg.tcp_streams), cfg.batch_bytes);
+    let (streams, batch, spin) = (usize::from(cfg.tcp_streams), cfg.batch_bytes, cfg.spin);
     let waits = Waits {
         connect: cfg.connect_timeout,
         io: cfg.io_timeout,
@@ -318,7 +318,9 @@ fn tcp_fallback(
         let staging = staging.clone();
         let secret = secret.clone();
         Box::pin(async move {
-            TcpTransport::connect(data_addr, streams, waits, batch, staging, secret.as_ref()).await
+            TcpTransport::connect(data_addr, streams, waits, batch, staging, secret.as_ref())
+                .await
+                .map(|t| t.with_spin(spin))
         })
     }))
 }

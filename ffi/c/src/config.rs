@@ -77,7 +77,8 @@ pub struct kvlink_config {
     /// How long a caller waiting in `kvlink_engine_wait_finished` polls while reads are in
     /// flight before it sleeps, in microseconds (at most 10,000; default 50; 0 never polls).
     /// A read that finishes meanwhile is seen without a thread wake-up. A small RDMA read
-    /// (one chain of work requests) polls its completion queue itself for as long.
+    /// (one chain of work requests) polls its completion queue itself for as long, and a
+    /// small TCP read (one batch) its stream's socket.
     pub spin_us: u64,
 }
 

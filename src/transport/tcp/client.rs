@@ -9,12 +9,13 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use tokio::io::AsyncWriteExt;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::timeout;
 
+mod here;
 mod pending;
 mod receive;
 
@@ -27,7 +28,9 @@ use crate::transport::stream::{batch, proof};
 use crate::transport::{
     bounded, ConfirmAsk, Confirmed, ReadDone, ReadFuture, ReadOp, RequestCtl, Transport, Waits,
 };
+use here::{RecvSide, RecvState};
 use pending::Pending;
+use receive::{Fill, ReadAhead};
 
 /// Requests in flight per stream (bounds memory and queueing towards a slow peer).
 const PIPELINE: usize = 16;
@@ -74,6 +77,8 @@ struct Stream {
     tx: mpsc::Sender<Batch>,
     /// The sending side, for a read of one batch to send its request itself.
     send: Arc<tokio::sync::Mutex<SendSide>>,
+    /// The receiving side, for a read of one batch to receive its response itself.
+    recv: Arc<RecvSide>,
     tasks: [JoinHandle<()>; 2],
 }
 
@@ -176,6 +181,8 @@ pub(crate) struct TcpTransport {
     io_timeout: Duration,
     /// The unkeyed control session every request names (engines without a key).
     session: Option<[u8; 16]>,
+    /// How long a read of one batch waits for its response on its own thread.
+    spin: Duration,
 }
 
 impl Drop for TcpTransport {
@@ -226,10 +233,19 @@ impl TcpTransport {
                 buf: Vec::new(),
                 pending: pending.clone(),
             }));
+            let recv = Arc::new(RecvSide {
+                rd,
+                state: tokio::sync::Mutex::new(RecvState {
+                    ahead: ReadAhead::new(),
+                    tag: 0,
+                    resume: None,
+                }),
+                kick: tokio::sync::Notify::new(),
+                pending,
+            });
             let w = tokio::spawn(writer(send.clone(), rx, health.clone(), peer, io_timeout));
             let r = tokio::spawn(reader(
-                rd,
-                pending,
+                recv.clone(),
                 health.clone(),
                 peer,
                 io_timeout,
@@ -238,6 +254,7 @@ impl TcpTransport {
             out.push(Stream {
                 tx,
                 send,
+                recv,
                 tasks: [w, r],
             });
         }
@@ -249,7 +266,15 @@ impl TcpTransport {
             batch_bytes: batch_bytes.max(1),
             io_timeout,
             session: session.filter(|s| !s.is_keyed()).map(|s| s.id),
+            spin: Duration::ZERO,
         })
+    }
+
+    /// Sets how long a read of one batch waits for its response on its own thread, receiving
+    /// it there (zero: never; it waits for the stream's reader task).
+    pub(crate) fn with_spin(mut self, spin: Duration) -> Self {
+        self.spin = spin;
+        self
     }
 
     fn lost(&self) -> Error {
@@ -288,6 +313,7 @@ impl TcpTransport {
         let extras = Extras::of_read(confirm, n, self.session);
         let (done_tx, mut done_rx) = mpsc::channel::<Result<Option<Confirmed>>>(n.max(1));
         let start = self.next.fetch_add(n, Ordering::Relaxed);
+        let mut sent_here = None;
         for (i, ops) in batches.into_iter().enumerate() {
             let bytes = ops.iter().map(|o| o.local.len()).sum();
             let batch = Batch {
@@ -302,7 +328,10 @@ impl TcpTransport {
             // One batch: its request goes out from here when the stream is free.
             let batch = if n == 1 {
                 match stream.send_now(batch, &self.health, self.peer, self.io_timeout) {
-                    Ok(()) => continue,
+                    Ok(()) => {
+                        sent_here = Some(&stream.recv);
+                        continue;
+                    }
                     Err(back) => back,
                 }
             } else {
@@ -314,7 +343,12 @@ impl TcpTransport {
         }
         drop(done_tx);
         let mut confirmed = None;
-        for _ in 0..n {
+        let mut left = n;
+        if let Some(r) = sent_here.and_then(|s| s.wait_here(self.spin, &mut done_rx, &ctl)) {
+            confirmed = r?;
+            left = 0;
+        }
+        for _ in 0..left {
             match done_rx.recv().await {
                 Some(Ok(c)) => confirmed = confirmed.or(c),
                 Some(Err(e)) => return Err(e),
@@ -391,85 +425,93 @@ async fn writer(
     health.broken.store(true, Ordering::Release);
 }
 
-// Long: one stream's receive loop: its staging buffers and the idle socket watch live across
-//   iterations and are used by every branch.
+// Long: one stream's receive loop: its staging buffers live across iterations and every
+//   branch ends the stream its own way.
 async fn reader(
-    mut rd: OwnedReadHalf,
-    pending: Arc<Pending>,
+    side: Arc<RecvSide>,
     health: Arc<Health>,
     peer: SocketAddr,
     io_timeout: Duration,
     staging: Arc<StagingPool>,
 ) {
     let mut scratch = vec![0u8; 64 << 10];
-    let mut ahead = receive::ReadAhead::new();
-    let mut expect_tag = 0u64;
     // This stream's staging buffers for device memory (allocated on first use).
     let mut inbound = Inbound::new(staging, io_timeout);
-    let lost = |reason: String| Error::ConnectionLost {
+    let pending = &side.pending;
+    let lost = |reason: &str| Error::ConnectionLost {
         peer: peer.to_string(),
-        reason,
+        reason: reason.to_string(),
     };
     loop {
-        // Wait for the socket only: a response (its batch was queued before its request went
-        // out), or a server closing an idle stream (or dying), which marks this transport
-        // broken now, so the next request rebuilds the session instead of failing on a dead
-        // stream. Bounded: a response io_timeout late breaks the stream. Bytes read
-        // ahead are a response already.
-        let ready = match ahead.is_empty() {
-            true => timeout(pending.patience(io_timeout), rd.readable()).await,
-            false => Ok(Ok(())),
-        };
-        match ready {
-            Err(_) if pending.patience(io_timeout).is_zero() => {
-                health.fail(Error::Timeout {
-                    what: format!("waiting for a data response from {peer}"),
-                    after: io_timeout,
-                });
-                break;
+        let mut state = side.state.lock().await;
+        // A response a waiting read began, and left to this task to finish.
+        if let Some(here::Resume { batch, got }) = state.resume.take() {
+            let state = &mut *state;
+            let mut rx = receive::Rx {
+                rd: &side.rd,
+                ahead: &mut state.ahead,
+                peer,
+                io_timeout,
+            };
+            let r = receive::resume(&mut rx, &batch, got, state.tag, &mut scratch).await;
+            pending.done();
+            match r {
+                Ok(outcome) => batch.finish(outcome),
+                Err(e) => {
+                    health.fail(e.clone());
+                    batch.finish(Err(e));
+                    break;
+                }
             }
-            Err(_) => continue,
-            Ok(Err(e)) => {
-                health.fail(lost(format!("data stream failed: {e}")));
-                break;
+            continue;
+        }
+        // Bytes read ahead are a response already; otherwise look at the socket without
+        // waiting (a waiting read may have received what woke this task).
+        if state.ahead.is_empty() {
+            match state.ahead.try_fill(&side.rd, true) {
+                Ok(Fill::Bytes) => {}
+                Ok(Fill::Nothing) => {
+                    drop(state);
+                    match side.wait(peer, io_timeout).await {
+                        Ok(()) => continue,
+                        Err(e) => {
+                            health.fail(e);
+                            break;
+                        }
+                    }
+                }
+                // A server closing an idle stream (or dying) marks this transport broken
+                // now, so the next request rebuilds the session instead of failing on a
+                // dead stream.
+                Ok(Fill::Closed) if pending.is_empty() => {
+                    health.fail(lost("the peer closed an idle data stream"));
+                    break;
+                }
+                Ok(Fill::Closed) => {
+                    health.fail(lost("the peer closed the data stream mid-response"));
+                    break;
+                }
+                Err(e) => {
+                    health.fail(lost(&format!("data stream failed: {e}")));
+                    break;
+                }
             }
-            Ok(Ok(())) => {}
         }
         // A response's batch was queued before its request went out, so before the response
-        // came: bytes found with no batch queued (after the bytes were seen) were not asked.
-        let batch = match pending.pop() {
-            Some(b) => b,
-            None if !ahead.is_empty() => {
-                health.fail(unasked(peer));
-                break;
-            }
-            None => match look(&rd).await {
-                Look::Stale => continue,
-                Look::Data => match pending.pop() {
-                    Some(b) => b,
-                    None => {
-                        health.fail(unasked(peer));
-                        break;
-                    }
-                },
-                Look::Closed => {
-                    health.fail(lost("the peer closed an idle data stream".into()));
-                    break;
-                }
-                Look::Failed(e) => {
-                    health.fail(lost(format!("idle data stream failed: {e}")));
-                    break;
-                }
-            },
+        // came: bytes with no batch queued were not asked.
+        let Some(batch) = pending.pop() else {
+            health.fail(unasked(peer));
+            break;
         };
-        expect_tag += 1;
+        state.tag += 1;
+        let state = &mut *state;
         let mut rx = receive::Rx {
-            rd: &mut rd,
-            ahead: &mut ahead,
+            rd: &side.rd,
+            ahead: &mut state.ahead,
             peer,
             io_timeout,
         };
-        let got = receive::receive(&mut rx, &batch, expect_tag, &mut scratch, &mut inbound).await;
+        let got = receive::receive(&mut rx, &batch, state.tag, &mut scratch, &mut inbound).await;
         pending.done();
         match got {
             Ok(outcome) => batch.finish(outcome),
@@ -486,35 +528,36 @@ async fn reader(
             .reason
             .lock()
             .clone()
-            .unwrap_or_else(|| lost("data stream closed".into()));
+            .unwrap_or_else(|| lost("data stream closed"));
         b.finish(Err(reason));
     }
     health.broken.store(true, Ordering::Release);
 }
 
-/// What an idle stream's socket holds.
-enum Look {
-    /// Nothing (the readiness was stale).
-    Stale,
-    /// Bytes.
-    Data,
-    /// The end of the stream.
-    Closed,
-    Failed(std::io::Error),
-}
-
-/// Looks at the socket without waiting and without consuming.
-async fn look(rd: &OwnedReadHalf) -> Look {
-    let mut probe = [0u8; 1];
-    let mut buf = tokio::io::ReadBuf::new(&mut probe);
-    let peeked =
-        std::future::poll_fn(|cx| std::task::Poll::Ready(rd.as_ref().poll_peek(cx, &mut buf)))
-            .await;
-    match peeked {
-        std::task::Poll::Pending => Look::Stale,
-        std::task::Poll::Ready(Ok(0)) => Look::Closed,
-        std::task::Poll::Ready(Ok(_)) => Look::Data,
-        std::task::Poll::Ready(Err(e)) => Look::Failed(e),
+impl RecvSide {
+    /// The reader task's wait, the socket found empty: until it is readable or a waiting read
+    /// asks for a look. Bounded: a response `io_timeout` late is an error.
+    async fn wait(&self, peer: SocketAddr, io_timeout: Duration) -> Result<()> {
+        let patience = self.pending.patience(io_timeout);
+        if patience.is_zero() {
+            return Err(Error::Timeout {
+                what: format!("waiting for a data response from {peer}"),
+                after: io_timeout,
+            });
+        }
+        let woken = async {
+            tokio::select! {
+                r = self.rd.readable() => r,
+                () = self.kick.notified() => Ok(()),
+            }
+        };
+        match timeout(patience, woken).await {
+            Err(_) | Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(Error::ConnectionLost {
+                peer: peer.to_string(),
+                reason: format!("data stream failed: {e}"),
+            }),
+        }
     }
 }
 

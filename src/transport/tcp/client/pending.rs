@@ -68,6 +68,19 @@ impl Pending {
         self.queue.lock().pop_front().map(|(_, b)| b)
     }
 
+    /// The oldest batch with what `f` made of it, taken off the queue when `f` made something
+    /// of it (its permit is returned by [`Pending::done`]).
+    pub(super) fn pop_with<R>(&self, f: impl FnOnce(&Batch) -> Option<R>) -> Option<(Batch, R)> {
+        let mut q = self.queue.lock();
+        let r = f(&q.front()?.1)?;
+        q.pop_front().map(|(_, b)| (b, r))
+    }
+
+    /// Whether no batch is queued.
+    pub(super) fn is_empty(&self) -> bool {
+        self.queue.lock().is_empty()
+    }
+
     /// Returns the permit of a batch the reader task finished.
     pub(super) fn done(&self) {
         self.room.add_permits(1);

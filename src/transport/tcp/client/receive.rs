@@ -8,7 +8,7 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, Interest};
+use tokio::io::Interest;
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::time::timeout;
 
@@ -44,16 +44,22 @@ impl ReadAhead {
         self.start == self.end
     }
 
-    fn buffered(&self) -> &[u8] {
+    pub(super) fn buffered(&self) -> &[u8] {
         &self.buf[self.start..self.end]
     }
 
-    fn consume(&mut self, n: usize) {
+    pub(super) fn consume(&mut self, n: usize) {
         self.start += n;
         if self.start == self.end {
             self.start = 0;
             self.end = 0;
         }
+    }
+
+    /// The whole buffer, for bytes to be thrown away (nothing may be buffered).
+    pub(super) fn spare(&mut self) -> &mut [u8] {
+        debug_assert!(self.is_empty());
+        &mut self.buf
     }
 
     /// Moves what is buffered, up to `out.len()` bytes, into `out`; returns how much.
@@ -62,6 +68,32 @@ impl ReadAhead {
         out[..n].copy_from_slice(&self.buffered()[..n]);
         self.consume(n);
         n
+    }
+
+    /// Reads what the socket has now into the (empty) buffer, without waiting. The reader
+    /// task reads through the runtime (`from_runtime`: a socket it was not told is readable
+    /// is not read, and one found empty is waited on again); a waiting read asks the kernel
+    /// itself, so it sees a response before the runtime's event thread does.
+    pub(super) fn try_fill(
+        &mut self,
+        rd: &OwnedReadHalf,
+        from_runtime: bool,
+    ) -> std::io::Result<Fill> {
+        debug_assert!(self.is_empty());
+        let got = match from_runtime {
+            true => rd.try_read(&mut self.buf),
+            false => memory::recv_now(rd.as_ref().as_raw_fd(), &mut self.buf),
+        };
+        match got {
+            Ok(0) => Ok(Fill::Closed),
+            Ok(n) => {
+                self.start = 0;
+                self.end = n;
+                Ok(Fill::Bytes)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(Fill::Nothing),
+            Err(e) => Err(e),
+        }
     }
 
     /// Reads what the socket has, at least one byte, into the (empty) buffer, waiting up to
@@ -92,7 +124,7 @@ impl ReadAhead {
     /// bytes, straight into `out` for many).
     async fn read_exact(
         &mut self,
-        rd: &mut OwnedReadHalf,
+        rd: &OwnedReadHalf,
         out: &mut [u8],
         peer: SocketAddr,
         io_timeout: Duration,
@@ -121,6 +153,14 @@ async fn readable_within(rd: &OwnedReadHalf, peer: SocketAddr, io_timeout: Durat
         .map_err(|e| lost(peer, "waiting for data", &e))
 }
 
+/// What [`ReadAhead::try_fill`] found on the socket.
+pub(super) enum Fill {
+    Bytes,
+    Nothing,
+    /// The end of the stream.
+    Closed,
+}
+
 fn closed_mid_response(peer: SocketAddr) -> Error {
     Error::ConnectionLost {
         peer: peer.to_string(),
@@ -130,7 +170,7 @@ fn closed_mid_response(peer: SocketAddr) -> Error {
 
 /// A stream's socket with what it read ahead, and the limits of its waits.
 pub(super) struct Rx<'a> {
-    pub(super) rd: &'a mut OwnedReadHalf,
+    pub(super) rd: &'a OwnedReadHalf,
     pub(super) ahead: &'a mut ReadAhead,
     pub(super) peer: SocketAddr,
     pub(super) io_timeout: Duration,
@@ -164,38 +204,66 @@ async fn response_head(rx: &mut Rx<'_>, expect_tag: u64) -> Result<(u8, u64, Vec
     Ok((status, len, body))
 }
 
-/// Fills `buf` from the stream within `io_timeout`: a timeout or a lost connection names `what`.
+/// Fills `buf` from the stream, waiting up to `io_timeout` each time it has nothing: a stall or
+/// a lost connection names `what`.
 async fn read_within(
-    rd: &mut OwnedReadHalf,
+    rd: &OwnedReadHalf,
     buf: &mut [u8],
     peer: SocketAddr,
     io_timeout: Duration,
     what: &str,
 ) -> Result<()> {
-    timeout(io_timeout, rd.read_exact(buf))
-        .await
-        .map_err(|_| Error::Timeout {
-            what: format!("{what} from {peer}"),
-            after: io_timeout,
-        })?
-        .map_err(|e| lost(peer, what, &e))?;
+    let mut got = 0;
+    while got < buf.len() {
+        timeout(io_timeout, rd.readable())
+            .await
+            .map_err(|_| Error::Timeout {
+                what: format!("{what} from {peer}"),
+                after: io_timeout,
+            })?
+            .map_err(|e| lost(peer, what, &e))?;
+        match rd.try_read(&mut buf[got..]) {
+            Ok(0) => return Err(closed_mid_response(peer)),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(lost(peer, what, &e)),
+        }
+    }
     Ok(())
 }
 
 /// Reads the confirmation that follows the data of a request that asked for one.
 async fn receive_confirmation(rx: &mut Rx<'_>, tag: u64) -> Result<Confirmed> {
-    match response_head(rx, tag).await? {
-        (wire::STATUS_CONFIRMED, _, held) => {
-            let us = u64::from_le_bytes(held[..8].try_into().expect("8 bytes"));
-            Ok(Ok(Duration::from_micros(us)))
-        }
-        (wire::STATUS_UNCONFIRMED, _, why) => {
-            let why = String::from_utf8_lossy(&why).into_owned();
-            Ok(Err(Refusal::new(RefusalKind::Remote, why)))
-        }
-        (status, ..) => Err(Error::Protocol(format!(
+    let (status, _, body) = response_head(rx, tag).await?;
+    confirmation(status, &body).ok_or_else(|| {
+        Error::Protocol(format!(
             "response status {status} where a confirmation was due"
-        ))),
+        ))
+    })
+}
+
+/// A confirmation's verdict from its status and body (a `STATUS_CONFIRMED` body is 8 bytes,
+/// checked with its header); `None` for a status that is not a confirmation's.
+pub(super) fn confirmation(status: u8, body: &[u8]) -> Option<Confirmed> {
+    match status {
+        wire::STATUS_CONFIRMED => {
+            let us = u64::from_le_bytes(body.get(..8)?.try_into().ok()?);
+            Some(Ok(Duration::from_micros(us)))
+        }
+        wire::STATUS_UNCONFIRMED => {
+            let why = String::from_utf8_lossy(body).into_owned();
+            Some(Err(Refusal::new(RefusalKind::Remote, why)))
+        }
+        _ => None,
+    }
+}
+
+/// One response header at the start of `buf`, when `buf` holds a whole one of tag `tag`.
+pub(super) fn buffered_head(buf: &[u8], tag: u64) -> Option<(u8, usize)> {
+    let head: &[u8; wire::RESPONSE_HEADER] = buf.get(..wire::RESPONSE_HEADER)?.try_into().ok()?;
+    match wire::decode_response_header(head) {
+        Ok((t, status, len)) if t == tag => Some((status, usize::try_from(len).ok()?)),
+        _ => None,
     }
 }
 
@@ -214,6 +282,26 @@ pub(super) async fn receive(
     }
     let c = receive_confirmation(rx, expect_tag).await?;
     Ok(Ok(Some(c)))
+}
+
+/// Finishes a response a waiting read began (`super::here`): the rest of its data from byte
+/// `got` (its header read), then the confirmation when the batch asked for one. Errors as
+/// [`receive`]'s.
+pub(super) async fn resume(
+    rx: &mut Rx<'_>,
+    batch: &Batch,
+    got: u64,
+    tag: u64,
+    scratch: &mut [u8],
+) -> Result<Result<Option<Confirmed>>> {
+    if got < batch.bytes {
+        let spans: Vec<RegionSpan> = batch.ops.iter().map(|o| o.local.clone()).collect();
+        land(rx, &spans, (got, batch.bytes), &batch.ctl, scratch).await?;
+    }
+    if !batch.extras.confirm {
+        return Ok(Ok(None));
+    }
+    Ok(Ok(Some(receive_confirmation(rx, tag).await?)))
 }
 
 /// Reads one data response into the batch's memory.
@@ -249,21 +337,20 @@ async fn receive_data(
         return receive_staged(rx, batch, scratch, inbound).await;
     }
     let spans: Vec<RegionSpan> = batch.ops.iter().map(|o| o.local.clone()).collect();
-    land(rx, &spans, len, &batch.ctl, scratch).await?;
+    land(rx, &spans, (0, len), &batch.ctl, scratch).await?;
     Ok(Ok(()))
 }
 
-/// Lands `len` bytes of the stream in host spans: what was read ahead and, for a few bytes
-/// more, through the buffer; straight into place (`readv`) for many. Into nothing once the
-/// request is cancelled.
+/// Lands bytes `got..len` of the stream's response in host spans: what was read ahead and,
+/// for a few bytes more, through the buffer; straight into place (`readv`) for many. Into
+/// nothing once the request is cancelled.
 async fn land(
     rx: &mut Rx<'_>,
     spans: &[RegionSpan],
-    len: u64,
+    (mut got, len): (u64, u64),
     ctl: &RequestCtl,
     scratch: &mut [u8],
 ) -> Result<()> {
-    let mut got = 0u64;
     loop {
         let n = (rx.ahead.buffered().len() as u64).min(len - got);
         if n > 0 {
@@ -283,7 +370,7 @@ async fn land(
 }
 
 /// Copies `bytes` into the spans' concatenation, from its byte `skip` on.
-fn copy_into(spans: &[RegionSpan], mut skip: u64, mut bytes: &[u8]) -> Result<()> {
+pub(super) fn copy_into(spans: &[RegionSpan], mut skip: u64, mut bytes: &[u8]) -> Result<()> {
     for span in spans {
         if bytes.is_empty() {
             break;
@@ -318,7 +405,7 @@ async fn read_into(
     scratch: &mut [u8],
 ) -> Result<()> {
     debug_assert!(rx.ahead.is_empty());
-    let (rd, peer) = (&*rx.rd, rx.peer);
+    let (rd, peer) = (rx.rd, rx.peer);
     while got < len {
         readable_within(rd, peer, rx.io_timeout).await?;
         let stream: &tokio::net::TcpStream = rd.as_ref();
@@ -399,7 +486,7 @@ async fn receive_pieces(
         match g {
             Group::Host(host) => {
                 let n = host.iter().map(RegionSpan::len).sum();
-                land(rx, &host, n, &batch.ctl, scratch).await?;
+                land(rx, &host, (0, n), &batch.ctl, scratch).await?;
             }
             Group::Device(pieces) => {
                 let mut buf = inbound.buffer(&pieces[0]).await?;

@@ -193,3 +193,135 @@ async fn broken(t: &TcpTransport) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// Serves one request on a thread of its own (blocking): answers `answer(tag, bytes asked)`,
+/// pausing 50 ms at each of `cuts` (offsets into the answer).
+fn serve_on_a_thread(
+    server: TcpStream,
+    cuts: &'static [usize],
+    answer: impl FnOnce(u64, usize) -> Vec<u8> + Send + 'static,
+) -> std::thread::JoinHandle<()> {
+    use std::io::{Read, Write};
+    let mut s = server.into_std().unwrap();
+    s.set_nonblocking(false).unwrap();
+    std::thread::spawn(move || {
+        let mut h = [0u8; wire::REQUEST_HEADER];
+        s.read_exact(&mut h).unwrap();
+        let head = wire::decode_request_header(&h).unwrap();
+        let entries = head.count as usize * wire::ENTRY;
+        let mut rest = vec![0u8; head.id_len + Extras::len_of(head.flags) + entries];
+        s.read_exact(&mut rest).unwrap();
+        let asked: u64 = wire::decode_entries(&rest[rest.len() - entries..])
+            .map(|e| e.len)
+            .sum();
+        let all = answer(head.tag, asked as usize);
+        let mut from = 0;
+        for &cut in cuts.iter().chain([all.len()].iter()) {
+            s.write_all(&all[from..cut]).unwrap();
+            from = cut;
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    })
+}
+
+/// A transport of one stream whose reads wait for up to 5 s on their own threads; without
+/// its reader task when `reader` is false (only a waiting read can receive then).
+async fn waiting(l: &TcpListener, reader: bool) -> (TcpTransport, TcpStream) {
+    let (t, server) = pair(l, Duration::from_secs(10)).await;
+    if !reader {
+        let task = &t.streams[0].tasks[1];
+        task.abort();
+        while !task.is_finished() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    (t.with_spin(Duration::from_secs(5)), server)
+}
+
+/// A data response of `n` bytes of `pattern(n, seed)` followed by a confirmation that the hold
+/// had ended.
+fn unconfirmed(tag: u64, n: usize, seed: u8) -> Vec<u8> {
+    let why = b"hold 5 ended";
+    let mut v = wire::encode_response_header(tag, wire::STATUS_OK, n as u64).to_vec();
+    v.extend_from_slice(&pattern(n, seed));
+    v.extend_from_slice(&wire::encode_response_header(
+        tag,
+        wire::STATUS_UNCONFIRMED,
+        why.len() as u64,
+    ));
+    v.extend_from_slice(why);
+    v
+}
+
+/// A read of one batch waiting on its own thread receives a response the socket holds
+/// itself: with the stream's reader task gone, the read still ends, its bytes in place and
+/// confirmed, whether the response fits the read-ahead (4 KiB) or its data is mostly left in
+/// the socket and lands straight into place (60,000 bytes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn a_waiting_read_receives_a_response_the_socket_holds_itself() {
+    for len in [4096, 60_000] {
+        let l = listener().await;
+        let (t, server) = waiting(&l, false).await;
+        let region = Arc::new(Region::allocate(RegionId(1), len, false).unwrap());
+        let server = serve_on_a_thread(server, &[], |tag, n| response(tag, &pattern(n, 4), true));
+        let r = read(&t, &RequestId::new("here"), &region, true).await;
+        assert_eq!(
+            r.unwrap().confirmed,
+            Some(Ok(Duration::from_micros(7))),
+            "{len}"
+        );
+        assert_eq!(contents(&region), pattern(len as usize, 4));
+        assert!(!t.is_broken());
+        server.join().unwrap();
+    }
+}
+
+/// A read that receives its response on its own thread reports what the server's
+/// confirmation said: a hold that ended before the server's check is never reported
+/// confirmed, though its bytes arrived; also when the confirmation came after a pause and the
+/// reader task finished the response the waiting read began.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn a_waiting_read_reports_an_unconfirmed_response_unconfirmed() {
+    const AFTER_THE_DATA: &[usize] = &[wire::RESPONSE_HEADER + 4096];
+    for (reader, cuts) in [(false, &[][..]), (true, AFTER_THE_DATA)] {
+        let l = listener().await;
+        let (t, server) = waiting(&l, reader).await;
+        let region = Arc::new(Region::allocate(RegionId(1), 4096, false).unwrap());
+        let server = serve_on_a_thread(server, cuts, |tag, n| unconfirmed(tag, n, 5));
+        let r = read(&t, &RequestId::new("stale"), &region, true).await;
+        let refusal = r.unwrap().confirmed.expect("a confirmation").unwrap_err();
+        assert!(refusal.to_string().contains("hold 5 ended"), "{refusal}");
+        assert!(!t.is_broken());
+        server.join().unwrap();
+    }
+}
+
+/// Responses a waiting read cannot finish at once (one in pieces; one whose confirmation comes
+/// after a pause; one larger than the read-ahead, confirmed or not) land whole, the reader
+/// task finishing what the waiting read left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn responses_a_waiting_read_cannot_finish_at_once_land_whole() {
+    const PIECES: &[usize] = &[1400, 2800];
+    const AFTER_THE_DATA: &[usize] = &[wire::RESPONSE_HEADER + 4096];
+    const IN_THE_DATA: &[usize] = &[30_000];
+    let cases = [
+        (4096, PIECES, true),
+        (4096, AFTER_THE_DATA, true),
+        (100_000, IN_THE_DATA, false),
+        (100_000, IN_THE_DATA, true),
+    ];
+    for (len, cuts, confirm) in cases {
+        let l = listener().await;
+        let (t, server) = waiting(&l, true).await;
+        let region = Arc::new(Region::allocate(RegionId(1), len, false).unwrap());
+        let server = serve_on_a_thread(server, cuts, move |tag, n| {
+            response(tag, &pattern(n, 6), confirm)
+        });
+        let r = read(&t, &RequestId::new("left"), &region, confirm).await;
+        let want = confirm.then_some(Ok(Duration::from_micros(7)));
+        assert_eq!(r.unwrap().confirmed, want, "{len} bytes cut at {cuts:?}");
+        assert_eq!(contents(&region), pattern(len as usize, 6));
+        assert!(!t.is_broken());
+        server.join().unwrap();
+    }
+}
