@@ -344,7 +344,10 @@ impl TcpTransport {
         drop(done_tx);
         let mut confirmed = None;
         let mut left = n;
-        if let Some(r) = sent_here.and_then(|s| s.wait_here(self.spin, &mut done_rx, &ctl)) {
+        // Only a read polled on its caller's thread (outside the runtime's tasks) waits
+        // there: a runtime thread held spinning would delay the tasks receiving other reads.
+        let here = sent_here.filter(|_| tokio::task::try_id().is_none());
+        if let Some(r) = here.and_then(|s| s.wait_here(self.spin, &mut done_rx, &ctl)) {
             confirmed = r?;
             left = 0;
         }
