@@ -446,7 +446,12 @@ async fn reader(
         reason: reason.to_string(),
     };
     loop {
-        let mut state = side.state.lock().await;
+        // Uncontended (no read waiting on its thread holds it) most of the time: taken
+        // without the runtime's await, which would spend the task's budget.
+        let mut state = match side.state.try_lock() {
+            Ok(state) => state,
+            Err(_) => side.state.lock().await,
+        };
         // A response a waiting read began, and left to this task to finish.
         if let Some(here::Resume { batch, got }) = state.resume.take() {
             let state = &mut *state;
