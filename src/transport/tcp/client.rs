@@ -462,14 +462,8 @@ async fn reader(
                 io_timeout,
             };
             let r = receive::resume(&mut rx, &batch, got, state.tag, &mut scratch).await;
-            pending.done();
-            match r {
-                Ok(outcome) => batch.finish(outcome),
-                Err(e) => {
-                    health.fail(e.clone());
-                    batch.finish(Err(e));
-                    break;
-                }
+            if !end_batch(batch, r, pending, &health) {
+                break;
             }
             continue;
         }
@@ -520,14 +514,8 @@ async fn reader(
             io_timeout,
         };
         let got = receive::receive(&mut rx, &batch, state.tag, &mut scratch, &mut inbound).await;
-        pending.done();
-        match got {
-            Ok(outcome) => batch.finish(outcome),
-            Err(e) => {
-                health.fail(e.clone());
-                batch.finish(Err(e));
-                break;
-            }
+        if !end_batch(batch, got, pending, &health) {
+            break;
         }
     }
     // Fail whatever is still queued on this stream with the stream's reason.
@@ -540,6 +528,28 @@ async fn reader(
         b.finish(Err(reason));
     }
     health.broken.store(true, Ordering::Release);
+}
+
+/// Ends `batch` with what receiving its response gave (the outer error breaks the stream) and
+/// returns its permit; `false` when the stream broke.
+fn end_batch(
+    batch: Batch,
+    got: Result<Result<Option<Confirmed>>>,
+    pending: &Pending,
+    health: &Health,
+) -> bool {
+    pending.done();
+    match got {
+        Ok(outcome) => {
+            batch.finish(outcome);
+            true
+        }
+        Err(e) => {
+            health.fail(e.clone());
+            batch.finish(Err(e));
+            false
+        }
+    }
 }
 
 impl RecvSide {
