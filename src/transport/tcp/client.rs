@@ -452,68 +452,55 @@ async fn reader(
             Ok(state) => state,
             Err(_) => side.state.lock().await,
         };
-        // A response a waiting read began, and left to this task to finish.
-        if let Some(here::Resume { batch, got }) = state.resume.take() {
-            let state = &mut *state;
-            let mut rx = receive::Rx {
-                rd: &side.rd,
-                ahead: &mut state.ahead,
-                peer,
-                io_timeout,
-            };
-            let r = receive::resume(&mut rx, &batch, got, state.tag, &mut scratch).await;
-            if !end_batch(batch, r, pending, &health) {
-                break;
-            }
-            continue;
-        }
-        // Bytes read ahead are a response already; otherwise look at the socket without
-        // waiting (a waiting read may have received what woke this task).
-        if state.ahead.is_empty() {
-            match state.ahead.try_fill(&side.rd, true) {
-                Ok(Fill::Bytes) => {}
-                Ok(Fill::Nothing) => {
-                    drop(state);
-                    match side.wait(peer, io_timeout).await {
-                        Ok(()) => continue,
-                        Err(e) => {
-                            health.fail(e);
-                            break;
+        // A response a waiting read began, and left to this task to finish; or the next one.
+        let (batch, got) = if let Some(here::Resume { batch, got }) = state.resume.take() {
+            let (tag, mut rx) = state.rx(&side.rd, peer, io_timeout);
+            let r = receive::resume(&mut rx, &batch, got, tag, &mut scratch).await;
+            (batch, r)
+        } else {
+            // Bytes read ahead are a response already; otherwise look at the socket without
+            // waiting (a waiting read may have received what woke this task).
+            if state.ahead.is_empty() {
+                match state.ahead.try_fill(&side.rd, true) {
+                    Ok(Fill::Bytes) => {}
+                    Ok(Fill::Nothing) => {
+                        drop(state);
+                        match side.wait(peer, io_timeout).await {
+                            Ok(()) => continue,
+                            Err(e) => {
+                                health.fail(e);
+                                break;
+                            }
                         }
                     }
-                }
-                // A server closing an idle stream (or dying) marks this transport broken
-                // now, so the next request rebuilds the session instead of failing on a
-                // dead stream.
-                Ok(Fill::Closed) if pending.is_empty() => {
-                    health.fail(lost("the peer closed an idle data stream"));
-                    break;
-                }
-                Ok(Fill::Closed) => {
-                    health.fail(lost("the peer closed the data stream mid-response"));
-                    break;
-                }
-                Err(e) => {
-                    health.fail(lost(&format!("data stream failed: {e}")));
-                    break;
+                    // A server closing an idle stream (or dying) marks this transport broken
+                    // now, so the next request rebuilds the session instead of failing on a
+                    // dead stream.
+                    Ok(Fill::Closed) if pending.is_empty() => {
+                        health.fail(lost("the peer closed an idle data stream"));
+                        break;
+                    }
+                    Ok(Fill::Closed) => {
+                        health.fail(lost("the peer closed the data stream mid-response"));
+                        break;
+                    }
+                    Err(e) => {
+                        health.fail(lost(&format!("data stream failed: {e}")));
+                        break;
+                    }
                 }
             }
-        }
-        // A response's batch was queued before its request went out, so before the response
-        // came: bytes with no batch queued were not asked.
-        let Some(batch) = pending.pop() else {
-            health.fail(unasked(peer));
-            break;
+            // A response's batch was queued before its request went out, so before the
+            // response came: bytes with no batch queued were not asked.
+            let Some(batch) = pending.pop() else {
+                health.fail(unasked(peer));
+                break;
+            };
+            state.tag += 1;
+            let (tag, mut rx) = state.rx(&side.rd, peer, io_timeout);
+            let r = receive::receive(&mut rx, &batch, tag, &mut scratch, &mut inbound).await;
+            (batch, r)
         };
-        state.tag += 1;
-        let state = &mut *state;
-        let mut rx = receive::Rx {
-            rd: &side.rd,
-            ahead: &mut state.ahead,
-            peer,
-            io_timeout,
-        };
-        let got = receive::receive(&mut rx, &batch, state.tag, &mut scratch, &mut inbound).await;
         if !end_batch(batch, got, pending, &health) {
             break;
         }

@@ -11,6 +11,7 @@
 //! refusal, malformed bytes; or, its data landed, the confirmation still on its way
 //! ([`Resume`]).
 
+use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,7 +21,7 @@ use tokio::sync::mpsc;
 
 use super::super::wire;
 use super::pending::Pending;
-use super::receive::{buffered_head, confirmation, copy_into, Fill, ReadAhead};
+use super::receive::{buffered_head, confirmation, copy_into, Fill, ReadAhead, Rx};
 use super::Batch;
 use crate::error::Result;
 use crate::memory::{self, RegionSpan};
@@ -45,6 +46,24 @@ pub(super) struct RecvState {
     pub(super) ahead: ReadAhead,
     pub(super) tag: u64,
     pub(super) resume: Option<Resume>,
+}
+
+impl RecvState {
+    /// The last response's tag, and the socket with what is read ahead of it.
+    pub(super) fn rx<'a>(
+        &'a mut self,
+        rd: &'a OwnedReadHalf,
+        peer: SocketAddr,
+        io_timeout: Duration,
+    ) -> (u64, Rx<'a>) {
+        let rx = Rx {
+            rd,
+            ahead: &mut self.ahead,
+            peer,
+            io_timeout,
+        };
+        (self.tag, rx)
+    }
 }
 
 /// A response a waiting read began and left to the reader task (under the last tag): its
@@ -95,7 +114,6 @@ impl RecvSide {
         let Ok(mut state) = self.state.try_lock() else {
             return;
         };
-        let fd = self.rd.as_ref().as_raw_fd();
         if state.resume.is_some() {
             return;
         }
@@ -112,8 +130,10 @@ impl RecvSide {
         }
         while !state.ahead.is_empty() && state.resume.is_none() {
             let tag = state.tag + 1;
-            let ahead = &state.ahead;
-            let Some((batch, found)) = self.pending.pop_with(|b| find(ahead, b, tag, fd)) else {
+            let Some(found) = find(&state.ahead, tag, &self.rd) else {
+                break;
+            };
+            let Some((batch, ())) = self.pending.pop_with(|b| found.fits(b).then_some(())) else {
                 break;
             };
             state.tag = tag;
@@ -130,27 +150,32 @@ impl RecvSide {
     }
 }
 
-/// Whether a waiting read can land `batch`'s response (tag `tag`) without waiting: its
-/// header is read ahead, says data of the batch's length, and the rest of that data is read
-/// ahead or waiting in the socket; its destinations are host memory.
-fn find(ahead: &ReadAhead, batch: &Batch, tag: u64, fd: i32) -> Option<Found> {
-    if batch.ops.iter().any(|o| o.local.is_device()) {
-        return None;
-    }
+/// The data response of tag `tag` at the front of the stream, when a waiting read can land it
+/// without waiting: its header is read ahead, and the rest of its data is read ahead or
+/// waiting in the socket.
+fn find(ahead: &ReadAhead, tag: u64, rd: &OwnedReadHalf) -> Option<Found> {
     let buf = ahead.buffered();
     let (status, len) = buffered_head(buf, tag)?;
-    if status != wire::STATUS_OK || len as u64 != batch.bytes {
+    if status != wire::STATUS_OK {
         return None;
     }
     let read_ahead = (buf.len() - wire::RESPONSE_HEADER).min(len);
     let rest = len - read_ahead;
-    if rest > 0 && memory::bytes_waiting(fd).ok()? < rest {
+    if rest > 0 && memory::bytes_waiting(rd.as_ref().as_raw_fd()).ok()? < rest {
         return None;
     }
     Some(Found {
         len: len as u64,
         ahead: read_ahead,
     })
+}
+
+impl Found {
+    /// Whether it is `batch`'s response to land here: data of the batch's length, into host
+    /// memory. Checked under the queue's lock, so it does no system call.
+    fn fits(&self, batch: &Batch) -> bool {
+        self.len == batch.bytes && !batch.ops.iter().any(|o| o.local.is_device())
+    }
 }
 
 /// Lands a response [`find`] found: its data, then its confirmation when the batch asked for
