@@ -162,7 +162,9 @@ pub struct EngineConfig {
     /// looks; zero never polls. At most 10 ms. An RDMA read of one chain of work requests
     /// also polls its completion queue itself for up to this long before it waits for the
     /// device's poller thread, and a TCP read of one batch polls its stream's socket, receiving
-    /// its response there, before it waits for the stream's reader task.
+    /// its response there, before it waits for the stream's reader task. A TCP data connection
+    /// of the serving engine polls its socket for as long after each request for the reader's
+    /// next (one connection of the process at a time) before it sleeps.
     pub spin: Duration,
     /// Transports to use.
     pub transport: TransportChoice,

@@ -151,6 +151,7 @@ pub(super) fn spawn_servers(
     let limits = stream::ServeLimits {
         io_timeout: shared.config().io_timeout,
         idle_timeout: shared.config().idle_timeout,
+        spin: shared.config().spin,
     };
     let (timeouts, slots) = (shared.control_timeouts(), shared.control_slots().clone());
     runtime.spawn(control::serve(control, shared.clone(), timeouts, slots));

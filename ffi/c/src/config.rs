@@ -78,7 +78,8 @@ pub struct kvlink_config {
     /// flight before it sleeps, in microseconds (at most 10,000; default 50; 0 never polls).
     /// A read that finishes meanwhile is seen without a thread wake-up. A small RDMA read
     /// (one chain of work requests) polls its completion queue itself for as long, and a
-    /// small TCP read (one batch) its stream's socket.
+    /// small TCP read (one batch) its stream's socket; a TCP data connection serving this
+    /// engine's memory polls for its reader's next request as long after each.
     pub spin_us: u64,
 }
 

@@ -29,7 +29,8 @@ use crate::error::{to_py, InvalidArgument};
 /// `spin_us` (microseconds, at most 10,000): how long `wait_finished` polls while reads are in
 /// flight before it sleeps, so a read that finishes meanwhile is seen without a thread
 /// wake-up; a small TCP read polls its socket and a small RDMA read its completion queue as
-/// long; 0 never polls.
+/// long, and a TCP data connection serving this engine's memory polls for its reader's next
+/// request as long after each; 0 never polls.
 ///
 /// `lease` (seconds): a held request whose reader engine lost every control connection to this
 /// one ends this long after, unless the reader comes back (`abort_timeout` bounds a reader that

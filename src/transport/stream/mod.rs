@@ -19,4 +19,7 @@ pub(crate) struct ServeLimits {
     pub(crate) io_timeout: Duration,
     /// Most time a stream waits for its next request.
     pub(crate) idle_timeout: Duration,
+    /// Most time a TCP data connection polls its socket for the next request before it sleeps
+    /// (`EngineConfig::spin`; zero: never).
+    pub(crate) spin: Duration,
 }

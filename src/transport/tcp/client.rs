@@ -19,6 +19,7 @@ mod here;
 mod pending;
 mod receive;
 
+use super::ahead::{Fill, ReadAhead};
 use super::wire::{self, Entry, Extras};
 use crate::auth::SessionSecret;
 use crate::error::{Error, Result};
@@ -30,7 +31,6 @@ use crate::transport::{
 };
 use here::{RecvSide, RecvState};
 use pending::Pending;
-use receive::{Fill, ReadAhead};
 
 /// Requests in flight per stream (bounds memory and queueing towards a slow peer).
 const PIPELINE: usize = 16;
@@ -291,6 +291,12 @@ impl TcpTransport {
         }
     }
 
+    /// The first stream with no response due, or the next in turn when none is idle.
+    fn first_idle(&self) -> usize {
+        let idle = self.streams.iter().position(|s| s.recv.pending.is_empty());
+        idle.unwrap_or_else(|| self.next.fetch_add(1, Ordering::Relaxed))
+    }
+
     async fn run(
         &self,
         id: &RequestId,
@@ -312,7 +318,12 @@ impl TcpTransport {
         // A read of one batch is confirmed with its data (no `Done` round trip after it).
         let extras = Extras::of_read(confirm, n, self.session);
         let (done_tx, mut done_rx) = mpsc::channel::<Result<Option<Confirmed>>>(n.max(1));
-        let start = self.next.fetch_add(n, Ordering::Relaxed);
+        let start = match n {
+            // A read of one batch takes the first idle stream: back-to-back small reads keep
+            // to one stream, whose server connection may be polling for them.
+            1 => self.first_idle(),
+            _ => self.next.fetch_add(n, Ordering::Relaxed),
+        };
         let mut sent_here = None;
         for (i, ops) in batches.into_iter().enumerate() {
             let bytes = ops.iter().map(|o| o.local.len()).sum();
@@ -461,7 +472,7 @@ async fn reader(
             // Bytes read ahead are a response already; otherwise look at the socket without
             // waiting (a waiting read may have received what woke this task).
             if state.ahead.is_empty() {
-                match state.ahead.try_fill(&side.rd, true) {
+                match state.ahead.try_fill(side.rd.as_ref(), true) {
                     Ok(Fill::Bytes) => {}
                     Ok(Fill::Nothing) => {
                         drop(state);

@@ -8,6 +8,7 @@
 //! a read is cut into batches is decided without I/O (`stream::batch`, with its tests); what
 //! this transport shares with the same-host path is in `stream`.
 
+mod ahead;
 mod client;
 mod server;
 pub mod wire;

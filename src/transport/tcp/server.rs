@@ -6,7 +6,7 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt, BufReader, Interest};
+use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::timeout;
 
@@ -23,9 +23,9 @@ use crate::transport::stream::access::{
 };
 use crate::transport::stream::staging::{group, Group, Outbound, StagingPool};
 use crate::transport::stream::{proof, ServeLimits};
+use requests::Requests;
 
-/// Bytes of a connection's request buffer: a request of a few hundred blocks in one receive.
-const REQUEST_BUFFER: usize = 8 << 10;
+mod requests;
 
 /// Refused data requests: one line per second, with the count.
 static REFUSED: LogLimit = LogLimit::new(Duration::from_secs(1));
@@ -71,6 +71,7 @@ async fn connection(
     let ServeLimits {
         io_timeout,
         idle_timeout,
+        spin,
     } = limits;
     // The session the connection proved (engines with a key), and the reader it declared.
     let mut proven: Option<SessionReader> = None;
@@ -86,9 +87,8 @@ async fn connection(
     }
     // Requests are read through a buffer: a small request (header, id, entries) costs one
     // receive, not one per part. Writes go to the socket directly.
-    let (rd, wr) = stream.split();
-    let mut rd = BufReader::with_capacity(REQUEST_BUFFER, rd);
-    let stream: &TcpStream = wr.as_ref();
+    let stream = &stream;
+    let mut requests = Requests::new(stream);
     let mut header = [0u8; wire::REQUEST_HEADER];
     let mut id = Vec::with_capacity(wire::MAX_ID);
     let mut body = Vec::new();
@@ -96,30 +96,28 @@ async fn connection(
         // Idle between requests: readers keep streams open for later requests, so the first
         // byte may take long (bounded by `idle_timeout`; the reader reconnects after it); the
         // rest of a request must follow promptly.
-        let n = match timeout(idle_timeout, rd.read(&mut header)).await {
-            Err(_) => return Ok(()),
-            Ok(r) => r.map_err(|e| Error::io("reading a data request", &e))?,
-        };
-        if n == 0 {
+        if !requests.next(spin, idle_timeout).await? {
             return Ok(());
         }
-        timeout(io_timeout, rd.read_exact(&mut header[n..]))
-            .await
-            .map_err(|_| timed_out("reading a data request header", io_timeout))?
-            .map_err(|e| Error::io("reading a data request header", &e))?;
+        let what = "reading a data request header";
+        requests.read_exact(&mut header, io_timeout, what).await?;
         let head = wire::decode_request_header(&header)?;
         let (tag, count) = (head.tag, head.count);
         // The id, then the hold token and session id the flags announce (at most 24 bytes).
         id.resize(head.id_len + wire::Extras::len_of(head.flags), 0);
-        timeout(io_timeout, rd.read_exact(&mut id))
-            .await
-            .map_err(|_| timed_out("reading a data request id", io_timeout))?
-            .map_err(|e| Error::io("reading a data request id", &e))?;
+        let what = "reading a data request id";
+        requests.read_exact(&mut id, io_timeout, what).await?;
         let request = wire::decode_request_id(&id[..head.id_len])?;
         let extras = wire::Extras::decode(head.flags, &id[head.id_len..]);
         // Entries are read in pieces as they arrive: the buffer grows with the bytes the peer
         // sent, never ahead of them.
-        read_entries(&mut rd, &mut body, count as usize * wire::ENTRY, io_timeout).await?;
+        read_entries(
+            &mut requests,
+            &mut body,
+            count as usize * wire::ENTRY,
+            io_timeout,
+        )
+        .await?;
 
         let sources = wire::decode_entries(&body).map(Source::from);
         let reader = reader_of(&*regions, proven.as_ref(), extras.session.as_ref());
@@ -197,7 +195,7 @@ async fn write_confirmation(
 /// Reads `len` bytes of request entries into `body` (cleared first), growing it only as bytes
 /// arrive, so a peer that announces many entries and sends few costs what it sent.
 async fn read_entries(
-    stream: &mut (impl AsyncRead + Unpin),
+    requests: &mut Requests<'_>,
     body: &mut Vec<u8>,
     len: usize,
     io_timeout: Duration,
@@ -208,10 +206,10 @@ async fn read_entries(
         let start = body.len();
         let n = PIECE.min(len - start);
         body.resize(start + n, 0);
-        timeout(io_timeout, stream.read_exact(&mut body[start..]))
-            .await
-            .map_err(|_| timed_out("reading data request entries", io_timeout))?
-            .map_err(|e| Error::io("reading data request entries", &e))?;
+        let what = "reading data request entries";
+        requests
+            .read_exact(&mut body[start..], io_timeout, what)
+            .await?;
     }
     Ok(())
 }

@@ -63,8 +63,9 @@ class Engine:
     takes the engine's default: request_timeout 60 s, abort_timeout 480 s, handshake_timeout
     5 s, tcp_streams 4, staging_chunk_bytes 2 MiB, staging_buffers 32, lease 30 s,
     session_idle 120 s, spin_us 50 (how long ``wait_finished`` polls while reads are in flight
-    before it sleeps, a small TCP read its socket and a small RDMA read its completion queue;
-    0 never polls)."""
+    before it sleeps, a small TCP read its socket and a small RDMA read its completion queue,
+    and a TCP data connection serving this engine's memory its socket for the reader's next
+    request after each; 0 never polls)."""
 
     def __init__(
         self,

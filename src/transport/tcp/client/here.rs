@@ -19,9 +19,10 @@ use std::time::{Duration, Instant};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::sync::mpsc;
 
+use super::super::ahead::{Fill, ReadAhead};
 use super::super::wire;
 use super::pending::Pending;
-use super::receive::{buffered_head, confirmation, copy_into, Fill, ReadAhead, Rx};
+use super::receive::{buffered_head, confirmation, copy_into, Rx};
 use super::Batch;
 use crate::error::Result;
 use crate::memory::{self, RegionSpan};
@@ -118,7 +119,7 @@ impl RecvSide {
             return;
         }
         if state.ahead.is_empty() {
-            match state.ahead.try_fill(&self.rd, false) {
+            match state.ahead.try_fill(self.rd.as_ref(), false) {
                 Ok(Fill::Bytes) => {}
                 Ok(Fill::Nothing) => return,
                 Ok(Fill::Closed) | Err(_) => {
@@ -235,7 +236,9 @@ fn land_here(
 /// The confirmation after a response's data (tag `state.tag`), when all of it is read ahead
 /// or waiting in the socket; consumed then.
 fn confirmation_here(state: &mut RecvState, rd: &OwnedReadHalf) -> Option<Confirmed> {
-    if state.ahead.is_empty() && !matches!(state.ahead.try_fill(rd, false), Ok(Fill::Bytes)) {
+    if state.ahead.is_empty()
+        && !matches!(state.ahead.try_fill(rd.as_ref(), false), Ok(Fill::Bytes))
+    {
         return None;
     }
     let buf = state.ahead.buffered();

@@ -12,6 +12,7 @@ use tokio::io::Interest;
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::time::timeout;
 
+use super::super::ahead::{Fill, ReadAhead, AHEAD};
 use super::super::wire;
 use super::Batch;
 use crate::error::{Error, Refusal, RefusalKind, Result};
@@ -19,83 +20,8 @@ use crate::memory::{self, RegionSpan};
 use crate::transport::stream::staging::{group, Group, Inbound};
 use crate::transport::{Confirmed, RequestCtl};
 
-/// The most a stream reads ahead of its responses; a response's data beyond half of it is read
-/// straight into place.
-const AHEAD: usize = 16 << 10;
-
-/// Bytes a stream read off its socket beyond what its responses consumed so far.
-pub(in crate::transport::tcp) struct ReadAhead {
-    buf: Box<[u8]>,
-    start: usize,
-    end: usize,
-}
-
+/// The reader's waits on its read-ahead, with its errors.
 impl ReadAhead {
-    pub(super) fn new() -> ReadAhead {
-        ReadAhead {
-            buf: vec![0u8; AHEAD].into_boxed_slice(),
-            start: 0,
-            end: 0,
-        }
-    }
-
-    /// Whether nothing is buffered.
-    pub(super) fn is_empty(&self) -> bool {
-        self.start == self.end
-    }
-
-    pub(super) fn buffered(&self) -> &[u8] {
-        &self.buf[self.start..self.end]
-    }
-
-    pub(super) fn consume(&mut self, n: usize) {
-        self.start += n;
-        if self.start == self.end {
-            self.start = 0;
-            self.end = 0;
-        }
-    }
-
-    /// The whole buffer, for bytes to be thrown away (nothing may be buffered).
-    pub(super) fn spare(&mut self) -> &mut [u8] {
-        debug_assert!(self.is_empty());
-        &mut self.buf
-    }
-
-    /// Moves what is buffered, up to `out.len()` bytes, into `out`; returns how much.
-    fn take_into(&mut self, out: &mut [u8]) -> usize {
-        let n = self.buffered().len().min(out.len());
-        out[..n].copy_from_slice(&self.buffered()[..n]);
-        self.consume(n);
-        n
-    }
-
-    /// Reads what the socket has now into the (empty) buffer, without waiting. The reader
-    /// task reads through the runtime (`from_runtime`: a socket it was not told is readable
-    /// is not read, and one found empty is waited on again); a waiting read asks the kernel
-    /// itself, so it sees a response before the runtime's event thread does.
-    pub(super) fn try_fill(
-        &mut self,
-        rd: &OwnedReadHalf,
-        from_runtime: bool,
-    ) -> std::io::Result<Fill> {
-        debug_assert!(self.is_empty());
-        let got = match from_runtime {
-            true => rd.try_read(&mut self.buf),
-            false => memory::recv_now(rd.as_ref().as_raw_fd(), &mut self.buf),
-        };
-        match got {
-            Ok(0) => Ok(Fill::Closed),
-            Ok(n) => {
-                self.start = 0;
-                self.end = n;
-                Ok(Fill::Bytes)
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(Fill::Nothing),
-            Err(e) => Err(e),
-        }
-    }
-
     /// Reads what the socket has, at least one byte, into the (empty) buffer, waiting up to
     /// `io_timeout` for it.
     async fn fill(
@@ -107,14 +33,10 @@ impl ReadAhead {
         debug_assert!(self.is_empty());
         loop {
             readable_within(rd, peer, io_timeout).await?;
-            match rd.try_read(&mut self.buf) {
-                Ok(0) => return Err(closed_mid_response(peer)),
-                Ok(n) => {
-                    self.start = 0;
-                    self.end = n;
-                    return Ok(());
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            match self.try_fill(rd.as_ref(), true) {
+                Ok(Fill::Bytes) => return Ok(()),
+                Ok(Fill::Nothing) => {}
+                Ok(Fill::Closed) => return Err(closed_mid_response(peer)),
                 Err(e) => return Err(lost(peer, "receiving data", &e)),
             }
         }
@@ -151,14 +73,6 @@ async fn readable_within(rd: &OwnedReadHalf, peer: SocketAddr, io_timeout: Durat
             after: io_timeout,
         })?
         .map_err(|e| lost(peer, "waiting for data", &e))
-}
-
-/// What [`ReadAhead::try_fill`] found on the socket.
-pub(super) enum Fill {
-    Bytes,
-    Nothing,
-    /// The end of the stream.
-    Closed,
 }
 
 fn closed_mid_response(peer: SocketAddr) -> Error {
