@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use kvlink_core::internal::{check_duration, MAX_DURATION};
-use kvlink_core::RequestId;
+use kvlink_core::{AuthKey, HeadSplit, HoldRequest, RegionId, RequestId, TensorLayout};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -207,4 +207,75 @@ fn interface_nbytes(ai: &Bound<'_, PyDict>, attr: &str) -> PyResult<u64> {
         .iter()
         .try_fold(item, |acc, &d| acc.checked_mul(d))
         .ok_or_else(|| InvalidArgument::new_err(format!("{attr} describes more than 2^64 bytes")))
+}
+
+/// Tensor `i` of `set_layout`: `(region, offset, block_stride, block_bytes, num_blocks[, group[,
+/// heads[, token_runs]]])`, `heads` being `None` or `(total, local, runs)`, `token_runs` `None` or
+/// how many stretches of all the block's tokens a block holds side by side.
+pub(crate) fn tensor_layout(i: usize, t: &Bound<'_, PyAny>) -> PyResult<TensorLayout> {
+    let bad = || {
+        InvalidArgument::new_err(format!(
+            "tensor {i} must be (region, offset, block_stride, block_bytes, num_blocks[, group[, \
+             (total_heads, local_heads, runs) or None[, token_runs or None]]]) with \
+             non-negative integers"
+        ))
+    };
+    let items: Vec<Bound<'_, PyAny>> = t.extract().map_err(|_| bad())?;
+    if !(5..=8).contains(&items.len()) {
+        return Err(bad());
+    }
+    let int = |k: usize| items[k].extract::<u64>().map_err(|_| bad());
+    let small = |k: usize| items[k].extract::<u32>().map_err(|_| bad());
+    let group = if items.len() > 5 { small(5)? } else { 0 };
+    let heads = match items.get(6) {
+        Some(h) if !h.is_none() => {
+            let (total, local, runs): (u32, u32, u32) = h.extract().map_err(|_| bad())?;
+            Some(HeadSplit { total, local, runs })
+        }
+        _ => None,
+    };
+    Ok(TensorLayout {
+        name: format!("t{i}"),
+        region: RegionId(small(0)?),
+        offset: int(1)?,
+        block_stride: int(2)?,
+        block_bytes: int(3)?,
+        num_blocks: small(4)?,
+        group,
+        heads,
+        token_runs: match items.get(7) {
+            Some(r) if !r.is_none() => Some(small(7)?),
+            _ => None,
+        },
+    })
+}
+
+/// The deployment key of `Engine(auth_key=...)`: str or bytes, at least 16 bytes.
+pub(crate) fn auth_key(k: &Bound<'_, PyAny>) -> PyResult<AuthKey> {
+    let bytes: Vec<u8> = match k.extract::<String>() {
+        Ok(s) => s.into_bytes(),
+        Err(_) => k
+            .extract::<Vec<u8>>()
+            .map_err(|_| InvalidArgument::new_err("auth_key must be str or bytes"))?,
+    };
+    AuthKey::new(bytes).map_err(to_py)
+}
+
+/// The hold `hold_blocks` and `hold_growing` make of their arguments.
+pub(crate) fn hold_request(
+    request_id: &Bound<'_, PyAny>,
+    blocks: &Bound<'_, PyAny>,
+    reader: Option<&str>,
+    abort_timeout: Option<f64>,
+    token: Option<u64>,
+) -> PyResult<HoldRequest> {
+    Ok(HoldRequest {
+        id: self::request_id(request_id)?,
+        blocks: block_groups("blocks", blocks)?,
+        reader: reader.map(str::to_string),
+        abort_timeout: abort_timeout
+            .map(|t| seconds("abort_timeout", t))
+            .transpose()?,
+        token,
+    })
 }

@@ -3,16 +3,19 @@
 use std::sync::{Arc, Mutex};
 
 use kvlink_core::{
-    AuthKey, Engine as RsEngine, EngineConfig, FollowRequest, HeadSplit, HoldRequest, KvLayout,
-    PointerKind, ReadFrom, ReadRequest, RegionId, TensorLayout, TransportChoice,
+    Engine as RsEngine, EngineConfig, FollowRequest, KvLayout, PointerKind, ReadFrom, ReadRequest,
+    RegionId, TransportChoice,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::aggregator::{finished_to_py, Finished};
-use crate::convert::{array_buffer, block_groups, request_id, seconds};
+use crate::convert::{
+    array_buffer, block_groups, hold_request, request_id, seconds, tensor_layout,
+};
 use crate::detach::blocking;
 use crate::error::{to_py, InvalidArgument};
+use crate::report::{capabilities_dict, stats_dict};
 
 /// One kvlink engine per worker process (one per tensor-parallel rank).
 ///
@@ -50,25 +53,6 @@ pub(crate) struct Engine {
     keep: Mutex<Vec<(u32, PyObject)>>,
 }
 
-/// The hold `hold_blocks` and `hold_growing` make of their arguments.
-fn hold_request(
-    request_id: &Bound<'_, PyAny>,
-    blocks: &Bound<'_, PyAny>,
-    reader: Option<&str>,
-    abort_timeout: Option<f64>,
-    token: Option<u64>,
-) -> PyResult<HoldRequest> {
-    Ok(HoldRequest {
-        id: crate::convert::request_id(request_id)?,
-        blocks: block_groups("blocks", blocks)?,
-        reader: reader.map(str::to_string),
-        abort_timeout: abort_timeout
-            .map(|t| seconds("abort_timeout", t))
-            .transpose()?,
-        token,
-    })
-}
-
 #[pymethods]
 impl Engine {
     #[new]
@@ -99,18 +83,7 @@ impl Engine {
         session_idle: Option<f64>,
         spin_us: Option<u64>,
     ) -> PyResult<Self> {
-        let auth_key = match auth_key {
-            None => None,
-            Some(k) => {
-                let bytes: Vec<u8> = match k.extract::<String>() {
-                    Ok(s) => s.into_bytes(),
-                    Err(_) => k
-                        .extract::<Vec<u8>>()
-                        .map_err(|_| InvalidArgument::new_err("auth_key must be str or bytes"))?,
-                };
-                Some(AuthKey::new(bytes).map_err(to_py)?)
-            }
-        };
+        let auth_key = auth_key.map(crate::convert::auth_key).transpose()?;
         // Outside the engine crate a config is built from its defaults (it is non-exhaustive);
         // a setting left None keeps the default.
         let secs = |name, v: Option<f64>, default| v.map_or(Ok(default), |v| seconds(name, v));
@@ -207,17 +180,7 @@ impl Engine {
     /// The transports and memory kinds this engine found: `{name: (available, detail)}` for
     /// `rdma`, `tcp`, `cuda` and `hip`, the detail saying why when unavailable.
     fn capabilities(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
-        let c = self.inner.capabilities();
-        let d = PyDict::new(py);
-        let item = |r: &Result<String, String>| match r {
-            Ok(s) => (true, s.clone()),
-            Err(s) => (false, s.clone()),
-        };
-        d.set_item("rdma", item(&c.rdma))?;
-        d.set_item("tcp", (true, c.tcp.clone()))?;
-        d.set_item("cuda", item(&c.gpu.cuda))?;
-        d.set_item("hip", item(&c.gpu.hip))?;
-        Ok(d.unbind())
+        capabilities_dict(py, &self.inner.capabilities())
     }
 
     /// Registers the memory of an array (numpy, CuPy, or a torch tensor on the CPU or a GPU;
@@ -619,38 +582,7 @@ impl Engine {
     /// `data_connections` (served now), `sessions` (open to peers now) and `queue_pairs` (RDMA
     /// queue pairs held now) are gauges.
     fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
-        let s = self.inner.stats();
-        let d = PyDict::new(py);
-        d.set_item("handshakes_accepted", s.handshakes_accepted)?;
-        d.set_item("handshakes_refused", s.handshakes_refused)?;
-        d.set_item("data_requests_served", s.data_requests_served)?;
-        d.set_item("data_requests_refused", s.data_requests_refused)?;
-        d.set_item("bytes_served", s.bytes_served)?;
-        d.set_item("bytes_staged_out", s.bytes_staged_out)?;
-        d.set_item("bytes_staged_in", s.bytes_staged_in)?;
-        d.set_item("notices_refused", s.notices_refused)?;
-        d.set_item("messages_received", s.messages_received)?;
-        d.set_item("messages_refused", s.messages_refused)?;
-        d.set_item("messages_sent", s.messages_sent)?;
-        d.set_item("messages_unsent", s.messages_unsent)?;
-        d.set_item("rdma_pairs_paused", s.rdma_pairs_paused)?;
-        d.set_item("control_connections", s.control_connections)?;
-        d.set_item("data_connections", s.data_connections)?;
-        d.set_item("sessions", s.sessions)?;
-        d.set_item("sessions_opened", s.sessions_opened)?;
-        d.set_item("sessions_closed_idle", s.sessions_closed_idle)?;
-        d.set_item("queue_pairs", s.queue_pairs)?;
-        let t = s.totals;
-        d.set_item("reads_done", t.reads_done)?;
-        d.set_item("reads_failed", t.reads_failed)?;
-        d.set_item("reads_expired", t.reads_expired)?;
-        d.set_item("reads_cancelled", t.reads_cancelled)?;
-        d.set_item("bytes_read", t.bytes_read)?;
-        d.set_item("sends_done", t.sends_done)?;
-        d.set_item("sends_failed", t.sends_failed)?;
-        d.set_item("sends_expired", t.sends_expired)?;
-        d.set_item("sends_lease_expired", t.sends_lease_expired)?;
-        Ok(d.unbind())
+        stats_dict(py, &self.inner.stats())
     }
 }
 
@@ -659,45 +591,4 @@ impl Engine {
     pub(crate) fn apply_layout(&self, layout: KvLayout) -> PyResult<()> {
         self.inner.set_layout(layout).map_err(to_py)
     }
-}
-
-/// Tensor `i` of `set_layout`: `(region, offset, block_stride, block_bytes, num_blocks[, group[,
-/// heads[, token_runs]]])`, `heads` being `None` or `(total, local, runs)`, `token_runs` `None` or
-/// how many stretches of all the block's tokens a block holds side by side.
-fn tensor_layout(i: usize, t: &Bound<'_, PyAny>) -> PyResult<TensorLayout> {
-    let bad = || {
-        InvalidArgument::new_err(format!(
-            "tensor {i} must be (region, offset, block_stride, block_bytes, num_blocks[, group[, \
-             (total_heads, local_heads, runs) or None[, token_runs or None]]]) with \
-             non-negative integers"
-        ))
-    };
-    let items: Vec<Bound<'_, PyAny>> = t.extract().map_err(|_| bad())?;
-    if !(5..=8).contains(&items.len()) {
-        return Err(bad());
-    }
-    let int = |k: usize| items[k].extract::<u64>().map_err(|_| bad());
-    let small = |k: usize| items[k].extract::<u32>().map_err(|_| bad());
-    let group = if items.len() > 5 { small(5)? } else { 0 };
-    let heads = match items.get(6) {
-        Some(h) if !h.is_none() => {
-            let (total, local, runs): (u32, u32, u32) = h.extract().map_err(|_| bad())?;
-            Some(HeadSplit { total, local, runs })
-        }
-        _ => None,
-    };
-    Ok(TensorLayout {
-        name: format!("t{i}"),
-        region: RegionId(small(0)?),
-        offset: int(1)?,
-        block_stride: int(2)?,
-        block_bytes: int(3)?,
-        num_blocks: small(4)?,
-        group,
-        heads,
-        token_runs: match items.get(7) {
-            Some(r) if !r.is_none() => Some(small(7)?),
-            _ => None,
-        },
-    })
 }

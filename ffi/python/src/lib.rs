@@ -11,6 +11,7 @@ mod detach;
 mod engine;
 mod error;
 mod events;
+mod report;
 
 use pyo3::prelude::*;
 
