@@ -20,9 +20,11 @@ use crate::ids::{BlockId, RequestId};
 use crate::tp::{self, Reader, TpRank};
 
 mod growing;
+mod held;
 
 pub use growing::HoldTerms;
 use growing::PendingFollow;
+use held::Held;
 
 /// What a reading peer says about a send.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,170 +33,6 @@ pub enum SendNotice {
     Done,
     /// The peer gave up; the reason is its own.
     Aborted(String),
-}
-
-#[derive(Debug)]
-struct Held {
-    deadline: Instant,
-    timeout: Duration,
-    /// When the lease of a gone reader ends (the earliest, with several readers gone).
-    lease_end: Option<Instant>,
-    grant: Arc<Grant>,
-    /// The hold's token: readers that name it are matched to this hold only, not to an
-    /// earlier or later hold of the same request id.
-    token: u64,
-    /// The only engine allowed to read and confirm, when the holder named one.
-    named: Option<String>,
-    /// The readers admitted so far (engines that read or confirmed the request), one per
-    /// decode rank, and whether each confirmed.
-    readers: Vec<Admitted>,
-    /// The decode's TP size, fixed by the first reader admitted; it sets how many readers
-    /// the request waits for (`tp::readers`).
-    reader_size: Option<u32>,
-    /// Whether the hold is complete: a hold that grows (`open_hold` unsealed) confirms no read
-    /// before it is sealed.
-    sealed: bool,
-    /// The hold's block ids per block group in the order the holder gave them (the grant's are
-    /// sorted): the positions followers pair with their own blocks.
-    order: Vec<Vec<BlockId>>,
-    /// The grants of the hold before its last extension: they end with it.
-    earlier: Vec<Arc<Grant>>,
-    /// The readers told of the hold's parts as they come (progressive reads).
-    followers: Vec<Arc<dyn Follower>>,
-    /// The last part, while only some of its tensors are final.
-    tail: Option<growing::Tail>,
-}
-
-#[derive(Debug)]
-struct Admitted {
-    engine: String,
-    rank: u32,
-    done: bool,
-}
-
-impl Held {
-    /// How many readers must confirm before the send is done: one until the first reader
-    /// says how large the decode is; then every decode rank that reads this rank.
-    fn expected(&self, own: TpRank) -> u32 {
-        match (&self.named, self.reader_size) {
-            (None, Some(size)) => tp::readers(own, size).unwrap_or(1),
-            _ => 1,
-        }
-    }
-
-    /// Whether engine `e` is this hold's reader (named, or admitted).
-    fn involves(&self, e: &str) -> bool {
-        self.named.as_deref() == Some(e) || self.readers.iter().any(|r| r.engine == e)
-    }
-
-    /// When the hold ends unless confirmed: its abort timeout, or sooner its lease.
-    fn ends(&self) -> Instant {
-        self.lease_end
-            .map_or(self.deadline, |l| l.min(self.deadline))
-    }
-
-    /// The lease end of the earliest gone reader among this hold's, if any is gone.
-    fn gone_readers_lease(&self, presence: &Presence) -> Option<Instant> {
-        let named = self.named.iter();
-        let admitted = self.readers.iter().map(|r| &r.engine);
-        named
-            .chain(admitted)
-            .filter_map(|e| presence.lease_end(e))
-            .min()
-    }
-
-    /// Ends the hold's grants (its current one and those before its extensions): nothing more
-    /// is served from any of them.
-    fn end_grants(&self) {
-        self.end_earlier();
-        self.grant.end();
-    }
-
-    /// Ends the grants the hold had before its last extension.
-    fn end_earlier(&self) {
-        self.earlier.iter().for_each(|g| g.end());
-    }
-
-    /// Tells the hold's followers that it ended before they confirmed, and why.
-    fn tell_ended(&self, id: &RequestId, reason: &str) {
-        for f in &self.followers {
-            let reason = reason.to_string();
-            f.announce(id, Announcement::Ended { reason });
-        }
-    }
-
-    fn confirmed(&self) -> u32 {
-        self.readers.iter().filter(|r| r.done).count() as u32
-    }
-
-    /// The slot of `reader` among the request's readers, admitting it when it may read: the
-    /// named engine only, or else one engine per decode rank that reads this rank (`own`),
-    /// all of one decode TP group. With `admit` false it only checks.
-    fn admit(
-        &mut self,
-        own: TpRank,
-        id: &RequestId,
-        reader: &Reader,
-        admit: bool,
-    ) -> std::result::Result<Option<usize>, Refusal> {
-        let who = &reader.engine;
-        // The same engine at the same rank (a named reader at any rank) is the same reader.
-        if let Some(i) = self
-            .readers
-            .iter()
-            .position(|r| &r.engine == who && (self.named.is_some() || r.rank == reader.tp.rank))
-        {
-            return Ok(Some(i));
-        }
-        if let Some(n) = &self.named {
-            if n != who {
-                return Err(Refusal::new(
-                    RefusalKind::OtherReader,
-                    format!("request {id} is held for another reader engine, not {who:?}"),
-                ));
-            }
-        } else {
-            if self.reader_size.is_some_and(|s| s != reader.tp.size) {
-                return Err(Refusal::new(
-                    RefusalKind::WrongTp,
-                    format!(
-                        "request {id} is held for a decode of TP {}; engine {who:?} is {}",
-                        self.reader_size.unwrap_or(0),
-                        reader.tp
-                    ),
-                ));
-            }
-            if !tp::reads(reader.tp, own) {
-                return Err(Refusal::new(
-                    RefusalKind::WrongTp,
-                    format!(
-                        "request {id}: engine {who:?} ({} of a decode) does not read this prefill \
-                     {own} (a decode rank reads the prefill ranks tp::sources names)",
-                        reader.tp
-                    ),
-                ));
-            }
-            if self.readers.iter().any(|r| r.rank == reader.tp.rank) {
-                return Err(Refusal::new(
-                    RefusalKind::OtherReader,
-                    format!(
-                    "request {id} is held for another reader engine at decode rank {}, not {who:?}",
-                    reader.tp.rank
-                    ),
-                ));
-            }
-        }
-        if !admit {
-            return Ok(None);
-        }
-        self.reader_size = Some(reader.tp.size);
-        self.readers.push(Admitted {
-            engine: who.clone(),
-            rank: reader.tp.rank,
-            done: false,
-        });
-        Ok(Some(self.readers.len() - 1))
-    }
 }
 
 /// Per-worker completion state. See the module docs for the state machine.
