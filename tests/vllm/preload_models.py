@@ -1,7 +1,7 @@
 """Imported once by the engines' forkserver (``harness.PRELOAD``): the model classes of every
 configuration in ``models/`` (vLLM imports a model's module when it first resolves it) and the
 modules their construction imports, so that each engine builds its model for its KV cache
-specs (``engine_process.model_specs``) without paying those imports again. Imports only."""
+specs (``model_specs.model_specs``) without paying those imports again. Imports only."""
 
 from __future__ import annotations
 

@@ -165,7 +165,7 @@ def test_compressed_attention_layers_are_attention_read_whole():
     windows), and exactly the compressed layers are the ones whose blocks are read whole
     (``compressed_layers``: no token runs, so engines of other block sizes are refused rather
     than cut a block of states by tokens). The transfer itself: test_vllm_memory.py."""
-    from engine_process import model_dir, model_specs
+    from model_specs import model_dir, model_specs
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
