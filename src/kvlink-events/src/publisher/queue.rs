@@ -58,16 +58,27 @@ mod tests {
 
     /// An ipc endpoint of its own: the queue and the send loop serve the `zeromq` crate's
     /// sockets (a bound tcp endpoint is sent to from the caller's thread, with no queue).
-    fn ipc(name: &str) -> String {
+    /// Removed when the test ends.
+    fn ipc(name: &str) -> (String, Unlink) {
         let path = std::env::temp_dir().join(format!("kvlink-queue-{}-{name}", std::process::id()));
         let _ = std::fs::remove_file(&path);
-        format!("ipc://{}", path.display())
+        (format!("ipc://{}", path.display()), Unlink(path))
+    }
+
+    /// Removes the socket file an ipc endpoint bound.
+    struct Unlink(std::path::PathBuf);
+
+    impl Drop for Unlink {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
     }
 
     #[test]
     fn a_full_queue_refuses_and_counts() {
+        let (endpoint, _unlink) = ipc("full");
         let p = Publisher::start(PublisherConfig {
-            endpoint: ipc("full"),
+            endpoint,
             replay_endpoint: Some("tcp://*:0".into()),
             max_queue: 1,
             ..Default::default()
@@ -111,8 +122,9 @@ mod tests {
     /// any size.
     #[test]
     fn the_queue_is_bounded_in_bytes() {
+        let (endpoint, _unlink) = ipc("bytes");
         let p = Publisher::start(PublisherConfig {
-            endpoint: ipc("bytes"),
+            endpoint,
             replay_endpoint: Some("tcp://*:0".into()),
             max_queue_bytes: 1000,
             ..Default::default()
