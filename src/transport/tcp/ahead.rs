@@ -86,6 +86,18 @@ impl ReadAhead {
             Err(e) => Err(e),
         }
     }
+
+    /// Reads what the socket has, at least one byte or its end, into the (empty) buffer,
+    /// sleeping until the runtime finds it readable. Unbounded: the caller sets the deadline.
+    pub(super) async fn fill_from(&mut self, stream: &TcpStream) -> std::io::Result<Fill> {
+        loop {
+            stream.readable().await?;
+            match self.try_fill(stream, true)? {
+                Fill::Nothing => {}
+                found => return Ok(found),
+            }
+        }
+    }
 }
 
 /// What [`ReadAhead::try_fill`] found on the socket.

@@ -9,7 +9,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use tokio::io::AsyncWriteExt;
-use tokio::net::tcp::OwnedWriteHalf;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -452,10 +452,6 @@ async fn reader(
     // This stream's staging buffers for device memory (allocated on first use).
     let mut inbound = Inbound::new(staging, io_timeout);
     let pending = &side.pending;
-    let lost = |reason: &str| Error::ConnectionLost {
-        peer: peer.to_string(),
-        reason: reason.to_string(),
-    };
     loop {
         // Uncontended (no read waiting on its thread holds it) most of the time: taken
         // without the runtime's await, which would spend the task's budget.
@@ -469,36 +465,19 @@ async fn reader(
             let r = receive::resume(&mut rx, &batch, got, tag, &mut scratch).await;
             (batch, r)
         } else {
-            // Bytes read ahead are a response already; otherwise look at the socket without
-            // waiting (a waiting read may have received what woke this task).
-            if state.ahead.is_empty() {
-                match state.ahead.try_fill(side.rd.as_ref(), true) {
-                    Ok(Fill::Bytes) => {}
-                    Ok(Fill::Nothing) => {
-                        drop(state);
-                        match side.wait(peer, io_timeout).await {
-                            Ok(()) => continue,
-                            Err(e) => {
-                                health.fail(e);
-                                break;
-                            }
-                        }
-                    }
-                    // A server closing an idle stream (or dying) marks this transport broken
-                    // now, so the next request rebuilds the session instead of failing on a
-                    // dead stream.
-                    Ok(Fill::Closed) if pending.is_empty() => {
-                        health.fail(lost("the peer closed an idle data stream"));
+            match look(&mut state.ahead, &side.rd, pending, peer) {
+                Ok(true) => {}
+                Ok(false) => {
+                    drop(state);
+                    if let Err(e) = side.wait(peer, io_timeout).await {
+                        health.fail(e);
                         break;
                     }
-                    Ok(Fill::Closed) => {
-                        health.fail(lost("the peer closed the data stream mid-response"));
-                        break;
-                    }
-                    Err(e) => {
-                        health.fail(lost(&format!("data stream failed: {e}")));
-                        break;
-                    }
+                    continue;
+                }
+                Err(e) => {
+                    health.fail(e);
+                    break;
                 }
             }
             // A response's batch was queued before its request went out, so before the
@@ -522,10 +501,42 @@ async fn reader(
             .reason
             .lock()
             .clone()
-            .unwrap_or_else(|| lost("data stream closed"));
+            .unwrap_or_else(|| stream_lost(peer, "data stream closed"));
         b.finish(Err(reason));
     }
     health.broken.store(true, Ordering::Release);
+}
+
+/// Whether a response is read ahead: bytes already buffered, or what the socket has now
+/// (a waiting read may have received what woke the reader task); `false`: nothing yet. An
+/// error: the stream ended or failed (a server closing an idle stream, or dying, marks the
+/// transport broken now, so the next request rebuilds the session instead of failing on a
+/// dead stream).
+fn look(
+    ahead: &mut ReadAhead,
+    rd: &OwnedReadHalf,
+    pending: &Pending,
+    peer: SocketAddr,
+) -> Result<bool> {
+    if !ahead.is_empty() {
+        return Ok(true);
+    }
+    let reason = match ahead.try_fill(rd.as_ref(), true) {
+        Ok(Fill::Bytes) => return Ok(true),
+        Ok(Fill::Nothing) => return Ok(false),
+        Ok(Fill::Closed) if pending.is_empty() => "the peer closed an idle data stream".into(),
+        Ok(Fill::Closed) => "the peer closed the data stream mid-response".into(),
+        Err(e) => format!("data stream failed: {e}"),
+    };
+    Err(stream_lost(peer, reason))
+}
+
+/// The stream to `peer` lost, for `reason`.
+fn stream_lost(peer: SocketAddr, reason: impl Into<String>) -> Error {
+    Error::ConnectionLost {
+        peer: peer.to_string(),
+        reason: reason.into(),
+    }
 }
 
 /// Ends `batch` with what receiving its response gave (the outer error breaks the stream) and

@@ -30,15 +30,15 @@ impl ReadAhead {
         peer: SocketAddr,
         io_timeout: Duration,
     ) -> Result<()> {
-        debug_assert!(self.is_empty());
-        loop {
-            readable_within(rd, peer, io_timeout).await?;
-            match self.try_fill(rd.as_ref(), true) {
-                Ok(Fill::Bytes) => return Ok(()),
-                Ok(Fill::Nothing) => {}
-                Ok(Fill::Closed) => return Err(closed_mid_response(peer)),
-                Err(e) => return Err(lost(peer, "receiving data", &e)),
-            }
+        let stalled = || Error::Timeout {
+            what: format!("receiving data from {peer} (stalled)"),
+            after: io_timeout,
+        };
+        match timeout(io_timeout, self.fill_from(rd.as_ref())).await {
+            Err(_) => Err(stalled()),
+            Ok(Ok(Fill::Closed)) => Err(closed_mid_response(peer)),
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(lost(peer, "receiving data", &e)),
         }
     }
 

@@ -41,10 +41,12 @@ impl<'a> Requests<'a> {
         }
         let polled = self.poll(spin);
         let found = match polled {
-            Ok(Fill::Nothing) => match timeout(idle_timeout, self.fill()).await {
-                Err(_) => return Ok(false),
-                Ok(found) => found,
-            },
+            Ok(Fill::Nothing) => {
+                match timeout(idle_timeout, self.ahead.fill_from(self.stream)).await {
+                    Err(_) => return Ok(false),
+                    Ok(found) => found,
+                }
+            }
             found => found,
         };
         match found.map_err(|e| Error::io("reading a data request", &e))? {
@@ -63,7 +65,7 @@ impl<'a> Requests<'a> {
         let filled = async {
             let mut got = self.ahead.take_into(out);
             while got < out.len() {
-                if let Fill::Closed = self.fill().await? {
+                if let Fill::Closed = self.ahead.fill_from(self.stream).await? {
                     return Err(io::ErrorKind::UnexpectedEof.into());
                 }
                 got += self.ahead.take_into(&mut out[got..]);
@@ -72,23 +74,8 @@ impl<'a> Requests<'a> {
         };
         timeout(io_timeout, filled)
             .await
-            .map_err(|_| Error::Timeout {
-                what: what.into(),
-                after: io_timeout,
-            })?
+            .map_err(|_| super::timed_out(what, io_timeout))?
             .map_err(|e| Error::io(what, &e))
-    }
-
-    /// Reads what the socket has, at least one byte or its end, into the (empty) buffer,
-    /// sleeping until the runtime finds it readable.
-    async fn fill(&mut self) -> io::Result<Fill> {
-        loop {
-            self.stream.readable().await?;
-            match self.ahead.try_fill(self.stream, true)? {
-                Fill::Nothing => {}
-                found => return Ok(found),
-            }
-        }
     }
 
     /// Asks the kernel for the next request from this thread for up to `spin`, yielding the
