@@ -263,14 +263,14 @@ pub(crate) fn auth_key(k: &Bound<'_, PyAny>) -> PyResult<AuthKey> {
 
 /// The hold `hold_blocks` and `hold_growing` make of their arguments.
 pub(crate) fn hold_request(
-    request_id: &Bound<'_, PyAny>,
+    id: &Bound<'_, PyAny>,
     blocks: &Bound<'_, PyAny>,
     reader: Option<&str>,
     abort_timeout: Option<f64>,
     token: Option<u64>,
 ) -> PyResult<HoldRequest> {
     Ok(HoldRequest {
-        id: self::request_id(request_id)?,
+        id: request_id(id)?,
         blocks: block_groups("blocks", blocks)?,
         reader: reader.map(str::to_string),
         abort_timeout: abort_timeout
