@@ -86,6 +86,13 @@ pub(crate) const DEFAULT_SESSION_IDLE: Duration = Duration::from_secs(120);
 pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 /// Longest [`EngineConfig::spin`].
 const MAX_SPIN: Duration = Duration::from_millis(10);
+/// Default of [`EngineConfig::read_pin`].
+pub(crate) const DEFAULT_READ_PIN: Duration = Duration::from_millis(20);
+/// Longest [`EngineConfig::read_pin`]: the longest a holder's `release` may wait for a pin.
+const MAX_READ_PIN: Duration = Duration::from_secs(10);
+/// Largest RDMA read from one prefill that asks for a pin ([`EngineConfig::read_pin`]): its
+/// confirmation's round trip is a small part of a larger read's time.
+pub const MAX_PIN_READ_BYTES: u64 = 16 << 20;
 
 /// How an engine is set up. `EngineConfig::default()` listens on loopback with ephemeral ports.
 ///
@@ -166,6 +173,15 @@ pub struct EngineConfig {
     /// of the serving engine polls its socket for as long after each request for the reader's
     /// next (one connection of the process at a time) before it sleeps.
     pub spin: Duration,
+    /// RDMA reads confirmed without a round trip after them. As a reader: an RDMA read of up
+    /// to [`MAX_PIN_READ_BYTES`](crate::MAX_PIN_READ_BYTES) per prefill asks the prefill, as
+    /// it posts, to pin the hold for this long, and counts as confirmed when the answer says
+    /// held and its reads completed within this long of the ask (else it sends its `Done` and
+    /// waits for the answer, as larger reads do). As a holder: the longest pin granted (a
+    /// longer ask is refused); `release` of a pinned hold waits until the pin lapses or its
+    /// reader's `Done` or `Abort` arrives. Zero: no pins asked or granted. At most 10 s;
+    /// 20 ms by default (a small read over a NIC takes microseconds).
+    pub read_pin: Duration,
     /// Transports to use.
     pub transport: TransportChoice,
     /// RDMA device, GID and queue-pair settings.
@@ -221,6 +237,7 @@ impl Default for EngineConfig {
             session_idle: DEFAULT_SESSION_IDLE,
             runtime_threads: 2,
             spin: DEFAULT_SPIN,
+            read_pin: DEFAULT_READ_PIN,
             transport: TransportChoice::Auto,
             rdma: RdmaSettings::default(),
             gpu: true,
@@ -310,6 +327,12 @@ impl EngineConfig {
                 self.spin
             )));
         }
+        if self.read_pin > MAX_READ_PIN {
+            return Err(Error::invalid(format!(
+                "read_pin must be at most {MAX_READ_PIN:?}, got {:?}",
+                self.read_pin
+            )));
+        }
         if !(4096..=256 << 20).contains(&self.staging_chunk_bytes)
             || self.staging_buffers == 0
             || self.staging_buffers > 4096
@@ -378,6 +401,7 @@ mod tests {
             (|c| c.rdma.gid_index = Some(256), "rdma.gid_index"),
             (|c| c.tcp_streams = 0, "tcp_streams"),
             (|c| c.spin = Duration::from_secs(1), "spin"),
+            (|c| c.read_pin = Duration::from_secs(11), "read_pin"),
             (|c| c.staging_buffers = 0, "staging_buffers"),
             (|c| c.batch_bytes = 0, "batch_bytes"),
             (|c| c.engine_id = Some(String::new()), "engine_id"),

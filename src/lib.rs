@@ -63,7 +63,7 @@ pub use auth::{AuthKey, MIN_KEY_BYTES};
 pub use completion::{
     FailedRequest, FailureCause, Finished, Side, Timeline, Totals, TpAggregator, TransferReport,
 };
-pub use config::{EngineConfig, TransportChoice};
+pub use config::{EngineConfig, TransportChoice, MAX_PIN_READ_BYTES};
 pub use control::messages::{Descriptor, TransportInfo};
 pub use engine::{
     tp_sources, Capabilities, Engine, EngineStats, FollowRequest, HoldRequest, ReadFrom,
@@ -85,7 +85,9 @@ pub use transport::rdma::RdmaSettings;
 /// fault injection. Not part of the stable API.
 #[doc(hidden)]
 pub mod internal {
-    pub use crate::completion::{Announcement, CompletionTracker, Follower, HoldTerms, SendNotice};
+    pub use crate::completion::{
+        Announcement, CompletionTracker, Follower, HoldTerms, Release, SendNotice,
+    };
     pub use crate::config::{check_duration, MAX_DURATION};
     pub use crate::control::{frame, messages};
     pub use crate::grant::Grant;

@@ -2,7 +2,9 @@
 //! RDMA device (...)" and pass): one-sided reads do not stop when a hold ends, so what keeps a
 //! decode from wrong bytes is the prefill's confirmation; a cancel tells the prefill; a reader
 //! that vanishes mid-read has its hold end at its lease, which only its `Reading` notice ties it
-//! to (nothing of an RDMA read reaches the prefill's CPU).
+//! to (nothing of an RDMA read reaches the prefill's CPU); a read of at most
+//! `MAX_PIN_READ_BYTES` pins its hold as it is posted, which the prefill's release waits for,
+//! and counts on the pin only when it completed within it.
 
 mod common;
 
@@ -85,6 +87,71 @@ fn rdma_a_hold_that_ends_mid_read_is_never_reported_received() {
     assert_eq!(f.receiving.len(), 1, "{f:?}");
     assert_eq!(f.reports[0].transport, "rdma");
     verify(&decode, &prefill.layout, 99, &[2, 4], &[5, 9]);
+}
+
+/// A prefill (filled from `seed`) and a decode, over RDMA, pinning for `decode_pin` (the
+/// prefill grants up to 10 s): starts a read of the first half of the blocks (16 MiB, the most
+/// a pinned read reads; half a second over the emulated device) and returns once the prefill
+/// pinned its hold.
+fn pinned_reading(seed: u64, decode_pin: Duration, id: &str) -> (Side, Side, Vec<u32>) {
+    let shape = ModelShape::LLAMA3_8B;
+    let pins = |pin| rdma_config().with(|c| c.read_pin = pin);
+    let prefill = side(&shape, BLOCKS, Some(seed), pins(Duration::from_secs(10)));
+    let decode = side(&shape, BLOCKS, None, pins(decode_pin));
+    let peer = prefill.engine.handshake_address().to_string();
+    decode
+        .engine
+        .connect(&peer, Duration::from_secs(30))
+        .unwrap();
+    let half: Vec<u32> = (0..BLOCKS / 2).collect();
+    prefill.engine.hold_blocks(id, &half).unwrap();
+    decode.engine.read_blocks(&peer, id, &half, &half).unwrap();
+    eventually("the prefill pinned the hold", || {
+        prefill.engine.stats().reads_pinned == 1
+    });
+    (prefill, decode, half)
+}
+
+#[test]
+fn rdma_a_release_waits_for_the_pinned_read_which_gets_the_held_bytes() {
+    if !rdma_available() {
+        return;
+    }
+    // The prefill releases a pinned hold while its reads are in flight and overwrites its
+    // blocks as soon as the release returns, as its scheduler would reuse them. The release
+    // waits for the reader's notice, so every byte read is the held one: received, verified.
+    // (A release that did not wait let the reads fetch the new bytes, which the pin confirmed.)
+    let (prefill, decode, half) = pinned_reading(79, Duration::from_secs(10), "pinned");
+    assert_eq!(decode.engine.in_flight(), (1, 0), "the read is in flight");
+    assert!(prefill.engine.release("pinned"));
+    kvlink::verify::fill(&prefill.region, 99).unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert_eq!(f.receiving.len(), 1, "{f:?}");
+    verify(&decode, &prefill.layout, 79, &half, &half);
+    assert_eq!(decode.engine.stats().notices_refused, 0);
+}
+
+#[test]
+fn rdma_a_read_that_outlasts_its_pin_counts_only_on_its_done() {
+    if !rdma_available() {
+        return;
+    }
+    // The decode asks for a pin of 50 ms; its reads take longer. Past the pin the prefill
+    // releases the hold (at once: the pin lapsed) and overwrites its blocks. The pin said
+    // held, but the reads completed after it lapsed: the Done decides, and is refused.
+    // (Counting on the pin whatever the reads took would report the new bytes received.)
+    let (prefill, decode, _) = pinned_reading(83, Duration::from_millis(50), "lapsed");
+    std::thread::sleep(Duration::from_millis(60));
+    assert_eq!(
+        decode.engine.in_flight(),
+        (1, 0),
+        "still reading past the pin"
+    );
+    assert!(prefill.engine.release("lapsed"));
+    kvlink::verify::fill(&prefill.region, 97).unwrap();
+    let f = collect(&decode.engine, Duration::from_secs(60), |f| !f.is_empty());
+    assert!(f.receiving.is_empty(), "{f:?}");
+    assert_eq!(f.failed[0].cause, FailureCause::Unconfirmed, "{f:?}");
 }
 
 #[test]

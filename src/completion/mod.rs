@@ -18,7 +18,7 @@ use crate::ids::RequestId;
 pub use aggregator::TpAggregator;
 pub use follow::{Announcement, Follower};
 pub(crate) use presence::DEFAULT_LEASE;
-pub use tracker::{CompletionTracker, HoldTerms, SendNotice};
+pub use tracker::{CompletionTracker, HoldTerms, Release, SendNotice};
 
 /// Which side of a transfer a request is on, from this worker's point of view.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -21,10 +21,12 @@ use crate::tp::{self, Reader, TpRank};
 
 mod growing;
 mod held;
+mod pin;
 
 pub use growing::HoldTerms;
 use growing::PendingFollow;
 use held::Held;
+pub use pin::Release;
 
 /// What a reading peer says about a send.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -291,6 +293,9 @@ impl CompletionTracker {
                 return Err(refused);
             }
         };
+        if held.released {
+            return Err(self.notice_on_released(id, reader));
+        }
         if notice == SendNotice::Done && !held.sealed {
             return Err(Refusal::new(
                 RefusalKind::NotHeld,
@@ -348,19 +353,6 @@ impl CompletionTracker {
         }
     }
 
-    /// Drops the hold of send `id` at the holder's own request (its request was aborted or
-    /// preempted): the grant ends and nothing is reported for it. Returns whether it was held.
-    pub fn release(&mut self, id: &RequestId) -> bool {
-        match self.held.remove(id) {
-            Some(h) => {
-                h.end_grants();
-                h.tell_ended(id, "the prefill released the request");
-                true
-            }
-            None => false,
-        }
-    }
-
     /// Expires held sends whose abort timeout, or whose gone reader's lease, passed.
     pub fn poll(&mut self, now: Instant) {
         let expired: Vec<RequestId> = self
@@ -371,6 +363,10 @@ impl CompletionTracker {
             .collect();
         for id in expired {
             let mut h = self.held.remove(&id).expect("listed above");
+            if h.released {
+                // Its pin lapsed: it ends as released, with nothing to report.
+                continue;
+            }
             h.end_earlier();
             if self.counted_by_receipts(&id, &mut h) {
                 continue;

@@ -42,8 +42,7 @@ const SILENT_AFTER_PINGS: u32 = 2;
 /// why not.
 pub(crate) type Confirmation = std::result::Result<std::time::Duration, Refusal>;
 
-/// `Done` notices waiting for their `Confirm`, by request (at most one per request).
-/// Where each `Done` sent on this connection wants its `Confirm`, per request id in the order
+/// Where each `Done` (or `Pin`) sent on this connection wants its `Confirm`, per request id in the order
 /// the notices went out: the server answers every `Done` once, in order, so each `Confirm` goes
 /// to the oldest `Done` of its id (a read that stopped waiting, or a notice sent without waiting,
 /// keeps its place, so its answer is never taken for a later read's).
@@ -379,13 +378,36 @@ impl ControlClient {
         id: RequestId,
         hold: Option<u64>,
     ) -> Option<oneshot::Receiver<Confirmation>> {
+        let done = Message::Done {
+            request_id: id.clone(),
+            hold,
+        };
+        self.ask(id, done)
+    }
+
+    /// Sends request `id`'s `Pin` (for `pin`) and returns where its `Confirm` will arrive, as
+    /// [`done`](Self::done) does.
+    pub(crate) fn pin(
+        &self,
+        id: RequestId,
+        hold: Option<u64>,
+        pin: std::time::Duration,
+    ) -> Option<oneshot::Receiver<Confirmation>> {
+        let msg = Message::Pin {
+            request_id: id.clone(),
+            hold,
+            pin_us: u64::try_from(pin.as_micros()).unwrap_or(u64::MAX),
+        };
+        self.ask(id, msg)
+    }
+
+    /// Sends `msg` about request `id`, which the peer answers with a `Confirm`, and returns
+    /// where that answer will arrive.
+    fn ask(&self, id: RequestId, msg: Message) -> Option<oneshot::Receiver<Confirmation>> {
         let (tx, rx) = oneshot::channel();
         // Queued under the lock, so the answers' order is the notices' order.
         let mut pending = self.pending.lock();
-        let sent = self.notify(Message::Done {
-            request_id: id.clone(),
-            hold,
-        });
+        let sent = self.notify(msg);
         if !sent {
             return None;
         }

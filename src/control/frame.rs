@@ -9,7 +9,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use crate::error::{Error, Result};
 
 /// The control protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 9;
+pub const PROTOCOL_VERSION: u16 = 10;
 
 /// Largest control frame accepted or sent (bytes after the length prefix).
 pub const MAX_FRAME_BYTES: u32 = 4 << 20;

@@ -68,6 +68,17 @@ pub(crate) trait ControlHandler: Send + Sync + 'static {
         id: &RequestId,
         hold: Option<u64>,
     ) -> std::result::Result<(), Refusal>;
+    /// `from` pins request `id`'s hold (`hold`, when named) for `pin` as it posts an RDMA
+    /// read (`completion::tracker::pin`), being admitted as by [`reading`](Self::reading);
+    /// refused, with the reason, when it may not be (nothing pinned then). Returns how long
+    /// the request had been held.
+    fn pin(
+        &self,
+        from: &Reader,
+        id: &RequestId,
+        hold: Option<u64>,
+        pin: Duration,
+    ) -> std::result::Result<Duration, Refusal>;
     /// `from` follows request `id` (hold `hold`, when named): `follower` is told of its hold's
     /// blocks as they are held, and a request not held yet is waited for up to `wait` (bounded
     /// by the engine). Refused, with the reason, when the reader may not read the request or

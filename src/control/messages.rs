@@ -269,6 +269,24 @@ pub enum Message {
         #[serde(default)]
         hold: Option<u64>,
     },
+    /// Reader to server, as an RDMA read of the request is posted (instead of `Reading`): I am
+    /// reading it; is it held for me now? Answered by `Confirm`. When held, the server also
+    /// admits the reader (as `Reading` does) and pins the hold for `pin_us` from now: nothing
+    /// ends it before then (not the engine's own release, nor a timeout or lease) but this
+    /// reader's `Done` or `Abort`. A read that completes within `pin_us` of sending its `Pin`
+    /// was then held the whole time and counts as confirmed; its `Done` follows, not waited
+    /// for. Refused (and nothing pinned) when a `Done` would be, when the hold waits for
+    /// several readers, when this reader pinned it before, or when `pin_us` is longer than the
+    /// server pins.
+    Pin {
+        /// The request.
+        request_id: RequestId,
+        /// The hold read (its token, from the transfer parameters), when the reader knows it.
+        #[serde(default)]
+        hold: Option<u64>,
+        /// How long the reader asks the hold to be pinned, in microseconds.
+        pin_us: u64,
+    },
     /// Reader to server: the request's blocks are all read; the server may free them.
     /// Answered by `Confirm`.
     Done {
@@ -278,7 +296,17 @@ pub enum Message {
         #[serde(default)]
         hold: Option<u64>,
     },
-    /// Server to reader, the answer to `Done`: whether the request was still held for this
+    /// Reader to server: the request's blocks are all read, and the read is confirmed already
+    /// (by a `Pin`, by the data response, or by the hold table of a same-host copy): as `Done`,
+    /// the server may free them, but nothing is answered.
+    Received {
+        /// The request.
+        request_id: RequestId,
+        /// The hold read, when the reader knows it: only that hold is confirmed.
+        #[serde(default)]
+        hold: Option<u64>,
+    },
+    /// Server to reader, the answer to `Done` (and to `Pin`): whether the request was still held for this
     /// reader when the `Done` arrived (its blocks were then held for the whole read). Only then
     /// does the reader report the request received.
     Confirm {

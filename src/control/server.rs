@@ -303,34 +303,6 @@ type NextFrame = std::result::Result<Result<Option<(u16, Vec<u8>)>>, tokio::time
 static REFUSED_NOTICES: LogLimit = LogLimit::new(Duration::from_secs(1));
 
 impl Serving<'_> {
-    /// A done notice with a valid id: answered either way, so that the reader reports the
-    /// request received only once this engine confirms it still held the blocks for it.
-    async fn on_done(&mut self, request_id: RequestId, hold: Option<u64>) -> Result<()> {
-        let peer = self.peer;
-        let r = self.handler.notice(
-            peer,
-            &self.reader,
-            request_id.clone(),
-            SendNotice::Done,
-            hold,
-        );
-        let answer = Message::Confirm {
-            request_id: request_id.clone(),
-            refused: r.clone().err().map(Refusal::into_reason),
-            held_us: r.as_ref().map_or(0, |d| d.as_micros() as u64),
-        };
-        self.refused(&request_id, r.map(drop));
-        let within = self.timeouts.handshake;
-        send(
-            &mut self.stream,
-            &answer,
-            "confirming a done notice",
-            within,
-        )
-        .await?;
-        Ok(())
-    }
-
     /// A reader follows a request: it is told of the hold's parts through this connection's
     /// queue, or at once why not.
     async fn on_follow(
@@ -363,11 +335,19 @@ impl Serving<'_> {
             Message::Done { request_id, hold } if request_id.validate().is_ok() => {
                 self.on_done(request_id, hold).await?
             }
+            Message::Received { request_id, hold } if request_id.validate().is_ok() => {
+                self.on_received(request_id, hold)
+            }
             Message::Reading { request_id, hold } if request_id.validate().is_ok() => {
                 tracing::debug!(%peer, id = %request_id, ?hold, "reader announced a read");
                 let r = self.handler.reading(&self.reader, &request_id, hold);
                 self.refused(&request_id, r);
             }
+            Message::Pin {
+                request_id,
+                hold,
+                pin_us,
+            } if request_id.validate().is_ok() => self.on_pin(request_id, hold, pin_us).await?,
             Message::Abort {
                 request_id,
                 reason,
@@ -388,8 +368,10 @@ impl Serving<'_> {
             // A notice naming an invalid id (empty, too long) is refused alone: the session and
             // the other requests on it go on.
             Message::Done { request_id, .. }
+            | Message::Received { request_id, .. }
             | Message::Abort { request_id, .. }
             | Message::Reading { request_id, .. }
+            | Message::Pin { request_id, .. }
             | Message::Follow { request_id, .. } => {
                 self.bad_notices += 1;
                 if self.bad_notices == 1 {
@@ -567,5 +549,6 @@ impl Drop for Presence {
     }
 }
 
+mod notices;
 #[cfg(test)]
 mod tests;

@@ -366,6 +366,7 @@ impl Engine {
             bytes_staged_out: self.shared.staging().staged_out(),
             bytes_staged_in: self.shared.staging().staged_in(),
             notices_refused: get(&c.notices_refused),
+            reads_pinned: get(&c.reads_pinned),
             messages_received: get(&c.messages_received),
             messages_refused: get(&c.messages_refused),
             messages_sent: get(&c.messages_sent),

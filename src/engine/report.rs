@@ -22,8 +22,12 @@ pub struct EngineStats {
     pub bytes_staged_out: u64,
     /// Bytes received over TCP and copied from staging buffers into GPU memory.
     pub bytes_staged_in: u64,
-    /// Readers' done/abort notices refused (request not held, or held for another reader).
+    /// Readers' done/abort notices and pins refused (request not held, or held for another
+    /// reader).
     pub notices_refused: u64,
+    /// RDMA reads whose hold this engine pinned as they were posted (confirmed without a
+    /// round trip after them; `EngineConfig::read_pin`).
+    pub reads_pinned: u64,
     /// Peers' application messages queued in the inbox.
     pub messages_received: u64,
     /// Peers' application messages refused (over the size limit, or the inbox full).

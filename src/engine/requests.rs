@@ -521,10 +521,13 @@ impl Engine {
     /// Prefill side: drops the hold of request `id` (aborted or preempted before any reader
     /// was told about it): its grant ends at once (a read in progress stops at its next write)
     /// and nothing is reported for it in [`get_finished`](Engine::get_finished). Returns
-    /// whether it was held.
+    /// whether it was held, once its blocks may be reused: when an RDMA reader pinned the hold
+    /// as it posted its reads (`docs/protocol.md`, pins), that is when the reader's `Done` or
+    /// `Abort` arrives, or its pin lapses, whichever is first: at most the engine's
+    /// [`read_pin`](crate::EngineConfig::read_pin) after the pin, once per hold.
     pub fn release(&self, id: impl Into<RequestId>) -> bool {
         let id = id.into();
-        self.shared.completions().update(|t| t.release(&id))
+        self.shared.completions().release(&id)
     }
 
     /// Decode side: tells the prefill at `peer` that this engine will not read request

@@ -51,6 +51,14 @@ pub(crate) trait ControlLink: Send + Sync {
     /// Sends request `id`'s `Done`; the receiver gets the peer's confirmation (or fails when
     /// the connection closes first). `None` when it could not be queued.
     fn done(&self, id: RequestId, hold: Option<u64>) -> Option<oneshot::Receiver<Confirmation>>;
+    /// Sends request `id`'s `Pin` (asking for `pin`, as an RDMA read is posted); the receiver
+    /// gets the peer's answer, as for [`done`](Self::done).
+    fn pin(
+        &self,
+        id: RequestId,
+        hold: Option<u64>,
+        pin: std::time::Duration,
+    ) -> Option<oneshot::Receiver<Confirmation>>;
     /// Whether the connection has died.
     fn is_closed(&self) -> bool;
     /// Closes the connection in order (`Bye`, after whatever is queued), waiting up to
@@ -98,6 +106,15 @@ impl ControlLink for ControlClient {
 
     fn done(&self, id: RequestId, hold: Option<u64>) -> Option<oneshot::Receiver<Confirmation>> {
         ControlClient::done(self, id, hold)
+    }
+
+    fn pin(
+        &self,
+        id: RequestId,
+        hold: Option<u64>,
+        pin: std::time::Duration,
+    ) -> Option<oneshot::Receiver<Confirmation>> {
+        ControlClient::pin(self, id, hold, pin)
     }
 
     fn follow(

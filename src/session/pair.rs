@@ -97,7 +97,7 @@ impl ControlLink for MemControl {
         let from = &from;
         // A refused notice is dropped, as the control server drops it.
         let _ = match msg {
-            Message::Done { request_id, hold } => self
+            Message::Done { request_id, hold } | Message::Received { request_id, hold } => self
                 .prefill
                 .notice(peer, from, request_id, SendNotice::Done, hold)
                 .map(drop),
@@ -126,6 +126,19 @@ impl ControlLink for MemControl {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (peer, from) = reader();
         let _ = tx.send(self.prefill.notice(peer, &from, id, SendNotice::Done, hold));
+        Some(rx)
+    }
+
+    fn pin(
+        &self,
+        id: RequestId,
+        hold: Option<u64>,
+        pin: Duration,
+    ) -> Option<tokio::sync::oneshot::Receiver<Confirmation>> {
+        // Answered at once, as the control server answers.
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (_, from) = reader();
+        let _ = tx.send(self.prefill.pin(&from, &id, hold, pin));
         Some(rx)
     }
 
@@ -360,11 +373,12 @@ const BLOCKS: u32 = 16;
 const PEER: &str = "prefill:1";
 
 /// One engine's state with a host region of `BLOCKS` blocks, filled from `seed` when given.
-fn engine(name: &str, seed: Option<u8>) -> Arc<EngineState> {
+fn engine(name: &str, seed: Option<u8>, read_pin: Duration) -> Arc<EngineState> {
     let config = EngineConfig {
         transport: TransportChoice::Tcp,
         gpu: false,
         request_timeout: Duration::from_secs(10),
+        read_pin,
         ..EngineConfig::default()
     };
     let cooldown = config.rdma.cooldown;
@@ -400,8 +414,15 @@ struct Pair {
 
 impl Pair {
     fn new(faults: &[Fault]) -> Pair {
-        let prefill = engine("prefill", Some(0x5A));
-        let decode = engine("decode", None);
+        Pair::pinning(faults, crate::config::DEFAULT_READ_PIN)
+    }
+
+    /// A pair whose engines ask for and grant pins of `read_pin`. The decode times its pins
+    /// on the runtime's clock, which these tests pause, and the prefill's tracker on the
+    /// system's: a test whose reads take virtual seconds gives pins longer than those.
+    fn pinning(faults: &[Fault], read_pin: Duration) -> Pair {
+        let prefill = engine("prefill", Some(0x5A), read_pin);
+        let decode = engine("decode", None, read_pin);
         let script = Arc::new(Mutex::new(Script {
             faults: faults.iter().copied().collect(),
             ..Script::default()

@@ -10,8 +10,6 @@ use std::time::Instant;
 
 use super::{PeerConn, Sessions};
 use crate::completion::FailureCause;
-use crate::control::messages::Message;
-use crate::control::Sent;
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, RequestId};
 use crate::layout::KvLayout;
@@ -23,10 +21,13 @@ use crate::transport::{ConfirmAsk, Confirmed, ReadCancel, ReadDone, ReadOp, Requ
 
 mod follow;
 mod outcome;
+mod pin;
 
 pub(crate) use follow::{run_follow, FollowJob};
 
-use outcome::{confirm, done_report, failure_reason, first_failure, tell_sources, Failure};
+use outcome::{
+    confirm, done_report, failure_reason, first_failure, tell_received, tell_sources, Failure,
+};
 
 /// One engine a read draws on.
 #[derive(Debug, Clone)]
@@ -141,8 +142,8 @@ struct SourceReport {
     /// The prefill's confirmation, when it came with the data (no `Done` needed then), or
     /// this engine's own from the prefill's hold table (a same-host copy made here).
     confirmed: Option<Confirmed>,
-    /// The prefill has not heard of the read (a copy made here): it is sent a `Done`, and no
-    /// answer is waited for.
+    /// The read was confirmed without the prefill hearing its end (a copy made here, or a
+    /// read its pin confirmed): it is sent a `Received`, which it does not answer.
     tell_done: bool,
 }
 
@@ -294,7 +295,8 @@ async fn read_to_end(
             ctl.cancel_async(shared.config().io_timeout).await;
         }
     }
-    // A read that was confirmed (or not) has told every source already.
+    // A read that was confirmed (or not) has told every source already, but those that
+    // confirmed without hearing its end (`tell_received`, below).
     if !notified {
         tell_sources(
             &sessions,
@@ -313,17 +315,15 @@ async fn read_to_end(
         Some(f) => {
             let reason = reason.unwrap_or_default();
             tracing::warn!(id = %job.id, %reason, expired = f.expired, "read failed");
-            let cause = if closing {
-                FailureCause::Other
-            } else if f.expired {
-                FailureCause::Expired
-            } else {
-                FailureCause::of(&f.error)
-            };
+            let cause = f.cause(closing);
             shared
                 .completions()
                 .update(|t| t.recv_failed(&job.id, cause, reason));
         }
+    }
+    // The sources that confirmed without hearing the read's end hear it now, off its path.
+    if notified {
+        tell_received(&job, &outcomes);
     }
 }
 
@@ -378,21 +378,6 @@ async fn read_once(
     *used = Some(conn.clone());
     let connected = Instant::now();
     tracing::debug!(id = %job.id, peer = %source.peer, transport = conn.transport.name(), "reading");
-    // The prefill learns who reads (RDMA reads reach no CPU there): its hold then ends on
-    // this engine's lease should this engine go away. Best effort: the Done says the rest.
-    // TCP and same-host data requests name this engine's session, which tells it as much.
-    if !conn.transport.names_reader() {
-        let sent = conn.control.send(Message::Reading {
-            request_id: job.remote_id.clone(),
-            hold: job.hold,
-        });
-        // Queued, the writer task that sends it was woken on this worker thread, where it
-        // would wait until this task next yields; posting RDMA reads may not yield for a long
-        // time (SoftRoCE posts in the caller's thread), so let it go out first.
-        if sent == Sent::Queued {
-            tokio::task::yield_now().await;
-        }
-    }
     let d = &conn.descriptor;
     let theirs = TpRank::new(d.tp_rank, d.tp_size);
     let ours = TpRank::new(shared.config().tp_rank, shared.config().tp_size);
@@ -453,11 +438,23 @@ async fn read_once(
             remote_offset: s.remote_offset,
         });
     }
-    let read = if ops.is_empty() {
+    // The prefill learns who reads, and pins the hold when asked (`pin.rs`).
+    let ask = pin::announce(&conn, job, plan.bytes, shared.config().read_pin).await;
+    let mut read = if ops.is_empty() {
         ReadDone::unconfirmed(0)
     } else {
         read_while_connected(&conn, &source.peer, job, ops, ctl).await?
     };
+    let done = Instant::now();
+    if let Some(ask) = ask.filter(|_| read.confirmed.is_none()) {
+        let wait = shared.config().handshake_timeout;
+        let wait = wait.min(
+            job.deadline
+                .saturating_duration_since(tokio::time::Instant::now()),
+        );
+        read.confirmed = pin::pinned(ask, wait).await;
+        read.tell_done = read.confirmed.is_some();
+    }
     Ok(SourceReport {
         bytes: plan.bytes,
         segments: plan.segments.len(),
@@ -465,7 +462,7 @@ async fn read_once(
         work_requests: read.work_requests,
         transport: conn.transport.name(),
         connected,
-        done: Instant::now(),
+        done,
         confirmed: read.confirmed,
         tell_done: read.tell_done,
     })

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
-use crate::completion::{CompletionTracker, Finished};
+use crate::completion::{CompletionTracker, Finished, Release};
+use crate::ids::RequestId;
 
 /// The engine's completion tracker and the condition its waiters sleep on.
 pub(crate) struct Completions {
@@ -85,6 +86,25 @@ impl Completions {
         }
     }
 
+    /// The holder's release of request `id`'s hold; returns whether it was held. A hold that
+    /// a reader's pin keeps (`completion::tracker::pin`) is waited for: this returns once the
+    /// pin lapsed or its reader's `Done` or `Abort` ended it, at most the pin's length (the
+    /// engine's `read_pin`), after which the blocks may be reused.
+    pub(crate) fn release(&self, id: &RequestId) -> bool {
+        let mut t = self.tracker.lock();
+        let mut held = false;
+        loop {
+            match t.release(id, Instant::now()) {
+                Release::NotHeld => return held,
+                Release::Released => return true,
+                Release::Pinned(until) => {
+                    held = true;
+                    self.changed.wait_until(&mut t, until);
+                }
+            }
+        }
+    }
+
     /// Polls, without the lock, until a request finishes or `until`; yields the CPU between
     /// looks, so the threads moving the read's bytes keep running on a busy machine.
     fn spin_until(&self, until: Instant, t: &mut MutexGuard<'_, CompletionTracker>) {
@@ -94,5 +114,60 @@ impl Completions {
                 std::thread::yield_now();
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::completion::SendNotice;
+    use crate::tp::{Reader, TpRank};
+
+    fn pinned(pin: Duration) -> (Arc<Completions>, Reader) {
+        let c = Arc::new(Completions::new(CompletionTracker::new(), Duration::ZERO));
+        let l = crate::layout::ModelShape::LLAMA3_8B.layout(crate::ids::RegionId(1), 4);
+        let g = Arc::new(crate::grant::Grant::new(Arc::new(l), &[[0, 1]]).unwrap());
+        let d = Reader {
+            engine: "d".into(),
+            tp: TpRank::SOLO,
+        };
+        let now = Instant::now();
+        c.update(|t| {
+            t.hold_send("r".into(), g, None, now, Duration::from_secs(60), 1)
+                .unwrap();
+            t.pin(&"r".into(), &d, None, now, pin).unwrap();
+        });
+        (c, d)
+    }
+
+    #[test]
+    fn a_release_returns_when_the_pinning_readers_done_arrives() {
+        let (c, d) = pinned(Duration::from_secs(60));
+        let released = std::thread::spawn({
+            let c = c.clone();
+            move || c.release(&"r".into())
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!released.is_finished(), "the pin holds the release");
+        let done = c.update(|t| t.handle_notice(&"r".into(), &d, SendNotice::Done, None));
+        assert!(done.is_err(), "a Done on a released hold is refused");
+        assert!(released.join().unwrap(), "it was held");
+        assert!(c.take_finished().is_empty(), "a release reports nothing");
+    }
+
+    #[test]
+    fn a_release_returns_when_the_pin_lapses() {
+        let pin = Duration::from_millis(100);
+        let (c, _) = pinned(pin);
+        let t0 = Instant::now();
+        assert!(c.release(&"r".into()));
+        assert!(
+            t0.elapsed() >= pin - Duration::from_millis(10),
+            "{:?}",
+            t0.elapsed()
+        );
+        assert!(!c.release(&"r".into()), "gone");
     }
 }

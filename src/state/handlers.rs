@@ -170,6 +170,37 @@ impl ControlHandler for EngineState {
         self.completions.update(|t| t.claim_checked(id, from, hold))
     }
 
+    fn pin(
+        &self,
+        from: &Reader,
+        id: &RequestId,
+        hold: Option<u64>,
+        pin: Duration,
+    ) -> std::result::Result<Duration, Refusal> {
+        let most = self.id.config.read_pin;
+        let r = self.completions.update(|t| {
+            if self.id.config.open_reads && !t.is_holding(id) {
+                // Every exported byte is served without a hold: nothing to pin.
+                return Ok(Duration::ZERO);
+            }
+            if pin > most {
+                return Err(Refusal::new(
+                    RefusalKind::NotHeld,
+                    format!("this engine pins a hold for at most {most:?}, not {pin:?}"),
+                ));
+            }
+            let now = Instant::now();
+            t.pin(id, from, hold, now, pin)
+                .map(|since| now.saturating_duration_since(since))
+        });
+        let c = &self.counters;
+        match &r {
+            Ok(_) => c.reads_pinned.fetch_add(1, Ordering::Relaxed),
+            Err(_) => c.notices_refused.fetch_add(1, Ordering::Relaxed),
+        };
+        r
+    }
+
     fn follow(
         &self,
         from: &Reader,

@@ -47,6 +47,7 @@ pub(crate) struct Counters {
     pub(crate) data_requests_refused: AtomicU64,
     pub(crate) bytes_served: AtomicU64,
     pub(crate) notices_refused: AtomicU64,
+    pub(crate) reads_pinned: AtomicU64,
     pub(crate) messages_received: AtomicU64,
     pub(crate) messages_refused: AtomicU64,
     pub(crate) messages_sent: AtomicU64,

@@ -269,8 +269,8 @@ pub(crate) struct ReadDone {
     /// `Confirm`), or the reader's own from the server's hold table (a same-host copy the
     /// reader made itself).
     pub(crate) confirmed: Option<Confirmed>,
-    /// The server has not heard of the read (a reader-side copy): a `Done` tells it, and no
-    /// answer is waited for.
+    /// The server has not heard of the read (a reader-side copy): a `Received` tells it, and
+    /// nothing is answered.
     pub(crate) tell_done: bool,
 }
 

@@ -704,7 +704,9 @@ int kvlink_engine_read_blocks_as(struct kvlink_engine *engine,
 /**
  * Prefill side: drops the hold of request `request_id` (aborted or preempted before its reader
  * was told): its grant ends at once and nothing is reported for it. Stores 1 at `*was_held`
- * (when not NULL) if it was held, 0 otherwise. Returns `KVLINK_OK` or `KVLINK_E_INVALID`.
+ * (when not NULL) if it was held, 0 otherwise. Returns `KVLINK_OK` or `KVLINK_E_INVALID`, once
+ * the blocks may be reused: a hold an RDMA reader pinned as it posted its reads is waited for
+ * until that reader says it is done or the pin lapses (20 ms by default, once per hold).
  *
  * # Safety
  * `engine` is NULL or a live engine; `request_id` is NULL or NUL-terminated; `was_held` is

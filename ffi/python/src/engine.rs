@@ -317,9 +317,11 @@ impl Engine {
 
     /// Prefill side: drops the hold of `request_id` (aborted or preempted before its reader was
     /// told): the grant ends at once and nothing is reported for it. Returns whether it was
-    /// held; never blocks.
-    fn release(&self, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(self.inner.release(self::request_id(request_id)?))
+    /// held, once its blocks may be reused: a hold an RDMA reader pinned as it posted its
+    /// reads is waited for, at most the engine's read pin, 20 ms (the GIL released meanwhile).
+    fn release(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let id = self::request_id(request_id)?;
+        Ok(py.allow_threads(|| self.inner.release(id)))
     }
 
     /// Decode side: tells the prefill at `peer` that this engine will not read its request

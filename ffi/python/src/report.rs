@@ -29,6 +29,7 @@ pub(crate) fn stats_dict(py: Python<'_>, s: &EngineStats) -> PyResult<Py<PyDict>
     d.set_item("bytes_staged_out", s.bytes_staged_out)?;
     d.set_item("bytes_staged_in", s.bytes_staged_in)?;
     d.set_item("notices_refused", s.notices_refused)?;
+    d.set_item("reads_pinned", s.reads_pinned)?;
     d.set_item("messages_received", s.messages_received)?;
     d.set_item("messages_refused", s.messages_refused)?;
     d.set_item("messages_sent", s.messages_sent)?;

@@ -256,6 +256,7 @@ impl CompletionTracker {
             earlier: Vec::new(),
             followers: Vec::new(),
             tail: None,
+            released: false,
         };
         let mut given_up = None;
         for p in self.pending.remove(&id).unwrap_or_default() {

@@ -33,6 +33,9 @@ pub(super) struct Held {
     pub(super) followers: Vec<Arc<dyn Follower>>,
     /// The last part, while only some of its tensors are final.
     pub(super) tail: Option<growing::Tail>,
+    /// The holder released the hold while a reader's pin kept it (`pin.rs`): it ends, with
+    /// nothing reported, once no pin does.
+    pub(super) released: bool,
 }
 
 #[derive(Debug)]
@@ -40,6 +43,9 @@ pub(super) struct Admitted {
     pub(super) engine: String,
     pub(super) rank: u32,
     pub(super) done: bool,
+    /// Until when this reader's pin keeps the hold (`pin.rs`): nothing ends it before then
+    /// but this reader's own `Done` or `Abort`.
+    pub(super) pinned_until: Option<Instant>,
 }
 
 impl Held {
@@ -57,10 +63,27 @@ impl Held {
         self.named.as_deref() == Some(e) || self.readers.iter().any(|r| r.engine == e)
     }
 
-    /// When the hold ends unless confirmed: its abort timeout, or sooner its lease.
+    /// When the hold ends unless confirmed: its abort timeout, or sooner its lease; never
+    /// before a reader's pin lapses (and then, when the holder released it).
     pub(super) fn ends(&self) -> Instant {
-        self.lease_end
-            .map_or(self.deadline, |l| l.min(self.deadline))
+        let end = self
+            .lease_end
+            .map_or(self.deadline, |l| l.min(self.deadline));
+        match self.pin_end() {
+            // Released: it ends as its pin does.
+            Some(p) if self.released => p,
+            Some(p) => p.max(end),
+            None => end,
+        }
+    }
+
+    /// When the last pin of a reader that has not confirmed lapses (it may be past).
+    pub(super) fn pin_end(&self) -> Option<Instant> {
+        self.readers
+            .iter()
+            .filter(|r| !r.done)
+            .filter_map(|r| r.pinned_until)
+            .max()
     }
 
     /// The lease end of the earliest gone reader among this hold's, if any is gone.
@@ -162,6 +185,7 @@ impl Held {
             engine: who.clone(),
             rank: reader.tp.rank,
             done: false,
+            pinned_until: None,
         });
         Ok(Some(self.readers.len() - 1))
     }

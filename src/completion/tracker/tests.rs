@@ -68,9 +68,9 @@ fn release_ends_a_hold_silently_and_totals_count_outcomes() {
     let mut t = CompletionTracker::new();
     hold(&mut t, "r", None, t0);
     let g = t.grant_for(&"r".into(), None).unwrap();
-    assert!(t.release(&"r".into()));
+    assert_eq!(t.release(&"r".into(), t0), Release::Released);
     assert!(g.is_ended(), "the grant ends with the hold");
-    assert!(!t.release(&"r".into()));
+    assert_eq!(t.release(&"r".into(), t0), Release::NotHeld);
     assert!(t.take_finished().is_empty(), "a release reports nothing");
     assert_eq!(t.totals(), Totals::default());
     // One of each outcome.
@@ -449,7 +449,7 @@ fn a_reused_request_id_is_told_apart_by_its_hold_token() {
             .unwrap()
     };
     first(&mut t);
-    t.release(&"r".into());
+    t.release(&"r".into(), t0);
     // The id is held again, under a new hold.
     t.hold_send("r".into(), grant(), None, t0, Duration::from_secs(5), 8)
         .unwrap();
@@ -557,3 +557,4 @@ fn a_receipt_signed_while_held_counts_as_its_readers_done_at_the_deadline() {
 
 /// Growing holds and their followers (`growing.rs`).
 mod growing;
+mod pin;

@@ -126,10 +126,7 @@ async fn a_read_whose_hold_ended_mid_read_fails_unconfirmed_never_received() {
         tokio::spawn(async move { p.read("r1", &[7], &[8]).await })
     };
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(p
-        .prefill
-        .completions()
-        .update(|t| t.release(&RequestId::from("r1"))));
+    assert!(p.prefill.completions().release(&RequestId::from("r1")));
     read.await.unwrap();
     let d = p.decode_finished();
     assert!(d.receiving.is_empty(), "{d:?}");
@@ -137,6 +134,68 @@ async fn a_read_whose_hold_ended_mid_read_fails_unconfirmed_never_received() {
     assert_eq!(d.failed[0].cause, FailureCause::Unconfirmed, "{d:?}");
     assert!(d.failed[0].reason.contains("no longer held"), "{d:?}");
     assert!(!d.failed[0].expired);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_release_during_a_pinned_read_waits_for_it_and_the_read_gets_the_held_bytes() {
+    // As over RDMA, the transport copies whatever the prefill's blocks hold when it runs (4 s
+    // in), and nothing the prefill does stops it. The read pinned the hold as it started; the
+    // prefill releases it 2 s in, and overwrites the blocks as soon as the release returns, as
+    // its scheduler would reuse them. The release waits for the read's notice, so the read
+    // copies the held bytes and is received. (A release that did not wait for the pin let the
+    // read copy the new bytes, and the pin confirmed them.)
+    let p = Arc::new(Pair::pinning(
+        &[Fault::Delay(Duration::from_secs(4))],
+        Duration::from_secs(60),
+    ));
+    let read = {
+        let p = p.clone();
+        tokio::spawn(async move { p.read("r1", &[7], &[8]).await })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // On a thread of its own: the runtime's clock goes on while the release waits.
+    let release = {
+        let p = p.clone();
+        std::thread::spawn(move || {
+            let held = p.prefill.completions().release(&RequestId::from("r1"));
+            let layout = p.prefill.layout().unwrap();
+            let region = p.prefill.region(layout.tensors[0].region).unwrap();
+            region
+                .write_at(0, &vec![0xEE; region.len() as usize])
+                .unwrap();
+            held
+        })
+    };
+    // The runtime's clock stands still until the release has begun (its grant ended).
+    let id = RequestId::from("r1");
+    let ended = || {
+        let grant = p.prefill.completions().update(|t| t.grant_for(&id, None));
+        grant.is_ok_and(|g| g.is_ended())
+    };
+    while !ended() {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    read.await.unwrap();
+    let d = p.decode_finished();
+    assert_eq!(d.receiving, vec![RequestId::from("r1")], "{d:?}");
+    assert!(p.holds(&[7], &[8]), "the bytes held when the read ran");
+    assert!(release.join().unwrap(), "it was held");
+    assert!(p.prefill_finished().is_empty(), "a release reports nothing");
+    assert_eq!(p.prefill.counters().reads_pinned.load(Ordering::Relaxed), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_read_longer_than_its_pin_is_confirmed_by_its_done() {
+    // The pin lapses before the read's bytes are in (4 s against 1): the read is not counted
+    // on it, and its Done confirms it as before, the hold being live.
+    let p = Pair::pinning(
+        &[Fault::Delay(Duration::from_secs(4))],
+        Duration::from_secs(1),
+    );
+    p.read("r1", &[7], &[8]).await;
+    let d = p.decode_finished();
+    assert_eq!(d.receiving.len(), 1, "{d:?}");
+    assert_eq!(p.prefill_finished().sending.len(), 1);
 }
 
 #[tokio::test(start_paused = true)]
@@ -275,7 +334,7 @@ async fn a_connect_that_never_finishes_fails_within_its_bound() {
 #[test]
 fn region_ids_in_the_harness_match_the_layout() {
     // The harness relies on both engines numbering their first region 1.
-    let e = engine("x", None);
+    let e = engine("x", None, Duration::ZERO);
     assert_eq!(e.layout().unwrap().tensors[0].region, RegionId(1));
 }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{peers, stopped_by_another, ReadJob, SourceOutcome, BACKSTOP};
-use crate::completion::{Timeline, TransferReport};
+use crate::completion::{FailureCause, Timeline, TransferReport};
 use crate::control::messages::Message;
 use crate::error::Error;
 use crate::session::Sessions;
@@ -20,6 +20,20 @@ pub(super) struct Failure {
     pub(super) source: Option<usize>,
     pub(super) expired: bool,
     pub(super) error: Error,
+}
+
+impl Failure {
+    /// What the read's report says of this failure: the engine closing, the deadline, or what
+    /// the error was.
+    pub(super) fn cause(&self, closing: bool) -> FailureCause {
+        if closing {
+            FailureCause::Other
+        } else if self.expired {
+            FailureCause::Expired
+        } else {
+            FailureCause::of(&self.error)
+        }
+    }
 }
 
 /// The first real failure among the sources' outcomes (a source stopped because another failed
@@ -180,18 +194,10 @@ pub(super) async fn confirm(
     let limit = shared.config().handshake_timeout;
     let deadline = tokio::time::Instant::now() + limit;
     let id = &job.remote_id;
+    // Confirmed already: with the data, by the hold table or by a pin (`tell_received`).
     let carried = |o: &SourceOutcome| {
         let report = o.result.as_ref().ok()?.as_ref().ok()?;
-        let c = report.confirmed.clone()?;
-        // A copy made here, confirmed by the prefill's hold table: the prefill frees the
-        // blocks on this Done, and its answer is not waited for.
-        if report.tell_done && c.is_ok() {
-            if let Some(conn) = &o.conn {
-                // Its answer is not waited for: the receiver is dropped here.
-                drop(conn.control.done(id.clone(), job.hold));
-            }
-        }
-        Some(c)
+        report.confirmed.clone()
     };
     let waits: Vec<_> = outcomes
         .iter()
@@ -234,6 +240,24 @@ pub(super) async fn confirm(
         });
     }
     Ok(longest)
+}
+
+/// Tells each source whose part was confirmed without its hearing the read's end (a copy
+/// made here, confirmed by the prefill's hold table, or a read its pin confirmed) that the
+/// part is in, so it frees the blocks: a `Received`, which it does not answer. Called once
+/// the read was reported, off its path; whatever became of the other sources, that part's
+/// bytes were read while held.
+pub(super) fn tell_received(job: &ReadJob, outcomes: &[SourceOutcome]) {
+    for o in outcomes {
+        let Some(conn) = &o.conn else { continue };
+        let told = o.result.as_ref().ok().and_then(|r| r.as_ref().ok());
+        if told.is_some_and(|r| r.tell_done && matches!(r.confirmed, Some(Ok(_)))) {
+            conn.control.notify(Message::Received {
+                request_id: job.remote_id.clone(),
+                hold: job.hold,
+            });
+        }
+    }
 }
 
 /// The prefill's answer to a `Done`, or `Err` once `deadline` passed. A process stopped past the

@@ -150,7 +150,9 @@ class Engine:
     def release(self, request_id: str) -> bool:
         """Prefill side: drops the hold of ``request_id`` (aborted or preempted before its
         reader was told); the grant ends at once and nothing is reported for it. Returns whether
-        it was held."""
+        it was held, once its blocks may be reused: a hold an RDMA reader pinned as it posted
+        its reads is waited for until that reader says it is done or the pin lapses (20 ms at
+        most, once per hold; the GIL is released meanwhile)."""
     def reject(self, peer: str, remote_request_id: str, reason: str = "rejected", hold: int | None = None) -> None:
         """Decode side: tells the prefill at ``peer`` this engine will not read its request
         ``remote_request_id``, so it frees the blocks now (a request rejected or aborted before
@@ -251,7 +253,7 @@ class Engine:
     def stats(self) -> dict[str, int]:
         """Monotonic counters: handshakes_accepted/refused, data_requests_served/refused,
         bytes_served, bytes_staged_out/in (GPU memory moved through TCP staging buffers),
-        notices_refused, messages_received/refused/sent/unsent, reads_done/failed/expired/cancelled, bytes_read,
+        notices_refused, reads_pinned, messages_received/refused/sent/unsent, reads_done/failed/expired/cancelled, bytes_read,
         sends_done/failed/expired/lease_expired, sessions_opened, sessions_closed_idle; gauges:
         control_connections, data_connections, sessions, queue_pairs
         (``kvlink.metrics.render`` exports them)."""

@@ -103,7 +103,7 @@ fn a_late_follower_hears_the_blocks_so_far_and_every_end_is_told() {
         .follow(&"r".into(), &rd("e"), None, other.clone(), t0)
         .is_err());
     assert!(other.take().is_empty());
-    assert!(t.release(&"r".into()));
+    assert_eq!(t.release(&"r".into(), t0), Release::Released);
     let ended = heard.take();
     assert!(
         matches!(&ended[..], [Announcement::Ended { reason }] if reason.contains("released")),
