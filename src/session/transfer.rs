@@ -439,7 +439,8 @@ async fn read_once(
         });
     }
     // The prefill learns who reads, and pins the hold when asked (`pin.rs`).
-    let ask = pin::announce(&conn, job, plan.bytes, shared.config().read_pin).await;
+    let pin = shared.config().read_pin;
+    let ask = pin::announce(&conn, job, ours, plan.bytes, pin).await;
     let mut read = if ops.is_empty() {
         ReadDone::unconfirmed(0)
     } else {

@@ -50,10 +50,17 @@ impl CompletionTracker {
         if h.released {
             return refuse(format!("request {id} was released by the prefill"));
         }
+        // Admitted as a `Reading` admits it, pinned or not.
+        let slot = h.admit(own, id, reader, true)?.expect("admitted");
+        if h.lease_end.is_none() {
+            h.lease_end = h.gone_readers_lease(&self.presence);
+            if h.lease_end.is_some() {
+                self.deadlines += 1;
+            }
+        }
         if !h.sealed {
             return refuse(format!("request {id} is still being held part by part"));
         }
-        let slot = h.admit(own, id, reader, true)?.expect("admitted");
         if h.expected(own) != 1 {
             return refuse(format!(
                 "request {id} waits for {} readers: it is confirmed by each reader's Done",
@@ -67,12 +74,6 @@ impl CompletionTracker {
             ));
         }
         r.pinned_until = Some(now + pin);
-        if h.lease_end.is_none() {
-            h.lease_end = h.gone_readers_lease(&self.presence);
-            if h.lease_end.is_some() {
-                self.deadlines += 1;
-            }
-        }
         Ok(h.deadline - h.timeout)
     }
 

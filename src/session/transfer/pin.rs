@@ -15,6 +15,7 @@ use crate::config::MAX_PIN_READ_BYTES;
 use crate::control::messages::Message;
 use crate::control::{Confirmation, Sent};
 use crate::session::PeerConn;
+use crate::tp::TpRank;
 use crate::transport::Confirmed;
 
 /// A pin asked for: when it was sent, for how long, and where its answer arrives.
@@ -28,18 +29,21 @@ pub(super) struct PinAsk {
 /// RDMA read reaches no CPU there): the prefill then knows who reads, so its hold ends on this
 /// engine's lease should this engine go away. A read of at most [`MAX_PIN_READ_BYTES`] asks
 /// for a pin of `pin` (zero: never), which admits the reader as well; a larger one sends
-/// `Reading`. TCP and same-host data requests name this engine's session, which tells the
+/// `Reading`, as does a read of a prefill rank that several decode ranks read (this engine's
+/// TP size the larger: each of them confirms, and the prefill pins no such hold). TCP and same-host data requests name this engine's session, which tells the
 /// prefill as much.
 pub(super) async fn announce(
     conn: &PeerConn,
     job: &ReadJob,
+    ours: TpRank,
     bytes: u64,
     pin: Duration,
 ) -> Option<PinAsk> {
     if conn.transport.names_reader() {
         return None;
     }
-    let ask = if pin.is_zero() || bytes == 0 || bytes > MAX_PIN_READ_BYTES {
+    let shared = conn.descriptor.tp_size < ours.size;
+    let ask = if pin.is_zero() || shared || bytes == 0 || bytes > MAX_PIN_READ_BYTES {
         None
     } else {
         // Taken before the Pin leaves: the prefill's pin starts later than this.
