@@ -382,17 +382,17 @@ impl ControlClient {
             request_id: id.clone(),
             hold,
         };
-        self.ask(id, done)
+        self.ask(id, done).map(|(rx, _)| rx)
     }
 
     /// Sends request `id`'s `Pin` (for `pin`) and returns where its `Confirm` will arrive, as
-    /// [`done`](Self::done) does.
+    /// [`done`](Self::done) does, and whether the `Pin` is written or queued for the writer.
     pub(crate) fn pin(
         &self,
         id: RequestId,
         hold: Option<u64>,
         pin: std::time::Duration,
-    ) -> Option<oneshot::Receiver<Confirmation>> {
+    ) -> Option<(oneshot::Receiver<Confirmation>, Sent)> {
         let msg = Message::Pin {
             request_id: id.clone(),
             hold,
@@ -402,18 +402,18 @@ impl ControlClient {
     }
 
     /// Sends `msg` about request `id`, which the peer answers with a `Confirm`, and returns
-    /// where that answer will arrive.
-    fn ask(&self, id: RequestId, msg: Message) -> Option<oneshot::Receiver<Confirmation>> {
+    /// where that answer will arrive and whether `msg` is written or queued.
+    fn ask(&self, id: RequestId, msg: Message) -> Option<(oneshot::Receiver<Confirmation>, Sent)> {
         let (tx, rx) = oneshot::channel();
         // Queued under the lock, so the answers' order is the notices' order.
         let mut pending = self.pending.lock();
-        let sent = self.notify(msg);
-        if !sent {
+        let sent = self.send(msg);
+        if sent == Sent::Dropped {
             return None;
         }
         pending.entry(id).or_default().push_back(tx);
         drop(pending);
-        (!self.is_closed()).then_some(rx)
+        (!self.is_closed()).then_some((rx, sent))
     }
 
     /// Follows request `id`'s hold (`hold`, when known; waited for up to `wait` when not held

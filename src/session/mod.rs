@@ -52,13 +52,14 @@ pub(crate) trait ControlLink: Send + Sync {
     /// the connection closes first). `None` when it could not be queued.
     fn done(&self, id: RequestId, hold: Option<u64>) -> Option<oneshot::Receiver<Confirmation>>;
     /// Sends request `id`'s `Pin` (asking for `pin`, as an RDMA read is posted); the receiver
-    /// gets the peer's answer, as for [`done`](Self::done).
+    /// gets the peer's answer, as for [`done`](Self::done), with whether the `Pin` is written
+    /// or queued.
     fn pin(
         &self,
         id: RequestId,
         hold: Option<u64>,
         pin: std::time::Duration,
-    ) -> Option<oneshot::Receiver<Confirmation>>;
+    ) -> Option<(oneshot::Receiver<Confirmation>, Sent)>;
     /// Whether the connection has died.
     fn is_closed(&self) -> bool;
     /// Closes the connection in order (`Bye`, after whatever is queued), waiting up to
@@ -113,7 +114,7 @@ impl ControlLink for ControlClient {
         id: RequestId,
         hold: Option<u64>,
         pin: std::time::Duration,
-    ) -> Option<oneshot::Receiver<Confirmation>> {
+    ) -> Option<(oneshot::Receiver<Confirmation>, Sent)> {
         ControlClient::pin(self, id, hold, pin)
     }
 

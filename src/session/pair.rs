@@ -134,12 +134,15 @@ impl ControlLink for MemControl {
         id: RequestId,
         hold: Option<u64>,
         pin: Duration,
-    ) -> Option<tokio::sync::oneshot::Receiver<Confirmation>> {
+    ) -> Option<(
+        tokio::sync::oneshot::Receiver<Confirmation>,
+        crate::control::Sent,
+    )> {
         // Answered at once, as the control server answers.
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (_, from) = reader();
         let _ = tx.send(self.prefill.pin(&from, &id, hold, pin));
-        Some(rx)
+        Some((rx, crate::control::Sent::Written))
     }
 
     fn follow(

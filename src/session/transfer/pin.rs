@@ -49,25 +49,25 @@ pub(super) async fn announce(
         // Taken before the Pin leaves: the prefill's pin starts later than this.
         let sent = Instant::now();
         let answer = conn.control.pin(job.remote_id.clone(), job.hold, pin);
-        answer.map(|answer| PinAsk { sent, pin, answer })
+        answer.map(|(answer, how)| (PinAsk { sent, pin, answer }, how))
     };
-    let queued = match ask {
-        Some(_) => true,
+    let how = match &ask {
+        Some((_, how)) => *how,
         None => {
             let reading = Message::Reading {
                 request_id: job.remote_id.clone(),
                 hold: job.hold,
             };
-            conn.control.send(reading) == Sent::Queued
+            conn.control.send(reading)
         }
     };
     // Queued, the writer task that sends it was woken on this worker thread, where it would
     // wait until this task next yields; posting RDMA reads may not yield for a long time
     // (SoftRoCE posts in the caller's thread), so let it go out first.
-    if queued {
+    if how == Sent::Queued {
         tokio::task::yield_now().await;
     }
-    ask
+    ask.map(|(ask, _)| ask)
 }
 
 /// The confirmation a pin gives a read whose bytes are all in place now (call it as soon as
