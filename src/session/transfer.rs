@@ -139,8 +139,9 @@ struct SourceReport {
     /// When its session was up, and when its bytes were all in place.
     connected: Instant,
     done: Instant,
-    /// The prefill's confirmation, when it came with the data (no `Done` needed then), or
-    /// this engine's own from the prefill's hold table (a same-host copy made here).
+    /// The prefill's confirmation, when it came with the data (no `Done` needed then) or
+    /// answered the read's `Pin` (`pin.rs`), or this engine's own from the prefill's hold
+    /// table (a same-host copy made here).
     confirmed: Option<Confirmed>,
     /// The read was confirmed without the prefill hearing its end (a copy made here, or a
     /// read its pin confirmed): it is sent a `Received`, which it does not answer.

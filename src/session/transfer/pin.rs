@@ -1,14 +1,13 @@
 //! The reader's side of pins (`completion::tracker::pin`): an RDMA read asks the prefill, as
 //! it is posted, to pin its hold, and counts as confirmed once the prefill said the hold was
-//! live and the read completed within the pin. Its `Done` then only tells the prefill the
-//! send is over; nobody waits for the answer. The `Done` / `Confirm` round trip after the
-//! read, which one RDMA READ of a few microseconds cannot hide, runs beside the read instead.
+//! live and the read completed within the pin. A `Received`, which the prefill does not
+//! answer, then tells it the send is over. The `Done` / `Confirm` round trip after the read
+//! runs beside the read instead.
 
 use std::time::Duration;
 
-use tokio::time::Instant;
-
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 use super::ReadJob;
 use crate::config::MAX_PIN_READ_BYTES;
