@@ -253,7 +253,8 @@ class Engine:
     def stats(self) -> dict[str, int]:
         """Monotonic counters: handshakes_accepted/refused, data_requests_served/refused,
         bytes_served, bytes_staged_out/in (GPU memory moved through TCP staging buffers),
-        notices_refused, reads_pinned, messages_received/refused/sent/unsent, reads_done/failed/expired/cancelled, bytes_read,
+        notices_refused, reads_pinned (RDMA reads confirmed by a pin),
+        messages_received/refused/sent/unsent, reads_done/failed/expired/cancelled, bytes_read,
         sends_done/failed/expired/lease_expired, sessions_opened, sessions_closed_idle; gauges:
         control_connections, data_connections, sessions, queue_pairs
         (``kvlink.metrics.render`` exports them)."""

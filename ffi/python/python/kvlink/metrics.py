@@ -45,8 +45,9 @@ _COUNTERS: dict[str, tuple[str, str]] = {
     "bytes_staged_in": ("kvlink_staged_in_bytes_total", "Received bytes copied from staging buffers into GPU memory."),
     "notices_refused": (
         "kvlink_notices_refused_total",
-        "Done/abort notices refused (request not held for that reader).",
+        "Done/abort notices and pins refused (request not held for that reader).",
     ),
+    "reads_pinned": ("kvlink_reads_pinned_total", "RDMA reads whose hold was pinned as they were posted."),
     "messages_received": ("kvlink_messages_received_total", "Peers' application messages queued."),
     "messages_refused": (
         "kvlink_messages_refused_total",
