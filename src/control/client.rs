@@ -42,10 +42,10 @@ const SILENT_AFTER_PINGS: u32 = 2;
 /// why not.
 pub(crate) type Confirmation = std::result::Result<std::time::Duration, Refusal>;
 
-/// Where each `Done` (or `Pin`) sent on this connection wants its `Confirm`, per request id in the order
-/// the notices went out: the server answers every `Done` once, in order, so each `Confirm` goes
-/// to the oldest `Done` of its id (a read that stopped waiting, or a notice sent without waiting,
-/// keeps its place, so its answer is never taken for a later read's).
+/// Where each `Done` or `Pin` sent on this connection wants its `Confirm`, per request id in
+/// the order they went out: the server answers every `Done` and `Pin` once, in order, so each
+/// `Confirm` goes to the oldest of its id (a read that stopped waiting keeps its place, so its
+/// answer is never taken for a later read's).
 type Pending = Arc<Mutex<HashMap<RequestId, VecDeque<oneshot::Sender<Confirmation>>>>>;
 
 /// The reads following a request's hold on this connection (progressive reads), by request:

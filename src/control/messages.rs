@@ -273,9 +273,9 @@ pub enum Message {
     /// reading it; is it held for me now? Answered by `Confirm`. When held, the server also
     /// admits the reader (as `Reading` does) and pins the hold for `pin_us` from now: nothing
     /// ends it before then (not the engine's own release, nor a timeout or lease) but this
-    /// reader's `Done` or `Abort`. A read that completes within `pin_us` of sending its `Pin`
-    /// was then held the whole time and counts as confirmed; its `Done` follows, not waited
-    /// for. Refused (and nothing pinned) when a `Done` would be, when the hold waits for
+    /// reader's `Done`, `Received` or `Abort`. A read that completes within `pin_us` of sending
+    /// its `Pin` was then held the whole time and counts as confirmed; its `Received` follows.
+    /// Refused (and nothing pinned) when a `Done` would be, when the hold waits for
     /// several readers, when this reader pinned it before, or when `pin_us` is longer than the
     /// server pins.
     Pin {
@@ -306,9 +306,9 @@ pub enum Message {
         #[serde(default)]
         hold: Option<u64>,
     },
-    /// Server to reader, the answer to `Done` (and to `Pin`): whether the request was still held for this
-    /// reader when the `Done` arrived (its blocks were then held for the whole read). Only then
-    /// does the reader report the request received.
+    /// Server to reader, the answer to `Done` (and to `Pin`): whether the request was still
+    /// held for this reader when the `Done` arrived (its blocks were then held for the whole
+    /// read). Only then does the reader report the request received.
     Confirm {
         /// The request.
         request_id: RequestId,

@@ -145,7 +145,7 @@ struct SourceReport {
     confirmed: Option<Confirmed>,
     /// The read was confirmed without the prefill hearing its end (a copy made here, or a
     /// read its pin confirmed): it is sent a `Received`, which it does not answer.
-    tell_done: bool,
+    tell_received: bool,
 }
 
 /// Reads one source, retrying once on a new session when its data connection was lost (reads
@@ -455,7 +455,7 @@ async fn read_once(
                 .saturating_duration_since(tokio::time::Instant::now()),
         );
         read.confirmed = pin::pinned(ask, wait).await;
-        read.tell_done = read.confirmed.is_some();
+        read.tell_received = read.confirmed.is_some();
     }
     Ok(SourceReport {
         bytes: plan.bytes,
@@ -466,7 +466,7 @@ async fn read_once(
         connected,
         done,
         confirmed: read.confirmed,
-        tell_done: read.tell_done,
+        tell_received: read.tell_received,
     })
 }
 

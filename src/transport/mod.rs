@@ -271,7 +271,7 @@ pub(crate) struct ReadDone {
     pub(crate) confirmed: Option<Confirmed>,
     /// The server has not heard of the read (a reader-side copy): a `Received` tells it, and
     /// nothing is answered.
-    pub(crate) tell_done: bool,
+    pub(crate) tell_received: bool,
 }
 
 impl ReadDone {
@@ -280,7 +280,7 @@ impl ReadDone {
         ReadDone {
             work_requests,
             confirmed: None,
-            tell_done: false,
+            tell_received: false,
         }
     }
 }

@@ -61,10 +61,10 @@ impl CompletionTracker {
         if !h.sealed {
             return refuse(format!("request {id} is still being held part by part"));
         }
-        if h.expected(own) != 1 {
+        let readers = h.expected(own);
+        if readers != 1 {
             return refuse(format!(
-                "request {id} waits for {} readers: it is confirmed by each reader's Done",
-                h.expected(own)
+                "request {id} waits for {readers} readers: it is confirmed by each reader's Done"
             ));
         }
         let r = &mut h.readers[slot];

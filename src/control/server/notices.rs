@@ -12,24 +12,25 @@ impl Serving<'_> {
     /// A done notice with a valid id: answered either way, so that the reader reports the
     /// request received only once this engine confirms it still held the blocks for it.
     pub(super) async fn on_done(&mut self, request_id: RequestId, hold: Option<u64>) -> Result<()> {
-        let peer = self.peer;
-        let r = self.handler.notice(
-            peer,
-            &self.reader,
-            request_id.clone(),
-            SendNotice::Done,
-            hold,
-        );
+        let r = self.done(&request_id, hold);
         self.answer(request_id, r, "confirming a done notice").await
     }
 
     /// A `Received` with a valid id: a `Done` that wants no answer.
     pub(super) fn on_received(&mut self, request_id: RequestId, hold: Option<u64>) {
-        let done = SendNotice::Done;
-        let r = self
-            .handler
-            .notice(self.peer, &self.reader, request_id.clone(), done, hold);
+        let r = self.done(&request_id, hold);
         self.refused(&request_id, r.map(drop));
+    }
+
+    /// What the engine says of this reader's `Done` (or `Received`) of `request_id`.
+    fn done(
+        &self,
+        request_id: &RequestId,
+        hold: Option<u64>,
+    ) -> std::result::Result<Duration, Refusal> {
+        let done = SendNotice::Done;
+        self.handler
+            .notice(self.peer, &self.reader, request_id.clone(), done, hold)
     }
 
     /// A pin with a valid id (a reader posting an RDMA read): answered either way, as a

@@ -130,7 +130,7 @@ async fn confirm_all(
             connected: now,
             done: now,
             confirmed: None,
-            tell_done: false,
+            tell_received: false,
         })),
     };
     let job = read.clone_for_report(f.token);

@@ -251,7 +251,7 @@ pub(super) fn tell_received(job: &ReadJob, outcomes: &[SourceOutcome]) {
     for o in outcomes {
         let Some(conn) = &o.conn else { continue };
         let told = o.result.as_ref().ok().and_then(|r| r.as_ref().ok());
-        if told.is_some_and(|r| r.tell_done && matches!(r.confirmed, Some(Ok(_)))) {
+        if told.is_some_and(|r| r.tell_received && matches!(r.confirmed, Some(Ok(_)))) {
             conn.control.notify(Message::Received {
                 request_id: job.remote_id.clone(),
                 hold: job.hold,

@@ -16,7 +16,7 @@ fn outcome(result: Result<()>) -> SourceOutcome {
             connected: Instant::now(),
             done: Instant::now(),
             confirmed: None,
-            tell_done: false,
+            tell_received: false,
         })),
     }
 }

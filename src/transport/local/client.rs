@@ -458,7 +458,7 @@ impl LocalTransport {
         Ok(ReadDone {
             work_requests: n as u64,
             confirmed,
-            tell_done: false,
+            tell_received: false,
         })
     }
 }

@@ -120,11 +120,11 @@ pub(super) async fn copy_here(
             .await
             .map_err(|e| Error::Protocol(format!("the copy task: {e}")))??;
     }
-    let (confirmed, tell_done) = verdict(&table, &receipts, found).await;
+    let (confirmed, tell_received) = verdict(&table, &receipts, found).await;
     Ok(Some(ReadDone {
         work_requests: 0,
         confirmed: Some(confirmed),
-        tell_done,
+        tell_received,
     }))
 }
 

@@ -372,7 +372,7 @@ impl TcpTransport {
         Ok(ReadDone {
             work_requests: n as u64,
             confirmed,
-            tell_done: false,
+            tell_received: false,
         })
     }
 }
